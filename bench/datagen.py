@@ -1,0 +1,58 @@
+"""Generated inputs for the benchmarks: a tree of many small files and its archives.
+
+The default mirrors a slice of an image dataset: 20,000 files of 4-100 KB in
+class folders, about 1 GB, with incompressible contents like JPEGs have.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from pathlib import Path
+
+
+def make_tree(
+    root: Path,
+    n_files: int = 20_000,
+    min_kb: int = 4,
+    max_kb: int = 100,
+    n_dirs: int = 100,
+    seed: int = 0,
+) -> Path:
+    """Write ``n_files`` random files under ``root/class_XXX/``; reuse it if complete."""
+    root = Path(root)
+    marker = root / ".complete"
+    if marker.exists() and marker.read_text() == f"{n_files},{min_kb},{max_kb},{n_dirs},{seed}":
+        return root
+    rng = random.Random(seed)
+    pool = os.urandom(max_kb * 1024 * 4)  # sliced at random offsets: fast and incompressible
+    for i in range(n_files):
+        folder = root / f"class_{i % n_dirs:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        size = rng.randint(min_kb * 1024, max_kb * 1024)
+        start = rng.randint(0, len(pool) - size)
+        (folder / f"img_{i:06d}.jpg").write_bytes(pool[start : start + size])
+    marker.write_text(f"{n_files},{min_kb},{max_kb},{n_dirs},{seed}")
+    return root
+
+
+def make_archives(tree: Path, out_dir: Path) -> dict[str, Path]:
+    """Build ``tree.tar`` and ``tree.tar.gz`` of ``tree`` with the system tar (reused if present)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tar_path, tgz_path = out_dir / "tree.tar", out_dir / "tree.tar.gz"
+    if not tar_path.exists():
+        subprocess.run(
+            ["tar", "-cf", str(tar_path), "--exclude=.complete", "-C", str(tree.parent), tree.name],
+            check=True,
+        )
+    if not tgz_path.exists():
+        subprocess.run(
+            ["tar", "-czf", str(tgz_path), "--exclude=.complete", "-C", str(tree.parent), tree.name],
+            check=True,
+        )
+    return {"tar": tar_path, "tar.gz": tgz_path}
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())

@@ -1,0 +1,106 @@
+"""The daemon's exception tree.
+
+Every error carries a machine-readable ``type``, an HTTP status for when it
+reaches the API, and one sentence that names the input at fault and the fix.
+
+    StagerError
+    ├── BadRequest (400)
+    │   ├── SourceNotFound          source path does not exist
+    │   ├── SourceUnreadable        source exists but cannot be read
+    │   ├── UnsafePath              destination or link escapes where it may live
+    │   ├── UnknownFormat           archive format not recognised
+    │   └── UnknownRecipe           recipe name not known
+    ├── NotFound (404)              no dataset by that name
+    ├── Conflict (409)              name taken by another spec, entry leased, ...
+    ├── InsufficientSpace (422)     free space below what the request needs
+    └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
+        ├── CorruptArchive          truncated or malformed archive
+        ├── UnsafeArchiveMember     member would land outside its destination
+        ├── VerifyFailed            staged bytes differ from the source
+        ├── FetchFailed             HTTP source could not be downloaded
+        ├── StagingIOError          an OS error (ENOSPC, EIO, ...) mid-staging
+        └── Cancelled               the dataset was cancelled
+"""
+
+from __future__ import annotations
+
+
+class StagerError(Exception):
+    type: str = "error"
+    status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_dict(self) -> dict[str, str]:
+        return {"type": self.type, "message": self.message}
+
+
+class BadRequest(StagerError):
+    type = "bad_request"
+    status = 400
+
+
+class SourceNotFound(BadRequest):
+    type = "source_not_found"
+
+
+class SourceUnreadable(BadRequest):
+    type = "source_unreadable"
+
+
+class UnsafePath(BadRequest):
+    type = "unsafe_path"
+
+
+class UnknownFormat(BadRequest):
+    type = "unknown_format"
+
+
+class UnknownRecipe(BadRequest):
+    type = "unknown_recipe"
+
+
+class NotFound(StagerError):
+    type = "not_found"
+    status = 404
+
+
+class Conflict(StagerError):
+    type = "conflict"
+    status = 409
+
+
+class InsufficientSpace(StagerError):
+    type = "insufficient_space"
+    status = 422
+
+
+class StagingError(StagerError):
+    type = "staging_error"
+    status = 422
+
+
+class CorruptArchive(StagingError):
+    type = "corrupt_archive"
+
+
+class UnsafeArchiveMember(StagingError):
+    type = "unsafe_member"
+
+
+class VerifyFailed(StagingError):
+    type = "verify_failed"
+
+
+class FetchFailed(StagingError):
+    type = "fetch_failed"
+
+
+class StagingIOError(StagingError):
+    type = "io_error"
+
+
+class Cancelled(StagingError):
+    type = "cancelled"
