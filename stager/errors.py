@@ -104,3 +104,18 @@ class StagingIOError(StagingError):
 
 class Cancelled(StagingError):
     type = "cancelled"
+
+
+def from_os_error(exc: OSError, doing: str) -> StagingIOError:
+    """The one place an OSError met while staging becomes a user-facing sentence."""
+    import errno
+
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno == errno.ENOSPC:
+        return StagingIOError(
+            f"the node-local disk filled up while {doing}{where}; free space, evict "
+            "datasets or use a larger --cache-dir, then stage again"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return StagingIOError(f"permission denied while {doing}{where}; check the permissions")
+    return StagingIOError(f"I/O error while {doing}{where}: {exc.strerror or exc}")

@@ -94,4 +94,5 @@ class Progress:
         progress = cls(steps_total=public.steps_total, clock=clock)
         progress.step, progress.step_index = public.step, public.step_index
         progress.bytes_total, progress.files_total = public.bytes_total, public.files_total
+        progress.bytes_done, progress.files_done = public.bytes_done, public.files_done
         return progress

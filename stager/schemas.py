@@ -63,7 +63,6 @@ class CopyStep(_Step):
     dst: RelativePath = "."
 
 
-
 class SymlinkStep(_Step):
     """Link a source into the dataset: one link, or a mirrored tree of per-file links."""
 
@@ -71,7 +70,6 @@ class SymlinkStep(_Step):
     src: AbsoluteSource
     dst: RelativePath = "."
     mode: Literal["link", "tree"] = "link"
-
 
 
 class ExtractStep(_Step):
@@ -85,14 +83,12 @@ class ExtractStep(_Step):
     nested: bool = False
 
 
-
 class RenameStep(_Step):
     """Rename a path inside the dataset directory."""
 
     op: Literal["rename"]
     src: RelativePath
     dst: RelativePath
-
 
 
 class FetchStep(_Step):
@@ -102,7 +98,6 @@ class FetchStep(_Step):
     url: str
     dst: RelativePath
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
-
 
     @field_validator("url")
     @classmethod

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from typing import Any
 
 from stager.ops.base import OpContext
 
-Runner = Callable[[Any, OpContext], None]
+
+def _module(op: str) -> Any:
+    # Imported on first use so that importing one op does not import the others' deps.
+    return importlib.import_module(f"stager.ops.{op}")
 
 
-def _runners() -> dict[str, Runner]:
-    # Imported lazily so that importing one op does not import the others' deps.
-    from stager.ops import copy, extract, fetch, rename, symlink
-
-    return {
-        "copy": copy.run,
-        "symlink": symlink.run,
-        "extract": extract.run,
-        "rename": rename.run,
-        "fetch": fetch.run,
-    }
+def check_step(step: Any) -> int:
+    """Fast pre-flight of one step's inputs; returns the bytes it is expected to write."""
+    return _module(step.op).check(step)
 
 
 def run_step(step: Any, ctx: OpContext) -> None:
-    _runners()[step.op](step, ctx)
+    _module(step.op).run(step, ctx)

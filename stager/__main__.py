@@ -1,0 +1,3 @@
+from stager.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""/v1/recipes: the named recipes this daemon knows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from stager import recipes
+from stager.api.deps import SettingsDep
+
+router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
+
+
+@router.get("")
+async def list_recipes(settings: SettingsDep) -> dict[str, Any]:
+    data = recipes.available(settings)
+    return {"data": data, "count": len(data)}

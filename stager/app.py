@@ -1,0 +1,48 @@
+"""App factory: wiring only. Routes live in ``stager.api.routes``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from stager import __version__
+from stager.api import errors
+from stager.api.auth import BearerTokenMiddleware
+from stager.api.routes import datasets, health, recipes
+from stager.engine import Engine, state_counts
+from stager.metrics import Metrics
+from stager.settings import Settings
+
+
+def create_app(settings: Settings, token: str | None = None) -> FastAPI:
+    """Build the daemon's app. ``token``: require this bearer token on every request."""
+    metrics = Metrics()
+    engine = Engine(settings, metrics)
+    metrics.watch_states(lambda: state_counts(engine))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(
+        title="stager",
+        version=__version__,
+        summary="Per-node dataset staging and caching for deep-learning jobs",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.metrics = metrics
+    errors.install(app)
+    app.include_router(datasets.router)
+    app.include_router(recipes.router)
+    app.include_router(health.router)
+    if token:
+        app.add_middleware(BearerTokenMiddleware, token=token)
+    return app

@@ -1,0 +1,134 @@
+"""``stager``: run and stop the node's staging daemon.
+
+Thin: parse flags into ``Settings`` and call ``stager.server``. Exit codes:
+0 success, 1 the daemon could not start or stop, 2 bad usage or settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from stager import __version__
+from stager.settings import Settings
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+EPILOG = """\
+examples:
+  stager serve --detach                  # background daemon on the default Unix socket
+  stager serve --host 127.0.0.1 --port 8765 --cache-dir /local/scratch/stager
+  stager stop
+
+Every flag can also be set as STAGER_<FLAG> in the environment (e.g.
+STAGER_CACHE_DIR=/local/scratch/stager); flags win over the environment.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stager",
+        description="Per-node dataset staging and caching daemon for deep-learning jobs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"stager {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_location_flags(serve)
+    serve.add_argument("--host", help="serve TCP on this address instead of the Unix socket")
+    serve.add_argument("--port", type=int, help="TCP port (default 8765)")
+    serve.add_argument("--token", help="bearer token for TCP (default: generated, stored 0600)")
+    serve.add_argument("--token-file", type=Path, help="where the TCP token is read or stored")
+    serve.add_argument(
+        "--no-token",
+        action="store_true",
+        default=None,
+        help="serve TCP without a token (loopback addresses only)",
+    )
+    serve.add_argument(
+        "--cache-dir", type=Path, help="node-local cache root (default /tmp/stager-$UID/cache)"
+    )
+    serve.add_argument("--max-workers", type=int, help="datasets staged at once (default 2)")
+    serve.add_argument(
+        "--op-workers",
+        type=int,
+        help="threads one operation may use for many small files (default 8)",
+    )
+    serve.add_argument(
+        "--allowed-root",
+        dest="allowed_roots",
+        type=Path,
+        action="append",
+        help="only stage sources under this folder (repeatable)",
+    )
+    serve.add_argument(
+        "--min-free-bytes", type=int, help="free space to keep on the cache disk (default 1 GiB)"
+    )
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--detach",
+        action="store_true",
+        help="start in the background, wait until it answers, then return",
+    )
+
+    stop = commands.add_parser("stop", help="stop the daemon started for this runtime folder")
+    _add_location_flags(stop)
+    return parser
+
+
+def _add_location_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--runtime-dir",
+        type=Path,
+        help="folder of socket, pid, log, token (default ${XDG_RUNTIME_DIR:-/tmp}/stager-$UID)",
+    )
+    parser.add_argument(
+        "--socket", type=Path, help="Unix socket path (default <runtime-dir>/stager.sock)"
+    )
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line override ``STAGER_*`` variables."""
+    skip = {"command", "detach"}
+    given = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    return Settings(**given)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stager import server  # uvicorn and the app load only for commands that need them
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "settings"
+        print(f"stager: {field}: {first['msg'].removeprefix('Value error, ')}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.command == "serve" and args.detach:
+            server.detach(settings, [a for a in argv[1:] if a != "--detach"])
+        elif args.command == "serve":
+            server.serve(settings)
+        elif args.command == "stop":
+            if server.stop(settings):
+                print("stager stopped")
+            else:
+                print(f"no stager daemon running for {settings.runtime_dir}")
+    except server.ServeError as exc:
+        print(f"stager: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

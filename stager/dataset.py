@@ -1,0 +1,104 @@
+"""The dataset state machine: cache entries (what is staged) and handles (names).
+
+An *entry* is one staged piece of content, identified by its key (a hash of the
+request's spec); a *handle* is a user's name for an entry. Two names asking for
+identical content share one entry and so one staging.
+
+    queued -> staging -> ready | failed | cancelled
+    staging -> queued         (daemon stopped mid-staging; resumed at restart)
+    ready -> evicted
+    failed | cancelled | evicted -> queued   (asked for again)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from stager.errors import StagerError
+from stager.progress import Progress
+from stager.schemas import DatasetPublic, ErrorInfo, State, Step
+
+ALLOWED = {
+    State.QUEUED: {State.STAGING, State.CANCELLED, State.FAILED},
+    State.STAGING: {State.READY, State.FAILED, State.CANCELLED, State.QUEUED},
+    State.READY: {State.EVICTED},
+    State.FAILED: {State.QUEUED},
+    State.CANCELLED: {State.QUEUED},
+    State.EVICTED: {State.QUEUED},
+}
+
+STEPS_ADAPTER = TypeAdapter(list[Step])
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    """Stable key of a spec: the same request maps to the same cache entry across restarts."""
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:24]
+
+
+class IllegalTransition(StagerError):
+    type = "internal_error"
+
+
+@dataclass
+class Entry:
+    key: str
+    spec: dict[str, Any]
+    steps: list[Any]  # validated Step models
+    verify: str
+    state: State = State.QUEUED
+    error: ErrorInfo | None = None
+    progress: Progress = field(default_factory=Progress)
+    size_bytes: int = 0
+    estimate_bytes: int = 0
+    created_at: datetime = field(default_factory=now)
+    updated_at: datetime = field(default_factory=now)
+    # Set to stop the running ops: by a cancel request or by daemon shutdown.
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def move(self, new: State, error: ErrorInfo | None = None) -> None:
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"dataset {self.key} cannot go from {self.state} to {new}")
+        self.state = new
+        self.error = error
+        self.updated_at = now()
+
+    @property
+    def active(self) -> bool:
+        return self.state in (State.QUEUED, State.STAGING)
+
+
+@dataclass
+class Handle:
+    name: str
+    key: str
+    link: str | None = None
+    created_at: datetime = field(default_factory=now)
+
+
+def public_view(handle: Handle, entry: Entry, data_dir: Path) -> DatasetPublic:
+    # The path is where the data will be once ready; it does not exist before the
+    # atomic publish, so nobody can read a half-staged tree through it.
+    return DatasetPublic(
+        name=handle.name,
+        key=entry.key,
+        state=entry.state,
+        path=str(data_dir / entry.key),
+        link=handle.link,
+        progress=entry.progress.snapshot(),
+        error=entry.error,
+        created_at=min(handle.created_at, entry.created_at),
+        updated_at=entry.updated_at,
+    )

@@ -1,0 +1,360 @@
+"""The staging engine: accepts requests, runs their steps off the event loop,
+publishes atomically and keeps the state store in step.
+
+All entry and handle state is mutated on the event loop only; worker threads
+touch the filesystem and the thread-safe ``Progress`` counters, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from stager import preflight, recipes
+from stager.blocking import StagingPool, run_io
+from stager.dataset import Entry, Handle, public_view, spec_key
+from stager.errors import (
+    Cancelled,
+    Conflict,
+    NotFound,
+    StagerError,
+    from_os_error,
+)
+from stager.metrics import Metrics
+from stager.ops import run_step
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from stager.publish import make_link, publish, remove_link, remove_tree, tree_size
+from stager.schemas import DatasetCreate, DatasetPublic, ErrorInfo, State
+from stager.settings import Settings
+from stager.store import Store
+
+log = logging.getLogger("stager.engine")
+
+CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
+
+
+class Engine:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._store: Store | None = None
+        self._entries: dict[str, Entry] = {}
+        self._handles: dict[str, Handle] = {}
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._changed = asyncio.Condition()
+        self._pool = StagingPool(settings.max_workers)
+        self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
+        self._running: set[asyncio.Future[Any]] = set()
+        self._stopping = False
+        self.started = False
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        await run_io(preflight.ensure_dirs, self.settings)
+        self._store = await run_io(Store, self.settings.db_path)
+        entries, handles = await run_io(self._store.load)
+        self._entries = {e.key: e for e in entries}
+        self._handles = {h.name: h for h in handles if h.key in self._entries}
+        await self._recover()
+        for i in range(self.settings.max_workers):
+            self._spawn(self._worker(), f"worker-{i}")
+        self._spawn(self._flush_progress(), "progress-flusher")
+        self.started = True
+
+    async def _recover(self) -> None:
+        """After a restart: ready stays ready, interrupted stagings are queued again."""
+        for entry in self._entries.values():
+            if entry.state == State.STAGING:
+                entry.move(State.QUEUED)
+            if entry.state == State.QUEUED:
+                log.info("resuming interrupted staging of %s", entry.key)
+                # Ops re-count the work they find already done, so start the counters afresh.
+                entry.progress = Progress(steps_total=len(entry.steps))
+                await run_io(self._store_entry_sync, entry)
+                self._queue.put_nowait(entry.key)
+            elif entry.state == State.READY and not await run_io(self._final(entry).is_dir):
+                entry.move(State.EVICTED)
+                await run_io(self._store_entry_sync, entry)
+        await run_io(self._remove_orphans)
+
+    def _remove_orphans(self) -> None:
+        """Partial folders no live entry owns are leftovers from a failed cleanup."""
+        live = {k for k, e in self._entries.items() if e.active}
+        for child in self.settings.partial_dir.iterdir():
+            if child.name not in live:
+                remove_tree(child)
+
+    async def stop(self) -> None:
+        """Stop accepting work; running stagings stay resumable and are re-queued at start."""
+        self._stopping = True
+        for entry in self._entries.values():
+            if entry.state == State.STAGING:
+                entry.cancel.set()
+        if self._running:
+            await asyncio.wait(self._running, timeout=self.settings.shutdown_timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._store is not None:
+            await run_io(self._store.save_progress, list(self._entries.values()))
+            await run_io(self._store.close)
+        self._pool.shutdown()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests ----------------------------------------------------------
+
+    async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
+        """Create or join a staging. Returns the status and whether it is already ready."""
+        steps = recipes.expand(request, self.settings) if request.recipe else request.steps
+        key = spec_key(request.spec())
+        self._check_name(request.name, key)
+        estimate = await run_io(preflight.check_steps, steps, self.settings)
+        await run_io(preflight.check_link, request.link, self.settings)
+
+        entry = self._entries.get(key)
+        if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
+            await run_io(preflight.check_free_space, estimate, self.settings)
+            entry = await self._enqueue(entry, key, request, steps, estimate)
+            self.metrics.requests.labels(outcome="miss").inc()
+        elif entry.active:
+            self.metrics.requests.labels(outcome="join").inc()
+        else:
+            self.metrics.requests.labels(outcome="hit").inc()
+
+        handle = self._handles.get(request.name)
+        if handle is None or handle.key != key or handle.link != request.link:
+            handle = Handle(name=request.name, key=key, link=request.link)
+            self._handles[request.name] = handle
+            await run_io(self._store.save_handle, handle)
+        if entry.state == State.READY and handle.link:
+            await run_io(make_link, Path(handle.link), self._final(entry))
+        return self._view(handle), entry.state == State.READY
+
+    def _check_name(self, name: str, key: str) -> None:
+        handle = self._handles.get(name)
+        if handle is None or handle.key == key:
+            return
+        other = self._entries[handle.key]
+        if other.active or other.state == State.READY:
+            raise Conflict(
+                f"dataset name {name!r} is already used by a different request "
+                f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
+            )
+
+    async def _enqueue(
+        self, entry: Entry | None, key: str, request: DatasetCreate, steps: list[Any], estimate: int
+    ) -> Entry:
+        if entry is None:
+            entry = Entry(key=key, spec=request.spec(), steps=steps, verify=request.verify)
+            self._entries[key] = entry
+        else:
+            entry.move(State.QUEUED)
+        entry.progress = Progress(steps_total=len(steps))
+        entry.estimate_bytes = estimate
+        await self._save(entry)
+        self._queue.put_nowait(key)
+        return entry
+
+    def get(self, name: str) -> DatasetPublic:
+        return self._view(self._handle(name))
+
+    def list(self) -> list[DatasetPublic]:
+        return [self._view(h) for h in sorted(self._handles.values(), key=lambda h: h.name)]
+
+    async def wait(self, name: str, timeout: float) -> DatasetPublic:
+        """Long-poll: return once the dataset is terminal or ``timeout`` has passed."""
+        handle = self._handle(name)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        async with self._changed:
+            while self._entries[handle.key].active:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._changed.wait(), remaining)
+                except TimeoutError:
+                    break
+        return self._view(handle)
+
+    async def watch(self, name: str, interval: float = 0.5) -> AsyncIterator[DatasetPublic]:
+        """Statuses for server-sent events: on every change, at most every ``interval``."""
+        handle = self._handle(name)
+        last = None
+        while True:
+            view = self._view(handle)
+            snapshot = (view.state, view.progress)
+            if snapshot != last:
+                last = snapshot
+                yield view
+            if view.state.terminal:
+                return
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), interval)
+                except TimeoutError:
+                    pass
+
+    async def delete(self, name: str) -> DatasetPublic:
+        """Cancel if staging, evict if ready, forget the name if already finished."""
+        handle = self._handle(name)
+        entry = self._entries[handle.key]
+        shared = any(h.key == entry.key and h.name != name for h in self._handles.values())
+        if shared or not (entry.active or entry.state == State.READY):
+            view = self._view(handle)
+            await self._forget(handle)
+            return view
+        if entry.state == State.QUEUED:
+            entry.move(State.CANCELLED, CANCELLED_BY_REQUEST)
+            await self._save(entry)
+        elif entry.state == State.STAGING:
+            entry.cancel.set()
+            await self.wait(name, self.settings.shutdown_timeout_s)
+        else:
+            await self._evict(entry)
+        return self._view(handle)
+
+    async def _evict(self, entry: Entry) -> None:
+        final = self._final(entry)
+        for handle in self._handles.values():
+            if handle.key == entry.key and handle.link:
+                await run_io(remove_link, Path(handle.link), final)
+        await run_io(remove_tree, final)
+        entry.move(State.EVICTED)
+        self.metrics.evictions.inc()
+        await self._save(entry)
+
+    async def _forget(self, handle: Handle) -> None:
+        del self._handles[handle.name]
+        await run_io(self._store.delete_handle, handle.name)
+
+    def _handle(self, name: str) -> Handle:
+        handle = self._handles.get(name)
+        if handle is None:
+            raise NotFound(f"no dataset named {name!r}; GET /v1/datasets lists the known ones")
+        return handle
+
+    def _view(self, handle: Handle) -> DatasetPublic:
+        return public_view(handle, self._entries[handle.key], self.settings.data_dir)
+
+    def _final(self, entry: Entry) -> Path:
+        return self.settings.data_dir / entry.key
+
+    def _partial(self, entry: Entry) -> Path:
+        return self.settings.partial_dir / entry.key
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    # ---- staging -----------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            entry = self._entries.get(key)
+            if entry is None or entry.state != State.QUEUED or self._stopping:
+                continue
+            await self._stage(entry)
+
+    async def _stage(self, entry: Entry) -> None:
+        entry.cancel.clear()
+        entry.move(State.STAGING)
+        await self._save(entry)
+        future = asyncio.ensure_future(self._pool.run(self._stage_blocking, entry))
+        self._running.add(future)
+        try:
+            entry.size_bytes = await future
+        except Cancelled:
+            if self._stopping:
+                return  # left in STAGING on disk; resumed when the daemon starts again
+            await self._fail(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
+        except StagerError as exc:
+            await self._fail(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
+        except OSError as exc:
+            error = from_os_error(exc, "staging")
+            await self._fail(entry, State.FAILED, ErrorInfo(**error.to_dict()))
+        except Exception as exc:
+            # A bug in an op must fail this dataset loudly, not wedge it in STAGING.
+            log.exception("internal error while staging %s", entry.key)
+            message = f"internal error while staging: {exc!r}; see the daemon log"
+            await self._fail(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
+        else:
+            entry.move(State.READY)
+            self.metrics.staged_bytes.inc(entry.size_bytes)
+            await self._save(entry)
+            await self._link_all(entry)
+        finally:
+            self._running.discard(future)
+
+    def _stage_blocking(self, entry: Entry) -> int:
+        final, partial = self._final(entry), self._partial(entry)
+        if final.is_dir():
+            return tree_size(final)  # published just before a crash: already complete
+        partial.mkdir(parents=True, exist_ok=True)
+        ctx = OpContext(
+            root=partial,
+            progress=entry.progress,
+            cancel=entry.cancel,
+            workers=self.settings.op_workers,
+            verify=entry.verify,
+        )
+        for index, step in enumerate(entry.steps, start=1):
+            ctx.check_cancelled()
+            entry.progress.start_step(step.op, index)
+            run_step(step, ctx)
+        ctx.check_cancelled()
+        size = tree_size(partial)
+        publish(partial, final)
+        return size
+
+    async def _fail(self, entry: Entry, state: State, error: ErrorInfo) -> None:
+        log.warning("dataset %s %s: %s", entry.key, state, error.message)
+        try:
+            await run_io(remove_tree, self._partial(entry))
+        except OSError as exc:
+            log.error("could not remove partial data of %s: %s", entry.key, exc)
+        entry.move(state, error)
+        self.metrics.failures.labels(type=error.type).inc()
+        await self._save(entry)
+
+    async def _link_all(self, entry: Entry) -> None:
+        for handle in list(self._handles.values()):
+            if handle.key == entry.key and handle.link:
+                try:
+                    await run_io(make_link, Path(handle.link), self._final(entry))
+                except OSError as exc:
+                    log.error("could not create link %s: %s", handle.link, exc)
+
+    async def _save(self, entry: Entry) -> None:
+        await run_io(self._store_entry_sync, entry)
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _store_entry_sync(self, entry: Entry) -> None:
+        self._store.save_entry(entry)
+
+    async def _flush_progress(self) -> None:
+        """Persist progress now and then so a restarted daemon shows where it was."""
+        while True:
+            await asyncio.sleep(self.settings.progress_flush_s)
+            staging = [e for e in self._entries.values() if e.state == State.STAGING]
+            if staging:
+                await run_io(self._store.save_progress, staging)
+                async with self._changed:
+                    self._changed.notify_all()
+
+
+def state_counts(engine: Engine) -> dict[str, int]:
+    counts = {state.value: 0 for state in State}
+    for entry in engine.entries():
+        counts[entry.state.value] += 1
+    return counts

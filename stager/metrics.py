@@ -1,0 +1,52 @@
+"""Prometheus metrics: counters the engine bumps, gauges read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# The *_created series double the output and no dashboard here uses them.
+disable_created_metrics()
+
+
+class _StateCollector(Collector):
+    """Per-state dataset counts, computed from the engine when scraped."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("stager_datasets", "Cache entries by state", labels=["state"])
+        for state, count in self._counts().items():
+            family.add_metric([state], count)
+        yield family
+
+
+class Metrics:
+    def __init__(self) -> None:
+        # A registry per app, so tests can build several apps in one process.
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "stager_requests",
+            "Stage requests by outcome: miss (new staging), join (already staging), hit (ready)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "stager_failures",
+            "Stagings that ended failed or cancelled, by error type",
+            ["type"],
+            registry=self.registry,
+        )
+        self.staged_bytes = Counter(
+            "stager_staged_bytes", "Bytes published into the cache", registry=self.registry
+        )
+        self.evictions = Counter(
+            "stager_evictions", "Ready entries removed from the cache", registry=self.registry
+        )
+
+    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_StateCollector(counts))

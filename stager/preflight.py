@@ -1,0 +1,77 @@
+"""Checks run when a request arrives, before anything is queued.
+
+Everything here is fast (stat calls, reading an archive header) and blocking, so
+the engine runs it through ``run_io``. A request that fails here gets a 4xx with
+a sentence naming the bad input; nothing is staged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from stager import ops
+from stager.errors import BadRequest, InsufficientSpace, UnsafePath
+from stager.settings import Settings
+
+
+def check_steps(steps: list[Any], settings: Settings) -> int:
+    """Validate every step's source; return the estimated bytes the staging writes."""
+    total = 0
+    for step in steps:
+        src = getattr(step, "src", None)
+        if src is not None and step.op != "rename":
+            check_allowed_root(src, settings)
+        total += ops.check_step(step)
+    return total
+
+
+def check_allowed_root(source: str, settings: Settings) -> None:
+    if not settings.allowed_roots:
+        return
+    resolved = Path(source).resolve()
+    for root in settings.allowed_roots:
+        root = root.resolve()
+        if resolved == root or root in resolved.parents:
+            return
+    roots = ", ".join(str(r) for r in settings.allowed_roots)
+    raise UnsafePath(
+        f"source {source} is outside the allowed source roots ({roots}); "
+        "stage from one of them or ask the admin to add it to STAGER_ALLOWED_ROOTS"
+    )
+
+
+def check_link(link: str | None, settings: Settings) -> None:
+    """A link may replace an old symlink, never a real file or folder."""
+    if link is None:
+        return
+    path = Path(link)
+    cache = settings.cache_dir.resolve()
+    if path.resolve() == cache or cache in path.resolve().parents:
+        raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
+    if path.exists(follow_symlinks=False) and not path.is_symlink():
+        raise BadRequest(
+            f"link {link} already exists and is not a symlink; remove it or choose another --link"
+        )
+
+
+def check_free_space(needed: int, settings: Settings) -> None:
+    free = shutil.disk_usage(settings.cache_dir).free
+    if needed + settings.min_free_bytes > free:
+        raise InsufficientSpace(
+            f"staging needs about {_gib(needed)} but {settings.cache_dir} has {_gib(free)} free "
+            f"and keeps {_gib(settings.min_free_bytes)} in reserve; free space on the node-local "
+            "disk, evict datasets, or point --cache-dir at a larger disk"
+        )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def ensure_dirs(settings: Settings) -> None:
+    for folder in (settings.cache_dir, settings.data_dir, settings.partial_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.cache_dir, 0o700)

@@ -1,0 +1,64 @@
+"""Filesystem side of an entry's life: partial dir, atomic publish, links, removal.
+
+All functions block and run on worker threads. The rename from ``partial/<key>``
+to ``data/<key>`` is the commit point: a directory under ``data/`` is complete by
+construction, whatever happens to the process afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+
+def publish(partial: Path, final: Path) -> None:
+    os.rename(partial, final)
+    # Make the rename itself durable before the state store says "ready".
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tree_size(root: Path) -> int:
+    """Bytes on disk under root (files and link entries, not what links point to)."""
+    total = 0
+    stack = [root]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for item in it:
+                if item.is_dir(follow_symlinks=False):
+                    stack.append(Path(item.path))
+                else:
+                    total += item.stat(follow_symlinks=False).st_size
+    return total
+
+
+def remove_tree(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def make_link(link: Path, target: Path) -> None:
+    """Point ``link`` at ``target``, replacing an old symlink atomically."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.stager-tmp")
+    if tmp.is_symlink():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def remove_link(link: Path, target: Path) -> None:
+    """Remove ``link`` only if it still points at ``target`` (never someone else's link)."""
+    try:
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            link.unlink()
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            raise

@@ -1,0 +1,180 @@
+"""Serving lifecycle: runtime folder, token, uvicorn on a Unix socket or TCP,
+``--detach`` for job prologues, and ``stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from stager.app import create_app
+from stager.settings import Settings
+
+
+class ServeError(Exception):
+    """Why the daemon cannot start, as a sentence for the terminal."""
+
+
+def prepare_runtime_dir(settings: Settings) -> None:
+    folder = settings.runtime_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():
+        raise ServeError(f"{folder} belongs to another user; set STAGER_RUNTIME_DIR to your own")
+    # Only this user may reach the socket: that is the whole access control for it.
+    os.chmod(folder, 0o700)
+
+
+def resolve_token(settings: Settings) -> str | None:
+    """TCP always uses a token unless --no-token on loopback; generate one when not given."""
+    if not settings.host or settings.no_token:
+        return None
+    if settings.token:
+        return settings.token
+    path = settings.token_path
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    return token
+
+
+def socket_answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def read_pid(settings: Settings) -> int | None:
+    try:
+        pid = int(settings.pid_path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if pid_alive(pid) else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    # An exited child its parent has not reaped yet is a zombie: gone for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def serve(settings: Settings) -> None:
+    """Run the daemon in the foreground until SIGTERM/SIGINT."""
+    prepare_runtime_dir(settings)
+    token = resolve_token(settings)
+    config_args: dict[str, object] = {}
+    if settings.host:
+        config_args.update(host=settings.host, port=settings.port)
+    else:
+        sock = settings.socket_path
+        if sock.exists():
+            if socket_answers(sock):
+                raise ServeError(f"a daemon already listens on {sock}; run `stager stop` first")
+            sock.unlink()  # stale socket of a daemon that died
+        config_args.update(uds=str(sock))
+    app = create_app(settings, token=token)
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+        access_log=settings.log_level == "debug",
+        **config_args,
+    )
+    settings.pid_path.write_text(f"{os.getpid()}\n")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        if read_pid(settings) in (os.getpid(), None):
+            settings.pid_path.unlink(missing_ok=True)
+
+
+def health_client(settings: Settings, timeout: float = 2.0) -> httpx.Client:
+    if settings.host:
+        return httpx.Client(base_url=settings.url, timeout=timeout)
+    transport = httpx.HTTPTransport(uds=str(settings.socket_path))
+    return httpx.Client(transport=transport, base_url="http://stager", timeout=timeout)
+
+
+def is_healthy(settings: Settings) -> bool:
+    try:
+        with health_client(settings) as client:
+            return client.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> int:
+    """Start ``stager serve`` in the background and return once it answers."""
+    prepare_runtime_dir(settings)
+    pid = read_pid(settings)
+    if pid is not None and is_healthy(settings):
+        print(f"stager already running (pid {pid}) at {settings.url}")
+        return pid
+    with open(settings.log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stager", "serve", *serve_argv],
+            stdin=devnull,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # survive the prologue's shell and its signals
+        )
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServeError(
+                f"the daemon exited with code {process.returncode} while starting; "
+                f"see {settings.log_path}:\n{_tail(settings.log_path)}"
+            )
+        if is_healthy(settings):
+            print(f"stager started (pid {process.pid}) at {settings.url}; log: {settings.log_path}")
+            return process.pid
+        time.sleep(0.05)
+    process.terminate()
+    raise ServeError(f"the daemon did not answer within {wait_s:.0f}s; see {settings.log_path}")
+
+
+def stop(settings: Settings, timeout: float = 15.0) -> bool:
+    """SIGTERM the daemon of this runtime folder and wait for it; False if none ran."""
+    pid = read_pid(settings)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(pid):
+        time.sleep(0.05)
+    if pid_alive(pid):
+        raise ServeError(f"daemon pid {pid} did not stop within {timeout:.0f}s; kill it by hand")
+    with contextlib.suppress(FileNotFoundError):
+        settings.pid_path.unlink()
+    return True
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,104 @@
+"""The daemon's one settings object, built once from flags and ``STAGER_*`` env.
+
+Nothing else in the daemon reads ``os.environ``: the CLI builds ``Settings`` and
+passes it down.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_runtime_dir() -> Path:
+    """Per-user folder for socket, pid, log, token: ``${XDG_RUNTIME_DIR:-/tmp}/stager-$UID``."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / f"stager-{os.getuid()}"
+
+
+def default_cache_dir() -> Path:
+    # Node-local by default: /tmp is local disk on every cluster we target.
+    return Path("/tmp") / f"stager-{os.getuid()}" / "cache"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STAGER_", extra="ignore")
+
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    runtime_dir: Path = Field(default_factory=default_runtime_dir)
+    socket: Path | None = None  # default: <runtime_dir>/stager.sock
+    host: str | None = None  # TCP instead of the Unix socket when set
+    port: int = 8765
+    token: str | None = None  # bearer token for TCP; generated when not given
+    token_file: Path | None = None  # default: <runtime_dir>/token
+    no_token: bool = False  # allowed on loopback addresses only
+    max_workers: int = Field(default=2, ge=1)  # datasets staged at once
+    op_workers: int = Field(default=8, ge=1)  # threads inside one op (parallel small files)
+    allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
+    recipe_dirs: list[Path] = Field(default_factory=list)
+    min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk
+    progress_flush_s: float = Field(default=1.0, gt=0)
+    shutdown_timeout_s: float = Field(default=5.0, gt=0)
+    log_level: str = "info"
+
+    @field_validator("cache_dir", "runtime_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _token_rules(self) -> Settings:
+        if self.host and self.no_token and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve {self.host} without a token: only loopback addresses "
+                "may use --no-token; drop --no-token or bind 127.0.0.1"
+            )
+        return self
+
+    @property
+    def socket_path(self) -> Path:
+        return self.socket or self.runtime_dir / "stager.sock"
+
+    @property
+    def token_path(self) -> Path:
+        return self.token_file or self.runtime_dir / "token"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.runtime_dir / "stager.pid"
+
+    @property
+    def log_path(self) -> Path:
+        return self.runtime_dir / "stager.log"
+
+    @property
+    def url(self) -> str:
+        """What a client puts in STAGER_URL to reach this daemon."""
+        if self.host:
+            return f"http://{self.host}:{self.port}"
+        return f"unix://{self.socket_path}"
+
+    @property
+    def db_path(self) -> Path:
+        return self.cache_dir / "state.db"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.cache_dir / "data"  # published, ready entries
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.cache_dir / "partial"  # entries being staged; never reported ready
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
