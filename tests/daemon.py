@@ -1,0 +1,124 @@
+"""A real ``stager serve`` process for tests, reached over its Unix socket or TCP."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    cache_dir: Path
+    # Unix socket paths are limited to ~107 bytes, so the runtime dir lives at a short path.
+    runtime_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="stg-")))
+    extra_env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "stager.sock"
+
+    @property
+    def log_path(self) -> Path:
+        return self.runtime_dir / "test-daemon.log"
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            STAGER_RUNTIME_DIR=str(self.runtime_dir),
+            STAGER_CACHE_DIR=str(self.cache_dir),
+            STAGER_MIN_FREE_BYTES="0",
+            STAGER_URL=self.url,
+        )
+        env.update(self.extra_env)
+        return env
+
+    @property
+    def host(self) -> str | None:
+        return self.args[self.args.index("--host") + 1] if "--host" in self.args else None
+
+    @property
+    def url(self) -> str:
+        if self.host:
+            return f"http://{self.host}:{self.args[self.args.index('--port') + 1]}"
+        return f"unix://{self.socket}"
+
+    def start(self, wait: bool = True) -> Daemon:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stager", "serve", *self.args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process and self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited early:\n{self.log()}")
+            try:
+                with self.client(timeout=1.0) as client:
+                    if client.get("/readyz").status_code == 200:
+                        return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    def client(self, timeout: float = 30.0, token: str | None = None) -> httpx.Client:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        if self.host:
+            return httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        return httpx.Client(
+            transport=transport, base_url="http://stager", timeout=timeout, headers=headers
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the daemon and wait; returns its exit code."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> Daemon:
+        if self.process and self.process.poll() is None:
+            self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def cleanup(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.kill()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
