@@ -51,7 +51,7 @@ def check_link(link: str | None, settings: Settings) -> None:
     cache = settings.cache_dir.resolve()
     if path.resolve() == cache or cache in path.resolve().parents:
         raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
-    if path.exists(follow_symlinks=False) and not path.is_symlink():
+    if os.path.lexists(path) and not path.is_symlink():
         raise BadRequest(
             f"link {link} already exists and is not a symlink; remove it or choose another --link"
         )

@@ -7,7 +7,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/healthz"})  # liveness probes carry no secrets
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes carry no secrets
 
 
 class BearerTokenMiddleware:

@@ -1,0 +1,80 @@
+"""A local HTTP file server for tests: Range support, throttling, dropped connections."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Behaviour:
+    files: dict[str, bytes] = field(default_factory=dict)
+    bytes_per_s: float | None = None  # throttle every response body
+    drop_after: int | None = None  # cut the first full response after this many bytes
+    ranges_seen: list[str] = field(default_factory=list)
+    requests: int = 0
+
+
+def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # keep test output quiet
+            pass
+
+        def do_GET(self) -> None:
+            behaviour.requests += 1
+            body = behaviour.files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            start = 0
+            header = self.headers.get("Range")
+            if header:
+                behaviour.ranges_seen.append(header)
+                start = int(re.match(r"bytes=(\d+)-", header).group(1))
+                if start >= len(body):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(body)}")
+                    self.end_headers()
+                    return
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(len(body) - start))
+            self.end_headers()
+            self._send_body(body[start:], drop=not header and behaviour.drop_after)
+
+        def _send_body(self, data: bytes, drop: int | None) -> None:
+            chunk = 16 * 1024
+            sent = 0
+            while sent < len(data):
+                if drop and sent >= drop:
+                    behaviour.drop_after = None  # only the first response is cut
+                    self.connection.close()
+                    return
+                piece = data[sent : sent + chunk]
+                self.wfile.write(piece)
+                sent += len(piece)
+                if behaviour.bytes_per_s:
+                    time.sleep(len(piece) / behaviour.bytes_per_s)
+
+    return Handler
+
+
+@contextmanager
+def serve_files(behaviour: Behaviour) -> Iterator[str]:
+    """Serve ``behaviour.files`` on 127.0.0.1; yields the base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(behaviour))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,330 @@
+"""The daemon over its real Unix socket: each op end to end, and every bad input as a 4xx."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stager.schemas import DatasetPublic, DatasetsPublic
+from stager.server import pid_alive
+from tests.daemon import Daemon, free_port
+from tests.trees import digest, make_tar, write_tree
+
+
+def stage(client: httpx.Client, body: dict) -> httpx.Response:
+    return client.post("/v1/datasets", json=body)
+
+
+def stage_ready(client: httpx.Client, body: dict, timeout: float = 30) -> DatasetPublic:
+    response = stage(client, body)
+    assert response.status_code in (200, 202), response.text
+    waited = client.get(f"/v1/datasets/{body['name']}/wait", params={"timeout": timeout})
+    status = DatasetPublic.model_validate_json(waited.text)
+    assert status.state == "ready", status.error
+    return status
+
+
+def test_copy_symlink_extract_nested_and_rename_stage_exact_bytes(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src" / "train", n_files=40)
+    tgz = make_tar(src, tmp_path / "train.tar.gz")
+    # A tar of per-class tars, like ILSVRC2012_img_train.tar.
+    inner_dir = tmp_path / "inner"
+    inner_dir.mkdir()
+    for cls in sorted(p for p in src.iterdir()):
+        make_tar(cls, inner_dir / f"{cls.name}.tar", arcname=".")
+    nested = tmp_path / "nested.tar"
+    with tarfile.open(nested, "w") as tar:
+        for inner in sorted(inner_dir.iterdir()):
+            tar.add(inner, arcname=inner.name)
+
+    with daemon.client() as client:
+        copied = stage_ready(client, {"name": "copied", "steps": [{"op": "copy", "src": str(src)}]})
+        assert digest(Path(copied.path)) == digest(src)
+
+        linked = stage_ready(
+            client,
+            {"name": "linked", "steps": [{"op": "symlink", "src": str(src), "mode": "tree"}]},
+        )
+        one = Path(linked.path) / "class_0" / "img_0000.jpg"
+        assert one.is_symlink() and Path(os.readlink(one)) == src / "class_0" / "img_0000.jpg"
+        assert digest(Path(linked.path)) == digest(src)
+
+        renamed = stage_ready(
+            client,
+            {
+                "name": "inat-like",
+                "steps": [
+                    {"op": "extract", "src": str(tgz)},
+                    {"op": "rename", "src": "train", "dst": "2021_train"},
+                ],
+            },
+        )
+        assert sorted(os.listdir(renamed.path)) == ["2021_train"]
+        assert digest(Path(renamed.path) / "2021_train") == digest(src)
+        assert renamed.progress.steps_total == 2 and renamed.progress.step_index == 2
+
+        imagenet = stage_ready(
+            client,
+            {"name": "nested", "steps": [{"op": "extract", "src": str(nested), "nested": True}]},
+        )
+        assert digest(Path(imagenet.path)) == digest(src)
+
+        listing = DatasetsPublic.model_validate_json(client.get("/v1/datasets").text)
+        assert listing.count == 4 and {d.state for d in listing.data} == {"ready"}
+
+
+def test_same_request_twice_is_ready_at_once_and_a_new_spec_under_that_name_conflicts(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=5)
+    body = {"name": "ds", "steps": [{"op": "copy", "src": str(src)}]}
+    with daemon.client() as client:
+        first = stage_ready(client, body)
+        again = stage(client, body)
+        assert again.status_code == 200 and again.json()["path"] == first.path
+        other = stage(client, {**body, "verify": "sha256"})
+        assert other.status_code == 409
+        assert "DELETE /v1/datasets/ds" in other.json()["error"]["message"]
+
+
+def test_link_points_at_the_staged_root_and_eviction_removes_both(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=5)
+    link = tmp_path / "job" / "data" / "ds"
+    with daemon.client() as client:
+        status = stage_ready(
+            client, {"name": "ds", "link": str(link), "steps": [{"op": "copy", "src": str(src)}]}
+        )
+        assert link.is_symlink() and link.resolve() == Path(status.path).resolve()
+        evicted = client.delete("/v1/datasets/ds")
+        assert evicted.json()["state"] == "evicted"
+        assert not Path(status.path).exists() and not os.path.lexists(link)
+        assert client.delete("/v1/datasets/ds").status_code == 200  # forget
+        assert client.get("/v1/datasets/ds").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error_type", "words"),
+    [
+        ("{not json", 400, "malformed_json", "not valid JSON"),
+        ({"name": "x", "steps": [{"op": "teleport", "src": "/a"}]}, 422, "unknown_op", "teleport"),
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "/no/such/dir"}]},
+            400,
+            "source_not_found",
+            "/no/such/dir",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "relative/dir"}]},
+            422,
+            "invalid_request",
+            "absolute path",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "/etc", "dst": "../../x"}]},
+            422,
+            "invalid_request",
+            "'..'",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "extract", "src": "/etc/hostname", "format": "rar"}]},
+            422,
+            "invalid_request",
+            "format",
+        ),
+        (
+            {"name": "Bad Name!", "steps": [{"op": "copy", "src": "/etc"}]},
+            422,
+            "invalid_name",
+            "Bad Name!",
+        ),
+        ({"name": "x"}, 422, "invalid_request", "recipe"),
+        ({"name": "x", "recipe": "nope", "source": "/d"}, 400, "unknown_recipe", "nope"),
+    ],
+)
+def test_bad_requests_get_a_4xx_sentence_naming_the_input(
+    daemon: Daemon, body: object, status: int, error_type: str, words: str
+) -> None:
+    with daemon.client() as client:
+        if isinstance(body, str):
+            response = client.post(
+                "/v1/datasets", content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            response = stage(client, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == error_type
+    assert words in error["message"]
+
+
+def test_unreadable_source_and_existing_link_target_are_refused(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=2)
+    blocker = tmp_path / "not-a-link"
+    blocker.mkdir()
+    with daemon.client() as client:
+        response = stage(
+            client, {"name": "x", "link": str(blocker), "steps": [{"op": "copy", "src": str(src)}]}
+        )
+        assert response.status_code == 400 and str(blocker) in response.json()["error"]["message"]
+        inside = daemon.cache_dir / "sneaky"
+        response = stage(
+            client, {"name": "x", "link": str(inside), "steps": [{"op": "copy", "src": str(src)}]}
+        )
+        assert response.status_code == 400 and "inside the cache" in response.text
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file; permissions cannot fail")
+def test_unreadable_source_is_a_400(daemon: Daemon, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    secret.chmod(0)
+    with daemon.client() as client:
+        response = stage(client, {"name": "x", "steps": [{"op": "copy", "src": str(secret)}]})
+    assert response.status_code == 400 and response.json()["error"]["type"] == "source_unreadable"
+
+
+def test_not_enough_free_space_fails_fast_naming_the_sizes(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory(env={"STAGER_MIN_FREE_BYTES": str(1 << 62)})
+    src = write_tree(tmp_path / "src", n_files=3)
+    with daemon.client() as client:
+        response = stage(client, {"name": "big", "steps": [{"op": "copy", "src": str(src)}]})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["type"] == "insufficient_space" and "GiB" in error["message"]
+
+
+def test_corrupt_archive_fails_the_dataset_with_its_sentence_and_no_partial_data(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=20)
+    good = make_tar(src, tmp_path / "good.tar.gz").read_bytes()
+    truncated = tmp_path / "truncated.tar.gz"
+    truncated.write_bytes(good[: len(good) // 2])
+    with daemon.client() as client:
+        response = stage(
+            client, {"name": "bad", "steps": [{"op": "extract", "src": str(truncated)}]}
+        )
+        assert response.status_code == 202, response.text
+        status = client.get("/v1/datasets/bad/wait", params={"timeout": 20}).json()
+    assert status["state"] == "failed"
+    assert status["error"]["type"] == "corrupt_archive"
+    assert str(truncated) in status["error"]["message"]
+    assert list((daemon.cache_dir / "partial").iterdir()) == []
+    assert list((daemon.cache_dir / "data").iterdir()) == []
+
+
+def test_malicious_archive_through_the_daemon_writes_nothing_outside(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    evil = tmp_path / "evil.tar"
+    payload = tmp_path / "payload"
+    payload.write_text("pwned")
+    with tarfile.open(evil, "w") as tar:
+        tar.add(payload, arcname="../../../../escaped.txt")
+    before = set(tmp_path.parent.rglob("*"))
+    with daemon.client() as client:
+        stage(client, {"name": "evil", "steps": [{"op": "extract", "src": str(evil)}]})
+        status = client.get("/v1/datasets/evil/wait", params={"timeout": 20}).json()
+    assert status["state"] == "failed" and status["error"]["type"] == "unsafe_member"
+    assert "escaped.txt" in status["error"]["message"]
+    created = {
+        p for p in set(tmp_path.parent.rglob("*")) - before if daemon.cache_dir not in p.parents
+    }
+    assert not [p for p in created if p.name == "escaped.txt"]
+
+
+def test_health_ready_metrics_and_openapi(daemon: Daemon, tmp_path: Path) -> None:
+    src = write_tree(tmp_path / "src", n_files=3)
+    with daemon.client() as client:
+        stage_ready(client, {"name": "m", "steps": [{"op": "copy", "src": str(src)}]})
+        assert client.get("/healthz").json()["status"] == "ok"
+        assert client.get("/readyz").status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'stager_datasets{state="ready"} 1.0' in metrics
+        assert 'stager_requests_total{outcome="miss"} 1.0' in metrics
+        assert "/v1/datasets/{name}/wait" in client.get("/openapi.json").json()["paths"]
+        assert client.get("/docs").status_code == 200
+        missing = client.get("/v2/nothing")
+        assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_events_stream_statuses_until_terminal(daemon: Daemon, tmp_path: Path) -> None:
+    src = write_tree(tmp_path / "src", n_files=5)
+    with daemon.client() as client:
+        stage(client, {"name": "ev", "steps": [{"op": "copy", "src": str(src)}]})
+        states = []
+        with client.stream("GET", "/v1/datasets/ev/events") as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    states.append(DatasetPublic.model_validate_json(line[5:]).state)
+    assert states[-1] == "ready"
+
+
+def test_tcp_requires_the_generated_token(daemon_factory, tmp_path: Path) -> None:
+    port = free_port()
+    daemon = daemon_factory(args=["--host", "127.0.0.1", "--port", str(port)])
+    token_file = daemon.runtime_dir / "token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    token = token_file.read_text().strip()
+    src = write_tree(tmp_path / "src", n_files=3)
+    with daemon.client() as anonymous:
+        refused = anonymous.get("/v1/datasets")
+        assert refused.status_code == 401 and "token" in refused.json()["error"]["message"]
+        assert anonymous.get("/healthz").status_code == 200
+    with daemon.client(token=token) as client:
+        status = stage_ready(client, {"name": "tcp", "steps": [{"op": "copy", "src": str(src)}]})
+    assert digest(Path(status.path)) == digest(src)
+
+
+def test_non_loopback_without_token_refuses_to_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stager", "serve", "--host", "0.0.0.0", "--no-token"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STAGER_RUNTIME_DIR": str(tmp_path / "run")},
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "0.0.0.0" in result.stderr and "token" in result.stderr
+
+
+def test_socket_folder_is_private(daemon: Daemon) -> None:
+    assert oct(daemon.runtime_dir.stat().st_mode & 0o777) == "0o700"
+    assert daemon.socket.exists()
+
+
+def test_detach_and_stop_via_the_cli(tmp_path: Path) -> None:
+    import tempfile
+
+    run = Path(tempfile.mkdtemp(prefix="stg-"))
+    env = {**os.environ, "STAGER_RUNTIME_DIR": str(run), "STAGER_CACHE_DIR": str(tmp_path / "c")}
+    cli = [sys.executable, "-m", "stager"]
+    started = subprocess.run(
+        [*cli, "serve", "--detach"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert started.returncode == 0, started.stderr
+    assert str(run / "stager.sock") in started.stdout
+    pid = int((run / "stager.pid").read_text())
+    again = subprocess.run(
+        [*cli, "serve", "--detach"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 0 and "already running" in again.stdout
+    t0 = time.monotonic()
+    stopped = subprocess.run([*cli, "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert time.monotonic() - t0 < 10
+    assert not pid_alive(pid)  # gone (or an unreaped zombie of a reparented process)
