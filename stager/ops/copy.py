@@ -39,8 +39,8 @@ from stager.errors import (
     SourceNotFound,
     SourceUnreadable,
     StagerError,
-    StagingIOError,
     VerifyFailed,
+    from_os_error,
 )
 from stager.ops.base import OpContext, require_source
 from stager.schemas import CopyStep
@@ -82,23 +82,20 @@ def run(step: CopyStep, ctx: OpContext) -> None:
 
 
 def _translate(exc: OSError, source: str) -> StagerError:
-    """The one place where OS errors become stager errors."""
-    name = exc.filename or "a file"
-    in_source = isinstance(exc.filename, str) and (
-        exc.filename == source or exc.filename.startswith(source.rstrip("/") + "/")
+    """The one place where OS errors become stager errors.
+
+    Problems with the source are the caller's to fix (a BadRequest-family
+    error); everything else, ENOSPC included, is the shared staging sentence.
+    """
+    name = exc.filename
+    in_source = isinstance(name, str) and (
+        name == source or name.startswith(source.rstrip("/") + "/")
     )
-    if exc.errno == errno.ENOSPC:
-        return StagingIOError(
-            f"the local disk is full while writing {name}; free space on the node or "
-            "stage fewer datasets at once"
-        )
-    if exc.errno == errno.ENOENT and in_source:
+    if in_source and exc.errno == errno.ENOENT:
         return SourceNotFound(f"{name} disappeared while copying; check that the source is stable")
-    if exc.errno in (errno.EACCES, errno.EPERM) and in_source:
-        return SourceUnreadable(
-            f"permission denied on {name}; fix its permissions for the daemon's user"
-        )
-    return StagingIOError(f"copying failed on {name}: {exc.strerror or exc}; check the disk")
+    if in_source and exc.errno in (errno.EACCES, errno.EPERM):
+        return SourceUnreadable(f"{name} is not readable by the daemon's user; fix its permissions")
+    return from_os_error(exc, f"copying {source}")
 
 
 def _file_target(source: Path, dst: str, ctx: OpContext) -> Path:

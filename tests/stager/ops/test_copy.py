@@ -1,0 +1,226 @@
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
+from stager.ops import copy
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from stager.schemas import CopyStep
+from tests.trees import digest, write_tree
+
+OLD = 1_500_000_000_123_456_789  # an mtime in ns that a fresh write can never produce
+
+
+class HookProgress(Progress):
+    """Real progress counters that also call a test's hook after each advance."""
+
+    def __init__(self, hook: Callable[[Progress], None]) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        super().advance(nbytes, files)
+        self.hook(self)
+
+
+def make_ctx(root: Path, verify: str = "size", progress: Progress | None = None) -> OpContext:
+    root.mkdir(parents=True, exist_ok=True)
+    return OpContext(root=root, progress=progress or Progress(), workers=4, verify=verify)
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    """A nested tree with old mtimes and a few unusual modes."""
+    src = write_tree(tmp_path / "src", n_files=120, max_size=40_000)
+    deep = src / "class_0" / "deep" / "er"
+    deep.mkdir(parents=True)
+    (deep / "leaf.bin").write_bytes(os.urandom(3000))
+    (src / "empty.bin").write_bytes(b"")
+    (src / "class_1" / "img_0001.jpg").chmod(0o640)
+    for path in sorted(src.rglob("*"), reverse=True):
+        os.utime(path, ns=(OLD, OLD + len(path.name)))
+    os.utime(src, ns=(OLD, OLD))
+    return src
+
+
+def file_mtimes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.lstat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
+
+
+def test_tree_copy_keeps_bytes_mtimes_and_modes(source: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path / "root", verify="sha256")
+    step = CopyStep(op="copy", src=str(source), dst="data")
+    expected = copy.check(step)
+
+    copy.run(step, ctx)
+
+    out = ctx.root / "data"
+    assert digest(out) == digest(source)
+    assert file_mtimes(out) == file_mtimes(source)
+    assert (out / "class_0" / "deep").stat().st_mtime_ns == (
+        source / "class_0" / "deep"
+    ).stat().st_mtime_ns
+    assert (out / "class_1" / "img_0001.jpg").stat().st_mode & 0o777 == 0o640
+    snap = ctx.progress.snapshot()
+    assert snap.bytes_done == snap.bytes_total == expected
+    assert snap.files_done == snap.files_total == 122
+
+
+def test_single_file_destinations(source: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path / "root")
+    leaf = source / "class_0" / "deep" / "er" / "leaf.bin"
+    copy.run(CopyStep(op="copy", src=str(leaf), dst="."), ctx)
+    copy.run(CopyStep(op="copy", src=str(leaf), dst="inside/"), ctx)
+    copy.run(CopyStep(op="copy", src=str(leaf), dst="sub/renamed.bin"), ctx)
+    for path in ("leaf.bin", "inside/leaf.bin", "sub/renamed.bin"):
+        assert (ctx.root / path).read_bytes() == leaf.read_bytes()
+        assert (ctx.root / path).stat().st_mtime_ns == leaf.stat().st_mtime_ns
+
+
+def test_symlinks_inside_kept_outside_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("outside content")
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "x.txt").write_text("x")
+    (src / "a" / "b" / "rel").symlink_to("../x.txt")
+    (src / "abs").symlink_to(src / "a")  # absolute, but inside the tree
+    (src / "out").symlink_to(outside)
+    (src / "dangling").symlink_to("/nonexistent/target")
+    ctx = make_ctx(tmp_path / "root")
+
+    copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+
+    root = ctx.root
+    assert os.readlink(root / "a" / "b" / "rel") == "../x.txt"
+    assert os.readlink(root / "abs") == "a"  # rewritten relative: points into the copy
+    assert (root / "abs" / "x.txt").read_text() == "x"
+    assert not (root / "out").is_symlink()
+    assert (root / "out").read_text() == "outside content"
+    assert os.readlink(root / "dangling") == "/nonexistent/target"
+
+
+def test_restart_after_interruption_ends_identical(source: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path / "root")
+    step = CopyStep(op="copy", src=str(source), dst=".")
+    copy.run(step, ctx)
+    root = ctx.root
+    untouched = root / "class_2" / "img_0002.jpg"
+    ctime_before = untouched.stat().st_ctime_ns
+    # What a crash and a dirty partial directory can leave behind:
+    half = root / "class_0" / "img_0000.jpg"
+    half.write_bytes(half.read_bytes()[:100])  # partially written, fresh mtime
+    same_size = root / "class_1" / "img_0004.jpg"
+    same_size.write_bytes(b"\0" * same_size.stat().st_size)  # right size, wrong bytes/mtime
+    (root / "class_2" / "img_0005.jpg").unlink()  # never started
+    victim = tmp_path / "victim.txt"
+    victim.write_text("must not be written through")
+    linked = root / "class_0" / "img_0003.jpg"
+    linked.unlink()
+    linked.symlink_to(victim)  # a link where a file belongs must be replaced, not followed
+    as_dir = root / "class_1" / "img_0007.jpg"
+    as_dir.unlink()
+    (as_dir / "junk").mkdir(parents=True)
+
+    copy.run(step, ctx)
+
+    assert digest(root) == digest(source)
+    assert file_mtimes(root) == file_mtimes(source)
+    assert victim.read_text() == "must not be written through"
+    assert untouched.stat().st_ctime_ns == ctime_before  # complete files are skipped
+
+
+def test_cancel_mid_tree_raises_cancelled(source: Path, tmp_path: Path) -> None:
+    def cancel_after_first_file(progress: Progress) -> None:
+        if progress.files_done >= 1:
+            ctx.cancel.set()
+
+    ctx = make_ctx(tmp_path / "root", progress=HookProgress(cancel_after_first_file))
+    with pytest.raises(Cancelled):
+        copy.run(CopyStep(op="copy", src=str(source), dst="."), ctx)
+    assert ctx.progress.files_done < 122
+
+
+def test_source_shrinking_during_copy_fails_size_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(copy, "CHUNK", 4096)
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(64 * 1024))
+
+    def shrink(progress: Progress) -> None:
+        if src.stat().st_size > 8192:
+            os.truncate(src, 8192)
+
+    ctx = make_ctx(tmp_path / "root", progress=HookProgress(shrink))
+    with pytest.raises(VerifyFailed, match=str(src)):
+        copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+
+
+def test_source_changing_during_copy_fails_sha256_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(copy, "CHUNK", 4096)
+    src = tmp_path / "big.bin"
+    src.write_bytes(b"a" * 64 * 1024)
+
+    def rewrite_head(progress: Progress) -> None:
+        with open(src, "r+b") as f:
+            f.write(b"b" * 4096)
+
+    ctx = make_ctx(tmp_path / "root", verify="sha256", progress=HookProgress(rewrite_head))
+    with pytest.raises(VerifyFailed, match="sha256"):
+        copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+    # No mtime was set on the bad copy, so a restart would copy it again.
+    assert (ctx.root / "big.bin").stat().st_mtime_ns != src.stat().st_mtime_ns
+
+
+@pytest.mark.parametrize("disable", [["copy_file_range"], ["copy_file_range", "sendfile"]])
+def test_fallbacks_copy_the_same_bytes(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disable: list[str]
+) -> None:
+    for name in disable:
+        monkeypatch.delattr(os, name)
+    ctx = make_ctx(tmp_path / "root", verify="sha256")
+    copy.run(CopyStep(op="copy", src=str(source), dst="."), ctx)
+    assert digest(ctx.root) == digest(source)
+
+
+def test_missing_source_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "train"
+    step = CopyStep(op="copy", src=str(missing), dst=".")
+    with pytest.raises(SourceNotFound, match=str(missing)):
+        copy.check(step)
+    with pytest.raises(SourceNotFound, match=str(missing)):
+        copy.run(step, make_ctx(tmp_path / "root"))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs: a real full disk. Needs root; skipped elsewhere."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_says_so(tmp_path: Path, tiny_disk: Path) -> None:
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(1024 * 1024))
+    with pytest.raises(StagingIOError, match="disk filled up"):
+        copy.run(CopyStep(op="copy", src=str(src), dst="."), make_ctx(tiny_disk))
