@@ -1,0 +1,254 @@
+"""extract: real archives of every format round-trip byte for byte, with mtimes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from stager.errors import Cancelled, CorruptArchive, SourceNotFound, UnknownFormat
+from stager.ops import extract
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from stager.schemas import ExtractStep
+
+MTIME = 1_600_000_000  # fixed, far from "now", so a kept mtime is unmistakable
+FORMATS = ["tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"]
+
+
+def make_tree(root: Path) -> Path:
+    files = {
+        "top/a.txt": b"alpha\n",
+        "top/empty.bin": b"",
+        "top/sub/b.bin": os.urandom(70_000),
+        "top/sub/deeper/c.jpg": os.urandom(5_000) * 3,
+        "top/big.bin": os.urandom(1_200_000),
+    }
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    (root / "top/run.sh").write_bytes(b"#!/bin/sh\n")
+    (root / "top/run.sh").chmod(0o755)
+    for path in sorted(root.rglob("*"), reverse=True):
+        os.utime(path, (MTIME, MTIME))
+    return root
+
+
+def digest(root: Path) -> dict[str, tuple[str, int]]:
+    """sha256 and mtime of every regular file under ``root``, by relative path."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+            out[path.relative_to(root).as_posix()] = (sha, int(path.stat().st_mtime))
+    return out
+
+
+def build(fmt: str, tree: Path, out: Path) -> Path:
+    """An archive of ``tree``'s contents in ``fmt``, made with the stdlib writers."""
+    if fmt == "zip":
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sorted(tree.rglob("*")):
+                zf.write(path, path.relative_to(tree).as_posix())
+        return out
+    buffer = io.BytesIO()
+    mode = {"tar": "w", "tar.gz": "w:gz", "tar.bz2": "w:bz2", "tar.xz": "w:xz"}.get(fmt, "w")
+    with tarfile.open(fileobj=buffer, mode=mode) as tar:
+        tar.add(tree, arcname=".")
+    data = buffer.getvalue()
+    if fmt == "tar.zst":
+        data = zstandard.ZstdCompressor().compress(data)
+    out.write_bytes(data)
+    return out
+
+
+def run_extract(src: Path, root: Path, workers: int = 2, **fields) -> OpContext:
+    ctx = OpContext(root=root, progress=Progress(), workers=workers)
+    step = ExtractStep(op="extract", src=str(src), **fields)
+    extract.check(step)
+    extract.run(step, ctx)
+    return ctx
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "tree")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_is_byte_identical_with_mtimes(fmt: str, tree: Path, tmp_path: Path):
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    dest = tmp_path / "dest"
+    ctx = run_extract(archive, dest)
+    assert digest(dest) == digest(tree)
+    assert (dest / "top/run.sh").stat().st_mode & 0o777 == 0o755
+    assert int((dest / "top/sub").stat().st_mtime) == MTIME
+    snap = ctx.progress.snapshot()
+    assert snap.bytes_done == snap.bytes_total == archive.stat().st_size
+    assert snap.files_done == len(digest(tree))
+
+
+def test_gnu_tar_gz_and_zstd_cli_archives(tree: Path, tmp_path: Path):
+    tgz = tmp_path / "gnu.tgz"
+    subprocess.run(["tar", "-czf", tgz, "-C", tree, "top"], check=True)
+    run_extract(tgz, tmp_path / "a")
+    assert digest(tmp_path / "a") == digest(tree)
+    if shutil.which("zstd"):
+        tzst = tmp_path / "gnu.tar.zst"
+        subprocess.run(["tar", "--zstd", "-cf", tzst, "-C", tree, "top"], check=True)
+        run_extract(tzst, tmp_path / "b", format="tar.zst")
+        assert digest(tmp_path / "b") == digest(tree)
+
+
+def test_rerun_in_same_directory_overwrites(tree: Path, tmp_path: Path):
+    archive = build("tar", tree, tmp_path / "data.tar")
+    dest = tmp_path / "dest"
+    run_extract(archive, dest)
+    (dest / "top/a.txt").write_bytes(b"half-written")
+    (dest / "top/a.txt").chmod(0o400)
+    run_extract(archive, dest)
+    assert digest(dest) == digest(tree)
+
+
+@pytest.mark.parametrize(("fmt", "strip"), [("tar", 2), ("zip", 1)])
+def test_strip_components(fmt: str, strip: int, tree: Path, tmp_path: Path):
+    # The tar's names start with "./top/" (and "./" counts, like GNU tar); the zip's with "top/".
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    dest = tmp_path / "dest"
+    run_extract(archive, dest, strip_components=strip)
+    assert digest(dest) == digest(tree / "top")
+
+
+def test_strip_components_skips_short_members(tree: Path, tmp_path: Path):
+    archive = build("tar", tree, tmp_path / "data.tar")
+    dest = tmp_path / "dest"
+    run_extract(archive, dest, strip_components=3)
+    assert sorted(digest(dest)) == ["b.bin", "deeper/c.jpg"]
+
+
+@pytest.mark.parametrize("outer", ["tar", "tar.gz", "zip"])
+def test_nested_archives_land_in_per_archive_folders(outer: str, tmp_path: Path):
+    classes = {}
+    inner_dir = tmp_path / "inner"
+    inner_dir.mkdir()
+    for name, fmt in [("n01440764", "tar"), ("n01443537", "tar"), ("n09999999", "tar.gz")]:
+        tree = make_tree(tmp_path / f"tree-{name}")
+        build(fmt, tree / "top", inner_dir / f"{name}.{fmt}")
+        classes[name] = digest(tree / "top")
+    (inner_dir / "README.txt").write_text("not an archive")
+    archive = build(outer, inner_dir, tmp_path / f"outer.{outer}")
+    dest = tmp_path / "dest"
+    run_extract(archive, dest, nested=True)
+    for name, expected in classes.items():
+        assert digest(dest / name) == expected
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*classes, "README.txt"])
+
+
+def test_truncated_tar_gz_is_corrupt(tree: Path, tmp_path: Path):
+    (tree / "top/more.bin").write_bytes(os.urandom(400_000))
+    archive = build("tar.gz", tree, tmp_path / "data.tar.gz")
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])
+    ctx = OpContext(root=tmp_path / "dest", progress=Progress())
+    with pytest.raises(CorruptArchive, match=str(archive)):
+        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+
+
+def test_truncated_plain_tar_is_corrupt(tree: Path, tmp_path: Path):
+    archive = build("tar", tree, tmp_path / "data.tar")
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) - 600_000])
+    ctx = OpContext(root=tmp_path / "dest", progress=Progress())
+    with pytest.raises(CorruptArchive, match="truncated or corrupt"):
+        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+
+
+@pytest.mark.parametrize("name", ["garbage.tar.gz", "garbage.tar", "garbage.zip"])
+def test_garbage_named_like_an_archive_is_corrupt(name: str, tmp_path: Path):
+    garbage = tmp_path / name
+    garbage.write_bytes(os.urandom(4096))
+    with pytest.raises(CorruptArchive, match=str(garbage)):
+        extract.check(ExtractStep(op="extract", src=str(garbage)))
+
+
+def test_gzip_of_garbage_is_corrupt(tmp_path: Path):
+    import gzip
+
+    archive = tmp_path / "data.tar.gz"
+    archive.write_bytes(gzip.compress(os.urandom(10_000)))
+    with pytest.raises(CorruptArchive, match=str(archive)):
+        extract.check(ExtractStep(op="extract", src=str(archive)))
+
+
+def test_unknown_format_fails_in_check(tmp_path: Path):
+    blob = tmp_path / "data.bin"
+    blob.write_bytes(b"hello, not an archive" * 100)
+    with pytest.raises(UnknownFormat, match=str(blob)):
+        extract.check(ExtractStep(op="extract", src=str(blob)))
+
+
+def test_wrong_explicit_format_fails_in_check(tree: Path, tmp_path: Path):
+    archive = build("tar.gz", tree, tmp_path / "data.tar.gz")
+    with pytest.raises(CorruptArchive, match="set format"):
+        extract.check(ExtractStep(op="extract", src=str(archive), format="zip"))
+
+
+def test_missing_source(tmp_path: Path):
+    with pytest.raises(SourceNotFound, match="nope.tar"):
+        extract.check(ExtractStep(op="extract", src=str(tmp_path / "nope.tar")))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_check_estimates_output_size(fmt: str, tree: Path, tmp_path: Path):
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    estimate = extract.check(ExtractStep(op="extract", src=str(archive)))
+    assert estimate >= archive.stat().st_size
+    if fmt in ("tar", "tar.gz"):
+        assert estimate >= sum(len(b) for b in map(Path.read_bytes, tree.rglob("*.bin")))
+
+
+def test_detects_format_by_content_not_name(tree: Path, tmp_path: Path):
+    archive = build("tar.zst", tree, tmp_path / "misnamed.tar.gz")
+    run_extract(archive, tmp_path / "dest")
+    assert digest(tmp_path / "dest") == digest(tree)
+
+
+def test_cancellation_raises_cancelled(tree: Path, tmp_path: Path):
+    archive = build("tar", tree, tmp_path / "data.tar")
+    ctx = OpContext(root=tmp_path / "dest", progress=Progress())
+    ctx.cancel.set()
+    with pytest.raises(Cancelled):
+        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+
+
+def test_safe_links_inside_are_kept(tmp_path: Path):
+    archive = tmp_path / "links.tar"
+    with tarfile.open(archive, "w") as tar:
+        data = b"payload"
+        info = tarfile.TarInfo("d/file.txt")
+        info.size, info.mtime = len(data), MTIME
+        tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("d/alias")
+        link.type, link.linkname, link.mtime = tarfile.SYMTYPE, "file.txt", MTIME
+        tar.addfile(link)
+        hard = tarfile.TarInfo("hard.txt")
+        hard.type, hard.linkname = tarfile.LNKTYPE, "d/file.txt"
+        tar.addfile(hard)
+    dest = tmp_path / "dest"
+    run_extract(archive, dest)
+    assert os.readlink(dest / "d/alias") == "file.txt"
+    assert (dest / "d/alias").read_bytes() == b"payload"
+    assert (dest / "hard.txt").stat().st_ino == (dest / "d/file.txt").stat().st_ino
+    assert int(os.lstat(dest / "d/alias").st_mtime) == MTIME
+    run_extract(archive, dest)  # a re-run replaces the links it made
+    assert time.time() > MTIME

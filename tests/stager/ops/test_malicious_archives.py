@@ -1,0 +1,234 @@
+"""The malicious corpus: every archive that tries to write outside its destination.
+
+Each case builds a real tar or zip whose members are laid out inside a work
+directory ``work/``; the destination is ``work/dest``, the "outside" targets
+are siblings in ``work/``. The test asserts the error type, that the message
+names the offending member, and that ``work/`` outside ``dest`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stager.errors import StagerError, UnsafeArchiveMember
+from stager.ops import extract
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from stager.schemas import ExtractStep
+
+# --- tar builders -------------------------------------------------------------
+
+
+def _tar_file(name: str, data: bytes = b"evil") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info, data
+
+
+def _tar_link(name: str, target: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info, None
+
+
+def _tar_special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.devmajor, info.devminor = kind, 1, 3
+    return info, None
+
+
+def write_tar(path: Path, members: list) -> None:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in [_tar_file("ok/first.txt", b"fine"), *members]:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+# --- zip builders -------------------------------------------------------------
+
+
+def _zip_entry(name: str, data: bytes = b"evil", unix_mode: int | None = None):
+    info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+    if unix_mode is not None:
+        info.create_system = 3
+        info.external_attr = unix_mode << 16
+    return info, data
+
+
+def write_zip(path: Path, members: list) -> None:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(*_zip_entry("ok/first.txt", b"fine"))
+        for info, data in members:
+            # ZipInfo keeps the name as given: what a hostile zip writer does.
+            zf.writestr(info, data)
+
+
+# --- the corpus ---------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    fmt: str
+    members: Callable[[Path], list]  # work dir -> members
+    culprit: Callable[[Path], str]  # work dir -> the member name the message must name
+    error: type[StagerError] = UnsafeArchiveMember
+
+
+def _same(name: str) -> Callable[[Path], str]:
+    return lambda work: name
+
+
+CASES = {
+    "tar-absolute-path": Case(
+        "tar",
+        lambda w: [_tar_file(str(w / "abs_evil.txt"))],
+        lambda w: str(w / "abs_evil.txt"),
+    ),
+    "tar-dotdot": Case("tar", lambda w: [_tar_file("../evil.txt")], _same("../evil.txt")),
+    "tar-dotdot-deep": Case(
+        "tar", lambda w: [_tar_file("a/b/../../../evil.txt")], _same("a/b/../../../evil.txt")
+    ),
+    "tar-symlink-absolute-then-file": Case(
+        "tar",
+        lambda w: [_tar_link("escape", str(w), tarfile.SYMTYPE), _tar_file("escape/evil.txt")],
+        _same("escape"),
+    ),
+    "tar-symlink-dotdot-then-file": Case(
+        "tar",
+        lambda w: [_tar_link("escape", "..", tarfile.SYMTYPE), _tar_file("escape/evil.txt")],
+        _same("escape"),
+    ),
+    "tar-symlink-inside-then-file-through-it": Case(
+        "tar",
+        lambda w: [_tar_link("here", "ok", tarfile.SYMTYPE), _tar_file("here/evil.txt")],
+        _same("here/evil.txt"),
+    ),
+    "tar-file-then-symlink-over-its-dir": Case(
+        "tar",
+        lambda w: [_tar_file("sub/a.txt"), _tar_link("sub", "..", tarfile.SYMTYPE)],
+        _same("sub"),
+    ),
+    "tar-symlink-chain-escapes-together": Case(
+        "tar",
+        lambda w: [
+            _tar_link("b", ".", tarfile.SYMTYPE),
+            _tar_link("a", "b/../outside", tarfile.SYMTYPE),
+        ],
+        _same("a"),
+    ),
+    "tar-hardlink-absolute": Case(
+        "tar",
+        lambda w: [_tar_link("hard", str(w / "outside.txt"), tarfile.LNKTYPE)],
+        _same("hard"),
+    ),
+    "tar-hardlink-dotdot": Case(
+        "tar",
+        lambda w: [_tar_link("hard", "../outside.txt", tarfile.LNKTYPE)],
+        _same("hard"),
+    ),
+    "tar-char-device": Case(
+        "tar", lambda w: [_tar_special("null", tarfile.CHRTYPE)], _same("null")
+    ),
+    "tar-block-device": Case(
+        "tar", lambda w: [_tar_special("disk", tarfile.BLKTYPE)], _same("disk")
+    ),
+    "tar-fifo": Case("tar", lambda w: [_tar_special("pipe", tarfile.FIFOTYPE)], _same("pipe")),
+    "zip-absolute-path": Case(
+        "zip", lambda w: [_zip_entry(str(w / "abs_evil.txt"))], lambda w: str(w / "abs_evil.txt")
+    ),
+    "zip-slip-dotdot": Case("zip", lambda w: [_zip_entry("../evil.txt")], _same("../evil.txt")),
+    "zip-slip-backslash": Case(
+        "zip", lambda w: [_zip_entry("..\\evil.txt")], _same("..\\evil.txt")
+    ),
+    "zip-drive-path": Case("zip", lambda w: [_zip_entry("C:/evil.txt")], _same("C:/evil.txt")),
+    "zip-symlink-out-then-file": Case(
+        "zip",
+        lambda w: [
+            _zip_entry("escape", str(w).encode(), stat.S_IFLNK | 0o777),
+            _zip_entry("escape/evil.txt"),
+        ],
+        _same("escape"),
+    ),
+    "zip-symlink-inside-then-file-through-it": Case(
+        "zip",
+        lambda w: [
+            _zip_entry("here", b"ok", stat.S_IFLNK | 0o777),
+            _zip_entry("here/evil.txt"),
+        ],
+        _same("here/evil.txt"),
+    ),
+    "zip-fifo": Case(
+        "zip", lambda w: [_zip_entry("pipe", b"", stat.S_IFIFO | 0o644)], _same("pipe")
+    ),
+}
+
+
+def snapshot(work: Path, dest: Path) -> dict[str, tuple]:
+    """Every entry under ``work`` outside ``dest``: type, size, mtime, link target."""
+    entries = {}
+    for dirpath, dirnames, filenames in os.walk(work):
+        if Path(dirpath) == dest or dest in Path(dirpath).parents:
+            dirnames[:] = []
+            continue
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if path == str(dest):
+                continue  # the destination itself may change; only what is beside it may not
+            st = os.lstat(path)
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+            entries[path] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns, target)
+    return entries
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_malicious_archive_is_refused(case_id: str, tmp_path: Path):
+    case = CASES[case_id]
+    work = tmp_path / "work"
+    dest = work / "dest"
+    dest.mkdir(parents=True)
+    (work / "outside.txt").write_bytes(b"precious")
+    (work / "outside").mkdir()
+    archive = tmp_path / f"evil.{case.fmt}"  # outside ``work``: not part of the snapshot
+    (write_tar if case.fmt == "tar" else write_zip)(archive, case.members(work))
+
+    before = snapshot(work, dest)
+    ctx = OpContext(root=dest, progress=Progress(), workers=2)
+    with pytest.raises(case.error) as raised:
+        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+
+    message = str(raised.value)
+    assert repr(case.culprit(work)) in message or case.culprit(work) in message, message
+    assert str(archive) in message
+    assert snapshot(work, dest) == before
+    assert (work / "outside.txt").read_bytes() == b"precious"
+    for path in dest.rglob("*"):  # nothing left in dest points outside it either
+        resolved = path.resolve()
+        assert resolved == dest.resolve() or dest.resolve() in resolved.parents, path
+
+
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
+def test_refused_again_on_rerun_over_partial_output(fmt: str, tmp_path: Path):
+    """A restart over a partial directory holding a leftover link does not write through it."""
+    work = tmp_path / "work"
+    dest = work / "dest"
+    dest.mkdir(parents=True)
+    (dest / "sub").symlink_to(work)  # as if left by something earlier
+    archive = tmp_path / f"data.{fmt}"
+    if fmt == "tar":
+        write_tar(archive, [_tar_file("sub/new.txt", b"data")])
+    else:
+        write_zip(archive, [_zip_entry("sub/new.txt", b"data")])
+    before = snapshot(work, dest)
+    extract.run(ExtractStep(op="extract", src=str(archive)), OpContext(dest, Progress()))
+    assert snapshot(work, dest) == before
+    assert not (work / "new.txt").exists()
+    assert (dest / "sub").is_dir() and not (dest / "sub").is_symlink()
+    assert (dest / "sub/new.txt").read_bytes() == b"data"
