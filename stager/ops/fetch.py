@@ -1,0 +1,255 @@
+"""Download an HTTP(S) URL into the dataset, resuming with Range requests.
+
+Bytes go to ``<dst>.part`` and are renamed into place only when complete (and
+matching ``sha256`` when given), so ``dst`` existing means "done": a restarted
+run skips it, and an interrupted one resumes from the ``.part`` size. Within a
+run, connection errors and short reads are retried a bounded number of times
+with exponential backoff, each retry resuming where the last one stopped.
+
+Replies to a ``Range: bytes=N-`` request:
+
+- 206 starting at N: append.
+- 200: the server ignored the range (or the file changed, via ``If-Range``):
+  start over.
+- 416: nothing at or after N. If the server says the whole thing is N bytes,
+  the ``.part`` is complete; otherwise it is stale (the file shrank): start over.
+
+``Accept-Encoding: identity`` and raw body iteration keep the bytes exactly as
+stored on the server: offsets in a Range request count stored bytes, and a
+``.tar.gz`` must not be transparently gunzipped by a helpful server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from stager.errors import BadRequest, FetchFailed, StagerError, VerifyFailed, from_os_error
+from stager.ops.base import OpContext
+from stager.schemas import FetchStep
+
+MAX_ATTEMPTS = 6
+BACKOFF_S = 0.5  # first retry delay, doubled each time, capped at BACKOFF_MAX_S
+BACKOFF_MAX_S = 30.0
+CHUNK = 1024 * 1024
+TIMEOUT = httpx.Timeout(60.0, connect=15.0)
+# Gateways and overloaded servers say these for a moment; anything else is final.
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
+
+
+class _Retry(Exception):
+    """Internal: this attempt failed in a way the next attempt may fix."""
+
+
+def check(step: FetchStep) -> int:
+    """No network I/O before staging: validate the name only; size is unknown (0)."""
+    _file_name(step)
+    return 0
+
+
+def run(step: FetchStep, ctx: OpContext) -> None:
+    target = _target(step, ctx)
+    part = target.with_name(target.name + ".part")
+    try:
+        if _already_done(step, target, ctx):
+            return
+        with httpx.Client(follow_redirects=True, timeout=TIMEOUT) as client:
+            _Download(step, part, ctx, client).run()
+        _verify(step, part, ctx)
+        os.replace(part, target)
+        ctx.progress.advance(0, 1)
+    except OSError as exc:
+        raise _translate(exc, step) from exc
+
+
+def _translate(exc: OSError, step: FetchStep) -> StagerError:
+    """The one place where OS errors become stager errors (ENOSPC: the disk is full)."""
+    return from_os_error(exc, f"downloading {step.url}")
+
+
+def _file_name(step: FetchStep) -> str:
+    if step.dst not in ("", ".") and not step.dst.endswith("/"):
+        return os.path.basename(step.dst)
+    name = os.path.basename(unquote(urlsplit(step.url).path))
+    if not name or name in (".", ".."):
+        raise BadRequest(
+            f"cannot name the download of {step.url} from its URL; give 'dst' as a file path"
+        )
+    return name
+
+
+def _target(step: FetchStep, ctx: OpContext) -> Path:
+    folder = step.dst if step.dst.endswith("/") or step.dst in ("", ".") else None
+    parent = folder or os.path.dirname(step.dst) or "."
+    directory = ctx.destination(parent)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / _file_name(step)
+
+
+def _already_done(step: FetchStep, target: Path, ctx: OpContext) -> bool:
+    """A file at ``dst`` was renamed there complete; re-check its hash when one is given."""
+    if not target.is_file():
+        return False
+    if step.sha256 and _sha256(target, ctx) != step.sha256.lower():
+        target.unlink()  # replaced by a different file since; download again
+        return False
+    size = target.stat().st_size
+    ctx.progress.add_total(size, 1)
+    ctx.progress.advance(size, 1)
+    return True
+
+
+def _verify(step: FetchStep, part: Path, ctx: OpContext) -> None:
+    if not step.sha256:
+        return
+    got, want = _sha256(part, ctx), step.sha256.lower()
+    if got != want:
+        part.unlink()
+        raise VerifyFailed(
+            f"download of {step.url} has sha256 {got} but the step expects {want}; "
+            "check the URL and the sha256 in the request"
+        )
+
+
+def _sha256(path: Path, ctx: OpContext) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            ctx.check_cancelled()
+    return digest.hexdigest()
+
+
+class _Download:
+    """Retries and resume state for one URL; each attempt appends to the ``.part`` file."""
+
+    def __init__(self, step: FetchStep, part: Path, ctx: OpContext, client: httpx.Client):
+        self.url = step.url
+        self.part = part
+        self.ctx = ctx
+        self.client = client
+        self.counted = 0  # bytes already reported to progress, so retries never double-count
+        self.announced = False
+        # Sent as If-Range on resumes within this run: a file that changed
+        # between attempts comes back whole (200) instead of being spliced.
+        self.validator: str | None = None
+
+    def run(self) -> None:
+        reason = "no attempt was made"
+        for attempt in range(MAX_ATTEMPTS):
+            self.ctx.check_cancelled()
+            try:
+                if self._attempt():
+                    return
+                reason = "the connection closed before the whole file arrived"
+            except _Retry as exc:
+                reason = str(exc)
+            except httpx.TooManyRedirects as exc:
+                raise FetchFailed(
+                    f"{self.url} redirects too many times ({exc}); check the URL"
+                ) from exc
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if attempt + 1 < MAX_ATTEMPTS:
+                # wait() instead of sleep() so a cancel interrupts the backoff.
+                self.ctx.cancel.wait(min(BACKOFF_S * 2**attempt, BACKOFF_MAX_S))
+        raise FetchFailed(
+            f"downloading {self.url} failed after {MAX_ATTEMPTS} attempts ({reason}); "
+            "check the URL and the network, then stage again"
+        )
+
+    def _attempt(self) -> bool:
+        """One GET; True when the ``.part`` file holds the whole body."""
+        offset = self.part.stat().st_size if self.part.exists() else 0
+        headers = {"Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            if self.validator:
+                headers["If-Range"] = self.validator
+        with self.client.stream("GET", self.url, headers=headers) as response:
+            if response.status_code == 416:
+                return self._unsatisfiable(response, offset)
+            self._raise_for_status(response)
+            offset, total = self._start(response, offset)
+            self._announce(total)
+            return self._receive(response, offset, total)
+
+    def _start(self, response: httpx.Response, offset: int) -> tuple[int, int | None]:
+        """Where this body starts in the file, and the file's full size if known."""
+        validator = response.headers.get("etag", "")
+        self.validator = (
+            validator if validator and not validator.startswith("W/") else None
+        ) or response.headers.get("last-modified")
+        if response.status_code == 206:
+            start, total = _content_range(response.headers.get("content-range"))
+            if start != offset:
+                self.part.unlink(missing_ok=True)
+                raise _Retry(f"the server answered a range starting at {start}, not {offset}")
+            return offset, total
+        length = response.headers.get("content-length")
+        return 0, int(length) if length and length.isdigit() else None
+
+    def _receive(self, response: httpx.Response, offset: int, total: int | None) -> bool:
+        position = offset
+        self._advance(position)
+        with open(self.part, "ab" if offset else "wb") as out:
+            # No chunk_size: httpx would buffer up to it, and a cut connection
+            # would lose everything buffered instead of leaving it in the .part.
+            for chunk in response.iter_raw():
+                out.write(chunk)
+                position += len(chunk)
+                self._advance(position)
+                self.ctx.check_cancelled()
+        if total is not None and position > total:
+            self.part.unlink()
+            raise _Retry(f"received {position} bytes but the server announced {total}")
+        return total is None or position == total
+
+    def _unsatisfiable(self, response: httpx.Response, offset: int) -> bool:
+        _, total = _content_range(response.headers.get("content-range"))
+        if total is not None and total == offset:
+            self._announce(total)
+            self._advance(offset)
+            return True  # the .part already holds every byte
+        self.part.unlink(missing_ok=True)
+        raise _Retry(f"the partial download ({offset} bytes) no longer matches the server's file")
+
+    def _raise_for_status(self, response: httpx.Response) -> None:
+        if response.status_code < 400:
+            return
+        message = (
+            f"GET {self.url} answered HTTP {response.status_code} {response.reason_phrase}; "
+            "check the URL and that the server allows this node to download it"
+        )
+        if response.status_code in RETRY_STATUS:
+            raise _Retry(message)
+        raise FetchFailed(message)
+
+    def _announce(self, total: int | None) -> None:
+        if self.announced:
+            return
+        self.announced = True
+        self.ctx.progress.add_total(total or 0, 1)
+
+    def _advance(self, position: int) -> None:
+        if position > self.counted:
+            self.ctx.progress.advance(position - self.counted)
+            self.counted = position
+
+
+def _content_range(value: str | None) -> tuple[int | None, int | None]:
+    """``bytes 100-199/1000`` -> (100, 1000); ``bytes */1000`` -> (None, 1000)."""
+    match = _CONTENT_RANGE.fullmatch(value.strip()) if value else None
+    if not match:
+        return None, None
+    start, _, total = match.groups()
+    return (
+        int(start) if start is not None else None,
+        int(total) if total and total != "*" else None,
+    )

@@ -1,0 +1,156 @@
+"""Link a source into the dataset instead of copying it.
+
+``link``: one symlink at ``dst`` pointing at ``src`` (the cheapest staging there
+is: the data stays on the shared filesystem). ``tree``: real directories and one
+symlink per file, each pointing at the absolute source file. That is what
+seeds/000's ``link_file`` meant to do (it called ``Path(src).symlink_to(dest)``,
+the arguments reversed); a mirrored tree lets later steps rename or add entries
+inside the dataset without touching the shared source.
+
+Link targets are ``os.path.abspath`` of the source, not ``realpath``: the
+user's path (``/network/datasets/...``) is the stable name on every node, while
+what it resolves to today may be a site-specific mount.
+
+Why no thread pool for ``tree``: creating a link is one short syscall, and
+links in one directory serialise on that directory's lock in the kernel, so
+threads would add overhead, not speed. One ``scandir`` plus one ``symlink``
+per file is the whole cost.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from stager.errors import BadRequest, StagerError, from_os_error
+from stager.ops.base import OpContext, require_source
+from stager.schemas import SymlinkStep
+
+
+def check(step: SymlinkStep) -> int:
+    """Validate the source; links write no data, so the estimate is 0."""
+    source = require_source(step.src)
+    if step.mode == "tree" and not source.is_dir():
+        raise BadRequest(
+            f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
+            "use mode 'link' for a single file"
+        )
+    return 0
+
+
+def run(step: SymlinkStep, ctx: OpContext) -> None:
+    check(step)
+    source = os.path.abspath(step.src)
+    try:
+        if step.mode == "link":
+            _link_one(source, _link_path(step, ctx), ctx)
+        else:
+            _link_tree(source, str(ctx.destination(step.dst)), ctx)
+    except OSError as exc:
+        raise _translate(exc, source) from exc
+
+
+def _translate(exc: OSError, source: str) -> StagerError:
+    """The one place where OS errors become stager errors (ENOSPC: disk or inodes full)."""
+    return from_os_error(exc, f"linking {source}")
+
+
+def _link_path(step: SymlinkStep, ctx: OpContext) -> str:
+    """``dst`` "." (or "dir/") puts the link inside under the source's basename."""
+    if step.dst in ("", ".") or step.dst.endswith("/"):
+        folder = ctx.destination(step.dst or ".")
+        name = os.path.basename(step.src.rstrip("/"))
+    else:
+        relative = step.dst.rstrip("/")
+        # Resolve only the parent: the link itself, from a previous run, points
+        # outside the dataset and resolving it would be refused.
+        folder = ctx.destination(os.path.dirname(relative) or ".")
+        name = os.path.basename(relative)
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / name)
+
+
+def _link_one(source: str, path: str, ctx: OpContext) -> None:
+    ctx.progress.add_total(0, 1)
+    if _current_target(path) != source:
+        if os.path.isdir(path) and not os.path.islink(path):
+            _refuse_directory(path)
+        # Create aside then rename over: a reader never sees the link missing.
+        tmp = f"{path}.stager-tmp"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(source, tmp)
+        os.replace(tmp, path)
+    ctx.progress.advance(0, 1)
+
+
+def _link_tree(source: str, dst_root: str, ctx: OpContext) -> None:
+    os.makedirs(dst_root, exist_ok=True)
+    stack = [(source, dst_root)]
+    while stack:
+        ctx.check_cancelled()
+        src_dir, dst_dir = stack.pop()
+        files = 0
+        with os.scandir(src_dir) as entries:
+            for entry in entries:
+                target = f"{dst_dir}/{entry.name}"
+                # Directory links are linked like files, not walked: no cycles,
+                # and the link still resolves to the same content.
+                if entry.is_dir(follow_symlinks=False):
+                    _make_dir(target)
+                    stack.append((entry.path, target))
+                else:
+                    _place(entry.path, target)
+                    files += 1
+        ctx.progress.add_total(0, files)
+        ctx.progress.advance(0, files)
+
+
+def _place(source: str, path: str) -> None:
+    """Make ``path`` a link to ``source``; the common case is a single syscall."""
+    try:
+        os.symlink(source, path)
+        return
+    except FileExistsError:
+        pass
+    if _current_target(path) == source:
+        return  # left by an earlier run
+    if os.path.isdir(path) and not os.path.islink(path):
+        _refuse_directory(path)
+    else:
+        os.unlink(path)
+    os.symlink(source, path)
+
+
+def _make_dir(path: str) -> None:
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.isdir(path) and not os.path.islink(path):
+            return
+        os.unlink(path)  # a file or link where the source now has a directory
+        os.mkdir(path)
+
+
+def _current_target(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # exists, but is not a link
+            return None
+        raise
+
+
+def _refuse_directory(path: str) -> None:
+    """An empty directory may be replaced; a full one is another step's data."""
+    try:
+        os.rmdir(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise BadRequest(
+            f"cannot create a link at {path}: a non-empty directory is there; "
+            "choose another 'dst' for the symlink step or remove the step that fills it"
+        ) from exc
