@@ -1,3 +1,5 @@
 from stager.cli import main
 
-raise SystemExit(main())
+# Guarded: staging worker processes are spawned and re-import the main module.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,40 +1,127 @@
 """The one doorway from the event loop to blocking work.
 
-Two pools so that long stagings can never starve the short calls the API needs
-(a status write, a stat of a source): ``run_io`` for short blocking calls on
-anyio's shared thread pool, ``StagingPool`` for whole stagings on threads of
-their own, sized by ``Settings.max_workers``.
+``run_io`` runs short blocking calls (a SQLite write, a stat of a source) on
+anyio's thread pool. ``run_staging`` runs a whole staging in a child process
+(see ``stager.worker`` for why) and awaits it without blocking the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio.to_thread
+
+from stager import errors
+from stager.progress import Progress
+from stager.worker import (
+    BYTES_DONE,
+    BYTES_TOTAL,
+    CONTEXT,
+    FILES_DONE,
+    FILES_TOTAL,
+    HAS_FILES_TOTAL,
+    STEP,
+    StageJob,
+    stage_in_child,
+)
+
+log = logging.getLogger("stager.staging")
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 
 async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run a short blocking call (file stat, SQLite write) off the event loop."""
+    """Run a short blocking call off the event loop."""
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
-class StagingPool:
-    """Threads that run whole stagings; one per concurrently staged dataset."""
+class StagingProcessDied(errors.StagerError):
+    type = "internal_error"
 
-    def __init__(self, workers: int) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stage")
 
-    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+async def run_staging(
+    job: StageJob, progress: Progress, cancel: threading.Event, poll_s: float = 0.1
+) -> int:
+    """Stage ``job`` in a child process; return the published size or raise its error.
 
-    def shutdown(self) -> None:
-        # Do not wait: running ops see their cancel event and return on their own.
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    ``cancel`` is forwarded to the child, which stops at its next unit of work.
+    """
+    counters = CONTEXT.Array("q", 6)
+    child_cancel = CONTEXT.Event()
+    receiver, sender = CONTEXT.Pipe(duplex=False)
+    process = CONTEXT.Process(
+        target=stage_in_child,
+        args=(job, counters, child_cancel, sender, os.getpid()),
+        name=f"stager-stage-{job.final.name}",
+    )
+    await run_io(process.start)
+    sender.close()
+    message = None
+    try:
+        while message is None:
+            if cancel.is_set():
+                child_cancel.set()
+            _mirror(counters, progress, job)
+            if receiver.poll():
+                message = receiver.recv()
+            elif not process.is_alive():
+                if receiver.poll():
+                    continue
+                raise StagingProcessDied(
+                    f"the staging process died with exit code {process.exitcode}; "
+                    "see the daemon log, then stage again"
+                )
+            else:
+                await asyncio.sleep(poll_s)
+    finally:
+        child_cancel.set()  # no-op when it finished; stops it when we are being cancelled
+        await run_io(_reap, process)
+        receiver.close()
+    _mirror(counters, progress, job)
+    return _outcome(message)
+
+
+def _reap(process: Any, grace_s: float = 3.0) -> None:
+    process.join(grace_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _mirror(counters: Any, progress: Progress, job: StageJob) -> None:
+    with counters.get_lock():
+        values = list(counters)
+    index = values[STEP]
+    progress.mirror(
+        step_index=index,
+        step=job.steps[index - 1].op if index else None,
+        bytes_total=values[BYTES_TOTAL],
+        files_total=values[FILES_TOTAL] if values[HAS_FILES_TOTAL] else None,
+        bytes_done=values[BYTES_DONE],
+        files_done=values[FILES_DONE],
+    )
+
+
+def _outcome(message: tuple[str, Any]) -> int:
+    """Re-raise in the daemon what the child reported."""
+    kind, payload = message
+    if kind == "ok":
+        return payload
+    if kind == "cancelled":
+        raise errors.Cancelled("staging was cancelled")
+    if kind == "error":
+        class_name, _type, text = payload
+        raise getattr(errors, class_name, errors.StagingError)(text)
+    if kind == "oserror":
+        number, strerror, filename = payload
+        raise OSError(number, strerror, filename)
+    raise StagingProcessDied(
+        f"internal error in the staging process; see the daemon log:\n{payload}"
+    )

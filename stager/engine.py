@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import preflight, recipes
-from stager.blocking import StagingPool, run_io
+from stager.blocking import run_io, run_staging
 from stager.dataset import Entry, Handle, public_view, spec_key
 from stager.errors import (
     Cancelled,
@@ -24,13 +24,12 @@ from stager.errors import (
     from_os_error,
 )
 from stager.metrics import Metrics
-from stager.ops import run_step
-from stager.ops.base import OpContext
 from stager.progress import Progress
-from stager.publish import make_link, publish, remove_link, remove_tree, tree_size
+from stager.publish import make_link, remove_link, remove_tree
 from stager.schemas import DatasetCreate, DatasetPublic, ErrorInfo, State
 from stager.settings import Settings
 from stager.store import Store
+from stager.worker import StageJob
 
 log = logging.getLogger("stager.engine")
 
@@ -46,7 +45,6 @@ class Engine:
         self._handles: dict[str, Handle] = {}
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._changed = asyncio.Condition()
-        self._pool = StagingPool(settings.max_workers)
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
         self._running: set[asyncio.Future[Any]] = set()
         self._stopping = False
@@ -103,7 +101,6 @@ class Engine:
         if self._store is not None:
             await run_io(self._store.save_progress, list(self._entries.values()))
             await run_io(self._store.close)
-        self._pool.shutdown()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -269,7 +266,15 @@ class Engine:
         entry.cancel.clear()
         entry.move(State.STAGING)
         await self._save(entry)
-        future = asyncio.ensure_future(self._pool.run(self._stage_blocking, entry))
+        job = StageJob(
+            steps=entry.steps,
+            partial=self._partial(entry),
+            final=self._final(entry),
+            workers=self.settings.op_workers,
+            verify=entry.verify,
+            nice=self.settings.staging_nice,
+        )
+        future = asyncio.ensure_future(run_staging(job, entry.progress, entry.cancel))
         self._running.add(future)
         try:
             entry.size_bytes = await future
@@ -283,7 +288,7 @@ class Engine:
             error = from_os_error(exc, "staging")
             await self._fail(entry, State.FAILED, ErrorInfo(**error.to_dict()))
         except Exception as exc:
-            # A bug in an op must fail this dataset loudly, not wedge it in STAGING.
+            # A bug must fail this dataset loudly, not wedge it in STAGING.
             log.exception("internal error while staging %s", entry.key)
             message = f"internal error while staging: {exc!r}; see the daemon log"
             await self._fail(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
@@ -294,27 +299,6 @@ class Engine:
             await self._link_all(entry)
         finally:
             self._running.discard(future)
-
-    def _stage_blocking(self, entry: Entry) -> int:
-        final, partial = self._final(entry), self._partial(entry)
-        if final.is_dir():
-            return tree_size(final)  # published just before a crash: already complete
-        partial.mkdir(parents=True, exist_ok=True)
-        ctx = OpContext(
-            root=partial,
-            progress=entry.progress,
-            cancel=entry.cancel,
-            workers=self.settings.op_workers,
-            verify=entry.verify,
-        )
-        for index, step in enumerate(entry.steps, start=1):
-            ctx.check_cancelled()
-            entry.progress.start_step(step.op, index)
-            run_step(step, ctx)
-        ctx.check_cancelled()
-        size = tree_size(partial)
-        publish(partial, final)
-        return size
 
     async def _fail(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         log.warning("dataset %s %s: %s", entry.key, state, error.message)

@@ -50,6 +50,24 @@ class Progress:
             self.files_done += files
             self._sample()
 
+    def mirror(
+        self,
+        step_index: int,
+        step: str | None,
+        bytes_total: int,
+        files_total: int | None,
+        bytes_done: int,
+        files_done: int,
+    ) -> None:
+        """Take absolute counters reported by a staging process."""
+        with self._lock:
+            self.step_index, self.step = step_index, step
+            self.bytes_total, self.files_total = bytes_total, files_total
+            changed = bytes_done != self.bytes_done
+            self.bytes_done, self.files_done = bytes_done, files_done
+            if changed or not self._samples:
+                self._sample()
+
     def _sample(self) -> None:
         now = self._clock()
         self._samples.append((now, self.bytes_done))

@@ -38,6 +38,7 @@ class Settings(BaseSettings):
     no_token: bool = False  # allowed on loopback addresses only
     max_workers: int = Field(default=2, ge=1)  # datasets staged at once
     op_workers: int = Field(default=8, ge=1)  # threads inside one op (parallel small files)
+    staging_nice: int = Field(default=10, ge=0, le=19)  # CPU priority of staging processes
     allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
     recipe_dirs: list[Path] = Field(default_factory=list)
     min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk

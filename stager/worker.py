@@ -1,0 +1,140 @@
+"""A staging runs in a child process of its own.
+
+Why a process and not a thread: ops do real Python work per file (stat, open,
+utime, tar headers); in threads of the daemon they would hold the GIL against
+the event loop and push status replies from ~1 ms to tens of milliseconds. In a
+child they cannot, and a crash inside an op cannot take the daemon down.
+
+The child reports progress through a small shared-memory array and its outcome
+through a pipe; the parent (``StagingProcess``) mirrors the counters into the
+entry's ``Progress`` a few times a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stager.errors import Cancelled, StagerError
+from stager.ops import run_step
+from stager.ops.base import OpContext
+from stager.publish import publish, tree_size
+
+# Spawn, not fork: the daemon has threads (uvicorn, anyio) that fork would clone mid-state.
+CONTEXT = multiprocessing.get_context("spawn")
+
+# Slots of the shared counters array.
+STEP, BYTES_TOTAL, FILES_TOTAL, BYTES_DONE, FILES_DONE, HAS_FILES_TOTAL = range(6)
+
+
+@dataclass
+class StageJob:
+    steps: list[Any]
+    partial: Path
+    final: Path
+    workers: int
+    verify: str
+    nice: int = 10
+
+
+class RelayProgress:
+    """The ``Progress`` interface ops use, writing into shared counters."""
+
+    def __init__(self, counters: Any) -> None:
+        self._counters = counters
+
+    def start_step(self, name: str, index: int) -> None:
+        with self._counters.get_lock():
+            self._counters[STEP] = index
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        with self._counters.get_lock():
+            self._counters[BYTES_TOTAL] += nbytes
+            if files:
+                self._counters[FILES_TOTAL] += files
+                self._counters[HAS_FILES_TOTAL] = 1
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        with self._counters.get_lock():
+            self._counters[BYTES_DONE] += nbytes
+            self._counters[FILES_DONE] += files
+
+
+def _die_with_parent() -> None:
+    """If the daemon is killed (-9), this child must not keep writing: the restarted
+    daemon resumes in the same partial directory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass  # not glibc Linux: the parent-pid check in ``_ParentWatch`` still applies
+
+
+class _ParentWatch:
+    """Cancel event that also fires when the parent daemon is gone."""
+
+    def __init__(self, cancel: Any, parent_pid: int) -> None:
+        self._cancel, self._parent = cancel, parent_pid
+
+    def is_set(self) -> bool:
+        return self._cancel.is_set() or os.getppid() != self._parent
+
+    def set(self) -> None:
+        self._cancel.set()
+
+
+def stage_in_child(
+    job: StageJob,
+    counters: Any,
+    cancel: Any,
+    conn: multiprocessing.connection.Connection,
+    parent_pid: int,
+) -> None:
+    """Entry point of the child: run every step, publish, report ("ok", size) or the error."""
+    _die_with_parent()
+    # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
+    os.nice(job.nice)
+    if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
+    try:
+        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel, parent_pid))))
+    except Cancelled:
+        conn.send(("cancelled", None))
+    except StagerError as exc:
+        conn.send(("error", (type(exc).__name__, exc.type, exc.message)))
+    except OSError as exc:
+        conn.send(("oserror", (exc.errno, exc.strerror, exc.filename)))
+    except Exception:  # a bug in an op: report it; the parent logs it and fails the entry
+        conn.send(("internal", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _stage(job: StageJob, counters: Any, cancel: Any) -> int:
+    if job.final.is_dir():
+        return tree_size(job.final)  # published just before a crash: already complete
+    job.partial.mkdir(parents=True, exist_ok=True)
+    ctx = OpContext(
+        root=job.partial,
+        progress=RelayProgress(counters),  # type: ignore[arg-type]
+        cancel=cancel,
+        workers=job.workers,
+        verify=job.verify,
+    )
+    for index, step in enumerate(job.steps, start=1):
+        ctx.check_cancelled()
+        ctx.progress.start_step(step.op, index)
+        run_step(step, ctx)
+    ctx.check_cancelled()
+    size = tree_size(job.partial)
+    publish(job.partial, job.final)
+    return size
