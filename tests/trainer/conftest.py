@@ -1,0 +1,106 @@
+"""Helpers for trainer tests: tiny on-disk datasets and real multi-process launches."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+# iNat 2021 folder names: "<id:05d>_<kingdom>_<phylum>_<class>_<order>_<family>_<genus>_<species>".
+INAT_TAXA = [
+    ("Animalia", "Chordata", "Aves", "Passeriformes", "Corvidae", "Corvus", "corax"),
+    ("Animalia", "Chordata", "Aves", "Passeriformes", "Paridae", "Parus", "major"),
+    ("Animalia", "Arthropoda", "Insecta", "Coleoptera", "Cleridae", "Trichodes", "apiarius"),
+    ("Plantae", "Tracheophyta", "Magnoliopsida", "Rosales", "Rosaceae", "Rosa", "canina"),
+]
+COLORS = [(220, 40, 40), (40, 200, 40), (40, 40, 220), (220, 220, 40)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_jpeg(path: Path, color: tuple[int, int, int], seed: int, size=(40, 30)) -> None:
+    """A class-coloured image with noise: learnable through any crop, unlike FakeData's noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    arr = np.clip(rng.normal(color, 40, size=(size[1], size[0], 3)), 0, 255).astype("uint8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(arr).save(path, quality=90)
+
+
+def make_inat2021(root: Path, version: str = "2021_train", per_class: int = 8, seed: int = 0):
+    for c, taxa in enumerate(INAT_TAXA):
+        folder = root / version / "_".join((f"{c:05d}", *taxa))
+        for i in range(per_class):
+            write_jpeg(folder / f"{c}-{i:04d}.jpg", COLORS[c], seed * 10_000 + c * 100 + i)
+    return root
+
+
+def make_imagefolder(root: Path, split: str, per_class: int = 5, seed: int = 0) -> Path:
+    for c in range(3):
+        for i in range(per_class):
+            path = root / split / f"class{c}" / f"img{i:03d}.jpg"
+            write_jpeg(path, COLORS[c], seed + c * 100 + i)
+    return root
+
+
+def trainer_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in list(env):  # a stray launcher variable would make the child half-distributed
+        if key.startswith(("SLURM_", "TORCHELASTIC_")) or key in (
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        ):  # fmt: skip
+            env.pop(key)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run_trainer(
+    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """``python -m trainer ARGS`` or ``torchrun --nproc-per-node N -m trainer ARGS``."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trainer", *args]
+    else:
+        cmd = [
+            str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            "-m", "trainer", *args,
+        ]  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, env=env or trainer_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def tiny_args(out: Path, *extra: str) -> list[str]:
+    """Fake data at 16x16 through tinynet on CPU: a full run takes seconds."""
+    return [
+        "--dataset", "fake", "--fake-size", "48", "--fake-val-size", "21",
+        "--fake-image-size", "16", "--crop-size", "16", "--val-resize-size", "16",
+        "--num-classes", "4", "--arch", "tinynet", "--device", "cpu", "--workers", "0",
+        "--batch-size", "4", "--print-freq", "1000", "--no-tensorboard",
+        "--output-dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,264 @@
+"""train_one_epoch and evaluate (torchvision references' engine, done exactly)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import distributed as dist_utils
+from trainer.metrics import Throughput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Position:
+    """Where training stands; saved in checkpoints."""
+
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
+    iteration: int = 0  # optimizer steps since the start of training
+
+
+@dataclass
+class StepConfig:
+    accum_steps: int = 1
+    amp_dtype: torch.dtype | None = None
+    clip_grad_norm: float | None = None
+    sched_per_iter: bool = True
+    max_iters: int | None = None
+    print_freq: int = 10
+    checkpoint_every: int | None = None  # optimizer steps
+    progress_bar: bool = False
+
+
+@dataclass
+class Hooks:
+    """Side effects the loop triggers at step boundaries (all optional)."""
+
+    save_checkpoint: Callable[[], None] | None = None
+    preempted: Callable[[], bool] | None = None
+    after_step: Callable[[], None] | None = None  # profiler.step, debug signals
+    record_indices: Callable[[torch.Tensor], None] | None = None
+    log_row: Callable[[str, dict[str, Any], int], None] | None = None
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    acc: float
+    stopped: str | None  # None (epoch done) | "preempted" | "max_iters"
+    throughput: dict[str, float] = field(default_factory=dict)
+
+
+def train_one_epoch(
+    model: nn.Module,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    scaler: torch.amp.GradScaler | None,
+    loader: Any,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+    pos: Position,
+    cfg: StepConfig,
+    hooks: Hooks,
+    world_size: int = 1,
+) -> EpochResult:
+    model.train()
+    accum = cfg.accum_steps
+    # Micro-batches left to a full optimizer step are dropped at the epoch end:
+    # a smaller last step would weight its samples differently.
+    total_batches = pos.batch_in_epoch + len(loader)
+    steps_in_epoch = total_batches // accum
+    first_step = pos.batch_in_epoch // accum
+    meter = Throughput()
+    # Sums stay on the device: calling .item() every step would stall the GPU.
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.float64)
+    seen = torch.zeros((), device=device, dtype=torch.float64)
+    bar = _progress(cfg.progress_bar, steps_in_epoch - first_step, pos.epoch)
+    batches = iter(loader)
+    stopped = None
+    for _ in range(first_step, steps_in_epoch):
+        for micro in range(accum):
+            t0 = time.perf_counter()
+            images, targets, indices = next(batches)
+            meter.add_data_wait(time.perf_counter() - t0)
+            images = prepare(images)
+            targets = targets.to(device, non_blocking=True)
+            # no_sync on all but the last micro-batch: gradients accumulate
+            # locally and are all-reduced once per optimizer step.
+            last = micro == accum - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or not hasattr(model, "no_sync")
+                else model.no_sync()
+            )
+            with sync:
+                with _autocast(device, cfg.amp_dtype):
+                    output = model(images)
+                    loss = criterion(output, targets)
+                scaled = loss / accum
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            n = targets.numel()
+            loss_sum += loss.detach().double() * n
+            correct += (output.detach().argmax(1) == targets).sum()
+            seen += n
+            meter.add_images(n * world_size)
+            if hooks.record_indices is not None:
+                hooks.record_indices(indices)
+        _optimizer_step(model, optimizer, scaler, cfg.clip_grad_norm)
+        if scheduler is not None and cfg.sched_per_iter:
+            scheduler.step()
+        pos.iteration += 1
+        pos.batch_in_epoch += accum
+        if hooks.after_step is not None:
+            hooks.after_step()
+        if bar is not None:
+            bar.update(1)
+        if pos.iteration % cfg.print_freq == 0:
+            rate = meter.interval()
+            _report(
+                bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, accum
+            )
+        if cfg.max_iters is not None and pos.iteration >= cfg.max_iters:
+            stopped = "max_iters"
+            break
+        if hooks.preempted is not None and hooks.preempted():
+            stopped = "preempted"
+            break
+        if cfg.checkpoint_every and pos.iteration % cfg.checkpoint_every == 0:
+            if hooks.save_checkpoint is not None:
+                hooks.save_checkpoint()
+    if bar is not None:
+        bar.close()
+    stats = dist_utils.all_reduce_sum(torch.stack([loss_sum, correct, seen]))
+    total = max(stats[2].item(), 1.0)
+    return EpochResult(
+        loss=stats[0].item() / total,
+        acc=stats[1].item() / total,
+        stopped=stopped,
+        throughput=meter.summary(),
+    )
+
+
+def _optimizer_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    clip: float | None,
+) -> None:
+    if scaler is not None:
+        if clip:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _progress(enabled: bool, total: int, epoch: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
+
+
+def _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, accum):
+    # Local (this rank's) running means: a per-interval all-reduce would add a
+    # sync point for numbers that only decorate the log.
+    n = max(seen.item(), 1.0)
+    values = {
+        "epoch": pos.epoch,
+        "iteration": pos.iteration,
+        "loss": loss_sum.item() / n,
+        "acc": correct.item() / n,
+        "img_s": rate,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+    if bar is not None:
+        bar.set_postfix(
+            loss=f"{values['loss']:.4f}", acc=f"{values['acc']:.3f}", img_s=f"{rate:.0f}"
+        )
+    else:
+        log.info(
+            "epoch %d step %d/%d  loss %.4f  acc %.3f  %.0f img/s  lr %.3g",
+            pos.epoch, pos.batch_in_epoch // accum, steps_in_epoch, values["loss"],
+            values["acc"], rate, values["lr"],
+        )  # fmt: skip
+    if hooks.log_row is not None:
+        hooks.log_row("train_steps", values, pos.iteration)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader: Any,
+    prepare: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device,
+    num_classes: int,
+    amp_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """Exact metrics over the whole split, whatever the world size.
+
+    ``model`` must be the unwrapped module: DDP's forward broadcasts buffers,
+    a collective that would hang when ranks hold different numbers of batches,
+    which they do here because the sampler does not pad. Sums (not batch
+    means) are reduced, so the loss is a true per-sample mean.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    top1 = torch.zeros((), device=device, dtype=torch.float64)
+    top5 = torch.zeros((), device=device, dtype=torch.float64)
+    class_correct = torch.zeros(num_classes, device=device, dtype=torch.float64)
+    class_total = torch.zeros(num_classes, device=device, dtype=torch.float64)
+    k = min(5, num_classes)
+    for images, targets, _ in loader:
+        images = prepare(images)
+        targets = targets.to(device, non_blocking=True)
+        with _autocast(device, amp_dtype):
+            output = model(images)
+        output = output.float()
+        loss_sum += F.cross_entropy(output, targets, reduction="sum").double()
+        topk = output.topk(k, dim=1).indices
+        hit1 = topk[:, 0] == targets
+        top1 += hit1.sum()
+        top5 += (topk == targets[:, None]).any(dim=1).sum()
+        class_total.index_add_(0, targets, torch.ones_like(targets, dtype=torch.float64))
+        class_correct.index_add_(0, targets, hit1.double())
+    flat = torch.cat([torch.stack([loss_sum, top1, top5]), class_correct, class_total])
+    flat = dist_utils.all_reduce_sum(flat)
+    loss_sum, top1, top5 = flat[0].item(), flat[1].item(), flat[2].item()
+    class_correct, class_total = flat[3 : 3 + num_classes], flat[3 + num_classes :]
+    count = class_total.sum().item()
+    present = class_total > 0
+    per_class = (class_correct[present] / class_total[present]).mean().item() if count else 0.0
+    denom = max(count, 1.0)
+    return {
+        "val_loss": loss_sum / denom,
+        "top1": top1 / denom,
+        "top5": top5 / denom,
+        "mean_class_acc": per_class,
+        "count": int(count),
+    }
