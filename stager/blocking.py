@@ -61,7 +61,9 @@ async def run_staging(
         args=(job, counters, child_cancel, sender, os.getpid()),
         name=f"stager-stage-{job.final.name}",
     )
-    await run_io(process.start)
+    # Started from the event-loop thread on purpose: the child's parent-death signal
+    # is tied to the creating thread, and a pool thread may exit while it runs.
+    process.start()
     sender.close()
     message = None
     try:

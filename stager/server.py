@@ -108,11 +108,19 @@ def serve(settings: Settings) -> None:
         **config_args,
     )
     settings.pid_path.write_text(f"{os.getpid()}\n")
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the
+    # previous handler; make that handler a clean exit so the status is 0, as job
+    # prologues and systemd expect from a graceful stop.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         uvicorn.Server(config).run()
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def health_client(settings: Settings, timeout: float = 2.0) -> httpx.Client:

@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,13 @@ class _ParentWatch:
 
     def set(self) -> None:
         self._cancel.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` (ops use it for backoff), waking early on cancel."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set() and (remaining := deadline - time.monotonic()) > 0:
+            self._cancel.wait(min(remaining, 0.5))
+        return self.is_set()
 
 
 def stage_in_child(
