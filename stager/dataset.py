@@ -24,7 +24,7 @@ from pydantic import TypeAdapter
 
 from stager.errors import StagerError
 from stager.progress import Progress
-from stager.schemas import DatasetPublic, ErrorInfo, State, Step
+from stager.schemas import DatasetPublic, ErrorInfo, State, Step, TorchvisionUsage
 
 ALLOWED = {
     State.QUEUED: {State.STAGING, State.CANCELLED, State.FAILED},
@@ -61,6 +61,7 @@ class Entry:
     state: State = State.QUEUED
     error: ErrorInfo | None = None
     progress: Progress = field(default_factory=Progress)
+    usage: list[dict[str, Any]] = field(default_factory=list)  # from the recipe
     size_bytes: int = 0
     estimate_bytes: int = 0
     created_at: datetime = field(default_factory=now)
@@ -88,6 +89,14 @@ class Handle:
     created_at: datetime = field(default_factory=now)
 
 
+def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
+    usage = TorchvisionUsage.model_validate(raw)
+    root = path / usage.root if usage.root not in ("", ".") else path
+    args = "".join(f", {k}={v!r}" for k, v in usage.kwargs.items())
+    usage.code = f"{usage.class_}(root={str(root)!r}{args})"
+    return usage
+
+
 def public_view(handle: Handle, entry: Entry, data_dir: Path) -> DatasetPublic:
     # The path is where the data will be once ready; it does not exist before the
     # atomic publish, so nobody can read a half-staged tree through it.
@@ -99,6 +108,7 @@ def public_view(handle: Handle, entry: Entry, data_dir: Path) -> DatasetPublic:
         link=handle.link,
         progress=entry.progress.snapshot(),
         error=entry.error,
+        usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )

@@ -111,7 +111,11 @@ class Engine:
 
     async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
         """Create or join a staging. Returns the status and whether it is already ready."""
-        steps = recipes.expand(request, self.settings) if request.recipe else request.steps
+        if request.recipe:
+            expansion = recipes.expand(request, self.settings)
+        else:
+            expansion = recipes.Expansion(steps=request.steps)
+        steps = expansion.steps
         key = spec_key(request.spec())
         self._check_name(request.name, key)
         estimate = await run_io(preflight.check_steps, steps, self.settings)
@@ -120,7 +124,7 @@ class Engine:
         entry = self._entries.get(key)
         if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
             await run_io(preflight.check_free_space, estimate, self.settings)
-            entry = await self._enqueue(entry, key, request, steps, estimate)
+            entry = await self._enqueue(entry, key, request, expansion, estimate)
             self.metrics.requests.labels(outcome="miss").inc()
         elif entry.active:
             self.metrics.requests.labels(outcome="join").inc()
@@ -148,14 +152,25 @@ class Engine:
             )
 
     async def _enqueue(
-        self, entry: Entry | None, key: str, request: DatasetCreate, steps: list[Any], estimate: int
+        self,
+        entry: Entry | None,
+        key: str,
+        request: DatasetCreate,
+        expansion: recipes.Expansion,
+        estimate: int,
     ) -> Entry:
         if entry is None:
-            entry = Entry(key=key, spec=request.spec(), steps=steps, verify=request.verify)
+            entry = Entry(
+                key=key,
+                spec=request.spec(),
+                steps=expansion.steps,
+                verify=request.verify,
+                usage=expansion.usage,
+            )
             self._entries[key] = entry
         else:
             entry.move(State.QUEUED)
-        entry.progress = Progress(steps_total=len(steps))
+        entry.progress = Progress(steps_total=len(entry.steps))
         entry.estimate_bytes = estimate
         await self._save(entry)
         self._queue.put_nowait(key)

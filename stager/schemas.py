@@ -163,6 +163,17 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class TorchvisionUsage(BaseModel):
+    """How to load a staged recipe with torchvision, e.g. INaturalist(root, version=...)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    class_: str = Field(alias="class")  # e.g. "torchvision.datasets.INaturalist"
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # besides root
+    root: str = "."  # relative to the dataset's path
+    code: str | None = None  # a ready-to-paste Python line, filled in by the daemon
+
+
 class DatasetPublic(BaseModel):
     name: str
     key: str
@@ -171,6 +182,7 @@ class DatasetPublic(BaseModel):
     link: str | None = None
     progress: ProgressPublic = Field(default_factory=ProgressPublic)
     error: ErrorInfo | None = None
+    usage: list[TorchvisionUsage] = Field(default_factory=list)
     created_at: datetime
     updated_at: datetime
 

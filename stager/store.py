@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS entries (
     size_bytes INTEGER NOT NULL DEFAULT 0,
     estimate_bytes INTEGER NOT NULL DEFAULT 0,
     created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL
+    updated_at TEXT NOT NULL,
+    usage TEXT NOT NULL DEFAULT '[]'
 );
 CREATE TABLE IF NOT EXISTS handles (
     name TEXT PRIMARY KEY,
@@ -66,9 +67,10 @@ class Store:
             entry.estimate_bytes,
             entry.created_at.isoformat(),
             entry.updated_at.isoformat(),
+            json.dumps(entry.usage),
         )
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?)", row)
+            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", row)
 
     def save_progress(self, entries: list[Entry]) -> None:
         rows = [(e.progress.snapshot().model_dump_json(), e.key) for e in entries]
@@ -97,7 +99,7 @@ class Store:
 
 
 def _entry_from_row(row: tuple) -> Entry:
-    key, spec, steps, verify, state, error, progress, size, estimate, created, updated = row
+    key, spec, steps, verify, state, error, progress, size, estimate, created, updated, usage = row
     return Entry(
         key=key,
         spec=json.loads(spec),
@@ -108,6 +110,7 @@ def _entry_from_row(row: tuple) -> Entry:
         progress=Progress.restore(ProgressPublic.model_validate_json(progress)),
         size_bytes=size,
         estimate_bytes=estimate,
+        usage=json.loads(usage),
         created_at=datetime.fromisoformat(created),
         updated_at=datetime.fromisoformat(updated),
     )

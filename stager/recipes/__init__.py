@@ -6,6 +6,7 @@ then no recipe is known and a request naming one gets a clear 400.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from stager.errors import UnknownRecipe
@@ -17,7 +18,15 @@ def available(settings: Settings) -> list[dict[str, Any]]:
     return []
 
 
-def expand(request: DatasetCreate, settings: Settings) -> list[Any]:
+@dataclass
+class Expansion:
+    """What a recipe turns into: the steps to run and how torchvision loads the result."""
+
+    steps: list[Any]
+    usage: list[dict[str, Any]] = field(default_factory=list)
+
+
+def expand(request: DatasetCreate, settings: Settings) -> Expansion:
     names = ", ".join(r["name"] for r in available(settings)) or "none installed yet"
     raise UnknownRecipe(
         f"recipe {request.recipe!r} is not known (available: {names}); "
