@@ -1,0 +1,183 @@
+"""End-to-end runs with real 2-process gloo groups (torchrun or torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchvision import datasets as tvd
+
+from tests.trainer.conftest import free_port, make_inat2021, run_trainer, tiny_args, trainer_env
+from trainer import checkpoint, data, engine
+from trainer.models import build_model
+
+pytestmark = pytest.mark.slow
+
+
+def _epochs(out: Path) -> list[dict[str, str]]:
+    with open(out / "epochs.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _final_model(out: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(checkpoint.latest(out / "checkpoints"))["model"]
+
+
+def _resnet_args(out: Path, *extra: str) -> list[str]:
+    return [
+        "--arch", "resnet18", "--device", "cpu", "--workers", "1", "--batch-size", "8",
+        "--crop-size", "16", "--val-resize-size", "16", "--opt", "adamw", "--lr", "0.002",
+        "--weight-decay", "0", "--no-tensorboard", "--print-freq", "1000",
+        "--output-dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_resnet_trains_on_fakedata_ddp(tmp_path):
+    # FakeData is noise with random labels: only memorisation can lower the
+    # loss, so augmentation is off and the check is on the training loss.
+    args = _resnet_args(
+        tmp_path, "--dataset", "fake", "--fake-size", "32", "--fake-val-size", "9",
+        "--fake-image-size", "16", "--num-classes", "4", "--augment", "none", "--epochs", "4",
+    )  # fmt: skip
+    done = run_trainer(args, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _epochs(tmp_path)
+    assert len(rows) == 4 and rows[0]["count"] == "9"
+    assert float(rows[-1]["train_loss"]) < 0.6 * float(rows[0]["train_loss"])
+    assert "via torchrun" in done.stderr and "img/s" in done.stderr
+
+
+def test_resnet_trains_on_fake_inaturalist_ddp(tmp_path):
+    make_inat2021(tmp_path / "data", "2021_train", per_class=8)
+    make_inat2021(tmp_path / "data", "2021_valid", per_class=3, seed=1)
+    args = _resnet_args(
+        tmp_path / "out", "--dataset", "inat2021", "--data-root", str(tmp_path / "data"),
+        "--epochs", "4",
+    )  # fmt: skip
+    args.remove("--no-tensorboard")  # this run also writes TensorBoard events
+    done = run_trainer(args, nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _epochs(tmp_path / "out")
+    assert rows[0]["count"] == "12"  # 4 classes x 3 validation images, each once
+    assert float(rows[-1]["train_loss"]) < 0.7 * float(rows[0]["train_loss"])
+    assert float(rows[-1]["top1"]) >= 0.5
+    assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# ----------------------------------------------------------------- exact evaluation
+
+
+def _eval_setup(batch_size: int):
+    torch.manual_seed(0)
+    model = build_model("tinynet", 5)
+    # 21 samples: not divisible by 2, and the last batches differ in size.
+    val = data.Indexed(tvd.FakeData(21, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
+    return model, val
+
+
+def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        model, val = _eval_setup(4)
+        sampler = data.ShardedEvalSampler(len(val), world, rank)
+        loader = data.make_loader(val, sampler, 4, 0, False, drop_last=False)
+        cpu = torch.device("cpu")
+        metrics = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+        if rank == 0:
+            Path(out).write_text(json.dumps(metrics))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_eval_equals_single_process(tmp_path):
+    model, val = _eval_setup(4)
+    loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
+    cpu = torch.device("cpu")
+    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    out = tmp_path / "dist.json"
+    mp.spawn(_eval_worker, args=(2, free_port(), str(out)), nprocs=2)
+    distributed = json.loads(out.read_text())
+    assert distributed["count"] == single["count"] == 21
+    for key in ("top1", "top5", "mean_class_acc"):
+        assert distributed[key] == single[key], key
+    assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+
+
+# ----------------------------------------------------------------- preemption and resume
+
+
+def test_sigusr1_then_resume_matches_uninterrupted_run(tmp_path):
+    # 48 samples, 2 ranks x batch 4: 6 steps an epoch; the signal lands at
+    # step 8, i.e. in the middle of epoch 1.
+    common = ["--epochs", "2", "--deterministic", "--lr", "0.05", "--no-eval"]
+    full = tmp_path / "full"
+    done = run_trainer(tiny_args(full, *common, "--record-samples", str(full / "rec")), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    bin_dir = tmp_path / "bin"  # a stand-in scontrol that records how it was called
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = trainer_env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{trainer_env()['PATH']}")
+    cut = tmp_path / "cut"
+    args = tiny_args(cut, *common, "--record-samples", str(cut / "rec"))
+    done = run_trainer([*args, "--debug-signal-at-iter", "8"], nproc=2, env=env)
+    assert done.returncode != 0  # 75 from the workers; torchrun reports it as a failure
+    assert "preempted at iteration 8 (epoch 1)" in done.stderr and "requeued" in done.stderr
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert checkpoint.latest(cut / "checkpoints").name == "checkpoint-000000008.pt"
+
+    done = run_trainer([*args, "--resume"], nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "iteration 8" in done.stderr
+
+    a, b = _final_model(full), _final_model(cut)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+    def seen(rec: Path) -> Counter:
+        lines = [line.split() for f in rec.glob("samples-rank*.txt") for line in open(f)]
+        return Counter((int(e), int(i)) for e, i in lines)
+
+    uninterrupted, resumed = seen(full / "rec"), seen(cut / "rec")
+    assert resumed == uninterrupted
+    for epoch in (0, 1):
+        ids = sorted(i for (e, i), n in resumed.items() if e == epoch for _ in range(n))
+        assert ids == list(range(48)), f"epoch {epoch}: duplicates or gaps"
+
+
+def test_gradient_accumulation_equals_larger_batch(tmp_path):
+    common = ["--iterations", "4", "--no-eval", "--lr", "0.1"]
+    micro = run_trainer(
+        tiny_args(tmp_path / "micro", *common, "--batch-size", "4", "--accum-steps", "3"), nproc=2
+    )
+    assert micro.returncode == 0, micro.stderr[-3000:]
+    big = run_trainer(tiny_args(tmp_path / "big", *common, "--batch-size", "12"), nproc=2)
+    assert big.returncode == 0, big.stderr[-3000:]
+    a, b = _final_model(tmp_path / "micro"), _final_model(tmp_path / "big")
+    start = build_model("tinynet", 4).state_dict()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+    assert not torch.allclose(a["fc.weight"], start["fc.weight"])  # it did train
+
+
+def test_lr_finder_writes_csv_png_and_suggestion(tmp_path):
+    args = tiny_args(tmp_path, "--min-lr", "1e-4", "--max-lr", "10", "--num-runs", "6",
+                     "--iters-per-run", "2")  # fmt: skip
+    for flag in ("--print-freq", "1000", "--no-tensorboard"):  # train-only flags
+        args.remove(flag)
+    done = run_trainer(["find-lr", *args], nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "lr_find.csv")))
+    assert 3 <= len(rows) <= 6 and float(rows[0]["lr"]) == pytest.approx(1e-4)
+    assert (tmp_path / "lr_find.png").read_bytes()[:4] == b"\x89PNG"
+    assert done.stdout.count("suggested LR:") == 1  # rank 0 only
