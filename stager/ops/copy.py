@@ -147,16 +147,29 @@ class _Copier:
         if _is_complete(dst, st):
             self.ctx.progress.advance(st.st_size, 1)
             return
-        with open(src, "rb") as fin:
-            fd = _open_destination(dst)
-            with open(fd, "wb", closefd=True) as fout:
-                copied = self._copy_bytes(fin.fileno(), fout.fileno(), st.st_size)
-                os.fchmod(fout.fileno(), stat.S_IMODE(st.st_mode))
-                written = os.fstat(fout.fileno()).st_size
-        self._verify(src, st, copied, written, dst)
-        # Last, after close: on NFS the flush at close would bump the mtime again.
-        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+        # Raw descriptors: this runs once per file, and file objects cost more
+        # Python work than the syscalls they wrap.
+        fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fout = _open_destination(dst, stat.S_IMODE(st.st_mode))
+            try:
+                copied = self._copy_bytes(fin, fout, st.st_size)
+                self._finish(fout, src, dst, st, copied)
+            finally:
+                os.close(fout)
+        finally:
+            os.close(fin)
         self.ctx.progress.advance(0, 1)
+
+    def _finish(self, fout: int, src: str, dst: str, st: os.stat_result, copied: int) -> None:
+        have = os.fstat(fout)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_IMODE(have.st_mode) != mode:
+            os.fchmod(fout, mode)  # the umask, or a file left by an earlier run
+        self._verify(src, st, copied, have.st_size, dst)
+        # The mtime goes last: it is what marks the file complete for a restart.
+        # Set through the descriptor, which NFS also orders after the writes.
+        os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     def _copy_bytes(self, fin: int, fout: int, size: int) -> int:
         if self.use_copy_file_range:
@@ -239,16 +252,20 @@ def _is_complete(dst: str, st: os.stat_result) -> bool:
     )
 
 
-def _open_destination(dst: str) -> int:
-    """Open for writing, replacing whatever non-file is in the way; never follow a link."""
+def _open_destination(dst: str, mode: int) -> int:
+    """Open for writing, replacing whatever is in the way; never follow a link.
+
+    The file is created with the source's mode, so usually no chmod is needed.
+    A read-only file left by an interrupted run (EACCES) is replaced too.
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        return os.open(dst, flags, 0o600)
+        return os.open(dst, flags, mode)
     except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.EISDIR):
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.EACCES):
             raise
     _remove(dst)
-    return os.open(dst, flags, 0o600)
+    return os.open(dst, flags, mode)
 
 
 def _remove(path: str) -> None:
