@@ -69,7 +69,11 @@ def trainer_env(**extra: str) -> dict[str, str]:
 
 
 def run_trainer(
-    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240
+    args: list[str],
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 240,
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """``python -m trainer ARGS`` or ``torchrun --nproc-per-node N -m trainer ARGS``."""
     if nproc == 1:
@@ -81,7 +85,7 @@ def run_trainer(
             "-m", "trainer", *args,
         ]  # fmt: skip
     return subprocess.run(
-        cmd, cwd=REPO, env=env or trainer_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=cwd, env=env or trainer_env(), capture_output=True, text=True, timeout=timeout
     )
 
 

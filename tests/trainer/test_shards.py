@@ -32,8 +32,9 @@ def test_fake_data_shards_hold_the_same_pixels(tmp_path):
 def test_shard_command_on_imagefolder_keeps_jpeg_bytes(tmp_path):
     make_imagefolder(tmp_path / "src", "train", per_class=4)
     make_imagefolder(tmp_path / "src", "val", per_class=2)
-    done = run_trainer(["shard", "--dataset", "imagefolder", "--data-root", str(tmp_path / "src"),
-                        "--output-dir", str(tmp_path / "out"), "--shard-max-count", "5"])  # fmt: skip
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    done = run_trainer(["shard", "--dataset", "imagefolder", "--data-root", src,
+                        "--output-dir", out, "--shard-max-count", "5"])  # fmt: skip
     assert done.returncode == 0, done.stderr
     source = tvd.ImageFolder(str(tmp_path / "src" / "train"))
     shards = ShardDataset(tmp_path / "out" / "train", pipeline="pil")
