@@ -7,9 +7,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from stager import __version__
+from stager import __version__, cache
 from stager.api import errors
 from stager.api.auth import BearerTokenMiddleware
+from stager.api.routes import cache as cache_routes
 from stager.api.routes import datasets, health, recipes
 from stager.engine import Engine, state_counts
 from stager.metrics import Metrics
@@ -20,7 +21,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
-    metrics.watch_states(lambda: state_counts(engine))
+    metrics.watch_states(lambda: state_counts(engine), lambda: cache.used_bytes(engine.entries()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +43,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(datasets.router)
     app.include_router(recipes.router)
+    app.include_router(cache_routes.router)
     app.include_router(health.router)
     if token:
         app.add_middleware(BearerTokenMiddleware, token=token)

@@ -24,7 +24,14 @@ from pydantic import TypeAdapter
 
 from stager.errors import StagerError
 from stager.progress import Progress
-from stager.schemas import DatasetPublic, ErrorInfo, State, Step, TorchvisionUsage
+from stager.schemas import (
+    DatasetPublic,
+    ErrorInfo,
+    LeasePublic,
+    State,
+    Step,
+    TorchvisionUsage,
+)
 
 ALLOWED = {
     State.QUEUED: {State.STAGING, State.CANCELLED, State.FAILED},
@@ -66,6 +73,7 @@ class Entry:
     estimate_bytes: int = 0
     created_at: datetime = field(default_factory=now)
     updated_at: datetime = field(default_factory=now)
+    last_used_at: datetime = field(default_factory=now)  # LRU order for eviction
     # Set to stop the running ops: by a cancel request or by daemon shutdown.
     cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -84,7 +92,8 @@ class Entry:
 @dataclass
 class Handle:
     name: str
-    key: str
+    key: str  # the entry it shows: changes when the sources change
+    spec_key: str  # the request without its sources' fingerprint: decides name conflicts
     link: str | None = None
     created_at: datetime = field(default_factory=now)
 
@@ -97,7 +106,9 @@ def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
     return usage
 
 
-def public_view(handle: Handle, entry: Entry, data_dir: Path) -> DatasetPublic:
+def public_view(
+    handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
+) -> DatasetPublic:
     # The path is where the data will be once ready; it does not exist before the
     # atomic publish, so nobody can read a half-staged tree through it.
     return DatasetPublic(
@@ -109,6 +120,8 @@ def public_view(handle: Handle, entry: Entry, data_dir: Path) -> DatasetPublic:
         progress=entry.progress.snapshot(),
         error=entry.error,
         usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
+        leases=leases,
+        size_bytes=entry.size_bytes,
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )

@@ -13,20 +13,32 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from stager import preflight, recipes
+from stager import cache, preflight, recipes, slurm
 from stager.blocking import run_io, run_staging
-from stager.dataset import Entry, Handle, public_view, spec_key
+from stager.dataset import Entry, Handle, now, public_view, spec_key
 from stager.errors import (
     Cancelled,
     Conflict,
+    InsufficientSpace,
     NotFound,
     StagerError,
     from_os_error,
 )
+from stager.fingerprint import sources_fingerprint
+from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
 from stager.publish import make_link, remove_link, remove_tree
-from stager.schemas import DatasetCreate, DatasetPublic, ErrorInfo, State
+from stager.schemas import (
+    DatasetCreate,
+    DatasetPublic,
+    ErrorInfo,
+    GcRequest,
+    GcResult,
+    LeaseCreate,
+    LeasePublic,
+    State,
+)
 from stager.settings import Settings
 from stager.store import Store
 from stager.worker import StageJob
@@ -43,6 +55,8 @@ class Engine:
         self._store: Store | None = None
         self._entries: dict[str, Entry] = {}
         self._handles: dict[str, Handle] = {}
+        self._leases: dict[str, Lease] = {}
+        self._admission = asyncio.Lock()
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
@@ -55,13 +69,15 @@ class Engine:
     async def start(self) -> None:
         await run_io(preflight.ensure_dirs, self.settings)
         self._store = await run_io(Store, self.settings.db_path)
-        entries, handles = await run_io(self._store.load)
+        entries, handles, leases = await run_io(self._store.load)
         self._entries = {e.key: e for e in entries}
         self._handles = {h.name: h for h in handles if h.key in self._entries}
+        self._leases = {lease.id: lease for lease in leases if lease.name in self._handles}
         await self._recover()
         for i in range(self.settings.max_workers):
             self._spawn(self._worker(), f"worker-{i}")
         self._spawn(self._flush_progress(), "progress-flusher")
+        self._spawn(self._sweep(), "cache-sweeper")
         self.started = True
 
     async def _recover(self) -> None:
@@ -112,37 +128,46 @@ class Engine:
     async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
         """Create or join a staging. Returns the status and whether it is already ready."""
         if request.recipe:
-            expansion = recipes.expand(request, self.settings)
+            expansion = await run_io(recipes.expand, request, self.settings)
         else:
             expansion = recipes.Expansion(steps=request.steps)
-        steps = expansion.steps
-        key = spec_key(request.spec())
-        self._check_name(request.name, key)
-        estimate = await run_io(preflight.check_steps, steps, self.settings)
+        spec = request.spec()
+        request_key = spec_key(spec)
+        self._check_name(request.name, request_key)
+        estimate = await run_io(preflight.check_steps, expansion.steps, self.settings)
         await run_io(preflight.check_link, request.link, self.settings)
+        fingerprint = await run_io(
+            sources_fingerprint, expansion.steps, request.fingerprint == "deep"
+        )
+        key = spec_key({"spec": spec, "sources": fingerprint})
 
-        entry = self._entries.get(key)
-        if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-            await run_io(preflight.check_free_space, estimate, self.settings)
-            entry = await self._enqueue(entry, key, request, expansion, estimate)
-            self.metrics.requests.labels(outcome="miss").inc()
-        elif entry.active:
-            self.metrics.requests.labels(outcome="join").inc()
-        else:
-            self.metrics.requests.labels(outcome="hit").inc()
-
-        handle = self._handles.get(request.name)
-        if handle is None or handle.key != key or handle.link != request.link:
-            handle = Handle(name=request.name, key=key, link=request.link)
-            self._handles[request.name] = handle
-            await run_io(self._store.save_handle, handle)
-        if entry.state == State.READY and handle.link:
-            await run_io(make_link, Path(handle.link), self._final(entry))
+        # Decide under one lock: concurrent identical requests must see each other's entry.
+        async with self._admission:
+            entry = self._entries.get(key)
+            if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
+                await self._admit(estimate, key)
+                entry = await self._enqueue(entry, key, request, expansion, estimate)
+                self.metrics.requests.labels(outcome="miss").inc()
+            else:
+                outcome = "join" if entry.active else "hit"
+                self.metrics.requests.labels(outcome=outcome).inc()
+                entry.last_used_at = now()
+            handle = self._handles.get(request.name)
+            if handle is None or (handle.key, handle.link) != (key, request.link):
+                handle = Handle(request.name, key, request_key, request.link)
+                self._handles[request.name] = handle
+                await run_io(self._store.save_handle, handle)
+            if request.lease is not None:
+                await self._add_lease(handle, request.lease)
+        if entry.state == State.READY:
+            await self._save(entry)  # last_used_at
+            if handle.link:
+                await run_io(make_link, Path(handle.link), self._final(entry))
         return self._view(handle), entry.state == State.READY
 
-    def _check_name(self, name: str, key: str) -> None:
+    def _check_name(self, name: str, request_key: str) -> None:
         handle = self._handles.get(name)
-        if handle is None or handle.key == key:
+        if handle is None or handle.spec_key == request_key:
             return
         other = self._entries[handle.key]
         if other.active or other.state == State.READY:
@@ -150,6 +175,26 @@ class Engine:
                 f"dataset name {name!r} is already used by a different request "
                 f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
             )
+
+    async def _admit(self, estimate: int, key: str) -> None:
+        """Make room for a new staging, evicting LRU entries, or refuse it with the sizes."""
+        free = await run_io(preflight.free_bytes, self.settings)
+        plan = cache.plan_admission(
+            needed=estimate,
+            entries=list(self._entries.values()),
+            protected=self._protected() | {key},
+            capacity_bytes=self.settings.capacity_bytes,
+            free_bytes=free,
+            min_free_bytes=self.settings.min_free_bytes,
+        )
+        for victim in plan:
+            log.info("evicting %s (%d bytes) to admit %s", victim.key, victim.size_bytes, key)
+            await self._evict(victim)
+
+    def _protected(self) -> set[str]:
+        """Keys eviction must not touch: leased, or being staged."""
+        leased = {lease.key for lease in self._leases.values()}
+        return leased | {k for k, e in self._entries.items() if e.active}
 
     async def _enqueue(
         self,
@@ -170,6 +215,7 @@ class Engine:
             self._entries[key] = entry
         else:
             entry.move(State.QUEUED)
+            entry.last_used_at = now()
         entry.progress = Progress(steps_total=len(entry.steps))
         entry.estimate_bytes = estimate
         await self._save(entry)
@@ -220,11 +266,19 @@ class Engine:
         """Cancel if staging, evict if ready, forget the name if already finished."""
         handle = self._handle(name)
         entry = self._entries[handle.key]
+        holders = sorted(
+            {lease.holder for lease in self._leases.values() if lease.key == entry.key}
+        )
         shared = any(h.key == entry.key and h.name != name for h in self._handles.values())
         if shared or not (entry.active or entry.state == State.READY):
             view = self._view(handle)
             await self._forget(handle)
             return view
+        if holders:
+            raise Conflict(
+                f"dataset {name!r} is leased by {', '.join(holders)}; release it first "
+                f"(stager-client release {name}) or wait for those jobs to end"
+            )
         if entry.state == State.QUEUED:
             entry.move(State.CANCELLED, CANCELLED_BY_REQUEST)
             await self._save(entry)
@@ -243,11 +297,107 @@ class Engine:
         await run_io(remove_tree, final)
         entry.move(State.EVICTED)
         self.metrics.evictions.inc()
+        self.metrics.evicted_bytes.inc(entry.size_bytes)
         await self._save(entry)
 
     async def _forget(self, handle: Handle) -> None:
         del self._handles[handle.name]
         await run_io(self._store.delete_handle, handle.name)
+        for lease in [lease for lease in self._leases.values() if lease.name == handle.name]:
+            await self._drop_lease(lease)
+
+    # ---- leases --------------------------------------------------------------
+
+    async def lease(self, name: str, request: LeaseCreate) -> LeasePublic:
+        handle = self._handle(name)
+        async with self._admission:
+            lease = await self._add_lease(handle, request)
+        return lease.public()
+
+    async def _add_lease(self, handle: Handle, request: LeaseCreate) -> Lease:
+        # One lease per holder and dataset: a re-run of the same job step renews it.
+        for old in list(self._leases.values()):
+            if old.name == handle.name and old.holder == request.holder:
+                await self._drop_lease(old)
+        lease = Lease.create(handle.name, handle.key, request)
+        self._leases[lease.id] = lease
+        await run_io(self._store.save_lease, lease)
+        self._entries[handle.key].last_used_at = now()
+        return lease
+
+    async def release(
+        self, name: str, lease_id: str | None = None, holder: str | None = None
+    ) -> list[LeasePublic]:
+        """Drop one lease by id, or every lease of ``holder`` (or all) on this dataset."""
+        self._handle(name)
+        chosen = [
+            lease
+            for lease in self._leases.values()
+            if lease.name == name
+            and (lease_id is None or lease.id == lease_id)
+            and (holder is None or lease.holder == holder)
+        ]
+        if lease_id is not None and not chosen:
+            raise NotFound(f"dataset {name!r} has no lease {lease_id!r}")
+        for lease in chosen:
+            await self._drop_lease(lease)
+        return [lease.public() for lease in chosen]
+
+    async def _drop_lease(self, lease: Lease) -> None:
+        self._leases.pop(lease.id, None)
+        await run_io(self._store.delete_lease, lease.id)
+
+    # ---- sweeping --------------------------------------------------------------
+
+    async def gc(self, request: GcRequest) -> GcResult:
+        """Drop dead leases; evict unnamed (superseded) entries, or every unleased one."""
+        dropped = await self._drop_dead_leases()
+        named = {h.key for h in self._handles.values()}
+        protected = self._protected()
+        victims = [
+            e
+            for e in cache.evictable(self._entries.values(), protected)
+            if request.all or e.key not in named
+        ]
+        for victim in victims:
+            await self._evict(victim)
+        return GcResult(
+            evicted=[v.key for v in victims],
+            freed_bytes=sum(v.size_bytes for v in victims),
+            leases_dropped=dropped,
+        )
+
+    async def _drop_dead_leases(self) -> int:
+        dropped = 0
+        for lease in list(self._leases.values()):
+            alive = (
+                None
+                if lease.slurm_job_id is None
+                else await run_io(slurm.job_alive, lease.slurm_job_id)
+            )
+            if lease.expired() or alive is False:
+                log.info(
+                    "dropping lease %s of %s (%s)",
+                    lease.id,
+                    lease.holder,
+                    "expired" if lease.expired() else "job ended",
+                )
+                await self._drop_lease(lease)
+                dropped += 1
+        return dropped
+
+    async def _sweep(self) -> None:
+        """Now and then: drop leases of ended jobs, and shrink back under the capacity."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                await self._drop_dead_leases()
+                async with self._admission:
+                    await self._admit(0, "")
+            except InsufficientSpace:
+                pass  # over the limit with everything leased: nothing more can go now
+            except (OSError, StagerError) as exc:
+                log.error("cache sweep failed: %s", exc)
 
     def _handle(self, name: str) -> Handle:
         handle = self._handles.get(name)
@@ -256,7 +406,8 @@ class Engine:
         return handle
 
     def _view(self, handle: Handle) -> DatasetPublic:
-        return public_view(handle, self._entries[handle.key], self.settings.data_dir)
+        leases = [lease.public() for lease in self._leases.values() if lease.name == handle.name]
+        return public_view(handle, self._entries[handle.key], self.settings.data_dir, leases)
 
     def _final(self, entry: Entry) -> Path:
         return self.settings.data_dir / entry.key

@@ -13,16 +13,21 @@ disable_created_metrics()
 
 
 class _StateCollector(Collector):
-    """Per-state dataset counts, computed from the engine when scraped."""
+    """Per-state entry counts and bytes in use, read from the engine when scraped."""
 
-    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
-        self._counts = counts
+    def __init__(self, counts: Callable[[], dict[str, int]], used: Callable[[], int]) -> None:
+        self._counts, self._used = counts, used
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("stager_datasets", "Cache entries by state", labels=["state"])
         for state, count in self._counts().items():
             family.add_metric([state], count)
         yield family
+        yield GaugeMetricFamily(
+            "stager_cache_used_bytes",
+            "Bytes of ready entries plus estimates of stagings under way",
+            value=self._used(),
+        )
 
 
 class Metrics:
@@ -44,9 +49,14 @@ class Metrics:
         self.staged_bytes = Counter(
             "stager_staged_bytes", "Bytes published into the cache", registry=self.registry
         )
+        self.evicted_bytes = Counter(
+            "stager_evicted_bytes",
+            "Bytes removed from the cache by eviction",
+            registry=self.registry,
+        )
         self.evictions = Counter(
             "stager_evictions", "Ready entries removed from the cache", registry=self.registry
         )
 
-    def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_StateCollector(counts))
+    def watch_states(self, counts: Callable[[], dict[str, int]], used: Callable[[], int]) -> None:
+        self.registry.register(_StateCollector(counts, used))

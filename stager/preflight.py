@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import ops
-from stager.errors import BadRequest, InsufficientSpace, UnsafePath
+from stager.errors import BadRequest, UnsafePath
 from stager.settings import Settings
 
 
@@ -57,18 +57,8 @@ def check_link(link: str | None, settings: Settings) -> None:
         )
 
 
-def check_free_space(needed: int, settings: Settings) -> None:
-    free = shutil.disk_usage(settings.cache_dir).free
-    if needed + settings.min_free_bytes > free:
-        raise InsufficientSpace(
-            f"staging needs about {_gib(needed)} but {settings.cache_dir} has {_gib(free)} free "
-            f"and keeps {_gib(settings.min_free_bytes)} in reserve; free space on the node-local "
-            "disk, evict datasets, or point --cache-dir at a larger disk"
-        )
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def free_bytes(settings: Settings) -> int:
+    return shutil.disk_usage(settings.cache_dir).free
 
 
 def ensure_dirs(settings: Settings) -> None:

@@ -114,6 +114,27 @@ Step = Annotated[
 OP_NAMES = ("copy", "symlink", "extract", "rename", "fetch")
 
 
+class LeaseCreate(BaseModel):
+    """Pin a dataset while a job uses it. Leases of jobs SLURM no longer knows, or past
+    their TTL, are dropped by the daemon's sweep."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    holder: str = Field(min_length=1, max_length=200)  # e.g. "slurm-job-42" or a user's tag
+    slurm_job_id: str | None = Field(default=None, pattern=r"^[0-9_]+$")
+    ttl_s: float | None = Field(default=None, gt=0)
+
+
+class LeasePublic(BaseModel):
+    id: str
+    name: str
+    key: str
+    holder: str
+    slurm_job_id: str | None = None
+    created_at: datetime
+    expires_at: datetime | None = None
+
+
 class DatasetCreate(BaseModel):
     """Body of ``POST /v1/datasets``: a recipe with its source, or raw steps."""
 
@@ -126,6 +147,10 @@ class DatasetCreate(BaseModel):
     steps: list[Step] = Field(default_factory=list)
     link: str | None = None
     verify: Literal["size", "sha256", "none"] = "size"
+    # How sources are compared with the cached copy: "cheap" stats files and the top
+    # level of trees; "deep" stats every file of every tree.
+    fingerprint: Literal["cheap", "deep"] = "cheap"
+    lease: LeaseCreate | None = None
 
     @model_validator(mode="after")
     def _recipe_or_steps(self) -> DatasetCreate:
@@ -139,7 +164,7 @@ class DatasetCreate(BaseModel):
 
     def spec(self) -> dict[str, Any]:
         """What identifies the content: everything but the handle and the link."""
-        return self.model_dump(mode="json", exclude={"name", "link"})
+        return self.model_dump(mode="json", exclude={"name", "link", "lease"})
 
 
 class ProgressPublic(BaseModel):
@@ -183,6 +208,8 @@ class DatasetPublic(BaseModel):
     progress: ProgressPublic = Field(default_factory=ProgressPublic)
     error: ErrorInfo | None = None
     usage: list[TorchvisionUsage] = Field(default_factory=list)
+    leases: list[LeasePublic] = Field(default_factory=list)
+    size_bytes: int = 0  # on the node-local disk, once ready
     created_at: datetime
     updated_at: datetime
 
@@ -190,3 +217,15 @@ class DatasetPublic(BaseModel):
 class DatasetsPublic(BaseModel):
     data: list[DatasetPublic]
     count: int
+
+
+class GcRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    all: bool = False  # also evict ready entries that still have a name, when unleased
+
+
+class GcResult(BaseModel):
+    evicted: list[str]  # keys
+    freed_bytes: int
+    leases_dropped: int

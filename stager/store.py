@@ -1,4 +1,4 @@
-"""SQLite state under the cache root: entries and handles survive restarts.
+"""SQLite state under the cache root: entries, names and leases survive restarts.
 
 The stdlib driver is blocking, so the engine calls these methods through
 ``stager.blocking.run_io``. One connection guarded by a lock; WAL so that a
@@ -12,8 +12,10 @@ import sqlite3
 import threading
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from stager.dataset import STEPS_ADAPTER, Entry, Handle
+from stager.leases import Lease
 from stager.progress import Progress
 from stager.schemas import ErrorInfo, ProgressPublic, State
 
@@ -26,17 +28,28 @@ CREATE TABLE IF NOT EXISTS entries (
     state TEXT NOT NULL,
     error TEXT,
     progress TEXT NOT NULL,
-    size_bytes INTEGER NOT NULL DEFAULT 0,
-    estimate_bytes INTEGER NOT NULL DEFAULT 0,
+    usage TEXT NOT NULL,
+    size_bytes INTEGER NOT NULL,
+    estimate_bytes INTEGER NOT NULL,
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
-    usage TEXT NOT NULL DEFAULT '[]'
+    last_used_at TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS handles (
     name TEXT PRIMARY KEY,
     key TEXT NOT NULL,
+    spec_key TEXT NOT NULL,
     link TEXT,
     created_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    key TEXT NOT NULL,
+    holder TEXT NOT NULL,
+    slurm_job_id TEXT,
+    created_at TEXT NOT NULL,
+    expires_at TEXT
 );
 """
 
@@ -54,63 +67,104 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def save_entry(self, entry: Entry) -> None:
-        row = (
-            entry.key,
-            json.dumps(entry.spec),
-            STEPS_ADAPTER.dump_json(entry.steps).decode(),
-            entry.verify,
-            entry.state.value,
-            entry.error.model_dump_json() if entry.error else None,
-            entry.progress.snapshot().model_dump_json(),
-            entry.size_bytes,
-            entry.estimate_bytes,
-            entry.created_at.isoformat(),
-            entry.updated_at.isoformat(),
-            json.dumps(entry.usage),
-        )
+    def _upsert(self, table: str, row: dict[str, Any]) -> None:
+        columns = ",".join(row)
+        marks = ",".join("?" for _ in row)
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO entries VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", row)
+            self._db.execute(
+                f"INSERT OR REPLACE INTO {table} ({columns}) VALUES ({marks})", tuple(row.values())
+            )
+
+    def _delete(self, table: str, column: str, value: str) -> None:
+        with self._lock:
+            self._db.execute(f"DELETE FROM {table} WHERE {column} = ?", (value,))
+
+    def save_entry(self, entry: Entry) -> None:
+        self._upsert(
+            "entries",
+            {
+                "key": entry.key,
+                "spec": json.dumps(entry.spec),
+                "steps": STEPS_ADAPTER.dump_json(entry.steps).decode(),
+                "verify": entry.verify,
+                "state": entry.state.value,
+                "error": entry.error.model_dump_json() if entry.error else None,
+                "progress": entry.progress.snapshot().model_dump_json(),
+                "usage": json.dumps(entry.usage),
+                "size_bytes": entry.size_bytes,
+                "estimate_bytes": entry.estimate_bytes,
+                "created_at": entry.created_at.isoformat(),
+                "updated_at": entry.updated_at.isoformat(),
+                "last_used_at": entry.last_used_at.isoformat(),
+            },
+        )
 
     def save_progress(self, entries: list[Entry]) -> None:
         rows = [(e.progress.snapshot().model_dump_json(), e.key) for e in entries]
         with self._lock:
             self._db.executemany("UPDATE entries SET progress = ? WHERE key = ?", rows)
 
+    def delete_entry(self, key: str) -> None:
+        self._delete("entries", "key", key)
+
     def save_handle(self, handle: Handle) -> None:
-        row = (handle.name, handle.key, handle.link, handle.created_at.isoformat())
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO handles VALUES (?,?,?,?)", row)
+        self._upsert("handles", {**handle.__dict__, "created_at": handle.created_at.isoformat()})
 
     def delete_handle(self, name: str) -> None:
+        self._delete("handles", "name", name)
+
+    def save_lease(self, lease: Lease) -> None:
+        row = {**lease.__dict__, "created_at": lease.created_at.isoformat()}
+        row["expires_at"] = lease.expires_at.isoformat() if lease.expires_at else None
+        self._upsert("leases", row)
+
+    def delete_lease(self, lease_id: str) -> None:
+        self._delete("leases", "id", lease_id)
+
+    def load(self) -> tuple[list[Entry], list[Handle], list[Lease]]:
         with self._lock:
-            self._db.execute("DELETE FROM handles WHERE name = ?", (name,))
+            self._db.row_factory = sqlite3.Row
+            try:
+                entries = self._db.execute("SELECT * FROM entries").fetchall()
+                handles = self._db.execute("SELECT * FROM handles").fetchall()
+                leases = self._db.execute("SELECT * FROM leases").fetchall()
+            finally:
+                self._db.row_factory = None
+        return (
+            [_entry(dict(r)) for r in entries],
+            [_handle(dict(r)) for r in handles],
+            [_lease(dict(r)) for r in leases],
+        )
 
-    def load(self) -> tuple[list[Entry], list[Handle]]:
-        with self._lock:
-            entry_rows = self._db.execute("SELECT * FROM entries").fetchall()
-            handle_rows = self._db.execute("SELECT * FROM handles").fetchall()
-        entries = [_entry_from_row(row) for row in entry_rows]
-        handles = [
-            Handle(name=n, key=k, link=link, created_at=datetime.fromisoformat(c))
-            for n, k, link, c in handle_rows
-        ]
-        return entries, handles
 
-
-def _entry_from_row(row: tuple) -> Entry:
-    key, spec, steps, verify, state, error, progress, size, estimate, created, updated, usage = row
+def _entry(row: dict[str, Any]) -> Entry:
     return Entry(
-        key=key,
-        spec=json.loads(spec),
-        steps=STEPS_ADAPTER.validate_json(steps),
-        verify=verify,
-        state=State(state),
-        error=ErrorInfo.model_validate_json(error) if error else None,
-        progress=Progress.restore(ProgressPublic.model_validate_json(progress)),
-        size_bytes=size,
-        estimate_bytes=estimate,
-        usage=json.loads(usage),
-        created_at=datetime.fromisoformat(created),
-        updated_at=datetime.fromisoformat(updated),
+        key=row["key"],
+        spec=json.loads(row["spec"]),
+        steps=STEPS_ADAPTER.validate_json(row["steps"]),
+        verify=row["verify"],
+        state=State(row["state"]),
+        error=ErrorInfo.model_validate_json(row["error"]) if row["error"] else None,
+        progress=Progress.restore(ProgressPublic.model_validate_json(row["progress"])),
+        usage=json.loads(row["usage"]),
+        size_bytes=row["size_bytes"],
+        estimate_bytes=row["estimate_bytes"],
+        created_at=datetime.fromisoformat(row["created_at"]),
+        updated_at=datetime.fromisoformat(row["updated_at"]),
+        last_used_at=datetime.fromisoformat(row["last_used_at"]),
+    )
+
+
+def _handle(row: dict[str, Any]) -> Handle:
+    return Handle(**{**row, "created_at": datetime.fromisoformat(row["created_at"])})
+
+
+def _lease(row: dict[str, Any]) -> Lease:
+    expires = row["expires_at"]
+    return Lease(
+        **{
+            **row,
+            "created_at": datetime.fromisoformat(row["created_at"]),
+            "expires_at": datetime.fromisoformat(expires) if expires else None,
+        }
     )

@@ -55,7 +55,8 @@ def describe_validation_error(
             422,
             "invalid_name",
             (
-                f"name {first.get('input')!r} must be 1-128 lowercase letters, digits, '.', '_' or '-', "
+                f"name {first.get('input')!r} must be 1-128 lowercase letters, digits, "
+                "'.', '_' or '-', "
                 "starting with a letter or digit"
             ),
         )

@@ -203,7 +203,7 @@ def test_not_enough_free_space_fails_fast_naming_the_sizes(daemon_factory, tmp_p
         response = stage(client, {"name": "big", "steps": [{"op": "copy", "src": str(src)}]})
     assert response.status_code == 422
     error = response.json()["error"]
-    assert error["type"] == "insufficient_space" and "GiB" in error["message"]
+    assert error["type"] == "insufficient_space" and "in reserve" in error["message"]
 
 
 def test_corrupt_archive_fails_the_dataset_with_its_sentence_and_no_partial_data(

@@ -6,7 +6,14 @@ from fastapi import APIRouter, Query, Response, status
 from sse_starlette import EventSourceResponse
 
 from stager.api.deps import EngineDep
-from stager.schemas import DatasetCreate, DatasetPublic, DatasetsPublic, ErrorResponse
+from stager.schemas import (
+    DatasetCreate,
+    DatasetPublic,
+    DatasetsPublic,
+    ErrorResponse,
+    LeaseCreate,
+    LeasePublic,
+)
 
 router = APIRouter(
     prefix="/v1/datasets",
@@ -70,3 +77,29 @@ async def dataset_events(name: str, engine: EngineDep) -> EventSourceResponse:
 async def delete_dataset(name: str, engine: EngineDep) -> DatasetPublic:
     """Cancel a staging, evict a ready dataset, or forget a finished one."""
     return await engine.delete(name)
+
+
+@router.post("/{name}/leases", response_model=LeasePublic, status_code=status.HTTP_201_CREATED)
+async def add_lease(name: str, request: LeaseCreate, engine: EngineDep) -> LeasePublic:
+    """Pin the dataset while a job uses it; one lease per holder (a repeat renews it)."""
+    return await engine.lease(name, request)
+
+
+@router.get("/{name}/leases", response_model=list[LeasePublic])
+async def list_leases(name: str, engine: EngineDep) -> list[LeasePublic]:
+    return engine.get(name).leases
+
+
+@router.delete("/{name}/leases", response_model=list[LeasePublic])
+async def release_leases(
+    name: str,
+    engine: EngineDep,
+    holder: str | None = Query(None, description="only this holder's leases"),
+) -> list[LeasePublic]:
+    """Release every lease on the dataset, or those of one holder (a job's epilog)."""
+    return await engine.release(name, holder=holder)
+
+
+@router.delete("/{name}/leases/{lease_id}", response_model=list[LeasePublic])
+async def release_lease(name: str, lease_id: str, engine: EngineDep) -> list[LeasePublic]:
+    return await engine.release(name, lease_id=lease_id)

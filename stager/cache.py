@@ -1,0 +1,94 @@
+"""The cache policy: what must be evicted for a new staging to fit, in one place.
+
+Admission happens before staging: the request's estimated size must fit under
+the byte limit (``capacity_bytes``) and leave ``min_free_bytes`` free on the
+cache filesystem. If it does not, ready entries are evicted least-recently-used
+first. Never evicted: leased entries, entries being staged, and entries a live
+request is using. If even evicting every candidate is not enough, the request
+fails at once with a sentence giving the sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from stager.dataset import Entry
+from stager.errors import InsufficientSpace
+from stager.schemas import State
+
+
+def human(nbytes: int) -> str:
+    """Sizes in sentences: 512 B, 3.4 MiB, 1.20 TiB."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def used_bytes(entries: Iterable[Entry]) -> int:
+    """Bytes the cache holds or has promised: ready sizes plus estimates of active stagings."""
+    total = 0
+    for entry in entries:
+        if entry.state == State.READY:
+            total += entry.size_bytes
+        elif entry.active:
+            total += entry.estimate_bytes
+    return total
+
+
+def evictable(entries: Iterable[Entry], protected: set[str]) -> list[Entry]:
+    """Ready entries nobody holds, least recently used first."""
+    candidates = [e for e in entries if e.state == State.READY and e.key not in protected]
+    return sorted(candidates, key=lambda e: e.last_used_at)
+
+
+def plan_admission(
+    needed: int,
+    entries: list[Entry],
+    protected: set[str],
+    capacity_bytes: int,
+    free_bytes: int,
+    min_free_bytes: int,
+) -> list[Entry]:
+    """Entries to evict so that ``needed`` more bytes fit; raises if they cannot."""
+    over_capacity = max(0, used_bytes(entries) + needed - capacity_bytes) if capacity_bytes else 0
+    over_disk = max(0, needed + min_free_bytes - free_bytes)
+    must_free = max(over_capacity, over_disk)
+    if must_free == 0:
+        return []
+    plan, freed = [], 0
+    for entry in evictable(entries, protected):
+        if freed >= must_free:
+            break
+        plan.append(entry)
+        freed += entry.size_bytes
+    if freed < must_free:
+        raise InsufficientSpace(
+            _refusal(needed, entries, protected, capacity_bytes, free_bytes, min_free_bytes, freed)
+        )
+    return plan
+
+
+def _refusal(
+    needed: int,
+    entries: list[Entry],
+    protected: set[str],
+    capacity: int,
+    free: int,
+    min_free: int,
+    evictable_bytes: int,
+) -> str:
+    limit = (
+        f"a cache limit of {human(capacity)} with {human(used_bytes(entries))} in use, "
+        if capacity
+        else ""
+    )
+    held = sum(e.size_bytes for e in entries if e.key in protected and e.state == State.READY)
+    return (
+        f"staging needs about {human(needed)} but there is {limit}{human(free)} free on the disk "
+        f"(keeping {human(min_free)} in reserve), and evicting every unleased dataset frees only "
+        f"{human(evictable_bytes)} ({human(held)} is leased or in use); release leases, raise "
+        "--capacity-bytes, or point --cache-dir at a larger disk"
+    )

@@ -1,0 +1,41 @@
+"""Leases: a job's claim on a cache entry, which protects it from eviction."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from stager.dataset import now
+from stager.schemas import LeaseCreate, LeasePublic
+
+
+@dataclass
+class Lease:
+    id: str
+    name: str
+    key: str  # the entry it protects, fixed at creation (a renamed source keeps the old data)
+    holder: str
+    slurm_job_id: str | None = None
+    created_at: datetime = field(default_factory=now)
+    expires_at: datetime | None = None
+
+    @classmethod
+    def create(cls, name: str, key: str, request: LeaseCreate) -> Lease:
+        created = now()
+        expires = created + timedelta(seconds=request.ttl_s) if request.ttl_s else None
+        return cls(
+            id=secrets.token_hex(8),
+            name=name,
+            key=key,
+            holder=request.holder,
+            slurm_job_id=request.slurm_job_id,
+            created_at=created,
+            expires_at=expires,
+        )
+
+    def expired(self, at: datetime | None = None) -> bool:
+        return self.expires_at is not None and (at or now()) >= self.expires_at
+
+    def public(self) -> LeasePublic:
+        return LeasePublic(**self.__dict__)

@@ -1,0 +1,233 @@
+"""The node cache through a real daemon: sharing, reuse, leases, capacity, ENOSPC."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
+from tests.trees import digest, make_tar, write_tree
+
+
+def metric(client: httpx.Client, name: str, **labels: str) -> float:
+    text = client.get("/metrics").text
+    selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = rf"^{re.escape(name)}{re.escape('{' + selector + '}') if labels else ''} (\S+)$"
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def ready(client: httpx.Client, body: dict) -> dict:
+    response = client.post("/v1/datasets", json=body)
+    assert response.status_code in (200, 202), response.text
+    status = client.get(f"/v1/datasets/{body['name']}/wait", params={"timeout": 60}).json()
+    assert status["state"] == "ready", status["error"]
+    return status
+
+
+def copy_body(name: str, src: Path, **extra: object) -> dict:
+    return {"name": name, "steps": [{"op": "copy", "src": str(src)}], **extra}
+
+
+def test_fifty_concurrent_identical_requests_share_one_staging(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=300)
+    body = copy_body("shared", src)
+
+    def post(_: int) -> int:
+        with daemon.client() as client:
+            return client.post("/v1/datasets", json=body).status_code
+
+    with ThreadPoolExecutor(50) as pool:
+        codes = list(pool.map(post, range(50)))
+    assert set(codes) <= {200, 202}
+    with daemon.client() as client:
+        status = client.get("/v1/datasets/shared/wait", params={"timeout": 60}).json()
+        assert status["state"] == "ready"
+        assert metric(client, "stager_requests_total", outcome="miss") == 1
+        joins = metric(client, "stager_requests_total", outcome="join")
+        hits = metric(client, "stager_requests_total", outcome="hit")
+        assert joins + hits == 49
+    assert [p.name for p in (daemon.cache_dir / "data").iterdir()] == [status["key"]]
+    assert digest(Path(status["path"])) == digest(src)
+
+
+def test_other_names_for_the_same_content_join_the_same_entry(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=20)
+    with daemon.client() as client:
+        first = ready(client, copy_body("a", src))
+        second = client.post("/v1/datasets", json=copy_body("b", src))
+        assert second.status_code == 200 and second.json()["key"] == first["key"]
+
+
+def test_after_a_restart_the_same_request_is_a_hit(daemon: Daemon, tmp_path: Path) -> None:
+    src = write_tree(tmp_path / "src", n_files=20)
+    with daemon.client() as client:
+        first = ready(client, copy_body("ds", src))
+    daemon.restart()
+    with daemon.client() as client:
+        t0 = time.monotonic()
+        again = client.post("/v1/datasets", json=copy_body("ds", src))
+        assert again.status_code == 200 and again.json()["state"] == "ready"
+        assert time.monotonic() - t0 < 2
+        assert again.json()["path"] == first["path"]
+        assert metric(client, "stager_requests_total", outcome="hit") == 1
+        assert metric(client, "stager_requests_total", outcome="miss") == 0
+
+
+def test_a_touched_source_is_staged_afresh_and_the_old_copy_becomes_evictable(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    archive = make_tar(write_tree(tmp_path / "train", n_files=10), tmp_path / "train.tar")
+    body = {"name": "ds", "steps": [{"op": "extract", "src": str(archive)}]}
+    with daemon.client() as client:
+        old = ready(client, body)
+        stat = archive.stat()
+        os.utime(archive, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        response = client.post("/v1/datasets", json=body)
+        assert response.status_code == 202  # staged again, not a hit
+        new = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert new["state"] == "ready" and new["key"] != old["key"]
+        assert Path(old["path"]).exists()  # kept until evicted
+        result = client.post("/v1/gc", json={}).json()
+        assert result["evicted"] == [old["key"]] and result["freed_bytes"] > 0
+        assert not Path(old["path"]).exists() and Path(new["path"]).exists()
+
+
+def test_deep_fingerprint_sees_a_file_touched_deep_in_a_tree(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=10)
+    body = copy_body("ds", src, fingerprint="deep")
+    with daemon.client() as client:
+        old = ready(client, body)
+        deep_file = src / "class_1" / "img_0001.jpg"
+        deep_file.write_bytes(b"changed")
+        new = ready(client, body)
+    assert new["key"] != old["key"]
+    assert (Path(new["path"]) / "class_1" / "img_0001.jpg").read_bytes() == b"changed"
+
+
+def test_leased_entry_survives_eviction_while_an_unleased_older_one_goes(
+    daemon_factory, tmp_path: Path
+) -> None:
+    daemon = daemon_factory(env={"STAGER_CAPACITY_BYTES": str(3_000_000)})
+    trees = [
+        write_tree(tmp_path / f"src{i}", n_files=60, seed=i, max_size=40_000) for i in range(3)
+    ]
+    with daemon.client() as client:
+        leased = ready(client, copy_body("leased", trees[0], lease={"holder": "job-1"}))
+        older = ready(client, copy_body("unleased", trees[1]))
+        assert leased["size_bytes"] + older["size_bytes"] < 3_000_000
+        assert leased["size_bytes"] + older["size_bytes"] * 2 > 3_000_000
+        newest = ready(client, copy_body("newest", trees[2]))
+        states = {d["name"]: d["state"] for d in client.get("/v1/datasets").json()["data"]}
+        assert states == {"leased": "ready", "unleased": "evicted", "newest": "ready"}
+        assert metric(client, "stager_evictions_total") == 1
+        assert not Path(older["path"]).exists()
+        assert digest(Path(leased["path"])) == digest(trees[0])
+        assert digest(Path(newest["path"])) == digest(trees[2])
+
+
+def test_delete_of_a_leased_dataset_is_refused_naming_the_holders(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=5)
+    with daemon.client() as client:
+        ready(client, copy_body("ds", src, lease={"holder": "job-7", "slurm_job_id": "7"}))
+        lease = client.post("/v1/datasets/ds/leases", json={"holder": "job-8"}).json()
+        refused = client.delete("/v1/datasets/ds")
+        assert refused.status_code == 409
+        assert "job-7" in refused.json()["error"]["message"]
+        assert "job-8" in refused.json()["error"]["message"]
+        client.delete(f"/v1/datasets/ds/leases/{lease['id']}")
+        released = client.delete("/v1/datasets/ds/leases", params={"holder": "job-7"}).json()
+        assert [item["holder"] for item in released] == ["job-7"]
+        assert client.get("/v1/datasets/ds").json()["leases"] == []
+        assert client.delete("/v1/datasets/ds").json()["state"] == "evicted"
+
+
+def test_a_request_larger_than_the_capacity_fails_fast_naming_the_sizes(
+    daemon_factory, tmp_path: Path
+) -> None:
+    daemon = daemon_factory(env={"STAGER_CAPACITY_BYTES": str(100_000)})
+    src = write_tree(tmp_path / "src", n_files=40)
+    with daemon.client() as client:
+        t0 = time.monotonic()
+        response = client.post("/v1/datasets", json=copy_body("big", src))
+        assert time.monotonic() - t0 < 2
+    assert response.status_code == 422
+    message = response.json()["error"]["message"]
+    assert "cache limit of 97.7 KiB" in message and "KiB" in message.split("needs about")[1]
+
+
+def test_an_expired_lease_is_dropped_by_the_sweep(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory(env={"STAGER_SWEEP_INTERVAL_S": "0.3"})
+    src = write_tree(tmp_path / "src", n_files=5)
+    with daemon.client() as client:
+        ready(client, copy_body("ds", src))
+        client.post("/v1/datasets/ds/leases", json={"holder": "short", "ttl_s": 0.5})
+        client.post("/v1/datasets/ds/leases", json={"holder": "long", "ttl_s": 3600})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            holders = [lease["holder"] for lease in client.get("/v1/datasets/ds").json()["leases"]]
+            if holders == ["long"]:
+                break
+            time.sleep(0.1)
+    assert holders == ["long"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_enospc_mid_staging_fails_cleanly_and_keeps_other_entries(
+    daemon_factory, tmp_path: Path, small_tmpfs: Path
+) -> None:
+    daemon = daemon_factory(cache_dir=small_tmpfs / "cache")
+    small = write_tree(tmp_path / "small", n_files=10)
+    # A download's size is unknown before it starts, so admission lets it in; the
+    # 6 MiB disk fills part way through.
+    behaviour = Behaviour(files={"/big.bin": bytes(16 * 2**20)})
+    with serve_files(behaviour) as url, daemon.client() as client:
+        kept = ready(client, copy_body("kept", small))
+        response = client.post(
+            "/v1/datasets",
+            json={
+                "name": "huge",
+                "steps": [{"op": "fetch", "url": f"{url}/big.bin", "dst": "big.bin"}],
+            },
+        )
+        assert response.status_code == 202, response.text
+        status = client.get("/v1/datasets/huge/wait", params={"timeout": 60}).json()
+        assert status["state"] == "failed"
+        assert status["error"]["type"] == "io_error"
+        assert "disk filled up" in status["error"]["message"]
+        assert list((daemon.cache_dir / "partial").iterdir()) == []
+        again = client.get("/v1/datasets/kept").json()
+        assert again["state"] == "ready"
+    assert digest(Path(kept["path"])) == digest(small)
