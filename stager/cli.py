@@ -85,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = commands.add_parser("stop", help="stop the daemon started for this runtime folder")
     _add_location_flags(stop)
+
+    gc = commands.add_parser(
+        "gc",
+        help="drop leases of ended jobs and evict superseded datasets from the cache",
+        description="Ask the running daemon to drop expired leases and leases of jobs SLURM "
+        "no longer knows, then evict ready datasets that no name refers to any more (older "
+        "copies of changed sources). With --all, evict every unleased ready dataset.",
+    )
+    _add_location_flags(gc)
+    gc.add_argument(
+        "--all",
+        action="store_true",
+        default=None,
+        help="also evict named datasets that no job holds a lease on",
+    )
     return parser
 
 
@@ -101,7 +116,7 @@ def _add_location_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """Flags given on the command line override ``STAGER_*`` variables."""
-    skip = {"command", "detach"}
+    skip = {"command", "detach", "all"}
     given = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     return Settings(**given)
 
@@ -123,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             server.detach(settings, [a for a in argv[1:] if a != "--detach"])
         elif args.command == "serve":
             server.serve(settings)
+        elif args.command == "gc":
+            print(server.gc(settings, evict_all=bool(args.all)))
         elif args.command == "stop":
             if server.stop(settings):
                 print("stager stopped")

@@ -184,6 +184,24 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
     return True
 
 
+def gc(settings: Settings, evict_all: bool = False) -> str:
+    """Run the daemon's garbage collection; a one-line summary for the terminal."""
+    token = resolve_token(settings) if settings.host else None
+    try:
+        with health_client(settings, timeout=120) as client:
+            headers = {"authorization": f"Bearer {token}"} if token else {}
+            response = client.post("/v1/gc", json={"all": evict_all}, headers=headers)
+    except httpx.TransportError as exc:
+        raise ServeError(f"no daemon answers at {settings.url} ({exc}); start it first") from exc
+    if response.status_code != 200:
+        raise ServeError(response.json().get("error", {}).get("message", response.text))
+    result = response.json()
+    return (
+        f"evicted {len(result['evicted'])} dataset(s), freed {result['freed_bytes']} bytes, "
+        f"dropped {result['leases_dropped']} lease(s)"
+    )
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

@@ -231,3 +231,26 @@ def test_enospc_mid_staging_fails_cleanly_and_keeps_other_entries(
         again = client.get("/v1/datasets/kept").json()
         assert again["state"] == "ready"
     assert digest(Path(kept["path"])) == digest(small)
+
+
+def test_stager_gc_command_evicts_every_unleased_dataset_with_all(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    import sys
+
+    with daemon.client() as client:
+        kept = ready(
+            client,
+            copy_body("kept", write_tree(tmp_path / "a", n_files=3), lease={"holder": "job-1"}),
+        )
+        gone = ready(client, copy_body("gone", write_tree(tmp_path / "b", n_files=3, seed=5)))
+    result = subprocess.run(
+        [sys.executable, "-m", "stager", "gc", "--all"],
+        env=daemon.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "evicted 1 dataset(s)" in result.stdout
+    assert Path(kept["path"]).exists() and not Path(gone["path"]).exists()
