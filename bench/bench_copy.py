@@ -213,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         else "warm (tree read once untimed; every run sees it cached)"
     )
     print(f"tree: {src} ({args.files} files, {tree_bytes(src) / 1e9:.2f} GB)")
-    print(f"cache: {cache}; {args.repeat} interleaved runs per candidate")
+    print(f"cache: {cache}; {args.repeat} interleaved runs per candidate, order rotated")
     print(f"cpus: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.1f}")
     groups = build_groups(args)
     expected = count_entries(src)
     for rows in groups.values():
-        for _ in range(args.repeat):
-            for row in rows:
+        for turn in range(args.repeat):
+            # Rotate who goes first: being first after the setup is not neutral.
+            for row in rows[turn % len(rows) :] + rows[: turn % len(rows)]:
                 dst = out / "dst"
                 row.times.append(time_one(row.run, src, dst, cold))
                 if count_entries(dst) != expected:

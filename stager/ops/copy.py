@@ -30,6 +30,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -52,17 +53,31 @@ READ_CHUNK = 1024 * 1024
 # Files per task handed to the pool: amortises the executor's overhead while
 # keeping the tail short when one directory is much larger than the others.
 BATCH_FILES = 64
+# How long check() may walk a source tree to estimate its size.
+CHECK_BUDGET_S = 5.0
 # errnos that mean "this kernel/filesystem pair cannot do this fast path".
 _UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP}
 
 
 def check(step: CopyStep) -> int:
-    """Validate the source and estimate the bytes the copy will write."""
+    """Validate the source and estimate the bytes the copy will write.
+
+    A directory is walked to sum its sizes, but only for CHECK_BUDGET_S: a
+    million-file tree on a busy network filesystem would hold the request for
+    minutes, so past the budget the estimate is 0 ("unknown") and the copy
+    reports its real total as it walks.
+    """
     source = require_source(step.src)
     try:
         if not source.is_dir():
             return source.stat().st_size
-        return sum(_walk_sizes(source))
+        deadline = time.monotonic() + CHECK_BUDGET_S
+        total = 0
+        for size in _walk_sizes(source):
+            total += size
+            if time.monotonic() > deadline:
+                return 0
+        return total
     except OSError as exc:
         raise _translate(exc, step.src) from exc
 
@@ -109,7 +124,12 @@ def _file_target(source: Path, dst: str, ctx: OpContext) -> Path:
     relative = dst.rstrip("/")
     parent = ctx.destination(os.path.dirname(relative) or ".")
     parent.mkdir(parents=True, exist_ok=True)
-    return parent / os.path.basename(relative)
+    target = parent / os.path.basename(relative)
+    if target.is_dir() and not target.is_symlink():
+        # Like cp: an existing directory (made by an earlier step) receives the
+        # file; replacing it would throw away that step's work.
+        return target / source.name
+    return target
 
 
 def _walk_sizes(root: Path) -> Iterator[int]:

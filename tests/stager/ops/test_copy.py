@@ -83,6 +83,15 @@ def test_single_file_destinations(source: Path, tmp_path: Path) -> None:
         assert (ctx.root / path).stat().st_mtime_ns == leaf.stat().st_mtime_ns
 
 
+def test_file_into_an_existing_directory_goes_inside(source: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path / "root")
+    (ctx.root / "train" / "kept").mkdir(parents=True)
+    leaf = source / "class_0" / "deep" / "er" / "leaf.bin"
+    copy.run(CopyStep(op="copy", src=str(leaf), dst="train"), ctx)
+    assert (ctx.root / "train" / "leaf.bin").read_bytes() == leaf.read_bytes()
+    assert (ctx.root / "train" / "kept").is_dir()
+
+
 def test_symlinks_inside_kept_outside_followed(tmp_path: Path) -> None:
     outside = tmp_path / "outside.txt"
     outside.write_text("outside content")
