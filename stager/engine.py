@@ -134,12 +134,17 @@ class Engine:
         spec = request.spec()
         request_key = spec_key(spec)
         self._check_name(request.name, request_key)
-        estimate = await run_io(preflight.check_steps, expansion.steps, self.settings)
         await run_io(preflight.check_link, request.link, self.settings)
         fingerprint = await run_io(
             sources_fingerprint, expansion.steps, request.fingerprint == "deep"
         )
         key = spec_key({"spec": spec, "sources": fingerprint})
+        existing = self._entries.get(key)
+        if existing is None or not (existing.active or existing.state == State.READY):
+            # Only a miss pays for validating sources and estimating the size (a walk).
+            estimate = await run_io(preflight.check_steps, expansion.steps, self.settings)
+        else:
+            estimate = existing.estimate_bytes
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
