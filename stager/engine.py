@@ -348,6 +348,13 @@ class Engine:
             await self._drop_lease(lease)
         return [lease.public() for lease in chosen]
 
+    async def release_holder(self, holder: str) -> list[LeasePublic]:
+        """Drop every lease of one holder on any dataset (a job's epilog)."""
+        chosen = [lease for lease in self._leases.values() if lease.holder == holder]
+        for lease in chosen:
+            await self._drop_lease(lease)
+        return [lease.public() for lease in chosen]
+
     async def _drop_lease(self, lease: Lease) -> None:
         self._leases.pop(lease.id, None)
         await run_io(self._store.delete_lease, lease.id)

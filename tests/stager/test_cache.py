@@ -152,7 +152,7 @@ def test_delete_of_a_leased_dataset_is_refused_naming_the_holders(
         assert "job-7" in refused.json()["error"]["message"]
         assert "job-8" in refused.json()["error"]["message"]
         client.delete(f"/v1/datasets/ds/leases/{lease['id']}")
-        released = client.delete("/v1/datasets/ds/leases", params={"holder": "job-7"}).json()
+        released = client.delete("/v1/leases", params={"holder": "job-7"}).json()
         assert [item["holder"] for item in released] == ["job-7"]
         assert client.get("/v1/datasets/ds").json()["leases"] == []
         assert client.delete("/v1/datasets/ds").json()["state"] == "evicted"

@@ -1,11 +1,11 @@
-"""/v1/gc: drop dead leases and evict what nobody needs."""
+"""/v1/gc and /v1/leases: cache-wide housekeeping."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from stager.api.deps import EngineDep
-from stager.schemas import GcRequest, GcResult
+from stager.schemas import GcRequest, GcResult, LeasePublic
 
 router = APIRouter(prefix="/v1", tags=["cache"])
 
@@ -14,3 +14,11 @@ router = APIRouter(prefix="/v1", tags=["cache"])
 async def gc(engine: EngineDep, request: GcRequest | None = None) -> GcResult:
     """Evict superseded entries (or, with ``all``, every unleased ready one)."""
     return await engine.gc(request or GcRequest())
+
+
+@router.delete("/leases", response_model=list[LeasePublic])
+async def release_holder(
+    engine: EngineDep, holder: str = Query(..., description="e.g. slurm-job-42")
+) -> list[LeasePublic]:
+    """Release every lease one holder has on any dataset: what a job's epilog calls."""
+    return await engine.release_holder(holder)
