@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only stage sources under this folder (repeatable)",
     )
     serve.add_argument(
+        "--capacity-bytes",
+        type=int,
+        help="cache size limit; least recently used datasets are evicted beyond it "
+        "(default 0: only the disk's free space limits)",
+    )
+    serve.add_argument(
         "--min-free-bytes", type=int, help="free space to keep on the cache disk (default 1 GiB)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
