@@ -3,8 +3,10 @@
 Bytes go to ``<dst>.part`` and are renamed into place only when complete (and
 matching ``sha256`` when given), so ``dst`` existing means "done": a restarted
 run skips it, and an interrupted one resumes from the ``.part`` size. Within a
-run, connection errors and short reads are retried a bounded number of times
-with exponential backoff, each retry resuming where the last one stopped.
+run, connection errors, short reads and 429/5xx replies are retried with
+exponential backoff, each retry resuming where the last one stopped; the bound
+is MAX_ATTEMPTS failures in a row that brought no new bytes, so a flaky link
+that keeps making progress still finishes a multi-GB file.
 
 Replies to a ``Range: bytes=N-`` request:
 
@@ -33,7 +35,7 @@ from stager.errors import BadRequest, FetchFailed, StagerError, VerifyFailed, fr
 from stager.ops.base import OpContext
 from stager.schemas import FetchStep
 
-MAX_ATTEMPTS = 6
+MAX_ATTEMPTS = 6  # consecutive failed attempts that brought no new bytes
 BACKOFF_S = 0.5  # first retry delay, doubled each time, capped at BACKOFF_MAX_S
 BACKOFF_MAX_S = 30.0
 CHUNK = 1024 * 1024
@@ -142,8 +144,10 @@ class _Download:
 
     def run(self) -> None:
         reason = "no attempt was made"
-        for attempt in range(MAX_ATTEMPTS):
+        failures = 0  # in a row without new bytes: a slow, flaky link still finishes
+        while failures < MAX_ATTEMPTS:
             self.ctx.check_cancelled()
+            before = self.counted
             try:
                 if self._attempt():
                     return
@@ -156,12 +160,13 @@ class _Download:
                 ) from exc
             except httpx.TransportError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-            if attempt + 1 < MAX_ATTEMPTS:
+            failures = 1 if self.counted > before else failures + 1
+            if failures < MAX_ATTEMPTS:
                 # wait() instead of sleep() so a cancel interrupts the backoff.
-                self.ctx.cancel.wait(min(BACKOFF_S * 2**attempt, BACKOFF_MAX_S))
+                self.ctx.cancel.wait(min(BACKOFF_S * 2 ** (failures - 1), BACKOFF_MAX_S))
         raise FetchFailed(
-            f"downloading {self.url} failed after {MAX_ATTEMPTS} attempts ({reason}); "
-            "check the URL and the network, then stage again"
+            f"downloading {self.url} failed after {MAX_ATTEMPTS} attempts in a row without "
+            f"progress ({reason}); check the URL and the network, then stage again"
         )
 
     def _attempt(self) -> bool:
