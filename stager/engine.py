@@ -28,7 +28,7 @@ from stager.fingerprint import sources_fingerprint
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
-from stager.publish import make_link, remove_link, remove_tree
+from stager.publish import make_link, remove_link, remove_tree, steps_marker
 from stager.schemas import (
     DatasetCreate,
     DatasetPublic,
@@ -100,7 +100,7 @@ class Engine:
         """Partial folders no live entry owns are leftovers from a failed cleanup."""
         live = {k for k, e in self._entries.items() if e.active}
         for child in self.settings.partial_dir.iterdir():
-            if child.name not in live:
+            if child.name.split(".", 1)[0] not in live:
                 remove_tree(child)
 
     async def stop(self) -> None:
@@ -482,6 +482,7 @@ class Engine:
         log.warning("dataset %s %s: %s", entry.key, state, error.message)
         try:
             await run_io(remove_tree, self._partial(entry))
+            await run_io(remove_tree, steps_marker(self._partial(entry)))
         except OSError as exc:
             log.error("could not remove partial data of %s: %s", entry.key, exc)
         entry.move(state, error)

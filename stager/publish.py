@@ -23,6 +23,17 @@ def publish(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
+def steps_marker(partial: Path) -> Path:
+    """Beside (not inside) the partial dir: how many steps completed, for resuming."""
+    return partial.with_name(partial.name + ".steps-done")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def tree_size(root: Path) -> int:
     """Bytes on disk under root (files and link entries, not what links point to)."""
     total = 0

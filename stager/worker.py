@@ -26,7 +26,7 @@ from typing import Any
 from stager.errors import Cancelled, StagerError
 from stager.ops import run_step
 from stager.ops.base import OpContext
-from stager.publish import publish, tree_size
+from stager.publish import publish, steps_marker, tree_size, write_atomically
 
 # Spawn, not fork: the daemon has threads (uvicorn, anyio) that fork would clone mid-state.
 CONTEXT = multiprocessing.get_context("spawn")
@@ -131,6 +131,10 @@ def _stage(job: StageJob, counters: Any, cancel: Any) -> int:
     if job.final.is_dir():
         return tree_size(job.final)  # published just before a crash: already complete
     job.partial.mkdir(parents=True, exist_ok=True)
+    # Steps finished before a crash are skipped on resume: re-running them is not always
+    # idempotent (an extract would recreate ``train/`` that a later rename moved away).
+    marker = steps_marker(job.partial)
+    completed = int(marker.read_text() or 0) if marker.exists() else 0
     ctx = OpContext(
         root=job.partial,
         progress=RelayProgress(counters),  # type: ignore[arg-type]
@@ -139,10 +143,14 @@ def _stage(job: StageJob, counters: Any, cancel: Any) -> int:
         verify=job.verify,
     )
     for index, step in enumerate(job.steps, start=1):
+        if index <= completed:
+            continue
         ctx.check_cancelled()
         ctx.progress.start_step(step.op, index)
         run_step(step, ctx)
+        write_atomically(marker, str(index))
     ctx.check_cancelled()
     size = tree_size(job.partial)
     publish(job.partial, job.final)
+    marker.unlink(missing_ok=True)
     return size

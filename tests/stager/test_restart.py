@@ -18,7 +18,7 @@ import pytest
 from stager.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
-from tests.trees import digest, write_tree
+from tests.trees import digest, make_tar, write_tree
 
 BLOB = bytes(range(256)) * 8192  # 2 MiB
 
@@ -26,10 +26,14 @@ BLOB = bytes(range(256)) * 8192  # 2 MiB
 def request(tmp_path: Path, base_url: str) -> dict:
     first = write_tree(tmp_path / "first", n_files=150, seed=1)
     last = write_tree(tmp_path / "last", n_files=20, seed=2)
+    archive = make_tar(write_tree(tmp_path / "train", n_files=20, seed=3), tmp_path / "t.tar.gz")
     return {
         "name": "multi",
         "steps": [
             {"op": "copy", "src": str(first), "dst": "first"},
+            # Re-running these two after a crash would fail: the rename must not run twice.
+            {"op": "extract", "src": str(archive)},
+            {"op": "rename", "src": "train", "dst": "2021_train"},
             {
                 "op": "fetch",
                 "url": f"{base_url}/blob.bin",
@@ -44,6 +48,7 @@ def request(tmp_path: Path, base_url: str) -> dict:
 def expected_digest(tmp_path: Path) -> dict[str, str]:
     out = {f"first/{k}": v for k, v in digest(tmp_path / "first").items()}
     out.update({f"last/{k}": v for k, v in digest(tmp_path / "last").items()})
+    out.update({f"2021_train/{k}": v for k, v in digest(tmp_path / "train").items()})
     out["blob.bin"] = hashlib.sha256(BLOB).hexdigest()
     return out
 
