@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,3 +35,30 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mount small tmpfs filesystems (e.g. ``tmpfs("6m")``): a real disk that fills up.
+    Needs root; the test is skipped with the reason elsewhere."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        point = tmp_path / f"tmpfs{len(mounts)}"
+        point.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)

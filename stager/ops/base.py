@@ -53,3 +53,14 @@ def require_source(path: str, what: str = "source") -> Path:
             f"{what} {path} is not readable by the daemon's user; fix its permissions"
         )
     return source
+
+
+def make_dir(path: str) -> None:
+    """mkdir that replaces a file or link an earlier run left where a directory belongs."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if os.path.isdir(path) and not os.path.islink(path):
+            return
+        os.unlink(path)
+        os.mkdir(path)

@@ -43,7 +43,7 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
-from stager.ops.base import OpContext, require_source
+from stager.ops.base import OpContext, make_dir, require_source
 from stager.schemas import CopyStep
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
@@ -347,7 +347,7 @@ class _TreeCopy:
             if (st.st_dev, st.st_ino) in self.seen:
                 continue  # a directory link loop: its content is already being copied
             self.seen.add((st.st_dev, st.st_ino))
-            _make_dir(dst_dir)
+            make_dir(dst_dir)
             self.dirs.append((dst_dir, st))
             for batch in self._scan(src_dir, dst_dir, stack):
                 self.ctx.progress.add_total(batch.nbytes, len(batch.files))
@@ -412,16 +412,6 @@ class _TreeCopy:
                 continue
             os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
-def _make_dir(path: str) -> None:
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if os.path.isdir(path) and not os.path.islink(path):
-            return
-        os.unlink(path)  # a file or link left where the tree now has a directory
-        os.mkdir(path)
 
 
 def _place_link(link_text: str, path: str) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from stager.errors import BadRequest, StagerError, from_os_error
-from stager.ops.base import OpContext, require_source
+from stager.ops.base import OpContext, make_dir, require_source
 from stager.schemas import SymlinkStep
 
 # Links per pool task: large enough to amortise the executor, small enough to
@@ -123,7 +123,7 @@ def _scan_tree(source: str, dst_root: str, ctx: OpContext) -> Iterator[list[tupl
                 # Directory links are linked like files, not walked: no cycles,
                 # and the link still resolves to the same content.
                 if entry.is_dir(follow_symlinks=False):
-                    _make_dir(target)  # before its files are queued
+                    make_dir(target)  # before its files are queued
                     stack.append((entry.path, target))
                     continue
                 pairs.append((entry.path, target))
@@ -163,16 +163,6 @@ def _place(source: str, path: str) -> None:
     else:
         os.unlink(path)
     os.symlink(source, path)
-
-
-def _make_dir(path: str) -> None:
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if os.path.isdir(path) and not os.path.islink(path):
-            return
-        os.unlink(path)  # a file or link where the source now has a directory
-        os.mkdir(path)
 
 
 def _current_target(path: str) -> str | None:

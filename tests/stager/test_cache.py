@@ -6,11 +6,11 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
@@ -188,27 +188,10 @@ def test_an_expired_lease_is_dropped_by_the_sweep(daemon_factory, tmp_path: Path
     assert holders == ["long"]
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_enospc_mid_staging_fails_cleanly_and_keeps_other_entries(
-    daemon_factory, tmp_path: Path, small_tmpfs: Path
+    daemon_factory, tmp_path: Path, tmpfs: Callable[[str], Path]
 ) -> None:
-    daemon = daemon_factory(cache_dir=small_tmpfs / "cache")
+    daemon = daemon_factory(cache_dir=tmpfs("6m") / "cache")
     small = write_tree(tmp_path / "small", n_files=10)
     # A download's size is unknown before it starts, so admission lets it in; the
     # 6 MiB disk fills part way through.

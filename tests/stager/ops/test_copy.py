@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -210,25 +209,8 @@ def test_missing_source_names_the_path(tmp_path: Path) -> None:
         copy.run(step, make_ctx(tmp_path / "root"))
 
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 256 KiB tmpfs: a real full disk. Needs root; skipped elsewhere."""
-    mount = tmp_path / "tiny"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
-
-
-def test_full_disk_says_so(tmp_path: Path, tiny_disk: Path) -> None:
+def test_full_disk_says_so(tmp_path: Path, tmpfs: Callable[[str], Path]) -> None:
+    tiny_disk = tmpfs("256k")
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(1024 * 1024))
     with pytest.raises(StagingIOError, match="disk filled up"):
