@@ -1,0 +1,78 @@
+"""Client of the stager daemon: the Python API and the ``stager-client`` command.
+
+    from client import StagerClient
+    status = StagerClient().wait("inat", timeout=3600)   # raises StagingFailed / WaitTimeout
+    print(status.path)
+
+Importing this package loads httpx and pydantic only (the wire models come from
+``stager.schemas``, which depends on pydantic alone); never FastAPI, uvicorn or torch.
+"""
+
+from __future__ import annotations
+
+from client._client import (
+    DEFAULT_RETRY_FOR_S,
+    DEFAULT_TIMEOUT_S,
+    AsyncStagerClient,
+    Backoff,
+    StagerClient,
+    stage_body,
+)
+from client._discovery import Endpoint, discover
+from client.errors import (
+    BadConfiguration,
+    Conflict,
+    ConnectionLost,
+    DaemonError,
+    DaemonUnavailable,
+    DatasetEvicted,
+    DatasetNotFound,
+    RequestRejected,
+    StagerError,
+    StagingCancelled,
+    StagingFailed,
+    Unauthorized,
+    WaitTimeout,
+)
+from stager.schemas import (
+    DatasetCreate,
+    DatasetPublic,
+    DatasetsPublic,
+    ErrorInfo,
+    LeaseCreate,
+    LeasePublic,
+    ProgressPublic,
+    State,
+)
+
+__all__ = [
+    "DEFAULT_RETRY_FOR_S",
+    "DEFAULT_TIMEOUT_S",
+    "AsyncStagerClient",
+    "Backoff",
+    "BadConfiguration",
+    "Conflict",
+    "ConnectionLost",
+    "DaemonError",
+    "DaemonUnavailable",
+    "DatasetCreate",
+    "DatasetEvicted",
+    "DatasetNotFound",
+    "DatasetPublic",
+    "DatasetsPublic",
+    "Endpoint",
+    "ErrorInfo",
+    "LeaseCreate",
+    "LeasePublic",
+    "ProgressPublic",
+    "RequestRejected",
+    "StagerClient",
+    "StagerError",
+    "StagingCancelled",
+    "StagingFailed",
+    "State",
+    "Unauthorized",
+    "WaitTimeout",
+    "discover",
+    "stage_body",
+]

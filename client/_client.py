@@ -1,0 +1,542 @@
+"""`StagerClient` (sync) and `AsyncStagerClient`: the daemon's HTTP API as Python calls.
+
+Both share everything but the I/O: request bodies, decoding, error translation, the
+retry policy and the long-poll arithmetic are module functions; each class only
+sends requests and sleeps its own way (as httpx does for its two clients).
+
+Retries: a job script starts ``wait`` right after launching the daemon, and a
+daemon may restart under a long wait, so ``wait`` and ``stage`` (idempotent by
+name + spec on the daemon) retry an unreachable daemon with bounded backoff for
+``retry_for`` seconds. Status, list, cancel and lease calls fail fast: a human
+typing them wants the answer now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from client._discovery import Endpoint, discover
+from client.errors import (
+    Conflict,
+    ConnectionLost,
+    DaemonError,
+    DaemonUnavailable,
+    DatasetEvicted,
+    DatasetNotFound,
+    RequestRejected,
+    StagingCancelled,
+    StagingFailed,
+    Unauthorized,
+    WaitTimeout,
+)
+from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State
+
+Model = TypeVar("Model")
+StatusCallback = Callable[[DatasetPublic], None]
+
+DEFAULT_TIMEOUT_S = 10.0  # plain requests; the daemon answers status in milliseconds
+DEFAULT_RETRY_FOR_S = 30.0  # how long wait/stage keep trying an unreachable daemon
+LONG_POLL_MAX_S = 60.0  # one long-poll; short enough to notice a hung daemon
+READ_MARGIN_S = 10.0  # a long-poll's read timeout is its length plus this
+
+_LEASES = TypeAdapter(list[LeasePublic])
+_REJECTED = {401: Unauthorized, 404: DatasetNotFound, 409: Conflict}
+
+
+# ---- errors: the one place httpx's exceptions become ours -----------------------------
+
+
+@contextmanager
+def _translate(endpoint: Endpoint, what: str) -> Iterator[None]:
+    try:
+        yield
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise DaemonUnavailable(
+            f"no stager daemon answers at {endpoint.url} ({exc})", url=endpoint.url
+        ) from exc
+    except httpx.TimeoutException as exc:
+        raise ConnectionLost(
+            f"the stager daemon at {endpoint.url} did not answer {what} in time",
+            url=endpoint.url,
+            fix="check that it is not stuck (its log is <runtime_dir>/stager.log)",
+        ) from exc
+    except httpx.TransportError as exc:
+        raise ConnectionLost(
+            f"the stager daemon at {endpoint.url} went away during {what} ({exc or type(exc)})",
+            url=endpoint.url,
+            fix="check its log (<runtime_dir>/stager.log) and restart it with "
+            "`stager serve --detach`",
+        ) from exc
+
+
+def _error_sentence(response: httpx.Response) -> tuple[str, str] | None:
+    """The daemon's (type, message), or None when the body is not its error shape."""
+    try:
+        error = response.json()["error"]
+        return str(error["type"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _decode(response: httpx.Response, adapter: Callable[[bytes], Model], url: str) -> Model:
+    if response.is_success:
+        try:
+            return adapter(response.content)
+        except ValidationError as exc:
+            raise DaemonError(
+                f"{url} answered {response.request.url.path} with something that is not the "
+                "stager API's reply; check --url / STAGER_URL and the daemon's version",
+                status_code=response.status_code,
+            ) from exc
+    error = _error_sentence(response)
+    if error is None:
+        raise DaemonError(
+            f"{url} answered {response.request.method} {response.request.url.path} with "
+            f"HTTP {response.status_code} and no stager error; check --url / STAGER_URL",
+            status_code=response.status_code,
+        )
+    type_, message = error
+    if 400 <= response.status_code < 500:
+        cls = _REJECTED.get(response.status_code, RequestRejected)
+        raise cls(message, type=type_, status_code=response.status_code)
+    raise DaemonError(message, status_code=response.status_code)
+
+
+def _model(model: type[BaseModel]) -> Callable[[bytes], Any]:
+    return model.model_validate_json
+
+
+# ---- waiting ------------------------------------------------------------------------
+
+
+def outcome(status: DatasetPublic) -> DatasetPublic | None:
+    """The status if ready, None while still going; raises if it ended otherwise."""
+    if status.state == State.READY:
+        return status
+    if not status.state.terminal:
+        return None
+    sentence = status.error.message if status.error else None
+    if status.state == State.CANCELLED:
+        raise StagingCancelled(sentence or f"dataset {status.name!r} was cancelled", status=status)
+    if status.state == State.EVICTED:
+        raise DatasetEvicted(
+            sentence or f"dataset {status.name!r} was evicted from the node cache; stage it again",
+            status=status,
+        )
+    raise StagingFailed(
+        sentence or f"dataset {status.name!r} failed to stage (no reason given)", status=status
+    )
+
+
+def _timed_out(status: DatasetPublic, timeout: float) -> WaitTimeout:
+    p = status.progress
+    where = f"step {p.step_index + 1}/{p.steps_total} {p.step or ''}".rstrip()
+    if p.bytes_total:
+        where += f", {p.bytes_done / p.bytes_total:.0%} of {p.bytes_total} bytes"
+    return WaitTimeout(
+        f"dataset {status.name!r} is still {status.state} after {timeout:g} s ({where}); "
+        f"wait longer (--timeout) or see `stager-client status {status.name}`",
+        status=status,
+    )
+
+
+def _poll_length(deadline: float | None, now: float, interval: float | None) -> float:
+    length = LONG_POLL_MAX_S if interval is None else min(interval, LONG_POLL_MAX_S)
+    if deadline is not None:
+        length = min(length, max(0.0, deadline - now))
+    return length
+
+
+class Backoff:
+    """Bounded exponential backoff over one streak of failures.
+
+    ``delay(exc)`` gives the next pause, or raises ``exc`` (saying how long it
+    tried) once ``budget`` seconds have passed since the streak began, or the
+    caller's own deadline has.
+    """
+
+    first_s = 0.05
+    cap_s = 0.5  # a daemon coming up is noticed within half a second
+
+    def __init__(self, budget: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget = budget
+        self.clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        self._since: float | None = None
+        self._next = self.first_s
+
+    def delay(self, exc: DaemonUnavailable, deadline: float | None = None) -> float:
+        now = self.clock()
+        if self._since is None:
+            self._since = now
+        limit = self._since + self.budget
+        if deadline is not None:
+            limit = min(limit, deadline)
+        if now >= limit:
+            spent = now - self._since
+            raise (exc.after_retries(spent) if spent > 0 else exc) from exc
+        pause = min(self._next, limit - now)
+        self._next = min(self._next * 2, self.cap_s)
+        return pause
+
+
+# ---- request bodies -----------------------------------------------------------------
+
+
+def stage_body(
+    name: str,
+    *,
+    recipe: str | None = None,
+    source: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    steps: Sequence[Mapping[str, Any] | BaseModel] | None = None,
+    link: str | None = None,
+    verify: str | None = None,
+    fingerprint: str | None = None,
+    lease: Mapping[str, Any] | BaseModel | None = None,
+) -> dict[str, Any]:
+    """A ``POST /v1/datasets`` body with only what was given, so the daemon's defaults
+    apply; validation is left to the daemon, whose sentences name the field at fault."""
+    body: dict[str, Any] = {"name": name}
+    given = {"recipe": recipe, "source": source, "link": link, "verify": verify}
+    given["fingerprint"] = fingerprint
+    body.update({k: v for k, v in given.items() if v is not None})
+    if params:
+        body["params"] = dict(params)
+    if steps:
+        body["steps"] = [_plain(step) for step in steps]
+    if lease is not None:
+        body["lease"] = _plain(lease)
+    return body
+
+
+def _plain(value: Mapping[str, Any] | BaseModel) -> dict[str, Any]:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", exclude_none=True, by_alias=True)
+    return dict(value)
+
+
+def _lease_body(holder: str, slurm_job_id: str | None, ttl_s: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"holder": holder}
+    if slurm_job_id is not None:
+        body["slurm_job_id"] = slurm_job_id
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    return body
+
+
+def _q(name: str) -> str:
+    # A mistyped name with a '/' must reach the daemon as one name, to get its 404 sentence.
+    return quote(name, safe="")
+
+
+def _release_path(name: str, lease_id: str | None) -> str:
+    return f"/v1/datasets/{_q(name)}/leases" + (f"/{_q(lease_id)}" if lease_id else "")
+
+
+# ---- the clients ----------------------------------------------------------------------
+
+
+class _Base:
+    def __init__(
+        self,
+        url: str | None,
+        token: str | None,
+        timeout: float,
+        retry_for: float,
+        env: Mapping[str, str] | None,
+    ) -> None:
+        self.endpoint = discover(url, token, env)
+        self.timeout = timeout
+        self.retry_for = retry_for
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def _http_args(self) -> dict[str, Any]:
+        return {
+            "base_url": self.endpoint.base_url,
+            "timeout": self.timeout,
+            "headers": {"user-agent": "stager-client", **self.endpoint.headers()},
+        }
+
+
+class StagerClient(_Base):
+    """Talks to the node's stager daemon.
+
+    ``StagerClient()`` finds the daemon from ``STAGER_URL`` or the default socket.
+    ``transport`` replaces the network (``httpx.MockTransport`` in tests).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_for: float = DEFAULT_RETRY_FOR_S,
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(url, token, timeout, retry_for, env)
+        self._clock = clock
+        self._sleep = sleep
+        self._http = httpx.Client(
+            transport=transport or self.endpoint.transport(), **self._http_args()
+        )
+
+    def __enter__(self) -> StagerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        adapter: Callable[[bytes], Model],
+        *,
+        what: str,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Model:
+        with _translate(self.endpoint, what):
+            response = self._http.request(method, path, timeout=timeout or self.timeout, **kwargs)
+        return _decode(response, adapter, self.url)
+
+    def health(self) -> dict[str, Any]:
+        """The daemon's liveness answer, e.g. ``{"status": "ok", "version": "0.1.0"}``."""
+        return self._call("GET", "/healthz", json.loads, what="the health check")
+
+    def status(self, name: str) -> DatasetPublic:
+        return self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic), what="status")
+
+    def list(self) -> list[DatasetPublic]:
+        return self._call("GET", "/v1/datasets", _model(DatasetsPublic), what="list").data
+
+    def submit(self, body: Mapping[str, Any] | BaseModel) -> DatasetPublic:
+        """POST a full request body (a ``DatasetCreate`` or its JSON form); retried while
+        the daemon is unreachable, which is safe because staging is idempotent by name+spec."""
+        payload = _plain(body)
+        backoff = Backoff(self.retry_for, self._clock)
+        while True:
+            try:
+                return self._call(
+                    "POST", "/v1/datasets", _model(DatasetPublic), what="stage", json=payload
+                )
+            except DaemonUnavailable as exc:
+                self._sleep(backoff.delay(exc))
+
+    def stage(self, name: str, **fields: Any) -> DatasetPublic:
+        """Stage (or join) a dataset; keyword arguments as in `stage_body`. Returns at once."""
+        return self.submit(stage_body(name, **fields))
+
+    def wait(
+        self,
+        name: str,
+        timeout: float | None = None,
+        *,
+        on_status: StatusCallback | None = None,
+        interval: float | None = None,
+    ) -> DatasetPublic:
+        """Block until ``name`` is ready and return its status (``.path``).
+
+        Long-polls the daemon, so it returns within milliseconds of the dataset
+        becoming ready. ``timeout=None`` waits forever. ``on_status`` gets every
+        status seen, at least every ``interval`` seconds (for progress displays).
+        Raises `StagingFailed`, `WaitTimeout` or `DaemonUnavailable`.
+        """
+        start = self._clock()
+        deadline = None if timeout is None else start + timeout
+        backoff = Backoff(self.retry_for, self._clock)
+        while True:
+            poll = _poll_length(deadline, self._clock(), interval)
+            try:
+                status = self._call(
+                    "GET",
+                    f"/v1/datasets/{_q(name)}/wait",
+                    _model(DatasetPublic),
+                    what=f"the wait for {name!r}",
+                    params={"timeout": poll},
+                    timeout=poll + READ_MARGIN_S,
+                )
+            except DaemonUnavailable as exc:
+                self._sleep(backoff.delay(exc, deadline))
+                continue
+            backoff.reset()
+            if on_status is not None:
+                on_status(status)
+            if outcome(status) is not None:
+                return status
+            if deadline is not None and self._clock() >= deadline:
+                raise _timed_out(status, timeout or 0.0)
+
+    def cancel(self, name: str) -> DatasetPublic:
+        """Cancel a staging, evict a ready dataset, or forget a finished one."""
+        return self._call(
+            "DELETE", f"/v1/datasets/{_q(name)}", _model(DatasetPublic), what="cancel"
+        )
+
+    # Leases pin a dataset against eviction while a job uses it.
+    def lease(
+        self,
+        name: str,
+        holder: str,
+        *,
+        slurm_job_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> LeasePublic:
+        body = _lease_body(holder, slurm_job_id, ttl_s)
+        path = f"/v1/datasets/{_q(name)}/leases"
+        return self._call("POST", path, _model(LeasePublic), what="lease", json=body)
+
+    def release(
+        self, name: str, *, holder: str | None = None, lease_id: str | None = None
+    ) -> list[LeasePublic]:
+        """Release one lease by id, every lease of ``holder``, or all leases on ``name``."""
+        params = {"holder": holder} if holder and not lease_id else None
+        path = _release_path(name, lease_id)
+        return self._call("DELETE", path, _LEASES.validate_json, what="release", params=params)
+
+
+class AsyncStagerClient(_Base):
+    """`StagerClient` for asyncio code; the same methods, awaited."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_for: float = DEFAULT_RETRY_FOR_S,
+        env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(url, token, timeout, retry_for, env)
+        self._clock = clock
+        self._http = httpx.AsyncClient(
+            transport=transport or self.endpoint.async_transport(), **self._http_args()
+        )
+
+    async def __aenter__(self) -> AsyncStagerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        adapter: Callable[[bytes], Model],
+        *,
+        what: str,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Model:
+        with _translate(self.endpoint, what):
+            response = await self._http.request(
+                method, path, timeout=timeout or self.timeout, **kwargs
+            )
+        return _decode(response, adapter, self.url)
+
+    async def status(self, name: str) -> DatasetPublic:
+        return await self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic),
+                                what="status")  # fmt: skip
+
+    async def list(self) -> list[DatasetPublic]:
+        return (await self._call("GET", "/v1/datasets", _model(DatasetsPublic), what="list")).data
+
+    async def submit(self, body: Mapping[str, Any] | BaseModel) -> DatasetPublic:
+        payload = _plain(body)
+        backoff = Backoff(self.retry_for, self._clock)
+        while True:
+            try:
+                return await self._call(
+                    "POST", "/v1/datasets", _model(DatasetPublic), what="stage", json=payload
+                )
+            except DaemonUnavailable as exc:
+                await asyncio.sleep(backoff.delay(exc))
+
+    async def stage(self, name: str, **fields: Any) -> DatasetPublic:
+        return await self.submit(stage_body(name, **fields))
+
+    async def wait(
+        self,
+        name: str,
+        timeout: float | None = None,
+        *,
+        on_status: StatusCallback | None = None,
+        interval: float | None = None,
+    ) -> DatasetPublic:
+        """See `StagerClient.wait`."""
+        deadline = None if timeout is None else self._clock() + timeout
+        backoff = Backoff(self.retry_for, self._clock)
+        while True:
+            poll = _poll_length(deadline, self._clock(), interval)
+            try:
+                status = await self._call(
+                    "GET",
+                    f"/v1/datasets/{_q(name)}/wait",
+                    _model(DatasetPublic),
+                    what=f"the wait for {name!r}",
+                    params={"timeout": poll},
+                    timeout=poll + READ_MARGIN_S,
+                )
+            except DaemonUnavailable as exc:
+                await asyncio.sleep(backoff.delay(exc, deadline))
+                continue
+            backoff.reset()
+            if on_status is not None:
+                on_status(status)
+            if outcome(status) is not None:
+                return status
+            if deadline is not None and self._clock() >= deadline:
+                raise _timed_out(status, timeout or 0.0)
+
+    async def cancel(self, name: str) -> DatasetPublic:
+        return await self._call("DELETE", f"/v1/datasets/{_q(name)}", _model(DatasetPublic),
+                                what="cancel")  # fmt: skip
+
+    async def lease(
+        self,
+        name: str,
+        holder: str,
+        *,
+        slurm_job_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> LeasePublic:
+        body = _lease_body(holder, slurm_job_id, ttl_s)
+        path = f"/v1/datasets/{_q(name)}/leases"
+        return await self._call("POST", path, _model(LeasePublic), what="lease", json=body)
+
+    async def release(
+        self, name: str, *, holder: str | None = None, lease_id: str | None = None
+    ) -> list[LeasePublic]:
+        params = {"holder": holder} if holder and not lease_id else None
+        path = _release_path(name, lease_id)
+        return await self._call(
+            "DELETE", path, _LEASES.validate_json, what="release", params=params
+        )

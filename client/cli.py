@@ -1,0 +1,467 @@
+"""``stager-client``: stage datasets, wait for them, inspect and cancel them.
+
+Thin: parse flags, call `AsyncStagerClient`, print, and map exceptions to the
+named exit codes below (documented in docs/client.md). stdout carries only what
+scripts capture (paths, or JSON with --json); messages and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from client._client import AsyncStagerClient, stage_body
+from client._progress import BarDisplay, Display, LogDisplay, NullDisplay, summary
+from client.errors import (
+    BadConfiguration,
+    DaemonError,
+    DaemonUnavailable,
+    RequestRejected,
+    StagerError,
+    StagingFailed,
+    WaitTimeout,
+)
+from stager import __version__
+from stager.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
+
+EXIT_OK = 0  # every dataset asked for is ready (or the command did what it said)
+EXIT_FAILED = 1  # a dataset failed, was cancelled or evicted; the daemon's sentence is printed
+EXIT_USAGE = 2  # bad flags or arguments (argparse's own code), unusable --url / token
+EXIT_REJECTED = 3  # the daemon refused the request: invalid spec, unknown recipe or name, 409
+EXIT_TIMEOUT = 4  # --timeout passed while a dataset was still staging
+EXIT_UNAVAILABLE = 5  # no daemon answered (after retries, for wait and stage)
+EXIT_DAEMON_ERROR = 6  # the daemon answered 5xx or something that is not the stager API
+EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT, as shells report it
+
+# Most specific first: the first class an exception is an instance of picks its code.
+EXIT_CODES: tuple[tuple[type[StagerError], int], ...] = (
+    (StagingFailed, EXIT_FAILED),
+    (WaitTimeout, EXIT_TIMEOUT),
+    (DaemonUnavailable, EXIT_UNAVAILABLE),
+    (RequestRejected, EXIT_REJECTED),
+    (DaemonError, EXIT_DAEMON_ERROR),
+    (BadConfiguration, EXIT_USAGE),
+)
+
+BAR_POLL_S = 0.5  # how often a terminal bar refreshes its numbers from the daemon
+
+EPILOG = """\
+exit codes:
+  0 ready   1 staging failed/cancelled   2 bad usage   3 rejected by the daemon
+  4 timeout   5 daemon unreachable   6 daemon error   130 interrupted
+
+examples:
+  stager-client stage inat --recipe inat2021 --source /network/datasets/inat --wait
+  stager-client stage imgs --step '{"op": "extract", "src": "/data/imgs.tar"}' \
+      --link $SLURM_TMPDIR/imgs
+  stager-client wait inat imgs --timeout 3600
+  stager-client ls --json
+
+The daemon is found from --url, else STAGER_URL (unix:///path/to.sock or
+http://host:port with STAGER_TOKEN or the daemon's token file), else the default
+socket ${XDG_RUNTIME_DIR:-/tmp}/stager-$UID/stager.sock.
+"""
+
+
+class UsageError(Exception):
+    """A flag's value cannot be used; reported with exit code 2 like argparse's own."""
+
+
+# ---- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a flag given after the subcommand overrides, without resetting one given before.
+    common.add_argument(
+        "--url",
+        default=argparse.SUPPRESS,
+        help="daemon URL (default: STAGER_URL, else the default socket)",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress and no messages; only errors and results",
+    )
+    parser = argparse.ArgumentParser(
+        prog="stager-client",
+        description="Stage datasets onto this node through the stager daemon, and wait for them.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"stager-client {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_stage(commands, common)
+    _add_wait(commands, common)
+    sub = commands.add_parser("status", parents=[common], help="one dataset's state and progress")
+    sub.add_argument("name", metavar="NAME")
+    _add_json(sub, "print the status as the API's DatasetPublic JSON")
+    sub.set_defaults(run=cmd_status)
+    sub = commands.add_parser("ls", parents=[common], help="every dataset the daemon knows")
+    _add_json(sub, "print the API's DatasetsPublic JSON")
+    sub.set_defaults(run=cmd_ls)
+    sub = commands.add_parser(
+        "cancel", parents=[common], help="cancel a staging, evict a ready dataset"
+    )
+    sub.add_argument("name", metavar="NAME")
+    _add_json(sub, "print the resulting status as JSON")
+    sub.set_defaults(run=cmd_cancel)
+    _add_release(commands, common)
+    return parser
+
+
+def _add_json(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument("--json", action="store_true", help=text)
+
+
+def _add_wait_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="S",
+        help="give up after S seconds (exit 4); default: wait forever",
+    )
+    parser.add_argument(
+        "--retry-for",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="keep retrying an unreachable daemon this long (default 30)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="seconds between progress lines when not on a terminal (default 30)",
+    )
+    parser.add_argument(
+        "--progress",
+        choices=["auto", "bar", "log", "none"],
+        default="auto",
+        help="auto: a bar on a terminal, log lines otherwise",
+    )
+
+
+def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "stage",
+        parents=[common],
+        help="stage (or join) a dataset; --wait blocks until it is ready",
+        description="Give a recipe with its source, raw --step JSON, or a --request file.",
+    )
+    sub.add_argument(
+        "name",
+        metavar="NAME",
+        nargs="?",
+        help="the dataset's handle, [a-z0-9._-] (may come from --request)",
+    )
+    sub.add_argument("--recipe", help="named recipe, e.g. inat2021 (see GET /v1/recipes)")
+    sub.add_argument("--source", help="the recipe's source folder or URL")
+    sub.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="recipe parameter; V is parsed as JSON when it parses (repeatable)",
+    )
+    sub.add_argument(
+        "--step",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='one step, e.g. \'{"op": "copy", "src": "/data/x"}\' (repeatable, in order)',
+    )
+    sub.add_argument(
+        "--request",
+        metavar="FILE",
+        help="a JSON request body (POST /v1/datasets); '-' reads stdin; "
+        "flags given here override its fields",
+    )
+    sub.add_argument("--link", metavar="PATH", help="absolute symlink to the staged root")
+    sub.add_argument("--verify", choices=["size", "sha256", "none"])
+    sub.add_argument("--fingerprint", choices=["cheap", "deep"])
+    sub.add_argument(
+        "--lease", metavar="HOLDER", help="pin the dataset for HOLDER (with $SLURM_JOB_ID when set)"
+    )
+    sub.add_argument("--wait", action="store_true", help="block until ready; print its path")
+    _add_wait_flags(sub)
+    _add_json(sub, "print the final status as JSON")
+    sub.set_defaults(run=cmd_stage)
+
+
+def _add_wait(commands: Any, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser(
+        "wait",
+        parents=[common],
+        help="block until every NAME is ready; print their paths",
+        description="Tolerates a daemon that is still starting or restarts meanwhile.",
+    )
+    sub.add_argument("names", metavar="NAME", nargs="+")
+    _add_wait_flags(sub)
+    _add_json(sub, "print the final statuses as the API's DatasetsPublic JSON")
+    sub.set_defaults(run=cmd_wait)
+
+
+def _add_release(commands: Any, common: argparse.ArgumentParser) -> None:
+    sub = commands.add_parser("release", parents=[common], help="drop leases on a dataset")
+    sub.add_argument("name", metavar="NAME")
+    who = sub.add_mutually_exclusive_group()
+    who.add_argument("--holder", help="only this holder's leases (default: all)")
+    who.add_argument("--id", dest="lease_id", help="only the lease with this id")
+    _add_json(sub, "print the released leases as JSON")
+    sub.set_defaults(run=cmd_release)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+# ---- building a stage request -----------------------------------------------------------
+
+
+def request_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The POST body from --request, then flags; raises `UsageError` on unusable input."""
+    body = _read_request_file(args.request) if args.request else {}
+    steps = [_parse_step(text) for text in args.step] or body.get("steps")
+    params = {**body.get("params", {}), **dict(_parse_param(p) for p in args.param)}
+    name = args.name or body.get("name")
+    if not name:
+        raise UsageError("give the dataset's NAME (or a 'name' in the --request file)")
+    lease = body.get("lease")
+    if args.lease:
+        lease = {"holder": args.lease}
+        if os.environ.get("SLURM_JOB_ID"):
+            lease["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    given = stage_body(
+        name,
+        recipe=args.recipe,
+        source=args.source,
+        params=params,
+        steps=steps,
+        link=args.link,
+        verify=args.verify,
+        fingerprint=args.fingerprint,
+        lease=lease,
+    )
+    merged = {**body, **given}
+    if not merged.get("recipe") and not merged.get("steps"):
+        raise UsageError("give --recipe with --source, one or more --step, or --request FILE")
+    return merged
+
+
+def _read_request_file(path: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"--request {path}: {exc.strerror}") from exc
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--request {path} is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise UsageError(f"--request {path} must hold a JSON object (a POST /v1/datasets body)")
+    return body
+
+
+def _parse_step(text: str) -> dict[str, Any]:
+    try:
+        step = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--step {text!r} is not valid JSON ({exc})") from exc
+    if not isinstance(step, dict):
+        raise UsageError(f'--step {text!r} must be a JSON object like {{"op": "copy", ...}}')
+    return step
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--param {text!r} must look like KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw  # a bare word like `2021_train` is meant as a string
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def make_display(args: argparse.Namespace) -> Display:
+    mode = "none" if args.quiet or args.json else args.progress
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "log"
+    if mode == "bar":
+        return BarDisplay()
+    if mode == "log":
+        return LogDisplay(sys.stderr, args.interval)
+    return NullDisplay()
+
+
+def _poll_interval(args: argparse.Namespace, display: Display) -> float | None:
+    if isinstance(display, BarDisplay):
+        return BAR_POLL_S
+    if isinstance(display, LogDisplay):
+        return args.interval
+    return None  # nobody watches: plain long-polls
+
+
+async def wait_all(
+    client: AsyncStagerClient, names: Sequence[str], args: argparse.Namespace
+) -> list[DatasetPublic]:
+    """Wait for every name at once; the first failure stops the others (fail fast)."""
+    display = make_display(args)
+    interval = _poll_interval(args, display)
+    tasks = [
+        asyncio.create_task(
+            client.wait(name, args.timeout, on_status=display.update, interval=interval)
+        )
+        for name in names
+    ]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        for task in tasks:
+            if task in done and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        display.close()
+
+
+async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    status = await client.submit(request_from(args))
+    if args.wait:
+        status = (await wait_all(client, [status.name], args))[0]
+    if args.json:
+        _print_json(status)
+    elif status.path and status.state == "ready":
+        print(status.path)
+    else:
+        _say(args, f"{summary(status)}; `stager-client wait {status.name}` blocks until ready")
+    return EXIT_OK
+
+
+async def cmd_wait(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    statuses = await wait_all(client, args.names, args)
+    if args.json:
+        _print_json(DatasetsPublic(data=statuses, count=len(statuses)))
+    else:
+        for status in statuses:
+            print(status.path)
+    return EXIT_OK
+
+
+async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    status = await client.status(args.name)
+    if args.json:
+        _print_json(status)
+    else:
+        print(summary(status))
+    return EXIT_OK
+
+
+async def cmd_ls(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    statuses = await client.list()
+    if args.json:
+        _print_json(DatasetsPublic(data=statuses, count=len(statuses)))
+        return EXIT_OK
+    if not statuses:
+        _say(args, "no datasets; stage one with `stager-client stage NAME ...`")
+    for status in statuses:
+        print(summary(status))
+    return EXIT_OK
+
+
+async def cmd_cancel(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    status = await client.cancel(args.name)
+    if args.json:
+        _print_json(status)
+    else:
+        print(f"{status.name}: {status.state}")
+    return EXIT_OK
+
+
+async def cmd_release(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    leases = await client.release(args.name, holder=args.holder, lease_id=args.lease_id)
+    if args.json:
+        print(json.dumps([lease.model_dump(mode="json") for lease in leases]))
+    else:
+        print(f"{args.name}: released {len(leases)} lease(s)")
+    return EXIT_OK
+
+
+def _print_json(model: BaseModel) -> None:
+    print(model.model_dump_json(by_alias=True))
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    if not args.quiet:
+        print(message, file=sys.stderr)
+
+
+# ---- main -------------------------------------------------------------------------------
+
+
+def exit_code(exc: StagerError) -> int:
+    return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_DAEMON_ERROR)
+
+
+def describe(exc: StagerError) -> str:
+    if isinstance(exc, StagingFailed):
+        return f"dataset {exc.name!r} {exc.status.state}: {exc}"
+    return str(exc)
+
+
+def _report(args: argparse.Namespace, exc: StagerError) -> int:
+    if getattr(args, "json", False):
+        error = ErrorInfo(type=exc.type, message=describe(exc))
+        _print_json(ErrorResponse(error=error))
+    print(f"stager-client: {describe(exc)}", file=sys.stderr)
+    return exit_code(exc)
+
+
+async def _run(args: argparse.Namespace, run: Callable[..., Awaitable[int]]) -> int:
+    async with AsyncStagerClient(args.url, retry_for=getattr(args, "retry_for", 0.0)) as client:
+        return await run(client, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args.url = getattr(args, "url", None)
+    args.quiet = getattr(args, "quiet", False)
+    try:
+        return asyncio.run(_run(args, args.run))
+    except UsageError as exc:
+        parser.error(str(exc))  # exits 2 with the usage line, as argparse does
+    except StagerError as exc:
+        return _report(args, exc)
+    except KeyboardInterrupt:
+        print("stager-client: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK  # unreachable: parser.error exits
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""``stager-client`` against a real ``stager serve`` process, as a job script runs it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pydantic import TypeAdapter
+
+from client.cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REJECTED,
+    EXIT_TIMEOUT,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    main,
+)
+from stager.schemas import DatasetPublic, DatasetsPublic, ErrorResponse, LeasePublic
+from tests.client.conftest import SLOW_SIZE, copy_step, fetch_step, run_cli, start_cli
+from tests.daemon import Daemon
+from tests.trees import digest
+
+
+def test_stage_wait_prints_the_path_of_the_staged_copy(daemon: Daemon, tree: Path) -> None:
+    done = run_cli(daemon, "stage", "imgs", "--step", copy_step(tree, "imgs"), "--wait")
+    assert done.returncode == EXIT_OK, done.stderr
+    path = Path(done.stdout.strip())
+    assert digest(path / "imgs") == digest(tree)
+    # Not a terminal: a plain log line, no bar escape codes.
+    assert "imgs: ready at" in done.stderr and "\x1b[" not in done.stderr
+
+
+def test_failed_staging_exits_1_with_the_daemons_sentence(
+    daemon: Daemon, truncated_archive: Path
+) -> None:
+    step = f'{{"op": "extract", "src": "{truncated_archive}"}}'
+    done = run_cli(daemon, "stage", "cut", "--step", step, "--wait")
+    assert done.returncode == EXIT_FAILED, done.stderr
+    with daemon.client() as http:
+        sentence = http.get("/v1/datasets/cut").json()["error"]["message"]
+    assert str(truncated_archive) in sentence
+    assert (
+        done.stderr.strip().splitlines()[-1] == f"stager-client: dataset 'cut' failed: {sentence}"
+    )
+    assert done.stdout == ""
+
+
+def test_timeout_exits_4_and_says_where_staging_is(daemon: Daemon, slow_url: str) -> None:
+    staged = run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url))
+    assert staged.returncode == EXIT_OK, staged.stderr
+    done = run_cli(daemon, "wait", "slow", "--timeout", "0.5")
+    assert done.returncode == EXIT_TIMEOUT, done.stderr
+    assert "dataset 'slow' is still staging after 0.5 s" in done.stderr
+    assert "--timeout" in done.stderr
+
+
+def test_wait_started_before_the_daemon_succeeds_once_it_is_up(daemon: Daemon, tree: Path) -> None:
+    assert run_cli(daemon, "stage", "early", "--step", copy_step(tree), "--wait").returncode == 0
+    daemon.stop()
+    waiting = start_cli(daemon, "wait", "early", "--retry-for", "20")
+    time.sleep(1.0)  # it is retrying against a missing socket now
+    assert waiting.poll() is None
+    daemon.start()
+    out, err = waiting.communicate(timeout=20)
+    assert waiting.returncode == EXIT_OK, err
+    assert Path(out.strip()).is_dir()
+
+
+def test_stage_wait_started_before_a_fresh_daemon_succeeds(daemon_factory, tree: Path) -> None:
+    daemon = daemon_factory(wait=False)
+    waiting = start_cli(daemon, "stage", "fresh", "--step", copy_step(tree), "--wait")
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == EXIT_OK, err
+    assert digest(Path(out.strip())) == digest(tree)
+
+
+def test_daemon_killed_during_wait_exits_5_with_a_clear_message(
+    daemon: Daemon, slow_url: str
+) -> None:
+    assert run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url)).returncode == 0
+    waiting = start_cli(daemon, "wait", "slow", "--retry-for", "1")
+    time.sleep(0.5)
+    daemon.kill()
+    _, err = waiting.communicate(timeout=15)
+    assert waiting.returncode == EXIT_UNAVAILABLE, err
+    message = err.strip().splitlines()[-1]
+    assert message.startswith(f"stager-client: no stager daemon answers at {daemon.url}")
+    assert "did not come back after 1.0 s of retries" in message
+    assert "stager serve --detach" in message
+
+
+def test_daemon_restart_during_wait_is_tolerated(daemon: Daemon, slow_url: str) -> None:
+    assert run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url)).returncode == 0
+    waiting = start_cli(daemon, "wait", "slow", "--timeout", "40")
+    time.sleep(0.5)
+    daemon.restart()  # the interrupted staging is resumed by the new daemon
+    out, err = waiting.communicate(timeout=45)
+    assert waiting.returncode == EXIT_OK, err
+    assert (Path(out.strip()) / "big.bin").stat().st_size == SLOW_SIZE
+
+
+def test_several_names_at_once_print_paths_in_order(daemon: Daemon, tmp_path: Path) -> None:
+    sources = {}
+    for name in ("c", "a", "b"):
+        sources[name] = tmp_path / f"src-{name}"
+        (sources[name] / "f").mkdir(parents=True)
+        (sources[name] / "f" / "data.txt").write_text(name)
+        assert run_cli(daemon, "stage", name, "--step", copy_step(sources[name])).returncode == 0
+    done = run_cli(daemon, "wait", "c", "a", "b", "--timeout", "20")
+    assert done.returncode == EXIT_OK, done.stderr
+    paths = [Path(p) for p in done.stdout.split()]
+    assert [(p / "f" / "data.txt").read_text() for p in paths] == ["c", "a", "b"]
+
+
+def test_one_failure_among_several_names_fails_fast(
+    daemon: Daemon, tree: Path, truncated_archive: Path, slow_url: str
+) -> None:
+    step = f'{{"op": "extract", "src": "{truncated_archive}"}}'
+    assert run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url)).returncode == 0
+    assert run_cli(daemon, "stage", "cut", "--step", step).returncode == 0
+    started = time.monotonic()
+    done = run_cli(daemon, "wait", "slow", "cut")
+    assert done.returncode == EXIT_FAILED, done.stderr
+    assert "dataset 'cut' failed: archive" in done.stderr
+    assert time.monotonic() - started < 3.5  # did not sit out the slow one
+
+
+def test_json_outputs_validate_against_the_api_models(daemon: Daemon, tree: Path) -> None:
+    done = run_cli(daemon, "stage", "j", "--step", copy_step(tree), "--wait", "--json")
+    staged = DatasetPublic.model_validate_json(done.stdout)
+    assert staged.state == "ready" and done.stderr == ""
+    status = DatasetPublic.model_validate_json(run_cli(daemon, "status", "j", "--json").stdout)
+    assert status.path == staged.path
+    listed = DatasetsPublic.model_validate_json(run_cli(daemon, "ls", "--json").stdout)
+    assert [d.name for d in listed.data] == ["j"] and listed.count == 1
+    waited = DatasetsPublic.model_validate_json(run_cli(daemon, "wait", "j", "--json").stdout)
+    assert waited.data[0].path == staged.path
+    missing = run_cli(daemon, "status", "nope", "--json")
+    assert missing.returncode == EXIT_REJECTED
+    assert ErrorResponse.model_validate_json(missing.stdout).error.type == "not_found"
+
+
+def test_plain_log_lines_without_a_terminal(daemon: Daemon, slow_url: str) -> None:
+    done = run_cli(
+        daemon, "stage", "slow", "--step", fetch_step(slow_url), "--wait", "--interval", "0.5"
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    lines = done.stderr.strip().splitlines()
+    staging = [line for line in lines if "slow: staging" in line or "slow: queued" in line]
+    assert len(staging) >= 3, lines  # ~3 s of staging, a line every 0.5 s
+    assert "step 1/1 fetch" in "".join(staging) and "/s, eta" in "".join(staging)
+    assert lines[-1].endswith(")") and "slow: ready at" in lines[-1]
+    assert all(line.startswith("[") for line in lines)  # each line is timestamped
+    assert "\r" not in done.stderr and "\x1b[" not in done.stderr
+
+
+def test_quiet_prints_only_the_path(daemon: Daemon, tree: Path) -> None:
+    done = run_cli(daemon, "stage", "q", "--step", copy_step(tree), "--wait", "--quiet")
+    assert done.returncode == EXIT_OK and done.stderr == ""
+    assert Path(done.stdout.strip()).is_dir()
+
+
+def test_unknown_recipe_is_rejected_with_the_daemons_sentence(daemon: Daemon) -> None:
+    done = run_cli(
+        daemon, "stage", "inat", "--recipe", "inat2021", "--source", "/network/inat",
+        "--param", 'splits=["2021_train"]', "--param", "version=2021",
+    )  # fmt: skip
+    assert done.returncode == EXIT_REJECTED
+    assert done.stderr.startswith("stager-client: recipe 'inat2021' is not known")
+
+
+def test_bad_usage_exits_2(daemon: Daemon, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("STAGER_URL", daemon.url)
+    for argv in (
+        ["stage", "x", "--step", "{not json"],
+        ["stage", "x"],  # neither a recipe nor steps
+        ["wait"],
+        ["wait", "x", "--timeout", "soon"],
+        ["--url", "ftp://x", "ls"],
+    ):
+        assert _exit_code(argv) == EXIT_USAGE, argv
+    assert "ftp://x" in capsys.readouterr().err
+    # A request the daemon refuses (relative source) is a rejection, with its sentence.
+    assert _exit_code(["stage", "x", "--step", '{"op": "copy", "src": "rel"}']) == EXIT_REJECTED
+    assert "'rel' must be an absolute path" in capsys.readouterr().err
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        return int(exc.code or 0)
+
+
+def test_request_file_and_flags_merge(daemon: Daemon, tree: Path, tmp_path: Path) -> None:
+    body = {"name": "fromfile", "steps": [{"op": "copy", "src": str(tree)}], "verify": "none"}
+    (tmp_path / "req.json").write_text(json.dumps(body))
+    link = tmp_path / "link"
+    done = run_cli(daemon, "stage", "--request", str(tmp_path / "req.json"), "--link", str(link),
+                   "--wait")  # fmt: skip
+    assert done.returncode == EXIT_OK, done.stderr
+    assert link.resolve() == Path(done.stdout.strip()).resolve()
+
+
+def test_unreachable_daemon_fails_fast_for_status(tmp_path: Path) -> None:
+    env = {"STAGER_URL": f"unix://{tmp_path}/none.sock", "PATH": "/usr/bin:/bin"}
+    started = time.monotonic()
+    done = run_cli(None, "status", "x", env=env)
+    assert done.returncode == EXIT_UNAVAILABLE
+    assert f"no stager daemon answers at unix://{tmp_path}/none.sock" in done.stderr
+    assert time.monotonic() - started < 5
+
+
+def test_cancel_makes_the_waiter_exit_1(daemon: Daemon, slow_url: str) -> None:
+    assert run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url)).returncode == 0
+    waiting = start_cli(daemon, "wait", "slow")
+    time.sleep(0.3)
+    cancelled = run_cli(daemon, "cancel", "slow", "--json")
+    assert DatasetPublic.model_validate_json(cancelled.stdout).state == "cancelled"
+    _, err = waiting.communicate(timeout=15)
+    assert waiting.returncode == EXIT_FAILED
+    assert "dataset 'slow' cancelled: staging was cancelled by a request" in err
+
+
+def test_lease_on_stage_and_release(daemon: Daemon, tree: Path) -> None:
+    done = run_cli(daemon, "stage", "l", "--step", copy_step(tree), "--lease", "job-7", "--wait",
+                   env={"SLURM_JOB_ID": "7"})  # fmt: skip
+    assert done.returncode == EXIT_OK, done.stderr
+    status = DatasetPublic.model_validate_json(run_cli(daemon, "status", "l", "--json").stdout)
+    assert [(x.holder, x.slurm_job_id) for x in status.leases] == [("job-7", "7")]
+    refused = run_cli(daemon, "cancel", "l")
+    assert refused.returncode == EXIT_REJECTED and "leased by job-7" in refused.stderr
+    released = run_cli(daemon, "release", "l", "--holder", "job-7", "--json")
+    leases = TypeAdapter(list[LeasePublic]).validate_json(released.stdout)
+    assert [x.holder for x in leases] == ["job-7"]
+    assert run_cli(daemon, "cancel", "l").stdout.strip() == "l: evicted"
+
+
+def test_tcp_with_the_token_file(daemon_factory, tree: Path) -> None:
+    from tests.daemon import free_port
+
+    daemon = daemon_factory(args=["--host", "127.0.0.1", "--port", str(free_port())])
+    done = run_cli(daemon, "stage", "t", "--step", copy_step(tree), "--wait")
+    assert done.returncode == EXIT_OK, done.stderr  # token read from <runtime_dir>/token
+    wrong = run_cli(daemon, "ls", env={"STAGER_TOKEN": "wrong"})
+    assert wrong.returncode == EXIT_REJECTED and "bearer token" in wrong.stderr
