@@ -1,0 +1,94 @@
+#!/bin/bash
+# Train on iNaturalist 2021 read from node-local disk, staged by stager.
+#
+# What seeds/000's job.sh and data.py did by hand (link the archives, rename them,
+# let torchvision extract) is one `stager-client stage` per node here: the node's
+# daemon extracts into its cache (once: later jobs on the node get a cache hit),
+# links the result at $SLURM_TMPDIR/data/$DATASET and pins it with a lease until
+# the job ends.
+#
+#   sbatch deploy/slurm/job.sh
+#   INAT_SOURCE=/my/inat ARCH=resnet18 EPOCHS=1 sbatch deploy/slurm/job.sh
+#   sbatch --gpus-per-task=0 --cpus-per-task=2 deploy/slurm/job.sh   # CPU only
+#
+# Settings (environment; sbatch passes the submitting shell's environment on):
+#   INAT_SOURCE  folder with train.tar.gz, val.tar.gz (default /network/datasets/inat)
+#   DATASET      the dataset's name on the node (default inat2021)
+#   ARCH EPOCHS BATCH_SIZE DEVICE   stager-train's --arch --epochs --batch-size --device
+#   OUTPUT_DIR   checkpoints and logs (default $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID)
+#   TRAIN_ARGS   more stager-train flags, e.g. "--crop-size 160 --amp bf16"
+#   STAGE_ARGS   more stager-client stage flags, e.g. "--param splits=[\"2021_train_mini\"]"
+#   STAGER_VENV  a virtualenv to activate that has stager installed
+#
+#SBATCH --job-name=inat-stager
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=4
+#SBATCH --mem=32G
+#SBATCH --time=01:30:00
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+echo "Date:     $(date)"
+echo "Hostname: $(hostname)"
+echo "Nodes:    ${SLURM_JOB_NODELIST:-?} (${SLURM_NTASKS:-?} tasks)"
+
+if [[ -n ${STAGER_VENV:-} ]]; then
+    # shellcheck source=/dev/null
+    source "$STAGER_VENV/bin/activate"
+fi
+for tool in stager stager-client stager-train; do
+    if ! command -v "$tool" >/dev/null; then
+        echo "error: $tool is not on PATH; activate the environment stager is installed in," \
+            "or set STAGER_VENV" >&2
+        exit 2
+    fi
+done
+
+export INAT_SOURCE=${INAT_SOURCE:-/network/datasets/inat}
+export DATASET=${DATASET:-inat2021}
+ARCH=${ARCH:-resnet50}
+EPOCHS=${EPOCHS:-10}
+BATCH_SIZE=${BATCH_SIZE:-64}
+DEVICE=${DEVICE:-auto}
+OUTPUT_DIR=${OUTPUT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/$SLURM_JOB_ID}
+read -r -a train_args <<<"${TRAIN_ARGS:-}"
+read -r -a stage_args <<<"${STAGE_ARGS:-}"
+NODES=${SLURM_JOB_NUM_NODES:-1}
+
+# The cluster's task prolog exports STAGER_URL when its prolog started a daemon on
+# every node. Without it (a cluster without stager's prolog), start one per node
+# ourselves: `serve --detach` returns at once if one already runs.
+if [[ -z ${STAGER_URL:-} ]]; then
+    echo "No STAGER_URL from the cluster's prolog: starting a stager daemon on each node"
+    srun --ntasks="$NODES" --ntasks-per-node=1 stager serve --detach
+fi
+if [[ -z ${SLURM_TMPDIR:-} ]]; then
+    echo "error: SLURM_TMPDIR is not set: this cluster gives jobs no node-local folder;" \
+        "ask your admins, or see deploy/slurm/README.md" >&2
+    exit 2
+fi
+
+# Stage on every node, one task per node. The single quotes matter: $SLURM_TMPDIR
+# must be expanded on each node, not here on the first one (seeds/000's data.py makes
+# the same point). --lease pins the data for this job; the epilog releases it.
+echo "Staging $DATASET from $INAT_SOURCE on $NODES node(s)"
+# shellcheck disable=SC2016  # expanded by the task's bash, on purpose
+srun --ntasks="$NODES" --ntasks-per-node=1 bash -c '
+    exec stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
+        --link "$SLURM_TMPDIR/data/$DATASET" --lease "slurm-job-$SLURM_JOB_ID" \
+        --wait --progress log "$@"' stage "${stage_args[@]}"
+
+# One training process per task; stager-train reads its rank from srun's variables.
+# shellcheck disable=SC2016  # as above: each task expands its own $SLURM_TMPDIR
+srun bash -c 'exec stager-train --data-root "$SLURM_TMPDIR/data/$DATASET" "$@"' train \
+    --dataset inat2021 \
+    --arch "$ARCH" \
+    --epochs "$EPOCHS" \
+    --batch-size "$BATCH_SIZE" \
+    --device "$DEVICE" \
+    --output-dir "$OUTPUT_DIR" \
+    "${train_args[@]}"
+
+echo "Done: $(date)"
