@@ -107,11 +107,60 @@ class FetchStep(_Step):
         return value
 
 
+class UnpackStep(_Step):
+    """Bring an archive into the dataset and extract it: straight from the source
+    (``direct``), from a local copy (``copy``) or through a link (``symlink``) kept at
+    ``keep``. A directory source is copied (``direct``/``copy``) or tree-linked."""
+
+    op: Literal["unpack"]
+    src: AbsoluteSource
+    dst: RelativePath = "."
+    mode: Literal["direct", "copy", "symlink"] = "direct"
+    keep: RelativePath | None = None  # where the copy or link goes; default: src's name
+    format: Literal["auto", "tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"] = "auto"
+    strip_components: int = Field(default=0, ge=0)
+    nested: bool = False
+    md5: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{32}$")  # of the release
+    verify_md5: bool = False  # one extra pass over the archive; off unless asked
+
+
+class ImagenetDevkitStep(_Step):
+    """Write torchvision's ImageNet ``meta.bin`` from ``ILSVRC2012_devkit_t12.tar.gz``."""
+
+    op: Literal["imagenet_devkit"]
+    src: AbsoluteSource  # the devkit archive
+    dst: RelativePath = "meta.bin"
+
+
+class ImagenetValStep(_Step):
+    """Sort the flat ImageNet val images in ``dst`` into ``dst/<wnid>/`` by the devkit."""
+
+    op: Literal["imagenet_val"]
+    src: AbsoluteSource  # the devkit archive
+    dst: RelativePath = "val"
+
+
 Step = Annotated[
-    CopyStep | SymlinkStep | ExtractStep | RenameStep | FetchStep,
+    CopyStep
+    | SymlinkStep
+    | ExtractStep
+    | RenameStep
+    | FetchStep
+    | UnpackStep
+    | ImagenetDevkitStep
+    | ImagenetValStep,
     Field(discriminator="op"),
 ]
-OP_NAMES = ("copy", "symlink", "extract", "rename", "fetch")
+OP_NAMES = (
+    "copy",
+    "symlink",
+    "extract",
+    "rename",
+    "fetch",
+    "unpack",
+    "imagenet_devkit",
+    "imagenet_val",
+)
 
 
 class LeaseCreate(BaseModel):

@@ -1,21 +1,40 @@
-"""Named recipes: a recipe + source + params expand into a list of steps.
+"""Named recipes: a recipe + source + params expand into steps and torchvision usage.
 
-The recipe files and their loader arrive with the recipes work (issue 4); until
-then no recipe is known and a request naming one gets a clear 400.
+Recipes are data: one TOML file each, shipped in this folder, plus any found in
+``settings.recipe_dirs`` (a file there with a shipped recipe's name replaces
+it, so a site can adapt a recipe to its own file names). ``stager.recipes.model``
+holds the file schema and the template rules.
+
+Files are read on every call: there are a handful of small files, and an edited
+user recipe then takes effect without restarting the daemon.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from stager.errors import UnknownRecipe
+from pydantic import ValidationError
+
+from stager.errors import BadRequest, SourceNotFound, UnknownRecipe
+from stager.recipes.model import (
+    STEPS,
+    RecipeFile,
+    RecipeFileError,
+    Section,
+    builtin_params,
+    load,
+    render,
+    value_problem,
+)
 from stager.schemas import DatasetCreate
 from stager.settings import Settings
 
+BUILTIN_DIR = Path(__file__).parent
 
-def available(settings: Settings) -> list[dict[str, Any]]:
-    return []
+__all__ = ["Expansion", "RecipeFileError", "available", "expand", "recipe_files"]
 
 
 @dataclass
@@ -26,9 +45,130 @@ class Expansion:
     usage: list[dict[str, Any]] = field(default_factory=list)
 
 
+def recipe_files(settings: Settings) -> dict[str, tuple[Path, RecipeFile]]:
+    """Every recipe by name: shipped ones first, then the user's folders in order."""
+    found: dict[str, tuple[Path, RecipeFile]] = {}
+    for folder in [BUILTIN_DIR, *settings.recipe_dirs]:
+        if folder != BUILTIN_DIR and not folder.is_dir():
+            raise RecipeFileError(
+                f"recipe folder {folder} (from STAGER_RECIPE_DIRS) is not a directory; "
+                "fix the setting or create the folder"
+            )
+        for path in sorted(folder.glob("*.toml")):
+            recipe = load(path)
+            found[recipe.name] = (path, recipe)
+    return found
+
+
+def available(settings: Settings) -> list[dict[str, Any]]:
+    """What ``GET /v1/recipes`` and ``stager recipes`` show, sorted by name."""
+    return [describe(path, r) for _, (path, r) in sorted(recipe_files(settings).items())]
+
+
+def describe(path: Path, recipe: RecipeFile) -> dict[str, Any]:
+    params = [
+        {"name": name, **spec.model_dump(exclude_none=True)}
+        for name, spec in builtin_params(recipe).items()
+    ]
+    splits = {
+        name: {
+            "description": section.description,
+            "files": [*recipe.common.files, *section.files],
+            "usage": [u.model_dump(by_alias=True) for u in [*recipe.common.usage, *section.usage]],
+        }
+        for name, section in recipe.splits.items()
+    }
+    return {
+        "name": recipe.name,
+        "description": recipe.description,
+        "file": str(path),
+        "params": params,
+        "splits": splits,
+    }
+
+
 def expand(request: DatasetCreate, settings: Settings) -> Expansion:
-    names = ", ".join(r["name"] for r in available(settings)) or "none installed yet"
-    raise UnknownRecipe(
-        f"recipe {request.recipe!r} is not known (available: {names}); "
-        "GET /v1/recipes lists them, or pass raw steps instead"
-    )
+    """Validate params and sources, then render the chosen splits' steps and usage."""
+    recipes = recipe_files(settings)
+    if request.recipe not in recipes:
+        names = ", ".join(sorted(recipes)) or "none installed"
+        raise UnknownRecipe(
+            f"recipe {request.recipe!r} is not known (available: {names}); "
+            "GET /v1/recipes lists them, or pass raw steps instead"
+        )
+    _, recipe = recipes[request.recipe]
+    values = _params(recipe, request.params)
+    source = _source(recipe, request.source)
+    chosen = [(name, recipe.splits[name]) for name in recipe.splits if name in values["splits"]]
+    _check_files(recipe, source, chosen)
+
+    steps: list[Any] = []
+    usage: list[dict[str, Any]] = []
+    for split, section in [("", recipe.common), *chosen]:
+        scope = {**values, "source": source, "split": split}
+        steps.extend(render(section.steps, scope))
+        usage.extend(render([u.model_dump(by_alias=True) for u in section.usage], scope))
+    # The file was validated with defaults; a request's values may still not fit a step.
+    try:
+        validated = STEPS.validate_python(steps)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise BadRequest(
+            f"recipe {recipe.name!r} with these params makes an invalid step "
+            f"(steps.{where}: {first['msg']}); check the params' values"
+        ) from exc
+    return Expansion(steps=validated, usage=usage)
+
+
+def _params(recipe: RecipeFile, given: dict[str, Any]) -> dict[str, Any]:
+    specs = builtin_params(recipe)
+    unknown = sorted(set(given) - set(specs))
+    if unknown:
+        raise BadRequest(
+            f"recipe {recipe.name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"its parameters are {', '.join(specs)} (GET /v1/recipes describes them)"
+        )
+    values = {name: spec.default for name, spec in specs.items()}
+    for name, value in given.items():
+        if name == "splits" and isinstance(value, str):
+            value = [value]  # one split is a natural thing to write as a string
+        problem = value_problem(specs[name], value)
+        if problem:
+            raise BadRequest(f"parameter {name!r} of recipe {recipe.name!r} {problem}")
+        values[name] = value
+    if not values["splits"]:
+        raise BadRequest(
+            f"parameter 'splits' of recipe {recipe.name!r} is empty; "
+            f"name at least one of {', '.join(recipe.splits)}"
+        )
+    return values
+
+
+def _source(recipe: RecipeFile, source: str | None) -> str:
+    expected = ", ".join(sorted({f for s in recipe.splits.values() for f in s.files}))
+    if not source:
+        raise BadRequest(
+            f"recipe {recipe.name!r} needs a 'source': the folder holding its release "
+            f"files ({expected or 'see GET /v1/recipes'})"
+        )
+    if not source.startswith("/"):
+        raise BadRequest(f"source {source!r} must be an absolute path")
+    return source.rstrip("/") or "/"
+
+
+def _check_files(recipe: RecipeFile, source: str, chosen: list[tuple[str, Section]]) -> None:
+    """Fail before queueing when a release file the chosen splits need is missing."""
+    if not os.path.exists(source):
+        raise SourceNotFound(
+            f"source {source} for recipe {recipe.name!r} does not exist; check --source"
+        )
+    for split, section in [("all splits", recipe.common), *chosen]:
+        for name in section.files:
+            path = source if name == "." else os.path.join(source, name)
+            if not os.path.exists(path):
+                which = split if split == "all splits" else f"split {split!r}"
+                raise SourceNotFound(
+                    f"recipe {recipe.name!r} expects {path} for {which}, but it does not "
+                    "exist; check --source, or narrow params.splits to the splits you have"
+                )

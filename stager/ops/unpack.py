@@ -1,0 +1,116 @@
+"""The ``unpack`` op: bring a release archive into the dataset and extract it.
+
+Recipes use it for every archive, so the choice of how the archive travels is
+one field per step:
+
+- ``direct`` (the default): extract straight from the source. One sequential
+  read of the shared filesystem, nothing extra on the local disk; usually best.
+- ``copy``: copy the archive into the dataset first (under ``keep``, e.g.
+  torchvision's own name ``2021_train.tgz``) and extract the local copy. The
+  network read is one plain stream at full speed, a failed extraction re-runs
+  from local disk, and the archive stays beside the data; it costs the
+  archive's size again on the local disk.
+- ``symlink``: leave a link to the source under ``keep`` and extract through it:
+  the layout then also satisfies code that looks for the archive, at no cost.
+
+A directory source is not an archive: ``direct``/``copy`` copy the tree,
+``symlink`` mirrors it as per-file links. ``verify_md5`` costs one extra full
+read of the archive, which is why it is off unless asked for: the seeds' way
+(``INaturalist(download=True)``) pays it on every job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from stager.errors import BadRequest, VerifyFailed, from_os_error
+from stager.ops import copy, extract, symlink
+from stager.ops.base import OpContext, require_source
+from stager.schemas import CopyStep, ExtractStep, SymlinkStep, UnpackStep
+
+MD5_CHUNK = 8 << 20
+
+
+def check(step: UnpackStep) -> int:
+    """Validate the source; the estimate is what extraction (plus a copy) writes."""
+    source = require_source(step.src, "archive" if not Path(step.src).is_dir() else "source")
+    if source.is_dir():
+        if step.strip_components or step.nested or step.format != "auto":
+            raise BadRequest(
+                f"source {step.src} is a directory, but strip_components, nested and format "
+                "apply to archives only; point the source at the folder to stage instead"
+            )
+        if step.mode == "symlink":
+            return symlink.check(_tree_link(step))
+        return copy.check(_tree_copy(step))
+    estimate = extract.check(_extract(step, step.src))
+    if step.mode == "copy":
+        estimate += source.stat().st_size
+    return estimate
+
+
+def run(step: UnpackStep, ctx: OpContext) -> None:
+    source = require_source(step.src)
+    if source.is_dir():
+        if step.mode == "symlink":
+            symlink.run(_tree_link(step), ctx)
+        else:
+            copy.run(_tree_copy(step), ctx)
+        return
+    archive = step.src
+    if step.mode == "copy":
+        copy.run(CopyStep(op="copy", src=step.src, dst=_keep(step)), ctx)
+        archive = str(ctx.destination(_keep(step)))
+    elif step.mode == "symlink":
+        symlink.run(SymlinkStep(op="symlink", src=step.src, dst=_keep(step)), ctx)
+    if step.verify_md5:
+        _verify_md5(step, archive, ctx)
+    extract.run(_extract(step, archive), ctx)
+
+
+def _keep(step: UnpackStep) -> str:
+    return step.keep or os.path.basename(step.src.rstrip("/"))
+
+
+def _extract(step: UnpackStep, archive: str) -> ExtractStep:
+    return ExtractStep(
+        op="extract",
+        src=archive,
+        dst=step.dst,
+        format=step.format,
+        strip_components=step.strip_components,
+        nested=step.nested,
+    )
+
+
+def _tree_copy(step: UnpackStep) -> CopyStep:
+    return CopyStep(op="copy", src=step.src, dst=step.dst)
+
+
+def _tree_link(step: UnpackStep) -> SymlinkStep:
+    return SymlinkStep(op="symlink", src=step.src, dst=step.dst, mode="tree")
+
+
+def _verify_md5(step: UnpackStep, archive: str, ctx: OpContext) -> None:
+    if step.md5 is None:
+        raise BadRequest(
+            f"verify_md5 is set for {step.src}, but the step gives no md5 to compare with; "
+            "add 'md5' to the step or turn verify_md5 off"
+        )
+    digest = hashlib.md5(usedforsecurity=False)
+    try:
+        with open(archive, "rb", buffering=0) as stream:
+            ctx.progress.add_total(os.fstat(stream.fileno()).st_size, 0)
+            while chunk := stream.read(MD5_CHUNK):
+                ctx.check_cancelled()
+                digest.update(chunk)  # hashlib releases the GIL on large buffers
+                ctx.progress.advance(len(chunk), 0)
+    except OSError as exc:
+        raise from_os_error(exc, f"checking the md5 of {step.src}") from exc
+    if digest.hexdigest() != step.md5.lower():
+        raise VerifyFailed(
+            f"archive {step.src} has md5 {digest.hexdigest()}, not the release's {step.md5}; "
+            "re-download it, or stage with verify_md5=false if it is a deliberate variant"
+        )
