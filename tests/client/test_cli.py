@@ -164,11 +164,11 @@ def test_quiet_prints_only_the_path(daemon: Daemon, tree: Path) -> None:
 
 def test_unknown_recipe_is_rejected_with_the_daemons_sentence(daemon: Daemon) -> None:
     done = run_cli(
-        daemon, "stage", "inat", "--recipe", "inat2021", "--source", "/network/inat",
+        daemon, "stage", "inat", "--recipe", "no-such-recipe", "--source", "/network/inat",
         "--param", 'splits=["2021_train"]', "--param", "version=2021",
     )  # fmt: skip
     assert done.returncode == EXIT_REJECTED
-    assert done.stderr.startswith("stager-client: recipe 'inat2021' is not known")
+    assert done.stderr.startswith("stager-client: recipe 'no-such-recipe' is not known")
 
 
 def test_bad_usage_exits_2(daemon: Daemon, capsys, monkeypatch) -> None:

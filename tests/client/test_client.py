@@ -1,0 +1,316 @@
+"""The Python API: error translation, waiting and retries over httpx.MockTransport,
+then the promised contract against a real daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from client import (
+    AsyncStagerClient,
+    Backoff,
+    Conflict,
+    ConnectionLost,
+    DaemonError,
+    DaemonUnavailable,
+    DatasetEvicted,
+    DatasetNotFound,
+    RequestRejected,
+    StagerClient,
+    StagerError,
+    StagingCancelled,
+    StagingFailed,
+    WaitTimeout,
+    stage_body,
+)
+from stager.schemas import CopyStep, LeaseCreate
+from tests.client.conftest import REPO
+from tests.daemon import Daemon
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def status(name: str = "d", state: str = "staging", **extra: object) -> dict:
+    return {
+        "name": name,
+        "key": "k",
+        "state": state,
+        "created_at": "2024-01-01T00:00:00Z",
+        "updated_at": "2024-01-01T00:00:00Z",
+        **extra,
+    }
+
+
+class FakeTime:
+    """A clock that only moves when the code under test sleeps or a request takes time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def client(handler: Handler, fake: FakeTime | None = None, **kwargs: object) -> StagerClient:
+    fake = fake or FakeTime()
+    return StagerClient(
+        "unix:///nowhere.sock",
+        transport=httpx.MockTransport(handler),
+        clock=fake.clock,
+        sleep=fake.sleep,
+        **kwargs,
+    )
+
+
+def error(code: int, type_: str, message: str) -> httpx.Response:
+    return httpx.Response(code, json={"error": {"type": type_, "message": message}})
+
+
+# ---- translation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [(400, RequestRejected), (401, RequestRejected), (404, DatasetNotFound), (409, Conflict)],
+)
+def test_4xx_become_rejections_carrying_the_sentence(code: int, cls: type) -> None:
+    c = client(lambda r: error(code, "some_type", "source /x does not exist; check --source"))
+    with pytest.raises(cls) as info:
+        c.status("d")
+    assert str(info.value) == "source /x does not exist; check --source"
+    assert (info.value.type, info.value.status_code) == ("some_type", code)
+
+
+def test_5xx_and_foreign_answers_are_daemon_errors() -> None:
+    with pytest.raises(DaemonError, match="internal error: boom"):
+        client(lambda r: error(500, "internal_error", "internal error: boom")).status("d")
+    with pytest.raises(DaemonError, match="HTTP 502 and no stager error; check --url"):
+        client(lambda r: httpx.Response(502, text="<html>bad gateway")).status("d")
+    with pytest.raises(DaemonError, match="not the stager API's reply"):
+        client(lambda r: httpx.Response(200, json={"hello": 1})).status("d")
+
+
+def test_transport_errors_become_daemon_unavailable() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    def drop(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected", request=request)
+
+    with pytest.raises(DaemonUnavailable) as info:
+        client(refuse).status("d")
+    assert str(info.value).startswith(
+        "no stager daemon answers at unix:///nowhere.sock ([Errno 111] Connection refused); "
+        "start it with `stager serve --detach`"
+    )
+    with pytest.raises(ConnectionLost, match="went away during status"):
+        client(drop).status("d")
+
+
+# ---- waiting -------------------------------------------------------------------------
+
+
+def test_wait_long_polls_and_returns_the_ready_status() -> None:
+    answers = iter([status(), status(), status(state="ready", path="/cache/d")])
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=next(answers))
+
+    ready = client(handler).wait("d")
+    assert ready.state == "ready" and ready.path == "/cache/d"
+    assert [r.url.path for r in seen] == ["/v1/datasets/d/wait"] * 3
+    assert all(float(r.url.params["timeout"]) == 60.0 for r in seen)  # chunks, not a spin
+
+
+@pytest.mark.parametrize(
+    ("state", "cls", "sentence"),
+    [
+        ("failed", StagingFailed, "archive /a.tgz is truncated or corrupt; re-create it"),
+        ("cancelled", StagingCancelled, "staging was cancelled by a request"),
+        ("evicted", DatasetEvicted, "dataset 'd' was evicted from the node cache; stage it again"),
+    ],
+)
+def test_wait_raises_with_the_daemons_sentence(state: str, cls: type, sentence: str) -> None:
+    err = None if state == "evicted" else {"type": "x", "message": sentence}
+    c = client(lambda r: httpx.Response(200, json=status(state=state, error=err)))
+    with pytest.raises(cls) as info:
+        c.wait("d", timeout=5)
+    assert isinstance(info.value, StagingFailed) and str(info.value) == sentence
+    assert info.value.status.state == state
+
+
+def test_wait_timeout_uses_chunks_no_longer_than_what_is_left() -> None:
+    fake = FakeTime()
+    polls: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        polls.append(float(request.url.params["timeout"]))
+        fake.now += polls[-1]  # the daemon holds the long-poll that long
+        progress = {"step": "copy", "step_index": 0, "steps_total": 2, "bytes_done": 5,
+                    "bytes_total": 10}  # fmt: skip
+        return httpx.Response(200, json=status(progress=progress))
+
+    with pytest.raises(WaitTimeout) as info:
+        client(handler, fake).wait("d", timeout=100)
+    assert polls == [60.0, 40.0]
+    assert str(info.value) == (
+        "dataset 'd' is still staging after 100 s (step 1/2 copy, 50% of 10 bytes); "
+        "wait longer (--timeout) or see `stager-client status d`"
+    )
+    assert isinstance(info.value, StagerError) and info.value.status.progress.bytes_done == 5
+
+
+def test_wait_reports_progress_at_the_interval() -> None:
+    seen = []
+    answers = iter([status(), status(state="ready", path="/p")])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.params["timeout"] == "0.5"
+        return httpx.Response(200, json=next(answers))
+
+    client(handler).wait("d", on_status=seen.append, interval=0.5)
+    assert [s.state for s in seen] == ["staging", "ready"]
+
+
+def test_wait_retries_a_daemon_that_is_not_up_yet_then_a_restart() -> None:
+    script = ["refuse", "refuse", "refuse", "ok", "drop", "refuse", "ready"]
+    fake = FakeTime()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        step = script.pop(0)
+        if step == "refuse":
+            raise httpx.ConnectError("[Errno 2] No such file or directory", request=request)
+        if step == "drop":
+            raise httpx.ReadError("connection reset", request=request)
+        return httpx.Response(200, json=status(state="ready" if step == "ready" else "staging"))
+
+    assert client(handler, fake).wait("d").state == "ready"
+    # Exponential backoff, reset once the daemon answered.
+    assert fake.sleeps == [0.05, 0.1, 0.2, 0.05, 0.1]
+
+
+def test_wait_gives_up_on_a_gone_daemon_after_retry_for() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    fake = FakeTime()
+    with pytest.raises(DaemonUnavailable) as info:
+        client(refuse, fake, retry_for=3).wait("d")
+    assert "did not come back after 3.0 s of retries" in str(info.value)
+    assert sum(fake.sleeps) == pytest.approx(3.0) and max(fake.sleeps) == 0.5
+
+
+def test_wait_with_retry_for_zero_fails_at_once() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    fake = FakeTime()
+    with pytest.raises(DaemonUnavailable, match=r"^no stager daemon answers"):
+        client(refuse, fake, retry_for=0).wait("d")
+    assert fake.sleeps == []
+
+
+def test_backoff_never_sleeps_past_the_callers_deadline() -> None:
+    fake = FakeTime()
+    backoff = Backoff(budget=30, clock=fake.clock)
+    exc = DaemonUnavailable("gone", url="u")
+    fake.now = 10.0
+    assert backoff.delay(exc, deadline=10.03) == pytest.approx(0.03)
+    fake.now = 10.03
+    with pytest.raises(DaemonUnavailable, match="after 0.0 s of retries"):
+        backoff.delay(exc, deadline=10.03)
+
+
+# ---- bodies --------------------------------------------------------------------------
+
+
+def test_stage_body_sends_only_what_was_given() -> None:
+    sent: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(202, json=status())
+
+    c = client(handler)
+    c.stage("d", steps=[CopyStep(op="copy", src="/x")], link="/tmp/l",
+            lease=LeaseCreate(holder="job-1"))  # fmt: skip
+    c.stage("r", recipe="inat2021", source="/net/inat", params={"version": "2021"})
+    assert sent == [
+        {"name": "d", "link": "/tmp/l", "lease": {"holder": "job-1"},
+         "steps": [{"op": "copy", "src": "/x", "dst": "."}]},
+        {"name": "r", "recipe": "inat2021", "source": "/net/inat", "params": {"version": "2021"}},
+    ]  # fmt: skip
+    assert stage_body("n", steps=[{"op": "copy", "src": "/y"}]) == {
+        "name": "n",
+        "steps": [{"op": "copy", "src": "/y"}],
+    }
+
+
+def test_async_client_waits_and_translates_the_same_way() -> None:
+    answers = iter([status(), status(state="failed", error={"type": "t", "message": "why"})])
+
+    async def go() -> None:
+        transport = httpx.MockTransport(lambda r: httpx.Response(200, json=next(answers)))
+        async with AsyncStagerClient("unix:///x.sock", transport=transport) as c:
+            with pytest.raises(StagingFailed, match="^why$"):
+                await c.wait("d", timeout=5)
+
+    asyncio.run(go())
+
+
+# ---- against a real daemon ---------------------------------------------------------------
+
+
+def test_contract_promised_to_the_trainer(daemon: Daemon, tree: Path, monkeypatch) -> None:
+    monkeypatch.setenv("STAGER_URL", daemon.url)
+    with StagerClient() as c:
+        c.stage("imgs", steps=[{"op": "copy", "src": str(tree)}])
+    ready = StagerClient().wait("imgs", timeout=20)  # the trainer's exact call
+    assert ready.state == "ready" and Path(ready.path).is_dir()
+    with StagerClient() as c:
+        assert [d.name for d in c.list()] == ["imgs"]
+        assert c.status("imgs").path == ready.path
+        assert c.health()["status"] == "ok"
+        lease = c.lease("imgs", "job-1", ttl_s=60)
+        assert lease.holder == "job-1" and lease.expires_at is not None
+        with pytest.raises(Conflict, match="leased by job-1"):
+            c.cancel("imgs")
+        assert [x.id for x in c.release("imgs", lease_id=lease.id)] == [lease.id]
+        assert c.cancel("imgs").state == "evicted"
+        with pytest.raises(DatasetNotFound, match="no dataset named 'nope'"):
+            c.wait("nope", timeout=1)
+
+
+def test_async_client_against_a_real_daemon(daemon: Daemon, tree: Path) -> None:
+    async def go() -> list[str]:
+        async with AsyncStagerClient(daemon.url) as c:
+            for name in ("a", "b"):
+                await c.stage(name, steps=[{"op": "copy", "src": str(tree), "dst": name}])
+            done = await asyncio.gather(c.wait("a", timeout=20), c.wait("b", timeout=20))
+            return [d.state for d in done]
+
+    assert asyncio.run(go()) == ["ready", "ready"]
+
+
+def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
+    code = (
+        "import sys, client, client.cli; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'fastapi', 'starlette', 'uvicorn', 'torch', 'pydantic_settings', 'stager.engine'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,66 @@
+"""Finding the daemon: STAGER_URL, socket and token rules, agreeing with the daemon's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from client import BadConfiguration, discover
+from stager.settings import Settings
+
+
+def test_default_socket_matches_the_daemons_default(monkeypatch) -> None:
+    for var in ("STAGER_URL", "STAGER_SOCKET", "STAGER_RUNTIME_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    for xdg in ("/run/user/1234", None):
+        env = {"XDG_RUNTIME_DIR": xdg} if xdg else {}
+        if xdg:
+            monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+        else:
+            monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        endpoint = discover(env=env)
+        assert endpoint.uds == str(Settings().socket_path)
+        assert endpoint.url == Settings().url
+
+
+def test_runtime_dir_and_socket_variables(tmp_path: Path) -> None:
+    assert discover(env={"STAGER_RUNTIME_DIR": "/r"}).uds == "/r/stager.sock"
+    assert discover(env={"STAGER_RUNTIME_DIR": "/r", "STAGER_SOCKET": "/s.sock"}).uds == "/s.sock"
+    url = discover(env={"STAGER_URL": "unix:///u.sock", "STAGER_SOCKET": "/s.sock"})
+    assert url.uds == "/u.sock"
+    assert discover("/bare.sock", env={}).url == "unix:///bare.sock"
+
+
+def test_tcp_token_order(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("from-runtime-dir\n")
+    (tmp_path / "other").write_text("from-token-file\n")
+    base = {"STAGER_URL": "http://127.0.0.1:8765", "STAGER_RUNTIME_DIR": str(tmp_path)}
+    assert discover(env=base).token == "from-runtime-dir"
+    assert discover(env={**base, "STAGER_TOKEN_FILE": str(tmp_path / "other")}).token == (
+        "from-token-file"
+    )
+    assert discover(env={**base, "STAGER_TOKEN": "t"}).token == "t"
+    assert discover(token="explicit", env=base).headers() == {"authorization": "Bearer explicit"}
+    no_file = {"STAGER_URL": "http://h:1", "STAGER_RUNTIME_DIR": str(tmp_path / "none")}
+    assert discover(env=no_file).token is None  # a --no-token daemon
+    assert discover(env={**base, "STAGER_URL": "unix:///s"}).token is None  # never on a socket
+
+
+def test_unusable_settings_say_what_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(BadConfiguration, match="'ftp://x' is not understood; use unix://"):
+        discover("ftp://x", env={})
+    with pytest.raises(BadConfiguration, match="absolute socket path"):
+        discover("unix://relative.sock", env={})
+    missing = {"STAGER_URL": "http://h:1", "STAGER_TOKEN_FILE": str(tmp_path / "nope")}
+    with pytest.raises(BadConfiguration, match="STAGER_TOKEN_FILE"):
+        discover(env=missing)
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root reads any file")
+def test_unreadable_token_file(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "token").chmod(0)
+    with pytest.raises(BadConfiguration, match="cannot be read"):
+        discover(env={"STAGER_URL": "http://h:1", "STAGER_RUNTIME_DIR": str(tmp_path)})
