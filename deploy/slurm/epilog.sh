@@ -99,6 +99,7 @@ main() {
     release_leases
     remove_job_tmpdir
     maybe_stop_daemon
+    log "finished"
 }
 
 main "$@"

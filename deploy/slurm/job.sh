@@ -76,9 +76,11 @@ fi
 echo "Staging $DATASET from $INAT_SOURCE on $NODES node(s)"
 # shellcheck disable=SC2016  # expanded by the task's bash, on purpose
 srun --ntasks="$NODES" --ntasks-per-node=1 bash -c '
-    exec stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
-        --link "$SLURM_TMPDIR/data/$DATASET" --lease "slurm-job-$SLURM_JOB_ID" \
-        --wait --progress log "$@"' stage "${stage_args[@]}"
+    set -euo pipefail
+    link=$SLURM_TMPDIR/data/$DATASET
+    stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
+        --link "$link" --lease "slurm-job-$SLURM_JOB_ID" --wait --progress log "$@"
+    echo "$(hostname -s): $link -> $(readlink "$link")"' stage "${stage_args[@]}"
 
 # One training process per task; stager-train reads its rank from srun's variables.
 # shellcheck disable=SC2016  # as above: each task expands its own $SLURM_TMPDIR
