@@ -106,6 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also evict named datasets that no job holds a lease on",
     )
+    recipes = commands.add_parser(
+        "recipes",
+        help="list the dataset recipes, their parameters and expected source files",
+        description="List the recipes this node's daemon knows: the shipped ones and those in "
+        "STAGER_RECIPE_DIRS / --recipe-dir. Reads the files directly (no daemon needed), so it "
+        "also checks a recipe file you are writing.",
+    )
+    recipes.add_argument(
+        "--recipe-dir",
+        dest="recipe_dirs",
+        type=Path,
+        action="append",
+        help="also read recipe files (*.toml) from this folder (repeatable)",
+    )
+    recipes.add_argument("--json", action="store_true", help="print JSON, as GET /v1/recipes")
     return parser
 
 
@@ -122,7 +137,7 @@ def _add_location_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     """Flags given on the command line override ``STAGER_*`` variables."""
-    skip = {"command", "detach", "all"}
+    skip = {"command", "detach", "all", "json"}
     given = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
     return Settings(**given)
 
@@ -139,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         field = ".".join(str(p) for p in first["loc"]) or "settings"
         print(f"stager: {field}: {first['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return EXIT_USAGE
+    if args.command == "recipes":
+        return _recipes(settings, as_json=args.json)
     try:
         if args.command == "serve" and args.detach:
             server.detach(settings, [a for a in argv[1:] if a != "--detach"])
@@ -154,4 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     except server.ServeError as exc:
         print(f"stager: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    return EXIT_OK
+
+
+def _recipes(settings: Settings, as_json: bool) -> int:
+    from stager import recipes
+
+    try:
+        listing = recipes.available(settings)
+    except recipes.RecipeFileError as exc:
+        print(f"stager: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if as_json:
+        import json
+
+        print(json.dumps({"data": listing, "count": len(listing)}, indent=2))
+    else:
+        print(recipes.format_listing(listing))
     return EXIT_OK

@@ -36,6 +36,7 @@ MD5_CHUNK = 8 << 20
 def check(step: UnpackStep) -> int:
     """Validate the source; the estimate is what extraction (plus a copy) writes."""
     source = require_source(step.src, "archive" if not Path(step.src).is_dir() else "source")
+    _require_md5(step)
     if source.is_dir():
         if step.strip_components or step.nested or step.format != "auto":
             raise BadRequest(
@@ -93,12 +94,17 @@ def _tree_link(step: UnpackStep) -> SymlinkStep:
     return SymlinkStep(op="symlink", src=step.src, dst=step.dst, mode="tree")
 
 
-def _verify_md5(step: UnpackStep, archive: str, ctx: OpContext) -> None:
-    if step.md5 is None:
+def _require_md5(step: UnpackStep) -> str:
+    if step.verify_md5 and step.md5 is None:
         raise BadRequest(
-            f"verify_md5 is set for {step.src}, but the step gives no md5 to compare with; "
+            f"verify_md5 is set for {step.src}, but no md5 is known for it; "
             "add 'md5' to the step or turn verify_md5 off"
         )
+    return (step.md5 or "").lower()
+
+
+def _verify_md5(step: UnpackStep, archive: str, ctx: OpContext) -> None:
+    expected = _require_md5(step)
     digest = hashlib.md5(usedforsecurity=False)
     try:
         with open(archive, "rb", buffering=0) as stream:
@@ -109,7 +115,7 @@ def _verify_md5(step: UnpackStep, archive: str, ctx: OpContext) -> None:
                 ctx.progress.advance(len(chunk), 0)
     except OSError as exc:
         raise from_os_error(exc, f"checking the md5 of {step.src}") from exc
-    if digest.hexdigest() != step.md5.lower():
+    if digest.hexdigest() != expected:
         raise VerifyFailed(
             f"archive {step.src} has md5 {digest.hexdigest()}, not the release's {step.md5}; "
             "re-download it, or stage with verify_md5=false if it is a deliberate variant"

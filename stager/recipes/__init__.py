@@ -34,7 +34,7 @@ from stager.settings import Settings
 
 BUILTIN_DIR = Path(__file__).parent
 
-__all__ = ["Expansion", "RecipeFileError", "available", "expand", "recipe_files"]
+__all__ = ["Expansion", "RecipeFileError", "available", "expand", "format_listing", "recipe_files"]
 
 
 @dataclass
@@ -51,7 +51,7 @@ def recipe_files(settings: Settings) -> dict[str, tuple[Path, RecipeFile]]:
     for folder in [BUILTIN_DIR, *settings.recipe_dirs]:
         if folder != BUILTIN_DIR and not folder.is_dir():
             raise RecipeFileError(
-                f"recipe folder {folder} (from STAGER_RECIPE_DIRS) is not a directory; "
+                f"recipe folder {folder} (STAGER_RECIPE_DIRS or --recipe-dir) is not a directory; "
                 "fix the setting or create the folder"
             )
         for path in sorted(folder.glob("*.toml")):
@@ -146,7 +146,8 @@ def _params(recipe: RecipeFile, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _source(recipe: RecipeFile, source: str | None) -> str:
-    expected = ", ".join(sorted({f for s in recipe.splits.values() for f in s.files}))
+    sections = [recipe.common, *recipe.splits.values()]
+    expected = ", ".join(sorted({f for s in sections for f in s.files if f != "."}))
     if not source:
         raise BadRequest(
             f"recipe {recipe.name!r} needs a 'source': the folder holding its release "
@@ -172,3 +173,25 @@ def _check_files(recipe: RecipeFile, source: str, chosen: list[tuple[str, Sectio
                     f"recipe {recipe.name!r} expects {path} for {which}, but it does not "
                     "exist; check --source, or narrow params.splits to the splits you have"
                 )
+
+
+def format_listing(listing: list[dict[str, Any]]) -> str:
+    """``stager recipes``: per recipe its params, the files each split needs, and the call."""
+    blocks = []
+    for recipe in listing:
+        lines = [f"{recipe['name']}: {recipe['description']}", f"  file: {recipe['file']}"]
+        for param in recipe["params"]:
+            choices = "|".join(map(str, param.get("choices") or [])) or param["type"]
+            lines.append(f"  param {param['name']} = {param.get('default')!r}  ({choices})")
+        for split, info in recipe["splits"].items():
+            files = ", ".join(f if f != "." else "the source itself" for f in info["files"])
+            calls = "; ".join(_call(u) for u in info["usage"]) or "-"
+            lines.append(f"  split {split}: needs {files or '-'} -> {calls}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _call(usage: dict[str, Any]) -> str:
+    root = "root" if usage["root"] in ("", ".") else f"root + '/{usage['root']}'"
+    args = "".join(f", {k}={v!r}" for k, v in usage["kwargs"].items())
+    return f"{usage['class']}({root}{args})"

@@ -179,11 +179,12 @@ def load(path: Path) -> RecipeFile:
 
 
 def _describe(exc: ValidationError, prefix: str = "") -> str:
-    first = exc.errors()[0]
-    parts = [prefix] if prefix else []
-    field = ".".join([*parts, *(str(p) for p in first["loc"])])
-    message = first["msg"].removeprefix("Value error, ")
-    return f"{field or 'file'}: {message}"
+    """The first few problems as "field: message"; one edit often causes two."""
+    parts = []
+    for error in exc.errors()[:3]:
+        field = ".".join([*([prefix] if prefix else []), *(str(p) for p in error["loc"])])
+        parts.append(f"{field or 'file'}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def _check_templates(path: Path, recipe: RecipeFile) -> None:
