@@ -98,6 +98,17 @@ def _decode(response: httpx.Response, adapter: Callable[[bytes], Model], url: st
                 status_code=response.status_code,
             ) from exc
     error = _error_sentence(response)
+    if response.status_code == 503 or (error is None and response.status_code >= 500):
+        # Not the API's own error: the server broke the request off, as uvicorn does with
+        # requests still open when a stopping daemon's graceful-shutdown time runs out.
+        raise ConnectionLost(
+            f"the stager daemon at {url} broke off {response.request.method} "
+            f"{response.request.url.path} (HTTP {response.status_code}), as it does while "
+            "shutting down",
+            url=url,
+            fix="check its log (<runtime_dir>/stager.log) and restart it with "
+            "`stager serve --detach`",
+        )
     if error is None:
         raise DaemonError(
             f"{url} answered {response.request.method} {response.request.url.path} with "

@@ -15,6 +15,7 @@ from tests.trees import make_tar, write_tree
 
 REPO = Path(__file__).resolve().parents[2]
 SLOW_SIZE = 300_000
+SLOWER_SIZE = 800_000
 
 
 def run_cli(
@@ -73,5 +74,13 @@ def slow_url() -> Iterator[str]:
         yield f"{base}/big.bin"
 
 
-def fetch_step(url: str) -> str:
-    return f'{{"op": "fetch", "url": "{url}", "dst": "big.bin"}}'
+@pytest.fixture
+def slower_url() -> Iterator[str]:
+    """A staging that takes ~8 s: outlasts a daemon's stop and start."""
+    behaviour = Behaviour(files={"/bigger.bin": b"x" * SLOWER_SIZE}, bytes_per_s=100_000)
+    with serve_files(behaviour) as base:
+        yield f"{base}/bigger.bin"
+
+
+def fetch_step(url: str, dst: str = "big.bin") -> str:
+    return f'{{"op": "fetch", "url": "{url}", "dst": "{dst}"}}'

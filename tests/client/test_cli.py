@@ -18,7 +18,7 @@ from client.cli import (
     main,
 )
 from stager.schemas import DatasetPublic, DatasetsPublic, ErrorResponse, LeasePublic
-from tests.client.conftest import SLOW_SIZE, copy_step, fetch_step, run_cli, start_cli
+from tests.client.conftest import SLOWER_SIZE, copy_step, fetch_step, run_cli, start_cli
 from tests.daemon import Daemon
 from tests.trees import digest
 
@@ -91,14 +91,21 @@ def test_daemon_killed_during_wait_exits_5_with_a_clear_message(
     assert "stager serve --detach" in message
 
 
-def test_daemon_restart_during_wait_is_tolerated(daemon: Daemon, slow_url: str) -> None:
-    assert run_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url)).returncode == 0
-    waiting = start_cli(daemon, "wait", "slow", "--timeout", "40")
-    time.sleep(0.5)
-    daemon.restart()  # the interrupted staging is resumed by the new daemon
+def test_daemon_restart_during_wait_is_tolerated(daemon_factory, slower_url: str) -> None:
+    # A short graceful-shutdown time keeps the test quick; the open long-poll is broken
+    # off when it runs out, as with the default, only sooner.
+    daemon = daemon_factory(env={"STAGER_SHUTDOWN_TIMEOUT_S": "1"})
+    step = fetch_step(slower_url, "bigger.bin")
+    assert run_cli(daemon, "stage", "slow", "--step", step).returncode == 0
+    waiting = start_cli(daemon, "wait", "slow", "--timeout", "40", "--quiet")
+    time.sleep(1.5)  # the waiter is up and its long-poll (40 s) open on the daemon
+    daemon.restart()  # SIGTERM, then a new daemon resumes the interrupted staging
+    with daemon.client() as http:
+        assert http.get("/v1/datasets/slow").json()["state"] in ("queued", "staging")
+    assert waiting.poll() is None
     out, err = waiting.communicate(timeout=45)
     assert waiting.returncode == EXIT_OK, err
-    assert (Path(out.strip()) / "big.bin").stat().st_size == SLOW_SIZE
+    assert (Path(out.strip()) / "bigger.bin").stat().st_size == SLOWER_SIZE
 
 
 def test_several_names_at_once_print_paths_in_order(daemon: Daemon, tmp_path: Path) -> None:

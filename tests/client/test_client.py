@@ -96,8 +96,8 @@ def test_4xx_become_rejections_carrying_the_sentence(code: int, cls: type) -> No
 def test_5xx_and_foreign_answers_are_daemon_errors() -> None:
     with pytest.raises(DaemonError, match="internal error: boom"):
         client(lambda r: error(500, "internal_error", "internal error: boom")).status("d")
-    with pytest.raises(DaemonError, match="HTTP 502 and no stager error; check --url"):
-        client(lambda r: httpx.Response(502, text="<html>bad gateway")).status("d")
+    with pytest.raises(DaemonError, match="HTTP 404 and no stager error; check --url"):
+        client(lambda r: httpx.Response(404, text="<html>not here")).status("d")
     with pytest.raises(DaemonError, match="not the stager API's reply"):
         client(lambda r: httpx.Response(200, json={"hello": 1})).status("d")
 
@@ -201,6 +201,18 @@ def test_wait_retries_a_daemon_that_is_not_up_yet_then_a_restart() -> None:
     assert client(handler, fake).wait("d").state == "ready"
     # Exponential backoff, reset once the daemon answered.
     assert fake.sleeps == [0.05, 0.1, 0.2, 0.05, 0.1]
+
+
+def test_wait_retries_a_request_broken_off_by_a_stopping_daemon() -> None:
+    # uvicorn answers a bare 500 to requests still open when graceful shutdown times out.
+    answers = [httpx.Response(500, text="Internal Server Error"),
+               httpx.Response(503, text="stopping"),
+               httpx.Response(200, json=status(state="ready", path="/p"))]  # fmt: skip
+    fake = FakeTime()
+    assert client(lambda r: answers.pop(0), fake).wait("d").path == "/p"
+    assert fake.sleeps == [0.05, 0.1]
+    with pytest.raises(ConnectionLost, match=r"broke off GET /v1/datasets/d \(HTTP 500\)"):
+        client(lambda r: httpx.Response(500, text="Internal Server Error")).status("d")
 
 
 def test_wait_gives_up_on_a_gone_daemon_after_retry_for() -> None:
