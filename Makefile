@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m stager.demo
+	$(BIN)/python deploy/demo/run.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

@@ -1,0 +1,185 @@
+"""`make demo`: the main job end to end on this machine, no SLURM needed.
+
+1. generate a small fake iNaturalist 2021 release (train.tar.gz, val.tar.gz) in a
+   "shared filesystem" folder (once; later runs reuse it),
+2. start the daemon (`stager serve --detach`),
+3. stage it with the inat2021 recipe, showing progress, and link it into a job folder
+   (`stager-client stage ... --wait`),
+4. train a small ResNet for one short epoch with 2 gloo processes on the CPU
+   (`torchrun ... stager-train`),
+5. stop the daemon and say where everything is.
+
+The cache lives in the work folder, so a second `make demo` is a cache hit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from bench.fakedata import make_inat2021  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def banner(step: str) -> None:
+    print(f"\n\033[1m== {step}\033[0m" if sys.stdout.isatty() else f"\n== {step}", flush=True)
+
+
+def run(cmd: list[str], env: dict[str, str]) -> None:
+    print("$ " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True)
+
+
+def requests_by_outcome(socket: Path) -> dict[str, int]:
+    transport = httpx.HTTPTransport(uds=str(socket))
+    with httpx.Client(transport=transport, base_url="http://stager") as client:
+        text = client.get("/metrics").text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("stager_requests_total{"):
+            outcome = line.split('outcome="')[1].split('"')[0]
+            counts[outcome] = int(float(line.rsplit(" ", 1)[1]))
+    return counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_work = Path("/tmp") / f"stager-demo-{os.getuid()}"
+    parser.add_argument("--work-dir", type=Path, default=default_work)
+    parser.add_argument("--fresh", action="store_true", help="forget the cache and start over")
+    args = parser.parse_args()
+
+    work: Path = args.work_dir
+    if args.fresh:
+        shutil.rmtree(work, ignore_errors=True)
+    shared, job = work / "shared" / "inat", work / "job"
+    env = {
+        **os.environ,
+        "STAGER_RUNTIME_DIR": str(work / "run"),
+        "STAGER_CACHE_DIR": str(work / "cache"),
+        "STAGER_MIN_FREE_BYTES": str(64 * 2**20),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    socket = work / "run" / "stager.sock"
+    env["STAGER_URL"] = f"unix://{socket}"
+    started = time.monotonic()
+
+    banner("1/5 a fake iNaturalist 2021 release on the 'shared filesystem'")
+    if (shared / "val.tar.gz").exists():
+        print(f"reusing {shared}")
+    else:
+        make_inat2021(shared, classes=8, per_class={"train": 32, "val": 8}, size=(96, 72))
+        print(f"wrote {', '.join(sorted(p.name for p in shared.iterdir()))} to {shared}")
+
+    banner("2/5 start the node's daemon")
+    run([str(BIN / "stager"), "serve", "--detach"], env)
+    try:
+        banner("3/5 stage it with the inat2021 recipe and link it into the job's folder")
+        shutil.rmtree(job / "data", ignore_errors=True)
+        run(
+            [
+                str(BIN / "stager-client"),
+                "stage",
+                "inat",
+                "--recipe",
+                "inat2021",
+                "--source",
+                str(shared),
+                "--link",
+                str(job / "data" / "inat"),
+                "--wait",
+            ],
+            env,
+        )
+        outcome = requests_by_outcome(socket)
+
+        banner("4/5 train resnet18 for one short epoch: 2 processes, gloo, CPU")
+        shutil.rmtree(job / "train", ignore_errors=True)
+        run(
+            [
+                str(BIN / "torchrun"),
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "trainer",
+                "--dataset",
+                "inat2021",
+                "--data-root",
+                str(job / "data" / "inat"),
+                "--arch",
+                "resnet18",
+                "--crop-size",
+                "64",
+                "--val-resize-size",
+                "72",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "16",
+                "--lr",
+                "0.05",
+                "--workers",
+                "1",
+                "--device",
+                "cpu",
+                "--progress",
+                "log",
+                "--no-tensorboard",
+                "--output-dir",
+                str(job / "train"),
+            ],
+            {**env, "OMP_NUM_THREADS": "1"},
+        )
+    finally:
+        banner("5/5 stop the daemon")
+        run([str(BIN / "stager"), "stop"], env)
+
+    banner("summary")
+    link = job / "data" / "inat"
+    print(f"shared source : {shared}")
+    print(f"staged copy   : {os.path.realpath(link)}")
+    print(f"job's link    : {link} -> {os.readlink(link)}")
+    print(f"training out  : {job / 'train'}")
+    summary = _epoch_summary(job / "train" / "epochs.csv")
+    if summary:
+        print(f"training      : {summary}")
+    if outcome.get("hit"):
+        print("cache         : HIT - the dataset was already staged on this node; nothing copied")
+    else:
+        print("cache         : miss - staged now; run `make demo` again to see a cache hit")
+    print(
+        f"took {time.monotonic() - started:.0f} s; `make demo` again reuses the cache, "
+        f"`python deploy/demo/run.py --fresh` starts over"
+    )
+    return 0
+
+
+def _epoch_summary(path: Path) -> str | None:
+    try:
+        with open(path) as handle:
+            rows = list(csv.DictReader(handle))
+    except OSError:
+        return None
+    if not rows:
+        return None
+    last = rows[-1]
+    keys = [
+        k for k in ("train_loss", "val_loss", "val_top1", "val_top5", "img_s_mean") if k in last
+    ]
+    return ", ".join(f"{k}={last[k]}" for k in keys) or str(last)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
