@@ -175,10 +175,11 @@ def _epoch_summary(path: Path) -> str | None:
     if not rows:
         return None
     last = rows[-1]
-    keys = [
-        k for k in ("train_loss", "val_loss", "val_top1", "val_top5", "img_s_mean") if k in last
-    ]
-    return ", ".join(f"{k}={last[k]}" for k in keys) or str(last)
+    return (
+        f"epoch {last['epoch']}: train loss {float(last['train_loss']):.3f}, "
+        f"val top-1 {float(last['top1']):.1%} (top-5 {float(last['top5']):.1%}, "
+        f"{last['count']} images), {float(last['img_s_mean']):.0f} img/s"
+    )
 
 
 if __name__ == "__main__":
