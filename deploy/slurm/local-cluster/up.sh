@@ -125,7 +125,8 @@ render_stager_env() {
             if [[ $key == STAGER_BIN_DIR ]]; then
                 line="STAGER_BIN_DIR=$STAGER_BIN_DIR"
             elif [[ -n ${!key+set} ]]; then
-                line="$key=${!key}"
+                # The file is sourced by bash: quote, so values with spaces survive.
+                line="$key=$(printf '%q' "${!key}")"
             fi
         fi
         printf '%s\n' "$line"
@@ -182,8 +183,19 @@ wait_idle() {
     die "node $host did not become idle within ${UP_TIMEOUT}s (state '${state:-none}'); see /var/log/slurm/slurmd.log and slurmctld.log"
 }
 
+# SLURM hands jobs their node names (SLURM_STEP_NODELIST) and DDP rendezvous on the
+# first one, so this host's name must resolve; fresh CI machines sometimes lack it.
+ensure_hostname_resolves() {
+    local host
+    host=$(hostname -s)
+    getent hosts "$host" >/dev/null && return 0
+    say "adding '127.0.1.1 $host' to /etc/hosts: the host name did not resolve"
+    printf '127.0.1.1\t%s\n' "$host" >>/etc/hosts
+}
+
 main() {
     require_root
+    ensure_hostname_resolves
     install_packages
     start_munge
     configure
