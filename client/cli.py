@@ -192,8 +192,15 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
     sub.add_argument("--link", metavar="PATH", help="absolute symlink to the staged root")
     sub.add_argument("--verify", choices=["size", "sha256", "none"])
     sub.add_argument("--fingerprint", choices=["cheap", "deep"])
-    sub.add_argument(
-        "--lease", metavar="HOLDER", help="pin the dataset for HOLDER (with $SLURM_JOB_ID when set)"
+    leasing = sub.add_mutually_exclusive_group()
+    leasing.add_argument(
+        "--lease",
+        metavar="HOLDER",
+        help="pin the dataset for HOLDER (default inside a SLURM job: slurm-job-$SLURM_JOB_ID, "
+        "dropped by the daemon when the job ends)",
+    )
+    leasing.add_argument(
+        "--no-lease", action="store_true", help="do not pin the dataset, even inside a SLURM job"
     )
     sub.add_argument("--wait", action="store_true", help="block until ready; print its path")
     _add_wait_flags(sub)
@@ -237,6 +244,18 @@ def _seconds(text: str) -> float:
 # ---- building a stage request -----------------------------------------------------------
 
 
+def _default_lease(holder: str | None) -> dict[str, Any] | None:
+    """Inside a SLURM job a stage pins its data for the job: the daemon drops the lease
+    when SLURM says the job ended, and the epilog releases it at once."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if holder is None and job_id is None:
+        return None
+    lease: dict[str, Any] = {"holder": holder or f"slurm-job-{job_id}"}
+    if job_id:
+        lease["slurm_job_id"] = job_id
+    return lease
+
+
 def request_from(args: argparse.Namespace) -> dict[str, Any]:
     """The POST body from --request, then flags; raises `UsageError` on unusable input."""
     body = _read_request_file(args.request) if args.request else {}
@@ -245,11 +264,7 @@ def request_from(args: argparse.Namespace) -> dict[str, Any]:
     name = args.name or body.get("name")
     if not name:
         raise UsageError("give the dataset's NAME (or a 'name' in the --request file)")
-    lease = body.get("lease")
-    if args.lease:
-        lease = {"holder": args.lease}
-        if os.environ.get("SLURM_JOB_ID"):
-            lease["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    lease = None if args.no_lease else (body.get("lease") or _default_lease(args.lease))
     given = stage_body(
         name,
         recipe=args.recipe,

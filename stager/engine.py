@@ -62,11 +62,13 @@ class Engine:
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
         self._running: set[asyncio.Future[Any]] = set()
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
 
     # ---- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await run_io(preflight.ensure_dirs, self.settings)
         self._store = await run_io(Store, self.settings.db_path)
         entries, handles, leases = await run_io(self._store.load)
@@ -103,12 +105,30 @@ class Engine:
             if child.name.split(".", 1)[0] not in live:
                 remove_tree(child)
 
-    async def stop(self) -> None:
-        """Stop accepting work; running stagings stay resumable and are re-queued at start."""
+    def request_stop(self) -> None:
+        """From a signal handler: begin stopping before uvicorn drains connections.
+
+        uvicorn waits for open requests before it runs the lifespan shutdown, so open
+        long-polls must be answered (with their current, non-terminal status; clients
+        poll again) and stagings told to stop here, or the drain runs into its timeout.
+        """
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
         self._stopping = True
         for entry in self._entries.values():
             if entry.state == State.STAGING:
                 entry.cancel.set()
+        self._spawn(self._wake_waiters(), "wake-waiters")
+
+    async def _wake_waiters(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def stop(self) -> None:
+        """Stop accepting work; running stagings stay resumable and are re-queued at start."""
+        self._begin_stop()
         if self._running:
             await asyncio.wait(self._running, timeout=self.settings.shutdown_timeout_s)
         for task in self._tasks:
@@ -239,7 +259,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         async with self._changed:
-            while self._entries[handle.key].active:
+            while self._entries[handle.key].active and not self._stopping:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
@@ -259,7 +279,7 @@ class Engine:
             if snapshot != last:
                 last = snapshot
                 yield view
-            if view.state.terminal:
+            if view.state.terminal or self._stopping:
                 return
             async with self._changed:
                 try:

@@ -13,7 +13,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import httpx
 import uvicorn
@@ -113,10 +115,22 @@ def serve(settings: Settings) -> None:
     # prologues and systemd expect from a graceful stop.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        uvicorn.Server(config).run()
+        _Server(config, on_exit=app.state.engine.request_stop).run()
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the engine the moment a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._on_exit()
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

@@ -259,3 +259,18 @@ def test_tcp_with_the_token_file(daemon_factory, tree: Path) -> None:
     assert done.returncode == EXIT_OK, done.stderr  # token read from <runtime_dir>/token
     wrong = run_cli(daemon, "ls", env={"STAGER_TOKEN": "wrong"})
     assert wrong.returncode == EXIT_REJECTED and "bearer token" in wrong.stderr
+
+
+def test_inside_a_slurm_job_stage_leases_for_the_job_unless_told_not_to(
+    daemon: Daemon, tree: Path
+) -> None:
+    done = run_cli(daemon, "stage", "j", "--step", copy_step(tree), "--wait",
+                   env={"SLURM_JOB_ID": "9"})  # fmt: skip
+    assert done.returncode == EXIT_OK, done.stderr
+    status = DatasetPublic.model_validate_json(run_cli(daemon, "status", "j", "--json").stdout)
+    assert [(x.holder, x.slurm_job_id) for x in status.leases] == [("slurm-job-9", "9")]
+    bare = run_cli(daemon, "stage", "k", "--step", copy_step(tree), "--wait", "--no-lease",
+                   env={"SLURM_JOB_ID": "9"})  # fmt: skip
+    assert bare.returncode == EXIT_OK, bare.stderr
+    status = DatasetPublic.model_validate_json(run_cli(daemon, "status", "k", "--json").stdout)
+    assert status.leases == []

@@ -165,3 +165,29 @@ def test_cancel_during_staging_removes_partial_data(daemon: Daemon, tmp_path: Pa
         assert "cancelled" in cancelled["error"]["message"]
     assert list((daemon.cache_dir / "partial").iterdir()) == []
     assert not Path(cancelled["path"]).exists()
+
+
+def test_sigterm_answers_open_long_polls_and_exits_promptly(daemon: Daemon, tmp_path: Path) -> None:
+    import threading
+
+    behaviour = Behaviour(files={"/blob.bin": BLOB}, bytes_per_s=200_000)
+    answers: list[int] = []
+    with serve_files(behaviour) as url:
+        with daemon.client() as client:
+            client.post("/v1/datasets", json=request(tmp_path, url))
+
+        def long_poll() -> None:
+            with daemon.client() as client:
+                answers.append(
+                    client.get("/v1/datasets/multi/wait", params={"timeout": 60}).status_code
+                )
+
+        poller = threading.Thread(target=long_poll)
+        poller.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        assert daemon.stop() == 0
+        elapsed = time.monotonic() - t0
+        poller.join(10)
+    assert answers == [200]  # the current status, not a 500 after a timeout
+    assert elapsed < 4
