@@ -86,10 +86,16 @@ def inat2021_class(index: int) -> str:
 
 
 def make_inat2021(
-    out: Path, splits: Iterable[str], classes: int = 3, per_class: int = 3, seed: int = 0
+    out: Path,
+    splits: Iterable[str],
+    classes: int = 3,
+    per_class: int = 3,
+    seed: int = 0,
+    image_size: tuple[int, int] = (12, 8),
 ) -> dict[str, Expected]:
     """``train.tar.gz``/``train_mini.tar.gz``/``val.tar.gz`` with top folders of those names."""
     rng = random.Random(seed)
+    pool = JpegPool(rng, image_size, count=min(256, classes * per_class))
     out.mkdir(parents=True, exist_ok=True)
     expected = {}
     for split in splits:
@@ -98,7 +104,7 @@ def make_inat2021(
         tree = {}
         for c in range(classes):
             name = inat2021_class(c)
-            files = [(f"{top}_{c:05d}_{n}.jpg", jpeg(rng)) for n in range(per_class)]
+            files = [(f"{top}_{c:05d}_{n}.jpg", pool()) for n in range(per_class)]
             tree[name] = files
             exp.files.update({f: name for f, _ in files})
             exp.classes[name] = (name,)
