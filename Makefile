@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean slurm-up slurm-down
 
 venv: $(STAMP)
 
@@ -23,11 +23,27 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check stager client trainer tests bench
-	$(BIN)/ruff format --check stager client trainer tests bench
+	$(BIN)/ruff check stager client trainer tests bench deploy
+	$(BIN)/ruff format --check stager client trainer tests bench deploy
+	shellcheck deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
 
+# A real one-node SLURM cluster on this (Debian) machine, wired with deploy/slurm's
+# prolog and epilog; needs root. The SLURM test brings it up by itself.
+slurm-up:
+	deploy/slurm/local-cluster/up.sh
+
+slurm-down:
+	deploy/slurm/local-cluster/down.sh
+
+# Each prints ratios measured side by side in one run; see docs/benchmarks.md.
 bench: $(STAMP)
-	$(BIN)/python bench/ops_bench.py
+	$(BIN)/python -m bench.bench_copy
+	$(BIN)/python -m bench.bench_extract
+	$(BIN)/python bench/bench_api.py
+	$(BIN)/python bench/bench_cache.py
+	$(BIN)/python bench/bench_client.py
+	$(BIN)/python -m bench.bench_recipes
+	$(BIN)/python bench/input_pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
