@@ -76,6 +76,11 @@ class Engine:
         self._handles = {h.name: h for h in handles if h.key in self._entries}
         self._leases = {lease.id: lease for lease in leases if lease.name in self._handles}
         await self._recover()
+        try:
+            # Recipe files are re-read per request; checking them now tells the admin early.
+            await run_io(recipes.recipe_files, self.settings)
+        except StagerError as exc:
+            log.error("%s; requests naming a recipe will fail until it is fixed", exc.message)
         for i in range(self.settings.max_workers):
             self._spawn(self._worker(), f"worker-{i}")
         self._spawn(self._flush_progress(), "progress-flusher")

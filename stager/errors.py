@@ -9,10 +9,12 @@ reaches the API, and one sentence that names the input at fault and the fix.
     │   ├── SourceUnreadable        source exists but cannot be read
     │   ├── UnsafePath              destination or link escapes where it may live
     │   ├── UnknownFormat           archive format not recognised
-    │   └── UnknownRecipe           recipe name not known
+    │   ├── UnknownRecipe           recipe name not known
+    │   └── MissingExtra (422)      a step needs an optional package (torch, scipy)
     ├── NotFound (404)              no dataset by that name
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
+    ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
         ├── UnsafeArchiveMember     member would land outside its destination
@@ -60,6 +62,18 @@ class UnknownFormat(BadRequest):
 
 class UnknownRecipe(BadRequest):
     type = "unknown_recipe"
+
+
+class MissingExtra(BadRequest):
+    """Defined here, not in its op, so a staging process can report it by class name."""
+
+    type = "missing_dependency"
+    status = 422
+
+
+class RecipeFileError(StagerError):
+    type = "invalid_recipe_file"
+    status = 500
 
 
 class NotFound(StagerError):

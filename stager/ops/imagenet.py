@@ -20,20 +20,13 @@ import io
 import tarfile
 from dataclasses import dataclass
 
-from stager.errors import CorruptArchive, StagerError
+from stager.errors import CorruptArchive, MissingExtra
 from stager.ops.base import require_source
 
 DEVKIT_TOP = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_TOP}/data/meta.mat"
 GROUND_TRUTH = f"{DEVKIT_TOP}/data/ILSVRC2012_validation_ground_truth.txt"
 INSTALL_HINT = "pip install 'stager[train]'"
-
-
-class MissingExtra(StagerError):
-    """A step needs an optional package that the daemon's environment lacks."""
-
-    type = "missing_dependency"
-    status = 422
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from stager.errors import StagerError
+from stager.errors import RecipeFileError
 from stager.schemas import NAME_PATTERN, Step
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -34,13 +34,6 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,),
     "list": (list,),
 }
-
-
-class RecipeFileError(StagerError):
-    """A recipe file on this node is malformed: the admin's problem, not the caller's."""
-
-    type = "invalid_recipe_file"
-    status = 500
 
 
 class ParamSpec(BaseModel):
