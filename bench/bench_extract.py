@@ -57,6 +57,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per candidate")
     parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where both candidates extract to (default: beside the archives). On a VM whose "
+        "disk throttles writeback, a tmpfs here measures the extractors, not the disk",
+    )
+    parser.add_argument(
         "--workers",
         type=int,
         default=os.cpu_count() or 2,
@@ -110,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     archives = make_archives(tree, work)
     print(
         f"tree: {args.files} files, {tree_bytes(tree) / 1e9:.2f} GB; workers={args.workers}; "
-        f"median of {args.repeat}"
+        f"median of {args.repeat}; extracting to {args.out_dir or work / 'out'}"
     )
     header = f"{'candidate':<22}{'seconds':>9}{'spread':>8}{'ratio':>8}{'goal':>7}  result"
     print(header)
@@ -123,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
             pair.baseline: _tar_runner(flags, archive),
             f"stager {pair.fmt}": _stager_runner(archive, args.workers),
         }
-        times = _measure(runners, work / "out", args.repeat)
+        times = _measure(runners, args.out_dir or work / "out", args.repeat)
         base = statistics.median(times[pair.baseline])
         for name, values in times.items():
             median = statistics.median(values)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from stager.errors import UnsafeArchiveMember
 from stager.ops.base import OpContext
+from stager.ops.fastcopy import copy_range
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 _BATCH_FILES = 64
@@ -82,15 +83,8 @@ def _write_payload(fd: int, payload: Payload) -> None:
         while view:
             view = view[os.write(fd, view) :]
     elif isinstance(payload, tuple):
-        # copy_file_range: one kernel copy page-cache to page-cache, no trip
-        # through user space, and reflinks on filesystems that offer them.
         src_fd, offset, size = payload
-        while size > 0:
-            done = os.copy_file_range(src_fd, fd, size, offset)
-            if done == 0:
-                raise EOFError(f"archive ended inside a member (needed {size} more bytes)")
-            offset += done
-            size -= done
+        copy_range(src_fd, fd, offset, size)
     else:
         payload(fd)
 

@@ -252,3 +252,13 @@ def test_safe_links_inside_are_kept(tmp_path: Path):
     assert int(os.lstat(dest / "d/alias").st_mtime) == MTIME
     run_extract(archive, dest)  # a re-run replaces the links it made
     assert time.time() > MTIME
+
+
+@pytest.mark.parametrize("fmt", ["tar", "tar.gz"])
+def test_extract_onto_another_filesystem(fmt: str, tree: Path, tmp_path: Path, tmpfs) -> None:
+    """The everyday case: archive on the shared filesystem, data on local disk. The kernel
+    refuses copy_file_range across filesystems (EXDEV); extraction must not."""
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    dest = tmpfs("256m") / "root"
+    run_extract(archive, dest)
+    assert digest(dest) == digest(tree)
