@@ -234,13 +234,20 @@ class _RangeFile(io.RawIOBase):
 # -- tar ---------------------------------------------------------------------
 
 
+HEADER_READAHEAD = 256 * 1024
+
+
 def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int, outer: bool):
     raw = _RangeFile(archive.fd, archive.base, archive.length)
     stream: StreamReader | None = None
     if archive.fmt != "tar":
         decompressed = open_decompressed(io.BufferedReader(raw, STREAM_CHUNK), archive.fmt)  # type: ignore[arg-type]
         stream = StreamReader(decompressed, raw)
-    with tarfile.open(fileobj=stream or raw, mode="r:") as tar:
+    # Headers of a plain tar are read through a read-ahead buffer: with small members
+    # the next header usually lies in the same window, which saves a pread per header
+    # (member data itself is copied by offset, not through this buffer).
+    headers = stream or io.BufferedReader(raw, HEADER_READAHEAD)  # type: ignore[arg-type]
+    with tarfile.open(fileobj=headers, mode="r:") as tar:
         consumed = 0
         for member in _members(tar, job):
             now = stream.compressed_pos() if stream else tar.offset
