@@ -61,6 +61,13 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--image-size", type=int, nargs=2, default=(200, 150), help="fake JPEG width height"
     )
     parser.add_argument("--only", choices=["imagenet", "inat2021"], help="run one comparison")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=None,
+        help="where every candidate writes (default <work-dir>/out); a tmpfs here measures "
+        "the candidates rather than a disk that throttles writeback",
+    )
     return parser
 
 
@@ -229,7 +236,7 @@ def main(args: argparse.Namespace) -> None:
         allowed = sorted(os.sched_getaffinity(0))[: args.cores]
         os.sched_setaffinity(0, allowed)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    out = args.work_dir / "out"
+    out = args.out_dir or args.work_dir / "out"
     print(f"cores: {len(os.sched_getaffinity(0))}, stager op threads: {args.workers}")
     if args.only in (None, "imagenet"):
         source = imagenet_source(args)

@@ -100,7 +100,7 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
             ctx.progress.add_total(size, 0)
             fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
             job = _Job(ctx, step.strip_components, step.nested)
-            with ThreadPoolExecutor(ctx.workers, thread_name_prefix="extract") as pool:
+            with ThreadPoolExecutor(_threads(ctx), thread_name_prefix="extract") as pool:
                 job.pool = pool
                 try:
                     _extract(job, _Archive(fd, 0, size, fmt, step.src), str(dest), outer=True)
@@ -196,6 +196,14 @@ def _extract(job: _Job, archive: _Archive, root: str, outer: bool) -> None:
         writer.finish()
     finally:
         writer.abort()
+
+
+def _threads(ctx: OpContext) -> int:
+    """Extraction is CPU-bound Python (headers, decompression, per-file calls): threads
+    beyond the cores only fight over the GIL (measured: 8 threads on 2 cores extract
+    ImageNet-style nested tars 25% slower than 2). Copies, which wait on a network
+    filesystem, keep using all of ``ctx.workers``."""
+    return max(1, min(ctx.workers, len(os.sched_getaffinity(0))))
 
 
 class _RangeFile(io.RawIOBase):
