@@ -13,48 +13,53 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 
 _REFUSED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
 _CHUNK = 1 << 20
-_kernel_copy = hasattr(os, "copy_file_range")
-_sendfile = hasattr(os, "sendfile")
+
+
+def _copy_file_range(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
+    return os.copy_file_range(src_fd, dst_fd, size, offset)
+
+
+def _sendfile(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
+    return os.sendfile(dst_fd, src_fd, offset, size)
+
+
+def _pread_write(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
+    data = os.pread(src_fd, min(size, _CHUNK), offset)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(dst_fd, view) :]
+    return len(data)
+
+
+Method = Callable[[int, int, int, int], int]
+# Tried in order; a method the kernel refuses is dropped for the rest of the process.
+_methods: list[Method] = [
+    m
+    for m, available in (
+        (_copy_file_range, hasattr(os, "copy_file_range")),
+        (_sendfile, hasattr(os, "sendfile")),
+        (_pread_write, True),
+    )
+    if available
+]
 
 
 def copy_range(src_fd: int, dst_fd: int, offset: int, size: int) -> None:
     """Append ``size`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``; EOFError if short."""
-    global _kernel_copy, _sendfile
-    if _kernel_copy:
-        try:
-            while size > 0:
-                done = os.copy_file_range(src_fd, dst_fd, size, offset)
-                if done == 0:
-                    raise EOFError(f"archive ended inside a member (needed {size} more bytes)")
-                offset += done
-                size -= done
-            return
-        except OSError as exc:
-            if exc.errno not in _REFUSED:
-                raise
-            _kernel_copy = False  # and finish below from where the kernel stopped
-    if _sendfile:
-        try:
-            while size > 0:
-                done = os.sendfile(dst_fd, src_fd, offset, size)
-                if done == 0:
-                    raise EOFError(f"archive ended inside a member (needed {size} more bytes)")
-                offset += done
-                size -= done
-            return
-        except OSError as exc:
-            if exc.errno not in _REFUSED:
-                raise
-            _sendfile = False
     while size > 0:
-        data = os.pread(src_fd, min(size, _CHUNK), offset)
-        if not data:
+        method = _methods[0]
+        try:
+            done = method(src_fd, dst_fd, offset, size)
+        except OSError as exc:
+            if exc.errno not in _REFUSED or method is _pread_write:
+                raise
+            _methods.remove(method)  # continue from here with the next method
+            continue
+        if done == 0:
             raise EOFError(f"archive ended inside a member (needed {size} more bytes)")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(dst_fd, view) :]
-        offset += len(data)
-        size -= len(data)
+        offset += done
+        size -= done
