@@ -101,7 +101,11 @@ class Progress:
                 bytes_done=self.bytes_done,
                 bytes_total=self.bytes_total,
                 files_done=self.files_done,
-                files_total=self.files_total,
+                # Some ops cannot count files ahead (a streamed archive): a total smaller
+                # than what is done is known to be incomplete, so it shows as unknown.
+                files_total=self.files_total
+                if self.files_total is None or self.files_total >= self.files_done
+                else None,
                 rate_bytes_per_s=round(rate, 1),
                 eta_s=round(eta, 1) if eta is not None else None,
             )

@@ -79,7 +79,7 @@ def main() -> int:
     if (shared / "val.tar.gz").exists():
         print(f"reusing {shared}")
     else:
-        make_inat2021(shared, classes=8, per_class={"train": 32, "val": 8}, size=(96, 72))
+        make_inat2021(shared, classes=8, per_class={"train": 160, "val": 16}, size=(160, 120))
         print(f"wrote {', '.join(sorted(p.name for p in shared.iterdir()))} to {shared}")
 
     banner("2/5 start the node's daemon")
@@ -99,6 +99,8 @@ def main() -> int:
                 "--link",
                 str(job / "data" / "inat"),
                 "--wait",
+                "--interval",  # progress lines this often when output is not a terminal
+                "0.5",
             ],
             env,
         )

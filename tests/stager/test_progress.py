@@ -59,3 +59,12 @@ def test_restore_keeps_counters_of_a_stored_snapshot() -> None:
     assert again.snapshot().model_dump(exclude={"rate_bytes_per_s", "eta_s"}) == (
         progress.snapshot().model_dump(exclude={"rate_bytes_per_s", "eta_s"})
     )
+
+
+def test_a_file_total_known_to_be_short_shows_as_unknown() -> None:
+    progress = Progress(clock=FakeClock())
+    progress.add_total(files=2)  # e.g. two renames announced ...
+    progress.advance(files=1410)  # ... while an archive's files were never counted ahead
+    assert progress.snapshot().files_total is None
+    progress.add_total(files=5000)
+    assert progress.snapshot().files_total == 5002
