@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchvision import datasets as tvd
 
-from tests.trainer.conftest import free_port, make_inat2021, run_trainer, tiny_args, trainer_env
+from bench.fakedata import make_inat2021 as make_inat_release
+from tests.trainer.conftest import free_port, run_trainer, tiny_args, trainer_env
 from trainer import checkpoint, data, engine
 from trainer.models import build_model
 
@@ -53,20 +54,25 @@ def test_resnet_trains_on_fakedata_ddp(tmp_path):
     assert "via torchrun" in done.stderr and "img/s" in done.stderr
 
 
-def test_resnet_trains_on_fake_inaturalist_ddp(tmp_path):
-    make_inat2021(tmp_path / "data", "2021_train", per_class=8)
-    make_inat2021(tmp_path / "data", "2021_valid", per_class=3, seed=1)
+def test_resnet_trains_on_fake_inaturalist_staged_by_the_daemon(tmp_path, daemon):
+    # The release archives as the cluster stores them, staged by a real daemon with the
+    # inat2021 recipe; the trainer finds the data through --stager-wait (the real client).
+    shared = tmp_path / "shared"
+    make_inat_release(shared, classes=4, per_class={"train": 8, "val": 3}, size=(32, 24))
+    with daemon.client() as client:
+        body = {"name": "inat", "recipe": "inat2021", "source": str(shared)}
+        assert client.post("/v1/datasets", json=body).status_code == 202
     args = _resnet_args(
-        tmp_path / "out", "--dataset", "inat2021", "--data-root", str(tmp_path / "data"),
-        "--epochs", "4",
+        tmp_path / "out", "--dataset", "inat2021", "--stager-wait", "inat", "--data-root", ".",
+        "--epochs", "6",
     )  # fmt: skip
     args.remove("--no-tensorboard")  # this run also writes TensorBoard events
-    done = run_trainer(args, nproc=2)
+    done = run_trainer(args, nproc=2, env=trainer_env(STAGER_URL=daemon.url))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _epochs(tmp_path / "out")
     assert rows[0]["count"] == "12"  # 4 classes x 3 validation images, each once
     assert float(rows[-1]["train_loss"]) < 0.7 * float(rows[0]["train_loss"])
-    assert float(rows[-1]["top1"]) >= 0.5
+    assert float(rows[-1]["top1"]) > 0.25  # better than chance with 4 classes
     assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
 
 
