@@ -43,12 +43,28 @@ def make_archives(tree: Path, out_dir: Path) -> dict[str, Path]:
     tar_path, tgz_path = out_dir / "tree.tar", out_dir / "tree.tar.gz"
     if not tar_path.exists():
         subprocess.run(
-            ["tar", "-cf", str(tar_path), "--exclude=.complete", "-C", str(tree.parent), tree.name],
+            [
+                "tar",
+                "-cf",
+                str(tar_path),
+                "--exclude=.complete",
+                "-C",
+                str(tree.parent),
+                tree.name,
+            ],  # fmt: skip
             check=True,
         )
     if not tgz_path.exists():
         subprocess.run(
-            ["tar", "-czf", str(tgz_path), "--exclude=.complete", "-C", str(tree.parent), tree.name],
+            [
+                "tar",
+                "-czf",
+                str(tgz_path),
+                "--exclude=.complete",
+                "-C",
+                str(tree.parent),
+                tree.name,
+            ],  # fmt: skip
             check=True,
         )
     return {"tar": tar_path, "tar.gz": tgz_path}
