@@ -38,7 +38,7 @@ def make_tree(
 
 
 def make_archives(tree: Path, out_dir: Path) -> dict[str, Path]:
-    """Build ``tree.tar`` and ``tree.tar.gz`` of ``tree`` with the system tar (reused if present)."""
+    """``tree.tar`` and ``tree.tar.gz`` of ``tree``, made by the system tar (reused if present)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tar_path, tgz_path = out_dir / "tree.tar", out_dir / "tree.tar.gz"
     if not tar_path.exists():
