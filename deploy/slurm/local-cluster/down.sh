@@ -15,25 +15,8 @@ say() { printf 'down.sh: %s\n' "$*"; }
     exit 1
 }
 
-running() {
-    local pidfile=$1 pid
-    [[ -r $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null
-}
-
-stop_pidfile() {
-    local pidfile=$1 name=$2 pid
-    running "$pidfile" || return 0
-    pid=$(<"$pidfile")
-    say "stopping $name (pid $pid)"
-    kill -TERM "$pid"
-    for _ in $(seq 150); do
-        kill -0 "$pid" 2>/dev/null || return 0
-        sleep 0.2
-    done
-    say "$name (pid $pid) did not stop within 30s; leaving it" >&2
-}
+# shellcheck source=pidfile.sh
+source "$HERE/pidfile.sh"
 
 cancel_jobs() {
     running /run/slurmctld.pid || return 0
@@ -73,9 +56,10 @@ stop_stager_daemons() {
 
 cancel_jobs
 stop_stager_daemons
-stop_pidfile /run/slurmd.pid slurmd
-stop_pidfile /run/slurmctld.pid slurmctld
-stop_pidfile /run/munge/munged.pid munged
+# A daemon that will not stop is left running (and said so); stop what else we can.
+stop_pidfile /run/slurmd.pid slurmd || true
+stop_pidfile /run/slurmctld.pid slurmctld || true
+stop_pidfile /run/munge/munged.pid munged || true
 
 if ((PURGE)); then
     say "purging state, logs and generated config"

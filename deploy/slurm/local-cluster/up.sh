@@ -55,26 +55,8 @@ install_packages() {
     fi
 }
 
-# pid file -> running? (never matches processes by name: ours are known by pid file)
-running() {
-    local pidfile=$1 pid
-    [[ -r $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null
-}
-
-stop_pidfile() {
-    local pidfile=$1 name=$2 pid
-    running "$pidfile" || return 0
-    pid=$(<"$pidfile")
-    say "stopping $name (pid $pid)"
-    kill -TERM "$pid"
-    for _ in $(seq 150); do
-        kill -0 "$pid" 2>/dev/null || return 0
-        sleep 0.2
-    done
-    die "$name (pid $pid) did not stop within 30s"
-}
+# shellcheck source=pidfile.sh
+source "$HERE/pidfile.sh"
 
 start_munge() {
     [[ -s /etc/munge/munge.key ]] || mungekey -c -f -k /etc/munge/munge.key
@@ -157,8 +139,8 @@ configure() {
 
 start_slurm() {
     if ((CHANGED)); then
-        stop_pidfile /run/slurmd.pid slurmd
-        stop_pidfile /run/slurmctld.pid slurmctld
+        stop_pidfile /run/slurmd.pid slurmd || die "slurmd would not stop"
+        stop_pidfile /run/slurmctld.pid slurmctld || die "slurmctld would not stop"
     fi
     if ! running /run/slurmctld.pid; then
         say "starting slurmctld"
