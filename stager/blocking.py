@@ -42,10 +42,6 @@ async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
-class StagingProcessDied(errors.StagerError):
-    type = "internal_error"
-
-
 async def run_staging(
     job: StageJob, progress: Progress, cancel: threading.Event, poll_s: float = 0.1
 ) -> int:
@@ -76,7 +72,7 @@ async def run_staging(
             elif not process.is_alive():
                 if receiver.poll():
                     continue
-                raise StagingProcessDied(
+                raise errors.StagingProcessDied(
                     f"the staging process died with exit code {process.exitcode}; "
                     "see the daemon log, then stage again"
                 )
@@ -124,6 +120,6 @@ def _outcome(message: tuple[str, Any]) -> int:
     if kind == "oserror":
         number, strerror, filename = payload
         raise OSError(number, strerror, filename)
-    raise StagingProcessDied(
+    raise errors.StagingProcessDied(
         f"internal error in the staging process; see the daemon log:\n{payload}"
     )

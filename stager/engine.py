@@ -352,7 +352,9 @@ class Engine:
         lease = Lease.create(handle.name, handle.key, request)
         self._leases[lease.id] = lease
         await run_io(self._store.save_lease, lease)
-        self._entries[handle.key].last_used_at = now()
+        entry = self._entries[handle.key]
+        entry.last_used_at = now()  # a new lease is a use: it moves the entry back in LRU order
+        await self._save(entry)
         return lease
 
     async def release(

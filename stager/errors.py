@@ -21,6 +21,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
         ├── VerifyFailed            staged bytes differ from the source
         ├── FetchFailed             HTTP source could not be downloaded
         ├── StagingIOError          an OS error (ENOSPC, EIO, ...) mid-staging
+        ├── StagingProcessDied      the staging process crashed or hit a bug
         └── Cancelled               the dataset was cancelled
 """
 
@@ -114,6 +115,10 @@ class FetchFailed(StagingError):
 
 class StagingIOError(StagingError):
     type = "io_error"
+
+
+class StagingProcessDied(StagingError):
+    type = "internal_error"
 
 
 class Cancelled(StagingError):

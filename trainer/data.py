@@ -187,6 +187,23 @@ class DataConfig:
     fake_image_size: int = 64
     fake_classes: int = 10
 
+    @classmethod
+    def from_args(cls, args: Any, root: Path, pipeline: str, **overrides: Any) -> DataConfig:
+        """The dataset flags every ``stager-train`` command shares (train, shard)."""
+        return cls(
+            dataset=args.dataset,
+            root=root,
+            pipeline=pipeline,
+            inat_version=args.inat_version,
+            inat_val_version=args.inat_val_version,
+            target_type=args.target_type,
+            fake_size=args.fake_size,
+            fake_val_size=args.fake_val_size,
+            fake_image_size=args.fake_image_size,
+            fake_classes=args.num_classes or 10,
+            **overrides,
+        )
+
 
 def build_dataset(cfg: DataConfig, split: str, transform: Callable | None) -> Dataset | None:
     """One split of ``cfg.dataset``; None if the dataset has no such split."""

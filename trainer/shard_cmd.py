@@ -17,18 +17,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.data_root is None and args.dataset != "fake":
         raise ValueError("--data-root is required")
-    cfg = data.DataConfig(
-        dataset=args.dataset,
-        root=Path(args.data_root or "."),
-        pipeline="pil",  # raw bytes are copied where a source file exists; PIL otherwise
-        inat_version=args.inat_version,
-        inat_val_version=args.inat_val_version,
-        target_type=args.target_type,
-        fake_size=args.fake_size,
-        fake_val_size=args.fake_val_size,
-        fake_image_size=args.fake_image_size,
-        fake_classes=args.num_classes or 10,
-    )
+    # Raw bytes are copied where a source file exists; PIL decodes otherwise.
+    cfg = data.DataConfig.from_args(args, root=Path(args.data_root or "."), pipeline="pil")
     shard_bytes = parse_size(args.shard_size)
     for split in [s.strip() for s in args.splits.split(",") if s.strip()]:
         dataset = data.build_dataset(cfg, split, transform=None)

@@ -93,19 +93,12 @@ def build(args: argparse.Namespace, world: World, device: torch.device) -> Setup
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    cfg = data.DataConfig(
-        dataset=args.dataset,
+    cfg = data.DataConfig.from_args(
+        args,
         root=data_root(args, world, device),
         pipeline=args.pipeline,
         crop=args.crop_size,
         val_resize=args.val_resize_size,
-        inat_version=args.inat_version,
-        inat_val_version=args.inat_val_version,
-        target_type=args.target_type,
-        fake_size=args.fake_size,
-        fake_val_size=args.fake_val_size,
-        fake_image_size=args.fake_image_size,
-        fake_classes=args.num_classes or 10,
     )
     train_raw = data.build_dataset(
         cfg,
