@@ -8,7 +8,8 @@ Why it looks like this:
   ends, and the pool hides the per-file round trips. Files travel in per-directory
   batches so a million-file tree does not become a million futures.
 - Data moves with ``os.copy_file_range`` (reflink on XFS/btrfs, server-side copy
-  on NFS 4.2, in-kernel copy elsewhere), then ``os.sendfile``, then read/write.
+  on NFS 4.2, in-kernel copy elsewhere), then ``os.sendfile``, then read/write
+  (the chain in :mod:`stager.ops.fastcopy`, shared with ``extract``).
   The first method that fails as unsupported is dropped for the rest of the run.
 - Restartable without a journal: a file's mtime is set last, after its bytes are
   written and verified, so "same size and same mtime as the source" means
@@ -31,7 +32,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from stager.errors import (
     from_os_error,
 )
 from stager.ops.base import OpContext, make_dir, require_source
+from stager.ops.fastcopy import copy_chunk
 from stager.schemas import CopyStep
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
@@ -55,8 +57,6 @@ READ_CHUNK = 1024 * 1024
 BATCH_FILES = 64
 # How long check() may walk a source tree to estimate its size.
 CHECK_BUDGET_S = 5.0
-# errnos that mean "this kernel/filesystem pair cannot do this fast path".
-_UNSUPPORTED = {errno.ENOSYS, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOTSUP}
 
 
 def check(step: CopyStep) -> int:
@@ -158,9 +158,6 @@ class _Copier:
 
     def __init__(self, ctx: OpContext) -> None:
         self.ctx = ctx
-        # Shared by all worker threads; a plain bool flip is atomic under the GIL.
-        self.use_copy_file_range = hasattr(os, "copy_file_range")
-        self.use_sendfile = hasattr(os, "sendfile")
 
     def copy_file(self, src: str, dst: str, st: os.stat_result) -> None:
         """Copy ``src`` to ``dst`` unless an identical copy is already there."""
@@ -192,29 +189,10 @@ class _Copier:
         os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     def _copy_bytes(self, fin: int, fout: int, size: int) -> int:
-        if self.use_copy_file_range:
-            try:
-                return self._loop(os.copy_file_range, fin, fout, size)
-            except OSError as exc:
-                if exc.errno not in _UNSUPPORTED:
-                    raise
-                self.use_copy_file_range = False
-                _rewind(fin, fout)
-        if self.use_sendfile:
-            try:
-                return self._loop(_sendfile, fin, fout, size)
-            except OSError as exc:
-                if exc.errno not in _UNSUPPORTED:
-                    raise
-                self.use_sendfile = False
-                _rewind(fin, fout)
-        return self._loop(_read_write, fin, fout, size)
-
-    def _loop(self, method: Callable[[int, int, int], int], fin: int, fout: int, size: int) -> int:
-        """Call ``method(fin, fout, n)`` until ``size`` bytes moved or the source ends."""
+        """Copy in CHUNK pieces, so progress and cancel are seen within a large file."""
         done = 0
         while done < size:
-            n = method(fin, fout, min(CHUNK, size - done))
+            n = copy_chunk(fin, fout, done, min(CHUNK, size - done))
             if n == 0:
                 break  # the source shrank under us; verify will say so
             done += n
@@ -238,26 +216,6 @@ class _Copier:
                     f"copy of {src} has sha256 {got} but the source has {want}; "
                     "check the source and the local disk, then stage again"
                 )
-
-
-def _sendfile(fin: int, fout: int, count: int) -> int:
-    # sendfile advances the input's offset itself when offset is None.
-    return os.sendfile(fout, fin, None, count)
-
-
-def _read_write(fin: int, fout: int, count: int) -> int:
-    data = os.read(fin, min(count, READ_CHUNK))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fout, view) :]
-    return len(data)
-
-
-def _rewind(fin: int, fout: int) -> None:
-    """A fast path failed part-way (rare; usually on its first call): start the file over."""
-    os.lseek(fin, 0, os.SEEK_SET)
-    os.lseek(fout, 0, os.SEEK_SET)
-    os.ftruncate(fout, 0)
 
 
 def _is_complete(dst: str, st: os.stat_result) -> bool:

@@ -1,12 +1,16 @@
-"""Copy a byte range between descriptors in the kernel when it can, in user space when not.
+"""Move bytes between descriptors in the kernel when it can, in user space when not.
 
+One chain for every op that copies file data (``copy``, ``extract``):
 ``copy_file_range`` avoids a trip through user space (and reflinks where the
-filesystem offers them), but refuses some pairs: across filesystems (EXDEV,
-e.g. an archive on NFS extracted to local disk), or on filesystems without
-support (ENOSYS, EOPNOTSUPP, EINVAL). The first refusal switches this process to
-``sendfile`` (file to file works across filesystems, still in the kernel; with an
-explicit offset it leaves the shared source descriptor's position alone, so many
-threads can use it), and if that is refused too, to ``pread``/``write``.
+filesystem offers them) but refuses some pairs: across filesystems (EXDEV, e.g.
+an archive on NFS extracted to local disk), or on filesystems without support
+(ENOSYS, EOPNOTSUPP, EINVAL). Then ``sendfile`` (file to file works across
+filesystems, still in the kernel), then ``pread``/``write``. A refused method is
+dropped for the rest of the process: a staging process serves one dataset, whose
+sources and destination rarely change filesystem from file to file.
+
+Reads take an explicit source offset, so one source descriptor can be shared by
+many threads (extract); writes go to the destination's current position.
 """
 
 from __future__ import annotations
@@ -15,50 +19,47 @@ import errno
 import os
 from collections.abc import Callable
 
-_REFUSED = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL})
-_CHUNK = 1 << 20
+_REFUSED_ERRNOS = frozenset(
+    {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+)
+READ_CHUNK = 1 << 20  # the user-space path's buffer
 
 
-def _copy_file_range(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
-    return os.copy_file_range(src_fd, dst_fd, size, offset)
-
-
-def _sendfile(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
-    return os.sendfile(dst_fd, src_fd, offset, size)
-
-
-def _pread_write(src_fd: int, dst_fd: int, offset: int, size: int) -> int:
-    data = os.pread(src_fd, min(size, _CHUNK), offset)
+def _pread_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
+    data = os.pread(src_fd, min(count, READ_CHUNK), offset)
     view = memoryview(data)
     while view:
         view = view[os.write(dst_fd, view) :]
     return len(data)
 
 
-Method = Callable[[int, int, int, int], int]
-# Tried in order; a method the kernel refuses is dropped for the rest of the process.
-_methods: list[Method] = [
-    m
-    for m, available in (
-        (_copy_file_range, hasattr(os, "copy_file_range")),
-        (_sendfile, hasattr(os, "sendfile")),
-        (_pread_write, True),
-    )
-    if available
-]
+# Checked by name at each call, so a platform (or a test) without one simply skips it.
+_METHODS: dict[str, Callable[[int, int, int, int], int]] = {
+    "copy_file_range": lambda s, d, off, n: os.copy_file_range(s, d, n, off),
+    "sendfile": lambda s, d, off, n: os.sendfile(d, s, off, n),
+    "pread": _pread_write,
+}
+_refused: set[str] = set()
+
+
+def copy_chunk(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
+    """Move up to ``count`` bytes from ``offset`` of the source; 0 means end of source."""
+    for name, method in _METHODS.items():
+        if name in _refused or not hasattr(os, name):
+            continue
+        try:
+            return method(src_fd, dst_fd, offset, count)
+        except OSError as exc:
+            if exc.errno not in _REFUSED_ERRNOS or name == "pread":
+                raise
+            _refused.add(name)  # nothing was written: retry this chunk with the next one
+    raise OSError(errno.ENOSYS, "no way to copy file data on this platform")
 
 
 def copy_range(src_fd: int, dst_fd: int, offset: int, size: int) -> None:
     """Append ``size`` bytes at ``offset`` of ``src_fd`` to ``dst_fd``; EOFError if short."""
     while size > 0:
-        method = _methods[0]
-        try:
-            done = method(src_fd, dst_fd, offset, size)
-        except OSError as exc:
-            if exc.errno not in _REFUSED or method is _pread_write:
-                raise
-            _methods.remove(method)  # continue from here with the next method
-            continue
+        done = copy_chunk(src_fd, dst_fd, offset, size)
         if done == 0:
             raise EOFError(f"archive ended inside a member (needed {size} more bytes)")
         offset += done
