@@ -142,6 +142,8 @@ def log_size(cluster: Cluster) -> int:
 
 
 def log_lines(cluster: Cluster, since: int, job_id: str) -> list[str]:
+    if not cluster.log.exists():
+        return []  # a fresh node: the first prolog has not run yet
     with open(cluster.log, "rb") as handle:
         handle.seek(since)
         text = handle.read().decode(errors="replace")
