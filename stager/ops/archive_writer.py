@@ -191,6 +191,9 @@ class ArchiveWriter:
         inline: bool = False,
     ) -> None:
         """Write a regular file, on the pool unless ``inline`` (payloads tied to this thread)."""
+        if rel in self._dirs:
+            # Replacing it would delete what other members (or an inner archive) wrote there.
+            raise unsafe(self.archive, rel, "a file over a directory other members use")
         self.ensure_dir(rel.rpartition("/")[0], rel)
         self.files.add(rel)
         job = _FileJob(os.path.join(self.root, rel), mode, mtime, payload, archive_bytes)

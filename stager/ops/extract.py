@@ -104,8 +104,6 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
                 job.pool = pool
                 try:
                     _extract(job, _Archive(fd, 0, size, fmt, step.src), str(dest), outer=True)
-                    job.wait_inner()
-                    _extract_written_inner(job)
                 finally:
                     job.cancel_inner()
         finally:
@@ -193,6 +191,13 @@ def _extract(job: _Job, archive: _Archive, root: str, outer: bool) -> None:
             _extract_zip(job, archive, writer, strip, outer)
         else:
             _extract_tar(job, archive, writer, strip, outer)
+        if outer:
+            # Inner archives write under this tree: they must be done before any link of
+            # the outer archive exists, or a pair of links that escapes only together
+            # could be written through before ``finish`` checks and removes it.
+            writer.flush()
+            job.wait_inner()
+            _extract_written_inner(job)
         writer.finish()
     finally:
         writer.abort()

@@ -232,3 +232,44 @@ def test_refused_again_on_rerun_over_partial_output(fmt: str, tmp_path: Path):
     assert not (work / "new.txt").exists()
     assert (dest / "sub").is_dir() and not (dest / "sub").is_symlink()
     assert (dest / "sub/new.txt").read_bytes() == b"data"
+
+
+def test_links_of_an_outer_archive_never_meet_a_running_inner_extraction(tmp_path: Path):
+    """A tar of tars whose outer links escape only together, over an inner archive's folder.
+
+    ``x.tar`` extracts into ``x/`` in parallel; the outer ``x/b -> .`` and
+    ``x/sub -> b/../..`` each look harmless but resolve outside together. They may only
+    be created once the inner extraction has finished, and are then refused.
+    """
+    work = tmp_path / "work"
+    dest = work / "dest"
+    dest.mkdir(parents=True)
+    (work / "outside.txt").write_bytes(b"precious")
+    inner = io.BytesIO()
+    with tarfile.open(fileobj=inner, mode="w") as tar:
+        for i in range(200):  # enough members that the inner extraction takes a while
+            info, data = _tar_file(f"sub/f{i}.txt", b"inner")
+            tar.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "outer.tar"
+    write_tar(
+        archive,
+        [
+            _tar_file("x.tar", inner.getvalue()),
+            _tar_link("x/b", ".", tarfile.SYMTYPE),
+            _tar_link("x/sub", "b/../..", tarfile.SYMTYPE),
+        ],
+    )
+    before = snapshot(work, dest)
+    ctx = OpContext(root=dest, progress=Progress(), workers=2)
+    with pytest.raises(UnsafeArchiveMember, match="x/sub"):
+        extract.run(ExtractStep(op="extract", src=str(archive), nested=True), ctx)
+    assert snapshot(work, dest) == before
+    assert not list(work.glob("f*.txt")) and not (work / "sub").exists()
+
+
+def test_a_file_over_a_folder_other_members_wrote_is_refused(tmp_path: Path):
+    dest = tmp_path / "dest"
+    archive = tmp_path / "dup.tar"
+    write_tar(archive, [_tar_file("d/inside.txt"), _tar_file("d", b"a file named like the dir")])
+    with pytest.raises(UnsafeArchiveMember, match="'d'"):
+        extract.run(ExtractStep(op="extract", src=str(archive)), OpContext(dest, Progress()))
