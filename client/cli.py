@@ -52,6 +52,8 @@ EXIT_CODES: tuple[tuple[type[StagerError], int], ...] = (
 )
 
 BAR_POLL_S = 0.5  # how often a terminal bar refreshes its numbers from the daemon
+# Log mode long-polls with timeout=--interval: 0 would turn each poll into a busy loop.
+MIN_INTERVAL_S = 0.1
 
 EPILOG = """\
 exit codes:
@@ -141,7 +143,7 @@ def _add_wait_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--interval",
-        type=_seconds,
+        type=_interval,
         default=30.0,
         metavar="S",
         help="seconds between progress lines when not on a terminal (default 30)",
@@ -231,13 +233,27 @@ def _add_release(commands: Any, common: argparse.ArgumentParser) -> None:
     sub.set_defaults(run=cmd_release)
 
 
-def _seconds(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def _interval(text: str) -> float:
+    value = _number(text)
+    if value < MIN_INTERVAL_S:  # negatives included: same cause, same fix
+        raise argparse.ArgumentTypeError(
+            f"{text!r} would poll the daemon in a tight loop; "
+            f"give --interval {MIN_INTERVAL_S} or more (default 30)"
+        )
     return value
 
 

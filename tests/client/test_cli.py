@@ -205,6 +205,16 @@ def test_bad_usage_exits_2(daemon: Daemon, capsys, monkeypatch) -> None:
     assert "'rel' must be an absolute path" in capsys.readouterr().err
 
 
+def test_interval_below_a_tenth_of_a_second_is_bad_usage(capsys) -> None:
+    # Rejected while parsing, before any daemon is asked: no daemon needed.
+    for value in ("0", "-1", "0.05"):
+        for argv in (["wait", "x"], ["stage", "x", "--wait"]):
+            assert _exit_code([*argv, "--interval", value]) == EXIT_USAGE, (argv, value)
+            err = capsys.readouterr().err
+            assert f"argument --interval: '{value}' would poll the daemon" in err
+            assert "give --interval 0.1 or more" in err
+
+
 def _exit_code(argv: list[str]) -> int:
     try:
         return main(argv)
