@@ -56,13 +56,17 @@ OUTPUT_DIR=${OUTPUT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/$SLURM_JOB_ID}
 read -r -a train_args <<<"${TRAIN_ARGS:-}"
 read -r -a stage_args <<<"${STAGE_ARGS:-}"
 NODES=${SLURM_JOB_NUM_NODES:-1}
+# Since Slurm 22.05 srun no longer inherits the job's --cpus-per-task: without this each
+# task is given 1 CPU, and training's data-loader workers share it.
+CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-1}
 
 # The cluster's task prolog exports STAGER_URL when its prolog started a daemon on
 # every node. Without it (a cluster without stager's prolog), start one per node
 # ourselves: `serve --detach` returns at once if one already runs.
 if [[ -z ${STAGER_URL:-} ]]; then
     echo "No STAGER_URL from the cluster's prolog: starting a stager daemon on each node"
-    srun --ntasks="$NODES" --ntasks-per-node=1 stager serve --detach
+    srun --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" \
+        stager serve --detach
 fi
 if [[ -z ${SLURM_TMPDIR:-} ]]; then
     echo "error: SLURM_TMPDIR is not set: this cluster gives jobs no node-local folder;" \
@@ -75,7 +79,7 @@ fi
 # the same point). --lease pins the data for this job; the epilog releases it.
 echo "Staging $DATASET from $INAT_SOURCE on $NODES node(s)"
 # shellcheck disable=SC2016  # expanded by the task's bash, on purpose
-srun --ntasks="$NODES" --ntasks-per-node=1 bash -c '
+srun --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" bash -c '
     set -euo pipefail
     link=$SLURM_TMPDIR/data/$DATASET
     stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
@@ -84,7 +88,8 @@ srun --ntasks="$NODES" --ntasks-per-node=1 bash -c '
 
 # One training process per task; stager-train reads its rank from srun's variables.
 # shellcheck disable=SC2016  # as above: each task expands its own $SLURM_TMPDIR
-srun bash -c 'exec stager-train --data-root "$SLURM_TMPDIR/data/$DATASET" "$@"' train \
+srun --cpus-per-task="$CPUS_PER_TASK" \
+    bash -c 'exec stager-train --data-root "$SLURM_TMPDIR/data/$DATASET" "$@"' train \
     --dataset inat2021 \
     --arch "$ARCH" \
     --epochs "$EPOCHS" \

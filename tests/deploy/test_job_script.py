@@ -1,0 +1,63 @@
+"""deploy/slurm/job.sh's srun lines, run under a fake ``srun`` that records its flags.
+
+Which flags each step gets is what matters here, and a real slurmd is not needed to
+see them (test_slurm_e2e.py runs the script under one).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "job.sh"
+
+pytestmark = pytest.mark.skipif(not shutil.which("bash"), reason="job.sh is a bash script")
+
+
+def fake_bin(folder: Path) -> Path:
+    """srun appends its arguments to $SRUN_LOG, one call a line, and runs nothing;
+    the stager tools only need to exist for job.sh's PATH check."""
+    folder.mkdir()
+    scripts = {
+        "srun": 'printf "%q " "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"',
+        **dict.fromkeys(("stager", "stager-client", "stager-train"), "exit 0"),
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/bash\n{body}\n")
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def srun_calls(tmp_path: Path, **slurm: str) -> list[list[str]]:
+    log = tmp_path / "srun.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STAGER_"))}
+    env.update(
+        PATH=f"{fake_bin(tmp_path / 'bin')}:/usr/bin:/bin",
+        SRUN_LOG=str(log),
+        SLURM_JOB_ID="7",
+        SLURM_TMPDIR=str(tmp_path / "tmp"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+        **slurm,
+    )
+    done = subprocess.run(["bash", str(JOB)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return [shlex.split(line) for line in log.read_text().splitlines()]
+
+
+def test_every_srun_passes_the_jobs_cpus_per_task(tmp_path: Path) -> None:
+    # Slurm >= 22.05: srun does not inherit the job's --cpus-per-task by itself.
+    calls = srun_calls(tmp_path, SLURM_CPUS_PER_TASK="4")
+    assert calls[0][-1] == "--detach"  # no STAGER_URL: daemon, then stage, then train
+    assert len(calls) == 3
+    for call in calls:
+        assert "--cpus-per-task=4" in call, call
+
+
+def test_without_cpus_per_task_sruns_ask_for_one(tmp_path: Path) -> None:
+    calls = srun_calls(tmp_path)
+    assert calls and all("--cpus-per-task=1" in call for call in calls), calls
