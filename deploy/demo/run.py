@@ -154,9 +154,7 @@ def main() -> int:
     print(f"staged copy   : {os.path.realpath(link)}")
     print(f"job's link    : {link} -> {os.readlink(link)}")
     print(f"training out  : {job / 'train'}")
-    summary = _epoch_summary(job / "train" / "epochs.csv")
-    if summary:
-        print(f"training      : {summary}")
+    print(f"training      : {_epoch_summary(job / 'train' / 'epochs.csv')}")
     if outcome.get("hit"):
         print("cache         : HIT - the dataset was already staged on this node; nothing copied")
     else:
@@ -168,16 +166,26 @@ def main() -> int:
     return 0
 
 
-def _epoch_summary(path: Path) -> str | None:
+# The columns the summary line shows; trainer/train.py writes them (top1, top5 and
+# count only when there is a val split).
+SUMMARY_COLUMNS = ("epoch", "train_loss", "top1", "top5", "count", "img_s_mean")
+
+
+def _epoch_summary(path: Path) -> str:
+    """The last epoch in one line, or why there is none: the newcomer must not be left
+    wondering where the accuracy went."""
     try:
-        with open(path) as handle:
+        with open(path, newline="") as handle:
             rows = list(csv.DictReader(handle))
-    except OSError:
-        return None
+    except OSError as exc:
+        return f"no training summary at {path} ({exc.strerror})"
     if not rows:
-        return None
+        return f"no training summary at {path} (no epoch was logged)"
     last = rows[-1]
-    return (
+    missing = [c for c in SUMMARY_COLUMNS if not last.get(c)]
+    if missing:
+        return f"no training summary at {path} (its last row has no {', '.join(missing)})"
+    return (  # every column is there now: checked with .get() above
         f"epoch {last['epoch']}: train loss {float(last['train_loss']):.3f}, "
         f"val top-1 {float(last['top1']):.1%} (top-5 {float(last['top5']):.1%}, "
         f"{last['count']} images), {float(last['img_s_mean']):.0f} img/s"
