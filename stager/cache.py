@@ -2,10 +2,11 @@
 
 Admission happens before staging: the request's estimated size must fit under
 the byte limit (``capacity_bytes``) and leave ``min_free_bytes`` free on the
-cache filesystem. If it does not, ready entries are evicted least-recently-used
-first. Never evicted: leased entries, entries being staged, and entries a live
-request is using. If even evicting every candidate is not enough, the request
-fails at once with a sentence giving the sizes.
+cache filesystem once every staging under way has written what it still has
+to. If it does not, ready entries are evicted least-recently-used first. Never
+evicted: leased entries, entries being staged, and entries a live request is
+using (the engine decides under one lock). If even evicting every candidate is
+not enough, the request fails at once with a sentence giving the sizes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def used_bytes(entries: Iterable[Entry]) -> int:
     return total
 
 
+def pending_bytes(entries: Iterable[Entry]) -> int:
+    """Bytes that stagings under way have still to write: already admitted, but not yet
+    missing from the disk's free space. Estimated from each one's progress fraction."""
+    total = 0
+    for entry in entries:
+        if entry.active:
+            done, of = entry.progress.bytes_done, entry.progress.bytes_total
+            fraction = min(1.0, done / of) if of else 0.0
+            total += int(entry.estimate_bytes * (1.0 - fraction))
+    return total
+
+
 def evictable(entries: Iterable[Entry], protected: set[str]) -> list[Entry]:
     """Ready entries nobody holds, least recently used first."""
     candidates = [e for e in entries if e.state == State.READY and e.key not in protected]
@@ -54,7 +67,7 @@ def plan_admission(
 ) -> list[Entry]:
     """Entries to evict so that ``needed`` more bytes fit; raises if they cannot."""
     over_capacity = max(0, used_bytes(entries) + needed - capacity_bytes) if capacity_bytes else 0
-    over_disk = max(0, needed + min_free_bytes - free_bytes)
+    over_disk = max(0, needed + pending_bytes(entries) + min_free_bytes - free_bytes)
     must_free = max(over_capacity, over_disk)
     if must_free == 0:
         return []
@@ -86,9 +99,12 @@ def _refusal(
         else ""
     )
     held = sum(e.size_bytes for e in entries if e.key in protected and e.state == State.READY)
+    pending = pending_bytes(entries)
+    promised = f", {human(pending)} of it promised to stagings under way" if pending else ""
     return (
         f"staging needs about {human(needed)} but there is {limit}{human(free)} free on the disk "
-        f"(keeping {human(min_free)} in reserve), and evicting every unleased dataset frees only "
+        f"({promised.lstrip(', ')}{'; ' if promised else ''}keeping {human(min_free)} in reserve), "
+        "and evicting every unleased dataset frees only "
         f"{human(evictable_bytes)} ({human(held)} is leased or in use); release leases, raise "
         "--capacity-bytes, or point --cache-dir at a larger disk"
     )

@@ -17,6 +17,7 @@ from stager import cache, preflight, recipes, slurm
 from stager.blocking import run_io, run_staging
 from stager.dataset import Entry, Handle, now, public_view, spec_key
 from stager.errors import (
+    BadRequest,
     Cancelled,
     Conflict,
     InsufficientSpace,
@@ -28,7 +29,13 @@ from stager.fingerprint import sources_fingerprint
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
-from stager.publish import make_link, remove_link, remove_tree, steps_marker
+from stager.publish import (
+    discard,
+    make_link,
+    remove_link,
+    remove_tree,
+    steps_marker,
+)
 from stager.schemas import (
     DatasetCreate,
     DatasetPublic,
@@ -46,6 +53,11 @@ from stager.worker import StageJob
 log = logging.getLogger("stager.engine")
 
 CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
+STATE_STORE_FAILED = ErrorInfo(
+    type="internal_error",
+    message="the daemon could not record this staging in its state database; see the daemon "
+    "log, check the cache disk, then stage again",
+)
 
 
 class Engine:
@@ -56,7 +68,10 @@ class Engine:
         self._entries: dict[str, Entry] = {}
         self._handles: dict[str, Handle] = {}
         self._leases: dict[str, Lease] = {}
+        # Held by whatever decides an entry's fate: admission, joins and hits, leases,
+        # eviction. So an entry is never evicted between being chosen and being answered.
         self._admission = asyncio.Lock()
+        self._freeing_bytes = 0  # evicted trees still being deleted in the background
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
@@ -104,10 +119,17 @@ class Engine:
         await run_io(self._remove_orphans)
 
     def _remove_orphans(self) -> None:
-        """Partial folders no live entry owns are leftovers from a failed cleanup."""
+        """Folders no entry owns: partial data of a failed cleanup, evicted trees whose
+        deletion a stop interrupted, a tree whose eviction was recorded just before a
+        crash. A tree under ``data/`` of a still-active entry was published just before a
+        crash and is kept: its staging finds it complete."""
         live = {k for k, e in self._entries.items() if e.active}
         for child in self.settings.partial_dir.iterdir():
             if child.name.split(".", 1)[0] not in live:
+                remove_tree(child)
+        kept = live | {k for k, e in self._entries.items() if e.state == State.READY}
+        for child in self.settings.data_dir.iterdir():
+            if child.name not in kept:
                 remove_tree(child)
 
     def request_stop(self) -> None:
@@ -158,7 +180,7 @@ class Engine:
             expansion = recipes.Expansion(steps=request.steps)
         spec = request.spec()
         request_key = spec_key(spec)
-        self._check_name(request.name, request_key)
+        self._check_name(request.name, request_key)  # early, before paying for a fingerprint
         await run_io(preflight.check_link, request.link, self.settings)
         fingerprint = await run_io(
             sources_fingerprint, expansion.steps, request.fingerprint == "deep"
@@ -173,6 +195,7 @@ class Engine:
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
+            self._check_name(request.name, request_key)  # again: another request may have won
             entry = self._entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 await self._admit(estimate, key)
@@ -189,11 +212,21 @@ class Engine:
                 await run_io(self._store.save_handle, handle)
             if request.lease is not None:
                 await self._add_lease(handle, request.lease)
-        if entry.state == State.READY:
-            await self._save(entry)  # last_used_at
-            if handle.link:
-                await run_io(make_link, Path(handle.link), self._final(entry))
-        return self._view(handle), entry.state == State.READY
+            if entry.state == State.READY:
+                # Inside the lock: nothing evicts the entry between this answer and its link.
+                await self._save(entry)  # last_used_at
+                if handle.link:
+                    await self._make_request_link(handle.link, entry)
+            return self._view(handle), entry.state == State.READY
+
+    async def _make_request_link(self, link: str, entry: Entry) -> None:
+        try:
+            await run_io(make_link, Path(link), self._final(entry))
+        except OSError as exc:
+            raise BadRequest(
+                f"link {link} could not be created ({exc.strerror}); choose a --link path "
+                "in a folder the daemon's user can write"
+            ) from exc
 
     def _check_name(self, name: str, request_key: str) -> None:
         handle = self._handles.get(name)
@@ -208,7 +241,9 @@ class Engine:
 
     async def _admit(self, estimate: int, key: str) -> None:
         """Make room for a new staging, evicting LRU entries, or refuse it with the sizes."""
-        free = await run_io(preflight.free_bytes, self.settings)
+        # Trees being deleted will be free space in a moment; count them as free now, or
+        # every request during a large deletion would evict more than it needs.
+        free = await run_io(preflight.free_bytes, self.settings) + self._freeing_bytes
         plan = cache.plan_admission(
             needed=estimate,
             entries=list(self._entries.values()),
@@ -294,41 +329,60 @@ class Engine:
 
     async def delete(self, name: str) -> DatasetPublic:
         """Cancel if staging, evict if ready, forget the name if already finished."""
-        handle = self._handle(name)
-        entry = self._entries[handle.key]
-        holders = sorted(
-            {lease.holder for lease in self._leases.values() if lease.key == entry.key}
-        )
-        shared = any(h.key == entry.key and h.name != name for h in self._handles.values())
-        if shared or not (entry.active or entry.state == State.READY):
-            view = self._view(handle)
-            await self._forget(handle)
-            return view
-        if holders:
-            raise Conflict(
-                f"dataset {name!r} is leased by {', '.join(holders)}; release it first "
-                f"(stager-client release {name}) or wait for those jobs to end"
+        async with self._admission:
+            handle = self._handle(name)
+            entry = self._entries[handle.key]
+            holders = sorted(
+                {lease.holder for lease in self._leases.values() if lease.key == entry.key}
             )
-        if entry.state == State.QUEUED:
-            entry.move(State.CANCELLED, CANCELLED_BY_REQUEST)
-            await self._save(entry)
-        elif entry.state == State.STAGING:
-            entry.cancel.set()
+            shared = any(h.key == entry.key and h.name != name for h in self._handles.values())
+            if shared or not (entry.active or entry.state == State.READY):
+                view = self._view(handle)
+                await self._forget(handle)
+                return view
+            if holders:
+                raise Conflict(
+                    f"dataset {name!r} is leased by {', '.join(holders)}; release it first "
+                    f"(stager-client release {name}) or wait for those jobs to end"
+                )
+            if entry.state == State.QUEUED:
+                entry.move(State.CANCELLED, CANCELLED_BY_REQUEST)
+                await self._save(entry)
+            elif entry.state == State.STAGING:
+                entry.cancel.set()
+            else:
+                await self._evict(entry)
+        if entry.state == State.STAGING:  # outside the lock: stopping may take a moment
             await self.wait(name, self.settings.shutdown_timeout_s)
-        else:
-            await self._evict(entry)
         return self._view(handle)
 
     async def _evict(self, entry: Entry) -> None:
+        """Evict a ready entry; the caller holds ``_admission``.
+
+        Order matters for crashes: the state store says "evicted" first, so a half-gone
+        tree is never reported ready; then one rename takes the tree out of ``data/``;
+        the slow delete of a million files runs afterwards, off the lock.
+        """
+        entry.move(State.EVICTED)
+        await self._save(entry)
         final = self._final(entry)
         for handle in self._handles.values():
             if handle.key == entry.key and handle.link:
                 await run_io(remove_link, Path(handle.link), final)
-        await run_io(remove_tree, final)
-        entry.move(State.EVICTED)
+        trash = await run_io(discard, final, self.settings.partial_dir)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
-        await self._save(entry)
+        if trash is not None:
+            self._freeing_bytes += entry.size_bytes
+            self._spawn(self._delete_evicted(trash, entry.size_bytes), f"delete-{trash.name}")
+
+    async def _delete_evicted(self, trash: Path, nbytes: int) -> None:
+        try:
+            await run_io(remove_tree, trash)
+        except OSError as exc:  # left for the next start's orphan cleanup
+            log.error("could not delete evicted data %s: %s", trash, exc)
+        finally:
+            self._freeing_bytes -= nbytes
 
     async def _forget(self, handle: Handle) -> None:
         del self._handles[handle.name]
@@ -391,15 +445,16 @@ class Engine:
     async def gc(self, request: GcRequest) -> GcResult:
         """Drop dead leases; evict unnamed (superseded) entries, or every unleased one."""
         dropped = await self._drop_dead_leases()
-        named = {h.key for h in self._handles.values()}
-        protected = self._protected()
-        victims = [
-            e
-            for e in cache.evictable(self._entries.values(), protected)
-            if request.all or e.key not in named
-        ]
-        for victim in victims:
-            await self._evict(victim)
+        async with self._admission:
+            named = {h.key for h in self._handles.values()}
+            protected = self._protected()
+            victims = [
+                e
+                for e in cache.evictable(self._entries.values(), protected)
+                if request.all or e.key not in named
+            ]
+            for victim in victims:
+                await self._evict(victim)
         return GcResult(
             evicted=[v.key for v in victims],
             freed_bytes=sum(v.size_bytes for v in victims),
@@ -465,7 +520,16 @@ class Engine:
             entry = self._entries.get(key)
             if entry is None or entry.state != State.QUEUED or self._stopping:
                 continue
-            await self._stage(entry)
+            try:
+                await self._stage(entry)
+            except Exception:
+                # The state store failed under us (disk full, database locked): this entry
+                # is lost to this run, but the worker must live on for the queue's sake.
+                log.exception("could not record the outcome of staging %s", entry.key)
+                if entry.active:  # waiters must not hang on it; a restart retries it
+                    entry.move(State.FAILED, STATE_STORE_FAILED)
+                    async with self._changed:
+                        self._changed.notify_all()
 
     async def _stage(self, entry: Entry) -> None:
         entry.cancel.clear()

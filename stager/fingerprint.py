@@ -25,26 +25,40 @@ def sources_fingerprint(steps: list[Any], deep: bool = False) -> str:
 
 
 def _add_path(digest: Any, path: str, deep: bool) -> None:
+    info = _add_stat(digest, path)
+    if info is None or not stat.S_ISDIR(info.st_mode):
+        return
+    try:
+        if deep:
+            for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
+                dirnames.sort()  # walk order must not depend on the filesystem
+                for name in sorted(filenames):
+                    _add_stat(digest, os.path.join(dirpath, name))
+        else:
+            with os.scandir(path) as children:
+                for child in sorted(children, key=lambda c: c.name):
+                    _add_stat(digest, child.path)
+    except OSError as exc:
+        # An unreadable folder: the key still differs from a readable tree's, and the
+        # request's pre-flight check (or the staging) reports it with a sentence.
+        digest.update(f"{path}\0unreadable {exc.errno}\n".encode("utf-8", "surrogateescape"))
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _add_stat(digest: Any, path: str) -> os.stat_result | None:
+    """Add what identifies ``path``'s content; a dangling link or missing path counts as
+    itself (an ``lstat``), never as an error: the fingerprint is a key, not a check."""
     try:
         info = os.stat(path)
-    except FileNotFoundError:
-        digest.update(f"{path}\0missing\n".encode())
-        return
-    _add_stat(digest, path, info)
-    if not stat.S_ISDIR(info.st_mode):
-        return
-    if deep:
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames.sort()  # walk order must not depend on the filesystem
-            for name in sorted(filenames):
-                full = os.path.join(dirpath, name)
-                _add_stat(digest, full, os.stat(full))
-    else:
-        with os.scandir(path) as children:
-            for child in sorted(children, key=lambda c: c.name):
-                _add_stat(digest, child.path, child.stat())
-
-
-def _add_stat(digest: Any, path: str, info: os.stat_result) -> None:
+    except OSError:
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            digest.update(f"{path}\0missing {exc.errno}\n".encode("utf-8", "surrogateescape"))
+            return None
     line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}\n"
     digest.update(line.encode("utf-8", "surrogateescape"))
+    return info

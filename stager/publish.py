@@ -10,7 +10,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import uuid
 from pathlib import Path
+
+# Evicted trees wait under ``partial/`` with this prefix until they are deleted; a
+# daemon that stops first finds them there at start and deletes them then.
+EVICTED_PREFIX = "evicted-"
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -46,6 +51,18 @@ def tree_size(root: Path) -> int:
                 else:
                     total += item.stat(follow_symlinks=False).st_size
     return total
+
+
+def discard(final: Path, trash_dir: Path) -> Path | None:
+    """Take a published tree out of ``data/`` in one rename: the commit point of an
+    eviction (a tree under ``data/`` is whole, or gone). Returns where it went, to be
+    deleted at leisure, or None if it was already gone."""
+    trash = trash_dir / f"{EVICTED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(final, trash)
+    except FileNotFoundError:
+        return None
+    return trash
 
 
 def remove_tree(path: Path) -> None:

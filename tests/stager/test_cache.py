@@ -237,3 +237,56 @@ def test_stager_gc_command_evicts_every_unleased_dataset_with_all(
     assert result.returncode == 0, result.stderr
     assert "evicted 1 dataset(s)" in result.stdout
     assert Path(kept["path"]).exists() and not Path(gone["path"]).exists()
+
+
+def test_an_eviction_cut_short_never_leaves_a_ready_dataset_behind(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """A crash after the store says "evicted" but before the tree left ``data/``, and one
+    while an evicted tree was being deleted: the restarted daemon reports the dataset
+    evicted (never ready) and removes both leftovers; a new request stages afresh."""
+    import sqlite3
+
+    src = write_tree(tmp_path / "src", n_files=20)
+    with daemon.client() as client:
+        first = ready(client, copy_body("ds", src))
+    daemon.stop()
+    with sqlite3.connect(daemon.cache_dir / "state.db") as db:
+        db.execute("UPDATE entries SET state = 'evicted' WHERE key = ?", (first["key"],))
+    trash = daemon.cache_dir / "partial" / f"evicted-{'0' * 24}-deadbeef"
+    write_tree(trash, n_files=5)  # a deletion a stop interrupted
+    daemon.start()
+    with daemon.client() as client:
+        assert client.get("/v1/datasets/ds").json()["state"] == "evicted"
+        assert not Path(first["path"]).exists() and not trash.exists()
+        response = client.post("/v1/datasets", json=copy_body("ds", src))
+        assert response.status_code == 202, response.text
+        again = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert again["state"] == "ready" and digest(Path(again["path"])) == digest(src)
+
+
+def test_an_evicted_tree_leaves_data_at_once_and_is_deleted_behind(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=200)
+    with daemon.client() as client:
+        status = ready(client, copy_body("ds", src))
+        assert client.delete("/v1/datasets/ds").json()["state"] == "evicted"
+        assert not Path(status["path"]).exists()  # gone from data/ before the reply
+        deadline = time.monotonic() + 10
+        while list((daemon.cache_dir / "partial").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list((daemon.cache_dir / "partial").iterdir()) == []
+        assert metric(client, "stager_evictions_total") == 1
+
+
+def test_a_dangling_link_in_a_source_tree_is_copied_as_a_link(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """Fingerprinting a tree with a dangling link used to be a 500; like ``cp -r`` the
+    copy keeps the link as it is."""
+    src = write_tree(tmp_path / "src", n_files=5)
+    (src / "broken").symlink_to(tmp_path / "nowhere")
+    with daemon.client() as client:
+        status = ready(client, copy_body("ds", src))
+    assert os.readlink(Path(status["path"]) / "broken") == str(tmp_path / "nowhere")

@@ -1,0 +1,61 @@
+"""The admission policy as a pure function: what to evict so a new staging fits."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from stager.cache import pending_bytes, plan_admission
+from stager.dataset import Entry
+from stager.errors import InsufficientSpace
+from stager.schemas import State
+
+MB = 1_000_000
+
+
+def entry(key: str, state: State, size: int = 0, estimate: int = 0, age_s: int = 0) -> Entry:
+    made = Entry(key=key, spec={}, steps=[], verify="size", state=state)
+    made.size_bytes, made.estimate_bytes = size, estimate
+    made.last_used_at = datetime.now(UTC) - timedelta(seconds=age_s)
+    return made
+
+
+def test_a_staging_under_way_counts_what_it_has_still_to_write() -> None:
+    running = entry("running", State.STAGING, estimate=100 * MB)
+    running.progress.add_total(200 * MB)
+    running.progress.advance(50 * MB)  # a quarter done: 75 MB still to come
+    assert pending_bytes([running, entry("queued", State.QUEUED, estimate=10 * MB)]) == 85 * MB
+
+
+def test_free_space_promised_to_running_stagings_is_not_handed_out_twice() -> None:
+    running = entry("running", State.STAGING, estimate=80 * MB)
+    old = entry("old", State.READY, size=50 * MB, age_s=100)
+    newer = entry("newer", State.READY, size=50 * MB, age_s=10)
+    # 100 MB free on the disk, but 80 MB of it belongs to the running staging.
+    plan = plan_admission(
+        needed=40 * MB,
+        entries=[running, old, newer],
+        protected={"running"},
+        capacity_bytes=0,
+        free_bytes=100 * MB,
+        min_free_bytes=0,
+    )
+    assert [e.key for e in plan] == ["old"]  # least recently used first, and only enough
+
+
+def test_refusal_names_the_sizes_and_what_running_stagings_hold() -> None:
+    running = entry("running", State.STAGING, estimate=80 * MB)
+    with pytest.raises(InsufficientSpace) as refused:
+        plan_admission(
+            needed=40 * MB,
+            entries=[running],
+            protected={"running"},
+            capacity_bytes=0,
+            free_bytes=100 * MB,
+            min_free_bytes=0,
+        )
+    message = refused.value.message
+    assert "needs about 38.1 MiB" in message
+    assert "76.3 MiB of it promised to stagings under way" in message
+    assert "--cache-dir" in message
