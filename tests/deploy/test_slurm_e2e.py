@@ -262,6 +262,17 @@ def assert_epilog(cluster: Cluster, since: int, job_id: str, dataset: str) -> No
     assert [lease for lease in leases if lease["holder"] == f"slurm-job-{job_id}"] == []
 
 
+def assert_lease_of_an_ended_job_is_dropped(cluster: Cluster, job_id: str, dataset: str) -> None:
+    """A lease whose job ended without an epilog (node crash, killed slurmd) is dropped
+    by the daemon's sweep once real ``scontrol`` says the job is over."""
+    with cluster.api() as api:
+        stale = {"holder": "stale-holder", "slurm_job_id": job_id}
+        assert api.post(f"/v1/datasets/{dataset}/leases", json=stale).status_code == 201
+        result = api.post("/v1/gc", json={}).json()
+        assert result["leases_dropped"] == 1, result
+        assert api.get(f"/v1/datasets/{dataset}/leases").json() == []
+
+
 @pytest.mark.timeout(600)  # a fresh machine installs slurm-wlm first (minutes)
 def test_job_sh_stages_trains_and_hits_the_cache(
     cluster: Cluster, fake_inat: Path, tmp_path: Path, submitted: list[str]
@@ -278,6 +289,7 @@ def test_job_sh_stages_trains_and_hits_the_cache(
     assert_epilog(cluster, since, first, dataset)
     after_first = requests_total(cluster)
     assert after_first.get("miss") == 1.0, after_first
+    assert_lease_of_an_ended_job_is_dropped(cluster, first, dataset)
 
     since = log_size(cluster)
     second, output = run_job(cluster, since, fake_inat, dataset, tmp_path / "job2", submitted)
