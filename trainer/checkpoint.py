@@ -28,10 +28,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    # .cpu(): generator states are CPU byte tensors even for CUDA generators,
+    # but a checkpoint loaded with map_location="cuda" puts them on the GPU.
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save(state: dict[str, Any], directory: Path, keep: int = 2) -> Path:

@@ -40,7 +40,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         "--dataset",
         required=True,
         choices=DATASETS,
-        help="dataset type (inat2021 is an alias of inat)",
+        help="dataset type (inat2021 is an alias of inat; multifolder: aligned views "
+        "under DATA_ROOT/{train,val}/<view>/<class>/, see --views)",
     )
     g.add_argument(
         "--data-root",
@@ -57,7 +58,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         "--stager-timeout",
         type=float,
         default=24 * 3600,
-        help="seconds to wait for --stager-wait before failing (default 1 day)",
+        help="seconds to wait for --stager-wait before failing (default 1 day); the "
+        "other ranks wait as long, plus two minutes, for local rank 0",
     )
     g.add_argument(
         "--inat-version",
@@ -98,8 +100,21 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         default=None,
-        help="loader workers per process (default: SLURM_CPUS_PER_TASK, else "
-        "CPU affinity / local processes, minus one)",
+        help="loader workers per process (default: SLURM_CPUS_PER_TASK, shared by "
+        "torchrun's local processes, else CPU affinity / local processes; minus one)",
+    )
+    g.add_argument(
+        "--views",
+        metavar="NAME[,NAME...]",
+        help="multifolder: view folders to stack, e.g. rgb,depth; each is an ImageFolder "
+        "tree, decoded as RGB and stacked along channels (the model gets 3 per view)",
+    )
+    g.add_argument(
+        "--align",
+        choices=("stem", "order"),
+        default="stem",
+        help="multifolder: match a sample's views by file name without extension (stem), "
+        "or by sorted position (order) when names differ (default stem)",
     )
     g.add_argument("--prefetch", type=int, default=4, help="batches prefetched per worker")
     g.add_argument("--fake-size", type=int, default=1000, help="FakeData training samples")

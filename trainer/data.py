@@ -34,7 +34,9 @@ from torchvision.transforms import v2
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-DATASETS = ("inat", "inat2021", "imagenet", "imagefolder", "cifar10", "fake", "shards")
+DATASETS = (
+    "inat", "inat2021", "imagenet", "imagefolder", "cifar10", "fake", "shards", "multifolder",
+)  # fmt: skip
 INAT_VAL_DEFAULT = {"2021_train": "2021_valid", "2021_train_mini": "2021_valid"}
 
 
@@ -120,9 +122,15 @@ class DeviceNormalize:
     so there each call allocates.
     """
 
-    def __init__(self, device: torch.device, channels_last: bool = False) -> None:
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1.0 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+    def __init__(
+        self, device: torch.device, channels_last: bool = False, channels: int = 3
+    ) -> None:
+        # Stacked RGB views (--dataset multifolder) get the RGB statistics per view.
+        views = channels // 3
+        mean = torch.tensor(IMAGENET_MEAN, device=device).repeat(views).view(1, channels, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=device).repeat(views).view(1, channels, 1, 1)
+        self.mean = mean * 255
+        self.inv_std = 1.0 / (std * 255)
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self._ring: list[torch.Tensor] = []
@@ -186,6 +194,8 @@ class DataConfig:
     fake_val_size: int = 100
     fake_image_size: int = 64
     fake_classes: int = 10
+    views: tuple[str, ...] = ()  # multifolder: one folder per view
+    align: str = "stem"
 
     @classmethod
     def from_args(cls, args: Any, root: Path, pipeline: str, **overrides: Any) -> DataConfig:
@@ -201,6 +211,8 @@ class DataConfig:
             fake_val_size=args.fake_val_size,
             fake_image_size=args.fake_image_size,
             fake_classes=args.num_classes or 10,
+            views=tuple(v.strip() for v in (args.views or "").split(",") if v.strip()),
+            align=args.align,
             **overrides,
         )
 
@@ -241,12 +253,31 @@ def build_dataset(cfg: DataConfig, split: str, transform: Callable | None) -> Da
             if split != "train" and not folder.is_dir():
                 return None
             return ShardDataset(folder, transform=transform, pipeline=cfg.pipeline)
+        if name == "multifolder":
+            return _multifolder(cfg, split, transform)
     except (RuntimeError, FileNotFoundError) as exc:
         raise DataError(
             f"cannot load the {name} {split} split from {root}: {exc}; "
             "check --data-root (or --stager-wait) and the dataset layout"
         ) from exc
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def _multifolder(cfg: DataConfig, split: str, transform: Callable | None) -> Dataset | None:
+    from trainer.multifolder import MultiViewFolder
+
+    if cfg.pipeline != "fast":
+        # The PIL transforms normalise 3 channels in the worker; stacked views need 3 x N.
+        raise DataError("--dataset multifolder reads with the fast pipeline; drop --pipeline pil")
+    folder = Path(cfg.root) / split
+    if split != "train" and not folder.is_dir():
+        return None
+    return MultiViewFolder(folder, cfg.views, transform, cfg.align)
+
+
+def input_channels(cfg: DataConfig) -> int:
+    """Channels of one input sample: 3 (RGB), or 3 per view for multifolder."""
+    return 3 * len(cfg.views) if cfg.dataset == "multifolder" else 3
 
 
 def _inat_val_version(cfg: DataConfig) -> str | None:
@@ -344,13 +375,19 @@ class ShardedEvalSampler(Sampler[int]):
         return len(self.indices)
 
 
-def default_workers(cpus_per_task: int | None, local_world_size: int = 1) -> int:
+def default_workers(
+    cpus_per_task: int | None, local_world_size: int = 1, launcher: str = "single"
+) -> int:
     """Loader workers per process: SLURM's allocation, else this process's CPU affinity.
 
-    One core is left for the process driving the GPU.
+    SLURM_CPUS_PER_TASK counts the CPUs of one SLURM task. srun starts one
+    trainer per task, so each has them all; torchrun inside a task starts
+    ``local_world_size`` trainers that share them. One core is left for the
+    process driving the GPU.
     """
     if cpus_per_task:
-        cpus = cpus_per_task
+        sharing = local_world_size if launcher == "torchrun" else 1
+        cpus = cpus_per_task // max(sharing, 1)
     else:
         cpus = len(os.sched_getaffinity(0)) // max(local_world_size, 1)
     return max(1, min(cpus - 1, 16))

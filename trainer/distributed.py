@@ -152,8 +152,10 @@ def init(world: World, device: torch.device) -> None:
         init_method=f"tcp://{world.master_addr}:{world.master_port}",
         rank=world.rank,
         world_size=world.world_size,
-        # Long enough for rank 0 to stage data or write a large checkpoint
-        # while the others wait at a barrier.
+        # Long enough for rank 0 to write a large checkpoint while the others
+        # wait at a barrier. Waits that can be longer (--stager-wait) use their
+        # own group with their own timeout: a day here would also delay NCCL's
+        # watchdog from noticing a genuinely hung collective.
         timeout=datetime.timedelta(minutes=30),
         device_id=device if device.type == "cuda" else None,
     )
@@ -173,6 +175,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def new_gloo_group(timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A CPU group over all ranks (a collective: every rank must call it, in the same order)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Free a group from `new_gloo_group` (None, the default group, is left alone)."""
+    if group is not None:
+        dist.destroy_process_group(group)
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    """A group for small CPU-tensor collectives: the default one if it is gloo.
+
+    Under NCCL a flag would have to go to the GPU and back, and reading it with
+    `.item()` waits for every kernel queued so far; gloo reduces it on the CPU.
+    A collective: call it on every rank.
+    """
+    if dist.get_backend() == "gloo":
+        return None
+    return new_gloo_group()
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum across ranks in place (identity on one process) and return it."""
     if active():
@@ -180,10 +205,24 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     if active():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
+
+
+def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running stats) to every rank.
+
+    DDP broadcasts buffers at the start of each forward, so after the last
+    training forward every rank holds running stats updated by its own batch
+    only. Evaluating those would give each rank a different model, none of
+    them the one rank 0 saves.
+    """
+    if not active():
+        return
+    for buf in model.buffers():
+        dist.broadcast(buf, src=src)
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -90,6 +90,11 @@ def train_one_epoch(
     batches = iter(loader)
     stopped = None
     for _ in range(first_step, steps_in_epoch):
+        # Checked before the step too: a run resumed from its final checkpoint
+        # must not take one more step.
+        if _reached(cfg.max_iters, pos):
+            stopped = "max_iters"
+            break
         for micro in range(accum):
             t0 = time.perf_counter()
             images, targets, indices = next(batches)
@@ -131,7 +136,7 @@ def train_one_epoch(
             _report(
                 bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, accum
             )
-        if cfg.max_iters is not None and pos.iteration >= cfg.max_iters:
+        if _reached(cfg.max_iters, pos):
             stopped = "max_iters"
             break
         if hooks.preempted is not None and hooks.preempted():
@@ -150,6 +155,10 @@ def train_one_epoch(
         stopped=stopped,
         throughput=meter.summary(),
     )
+
+
+def _reached(max_iters: int | None, pos: Position) -> bool:
+    return max_iters is not None and pos.iteration >= max_iters
 
 
 def _optimizer_step(
@@ -225,8 +234,11 @@ def evaluate(
     ``model`` must be the unwrapped module: DDP's forward broadcasts buffers,
     a collective that would hang when ranks hold different numbers of batches,
     which they do here because the sampler does not pad. Sums (not batch
-    means) are reduced, so the loss is a true per-sample mean.
+    means) are reduced, so the loss is a true per-sample mean. Rank 0's
+    buffers (BatchNorm statistics) are copied to all ranks first, so every
+    rank evaluates the model rank 0 saves.
     """
+    dist_utils.broadcast_buffers(model)
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     top1 = torch.zeros((), device=device, dtype=torch.float64)

@@ -37,13 +37,31 @@ def available() -> list[str]:
     return sorted(LOCAL_MODELS) + sorted(torchvision.models.list_models(torchvision.models))
 
 
-def build_model(arch: str, num_classes: int) -> nn.Module:
+def build_model(arch: str, num_classes: int, in_channels: int = 3) -> nn.Module:
     if arch in LOCAL_MODELS:
-        return LOCAL_MODELS[arch](num_classes=num_classes)
-    try:
-        return torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
-    except ValueError as exc:
-        raise ValueError(
-            f"unknown --arch {arch!r}; use a torchvision classification model such as "
-            "resnet50, or tinynet for smoke tests"
-        ) from exc
+        model = LOCAL_MODELS[arch](num_classes=num_classes)
+    else:
+        try:
+            model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        except ValueError as exc:
+            raise ValueError(
+                f"unknown --arch {arch!r}; use a torchvision classification model such as "
+                "resnet50, or tinynet for smoke tests"
+            ) from exc
+    if in_channels != 3:
+        _set_in_channels(model, arch, in_channels)
+    return model
+
+
+def _set_in_channels(model: nn.Module, arch: str, in_channels: int) -> None:
+    """Replace the first convolution so the model takes stacked views (multifolder)."""
+    for name, conv in model.named_modules():
+        if isinstance(conv, nn.Conv2d):
+            parent, _, attr = name.rpartition(".")
+            new = nn.Conv2d(
+                in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
+            )  # fmt: skip
+            setattr(model.get_submodule(parent), attr, new)
+            return
+    raise ValueError(f"--arch {arch} has no Conv2d input layer to take {in_channels} channels")

@@ -13,6 +13,9 @@ each folder. Two ways to align:
 draws one random crop/flip for all of them), so they stay aligned;
 ``transforms`` are optional per-folder transforms applied afterwards (e.g. a
 different normalisation per input).
+
+`MultiViewFolder` is what ``stager-train --dataset multifolder`` trains on:
+classification where each sample is several aligned views of one object.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 def _load(path: str) -> tv_tensors.Image:
     # UNCHANGED keeps greyscale masks single-channel.
     return tv_tensors.Image(decode_image(read_file(path), mode=ImageReadMode.UNCHANGED))
+
+
+def _load_rgb(path: str) -> torch.Tensor:
+    # Three channels for every view, so the input width is 3 x views whatever
+    # the files hold (a greyscale depth map is repeated).
+    return decode_image(read_file(path), mode=ImageReadMode.RGB)
 
 
 class MultiFolderDataset(Dataset):
@@ -94,3 +103,65 @@ class MultiFolderDataset(Dataset):
                 for t, img in zip(self.transforms, images, strict=True)
             )
         return images
+
+
+class MultiViewFolder(Dataset):
+    """Classification on aligned views: ``root/<view>/<class>/<name>`` for each view.
+
+    Each view folder is an ImageFolder tree with the same classes; a sample is
+    one name (aligned as in `MultiFolderDataset`) in every view, decoded as
+    RGB and stacked along channels, so the model sees ``3 * len(views)``
+    channels. ``transform`` gets the stacked uint8 tensor: one random crop or
+    flip then moves all views together.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        views: Sequence[str],
+        transform: Callable | None = None,
+        align: str = "stem",
+    ) -> None:
+        if not views:
+            raise ValueError("--dataset multifolder needs --views, e.g. --views rgb,depth")
+        root = Path(root)
+        self.classes = _class_names(root, views)
+        self.transform = transform
+        # One aligned dataset per class: a name must sit in the same class in every view.
+        self.parts = [
+            MultiFolderDataset([root / v / c for v in views], align=align, loader=_load_rgb)
+            for c in self.classes
+        ]
+        self.items = [(c, i) for c, part in enumerate(self.parts) for i in range(len(part))]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        target, i = self.items[index]
+        views = self.parts[target][i]
+        if len({v.shape[1:] for v in views}) != 1:
+            raise ValueError(
+                f"views of {self.parts[target].files[i][0]} differ in size "
+                f"({[tuple(v.shape[1:]) for v in views]}); aligned views must match"
+            )
+        stacked = torch.cat(views)
+        return (self.transform(stacked) if self.transform else stacked), target
+
+
+def _class_names(root: Path, views: Sequence[str]) -> list[str]:
+    found = []
+    for view in views:
+        folder = root / view
+        if not folder.is_dir():
+            raise FileNotFoundError(f"view folder {folder} does not exist; check --views")
+        found.append(sorted(d.name for d in folder.iterdir() if d.is_dir()))
+    if not found[0]:
+        raise FileNotFoundError(f"no class folders in {root / views[0]}; expected <view>/<class>/")
+    for view, names in zip(views[1:], found[1:], strict=True):
+        if names != found[0]:
+            raise ValueError(
+                f"view {view!r} has classes {names}, view {views[0]!r} has {found[0]}; "
+                "every view needs the same class folders"
+            )
+    return found[0]

@@ -17,6 +17,11 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.data_root is None and args.dataset != "fake":
         raise ValueError("--data-root is required")
+    if args.dataset == "multifolder":
+        # A shard sample is one image file; several views would need a new format.
+        raise ValueError(
+            "shards hold one image per sample; --dataset multifolder cannot be sharded"
+        )
     # Raw bytes are copied where a source file exists; PIL decodes otherwise.
     cfg = data.DataConfig.from_args(args, root=Path(args.data_root or "."), pipeline="pil")
     shard_bytes = parse_size(args.shard_size)

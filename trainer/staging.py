@@ -7,15 +7,20 @@ translated here, once, into `StagingError` whose message is the daemon's.
 
 from __future__ import annotations
 
+import datetime
 import logging
 from pathlib import Path
 
 import torch
+from torch.distributed import ProcessGroup
 
 from trainer import distributed as dist_utils
 from trainer.distributed import World
 
 log = logging.getLogger(__name__)
+# Slack on top of --stager-timeout for the other ranks: local rank 0 gives up
+# at the timeout itself and then still has to reach the collective.
+WAIT_GRACE_S = 120.0
 
 
 class StagingError(RuntimeError):
@@ -25,9 +30,8 @@ class StagingError(RuntimeError):
 def _wait(name: str, timeout: float) -> Path:
     # Lazy import: the client is only needed when --stager-wait is used.
     try:
-        from client.errors import StagerError
-
         from client import StagerClient
+        from client.errors import StagerError
     except ImportError as exc:
         raise StagingError(
             f"--stager-wait {name} needs the stager client package ({exc}); "
@@ -42,8 +46,24 @@ def _wait(name: str, timeout: float) -> Path:
     return Path(status.path)
 
 
-def wait_for_dataset(name: str, timeout: float, world: World, device: torch.device) -> Path:
+def wait_for_dataset(name: str, timeout: float, world: World) -> Path:
     """This node's staged dataset path; `StagingError` on every rank if any rank failed."""
+    # The other ranks wait for the stagers in a gloo group of its own whose
+    # timeout covers --stager-timeout: the default group's 30 minutes would end
+    # a day-long staging early. It is made first because making a group is
+    # itself a collective, which must not wait on the stager.
+    group = None
+    if dist_utils.active():
+        group = dist_utils.new_gloo_group(datetime.timedelta(seconds=timeout + WAIT_GRACE_S))
+    try:
+        path = _wait_everywhere(name, timeout, world, group)
+    finally:
+        dist_utils.destroy_group(group)
+    log.info("dataset %r ready at %s", name, path)
+    return path
+
+
+def _wait_everywhere(name: str, timeout: float, world: World, group: ProcessGroup | None) -> Path:
     error: StagingError | None = None
     path: Path | None = None
     if world.is_local_main:
@@ -52,15 +72,28 @@ def wait_for_dataset(name: str, timeout: float, world: World, device: torch.devi
             path = _wait(name, timeout)
         except StagingError as exc:
             error = exc
-    # A MAX all-reduce instead of a bare barrier: if one node's staging fails,
-    # every rank learns it now instead of hanging until the collective timeout.
-    failed = dist_utils.all_reduce_max(torch.tensor([1.0 if error else 0.0], device=device))
+    failed = _any_failed(name, timeout, error is not None, group)
     if error is not None:
         raise error
-    if failed.item():
+    if failed:
         raise StagingError(f"dataset {name!r} failed to stage on another node; see rank logs")
-    if path is None:
-        # Ready now, so this returns at once; each rank gets its own node's path.
-        path = _wait(name, timeout)
-    log.info("dataset %r ready at %s", name, path)
-    return path
+    # Ready now, so this returns at once; each rank gets its own node's path.
+    return path if path is not None else _wait(name, timeout)
+
+
+def _any_failed(name: str, timeout: float, failed_here: bool, group: ProcessGroup | None) -> bool:
+    """True on every rank if any rank failed; the other ranks wait here for the stagers.
+
+    A MAX all-reduce instead of a bare barrier: if one node's staging fails,
+    every rank learns it now instead of hanging until a collective timeout.
+    The flag is a CPU tensor, so no GPU is involved in the wait.
+    """
+    flag = torch.tensor([1.0 if failed_here else 0.0])
+    try:
+        return bool(dist_utils.all_reduce_max(flag, group=group).item())
+    except RuntimeError as exc:  # gloo reports a timeout or a dead peer this way
+        raise StagingError(
+            f"gave up after {timeout + WAIT_GRACE_S:.0f}s waiting for the stager wait for "
+            f"{name!r} on the other ranks ({exc}); raise --stager-timeout if staging "
+            "takes longer, else see the local rank 0 log"
+        ) from exc

@@ -72,14 +72,14 @@ class Setup:
     amp: torch.dtype | None
 
 
-def data_root(args: argparse.Namespace, world: World, device: torch.device) -> Path:
+def data_root(args: argparse.Namespace, world: World) -> Path:
     if not args.stager_wait:
         if args.data_root is None and args.dataset != "fake":
             raise ValueError("--data-root is required (or --stager-wait NAME)")
         return Path(args.data_root or ".")
     from trainer.staging import wait_for_dataset
 
-    staged = wait_for_dataset(args.stager_wait, args.stager_timeout, world, device)
+    staged = wait_for_dataset(args.stager_wait, args.stager_timeout, world)
     # A relative --data-root names a folder inside the staged dataset.
     if args.data_root and not Path(args.data_root).is_absolute():
         return staged / args.data_root
@@ -95,7 +95,7 @@ def build(args: argparse.Namespace, world: World, device: torch.device) -> Setup
         torch.backends.cudnn.benchmark = True
     cfg = data.DataConfig.from_args(
         args,
-        root=data_root(args, world, device),
+        root=data_root(args, world),
         pipeline=args.pipeline,
         crop=args.crop_size,
         val_resize=args.val_resize_size,
@@ -115,7 +115,7 @@ def build(args: argparse.Namespace, world: World, device: torch.device) -> Setup
     train_set = data.Indexed(train_raw, seed=args.seed)
     workers = args.workers
     if workers is None:
-        workers = data.default_workers(world.cpus_per_task, world.local_world_size)
+        workers = data.default_workers(world.cpus_per_task, world.local_world_size, world.launcher)
     pin = device.type == "cuda"
     sampler = data.ResumableSampler(train_set, world.world_size, world.rank, seed=args.seed)
     train_loader = data.make_loader(
@@ -146,7 +146,9 @@ def build(args: argparse.Namespace, world: World, device: torch.device) -> Setup
     )  # fmt: skip
 
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = build_model(args.arch, n_classes).to(device, memory_format=memory_format)
+    channels = data.input_channels(cfg)
+    model = build_model(args.arch, n_classes, channels)
+    model = model.to(device, memory_format=memory_format)
     train_model: nn.Module = model
     if world.distributed:
         train_model = DistributedDataParallel(
@@ -171,7 +173,7 @@ def build(args: argparse.Namespace, world: World, device: torch.device) -> Setup
         train_loader=train_loader,
         val_loader=val_loader,
         num_classes=n_classes,
-        prepare=data.DeviceNormalize(device, args.channels_last),
+        prepare=data.DeviceNormalize(device, args.channels_last, channels),
         amp=amp_dtype(args.amp, device),
     )
 
@@ -221,6 +223,11 @@ def train(args: argparse.Namespace, world: World, device: torch.device) -> int:
     pos = engine.Position()
     if args.resume:
         _resume(args, s, scheduler, scaler, pos, ckpt_dir)
+    if args.iterations and pos.iteration >= args.iterations:
+        log.info(
+            "checkpoint at iteration %d of %d: nothing to train", pos.iteration, args.iterations
+        )
+        return 0
 
     metrics = MetricsLog(out if world.is_main else None, tensorboard=args.tensorboard)
 
@@ -259,7 +266,7 @@ def train(args: argparse.Namespace, world: World, device: torch.device) -> int:
     profiler = _profiler(args, world, device, out)
     hooks = engine.Hooks(
         save_checkpoint=save,
-        preempted=lambda: preemption.requested(device),
+        preempted=preemption.requested,
         after_step=_after_step(args, pos, profiler),
         record_indices=_recorder(args, world, pos),
         log_row=metrics.row,
@@ -315,7 +322,10 @@ def _resume(args, s: Setup, scheduler, scaler, pos: engine.Position, ckpt_dir: P
     if path is None:
         log.info("no checkpoint in %s; starting from scratch", ckpt_dir)
         return
-    state = checkpoint.load(path, map_location=s.device)
+    # On the CPU: RNG states must stay CPU byte tensors (torch.set_rng_state
+    # rejects CUDA ones); model and optimizer state are copied to their
+    # parameters' device by load_state_dict.
+    state = checkpoint.load(path, map_location="cpu")
     s.model.load_state_dict(state["model"])
     s.optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

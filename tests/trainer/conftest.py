@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -87,6 +88,50 @@ def run_trainer(
     return subprocess.run(
         cmd, cwd=cwd, env=env or trainer_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def free_slurm_job_id() -> str:
+    """A job id whose derived rendezvous port (`slurm_port`) is free right now."""
+    from trainer.distributed import SLURM_PORT_SPAN, slurm_port
+
+    for job in random.sample(range(1, SLURM_PORT_SPAN), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", slurm_port(str(job))))
+            except OSError:
+                continue
+            return str(job)
+    raise RuntimeError("no free port in the SLURM port range")
+
+
+def run_srun_trainer(
+    args: list[str], ntasks: int = 2, timeout: float = 240
+) -> list[subprocess.CompletedProcess]:
+    """What ``srun --ntasks N python -m trainer ARGS`` starts: N processes, step variables only."""
+    job = free_slurm_job_id()
+    procs = []
+    for rank in range(ntasks):
+        env = trainer_env(
+            SLURM_JOB_ID=job, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+            SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_STEP_NODELIST="localhost",
+            SLURM_STEP_TASKS_PER_NODE=str(ntasks),
+        )  # fmt: skip
+        cmd = [sys.executable, "-m", "trainer", *args]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def tiny_args(out: Path, *extra: str) -> list[str]:

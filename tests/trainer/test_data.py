@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from torchvision import datasets as tvd
 from torchvision.transforms import v2
@@ -70,3 +71,26 @@ def test_missing_dataset_names_the_fix(tmp_path):
         assert "--data-root" in str(exc)
     else:
         raise AssertionError("no error")
+
+
+@pytest.mark.parametrize(
+    "cpus, local, launcher, workers",
+    [
+        (32, 4, "torchrun", 7),  # srun ... torchrun --nproc-per-node 4: 8 CPUs each
+        (32, 4, "srun", 16),  # one srun task per process: all 32 are its own (capped)
+        (8, 4, "srun", 7),
+        (8, 1, "single", 7),
+        (2, 4, "torchrun", 1),  # never fewer than one worker
+    ],
+)
+def test_default_workers_splits_a_task_between_torchrun_processes(cpus, local, launcher, workers):
+    assert data.default_workers(cpus, local, launcher) == workers
+
+
+def test_device_normalize_treats_stacked_views_as_rgb_each():
+    views = torch.randint(0, 256, (2, 6, 4, 4), dtype=torch.uint8)
+    cpu = torch.device("cpu")
+    stacked = data.DeviceNormalize(cpu, channels=6)(views)
+    rgb = data.DeviceNormalize(cpu)
+    assert torch.allclose(stacked[:, :3], rgb(views[:, :3]))
+    assert torch.allclose(stacked[:, 3:], rgb(views[:, 3:]))

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.trainer.conftest import run_trainer, tiny_args, trainer_env
+from tests.trainer.conftest import run_srun_trainer, run_trainer, tiny_args, trainer_env
+from trainer import checkpoint
 from trainer.distributed import DistributedEnvError, World, first_host, slurm_port
 
 
@@ -63,3 +64,23 @@ def test_cli_reports_half_set_env(tmp_path):
     done = run_trainer(tiny_args(tmp_path, "--epochs", "1"), env=trainer_env(RANK="0"))
     assert done.returncode == 1
     assert "half set" in done.stderr and "LOCAL_RANK" in done.stderr
+
+
+@pytest.mark.slow
+def test_srun_step_trains_as_one_gloo_group(tmp_path):
+    # Two processes with only the step-level variables srun sets (no RANK or
+    # WORLD_SIZE, no MASTER_PORT): the port comes from the job id.
+    rank0, rank1 = run_srun_trainer(tiny_args(tmp_path, "--iterations", "3"))
+    assert rank0.returncode == 0, rank0.stderr[-3000:]
+    assert rank1.returncode == 0, rank1.stderr[-3000:]
+    assert "on 2 process(es) via srun" in rank0.stderr
+    assert "(n=21)" in rank0.stderr  # evaluation over both ranks' shards, each sample once
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "checkpoint-000000003.pt"
+
+
+def test_cli_reports_half_set_srun_env(tmp_path):
+    env = trainer_env(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", SLURM_JOB_ID="9")
+    done = run_trainer(tiny_args(tmp_path, "--epochs", "1"), env=env)
+    assert done.returncode == 1
+    assert "srun launch is half set" in done.stderr and "SLURM_LOCALID" in done.stderr
+    assert "Traceback" not in done.stderr

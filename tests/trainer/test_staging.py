@@ -9,11 +9,21 @@ integration work; `test_real_client_api` checks the real package when present.
 
 from __future__ import annotations
 
+import datetime
 import json
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.trainer.conftest import REPO, make_imagefolder, run_trainer, tiny_args, trainer_env
+from tests.trainer.conftest import (
+    REPO,
+    free_port,
+    make_imagefolder,
+    run_trainer,
+    tiny_args,
+    trainer_env,
+)
 
 STUB_INIT = """
 import json, os
@@ -81,3 +91,55 @@ def test_real_client_api():
     errors = pytest.importorskip("client.errors", reason="client not available yet")
     assert issubclass(errors.StagingFailed, errors.StagerError)
     assert issubclass(errors.WaitTimeout, errors.StagerError)
+
+
+# ----------------------------------------------------------------- long stagings
+
+
+def _slow_stager_worker(rank: int, port: int, out: str, stage_s: float, timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer import staging
+    from trainer.distributed import World
+
+    torch.set_num_threads(1)
+    # A 2 s default group stands in for the real 30 minutes: shorter than the staging.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=2))  # fmt: skip
+
+    def slow_wait(name: str, timeout: float) -> Path:
+        if rank == 0:  # the daemon call of local rank 0 (which ignores its timeout here)
+            time.sleep(stage_s)
+        return Path("/staged") / name
+
+    staging._wait = slow_wait  # the daemon's side is covered by the tests above
+    staging.WAIT_GRACE_S = 1.0
+    try:
+        world = World(rank=rank, local_rank=rank, world_size=2)
+        result = str(staging.wait_for_dataset("imgs", timeout, world))
+    except staging.StagingError as exc:
+        result = f"error: {exc}"
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(result)
+
+
+def _spawn_slow_stager(tmp_path, stage_s: float, timeout: float) -> list[str]:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_slow_stager_worker, args=(free_port(), str(tmp_path), stage_s, timeout), nprocs=2)
+    return [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+
+
+@pytest.mark.slow
+def test_other_ranks_outwait_the_default_group_timeout(tmp_path):
+    # Staging takes 4 s, twice the default group's timeout, within --stager-timeout.
+    assert _spawn_slow_stager(tmp_path, stage_s=4, timeout=10) == ["/staged/imgs"] * 2
+
+
+@pytest.mark.slow
+def test_a_stuck_stager_wait_names_the_flag(tmp_path):
+    rank0, rank1 = _spawn_slow_stager(tmp_path, stage_s=5, timeout=1)
+    assert rank1.startswith("error: gave up after 2s") and "--stager-timeout" in rank1
+    assert rank0.startswith("error:")  # its peer is gone: no hang

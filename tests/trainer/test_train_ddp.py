@@ -52,6 +52,17 @@ def test_resnet_trains_on_fakedata_ddp(tmp_path):
     assert len(rows) == 4 and rows[0]["count"] == "9"
     assert float(rows[-1]["train_loss"]) < 0.6 * float(rows[0]["train_loss"])
     assert "via torchrun" in done.stderr and "img/s" in done.stderr
+    # The 2-rank evaluation scored exactly the model in the final checkpoint.
+    cfg = data.DataConfig(dataset="fake", root=tmp_path, fake_val_size=9, fake_image_size=16,
+                          fake_classes=4)  # fmt: skip
+    val = data.Indexed(data.build_dataset(cfg, "val", data.eval_transform("fast", 16, 16)))
+    model = build_model("resnet18", 4)
+    model.load_state_dict(_final_model(tmp_path))
+    loader = data.make_loader(val, data.ShardedEvalSampler(9, 1, 0), 8, 0, False, False)
+    cpu = torch.device("cpu")
+    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 4)
+    assert float(rows[-1]["val_loss"]) == pytest.approx(single["val_loss"], rel=1e-6)
+    assert float(rows[-1]["top1"]) == single["top1"]
 
 
 def test_resnet_trains_on_fake_inaturalist_staged_by_the_daemon(tmp_path, daemon):
@@ -115,6 +126,52 @@ def test_distributed_eval_equals_single_process(tmp_path):
     for key in ("top1", "top5", "mean_class_acc"):
         assert distributed[key] == single[key], key
     assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+
+
+def _bn_worker(rank: int, world: int, port: int, out: str) -> None:
+    # A ResNet after a few DDP steps: each rank's BatchNorm running stats were
+    # last updated by its own batch, so without a buffer broadcast every rank
+    # would evaluate a different model.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        torch.manual_seed(0)
+        model = build_model("resnet18", 5)
+        train = data.Indexed(tvd.FakeData(48, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
+        sampler = data.ResumableSampler(train, world, rank, seed=0)
+        loader = data.make_loader(train, sampler, 4, 0, False, drop_last=True)
+        cpu = torch.device("cpu")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        cfg = engine.StepConfig(max_iters=3, print_freq=1000)
+        engine.train_one_epoch(ddp, torch.nn.CrossEntropyLoss(), opt, None, None, loader,
+                               data.DeviceNormalize(cpu), cpu, engine.Position(), cfg,
+                               engine.Hooks(), world)  # fmt: skip
+        _, val = _eval_setup(4)
+        val_loader = data.make_loader(val, data.ShardedEvalSampler(len(val), world, rank), 4, 0,
+                                      False, drop_last=False)  # fmt: skip
+        metrics = engine.evaluate(model, val_loader, data.DeviceNormalize(cpu), cpu, 5)
+        if rank == 0:  # what the trainer's checkpoint holds: rank 0's model
+            torch.save(model.state_dict(), Path(out) / "model.pt")
+            (Path(out) / "dist.json").write_text(json.dumps(metrics))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
+    mp.spawn(_bn_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    distributed = json.loads((tmp_path / "dist.json").read_text())
+    model = build_model("resnet18", 5)
+    model.load_state_dict(torch.load(tmp_path / "model.pt"))
+    _, val = _eval_setup(4)
+    loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
+    cpu = torch.device("cpu")
+    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    assert distributed["count"] == single["count"] == 21
+    assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
+    for key in ("top1", "top5", "mean_class_acc"):
+        assert distributed[key] == single[key], key
 
 
 # ----------------------------------------------------------------- preemption and resume
