@@ -12,7 +12,6 @@ entry's ``Progress`` a few times a second.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stager.children import die_with_parent
 from stager.errors import Cancelled, StagerError
 from stager.ops import run_step
 from stager.ops.base import OpContext
@@ -68,17 +68,6 @@ class RelayProgress:
             self._counters[FILES_DONE] += files
 
 
-def _die_with_parent() -> None:
-    """If the daemon is killed (-9), this child must not keep writing: the restarted
-    daemon resumes in the same partial directory."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass  # not glibc Linux: the parent-pid check in ``_ParentWatch`` still applies
-
-
 class _ParentWatch:
     """Cancel event that also fires when the parent daemon is gone."""
 
@@ -107,7 +96,7 @@ def stage_in_child(
     parent_pid: int,
 ) -> None:
     """Entry point of the child: run every step, publish, report ("ok", size) or the error."""
-    _die_with_parent()
+    die_with_parent()  # the parent-pid check in ``_ParentWatch`` backs it up
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
     os.nice(job.nice)
     if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)

@@ -13,9 +13,13 @@ Why files never land outside the destination, whatever the member order:
   point at a regular file of this archive, and every symlink is re-resolved
   once all exist, which catches chains that only escape together.
 
-Regular files are written on a thread pool in batches: per-task overhead of
-``ThreadPoolExecutor`` is ~20 us, as much as writing a small file, so one task
-carries many files.
+Regular files are written on a pool in batches: per-task overhead of an
+executor (~20 us for threads, more for processes) is as much as writing a small
+file, so one task carries many files. The pool is threads, or processes when
+every payload is a byte range of the archive (a plain tar): then the per-file
+Python work runs on every core instead of taking turns under one GIL. Either
+way a batch is a plain function of picklable jobs, and progress is counted
+here, when a batch is done.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from stager.errors import UnsafeArchiveMember
@@ -96,6 +100,13 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+def write_files(jobs: list[_FileJob]) -> tuple[int, int]:
+    """One batch, on a pool thread or process: (archive bytes, files) it accounts for."""
+    for job in jobs:
+        write_file(job)
+    return sum(job.archive_bytes for job in jobs), len(jobs)
+
+
 def write_file(job: _FileJob) -> None:
     try:
         fd = os.open(job.path, _WRITE_FLAGS, job.mode)
@@ -119,7 +130,7 @@ class ArchiveWriter:
         root: str,
         archive: str,
         ctx: OpContext,
-        pool: ThreadPoolExecutor | None,
+        pool: Executor | None,
     ) -> None:
         self.root = root
         self.archive = archive
@@ -212,19 +223,16 @@ class ArchiveWriter:
             return
         jobs, self._batch = self._batch.jobs, _Batch()
         self._slots.acquire()
-        self._pending.append(self._pool.submit(self._write_batch, jobs))  # type: ignore[union-attr]
+        future = self._pool.submit(write_files, jobs)  # type: ignore[union-attr]
+        future.add_done_callback(self._batch_done)
+        self._pending.append(future)
         if len(self._pending) > 64:
             self._reap(wait=False)
 
-    def _write_batch(self, jobs: list[_FileJob]) -> None:
-        try:
-            if self._ctx.cancel.is_set():
-                return  # the main thread raises Cancelled; skip the work
-            for job in jobs:
-                write_file(job)
-            self._ctx.progress.advance(sum(j.archive_bytes for j in jobs), len(jobs))
-        finally:
-            self._slots.release()
+    def _batch_done(self, future: Future[tuple[int, int]]) -> None:
+        self._slots.release()
+        if not future.cancelled() and future.exception() is None:
+            self._ctx.progress.advance(*future.result())
 
     def _reap(self, wait: bool) -> None:
         keep = []
@@ -257,9 +265,13 @@ class ArchiveWriter:
             self._reap(wait=True)
 
     def abort(self) -> None:
-        """On an error: let queued batches finish so no thread writes after we return."""
+        """On an error or cancel: drop queued batches, wait for running ones, so nothing
+        writes after we return."""
         for future in self._pending:
-            future.exception()
+            future.cancel()
+        for future in self._pending:
+            if not future.cancelled():
+                future.exception()
         self._pending = []
 
     def finish(self) -> None:

@@ -2,12 +2,20 @@
 
 How it is fast (measured on 2 cores, 20,000 files of 4-100 KB; see
 bench/bench_extract.py): the main thread only parses headers with ``tarfile``
-in random-access mode and hands files to a thread pool in batches. For a plain
-tar a file is a byte range of the archive, copied by ``os.copy_file_range``
-without passing through Python; for compressed tars the main thread
-decompresses (python-isal for gzip) in 4 MiB chunks and the pool writes the
-slices. Nested archives inside a plain tar (ImageNet's 1,000 class tars) are
-read in place from their byte range, in parallel, and never written to disk.
+in random-access mode and hands files to a pool in batches. For a plain tar a
+file is a byte range of the archive, copied by ``os.copy_file_range`` without
+passing through Python, and the pool is worker *processes*: what is left per
+file (open, copy, utime, close and the Python around them) is GIL-bound, so
+threads take turns where processes use every core. For compressed tars the
+main thread decompresses (python-isal for gzip) in 4 MiB chunks and a thread
+pool writes the slices (shipping them to processes would cost a copy each).
+Nested archives inside a plain tar (ImageNet's 1,000 class tars) are read in
+place from their byte range, each extracted whole by one worker process, and
+never written to disk.
+
+Worker processes are forked, before this op starts any thread of its own, so
+they inherit the open archive and start in milliseconds; a small archive is
+not worth even that and stays on threads (``PROCESS_MIN_BYTES``).
 
 Safety decisions live in :mod:`stager.ops.archive_writer` (paths, directories,
 link ordering); links and special files are judged by ``tarfile.data_filter``.
@@ -19,6 +27,7 @@ from __future__ import annotations
 import errno
 import io
 import lzma
+import multiprocessing
 import os
 import stat
 import tarfile
@@ -26,14 +35,18 @@ import time
 import zipfile
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import zstandard
 from isal import isal_zlib
 
+from stager.children import die_with_parent
 from stager.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
+from stager.ops import tar_members
 from stager.ops.archive_formats import (
     ARCHIVE_SUFFIXES,
     STREAM_CHUNK,
@@ -46,11 +59,14 @@ from stager.ops.archive_formats import (
 )
 from stager.ops.archive_writer import ArchiveWriter, Payload, file_mode, unsafe
 from stager.ops.base import OpContext, require_source
+from stager.progress import Progress
 from stager.schemas import ExtractStep
 
 # Members of compressed tars larger than this are written by the main thread
 # straight from the stream, so a 10 GB member never sits in memory whole.
 _INLINE_BYTES = 32 << 20
+# Archives smaller than this extract on threads: forking workers costs ~10 ms.
+PROCESS_MIN_BYTES = 64 << 20
 _CORRUPT = (
     tarfile.TarError,
     zipfile.BadZipFile,
@@ -100,8 +116,7 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
             ctx.progress.add_total(size, 0)
             fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
             job = _Job(ctx, step.strip_components, step.nested)
-            with ThreadPoolExecutor(_threads(ctx), thread_name_prefix="extract") as pool:
-                job.pool = pool
+            with _executors(job, fmt, size):
                 try:
                     _extract(job, _Archive(fd, 0, size, fmt, step.src), str(dest), outer=True)
                 finally:
@@ -126,12 +141,25 @@ class _Job:
     ctx: OpContext
     strip: int
     nested: bool
-    pool: ThreadPoolExecutor | None = None
-    inner: list[Future[None]] = field(default_factory=list)
+    files_pool: Executor | None = None  # writes the outer archive's files
+    inner_pool: Executor | None = None  # extracts inner archives, one task each
+    inner: list[Future[tuple[int, int]]] = field(default_factory=list)
     written_inner: list[tuple[str, str]] = field(default_factory=list)  # (path, label)
+
+    def start_inner(self, task: Any, *args: Any) -> None:
+        """Run ``task(*args) -> (bytes, files)`` on the inner pool; count it when done."""
+        assert self.inner_pool is not None
+        future = self.inner_pool.submit(task, *args)
+        future.add_done_callback(self._count_inner)
+        self.inner.append(future)
+
+    def _count_inner(self, future: Future[tuple[int, int]]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.ctx.progress.advance(*future.result())
 
     def wait_inner(self) -> None:
         for future in self.inner:
+            self.ctx.check_cancelled()
             future.result()
 
     def cancel_inner(self) -> None:
@@ -139,7 +167,36 @@ class _Job:
             future.cancel()
         for future in self.inner:
             if not future.cancelled():
-                future.exception()  # wait, so no thread writes after run() returns
+                future.exception()  # wait, so nothing writes after run() returns
+
+
+@contextmanager
+def _executors(job: _Job, fmt: str, size: int) -> Iterator[None]:
+    """The pools ``job`` uses, shut down (queued work dropped) when the op ends."""
+    cores = _cores(job.ctx)
+    processes = None
+    if cores > 1 and size >= PROCESS_MIN_BYTES and (fmt == "tar" or job.nested):
+        processes = _process_pool(cores)  # first: no thread of ours exists to fork with
+    needs_threads = processes is None or fmt != "tar"
+    threads = ThreadPoolExecutor(cores, thread_name_prefix="extract") if needs_threads else None
+    job.files_pool = processes if fmt == "tar" and processes else threads
+    job.inner_pool = processes or threads
+    try:
+        yield
+    finally:
+        for pool in (threads, processes):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _process_pool(workers: int) -> ProcessPoolExecutor:
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent
+    )
+    # With fork, the first task starts every worker: do it now, while this process
+    # runs no thread of its own (the pool's helper threads start after the forks).
+    pool.submit(int).result()
+    return pool
 
 
 @contextmanager
@@ -183,7 +240,7 @@ def _corrupt(archive: str, exc: BaseException) -> CorruptArchive:
 
 def _extract(job: _Job, archive: _Archive, root: str, outer: bool) -> None:
     """Extract one archive under ``root``; the outer one uses the pool for files."""
-    pool = job.pool if outer else None
+    pool = job.files_pool if outer else None
     writer = ArchiveWriter(root, archive.label, job.ctx, pool)
     strip = job.strip if outer else 0
     try:
@@ -203,11 +260,11 @@ def _extract(job: _Job, archive: _Archive, root: str, outer: bool) -> None:
         writer.abort()
 
 
-def _threads(ctx: OpContext) -> int:
-    """Extraction is CPU-bound Python (headers, decompression, per-file calls): threads
-    beyond the cores only fight over the GIL (measured: 8 threads on 2 cores extract
-    ImageNet-style nested tars 25% slower than 2). Copies, which wait on a network
-    filesystem, keep using all of ``ctx.workers``."""
+def _cores(ctx: OpContext) -> int:
+    """Extraction is CPU-bound (headers, decompression, per-file calls): workers beyond
+    the cores only fight over them (measured: 8 threads on 2 cores extract ImageNet-style
+    nested tars 25% slower than 2). Copies, which wait on a network filesystem, keep
+    using all of ``ctx.workers``."""
     return max(1, min(ctx.workers, len(os.sched_getaffinity(0))))
 
 
@@ -247,7 +304,7 @@ class _RangeFile(io.RawIOBase):
 # -- tar ---------------------------------------------------------------------
 
 
-HEADER_READAHEAD = 256 * 1024
+HEADER_READAHEAD = 16384
 
 
 def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int, outer: bool):
@@ -262,8 +319,8 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
     headers = stream or io.BufferedReader(raw, HEADER_READAHEAD)  # type: ignore[arg-type]
     with tarfile.open(fileobj=headers, mode="r:") as tar:
         consumed = 0
-        for member in _members(tar, job):
-            now = stream.compressed_pos() if stream else tar.offset
+        for member, next_header in tar_members.members(tar, headers, job.ctx.check_cancelled):
+            now = stream.compressed_pos() if stream else next_header
             share, consumed = now - consumed, now
             _tar_member(job, archive, writer, tar, stream, member, strip, share, outer)
         if stream is not None:
@@ -271,16 +328,6 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
         job.ctx.progress.advance(max(0, archive.length - consumed), 0)
     if stream is not None:
         stream.close()
-
-
-def _members(tar: tarfile.TarFile, job: _Job) -> Iterator[tarfile.TarInfo]:
-    while True:
-        job.ctx.check_cancelled()
-        member = tar.next()
-        if member is None:
-            return
-        tar.members.clear()  # tarfile keeps every header; 2.7M of them would be GBs
-        yield member
 
 
 def _tar_member(
@@ -391,43 +438,47 @@ def _start_inner(
     fmt = sniff(os.pread(archive.fd, tarfile.BLOCKSIZE, base))
     if fmt is None:
         return False
-    inner = _Archive(archive.fd, base, member.size, fmt, f"{archive.label}:{rel}")
+    label = f"{archive.label}:{rel}"
     root = _inner_root(writer, rel, member.name)
-    assert job.pool is not None
-    job.inner.append(job.pool.submit(_extract_inner, job, inner, root))
+    job.start_inner(_extract_inner, archive.fd, base, member.size, fmt, label, root)
     return True
 
 
-def _extract_inner(job: _Job, inner: _Archive, root: str) -> None:
-    with _translate(inner.label):
-        _extract(job, inner, root, outer=False)
+# Inner archives are extracted by plain functions of picklable arguments, so that a
+# worker process can run them; each counts its own progress and returns it.
+
+
+def _extract_inner(fd: int, base: int, length: int, fmt: str, label: str, root: str):  # noqa: ANN201
+    tally = Progress()
+    job = _Job(OpContext(root=Path(root), progress=tally), strip=0, nested=False)
+    with _translate(label):
+        _extract(job, _Archive(fd, base, length, fmt, label), root, outer=False)
+    return tally.bytes_done, tally.files_done
 
 
 def _extract_written_inner(job: _Job) -> None:
     """Inner archives of compressed or zip outers were written; extract, then drop them."""
-    if not job.written_inner:
-        return
-    assert job.pool is not None
-    futures = [job.pool.submit(_extract_inner_file, job, p, lbl) for p, lbl in job.written_inner]
-    job.inner.extend(futures)
+    for path, label in job.written_inner:
+        job.start_inner(_extract_inner_file, path, label)
     job.wait_inner()
 
 
-def _extract_inner_file(job: _Job, path: str, label: str) -> None:
+def _extract_inner_file(path: str, label: str):  # noqa: ANN201 - (bytes, files)
     with _translate(label):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             fmt = sniff(os.pread(fd, tarfile.BLOCKSIZE, 0))
             if fmt is None:
-                return  # named like an archive, but is not one: keep it as a file
+                return 0, 0  # named like an archive, but is not one: keep it as a file
             folder = path[: -len(_nested_suffix(path) or "")]
             os.makedirs(folder, exist_ok=True)
-            # Bytes were counted when the outer archive was read; count files only.
-            _extract(job, _Archive(fd, 0, size, fmt, label), folder, outer=False)
+            _, files = _extract_inner(fd, 0, size, fmt, label, folder)
         finally:
             os.close(fd)
         os.unlink(path)
+    # Bytes were counted when the outer archive was read; count files only.
+    return 0, files
 
 
 # -- zip ---------------------------------------------------------------------

@@ -21,6 +21,9 @@ from stager.ops.base import OpContext
 from stager.progress import Progress
 from stager.schemas import ExtractStep
 
+# Every test here runs on threads and on worker processes (see conftest).
+pytestmark = pytest.mark.usefixtures("pool")
+
 MTIME = 1_600_000_000  # fixed, far from "now", so a kept mtime is unmistakable
 FORMATS = ["tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"]
 

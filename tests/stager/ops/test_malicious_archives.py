@@ -25,6 +25,9 @@ from stager.ops.base import OpContext
 from stager.progress import Progress
 from stager.schemas import ExtractStep
 
+# Every test here runs on threads and on worker processes (see conftest).
+pytestmark = pytest.mark.usefixtures("pool")
+
 # --- tar builders -------------------------------------------------------------
 
 
