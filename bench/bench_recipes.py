@@ -224,11 +224,13 @@ def report(title: str, times: dict[str, list[float]], ours: str, goal: float) ->
 
 
 def check_same_files(out: Path, names: list[str]) -> None:
-    """Both candidates must have produced the same images, or the race is void."""
+    """Every candidate must have produced the same files, or the race is void."""
     stats = {n: tree_stats(out / n) for n in names}
-    print("  images and bytes per candidate (archives and meta files included):")
+    print("  files and bytes per candidate (archives and meta files included):")
     for name, (files, size) in stats.items():
         print(f"    {name:<32} {files:7d} files {size / 1e6:9.1f} MB")
+    if len(set(stats.values())) != 1:
+        raise SystemExit(f"the candidates produced different trees ({stats}); no comparison")
 
 
 def main(args: argparse.Namespace) -> None:
