@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--op-workers",
         type=int,
-        help="threads one operation may use for many small files (default 8)",
+        help="threads one copy or link operation may use for many small files (default 8); "
+        "extraction uses at most one worker per CPU core, processes for large plain tars",
     )
     serve.add_argument(
         "--allowed-root",

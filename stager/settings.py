@@ -37,7 +37,8 @@ class Settings(BaseSettings):
     token_file: Path | None = None  # default: <runtime_dir>/token
     no_token: bool = False  # allowed on loopback addresses only
     max_workers: int = Field(default=2, ge=1)  # datasets staged at once
-    op_workers: int = Field(default=8, ge=1)  # threads inside one op (parallel small files)
+    # Threads inside one op (parallel small files); extract caps it at the CPU cores.
+    op_workers: int = Field(default=8, ge=1)
     staging_nice: int = Field(default=10, ge=0, le=19)  # CPU priority of staging processes
     allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
     recipe_dirs: list[Path] = Field(default_factory=list)
