@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
 from stager.publish import (
+    delete_tree,
     discard,
     make_link,
     remove_link,
@@ -77,6 +79,7 @@ class Engine:
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
         self._running: set[asyncio.Future[Any]] = set()
         self._stopping = False
+        self._halt = threading.Event()  # the same, for work on threads (background deletes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
 
@@ -144,6 +147,7 @@ class Engine:
 
     def _begin_stop(self) -> None:
         self._stopping = True
+        self._halt.set()
         for entry in self._entries.values():
             if entry.state == State.STAGING:
                 entry.cancel.set()
@@ -377,9 +381,10 @@ class Engine:
             self._spawn(self._delete_evicted(trash, entry.size_bytes), f"delete-{trash.name}")
 
     async def _delete_evicted(self, trash: Path, nbytes: int) -> None:
+        # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
-            await run_io(remove_tree, trash)
-        except OSError as exc:  # left for the next start's orphan cleanup
+            await run_io(delete_tree, trash, self._halt)
+        except OSError as exc:
             log.error("could not delete evicted data %s: %s", trash, exc)
         finally:
             self._freeing_bytes -= nbytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -63,6 +64,26 @@ def discard(final: Path, trash_dir: Path) -> Path | None:
     except FileNotFoundError:
         return None
     return trash
+
+
+def delete_tree(path: Path, stop: threading.Event) -> bool:
+    """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
+    stopping: a million-file tree must not hold up its exit). True once it is all gone;
+    what is left of a stopped one is an orphan the next start removes."""
+    for dirpath, dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            if stop.is_set():
+                return False
+            os.unlink(os.path.join(dirpath, name))
+        for name in dirnames:  # emptied already, or links to folders (never followed)
+            child = os.path.join(dirpath, name)
+            if os.path.islink(child):
+                os.unlink(child)
+            else:
+                os.rmdir(child)
+    if os.path.lexists(path):
+        os.rmdir(path)
+    return True
 
 
 def remove_tree(path: Path) -> None:

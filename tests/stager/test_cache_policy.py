@@ -1,14 +1,18 @@
-"""The admission policy as a pure function: what to evict so a new staging fits."""
+"""The admission policy as a pure function (what to evict so a new staging fits), and
+the deletion of what was evicted."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from stager.cache import pending_bytes, plan_admission
 from stager.dataset import Entry
 from stager.errors import InsufficientSpace
+from stager.publish import delete_tree
 from stager.schemas import State
 
 MB = 1_000_000
@@ -59,3 +63,29 @@ def test_refusal_names_the_sizes_and_what_running_stagings_hold() -> None:
     assert "needs about 38.1 MiB" in message
     assert "76.3 MiB of it promised to stagings under way" in message
     assert "--cache-dir" in message
+
+
+def test_delete_tree_removes_everything_without_following_links(tmp_path: Path) -> None:
+    keep = tmp_path / "elsewhere"
+    (keep / "sub").mkdir(parents=True)
+    (keep / "sub" / "precious").write_text("x")
+    doomed = tmp_path / "evicted"
+    (doomed / "a" / "b").mkdir(parents=True)
+    for i in range(5):
+        (doomed / "a" / "b" / f"f{i}").write_text("x")
+    (doomed / "a" / "to_dir").symlink_to(keep)
+    (doomed / "a" / "to_file").symlink_to(keep / "sub" / "precious")
+    assert delete_tree(doomed, threading.Event()) is True
+    assert not doomed.exists()
+    assert (keep / "sub" / "precious").read_text() == "x"
+
+
+def test_delete_tree_stops_when_the_daemon_stops(tmp_path: Path) -> None:
+    doomed = tmp_path / "evicted"
+    doomed.mkdir()
+    for i in range(100):
+        (doomed / f"f{i}").write_text("x")
+    stop = threading.Event()
+    stop.set()
+    assert delete_tree(doomed, stop) is False
+    assert len(list(doomed.iterdir())) == 100  # left for the next start's cleanup
