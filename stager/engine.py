@@ -119,21 +119,26 @@ class Engine:
             elif entry.state == State.READY and not await run_io(self._final(entry).is_dir):
                 entry.move(State.EVICTED)
                 await run_io(self._store_entry_sync, entry)
-        await run_io(self._remove_orphans)
+        # Deleted in the background: a million-file leftover must not delay readiness.
+        for orphan in await run_io(self._orphans):
+            self._delete_in_background(orphan, 0)
 
-    def _remove_orphans(self) -> None:
-        """Folders no entry owns: partial data of a failed cleanup, evicted trees whose
+    def _orphans(self) -> list[Path]:
+        """What no entry owns: partial data of a failed cleanup, evicted trees whose
         deletion a stop interrupted, a tree whose eviction was recorded just before a
-        crash. A tree under ``data/`` of a still-active entry was published just before a
-        crash and is kept: its staging finds it complete."""
+        crash (moved out of ``data/`` here). A tree under ``data/`` of a still-active
+        entry was published just before a crash and is kept: its staging finds it."""
         live = {k for k, e in self._entries.items() if e.active}
-        for child in self.settings.partial_dir.iterdir():
-            if child.name.split(".", 1)[0] not in live:
-                remove_tree(child)
+        found = [
+            child
+            for child in self.settings.partial_dir.iterdir()
+            if child.name.split(".", 1)[0] not in live
+        ]
         kept = live | {k for k, e in self._entries.items() if e.state == State.READY}
         for child in self.settings.data_dir.iterdir():
-            if child.name not in kept:
-                remove_tree(child)
+            if child.name not in kept and (trash := discard(child, self.settings.partial_dir)):
+                found.append(trash)
+        return found
 
     def request_stop(self) -> None:
         """From a signal handler: begin stopping before uvicorn drains connections.
@@ -377,15 +382,19 @@ class Engine:
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
         if trash is not None:
-            self._freeing_bytes += entry.size_bytes
-            self._spawn(self._delete_evicted(trash, entry.size_bytes), f"delete-{trash.name}")
+            self._delete_in_background(trash, entry.size_bytes)
 
-    async def _delete_evicted(self, trash: Path, nbytes: int) -> None:
+    def _delete_in_background(self, path: Path, nbytes: int) -> None:
+        """Delete ``path`` off the lock; ``nbytes`` counts as free space meanwhile."""
+        self._freeing_bytes += nbytes
+        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
+
+    async def _delete(self, path: Path, nbytes: int) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
-            await run_io(delete_tree, trash, self._halt)
+            await run_io(delete_tree, path, self._halt)
         except OSError as exc:
-            log.error("could not delete evicted data %s: %s", trash, exc)
+            log.error("could not delete %s: %s", path, exc)
         finally:
             self._freeing_bytes -= nbytes
 

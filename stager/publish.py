@@ -70,6 +70,10 @@ def delete_tree(path: Path, stop: threading.Event) -> bool:
     """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
     stopping: a million-file tree must not hold up its exit). True once it is all gone;
     what is left of a stopped one is an orphan the next start removes."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        if os.path.lexists(path):
+            os.unlink(path)
+        return True
     for dirpath, dirnames, filenames in os.walk(path, topdown=False):
         for name in filenames:
             if stop.is_set():
