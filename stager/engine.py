@@ -31,6 +31,7 @@ from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
 from stager.publish import (
+    EVICTED_PREFIX,
     delete_tree,
     discard,
     make_link,
@@ -129,15 +130,18 @@ class Engine:
         crash (moved out of ``data/`` here). A tree under ``data/`` of a still-active
         entry was published just before a crash and is kept: its staging finds it."""
         live = {k for k, e in self._entries.items() if e.active}
-        found = [
-            child
-            for child in self.settings.partial_dir.iterdir()
-            if child.name.split(".", 1)[0] not in live
-        ]
         kept = live | {k for k, e in self._entries.items() if e.state == State.READY}
-        for child in self.settings.data_dir.iterdir():
-            if child.name not in kept and (trash := discard(child, self.settings.partial_dir)):
-                found.append(trash)
+        found = []
+        for folder, owned in ((self.settings.partial_dir, live), (self.settings.data_dir, kept)):
+            for child in folder.iterdir():
+                if child.name.split(".", 1)[0] in owned:
+                    continue
+                if child.name.startswith(EVICTED_PREFIX):
+                    found.append(child)
+                # Renamed first: a request for the same key, staging into partial/<key>
+                # while this is deleted, must find a fresh folder.
+                elif trash := discard(child, self.settings.partial_dir):
+                    found.append(trash)
         return found
 
     def request_stop(self) -> None:

@@ -262,6 +262,9 @@ def test_an_eviction_cut_short_never_leaves_a_ready_dataset_behind(
         db.execute("UPDATE entries SET state = 'evicted' WHERE key = ?", (first["key"],))
     trash = daemon.cache_dir / "partial" / f"evicted-{'0' * 24}-deadbeef"
     write_tree(trash, n_files=5)  # a deletion a stop interrupted
+    # Partial data of the same key that a failed cleanup left: the new staging below
+    # must start from a fresh folder, not add to this one (or race its deletion).
+    write_tree(daemon.cache_dir / "partial" / first["key"] / "stale", n_files=300, seed=9)
     daemon.start()
     with daemon.client() as client:
         assert client.get("/v1/datasets/ds").json()["state"] == "evicted"
