@@ -31,12 +31,11 @@ from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
 from stager.publish import (
-    EVICTED_PREFIX,
+    DISCARDED_PREFIX,
     delete_tree,
     discard,
     make_link,
     remove_link,
-    remove_tree,
     steps_marker,
 )
 from stager.schemas import (
@@ -136,7 +135,7 @@ class Engine:
             for child in folder.iterdir():
                 if child.name.split(".", 1)[0] in owned:
                     continue
-                if child.name.startswith(EVICTED_PREFIX):
+                if child.name.startswith(DISCARDED_PREFIX):
                     found.append(child)
                 # Renamed first: a request for the same key, staging into partial/<key>
                 # while this is deleted, must find a fresh folder.
@@ -589,11 +588,14 @@ class Engine:
 
     async def _fail(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         log.warning("dataset %s %s: %s", entry.key, state, error.message)
-        try:
-            await run_io(remove_tree, self._partial(entry))
-            await run_io(remove_tree, steps_marker(self._partial(entry)))
-        except OSError as exc:
-            log.error("could not remove partial data of %s: %s", entry.key, exc)
+        for path in (self._partial(entry), steps_marker(self._partial(entry))):
+            try:
+                trash = await run_io(discard, path, self.settings.partial_dir)
+            except OSError as exc:
+                log.error("could not remove partial data of %s: %s", entry.key, exc)
+                continue
+            if trash is not None:
+                self._delete_in_background(trash, 0)
         entry.move(state, error)
         self.metrics.failures.labels(type=error.type).inc()
         await self._save(entry)

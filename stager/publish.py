@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import threading
 import uuid
 from pathlib import Path
 
-# Evicted trees wait under ``partial/`` with this prefix until they are deleted; a
-# daemon that stops first finds them there at start and deletes them then.
-EVICTED_PREFIX = "evicted-"
+# Evicted trees and the partial data of failed stagings wait under ``partial/`` with
+# this prefix until they are deleted; a daemon that stops first deletes them at start.
+DISCARDED_PREFIX = "discarded-"
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -54,13 +53,14 @@ def tree_size(root: Path) -> int:
     return total
 
 
-def discard(final: Path, trash_dir: Path) -> Path | None:
-    """Take a published tree out of ``data/`` in one rename: the commit point of an
-    eviction (a tree under ``data/`` is whole, or gone). Returns where it went, to be
-    deleted at leisure, or None if it was already gone."""
-    trash = trash_dir / f"{EVICTED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+def discard(path: Path, trash_dir: Path) -> Path | None:
+    """Move ``path`` aside in one rename, to be deleted at leisure: for a published tree
+    the commit point of its eviction (a tree under ``data/`` is whole, or gone); for
+    partial data, its name is free for a new staging at once. Returns where it went, or
+    None if it was already gone."""
+    trash = trash_dir / f"{DISCARDED_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
-        os.rename(final, trash)
+        os.rename(path, trash)
     except FileNotFoundError:
         return None
     return trash
@@ -88,13 +88,6 @@ def delete_tree(path: Path, stop: threading.Event) -> bool:
     if os.path.lexists(path):
         os.rmdir(path)
     return True
-
-
-def remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
 
 
 def make_link(link: Path, target: Path) -> None:

@@ -1,4 +1,5 @@
-"""Small real trees and archives for tests, and a content digest to compare them."""
+"""Small real trees and archives for tests, a content digest to compare them, and a
+wait for background deletes."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import os
 import random
 import tarfile
+import time
 from pathlib import Path
 
 
@@ -33,3 +35,11 @@ def make_tar(src: Path, archive: Path, arcname: str | None = None) -> Path:
     with tarfile.open(archive, mode) as tar:
         tar.add(src, arcname=arcname or src.name)
     return archive
+
+
+def wait_until_empty(folder: Path, timeout: float = 10) -> None:
+    """Discarded data (failed, cancelled, evicted) is deleted in the background."""
+    deadline = time.monotonic() + timeout
+    while list(folder.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(folder.iterdir()) == []

@@ -15,7 +15,7 @@ import pytest
 from stager.schemas import DatasetPublic, DatasetsPublic
 from stager.server import pid_alive
 from tests.daemon import Daemon, free_port
-from tests.trees import digest, make_tar, write_tree
+from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
 
 def stage(client: httpx.Client, body: dict) -> httpx.Response:
@@ -222,7 +222,7 @@ def test_corrupt_archive_fails_the_dataset_with_its_sentence_and_no_partial_data
     assert status["state"] == "failed"
     assert status["error"]["type"] == "corrupt_archive"
     assert str(truncated) in status["error"]["message"]
-    assert list((daemon.cache_dir / "partial").iterdir()) == []
+    wait_until_empty(daemon.cache_dir / "partial")  # deleted in the background
     assert list((daemon.cache_dir / "data").iterdir()) == []
 
 

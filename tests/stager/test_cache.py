@@ -14,7 +14,7 @@ import httpx
 
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
-from tests.trees import digest, make_tar, write_tree
+from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:
@@ -31,13 +31,6 @@ def ready(client: httpx.Client, body: dict) -> dict:
     status = client.get(f"/v1/datasets/{body['name']}/wait", params={"timeout": 60}).json()
     assert status["state"] == "ready", status["error"]
     return status
-
-
-def wait_until_empty(folder: Path, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while list(folder.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert list(folder.iterdir()) == []
 
 
 def copy_body(name: str, src: Path, **extra: object) -> dict:
@@ -217,7 +210,7 @@ def test_enospc_mid_staging_fails_cleanly_and_keeps_other_entries(
         assert status["state"] == "failed"
         assert status["error"]["type"] == "io_error"
         assert "disk filled up" in status["error"]["message"]
-        assert list((daemon.cache_dir / "partial").iterdir()) == []
+        wait_until_empty(daemon.cache_dir / "partial")  # deleted in the background
         again = client.get("/v1/datasets/kept").json()
         assert again["state"] == "ready"
     assert digest(Path(kept["path"])) == digest(small)
@@ -260,7 +253,7 @@ def test_an_eviction_cut_short_never_leaves_a_ready_dataset_behind(
     daemon.stop()
     with sqlite3.connect(daemon.cache_dir / "state.db") as db:
         db.execute("UPDATE entries SET state = 'evicted' WHERE key = ?", (first["key"],))
-    trash = daemon.cache_dir / "partial" / f"evicted-{'0' * 24}-deadbeef"
+    trash = daemon.cache_dir / "partial" / f"discarded-{'0' * 24}-deadbeef"
     write_tree(trash, n_files=5)  # a deletion a stop interrupted
     # Partial data of the same key that a failed cleanup left: the new staging below
     # must start from a fresh folder, not add to this one (or race its deletion).

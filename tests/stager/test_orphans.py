@@ -37,13 +37,13 @@ def test_orphans_leave_their_keys_names_before_deletion(tmp_path: Path) -> None:
     ):
         write_tree(folder, n_files=3)
     (partial / f"{'a' * 24}.steps-done").write_text("1")
-    write_tree(partial / f"evicted-{'e' * 24}-0123abcd", n_files=3)
+    write_tree(partial / f"discarded-{'e' * 24}-0123abcd", n_files=3)
 
     orphans = engine._orphans()
 
     assert sorted(p.parent for p in orphans) == [partial] * 4
-    assert all(p.name.startswith("evicted-") and p.exists() for p in orphans)
-    assert sorted(p.name for p in partial.iterdir() if not p.name.startswith("evicted-")) == [
+    assert all(p.name.startswith("discarded-") and p.exists() for p in orphans)
+    assert sorted(p.name for p in partial.iterdir() if not p.name.startswith("discarded-")) == [
         "b" * 24
     ]
     assert [p.name for p in data.iterdir()] == ["c" * 24]

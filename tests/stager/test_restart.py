@@ -18,7 +18,7 @@ import pytest
 from stager.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
-from tests.trees import digest, make_tar, write_tree
+from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
 BLOB = bytes(range(256)) * 8192  # 2 MiB
 
@@ -163,7 +163,7 @@ def test_cancel_during_staging_removes_partial_data(daemon: Daemon, tmp_path: Pa
         cancelled = client.delete("/v1/datasets/multi").json()
         assert cancelled["state"] == "cancelled"
         assert "cancelled" in cancelled["error"]["message"]
-    assert list((daemon.cache_dir / "partial").iterdir()) == []
+    wait_until_empty(daemon.cache_dir / "partial")  # deleted in the background
     assert not Path(cancelled["path"]).exists()
 
 
