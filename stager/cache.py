@@ -100,10 +100,10 @@ def _refusal(
     )
     held = sum(e.size_bytes for e in entries if e.key in protected and e.state == State.READY)
     pending = pending_bytes(entries)
-    promised = f", {human(pending)} of it promised to stagings under way" if pending else ""
+    promised = f"{human(pending)} of it promised to stagings under way; " if pending else ""
     return (
         f"staging needs about {human(needed)} but there is {limit}{human(free)} free on the disk "
-        f"({promised.lstrip(', ')}{'; ' if promised else ''}keeping {human(min_free)} in reserve), "
+        f"({promised}keeping {human(min_free)} in reserve), "
         "and evicting every unleased dataset frees only "
         f"{human(evictable_bytes)} ({human(held)} is leased or in use); release leases, raise "
         "--capacity-bytes, or point --cache-dir at a larger disk"

@@ -1,8 +1,9 @@
 """The ``extract`` op: tar, tar.gz/bz2/xz/zst and zip, nested archives, never outside ``dst``.
 
 How it is fast (measured on 2 cores, 20,000 files of 4-100 KB; see
-bench/bench_extract.py): the main thread only parses headers with ``tarfile``
-in random-access mode and hands files to a pool in batches. For a plain tar a
+bench/bench_extract.py): the main thread only reads headers (common ones in
+:mod:`stager.ops.tar_members`, the rest with ``tarfile`` in random-access mode)
+and hands files to a pool in batches. For a plain tar a
 file is a byte range of the archive, copied by ``os.copy_file_range`` without
 passing through Python, and the pool is worker *processes*: what is left per
 file (open, copy, utime, close and the Python around them) is GIL-bound, so
@@ -448,7 +449,9 @@ def _start_inner(
 # worker process can run them; each counts its own progress and returns it.
 
 
-def _extract_inner(fd: int, base: int, length: int, fmt: str, label: str, root: str):  # noqa: ANN201
+def _extract_inner(
+    fd: int, base: int, length: int, fmt: str, label: str, root: str
+) -> tuple[int, int]:
     tally = Progress()
     job = _Job(OpContext(root=Path(root), progress=tally), strip=0, nested=False)
     with _translate(label):
@@ -463,7 +466,7 @@ def _extract_written_inner(job: _Job) -> None:
     job.wait_inner()
 
 
-def _extract_inner_file(path: str, label: str):  # noqa: ANN201 - (bytes, files)
+def _extract_inner_file(path: str, label: str) -> tuple[int, int]:
     with _translate(label):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
