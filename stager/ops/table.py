@@ -197,4 +197,3 @@ def load(op_modules: tuple[str, ...] = ()) -> OpTable:
             ) from exc
         extra.extend(getattr(module, "OPS", ()))
     return OpTable([*BUILTIN, *extra])
-
