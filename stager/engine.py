@@ -187,12 +187,14 @@ class Engine:
                 await reg.touch(entry)
             handle = reg.handles.get(request.name)
             if handle is None or (handle.key, handle.link) != (key, request.link):
-                handle = await reg.name(Handle(request.name, key, request_key, request.link))
+                handle = Handle(request.name, key, request_key, request.link)
+                if entry.state == State.READY and handle.link:
+                    # Before the name is kept: a link that cannot be made is a 400 that
+                    # leaves nothing behind. Under the lock, nothing evicts the entry first.
+                    await reg.link(handle, entry)
+                await reg.name(handle)
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-            if entry.state == State.READY and handle.link:
-                # Inside the lock: nothing evicts the entry between this answer and its link.
-                await reg.link(handle, entry)
             return self._view(handle), entry.state == State.READY
 
     def _check_name(self, name: str, request_key: str) -> None:
