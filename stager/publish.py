@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from stager.ops.sources import Folder, Visitor, open_top_unconfined, walk
+
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
 DISCARDED_PREFIX = "discarded-"
@@ -99,25 +101,65 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
 def delete_tree(path: Path, stop: StopFlag | threading.Event) -> bool:
     """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
     stopping: a million-file tree must not hold up its exit). True once it is all gone;
-    what is left of a stopped one is an orphan the next start removes."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        if os.path.lexists(path):
-            os.unlink(path)
+    what is left of a stopped one is an orphan the next start removes.
+
+    One ``unlinkat`` per file relative to its folder's descriptor, folders opened
+    without following links, listings streamed: faster than ``rm -rf`` (which also
+    stats each entry) and constant memory. Its calls release the GIL, so the daemon
+    runs it on a thread without slowing its replies (docs/performance.md).
+    """
+    path = str(path)
+    try:
+        top = open_top_unconfined(path)
+    except FileNotFoundError:
         return True
-    for dirpath, dirnames, filenames in os.walk(path, topdown=False):
-        for name in filenames:
-            if stop.is_set():
-                return False
-            os.unlink(os.path.join(dirpath, name))
-        for name in dirnames:  # emptied already, or links to folders (never followed)
-            child = os.path.join(dirpath, name)
-            if os.path.islink(child):
-                os.unlink(child)
-            else:
-                os.rmdir(child)
-    if os.path.lexists(path):
-        os.rmdir(path)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        os.unlink(path)  # a file, or a link (even to a folder): never followed
+        return True
+    try:
+        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
+    except _Stopped:
+        return False
+    finally:
+        os.close(top.fd)
+    os.rmdir(path)
     return True
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _check_stop(stop: StopFlag | threading.Event) -> None:
+    if stop.is_set():
+        raise _Stopped
+
+
+class _Deleter(Visitor):
+    # How many files between two looks at ``stop`` (a flat million-file folder).
+    CHECK_EVERY = 4096
+
+    def __init__(self, stop: StopFlag | threading.Event) -> None:
+        self.stop = stop
+        self.count = 0
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        try:
+            os.unlink(entry.name, dir_fd=folder.fd)
+        except PermissionError:
+            os.chmod(folder.fd, 0o700)  # a read-only folder (not ours to keep): open it up
+            os.unlink(entry.name, dir_fd=folder.fd)
+        self.count += 1
+        if self.count % self.CHECK_EVERY == 0:
+            _check_stop(self.stop)
+
+    link = special = file  # type: ignore[assignment]  # never followed, never opened
+
+    def leave(self, folder: Folder) -> None:
+        if folder.rel:
+            os.rmdir(folder.path)
 
 
 def make_link(link: Path, target: Path) -> None:
