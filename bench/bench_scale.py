@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_api import make_client, percentile, start_daemon
+from bench.bench_api import make_client, percentile, start_daemon, time_status
 from bench.datagen import make_small_tree
 from stager.fingerprint import sources_fingerprint
 from stager.ops.copy import CopyStep
@@ -107,11 +108,14 @@ class Watch:
             self.peak_mb = max(self.peak_mb, tree_rss_mb(self.daemon_pid))
 
     def _status(self) -> None:
+        # Started before the request is sent: its check (a walk of the source) runs in
+        # the daemon too. Until the name exists the answer is a 404, as quick to give.
         with make_client(self.run_dir) as client:
             while not self._stop.wait(0.02):
                 t0 = time.perf_counter()
-                client.get(f"/v1/datasets/{self.name}").raise_for_status()
+                code = client.get(f"/v1/datasets/{self.name}").status_code
                 self.latencies_ms.append((time.perf_counter() - t0) * 1000)
+                assert code in (200, 404), code
 
 
 # --- candidates ------------------------------------------------------------------
@@ -124,13 +128,15 @@ class Daemon:
     cache_dir: Path
     client: httpx.Client
     watches: dict[str, list[Watch]] = field(default_factory=dict)
+    post_s: dict[str, list[float]] = field(default_factory=dict)  # request answered
 
-    def stage(self, label: str, step: dict) -> float:
+    def stage(self, label: str, step: dict) -> tuple[float, float]:
         name = label.replace(" ", "-")
         body = {"name": name, "steps": [step]}
-        t0 = time.perf_counter()
-        self.client.post("/v1/datasets", json=body).raise_for_status()
         with Watch(self.process.pid, self.run_dir, name) as watch:
+            t0, cpu0 = time.perf_counter(), process_cpu(self.process.pid)
+            self.client.post("/v1/datasets", json=body).raise_for_status()
+            self.post_s.setdefault(label, []).append(time.perf_counter() - t0)
             reply = self.client.get(
                 f"/v1/datasets/{name}/wait", params={"timeout": 3600}, timeout=3700
             )
@@ -139,17 +145,17 @@ class Daemon:
         if state["state"] != "ready":
             raise SystemExit(f"{label} ended {state['state']}: {state['error']}")
         self.watches.setdefault(label, []).append(watch)
-        return elapsed
+        return elapsed, process_cpu(self.process.pid) - cpu0
 
-    def evict(self, label: str) -> float:
+    def evict(self, label: str) -> tuple[float, float]:
         """DELETE, then wait for the background delete to finish."""
         name = label.replace(" ", "-")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), process_cpu(self.process.pid)
         self.client.delete(f"/v1/datasets/{name}").raise_for_status()
         partial = self.cache_dir / "partial"
         while any(p.name.startswith("discarded-") for p in partial.iterdir()):
             time.sleep(0.005)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, process_cpu(self.process.pid) - cpu0
 
     def stop(self) -> None:
         self.client.close()
@@ -157,10 +163,20 @@ class Daemon:
         self.process.wait(60)
 
 
-def timed(command: list[str]) -> float:
-    t0 = time.perf_counter()
-    subprocess.run(command, check=True)
-    return time.perf_counter() - t0
+def timed(command: list[str], quiet: bool = False) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of a command."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL if quiet else None)
+    r1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    return wall, (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and of its children it has reaped (a staging process and
+    its workers are reaped before the staging reports ready)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -168,12 +184,17 @@ class Line:
     op: str
     baseline: str
     times: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, who: str, seconds: float) -> None:
-        self.times.setdefault(who, []).append(seconds)
+    def add(self, who: str, measured: tuple[float, float]) -> None:
+        self.times.setdefault(who, []).append(measured[0])
+        self.cpu.setdefault(who, []).append(measured[1])
 
     def median(self, who: str) -> float:
         return statistics.median(self.times[who])
+
+    def cpu_median(self, who: str) -> float:
+        return statistics.median(self.cpu[who])
 
 
 def count_files(root: Path) -> int:
@@ -188,8 +209,10 @@ def run_size(n: int, args: argparse.Namespace) -> dict[str, Line]:
     run_dir = Path(tempfile.mkdtemp(prefix="stg-scale-"))
     cache_dir = work / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
-    process = start_daemon(run_dir, cache_dir)
+    process = start_daemon(run_dir, cache_dir, nice=args.staging_nice)
     daemon = Daemon(process, run_dir, cache_dir, make_client(run_dir))
+    idle = time_status(daemon.client, "/v1/datasets", 200)
+    IDLE_P99[n] = percentile(idle, 99)
     lines = {
         "copy": Line("copy", "cp -r"),
         "symlink farm": Line("symlink farm", "cp -rs"),
@@ -254,17 +277,16 @@ def fingerprint_lines(src: Path, repeat: int) -> dict[str, Line]:
     lines = {"fingerprint, deep": Line("fingerprint, deep", "find -printf"),
              "fingerprint, cheap": Line("fingerprint, cheap", "")}  # fmt: skip
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        subprocess.run(find, check=True, stdout=subprocess.DEVNULL)
-        lines["fingerprint, deep"].add("find -printf", time.perf_counter() - t0)
+        lines["fingerprint, deep"].add("find -printf", timed(find, quiet=True))
         for deep, label in ((True, "fingerprint, deep"), (False, "fingerprint, cheap")):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             sources_fingerprint(step, deep=deep)
-            lines[label].add("stager", time.perf_counter() - t0)
+            lines[label].add("stager", (time.perf_counter() - t0, time.process_time() - cpu0))
     return lines
 
 
 MEMORY: dict[int, dict[str, tuple[float, float, int]]] = {}
+IDLE_P99: dict[int, float] = {}
 
 
 def memory_and_api(n: int, daemon: Daemon) -> None:
@@ -273,6 +295,7 @@ def memory_and_api(n: int, daemon: Daemon) -> None:
         latencies = [ms for watch in watches for ms in watch.latencies_ms]
         peak = max(watch.peak_mb for watch in watches)
         MEMORY[n][label] = (peak, percentile(latencies, 99), len(latencies))
+        print(f"  POST {label} answered after {statistics.median(daemon.post_s[label]):.3f} s")
 
 
 # --- report -----------------------------------------------------------------------
@@ -281,13 +304,17 @@ def memory_and_api(n: int, daemon: Daemon) -> None:
 def report(results: dict[int, dict[str, Line]], sizes: list[int]) -> None:
     for n in sizes:
         print(f"\n-- {n:,} files of 512 B in 1,000 folders (median of runs; ratio stager/baseline)")
-        print(f"{'op':<20}{'baseline':<14}{'base s':>9}{'stager s':>10}{'ratio':>7}  goal")
+        print(
+            f"{'op':<20}{'baseline':<14}{'base s':>9}{'stager s':>10}{'ratio':>7}  goal"
+            "  [cpu s: base / stager]"
+        )
         for line in results[n].values():
             stager = line.median("stager")
             if not line.baseline:
                 print(f"{line.op:<20}{'-':<14}{'':>9}{stager:>10.3f}")
                 continue
             base = line.median(line.baseline)
+            cpu = f"[cpu {line.cpu_median(line.baseline):.2f} / {line.cpu_median('stager'):.2f}]"
             goal = GOALS.get(line.op)
             verdict = (
                 ""
@@ -297,8 +324,9 @@ def report(results: dict[int, dict[str, Line]], sizes: list[int]) -> None:
             runs = "/".join(f"{t:.2f}" for t in line.times["stager"])
             print(
                 f"{line.op:<20}{line.baseline:<14}{base:>9.3f}{stager:>10.3f}"
-                f"{stager / base:>6.2f}x  {verdict}  (stager runs {runs})"
+                f"{stager / base:>6.2f}x  {verdict}  {cpu}  (stager runs {runs})"
             )
+        print(f"{'':<20}idle daemon: status p99 {IDLE_P99[n]:.1f} ms (machine load shows here)")
         for label, (peak, p99, count) in MEMORY[n].items():
             rss = "PASS" if peak <= RSS_GOAL_MB else "MISS"
             api = "PASS" if p99 < 20 else "MISS"
@@ -331,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work-dir", type=Path, default=Path("/dev/shm/stager-scale"))
     parser.add_argument("--keep-tree", action="store_true", help="keep the generated trees")
+    parser.add_argument(
+        "--staging-nice",
+        type=int,
+        default=None,
+        help="the daemon's --staging-nice (default: its own, 10); 0 shows what the ops cost "
+        "on a machine others are loading, where a niced staging waits for their processes",
+    )
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.files.split(",")]
     print(f"cpus: {os.cpu_count()}; load before: {os.getloadavg()}")

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from stager.ops.sources import Folder, Visitor, open_top_unconfined, walk
+# Re-exported: the lifecycle and the staging process delete trees through this module.
+from stager.deletion import delete_tree as delete_tree
+from stager.ops.sources import sum_sizes
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
 DISCARDED_PREFIX = "discarded-"
-
-
-class StopFlag(Protocol):
-    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -73,16 +69,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 def tree_size(root: Path) -> int:
     """Bytes on disk under root (files and link entries, not what links point to)."""
-    total = 0
-    stack = [root]
-    while stack:
-        with os.scandir(stack.pop()) as it:
-            for item in it:
-                if item.is_dir(follow_symlinks=False):
-                    stack.append(Path(item.path))
-                else:
-                    total += item.stat(follow_symlinks=False).st_size
-    return total
+    return sum_sizes(str(root))
 
 
 def discard(path: Path, trash_dir: Path) -> Path | None:
@@ -96,70 +83,6 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
     except FileNotFoundError:
         return None
     return trash
-
-
-def delete_tree(path: Path, stop: StopFlag | threading.Event) -> bool:
-    """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
-    stopping: a million-file tree must not hold up its exit). True once it is all gone;
-    what is left of a stopped one is an orphan the next start removes.
-
-    One ``unlinkat`` per file relative to its folder's descriptor, folders opened
-    without following links, listings streamed: faster than ``rm -rf`` (which also
-    stats each entry) and constant memory. Its calls release the GIL, so the daemon
-    runs it on a thread without slowing its replies (docs/performance.md).
-    """
-    path = str(path)
-    try:
-        top = open_top_unconfined(path)
-    except FileNotFoundError:
-        return True
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-            raise
-        os.unlink(path)  # a file, or a link (even to a folder): never followed
-        return True
-    try:
-        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
-    except _Stopped:
-        return False
-    finally:
-        os.close(top.fd)
-    os.rmdir(path)
-    return True
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _check_stop(stop: StopFlag | threading.Event) -> None:
-    if stop.is_set():
-        raise _Stopped
-
-
-class _Deleter(Visitor):
-    # How many files between two looks at ``stop`` (a flat million-file folder).
-    CHECK_EVERY = 4096
-
-    def __init__(self, stop: StopFlag | threading.Event) -> None:
-        self.stop = stop
-        self.count = 0
-
-    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
-        try:
-            os.unlink(entry.name, dir_fd=folder.fd)
-        except PermissionError:
-            os.chmod(folder.fd, 0o700)  # a read-only folder (not ours to keep): open it up
-            os.unlink(entry.name, dir_fd=folder.fd)
-        self.count += 1
-        if self.count % self.CHECK_EVERY == 0:
-            _check_stop(self.stop)
-
-    link = special = file  # type: ignore[assignment]  # never followed, never opened
-
-    def leave(self, folder: Folder) -> None:
-        if folder.rel:
-            os.rmdir(folder.path)
 
 
 def make_link(link: Path, target: Path) -> None:

@@ -186,7 +186,9 @@ class _TreeLink(Visitor):
         self.source, self.dst_root, self.ctx, self.policy = source, dst_root, ctx, special
         self.roots = Roots.of(ctx.allowed_roots)
         self.dsts: dict[int, str] = {}  # by folder descriptor: the folders being walked
-        self.pending: dict[int, list[str]] = {}
+        self.pending: dict[int, list[str]] = {}  # by folder descriptor: names to link
+        self.groups: list[tuple[str, str, list[str]]] = []  # the chunk being filled
+        self.files = 0
         self.workers = forked.Workers(
             forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
         )
@@ -195,14 +197,12 @@ class _TreeLink(Visitor):
         os.makedirs(self.dst_root, exist_ok=True)
         top = open_top(self.source, self.roots)
         top.path = self.source  # links name the user's path, not what it resolves to today
-        failed = True
         try:
-            self.dsts[top.fd] = self.dst_root
-            walk(top, self, self.policy, check=self._check)
-            self.workers.drain()
-            failed = False
+            with self.workers:
+                self.dsts[top.fd] = self.dst_root
+                walk(top, self, self.policy, check=self._check)
+                self._submit()
         finally:
-            self.workers.close(failed)
             os.close(top.fd)
         self.ctx.check_cancelled()
 
@@ -211,10 +211,13 @@ class _TreeLink(Visitor):
         self.workers.pump()
 
     def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
-        names = self.pending.setdefault(folder.fd, [])
+        names = self.pending.get(folder.fd)
+        if names is None:
+            names = self.pending[folder.fd] = []
         names.append(entry.name)
-        if len(names) >= BATCH:
-            self._flush(folder)
+        if self.files + len(names) >= BATCH:
+            self._close_group(folder)
+            self._submit()
 
     def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
         # Real folders, so later steps can rename or add entries inside the dataset.
@@ -232,38 +235,47 @@ class _TreeLink(Visitor):
         return None
 
     def leave(self, folder: Folder) -> None:
-        self._flush(folder)
+        self._close_group(folder)
         del self.dsts[folder.fd]
 
-    def _flush(self, folder: Folder) -> None:
+    def _close_group(self, folder: Folder) -> None:
         names = self.pending.pop(folder.fd, None)
         if names:
-            self.ctx.progress.add_total(0, len(names))
-            args = (folder.path, self.dsts[folder.fd], names)
-            self.workers.submit(_place_all, *args, files=len(names), then=None)
+            self.groups.append((folder.path, self.dsts[folder.fd], names))
+            self.files += len(names)
+            if self.files >= BATCH:
+                self._submit()
+
+    def _submit(self) -> None:
+        if self.groups:
+            groups, files = self.groups, self.files
+            self.groups, self.files = [], 0
+            self.ctx.progress.add_total(0, files)
+            self.workers.submit(_place_all, groups, files=files, then=None)
 
 
-def _place_all(src_dir: str, dst_dir: str, names: list[str]) -> None:
-    """A chunk, on a worker: link each of ``names`` in ``dst_dir`` to ``src_dir``'s."""
-    dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        prefix = f"{src_dir}/" if src_dir != "/" else "/"
-        for name in names:
-            _place(prefix + name, name, dfd)
-            if forked.stopping():
-                return
+def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
+    """A chunk, on a worker: in each group's destination folder, link each name to the
+    same name in its source folder. One ``symlinkat`` per link in the common case."""
+    for src_dir, dst_dir, names in groups:
+        if forked.stopping():
+            return
+        dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            prefix = f"{src_dir}/" if src_dir != "/" else "/"
+            symlink = os.symlink
+            for name in names:
+                try:
+                    symlink(prefix + name, name, dir_fd=dfd)
+                except FileExistsError:
+                    _place(prefix + name, name, dfd)
+        finally:
+            os.close(dfd)
         forked.report(0, len(names))
-    finally:
-        os.close(dfd)
 
 
 def _place(source: str, name: str, dfd: int) -> None:
-    """Make ``name`` a link to ``source``; the common case is a single syscall."""
-    try:
-        os.symlink(source, name, dir_fd=dfd)
-        return
-    except FileExistsError:
-        pass
+    """Something is at ``name`` already: keep it if it is the link, else replace it."""
     if _current_target(name, dfd) == source:
         return  # left by an earlier run
     have = os.stat(name, dir_fd=dfd, follow_symlinks=False)

@@ -90,8 +90,9 @@ def test_links_out_of_the_allowed_root_are_refused_at_any_depth(
         }.items():
             code, reply = settle(client, {"name": name, "steps": [step]})
             assert code == 400 and reply["error"]["type"] == "unsafe_path", reply
-            assert f"source {link} resolves to {tmp_path / 'secret.txt'}" in (
-                reply["error"]["message"]
+            assert (
+                f"source {link} resolves to {tmp_path / 'secret.txt'}"
+                in (reply["error"]["message"])
             )
         hop.unlink()
         hop.symlink_to(src / "class_0")  # now the chain stays inside: staged

@@ -236,3 +236,20 @@ def test_full_disk_says_so(tmp_path: Path, tmpfs: Callable[[str], Path]) -> None
     src.write_bytes(os.urandom(1024 * 1024))
     with pytest.raises(StagingIOError, match="disk filled up"):
         copy.run(CopyStep(src=str(src), dst="."), make_ctx(tiny_disk))
+
+
+def test_check_past_its_budget_scales_up_what_it_walked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree too large to walk at request time still gets an estimate (admission needs
+    one): the walked top-level folders' bytes, scaled to all of them."""
+    src = tmp_path / "src"
+    for i in range(20):
+        (src / f"class_{i:02d}").mkdir(parents=True)
+        for j in range(5):
+            (src / f"class_{i:02d}" / f"f{j}").write_bytes(b"x" * 1000)
+    ticks = iter(range(1_000_000))  # a clock that moves one second per look
+    monkeypatch.setattr(copy.time, "monotonic", lambda: float(next(ticks)))
+    monkeypatch.setattr(copy, "CHECK_BUDGET_S", 6.5)
+    assert copy.check(CopyStep(src=str(src)), CheckContext()) == 20 * 5 * 1000
+    assert next(ticks) < 12  # it stopped early: 20 folders would have taken 20 looks
