@@ -695,7 +695,12 @@ class _TreeCopy(Visitor):
         self.groups, self.group_outs, self.files, self.nbytes = [], [], 0, 0
         self.ctx.progress.add_total(nbytes, files)
         self.workers.submit(
-            _copy_files, groups, self.ctx.verify, files=files, then=lambda: self._done(outs)
+            _copy_files,
+            groups,
+            self.ctx.verify,
+            files=files,
+            nbytes=nbytes,
+            then=lambda: self._done(outs),
         )
 
     def _done(self, outs: list[_Out]) -> None:

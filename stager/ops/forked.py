@@ -13,7 +13,8 @@ slots of one shared array, and the walking process sums them into the op's
 (a folder's files, at most a few hundred), and at most a few chunks per worker are
 queued: memory stays the same whatever the tree's size.
 
-Small trees never pay for the fork: until ``parallel_after`` files have been seen,
+Small trees never pay for the fork: until ``parallel_after`` files (or
+``PARALLEL_AFTER_BYTES``) have been seen,
 :class:`Workers` runs each chunk on the calling thread. No thread exists in the
 staging process at that point, which is what makes the later fork safe.
 """
@@ -32,6 +33,9 @@ from stager.errors import Cancelled
 from stager.progress import ProgressSink
 
 _CONTEXT = multiprocessing.get_context("fork")
+# A few large files are worth the workers too: copying them is memory bandwidth,
+# which two cores have more of than one.
+PARALLEL_AFTER_BYTES = 128 << 20
 # Slot 0: stop (set by the walking process on error or cancel); then per worker
 # (bytes done, files done). The walking process itself, running chunks inline, is
 # worker 0.
@@ -92,7 +96,7 @@ class Workers:
         self._processes = processes
         self._progress = progress
         self._parallel_after = parallel_after
-        self._seen = 0
+        self._seen = self._seen_bytes = 0
         self._pool: ProcessPoolExecutor | None = None
         self._pending: dict[Future[Any], Callable[[], None] | None] = {}
         self._tally = _CONTEXT.RawArray("q", 3 + 2 * processes)
@@ -108,12 +112,22 @@ class Workers:
         return self._pool is not None
 
     def submit(
-        self, fn: Callable[..., None], *args: Any, files: int, then: Callable[[], None] | None
+        self,
+        fn: Callable[..., None],
+        *args: Any,
+        files: int,
+        nbytes: int = 0,
+        then: Callable[[], None] | None = None,
     ) -> None:
-        """Run ``fn(*args)`` (``files`` files' work) here or on a worker."""
+        """Run ``fn(*args)`` (``files`` files', ``nbytes`` bytes' work) here or on a worker."""
         self._check_cancel()
         self._seen += files
-        if self._pool is None and self._processes > 1 and self._seen >= self._parallel_after:
+        self._seen_bytes += nbytes
+        if (
+            self._pool is None
+            and self._processes > 1
+            and (self._seen >= self._parallel_after or self._seen_bytes >= PARALLEL_AFTER_BYTES)
+        ):
             self._start()
         if self._pool is None:
             fn(*args)

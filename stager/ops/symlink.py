@@ -78,24 +78,32 @@ CHECK_BUDGET_S = 2.0
 
 
 def check(step: SymlinkStep, ctx: CheckContext) -> int:
-    """Validate the source; links write no data, so the estimate is 0."""
-    require_source(step.src)
-    roots = Roots.of(ctx.allowed_roots)
-    try:
-        fd, st = open_path(step.src, roots)
-        os.close(fd)
-        if step.mode == "tree":
-            if not stat.S_ISDIR(st.st_mode):
-                raise BadRequest(
-                    f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
-                    "use mode 'link' for a single file"
-                )
+    """Validate the source, and scan a tree for what the staging would refuse (for
+    CHECK_BUDGET_S at most); links write no data, so the estimate is 0."""
+    _check_top(step, ctx)
+    if step.mode == "tree":
+        try:
+            roots = Roots.of(ctx.allowed_roots)
             _Scan(roots, step.special, time.monotonic() + CHECK_BUDGET_S).run(step.src)
-        elif not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
-            raise refuse_special(step.src, st.st_mode, skippable=False)
+        except OSError as exc:
+            raise _translate(exc, step.src) from exc
+    return 0
+
+
+def _check_top(step: SymlinkStep, ctx: CheckContext) -> None:
+    require_source(step.src)
+    try:
+        fd, st = open_path(step.src, Roots.of(ctx.allowed_roots))
+        os.close(fd)
     except OSError as exc:
         raise _translate(exc, step.src) from exc
-    return 0
+    if step.mode == "tree" and not stat.S_ISDIR(st.st_mode):
+        raise BadRequest(
+            f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
+            "use mode 'link' for a single file"
+        )
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+        raise refuse_special(step.src, st.st_mode, skippable=False)
 
 
 class _OverBudget(Exception):
@@ -134,7 +142,7 @@ def _judge_link(folder: Folder, name: str, roots: Roots, special: str) -> bool:
 
 
 def run(step: SymlinkStep, ctx: OpContext) -> None:
-    check(step, ctx.check_context)
+    _check_top(step, ctx.check_context)  # the tree itself is checked as it is walked
     source = os.path.abspath(step.src)
     try:
         if step.mode == "link":
