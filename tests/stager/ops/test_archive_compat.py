@@ -11,6 +11,7 @@ the session ("archive compatibility: ...").
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def test_stager_leaves_the_tree_the_reference_tool_leaves(name: str, tmp_path: P
     work = tmp_path / "work"
     work.mkdir()
     archives = case.build(work)
+    started = int(time.time())
     failure = tar_corpus.reference_extract(case, archives, tmp_path / "reference")
     if case.refusal is not None:
         assert failure is not None, f"{case.reference} extracted {name}; stager must too"
@@ -53,9 +55,15 @@ def test_stager_leaves_the_tree_the_reference_tool_leaves(name: str, tmp_path: P
         return
     assert failure is None, f"{case.reference} failed on {name}: {failure}"
     stager_extract(archives, tmp_path / "stager")
-    expected = tar_corpus.snapshot(tmp_path / "reference")
-    found = tar_corpus.snapshot(tmp_path / "stager")
+    link_times = case.reference == "tar"
+    expected = tar_corpus.snapshot(tmp_path / "reference", link_times)
+    found = tar_corpus.snapshot(tmp_path / "stager", link_times)
     assert found.keys() == expected.keys()
+    for rel, entry in expected.items():
+        if entry[0] == "dir" and entry[1] >= started:
+            # GNU tar sets a folder's mtime when it leaves it; members that come back to it
+            # later (appended by -u/-r) leave the time of extraction, not the archive's.
+            found[rel] = entry
     differ = {rel: (found[rel], expected[rel]) for rel in expected if found[rel] != expected[rel]}
     assert not differ, differ
     COMPAT_COUNTS["archives"] += len(archives)
