@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.counts import LINES
 from tests.daemon import Daemon
 
 
@@ -62,3 +63,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for point in mounts:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in LINES:
+        terminalreporter.write_line(line)
