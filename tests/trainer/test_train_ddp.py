@@ -15,7 +15,7 @@ from torchvision import datasets as tvd
 
 from bench.fakedata import make_inat2021 as make_inat_release
 from tests.trainer.conftest import free_port, run_trainer, tiny_args, trainer_env
-from trainer import checkpoint, data, engine
+from trainer import checkpoint, data, datasets, engine, transforms
 from trainer.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -53,14 +53,16 @@ def test_resnet_trains_on_fakedata_ddp(tmp_path):
     assert float(rows[-1]["train_loss"]) < 0.6 * float(rows[0]["train_loss"])
     assert "via torchrun" in done.stderr and "img/s" in done.stderr
     # The 2-rank evaluation scored exactly the model in the final checkpoint.
-    cfg = data.DataConfig(dataset="fake", root=tmp_path, fake_val_size=9, fake_image_size=16,
+    cfg = datasets.DataConfig(dataset="fake", root=tmp_path, fake_val_size=9, fake_image_size=16,
                           fake_classes=4)  # fmt: skip
-    val = data.Indexed(data.build_dataset(cfg, "val", data.eval_transform("fast", 16, 16)))
+    val = data.Indexed(
+        datasets.build_dataset(cfg, "val", transforms.eval_transform("fast", 16, 16))
+    )
     model = build_model("resnet18", 4)
     model.load_state_dict(_final_model(tmp_path))
     loader = data.make_loader(val, data.ShardedEvalSampler(9, 1, 0), 8, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 4)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 4)
     assert float(rows[-1]["val_loss"]) == pytest.approx(single["val_loss"], rel=1e-6)
     assert float(rows[-1]["top1"]) == single["top1"]
 
@@ -94,7 +96,7 @@ def _eval_setup(batch_size: int):
     torch.manual_seed(0)
     model = build_model("tinynet", 5)
     # 21 samples: not divisible by 2, and the last batches differ in size.
-    val = data.Indexed(tvd.FakeData(21, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
+    val = data.Indexed(tvd.FakeData(21, (3, 16, 16), 5, transforms.eval_transform("fast", 16, 16)))
     return model, val
 
 
@@ -107,7 +109,7 @@ def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
         sampler = data.ShardedEvalSampler(len(val), world, rank)
         loader = data.make_loader(val, sampler, 4, 0, False, drop_last=False)
         cpu = torch.device("cpu")
-        metrics = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+        metrics = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
         if rank == 0:
             Path(out).write_text(json.dumps(metrics))
     finally:
@@ -118,7 +120,7 @@ def test_distributed_eval_equals_single_process(tmp_path):
     model, val = _eval_setup(4)
     loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
     out = tmp_path / "dist.json"
     mp.spawn(_eval_worker, args=(2, free_port(), str(out)), nprocs=2)
     distributed = json.loads(out.read_text())
@@ -138,20 +140,22 @@ def _bn_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         torch.manual_seed(0)
         model = build_model("resnet18", 5)
-        train = data.Indexed(tvd.FakeData(48, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
-        sampler = data.ResumableSampler(train, world, rank, seed=0)
+        train = data.Indexed(
+            tvd.FakeData(48, (3, 16, 16), 5, transforms.eval_transform("fast", 16, 16))
+        )
+        sampler = data.ResumableSampler(data.EpochOrder(48, 0), world, rank, 4)
         loader = data.make_loader(train, sampler, 4, 0, False, drop_last=True)
         cpu = torch.device("cpu")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        cfg = engine.StepConfig(max_iters=3, print_freq=1000)
-        engine.train_one_epoch(ddp, torch.nn.CrossEntropyLoss(), opt, None, None, loader,
-                               data.DeviceNormalize(cpu), cpu, engine.Position(), cfg,
-                               engine.Hooks(), world)  # fmt: skip
+        cfg = engine.StepConfig(max_samples=3 * 4 * world, print_freq=1000, global_batch=4 * world)
+        parts = engine.Parts(ddp, model, torch.nn.CrossEntropyLoss(), opt,
+                             transforms.DeviceNormalize(cpu), cpu)  # fmt: skip
+        engine.train_one_epoch(parts, loader, engine.Position(), cfg, engine.Hooks(), world)
         _, val = _eval_setup(4)
         val_loader = data.make_loader(val, data.ShardedEvalSampler(len(val), world, rank), 4, 0,
                                       False, drop_last=False)  # fmt: skip
-        metrics = engine.evaluate(model, val_loader, data.DeviceNormalize(cpu), cpu, 5)
+        metrics = engine.evaluate(model, val_loader, transforms.DeviceNormalize(cpu), cpu, 5)
         if rank == 0:  # what the trainer's checkpoint holds: rank 0's model
             torch.save(model.state_dict(), Path(out) / "model.pt")
             (Path(out) / "dist.json").write_text(json.dumps(metrics))
@@ -167,7 +171,7 @@ def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
     _, val = _eval_setup(4)
     loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
     assert distributed["count"] == single["count"] == 21
     assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
     for key in ("top1", "top5", "mean_class_acc"):
