@@ -81,7 +81,8 @@ class Hooks:
     save_checkpoint: Callable[[], None] | None = None
     preempted: Callable[[], bool] | None = None
     after_step: Callable[[], None] | None = None  # profiler.step, debug signals
-    record_indices: Callable[[torch.Tensor], None] | None = None
+    # Testing aid: (indices, network input, targets) of every micro-batch.
+    record: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     log_row: Callable[[str, dict[str, Any], int], None] | None = None
 
 
@@ -115,14 +116,15 @@ def train_one_epoch(
     bar = _progress(cfg.progress_bar, steps, pos.epoch)
     batches = iter(loader)
     stopped = None
+    # The LR is set for the position before every step, so at any moment the
+    # optimizer holds the LR of the current sample count (what the logs show).
+    _set_lr(parts, pos)
     for _ in range(steps):
         # Checked before the step too: a run resumed from its final checkpoint
         # must not take one more step.
         if _reached(cfg.max_samples, pos):
             stopped = "max_iters"
             break
-        if parts.schedule is not None:
-            parts.schedule.apply(optimizer, pos.progress(parts.epoch_length))
         for micro in range(accum):
             t0 = time.perf_counter()
             images, targets, indices = next(batches)
@@ -153,8 +155,8 @@ def train_one_epoch(
             correct += (output.detach().argmax(1) == targets).sum()
             seen += n
             meter.add_images(n * world_size)
-            if hooks.record_indices is not None:
-                hooks.record_indices(indices)
+            if hooks.record is not None:
+                hooks.record(indices, images, soft)
         warming_up = (
             parts.schedule is not None and pos.progress(parts.epoch_length) < parts.schedule.warmup
         )
@@ -164,6 +166,7 @@ def train_one_epoch(
         pos.samples_in_epoch += cfg.global_batch
         if parts.ema is not None:
             parts.ema.after_step(parts.raw, pos.iteration, warming_up)
+        _set_lr(parts, pos)
         if hooks.after_step is not None:
             hooks.after_step()
         if bar is not None:
@@ -191,6 +194,11 @@ def train_one_epoch(
         stopped=stopped,
         throughput=meter.summary(),
     )
+
+
+def _set_lr(parts: Parts, pos: Position) -> None:
+    if parts.schedule is not None:
+        parts.schedule.apply(parts.optimizer, pos.progress(parts.epoch_length))
 
 
 def _reached(max_samples: int | None, pos: Position) -> bool:
@@ -238,6 +246,7 @@ def _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_
         "epoch": pos.epoch,
         "iteration": pos.iteration,
         "samples": pos.samples,
+        "samples_in_epoch": pos.samples_in_epoch,
         "loss": loss_sum.item() / n,
         "acc": correct.item() / n,
         "img_s": rate,

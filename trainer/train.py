@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
@@ -344,7 +345,7 @@ def train(args: argparse.Namespace, world: World, device: torch.device) -> int:
         save_checkpoint=save,
         preempted=preemption.requested,
         after_step=_after_step(args, pos, profiler),
-        record_indices=_recorder(args, world, pos),
+        record=_recorder(args, world, pos),
         log_row=metrics.row,
     )
     log.info(
@@ -505,14 +506,27 @@ def _after_step(args, pos: engine.Position, profiler):
 
 
 def _recorder(args, world: World, pos: engine.Position):
+    """--record-samples: each sample index trained, and a digest of each micro-batch.
+
+    ``samples-rank<R>.txt``: "<epoch> <index>" per sample. ``inputs-rank<R>.txt``:
+    "<samples seen> <sha256>" per micro-batch, over the network's input after
+    augmentation and mixing and the (soft) targets: equal digests mean equal
+    augmentations, so tests can compare ranks and resumed runs draw by draw.
+    """
     if not args.record_samples:
         return None
     directory = Path(args.record_samples)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"samples-rank{world.rank}.txt"
+    samples = directory / f"samples-rank{world.rank}.txt"
+    inputs = directory / f"inputs-rank{world.rank}.txt"
 
-    def record(indices: torch.Tensor) -> None:
-        with open(path, "a") as f:
+    def record(indices: torch.Tensor, images: torch.Tensor, targets: torch.Tensor) -> None:
+        with open(samples, "a") as f:
             f.writelines(f"{pos.epoch} {i}\n" for i in indices.tolist())
+        digest = hashlib.sha256()
+        for t in (images, targets):
+            digest.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        with open(inputs, "a") as f:
+            f.write(f"{pos.samples} {digest.hexdigest()}\n")
 
     return record

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -176,50 +175,6 @@ def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
     assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
     for key in ("top1", "top5", "mean_class_acc"):
         assert distributed[key] == single[key], key
-
-
-# ----------------------------------------------------------------- preemption and resume
-
-
-def test_sigusr1_then_resume_matches_uninterrupted_run(tmp_path):
-    # 48 samples, 2 ranks x batch 4: 6 steps an epoch; the signal lands at
-    # step 8, i.e. in the middle of epoch 1.
-    common = ["--epochs", "2", "--deterministic", "--lr", "0.05", "--no-eval"]
-    full = tmp_path / "full"
-    done = run_trainer(tiny_args(full, *common, "--record-samples", str(full / "rec")), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    bin_dir = tmp_path / "bin"  # a stand-in scontrol that records how it was called
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    env = trainer_env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{trainer_env()['PATH']}")
-    cut = tmp_path / "cut"
-    args = tiny_args(cut, *common, "--record-samples", str(cut / "rec"))
-    done = run_trainer([*args, "--debug-signal-at-iter", "8"], nproc=2, env=env)
-    assert done.returncode != 0  # 75 from the workers; torchrun reports it as a failure
-    assert "preempted at iteration 8 (epoch 1)" in done.stderr and "requeued" in done.stderr
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    assert checkpoint.latest(cut / "checkpoints").name == "checkpoint-000000008.pt"
-
-    done = run_trainer([*args, "--resume"], nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr and "iteration 8" in done.stderr
-
-    a, b = _final_model(full), _final_model(cut)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-    def seen(rec: Path) -> Counter:
-        lines = [line.split() for f in rec.glob("samples-rank*.txt") for line in open(f)]
-        return Counter((int(e), int(i)) for e, i in lines)
-
-    uninterrupted, resumed = seen(full / "rec"), seen(cut / "rec")
-    assert resumed == uninterrupted
-    for epoch in (0, 1):
-        ids = sorted(i for (e, i), n in resumed.items() if e == epoch for _ in range(n))
-        assert ids == list(range(48)), f"epoch {epoch}: duplicates or gaps"
 
 
 def test_gradient_accumulation_equals_larger_batch(tmp_path):
