@@ -12,7 +12,9 @@ the samples not yet seen (`ResumableSampler`).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -185,10 +187,25 @@ def worker_init(worker_id: int) -> None:
     process then raises "DataLoader worker exited unexpectedly" from its
     SIGCHLD handler, before any checkpoint. Ignored here, the signal only
     reaches the training loop's handler; the workers end when the loader is
-    shut down (or, at the latest, when they see their parent gone).
+    shut down, when they see their parent gone, or by `_stop_workers` at exit.
     """
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+
+@atexit.register  # after multiprocessing's own exit handler, so it runs before it
+def _stop_workers() -> None:
+    """Kill loader workers still alive when the trainer exits.
+
+    A run that ends with an error can leave a persistent loader that was never
+    shut down; multiprocessing's exit handler would then SIGTERM its workers,
+    which ignore SIGTERM (`worker_init`), and wait for them forever. At exit
+    they have nothing left to do.
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:  # loader workers; the trainer starts no other daemonic children
+            child.kill()
+            child.join(timeout=5)
 
 
 def default_workers(
