@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.counts import LINES
 from tests.daemon import Daemon
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
 
@@ -86,3 +87,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for point in mounts:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in LINES:
+        terminalreporter.write_line(line)
