@@ -9,6 +9,30 @@ import pytest
 
 from tests.counts import LINES
 from tests.daemon import Daemon
+from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process the tests start inherits the mark: `pytest_sessionfinish` finds
+    # the daemons of this run, and only those.
+    mark_session()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a daemon it started is still running (slurmctld, slurmd,
+    munged, stager serve): tests stop what they start."""
+    left = leftovers()
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = ["the test run left these running (a test or fixture did not stop them):", *left]
+    if reporter is not None:
+        reporter.write_sep("=", "left running", red=True)
+        for line in lines:
+            reporter.write_line(line)
+    else:
+        print("\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
