@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_api import make_client, percentile, start_daemon  # noqa: E402
 from bench.datagen import make_tree  # noqa: E402
 from stager.fingerprint import sources_fingerprint  # noqa: E402
-from stager.schemas import CopyStep  # noqa: E402
+from stager.ops.copy import CopyStep  # noqa: E402
 
 
 def drop_caches() -> bool:
@@ -69,7 +69,7 @@ def bench_hits(tree: Path, work: Path, requests: int) -> None:
 
 
 def bench_fingerprint(tree: Path) -> None:
-    steps = [CopyStep(op="copy", src=str(tree))]
+    steps = [CopyStep(src=str(tree))]
     print(f"fingerprint of {tree} ({sum(1 for _ in tree.rglob('*.jpg'))} files):")
     for deep in (False, True):
         label = "deep" if deep else "cheap"

@@ -29,8 +29,9 @@ from pathlib import Path
 from bench.datagen import make_tree, tree_bytes
 from stager.ops import copy, symlink
 from stager.ops.base import OpContext
+from stager.ops.copy import CopyStep
+from stager.ops.symlink import SymlinkStep
 from stager.progress import Progress
-from stager.schemas import CopyStep, SymlinkStep
 
 Candidate = Callable[[Path, Path], None]
 
@@ -71,7 +72,7 @@ def run_cp(*flags: str) -> Candidate:
 def stager_copy(workers: int, verify: str) -> Candidate:
     def candidate(src: Path, dst: Path) -> None:
         ctx = OpContext(root=dst.parent, progress=Progress(), workers=workers, verify=verify)
-        copy.run(CopyStep(op="copy", src=str(src), dst=dst.name), ctx)
+        copy.run(CopyStep(src=str(src), dst=dst.name), ctx)
 
     return candidate
 
@@ -79,7 +80,7 @@ def stager_copy(workers: int, verify: str) -> Candidate:
 def stager_symlink_tree(workers: int) -> Candidate:
     def candidate(src: Path, dst: Path) -> None:
         ctx = OpContext(root=dst.parent, progress=Progress(), workers=workers)
-        symlink.run(SymlinkStep(op="symlink", src=str(src), dst=dst.name, mode="tree"), ctx)
+        symlink.run(SymlinkStep(src=str(src), dst=dst.name, mode="tree"), ctx)
 
     return candidate
 

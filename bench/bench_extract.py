@@ -27,8 +27,8 @@ from pathlib import Path
 from bench.datagen import make_archives, make_tree, tree_bytes
 from stager.ops import extract
 from stager.ops.base import OpContext
+from stager.ops.extract import ExtractStep
 from stager.progress import Progress
-from stager.schemas import ExtractStep
 
 
 @dataclass
@@ -82,7 +82,7 @@ def _tar_runner(flags: str, archive: Path) -> Callable[[Path], None]:
 def _stager_runner(archive: Path, workers: int) -> Callable[[Path], None]:
     def run(dest: Path) -> None:
         ctx = OpContext(root=dest, progress=Progress(), workers=workers)
-        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+        extract.run(ExtractStep(src=str(archive)), ctx)
 
     return run
 

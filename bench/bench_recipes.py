@@ -36,7 +36,7 @@ from pathlib import Path
 from unittest import mock
 
 from stager import recipes
-from stager.ops import run_step
+from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import Progress
 from stager.schemas import DatasetCreate
@@ -129,12 +129,12 @@ def tree_stats(root: Path) -> tuple[int, int]:
 def stager_recipe(recipe: str, source: Path, workers: int) -> Callable[[Path], None]:
     request = DatasetCreate(name="bench", recipe=recipe, source=str(source))
     steps = recipes.expand(request, Settings()).steps
+    ops = table.load()
 
     def run(dest: Path) -> None:
-        ctx = OpContext(root=dest, progress=Progress(steps_total=len(steps)), workers=workers)
-        for index, step in enumerate(steps, start=1):
-            ctx.progress.start_step(step.op, index)
-            run_step(step, ctx)
+        ctx = OpContext(root=dest, progress=Progress(), workers=workers)
+        for step in steps:
+            ops.run(step, ctx)
 
     return run
 

@@ -25,6 +25,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from client._discovery import Endpoint, discover
+from client._progress import describe_step
 from client.errors import (
     Conflict,
     ConnectionLost,
@@ -150,7 +151,7 @@ def outcome(status: DatasetPublic) -> DatasetPublic | None:
 
 def _timed_out(status: DatasetPublic, timeout: float) -> WaitTimeout:
     p = status.progress
-    where = f"step {p.step_index + 1}/{p.steps_total} {p.step or ''}".rstrip()
+    where = describe_step(p) or "not started"
     if p.bytes_total:
         where += f", {p.bytes_done / p.bytes_total:.0%} of {p.bytes_total} bytes"
     return WaitTimeout(

@@ -49,9 +49,10 @@ def describe_eta(p: ProgressPublic) -> str:
 
 
 def describe_step(p: ProgressPublic) -> str:
-    if not p.steps_total:
+    """``step_index`` as the daemon defines it (1-based; 0 = not started), unchanged."""
+    if not p.steps_total or not p.step_index:
         return ""
-    return f"step {min(p.step_index + 1, p.steps_total)}/{p.steps_total} {p.step or ''}".rstrip()
+    return f"step {p.step_index}/{p.steps_total} {p.step or ''}".rstrip()
 
 
 def summary(status: DatasetPublic) -> str:

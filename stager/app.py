@@ -40,7 +40,8 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
-    errors.install(app)
+    errors.install(app, engine.ops.names)
+    app.include_router(datasets.stage_router(engine.ops))
     app.include_router(datasets.router)
     app.include_router(recipes.router)
     app.include_router(cache_routes.router)

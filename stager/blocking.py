@@ -18,18 +18,8 @@ from typing import Any, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager import errors
-from stager.progress import Progress
-from stager.worker import (
-    BYTES_DONE,
-    BYTES_TOTAL,
-    CONTEXT,
-    FILES_DONE,
-    FILES_TOTAL,
-    HAS_FILES_TOTAL,
-    STEP,
-    StageJob,
-    stage_in_child,
-)
+from stager.progress import Progress, SharedCounters
+from stager.worker import CONTEXT, StageJob, stage_in_child
 
 log = logging.getLogger("stager.staging")
 
@@ -49,7 +39,7 @@ async def run_staging(
 
     ``cancel`` is forwarded to the child, which stops at its next unit of work.
     """
-    counters = CONTEXT.Array("q", 6)
+    counters = SharedCounters(CONTEXT)
     child_cancel = CONTEXT.Event()
     receiver, sender = CONTEXT.Pipe(duplex=False)
     process = CONTEXT.Process(
@@ -66,7 +56,7 @@ async def run_staging(
         while message is None:
             if cancel.is_set():
                 child_cancel.set()
-            _mirror(counters, progress, job)
+            progress.mirror(counters)
             if receiver.poll():
                 message = receiver.recv()
             elif not process.is_alive():
@@ -82,7 +72,7 @@ async def run_staging(
         child_cancel.set()  # no-op when it finished; stops it when we are being cancelled
         await run_io(_reap, process)
         receiver.close()
-    _mirror(counters, progress, job)
+    progress.mirror(counters)
     return _outcome(message)
 
 
@@ -91,20 +81,6 @@ def _reap(process: Any, grace_s: float = 3.0) -> None:
     if process.is_alive():
         process.kill()
         process.join()
-
-
-def _mirror(counters: Any, progress: Progress, job: StageJob) -> None:
-    with counters.get_lock():
-        values = list(counters)
-    index = values[STEP]
-    progress.mirror(
-        step_index=index,
-        step=job.steps[index - 1].op if index else None,
-        bytes_total=values[BYTES_TOTAL],
-        files_total=values[FILES_TOTAL] if values[HAS_FILES_TOTAL] else None,
-        bytes_done=values[BYTES_DONE],
-        files_done=values[FILES_DONE],
-    )
 
 
 def _outcome(message: tuple[str, Any]) -> int:

@@ -20,8 +20,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter
-
 from stager.errors import StagerError
 from stager.progress import Progress
 from stager.schemas import (
@@ -29,7 +27,6 @@ from stager.schemas import (
     ErrorInfo,
     LeasePublic,
     State,
-    Step,
     TorchvisionUsage,
 )
 
@@ -41,8 +38,6 @@ ALLOWED = {
     State.CANCELLED: {State.QUEUED},
     State.EVICTED: {State.QUEUED},
 }
-
-STEPS_ADAPTER = TypeAdapter(list[Step])
 
 
 def now() -> datetime:

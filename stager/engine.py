@@ -29,6 +29,7 @@ from stager.errors import (
 from stager.fingerprint import sources_fingerprint
 from stager.leases import Lease
 from stager.metrics import Metrics
+from stager.ops import table
 from stager.progress import Progress
 from stager.publish import (
     DISCARDED_PREFIX,
@@ -66,6 +67,7 @@ class Engine:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.ops = table.for_settings(settings)
         self._store: Store | None = None
         self._entries: dict[str, Entry] = {}
         self._handles: dict[str, Handle] = {}
@@ -88,7 +90,7 @@ class Engine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await run_io(preflight.ensure_dirs, self.settings)
-        self._store = await run_io(Store, self.settings.db_path)
+        self._store = await run_io(Store, self.settings.db_path, self.ops)
         entries, handles, leases = await run_io(self._store.load)
         self._entries = {e.key: e for e in entries}
         self._handles = {h.name: h for h in handles if h.key in self._entries}
@@ -113,7 +115,7 @@ class Engine:
             if entry.state == State.QUEUED:
                 log.info("resuming interrupted staging of %s", entry.key)
                 # Ops re-count the work they find already done, so start the counters afresh.
-                entry.progress = Progress(steps_total=len(entry.steps))
+                entry.progress = Progress(step_names=[s.op for s in entry.steps])
                 await run_io(self._store_entry_sync, entry)
                 self._queue.put_nowait(entry.key)
             elif entry.state == State.READY and not await run_io(self._final(entry).is_dir):
@@ -201,7 +203,9 @@ class Engine:
         existing = self._entries.get(key)
         if existing is None or not (existing.active or existing.state == State.READY):
             # Only a miss pays for validating sources and estimating the size (a walk).
-            estimate = await run_io(preflight.check_steps, expansion.steps, self.settings)
+            estimate = await run_io(
+                preflight.check_steps, expansion.steps, request.verify, self.settings
+            )
         else:
             estimate = existing.estimate_bytes
 
@@ -293,7 +297,7 @@ class Engine:
         else:
             entry.move(State.QUEUED)
             entry.last_used_at = now()
-        entry.progress = Progress(steps_total=len(entry.steps))
+        entry.progress = Progress(step_names=[s.op for s in entry.steps])
         entry.estimate_bytes = estimate
         await self._save(entry)
         self._queue.put_nowait(key)
@@ -553,7 +557,9 @@ class Engine:
         entry.move(State.STAGING)
         await self._save(entry)
         job = StageJob(
-            steps=entry.steps,
+            steps=self.ops.dump_steps(entry.steps),
+            op_modules=tuple(self.settings.op_modules),
+            allowed_roots=tuple(self.settings.allowed_roots),
             partial=self._partial(entry),
             final=self._final(entry),
             workers=self.settings.op_workers,
@@ -579,10 +585,11 @@ class Engine:
             message = f"internal error while staging: {exc!r}; see the daemon log"
             await self._fail(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
         else:
+            # Links first: whoever the save wakes may use the link at once.
+            await self._link_all(entry)
             entry.move(State.READY)
             self.metrics.staged_bytes.inc(entry.size_bytes)
             await self._save(entry)
-            await self._link_all(entry)
         finally:
             self._running.discard(future)
 

@@ -12,20 +12,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from stager import ops
 from stager.errors import BadRequest, UnsafePath
+from stager.ops import table
+from stager.ops.base import CheckContext
 from stager.settings import Settings
 
 
-def check_steps(steps: list[Any], settings: Settings) -> int:
+def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
     """Validate every step's source; return the estimated bytes the staging writes."""
-    total = 0
     for step in steps:
         src = getattr(step, "src", None)
-        if src is not None and step.op != "rename":
+        # A relative src is inside the dataset (an earlier step's output), not a source.
+        if isinstance(src, str) and src.startswith("/"):
             check_allowed_root(src, settings)
-        total += ops.check_step(step)
-    return total
+    ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
+    return table.for_settings(settings).check(steps, ctx)
 
 
 def check_allowed_root(source: str, settings: Settings) -> None:

@@ -1,44 +1,160 @@
-"""Progress of one staging: counters fed by worker threads, rate and ETA derived.
+"""Progress of one staging, from the op that does the work to the wire.
 
-Modelled on rich's progress ``Task``: samples of (time, bytes_done) in a sliding
-window give the rate; the clock is injected so tests drive time by hand.
+One channel, in the order the numbers travel:
+
+1. An op reports work through a ``ProgressSink`` (``add_total`` as it discovers
+   work, ``advance`` as it finishes it). In the staging process the sink is
+   ``WorkerCounters``: it adds into plain integers and publishes them to shared
+   memory at most every ``PUBLISH_S``, so a million files cost a million
+   additions, not a million trips across the process boundary.
+2. ``SharedCounters`` is that shared memory: a few 64-bit slots the daemon
+   reads without a message or a lock held across processes for long.
+3. ``Progress`` (in the daemon) takes those absolute counters, keeps samples in
+   a sliding window and derives the rate and the ETA, with an injectable clock
+   (modelled on rich's progress ``Task``).
+4. ``ProgressPublic`` is the wire model every client renders as it is.
+
+``step_index`` means the same everywhere: the 1-based position of the step that
+is running ("step 1 of 3" while the first step runs), 0 before the first step
+starts. Clients print it without arithmetic of their own.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any, Protocol
 
-from stager.schemas import ProgressPublic
+from pydantic import BaseModel, Field
 
 Clock = Callable[[], float]
 
+# How often the staging process publishes its counters: the daemon samples them
+# every 0.1 s, so publishing faster only costs the ops time.
+PUBLISH_S = 0.05
+
+
+class ProgressPublic(BaseModel):
+    """A staging's progress as the API reports it."""
+
+    step: str | None = Field(default=None, description="op name of the running step")
+    step_index: int = Field(
+        default=0,
+        description="1-based position of the running step (1 while the first step runs); "
+        "0 before the first step starts",
+    )
+    steps_total: int = 0
+    bytes_done: int = 0
+    bytes_total: int = 0
+    files_done: int = 0
+    files_total: int | None = Field(default=None, description="null while not yet known")
+    rate_bytes_per_s: float = 0.0
+    eta_s: float | None = None
+
+
+class ProgressSink(Protocol):
+    """What ops report to."""
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        """Grow the known amount of work, as it is discovered."""
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        """Count work done."""
+
+
+# Slots of the shared counters.
+_STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL = range(6)
+
+
+class SharedCounters:
+    """Absolute counters of one staging in shared memory: written by the staging
+    process, read by the daemon. Picklable into a ``spawn`` child."""
+
+    def __init__(self, context: Any = None) -> None:
+        self._array = (context or multiprocessing).Array("q", 6)
+
+    def write(self, values: list[int]) -> None:
+        with self._array.get_lock():
+            self._array[:] = values
+
+    def read(self) -> list[int]:
+        with self._array.get_lock():
+            return list(self._array)
+
+
+class WorkerCounters:
+    """The staging process's ``ProgressSink``: thread-safe local sums, published to
+    ``SharedCounters`` now and then (see the module docstring)."""
+
+    def __init__(self, shared: SharedCounters, clock: Clock = time.monotonic) -> None:
+        self._shared = shared
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._values = [0] * 6
+        self._published_at = 0.0
+
+    def start_step(self, index: int) -> None:
+        with self._lock:
+            self._values[_STEP] = index
+            self._publish()
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        with self._lock:
+            self._values[_BYTES_TOTAL] += nbytes
+            if files:
+                self._values[_FILES_TOTAL] += files
+                self._values[_HAS_FILES_TOTAL] = 1
+            self._maybe_publish()
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        with self._lock:
+            self._values[_BYTES_DONE] += nbytes
+            self._values[_FILES_DONE] += files
+            self._maybe_publish()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._publish()
+
+    def _maybe_publish(self) -> None:
+        if self._clock() - self._published_at >= PUBLISH_S:
+            self._publish()
+
+    def _publish(self) -> None:
+        self._shared.write(self._values)
+        self._published_at = self._clock()
+
 
 class Progress:
-    """Thread-safe counters for one dataset; ``snapshot()`` is what the API shows."""
+    """A dataset's progress in the daemon; ``snapshot()`` is what the API shows.
 
-    def __init__(self, steps_total: int = 0, clock: Clock = time.monotonic, window_s: float = 5.0):
+    It is also a ``ProgressSink``, for ops run in-process (tests, benchmarks).
+    """
+
+    def __init__(
+        self,
+        steps_total: int = 0,
+        step_names: list[str] | None = None,
+        clock: Clock = time.monotonic,
+        window_s: float = 5.0,
+    ):
         self._clock = clock
         self._window_s = window_s
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int]] = deque()
+        self._step_names = step_names or []
         self.step: str | None = None
         self.step_index = 0
-        self.steps_total = steps_total
+        self.steps_total = steps_total or len(self._step_names)
         self.bytes_done = 0
         self.bytes_total = 0
         self.files_done = 0
         self.files_total: int | None = None
 
-    def start_step(self, name: str, index: int) -> None:
-        with self._lock:
-            self.step = name
-            self.step_index = index
-
     def add_total(self, nbytes: int = 0, files: int = 0) -> None:
-        """Grow the known amount of work; ops call this as they discover it."""
         with self._lock:
             self.bytes_total += nbytes
             if files:
@@ -50,21 +166,18 @@ class Progress:
             self.files_done += files
             self._sample()
 
-    def mirror(
-        self,
-        step_index: int,
-        step: str | None,
-        bytes_total: int,
-        files_total: int | None,
-        bytes_done: int,
-        files_done: int,
-    ) -> None:
-        """Take absolute counters reported by a staging process."""
+    def mirror(self, shared: SharedCounters) -> None:
+        """Take the absolute counters a staging process published."""
+        values = shared.read()
         with self._lock:
-            self.step_index, self.step = step_index, step
-            self.bytes_total, self.files_total = bytes_total, files_total
-            changed = bytes_done != self.bytes_done
-            self.bytes_done, self.files_done = bytes_done, files_done
+            index = values[_STEP]
+            self.step_index = index
+            if 0 < index <= len(self._step_names):
+                self.step = self._step_names[index - 1]
+            self.bytes_total = values[_BYTES_TOTAL]
+            self.files_total = values[_FILES_TOTAL] if values[_HAS_FILES_TOTAL] else None
+            changed = values[_BYTES_DONE] != self.bytes_done
+            self.bytes_done, self.files_done = values[_BYTES_DONE], values[_FILES_DONE]
             if changed or not self._samples:
                 self._sample()
 
@@ -111,9 +224,11 @@ class Progress:
             )
 
     @classmethod
-    def restore(cls, public: ProgressPublic, clock: Clock = time.monotonic) -> Progress:
+    def restore(
+        cls, public: ProgressPublic, step_names: list[str], clock: Clock = time.monotonic
+    ) -> Progress:
         """Rebuild counters from a stored snapshot (after a daemon restart)."""
-        progress = cls(steps_total=public.steps_total, clock=clock)
+        progress = cls(step_names=step_names, clock=clock)
         progress.step, progress.step_index = public.step, public.step_index
         progress.bytes_total, progress.files_total = public.bytes_total, public.files_total
         progress.bytes_done, progress.files_done = public.bytes_done, public.files_done

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     staging_nice: int = Field(default=10, ge=0, le=19)  # CPU priority of staging processes
     allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
     recipe_dirs: list[Path] = Field(default_factory=list)
+    # Modules that add ops to the op table (each defines OPS; see stager.ops.table).
+    op_modules: list[str] = Field(default_factory=list)
     capacity_bytes: int = Field(default=0, ge=0)  # cache size limit; 0 means the disk's size
     sweep_interval_s: float = Field(default=30.0, gt=0)  # lease expiry and capacity sweep
     min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk

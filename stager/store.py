@@ -14,8 +14,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from stager.dataset import STEPS_ADAPTER, Entry, Handle
+from stager.dataset import Entry, Handle
 from stager.leases import Lease
+from stager.ops.table import OpTable
 from stager.progress import Progress
 from stager.schemas import ErrorInfo, ProgressPublic, State
 
@@ -55,7 +56,8 @@ CREATE TABLE IF NOT EXISTS leases (
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, ops: OpTable) -> None:
+        self._ops = ops
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -85,7 +87,7 @@ class Store:
             {
                 "key": entry.key,
                 "spec": json.dumps(entry.spec),
-                "steps": STEPS_ADAPTER.dump_json(entry.steps).decode(),
+                "steps": json.dumps(self._ops.dump_steps(entry.steps)),
                 "verify": entry.verify,
                 "state": entry.state.value,
                 "error": entry.error.model_dump_json() if entry.error else None,
@@ -131,28 +133,30 @@ class Store:
             finally:
                 self._db.row_factory = None
         return (
-            [_entry(dict(r)) for r in entries],
+            [self._entry(dict(r)) for r in entries],
             [_handle(dict(r)) for r in handles],
             [_lease(dict(r)) for r in leases],
         )
 
-
-def _entry(row: dict[str, Any]) -> Entry:
-    return Entry(
-        key=row["key"],
-        spec=json.loads(row["spec"]),
-        steps=STEPS_ADAPTER.validate_json(row["steps"]),
-        verify=row["verify"],
-        state=State(row["state"]),
-        error=ErrorInfo.model_validate_json(row["error"]) if row["error"] else None,
-        progress=Progress.restore(ProgressPublic.model_validate_json(row["progress"])),
-        usage=json.loads(row["usage"]),
-        size_bytes=row["size_bytes"],
-        estimate_bytes=row["estimate_bytes"],
-        created_at=datetime.fromisoformat(row["created_at"]),
-        updated_at=datetime.fromisoformat(row["updated_at"]),
-        last_used_at=datetime.fromisoformat(row["last_used_at"]),
-    )
+    def _entry(self, row: dict[str, Any]) -> Entry:
+        steps = self._ops.validate_steps_json(row["steps"])
+        return Entry(
+            key=row["key"],
+            spec=json.loads(row["spec"]),
+            steps=steps,
+            verify=row["verify"],
+            state=State(row["state"]),
+            error=ErrorInfo.model_validate_json(row["error"]) if row["error"] else None,
+            progress=Progress.restore(
+                ProgressPublic.model_validate_json(row["progress"]), [s.op for s in steps]
+            ),
+            usage=json.loads(row["usage"]),
+            size_bytes=row["size_bytes"],
+            estimate_bytes=row["estimate_bytes"],
+            created_at=datetime.fromisoformat(row["created_at"]),
+            updated_at=datetime.fromisoformat(row["updated_at"]),
+            last_used_at=datetime.fromisoformat(row["last_used_at"]),
+        )
 
 
 def _handle(row: dict[str, Any]) -> Handle:

@@ -5,9 +5,10 @@ utime, tar headers); in threads of the daemon they would hold the GIL against
 the event loop and push status replies from ~1 ms to tens of milliseconds. In a
 child they cannot, and a crash inside an op cannot take the daemon down.
 
-The child reports progress through a small shared-memory array and its outcome
-through a pipe; the parent (``StagingProcess``) mirrors the counters into the
-entry's ``Progress`` a few times a second.
+The child reports progress through the progress channel's shared counters (see
+:mod:`stager.progress`) and its outcome through a pipe; the daemon
+(:func:`stager.blocking.run_staging`) mirrors the counters into the entry's
+``Progress`` a few times a second.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -24,48 +26,31 @@ from typing import Any
 
 from stager.children import die_with_parent
 from stager.errors import Cancelled, StagerError
-from stager.ops import run_step
+from stager.ops import table
 from stager.ops.base import OpContext
-from stager.publish import publish, steps_marker, tree_size, write_atomically
+from stager.progress import SharedCounters, WorkerCounters
+from stager.publish import delete_tree, publish, steps_marker, tree_size, write_atomically
 
 # Spawn, not fork: the daemon has threads (uvicorn, anyio) that fork would clone mid-state.
 CONTEXT = multiprocessing.get_context("spawn")
 
-# Slots of the shared counters array.
-STEP, BYTES_TOTAL, FILES_TOTAL, BYTES_DONE, FILES_DONE, HAS_FILES_TOTAL = range(6)
-
 
 @dataclass
 class StageJob:
-    steps: list[Any]
+    """What a staging process needs, all of it picklable into a ``spawn`` child.
+
+    Steps travel as JSON-like dicts and are validated again in the child by the same
+    op table (built from ``op_modules``), so a site's own ops work there too.
+    """
+
+    steps: list[dict[str, Any]]
+    op_modules: tuple[str, ...]
     partial: Path
     final: Path
     workers: int
     verify: str
+    allowed_roots: tuple[Path, ...] = ()
     nice: int = 10
-
-
-class RelayProgress:
-    """The ``Progress`` interface ops use, writing into shared counters."""
-
-    def __init__(self, counters: Any) -> None:
-        self._counters = counters
-
-    def start_step(self, name: str, index: int) -> None:
-        with self._counters.get_lock():
-            self._counters[STEP] = index
-
-    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
-        with self._counters.get_lock():
-            self._counters[BYTES_TOTAL] += nbytes
-            if files:
-                self._counters[FILES_TOTAL] += files
-                self._counters[HAS_FILES_TOTAL] = 1
-
-    def advance(self, nbytes: int = 0, files: int = 0) -> None:
-        with self._counters.get_lock():
-            self._counters[BYTES_DONE] += nbytes
-            self._counters[FILES_DONE] += files
 
 
 class _ParentWatch:
@@ -90,7 +75,7 @@ class _ParentWatch:
 
 def stage_in_child(
     job: StageJob,
-    counters: Any,
+    counters: SharedCounters,
     cancel: Any,
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
@@ -116,7 +101,7 @@ def stage_in_child(
         conn.close()
 
 
-def _stage(job: StageJob, counters: Any, cancel: Any) -> int:
+def _stage(job: StageJob, counters: SharedCounters, cancel: Any) -> int:
     if job.final.is_dir():
         return tree_size(job.final)  # published just before a crash: already complete
     job.partial.mkdir(parents=True, exist_ok=True)
@@ -124,20 +109,27 @@ def _stage(job: StageJob, counters: Any, cancel: Any) -> int:
     # idempotent (an extract would recreate ``train/`` that a later rename moved away).
     marker = steps_marker(job.partial)
     completed = int(marker.read_text() or 0) if marker.exists() else 0
+    ops = table.load(job.op_modules)
+    progress = WorkerCounters(counters)
     ctx = OpContext(
         root=job.partial,
-        progress=RelayProgress(counters),  # type: ignore[arg-type]
+        progress=progress,
         cancel=cancel,
         workers=job.workers,
         verify=job.verify,
+        allowed_roots=job.allowed_roots,
     )
-    for index, step in enumerate(job.steps, start=1):
-        if index <= completed:
-            continue
-        ctx.check_cancelled()
-        ctx.progress.start_step(step.op, index)
-        run_step(step, ctx)
-        write_atomically(marker, str(index))
+    for index, step in enumerate(ops.validate_steps(job.steps), start=1):
+        if index > completed:
+            ctx.check_cancelled()
+            progress.start_step(index)
+            ops.run(step, ctx)
+            progress.flush()
+            write_atomically(marker, str(index))
+        # After the marker, so a crash in between finds the step done and its input
+        # still there; repeated for done steps on resume, where it may be gone already.
+        if used_up := ops.used_up(step, ctx):
+            delete_tree(Path(used_up), threading.Event())
     ctx.check_cancelled()
     size = tree_size(job.partial)
     publish(job.partial, job.final)

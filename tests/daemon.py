@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from stager.schemas import DatasetPublic
+
 
 def free_port() -> int:
     import socket
@@ -122,3 +124,16 @@ class Daemon:
         if self.process and self.process.poll() is None:
             self.kill()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def stage(client: httpx.Client, body: dict) -> httpx.Response:
+    return client.post("/v1/datasets", json=body)
+
+
+def stage_ready(client: httpx.Client, body: dict, timeout: float = 30) -> DatasetPublic:
+    response = stage(client, body)
+    assert response.status_code in (200, 202), response.text
+    waited = client.get(f"/v1/datasets/{body['name']}/wait", params={"timeout": timeout})
+    status = DatasetPublic.model_validate_json(waited.text)
+    assert status.state == "ready", status.error
+    return status

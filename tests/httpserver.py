@@ -16,6 +16,7 @@ class Behaviour:
     files: dict[str, bytes] = field(default_factory=dict)
     bytes_per_s: float | None = None  # throttle every response body
     drop_after: int | None = None  # cut the first full response after this many bytes
+    hold: threading.Event | None = None  # bodies wait until this is set (a stalled server)
     ranges_seen: list[str] = field(default_factory=list)
     requests: int = 0
 
@@ -47,6 +48,8 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
                 self.send_response(200)
             self.send_header("Content-Length", str(len(body) - start))
             self.end_headers()
+            if behaviour.hold is not None:
+                behaviour.hold.wait(60)
             self._send_body(body[start:], drop=not header and behaviour.drop_after)
 
         def _send_body(self, data: bytes, drop: int | None) -> None:

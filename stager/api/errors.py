@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stager.errors import StagerError
-from stager.schemas import OP_NAMES
 
 log = logging.getLogger("stager.api")
 
@@ -24,7 +23,7 @@ def error_response(status: int, type_: str, message: str) -> JSONResponse:
 
 
 def describe_validation_error(
-    exc: RequestValidationError, content_type: str = "application/json"
+    exc: RequestValidationError, op_names: list[str], content_type: str = "application/json"
 ) -> tuple[int, str, str]:
     """The first problem, as (status, type, sentence)."""
     first = exc.errors()[0]
@@ -47,9 +46,9 @@ def describe_validation_error(
         )
     if kind == "union_tag_invalid":
         tag = first.get("ctx", {}).get("tag", "?")
-        return 422, "unknown_op", f"{field}: unknown op {tag!r}; use one of {', '.join(OP_NAMES)}"
+        return 422, "unknown_op", f"{field}: unknown op {tag!r}; use one of {', '.join(op_names)}"
     if kind == "union_tag_not_found":
-        return 422, "invalid_request", f"{field}: each step needs an 'op' ({', '.join(OP_NAMES)})"
+        return 422, "invalid_request", f"{field}: each step needs an 'op' ({', '.join(op_names)})"
     if kind == "string_pattern_mismatch" and loc == ["name"]:
         return (
             422,
@@ -64,7 +63,7 @@ def describe_validation_error(
     return 422, "invalid_request", f"{field}: {message}"
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, op_names: list[str]) -> None:
     @app.exception_handler(StagerError)
     async def _stager_error(request: Request, exc: StagerError) -> JSONResponse:
         return error_response(exc.status, exc.type, exc.message)
@@ -72,7 +71,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         content_type = request.headers.get("content-type", "")
-        return error_response(*describe_validation_error(exc, content_type))
+        return error_response(*describe_validation_error(exc, op_names, content_type))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -11,12 +11,15 @@ import io
 import lzma
 import os
 import tarfile
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 import zstandard
 from isal import igzip
 
 from stager.errors import CorruptArchive, UnknownFormat
+
+# What an extract or unpack step may name as its archive format.
+ArchiveFormat = Literal["auto", "tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"]
 
 COMPRESSED_TARS = ("tar.gz", "tar.bz2", "tar.xz", "tar.zst")
 FORMATS = ("tar", *COMPRESSED_TARS, "zip")

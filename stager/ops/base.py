@@ -1,10 +1,15 @@
-"""What every operation receives: where to write, how to report, when to stop.
+"""What every operation is given and may use: its request fields, where to write,
+how to report, when to stop, and where it may read from.
 
-An op is a plain blocking function ``run(step, ctx)``; the engine calls it on a
-worker thread. Ops must be idempotent and restartable: after a crash the engine
-re-runs every step of an interrupted dataset in the same partial directory, so
-an op skips work that is already complete (same size and mtime) and overwrites
-anything else.
+An op is a pair of plain blocking functions, declared in :mod:`stager.ops.table`:
+
+- ``check(step, CheckContext) -> int`` runs when the request arrives (fast: stat
+  calls, one archive header); it refuses bad input with a sentence and returns
+  the bytes the op expects to write.
+- ``run(step, OpContext)`` runs in the staging's own child process (see
+  :mod:`stager.worker`). Ops are idempotent and restartable: a staging resumed
+  after a crash re-runs its unfinished step in the same partial directory, so an
+  op skips work already complete (same size and mtime) and overwrites the rest.
 """
 
 from __future__ import annotations
@@ -12,19 +17,83 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Protocol
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from stager.errors import Cancelled, SourceNotFound, SourceUnreadable, UnsafePath
-from stager.progress import Progress
+from stager.progress import ProgressSink
+
+
+class StepParams(BaseModel):
+    """An op's request fields. The op table adds the ``op`` name that selects it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _absolute_source(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"source {value!r} must be an absolute path")
+    _no_nul(value)
+    return value
+
+
+def _source_or_inside(value: str) -> str:
+    """An absolute source, or a path an earlier step wrote inside the dataset."""
+    return _absolute_source(value) if value.startswith("/") else _relative(value)
+
+
+def _relative(value: str) -> str:
+    path = PurePosixPath(value)
+    if path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"path {value!r} must be relative to the dataset directory, without '..'")
+    _no_nul(value)
+    return value
+
+
+def _no_nul(value: str) -> None:
+    if "\0" in value:
+        raise ValueError(f"path {value!r} contains a NUL byte, which no file name may hold")
+
+
+AbsoluteSource = Annotated[str, AfterValidator(_absolute_source)]
+# ``fetch`` then ``extract`` of what it fetched: a relative ``src`` names an earlier
+# step's output inside the dataset (see ``OpContext.source``).
+SourceOrInside = Annotated[str, AfterValidator(_source_or_inside)]
+RelativePath = Annotated[str, AfterValidator(_relative)]
+
+
+class CancelSignal(Protocol):
+    """A ``threading.Event``-like flag: a cancel request or the daemon stopping."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What ``check`` may consult when a request arrives."""
+
+    # Sources must lie under one of these (empty: anywhere the daemon can read).
+    allowed_roots: tuple[Path, ...] = ()
+    verify: str = "size"  # the request's level, for ops whose refusal depends on the step
 
 
 @dataclass
 class OpContext:
     root: Path  # the dataset's partial directory; every destination is inside it
-    progress: Progress
-    cancel: threading.Event = field(default_factory=threading.Event)
-    workers: int = 4  # threads an op may use for its own parallel work
-    verify: str = "size"  # size | sha256 | none
+    progress: ProgressSink
+    cancel: CancelSignal = field(default_factory=threading.Event)
+    workers: int = 4  # parallelism an op may use for its own work (threads or processes)
+    verify: str = "size"  # size | sha256 | none; the op table says which ops honour which
+    allowed_roots: tuple[Path, ...] = ()  # as in CheckContext
+
+    @property
+    def check_context(self) -> CheckContext:
+        """For ops whose ``run`` repeats their ``check``."""
+        return CheckContext(allowed_roots=self.allowed_roots, verify=self.verify)
 
     def check_cancelled(self) -> None:
         """Called by ops between units of work so cancel and shutdown are prompt."""
@@ -41,6 +110,18 @@ class OpContext:
                 "use a path relative to the dataset root without '..' or links out of it"
             )
         return target
+
+    def source(self, path: str) -> str:
+        """A step's ``src``: absolute as given, or an earlier step's output in the dataset."""
+        if path.startswith("/"):
+            return path
+        inside = self.destination(path)
+        if not os.path.lexists(inside):
+            raise SourceNotFound(
+                f"{path!r} is not in the dataset; a relative src names a file an earlier "
+                "step wrote (a fetch, a copy), so put that step first"
+            )
+        return str(inside)
 
 
 def require_source(path: str, what: str = "source") -> Path:

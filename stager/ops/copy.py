@@ -44,9 +44,24 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
-from stager.ops.base import OpContext, make_dir, require_source
+from stager.ops.base import (
+    CheckContext,
+    OpContext,
+    RelativePath,
+    SourceOrInside,
+    StepParams,
+    make_dir,
+    require_source,
+)
 from stager.ops.fastcopy import copy_chunk
-from stager.schemas import CopyStep
+
+
+class CopyStep(StepParams):
+    """Copy a file or a directory tree into the dataset."""
+
+    src: SourceOrInside
+    dst: RelativePath = "."
+
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
 # and progress stay responsive (one check per chunk).
@@ -59,7 +74,7 @@ BATCH_FILES = 64
 CHECK_BUDGET_S = 5.0
 
 
-def check(step: CopyStep) -> int:
+def check(step: CopyStep, ctx: CheckContext) -> int:
     """Validate the source and estimate the bytes the copy will write.
 
     A directory is walked to sum its sizes, but only for CHECK_BUDGET_S: a
@@ -67,6 +82,8 @@ def check(step: CopyStep) -> int:
     minutes, so past the budget the estimate is 0 ("unknown") and the copy
     reports its real total as it walks.
     """
+    if not step.src.startswith("/"):
+        return 0  # an earlier step's output: nothing to look at yet
     source = require_source(step.src)
     try:
         if not source.is_dir():
@@ -83,7 +100,7 @@ def check(step: CopyStep) -> int:
 
 
 def run(step: CopyStep, ctx: OpContext) -> None:
-    source = require_source(step.src)
+    source = require_source(ctx.source(step.src))
     try:
         if source.is_dir():
             _TreeCopy(source, ctx.destination(step.dst), ctx).run()

@@ -44,6 +44,7 @@ from typing import Any
 
 import zstandard
 from isal import isal_zlib
+from pydantic import Field
 
 from stager.children import die_with_parent
 from stager.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
@@ -51,6 +52,7 @@ from stager.ops import tar_members
 from stager.ops.archive_formats import (
     ARCHIVE_SUFFIXES,
     STREAM_CHUNK,
+    ArchiveFormat,
     StreamReader,
     archive_suffix,
     estimate_output,
@@ -59,9 +61,31 @@ from stager.ops.archive_formats import (
     sniff,
 )
 from stager.ops.archive_writer import ArchiveWriter, Payload, file_mode, unsafe
-from stager.ops.base import OpContext, require_source
+from stager.ops.base import (
+    CheckContext,
+    OpContext,
+    RelativePath,
+    SourceOrInside,
+    StepParams,
+    require_source,
+)
 from stager.progress import Progress
-from stager.schemas import ExtractStep
+
+
+class ExtractStep(StepParams):
+    """Extract an archive; ``nested`` also extracts archives found inside it.
+
+    A relative ``src`` names an archive an earlier step wrote into the dataset (a
+    fetch); it is deleted once extracted unless ``keep`` is set.
+    """
+
+    src: SourceOrInside
+    dst: RelativePath = "."
+    format: ArchiveFormat = "auto"
+    strip_components: int = Field(default=0, ge=0)
+    nested: bool = False
+    keep: bool = False  # keep an archive that an earlier step wrote into the dataset
+
 
 # Members of compressed tars larger than this are written by the main thread
 # straight from the stream, so a 10 GB member never sits in memory whole.
@@ -79,11 +103,13 @@ _CORRUPT = (
 )
 
 
-def check(step: ExtractStep) -> int:
+def check(step: ExtractStep, ctx: CheckContext) -> int:
     """Pre-flight: the archive is readable, its format known, its first header sane.
 
     Returns the bytes extraction will write (see ``estimate_output``).
     """
+    if not step.src.startswith("/"):
+        return 0  # an earlier step's output (a fetch): nothing to look at yet
     source = require_source(step.src, "archive")
     with _translate(step.src), open(source, "rb", buffering=0) as raw:
         fmt = resolve_format(step.src, step.format, raw.read(tarfile.BLOCKSIZE))
@@ -108,7 +134,7 @@ def _read_first_header(raw: io.RawIOBase, fmt: str) -> None:
 
 def run(step: ExtractStep, ctx: OpContext) -> None:
     """Extract ``step.src`` into ``ctx.destination(step.dst)``; safe to re-run."""
-    source = require_source(step.src, "archive")
+    source = require_source(ctx.source(step.src), "archive")
     dest = ctx.destination(step.dst)
     with _translate(step.src):
         fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)

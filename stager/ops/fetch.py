@@ -27,13 +27,14 @@ import hashlib
 import os
 import re
 from pathlib import Path
+from typing import Annotated
 from urllib.parse import unquote, urlsplit
 
 import httpx
+from pydantic import AfterValidator, Field
 
 from stager.errors import BadRequest, FetchFailed, StagerError, VerifyFailed, from_os_error
-from stager.ops.base import OpContext
-from stager.schemas import FetchStep
+from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
 
 MAX_ATTEMPTS = 6  # consecutive failed attempts that brought no new bytes
 BACKOFF_S = 0.5  # first retry delay, doubled each time, capped at BACKOFF_MAX_S
@@ -45,13 +46,39 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
 
 
+def _http_url(value: str) -> str:
+    try:
+        url = httpx.URL(value)
+    except (httpx.InvalidURL, TypeError, UnicodeError) as exc:
+        raise ValueError(f"url {value!r} is not a valid URL ({exc})") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"url {value!r} must be an http:// or https:// URL with a host name")
+    return value
+
+
+HttpUrlText = Annotated[str, AfterValidator(_http_url)]
+
+
+class FetchStep(StepParams):
+    """Download an HTTP(S) URL into the dataset, resuming with Range requests."""
+
+    url: HttpUrlText
+    dst: RelativePath
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+
+
 class _Retry(Exception):
     """Internal: this attempt failed in a way the next attempt may fix."""
 
 
-def check(step: FetchStep) -> int:
+def check(step: FetchStep, ctx: CheckContext) -> int:
     """No network I/O before staging: validate the name only; size is unknown (0)."""
     _file_name(step)
+    if ctx.verify == "sha256" and step.sha256 is None:
+        raise BadRequest(
+            f"verify 'sha256' needs the digest of {step.url}: give the fetch step its "
+            "'sha256' (as published with the file), or ask for verify 'size'"
+        )
     return 0
 
 

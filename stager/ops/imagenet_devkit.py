@@ -11,12 +11,18 @@ from __future__ import annotations
 import os
 
 from stager.errors import from_os_error
-from stager.ops.base import OpContext
+from stager.ops.base import AbsoluteSource, CheckContext, OpContext, RelativePath, StepParams
 from stager.ops.imagenet import check_devkit, import_torch, read_devkit
-from stager.schemas import ImagenetDevkitStep
 
 
-def check(step: ImagenetDevkitStep) -> int:
+class ImagenetDevkitStep(StepParams):
+    """Write torchvision's ImageNet ``meta.bin`` from ``ILSVRC2012_devkit_t12.tar.gz``."""
+
+    src: AbsoluteSource  # the devkit archive
+    dst: RelativePath = "meta.bin"
+
+
+def check(step: ImagenetDevkitStep, ctx: CheckContext) -> int:
     return check_devkit(step.src, needs_torch=True)
 
 

@@ -1,5 +1,6 @@
 """The ``imagenet_val`` op: sort the flat val images into ``val/<wnid>/`` by the devkit.
 
+
 ``ILSVRC2012_img_val.tar`` holds 50,000 images in one folder; the devkit's
 ground truth gives one label per image in file-name order, which is how
 torchvision's ``parse_val_archive`` pairs them too. Unlike it, a count that
@@ -14,12 +15,25 @@ from __future__ import annotations
 import os
 
 from stager.errors import BadRequest, StagingError, from_os_error
-from stager.ops.base import OpContext, make_dir
+from stager.ops.base import (
+    AbsoluteSource,
+    CheckContext,
+    OpContext,
+    RelativePath,
+    StepParams,
+    make_dir,
+)
 from stager.ops.imagenet import check_devkit, read_devkit
-from stager.schemas import ImagenetValStep
 
 
-def check(step: ImagenetValStep) -> int:
+class ImagenetValStep(StepParams):
+    """Sort the flat ImageNet val images in ``dst`` into ``dst/<wnid>/`` by the devkit."""
+
+    src: AbsoluteSource  # the devkit archive
+    dst: RelativePath = "val"
+
+
+def check(step: ImagenetValStep, ctx: CheckContext) -> int:
     return check_devkit(step.src, needs_torch=False)
 
 

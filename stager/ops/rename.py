@@ -14,11 +14,17 @@ import os
 from pathlib import Path
 
 from stager.errors import BadRequest, StagerError, from_os_error
-from stager.ops.base import OpContext
-from stager.schemas import RenameStep
+from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
 
 
-def check(step: RenameStep) -> int:
+class RenameStep(StepParams):
+    """Rename a path inside the dataset directory."""
+
+    src: RelativePath
+    dst: RelativePath
+
+
+def check(step: RenameStep, ctx: CheckContext) -> int:
     """Nothing to validate before staging: both paths are made by earlier steps."""
     if _norm(step.src) in ("", ".") or _norm(step.dst) in ("", "."):
         raise BadRequest(
@@ -29,7 +35,7 @@ def check(step: RenameStep) -> int:
 
 
 def run(step: RenameStep, ctx: OpContext) -> None:
-    check(step)
+    check(step, ctx.check_context)
     ctx.check_cancelled()
     src, dst = _entry(step.src, ctx), _entry(step.dst, ctx)
     ctx.progress.add_total(0, 1)

@@ -24,17 +24,34 @@ import errno
 import os
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Literal
 
 from stager.errors import BadRequest, StagerError, from_os_error
-from stager.ops.base import OpContext, make_dir, require_source
-from stager.schemas import SymlinkStep
+from stager.ops.base import (
+    AbsoluteSource,
+    CheckContext,
+    OpContext,
+    RelativePath,
+    StepParams,
+    make_dir,
+    require_source,
+)
+
+
+class SymlinkStep(StepParams):
+    """Link a source into the dataset: one link, or a mirrored tree of per-file links."""
+
+    src: AbsoluteSource
+    dst: RelativePath = "."
+    mode: Literal["link", "tree"] = "link"
+
 
 # Links per pool task: large enough to amortise the executor, small enough to
 # spread one huge directory over several threads.
 BATCH = 256
 
 
-def check(step: SymlinkStep) -> int:
+def check(step: SymlinkStep, ctx: CheckContext) -> int:
     """Validate the source; links write no data, so the estimate is 0."""
     source = require_source(step.src)
     if step.mode == "tree" and not source.is_dir():
@@ -46,7 +63,7 @@ def check(step: SymlinkStep) -> int:
 
 
 def run(step: SymlinkStep, ctx: OpContext) -> None:
-    check(step)
+    check(step, ctx.check_context)
     source = os.path.abspath(step.src)
     try:
         if step.mode == "link":

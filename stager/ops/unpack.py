@@ -24,16 +24,46 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
 
 from stager.errors import BadRequest, VerifyFailed, from_os_error
 from stager.ops import copy, extract, symlink
-from stager.ops.base import OpContext, require_source
-from stager.schemas import CopyStep, ExtractStep, SymlinkStep, UnpackStep
+from stager.ops.archive_formats import ArchiveFormat
+from stager.ops.base import (
+    AbsoluteSource,
+    CheckContext,
+    OpContext,
+    RelativePath,
+    StepParams,
+    require_source,
+)
+from stager.ops.copy import CopyStep
+from stager.ops.extract import ExtractStep
+from stager.ops.symlink import SymlinkStep
+
+
+class UnpackStep(StepParams):
+    """Bring an archive into the dataset and extract it: straight from the source
+    (``direct``), from a local copy (``copy``) or through a link (``symlink``) kept at
+    ``keep``. A directory source is copied (``direct``/``copy``) or tree-linked."""
+
+    src: AbsoluteSource
+    dst: RelativePath = "."
+    mode: Literal["direct", "copy", "symlink"] = "direct"
+    keep: RelativePath | None = None  # where the copy or link goes; default: src's name
+    format: ArchiveFormat = "auto"
+    strip_components: int = Field(default=0, ge=0)
+    nested: bool = False
+    md5: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{32}$")  # of the release
+    verify_md5: bool = False  # one extra pass over the archive; off unless asked
+
 
 MD5_CHUNK = 8 << 20
 
 
-def check(step: UnpackStep) -> int:
+def check(step: UnpackStep, ctx: CheckContext) -> int:
     """Validate the source; the estimate is what extraction (plus a copy) writes."""
     source = require_source(step.src, "archive" if not Path(step.src).is_dir() else "source")
     _require_md5(step)
@@ -44,9 +74,9 @@ def check(step: UnpackStep) -> int:
                 "apply to archives only; point the source at the folder to stage instead"
             )
         if step.mode == "symlink":
-            return symlink.check(_tree_link(step))
-        return copy.check(_tree_copy(step))
-    estimate = extract.check(_extract(step, step.src))
+            return symlink.check(_tree_link(step), ctx)
+        return copy.check(_tree_copy(step), ctx)
+    estimate = extract.check(_extract(step, step.src), ctx)
     if step.mode == "copy":
         estimate += source.stat().st_size
     return estimate
@@ -62,10 +92,10 @@ def run(step: UnpackStep, ctx: OpContext) -> None:
         return
     archive = step.src
     if step.mode == "copy":
-        copy.run(CopyStep(op="copy", src=step.src, dst=_keep(step)), ctx)
+        copy.run(CopyStep(src=step.src, dst=_keep(step)), ctx)
         archive = str(ctx.destination(_keep(step)))
     elif step.mode == "symlink":
-        symlink.run(SymlinkStep(op="symlink", src=step.src, dst=_keep(step)), ctx)
+        symlink.run(SymlinkStep(src=step.src, dst=_keep(step)), ctx)
     if step.verify_md5:
         _verify_md5(step, archive, ctx)
     extract.run(_extract(step, archive), ctx)
@@ -77,7 +107,6 @@ def _keep(step: UnpackStep) -> str:
 
 def _extract(step: UnpackStep, archive: str) -> ExtractStep:
     return ExtractStep(
-        op="extract",
         src=archive,
         dst=step.dst,
         format=step.format,
@@ -87,11 +116,11 @@ def _extract(step: UnpackStep, archive: str) -> ExtractStep:
 
 
 def _tree_copy(step: UnpackStep) -> CopyStep:
-    return CopyStep(op="copy", src=step.src, dst=step.dst)
+    return CopyStep(src=step.src, dst=step.dst)
 
 
 def _tree_link(step: UnpackStep) -> SymlinkStep:
-    return SymlinkStep(op="symlink", src=step.src, dst=step.dst, mode="tree")
+    return SymlinkStep(src=step.src, dst=step.dst, mode="tree")
 
 
 def _require_md5(step: UnpackStep) -> str:

@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from stager.errors import BadRequest, SourceNotFound, UnknownRecipe
+from stager.ops import table
 from stager.recipes.model import (
-    STEPS,
     RecipeFile,
     RecipeFileError,
     Section,
@@ -48,6 +48,7 @@ class Expansion:
 def recipe_files(settings: Settings) -> dict[str, tuple[Path, RecipeFile]]:
     """Every recipe by name: shipped ones first, then the user's folders in order."""
     found: dict[str, tuple[Path, RecipeFile]] = {}
+    ops = table.for_settings(settings)
     for folder in [BUILTIN_DIR, *settings.recipe_dirs]:
         if folder != BUILTIN_DIR and not folder.is_dir():
             raise RecipeFileError(
@@ -55,13 +56,13 @@ def recipe_files(settings: Settings) -> dict[str, tuple[Path, RecipeFile]]:
                 "fix the setting or create the folder"
             )
         for path in sorted(folder.glob("*.toml")):
-            recipe = load(path)
+            recipe = load(path, ops)
             found[recipe.name] = (path, recipe)
     return found
 
 
 def available(settings: Settings) -> list[dict[str, Any]]:
-    """What ``GET /v1/recipes`` and ``stager recipes`` show, sorted by name."""
+    """The recipes ``GET /v1/recipes`` and ``stager recipes`` show, sorted by name."""
     return [describe(path, r) for _, (path, r) in sorted(recipe_files(settings).items())]
 
 
@@ -110,7 +111,7 @@ def expand(request: DatasetCreate, settings: Settings) -> Expansion:
         usage.extend(render([u.model_dump(by_alias=True) for u in section.usage], scope))
     # The file was validated with defaults; a request's values may still not fit a step.
     try:
-        validated = STEPS.validate_python(steps)
+        validated = table.for_settings(settings).validate_steps(steps)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -21,13 +21,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stager.errors import RecipeFileError
-from stager.schemas import NAME_PATTERN, Step
+from stager.ops.table import OpTable
+from stager.schemas import NAME_PATTERN
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-STEPS = TypeAdapter(list[Step])
 PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
@@ -156,7 +156,7 @@ def placeholders(value: Any) -> set[str]:
     return set(PLACEHOLDER.findall(value)) if isinstance(value, str) else set()
 
 
-def load(path: Path) -> RecipeFile:
+def load(path: Path, ops: OpTable) -> RecipeFile:
     """Parse and validate one recipe file; errors name the file and the field."""
     try:
         with open(path, "rb") as stream:
@@ -167,7 +167,7 @@ def load(path: Path) -> RecipeFile:
         recipe = RecipeFile.model_validate(raw)
     except ValidationError as exc:
         raise RecipeFileError(f"recipe file {path}: {_describe(exc)}") from exc
-    _check_templates(path, recipe)
+    _check_templates(path, recipe, ops)
     return recipe
 
 
@@ -180,7 +180,7 @@ def _describe(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-def _check_templates(path: Path, recipe: RecipeFile) -> None:
+def _check_templates(path: Path, recipe: RecipeFile, ops: OpTable) -> None:
     """Render every section with the defaults and validate its steps, so a broken
     file fails when it is loaded rather than when someone stages with it."""
     params = builtin_params(recipe)
@@ -201,7 +201,7 @@ def _check_templates(path: Path, recipe: RecipeFile) -> None:
         values = {name: spec.default for name, spec in params.items()}
         values.update(source="/source", split=where.removeprefix("splits."))
         try:
-            STEPS.validate_python(render(section.steps, values))
+            ops.validate_steps(render(section.steps, values))
         except ValidationError as exc:
             raise RecipeFileError(
                 f"recipe file {path}: {_describe(exc, where + '.steps')}"

@@ -202,7 +202,7 @@ def test_bad_usage_exits_2(daemon: Daemon, capsys, monkeypatch) -> None:
     assert "ftp://x" in capsys.readouterr().err
     # A request the daemon refuses (relative source) is a rejection, with its sentence.
     assert _exit_code(["stage", "x", "--step", '{"op": "copy", "src": "rel"}']) == EXIT_REJECTED
-    assert "'rel' must be an absolute path" in capsys.readouterr().err
+    assert "give an absolute source path" in capsys.readouterr().err
 
 
 def test_interval_below_a_tenth_of_a_second_is_bad_usage(capsys) -> None:

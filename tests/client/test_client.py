@@ -28,7 +28,7 @@ from client import (
     WaitTimeout,
     stage_body,
 )
-from stager.schemas import CopyStep, LeaseCreate
+from stager.schemas import LeaseCreate
 from tests.daemon import Daemon
 from tests.imports import among, loaded_modules
 
@@ -158,7 +158,7 @@ def test_wait_timeout_uses_chunks_no_longer_than_what_is_left() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         polls.append(float(request.url.params["timeout"]))
         fake.now += polls[-1]  # the daemon holds the long-poll that long
-        progress = {"step": "copy", "step_index": 0, "steps_total": 2, "bytes_done": 5,
+        progress = {"step": "copy", "step_index": 1, "steps_total": 2, "bytes_done": 5,
                     "bytes_total": 10}  # fmt: skip
         return httpx.Response(200, json=status(progress=progress))
 
@@ -256,12 +256,12 @@ def test_stage_body_sends_only_what_was_given() -> None:
         return httpx.Response(202, json=status())
 
     c = client(handler)
-    c.stage("d", steps=[CopyStep(op="copy", src="/x")], link="/tmp/l",
+    c.stage("d", steps=[{"op": "copy", "src": "/x"}], link="/tmp/l",
             lease=LeaseCreate(holder="job-1"))  # fmt: skip
     c.stage("r", recipe="inat2021", source="/net/inat", params={"version": "2021"})
     assert sent == [
         {"name": "d", "link": "/tmp/l", "lease": {"holder": "job-1"},
-         "steps": [{"op": "copy", "src": "/x", "dst": "."}]},
+         "steps": [{"op": "copy", "src": "/x"}]},
         {"name": "r", "recipe": "inat2021", "source": "/net/inat", "params": {"version": "2021"}},
     ]  # fmt: skip
     assert stage_body("n", steps=[{"op": "copy", "src": "/y"}]) == {

@@ -1,13 +1,16 @@
-"""/v1/datasets: stage, list, status, wait, events, cancel/evict."""
+"""/v1/datasets: stage, list, status, wait, events, cancel/evict.
 
-from __future__ import annotations
+No ``from __future__ import annotations`` here: the body of ``POST`` is typed by
+the op table (its steps are the ops' own models, so ``/docs`` shows each op), and
+FastAPI reads that class from the handler's annotation at run time.
+"""
 
 from fastapi import APIRouter, Query, Response, status
 from sse_starlette import EventSourceResponse
 
 from stager.api.deps import EngineDep
+from stager.ops.table import OpTable
 from stager.schemas import (
-    DatasetCreate,
     DatasetPublic,
     DatasetsPublic,
     ErrorResponse,
@@ -15,29 +18,33 @@ from stager.schemas import (
     LeasePublic,
 )
 
-router = APIRouter(
-    prefix="/v1/datasets",
-    tags=["datasets"],
-    responses={
-        400: {"model": ErrorResponse},
-        404: {"model": ErrorResponse},
-        409: {"model": ErrorResponse},
-        422: {"model": ErrorResponse},
-    },
-)
+RESPONSES = {
+    400: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+    409: {"model": ErrorResponse},
+    422: {"model": ErrorResponse},
+}
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=RESPONSES)
 
 
-@router.post("", response_model=DatasetPublic, status_code=status.HTTP_202_ACCEPTED)
-async def stage(request: DatasetCreate, engine: EngineDep, response: Response) -> DatasetPublic:
-    """Stage a dataset, or join the staging of an identical request.
+def stage_router(ops: OpTable) -> APIRouter:
+    """``POST /v1/datasets``, its steps typed by ``ops``: built per app, as the table is."""
+    stage_routes = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=RESPONSES)
+    DatasetCreate = ops.request_model()  # noqa: N806 - a class, named as the schema shows it
 
-    202 while queued or staging, 200 when already ready, 409 when the name is
-    taken by a different request.
-    """
-    view, ready = await engine.submit(request)
-    if ready:
-        response.status_code = status.HTTP_200_OK
-    return view
+    @stage_routes.post("", response_model=DatasetPublic, status_code=status.HTTP_202_ACCEPTED)
+    async def stage(request: DatasetCreate, engine: EngineDep, response: Response) -> DatasetPublic:
+        """Stage a dataset, or join the staging of an identical request.
+
+        202 while queued or staging, 200 when already ready, 409 when the name is
+        taken by a different request.
+        """
+        view, ready = await engine.submit(request)
+        if ready:
+            response.status_code = status.HTTP_200_OK
+        return view
+
+    return stage_routes
 
 
 @router.get("", response_model=DatasetsPublic)

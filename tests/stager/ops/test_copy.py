@@ -8,9 +8,9 @@ import pytest
 
 from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
 from stager.ops import copy
-from stager.ops.base import OpContext
+from stager.ops.base import CheckContext, OpContext
+from stager.ops.copy import CopyStep
 from stager.progress import Progress
-from stager.schemas import CopyStep
 from tests.trees import digest, write_tree
 
 OLD = 1_500_000_000_123_456_789  # an mtime in ns that a fresh write can never produce
@@ -54,8 +54,8 @@ def file_mtimes(root: Path) -> dict[str, int]:
 
 def test_tree_copy_keeps_bytes_mtimes_and_modes(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root", verify="sha256")
-    step = CopyStep(op="copy", src=str(source), dst="data")
-    expected = copy.check(step)
+    step = CopyStep(src=str(source), dst="data")
+    expected = copy.check(step, CheckContext())
 
     copy.run(step, ctx)
 
@@ -74,9 +74,9 @@ def test_tree_copy_keeps_bytes_mtimes_and_modes(source: Path, tmp_path: Path) ->
 def test_single_file_destinations(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
     leaf = source / "class_0" / "deep" / "er" / "leaf.bin"
-    copy.run(CopyStep(op="copy", src=str(leaf), dst="."), ctx)
-    copy.run(CopyStep(op="copy", src=str(leaf), dst="inside/"), ctx)
-    copy.run(CopyStep(op="copy", src=str(leaf), dst="sub/renamed.bin"), ctx)
+    copy.run(CopyStep(src=str(leaf), dst="."), ctx)
+    copy.run(CopyStep(src=str(leaf), dst="inside/"), ctx)
+    copy.run(CopyStep(src=str(leaf), dst="sub/renamed.bin"), ctx)
     for path in ("leaf.bin", "inside/leaf.bin", "sub/renamed.bin"):
         assert (ctx.root / path).read_bytes() == leaf.read_bytes()
         assert (ctx.root / path).stat().st_mtime_ns == leaf.stat().st_mtime_ns
@@ -86,7 +86,7 @@ def test_file_into_an_existing_directory_goes_inside(source: Path, tmp_path: Pat
     ctx = make_ctx(tmp_path / "root")
     (ctx.root / "train" / "kept").mkdir(parents=True)
     leaf = source / "class_0" / "deep" / "er" / "leaf.bin"
-    copy.run(CopyStep(op="copy", src=str(leaf), dst="train"), ctx)
+    copy.run(CopyStep(src=str(leaf), dst="train"), ctx)
     assert (ctx.root / "train" / "leaf.bin").read_bytes() == leaf.read_bytes()
     assert (ctx.root / "train" / "kept").is_dir()
 
@@ -103,7 +103,7 @@ def test_symlinks_inside_kept_outside_followed(tmp_path: Path) -> None:
     (src / "dangling").symlink_to("/nonexistent/target")
     ctx = make_ctx(tmp_path / "root")
 
-    copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+    copy.run(CopyStep(src=str(src), dst="."), ctx)
 
     root = ctx.root
     assert os.readlink(root / "a" / "b" / "rel") == "../x.txt"
@@ -116,7 +116,7 @@ def test_symlinks_inside_kept_outside_followed(tmp_path: Path) -> None:
 
 def test_restart_after_interruption_ends_identical(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
-    step = CopyStep(op="copy", src=str(source), dst=".")
+    step = CopyStep(src=str(source), dst=".")
     copy.run(step, ctx)
     root = ctx.root
     untouched = root / "class_2" / "img_0002.jpg"
@@ -151,7 +151,7 @@ def test_cancel_mid_tree_raises_cancelled(source: Path, tmp_path: Path) -> None:
 
     ctx = make_ctx(tmp_path / "root", progress=HookProgress(cancel_after_first_file))
     with pytest.raises(Cancelled):
-        copy.run(CopyStep(op="copy", src=str(source), dst="."), ctx)
+        copy.run(CopyStep(src=str(source), dst="."), ctx)
     assert ctx.progress.files_done < 122
 
 
@@ -168,7 +168,7 @@ def test_source_shrinking_during_copy_fails_size_verify(
 
     ctx = make_ctx(tmp_path / "root", progress=HookProgress(shrink))
     with pytest.raises(VerifyFailed, match=str(src)):
-        copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+        copy.run(CopyStep(src=str(src), dst="."), ctx)
 
 
 def test_source_changing_during_copy_fails_sha256_verify(
@@ -184,7 +184,7 @@ def test_source_changing_during_copy_fails_sha256_verify(
 
     ctx = make_ctx(tmp_path / "root", verify="sha256", progress=HookProgress(rewrite_head))
     with pytest.raises(VerifyFailed, match="sha256"):
-        copy.run(CopyStep(op="copy", src=str(src), dst="."), ctx)
+        copy.run(CopyStep(src=str(src), dst="."), ctx)
     # No mtime was set on the bad copy, so a restart would copy it again.
     assert (ctx.root / "big.bin").stat().st_mtime_ns != src.stat().st_mtime_ns
 
@@ -196,15 +196,15 @@ def test_fallbacks_copy_the_same_bytes(
     for name in disable:
         monkeypatch.delattr(os, name)
     ctx = make_ctx(tmp_path / "root", verify="sha256")
-    copy.run(CopyStep(op="copy", src=str(source), dst="."), ctx)
+    copy.run(CopyStep(src=str(source), dst="."), ctx)
     assert digest(ctx.root) == digest(source)
 
 
 def test_missing_source_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "train"
-    step = CopyStep(op="copy", src=str(missing), dst=".")
+    step = CopyStep(src=str(missing), dst=".")
     with pytest.raises(SourceNotFound, match=str(missing)):
-        copy.check(step)
+        copy.check(step, CheckContext())
     with pytest.raises(SourceNotFound, match=str(missing)):
         copy.run(step, make_ctx(tmp_path / "root"))
 
@@ -214,4 +214,4 @@ def test_full_disk_says_so(tmp_path: Path, tmpfs: Callable[[str], Path]) -> None
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(1024 * 1024))
     with pytest.raises(StagingIOError, match="disk filled up"):
-        copy.run(CopyStep(op="copy", src=str(src), dst="."), make_ctx(tiny_disk))
+        copy.run(CopyStep(src=str(src), dst="."), make_ctx(tiny_disk))

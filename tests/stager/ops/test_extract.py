@@ -17,9 +17,9 @@ import zstandard
 
 from stager.errors import Cancelled, CorruptArchive, SourceNotFound, UnknownFormat
 from stager.ops import extract
-from stager.ops.base import OpContext
+from stager.ops.base import CheckContext, OpContext
+from stager.ops.extract import ExtractStep
 from stager.progress import Progress
-from stager.schemas import ExtractStep
 
 # Every test here runs on threads and on worker processes (see conftest).
 pytestmark = pytest.mark.usefixtures("pool")
@@ -77,8 +77,8 @@ def build(fmt: str, tree: Path, out: Path) -> Path:
 
 def run_extract(src: Path, root: Path, workers: int = 2, **fields) -> OpContext:
     ctx = OpContext(root=root, progress=Progress(), workers=workers)
-    step = ExtractStep(op="extract", src=str(src), **fields)
-    extract.check(step)
+    step = ExtractStep(src=str(src), **fields)
+    extract.check(step, CheckContext())
     extract.run(step, ctx)
     return ctx
 
@@ -164,7 +164,7 @@ def test_truncated_tar_gz_is_corrupt(tree: Path, tmp_path: Path):
     archive.write_bytes(data[: len(data) // 2])
     ctx = OpContext(root=tmp_path / "dest", progress=Progress())
     with pytest.raises(CorruptArchive, match=str(archive)):
-        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+        extract.run(ExtractStep(src=str(archive)), ctx)
 
 
 def test_truncated_plain_tar_is_corrupt(tree: Path, tmp_path: Path):
@@ -173,7 +173,7 @@ def test_truncated_plain_tar_is_corrupt(tree: Path, tmp_path: Path):
     archive.write_bytes(data[: len(data) - 600_000])
     ctx = OpContext(root=tmp_path / "dest", progress=Progress())
     with pytest.raises(CorruptArchive, match="truncated or corrupt"):
-        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+        extract.run(ExtractStep(src=str(archive)), ctx)
 
 
 @pytest.mark.parametrize("name", ["garbage.tar.gz", "garbage.tar", "garbage.zip"])
@@ -181,7 +181,7 @@ def test_garbage_named_like_an_archive_is_corrupt(name: str, tmp_path: Path):
     garbage = tmp_path / name
     garbage.write_bytes(os.urandom(4096))
     with pytest.raises(CorruptArchive, match=str(garbage)):
-        extract.check(ExtractStep(op="extract", src=str(garbage)))
+        extract.check(ExtractStep(src=str(garbage)), CheckContext())
 
 
 def test_gzip_of_garbage_is_corrupt(tmp_path: Path):
@@ -190,31 +190,31 @@ def test_gzip_of_garbage_is_corrupt(tmp_path: Path):
     archive = tmp_path / "data.tar.gz"
     archive.write_bytes(gzip.compress(os.urandom(10_000)))
     with pytest.raises(CorruptArchive, match=str(archive)):
-        extract.check(ExtractStep(op="extract", src=str(archive)))
+        extract.check(ExtractStep(src=str(archive)), CheckContext())
 
 
 def test_unknown_format_fails_in_check(tmp_path: Path):
     blob = tmp_path / "data.bin"
     blob.write_bytes(b"hello, not an archive" * 100)
     with pytest.raises(UnknownFormat, match=str(blob)):
-        extract.check(ExtractStep(op="extract", src=str(blob)))
+        extract.check(ExtractStep(src=str(blob)), CheckContext())
 
 
 def test_wrong_explicit_format_fails_in_check(tree: Path, tmp_path: Path):
     archive = build("tar.gz", tree, tmp_path / "data.tar.gz")
     with pytest.raises(CorruptArchive, match="set format"):
-        extract.check(ExtractStep(op="extract", src=str(archive), format="zip"))
+        extract.check(ExtractStep(src=str(archive), format="zip"), CheckContext())
 
 
 def test_missing_source(tmp_path: Path):
     with pytest.raises(SourceNotFound, match="nope.tar"):
-        extract.check(ExtractStep(op="extract", src=str(tmp_path / "nope.tar")))
+        extract.check(ExtractStep(src=str(tmp_path / "nope.tar")), CheckContext())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_check_estimates_output_size(fmt: str, tree: Path, tmp_path: Path):
     archive = build(fmt, tree, tmp_path / f"data.{fmt}")
-    estimate = extract.check(ExtractStep(op="extract", src=str(archive)))
+    estimate = extract.check(ExtractStep(src=str(archive)), CheckContext())
     assert estimate >= archive.stat().st_size
     if fmt in ("tar", "tar.gz"):
         assert estimate >= sum(len(b) for b in map(Path.read_bytes, tree.rglob("*.bin")))
@@ -231,7 +231,7 @@ def test_cancellation_raises_cancelled(tree: Path, tmp_path: Path):
     ctx = OpContext(root=tmp_path / "dest", progress=Progress())
     ctx.cancel.set()
     with pytest.raises(Cancelled):
-        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+        extract.run(ExtractStep(src=str(archive)), ctx)
 
 
 def test_safe_links_inside_are_kept(tmp_path: Path):

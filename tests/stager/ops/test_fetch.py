@@ -13,9 +13,9 @@ import pytest
 
 from stager.errors import Cancelled, FetchFailed, VerifyFailed
 from stager.ops import fetch
-from stager.ops.base import OpContext
+from stager.ops.base import CheckContext, OpContext
+from stager.ops.fetch import FetchStep
 from stager.progress import Progress
-from stager.schemas import FetchStep
 from tests.httpserver import Behaviour, serve_files
 
 BODY = os.urandom(1024 * 1024 + 123)
@@ -60,7 +60,7 @@ def ctx(tmp_path: Path) -> OpContext:
 
 
 def step(url: str, dst: str = "train.tar", sha256: str | None = SHA) -> FetchStep:
-    return FetchStep(op="fetch", url=url, dst=dst, sha256=sha256)
+    return FetchStep(url=url, dst=dst, sha256=sha256)
 
 
 def test_download_with_checksum(base_url: str, ctx: OpContext) -> None:
@@ -171,7 +171,7 @@ def test_cancel_before_download(base_url: str, ctx: OpContext) -> None:
 
 
 def test_check_does_no_network_io_and_estimates_zero() -> None:
-    assert fetch.check(step("http://127.0.0.1:9/never/contacted.tar", dst=".")) == 0
+    assert fetch.check(step("http://127.0.0.1:9/never/contacted.tar", dst="."), CheckContext()) == 0
 
 
 class _QuietFiles(SimpleHTTPRequestHandler):

@@ -22,8 +22,8 @@ import pytest
 from stager.errors import StagerError, UnsafeArchiveMember
 from stager.ops import extract
 from stager.ops.base import OpContext
+from stager.ops.extract import ExtractStep
 from stager.progress import Progress
-from stager.schemas import ExtractStep
 
 # Every test here runs on threads and on worker processes (see conftest).
 pytestmark = pytest.mark.usefixtures("pool")
@@ -205,7 +205,7 @@ def test_malicious_archive_is_refused(case_id: str, tmp_path: Path):
     before = snapshot(work, dest)
     ctx = OpContext(root=dest, progress=Progress(), workers=2)
     with pytest.raises(case.error) as raised:
-        extract.run(ExtractStep(op="extract", src=str(archive)), ctx)
+        extract.run(ExtractStep(src=str(archive)), ctx)
 
     message = str(raised.value)
     assert repr(case.culprit(work)) in message or case.culprit(work) in message, message
@@ -230,7 +230,7 @@ def test_refused_again_on_rerun_over_partial_output(fmt: str, tmp_path: Path):
     else:
         write_zip(archive, [_zip_entry("sub/new.txt", b"data")])
     before = snapshot(work, dest)
-    extract.run(ExtractStep(op="extract", src=str(archive)), OpContext(dest, Progress()))
+    extract.run(ExtractStep(src=str(archive)), OpContext(dest, Progress()))
     assert snapshot(work, dest) == before
     assert not (work / "new.txt").exists()
     assert (dest / "sub").is_dir() and not (dest / "sub").is_symlink()
@@ -265,7 +265,7 @@ def test_links_of_an_outer_archive_never_meet_a_running_inner_extraction(tmp_pat
     before = snapshot(work, dest)
     ctx = OpContext(root=dest, progress=Progress(), workers=2)
     with pytest.raises(UnsafeArchiveMember, match="x/sub"):
-        extract.run(ExtractStep(op="extract", src=str(archive), nested=True), ctx)
+        extract.run(ExtractStep(src=str(archive), nested=True), ctx)
     assert snapshot(work, dest) == before
     assert not list(work.glob("f*.txt")) and not (work / "sub").exists()
 
@@ -275,4 +275,4 @@ def test_a_file_over_a_folder_other_members_wrote_is_refused(tmp_path: Path):
     archive = tmp_path / "dup.tar"
     write_tar(archive, [_tar_file("d/inside.txt"), _tar_file("d", b"a file named like the dir")])
     with pytest.raises(UnsafeArchiveMember, match="'d'"):
-        extract.run(ExtractStep(op="extract", src=str(archive)), OpContext(dest, Progress()))
+        extract.run(ExtractStep(src=str(archive)), OpContext(dest, Progress()))

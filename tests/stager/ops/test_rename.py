@@ -7,9 +7,9 @@ import pytest
 
 from stager.errors import BadRequest
 from stager.ops import rename
-from stager.ops.base import OpContext
+from stager.ops.base import CheckContext, OpContext
+from stager.ops.rename import RenameStep
 from stager.progress import Progress
-from stager.schemas import RenameStep
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def ctx(tmp_path: Path) -> OpContext:
 
 
 def step(src: str, dst: str) -> RenameStep:
-    return RenameStep(op="rename", src=src, dst=dst)
+    return RenameStep(src=src, dst=dst)
 
 
 def test_rename_and_rerun_is_a_no_op(ctx: OpContext) -> None:
@@ -77,4 +77,4 @@ def test_rename_into_itself_is_refused(ctx: OpContext) -> None:
 
 def test_root_is_not_renameable() -> None:
     with pytest.raises(BadRequest, match="dataset root"):
-        rename.check(step(".", "x"))
+        rename.check(step(".", "x"), CheckContext())

@@ -7,9 +7,9 @@ import pytest
 
 from stager.errors import BadRequest, Cancelled, SourceNotFound
 from stager.ops import symlink
-from stager.ops.base import OpContext
+from stager.ops.base import CheckContext, OpContext
+from stager.ops.symlink import SymlinkStep
 from stager.progress import Progress
-from stager.schemas import SymlinkStep
 from tests.trees import digest, write_tree
 
 
@@ -32,8 +32,8 @@ def links_under(root: Path) -> list[Path]:
 
 def test_link_mode_default_name_and_explicit_path(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
-    symlink.run(SymlinkStep(op="symlink", src=str(source), dst="."), ctx)
-    symlink.run(SymlinkStep(op="symlink", src=str(source), dst="sub/train"), ctx)
+    symlink.run(SymlinkStep(src=str(source), dst="."), ctx)
+    symlink.run(SymlinkStep(src=str(source), dst="sub/train"), ctx)
     assert os.readlink(ctx.root / "src") == str(source)
     assert os.readlink(ctx.root / "sub" / "train") == str(source)
     assert digest(ctx.root / "sub" / "train") == digest(source)
@@ -42,7 +42,7 @@ def test_link_mode_default_name_and_explicit_path(source: Path, tmp_path: Path) 
 def test_link_mode_replaces_a_stale_link_and_is_idempotent(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
     (ctx.root / "train").symlink_to(tmp_path / "old-source")
-    step = SymlinkStep(op="symlink", src=str(source), dst="train")
+    step = SymlinkStep(src=str(source), dst="train")
     symlink.run(step, ctx)
     symlink.run(step, ctx)
     assert os.readlink(ctx.root / "train") == str(source)
@@ -50,7 +50,7 @@ def test_link_mode_replaces_a_stale_link_and_is_idempotent(source: Path, tmp_pat
 
 def test_tree_mode_links_every_file_to_its_source(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
-    symlink.run(SymlinkStep(op="symlink", src=str(source), dst="data", mode="tree"), ctx)
+    symlink.run(SymlinkStep(src=str(source), dst="data", mode="tree"), ctx)
     out = ctx.root / "data"
     links = links_under(out)
     assert len(links) == 61
@@ -67,7 +67,7 @@ def test_tree_mode_links_every_file_to_its_source(source: Path, tmp_path: Path) 
 
 def test_tree_mode_rerun_repairs_wrong_links_and_files(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
-    step = SymlinkStep(op="symlink", src=str(source), dst=".", mode="tree")
+    step = SymlinkStep(src=str(source), dst=".", mode="tree")
     symlink.run(step, ctx)
     wrong = ctx.root / "class_1" / "img_0001.jpg"
     wrong.unlink()
@@ -87,24 +87,24 @@ def test_tree_mode_rerun_repairs_wrong_links_and_files(source: Path, tmp_path: P
 def test_tree_mode_on_a_file_is_refused(source: Path) -> None:
     leaf = source / "class_0" / "img_0000.jpg"
     with pytest.raises(BadRequest, match="mode 'link'"):
-        symlink.check(SymlinkStep(op="symlink", src=str(leaf), mode="tree"))
+        symlink.check(SymlinkStep(src=str(leaf), mode="tree"), CheckContext())
 
 
 def test_non_empty_directory_in_the_way_is_a_clear_error(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
     (ctx.root / "train" / "keep").mkdir(parents=True)
     with pytest.raises(BadRequest, match="non-empty directory"):
-        symlink.run(SymlinkStep(op="symlink", src=str(source), dst="train"), ctx)
+        symlink.run(SymlinkStep(src=str(source), dst="train"), ctx)
 
 
 def test_missing_source_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "datasets" / "inat"
     with pytest.raises(SourceNotFound, match=str(missing)):
-        symlink.check(SymlinkStep(op="symlink", src=str(missing)))
+        symlink.check(SymlinkStep(src=str(missing)), CheckContext())
 
 
 def test_cancel_stops_a_tree(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
     ctx.cancel.set()
     with pytest.raises(Cancelled):
-        symlink.run(SymlinkStep(op="symlink", src=str(source), mode="tree"), ctx)
+        symlink.run(SymlinkStep(src=str(source), mode="tree"), ctx)

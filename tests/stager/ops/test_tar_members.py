@@ -13,8 +13,8 @@ import pytest
 from stager.errors import CorruptArchive
 from stager.ops import extract, tar_members
 from stager.ops.base import OpContext
+from stager.ops.extract import ExtractStep
 from stager.progress import Progress
-from stager.schemas import ExtractStep
 
 FIELDS = ("name", "type", "mode", "size", "mtime", "offset", "offset_data", "linkname")
 
@@ -119,7 +119,7 @@ def test_a_signed_checksum_header_is_left_to_tarfile() -> None:
 def extract_bytes(data: bytes, tmp_path: Path) -> None:
     archive = tmp_path / "a.tar"
     archive.write_bytes(data)
-    step = ExtractStep(op="extract", src=str(archive))
+    step = ExtractStep(src=str(archive))
     extract.run(step, OpContext(root=tmp_path / "out", progress=Progress()))
 
 

@@ -1,0 +1,200 @@
+"""The op table: every staging operation, declared once.
+
+A row names the op and gives its request fields (a ``StepParams`` model), its
+``check`` and ``run`` (see :mod:`stager.ops.base`) and the request options it
+honours. Everything else is derived from the rows: the ``op``-tagged step models
+and the request schema (so the OpenAPI document), step validation for requests,
+recipes and the state store, dispatch in the staging process, the refusal of an
+option an op cannot carry out, and the ops listed by ``GET /v1/recipes``.
+
+Sites can add ops without editing stager: a module named in ``op_modules``
+(``STAGER_OP_MODULES``) defines ``OPS``, a list of ``Op`` rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, TypeAdapter, create_model
+
+from stager.errors import BadRequest
+from stager.ops import (
+    copy,
+    extract,
+    fetch,
+    imagenet_devkit,
+    imagenet_val,
+    rename,
+    symlink,
+    unpack,
+)
+from stager.ops.base import CheckContext, OpContext, StepParams
+from stager.schemas import VERIFY_LEVELS, DatasetCreate
+from stager.settings import Settings
+
+# An op that writes no file data of its own (a link, a rename) has nothing to verify,
+# so any level is fine for it.
+NOTHING_TO_VERIFY = frozenset(VERIFY_LEVELS)
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    params: type[StepParams]
+    check: Callable[[Any, CheckContext], int]
+    run: Callable[[Any, OpContext], None]
+    # The request's ``verify`` levels this op carries out for the data it writes.
+    verify: frozenset[str] = NOTHING_TO_VERIFY
+    # An earlier step's output named by a relative ``src`` is used up by this op (an
+    # archive once extracted): the staging removes it after the step unless ``keep``.
+    consumes_src: bool = False
+
+    @property
+    def summary(self) -> str:
+        return inspect.cleandoc(self.params.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+
+
+def _row(
+    name: str,
+    module: Any,
+    params: type[StepParams],
+    verify: Iterable[str] = (),
+    consumes_src: bool = False,
+) -> Op:
+    verify = frozenset(verify) or NOTHING_TO_VERIFY
+    return Op(name, params, module.check, module.run, verify, consumes_src)
+
+
+EVERY_LEVEL = VERIFY_LEVELS
+BUILTIN = (
+    _row("copy", copy, copy.CopyStep, verify=EVERY_LEVEL),
+    _row("symlink", symlink, symlink.SymlinkStep),
+    _row("extract", extract, extract.ExtractStep, verify=("none", "size"), consumes_src=True),
+    _row("rename", rename, rename.RenameStep),
+    # sha256 of a download is checked against the digest its step names.
+    _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL),
+    _row("unpack", unpack, unpack.UnpackStep, verify=("none", "size")),
+    _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
+    _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
+)
+
+
+class OpTable:
+    def __init__(self, ops: Iterable[Op]) -> None:
+        self._ops: dict[str, Op] = {}
+        self._tagged: dict[str, type[StepParams]] = {}
+        for op in ops:
+            if op.name in self._ops:
+                raise ValueError(f"op {op.name!r} is declared twice")
+            self._ops[op.name] = op
+            # The step model a request uses: the op's fields plus ``op`` naming it.
+            self._tagged[op.name] = create_model(
+                op.params.__name__,
+                __base__=op.params,
+                __module__=op.params.__module__,
+                op=(Literal[op.name], ...),
+            )
+        variants = tuple(self._tagged.values())
+        self.step_type: Any = Annotated[Union[variants], Field(discriminator="op")]  # noqa: UP007
+        self._steps = TypeAdapter(list[self.step_type])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._ops)
+
+    def __getitem__(self, name: str) -> Op:
+        return self._ops[name]
+
+    def op_of(self, step: Any) -> Op:
+        return self._ops[step.op]
+
+    def with_ops(self, ops: Iterable[Op]) -> OpTable:
+        return OpTable([*self._ops.values(), *ops])
+
+    def validate_steps(self, raw: Any) -> list[Any]:
+        """Step models from JSON-like data; raises pydantic's ``ValidationError``."""
+        return self._steps.validate_python(raw)
+
+    def validate_steps_json(self, raw: str | bytes) -> list[Any]:
+        return self._steps.validate_json(raw)
+
+    def dump_steps(self, steps: Sequence[Any]) -> list[dict[str, Any]]:
+        return self._steps.dump_python(list(steps), mode="json")
+
+    def request_model(self) -> type[DatasetCreate]:
+        """``POST /v1/datasets``'s body with its steps typed by this table."""
+        return create_model(
+            "DatasetCreate",
+            __base__=DatasetCreate,
+            __module__=DatasetCreate.__module__,
+            __doc__=DatasetCreate.__doc__,
+            steps=(list[self.step_type], Field(default_factory=list)),
+        )
+
+    def check(self, steps: Sequence[Any], ctx: CheckContext) -> int:
+        """Pre-flight every step; returns the bytes the staging is expected to write."""
+        total = 0
+        for index, step in enumerate(steps, start=1):
+            op = self.op_of(step)
+            src = getattr(step, "src", None)
+            if index == 1 and isinstance(src, str) and not src.startswith("/"):
+                raise BadRequest(
+                    f"step 1 ({op.name}) has src {src!r}, a relative path, which names a file "
+                    "an earlier step writes into the dataset, but no step comes before it; "
+                    "give an absolute source path, or put the step that writes it first"
+                )
+            if ctx.verify not in op.verify:
+                honoured = "', '".join(sorted(op.verify))
+                raise BadRequest(
+                    f"verify {ctx.verify!r} is not carried out by step {index} ({op.name}), "
+                    f"which honours '{honoured}'; ask for one of those"
+                )
+            total += op.check(step, ctx)
+        return total
+
+    def run(self, step: Any, ctx: OpContext) -> None:
+        self.op_of(step).run(step, ctx)
+
+    def used_up(self, step: Any, ctx: OpContext) -> str | None:
+        """The earlier step's output this step consumed, to remove once it is done."""
+        src = getattr(step, "src", "")
+        if self.op_of(step).consumes_src and not src.startswith("/") and not step.keep:
+            return str(ctx.destination(src))
+        return None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What ``GET /v1/recipes`` lists under ``ops``: each op's fields and options."""
+        return [
+            {
+                "name": op.name,
+                "summary": op.summary,
+                "verify": sorted(op.verify),
+                "schema": self._tagged[op.name].model_json_schema(),
+            }
+            for op in self._ops.values()
+        ]
+
+
+def for_settings(settings: Settings) -> OpTable:
+    return load(tuple(settings.op_modules))
+
+
+@functools.cache
+def load(op_modules: tuple[str, ...] = ()) -> OpTable:
+    """The built-in ops plus each module's ``OPS`` (a site's own ops)."""
+    extra: list[Op] = []
+    for name in op_modules:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(
+                f"op module {name!r} (STAGER_OP_MODULES) cannot be imported: {exc}"
+            ) from exc
+        extra.extend(getattr(module, "OPS", ()))
+    return OpTable([*BUILTIN, *extra])
+
