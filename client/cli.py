@@ -19,11 +19,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from client._client import AsyncStagerClient, stage_body
+from client._fanout import Fanout
 from client._progress import BarDisplay, Display, LogDisplay, NullDisplay, summary
+from client._slurm import Job
 from client.errors import (
     BadConfiguration,
     DaemonError,
     DaemonUnavailable,
+    FanoutError,
     RequestRejected,
     StagerError,
     StagingFailed,
@@ -44,6 +47,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT, as shells report it
 # Most specific first: the first class an exception is an instance of picks its code.
 EXIT_CODES: tuple[tuple[type[StagerError], int], ...] = (
     (StagingFailed, EXIT_FAILED),
+    (FanoutError, EXIT_FAILED),
     (WaitTimeout, EXIT_TIMEOUT),
     (DaemonUnavailable, EXIT_UNAVAILABLE),
     (RequestRejected, EXIT_REJECTED),
@@ -205,6 +209,13 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         "--no-lease", action="store_true", help="do not pin the dataset, even inside a SLURM job"
     )
     sub.add_argument("--wait", action="store_true", help="block until ready; print its path")
+    sub.add_argument(
+        "--peers",
+        choices=["none", "slurm"],
+        default="none",
+        help="slurm: stage on every node of this SLURM job, reading the shared storage once "
+        "(run once in the batch script; implies --wait; see docs/multinode.md)",
+    )
     _add_wait_flags(sub)
     _add_json(sub, "print the final status as JSON")
     sub.set_defaults(run=cmd_stage)
@@ -381,6 +392,8 @@ async def wait_all(
 
 
 async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    if args.peers == "slurm":
+        return await stage_on_peers(client, args)
     status = await client.submit(request_from(args))
     if args.wait:
         status = (await wait_all(client, [status.name], args))[0]
@@ -391,6 +404,30 @@ async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     else:
         _say(args, f"{summary(status)}; `stager-client wait {status.name}` blocks until ready")
     return EXIT_OK
+
+
+async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    """Every node of the job, through SLURM: one line per node on stderr, this node's
+    path on stdout; fails naming the nodes (and steps) left without the data."""
+    job = await Job.detect()
+    report = await Fanout(job, client, request_from(args), args.timeout, _sayer(args)).run()
+    if args.json:
+        print(json.dumps(report.as_json()))
+    else:
+        _say(args, report.headline())
+        for result in sorted(report.nodes.values(), key=lambda r: r.node):
+            _say(args, f"  {result.line()}")
+        here = report.nodes.get(job.this_node)
+        if here is not None and here.path and not here.error:
+            print(here.path)
+    if report.failed:
+        nodes = "; ".join(f"{r.node}: {r.error}" for r in report.failed)
+        raise FanoutError(f"dataset {report.name!r} is not ready on every node ({nodes})")
+    return EXIT_OK
+
+
+def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
+    return lambda message: _say(args, f"stager-client: {message}")
 
 
 async def cmd_wait(client: AsyncStagerClient, args: argparse.Namespace) -> int:
@@ -478,8 +515,13 @@ async def _run(args: argparse.Namespace, run: Callable[..., Awaitable[int]]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_node"]:  # one node's part of --peers slurm, started by srun
+        from client import _fanout_node
+
+        return _fanout_node.main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     args.url = getattr(args, "url", None)
     args.quiet = getattr(args, "quiet", False)
     try:

@@ -12,7 +12,9 @@
     ├── StagingFailed           the dataset ended without becoming ready; the daemon's sentence
     │   ├── StagingCancelled    someone cancelled it
     │   └── DatasetEvicted      it was ready, then evicted from the node cache
-    └── WaitTimeout             still queued or staging when the caller's timeout passed
+    ├── WaitTimeout             still queued or staging when the caller's timeout passed
+    └── FanoutError             --peers slurm: a node, a step or sbcast failed and nothing
+                                was left to try; the sentence names the node and the step
 
 httpx's errors become these in exactly one place, ``client._client._translate``.
 """
@@ -122,6 +124,12 @@ class WaitTimeout(StagerError):
         self.name = status.name
 
 
+class FanoutError(StagerError):
+    """A multi-node staging (``--peers slurm``) could not make the data ready everywhere."""
+
+    type = "fanout_failed"
+
+
 __all__ = [
     "BadConfiguration",
     "Conflict",
@@ -130,6 +138,7 @@ __all__ = [
     "DaemonUnavailable",
     "DatasetEvicted",
     "DatasetNotFound",
+    "FanoutError",
     "RequestRejected",
     "StagerError",
     "StagingCancelled",
