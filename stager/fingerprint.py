@@ -5,9 +5,10 @@ daemon restarts and the nodes of a cluster; a touched archive (size or mtime
 changed) maps to a new entry and is staged afresh. Only what every node sees alike
 counts: path, size and mtime. Inode numbers do not: network filesystems built on
 FUSE (sshfs, s3fs, rclone, ...) number inodes per client, and a multi-node job
-finds a node's copy by its key (see docs/multinode.md). Trees get a cheap fingerprint by default (the
-root and its direct children), or a deep one (every file) on request: on a
-network filesystem a deep walk of ImageNet costs minutes, a cheap one milliseconds.
+finds a node's copy by its key (see docs/multinode.md). Trees get a cheap
+fingerprint by default (the root and its direct children), or a deep one (every
+file) on request: on a network filesystem a deep walk of ImageNet costs minutes,
+a cheap one milliseconds.
 """
 
 from __future__ import annotations
