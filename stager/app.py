@@ -12,7 +12,8 @@ from stager.api import errors
 from stager.api.auth import BearerTokenMiddleware
 from stager.api.routes import cache as cache_routes
 from stager.api.routes import datasets, health, recipes
-from stager.engine import Engine, state_counts
+from stager.engine import Engine
+from stager.lifecycle import state_counts
 from stager.metrics import Metrics
 from stager.settings import Settings
 
@@ -21,7 +22,9 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
-    metrics.watch_states(lambda: state_counts(engine), lambda: cache.used_bytes(engine.entries()))
+    metrics.watch_states(
+        lambda: state_counts(engine.entries()), lambda: cache.used_bytes(engine.entries())
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import anyio.to_thread
@@ -32,12 +33,28 @@ async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
 
-async def run_staging(
-    job: StageJob, progress: Progress, cancel: threading.Event, poll_s: float = 0.1
-) -> int:
-    """Stage ``job`` in a child process; return the published size or raise its error.
+@dataclass(frozen=True)
+class Limits:
+    """How long a staging process may take to act on a cancel, and to show no progress."""
 
-    ``cancel`` is forwarded to the child, which stops at its next unit of work.
+    cancel_grace_s: float = 3.0
+    stall_timeout_s: float = 0.0  # 0: no limit
+
+
+async def run_staging(
+    job: StageJob,
+    progress: Progress,
+    cancel: threading.Event,
+    limits: Limits = Limits(),  # noqa: B008 - frozen
+    poll_s: float = 0.1,
+) -> int:
+    """Stage ``job`` in a child process; return the size of its tree or raise its error.
+
+    ``cancel`` is forwarded to the child, which stops at its next unit of work. A
+    child that has not stopped ``cancel_grace_s`` later, or whose counters have not
+    moved for ``stall_timeout_s``, is stuck in a system call (a hung network
+    filesystem, a source that never answers) and is ended: no staging holds a
+    worker slot forever, and a cancel takes seconds.
     """
     counters = SharedCounters(CONTEXT)
     child_cancel = CONTEXT.Event()
@@ -51,12 +68,19 @@ async def run_staging(
     # is tied to the creating thread, and a pool thread may exit while it runs.
     process.start()
     sender.close()
+    loop = asyncio.get_running_loop()
+    cancelled_at: float | None = None
+    last, moved_at = counters.read(), loop.time()
     message = None
     try:
         while message is None:
-            if cancel.is_set():
+            now = loop.time()
+            if cancel.is_set() and cancelled_at is None:
                 child_cancel.set()
+                cancelled_at = now
             progress.mirror(counters)
+            if (seen := counters.read()) != last:
+                last, moved_at = seen, now
             if receiver.poll():
                 message = receiver.recv()
             elif not process.is_alive():
@@ -66,17 +90,32 @@ async def run_staging(
                     f"the staging process died with exit code {process.exitcode}; "
                     "see the daemon log, then stage again"
                 )
+            elif cancelled_at is not None and now - cancelled_at > limits.cancel_grace_s:
+                log.warning("staging of %s ignored its cancel; ending it", job.final.name)
+                raise errors.Cancelled("staging was cancelled (its process was ended)")
+            elif limits.stall_timeout_s and now - moved_at > limits.stall_timeout_s:
+                raise errors.StagingStalled(_stalled(job, progress, limits.stall_timeout_s))
             else:
                 await asyncio.sleep(poll_s)
     finally:
         child_cancel.set()  # no-op when it finished; stops it when we are being cancelled
-        await run_io(_reap, process)
+        await run_io(_reap, process, 0.0 if message is None else limits.cancel_grace_s)
         receiver.close()
     progress.mirror(counters)
     return _outcome(message)
 
 
-def _reap(process: Any, grace_s: float = 3.0) -> None:
+def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
+    where = f"step {progress.step_index} ({progress.step})" if progress.step else "its start"
+    return (
+        f"staging made no progress for {limit:g} s in {where} and was ended; a source may "
+        "be hung (a stalled network filesystem or server): check it and stage again, or "
+        "raise --stall-timeout"
+    )
+
+
+def _reap(process: Any, grace_s: float) -> None:
+    """Join a finished child; kill one that is still running after ``grace_s``."""
     process.join(grace_s)
     if process.is_alive():
         process.kill()

@@ -83,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--min-free-bytes", type=int, help="free space to keep on the cache disk (default 1 GiB)"
     )
+    serve.add_argument(
+        "--stall-timeout",
+        dest="stall_timeout_s",
+        type=float,
+        help="fail a staging whose progress has not moved for this many seconds, e.g. on a "
+        "hung network filesystem (default 900; 0: never)",
+    )
+    serve.add_argument(
+        "--cancel-grace",
+        dest="cancel_grace_s",
+        type=float,
+        help="seconds a cancelled staging may take to stop before its process is ended (default 3)",
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
         "--detach",

@@ -1,4 +1,5 @@
-"""The dataset state machine: cache entries (what is staged) and handles (names).
+"""Cache entries (what is staged) and handles (names); their transitions are made
+by :mod:`stager.lifecycle` only.
 
 An *entry* is one staged piece of content, identified by its key (a hash of the
 request's spec); a *handle* is a user's name for an entry. Two names asking for
@@ -64,6 +65,7 @@ class Entry:
     error: ErrorInfo | None = None
     progress: Progress = field(default_factory=Progress)
     usage: list[dict[str, Any]] = field(default_factory=list)  # from the recipe
+    attempt: str | None = None  # the staging attempt that owns partial/<key>.<attempt>
     size_bytes: int = 0
     estimate_bytes: int = 0
     created_at: datetime = field(default_factory=now)
@@ -78,6 +80,10 @@ class Entry:
         self.state = new
         self.error = error
         self.updated_at = now()
+
+    @property
+    def step_names(self) -> list[str]:
+        return [step.op for step in self.steps]
 
     @property
     def active(self) -> bool:

@@ -22,6 +22,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
         ├── FetchFailed             HTTP source could not be downloaded
         ├── StagingIOError          an OS error (ENOSPC, EIO, ...) mid-staging
         ├── StagingProcessDied      the staging process crashed or hit a bug
+        ├── StagingStalled          no progress for --stall-timeout seconds
         └── Cancelled               the dataset was cancelled
 """
 
@@ -119,6 +120,10 @@ class StagingIOError(StagingError):
 
 class StagingProcessDied(StagingError):
     type = "internal_error"
+
+
+class StagingStalled(StagingError):
+    type = "stalled"
 
 
 class Cancelled(StagingError):

@@ -50,7 +50,10 @@ def check_link(link: str | None, settings: Settings) -> None:
         return
     path = Path(link)
     cache = settings.cache_dir.resolve()
-    if path.resolve() == cache or cache in path.resolve().parents:
+    # The folder it goes in, not the link: an existing link (our own, from an earlier
+    # request) points into the cache by design, and is replaced.
+    where = path.parent.resolve() / path.name
+    if where == cache or cache in where.parents:
         raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
     if os.path.lexists(path) and not path.is_symlink():
         raise BadRequest(

@@ -1,8 +1,10 @@
-"""Filesystem side of an entry's life: partial dir, atomic publish, links, removal.
+"""Filesystem side of an entry's life: an attempt's folder, atomic publish, links,
+removal. :mod:`stager.lifecycle` decides when each runs.
 
-All functions block and run on worker threads. The rename from ``partial/<key>``
-to ``data/<key>`` is the commit point: a directory under ``data/`` is complete by
-construction, whatever happens to the process afterwards.
+All functions block: the daemon calls them through ``run_io``, the staging
+process directly. The rename of an attempt's tree to ``data/<key>`` is the
+commit point: a directory under ``data/`` is complete by construction, whatever
+happens to the process afterwards.
 """
 
 from __future__ import annotations
@@ -11,15 +13,44 @@ import errno
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
 DISCARDED_PREFIX = "discarded-"
 
 
-def publish(partial: Path, final: Path) -> None:
-    os.rename(partial, final)
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt's folder, ``partial/<key>.<attempt>``: data and bookkeeping together."""
+
+    root: Path
+
+    @property
+    def tree(self) -> Path:
+        """The dataset being built; renamed to ``data/<key>`` when complete."""
+        return self.root / "tree"
+
+    @property
+    def marker(self) -> Path:
+        """How many steps completed, for resuming this attempt (and no other)."""
+        return self.root / "steps-done"
+
+    def steps_done(self) -> int:
+        try:
+            return int(self.marker.read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+
+def publish(tree: Path, final: Path) -> None:
+    os.rename(tree, final)
     # Make the rename itself durable before the state store says "ready".
     fd = os.open(final.parent, os.O_RDONLY)
     try:
@@ -28,14 +59,13 @@ def publish(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
-def steps_marker(partial: Path) -> Path:
-    """Beside (not inside) the partial dir: how many steps completed, for resuming."""
-    return partial.with_name(partial.name + ".steps-done")
-
-
 def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` whole: after a crash it holds the old text or the new, durably."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
     os.replace(tmp, path)
 
 
@@ -66,7 +96,7 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
     return trash
 
 
-def delete_tree(path: Path, stop: threading.Event) -> bool:
+def delete_tree(path: Path, stop: StopFlag | threading.Event) -> bool:
     """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
     stopping: a million-file tree must not hold up its exit). True once it is all gone;
     what is left of a stopped one is an orphan the next start removes."""

@@ -86,8 +86,10 @@ def pid_alive(pid: int) -> bool:
 
 def serve(settings: Settings) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
-    # Staging threads hold the GIL between syscalls; a shorter switch interval lets the
-    # event loop thread in sooner, which keeps status replies in milliseconds under load.
+    # Stagings run in processes of their own, but the daemon's own threads (pre-flight
+    # walks, fingerprints, background deletes, the state store) still hold the GIL
+    # between syscalls; a shorter switch interval lets the event loop in sooner, which
+    # keeps status replies in milliseconds while they work.
     sys.setswitchinterval(0.0005)
     prepare_runtime_dir(settings)
     token = resolve_token(settings)

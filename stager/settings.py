@@ -49,6 +49,14 @@ class Settings(BaseSettings):
     min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk
     progress_flush_s: float = Field(default=1.0, gt=0)
     shutdown_timeout_s: float = Field(default=5.0, gt=0)
+    # A staging that has not stopped this long after a cancel (or a stop) is ended.
+    cancel_grace_s: float = Field(default=3.0, gt=0)
+    # A staging whose counters have not moved this long is stuck (a hung source) and
+    # fails; 0 turns the check off. Generous: one huge file may be hashed in silence.
+    stall_timeout_s: float = Field(default=900.0, ge=0)
+    # For the crash-consistency tests only: die right after this durable step
+    # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
+    crash_after: str | None = None
     log_level: str = "info"
 
     @field_validator("cache_dir", "runtime_dir")

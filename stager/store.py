@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS entries (
     estimate_bytes INTEGER NOT NULL,
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
-    last_used_at TEXT NOT NULL
+    last_used_at TEXT NOT NULL,
+    attempt TEXT
 );
 CREATE TABLE IF NOT EXISTS handles (
     name TEXT PRIMARY KEY,
@@ -64,6 +65,9 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(entries)")}
+        if "attempt" not in columns:  # a cache made before attempts had ids
+            self._db.execute("ALTER TABLE entries ADD COLUMN attempt TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -98,6 +102,7 @@ class Store:
                 "created_at": entry.created_at.isoformat(),
                 "updated_at": entry.updated_at.isoformat(),
                 "last_used_at": entry.last_used_at.isoformat(),
+                "attempt": entry.attempt,
             },
         )
 
@@ -156,6 +161,7 @@ class Store:
             created_at=datetime.fromisoformat(row["created_at"]),
             updated_at=datetime.fromisoformat(row["updated_at"]),
             last_used_at=datetime.fromisoformat(row["last_used_at"]),
+            attempt=row.get("attempt"),
         )
 
 

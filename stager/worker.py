@@ -5,7 +5,10 @@ utime, tar headers); in threads of the daemon they would hold the GIL against
 the event loop and push status replies from ~1 ms to tens of milliseconds. In a
 child they cannot, and a crash inside an op cannot take the daemon down.
 
-The child reports progress through the progress channel's shared counters (see
+The child runs the steps of one attempt in its folder (see ``Attempt`` in
+:mod:`stager.publish`), records each finished step in the attempt's marker, and
+stops there: publishing is the daemon's (``Registry.publish``). It reports
+progress through the progress channel's shared counters (see
 :mod:`stager.progress`) and its outcome through a pipe; the daemon
 (:func:`stager.blocking.run_staging`) mirrors the counters into the entry's
 ``Progress`` a few times a second.
@@ -25,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from stager.children import die_with_parent
+from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
-from stager.publish import delete_tree, publish, steps_marker, tree_size, write_atomically
+from stager.publish import Attempt, delete_tree, tree_size, write_atomically
 
 # Spawn, not fork: the daemon has threads (uvicorn, anyio) that fork would clone mid-state.
 CONTEXT = multiprocessing.get_context("spawn")
@@ -45,12 +49,13 @@ class StageJob:
 
     steps: list[dict[str, Any]]
     op_modules: tuple[str, ...]
-    partial: Path
-    final: Path
+    attempt: Attempt
+    final: Path  # where the daemon publishes it: already there if it did before a crash
     workers: int
     verify: str
     allowed_roots: tuple[Path, ...] = ()
     nice: int = 10
+    crash_after: str | None = None  # see stager.faults
 
 
 class _ParentWatch:
@@ -102,36 +107,37 @@ def stage_in_child(
 
 
 def _stage(job: StageJob, counters: SharedCounters, cancel: Any) -> int:
-    if job.final.is_dir():
-        return tree_size(job.final)  # published just before a crash: already complete
-    job.partial.mkdir(parents=True, exist_ok=True)
-    # Steps finished before a crash are skipped on resume: re-running them is not always
-    # idempotent (an extract would recreate ``train/`` that a later rename moved away).
-    marker = steps_marker(job.partial)
-    completed = int(marker.read_text() or 0) if marker.exists() else 0
+    """Run the steps this attempt has not finished; return the size of its tree."""
+    attempt, crash = job.attempt, CrashPoints(job.crash_after, daemon_pid=os.getppid())
     ops = table.load(job.op_modules)
+    steps = ops.validate_steps(job.steps)
+    done = attempt.steps_done()
+    if done == len(steps) and not attempt.tree.is_dir():
+        return tree_size(job.final)  # published just before the daemon died
+    if not attempt.tree.is_dir():
+        attempt.tree.mkdir(parents=True)
+        crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
     ctx = OpContext(
-        root=job.partial,
+        root=attempt.tree,
         progress=progress,
         cancel=cancel,
         workers=job.workers,
         verify=job.verify,
         allowed_roots=job.allowed_roots,
     )
-    for index, step in enumerate(ops.validate_steps(job.steps), start=1):
-        if index > completed:
+    for index, step in enumerate(steps, start=1):
+        if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
             ops.run(step, ctx)
             progress.flush()
-            write_atomically(marker, str(index))
+            write_atomically(attempt.marker, str(index))
+            crash.reached(Durable.STEP_DONE)
         # After the marker, so a crash in between finds the step done and its input
         # still there; repeated for done steps on resume, where it may be gone already.
-        if used_up := ops.used_up(step, ctx):
+        if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
             delete_tree(Path(used_up), threading.Event())
+            crash.reached(Durable.INPUT_USED_UP)
     ctx.check_cancelled()
-    size = tree_size(job.partial)
-    publish(job.partial, job.final)
-    marker.unlink(missing_ok=True)
-    return size
+    return tree_size(attempt.tree)

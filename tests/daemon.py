@@ -114,9 +114,11 @@ class Daemon:
             self.stop()
         return self.start()
 
-    def log(self) -> str:
+    def log(self, limit: int | None = 4000) -> str:
+        """The daemon's output so far: its end (``limit`` characters), or all of it."""
         try:
-            return self.log_path.read_text(errors="replace")[-4000:]
+            text = self.log_path.read_text(errors="replace")
+            return text[-limit:] if limit else text
         except OSError:
             return ""
 

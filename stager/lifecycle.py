@@ -1,0 +1,348 @@
+"""The life of cache entries, their names and leases: every change, in one place.
+
+    queued -> staging -> ready | failed | cancelled
+    staging -> queued          (the daemon stopped mid-staging: the same attempt resumes)
+    ready -> evicted
+    failed | cancelled | evicted -> queued   (asked for again: a new attempt)
+
+``Registry`` holds the entries (what is staged), handles (users' names for
+entries) and leases (a job's pin on an entry), and is the only code that changes
+them. Each change persists itself before anyone can see it, and wakes waiters.
+
+An *attempt* is one try at staging an entry. Its data and its resume bookkeeping
+live together in ``partial/<key>.<attempt>/`` (``tree/``: the dataset being built;
+``steps-done``: how many steps completed) and go away together, so an attempt
+never trusts a marker it did not write, and a crash can never pair one attempt's
+marker with another's (or no) data.
+
+Every durable step, in the order a staging goes through them, is a member of
+``stager.durable.Durable`` (its own small module, because the staging process
+reaches some of them too); ``tests/stager/test_crash_points.py`` kills the daemon
+right after each one and checks what a restart and every follow-up request make
+of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stager.blocking import run_io
+from stager.dataset import Entry, Handle, now
+from stager.durable import CrashPoints, Durable
+from stager.errors import BadRequest
+from stager.leases import Lease
+from stager.metrics import Metrics
+from stager.progress import Progress
+from stager.publish import (
+    DISCARDED_PREFIX,
+    Attempt,
+    delete_tree,
+    discard,
+    make_link,
+    publish,
+    remove_link,
+    tree_size,
+)
+from stager.schemas import ErrorInfo, LeaseCreate, State
+from stager.settings import Settings
+from stager.store import Store
+
+log = logging.getLogger("stager.lifecycle")
+
+
+CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
+
+
+class Trash:
+    """Folders moved aside (one rename, the commit point) and deleted in the background:
+    a million-file delete must never hold a request or the daemon's exit."""
+
+    def __init__(self, trash_dir: Path, spawn: Callable[[Any, str], None]) -> None:
+        self.trash_dir = trash_dir
+        self._spawn = spawn
+        self.halt = threading.Event()  # the daemon is stopping: deletes give up
+        self.freeing_bytes = 0  # counted as free space by admission meanwhile
+
+    async def discard(self, path: Path, nbytes: int = 0) -> bool:
+        """Move ``path`` aside and delete it later; False if it was not there."""
+        moved = await run_io(discard, path, self.trash_dir)
+        if moved is not None:
+            self.delete_later(moved, nbytes)
+        return moved is not None
+
+    def delete_later(self, path: Path, nbytes: int = 0) -> None:
+        self.freeing_bytes += nbytes
+        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
+
+    async def _delete(self, path: Path, nbytes: int) -> None:
+        # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
+        try:
+            await run_io(delete_tree, path, self.halt)
+        except OSError as exc:
+            log.error("could not delete %s: %s", path, exc)
+        finally:
+            self.freeing_bytes -= nbytes
+
+
+class Registry:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        metrics: Metrics,
+        trash: Trash,
+        crash: CrashPoints,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.trash = trash
+        self._store = store
+        self._crash = crash
+        self.entries: dict[str, Entry] = {}
+        self.handles: dict[str, Handle] = {}
+        self.leases: dict[str, Lease] = {}
+        self.changed = asyncio.Condition()
+
+    # ---- paths ---------------------------------------------------------------
+
+    def final(self, entry: Entry) -> Path:
+        return self.settings.data_dir / entry.key
+
+    def attempt(self, entry: Entry) -> Attempt:
+        assert entry.attempt is not None
+        return Attempt(self.settings.partial_dir / f"{entry.key}.{entry.attempt}")
+
+    # ---- persistence -----------------------------------------------------------
+
+    async def _durable(self, point: Durable, write: Callable[..., Any], *args: Any) -> None:
+        """Make one change durable, then let the crash tests die right after it."""
+        await run_io(write, *args)
+        self._crash.reached(point)
+
+    async def _save(self, entry: Entry, point: Durable) -> None:
+        entry.updated_at = now()
+        await self._durable(point, self._store.save_entry, entry)
+        await self.notify()
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def close(self) -> None:
+        await run_io(self._store.close)
+
+    async def save_progress(self, entries: list[Entry]) -> None:
+        """Not a state change: where a staging was, so a restarted daemon shows it."""
+        await run_io(self._store.save_progress, entries)
+        await self.notify()
+
+    # ---- start ---------------------------------------------------------------
+
+    async def load(self) -> list[Entry]:
+        """Read the store and settle what a crash or stop left; returns entries to stage."""
+        entries, handles, leases = await run_io(self._store.load)
+        self.entries = {e.key: e for e in entries}
+        self.handles = {h.name: h for h in handles if h.key in self.entries}
+        self.leases = {x.id: x for x in leases if x.name in self.handles}
+        to_stage = []
+        for entry in self.entries.values():
+            if entry.active and entry.attempt and await run_io(self._published, entry):
+                # The daemon died between the commit point and the store's "ready".
+                if entry.state == State.QUEUED:
+                    entry.move(State.STAGING)
+                await self.publish(entry, await run_io(tree_size, self.final(entry)))
+                continue
+            if entry.state == State.STAGING:
+                entry.move(State.QUEUED)  # interrupted: the same attempt resumes
+                await self._save(entry, Durable.QUEUED)
+            if entry.state == State.QUEUED:
+                log.info("resuming interrupted staging of %s", entry.key)
+                # Ops re-count the work they find already done, so start the counters afresh.
+                entry.progress = Progress(step_names=entry.step_names)
+                to_stage.append(entry)
+            elif entry.state == State.READY and not await run_io(self.final(entry).is_dir):
+                entry.move(State.EVICTED)
+                await self._save(entry, Durable.EVICTED)
+        for orphan in await run_io(self._orphans):
+            if orphan.name.startswith(DISCARDED_PREFIX):
+                self.trash.delete_later(orphan)
+            else:
+                await self.trash.discard(orphan)
+        return to_stage
+
+    def _published(self, entry: Entry) -> bool:
+        """Whether this entry's attempt got past its commit point (see ``publish``)."""
+        attempt = self.attempt(entry)
+        done = attempt.steps_done() == len(entry.steps)
+        return done and not attempt.tree.exists() and self.final(entry).is_dir()
+
+    def _orphans(self) -> list[Path]:
+        """What no entry owns: attempts of ended entries, evicted trees whose deletion a
+        crash or stop interrupted, deletions in progress. An active entry's data/<key>
+        may be its attempt's publish just before a crash: ``publish`` finds it."""
+        attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
+        kept = {k for k, e in self.entries.items() if e.active or e.state == State.READY}
+        found = []
+        for folder, owned in (
+            (self.settings.partial_dir, attempts),
+            (self.settings.data_dir, kept),
+        ):
+            found += [child for child in folder.iterdir() if child.name not in owned]
+        return found
+
+    # ---- a request arrives -------------------------------------------------------
+
+    async def queue(self, entry: Entry) -> Entry:
+        """A new entry, or an ended one asked for again: queued for a fresh attempt."""
+        if entry.key in self.entries:
+            entry.move(State.QUEUED)
+        self.entries[entry.key] = entry
+        entry.attempt = None
+        entry.last_used_at = now()
+        entry.progress = Progress(step_names=entry.step_names)
+        await self._save(entry, Durable.QUEUED)
+        return entry
+
+    async def touch(self, entry: Entry) -> None:
+        """A use: moves the entry back in LRU order."""
+        entry.last_used_at = now()
+        await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
+
+    async def name(self, handle: Handle) -> Handle:
+        self.handles[handle.name] = handle
+        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        return handle
+
+    async def forget(self, handle: Handle) -> None:
+        for lease in [x for x in self.leases.values() if x.name == handle.name]:
+            await self.release(lease)
+        del self.handles[handle.name]
+        await self._durable(Durable.FORGOTTEN, self._store.delete_handle, handle.name)
+
+    async def lease(self, handle: Handle, request: LeaseCreate) -> Lease:
+        # One lease per holder and dataset: a re-run of the same job step renews it.
+        for old in [x for x in self.leases.values() if x.name == handle.name]:
+            if old.holder == request.holder:
+                await self.release(old)
+        lease = Lease.create(handle.name, handle.key, request)
+        self.leases[lease.id] = lease
+        await self._durable(Durable.LEASED, self._store.save_lease, lease)
+        await self.touch(self.entries[handle.key])
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        self.leases.pop(lease.id, None)
+        await self._durable(Durable.RELEASED, self._store.delete_lease, lease.id)
+
+    # ---- an attempt stages it ------------------------------------------------------
+
+    async def start(self, entry: Entry) -> Attempt:
+        """QUEUED -> STAGING. An interrupted attempt resumes where its marker says; any
+        other start is a new attempt, in a folder of its own."""
+        if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
+            entry.attempt = uuid.uuid4().hex[:12]
+        entry.cancel.clear()
+        entry.move(State.STAGING)
+        await self._save(entry, Durable.STAGING)
+        return self.attempt(entry)
+
+    async def publish(self, entry: Entry, size: int) -> None:
+        """STAGING -> READY: what happens when a staging is published, in order.
+
+        1. The attempt's complete tree is renamed to ``data/<key>``: the commit point;
+           a tree under ``data/`` is complete by construction. (Already done if the
+           daemon died right after it: then the tree is gone and ``data/<key>`` is there.)
+        2. Every name's link points at it, so whoever step 3 wakes can use its link.
+        3. The store says ready.
+        4. The attempt's folder, now holding only its marker, is removed.
+        """
+        attempt, final = self.attempt(entry), self.final(entry)
+        if await run_io(attempt.tree.is_dir):
+            await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
+        for handle in self._handles_of(entry):
+            await self._link(handle, final)
+        self._crash.reached(Durable.LINKED)
+        entry.size_bytes = size
+        entry.move(State.READY)
+        self.metrics.staged_bytes.inc(size)
+        await self._save(entry, Durable.READY)
+        await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
+
+    async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
+        """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.
+
+        The data goes first: a full disk (the commonest failure) has room again for the
+        store's write, and a crash in between restarts the staging in a new attempt.
+        """
+        log.warning("dataset %s %s: %s", entry.key, state, error.message)
+        if entry.attempt is not None:
+            try:
+                if await self.trash.discard(self.attempt(entry).root):
+                    self._crash.reached(Durable.ATTEMPT_DISCARDED)
+            except OSError as exc:
+                log.error("could not remove partial data of %s: %s", entry.key, exc)
+        entry.move(state, error)
+        self.metrics.failures.labels(type=error.type).inc()
+        await self._save(entry, Durable.ENDED)
+
+    async def interrupt(self, entry: Entry) -> None:
+        """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start."""
+        entry.move(State.QUEUED)
+        await self._save(entry, Durable.QUEUED)
+
+    async def fail_unrecorded(self, entry: Entry, error: ErrorInfo) -> None:
+        """The store itself failed: waiters must not hang on the entry; a restart retries it."""
+        if entry.active:
+            entry.move(State.FAILED, error)
+        await self.notify()
+
+    # ---- ready data leaves ------------------------------------------------------------
+
+    async def evict(self, entry: Entry) -> None:
+        """READY -> EVICTED. The store says so first, so a half-gone tree is never reported
+        ready; links go next; then one rename takes the tree out of ``data/``, and the slow
+        delete of a million files runs afterwards, in the background."""
+        entry.move(State.EVICTED)
+        await self._save(entry, Durable.EVICTED)
+        final = self.final(entry)
+        for handle in self._handles_of(entry):
+            await run_io(remove_link, Path(handle.link), final)
+        self._crash.reached(Durable.UNLINKED)
+        if await self.trash.discard(final, entry.size_bytes):
+            self._crash.reached(Durable.DATA_DISCARDED)
+        self.metrics.evictions.inc()
+        self.metrics.evicted_bytes.inc(entry.size_bytes)
+
+    # ---- links -------------------------------------------------------------------------
+
+    def _handles_of(self, entry: Entry) -> list[Handle]:
+        return [h for h in self.handles.values() if h.key == entry.key and h.link]
+
+    async def _link(self, handle: Handle, final: Path) -> None:
+        try:
+            await run_io(make_link, Path(handle.link), final)
+        except OSError as exc:
+            log.error("could not create link %s: %s", handle.link, exc)
+
+    async def link(self, handle: Handle, entry: Entry) -> None:
+        """A ready entry's new name with a link: the link, or a 400 saying why not."""
+        try:
+            await run_io(make_link, Path(handle.link), self.final(entry))
+        except OSError as exc:
+            raise BadRequest(
+                f"link {handle.link} could not be created ({exc.strerror}); choose a --link "
+                "path in a folder the daemon's user can write"
+            ) from exc
+
+
+def state_counts(entries: list[Entry]) -> dict[str, int]:
+    counts = {state.value: 0 for state in State}
+    for entry in entries:
+        counts[entry.state.value] += 1
+    return counts

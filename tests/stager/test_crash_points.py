@@ -1,0 +1,234 @@
+"""Crash consistency at every durable step (``stager.durable.Durable``).
+
+A traced run of one script of requests lists every durable step it passes
+through, in order, with repeats (a marker per step). Then, for each of them, a
+daemon runs the same script with ``crash_after`` set to that occurrence and dies
+right after it, like ``kill -9`` (its staging process too). A fresh daemon on the
+same cache must then, after the restart and after each follow-up the API allows
+(DELETE, the same POST, another POST under the same name), never show a ready
+dataset that differs from its source, never leave one stuck, and end each
+request ready and byte-equal, or failed with a sentence.
+
+The script is built to pass through every member of ``Durable``; a new durable
+step that the script does not reach fails ``test_the_script_reaches_every_durable_step``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stager.durable import Durable
+from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
+from tests.trees import digest, make_tar, write_tree
+
+TIMEOUT = 30
+
+
+@dataclass
+class World:
+    """Sources and requests shared by every run."""
+
+    tmp: Path
+    base_url: str
+    trees: dict[str, Path]
+
+    def body(self, which: str) -> dict:
+        if which == "ds":  # copy, fetch, extract what was fetched, rename
+            steps = [
+                {"op": "copy", "src": str(self.trees["a"]), "dst": "a"},
+                {"op": "fetch", "url": f"{self.base_url}/t.tar", "dst": "dl/t.tar"},
+                {"op": "extract", "src": "dl/t.tar"},
+                {"op": "rename", "src": "t", "dst": "train"},
+            ]
+            return {
+                "name": "ds",
+                "steps": steps,
+                "link": str(self.tmp / "links" / "ds"),
+                "lease": {"holder": "job-1"},
+            }
+        if which == "other":  # the same name, another request
+            return {"name": "ds", "steps": [{"op": "copy", "src": str(self.trees["b"])}]}
+        # A staging that fails in its staging process: the download is not there.
+        return {
+            "name": "bad",
+            "steps": [{"op": "fetch", "url": f"{self.base_url}/gone", "dst": "x"}],
+        }
+
+    def expected(self, which: str) -> dict[str, str]:
+        if which == "other":
+            return digest(self.trees["b"])
+        found = {f"a/{k}": v for k, v in digest(self.trees["a"]).items()}
+        found.update({f"train/{k}": v for k, v in digest(self.trees["t"]).items()})
+        return found
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("crash")
+    trees = {name: write_tree(tmp / name, n_files=8, seed=i) for i, name in enumerate("abt")}
+    archive = make_tar(trees["t"], tmp / "t.tar").read_bytes()
+    with serve_files(Behaviour(files={"/t.tar": archive})) as url:
+        yield World(tmp, url, trees)
+
+
+def script(client: httpx.Client, world: World) -> None:
+    """Requests that pass through every durable step."""
+    post(client, world.body("ds"))
+    wait(client, "ds")
+    client.delete("/v1/datasets/ds/leases", params={"holder": "job-1"}).raise_for_status()
+    client.delete("/v1/datasets/ds").raise_for_status()  # evict
+    post(client, world.body("bad"))
+    wait(client, "bad")
+    client.delete("/v1/datasets/bad").raise_for_status()  # forget the name
+
+
+def post(client: httpx.Client, body: dict) -> httpx.Response:
+    response = client.post("/v1/datasets", json=body)
+    assert response.status_code in (200, 202, 409), response.text
+    return response
+
+
+def wait(client: httpx.Client, name: str) -> dict:
+    return client.get(f"/v1/datasets/{name}/wait", params={"timeout": TIMEOUT}).json()
+
+
+def traced_points(world: World, cache: Path) -> list[str]:
+    """Every durable step the script passes through, in order, with ``#N`` repeats."""
+    daemon = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "trace"})
+    try:
+        with daemon.start().client() as client:
+            script(client, world)
+        daemon_pid = daemon.process.pid
+        daemon.stop()
+        log = daemon.log(limit=None)
+    finally:
+        daemon.cleanup()
+    seen: dict[tuple[str, int], int] = {}
+    stagings: list[int] = []  # staging processes' pids, in the order they started
+    points = []
+    for name, pid in re.findall(r"stager durable: (\S+) pid=(\d+)", log):
+        pid = int(pid)
+        seen[name, pid] = seen.get((name, pid), 0) + 1
+        where = ""
+        if pid != daemon_pid:
+            if pid not in stagings:
+                stagings.append(pid)
+            where = f"@{stagings.index(pid) + 1}"
+        points.append(f"{name}#{seen[name, pid]}{where}")
+    return points
+
+
+@pytest.fixture(scope="module")
+def points(world: World) -> list[str]:
+    return traced_points(world, world.tmp / "traced-cache")
+
+
+def test_the_script_reaches_every_durable_step(points: list[str]) -> None:
+    reached = {p.split("#")[0] for p in points}
+    assert len(points) == len(set(points))
+    assert reached == {d.value for d in Durable}, f"never reached: {set(Durable) - reached}"
+
+
+class Checker:
+    """Looks at everything a daemon says after a crash, and at what is on disk."""
+
+    def __init__(self, daemon: Daemon, world: World) -> None:
+        self.daemon, self.world = daemon, world
+
+    def settle(self, client: httpx.Client, name: str, which: str) -> dict | None:
+        """Wait for ``name`` to end; a ready one must hold exactly ``which``'s content."""
+        response = client.get(f"/v1/datasets/{name}/wait", params={"timeout": TIMEOUT})
+        if response.status_code == 404:
+            return None
+        status = response.json()
+        assert status["state"] not in ("queued", "staging"), f"{name} stuck: {status}"
+        if status["state"] == "ready":
+            assert digest(Path(status["path"])) == self.world.expected(which), status
+            if status["link"]:
+                assert Path(status["link"]).resolve() == Path(status["path"]).resolve()
+        elif status["state"] == "failed":
+            assert status["error"]["message"], status
+        return status
+
+    def no_leftovers(self, client: httpx.Client) -> None:
+        """Once nothing is active, no attempt folder is left in partial/ (deletes of
+        discarded ones run in the background: give them a moment)."""
+        statuses = client.get("/v1/datasets").json()["data"]
+        if any(s["state"] in ("queued", "staging") for s in statuses):
+            return
+        partial = self.daemon.cache_dir / "partial"
+        left = wait_for(lambda: [p.name for p in partial.iterdir()] or None, expect_none=True)
+        assert left is None, f"left in partial/: {left}"
+
+
+def wait_for(probe, expect_none: bool, timeout: float = 10):  # noqa: ANN001, ANN201
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if (value is None) == expect_none or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
+    failures = []
+    for point in points:
+        try:
+            folder = tmp_path / point.replace("#", "-").replace("@", "-")
+            crash_and_follow_up(world, point, folder)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            failures.append(f"{point}: {exc}")
+    assert not failures, "\n".join(failures)
+
+
+def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
+    cache = cache_root / "cache"
+    shutil.rmtree(world.tmp / "links", ignore_errors=True)
+    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
+    try:
+        with crashing.start().client() as client:
+            try:
+                script(client, world)
+            except (httpx.TransportError, httpx.HTTPStatusError, ValueError):
+                pass
+        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
+    finally:
+        crashing.cleanup()
+
+    daemon = Daemon(cache_dir=cache)
+    try:
+        check = Checker(daemon, world)
+        with daemon.start().client() as client:
+            # After the restart alone.
+            check.settle(client, "ds", "ds")
+            check.settle(client, "bad", "bad")
+            check.no_leftovers(client)
+            # DELETE, then the same POST: ready and equal to its source.
+            client.delete("/v1/datasets/ds/leases")
+            client.delete("/v1/datasets/ds")
+            check.settle(client, "ds", "ds")
+            post(client, world.body("ds"))
+            status = check.settle(client, "ds", "ds")
+            assert status is not None and status["state"] == "ready", status
+            # The same POST again: a hit.
+            assert post(client, world.body("ds")).status_code == 200
+            # Another request under the same name, after a DELETE.
+            client.delete("/v1/datasets/ds/leases")
+            client.delete("/v1/datasets/ds").raise_for_status()
+            post(client, world.body("other"))
+            status = check.settle(client, "ds", "other")
+            assert status is not None and status["state"] == "ready", status
+            check.no_leftovers(client)
+    finally:
+        daemon.cleanup()

@@ -1,0 +1,78 @@
+"""No staging holds a worker forever: a cancel ends a staging stuck in a system call
+within seconds, and a staging whose progress stands still fails with a sentence.
+
+The stuck system call here is a read from an HTTP server that sent its headers and
+then nothing (``Behaviour.hold``): the same as a hung network filesystem or a FIFO,
+as far as the staging process can tell.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from tests.daemon import Daemon, stage
+from tests.httpserver import Behaviour, serve_files
+
+BLOB = bytes(1 << 20)
+
+
+def children(daemon: Daemon) -> set[int]:
+    """The daemon's staging processes (not multiprocessing's resource tracker)."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = (proc / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == daemon.process.pid and b"spawn_main" in args:
+            found.add(int(proc.name))
+    return found
+
+
+def wait_for_step(daemon: Daemon, name: str, step: str) -> None:
+    deadline = time.monotonic() + 20
+    with daemon.client() as client:
+        while time.monotonic() < deadline:
+            if client.get(f"/v1/datasets/{name}").json()["progress"]["step"] == step:
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"{name} never reached its {step} step")
+
+
+def test_cancel_ends_a_staging_stuck_in_a_system_call(daemon_factory) -> None:
+    daemon: Daemon = daemon_factory(env={"STAGER_CANCEL_GRACE_S": "1"})
+    hold = threading.Event()
+    with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url:
+        before = children(daemon)
+        with daemon.client() as client:
+            body = {"name": "stuck", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
+            assert stage(client, body).status_code == 202
+            wait_for_step(daemon, "stuck", "fetch")
+            assert children(daemon) - before, "the staging should run in its own process"
+            t0 = time.monotonic()
+            cancelled = client.delete("/v1/datasets/stuck").json()
+            took = time.monotonic() - t0
+        hold.set()
+    assert cancelled["state"] == "cancelled", cancelled
+    assert took < 5, f"cancel took {took:.1f} s"
+    assert children(daemon) - before == set(), "the stuck staging process is still running"
+
+
+def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) -> None:
+    daemon: Daemon = daemon_factory(env={"STAGER_STALL_TIMEOUT_S": "1.5"})
+    hold = threading.Event()
+    with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url, daemon.client() as c:
+        body = {"name": "hung", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
+        assert stage(c, body).status_code == 202
+        status = c.get("/v1/datasets/hung/wait", params={"timeout": 20}).json()
+        hold.set()
+        assert status["state"] == "failed", status
+        assert status["error"]["type"] == "stalled"
+        assert "no progress for 1.5 s in step 1 (fetch)" in status["error"]["message"]
+        # The worker slot is free again: the next staging runs.
+        again = {"name": "next", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
+        assert stage(c, again).status_code == 202
+        assert c.get("/v1/datasets/next/wait", params={"timeout": 20}).json()["state"] == "ready"
