@@ -39,8 +39,15 @@ from client.errors import (
     Unauthorized,
     WaitTimeout,
 )
-from stager.fanout.wire import ExportPublic, IncomingPublic, ProbeResult
-from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State
+from stager.schemas import (
+    DatasetPublic,
+    DatasetsPublic,
+    ExportPublic,
+    LeasePublic,
+    ProbeResult,
+    State,
+    TransferPublic,
+)
 
 Model = TypeVar("Model")
 StatusCallback = Callable[[DatasetPublic], None]
@@ -574,17 +581,17 @@ class AsyncStagerClient(_Base):
             timeout=EXPORT_TIMEOUT_S,
         )
 
-    async def delete_export(self, export_id: str) -> ExportPublic:
-        return await self._call("DELETE", f"/v1/exports/{_q(export_id)}", _model(ExportPublic),
+    async def delete_export(self, export_id: str) -> TransferPublic:
+        return await self._call("DELETE", f"/v1/exports/{_q(export_id)}", _model(TransferPublic),
                                 what="the export's removal")  # fmt: skip
 
-    async def reserve(self, label: str, nbytes: int) -> IncomingPublic:
+    async def reserve(self, label: str, nbytes: int) -> TransferPublic:
         """Room for a delivery of ``nbytes`` in the cache, in a folder named by ``label``."""
         body = {"label": label, "bytes": nbytes}
         return await self._call(
-            "POST", "/v1/incoming", _model(IncomingPublic), what="reserve", json=body
+            "POST", "/v1/incoming", _model(TransferPublic), what="reserve", json=body
         )
 
-    async def release_incoming(self, label: str) -> IncomingPublic:
-        return await self._call("DELETE", f"/v1/incoming/{_q(label)}", _model(IncomingPublic),
+    async def release_incoming(self, label: str) -> TransferPublic:
+        return await self._call("DELETE", f"/v1/incoming/{_q(label)}", _model(TransferPublic),
                                 what="the reservation's release")  # fmt: skip

@@ -43,7 +43,7 @@ from client import _fanout_node as node_role
 from client._client import AsyncStagerClient
 from client._slurm import Broadcast, Job, Step, agent_argv, run_each, sbcast
 from client.errors import FanoutError, StagerError
-from stager.fanout.wire import BUNDLE_NAME, MANIFEST_NAME, Adopt, delivered_name
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, delivered_name
 
 # sbcast sends one 8 MB block at a time and waits for every node to have it. Up to
 # FLAT_FANOUT receivers the sender sends to each directly; beyond, a tree.

@@ -32,8 +32,7 @@ from client._client import AsyncStagerClient
 from client._slurm import Job
 from client.errors import DaemonUnavailable, StagerError, StagingFailed
 from stager.fanout.manifest import file_digest
-from stager.fanout.wire import Adopt, IncomingPublic, delivered_name
-from stager.schemas import DatasetPublic, State
+from stager.schemas import Adopt, DatasetPublic, State, TransferPublic, delivered_name
 
 Emit = Callable[[dict[str, Any]], None]
 # A node whose daemon does not answer is not waited for long: the job is running.
@@ -159,7 +158,7 @@ class Receiver:
         self.label = label
         self.timeout = timeout
         self.emit = emit
-        self.incoming: IncomingPublic | None = None
+        self.incoming: TransferPublic | None = None
 
     async def run(self, instructions: AsyncIterator[dict[str, Any]], step: str) -> None:
         self.emit({"node": self.node, "event": "ready", "step": step})

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from stager.errors import Conflict, NotFound
+from stager.errors import NotFound
 from stager.fanout import bundle
-from stager.fanout.manifest import digest
-from stager.fanout.wire import BUNDLE_NAME, MANIFEST_NAME, ExportPublic, IncomingPublic
+from stager.fanout.manifest import digest, walk
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, ExportPublic, TransferPublic
 
 EXPORT_TTL_S = 3600.0
 
@@ -48,8 +48,11 @@ class Transfers:
         self.kind = kind  # "export" or "delivery", for messages
         self._live: dict[str, Transfer] = {}
 
-    def pending_bytes(self) -> int:
-        return sum(t.nbytes for t in self._live.values())
+    def live(self) -> list[Transfer]:
+        return list(self._live.values())
+
+    def find(self, label: str) -> Transfer | None:
+        return self._live.get(label)
 
     def add(self, label: str, nbytes: int, ttl_s: float) -> Transfer:
         """Book ``label`` (again: the same label renews it, as a re-run step would)."""
@@ -58,13 +61,13 @@ class Transfers:
         return transfer
 
     def get(self, label: str) -> Transfer:
-        try:
-            return self._live[label]
-        except KeyError:
+        transfer = self._live.get(label)
+        if transfer is None:
             raise NotFound(
                 f"no {self.kind} {label!r} on this node (released, expired, or this daemon "
                 "restarted since); start the multi-node staging again"
-            ) from None
+            )
+        return transfer
 
     def pop(self, label: str) -> Transfer:
         transfer = self.get(label)
@@ -78,13 +81,6 @@ class Transfers:
             del self._live[transfer.label]
         return gone
 
-    def claim(self, label: str) -> Transfer:
-        """The delivery an adoption consumes: no longer released by its requester."""
-        transfer = self.pop(label)
-        if not transfer.path.is_dir():
-            raise Conflict(f"{self.kind} {label!r} has no folder on this node any more")
-        return transfer
-
 
 # ---- blocking work, run off the event loop -------------------------------------------
 
@@ -97,10 +93,22 @@ def remove_folder(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def leftovers(root: Path) -> list[Path]:
-    """Folders an earlier run of the daemon left: nothing owns them now."""
-    root.mkdir(parents=True, exist_ok=True)
-    return [root / name for name in os.listdir(root)]
+def unwritten_bytes(transfers: list[Transfer]) -> int:
+    """Room promised to transfers that their files do not take yet."""
+    total = 0
+    for transfer in transfers:
+        written = 0
+        try:
+            with os.scandir(transfer.path) as files:
+                written = sum(f.stat(follow_symlinks=False).st_size for f in files)
+        except FileNotFoundError:
+            pass
+        total += max(0, transfer.nbytes - written)
+    return total
+
+
+def count_files(tree: Path) -> int:
+    return len(walk(tree))
 
 
 def pack_export(tree: Path, transfer: Transfer, key: str) -> ExportPublic:
@@ -119,8 +127,8 @@ def pack_export(tree: Path, transfer: Transfer, key: str) -> ExportPublic:
     )
 
 
-def incoming_public(transfer: Transfer) -> IncomingPublic:
-    return IncomingPublic(
+def transfer_public(transfer: Transfer) -> TransferPublic:
+    return TransferPublic(
         id=transfer.label,
         path=str(transfer.path),
         bytes=transfer.nbytes,
