@@ -39,9 +39,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from client import _fanout_node as node_role
 from client._client import AsyncStagerClient
-from client._slurm import Broadcast, Job, Step, agent_argv, run_each, sbcast
+from client._fanout_node import Node
+from client._slurm import (
+    STEP_START_TIMEOUT_S,
+    Broadcast,
+    Job,
+    Step,
+    agent_argv,
+    cancel_step,
+    sbcast,
+    sink_argv,
+)
 from client.errors import FanoutError, StagerError
 from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, delivered_name
 
@@ -122,6 +131,8 @@ class Report:
     broadcast: Broadcast | None = None
     seconds: float = 0.0
     nodes: dict[str, NodeResult] = field(default_factory=dict)
+    # When each phase ended, in seconds from the start: where the time went.
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[NodeResult]:
@@ -147,6 +158,7 @@ class Report:
             "compress": self.broadcast.compress if self.broadcast else None,
             "fanout": self.broadcast.fanout if self.broadcast else None,
             "seconds": round(self.seconds, 3),
+            "timeline": self.timeline,
             "nodes": {n: vars(r) for n, r in sorted(self.nodes.items())},
         }
 
@@ -159,38 +171,66 @@ class Fanout:
         body: Mapping[str, Any],
         timeout: float | None,
         say: Say,
+        broadcast: str = "auto",
     ) -> None:
         self.job = job
         self.client = client
         self.body = dict(body)
         self.timeout = timeout
         self.say = say
+        self.broadcast = broadcast  # auto | prepared | sources
         self.report = Report(name=str(body["name"]))
-        self._request = json.dumps(self.body)
-        self._background: set[asyncio.Task[Any]] = set()
+        self._started = time.monotonic()
+
+    def _mark(self, phase: str) -> None:
+        self.report.timeline[phase] = round(time.monotonic() - self._started, 3)
 
     # ---- the run -----------------------------------------------------------------------
 
     async def run(self) -> Report:
-        started = time.monotonic()
+        self._started = time.monotonic()
         try:
-            await self._run()
-            if self._background:
-                await asyncio.gather(*self._background, return_exceptions=True)
+            if len(self.job.nodes) == 1:
+                await self._alone()
+            else:
+                await self._everywhere()
+            self._mark("ready")
         finally:
-            self.report.seconds = time.monotonic() - started
+            self.report.seconds = time.monotonic() - self._started
         return self.report
 
-    async def _run(self) -> None:
-        nodes = self.job.nodes
-        if len(nodes) == 1:
-            self._record(await self._stage_here(), "batch")
-            return
-        probes = await self._on_each(nodes, "probe")
+    async def _alone(self) -> None:
+        """One node: a plain staging, in this process."""
+        node = Node(self.client, self.job.this_node, self.body, self.timeout, lambda _: None)
+        self._record(await node.stage(), "batch step")
+
+    async def _everywhere(self) -> None:
+        argv = ["--request", json.dumps(self.body), "--url", self.client.url]
+        if self.timeout is not None:
+            argv += ["--timeout", str(self.timeout)]
+        step = Step(self.job, self.job.nodes, "node")
+        agents = Agents(await step.start(agent_argv(*argv), stdin=True, kill_on_bad_exit=True))
+        try:
+            await asyncio.wait_for(agents.started(), STEP_START_TIMEOUT_S)
+            probes = await agents.collect("probe", self.job.nodes)
+            self._mark("probe")
+            await self._plan(agents, probes)
+            for event in await agents.done():
+                self._record(event, agents.step.label())
+        except TimeoutError:
+            raise FanoutError(
+                f"{agents.step.label()} did not start within {STEP_START_TIMEOUT_S:.0f} s "
+                f"({agents.step.stderr_tail()}); check the nodes with sinfo"
+            ) from None
+        finally:
+            await agents.close()
+
+    async def _plan(self, agents: Agents, probes: dict[str, dict[str, Any]]) -> None:
         usable = []
-        for node in nodes:
-            if probes[node].get("error"):
-                self._record({"node": node, "error": f"probe: {probes[node]['error']}"}, "probe")
+        for node in self.job.nodes:
+            error = probes.get(node, {}).get("error") or (node not in probes and "no answer")
+            if error:
+                self._record({"node": node, "error": f"probe: {error}"}, agents.step.label())
             else:
                 usable.append(node)
         keys = {probes[n]["key"] for n in usable}
@@ -200,7 +240,7 @@ class Fanout:
                 + ", ".join(f"{n}: {probes[n]['key']}" for n in usable)
                 + "): they see the sources differently, so each stages its own copy"
             )
-            await self._stage_each(usable)
+            await agents.tell({"do": "stage", "to": usable})
             return
         if not keys:
             return
@@ -209,21 +249,24 @@ class Fanout:
         lacking = [n for n in usable if n not in holders]
         source = self.report.source = source_node(key, usable, holders, self.job.this_node)
         if not lacking:
-            await self._stage_each(usable)
-        elif not holders and probes[source].get("source_files"):
+            await agents.tell({"do": "stage", "to": usable})
+        elif self._sources_pay(holders, probes[source].get("source_files", [])):
             self.report.mode = "sources"
-            await self._send_sources(source, probes[source]["source_files"], lacking)
+            await self._send_sources(agents, source, probes[source]["source_files"], lacking)
         else:
             self.report.mode = "bundle"
-            await self._send_bundle(source, lacking, holders)
+            await self._send_bundle(agents, source, lacking, holders)
+
+    def _sources_pay(self, holders: list[str], files: list[dict[str, Any]]) -> bool:
+        """Broadcast the source files, rather than the prepared tree, when there are such
+        files and no node holds the data (a holder's copy costs the storage nothing).
+        Measured (docs/benchmarks.md): every node extracting at once beats one node
+        extracting, packing, sending and the others unpacking."""
+        if holders or not files or self.broadcast == "prepared":
+            return False
+        return True
 
     # ---- helpers -----------------------------------------------------------------------
-
-    def _argv(self, role: str, *extra: str) -> list[str]:
-        args = ["--request", self._request, "--url", self.client.url]
-        if self.timeout is not None:
-            args += ["--timeout", str(self.timeout)]
-        return agent_argv(role, *args, *extra)
 
     def _label(self) -> str:
         """Names the delivery folder on every receiver and the export on the sender."""
@@ -243,96 +286,82 @@ class Fanout:
         self.report.nodes[node] = result
         return result
 
-    async def _stage_here(self) -> dict[str, Any]:
-        return await node_role.stage(self.client, self.job.this_node, self.body, self.timeout)
+    async def _sink(self, nodes: Sequence[str]) -> Sink:
+        step = await Step(self.job, nodes, "sink").start(sink_argv())
+        return await Sink(step).started()
 
-    async def _on(self, node: str, role: str, *extra: str) -> dict[str, Any]:
-        """``role`` on one node: in-process on this one, else a one-task srun step."""
-        if node == self.job.this_node:
-            return await node_role.here(role, self.client, self.job, self.body, self.timeout, extra)
-        events = await run_each(self.job, [node], role, self._argv(role, *extra))
-        return events.get(node) or _silent(node, role)
-
-    async def _on_each(self, nodes: Sequence[str], role: str) -> dict[str, dict[str, Any]]:
-        """``role`` on each node: in-process on this one, one srun step for the others."""
-        others = [n for n in nodes if n != self.job.this_node]
-        tasks = [run_each(self.job, others, role, self._argv(role))] if others else []
-        if self.job.this_node in nodes:
-            tasks.append(self._on_here(role))
-        found: dict[str, dict[str, Any]] = {}
-        for events in await asyncio.gather(*tasks):
-            found.update(events)
-        return {node: found.get(node) or _silent(node, role) for node in nodes}
-
-    async def _on_here(self, role: str) -> dict[str, dict[str, Any]]:
-        return {self.job.this_node: await self._on(self.job.this_node, role)}
-
-    async def _stage_each(self, nodes: Sequence[str]) -> None:
-        for event in (await self._on_each(nodes, "stage")).values():
-            self._record(event, "stage step")
-
-    async def _receivers(self, nodes: Sequence[str]) -> Receivers:
-        step = Step(self.job, nodes, "receive")
-        await step.start(self._argv("receive", "--label", self._label()), stdin=True)
-        return Receivers(step)
-
-    async def _finish(self, recv: Receivers) -> None:
-        for event in await recv.done():
-            self._record(event, recv.step.label())
-
-    def _later(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    async def _reserve(self, agents: Agents, nodes: Sequence[str], nbytes: int) -> str:
+        """Room on every receiver: the one folder sbcast writes into (FanoutError if not)."""
+        await agents.tell({"do": "reserve", "to": list(nodes), "label": self._label(),
+                           "bytes": nbytes})  # fmt: skip
+        found = await agents.collect("reserved", nodes)
+        errors = [f"{n}: {e['error']}" for n, e in sorted(found.items()) if e.get("error")]
+        if errors or len(found) < len(nodes):
+            raise FanoutError(
+                "not every receiving node could make room for the broadcast copy ("
+                + ("; ".join(errors) or agents.step.stderr_tail())
+                + "), so the receivers stage from the source"
+            )
+        paths = {e["path"] for e in found.values()}
+        if len(paths) > 1:
+            raise FanoutError(
+                f"the receiving nodes' cache folders differ ({', '.join(sorted(paths))}); sbcast "
+                "writes one path on every node, so run the daemons with the same --cache-dir"
+            )
+        self._mark("reserve")
+        return paths.pop()
 
     # ---- bundle: stage on one node, pack, broadcast the prepared tree -----------------
 
-    async def _send_bundle(self, source: str, lacking: list[str], holders: list[str]) -> None:
+    async def _send_bundle(
+        self, agents: Agents, source: str, lacking: list[str], holders: list[str]
+    ) -> None:
         receivers = [n for n in lacking if n != source]
-        # Holders other than the source take their cache hit meanwhile, and the
-        # receivers' step starts while the source stages: both off the critical path.
-        others = [n for n in holders if n != source]
-        if others:
-            self._later(self._stage_each(others))
-        recv_start = asyncio.create_task(self._receivers(receivers))
-        staged = self._record(await self._on(source, "stage"), f"staging on {source}")
-        recv = await recv_start
+        # Every holder takes its cache hit (the source too: it then packs its copy), and
+        # the sink starts while the source stages: both off the critical path.
+        await agents.tell({"do": "stage", "to": sorted({*holders, source})})
+        sink_start = asyncio.create_task(self._sink(receivers))
+        staged = (await agents.collect("staged", [source])).get(source, {})
+        self._mark("stage")
+        sink = await sink_start
         try:
-            if staged.error:
-                reason = f"the source node failed: {staged.error}"
-                await recv.tell({"do": "stage", "reason": reason})
-            else:
-                await self._bundle_to(recv, source)
-            await self._finish(recv)
+            if staged.get("error") or not staged:
+                reason = f"the source node {source} failed ({staged.get('error', 'no answer')})"
+                await agents.tell({"do": "stage", "to": receivers, "reason": reason})
+                return
+            try:
+                await self._bundle_to(agents, sink, source, receivers)
+            except FanoutError as exc:
+                await agents.tell({"do": "stage", "to": receivers, "reason": exc.message})
         finally:
-            await recv.close()
+            await sink.close()
 
-    async def _bundle_to(self, recv: Receivers, source: str) -> None:
+    async def _bundle_to(
+        self, agents: Agents, sink: Sink, source: str, receivers: list[str]
+    ) -> None:
         label = self._label()
-        exported = await self._on(source, "export", "--label", label)
-        if exported.get("error"):
-            reason = f"packing on {source} failed ({exported['error']})"
-            await recv.tell({"do": "stage", "reason": reason})
-            return
-        self._later(self._on(source, "drop-export", "--label", str(exported["id"])))
-        nbytes = int(exported["bundle_bytes"])
-        dest = await recv.reserve(nbytes)
-        if isinstance(dest, FanoutError):
-            await recv.tell({"do": "stage", "reason": dest.message})
-            return
-        how = self.report.broadcast = broadcast_for(len(recv.step.nodes), nbytes, False)
+        await agents.tell({"do": "export", "to": [source], "label": label})
+        exported = (await agents.collect("exported", [source])).get(source, {})
+        self._mark("export")
+        if exported.get("error") or not exported:
+            raise FanoutError(f"packing on {source} failed ({exported.get('error', 'no answer')})")
         try:
-            for path, name in (
-                (exported["manifest"], MANIFEST_NAME),
-                (exported["bundle"], BUNDLE_NAME),
-            ):
-                await sbcast(self.job, source, recv.step_id, path, f"{dest}/{name}", how)
-        except StagerError as exc:
-            # Some nodes may hold a whole copy all the same: each receiver checks its own.
-            self.say(
-                f"the broadcast from {source} failed ({exc.message}); receivers check their copy"
-            )
-        self.report.sent_bytes = nbytes
+            nbytes = int(exported["bundle_bytes"])
+            dest = await self._reserve(agents, receivers, nbytes)
+            how = self.report.broadcast = broadcast_for(len(receivers), nbytes, False)
+            try:
+                for path, name in (
+                    (exported["manifest"], MANIFEST_NAME),
+                    (exported["bundle"], BUNDLE_NAME),
+                ):
+                    await sbcast(self.job, source, sink.step_id, path, f"{dest}/{name}", how)
+            except StagerError as exc:
+                # Some nodes may hold a whole copy all the same: each receiver checks its own.
+                self.say(f"the broadcast from {source} failed ({exc.message}); receivers check")
+            self._mark("sbcast")
+            self.report.sent_bytes = nbytes
+        finally:
+            await agents.tell({"do": "drop-export", "to": [source], "label": label})
         adopt = Adopt(
             incoming=label,
             origin_node=source,
@@ -340,42 +369,37 @@ class Fanout:
             job=self.job.job_id,
             manifest_sha256=exported["manifest_sha256"],
         )
-        await recv.tell({"do": "adopt", "adopt": adopt.model_dump()})
+        await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
 
     # ---- sources: broadcast the release files, every node stages from its copy -------
 
     async def _send_sources(
-        self, source: str, source_files: list[dict[str, Any]], lacking: list[str]
+        self, agents: Agents, source: str, source_files: list[dict[str, Any]], lacking: list[str]
     ) -> None:
         files = {str(f["path"]): int(f["size"]) for f in source_files}
-        recv = await self._receivers(lacking)
+        sink = await self._sink(lacking)
         try:
-            dest = await recv.reserve(sum(files.values()))
-            if isinstance(dest, FanoutError):
-                await recv.tell({"do": "stage", "reason": dest.message})
-            else:
-                await self._sources_to(recv, source, files, dest)
-            await self._finish(recv)
-        finally:
-            await recv.close()
-
-    async def _sources_to(
-        self, recv: Receivers, source: str, files: dict[str, int], dest: str
-    ) -> None:
-        try:
+            dest = await self._reserve(agents, lacking, sum(files.values()))
             for path, size in files.items():
-                how = broadcast_for(len(recv.step.nodes), size, not compressed_name(path))
+                how = broadcast_for(len(lacking), size, not compressed_name(path))
                 self.report.broadcast = how
                 target = f"{dest}/{delivered_name(path)}"
-                await sbcast(self.job, source, recv.step_id, path, target, how)
+                await sbcast(self.job, source, sink.step_id, path, target, how)
                 self.report.sent_bytes += size
+            self._mark("sbcast")
         except StagerError as exc:
-            await recv.tell({"do": "stage", "reason": f"the broadcast failed ({exc.message})"})
+            reason = f"the broadcast of the source files failed ({exc.message})"
+            await agents.tell({"do": "stage", "to": lacking, "reason": reason})
             return
+        finally:
+            await sink.close()
         # The source node's copy is the reference the others are checked against.
-        hashed = await recv.ask(source, {"do": "hash", "to": [source], "files": list(files)})
-        if hashed.get("error"):
-            await recv.tell({"do": "stage", "reason": f"{source}: {hashed['error']}"})
+        await agents.tell({"do": "hash", "to": [source], "files": list(files)})
+        hashed = (await agents.collect("hashed", [source])).get(source, {})
+        self._mark("hash")
+        if hashed.get("error") or not hashed:
+            reason = f"{source}: {hashed.get('error', 'no answer')}"
+            await agents.tell({"do": "stage", "to": lacking, "reason": reason})
             return
         adopt = Adopt(
             incoming=self._label(),
@@ -384,28 +408,18 @@ class Fanout:
             job=self.job.job_id,
             sources={path: tuple(entry) for path, entry in hashed["files"].items()},
         )
-        await recv.tell({"do": "adopt", "adopt": adopt.model_dump()})
+        await agents.tell({"do": "adopt", "to": lacking, "adopt": adopt.model_dump()})
 
 
-def _silent(node: str, role: str) -> dict[str, Any]:
-    return {
-        "node": node,
-        "event": role,
-        "error": f"its {role} task ended without reporting (srun failed, or stager-client "
-        "could not run there); see the job's log",
-    }
-
-
-class Receivers:
-    """The step on the nodes that lack the data, and the conversation with its tasks."""
+class Agents:
+    """The step with one `client._fanout_node` task per node, and the talk with it."""
 
     def __init__(self, step: Step) -> None:
         self.step = step
         self._events = step.events()
-        self._early: list[dict[str, Any]] = []  # events read while looking for others
-        self.step_id = ""
+        self._early: list[dict[str, Any]] = []  # read while looking for other events
 
-    async def _collect(self, kind: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    async def collect(self, kind: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The next ``kind`` event from each of ``nodes`` (fewer if the step ends)."""
         found = {}
         for event in [e for e in self._early if e.get("event") == kind and e["node"] in nodes]:
@@ -422,69 +436,55 @@ class Receivers:
                 self._early.append(event)
         return found
 
-    async def _started(self) -> None:
-        if self.step_id:
-            return
-        found = await self._collect("ready", self.step.nodes)
-        missing = [n for n in self.step.nodes if n not in found]
-        if missing or self.step.step_id is None:
+    async def started(self) -> None:
+        found = await self.collect("ready", self.step.nodes)
+        if self.step.step_id is None:
+            missing = [n for n in self.step.nodes if n not in found]
             raise FanoutError(
-                f"{self.step.label()} did not start on {', '.join(missing) or 'every node'} "
+                f"{self.step.label()} did not start on {', '.join(missing) or 'any node'} "
                 f"({self.step.stderr_tail()}); check those nodes with sinfo"
             )
-        self.step_id = self.step.step_id
 
     async def tell(self, message: dict[str, Any]) -> None:
-        await self._started()
         await self.step.write(message)
 
-    async def reserve(self, nbytes: int) -> str | FanoutError:
-        """Room on every receiver: the one folder sbcast writes into, or why not."""
-        await self.tell({"do": "reserve", "bytes": nbytes})
-        found = await self._collect("reserved", self.step.nodes)
-        errors = [f"{n}: {e['error']}" for n, e in sorted(found.items()) if e.get("error")]
-        if errors or len(found) < len(self.step.nodes):
-            return FanoutError(
-                "not every receiving node could make room for the broadcast copy ("
-                + ("; ".join(errors) or self.step.stderr_tail())
-                + "), so the receivers stage from the source"
-            )
-        paths = {e["path"] for e in found.values()}
-        if len(paths) > 1:
-            return FanoutError(
-                f"the receiving nodes' cache folders differ ({', '.join(sorted(paths))}); sbcast "
-                "writes one path on every node, so run the daemons with the same --cache-dir"
-            )
-        return paths.pop()
-
-    async def ask(self, node: str, message: dict[str, Any]) -> dict[str, Any]:
-        await self.tell(message)
-        found = await self._collect("hashed", [node])
-        return found.get(node) or {"error": f"no answer ({self.step.stderr_tail()})"}
-
     async def done(self) -> list[dict[str, Any]]:
-        """Every receiver's outcome; stdin closes, so a task not yet told gives up."""
+        """Every node's outcome: stdin closes, each task reports and exits."""
         self.step.close_stdin()
-        found = await self._collect("done", self.step.nodes)
+        found = await self.collect("done", self.step.nodes)
         await self.step.wait()
-        for node in self.step.nodes:
-            found.setdefault(
-                node,
-                {
-                    "node": node,
-                    "event": "done",
-                    "error": f"its task ended without a report ({self.step.stderr_tail()})",
-                },
-            )
-        return list(found.values())
+        return [
+            found.get(node)
+            or {
+                "node": node,
+                "event": "done",
+                "error": f"its task ended without a report ({self.step.stderr_tail()})",
+            }
+            for node in self.step.nodes
+        ]
 
     async def close(self) -> None:
         await self.step.kill()
 
 
-async def fan_out(
-    body: Mapping[str, Any], *, url: str | None, timeout: float | None, say: Say
-) -> Report:
-    job = await Job.detect()
-    async with AsyncStagerClient(url) as client:
-        return await Fanout(job, client, body, timeout, say).run()
+class Sink:
+    """The step sbcast sends to: on exactly the nodes that lack the data."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.step_id = ""
+
+    async def started(self) -> Sink:
+        async for event in self.step.events():
+            if event.get("step"):
+                self.step_id = str(event["step"])
+                return self
+        raise FanoutError(
+            f"{self.step.label()} did not start ({self.step.stderr_tail()}); check those "
+            "nodes with sinfo"
+        )
+
+    async def close(self) -> None:
+        if self.step_id:
+            await cancel_step(self.step.job, self.step_id)
+        await self.step.kill()

@@ -52,6 +52,13 @@ class Job:
         this_node = env.get("SLURMD_NODENAME") or nodes[0]
         return cls(job_id, nodes, this_node, env)
 
+    @classmethod
+    def here(cls, env: Mapping[str, str] | None = None) -> Job:
+        """Inside a job step: this node and the job, without asking SLURM for the nodes."""
+        env = dict(os.environ if env is None else env)
+        node = env.get("SLURMD_NODENAME", "")
+        return cls(env.get("SLURM_JOB_ID", ""), (node,), node, env)
+
 
 async def _command(
     argv: Sequence[str], env: Mapping[str, str], what: str, fix: str = "check the job's allocation"
@@ -83,9 +90,29 @@ def _last_line(data: bytes) -> str:
     return lines[-1].strip() if lines else "no message"
 
 
-def agent_argv(role: str, *args: str) -> list[str]:
+def agent_argv(*args: str) -> list[str]:
     """The per-node task: this interpreter running stager-client's hidden ``_node``."""
-    return [sys.executable, "-m", "client", "_node", role, *args]
+    return [sys.executable, "-m", "client", "_node", *args]
+
+
+# A step whose only job is to be there: sbcast reaches the nodes of a step, and this
+# one runs on exactly the nodes that lack the data. It says its id, then waits.
+SINK = (
+    'printf \'{"node": "%s", "event": "ready", "step": "%s.%s"}\\n\' '
+    '"$SLURMD_NODENAME" "$SLURM_JOB_ID" "$SLURM_STEP_ID"; exec sleep 86400'
+)
+
+
+def sink_argv() -> list[str]:
+    return ["bash", "-c", SINK]
+
+
+async def cancel_step(job: Job, step_id: str) -> None:
+    """End a step (the sink, once sbcast is done with it)."""
+    try:
+        await _command(["scancel", "--quiet", step_id], job.env, f"scancel {step_id}")
+    except FanoutError:
+        pass  # already gone
 
 
 class Step:
@@ -104,7 +131,9 @@ class Step:
         where = ",".join(self.nodes)
         return f"step {self.step_id or '?'} ({self.name} on {where})"
 
-    async def start(self, argv: Sequence[str], *, stdin: bool = False) -> Step:
+    async def start(
+        self, argv: Sequence[str], *, stdin: bool = False, kill_on_bad_exit: bool = False
+    ) -> Step:
         srun = [
             "srun",
             "--overlap",  # beside the batch step and the job's other steps
@@ -114,7 +143,9 @@ class Step:
             "--cpus-per-task=1",
             f"--nodelist={','.join(self.nodes)}",
             f"--job-name=stager-{self.name}",
-            "--kill-on-bad-exit=0",
+            # 1: a task that dies (not one that reports a failure: those exit 0) ends the
+            # step, so the driver is not left waiting for it.
+            f"--kill-on-bad-exit={int(kill_on_bad_exit)}",
             "--quiet",
         ]
         try:
@@ -184,18 +215,6 @@ class Step:
         if self._process is not None and self._process.returncode is None:
             self._process.kill()
             await self.wait()
-
-
-async def run_each(
-    job: Job, nodes: Sequence[str], name: str, argv: Sequence[str]
-) -> dict[str, dict[str, Any]]:
-    """Run ``argv`` once on each node; the last event each node printed, by node."""
-    step = await Step(job, nodes, name).start(argv)
-    last: dict[str, dict[str, Any]] = {}
-    async for event in step.events():
-        last[str(event["node"])] = event
-    await step.wait()
-    return last
 
 
 @dataclass(frozen=True)

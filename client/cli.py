@@ -216,6 +216,14 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         help="slurm: stage on every node of this SLURM job, reading the shared storage once "
         "(run once in the batch script; implies --wait; see docs/multinode.md)",
     )
+    sub.add_argument(
+        "--broadcast",
+        choices=["auto", "prepared", "sources"],
+        default="auto",
+        help="with --peers slurm, what is sent to the other nodes: the prepared tree, or "
+        "the request's source files (archives) for every node to stage from; auto picks "
+        "(see docs/multinode.md)",
+    )
     _add_wait_flags(sub)
     _add_json(sub, "print the final status as JSON")
     sub.set_defaults(run=cmd_stage)
@@ -410,7 +418,9 @@ async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) ->
     """Every node of the job, through SLURM: one line per node on stderr, this node's
     path on stdout; fails naming the nodes (and steps) left without the data."""
     job = await Job.detect()
-    report = await Fanout(job, client, request_from(args), args.timeout, _sayer(args)).run()
+    body = request_from(args)
+    fanout = Fanout(job, client, body, args.timeout, _sayer(args), args.broadcast)
+    report = await fanout.run()
     if args.json:
         print(json.dumps(report.as_json()))
     else:
