@@ -161,14 +161,31 @@ class Cluster:
 
     # ---- using it -------------------------------------------------------------------
 
-    def sbatch(self, script: str, nodes: int, name: str, timeout: float = 300) -> JobResult:
-        """Run ``script`` (bash) as a batch job on ``nodes`` nodes and wait for it."""
+    def sbatch(
+        self,
+        script: str,
+        nodes: int,
+        name: str,
+        timeout: float = 300,
+        extra: list[str] | None = None,
+    ) -> JobResult:
+        """Run ``script`` (bash) as a batch job on ``nodes`` nodes and wait for it;
+        ``extra``: more sbatch flags. Its working folder is ``jobs_dir``."""
+        return self.wait(self.submit(script, nodes, name, extra), name, timeout)
+
+    def submit(self, script: str, nodes: int, name: str, extra: list[str] | None = None) -> str:
         path = self.jobs_dir / f"{name}.sh"
-        out = self.jobs_dir / f"{name}.out"
         path.write_text("#!/bin/bash\nset -euo pipefail\n" + script)
-        started = time.monotonic()
         submitted = subprocess.run(
-            ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={out}", str(path)],
+            [
+                "sbatch",
+                "--parsable",
+                f"--nodes={nodes}",
+                f"--output={self.jobs_dir / name}.out",
+                f"--chdir={self.jobs_dir}",
+                *(extra or []),
+                str(path),
+            ],
             env=self.env(),
             capture_output=True,
             text=True,
@@ -178,15 +195,29 @@ class Cluster:
         job_id = submitted.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise ClusterError(f"sbatch failed: {submitted.stderr.strip()}")
+        return job_id
+
+    def wait(self, job_id: str, name: str, timeout: float = 300) -> JobResult:
+        started = time.monotonic()
         # Polled here: sbatch --wait sleeps up to 10 s between its own polls.
         while (state := self._job_state(job_id))[0] in UNFINISHED:
             if time.monotonic() - started > timeout:
                 subprocess.run(["scancel", job_id], env=self.env(), check=False)
                 raise ClusterError(f"job {job_id} still {state[0]} after {timeout:.0f} s")
             time.sleep(0.2)
-        seconds = time.monotonic() - started
+        out = self.jobs_dir / f"{name}.out"
         output = out.read_text() if out.exists() else ""
-        return JobResult(job_id, state[0], state[1], output, seconds)
+        return JobResult(job_id, state[0], state[1], output, time.monotonic() - started)
+
+    def set_rate(self, rate: str) -> None:
+        """Change the storage link's rate (both ends) while the cluster runs."""
+        for prefix in (["tc", "-n", self.values["MN_STORAGE_NS"]], ["tc"]):
+            dev = "eth0" if "-n" in prefix else f"{PREFIX}-vst"
+            subprocess.run(
+                [*prefix, "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
+                 "burst", "256kb", "latency", "200ms"],
+                check=True,
+            )  # fmt: skip
 
     def _job_state(self, job_id: str) -> tuple[str, str]:
         shown = subprocess.run(

@@ -431,8 +431,12 @@ async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) ->
         if here is not None and here.path and not here.error:
             print(here.path)
     if report.failed:
+        # The report (with --json) is already the one document on stdout; the reason
+        # goes to stderr, as for any failure.
         nodes = "; ".join(f"{r.node}: {r.error}" for r in report.failed)
-        raise FanoutError(f"dataset {report.name!r} is not ready on every node ({nodes})")
+        error = FanoutError(f"dataset {report.name!r} is not ready on every node ({nodes})")
+        print(f"stager-client: {error}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 
