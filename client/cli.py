@@ -19,9 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from client._client import AsyncStagerClient, stage_body
-from client._fanout import Fanout
 from client._progress import BarDisplay, Display, LogDisplay, NullDisplay, summary
-from client._slurm import Job
 from client.errors import (
     BadConfiguration,
     DaemonError,
@@ -417,6 +415,10 @@ async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
 async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     """Every node of the job, through SLURM: one line per node on stderr, this node's
     path on stdout; fails naming the nodes (and steps) left without the data."""
+    # Imported here: a plain `stage` or `wait` does not pay for the fan-out's modules.
+    from client._fanout import Fanout
+    from client._slurm import Job
+
     job = await Job.detect()
     body = request_from(args)
     fanout = Fanout(job, client, body, args.timeout, _sayer(args), args.broadcast)
