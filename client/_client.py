@@ -33,6 +33,7 @@ from client.errors import (
     DaemonUnavailable,
     DatasetEvicted,
     DatasetNotFound,
+    NeverRequested,
     RequestRejected,
     StagingCancelled,
     StagingFailed,
@@ -168,6 +169,36 @@ def _timed_out(status: DatasetPublic, timeout: float) -> WaitTimeout:
         f"wait longer (--timeout) or see `stager-client status {status.name}`",
         status=status,
     )
+
+
+class _NotRequestedYet:
+    """A wait that began before the stage request (the prolog stages while the batch
+    script already waits): keep waiting, say so once, and at the timeout name the
+    datasets the daemon does know, so a typo shows."""
+
+    pause_s = 0.5
+
+    def __init__(self, name: str, deadline: float | None, clock: Callable[[], float]) -> None:
+        self.name, self.deadline, self.clock = name, deadline, clock
+        self.said = False
+
+    def pause(self, say: Callable[[str], None] | None) -> float | None:
+        """Seconds to sleep before asking again, or None once the deadline has passed."""
+        if not self.said and say is not None:
+            say(f"dataset {self.name!r} has not been requested yet; waiting for its stage request")
+        self.said = True
+        if self.deadline is None:
+            return self.pause_s
+        left = self.deadline - self.clock()
+        return min(self.pause_s, left) if left > 0 else None
+
+    def timed_out(self, timeout: float | None, known: list[DatasetPublic]) -> NeverRequested:
+        names = ", ".join(sorted(s.name for s in known)) or "none"
+        return NeverRequested(
+            f"dataset {self.name!r} was never requested in {timeout or 0:g} s (the daemon "
+            f"knows: {names}); check the name, and that the job's stage request ran",
+            name=self.name,
+        )
 
 
 def _poll_length(deadline: float | None, now: float, interval: float | None) -> float:
@@ -377,17 +408,21 @@ class StagerClient(_Base):
         *,
         on_status: StatusCallback | None = None,
         interval: float | None = None,
+        on_not_requested: Callable[[str], None] | None = None,
     ) -> DatasetPublic:
         """Block until ``name`` is ready and return its status (``.path``).
 
         Long-polls the daemon, so it returns within milliseconds of the dataset
         becoming ready. ``timeout=None`` waits forever. ``on_status`` gets every
         status seen, at least every ``interval`` seconds (for progress displays).
-        Raises `StagingFailed`, `WaitTimeout` or `DaemonUnavailable`.
+        A name the daemon does not know yet is waited for too (its stage request
+        may still be on its way); ``on_not_requested`` gets one sentence saying so.
+        Raises `StagingFailed`, `WaitTimeout` (`NeverRequested`) or `DaemonUnavailable`.
         """
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         backoff = Backoff(self.retry_for, self._clock)
+        unknown = _NotRequestedYet(name, deadline, self._clock)
         while True:
             poll = _poll_length(deadline, self._clock(), interval)
             try:
@@ -401,6 +436,11 @@ class StagerClient(_Base):
                 )
             except DaemonUnavailable as exc:
                 self._sleep(backoff.delay(exc, deadline))
+                continue
+            except DatasetNotFound:
+                if (pause := unknown.pause(on_not_requested)) is None:
+                    raise unknown.timed_out(timeout, self.list()) from None
+                self._sleep(pause)
                 continue
             backoff.reset()
             if on_status is not None:
@@ -511,10 +551,12 @@ class AsyncStagerClient(_Base):
         *,
         on_status: StatusCallback | None = None,
         interval: float | None = None,
+        on_not_requested: Callable[[str], None] | None = None,
     ) -> DatasetPublic:
         """See `StagerClient.wait`."""
         deadline = None if timeout is None else self._clock() + timeout
         backoff = Backoff(self.retry_for, self._clock)
+        unknown = _NotRequestedYet(name, deadline, self._clock)
         while True:
             poll = _poll_length(deadline, self._clock(), interval)
             try:
@@ -528,6 +570,11 @@ class AsyncStagerClient(_Base):
                 )
             except DaemonUnavailable as exc:
                 await asyncio.sleep(backoff.delay(exc, deadline))
+                continue
+            except DatasetNotFound:
+                if (pause := unknown.pause(on_not_requested)) is None:
+                    raise unknown.timed_out(timeout, await self.list()) from None
+                await asyncio.sleep(pause)
                 continue
             backoff.reset()
             if on_status is not None:

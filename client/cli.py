@@ -379,7 +379,13 @@ async def wait_all(
     interval = _poll_interval(args, display)
     tasks = [
         asyncio.create_task(
-            client.wait(name, args.timeout, on_status=display.update, interval=interval)
+            client.wait(
+                name,
+                args.timeout,
+                on_status=display.update,
+                interval=interval,
+                on_not_requested=lambda sentence: _say(args, sentence),
+            )
         )
         for name in names
     ]

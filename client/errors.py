@@ -13,6 +13,7 @@
     │   ├── StagingCancelled    someone cancelled it
     │   └── DatasetEvicted      it was ready, then evicted from the node cache
     ├── WaitTimeout             still queued or staging when the caller's timeout passed
+    │   └── NeverRequested      no stage request for that name arrived before the timeout
     └── FanoutError             --peers slurm: a node, a step or sbcast failed and nothing
                                 was left to try; the sentence names the node and the step
 
@@ -120,8 +121,17 @@ class WaitTimeout(StagerError):
 
     def __init__(self, message: str, *, status: DatasetPublic) -> None:
         super().__init__(message)
-        self.status = status
+        self.status: DatasetPublic | None = status
         self.name = status.name
+
+
+class NeverRequested(WaitTimeout):
+    """A wait that began before its stage request, which then never came."""
+
+    def __init__(self, message: str, *, name: str) -> None:
+        StagerError.__init__(self, message)
+        self.status = None
+        self.name = name
 
 
 class FanoutError(StagerError):
@@ -139,6 +149,7 @@ __all__ = [
     "DatasetEvicted",
     "DatasetNotFound",
     "FanoutError",
+    "NeverRequested",
     "RequestRejected",
     "StagerError",
     "StagingCancelled",

@@ -170,16 +170,19 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------
 
-    async def _resolve(self, request: DatasetCreate) -> tuple[recipes.Expansion, str, str]:
+    async def _resolve(
+        self, request: DatasetCreate, naming: bool = True
+    ) -> tuple[recipes.Expansion, str, str]:
         """The request's steps, the key of its spec alone (decides name conflicts), and its
-        cache key (spec + sources' fingerprint)."""
+        cache key (spec + sources' fingerprint). ``naming``: the request takes its name."""
         if request.recipe:
             expansion = await run_io(recipes.expand, request, self.settings)
         else:
             expansion = recipes.Expansion(steps=request.steps)
         spec = request.spec()
         request_key = spec_key(spec)
-        self._check_name(request.name, request_key)  # early, before paying for a fingerprint
+        if naming:  # early, before paying for a fingerprint
+            self._check_name(request.name, request_key)
         fingerprint = await run_io(
             sources_fingerprint, expansion.steps, request.fingerprint == "deep"
         )
@@ -187,7 +190,7 @@ class Engine:
 
     async def probe(self, request: DatasetCreate) -> ProbeResult:
         """This node's cache key for ``request`` and its copy, if any; changes nothing."""
-        expansion, _, key = await self._resolve(request)
+        expansion, _, key = await self._resolve(request, naming=False)
         entry = self._reg.entries.get(key)
         return ProbeResult(
             key=key,
@@ -238,14 +241,17 @@ class Engine:
                 await reg.touch(entry)
             hit = entry.state == State.READY
             handle = reg.handles.get(request.name)
-            if handle is None or (handle.key, handle.link, handle.hit) != (key, request.link, hit):
+            if handle is None or (handle.key, handle.link) != (key, request.link):
                 handle = Handle(request.name, key, request_key, request.link, hit=hit)
-                handle = await reg.name(handle)
+                if entry.state == State.READY and handle.link:
+                    # Before the name is kept: a link that cannot be made is a 400 that
+                    # leaves nothing behind. Under the lock, nothing evicts the entry first.
+                    await reg.link(handle, entry)
+                await reg.name(handle)
+            elif handle.hit != hit:
+                await reg.note_hit(handle, hit)
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-            if entry.state == State.READY and handle.link:
-                # Inside the lock: nothing evicts the entry between this answer and its link.
-                await reg.link(handle, entry)
         unused = request.adopt.incoming if request.adopt is not None else None
         if unused and entry.delivery != unused and self._deliveries.find(unused):
             await self.release_delivery(unused)  # a hit or a join: the copy is not needed

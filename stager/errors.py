@@ -8,6 +8,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     │   ├── SourceNotFound          source path does not exist
     │   ├── SourceUnreadable        source exists but cannot be read
     │   ├── UnsafePath              destination or link escapes where it may live
+    │   ├── SpecialSource           a source is a FIFO, socket or device (never read)
     │   ├── UnknownFormat           archive format not recognised
     │   ├── UnknownRecipe           recipe name not known
     │   └── MissingExtra (422)      a step needs an optional package (torch, scipy)
@@ -56,6 +57,10 @@ class SourceUnreadable(BadRequest):
 
 class UnsafePath(BadRequest):
     type = "unsafe_path"
+
+
+class SpecialSource(BadRequest):
+    type = "special_file"
 
 
 class UnknownFormat(BadRequest):

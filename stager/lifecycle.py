@@ -219,6 +219,11 @@ class Registry:
         await self._durable(Durable.NAMED, self._store.save_handle, handle)
         return handle
 
+    async def note_hit(self, handle: Handle, hit: bool) -> None:
+        """Whether the latest request for this name found its data already cached."""
+        handle.hit = hit
+        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+
     async def forget(self, handle: Handle) -> None:
         for lease in [x for x in self.leases.values() if x.name == handle.name]:
             await self.release(lease)

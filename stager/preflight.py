@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +20,26 @@ from stager.ops.base import CheckContext
 from stager.settings import Settings
 
 
+@contextmanager
+def _request_paths() -> Iterator[None]:
+    """The one place a system call's error on a request's path becomes a 400."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or "a path of the request"
+        raise BadRequest(f"{where}: {exc.strerror}; check that path in the request") from exc
+
+
 def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
     """Validate every step's source; return the estimated bytes the staging writes."""
-    for step in steps:
-        src = getattr(step, "src", None)
-        # A relative src is inside the dataset (an earlier step's output), not a source.
-        if isinstance(src, str) and src.startswith("/"):
-            check_allowed_root(src, settings)
-    ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
-    return table.for_settings(settings).check(steps, ctx)
+    with _request_paths():
+        for step in steps:
+            src = getattr(step, "src", None)
+            # A relative src is inside the dataset (an earlier step's output), not a source.
+            if isinstance(src, str) and src.startswith("/"):
+                check_allowed_root(src, settings)
+        ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
+        return table.for_settings(settings).check(steps, ctx)
 
 
 def check_allowed_root(source: str, settings: Settings) -> None:
@@ -45,9 +58,15 @@ def check_allowed_root(source: str, settings: Settings) -> None:
 
 
 def check_link(link: str | None, settings: Settings) -> None:
-    """A link may replace an old symlink, never a real file or folder."""
+    """A link may replace an old symlink, never a real file or folder, and must be
+    creatable: the daemon makes it when the data is ready, when nobody can be told."""
     if link is None:
         return
+    with _request_paths():
+        _check_link(link, settings)
+
+
+def _check_link(link: str, settings: Settings) -> None:
     path = Path(link)
     cache = settings.cache_dir.resolve()
     # The folder it goes in, not the link: an existing link (our own, from an earlier
@@ -58,6 +77,14 @@ def check_link(link: str | None, settings: Settings) -> None:
     if os.path.lexists(path) and not path.is_symlink():
         raise BadRequest(
             f"link {link} already exists and is not a symlink; remove it or choose another --link"
+        )
+    folder = path.parent
+    while not os.path.lexists(folder):
+        folder = folder.parent  # made when the link is
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise BadRequest(
+            f"link {link} cannot be created: {folder} is not a folder the daemon's user can "
+            "write; choose a --link path under one"
         )
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # Defined with the rest of the progress channel; part of the wire contract all the same.
 from stager.progress import ProgressPublic
@@ -22,6 +22,34 @@ __all__ = ["ProgressPublic"]  # and every model below
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 
 VERIFY_LEVELS = ("size", "sha256", "none")
+# Linux's limits: a file name of 255 bytes, a path of 4096 (NAME_MAX, PATH_MAX).
+NAME_MAX, PATH_MAX = 255, 4096
+LEASE_TTL_MAX_S = 10 * 365 * 86400  # ten years: longer is a mistake, and overflows dates
+
+
+def checked_path(value: str) -> str:
+    """Refuse what no filesystem path can be, so it never reaches a system call."""
+    if "\0" in value:
+        raise ValueError(f"path {value!r} contains a NUL byte, which no file name may hold")
+    encoded = value.encode("utf-8", "surrogateescape")
+    if len(encoded) >= PATH_MAX:
+        raise ValueError(f"path {value[:60]!r}... is {len(encoded)} bytes; paths are shorter")
+    for part in encoded.split(b"/"):
+        if len(part) > NAME_MAX:
+            raise ValueError(
+                f"path {value[:60]!r}... has a component of {len(part)} bytes; file names "
+                f"are at most {NAME_MAX}"
+            )
+    return value
+
+
+def _absolute(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError(f"{value!r} must be an absolute path")
+    return checked_path(value)
+
+
+AbsolutePath = Annotated[str, AfterValidator(_absolute)]
 
 
 class State(StrEnum):
@@ -44,8 +72,8 @@ class LeaseCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     holder: str = Field(min_length=1, max_length=200)  # e.g. "slurm-job-42" or a user's tag
-    slurm_job_id: str | None = Field(default=None, pattern=r"^[0-9_]+$")
-    ttl_s: float | None = Field(default=None, gt=0)
+    slurm_job_id: str | None = Field(default=None, pattern=r"^[0-9_]{1,40}$")
+    ttl_s: float | None = Field(default=None, gt=0, le=LEASE_TTL_MAX_S, allow_inf_nan=False)
 
 
 class LeasePublic(BaseModel):
@@ -168,12 +196,12 @@ class DatasetCreate(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     recipe: str | None = None
-    source: str | None = None
+    source: AbsolutePath | None = None
     params: dict[str, Any] = Field(default_factory=dict)
     # Each step is ``{"op": NAME, ...its fields}``. The daemon types them from its op
     # table (``OpTable.request_model``), so its OpenAPI document shows every op's fields.
     steps: list[dict[str, Any]] = Field(default_factory=list)
-    link: str | None = None
+    link: AbsolutePath | None = None
     verify: Literal["size", "sha256", "none"] = "size"  # VERIFY_LEVELS
     # How sources are compared with the cached copy: "cheap" stats files and the top
     # level of trees; "deep" stats every file of every tree.
@@ -188,8 +216,6 @@ class DatasetCreate(BaseModel):
             raise ValueError("give either 'recipe' (with 'source') or 'steps', not both")
         if not self.recipe and not self.steps:
             raise ValueError("give a 'recipe' with its 'source', or a non-empty 'steps' list")
-        if self.link is not None and not self.link.startswith("/"):
-            raise ValueError(f"link {self.link!r} must be an absolute path")
         return self
 
     def spec(self) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def _wait(name: str, timeout: float) -> Path:
             "install stager or drop --stager-wait"
         ) from exc
     try:
-        status = StagerClient().wait(name, timeout=timeout)
+        status = StagerClient().wait(name, timeout=timeout, on_not_requested=log.warning)
     except StagerError as exc:
         raise StagingError(f"dataset {name!r} is not available: {exc}") from exc
     if getattr(status, "state", None) != "ready":

@@ -24,6 +24,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from stager.errors import Cancelled, SourceNotFound, SourceUnreadable, UnsafePath
 from stager.progress import ProgressSink
+from stager.schemas import checked_path
 
 
 class StepParams(BaseModel):
@@ -35,8 +36,7 @@ class StepParams(BaseModel):
 def _absolute_source(value: str) -> str:
     if not value.startswith("/"):
         raise ValueError(f"source {value!r} must be an absolute path")
-    _no_nul(value)
-    return value
+    return checked_path(value)
 
 
 def _source_or_inside(value: str) -> str:
@@ -48,13 +48,7 @@ def _relative(value: str) -> str:
     path = PurePosixPath(value)
     if path.is_absolute() or ".." in path.parts:
         raise ValueError(f"path {value!r} must be relative to the dataset directory, without '..'")
-    _no_nul(value)
-    return value
-
-
-def _no_nul(value: str) -> None:
-    if "\0" in value:
-        raise ValueError(f"path {value!r} contains a NUL byte, which no file name may hold")
+    return checked_path(value)
 
 
 AbsoluteSource = Annotated[str, AfterValidator(_absolute_source)]

@@ -82,7 +82,7 @@ class ExtractStep(StepParams):
     src: SourceOrInside
     dst: RelativePath = "."
     format: ArchiveFormat = "auto"
-    strip_components: int = Field(default=0, ge=0)
+    strip_components: int = Field(default=0, ge=0, le=1024)
     nested: bool = False
     keep: bool = False  # keep an archive that an earlier step wrote into the dataset
 

@@ -54,7 +54,7 @@ class UnpackStep(StepParams):
     mode: Literal["direct", "copy", "symlink"] = "direct"
     keep: RelativePath | None = None  # where the copy or link goes; default: src's name
     format: ArchiveFormat = "auto"
-    strip_components: int = Field(default=0, ge=0)
+    strip_components: int = Field(default=0, ge=0, le=1024)
     nested: bool = False
     md5: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{32}$")  # of the release
     verify_md5: bool = False  # one extra pass over the archive; off unless asked

@@ -63,6 +63,28 @@ def test_timeout_exits_4_and_says_where_staging_is(daemon: Daemon, slow_url: str
     assert "--timeout" in done.stderr
 
 
+def test_wait_started_before_the_stage_request_waits_for_it(daemon: Daemon, tree: Path) -> None:
+    """The prolog stages while the batch script already waits: the wait must not lose
+    that race. It says once that the name is not requested yet, then succeeds."""
+    waiting = start_cli(daemon, "wait", "late", "--timeout", "30")
+    time.sleep(1.5)  # several polls find no such name
+    assert waiting.poll() is None
+    assert run_cli(daemon, "stage", "late", "--step", copy_step(tree)).returncode == 0
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == EXIT_OK, err
+    assert Path(out.strip()).is_dir()
+    assert err.count("dataset 'late' has not been requested yet") == 1
+
+
+def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
+    daemon: Daemon, tree: Path
+) -> None:
+    assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
+    done = run_cli(daemon, "wait", "inta", "--timeout", "1")
+    assert done.returncode == EXIT_TIMEOUT, done.stderr
+    assert "dataset 'inta' was never requested in 1 s (the daemon knows: inat)" in done.stderr
+
+
 def test_wait_started_before_the_daemon_succeeds_once_it_is_up(daemon: Daemon, tree: Path) -> None:
     assert run_cli(daemon, "stage", "early", "--step", copy_step(tree), "--wait").returncode == 0
     daemon.stop()

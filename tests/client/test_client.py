@@ -20,6 +20,7 @@ from client import (
     DaemonUnavailable,
     DatasetEvicted,
     DatasetNotFound,
+    NeverRequested,
     RequestRejected,
     StagerClient,
     StagerError,
@@ -302,7 +303,13 @@ def test_contract_promised_to_the_trainer(daemon: Daemon, tree: Path, monkeypatc
         assert [x.id for x in c.release("imgs", lease_id=lease.id)] == [lease.id]
         assert c.cancel("imgs").state == "evicted"
         with pytest.raises(DatasetNotFound, match="no dataset named 'nope'"):
-            c.wait("nope", timeout=1)
+            c.status("nope")
+        said: list[str] = []
+        with pytest.raises(NeverRequested, match=r"'nope' was never requested in 1 s \(the "
+                           r"daemon knows: imgs\)") as never:  # fmt: skip
+            c.wait("nope", timeout=1, on_not_requested=said.append)
+        assert isinstance(never.value, WaitTimeout) and never.value.name == "nope"
+        assert said == ["dataset 'nope' has not been requested yet; waiting for its stage request"]
 
 
 def test_async_client_against_a_real_daemon(daemon: Daemon, tree: Path) -> None:

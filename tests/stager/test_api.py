@@ -135,6 +135,41 @@ def test_link_points_at_the_staged_root_and_eviction_removes_both(
             "Bad Name!",
         ),
         ({"name": "x"}, 422, "invalid_request", "recipe"),
+        # Each of these was a 500 (or a link that silently never appeared).
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "/etc"}], "link": "/tmp/l\0nk"},
+            422,
+            "invalid_request",
+            "link: path '/tmp/l\\x00nk' contains a NUL byte",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "/etc"}], "link": "/tmp/" + "n" * 300},
+            422,
+            "invalid_request",
+            "file names are at most 255",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "copy", "src": "/" + "n" * 256}]},
+            422,
+            "invalid_request",
+            "steps.0.copy.src",
+        ),
+        (
+            {"name": "x", "steps": [{"op": "fetch", "url": "http://[::1", "dst": "f"}]},
+            422,
+            "invalid_request",
+            "is not a valid URL",
+        ),
+        (
+            {
+                "name": "x",
+                "steps": [{"op": "copy", "src": "/etc"}],
+                "lease": {"holder": "job", "ttl_s": 1e308},
+            },
+            422,
+            "invalid_request",
+            "lease.ttl_s",
+        ),
         ({"name": "x", "recipe": "nope", "source": "/d"}, 400, "unknown_recipe", "nope"),
     ],
 )
@@ -152,6 +187,8 @@ def test_bad_requests_get_a_4xx_sentence_naming_the_input(
     error = response.json()["error"]
     assert error["type"] == error_type
     assert words in error["message"]
+    with daemon.client() as client:
+        assert client.get("/v1/datasets").json()["count"] == 0  # nothing half-created
 
 
 def test_unreadable_source_and_existing_link_target_are_refused(
