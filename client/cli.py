@@ -19,7 +19,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from client._client import AsyncStagerClient, stage_body
-from client._progress import BarDisplay, Display, LogDisplay, NullDisplay, summary
+from client._progress import (
+    BarDisplay,
+    Display,
+    LogDisplay,
+    NullDisplay,
+    describe_origin,
+    summary,
+)
 from client.errors import (
     BadConfiguration,
     DaemonError,
@@ -467,7 +474,7 @@ async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int
     if args.json:
         _print_json(status)
     else:
-        print(summary(status))
+        print(summary(status) + describe_origin(status))
     return EXIT_OK
 
 
@@ -479,7 +486,7 @@ async def cmd_ls(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     if not statuses:
         _say(args, "no datasets; stage one with `stager-client stage NAME ...`")
     for status in statuses:
-        print(summary(status))
+        print(summary(status) + describe_origin(status))
     return EXIT_OK
 
 
