@@ -20,14 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.multinode import Cluster, leftovers  # noqa: E402
+from bench.multinode import Cluster, fresh_copy, leftovers  # noqa: E402
 
 FILE_BYTES = 100_000
 
@@ -43,18 +42,6 @@ def make_data(root: Path, total: int) -> tuple[Path, Path]:
     with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
         tar.add(tree, arcname=".")
     return tree, archive
-
-
-def fresh_copy(source: Path, tag: str) -> Path:
-    """The same data under a new path (hard links): a new cache key, so the run starts
-    from empty caches. Not a new mtime: nodes may cache a file's old attributes for a
-    while (as NFS clients do), and would then see other sources than their peers."""
-    copy = source.with_name(f"{tag}-{source.name}")
-    if source.is_dir():
-        subprocess.run(["cp", "-al", str(source), str(copy)], check=True)
-    else:
-        os.link(source, copy)
-    return copy
 
 
 def stage_job(cluster: Cluster, name: str, source: str, nodes: int, broadcast: str) -> dict:

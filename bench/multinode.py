@@ -259,6 +259,18 @@ class Cluster:
         return StorageBytes(int(values["content_bytes"]), int(values["wire_bytes"]))
 
 
+def fresh_copy(source: Path, tag: str) -> Path:
+    """The same data under a new path, as hard links: a new cache key, so a job on it
+    starts from empty caches. (Not a new mtime: nodes may keep a file's old attributes
+    for a while, as NFS clients do, and would see other sources than their peers.)"""
+    copy = source.with_name(f"{tag}-{source.name}")
+    if source.is_dir():
+        subprocess.run(["cp", "-al", str(source), str(copy)], check=True)
+    else:
+        os.link(source, copy)
+    return copy
+
+
 def _read_env(path: Path) -> dict[str, str]:
     values = {}
     for line in path.read_text().splitlines():

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench.multinode import Cluster, ClusterError, leftovers  # noqa: E402
+from bench.multinode import Cluster, ClusterError, fresh_copy, leftovers  # noqa: E402
 from tests.trees import make_tar, write_tree  # noqa: E402
 
 
@@ -77,15 +76,13 @@ def main() -> int:
             banner(f"3/5 the {kind}: 1 node, then 4 nodes with fan-out")
             for nodes in (1, 4):
                 # A path of its own per job: a new cache key, so each starts cold.
-                copy = path.with_name(f"n{nodes}-{path.name}")
-                subprocess.run(["cp", "-al", str(path), str(copy)], check=True)
+                copy = fresh_copy(path, f"n{nodes}")
                 name = f"{kind.replace('.', '')}-n{nodes}"
                 report, moved = stage(cluster, name, cluster.shared(copy), nodes)
                 rows.append((kind, nodes, report, moved.content / sizes[kind]))
 
         banner("4/5 4 nodes, and node mn3 already holds the tree")
-        held = tree.with_name("held-imgs")
-        subprocess.run(["cp", "-al", str(tree), str(held)], check=True)
+        held = fresh_copy(tree, "held")
         stage(cluster, "held-n1", cluster.shared(held), 1, extra=["--nodelist=mn3"])
         report, moved = stage(cluster, "held-n4", cluster.shared(held), 4)
         rows.append(("tree, held by mn3", 4, report, moved.content / sizes["tree"]))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.multinode import Cluster, ClusterError, leftovers
+from bench.multinode import Cluster, ClusterError, fresh_copy, leftovers
 from client._fanout import source_node
 from tests.trees import make_tar, write_tree
 
@@ -129,21 +129,11 @@ def data(cluster: Cluster) -> dict[str, Path]:
     return {"tree": tree, "archive": archive}
 
 
-def fresh(source: Path, tag: str) -> Path:
-    """The same data under a new path (hard links): a new cache key everywhere."""
-    copy = source.with_name(f"{tag}-{source.name}")
-    if source.is_dir():
-        subprocess.run(["cp", "-al", str(source), str(copy)], check=True)
-    else:
-        os.link(source, copy)
-    return copy
-
-
 @pytest.mark.parametrize("kind", ["tree", "archive"])
 def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
     cluster: Cluster, data: dict[str, Path], kind: str
 ) -> None:
-    source = fresh(data[kind], f"once-{kind}")
+    source = fresh_copy(data[kind], f"once-{kind}")
     job, report, moved = run_stage(cluster, f"once-{kind}", cluster.shared(source))
     assert job.ok, job.output
     size = (
@@ -164,7 +154,7 @@ def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
 def test_when_one_node_holds_the_dataset_no_byte_leaves_the_storage(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:
-    source = cluster.shared(fresh(data["tree"], "held"))
+    source = cluster.shared(fresh_copy(data["tree"], "held"))
     holder = cluster.nodes[2]  # not the batch node (the first)
     first = cluster.sbatch(stage_script("held-1", source), nodes=1, name="held-1",
                            extra=[f"--nodelist={holder}"])  # fmt: skip
@@ -195,7 +185,7 @@ def source_of(cluster: Cluster, source: str) -> str:
 def test_a_node_whose_broadcast_fails_stages_from_the_source_and_no_copy_is_wrong(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:
-    source = fresh(data["tree"], "fail")
+    source = fresh_copy(data["tree"], "fail")
     sender = source_of(cluster, cluster.shared(source))
     index, broken = next((i, n) for i, n in enumerate(cluster.nodes, 1) if n != sender)
     # That node's delivery folder is a disk with no room: sbcast cannot write its copy.
@@ -218,7 +208,7 @@ def test_a_node_whose_broadcast_fails_stages_from_the_source_and_no_copy_is_wron
 def test_kill_9_of_the_staging_nodes_daemon_fails_the_job_clearly_and_others_are_right(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:
-    source = fresh(data["tree"], "kill")
+    source = fresh_copy(data["tree"], "kill")
     sender = source_of(cluster, cluster.shared(source))
     index = cluster.nodes.index(sender) + 1
     cluster.set_rate("10mbit")  # the sender's staging now takes seconds: time to kill it

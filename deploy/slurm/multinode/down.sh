@@ -20,7 +20,7 @@ mn_lock
 mn_load_recorded
 
 cancel_jobs() {
-    mn_pid_running "$MN_RUN_DIR/slurmctld.pid" || return 0
+    running "$MN_RUN_DIR/slurmctld.pid" || return 0
     export SLURM_CONF=$MN_CONF_DIR/slurm.conf
     [[ -n $(squeue --noheader --format %i 2>/dev/null) ]] || return 0
     mn_say "cancelling the cluster's jobs"

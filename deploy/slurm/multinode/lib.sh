@@ -99,17 +99,13 @@ mn_kill_ns() {
     return 1
 }
 
-mn_pid_running() {
-    local pidfile=$1 pid
-    [[ -r $pidfile ]] || return 1
-    pid=$(<"$pidfile")
-    [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null
-}
+# shellcheck source=../local-cluster/pidfile.sh
+source "$MN_HERE/../local-cluster/pidfile.sh"  # running PIDFILE
 
 # SIGTERM the process of a pid file, wait up to 15 s, then SIGKILL.
 mn_stop_pidfile() {
     local pidfile=$1 pid
-    mn_pid_running "$pidfile" || return 0
+    running "$pidfile" || return 0
     pid=$(<"$pidfile")
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 75); do

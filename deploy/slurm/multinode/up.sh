@@ -41,23 +41,11 @@ require_root() {
     command -v apt-get >/dev/null || mn_die "needs a Debian-like system with apt-get"
 }
 
+# shellcheck source=../packages.sh
+source "$(dirname "$MN_HERE")/packages.sh"
+
 install_packages() {
-    local missing=0 tool
-    for tool in "${TOOLS[@]}"; do
-        command -v "$tool" >/dev/null || missing=1
-    done
-    [[ -x /usr/lib/openssh/sftp-server ]] || missing=1
-    ((missing)) || return 0
-    mn_say "installing ${PACKAGES[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    # Fresh machines have empty package lists: refresh once, and again if stale.
-    if ! compgen -G '/var/lib/apt/lists/*_Packages*' >/dev/null; then
-        apt-get update -qq
-    fi
-    if ! apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null; then
-        apt-get update -qq
-        apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
-    fi
+    apt_install_missing "${TOOLS[*]} /usr/lib/openssh/sftp-server" "${PACKAGES[@]}"
 }
 
 check_inputs() {
