@@ -6,9 +6,11 @@ class folders, about 1 GB, with incompressible contents like JPEGs have.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import subprocess
+import tarfile
 from pathlib import Path
 
 
@@ -72,3 +74,32 @@ def make_archives(tree: Path, out_dir: Path) -> dict[str, Path]:
 
 def tree_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
+
+
+def make_small_tar(
+    path: Path, n_files: int, size: int = 512, n_dirs: int = 1000, seed: int = 0
+) -> Path:
+    """A plain tar of ``n_files`` files of ``size`` bytes in ``n_dirs`` folders (ustar
+    headers, as GNU tar writes them), streamed: no tree of a million files is made on
+    the way. Reused if complete."""
+    path = Path(path)
+    marker = path.with_name(path.name + ".complete")
+    tag = f"{n_files},{size},{n_dirs},{seed}"
+    if path.exists() and marker.exists() and marker.read_text() == tag:
+        return path
+    rng = random.Random(seed)
+    pool = rng.randbytes(size * 64)
+    per_dir = -(-n_files // n_dirs)
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(n_files):
+            folder = f"data/class_{i // per_dir:04d}"
+            if i % per_dir == 0:
+                info = tarfile.TarInfo(folder)
+                info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_600_000_000
+                tar.addfile(info)
+            info = tarfile.TarInfo(f"{folder}/img_{i:07d}.jpg")
+            info.size, info.mode, info.mtime = size, 0o644, 1_600_000_000
+            start = (i * 131) % (len(pool) - size)
+            tar.addfile(info, io.BytesIO(pool[start : start + size]))
+    marker.write_text(tag)
+    return path

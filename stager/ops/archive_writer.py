@@ -1,52 +1,89 @@
-"""Where ``extract`` writes: safe member paths, directories, files, deferred links.
+"""Where ``extract`` writes: safe member paths, directories, files, links, in order.
 
 Why files never land outside the destination, whatever the member order:
 
 * member names are checked lexically (relative, no ``..``) before anything;
 * every parent directory is created here and checked with ``lstat`` once, so
-  no component of a file's path is a symlink (a leftover one from an earlier,
-  interrupted run is replaced by a real directory);
-* archive symlinks and hardlinks are created only after every file has been
-  written, and a symlink whose name is also a parent of another member is
-  refused: nothing is ever written *through* a link from the archive;
-* links are judged by ``tarfile.data_filter`` (by the caller), hardlinks must
-  point at a regular file of this archive, and every symlink is re-resolved
-  once all exist, which catches chains that only escape together.
+  no component of a file's path is a symlink on disk (a leftover one from an
+  earlier, interrupted run is replaced by a real directory);
+* archive symlinks are created only after every file has been written. A member
+  *under* one of them is placed where GNU tar would put it (through the link),
+  but by resolving the archive's own link targets here, and only for targets
+  GNU tar itself creates at once (relative, no ``..``): nothing is ever written
+  through a link on disk. Every symlink is re-resolved once all exist, which
+  catches chains that only escape together;
+* links are judged by ``tarfile.data_filter`` (by the caller), and a hard link's
+  target must be a regular file reached through directories made here.
+
+Members that name the same path again (``tar -u``/``-r`` appends, replaced
+types) end as GNU tar leaves them: the last one wins; a file replaces what was
+there (unlink, then create: a hard link made earlier keeps the old content); a
+folder replaces a file or a symlink; an empty folder is replaced by a file or a
+symlink, a non-empty one is refused, as GNU tar fails there too.
 
 Regular files are written on a pool in batches: per-task overhead of an
 executor (~20 us for threads, more for processes) is as much as writing a small
 file, so one task carries many files. The pool is threads, or processes when
 every payload is a byte range of the archive (a plain tar): then the per-file
-Python work runs on every core instead of taking turns under one GIL. Either
-way a batch is a plain function of picklable jobs, and progress is counted
-here, when a batch is done.
+Python work runs on every core instead of taking turns under one GIL. Order is
+kept without a record of every file: only the names of batches still in flight
+are remembered, and a member whose name (or hard-link target) is in one of them
+waits for that batch. Progress is counted here, when a batch is done.
+
+With ``verify`` (the request's ``verify: sha256``) every file is read back
+after it is written and its SHA-256 compared with that of the member's bytes as
+read from the archive; hard links and symlinks are checked to be what the
+archive says.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
+import posixpath
 import shutil
 import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
+from typing import Any
 
-from stager.errors import UnsafeArchiveMember
+from stager.errors import UnsafeArchiveMember, VerifyFailed
 from stager.ops.base import OpContext
-from stager.ops.fastcopy import copy_range
+from stager.ops.fastcopy import READ_CHUNK, copy_range
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BATCH_FILES = 64
 _BATCH_BYTES = 8 << 20
-# Errors that mean "something else is in the way" on a restart: a read-only
-# file, a symlink (O_NOFOLLOW) or a directory where this run wants a file.
-_REPLACEABLE = (errno.EACCES, errno.EPERM, errno.ELOOP, errno.EISDIR, errno.ENOTDIR)
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+GNU_FAILS_TOO = "GNU tar fails here too"
+
+
+@dataclass(frozen=True, slots=True)
+class SparseRanges:
+    """A sparse member of a plain tar: its data regions, stored one after the other
+    at ``offset`` of ``fd``, go to ``(position, length)`` of a file of ``size`` bytes."""
+
+    fd: int
+    offset: int
+    regions: tuple[tuple[int, int], ...]
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class HardLink:
+    target: str  # absolute path of a file this archive wrote
+    archive: str  # for messages: the archive's label ...
+    member: str  # ... and the link's name
+
 
 # A file's content: bytes already in memory, a byte range of a file descriptor
-# (copied in the kernel), or a callable writing into the open destination fd.
-Payload = bytes | tuple[int, int, int] | Callable[[int], None]
+# (copied in the kernel), a sparse map over one, or a callable writing into the open
+# destination fd (and updating the digest it is given, if any).
+Payload = bytes | tuple[int, int, int] | SparseRanges | Callable[[int, Any], None]
 
 
 @dataclass(slots=True)
@@ -54,13 +91,15 @@ class _FileJob:
     path: str
     mode: int
     mtime: float
-    payload: Payload
+    payload: Payload | HardLink
     archive_bytes: int  # archive bytes this file accounts for, for progress
 
 
 @dataclass
 class _Batch:
+    seq: int
     jobs: list[_FileJob] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
     nbytes: int = 0
 
 
@@ -68,6 +107,14 @@ def unsafe(archive: str, member: str, why: str) -> UnsafeArchiveMember:
     return UnsafeArchiveMember(
         f"archive {archive} has an unsafe member {member!r} ({why}); nothing was written "
         "outside the destination; re-create the archive without it"
+    )
+
+
+def refused(archive: str, member: str, why: str) -> UnsafeArchiveMember:
+    """A member that cannot be extracted where it is, as GNU tar cannot either."""
+    return UnsafeArchiveMember(
+        f"archive {archive} cannot be extracted: member {member!r} {why} ({GNU_FAILS_TOO}); "
+        "re-create the archive from the tree it should produce"
     )
 
 
@@ -81,16 +128,41 @@ def file_mode(mode: int | None) -> int:
     return mode | 0o600
 
 
-def _write_payload(fd: int, payload: Payload) -> None:
-    if isinstance(payload, bytes):
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-    elif isinstance(payload, tuple):
-        src_fd, offset, size = payload
-        copy_range(src_fd, fd, offset, size)
-    else:
-        payload(fd)
+# -- on the pool: one batch of files -------------------------------------------------
+
+
+def write_files(jobs: list[_FileJob], verify: str | None) -> tuple[int, int]:
+    """One batch, in order, on a pool thread or process: (archive bytes, files) it
+    accounts for. ``verify`` is the archive's label when files are read back."""
+    for job in jobs:
+        write_file(job, verify)
+    return sum(job.archive_bytes for job in jobs), len(jobs)
+
+
+def write_file(job: _FileJob, verify: str | None = None) -> None:
+    if isinstance(job.payload, HardLink):
+        _hard_link(job.path, job.payload, verify)
+        return
+    fd = _create(job.path, job.mode)
+    try:
+        digest = hashlib.sha256() if verify else None
+        _write_payload(fd, job.payload, digest)
+        os.utime(fd, (job.mtime, job.mtime))
+    finally:
+        os.close(fd)
+    if digest is not None:
+        _read_back(job, digest, verify)  # type: ignore[arg-type]
+
+
+def _create(path: str, mode: int) -> int:
+    """A new file at ``path``: whatever was there (an earlier copy of this member, a
+    leftover of an interrupted run) is unlinked first, never written into, so a hard
+    link to it keeps its content, as with GNU tar."""
+    try:
+        return os.open(path, _CREATE_FLAGS, mode)
+    except FileExistsError:
+        _remove(path)
+        return os.open(path, _CREATE_FLAGS, mode)
 
 
 def _remove(path: str) -> None:
@@ -100,26 +172,95 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
-def write_files(jobs: list[_FileJob]) -> tuple[int, int]:
-    """One batch, on a pool thread or process: (archive bytes, files) it accounts for."""
-    for job in jobs:
-        write_file(job)
-    return sum(job.archive_bytes for job in jobs), len(jobs)
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
-def write_file(job: _FileJob) -> None:
+def _write_payload(fd: int, payload: Payload, digest: Any) -> None:
+    if isinstance(payload, bytes):
+        _write_all(fd, payload)
+        if digest is not None:
+            digest.update(payload)
+    elif isinstance(payload, tuple):
+        src_fd, offset, size = payload
+        copy_range(src_fd, fd, offset, size)
+        if digest is not None:
+            _hash_range(digest, src_fd, offset, size)
+    elif isinstance(payload, SparseRanges):
+        offset = payload.offset
+        for position, length in payload.regions:
+            if length:
+                os.lseek(fd, position, os.SEEK_SET)
+                copy_range(payload.fd, fd, offset, length)
+                if digest is not None:
+                    _hash_range(digest, payload.fd, offset, length)
+                offset += length
+        os.ftruncate(fd, payload.size)  # trailing hole; GNU tar leaves holes as holes
+    else:
+        payload(fd, digest)
+
+
+def _hash_range(digest: Any, fd: int, offset: int, size: int) -> None:
+    while size > 0:
+        data = os.pread(fd, min(size, READ_CHUNK), offset)
+        if not data:
+            raise EOFError("archive ended inside a member")
+        digest.update(data)
+        offset += len(data)
+        size -= len(data)
+
+
+def _read_back(job: _FileJob, expected: Any, archive: str) -> None:
+    found = hashlib.sha256()
+    fd = os.open(job.path, _READ_FLAGS)
     try:
-        fd = os.open(job.path, _WRITE_FLAGS, job.mode)
-    except OSError as exc:
-        if exc.errno not in _REPLACEABLE:
-            raise
-        _remove(job.path)
-        fd = os.open(job.path, _WRITE_FLAGS, job.mode)
-    try:
-        _write_payload(fd, job.payload)
-        os.utime(fd, (job.mtime, job.mtime))
+        if isinstance(job.payload, SparseRanges):
+            if os.fstat(fd).st_size != job.payload.size:
+                raise _mismatch(job.path, archive, "size")
+            for position, length in job.payload.regions:
+                if length:
+                    _hash_range(found, fd, position, length)
+        else:
+            while data := os.read(fd, READ_CHUNK):
+                found.update(data)
     finally:
         os.close(fd)
+    if found.digest() != expected.digest():
+        raise _mismatch(job.path, archive, "sha256")
+
+
+def _mismatch(path: str, archive: str, what: str) -> VerifyFailed:
+    return VerifyFailed(
+        f"{path} reads back with another {what} than its member in archive {archive} "
+        "(verify sha256): the local disk or another writer changed it; check the disk and "
+        "stage again"
+    )
+
+
+def _hard_link(path: str, link: HardLink, verify: str | None) -> None:
+    try:
+        st = os.lstat(link.target)
+    except FileNotFoundError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise refused(
+            link.archive,
+            link.member,
+            f"is a hard link to {os.path.basename(link.target)!r}, which no earlier member "
+            "of the archive wrote as a file",
+        )
+    try:
+        os.link(link.target, path, follow_symlinks=False)
+    except FileExistsError:
+        _remove(path)
+        os.link(link.target, path, follow_symlinks=False)
+    if verify and os.lstat(path).st_ino != st.st_ino:
+        raise _mismatch(path, verify, "inode")
+
+
+# -- the writer ------------------------------------------------------------------
 
 
 class ArchiveWriter:
@@ -131,19 +272,24 @@ class ArchiveWriter:
         archive: str,
         ctx: OpContext,
         pool: Executor | None,
+        through_links: bool = True,
     ) -> None:
+        """``through_links``: place members under the archive's own safe symlinks, as
+        GNU tar does (unzip refuses them: a zip's writer passes False)."""
         self.root = root
+        self._through_links = through_links
         self.archive = archive
         self._ctx = ctx
         self._pool = pool
+        self._verify = archive if ctx.verify == "sha256" else None
         self._dirs: set[str] = {""}  # relative directories known to be real dirs
         self._dir_mtimes: dict[str, float] = {}
-        self.files: set[str] = set()
-        self._symlinks: list[tuple[str, str, float]] = []
-        self._symlink_names: set[str] = set()
-        self._hardlinks: list[tuple[str, str]] = []
-        self._batch = _Batch()
-        self._pending: list[Future[None]] = []
+        # Symlinks to create at the end, by name, in archive order (the last one wins).
+        self._symlinks: dict[str, tuple[str, float]] = {}
+        self._batch = _Batch(seq=0)
+        # Batches handed to the pool and not yet reaped, and the names they write.
+        self._pending: dict[int, tuple[Future[tuple[int, int]], list[str]]] = {}
+        self._in_flight: dict[str, int] = {}  # name -> seq of the batch writing it
         # Bounds memory held by queued batches (compressed archives pass bytes).
         self._slots = threading.BoundedSemaphore(2 * ctx.workers + 2)
         os.makedirs(root, exist_ok=True)
@@ -167,27 +313,95 @@ class ArchiveWriter:
             return None
         return "/".join(parts)
 
-    # -- directories ------------------------------------------------------
+    def _place(self, rel: str, label: str) -> str:
+        """Where a member named ``rel`` goes: its folder made, resolved through the
+        archive's own symlinks where a member lies under one."""
+        parent, _, name = rel.rpartition("/")
+        if parent in self._dirs:
+            return rel
+        parent = self._real_dir(parent, label, create=True)
+        return f"{parent}/{name}" if parent else name
 
-    def ensure_dir(self, rel: str, label: str) -> None:
-        """Create ``rel`` and its parents as real directories (checked once per run)."""
+    def _real_dir(self, rel: str, label: str, create: bool, hops: int = 0) -> str:
         if rel in self._dirs:
-            return
-        parent = rel.rpartition("/")[0]
-        self.ensure_dir(parent, label)
-        if rel in self._symlink_names:
-            raise unsafe(self.archive, label, f"written through the archive's symlink {rel!r}")
-        path = os.path.join(self.root, rel)
+            return rel
+        head, _, tail = rel.rpartition("/")
+        head = self._real_dir(head, label, create, hops) if head else ""
+        here = f"{head}/{tail}" if head else tail
+        if here in self._symlinks:
+            target = self._symlinks[here][0]
+            if not self._through_links:
+                raise unsafe(self.archive, label, f"written through the archive's symlink {here!r}")
+            if target.startswith("/") or ".." in target.split("/"):
+                raise unsafe(
+                    self.archive,
+                    label,
+                    f"written through the archive's symlink {here!r}, whose target "
+                    f"{target!r} may lead outside; GNU tar does not write through it either",
+                )
+            if hops >= _MAX_LINK_HOPS:
+                raise refused(self.archive, label, "lies under too many levels of symlinks")
+            resolved = posixpath.normpath(posixpath.join(head, target)).removeprefix("./")
+            return self._real_dir("" if resolved == "." else resolved, label, False, hops + 1)
+        if not create:
+            raise refused(self.archive, label, f"needs the folder {here!r}, which is not one")
+        self._make_dir(here, label)
+        return here
+
+    def _make_dir(self, rel: str, label: str, replace_file: bool = False) -> None:
+        """``rel`` as a real directory. A leftover symlink is replaced; a file only for
+        an explicit folder member (an implicit parent over a file fails in GNU tar)."""
+        if rel in self._in_flight:
+            if not replace_file:
+                raise refused(self.archive, label, f"needs the folder {rel!r}, a file of it")
+            self._wait_for(rel)
+        path = self._path(rel)
         try:
             os.mkdir(path)
         except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                os.unlink(path)  # a file or link left by an interrupted run
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                pass
+            elif stat.S_ISLNK(mode) or replace_file:
+                os.unlink(path)
                 os.mkdir(path)
+            else:
+                raise refused(self.archive, label, f"needs the folder {rel!r}, a file") from None
         self._dirs.add(rel)
 
+    def _claim(self, rel: str, label: str, same_batch: bool) -> None:
+        """Make ``rel`` free for a new file or link: a pending symlink there is dropped,
+        an empty folder removed, a write of it in flight awaited."""
+        if rel in self._dirs:
+            self._replace_dir(rel, label)
+        self._symlinks.pop(rel, None)
+        if rel in self._in_flight and not (same_batch and self._in_flight[rel] == self._batch.seq):
+            self._wait_for(rel)
+
+    def _replace_dir(self, rel: str, label: str) -> None:
+        self.flush()  # files being written into it count
+        try:
+            os.rmdir(self._path(rel))
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise refused(
+                    self.archive, label, "replaces a folder that other members filled"
+                ) from exc
+            raise
+        self._dirs.discard(rel)
+        self._dir_mtimes.pop(rel, None)
+
+    # -- directories ------------------------------------------------------
+
+    def ensure_dir(self, rel: str, label: str) -> str:
+        """``rel`` (resolved like a member's folder) as a real directory; its real path."""
+        return self._real_dir(rel, label, create=True) if rel else ""
+
     def directory(self, rel: str, mtime: float, label: str) -> None:
-        self.ensure_dir(rel, label)
+        rel = self._place(rel, label)
+        self._symlinks.pop(rel, None)  # a folder replaces a symlink, as in GNU tar
+        if rel not in self._dirs:
+            self._make_dir(rel, label, replace_file=True)
         self._dir_mtimes[rel] = mtime
 
     # -- files --------------------------------------------------------------
@@ -200,32 +414,39 @@ class ArchiveWriter:
         payload: Payload,
         archive_bytes: int,
         inline: bool = False,
-    ) -> None:
-        """Write a regular file, on the pool unless ``inline`` (payloads tied to this thread)."""
-        if rel in self._dirs:
-            # Replacing it would delete what other members (or an inner archive) wrote there.
-            raise unsafe(self.archive, rel, "a file over a directory other members use")
-        self.ensure_dir(rel.rpartition("/")[0], rel)
-        self.files.add(rel)
-        job = _FileJob(os.path.join(self.root, rel), mode, mtime, payload, archive_bytes)
-        if self._pool is None or inline:
-            write_file(job)
-            self._ctx.progress.advance(archive_bytes, 1)
+    ) -> str:
+        """Write a regular file, on the pool unless ``inline`` (payloads tied to this
+        thread); returns where it goes, relative to the root."""
+        rel = self._place(rel, rel)
+        inline = inline or self._pool is None
+        self._claim(rel, rel, same_batch=not inline)
+        self._add(rel, _FileJob(self._path(rel), mode, mtime, payload, archive_bytes), inline)
+        return rel
+
+    def _add(self, rel: str, job: _FileJob, inline: bool) -> None:
+        if inline:
+            write_file(job, self._verify)
+            self._ctx.progress.advance(job.archive_bytes, 1)
             return
         batch = self._batch
         batch.jobs.append(job)
-        batch.nbytes += len(payload) if isinstance(payload, bytes) else 0
+        batch.names.append(rel)
+        self._in_flight[rel] = batch.seq
+        if isinstance(job.payload, bytes):
+            batch.nbytes += len(job.payload)
         if len(batch.jobs) >= _BATCH_FILES or batch.nbytes >= _BATCH_BYTES:
             self._submit()
 
     def _submit(self) -> None:
-        if not self._batch.jobs:
+        batch = self._batch
+        if not batch.jobs:
             return
-        jobs, self._batch = self._batch.jobs, _Batch()
+        self._batch = _Batch(seq=batch.seq + 1)
         self._slots.acquire()
-        future = self._pool.submit(write_files, jobs)  # type: ignore[union-attr]
+        assert self._pool is not None
+        future = self._pool.submit(write_files, batch.jobs, self._verify)
         future.add_done_callback(self._batch_done)
-        self._pending.append(future)
+        self._pending[batch.seq] = (future, batch.names)
         if len(self._pending) > 64:
             self._reap(wait=False)
 
@@ -234,27 +455,48 @@ class ArchiveWriter:
         if not future.cancelled() and future.exception() is None:
             self._ctx.progress.advance(*future.result())
 
-    def _reap(self, wait: bool) -> None:
-        keep = []
-        for future in self._pending:
-            if wait or future.done():
-                future.result()  # re-raises a worker's error here, on the caller's thread
-            else:
-                keep.append(future)
-        self._pending = keep
+    def _wait_for(self, rel: str) -> None:
+        """Until the batch that writes ``rel`` is done (handing it over if still ours)."""
+        seq = self._in_flight[rel]
+        if seq == self._batch.seq:
+            self._submit()
+        self._reap(wait=True, upto=seq)
+
+    def _reap(self, wait: bool, upto: int | None = None) -> None:
+        for seq in list(self._pending):
+            future, names = self._pending[seq]
+            if not (future.done() or (wait and (upto is None or seq <= upto))):
+                continue
+            future.result()  # re-raises a worker's error here, on the caller's thread
+            del self._pending[seq]
+            for name in names:
+                if self._in_flight.get(name) == seq:
+                    del self._in_flight[name]
 
     # -- links --------------------------------------------------------------
 
     def symlink(self, rel: str, target: str, mtime: float) -> None:
+        rel = self._place(rel, rel)
         if rel in self._dirs:
-            raise unsafe(self.archive, rel, "a symlink over a directory other members use")
-        self.ensure_dir(rel.rpartition("/")[0], rel)
-        self._symlinks.append((rel, target, mtime))
-        self._symlink_names.add(rel)
+            self._replace_dir(rel, rel)
+        self._symlinks.pop(rel, None)  # re-added last: a later copy wins
+        self._symlinks[rel] = (target, mtime)
 
     def hardlink(self, rel: str, target: str) -> None:
-        self.ensure_dir(rel.rpartition("/")[0], rel)
-        self._hardlinks.append((rel, target))
+        """A hard link, made in archive order: to the target's content at that point."""
+        rel = self._place(rel, rel)
+        parent, _, name = target.rpartition("/")
+        parent = self._real_dir(parent, rel, create=False) if parent else ""
+        target = f"{parent}/{name}" if parent else name
+        if target in self._symlinks or target in self._dirs:
+            kind = "a symlink" if target in self._symlinks else "a folder"
+            raise refused(self.archive, rel, f"is a hard link to {target!r}, {kind}")
+        inline = self._pool is None
+        self._claim(rel, rel, same_batch=not inline)
+        if target in self._in_flight and self._in_flight[target] != self._batch.seq:
+            self._wait_for(target)
+        link = HardLink(self._path(target), self.archive, rel)
+        self._add(rel, _FileJob(self._path(rel), 0, 0, link, 0), inline)
 
     # -- end ----------------------------------------------------------------
 
@@ -267,23 +509,21 @@ class ArchiveWriter:
     def abort(self) -> None:
         """On an error or cancel: drop queued batches, wait for running ones, so nothing
         writes after we return."""
-        for future in self._pending:
+        for future, _names in self._pending.values():
             future.cancel()
-        for future in self._pending:
+        for future, _names in self._pending.values():
             if not future.cancelled():
                 future.exception()
-        self._pending = []
+        self._pending = {}
+        self._in_flight = {}
 
     def finish(self) -> None:
         self.flush()
-        for rel, target in self._hardlinks:
-            if target not in self.files:
-                raise unsafe(self.archive, rel, f"hardlink to {target!r}, not a file of it")
-            self._replace(rel, lambda p, t=target: os.link(self._path(t), p, follow_symlinks=False))
-            self._ctx.progress.advance(0, 1)
-        for rel, target, mtime in self._symlinks:
+        for rel, (target, mtime) in self._symlinks.items():
             self._replace(rel, lambda p, t=target: os.symlink(t, p))
             os.utime(self._path(rel), (mtime, mtime), follow_symlinks=False)
+            if self._verify and os.readlink(self._path(rel)) != target:
+                raise _mismatch(self._path(rel), self.archive, "symlink target")
             self._ctx.progress.advance(0, 1)
         self._check_symlinks()
         # Deepest first: creating entries inside a directory resets its mtime.
@@ -299,17 +539,17 @@ class ArchiveWriter:
         try:
             create(path)
         except FileExistsError:
-            _remove(path)  # from an interrupted run, or a duplicate member: last wins
+            _remove(path)  # a file of this archive the link replaces, or a leftover
             create(path)
 
     def _check_symlinks(self) -> None:
         # Each link was judged alone before creation; chains (a -> b/.., b -> .)
         # can still escape together, so resolve them all now that they exist.
         root = os.path.realpath(self.root)
-        for rel, _target, _mtime in self._symlinks:
+        for rel in self._symlinks:
             resolved = os.path.realpath(self._path(rel))
             if resolved != root and not resolved.startswith(root + os.sep):
-                for name, _t, _m in self._symlinks:
+                for name in self._symlinks:
                     if os.path.islink(self._path(name)):
                         os.unlink(self._path(name))
                 raise unsafe(self.archive, rel, "symlink chain resolves outside the destination")

@@ -30,6 +30,7 @@ import io
 import lzma
 import multiprocessing
 import os
+import shutil
 import stat
 import tarfile
 import time
@@ -47,7 +48,13 @@ from isal import isal_zlib
 from pydantic import Field
 
 from stager.children import die_with_parent
-from stager.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
+from stager.errors import (
+    CorruptArchive,
+    StagerError,
+    StagingIOError,
+    UnknownFormat,
+    VerifyFailed,
+)
 from stager.ops import tar_members
 from stager.ops.archive_formats import (
     ARCHIVE_SUFFIXES,
@@ -60,7 +67,7 @@ from stager.ops.archive_formats import (
     resolve_format,
     sniff,
 )
-from stager.ops.archive_writer import ArchiveWriter, Payload, file_mode, unsafe
+from stager.ops.archive_writer import ArchiveWriter, Payload, SparseRanges, file_mode, unsafe
 from stager.ops.base import (
     CheckContext,
     OpContext,
@@ -69,6 +76,7 @@ from stager.ops.base import (
     StepParams,
     require_source,
 )
+from stager.ops.sources import open_source
 from stager.progress import Progress
 
 
@@ -111,7 +119,7 @@ def check(step: ExtractStep, ctx: CheckContext) -> int:
     if not step.src.startswith("/"):
         return 0  # an earlier step's output (a fetch): nothing to look at yet
     source = require_source(step.src, "archive")
-    with _translate(step.src), open(source, "rb", buffering=0) as raw:
+    with _translate(step.src), _open_archive(str(source), ctx.allowed_roots) as raw:
         fmt = resolve_format(step.src, step.format, raw.read(tarfile.BLOCKSIZE))
         size = os.fstat(raw.fileno()).st_size
         estimate = estimate_output(step.src, fmt, size, raw)
@@ -120,11 +128,17 @@ def check(step: ExtractStep, ctx: CheckContext) -> int:
         return estimate
 
 
+def _open_archive(path: str, allowed_roots: tuple[Path, ...]) -> io.FileIO:
+    """The archive, opened confined to ``allowed_roots`` through any chain of links,
+    and never a FIFO or device (see :mod:`stager.ops.sources`)."""
+    return open(open_source(path, allowed_roots), "rb", buffering=0)
+
+
 def _read_first_header(raw: io.RawIOBase, fmt: str) -> None:
     if fmt == "zip":
         zipfile.ZipFile(raw).close()  # reads the central directory at the end
     elif fmt == "tar":
-        tarfile.open(fileobj=raw, mode="r:").close()
+        tar_members.open_tar(raw).close()  # type: ignore[arg-type]
     else:
         with open_decompressed(io.BufferedReader(raw), fmt) as stream:  # type: ignore[arg-type]
             head = stream.read(tarfile.BLOCKSIZE)
@@ -136,20 +150,51 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
     """Extract ``step.src`` into ``ctx.destination(step.dst)``; safe to re-run."""
     source = require_source(ctx.source(step.src), "archive")
     dest = ctx.destination(step.dst)
-    with _translate(step.src):
-        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    # An absolute src is the user's and must lie under the allowed roots; a relative one
+    # is an earlier step's output inside the dataset (ctx.source keeps it there).
+    roots = ctx.allowed_roots if step.src.startswith("/") else ()
+    with _translate(step.src), _open_archive(str(source), roots) as raw:
+        fd = raw.fileno()
+        before = os.fstat(fd)
+        ctx.progress.add_total(before.st_size, 0)
+        fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
+        job = _Job(ctx, step.strip_components, step.nested)
         try:
-            size = os.fstat(fd).st_size
-            ctx.progress.add_total(size, 0)
-            fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
-            job = _Job(ctx, step.strip_components, step.nested)
-            with _executors(job, fmt, size):
+            with _executors(job, fmt, before.st_size):
                 try:
-                    _extract(job, _Archive(fd, 0, size, fmt, step.src), str(dest), outer=True)
+                    archive = _Archive(fd, 0, before.st_size, fmt, step.src)
+                    _extract(job, archive, str(dest), outer=True)
                 finally:
                     job.cancel_inner()
-        finally:
-            os.close(fd)
+        except CorruptArchive as exc:
+            if ctx.verify != "none":
+                _require_unchanged(fd, before, step.src, exc)  # a short read may be a rewrite
+            raise
+        if ctx.verify != "none":
+            _require_unchanged(fd, before, step.src)
+
+
+def _require_unchanged(
+    fd: int, before: os.stat_result, label: str, cause: BaseException | None = None
+) -> None:
+    """Fail when the archive was written to while it was read: what was extracted may
+    mix two versions. ``fstat`` on the descriptor read is cheap and cannot be fooled by
+    a rename."""
+    after = os.fstat(fd)
+    moved = [
+        what
+        for what, old, new in (
+            ("size", before.st_size, after.st_size),
+            ("modification time", before.st_mtime_ns, after.st_mtime_ns),
+            ("change time", before.st_ctime_ns, after.st_ctime_ns),
+        )
+        if old != new
+    ]
+    if moved:
+        raise VerifyFailed(
+            f"archive {label} changed while it was being extracted (its {' and '.join(moved)} "
+            "moved); stage it again once nothing writes to it"
+        ) from cause
 
 
 @dataclass
@@ -171,14 +216,16 @@ class _Job:
     files_pool: Executor | None = None  # writes the outer archive's files
     inner_pool: Executor | None = None  # extracts inner archives, one task each
     inner: list[Future[tuple[int, int]]] = field(default_factory=list)
-    written_inner: list[tuple[str, str]] = field(default_factory=list)  # (path, label)
+    inner_roots: dict[str, Future[tuple[int, int]]] = field(default_factory=dict)
+    written_inner: dict[str, str] = field(default_factory=dict)  # path -> label
 
-    def start_inner(self, task: Any, *args: Any) -> None:
+    def start_inner(self, task: Any, *args: Any) -> Future[tuple[int, int]]:
         """Run ``task(*args) -> (bytes, files)`` on the inner pool; count it when done."""
         assert self.inner_pool is not None
         future = self.inner_pool.submit(task, *args)
         future.add_done_callback(self._count_inner)
         self.inner.append(future)
+        return future
 
     def _count_inner(self, future: Future[tuple[int, int]]) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -268,7 +315,7 @@ def _corrupt(archive: str, exc: BaseException) -> CorruptArchive:
 def _extract(job: _Job, archive: _Archive, root: str, outer: bool) -> None:
     """Extract one archive under ``root``; the outer one uses the pool for files."""
     pool = job.files_pool if outer else None
-    writer = ArchiveWriter(root, archive.label, job.ctx, pool)
+    writer = ArchiveWriter(root, archive.label, job.ctx, pool, through_links=archive.fmt != "zip")
     strip = job.strip if outer else 0
     try:
         if archive.fmt == "zip":
@@ -344,7 +391,7 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
     # the next header usually lies in the same window, which saves a pread per header
     # (member data itself is copied by offset, not through this buffer).
     headers = stream or io.BufferedReader(raw, HEADER_READAHEAD)  # type: ignore[arg-type]
-    with tarfile.open(fileobj=headers, mode="r:") as tar:
+    with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
         consumed = 0
         for member, next_header in tar_members.members(tar, headers, job.ctx.check_cancelled):
             now = stream.compressed_pos() if stream else next_header
@@ -355,6 +402,11 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
         job.ctx.progress.advance(max(0, archive.length - consumed), 0)
     if stream is not None:
         stream.close()
+
+
+# Member types of GNU tar's beyond tarfile's; anything else unknown is a regular file, as
+# POSIX asks and GNU tar does ("Unknown file type, extracted as normal file").
+_VOLUME_LABEL, _MULTIVOLUME, _DUMPDIR, _OLD_NAMES = b"V", b"M", b"D", b"N"
 
 
 def _tar_member(
@@ -368,22 +420,35 @@ def _tar_member(
     share: int,
     outer: bool,
 ) -> None:
-    rel = writer.clean_name(member.name, strip)
-    if rel is None:
+    if member.type == _MULTIVOLUME:
+        raise UnknownFormat(
+            f"archive {archive.label} is a later volume of a multi-volume archive (tar -M): "
+            f"its member {member.name!r} starts in another volume; stager extracts whole "
+            "archives only (GNU tar cannot extract one volume alone either); join the "
+            "volumes into one archive"
+        )
+    if member.type == _OLD_NAMES:
+        raise UnknownFormat(
+            f"archive {archive.label} holds an obsolete GNU 'names' member {member.name!r}; "
+            "re-create the archive with a current tar"
+        )
+    rel = None if member.type == _VOLUME_LABEL else writer.clean_name(member.name, strip)
+    if rel is None:  # stripped away, the archive's own folder, or a volume label
         job.ctx.progress.advance(share, 0)
         return
-    if member.isreg():
+    if member.isreg() or member.type not in _NOT_FILES:
         if job.nested and outer and _nested_suffix(rel):
             if stream is None and _start_inner(job, archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
         payload = _tar_payload(archive, tar, stream, member)
-        writer.file(rel, file_mode(member.mode), member.mtime, payload, share, callable(payload))
+        inline = callable(payload)
+        rel = writer.file(rel, file_mode(member.mode), member.mtime, payload, share, inline)
         if job.nested and outer and stream is not None and _nested_suffix(rel):
-            job.written_inner.append((os.path.join(writer.root, rel), f"{archive.label}:{rel}"))
+            job.written_inner[os.path.join(writer.root, rel)] = f"{archive.label}:{rel}"
         return
     job.ctx.progress.advance(share, 0)
-    if member.isdir():
+    if member.isdir() or member.type == _DUMPDIR:  # a dumpdir's data lists its entries
         writer.directory(rel, member.mtime, member.name)
     elif member.issym():
         _judge_link(member.replace(name=rel, deep=False), writer.root)
@@ -393,10 +458,21 @@ def _tar_member(
         if target is not None:
             _judge_link(member.replace(name=rel, linkname=target, deep=False), writer.root)
             writer.hardlink(rel, target)
-    elif member.ischr() or member.isblk() or member.isfifo():
-        raise unsafe(archive.label, member.name, "a device file or FIFO")
     else:
-        raise unsafe(archive.label, member.name, f"unsupported member type {member.type!r}")
+        raise unsafe(archive.label, member.name, "a device file or FIFO")
+
+
+_NOT_FILES = frozenset(
+    (
+        tarfile.DIRTYPE,
+        tarfile.SYMTYPE,
+        tarfile.LNKTYPE,
+        tarfile.CHRTYPE,
+        tarfile.BLKTYPE,
+        tarfile.FIFOTYPE,
+        _DUMPDIR,
+    )
+)
 
 
 def _judge_link(member: tarfile.TarInfo, root: str) -> None:
@@ -408,13 +484,10 @@ def _judge_link(member: tarfile.TarInfo, root: str) -> None:
 def _tar_payload(
     archive: _Archive, tar: tarfile.TarFile, stream: StreamReader | None, member: tarfile.TarInfo
 ) -> Payload:
-    if member.issparse():  # rare: let tarfile apply the sparse map
-        reader = tar.extractfile(member)
-        assert reader is not None
-        return reader.read()
+    if member.sparse is not None:
+        return _sparse_payload(archive, stream, member)
     if stream is None:
-        if member.offset_data + member.size > archive.length:
-            raise EOFError(f"member {member.name!r} runs past the end of the archive")
+        _require_inside(archive, member, member.size)
         return (archive.fd, archive.base + member.offset_data, member.size)
     stream.seek(member.offset_data)
     if member.size > _INLINE_BYTES:
@@ -425,19 +498,56 @@ def _tar_payload(
     return data
 
 
-def _copier(stream: StreamReader, size: int):  # noqa: ANN202 - a Payload callable
-    def copy(fd: int) -> None:
-        left = size
-        while left > 0:
-            data = stream.read(min(left, STREAM_CHUNK))
-            if not data:
-                raise EOFError("archive ended inside a member")
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            left -= len(data)
+def _require_inside(archive: _Archive, member: tarfile.TarInfo, stored: int) -> None:
+    if member.offset_data + stored > archive.length:
+        raise EOFError(
+            f"member {member.name!r} runs past the end of the archive: it was cut short, or "
+            "it is one volume of a multi-volume archive (tar -M), which stager does not "
+            "extract"
+        )
+
+
+def _sparse_payload(
+    archive: _Archive, stream: StreamReader | None, member: tarfile.TarInfo
+) -> Payload:
+    """A member with holes (``tar --sparse``, any of GNU's formats, as tarfile reads
+    its map): only its data is copied, the holes stay holes, as GNU tar leaves them."""
+    regions = tuple((position, length) for position, length in member.sparse if length)
+    stored = sum(length for _, length in regions)
+    if stream is None:
+        _require_inside(archive, member, stored)
+        offset = archive.base + member.offset_data
+        return SparseRanges(archive.fd, offset, regions, member.size)
+    stream.seek(member.offset_data)
+
+    def copy(fd: int, digest: Any) -> None:
+        for position, length in regions:
+            os.lseek(fd, position, os.SEEK_SET)
+            _stream_into(stream, fd, length, digest)
+        os.ftruncate(fd, member.size)
 
     return copy
+
+
+def _copier(stream: StreamReader, size: int):  # noqa: ANN202 - a Payload callable
+    def copy(fd: int, digest: Any) -> None:
+        _stream_into(stream, fd, size, digest)
+
+    return copy
+
+
+def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any) -> None:
+    left = size
+    while left > 0:
+        data = stream.read(min(left, STREAM_CHUNK))
+        if not data:
+            raise EOFError("archive ended inside a member")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if digest is not None:
+            digest.update(data)
+        left -= len(data)
 
 
 # -- nested ------------------------------------------------------------------
@@ -450,9 +560,7 @@ def _nested_suffix(rel: str) -> str | None:
 def _inner_root(writer: ArchiveWriter, rel: str, label: str) -> str:
     suffix = _nested_suffix(rel)
     assert suffix is not None
-    folder = rel[: -len(suffix)]
-    writer.ensure_dir(folder, label)
-    return os.path.join(writer.root, folder)
+    return os.path.join(writer.root, writer.ensure_dir(rel[: -len(suffix)], label))
 
 
 def _start_inner(
@@ -460,14 +568,20 @@ def _start_inner(
 ) -> bool:
     """Extract an archive member of a plain tar in place, on the pool; False if not one."""
     base = archive.base + member.offset_data
-    if member.offset_data + member.size > archive.length:
-        raise EOFError(f"member {member.name!r} runs past the end of the archive")
+    _require_inside(archive, member, member.size)
     fmt = sniff(os.pread(archive.fd, tarfile.BLOCKSIZE, base))
     if fmt is None:
         return False
     label = f"{archive.label}:{rel}"
     root = _inner_root(writer, rel, member.name)
-    job.start_inner(_extract_inner, archive.fd, base, member.size, fmt, label, root)
+    earlier = job.inner_roots.get(root)
+    if earlier is not None:  # the same inner archive again (tar -u): the last copy wins
+        earlier.result()
+        shutil.rmtree(root)
+        os.mkdir(root)
+    job.inner_roots[root] = job.start_inner(
+        _extract_inner, archive.fd, base, member.size, fmt, label, root, job.ctx.verify
+    )
     return True
 
 
@@ -476,10 +590,11 @@ def _start_inner(
 
 
 def _extract_inner(
-    fd: int, base: int, length: int, fmt: str, label: str, root: str
+    fd: int, base: int, length: int, fmt: str, label: str, root: str, verify: str
 ) -> tuple[int, int]:
     tally = Progress()
-    job = _Job(OpContext(root=Path(root), progress=tally), strip=0, nested=False)
+    ctx = OpContext(root=Path(root), progress=tally, verify=verify)
+    job = _Job(ctx, strip=0, nested=False)
     with _translate(label):
         _extract(job, _Archive(fd, base, length, fmt, label), root, outer=False)
     return tally.bytes_done, tally.files_done
@@ -487,12 +602,12 @@ def _extract_inner(
 
 def _extract_written_inner(job: _Job) -> None:
     """Inner archives of compressed or zip outers were written; extract, then drop them."""
-    for path, label in job.written_inner:
-        job.start_inner(_extract_inner_file, path, label)
+    for path, label in job.written_inner.items():
+        job.start_inner(_extract_inner_file, path, label, job.ctx.verify)
     job.wait_inner()
 
 
-def _extract_inner_file(path: str, label: str) -> tuple[int, int]:
+def _extract_inner_file(path: str, label: str, verify: str) -> tuple[int, int]:
     with _translate(label):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -502,7 +617,7 @@ def _extract_inner_file(path: str, label: str) -> tuple[int, int]:
                 return 0, 0  # named like an archive, but is not one: keep it as a file
             folder = path[: -len(_nested_suffix(path) or "")]
             os.makedirs(folder, exist_ok=True)
-            _, files = _extract_inner(fd, 0, size, fmt, label, folder)
+            _, files = _extract_inner(fd, 0, size, fmt, label, folder, verify)
         finally:
             os.close(fd)
         os.unlink(path)
@@ -521,7 +636,8 @@ def _extract_zip(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
             # Local header (30 bytes + name) and data; the central directory is the rest.
             share = min(info.compress_size + len(info.filename) + 30, archive.length - counted)
             counted += share
-            rel = writer.clean_name(_zip_name(archive, info), strip, info.filename)
+            name = _zip_name(archive, info)
+            rel = writer.clean_name(name, strip, name)
             if rel is None:
                 job.ctx.progress.advance(share, 0)
                 continue
@@ -541,7 +657,14 @@ def _zip_name(archive: _Archive, info: zipfile.ZipInfo) -> str:
             f"archive {archive.label} has an encrypted member {info.filename!r}; "
             "decrypt it before staging"
         )
+    if not info.flag_bits & _ZIP_UTF8:
+        # Without the UTF-8 flag zipfile decodes names as cp437; unzip on Linux writes
+        # the name's bytes as they are (Info-ZIP's zip stores UTF-8 without the flag).
+        return info.filename.encode("cp437").decode("utf-8", "surrogateescape")
     return info.filename
+
+
+_ZIP_UTF8 = 0x800
 
 
 def _zip_member(
@@ -570,19 +693,21 @@ def _zip_member(
         raise unsafe(archive.label, info.filename, "a device file, FIFO or socket")
     else:
         mode = file_mode(unix_mode & 0o7777 if unix_mode else None)
-        writer.file(rel, mode, mtime, _zip_copier(zf, info), share)
+        rel = writer.file(rel, mode, mtime, _zip_copier(zf, info), share)
         if job.nested and outer and _nested_suffix(rel):
-            job.written_inner.append((os.path.join(writer.root, rel), f"{archive.label}:{rel}"))
+            job.written_inner[os.path.join(writer.root, rel)] = f"{archive.label}:{rel}"
 
 
 def _zip_copier(zf: zipfile.ZipFile, info: zipfile.ZipInfo):  # noqa: ANN202 - a Payload callable
-    def copy(fd: int) -> None:
+    def copy(fd: int, digest: Any) -> None:
         # ZipFile allows concurrent readers; each inflates on its own thread.
         with zf.open(info) as src:
             while data := src.read(STREAM_CHUNK):
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
+                if digest is not None:
+                    digest.update(data)
 
     return copy
 

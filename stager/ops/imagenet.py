@@ -18,10 +18,14 @@ from __future__ import annotations
 import importlib.util
 import io
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from stager.errors import CorruptArchive, MissingExtra
 from stager.ops.base import require_source
+from stager.ops.sources import open_source
+from stager.ops.tar_members import TarInfo
 
 DEVKIT_TOP = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_TOP}/data/meta.mat"
@@ -71,9 +75,10 @@ def import_torch():  # noqa: ANN201 - a module
     return torch
 
 
-def read_devkit(path: str) -> Devkit:
-    """Read the two files torchvision uses straight from the devkit archive."""
-    members = _read_members(path, (META_MAT, GROUND_TRUTH))
+def read_devkit(path: str, allowed_roots: Iterable[Path] = ()) -> Devkit:
+    """Read the two files torchvision uses straight from the devkit archive, opened
+    confined to ``allowed_roots`` (see :func:`stager.ops.sources.open_source`)."""
+    members = _read_members(path, (META_MAT, GROUND_TRUTH), allowed_roots)
     idx_to_wnid, wnid_to_classes = _parse_meta(path, members[META_MAT])
     try:
         ids = [int(line) for line in members[GROUND_TRUTH].decode().split()]
@@ -86,10 +91,15 @@ def read_devkit(path: str) -> Devkit:
     return Devkit(wnid_to_classes, val_wnids)
 
 
-def _read_members(path: str, names: tuple[str, ...]) -> dict[str, bytes]:
+def _read_members(
+    path: str, names: tuple[str, ...], allowed_roots: Iterable[Path]
+) -> dict[str, bytes]:
     found: dict[str, bytes] = {}
     try:
-        with tarfile.open(path, "r:*") as tar:
+        with (
+            open(open_source(path, allowed_roots), "rb") as raw,
+            tarfile.open(fileobj=raw, mode="r:*", tarinfo=TarInfo) as tar,
+        ):
             for member in tar:
                 name = member.name.removeprefix("./")
                 if name in names and member.isreg():

@@ -28,7 +28,7 @@ def check(step: ImagenetDevkitStep, ctx: CheckContext) -> int:
 
 def run(step: ImagenetDevkitStep, ctx: OpContext) -> None:
     ctx.check_cancelled()
-    devkit = read_devkit(step.src)
+    devkit = read_devkit(step.src, ctx.allowed_roots)
     torch = import_torch()
     target = ctx.destination(step.dst)
     partial = target.with_name(target.name + ".part")

@@ -38,7 +38,7 @@ def check(step: ImagenetValStep, ctx: CheckContext) -> int:
 
 
 def run(step: ImagenetValStep, ctx: OpContext) -> None:
-    wnids = read_devkit(step.src).val_wnids
+    wnids = read_devkit(step.src, ctx.allowed_roots).val_wnids
     folder = ctx.destination(step.dst)
     if not folder.is_dir():
         raise BadRequest(

@@ -76,11 +76,12 @@ EVERY_LEVEL = VERIFY_LEVELS
 BUILTIN = (
     _row("copy", copy, copy.CopyStep, verify=EVERY_LEVEL),
     _row("symlink", symlink, symlink.SymlinkStep),
-    _row("extract", extract, extract.ExtractStep, verify=("none", "size"), consumes_src=True),
+    # sha256: every file read back and compared with its member's bytes in the archive.
+    _row("extract", extract, extract.ExtractStep, verify=EVERY_LEVEL, consumes_src=True),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
     _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL),
-    _row("unpack", unpack, unpack.UnpackStep, verify=("none", "size")),
+    _row("unpack", unpack, unpack.UnpackStep, verify=EVERY_LEVEL),
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
     # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.

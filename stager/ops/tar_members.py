@@ -27,8 +27,29 @@ from typing import BinaryIO
 
 BLOCK = tarfile.BLOCKSIZE
 ZERO_BLOCK = bytes(BLOCK)
-_MAGICS = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar, GNU
+_MAGICS = (b"ustar\x0000", tarfile.GNU_MAGIC)
+_POSIX_MAGIC = b"ustar\x00"  # any version: only these headers have a name prefix
 _FAST_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE)
+
+
+class TarInfo(tarfile.TarInfo):
+    """tarfile's member, less one misreading: only a POSIX ustar header has a name
+    prefix at bytes 345-500. In a GNU header (magic "ustar  ") those bytes hold the
+    atime, ctime and sparse map, which incremental dumps (``tar -g``) fill in and
+    tarfile glued in front of the name."""
+
+    @classmethod
+    def frombuf(cls, buf: bytes, encoding: str, errors: str) -> TarInfo:  # type: ignore[override]
+        member = super().frombuf(buf, encoding, errors)
+        if buf[257:263] != _POSIX_MAGIC and member.type not in tarfile.GNU_TYPES:
+            name = _text(buf[0:100], encoding, errors)
+            member.name = name.rstrip("/") if member.isdir() else name
+        return member
+
+
+def open_tar(fileobj: BinaryIO) -> tarfile.TarFile:
+    """``tarfile`` in random-access mode over ``fileobj``, reading names right."""
+    return tarfile.open(fileobj=fileobj, mode="r:", tarinfo=TarInfo)
 
 
 def members(
@@ -97,10 +118,11 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> tarfil
         kind = tarfile.DIRTYPE
     if kind == tarfile.DIRTYPE:
         name = name.rstrip("/")
-    prefix = _text(block[345:500], encoding, errors)
-    if prefix:
-        name = f"{prefix}/{name}"
-    member = tarfile.TarInfo(name)
+    if block[257:263] == _POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
+        prefix = _text(block[345:500], encoding, errors)
+        if prefix:
+            name = f"{prefix}/{name}"
+    member = TarInfo(name)
     member.type, member.mode, member.size, member.mtime = kind, mode, size, mtime
     member.offset, member.offset_data = offset, offset + BLOCK
     return member

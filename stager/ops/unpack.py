@@ -41,6 +41,7 @@ from stager.ops.base import (
 )
 from stager.ops.copy import CopyStep
 from stager.ops.extract import ExtractStep
+from stager.ops.sources import open_source
 from stager.ops.symlink import SymlinkStep
 
 
@@ -93,7 +94,7 @@ def run(step: UnpackStep, ctx: OpContext) -> None:
     archive = step.src
     if step.mode == "copy":
         copy.run(CopyStep(src=step.src, dst=_keep(step)), ctx)
-        archive = str(ctx.destination(_keep(step)))
+        archive = _keep(step)  # relative: the dataset's own copy, not a source to confine
     elif step.mode == "symlink":
         symlink.run(SymlinkStep(src=step.src, dst=_keep(step)), ctx)
     if step.verify_md5:
@@ -135,8 +136,9 @@ def _require_md5(step: UnpackStep) -> str:
 def _verify_md5(step: UnpackStep, archive: str, ctx: OpContext) -> None:
     expected = _require_md5(step)
     digest = hashlib.md5(usedforsecurity=False)
+    roots = ctx.allowed_roots if archive.startswith("/") else ()
     try:
-        with open(archive, "rb", buffering=0) as stream:
+        with open(open_source(ctx.source(archive), roots), "rb", buffering=0) as stream:
             ctx.progress.add_total(os.fstat(stream.fileno()).st_size, 0)
             while chunk := stream.read(MD5_CHUNK):
                 ctx.check_cancelled()

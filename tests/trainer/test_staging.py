@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from client.errors import StagingFailed
 
 class StagerClient:
-    def wait(self, name, timeout=None):
+    def wait(self, name, timeout=None, **callbacks):
         spec = json.loads(os.environ["STUB_STAGER"])
         with open(spec["log"], "a") as f:
             f.write(f"{name} {os.environ.get('RANK', '0')}\\n")

@@ -14,3 +14,16 @@ def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "processes":
         monkeypatch.setattr(extract, "PROCESS_MIN_BYTES", 0)  # every archive is "large"
     return request.param
+
+
+# Filled by test_archive_compat, printed at the end of the session.
+COMPAT_COUNTS = {"archives": 0, "members": 0, "refused": 0}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if any(COMPAT_COUNTS.values()):
+        terminalreporter.write_line(
+            f"archive compatibility: {COMPAT_COUNTS['archives']} archives, "
+            f"{COMPAT_COUNTS['members']} members equal to the reference extractor's; "
+            f"{COMPAT_COUNTS['refused']} refused where it fails too"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -15,8 +16,16 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from stager.errors import Cancelled, CorruptArchive, SourceNotFound, UnknownFormat
-from stager.ops import extract
+from stager.errors import (
+    Cancelled,
+    CorruptArchive,
+    SourceNotFound,
+    SpecialSource,
+    UnknownFormat,
+    UnsafePath,
+    VerifyFailed,
+)
+from stager.ops import extract, fastcopy, imagenet
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
 from stager.progress import Progress
@@ -75,10 +84,12 @@ def build(fmt: str, tree: Path, out: Path) -> Path:
     return out
 
 
-def run_extract(src: Path, root: Path, workers: int = 2, **fields) -> OpContext:
-    ctx = OpContext(root=root, progress=Progress(), workers=workers)
+def run_extract(
+    src: Path, root: Path, workers: int = 2, verify: str = "size", **fields
+) -> OpContext:
+    ctx = OpContext(root=root, progress=Progress(), workers=workers, verify=verify)
     step = ExtractStep(src=str(src), **fields)
-    extract.check(step, CheckContext())
+    extract.check(step, CheckContext(verify=verify))
     extract.run(step, ctx)
     return ctx
 
@@ -265,3 +276,105 @@ def test_extract_onto_another_filesystem(fmt: str, tree: Path, tmp_path: Path, t
     dest = tmpfs("256m") / "root"
     run_extract(archive, dest)
     assert digest(dest) == digest(tree)
+
+
+# -- verify ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sha256_reads_every_file_back(
+    fmt: str, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify sha256: a file whose bytes on disk differ from its member's is a failure
+    naming it. The fault is injected below stager, where the bytes reach the disk."""
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    run_extract(archive, tmp_path / "good", verify="sha256")  # the clean case passes
+    assert digest(tmp_path / "good") == digest(tree)
+    real_write = os.write
+
+    def flip_after_write(fd: int, data) -> int:  # noqa: ANN001 - os.write's signature
+        done = real_write(fd, data)
+        if done > 65_000:  # only file data: corrupt the first byte of what just landed
+            os.pwrite(fd, b"\0" if bytes(data[:1]) != b"\0" else b"\1", os.lseek(fd, 0, 1) - done)
+        return done
+
+    monkeypatch.setattr(os, "write", flip_after_write)
+    monkeypatch.setattr(fastcopy, "_refused", set())  # what it learns here is forgotten after
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: _raise_enosys(), raising=False)
+    monkeypatch.setattr(os, "sendfile", lambda *a: _raise_enosys(), raising=False)
+    with pytest.raises(VerifyFailed, match=r"sha256 than its member in archive .*data\."):
+        run_extract(archive, tmp_path / "bad", verify="sha256")
+
+
+def _raise_enosys() -> int:
+    raise OSError(errno.ENOSYS, "disabled by the test: bytes go through os.write")
+
+
+def test_an_archive_rewritten_during_extraction_fails_naming_it(tmp_path: Path) -> None:
+    """The archive's fstat (size, mtime, ctime) is compared after extraction: bytes
+    from two versions of an archive are never reported as a dataset."""
+    tree = tmp_path / "tree"
+    for i in range(200):
+        (tree / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (tree / f"d{i % 4}" / f"f{i}.bin").write_bytes(os.urandom(2000))
+    archive = build("tar", tree, tmp_path / "data.tar")
+
+    class Rewriting(Progress):
+        def advance(self, nbytes: int = 0, files: int = 0) -> None:
+            super().advance(nbytes, files)
+            if files and self.files_done >= 50 and not getattr(self, "done", False):
+                self.done = True
+                with open(archive, "r+b") as out:  # same size, new bytes in a member
+                    out.seek(4096)
+                    out.write(os.urandom(512))
+
+    ctx = OpContext(root=tmp_path / "dest", progress=Rewriting(), workers=2)
+    with pytest.raises(VerifyFailed, match=f"archive {archive} changed while it was being"):
+        extract.run(ExtractStep(src=str(archive)), ctx)
+
+
+def test_verify_none_skips_the_checks(tree: Path, tmp_path: Path) -> None:
+    archive = build("tar", tree, tmp_path / "data.tar")
+    run_extract(archive, tmp_path / "dest", verify="none")
+    assert digest(tmp_path / "dest") == digest(tree)
+
+
+def test_an_archive_reached_through_links_out_of_the_allowed_roots_is_refused(
+    tree: Path, tmp_path: Path
+) -> None:
+    """Confinement holds for the archive path through any chain of links, also when the
+    chain is changed after the request was checked (run opens, then checks the fd)."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    inside_archive = build("tar", tree, allowed / "ok.tar")
+    outside_archive = build("tar", tree, outside / "secret.tar")
+    (allowed / "hop2").symlink_to(inside_archive)
+    (allowed / "hop1").symlink_to(allowed / "hop2")
+    step = ExtractStep(src=str(allowed / "hop1"))
+    roots = (allowed,)
+    extract.check(step, CheckContext(allowed_roots=roots))  # inside: fine
+    (allowed / "hop2").unlink()
+    (allowed / "hop2").symlink_to(outside_archive)  # swapped after the check
+    ctx = OpContext(root=tmp_path / "dest", progress=Progress(), allowed_roots=roots)
+    with pytest.raises(UnsafePath, match=f"{allowed / 'hop1'} resolves to {outside_archive}"):
+        extract.run(step, ctx)
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+    with pytest.raises(UnsafePath, match="outside the allowed source roots"):
+        extract.check(step, CheckContext(allowed_roots=roots))
+    fifo = allowed / "pipe.tar"
+    os.mkfifo(fifo)
+    with pytest.raises(SpecialSource, match="FIFO"):
+        extract.run(ExtractStep(src=str(fifo)), ctx)  # never opened for reading: no hang
+
+
+def test_the_imagenet_devkit_is_read_confined_too(tmp_path: Path) -> None:
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    devkit = outside / "ILSVRC2012_devkit_t12.tar.gz"
+    with tarfile.open(devkit, "w:gz"):
+        pass
+    (allowed / "devkit.tar.gz").symlink_to(devkit)
+    with pytest.raises(UnsafePath, match="outside the allowed source roots"):
+        imagenet.read_devkit(str(allowed / "devkit.tar.gz"), (allowed,))

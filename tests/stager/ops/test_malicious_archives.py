@@ -109,10 +109,12 @@ CASES = {
         lambda w: [_tar_link("escape", "..", tarfile.SYMTYPE), _tar_file("escape/evil.txt")],
         _same("escape"),
     ),
-    "tar-symlink-inside-then-file-through-it": Case(
+    # A file under a symlink of the archive whose target stays inside is placed where
+    # GNU tar puts it (test_archive_compat); one whose target has '..' is refused.
+    "tar-symlink-dotdot-inside-then-file-through-it": Case(
         "tar",
-        lambda w: [_tar_link("here", "ok", tarfile.SYMTYPE), _tar_file("here/evil.txt")],
-        _same("here/evil.txt"),
+        lambda w: [_tar_link("ok/here", "../ok", tarfile.SYMTYPE), _tar_file("ok/here/evil.txt")],
+        _same("ok/here/evil.txt"),
     ),
     "tar-file-then-symlink-over-its-dir": Case(
         "tar",

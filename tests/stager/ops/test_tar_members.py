@@ -55,10 +55,10 @@ def mixed_members() -> list[tuple[tarfile.TarInfo, bytes | None]]:
 def read_both(data: bytes) -> tuple[list[tuple], list[tuple]]:
     expected = [
         tuple(getattr(m, f) for f in FIELDS)
-        for m in tarfile.open(fileobj=io.BytesIO(data), mode="r:").getmembers()
+        for m in tar_members.open_tar(io.BytesIO(data)).getmembers()
     ]
     headers = io.BufferedReader(io.BytesIO(data), 4096)  # type: ignore[arg-type]
-    with tarfile.open(fileobj=headers, mode="r:") as tar:
+    with tar_members.open_tar(headers) as tar:
         found = [tuple(getattr(m, f) for f in FIELDS) for m, _ in tar_members.members(tar, headers)]
     return expected, found
 
@@ -87,6 +87,23 @@ def test_same_members_as_tarfile_for_gnu_tar(tmp_path: Path) -> None:
     subprocess.run(["tar", "-cf", str(archive), "-C", str(tmp_path), "tree"], check=True)
     expected, found = read_both(archive.read_bytes())
     assert found == expected and len(found) == 6
+
+
+def test_gnu_headers_have_no_name_prefix(tmp_path: Path) -> None:
+    """An incremental dump (``tar -g``) fills a GNU header's atime and ctime, where a
+    POSIX header keeps its name prefix: neither reader may glue them to the name."""
+    tree = tmp_path / "tree"
+    (tree / "d").mkdir(parents=True)
+    (tree / "d" / "f.jpg").write_bytes(b"data")
+    archive = tmp_path / "t.tar"
+    subprocess.run(
+        ["tar", "-g", str(tmp_path / "snap"), "-cf", str(archive), "-C", str(tree), "."],
+        check=True,
+    )
+    expected, found = read_both(archive.read_bytes())
+    assert found == expected
+    assert [m[0] for m in found] == ["./", "./d/", "./d/f.jpg"]
+    assert [m[1] for m in found] == [b"D", b"D", tarfile.REGTYPE]  # dumpdirs: folders
 
 
 def test_the_fast_path_reads_plain_headers_itself(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,7 +98,8 @@ def test_missing_source_folder_and_relative_source_are_refused(recipe_daemon: Da
         )
         absent = client.post("/v1/datasets", json={"name": "x", "recipe": "cifar10"})
     assert missing.status_code == 400 and "/no/such/place" in missing.json()["error"]["message"]
-    assert relative.status_code == 400 and "absolute" in relative.json()["error"]["message"]
+    # A relative source is malformed (the request model refuses it), not merely absent.
+    assert relative.status_code == 422 and "absolute" in relative.json()["error"]["message"]
     assert absent.status_code == 400
     assert "cifar-10-python.tar.gz" in absent.json()["error"]["message"]
 
