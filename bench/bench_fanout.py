@@ -9,6 +9,11 @@ same tree. Each run is a real ``sbatch -N<n>`` job that runs one
 all nodes; every run starts from empty caches. Bytes are counted on the storage
 side (its sftp-server's log; its link's counter for the wire total).
 
+Two references in the same run: ``per-node`` (every node of an N=4 job runs its own
+``stager-client stage``, which is what a job did before fan-out: the storage is
+read N times), and ``held`` (one node other than the batch node already holds the
+dataset: nothing should leave the storage).
+
     sudo .venv/bin/python bench/bench_fanout.py                 # 200 MB, 200 Mbit/s, N=1,2,4
     sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
     ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
@@ -56,6 +61,31 @@ stager-client stage {name} --recipe imagefolder --source {source} --peers slurm 
     return json.loads(report_path.read_text())
 
 
+def per_node_job(cluster: Cluster, name: str, source: str, nodes: int) -> dict:
+    """Every node stages for itself (no --peers): the reference fan-out replaces."""
+    times = cluster.jobs_dir / f"{name}.times"
+    script = f"""
+date +%s.%N > {times}
+srun --nodes={nodes} --ntasks-per-node=1 stager-client stage {name} --recipe imagefolder \\
+    --source {source} --wait --timeout 900 >/dev/null
+date +%s.%N >> {times}
+"""
+    job = cluster.sbatch(script, nodes=nodes, name=name, timeout=1200)
+    if not job.ok:
+        raise SystemExit(f"job {job.job_id} ({name}) {job.state} {job.exit_code}:\n{job.output}")
+    start, end = (float(x) for x in times.read_text().split())
+    return {"seconds": end - start, "mode": "per-node", "nodes": {}, "timeline": {}}
+
+
+def hold_on_one_node(cluster: Cluster, name: str, source: str) -> None:
+    """Stage ``source`` on the third node alone (not the batch node of the next job)."""
+    holder = cluster.nodes[min(2, len(cluster.nodes) - 1)]
+    script = f"stager-client stage {name} --recipe imagefolder --source {source} --wait\n"
+    job = cluster.sbatch(script, nodes=1, name=name, timeout=1200, extra=[f"--nodelist={holder}"])
+    if not job.ok:
+        raise SystemExit(f"staging on {holder} alone failed:\n{job.output}")
+
+
 def clear_caches(cluster: Cluster) -> None:
     job = cluster.sbatch(
         f"srun --nodes={len(cluster.nodes)} --ntasks-per-node=1 stager gc --all >/dev/null\n",
@@ -69,8 +99,15 @@ def clear_caches(cluster: Cluster) -> None:
 def measure(cluster: Cluster, kind: str, source: Path, nodes: int, broadcast: str, run: int):
     source = fresh_copy(source, f"r{run}-n{nodes}-{broadcast}")
     clear_caches(cluster)
+    name, shared = f"{kind}-n{nodes}-{broadcast}-r{run}", cluster.shared(source)
+    if broadcast == "held":
+        hold_on_one_node(cluster, f"{name}-hold", shared)
     before = cluster.storage()
-    report = stage_job(cluster, f"{kind}-n{nodes}-r{run}", cluster.shared(source), nodes, broadcast)
+    if broadcast == "per-node":
+        report = per_node_job(cluster, name, shared, nodes)
+    else:
+        mode = "auto" if broadcast == "held" else broadcast
+        report = stage_job(cluster, name, shared, nodes, mode)
     moved = cluster.storage() - before
     failed = [n for n, r in report["nodes"].items() if r["error"]]
     if failed:
@@ -91,6 +128,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--compare-modes", action="store_true")
+    parser.add_argument("--no-references", action="store_true", help="skip per-node and held")
     args = parser.parse_args()
 
     local = f"{max(1, args.mb * 5 // 1000 + 1)}g"  # room for data, delivery and bundle
@@ -104,6 +142,11 @@ def main() -> int:
               f"tar.gz: {sizes['tar.gz'] / 1e6:.0f} MB", flush=True)  # fmt: skip
         results: dict[tuple[str, int, str], list] = {}
         plan = [(kind, n, "auto") for kind in ("tree", "tar.gz") for n in args.nodes]
+        if not args.no_references:
+            most = max(args.nodes)
+            plan += [
+                (kind, most, how) for kind in ("tree", "tar.gz") for how in ("per-node", "held")
+            ]
         if args.compare_modes:
             plan += [
                 ("tar.gz", max(args.nodes), "prepared"),
@@ -141,7 +184,11 @@ def print_table(results: dict, sizes: dict[str, int], args: argparse.Namespace) 
         ratio = seconds / statistics.median(r["seconds"] for r, _ in base) if base else None
         content = statistics.median(m.content for _, m in runs) / sizes[kind]
         wire = statistics.median(m.wire for _, m in runs) / sizes[kind]
-        mode = runs[0][0]["mode"] if broadcast == "auto" else f"{runs[0][0]['mode']} (forced)"
+        mode = runs[0][0]["mode"]
+        if broadcast == "held":
+            mode += " (one node holds it)"
+        elif broadcast not in ("auto", "per-node"):
+            mode += " (forced)"
         spread = (
             f" ({min(r['seconds'] for r, _ in runs):.1f}-{max(r['seconds'] for r, _ in runs):.1f})"
         )

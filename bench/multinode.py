@@ -247,7 +247,22 @@ class Cluster:
             )
         return result.stdout
 
-    def storage(self) -> StorageBytes:
+    def storage(self, settle_s: float = 1.0, timeout: float = 30.0) -> StorageBytes:
+        """The bytes that have left the storage so far, once they stop changing: the
+        server logs a file's bytes when the client closes it, and a FUSE client
+        (sshfs) closes a file a moment after the job's own close, so a count taken at
+        once can miss a job's last files and charge them to the next one."""
+        last = self._storage_now()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(settle_s)
+            now = self._storage_now()
+            if now.content == last.content:
+                return now
+            last = now
+        return last
+
+    def _storage_now(self) -> StorageBytes:
         out = subprocess.run(
             ["bash", str(SCRIPTS / "storage-bytes.sh")],
             env=self.env(),

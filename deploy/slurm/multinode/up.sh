@@ -52,6 +52,9 @@ check_inputs() {
     [[ $MN_NODES =~ ^[1-9][0-9]?$ ]] || mn_die "MN_NODES=$MN_NODES: give a node count from 1 to 99"
     [[ $MN_SUBNET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || mn_die "MN_SUBNET=$MN_SUBNET: give 3 octets, e.g. 10.199.0"
     [[ -x $MN_PYTHON ]] || mn_die "no Python at $MN_PYTHON (set MN_PYTHON, or run \`make venv\`)"
+    # Each node mounts its own /tmp: the prolog, daemons and jobs could not see a checkout there.
+    case $MN_REPO/ in /tmp/*) mn_die "this checkout is under /tmp ($MN_REPO), which every node of the cluster replaces with its own; clone it elsewhere (e.g. /var/tmp)";; esac
+    case $MN_PYTHON in /tmp/*) mn_die "MN_PYTHON=$MN_PYTHON is under /tmp, which every node replaces with its own; use a virtualenv elsewhere";; esac
     if ip -o addr show | grep -v " $MN_BRIDGE " | grep -qF " $MN_SUBNET."; then
         mn_die "another interface already uses $MN_SUBNET.0/24; set MN_SUBNET to a free /24"
     fi
