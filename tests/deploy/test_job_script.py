@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,74 @@ def test_a_multi_node_job_stages_once_in_the_batch_script_with_fanout(tmp_path: 
     off = srun_calls(tmp_path / "off", SLURM_JOB_NUM_NODES="4", STAGER_URL="u", FANOUT="0")
     per_node = [c for c in off if "stage" in c]
     assert per_node[0][0] == "--ntasks=4", off  # srun, one task per node
+
+
+# ----------------------------------------------------------------- preemption
+
+
+def preemptible_bin(folder: Path, show_job: str) -> Path:
+    """srun runs nothing, except the training step: it waits for a signal and exits 75
+    as stager-train does after its checkpoint. scontrol answers ``show job`` with
+    ``show_job`` and logs requeues."""
+    fake_bin(folder)
+    (folder / "srun").write_text(
+        "#!/bin/bash\n"
+        'printf "%q " "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"\n'
+        'if [[ " $* " == *" stager-train "* ]]; then\n'
+        "    trap 'exit 75' USR1 TERM\n"
+        '    touch "$TRAINING"\n'
+        "    while :; do sleep 0.05; done\n"
+        "fi\n"
+    )
+    (folder / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'if [[ $1 == show ]]; then echo "JobId=7 {show_job}"; fi\n'
+        'if [[ $1 == requeue ]]; then echo "$*" >>"$REQUEUE_LOG"; fi\n'
+    )
+    (folder / "scontrol").chmod(0o755)
+    return folder
+
+
+def interrupt(tmp_path: Path, sig: int, show_job: str) -> tuple[int, list[str], list[str]]:
+    """Run job.sh until training starts, send ``sig`` to the batch script; returns
+    (exit code, srun calls' training arguments, requeue calls)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STAGER_"))}
+    env.update(
+        PATH=f"{preemptible_bin(tmp_path / 'bin', show_job)}:/usr/bin:/bin",
+        SRUN_LOG=str(tmp_path / "srun.log"),
+        REQUEUE_LOG=str(tmp_path / "requeue.log"),
+        TRAINING=str(tmp_path / "training"),
+        SLURM_JOB_ID="7",
+        SLURM_TMPDIR=str(tmp_path / "tmp"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+    )
+    job = subprocess.Popen(["bash", str(JOB)], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "training").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.05)
+    job.send_signal(sig)
+    job.communicate(timeout=30)
+    train = [
+        line for line in (tmp_path / "srun.log").read_text().splitlines() if "stager-train" in line
+    ]
+    requeue_log = tmp_path / "requeue.log"
+    requeues = requeue_log.read_text().splitlines() if requeue_log.exists() else []
+    return job.returncode, shlex.split(train[0]), requeues
+
+
+def test_warning_signal_checkpoints_and_requeues(tmp_path: Path) -> None:
+    # --signal=B:USR1@120: the batch script gets SIGUSR1 before the time limit.
+    code, train, requeues = interrupt(tmp_path, signal.SIGUSR1, "JobState=RUNNING Reason=None")
+    assert requeues == ["requeue 7"] and code == 0
+    assert "--resume" in train and "--no-requeue" in train  # the script requeues, not rank 0
+
+
+@pytest.mark.parametrize(
+    "show_job, requeued",
+    [("JobState=TIMEOUT Reason=TimeLimit", True), ("JobState=COMPLETING Reason=None", False)],
+)
+def test_sigterm_requeues_at_a_time_limit_not_after_scancel(tmp_path, show_job, requeued):
+    code, _, requeues = interrupt(tmp_path, signal.SIGTERM, show_job)
+    assert requeues == (["requeue 7"] if requeued else [])
+    assert code == (0 if requeued else 75)  # cancelled: the checkpoint stays for a manual resume
