@@ -1,10 +1,14 @@
 """Fingerprints of a request's sources, part of the cache key.
 
-The same request over unchanged sources maps to the same cache entry across jobs
-and daemon restarts; a touched archive (size, mtime or inode changed) maps to a
-new entry and is staged afresh. Trees get a cheap fingerprint by default (the
-root and its direct children), or a deep one (every file) on request: on a
-network filesystem a deep walk of ImageNet costs minutes, a cheap one milliseconds.
+The same request over unchanged sources maps to the same cache entry across jobs,
+daemon restarts and the nodes of a cluster; a touched archive (size or mtime
+changed) maps to a new entry and is staged afresh. Only what every node sees alike
+counts: path, size and mtime. Inode numbers do not: network filesystems built on
+FUSE (sshfs, s3fs, rclone, ...) number inodes per client, and a multi-node job
+finds a node's copy by its key (see docs/multinode.md). Trees get a cheap
+fingerprint by default (the root and its direct children), or a deep one (every
+file) on request: on a network filesystem a deep walk of ImageNet costs minutes,
+a cheap one milliseconds.
 """
 
 from __future__ import annotations
@@ -59,6 +63,6 @@ def _add_stat(digest: Any, path: str) -> os.stat_result | None:
         except OSError as exc:
             digest.update(f"{path}\0missing {exc.errno}\n".encode("utf-8", "surrogateescape"))
             return None
-    line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}\n"
+    line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n"
     digest.update(line.encode("utf-8", "surrogateescape"))
     return info

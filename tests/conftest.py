@@ -7,7 +7,32 @@ from pathlib import Path
 
 import pytest
 
+from tests.counts import LINES
 from tests.daemon import Daemon
+from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process the tests start inherits the mark: `pytest_sessionfinish` finds
+    # the daemons of this run, and only those.
+    mark_session()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a daemon it started is still running (slurmctld, slurmd,
+    munged, stager serve): tests stop what they start."""
+    left = leftovers()
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = ["the test run left these running (a test or fixture did not stop them):", *left]
+    if reporter is not None:
+        reporter.write_sep("=", "left running", red=True)
+        for line in lines:
+            reporter.write_line(line)
+    else:
+        print("\n".join(lines))
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
@@ -62,3 +87,8 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     yield mount
     for point in mounts:
         subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in LINES:
+        terminalreporter.write_line(line)

@@ -1,46 +1,53 @@
-"""Atomic checkpoints: write ``*.tmp`` in the same folder, fsync, rename.
+"""Atomic checkpoints, ordered by training progress, a bounded number kept.
 
 A checkpoint holds everything a resumed run needs to continue exactly where
-the interrupted one stopped: the unwrapped model (loadable without DDP), the
-optimizer, scheduler and AMP scaler, the position (epoch, micro-batches done in
-that epoch, optimizer steps) and the RNG states. Only rank 0 writes.
+the interrupted one stopped: the unwrapped model (loadable without DDP), its
+EMA, the optimizer and AMP scaler, and the position (epoch, samples seen in
+it, samples and steps in all). No RNG state: every random draw is reseeded
+from the position (`trainer.seeding`). Only rank 0 writes, to ``*.tmp`` in the
+same folder, fsynced, then renamed: a file with the final name is complete.
+
+Which checkpoint is the latest, and which ones pruning keeps, follows the
+progress each one records, never the order of file names alone: a file's
+name carries the *attempt* that wrote it (one more than the highest attempt
+already in the folder when a run starts, resumed or not) and the samples seen
+when it was written, and checkpoints sort by (attempt, samples). So a run
+started afresh in an old output folder (or resumed from an older file) makes
+checkpoints that rank above the old ones, and pruning removes the old ones
+first instead of the new.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import random
+import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-NAME = "checkpoint-{iteration:09d}.pt"
-_NAME_RE = re.compile(r"checkpoint-(\d{9})\.pt$")
+log = logging.getLogger(__name__)
+
+NAME = "checkpoint-a{attempt:04d}-s{samples:013d}.pt"
+_NAME_RE = re.compile(r"checkpoint-a(\d{4,})-s(\d{13,})\.pt$")
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+@dataclass(frozen=True, order=True)
+class Entry:
+    attempt: int
+    samples: int
+    path: Path
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    # .cpu(): generator states are CPU byte tensors even for CUDA generators,
-    # but a checkpoint loaded with map_location="cuda" puts them on the GPU.
-    torch.set_rng_state(state["torch"].cpu())
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def save(state: dict[str, Any], directory: Path, keep: int = 2) -> Path:
-    """Write ``state`` as the newest checkpoint in ``directory``; keep the last ``keep``."""
+def save(state: dict[str, Any], directory: Path, attempt: int, keep: int = 2) -> Path:
+    """Write ``state`` as the newest checkpoint of ``attempt``; keep the ``keep`` latest."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / NAME.format(iteration=state["position"]["iteration"])
+    samples = int(state["position"]["samples"])
+    final = directory / NAME.format(attempt=attempt, samples=samples)
     tmp = final.with_name(final.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -50,8 +57,11 @@ def save(state: dict[str, Any], directory: Path, keep: int = 2) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(directory)
-    for old in all_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    if keep > 0:
+        for old in entries(directory)[:-keep]:
+            old.path.unlink(missing_ok=True)
+    for leftover in directory.glob("checkpoint-*.pt.tmp"):  # from a save a crash cut short
+        leftover.unlink(missing_ok=True)
     return final
 
 
@@ -63,21 +73,49 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def all_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (``*.tmp`` leftovers are ignored)."""
+def entries(directory: Path) -> list[Entry]:
+    """Complete checkpoints, oldest first by (attempt, samples); ``*.tmp`` ignored."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
+    found = [
+        Entry(int(m.group(1)), int(m.group(2)), p)
+        for p in directory.iterdir()
+        if (m := _NAME_RE.match(p.name))
+    ]
+    return sorted(found)
+
+
+def all_checkpoints(directory: Path) -> list[Path]:
+    return [e.path for e in entries(directory)]
 
 
 def latest(directory: Path) -> Path | None:
-    found = all_checkpoints(directory)
-    return found[-1] if found else None
+    found = entries(directory)
+    return found[-1].path if found else None
+
+
+def next_attempt(directory: Path) -> int:
+    found = entries(directory)
+    return (max(e.attempt for e in found) + 1) if found else 1
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    # weights_only=False: the file also holds python RNG state and args, and
-    # it is our own file from our own output directory.
+    # weights_only=False: the file also holds args, and it is our own file
+    # from our own output directory.
     return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def load_latest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads; an unreadable one is skipped with a warning.
+
+    A file is complete once renamed, but the disk under it can still lose it
+    (a node crash before the directory fsync, a full quota on a network
+    filesystem): resuming from the one before beats failing the requeued job.
+    """
+    for entry in reversed(entries(directory)):
+        try:
+            return entry.path, load(entry.path)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            log.warning("checkpoint %s cannot be read (%s); trying the one before", entry.path, exc)
+    return None

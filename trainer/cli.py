@@ -14,8 +14,12 @@ import argparse
 import logging
 import sys
 
-from trainer.data import DATASETS
+from trainer.data import BAD_IMAGES
+from trainer.datasets import DATASETS
+from trainer.optim import SCHEDULES
 from trainer.preempt import EXIT_PREEMPTED
+from trainer.presets import PRESETS
+from trainer.transforms import AUTO_AUGMENT
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -23,6 +27,8 @@ EXIT_USAGE = 2
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_USAGE", "main"]
 
 SUBCOMMANDS = ("train", "find-lr", "shard")
+# Old spellings of --lr-scheduler values.
+SCHEDULE_ALIASES = {"cosine": "cosineannealinglr", "step": "steplr"}
 EPILOG = """subcommands:
   stager-train [train] ...   train (this page)
   stager-train find-lr ...   LR range test: CSV + PNG + suggested LR (see find-lr --help)
@@ -31,6 +37,12 @@ EPILOG = """subcommands:
 launch: one process as is; torchrun --nproc-per-node N -m trainer ...; or under
 SLURM `srun python -m trainer ...` (ranks from SLURM_PROCID/SLURM_LOCALID/
 SLURM_STEP_NUM_TASKS, rendezvous on the step's first node, port from the job id).
+preemption: SIGUSR1 or SIGTERM (SLURM's warning signal, time limit, scancel) on any
+rank: every rank stops at the same step, rank 0 writes one checkpoint, the run exits
+75 (and requeues its SLURM job unless --no-requeue); --resume continues it, also with
+another world size or batch size. Under torchrun set
+TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 so that torchrun
+passes SIGUSR1 on to the ranks instead of dying of it (it then waits 30 s for them).
 exit codes: 0 done, 1 error, 2 usage, 75 preempted (checkpoint saved; rerun with --resume)."""
 
 
@@ -38,10 +50,12 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument(
         "--dataset",
-        required=True,
         choices=DATASETS,
+        default=None,
         help="dataset type (inat2021 is an alias of inat; multifolder: aligned views "
-        "under DATA_ROOT/{train,val}/<view>/<class>/, see --views)",
+        "under DATA_ROOT/{train,val}/<view>/<class>/, see --views). With --stager-wait, a "
+        "dataset staged by a recipe is read as its usage says (the torchvision class and "
+        "arguments the daemon reports) and --dataset is only the fallback",
     )
     g.add_argument(
         "--data-root",
@@ -92,9 +106,44 @@ def _data_args(p: argparse.ArgumentParser) -> None:
         help="training augmentation: RandomResizedCrop + flip, or none (the "
         "validation resize + centre crop; for overfitting checks)",
     )
-    g.add_argument("--crop-size", type=int, default=224, help="training and validation crop")
+    g.add_argument(
+        "--train-crop-size",
+        "--crop-size",
+        dest="train_crop_size",
+        type=int,
+        default=224,
+        help="training crop (RandomResizedCrop); also the validation crop unless --val-crop-size",
+    )
+    g.add_argument("--val-crop-size", type=int, default=None, help="validation centre crop")
     g.add_argument(
         "--val-resize-size", type=int, default=256, help="validation resize before the centre crop"
+    )
+    g.add_argument(
+        "--auto-augment",
+        choices=AUTO_AUGMENT,
+        default=None,
+        help="automatic augmentation after crop and flip: ra (RandAugment), ta_wide "
+        "(TrivialAugmentWide), augmix, or an AutoAugment policy (imagenet, cifar10, svhn)",
+    )
+    g.add_argument("--ra-magnitude", type=int, default=9, help="RandAugment magnitude")
+    g.add_argument("--augmix-severity", type=int, default=3, help="AugMix severity")
+    g.add_argument(
+        "--random-erase", type=float, default=0.0, help="random erasing probability per sample"
+    )
+    g.add_argument(
+        "--ra-sampler",
+        action="store_true",
+        help="repeated augmentation: each sample --ra-reps times in a row per epoch, on "
+        "different ranks with different augmentations (the epoch keeps its length)",
+    )
+    g.add_argument("--ra-reps", type=int, default=3, help="repeats per sample with --ra-sampler")
+    g.add_argument(
+        "--bad-images",
+        choices=BAD_IMAGES,
+        default="error",
+        help="an image no decoder can read (truncated, not an image): stop with an error "
+        "naming it (default), or skip it with a warning naming it (its batch slot goes to "
+        "the next readable sample)",
     )
     g.add_argument(
         "--workers",
@@ -126,6 +175,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and optimisation")
     g.add_argument(
         "--arch",
+        "--model",
+        dest="arch",
         default="resnet50",
         help="torchvision model name (resnet50, vit_b_16, ...) or tinynet",
     )
@@ -151,11 +202,27 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--opt", choices=("sgd", "adamw"), default="sgd", help="optimizer")
     g.add_argument("--lr", type=float, default=0.1, help="base learning rate")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    g.add_argument("--weight-decay", type=float, default=1e-4, help="weight decay")
     g.add_argument(
-        "--decay-norm-and-bias",
+        "--weight-decay", "--wd", dest="weight_decay", type=float, default=1e-4,
+        help="weight decay",
+    )  # fmt: skip
+    g.add_argument(
+        "--norm-weight-decay",
+        type=float,
+        default=None,
+        help="weight decay of normalisation layers' parameters (default: --weight-decay; "
+        "0 for none)",
+    )
+    g.add_argument(
+        "--bias-weight-decay",
+        type=float,
+        default=None,
+        help="weight decay of biases (default: --weight-decay; 0 for none)",
+    )
+    g.add_argument(
+        "--sync-bn",
         action="store_true",
-        help="also decay norm weights and biases (off by default)",
+        help="SyncBatchNorm: batch statistics over all ranks (GPUs only)",
     )
     g.add_argument(
         "--lr-override",
@@ -181,36 +248,91 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         help="train this many optimizer steps instead of --epochs",
     )
     g.add_argument(
+        "--lr-scheduler",
         "--sched",
-        choices=("cosine", "step", "constant"),
-        default="cosine",
-        help="LR schedule after warmup",
+        dest="lr_scheduler",
+        choices=(*SCHEDULES, *SCHEDULE_ALIASES),
+        default="cosineannealinglr",
+        help="LR schedule after warmup, as a function of samples seen (so it survives "
+        "a change of world size or batch size on resume)",
     )
     g.add_argument(
         "--sched-unit",
         choices=("iter", "epoch"),
         default="iter",
-        help="step the schedule every iteration or every epoch",
+        help="change the LR at every step, or only at epoch boundaries (torchvision's way)",
     )
-    g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warmup length")
     g.add_argument(
+        "--lr-warmup-epochs",
+        "--warmup-epochs",
+        dest="lr_warmup_epochs",
+        type=float,
+        default=0.0,
+        help="warmup length in epochs",
+    )
+    g.add_argument(
+        "--lr-warmup-iters",
         "--warmup-iters",
+        dest="lr_warmup_iters",
         type=int,
         default=0,
-        help="warmup length in iterations (overrides --warmup-epochs, iter unit)",
+        help="warmup length in steps of the first run's global batch (overrides "
+        "--lr-warmup-epochs)",
     )
     g.add_argument(
+        "--lr-warmup-method",
+        choices=("linear", "constant"),
+        default="linear",
+        help="warmup: linear from --lr-warmup-decay x LR, or constant at it",
+    )
+    g.add_argument(
+        "--lr-warmup-decay",
         "--warmup-start-factor",
+        dest="lr_warmup_decay",
         type=float,
         default=0.01,
         help="warmup starts at this fraction of the LR",
     )
-    g.add_argument("--step-size", type=float, default=30, help="epochs between step decays")
-    g.add_argument("--gamma", type=float, default=0.1, help="step decay factor")
+    g.add_argument(
+        "--lr-step-size",
+        "--step-size",
+        dest="lr_step_size",
+        type=float,
+        default=30,
+        help="epochs between step decays",
+    )
+    g.add_argument(
+        "--lr-gamma", "--gamma", dest="lr_gamma", type=float, default=0.1,
+        help="step decay factor",
+    )  # fmt: skip
     g.add_argument(
         "--min-lr-factor", type=float, default=0.0, help="cosine floor as a fraction of the LR"
     )
     g.add_argument("--label-smoothing", type=float, default=0.0, help="cross-entropy smoothing")
+    g.add_argument(
+        "--mixup-alpha", type=float, default=0.0, help="mixup Beta(alpha, alpha); 0: off"
+    )
+    g.add_argument(
+        "--cutmix-alpha",
+        type=float,
+        default=0.0,
+        help="cutmix Beta(alpha, alpha); 0: off (with mixup: one of the two per batch)",
+    )
+    g.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights and evaluate it too "
+        "(ema_* metrics)",
+    )
+    g.add_argument(
+        "--model-ema-steps", type=int, default=32, help="optimizer steps between EMA updates"
+    )
+    g.add_argument(
+        "--model-ema-decay",
+        type=float,
+        default=0.99998,
+        help="EMA decay, adjusted for batch size, world size and epochs as torchvision does",
+    )
     g.add_argument("--clip-grad-norm", type=float, default=None, help="clip gradient norm")
     g.add_argument(
         "--amp",
@@ -219,7 +341,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         help="autocast dtype (auto: bf16 on GPU, none on CPU); fp16 adds a GradScaler",
     )
     g.add_argument("--channels-last", action="store_true", help="NHWC memory format")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model; parts that fail to compile run eagerly (with a warning)",
+    )
     g.add_argument("--val-batch-size", type=int, default=None, help="default: --batch-size")
     g.add_argument("--no-eval", action="store_true", help="skip validation")
 
@@ -284,10 +410,36 @@ def get_args_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "--recipe",
+        choices=sorted(PRESETS),
+        default=None,
+        help="set the flags of a published recipe (explicit flags still win): "
+        "resnet50-torchvision-v2 is torchvision's 80.8%% ResNet-50 (see docs/trainer.md)",
+    )
     _data_args(p)
     _model_args(p)
     _train_args(p)
     return p
+
+
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    """Parse, with a --recipe's values as the defaults (so explicit flags override them)."""
+    parser = get_args_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.recipe:
+        parser.set_defaults(**PRESETS[known.recipe])
+    args = parser.parse_args(argv)
+    args.lr_scheduler = SCHEDULE_ALIASES.get(args.lr_scheduler, args.lr_scheduler)
+    if args.progress is None:
+        args.progress = "bar" if sys.stderr.isatty() else "log"
+    if args.accum_steps < 1:
+        parser.error("--accum-steps must be >= 1")
+    if args.ra_reps < 1:
+        parser.error("--ra-reps must be >= 1")
+    if args.dataset is None and not args.stager_wait:
+        parser.error("--dataset is required (or --stager-wait NAME for a recipe-staged dataset)")
+    return args
 
 
 def get_find_lr_parser() -> argparse.ArgumentParser:
@@ -312,7 +464,12 @@ def get_find_lr_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--channels-last", action="store_true", help="NHWC memory format")
     g.add_argument("--output-dir", default="output", help="where lr_find.csv / lr_find.png go")
-    p.set_defaults(no_eval=True, compile=False, prefetch=4, tensorboard=False)
+    # What `build` reads that the sweep keeps plain: no augmentation extras, no mixing.
+    p.set_defaults(
+        no_eval=True, compile=False, prefetch=4, tensorboard=False, auto_augment=None,
+        random_erase=0.0, ra_sampler=False, ra_reps=1, ra_magnitude=9, augmix_severity=3,
+        mixup_alpha=0.0, cutmix_alpha=0.0, val_crop_size=None, bad_images="error",
+    )  # fmt: skip
     return p
 
 
@@ -336,11 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
     if command == "train":
-        args = get_args_parser().parse_args(argv)
-        if args.progress is None:
-            args.progress = "bar" if sys.stderr.isatty() else "log"
-        if args.accum_steps < 1:
-            get_args_parser().error("--accum-steps must be >= 1")
+        args = parse_train_args(argv)
         from trainer.train import main as run_command
     elif command == "find-lr":
         args = get_find_lr_parser().parse_args(argv)
@@ -353,5 +506,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         # Known failure kinds get one readable line; anything else keeps its traceback.
         logging.getLogger("trainer").debug("failed", exc_info=True)
-        print(f"stager-train {command}: error: {exc}", file=sys.stderr)
+        print(f"stager-train {command}: error: {_sentence(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _sentence(exc: BaseException) -> str:
+    """The error's own sentence, also when a loader worker raised it.
+
+    The DataLoader re-raises a worker's exception as the same type whose text
+    is "Caught X in DataLoader worker process N. Original Traceback: ...";
+    its last line holds the original message.
+    """
+    text = str(exc)
+    if "Original Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text

@@ -1,365 +1,108 @@
-"""Datasets, transforms, samplers and loaders.
+"""The training order, per-sample seeding, bad images, and the loaders.
 
-Two input paths produce the same batches in different places:
-
-- ``pil``: what torchvision's reference does: PIL decode, PIL resize, float
-  conversion and normalisation in the worker; float32 batches cross the
-  worker->main queue (4 bytes a pixel).
-- ``fast`` (default): libjpeg-turbo decode straight into a uint8 tensor
-  (``torchvision.io.decode_image``), uint8 resize/crop/flip with the v2 kernels,
-  uint8 batches (1 byte a pixel) to the device, and the float conversion and
-  normalisation there (`DeviceNormalize`), where it is nearly free.
-
-Every training sample is drawn with an RNG seeded from (seed, epoch, index), so
-augmentation does not depend on which worker loaded it or on where a resumed
-run started; that is what makes resume bit-exact.
+One epoch has one global order (`EpochOrder`): a permutation of the dataset
+that depends only on (seed, epoch). With W ranks, a micro-batch of B samples
+per rank and A micro-batches per optimizer step, step j consumes positions
+[j*W*B*A, (j+1)*W*B*A) of that order, rank r taking every W-th of them. So
+whatever W, B and A are, the samples consumed so far in an epoch are a prefix
+of its order, and a checkpoint only needs that prefix's length: a run resumed
+with another world size or batch size continues the same epoch with exactly
+the samples not yet seen (`ResumableSampler`).
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import multiprocessing
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+import signal
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torchvision
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchvision import datasets as tvd
-from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms import v2
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-DATASETS = (
-    "inat", "inat2021", "imagenet", "imagefolder", "cifar10", "fake", "shards", "multifolder",
-)  # fmt: skip
-INAT_VAL_DEFAULT = {"2021_train": "2021_valid", "2021_train_mini": "2021_valid"}
+from trainer.datasets import DataError
+from trainer.decode import BadImage
+from trainer.seeding import seed_sample
+
+log = logging.getLogger(__name__)
+
+BAD_IMAGES = ("error", "skip")
 
 
-class DataError(RuntimeError):
-    """A dataset cannot be built from what is on disk; the message names the fix."""
+class EpochOrder:
+    """The global sample order of each epoch.
+
+    A permutation of the dataset seeded with ``seed + epoch`` (what
+    ``DistributedSampler`` draws). With ``reps`` > 1 (repeated augmentation,
+    torchvision's ``--ra-sampler --ra-reps``) each index appears ``reps``
+    times in a row, so the repeats land on different ranks, and the order is
+    cut to the dataset's length: an epoch still has ``len(dataset)`` samples.
+    """
+
+    def __init__(self, n: int, seed: int, reps: int = 1) -> None:
+        if reps < 1:
+            raise ValueError(f"--ra-reps must be >= 1, not {reps}")
+        self.n, self.seed, self.reps = n, seed, reps
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sequence(self, epoch: int) -> list[int]:
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        perm = torch.randperm(self.n, generator=g).tolist()
+        if self.reps > 1:
+            perm = [i for i in perm for _ in range(self.reps)][: self.n]
+        return perm
 
 
-# --------------------------------------------------------------------------- decoding
+class ResumableSampler(Sampler[tuple[int, int, int]]):
+    """This rank's share of an epoch, from global position ``start`` on.
 
-
-def pil_loader(path: str | os.PathLike) -> Image.Image:
-    # convert("RGB") matters: iNat and ImageNet hold a few CMYK and greyscale
-    # JPEGs, and torchvision's INaturalist returns them unconverted.
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        return img.convert("RGB")
-
-
-def tensor_loader(path: str | os.PathLike) -> torch.Tensor:
-    """File -> uint8 CHW RGB tensor via libjpeg-turbo/libpng (no PIL object)."""
-    return decode_bytes(torchvision.io.read_file(str(path)))
-
-
-def decode_bytes(data: torch.Tensor) -> torch.Tensor:
-    return decode_image(data, mode=ImageReadMode.RGB)
-
-
-def to_uint8_tensor(img: Any) -> torch.Tensor:
-    """Datasets that yield PIL images (FakeData, CIFAR) enter the fast path here."""
-    if isinstance(img, torch.Tensor):
-        return img
-    return v2.functional.pil_to_tensor(img.convert("RGB"))
-
-
-# --------------------------------------------------------------------------- transforms
-
-
-def train_transform(pipeline: str, crop: int, augment: bool = True, resize: int = 256) -> Callable:
-    if not augment:
-        # Overfitting checks and smoke runs: the deterministic eval view.
-        return eval_transform(pipeline, resize, crop)
-    if pipeline == "pil":
-        return v2.Compose(
-            [
-                v2.RandomResizedCrop(crop, antialias=True),
-                v2.RandomHorizontalFlip(),
-                v2.PILToTensor(),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            ]
-        )
-    return v2.Compose(
-        [
-            to_uint8_tensor,
-            v2.RandomResizedCrop(crop, antialias=True),
-            v2.RandomHorizontalFlip(),
-        ]
-    )
-
-
-def eval_transform(pipeline: str, resize: int, crop: int) -> Callable:
-    if pipeline == "pil":
-        return v2.Compose(
-            [
-                v2.Resize(resize, antialias=True),
-                v2.CenterCrop(crop),
-                v2.PILToTensor(),
-                v2.ToDtype(torch.float32, scale=True),
-                v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-            ]
-        )
-    return v2.Compose([to_uint8_tensor, v2.Resize(resize, antialias=True), v2.CenterCrop(crop)])
-
-
-class DeviceNormalize:
-    """uint8 NCHW batch on the device -> normalised float (no-op on float input).
-
-    On CPU the float output goes into one of two reused buffers: a fresh 38 MB
-    tensor per batch costs more in page faults than the arithmetic itself
-    (glibc hands large blocks back to the OS on free). A result therefore
-    stays valid until the call after next, which is all a training or
-    evaluation step needs. CUDA's caching allocator makes fresh tensors cheap,
-    so there each call allocates.
+    Yields ``(epoch, position, index)``: `Indexed` seeds augmentation with the
+    position. Only whole optimizer steps are handed out (the epoch's tail that
+    cannot fill one step on every rank is left out), so every rank takes the
+    same number of steps and consumption stays a prefix of the order.
     """
 
     def __init__(
-        self, device: torch.device, channels_last: bool = False, channels: int = 3
+        self, order: EpochOrder, num_replicas: int, rank: int, batch_size: int, accum: int = 1
     ) -> None:
-        # Stacked RGB views (--dataset multifolder) get the RGB statistics per view.
-        views = channels // 3
-        mean = torch.tensor(IMAGENET_MEAN, device=device).repeat(views).view(1, channels, 1, 1)
-        std = torch.tensor(IMAGENET_STD, device=device).repeat(views).view(1, channels, 1, 1)
-        self.mean = mean * 255
-        self.inv_std = 1.0 / (std * 255)
-        self.device = device
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self._ring: list[torch.Tensor] = []
-        self._turn = 0
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        images = images.to(self.device, non_blocking=True)
-        if images.dtype == torch.uint8:
-            out = self._buffer(images)
-            out.copy_(images)
-            images = out.sub_(self.mean).mul_(self.inv_std)
-        return images.contiguous(memory_format=self.memory_format)
-
-    def _buffer(self, like: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return torch.empty(like.shape, device=self.device, memory_format=self.memory_format)
-        if not self._ring or self._ring[0].shape != like.shape:
-            self._ring = [
-                torch.empty(like.shape, memory_format=self.memory_format) for _ in range(2)
-            ]
-        self._turn ^= 1
-        return self._ring[self._turn]
-
-
-# --------------------------------------------------------------------------- datasets
-
-
-class SortedINaturalist(tvd.INaturalist):
-    """torchvision's INaturalist with a file order that is the same on every node.
-
-    Upstream builds its index from ``os.listdir``, whose order depends on the
-    filesystem; each node stages its own copy, so ranks on different nodes could
-    disagree about what index 17 is and DistributedSampler would silently
-    duplicate and skip samples. Sorting fixes the order.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.index.sort()
-
-    def num_classes(self) -> int:
-        (kind,) = self.target_type
-        return len(self.all_categories) if kind == "full" else len(self.categories_index[kind])
-
-    def file_path(self, i: int) -> str:
-        cat_id, fname = self.index[i]
-        return os.path.join(self.root, self.all_categories[cat_id], fname)
-
-
-@dataclass
-class DataConfig:
-    dataset: str
-    root: Path
-    pipeline: str = "fast"
-    crop: int = 224
-    val_resize: int = 256
-    inat_version: str = "2021_train"
-    inat_val_version: str | None = None
-    target_type: str = "full"
-    fake_size: int = 1000
-    fake_val_size: int = 100
-    fake_image_size: int = 64
-    fake_classes: int = 10
-    views: tuple[str, ...] = ()  # multifolder: one folder per view
-    align: str = "stem"
-
-    @classmethod
-    def from_args(cls, args: Any, root: Path, pipeline: str, **overrides: Any) -> DataConfig:
-        """The dataset flags every ``stager-train`` command shares (train, shard)."""
-        return cls(
-            dataset=args.dataset,
-            root=root,
-            pipeline=pipeline,
-            inat_version=args.inat_version,
-            inat_val_version=args.inat_val_version,
-            target_type=args.target_type,
-            fake_size=args.fake_size,
-            fake_val_size=args.fake_val_size,
-            fake_image_size=args.fake_image_size,
-            fake_classes=args.num_classes or 10,
-            views=tuple(v.strip() for v in (args.views or "").split(",") if v.strip()),
-            align=args.align,
-            **overrides,
-        )
-
-
-def build_dataset(cfg: DataConfig, split: str, transform: Callable | None) -> Dataset | None:
-    """One split of ``cfg.dataset``; None if the dataset has no such split."""
-    loader = tensor_loader if cfg.pipeline == "fast" else pil_loader
-    root = Path(cfg.root)
-    name = cfg.dataset
-    try:
-        if name in ("inat", "inat2021"):
-            version = cfg.inat_version if split == "train" else _inat_val_version(cfg)
-            if version is None:
-                return None
-            return SortedINaturalist(
-                str(root), version=version, target_type=cfg.target_type,
-                transform=transform, loader=loader,
-            )  # fmt: skip
-        if name == "imagenet":
-            return tvd.ImageNet(str(root), split=split, transform=transform, loader=loader)
-        if name == "imagefolder":
-            folder = root / split
-            if split != "train" and not folder.is_dir():
-                return None
-            return tvd.ImageFolder(str(folder), transform=transform, loader=loader)
-        if name == "cifar10":
-            return tvd.CIFAR10(str(root), train=split == "train", transform=transform)
-        if name == "fake":
-            size = cfg.fake_size if split == "train" else cfg.fake_val_size
-            s = cfg.fake_image_size
-            # A different offset makes the validation images differ from training ones.
-            offset = 0 if split == "train" else 10**6
-            return tvd.FakeData(size, (3, s, s), cfg.fake_classes, transform, random_offset=offset)
-        if name == "shards":
-            from trainer.shards import ShardDataset
-
-            folder = root / split
-            if split != "train" and not folder.is_dir():
-                return None
-            return ShardDataset(folder, transform=transform, pipeline=cfg.pipeline)
-        if name == "multifolder":
-            return _multifolder(cfg, split, transform)
-    except (RuntimeError, FileNotFoundError) as exc:
-        raise DataError(
-            f"cannot load the {name} {split} split from {root}: {exc}; "
-            "check --data-root (or --stager-wait) and the dataset layout"
-        ) from exc
-    raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-
-
-def _multifolder(cfg: DataConfig, split: str, transform: Callable | None) -> Dataset | None:
-    from trainer.multifolder import MultiViewFolder
-
-    if cfg.pipeline != "fast":
-        # The PIL transforms normalise 3 channels in the worker; stacked views need 3 x N.
-        raise DataError("--dataset multifolder reads with the fast pipeline; drop --pipeline pil")
-    folder = Path(cfg.root) / split
-    if split != "train" and not folder.is_dir():
-        return None
-    return MultiViewFolder(folder, cfg.views, transform, cfg.align)
-
-
-def input_channels(cfg: DataConfig) -> int:
-    """Channels of one input sample: 3 (RGB), or 3 per view for multifolder."""
-    return 3 * len(cfg.views) if cfg.dataset == "multifolder" else 3
-
-
-def _inat_val_version(cfg: DataConfig) -> str | None:
-    if cfg.inat_val_version:
-        return None if cfg.inat_val_version == "none" else cfg.inat_val_version
-    version = INAT_VAL_DEFAULT.get(cfg.inat_version)
-    if version and (Path(cfg.root) / version).is_dir():
-        return version
-    return None
-
-
-def num_classes(dataset: Dataset) -> int:
-    if isinstance(dataset, SortedINaturalist):
-        return dataset.num_classes()
-    if isinstance(dataset, tvd.FakeData):
-        return dataset.num_classes
-    if hasattr(dataset, "classes"):
-        return len(dataset.classes)
-    raise DataError(f"cannot infer the number of classes of {type(dataset).__name__}")
-
-
-# --------------------------------------------------------------------------- sampling
-
-
-class Indexed(Dataset):
-    """Adds the sample index to each item and seeds augmentation per sample.
-
-    Keys are ints (evaluation) or ``(epoch, index)`` tuples from `ResumableSampler`.
-    The index travels with the batch so evaluation and tests can account for
-    every sample exactly.
-    """
-
-    def __init__(self, dataset: Dataset, seed: int = 0) -> None:
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, Any, int]:
-        epoch, index = key if isinstance(key, tuple) else (0, key)
-        # fork_rng keeps the caller's stream untouched when num_workers=0.
-        with torch.random.fork_rng(devices=[]):
-            state = random.getstate()
-            sample_seed = (self.seed * 1_000_003 + epoch) * 10_000_019 + index
-            torch.manual_seed(sample_seed % (2**63))
-            random.seed(sample_seed)
-            try:
-                img, target = self.dataset[index]
-            finally:
-                random.setstate(state)
-        return img, target, index
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way through.
-
-    It yields ``(epoch, index)`` so `Indexed` can seed per sample. After a
-    resume, `set_start(k)` skips the first k indices of this rank's epoch
-    permutation; the permutation depends only on (seed, epoch), so the rest of
-    the epoch is exactly what the uninterrupted run would have seen.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
-        # drop_last: ranks get equal counts without repeating samples; the few
-        # dropped ones change every epoch with the permutation.
-        super().__init__(dataset, num_replicas, rank, shuffle=True, seed=seed, drop_last=True)
+        self.order = order
+        self.num_replicas, self.rank = num_replicas, rank
+        self.batch_size, self.accum = batch_size, accum
+        self.epoch = 0
         self.start = 0
 
+    @property
+    def global_step(self) -> int:
+        """Samples one optimizer step consumes on all ranks together."""
+        return self.num_replicas * self.batch_size * self.accum
+
+    def steps(self, start: int | None = None) -> int:
+        """Optimizer steps left in the epoch from ``start`` (default: the current start)."""
+        start = self.start if start is None else start
+        return max(len(self.order) - start, 0) // self.global_step
+
     def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
+        self.epoch = epoch
         self.start = 0
 
     def set_start(self, start: int) -> None:
         self.start = start
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        indices = list(super().__iter__())[self.start :]
-        return iter([(self.epoch, i) for i in indices])
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        seq = self.order.sequence(self.epoch)
+        w, first = self.num_replicas, self.start + self.rank
+        positions = range(first, first + w * len(self), w)
+        return iter([(self.epoch, p, seq[p]) for p in positions])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return self.steps() * self.batch_size * self.accum
 
 
 class ShardedEvalSampler(Sampler[int]):
@@ -373,6 +116,96 @@ class ShardedEvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class Indexed(Dataset):
+    """Seeds augmentation per sample, applies the bad-image policy, adds the index.
+
+    Keys are ints (evaluation: deterministic transforms) or ``(epoch, position,
+    index)`` from `ResumableSampler`. The index travels with the batch so
+    evaluation and tests can account for every sample exactly.
+
+    A file no decoder reads (`trainer.decode.BadImage`) stops the run with a
+    sentence naming it (``bad_images="error"``), or is skipped with a warning
+    naming it (``"skip"``): its place in the batch goes to the next readable
+    index, so batches keep their size on every rank.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int = 0, bad_images: str = "error") -> None:
+        if bad_images not in BAD_IMAGES:
+            raise ValueError(f"bad_images must be one of {BAD_IMAGES}, not {bad_images!r}")
+        self.dataset = dataset
+        self.seed = seed
+        self.bad_images = bad_images
+        self._warned: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: int | tuple[int, int, int]) -> tuple[Any, Any, int]:
+        if not isinstance(key, tuple):
+            return self._load(key)
+        epoch, position, index = key
+        if get_worker_info() is not None:
+            # A loader worker's generators serve nobody else: seed them as they are.
+            seed_sample(self.seed, epoch, position)
+            return self._load(index)
+        # In the main process (--workers 0) the caller's streams must stay untouched.
+        with torch.random.fork_rng(devices=[]):
+            state = random.getstate()
+            try:
+                seed_sample(self.seed, epoch, position)
+                return self._load(index)
+            finally:
+                random.setstate(state)
+
+    def _load(self, index: int) -> tuple[Any, Any, int]:
+        n = len(self)
+        for attempt in range(n):
+            candidate = (index + attempt) % n
+            try:
+                img, target = self.dataset[candidate]
+            except BadImage as exc:
+                if self.bad_images == "error":
+                    raise DataError(
+                        f"cannot decode image {exc.name} ({exc.cause}); replace or delete "
+                        "the file, or pass --bad-images skip to train without it"
+                    ) from exc
+                if exc.name not in self._warned:
+                    self._warned.add(exc.name)
+                    log.warning("skipping unreadable image %s (%s)", exc.name, exc.cause)
+                continue
+            return img, target, candidate
+        raise DataError("no image of the dataset can be decoded; check the data")
+
+
+def worker_init(worker_id: int) -> None:
+    """Loader workers leave preemption signals to the training process.
+
+    SLURM signals every process of a job step, loader workers included. torch's
+    workers die on a SIGTERM from anyone but their parent, and the main
+    process then raises "DataLoader worker exited unexpectedly" from its
+    SIGCHLD handler, before any checkpoint. Ignored here, the signal only
+    reaches the training loop's handler; the workers end when the loader is
+    shut down, when they see their parent gone, or by `_stop_workers` at exit.
+    """
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+@atexit.register  # after multiprocessing's own exit handler, so it runs before it
+def _stop_workers() -> None:
+    """Kill loader workers still alive when the trainer exits.
+
+    A run that ends with an error can leave a persistent loader that was never
+    shut down; multiprocessing's exit handler would then SIGTERM its workers,
+    which ignore SIGTERM (`worker_init`), and wait for them forever. At exit
+    they have nothing left to do.
+    """
+    for child in multiprocessing.active_children():
+        if child.daemon:  # loader workers; the trainer starts no other daemonic children
+            child.kill()
+            child.join(timeout=5)
 
 
 def default_workers(
@@ -412,7 +245,6 @@ def make_loader(
     pin_memory: bool,
     drop_last: bool,
     prefetch_factor: int = 4,
-    seed: int = 0,
 ) -> DataLoader:
     extra: dict[str, Any] = {}
     if num_workers > 0:
@@ -426,8 +258,9 @@ def make_loader(
         pin_memory=pin_memory,
         drop_last=drop_last,
         collate_fn=collate,
-        # Own generator: worker seeding must not consume (and so depend on)
-        # the global RNG, whose state a resumed run restores.
-        generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=worker_init,
+        # Own generator: worker seeding must not consume (and so depend on) the
+        # global RNG. Nothing depends on the workers' base seed (see seeding.py).
+        generator=torch.Generator().manual_seed(0),
         **extra,
     )

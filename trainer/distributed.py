@@ -18,8 +18,11 @@ are deliberately *not* enough to mean "distributed": an sbatch script that runs
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -129,15 +132,78 @@ def slurm_port(job_id: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """First host of a SLURM hostlist: "gpu[03-05,09],cpu1" -> "gpu03"."""
-    nodelist = nodelist.strip()
-    m = re.match(r"([^,\[]*)(\[([^\]]*)\])?([^,]*)", nodelist)
-    if m is None or not (m.group(1) or m.group(2)):
+    return hostnames(nodelist)[0]
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A SLURM hostlist expanded, as ``scontrol show hostnames`` prints it.
+
+    SLURM's own expansion where SLURM is installed (the authority on its
+    syntax); `expand_hostlist` where it is not, or where scontrol cannot run
+    (no configuration reachable: it would retry for a minute, hence the timeout).
+    """
+    scontrol = shutil.which("scontrol")
+    if scontrol is not None:
+        try:
+            done = subprocess.run(
+                [scontrol, "show", "hostnames", nodelist],
+                capture_output=True, text=True, timeout=10, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        if done is not None and done.returncode == 0 and done.stdout.split():
+            return done.stdout.split()
+    return expand_hostlist(nodelist)
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist without SLURM.
+
+    The forms SLURM documents: comma-separated names and bracket groups,
+    ranges and lists inside brackets ("tux[1,3,5-7]"), zero padding kept from
+    the range's start ("node[08-12]"), and several bracket groups in one name
+    ("rack[0-1]_blade[0-63]", every combination, the last group fastest).
+    """
+    hosts: list[str] = []
+    for item in _split_outside_brackets(nodelist.strip()):
+        parts = re.split(r"(\[[^\[\]]*\])", item)
+        if any(c in p for p in parts if not p.startswith("[") for c in "[]"):
+            raise DistributedEnvError(
+                f"cannot parse SLURM node list {nodelist!r}: unbalanced brackets"
+            )
+        choices = [_bracket(p[1:-1], nodelist) if p.startswith("[") else [p] for p in parts]
+        hosts.extend("".join(combo) for combo in itertools.product(*choices))
+    if not hosts or any(not h for h in hosts):
         raise DistributedEnvError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, bracket, suffix = m.group(1), m.group(3), m.group(4)
-    if bracket is None:
-        return prefix + suffix
-    first = bracket.split(",")[0].split("-")[0]
-    return prefix + first + suffix
+    return hosts
+
+
+def _split_outside_brackets(text: str) -> list[str]:
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    items.append(current)
+    return [item for item in items if item]
+
+
+def _bracket(body: str, nodelist: str) -> list[str]:
+    out: list[str] = []
+    for piece in body.split(","):
+        lo, dash, hi = piece.partition("-")
+        if not dash:
+            out.append(lo)
+            continue
+        if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+            raise DistributedEnvError(
+                f"cannot parse SLURM node list {nodelist!r}: bad range {piece!r}"
+            )
+        out.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+    return out
 
 
 def init(world: World, device: torch.device) -> None:

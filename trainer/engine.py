@@ -15,18 +15,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import distributed as dist_utils
+from trainer.ema import Ema
 from trainer.metrics import Throughput
+from trainer.mixing import BatchMix
+from trainer.optim import Schedule
+from trainer.seeding import seed_step
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Position:
-    """Where training stands; saved in checkpoints."""
+    """Where training stands; saved in checkpoints.
+
+    Counted in samples (all ranks together), so it means the same under any
+    world size, batch size or accumulation: the samples consumed in ``epoch``
+    are the first ``samples_in_epoch`` of its order (`trainer.data`).
+    """
 
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches this rank consumed in `epoch`
-    iteration: int = 0  # optimizer steps since the start of training
+    samples_in_epoch: int = 0
+    samples: int = 0  # since the start of training
+    iteration: int = 0  # optimizer steps since the start (for logs)
+
+    def progress(self, epoch_length: int) -> float:
+        """Epochs done, as a float: what the LR schedule and EMA warmup follow."""
+        return self.epoch + self.samples_in_epoch / max(epoch_length, 1)
 
 
 @dataclass
@@ -34,11 +48,30 @@ class StepConfig:
     accum_steps: int = 1
     amp_dtype: torch.dtype | None = None
     clip_grad_norm: float | None = None
-    sched_per_iter: bool = True
-    max_iters: int | None = None
+    max_samples: int | None = None  # --iterations, in samples
     print_freq: int = 10
     checkpoint_every: int | None = None  # optimizer steps
     progress_bar: bool = False
+    global_batch: int = 1  # samples per optimizer step, all ranks
+    seed: int = 0
+    rank: int = 0
+
+
+@dataclass
+class Parts:
+    """What one training step uses."""
+
+    model: nn.Module  # what trains: DDP-wrapped and/or compiled
+    raw: nn.Module  # the same weights unwrapped (EMA source, checkpoints)
+    criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    prepare: Callable[[torch.Tensor], torch.Tensor]
+    device: torch.device
+    scaler: torch.amp.GradScaler | None = None
+    schedule: Schedule | None = None
+    epoch_length: int = 1  # samples in one epoch's order
+    mix: BatchMix | None = None
+    ema: Ema | None = None
 
 
 @dataclass
@@ -48,7 +81,8 @@ class Hooks:
     save_checkpoint: Callable[[], None] | None = None
     preempted: Callable[[], bool] | None = None
     after_step: Callable[[], None] | None = None  # profiler.step, debug signals
-    record_indices: Callable[[torch.Tensor], None] | None = None
+    # Testing aid: (indices, network input, targets) of every micro-batch.
+    record: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     log_row: Callable[[str, dict[str, Any], int], None] | None = None
 
 
@@ -61,46 +95,46 @@ class EpochResult:
 
 
 def train_one_epoch(
-    model: nn.Module,
-    criterion: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    scaler: torch.amp.GradScaler | None,
+    parts: Parts,
     loader: Any,
-    prepare: Callable[[torch.Tensor], torch.Tensor],
-    device: torch.device,
     pos: Position,
     cfg: StepConfig,
     hooks: Hooks,
     world_size: int = 1,
 ) -> EpochResult:
+    """The rest of ``pos.epoch``: ``len(loader)`` micro-batches, all of them whole steps."""
+    model, optimizer, device = parts.model, parts.optimizer, parts.device
     model.train()
     accum = cfg.accum_steps
-    # Micro-batches left to a full optimizer step are dropped at the epoch end:
-    # a smaller last step would weight its samples differently.
-    total_batches = pos.batch_in_epoch + len(loader)
-    steps_in_epoch = total_batches // accum
-    first_step = pos.batch_in_epoch // accum
+    steps = len(loader) // accum
+    first_step = pos.samples_in_epoch // cfg.global_batch
     meter = Throughput()
     # Sums stay on the device: calling .item() every step would stall the GPU.
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.float64)
     seen = torch.zeros((), device=device, dtype=torch.float64)
-    bar = _progress(cfg.progress_bar, steps_in_epoch - first_step, pos.epoch)
+    bar = _progress(cfg.progress_bar, steps, pos.epoch)
     batches = iter(loader)
     stopped = None
-    for _ in range(first_step, steps_in_epoch):
+    # The LR is set for the position before every step, so at any moment the
+    # optimizer holds the LR of the current sample count (what the logs show).
+    _set_lr(parts, pos)
+    for _ in range(steps):
         # Checked before the step too: a run resumed from its final checkpoint
         # must not take one more step.
-        if _reached(cfg.max_iters, pos):
+        if _reached(cfg.max_samples, pos):
             stopped = "max_iters"
             break
         for micro in range(accum):
             t0 = time.perf_counter()
             images, targets, indices = next(batches)
             meter.add_data_wait(time.perf_counter() - t0)
-            images = prepare(images)
+            seed_step(cfg.seed, cfg.rank, pos.samples, micro, device)
+            images = parts.prepare(images)
             targets = targets.to(device, non_blocking=True)
+            soft = targets
+            if parts.mix is not None:
+                images, soft = parts.mix(images, targets)
             # no_sync on all but the last micro-batch: gradients accumulate
             # locally and are all-reduced once per optimizer step.
             last = micro == accum - 1
@@ -112,31 +146,36 @@ def train_one_epoch(
             with sync:
                 with _autocast(device, cfg.amp_dtype):
                     output = model(images)
-                    loss = criterion(output, targets)
+                    loss = parts.criterion(output, soft)
                 scaled = loss / accum
-                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+                (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
             n = targets.numel()
             loss_sum += loss.detach().double() * n
+            # Accuracy against each sample's own class, mixed or not.
             correct += (output.detach().argmax(1) == targets).sum()
             seen += n
             meter.add_images(n * world_size)
-            if hooks.record_indices is not None:
-                hooks.record_indices(indices)
-        _optimizer_step(model, optimizer, scaler, cfg.clip_grad_norm)
-        if scheduler is not None and cfg.sched_per_iter:
-            scheduler.step()
+            if hooks.record is not None:
+                hooks.record(indices, images, soft)
+        warming_up = (
+            parts.schedule is not None and pos.progress(parts.epoch_length) < parts.schedule.warmup
+        )
+        _optimizer_step(model, optimizer, parts.scaler, cfg.clip_grad_norm)
         pos.iteration += 1
-        pos.batch_in_epoch += accum
+        pos.samples += cfg.global_batch
+        pos.samples_in_epoch += cfg.global_batch
+        if parts.ema is not None:
+            parts.ema.after_step(parts.raw, pos.iteration, warming_up)
+        _set_lr(parts, pos)
         if hooks.after_step is not None:
             hooks.after_step()
         if bar is not None:
             bar.update(1)
         if pos.iteration % cfg.print_freq == 0:
             rate = meter.interval()
-            _report(
-                bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, accum
-            )
-        if _reached(cfg.max_iters, pos):
+            _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks,
+                    first_step + steps, cfg.global_batch)  # fmt: skip
+        if _reached(cfg.max_samples, pos):
             stopped = "max_iters"
             break
         if hooks.preempted is not None and hooks.preempted():
@@ -157,8 +196,13 @@ def train_one_epoch(
     )
 
 
-def _reached(max_iters: int | None, pos: Position) -> bool:
-    return max_iters is not None and pos.iteration >= max_iters
+def _set_lr(parts: Parts, pos: Position) -> None:
+    if parts.schedule is not None:
+        parts.schedule.apply(parts.optimizer, pos.progress(parts.epoch_length))
+
+
+def _reached(max_samples: int | None, pos: Position) -> bool:
+    return max_samples is not None and pos.samples >= max_samples
 
 
 def _optimizer_step(
@@ -194,13 +238,15 @@ def _progress(enabled: bool, total: int, epoch: int):
     return tqdm(total=total, desc=f"epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
 
 
-def _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, accum):
+def _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_epoch, batch):
     # Local (this rank's) running means: a per-interval all-reduce would add a
     # sync point for numbers that only decorate the log.
     n = max(seen.item(), 1.0)
     values = {
         "epoch": pos.epoch,
         "iteration": pos.iteration,
+        "samples": pos.samples,
+        "samples_in_epoch": pos.samples_in_epoch,
         "loss": loss_sum.item() / n,
         "acc": correct.item() / n,
         "img_s": rate,
@@ -213,7 +259,7 @@ def _report(bar, pos, loss_sum, correct, seen, rate, optimizer, hooks, steps_in_
     else:
         log.info(
             "epoch %d step %d/%d  loss %.4f  acc %.3f  %.0f img/s  lr %.3g",
-            pos.epoch, pos.batch_in_epoch // accum, steps_in_epoch, values["loss"],
+            pos.epoch, pos.samples_in_epoch // batch, steps_in_epoch, values["loss"],
             values["acc"], rate, values["lr"],
         )  # fmt: skip
     if hooks.log_row is not None:

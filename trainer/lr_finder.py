@@ -61,9 +61,15 @@ def find_lr(args: argparse.Namespace, world: World, device: torch.device) -> int
     start_opt = copy.deepcopy(s.optimizer.state_dict())
     # Per-parameter overrides keep their ratio to the base LR during the sweep.
     ratios = [g["lr"] / args.lr for g in s.optimizer.param_groups]
+    global_batch = world.world_size * args.batch_size * args.accum_steps
     cfg = engine.StepConfig(
-        accum_steps=args.accum_steps, amp_dtype=s.amp, max_iters=args.iters_per_run,
-        print_freq=10**9,
+        accum_steps=args.accum_steps, amp_dtype=s.amp, print_freq=10**9,
+        max_samples=args.iters_per_run * global_batch, global_batch=global_batch,
+        seed=args.seed, rank=world.rank,
+    )  # fmt: skip
+    parts = engine.Parts(
+        model=s.train_model, raw=s.model, criterion=s.criterion, optimizer=s.optimizer,
+        prepare=s.prepare, device=device,
     )  # fmt: skip
     lrs = sweep_lrs(args.min_lr, args.max_lr, args.num_runs)
     losses: list[float] = []
@@ -75,9 +81,8 @@ def find_lr(args: argparse.Namespace, world: World, device: torch.device) -> int
             group["lr"] = lr * ratio
         s.train_sampler.set_epoch(0)  # the same batches for every LR
         result = engine.train_one_epoch(
-            s.train_model, s.criterion, s.optimizer, None, None, s.train_loader, s.prepare,
-            device, engine.Position(), cfg, engine.Hooks(), world.world_size,
-        )  # fmt: skip
+            parts, s.train_loader, engine.Position(), cfg, engine.Hooks(), world.world_size
+        )
         losses.append(result.loss)
         log.info("lr %.3g: loss %.4f", lr, result.loss)
         best = min(best, result.loss)

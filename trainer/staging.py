@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
@@ -27,7 +29,16 @@ class StagingError(RuntimeError):
     """The dataset never became ready (failed, timed out, or no daemon)."""
 
 
-def _wait(name: str, timeout: float) -> Path:
+@dataclass(frozen=True)
+class Staged:
+    """A ready dataset on this node: its path and how torchvision loads it."""
+
+    path: Path
+    # The daemon's ``usage`` entries as plain dicts: {"class", "kwargs", "root"}.
+    usage: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _wait(name: str, timeout: float) -> Staged:
     # Lazy import: the client is only needed when --stager-wait is used.
     try:
         from client import StagerClient
@@ -43,11 +54,15 @@ def _wait(name: str, timeout: float) -> Path:
         raise StagingError(f"dataset {name!r} is not available: {exc}") from exc
     if getattr(status, "state", None) != "ready":
         raise StagingError(f"dataset {name!r} ended in state {status.state!r}, not ready")
-    return Path(status.path)
+    usage = [
+        {"class": u.class_, "kwargs": dict(u.kwargs), "root": u.root}
+        for u in getattr(status, "usage", None) or []
+    ]
+    return Staged(Path(status.path), usage)
 
 
-def wait_for_dataset(name: str, timeout: float, world: World) -> Path:
-    """This node's staged dataset path; `StagingError` on every rank if any rank failed."""
+def wait_for_dataset(name: str, timeout: float, world: World) -> Staged:
+    """This node's staged dataset; `StagingError` on every rank if any rank failed."""
     # The other ranks wait for the stagers in a gloo group of its own whose
     # timeout covers --stager-timeout: the default group's 30 minutes would end
     # a day-long staging early. It is made first because making a group is
@@ -56,20 +71,20 @@ def wait_for_dataset(name: str, timeout: float, world: World) -> Path:
     if dist_utils.active():
         group = dist_utils.new_gloo_group(datetime.timedelta(seconds=timeout + WAIT_GRACE_S))
     try:
-        path = _wait_everywhere(name, timeout, world, group)
+        staged = _wait_everywhere(name, timeout, world, group)
     finally:
         dist_utils.destroy_group(group)
-    log.info("dataset %r ready at %s", name, path)
-    return path
+    log.info("dataset %r ready at %s", name, staged.path)
+    return staged
 
 
-def _wait_everywhere(name: str, timeout: float, world: World, group: ProcessGroup | None) -> Path:
+def _wait_everywhere(name: str, timeout: float, world: World, group: ProcessGroup | None) -> Staged:
     error: StagingError | None = None
-    path: Path | None = None
+    staged: Staged | None = None
     if world.is_local_main:
         log.info("waiting for staged dataset %r (timeout %.0fs)", name, timeout)
         try:
-            path = _wait(name, timeout)
+            staged = _wait(name, timeout)
         except StagingError as exc:
             error = exc
     failed = _any_failed(name, timeout, error is not None, group)
@@ -78,7 +93,7 @@ def _wait_everywhere(name: str, timeout: float, world: World, group: ProcessGrou
     if failed:
         raise StagingError(f"dataset {name!r} failed to stage on another node; see rank logs")
     # Ready now, so this returns at once; each rank gets its own node's path.
-    return path if path is not None else _wait(name, timeout)
+    return staged if staged is not None else _wait(name, timeout)
 
 
 def _any_failed(name: str, timeout: float, failed_here: bool, group: ProcessGroup | None) -> bool:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,8 @@ def fake_bin(folder: Path) -> Path:
     folder.mkdir()
     scripts = {
         "srun": 'printf "%q " "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"',
-        **dict.fromkeys(("stager", "stager-client", "stager-train"), "exit 0"),
+        "stager-client": 'printf "%q " stager-client "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"',
+        **dict.fromkeys(("stager", "stager-train"), "exit 0"),
     }
     for name, body in scripts.items():
         (folder / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -51,7 +54,7 @@ def srun_calls(tmp_path: Path, **slurm: str) -> list[list[str]]:
 
 def test_every_srun_passes_the_jobs_cpus_per_task(tmp_path: Path) -> None:
     # Slurm >= 22.05: srun does not inherit the job's --cpus-per-task by itself.
-    calls = srun_calls(tmp_path, SLURM_CPUS_PER_TASK="4")
+    calls = [c for c in srun_calls(tmp_path, SLURM_CPUS_PER_TASK="4") if c[0] != "stager-client"]
     assert calls[0][-1] == "--detach"  # no STAGER_URL: daemon, then stage, then train
     assert len(calls) == 3
     for call in calls:
@@ -59,5 +62,88 @@ def test_every_srun_passes_the_jobs_cpus_per_task(tmp_path: Path) -> None:
 
 
 def test_without_cpus_per_task_sruns_ask_for_one(tmp_path: Path) -> None:
-    calls = srun_calls(tmp_path)
+    calls = [c for c in srun_calls(tmp_path) if c[0] != "stager-client"]
     assert calls and all("--cpus-per-task=1" in call for call in calls), calls
+
+
+def test_a_multi_node_job_stages_once_in_the_batch_script_with_fanout(tmp_path: Path) -> None:
+    calls = srun_calls(tmp_path, SLURM_JOB_NUM_NODES="4", STAGER_URL="unix:///x.sock")
+    stages = [c for c in calls if "stage" in c]
+    assert len(stages) == 1 and stages[0][0] == "stager-client", calls  # not under srun
+    assert "--peers" in stages[0] and stages[0][stages[0].index("--peers") + 1] == "slurm"
+    assert f"{tmp_path / 'tmp'}/data/inat2021" in stages[0]  # the link, the same everywhere
+    (tmp_path / "off").mkdir()
+    off = srun_calls(tmp_path / "off", SLURM_JOB_NUM_NODES="4", STAGER_URL="u", FANOUT="0")
+    per_node = [c for c in off if "stage" in c]
+    assert per_node[0][0] == "--ntasks=4", off  # srun, one task per node
+
+
+# ----------------------------------------------------------------- preemption
+
+
+def preemptible_bin(folder: Path, show_job: str) -> Path:
+    """srun runs nothing, except the training step: it waits for a signal and exits 75
+    as stager-train does after its checkpoint. scontrol answers ``show job`` with
+    ``show_job`` and logs requeues."""
+    fake_bin(folder)
+    (folder / "srun").write_text(
+        "#!/bin/bash\n"
+        'printf "%q " "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"\n'
+        'if [[ " $* " == *" stager-train "* ]]; then\n'
+        "    trap 'exit 75' USR1 TERM\n"
+        '    touch "$TRAINING"\n'
+        "    while :; do sleep 0.05; done\n"
+        "fi\n"
+    )
+    (folder / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'if [[ $1 == show ]]; then echo "JobId=7 {show_job}"; fi\n'
+        'if [[ $1 == requeue ]]; then echo "$*" >>"$REQUEUE_LOG"; fi\n'
+    )
+    (folder / "scontrol").chmod(0o755)
+    return folder
+
+
+def interrupt(tmp_path: Path, sig: int, show_job: str) -> tuple[int, list[str], list[str]]:
+    """Run job.sh until training starts, send ``sig`` to the batch script; returns
+    (exit code, srun calls' training arguments, requeue calls)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STAGER_"))}
+    env.update(
+        PATH=f"{preemptible_bin(tmp_path / 'bin', show_job)}:/usr/bin:/bin",
+        SRUN_LOG=str(tmp_path / "srun.log"),
+        REQUEUE_LOG=str(tmp_path / "requeue.log"),
+        TRAINING=str(tmp_path / "training"),
+        SLURM_JOB_ID="7",
+        SLURM_TMPDIR=str(tmp_path / "tmp"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+    )
+    job = subprocess.Popen(["bash", str(JOB)], env=env, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "training").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.05)
+    job.send_signal(sig)
+    job.communicate(timeout=30)
+    train = [
+        line for line in (tmp_path / "srun.log").read_text().splitlines() if "stager-train" in line
+    ]
+    requeue_log = tmp_path / "requeue.log"
+    requeues = requeue_log.read_text().splitlines() if requeue_log.exists() else []
+    return job.returncode, shlex.split(train[0]), requeues
+
+
+def test_warning_signal_checkpoints_and_requeues(tmp_path: Path) -> None:
+    # --signal=B:USR1@120: the batch script gets SIGUSR1 before the time limit.
+    code, train, requeues = interrupt(tmp_path, signal.SIGUSR1, "JobState=RUNNING Reason=None")
+    assert requeues == ["requeue 7"] and code == 0
+    assert "--resume" in train and "--no-requeue" in train  # the script requeues, not rank 0
+
+
+@pytest.mark.parametrize(
+    "show_job, requeued",
+    [("JobState=TIMEOUT Reason=TimeLimit", True), ("JobState=COMPLETING Reason=None", False)],
+)
+def test_sigterm_requeues_at_a_time_limit_not_after_scancel(tmp_path, show_job, requeued):
+    code, _, requeues = interrupt(tmp_path, signal.SIGTERM, show_job)
+    assert requeues == (["requeue 7"] if requeued else [])
+    assert code == (0 if requeued else 75)  # cancelled: the checkpoint stays for a manual resume

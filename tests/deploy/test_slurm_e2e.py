@@ -7,16 +7,16 @@ no daemon, so its prolog starts one; it stages (a cache miss), links the data un
 the job's $SLURM_TMPDIR, trains one epoch in two srun tasks, and its epilog releases
 the lease. The second job must be a pure cache hit.
 
-Needs root (packages, slurmd); skipped with the reason otherwise. The cluster stays
-up afterwards (``down.sh`` stops it): the test makes its own state each run (a fresh
-daemon, a dataset name of its own) rather than relying on a clean machine.
+Needs root (packages, slurmd); skipped with the reason otherwise. The session's
+``local_cluster`` fixture brings the cluster up and, if it was not up before, down at
+the end; the test makes its own state each run (a fresh daemon, a dataset name of its
+own) rather than relying on a clean machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -29,13 +29,12 @@ import httpx
 import pytest
 
 from bench.fakedata import make_inat2021
+from tests.slurm_cluster import job_info
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-UP = REPO / "deploy" / "slurm" / "local-cluster" / "up.sh"
 JOB = REPO / "deploy" / "slurm" / "job.sh"
-CONFIG = Path("/etc/stager/slurm.env")
 BIN_DIR = Path(sys.executable).parent  # the environment running the tests has stager
 
 CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 4, 16, 4
@@ -58,43 +57,18 @@ class Cluster:
         return httpx.Client(transport=transport, base_url="http://stager", timeout=10)
 
 
-def read_env_file(path: Path) -> dict[str, str]:
-    values = {}
-    for line in path.read_text().splitlines():
-        if re.match(r"^[A-Z_]+=", line):
-            key, _, value = line.partition("=")
-            values[key] = value
-    return values
-
-
 def expand(pattern: str, job_id: str = "") -> str:
     return pattern.replace("%U", str(os.getuid())).replace("%u", "root").replace("%j", job_id)
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Cluster:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: up.sh installs slurm-wlm and munge and runs slurmd as root")
-    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
-        pytest.skip("needs Debian's apt-get to install slurm-wlm (or SLURM installed)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STAGER_")}
-    # The settings this test relies on, whatever an earlier up.sh run chose.
-    env.update(STAGER_BIN_DIR=str(BIN_DIR), STAGER_SLURM_START="1", STAGER_EPILOG_STOP="0")
-    try:
-        result = subprocess.run(
-            ["bash", str(UP)], env=env, capture_output=True, text=True, timeout=480
-        )
-    except subprocess.TimeoutExpired:
-        pytest.skip("up.sh did not bring SLURM up within 480 s")
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-15:])
-        pytest.skip(f"SLURM cannot be started here (up.sh exited {result.returncode}):\n{tail}")
-    config = read_env_file(CONFIG)
+def cluster(local_cluster) -> Cluster:
+    """The session's local cluster (tests/slurm_cluster.py), seen from this module."""
     return Cluster(
-        runtime_dir=Path(expand(config["STAGER_SLURM_RUNTIME_DIR"])),
-        cache_dir=Path(expand(config["STAGER_SLURM_CACHE_DIR"])),
-        tmpdir_pattern=config["STAGER_SLURM_TMPDIR"],
-        log=Path(config["STAGER_SLURM_LOG"]),
+        runtime_dir=local_cluster.runtime_dir,
+        cache_dir=local_cluster.cache_dir,
+        tmpdir_pattern=local_cluster.tmpdir_pattern,
+        log=local_cluster.log,
     )
 
 
@@ -155,13 +129,6 @@ def requests_total(cluster: Cluster) -> dict[str, float]:
         text = api.get("/metrics").text
     found = re.findall(r'^stager_requests_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
     return {outcome: float(value) for outcome, value in found}
-
-
-def job_info(job_id: str) -> dict[str, str]:
-    out = subprocess.run(
-        ["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True
-    ).stdout
-    return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
 def run_job(

@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from stager.durable import Durable
+from tests.counts import tally
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
@@ -193,6 +194,11 @@ def test_crash_after_every_durable_step(world: World, points: list[str], tmp_pat
     with ThreadPoolExecutor(2) as pool:
         failures = [failure for failure in pool.map(one, points) if failure]
     assert not failures, "\n".join(failures)
+    kinds = len({point.split("#")[0] for point in points})
+    tally(
+        f"crash points: killed after each of {len(points)} durable steps ({kinds} kinds), "
+        "checked after restart, DELETE, the same POST and another POST"
+    )
 
 
 def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:

@@ -7,7 +7,9 @@ directory, the fetch is under way, the last step has not run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -84,6 +86,18 @@ class ReadyWatcher(threading.Thread):
             time.sleep(0.02)
 
 
+def part_bytes(partial: Path) -> int:
+    """Bytes in the .part files under ``partial``, read while the staging changes the
+    tree (earlier steps rename folders), so vanished entries are skipped."""
+    total = 0
+    for folder, _, files in os.walk(partial):
+        for name in files:
+            if name.endswith(".part"):
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
 def wait_until_fetching(daemon: Daemon) -> None:
     """Return once the download is under way: the first step done, a .part file growing."""
     deadline = time.monotonic() + 20
@@ -91,8 +105,7 @@ def wait_until_fetching(daemon: Daemon) -> None:
     with daemon.client() as client:
         while time.monotonic() < deadline:
             progress = client.get("/v1/datasets/multi").json()["progress"]
-            parts = list(partial.rglob("*.part"))
-            if progress["step"] == "fetch" and parts and parts[0].stat().st_size > 100_000:
+            if progress["step"] == "fetch" and part_bytes(partial) > 100_000:
                 return
             time.sleep(0.02)
     raise AssertionError("staging never reached the middle of the fetch step")

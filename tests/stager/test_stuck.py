@@ -62,7 +62,9 @@ def test_cancel_ends_a_staging_stuck_in_a_system_call(daemon_factory) -> None:
 
 
 def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) -> None:
-    daemon: Daemon = daemon_factory(env={"STAGER_STALL_TIMEOUT_S": "1.5"})
+    # Long enough for the staging process to start on a loaded machine (before its
+    # first step, a stall would be reported "in its start").
+    daemon: Daemon = daemon_factory(env={"STAGER_STALL_TIMEOUT_S": "4"})
     hold = threading.Event()
     with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url, daemon.client() as c:
         body = {"name": "hung", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
@@ -71,7 +73,7 @@ def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) 
         hold.set()
         assert status["state"] == "failed", status
         assert status["error"]["type"] == "stalled"
-        assert "no progress for 1.5 s in step 1 (fetch)" in status["error"]["message"]
+        assert "no progress for 4 s in step 1 (fetch)" in status["error"]["message"]
         # The worker slot is free again: the next staging runs.
         again = {"name": "next", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
         assert stage(c, again).status_code == 202

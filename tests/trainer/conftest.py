@@ -7,6 +7,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,17 @@ def trainer_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def trainer_command(args: list[str], nproc: int = 1, torchrun: tuple[str, ...] = ()) -> list[str]:
+    """``python -m trainer ARGS`` or ``torchrun --nproc-per-node N [TORCHRUN] -m trainer ARGS``."""
+    if nproc == 1:
+        return [sys.executable, "-m", "trainer", *args]
+    return [
+        str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun,
+        "-m", "trainer", *args,
+    ]  # fmt: skip
+
+
 def run_trainer(
     args: list[str],
     nproc: int = 1,
@@ -76,18 +88,56 @@ def run_trainer(
     timeout: float = 240,
     cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
-    """``python -m trainer ARGS`` or ``torchrun --nproc-per-node N -m trainer ARGS``."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainer", *args]
-    else:
-        cmd = [
-            str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            "-m", "trainer", *args,
-        ]  # fmt: skip
     return subprocess.run(
-        cmd, cwd=cwd, env=env or trainer_env(), capture_output=True, text=True, timeout=timeout
-    )
+        trainer_command(args, nproc), cwd=cwd, env=env or trainer_env(), capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), as SLURM's proctrack/linuxproc finds them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(pid: int, sig: int) -> list[int]:
+    """Send ``sig`` to ``pid`` and everything below it, as SLURM signals a job step."""
+    targets = [pid, *descendants(pid)]
+    for target in targets:
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+    return targets
+
+
+def wait_for_lines(path: Path, count: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until ``path`` has ``count`` lines (training is under way); fails if ``proc`` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the trainer ended (exit {proc.returncode}) before {path} "
+                f"had {count} lines:\n{proc.stderr.read() if proc.stderr else ''}"
+            )
+        time.sleep(0.01)
+    raise AssertionError(f"{path} did not reach {count} lines in {timeout}s")
 
 
 def free_slurm_job_id() -> str:
@@ -104,9 +154,9 @@ def free_slurm_job_id() -> str:
     raise RuntimeError("no free port in the SLURM port range")
 
 
-def run_srun_trainer(
-    args: list[str], ntasks: int = 2, timeout: float = 240
-) -> list[subprocess.CompletedProcess]:
+def start_srun_trainer(
+    args: list[str], ntasks: int = 2, **extra_env: str
+) -> list[subprocess.Popen]:
     """What ``srun --ntasks N python -m trainer ARGS`` starts: N processes, step variables only."""
     job = free_slurm_job_id()
     procs = []
@@ -114,7 +164,7 @@ def run_srun_trainer(
         env = trainer_env(
             SLURM_JOB_ID=job, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
             SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_STEP_NODELIST="localhost",
-            SLURM_STEP_TASKS_PER_NODE=str(ntasks),
+            SLURM_STEP_TASKS_PER_NODE=str(ntasks), **extra_env,
         )  # fmt: skip
         cmd = [sys.executable, "-m", "trainer", *args]
         procs.append(
@@ -122,6 +172,19 @@ def run_srun_trainer(
                 cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
+    return procs
+
+
+def run_srun_trainer(
+    args: list[str], ntasks: int = 2, timeout: float = 240
+) -> list[subprocess.CompletedProcess]:
+    return finish(start_srun_trainer(args, ntasks), timeout)
+
+
+def finish(
+    procs: list[subprocess.Popen], timeout: float = 240
+) -> list[subprocess.CompletedProcess]:
+    """Wait for every process; kill them all if one overruns."""
     done = []
     for proc in procs:
         try:

@@ -6,31 +6,72 @@ from torchvision import datasets as tvd
 from torchvision.transforms import v2
 
 from tests.trainer.conftest import make_inat2021
-from trainer import data
+from trainer import data, datasets, transforms
 
 
-def test_indexed_augmentation_depends_only_on_seed_epoch_index():
-    ds = data.Indexed(tvd.FakeData(10, (3, 24, 24), 3, data.train_transform("fast", 16)), seed=7)
-    a = ds[(2, 5)][0]
-    for key in [(0, 1), (2, 4), 3]:  # other samples in between must not matter
+def _train_tf(crop: int = 16, **aug):
+    return transforms.train_transform("fast", transforms.Augment(crop=crop, **aug))
+
+
+def test_indexed_augmentation_depends_only_on_seed_epoch_position():
+    ds = data.Indexed(tvd.FakeData(10, (3, 24, 24), 3, _train_tf()), seed=7)
+    a = ds[(2, 5, 5)][0]
+    for key in [(0, 1, 1), (2, 4, 4), 3]:  # other samples in between must not matter
         ds[key]
-    assert torch.equal(ds[(2, 5)][0], a)
-    assert not torch.equal(ds[(3, 5)][0], a)  # a new epoch draws a new crop
+    assert torch.equal(ds[(2, 5, 5)][0], a)
+    assert not torch.equal(ds[(3, 5, 5)][0], a)  # a new epoch draws a new crop
+    assert not torch.equal(ds[(2, 6, 5)][0], a)  # so does another position (a repeat)
     before = torch.random.get_rng_state()
-    ds[(0, 0)]
+    ds[(0, 0, 0)]
     assert torch.equal(torch.random.get_rng_state(), before)  # caller's RNG untouched
 
 
-def test_resumable_sampler_skips_exactly_the_consumed_prefix():
-    ds = list(range(50))
-    full = data.ResumableSampler(ds, num_replicas=2, rank=1, seed=3)
-    full.set_epoch(4)
-    everything = list(full)
-    resumed = data.ResumableSampler(ds, num_replicas=2, rank=1, seed=3)
-    resumed.set_epoch(4)
-    resumed.set_start(8)
-    assert list(resumed) == everything[8:] and len(resumed) == len(everything) - 8
-    assert all(epoch == 4 for epoch, _ in everything)
+def _consumed(order, layouts, steps_each) -> list[int]:
+    """An epoch run in stretches of (world, batch, accum): the positions consumed."""
+    start, seen = 0, []
+    for (world, batch, accum), steps in zip(layouts, steps_each, strict=True):
+        per_rank = []
+        for rank in range(world):
+            s = data.ResumableSampler(order, world, rank, batch, accum)
+            s.set_epoch(3)
+            s.set_start(start)
+            per_rank.append(list(s)[: steps * batch * accum])
+        for ranks in zip(*per_rank, strict=True):
+            seen += [p for _, p, _ in ranks]
+        start += steps * world * batch * accum
+    return seen
+
+
+def test_consumption_is_a_prefix_of_the_epoch_order_under_any_layout():
+    order = data.EpochOrder(103, seed=5)
+    # 2 ranks x 4 x accum 2, then 1 rank x 3, then 3 ranks x 2: a resumed epoch.
+    seen = _consumed(order, [(2, 4, 2), (1, 3, 1), (3, 2, 1)], [3, 5, 4])
+    assert sorted(seen) == list(range(len(seen))) == list(range(3 * 16 + 5 * 3 + 4 * 6))
+    # ...and the same positions map to the same samples as one rank would see.
+    one = data.ResumableSampler(order, 1, 0, 1)
+    one.set_epoch(3)
+    assert [i for _, _, i in one][: len(seen)] == order.sequence(3)[: len(seen)]
+
+
+def test_sampler_hands_out_whole_steps_only():
+    order = data.EpochOrder(50, seed=0)
+    samplers = [data.ResumableSampler(order, 3, r, 4, 2) for r in range(3)]  # 24 per step
+    for s in samplers:
+        s.set_epoch(1)
+    assert {len(s) for s in samplers} == {16} and samplers[0].steps() == 2
+    samplers[0].set_start(40)  # fewer than a step left: nothing
+    assert len(samplers[0]) == 0 and list(samplers[0]) == []
+
+
+def test_repeated_augmentation_order():
+    order = data.EpochOrder(12, seed=1, reps=3)
+    seq = order.sequence(0)
+    assert len(seq) == 12 and len(set(seq)) == 4  # 4 samples, 3 repeats each
+    assert all(seq[i] == seq[i + 1] == seq[i + 2] for i in range(0, 12, 3))
+    ranks = [data.ResumableSampler(order, 3, r, 1) for r in range(3)]
+    firsts = [next(iter(s)) for s in ranks]
+    assert len({i for _, _, i in firsts}) == 1  # one sample, on three ranks...
+    assert len({p for _, p, _ in firsts}) == 3  # ...at three positions: three augmentations
 
 
 def test_eval_sampler_covers_every_sample_once():
@@ -41,36 +82,32 @@ def test_eval_sampler_covers_every_sample_once():
 
 def test_fast_pipeline_matches_reference_normalisation():
     img = tvd.FakeData(1, (3, 20, 20), 2)[0][0]
-    ref = data.eval_transform("pil", 16, 16)(img)
-    fast = data.eval_transform("fast", 16, 16)(img)
+    ref = transforms.eval_transform("pil", 16, 16)(img)
+    fast = transforms.eval_transform("fast", 16, 16)(img)
     assert fast.dtype == torch.uint8
-    out = data.DeviceNormalize(torch.device("cpu"))(fast[None])[0]
+    out = transforms.DeviceNormalize(torch.device("cpu"))(fast[None])[0]
     assert out.shape == ref.shape
     # PIL and tensor resize kernels differ slightly; after normalisation that is < 0.1.
     assert (out - ref).abs().mean() < 0.1
-    exact = v2.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)(fast.float() / 255)
+    exact = v2.Normalize(transforms.IMAGENET_MEAN, transforms.IMAGENET_STD)(fast.float() / 255)
     assert torch.allclose(out, exact, atol=1e-5)
 
 
 def test_inaturalist_index_is_sorted_and_rgb(tmp_path):
     make_inat2021(tmp_path, per_class=3)
-    cfg = data.DataConfig(dataset="inat", root=tmp_path, target_type="kingdom")
-    ds = data.build_dataset(cfg, "train", None)
+    cfg = datasets.DataConfig(dataset="inat", root=tmp_path, target_type="kingdom")
+    ds = datasets.build_dataset(cfg, "train", None)
     assert ds.index == sorted(ds.index) and len(ds) == 12
-    assert data.num_classes(ds) == 2  # Animalia, Plantae
+    assert datasets.num_classes(ds) == 2  # Animalia, Plantae
     img, target = ds[11]
     assert img.shape[0] == 3 and target == 1
-    assert data.build_dataset(cfg, "val", None) is None  # no 2021_valid folder
+    assert datasets.build_dataset(cfg, "val", None) is None  # no 2021_valid folder
 
 
 def test_missing_dataset_names_the_fix(tmp_path):
-    cfg = data.DataConfig(dataset="imagefolder", root=tmp_path / "nope")
-    try:
-        data.build_dataset(cfg, "train", None)
-    except data.DataError as exc:
-        assert "--data-root" in str(exc)
-    else:
-        raise AssertionError("no error")
+    cfg = datasets.DataConfig(dataset="imagefolder", root=tmp_path / "nope")
+    with pytest.raises(datasets.DataError, match="--data-root"):
+        datasets.build_dataset(cfg, "train", None)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +127,7 @@ def test_default_workers_splits_a_task_between_torchrun_processes(cpus, local, l
 def test_device_normalize_treats_stacked_views_as_rgb_each():
     views = torch.randint(0, 256, (2, 6, 4, 4), dtype=torch.uint8)
     cpu = torch.device("cpu")
-    stacked = data.DeviceNormalize(cpu, channels=6)(views)
-    rgb = data.DeviceNormalize(cpu)
+    stacked = transforms.DeviceNormalize(cpu, channels=6)(views)
+    rgb = transforms.DeviceNormalize(cpu)
     assert torch.allclose(stacked[:, :3], rgb(views[:, :3]))
     assert torch.allclose(stacked[:, 3:], rgb(views[:, 3:]))

@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 
+from tests.slurm_cluster import unavailable
 from tests.trainer.conftest import run_srun_trainer, run_trainer, tiny_args, trainer_env
 from trainer import checkpoint
-from trainer.distributed import DistributedEnvError, World, first_host, slurm_port
+from trainer.distributed import (
+    DistributedEnvError,
+    World,
+    expand_hostlist,
+    first_host,
+    slurm_port,
+)
 
 
 def test_single_process_by_default():
@@ -51,13 +61,58 @@ def test_half_set_environment_is_a_clear_error(env, missing):
         World.detect(env)
 
 
-@pytest.mark.parametrize(
-    "nodelist, host",
-    [("cn1", "cn1"), ("cn1,cn2", "cn1"), ("gpu[03-05,09]", "gpu03"),
-     ("gpu[3,5]-ib,x", "gpu3-ib"), ("a-[001-002],b[1-2]", "a-001")],
-)  # fmt: skip
-def test_first_host(nodelist, host):
-    assert first_host(nodelist) == host
+# Forms from SLURM's documentation (hostlist expressions in sbatch(1), slurm.conf(5)).
+HOSTLISTS = {
+    "cn1": ["cn1"],
+    "cn1,cn2": ["cn1", "cn2"],
+    "tux[0-3]": ["tux0", "tux1", "tux2", "tux3"],
+    "tux[1,3,5-7]": ["tux1", "tux3", "tux5", "tux6", "tux7"],
+    "linux[0-2,128]": ["linux0", "linux1", "linux2", "linux128"],
+    "node[08-11]": ["node08", "node09", "node10", "node11"],
+    "n[001-003]": ["n001", "n002", "n003"],
+    "gpu[03-05,09],cpu1": ["gpu03", "gpu04", "gpu05", "gpu09", "cpu1"],
+    "rack[0-1]_blade[0-2]": ["rack0_blade0", "rack0_blade1", "rack0_blade2",
+                             "rack1_blade0", "rack1_blade1", "rack1_blade2"],
+    "a-[001-002],b[1-2]": ["a-001", "a-002", "b1", "b2"],
+    "node[0-1],node[3]": ["node0", "node1", "node3"],
+    "x-a[1-2]-b[3-4]": ["x-a1-b3", "x-a1-b4", "x-a2-b3", "x-a2-b4"],
+}  # fmt: skip
+
+
+def _scontrol_works() -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", "a[1-2]"],
+                              capture_output=True, text=True, timeout=5)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return done.stdout.split() == ["a1", "a2"]
+
+
+@pytest.mark.parametrize("nodelist", sorted(HOSTLISTS))
+def test_hostlist_expansion(nodelist):
+    assert expand_hostlist(nodelist) == HOSTLISTS[nodelist]
+    assert first_host(nodelist) == HOSTLISTS[nodelist][0]
+
+
+@pytest.mark.slurm
+def test_hostlist_expansion_agrees_with_scontrol(request):
+    # SLURM's own expansion is the reference; the local cluster installs it where missing.
+    if not _scontrol_works():
+        request.getfixturevalue("local_cluster")
+    if not _scontrol_works():
+        unavailable("scontrol show hostnames does not work here")
+    for nodelist, hosts in HOSTLISTS.items():
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist],
+                              capture_output=True, text=True, timeout=10)  # fmt: skip
+        assert done.stdout.split() == hosts == expand_hostlist(nodelist), nodelist
+
+
+@pytest.mark.parametrize("nodelist", ["tux[1-", "tux[3-1]", "tux[a-b]", "x]", ""])
+def test_bad_hostlists_are_named(nodelist):
+    with pytest.raises(DistributedEnvError, match="cannot parse SLURM node list"):
+        expand_hostlist(nodelist)
 
 
 def test_cli_reports_half_set_env(tmp_path):
@@ -75,7 +130,8 @@ def test_srun_step_trains_as_one_gloo_group(tmp_path):
     assert rank1.returncode == 0, rank1.stderr[-3000:]
     assert "on 2 process(es) via srun" in rank0.stderr
     assert "(n=21)" in rank0.stderr  # evaluation over both ranks' shards, each sample once
-    assert checkpoint.latest(tmp_path / "checkpoints").name == "checkpoint-000000003.pt"
+    final = checkpoint.load(checkpoint.latest(tmp_path / "checkpoints"))
+    assert final["position"]["iteration"] == 3 and final["world_size"] == 2
 
 
 def test_cli_reports_half_set_srun_env(tmp_path):

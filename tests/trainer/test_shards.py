@@ -6,8 +6,10 @@ import torch
 from torchvision import datasets as tvd
 
 from tests.trainer.conftest import make_imagefolder, run_trainer
-from trainer import data
-from trainer.shards import ShardDataset, parse_size, write_shards
+from trainer import datasets, transforms
+from trainer.shard_cmd import parse_size, write_shards
+from trainer.shards import ShardDataset
+from trainer.transforms import Augment, to_uint8_tensor
 
 
 def _by_key(shards: ShardDataset) -> dict[int, tuple[torch.Tensor, int]]:
@@ -24,7 +26,7 @@ def test_fake_data_shards_hold_the_same_pixels(tmp_path):
     for i, (img, target) in got.items():
         ref, ref_target = source[i]
         assert target == int(ref_target)
-        assert torch.equal(img, data.to_uint8_tensor(ref))
+        assert torch.equal(img, to_uint8_tensor(ref))
     order = [int(shards.key(i)[1:]) for i in range(len(shards))]
     assert order != sorted(order)  # shuffled across shards
 
@@ -47,8 +49,8 @@ def test_shard_command_on_imagefolder_keeps_jpeg_bytes(tmp_path):
         assert shards[i][1] == target
     assert len(ShardDataset(tmp_path / "out" / "val")) == 6
     # And the trainer reads them as --dataset shards.
-    cfg = data.DataConfig(dataset="shards", root=tmp_path / "out", crop=16, val_resize=16)
-    ds = data.build_dataset(cfg, "train", data.train_transform("fast", 16))
+    cfg = datasets.DataConfig(dataset="shards", root=tmp_path / "out")
+    ds = datasets.build_dataset(cfg, "train", transforms.train_transform("fast", Augment(16)))
     img, _ = ds[0]
     assert img.shape == (3, 16, 16) and img.dtype == torch.uint8
 

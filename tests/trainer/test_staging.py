@@ -1,96 +1,145 @@
-"""--stager-wait: the trainer waits on the client before it builds the dataset.
+"""--stager-wait against a real daemon and the real client: the staged path, the
+staged usage as the dataset, and failures as one clear line.
 
-The client library is written concurrently; these tests use a stand-in
-``client`` package that follows its contract (``StagerClient().wait(name,
-timeout)`` -> model with .state/.path; ``client.errors.StagingFailed`` /
-``WaitTimeout`` under ``StagerError``). The daemon-staged variant comes with the
-integration work; `test_real_client_api` checks the real package when present.
+(These tests replaced a stand-in ``client`` package that had drifted from the
+real one: the trainer passed an argument the stand-in did not take, so every
+stand-in test failed, while the one test meant to check the real API only
+asserted two class relationships and could not fail.)
 """
 
 from __future__ import annotations
 
 import datetime
-import json
+import subprocess
+import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.daemon import stage_ready
 from tests.trainer.conftest import (
     REPO,
     free_port,
     make_imagefolder,
     run_trainer,
     tiny_args,
+    trainer_command,
     trainer_env,
 )
-
-STUB_INIT = """
-import json, os
-from types import SimpleNamespace
-from client.errors import StagingFailed
-
-class StagerClient:
-    def wait(self, name, timeout=None, **callbacks):
-        spec = json.loads(os.environ["STUB_STAGER"])
-        with open(spec["log"], "a") as f:
-            f.write(f"{name} {os.environ.get('RANK', '0')}\\n")
-        if spec.get("fail"):
-            raise StagingFailed(spec["fail"])
-        return SimpleNamespace(state="ready", path=spec["path"])
-"""
-STUB_ERRORS = """
-class StagerError(Exception): pass
-class StagingFailed(StagerError): pass
-class WaitTimeout(StagerError): pass
-"""
+from trainer.datasets import DataConfig, build_dataset, split_of
 
 
-def _stub_env(tmp_path, spec: dict) -> dict[str, str]:
-    # The runs use cwd=tmp_path so the repository's own client/ does not shadow the stub.
-    pkg = tmp_path / "stub" / "client"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(STUB_INIT)
-    (pkg / "errors.py").write_text(STUB_ERRORS)
-    spec = dict(spec, log=str(tmp_path / "waits.log"))
-    return trainer_env(PYTHONPATH=f"{tmp_path / 'stub'}:{REPO}", STUB_STAGER=json.dumps(spec))
-
-
-def _args(tmp_path):
-    args = tiny_args(tmp_path / "out", "--epochs", "1", "--stager-wait", "imgs",
-                     "--data-root", "tree", "--crop-size", "16")  # fmt: skip
-    i = args.index("fake")
-    args[i] = "imagefolder"
+def _args(out: Path, *extra: str) -> list[str]:
+    args = tiny_args(out, "--epochs", "1", "--stager-wait", "imgs", *extra)
+    for flag in ("--dataset", "--num-classes"):  # the staged usage says what to build
+        i = args.index(flag)
+        del args[i : i + 2]
     return args
 
 
-@pytest.mark.slow
-def test_stager_wait_reads_the_staged_path(tmp_path):
-    make_imagefolder(tmp_path / "staged" / "tree", "train", per_class=4)
-    env = _stub_env(tmp_path, {"path": str(tmp_path / "staged")})
-    done = run_trainer(_args(tmp_path), nproc=2, env=env, cwd=tmp_path)
+def test_stager_wait_builds_the_dataset_from_the_staged_usage(tmp_path, daemon):
+    source = make_imagefolder(tmp_path / "src", "train", per_class=4)
+    make_imagefolder(source, "val", per_class=2)
+    with daemon.client() as client:
+        body = {"name": "imgs", "recipe": "imagefolder", "source": str(source),
+                "params": {"splits": ["train", "val"]}}  # fmt: skip
+        staged = stage_ready(client, body)
+    assert [split_of(u.model_dump(by_alias=True)) for u in staged.usage] == ["train", "val"]
+    done = run_trainer(_args(tmp_path / "out"), env=trainer_env(STAGER_URL=daemon.url))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "dataset 'imgs' ready at" in done.stderr
-    # Local rank 0 waits first; rank 1 asks only once the data is ready.
-    assert open(tmp_path / "waits.log").read().split() == ["imgs", "0", "imgs", "1"]
+    assert f"dataset 'imgs' ready at {staged.path}" in done.stderr
+    # ImageFolder(root/train) and ImageFolder(root/val), read from the daemon's answer.
+    assert "torchvision.datasets.ImageFolder(root/train)" in done.stderr
+    assert "train=12 val=6 classes=3" in done.stderr
+    assert "HTTP Request" not in done.stderr  # httpx's INFO lines stay out of the log
 
 
-def test_staging_failure_is_one_clear_line(tmp_path):
-    sentence = "source /network/inat/train.tar.gz does not exist; check --source"
-    env = _stub_env(tmp_path, {"fail": sentence})
-    done = run_trainer(_args(tmp_path), env=env, cwd=tmp_path)
+def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
+    # In a job script the trainer and the stage request race; the trainer may win.
+    source = make_imagefolder(tmp_path / "src", "train", per_class=2)
+    args = _args(tmp_path / "out", "--no-eval")
+    log = tmp_path / "trainer.log"
+    env = trainer_env(STAGER_URL=daemon.url)
+    with open(log, "w") as err:
+        proc = subprocess.Popen(trainer_command(args), cwd=REPO, env=env, text=True,
+                                stderr=err, stdout=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "not been requested yet" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            with daemon.client() as client:
+                body = {"name": "imgs", "recipe": "imagefolder", "source": str(source),
+                        "params": {"splits": ["train"]}}  # fmt: skip
+                stage_ready(client, body)
+            proc.wait(timeout=240)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("'imgs' has not been requested yet") == 1, text[-3000:]  # said once
+    assert "train=6 val=- classes=3" in text
+
+
+def test_raw_steps_fall_back_to_dataset_flag(tmp_path, daemon):
+    make_imagefolder(tmp_path / "src", "train", per_class=2)
+    with daemon.client() as client:
+        steps = [{"op": "copy", "src": str(tmp_path / "src"), "dst": "tree"}]
+        stage_ready(client, {"name": "imgs", "steps": steps})
+    env = trainer_env(STAGER_URL=daemon.url)
+    done = run_trainer(_args(tmp_path / "out"), env=env)  # no usage, no --dataset
     assert done.returncode == 1
-    assert f"dataset 'imgs' is not available: {sentence}" in done.stderr
+    assert "carries no torchvision usage" in done.stderr and "pass --dataset" in done.stderr
+    assert "Traceback" not in done.stderr
+    args = _args(tmp_path / "out", "--dataset", "imagefolder", "--data-root", "tree")
+    done = run_trainer(args, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "data: imagefolder train=6" in done.stderr
+
+
+def test_staging_failure_is_one_clear_line(tmp_path, daemon):
+    # An archive cut short: its header passes admission, the staging then fails.
+    make_imagefolder(tmp_path / "src", "train", per_class=20)
+    archive = tmp_path / "imgs.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src", arcname="src")
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size * 6 // 10])
+    with daemon.client() as client:
+        steps = [{"op": "extract", "src": str(archive)}]
+        assert client.post("/v1/datasets", json={"name": "imgs", "steps": steps}).status_code == 202
+    done = run_trainer(_args(tmp_path / "out", "--dataset", "imagefolder"),
+                       env=trainer_env(STAGER_URL=daemon.url))  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    line = [x for x in done.stderr.splitlines() if "stager-train train: error:" in x]
+    assert len(line) == 1 and "dataset 'imgs' is not available" in line[0], done.stderr
+    assert str(archive) in line[0]  # the daemon's sentence names the input at fault
     assert "Traceback" not in done.stderr
 
 
-def test_real_client_api():
-    client = pytest.importorskip("client", reason="client not available yet")
-    if not hasattr(client, "StagerClient"):
-        pytest.skip("client not available yet")
-    errors = pytest.importorskip("client.errors", reason="client not available yet")
-    assert issubclass(errors.StagingFailed, errors.StagerError)
-    assert issubclass(errors.WaitTimeout, errors.StagerError)
+def test_usage_splits_are_recognised():
+    train = [
+        {"class": "torchvision.datasets.ImageNet", "kwargs": {"split": "train"}},
+        {"class": "torchvision.datasets.CIFAR10", "kwargs": {"train": True}},
+        {"class": "torchvision.datasets.INaturalist", "kwargs": {"version": "2021_train_mini"}},
+        {"class": "torchvision.datasets.INaturalist", "kwargs": {"version": "2019"}},
+        {"class": "torchvision.datasets.ImageFolder", "root": "."},
+    ]
+    val = [
+        {"class": "torchvision.datasets.ImageNet", "kwargs": {"split": "val"}},
+        {"class": "torchvision.datasets.CIFAR100", "kwargs": {"train": False}},
+        {"class": "torchvision.datasets.INaturalist", "kwargs": {"version": "2021_valid"}},
+        {"class": "torchvision.datasets.ImageFolder", "root": "val"},
+    ]
+    assert [split_of(u) for u in train] == ["train"] * len(train)
+    assert [split_of(u) for u in val] == ["val"] * len(val)
+
+
+def test_usage_outside_torchvision_is_refused(tmp_path):
+    usage = ({"class": "os.system", "kwargs": {}, "root": "."},)
+    cfg = DataConfig(dataset=None, root=tmp_path, usage=usage)
+    with pytest.raises(RuntimeError, match="not a torchvision.datasets class"):
+        build_dataset(cfg, "train", None)
 
 
 # ----------------------------------------------------------------- long stagings
@@ -108,16 +157,16 @@ def _slow_stager_worker(rank: int, port: int, out: str, stage_s: float, timeout:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=datetime.timedelta(seconds=2))  # fmt: skip
 
-    def slow_wait(name: str, timeout: float) -> Path:
+    def slow_wait(name: str, timeout: float) -> staging.Staged:
         if rank == 0:  # the daemon call of local rank 0 (which ignores its timeout here)
             time.sleep(stage_s)
-        return Path("/staged") / name
+        return staging.Staged(Path("/staged") / name)
 
-    staging._wait = slow_wait  # the daemon's side is covered by the tests above
+    staging._wait = slow_wait  # the collectives are under test here, not the daemon
     staging.WAIT_GRACE_S = 1.0
     try:
         world = World(rank=rank, local_rank=rank, world_size=2)
-        result = str(staging.wait_for_dataset("imgs", timeout, world))
+        result = str(staging.wait_for_dataset("imgs", timeout, world).path)
     except staging.StagingError as exc:
         result = f"error: {exc}"
     finally:

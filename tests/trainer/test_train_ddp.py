@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from torchvision import datasets as tvd
 
 from bench.fakedata import make_inat2021 as make_inat_release
 from tests.trainer.conftest import free_port, run_trainer, tiny_args, trainer_env
-from trainer import checkpoint, data, engine
+from trainer import checkpoint, data, datasets, engine, transforms
 from trainer.models import build_model
 
 pytestmark = pytest.mark.slow
@@ -53,14 +52,16 @@ def test_resnet_trains_on_fakedata_ddp(tmp_path):
     assert float(rows[-1]["train_loss"]) < 0.6 * float(rows[0]["train_loss"])
     assert "via torchrun" in done.stderr and "img/s" in done.stderr
     # The 2-rank evaluation scored exactly the model in the final checkpoint.
-    cfg = data.DataConfig(dataset="fake", root=tmp_path, fake_val_size=9, fake_image_size=16,
+    cfg = datasets.DataConfig(dataset="fake", root=tmp_path, fake_val_size=9, fake_image_size=16,
                           fake_classes=4)  # fmt: skip
-    val = data.Indexed(data.build_dataset(cfg, "val", data.eval_transform("fast", 16, 16)))
+    val = data.Indexed(
+        datasets.build_dataset(cfg, "val", transforms.eval_transform("fast", 16, 16))
+    )
     model = build_model("resnet18", 4)
     model.load_state_dict(_final_model(tmp_path))
     loader = data.make_loader(val, data.ShardedEvalSampler(9, 1, 0), 8, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 4)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 4)
     assert float(rows[-1]["val_loss"]) == pytest.approx(single["val_loss"], rel=1e-6)
     assert float(rows[-1]["top1"]) == single["top1"]
 
@@ -94,7 +95,7 @@ def _eval_setup(batch_size: int):
     torch.manual_seed(0)
     model = build_model("tinynet", 5)
     # 21 samples: not divisible by 2, and the last batches differ in size.
-    val = data.Indexed(tvd.FakeData(21, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
+    val = data.Indexed(tvd.FakeData(21, (3, 16, 16), 5, transforms.eval_transform("fast", 16, 16)))
     return model, val
 
 
@@ -107,7 +108,7 @@ def _eval_worker(rank: int, world: int, port: int, out: str) -> None:
         sampler = data.ShardedEvalSampler(len(val), world, rank)
         loader = data.make_loader(val, sampler, 4, 0, False, drop_last=False)
         cpu = torch.device("cpu")
-        metrics = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+        metrics = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
         if rank == 0:
             Path(out).write_text(json.dumps(metrics))
     finally:
@@ -118,7 +119,7 @@ def test_distributed_eval_equals_single_process(tmp_path):
     model, val = _eval_setup(4)
     loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
     out = tmp_path / "dist.json"
     mp.spawn(_eval_worker, args=(2, free_port(), str(out)), nprocs=2)
     distributed = json.loads(out.read_text())
@@ -138,20 +139,22 @@ def _bn_worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         torch.manual_seed(0)
         model = build_model("resnet18", 5)
-        train = data.Indexed(tvd.FakeData(48, (3, 16, 16), 5, data.eval_transform("fast", 16, 16)))
-        sampler = data.ResumableSampler(train, world, rank, seed=0)
+        train = data.Indexed(
+            tvd.FakeData(48, (3, 16, 16), 5, transforms.eval_transform("fast", 16, 16))
+        )
+        sampler = data.ResumableSampler(data.EpochOrder(48, 0), world, rank, 4)
         loader = data.make_loader(train, sampler, 4, 0, False, drop_last=True)
         cpu = torch.device("cpu")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        cfg = engine.StepConfig(max_iters=3, print_freq=1000)
-        engine.train_one_epoch(ddp, torch.nn.CrossEntropyLoss(), opt, None, None, loader,
-                               data.DeviceNormalize(cpu), cpu, engine.Position(), cfg,
-                               engine.Hooks(), world)  # fmt: skip
+        cfg = engine.StepConfig(max_samples=3 * 4 * world, print_freq=1000, global_batch=4 * world)
+        parts = engine.Parts(ddp, model, torch.nn.CrossEntropyLoss(), opt,
+                             transforms.DeviceNormalize(cpu), cpu)  # fmt: skip
+        engine.train_one_epoch(parts, loader, engine.Position(), cfg, engine.Hooks(), world)
         _, val = _eval_setup(4)
         val_loader = data.make_loader(val, data.ShardedEvalSampler(len(val), world, rank), 4, 0,
                                       False, drop_last=False)  # fmt: skip
-        metrics = engine.evaluate(model, val_loader, data.DeviceNormalize(cpu), cpu, 5)
+        metrics = engine.evaluate(model, val_loader, transforms.DeviceNormalize(cpu), cpu, 5)
         if rank == 0:  # what the trainer's checkpoint holds: rank 0's model
             torch.save(model.state_dict(), Path(out) / "model.pt")
             (Path(out) / "dist.json").write_text(json.dumps(metrics))
@@ -167,55 +170,11 @@ def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
     _, val = _eval_setup(4)
     loader = data.make_loader(val, data.ShardedEvalSampler(21, 1, 0), 4, 0, False, False)
     cpu = torch.device("cpu")
-    single = engine.evaluate(model, loader, data.DeviceNormalize(cpu), cpu, 5)
+    single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
     assert distributed["count"] == single["count"] == 21
     assert distributed["val_loss"] == pytest.approx(single["val_loss"], rel=1e-6)
     for key in ("top1", "top5", "mean_class_acc"):
         assert distributed[key] == single[key], key
-
-
-# ----------------------------------------------------------------- preemption and resume
-
-
-def test_sigusr1_then_resume_matches_uninterrupted_run(tmp_path):
-    # 48 samples, 2 ranks x batch 4: 6 steps an epoch; the signal lands at
-    # step 8, i.e. in the middle of epoch 1.
-    common = ["--epochs", "2", "--deterministic", "--lr", "0.05", "--no-eval"]
-    full = tmp_path / "full"
-    done = run_trainer(tiny_args(full, *common, "--record-samples", str(full / "rec")), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-    bin_dir = tmp_path / "bin"  # a stand-in scontrol that records how it was called
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    env = trainer_env(SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{trainer_env()['PATH']}")
-    cut = tmp_path / "cut"
-    args = tiny_args(cut, *common, "--record-samples", str(cut / "rec"))
-    done = run_trainer([*args, "--debug-signal-at-iter", "8"], nproc=2, env=env)
-    assert done.returncode != 0  # 75 from the workers; torchrun reports it as a failure
-    assert "preempted at iteration 8 (epoch 1)" in done.stderr and "requeued" in done.stderr
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    assert checkpoint.latest(cut / "checkpoints").name == "checkpoint-000000008.pt"
-
-    done = run_trainer([*args, "--resume"], nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr and "iteration 8" in done.stderr
-
-    a, b = _final_model(full), _final_model(cut)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-    def seen(rec: Path) -> Counter:
-        lines = [line.split() for f in rec.glob("samples-rank*.txt") for line in open(f)]
-        return Counter((int(e), int(i)) for e, i in lines)
-
-    uninterrupted, resumed = seen(full / "rec"), seen(cut / "rec")
-    assert resumed == uninterrupted
-    for epoch in (0, 1):
-        ids = sorted(i for (e, i), n in resumed.items() if e == epoch for _ in range(n))
-        assert ids == list(range(48)), f"epoch {epoch}: duplicates or gaps"
 
 
 def test_gradient_accumulation_equals_larger_batch(tmp_path):

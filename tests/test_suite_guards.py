@@ -1,0 +1,72 @@
+"""The suite's own guards, run in a pytest of their own: a daemon left running fails
+the run, and under ``CI=true`` a SLURM test that cannot get its cluster fails
+instead of skipping (a skip there would report an untested promise as green)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.slurm_cluster import MARK_VAR, REPO
+
+CONFTEST = """
+import tests.slurm_cluster as slurm_cluster
+from tests.conftest import local_cluster, pytest_configure, pytest_sessionfinish
+
+slurm_cluster.LEFTOVER_GRACE_S = 1.0
+slurm_cluster.LOCAL_CLUSTER = __import__("pathlib").Path(__file__).parent / "cluster"
+"""
+LEAVES_A_DAEMON = """
+import os, subprocess
+
+def test_starts_a_slurmd_and_forgets_it():
+    # argv[0] "slurmd": the guard's pattern, a harmless sleep behind it.
+    proc = subprocess.Popen(["bash", "-c", "exec -a slurmd sleep 60"])
+    with open(os.environ["LEAK_PIDFILE"], "w") as f:
+        f.write(str(proc.pid))
+"""
+NEEDS_THE_CLUSTER = """
+def test_on_the_cluster(local_cluster):
+    pass
+"""
+
+
+def _inner_pytest(tmp_path: Path, test: str, **env: str) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_inner.py").write_text(test)
+    cluster = tmp_path / "cluster"  # an up.sh that cannot bring SLURM up
+    cluster.mkdir()
+    (cluster / "up.sh").write_text("echo 'slurmctld: cannot start' >&2; exit 3\n")
+    (cluster / "down.sh").write_text("exit 0\n")
+    environ = {k: v for k, v in os.environ.items() if k not in (MARK_VAR, "CI")}
+    environ.update(PYTHONPATH=str(REPO), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "base"), str(tmp_path)],
+        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_a_daemon_left_running_fails_the_run(tmp_path):
+    pidfile = tmp_path / "leaked.pid"
+    done = _inner_pytest(tmp_path / "run", LEAVES_A_DAEMON, LEAK_PIDFILE=str(pidfile))
+    try:
+        assert "1 passed" in done.stdout, done.stdout[-2000:]
+        assert done.returncode == 1, done.stdout[-2000:]  # the test passed, the run did not
+        assert "left running" in done.stdout and "slurmd" in done.stdout
+    finally:
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_missing_cluster_skips_locally_and_fails_under_ci(tmp_path):
+    local = _inner_pytest(tmp_path / "local", NEEDS_THE_CLUSTER)
+    assert local.returncode == 0 and "1 skipped" in local.stdout, local.stdout[-2000:]
+    ci = _inner_pytest(tmp_path / "ci", NEEDS_THE_CLUSTER, CI="true")
+    assert ci.returncode == 1 and "1 error" in ci.stdout, ci.stdout[-2000:]
+    assert "CI=true and the SLURM tests cannot run" in ci.stdout
+    assert "skipped" not in ci.stdout
