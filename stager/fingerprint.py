@@ -1,10 +1,14 @@
 """Fingerprints of a request's sources, part of the cache key.
 
-The same request over unchanged sources maps to the same cache entry across jobs
-and daemon restarts; a touched archive (size, mtime or inode changed) maps to a
-new entry and is staged afresh. Trees get a cheap fingerprint by default (the
-root and its direct children), or a deep one (every file) on request: on a
-network filesystem a deep walk of ImageNet costs minutes, a cheap one milliseconds.
+The same request over unchanged sources maps to the same cache entry across jobs,
+daemon restarts and the nodes of a cluster; a touched archive (size or mtime
+changed) maps to a new entry and is staged afresh. Only what every node sees alike
+counts: path, size and mtime. Inode numbers do not: network filesystems built on
+FUSE (sshfs, s3fs, rclone, ...) number inodes per client, and a multi-node job
+finds a node's copy by its key (see docs/multinode.md). Trees get a cheap
+fingerprint by default (the root and its direct children), or a deep one (every
+file) on request: on a network filesystem a deep walk of ImageNet costs minutes,
+a cheap one milliseconds.
 
 Both are streams: each entry's line is hashed on its own and the hashes are added
 up (modulo 2**256), so the result does not depend on the order a folder lists its
@@ -125,5 +129,5 @@ def _stat(path: str) -> os.stat_result | None:
 def _line(path: str, info: os.stat_result | None) -> bytes:
     if info is None:
         return f"{path}\0missing\n".encode("utf-8", "surrogateescape")
-    line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\0{info.st_ino}\n"
+    line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n"
     return line.encode("utf-8", "surrogateescape")

@@ -92,6 +92,12 @@ def free_bytes(settings: Settings) -> int:
 
 
 def ensure_dirs(settings: Settings) -> None:
-    for folder in (settings.cache_dir, settings.data_dir, settings.partial_dir):
+    for folder in (
+        settings.cache_dir,
+        settings.data_dir,
+        settings.partial_dir,
+        settings.incoming_dir,
+        settings.outgoing_dir,
+    ):
         folder.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.cache_dir, 0o700)

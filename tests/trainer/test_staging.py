@@ -10,6 +10,7 @@ asserted two class relationships and could not fail.)
 from __future__ import annotations
 
 import datetime
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -18,10 +19,12 @@ import pytest
 
 from tests.daemon import stage_ready
 from tests.trainer.conftest import (
+    REPO,
     free_port,
     make_imagefolder,
     run_trainer,
     tiny_args,
+    trainer_command,
     trainer_env,
 )
 from trainer.datasets import DataConfig, build_dataset, split_of
@@ -50,6 +53,33 @@ def test_stager_wait_builds_the_dataset_from_the_staged_usage(tmp_path, daemon):
     assert "torchvision.datasets.ImageFolder(root/train)" in done.stderr
     assert "train=12 val=6 classes=3" in done.stderr
     assert "HTTP Request" not in done.stderr  # httpx's INFO lines stay out of the log
+
+
+def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
+    # In a job script the trainer and the stage request race; the trainer may win.
+    source = make_imagefolder(tmp_path / "src", "train", per_class=2)
+    args = _args(tmp_path / "out", "--no-eval")
+    log = tmp_path / "trainer.log"
+    env = trainer_env(STAGER_URL=daemon.url)
+    with open(log, "w") as err:
+        proc = subprocess.Popen(trainer_command(args), cwd=REPO, env=env, text=True,
+                                stderr=err, stdout=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "not been requested yet" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            with daemon.client() as client:
+                body = {"name": "imgs", "recipe": "imagefolder", "source": str(source),
+                        "params": {"splits": ["train"]}}  # fmt: skip
+                stage_ready(client, body)
+            proc.wait(timeout=240)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("'imgs' has not been requested yet") == 1, text[-3000:]  # said once
+    assert "train=6 val=- classes=3" in text
 
 
 def test_raw_steps_fall_back_to_dataset_flag(tmp_path, daemon):
