@@ -588,17 +588,10 @@ class _TreeCopy(Visitor):
         top = open_top(self.src, self.roots)
         self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
         try:
-            with self.workers:
-                self._enter(top, self.dst, "")
-                walk(top, self, self.policy, check=self._check)
-                self._submit()
+            self._enter(top, self.dst, "")
+            self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
-        self.ctx.check_cancelled()
-
-    def _check(self) -> None:
-        self.ctx.check_cancelled()
-        self.workers.pump()
 
     def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
         make_dir(dst)

@@ -30,6 +30,7 @@ from typing import Any
 
 from stager.children import die_with_parent
 from stager.errors import Cancelled
+from stager.ops.sources import Folder, Visitor, walk
 from stager.progress import ProgressSink
 
 _CONTEXT = multiprocessing.get_context("fork")
@@ -138,6 +139,19 @@ class Workers:
         while len(self._pending) >= 4 * self._processes:
             self._reap(timeout=0.1)
         self._pending[self._pool.submit(fn, *args)] = then
+
+    def walk(self, top: Folder, visitor: Visitor, special: str, flush: Callable[[], None]) -> None:
+        """Walk ``top`` with ``visitor`` (which hands its chunks to :meth:`submit`),
+        then ``flush`` the last chunk and wait for every chunk; cancel is looked at
+        between folders and at the end."""
+        with self:
+            walk(top, visitor, special, check=self._between_folders)
+            flush()
+        self._check_cancel()
+
+    def _between_folders(self) -> None:
+        self._check_cancel()
+        self.pump()
 
     def __enter__(self) -> Workers:
         # No garbage collection while a tree is walked: the walk allocates a tuple per

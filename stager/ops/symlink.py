@@ -205,18 +205,11 @@ class _TreeLink(Visitor):
         os.makedirs(self.dst_root, exist_ok=True)
         top = open_top(self.source, self.roots)
         top.path = self.source  # links name the user's path, not what it resolves to today
+        self.dsts[top.fd] = self.dst_root
         try:
-            with self.workers:
-                self.dsts[top.fd] = self.dst_root
-                walk(top, self, self.policy, check=self._check)
-                self._submit()
+            self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
-        self.ctx.check_cancelled()
-
-    def _check(self) -> None:
-        self.ctx.check_cancelled()
-        self.workers.pump()
 
     def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
         names = self.pending.get(folder.fd)
