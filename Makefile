@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean slurm-up slurm-down
+.PHONY: venv demo demo-multinode test lint bench bench-fanout clean slurm-up slurm-down
 
 venv: $(STAMP)
 
@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python deploy/demo/run.py
 
+# A 4-node SLURM cluster on this machine (root), one dataset fanned out to every node
+# while the shared storage is read once; figures printed, cluster taken down.
+demo-multinode: $(STAMP)
+	$(BIN)/python deploy/demo/multinode.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
@@ -26,6 +31,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check stager client trainer tests bench deploy
 	$(BIN)/ruff format --check stager client trainer tests bench deploy
 	shellcheck deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
+	shellcheck -x deploy/slurm/multinode/*.sh
 
 # A real one-node SLURM cluster on this (Debian) machine, wired with deploy/slurm's
 # prolog and epilog; needs root. The SLURM test brings it up by itself.
@@ -44,6 +50,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_client.py
 	$(BIN)/python -m bench.bench_recipes
 	$(BIN)/python bench/input_pipeline.py
+
+# Multi-node fan-out on the 4-node test cluster (root): 200 MB, N = 1, 2, 4.
+bench-fanout: $(STAMP)
+	$(BIN)/python bench/bench_fanout.py --compare-modes
 
 clean:
 	rm -rf $(VENV) build *.egg-info

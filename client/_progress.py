@@ -69,6 +69,20 @@ def summary(status: DatasetPublic) -> str:
     return f"{status.name}: staging {', '.join(x for x in parts if x)}, {describe_eta(p)}"
 
 
+def describe_origin(status: DatasetPublic) -> str:
+    """How this node's copy arrived (staged here, broadcast by another node) and whether
+    the latest request was a cache hit, for ``status`` and ``ls``."""
+    origin = status.origin
+    if origin is None or status.state != State.READY:
+        return ""
+    job = f", job {origin.job}" if origin.job else ""
+    if origin.how == "broadcast":
+        text = f"broadcast from {origin.node or 'another node'}{job}"
+    else:
+        text = f"staged here from the source{job}"
+    return f"; {text}" + ("; this request was a cache hit" if origin.hit else "")
+
+
 class NullDisplay:
     def update(self, status: DatasetPublic) -> None:
         pass

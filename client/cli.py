@@ -19,11 +19,19 @@ from typing import Any
 from pydantic import BaseModel
 
 from client._client import AsyncStagerClient, stage_body
-from client._progress import BarDisplay, Display, LogDisplay, NullDisplay, summary
+from client._progress import (
+    BarDisplay,
+    Display,
+    LogDisplay,
+    NullDisplay,
+    describe_origin,
+    summary,
+)
 from client.errors import (
     BadConfiguration,
     DaemonError,
     DaemonUnavailable,
+    FanoutError,
     RequestRejected,
     StagerError,
     StagingFailed,
@@ -44,6 +52,7 @@ EXIT_INTERRUPTED = 130  # Ctrl-C / SIGINT, as shells report it
 # Most specific first: the first class an exception is an instance of picks its code.
 EXIT_CODES: tuple[tuple[type[StagerError], int], ...] = (
     (StagingFailed, EXIT_FAILED),
+    (FanoutError, EXIT_FAILED),
     (WaitTimeout, EXIT_TIMEOUT),
     (DaemonUnavailable, EXIT_UNAVAILABLE),
     (RequestRejected, EXIT_REJECTED),
@@ -205,6 +214,21 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         "--no-lease", action="store_true", help="do not pin the dataset, even inside a SLURM job"
     )
     sub.add_argument("--wait", action="store_true", help="block until ready; print its path")
+    sub.add_argument(
+        "--peers",
+        choices=["none", "slurm"],
+        default="none",
+        help="slurm: stage on every node of this SLURM job, reading the shared storage once "
+        "(run once in the batch script; implies --wait; see docs/multinode.md)",
+    )
+    sub.add_argument(
+        "--broadcast",
+        choices=["auto", "prepared", "sources"],
+        default="auto",
+        help="with --peers slurm, what is sent to the other nodes: the prepared tree, or "
+        "the request's source files (archives) for every node to stage from; auto picks "
+        "(see docs/multinode.md)",
+    )
     _add_wait_flags(sub)
     _add_json(sub, "print the final status as JSON")
     sub.set_defaults(run=cmd_stage)
@@ -387,6 +411,8 @@ async def wait_all(
 
 
 async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    if args.peers == "slurm":
+        return await stage_on_peers(client, args)
     status = await client.submit(request_from(args))
     if args.wait:
         status = (await wait_all(client, [status.name], args))[0]
@@ -397,6 +423,40 @@ async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     else:
         _say(args, f"{summary(status)}; `stager-client wait {status.name}` blocks until ready")
     return EXIT_OK
+
+
+async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    """Every node of the job, through SLURM: one line per node on stderr, this node's
+    path on stdout; fails naming the nodes (and steps) left without the data."""
+    # Imported here: a plain `stage` or `wait` does not pay for the fan-out's modules.
+    from client._fanout import Fanout
+    from client._slurm import Job
+
+    job = await Job.detect()
+    body = request_from(args)
+    fanout = Fanout(job, client, body, args.timeout, _sayer(args), args.broadcast)
+    report = await fanout.run()
+    if args.json:
+        print(json.dumps(report.as_json()))
+    else:
+        _say(args, report.headline())
+        for result in sorted(report.nodes.values(), key=lambda r: r.node):
+            _say(args, f"  {result.line()}")
+        here = report.nodes.get(job.this_node)
+        if here is not None and here.path and not here.error:
+            print(here.path)
+    if report.failed:
+        # The report (with --json) is already the one document on stdout; the reason
+        # goes to stderr, as for any failure.
+        nodes = "; ".join(f"{r.node}: {r.error}" for r in report.failed)
+        error = FanoutError(f"dataset {report.name!r} is not ready on every node ({nodes})")
+        print(f"stager-client: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _sayer(args: argparse.Namespace) -> Callable[[str], None]:
+    return lambda message: _say(args, f"stager-client: {message}")
 
 
 async def cmd_wait(client: AsyncStagerClient, args: argparse.Namespace) -> int:
@@ -414,7 +474,7 @@ async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int
     if args.json:
         _print_json(status)
     else:
-        print(summary(status))
+        print(summary(status) + describe_origin(status))
     return EXIT_OK
 
 
@@ -426,7 +486,7 @@ async def cmd_ls(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     if not statuses:
         _say(args, "no datasets; stage one with `stager-client stage NAME ...`")
     for status in statuses:
-        print(summary(status))
+        print(summary(status) + describe_origin(status))
     return EXIT_OK
 
 
@@ -484,8 +544,13 @@ async def _run(args: argparse.Namespace, run: Callable[..., Awaitable[int]]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_node"]:  # one node's part of --peers slurm, started by srun
+        from client import _fanout_node
+
+        return _fanout_node.main(argv[1:])
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     args.url = getattr(args, "url", None)
     args.quiet = getattr(args, "quiet", False)
     try:

@@ -12,8 +12,10 @@
     ├── StagingFailed           the dataset ended without becoming ready; the daemon's sentence
     │   ├── StagingCancelled    someone cancelled it
     │   └── DatasetEvicted      it was ready, then evicted from the node cache
-    └── WaitTimeout             still queued or staging when the caller's timeout passed
-        └── NeverRequested      no stage request for that name arrived before the timeout
+    ├── WaitTimeout             still queued or staging when the caller's timeout passed
+    │   └── NeverRequested      no stage request for that name arrived before the timeout
+    └── FanoutError             --peers slurm: a node, a step or sbcast failed and nothing
+                                was left to try; the sentence names the node and the step
 
 httpx's errors become these in exactly one place, ``client._client._translate``.
 """
@@ -132,6 +134,12 @@ class NeverRequested(WaitTimeout):
         self.name = name
 
 
+class FanoutError(StagerError):
+    """A multi-node staging (``--peers slurm``) could not make the data ready everywhere."""
+
+    type = "fanout_failed"
+
+
 __all__ = [
     "BadConfiguration",
     "Conflict",
@@ -140,6 +148,7 @@ __all__ = [
     "DaemonUnavailable",
     "DatasetEvicted",
     "DatasetNotFound",
+    "FanoutError",
     "NeverRequested",
     "RequestRejected",
     "StagerError",

@@ -12,6 +12,7 @@ from stager.api import errors
 from stager.api.auth import BearerTokenMiddleware
 from stager.api.routes import cache as cache_routes
 from stager.api.routes import datasets, health, recipes
+from stager.api.routes.fanout import fanout_router
 from stager.engine import Engine
 from stager.lifecycle import state_counts
 from stager.metrics import Metrics
@@ -45,6 +46,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.metrics = metrics
     errors.install(app, engine.ops.names)
     app.include_router(datasets.stage_router(engine.ops))
+    app.include_router(fanout_router(engine.ops))  # before /v1/datasets/{name} routes
     app.include_router(datasets.router)
     app.include_router(recipes.router)
     app.include_router(cache_routes.router)

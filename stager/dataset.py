@@ -27,6 +27,7 @@ from stager.schemas import (
     DatasetPublic,
     ErrorInfo,
     LeasePublic,
+    Origin,
     State,
     TorchvisionUsage,
 )
@@ -66,6 +67,11 @@ class Entry:
     progress: Progress = field(default_factory=Progress)
     usage: list[dict[str, Any]] = field(default_factory=list)  # from the recipe
     attempt: str | None = None  # the staging attempt that owns partial/<key>.<attempt>
+    # How the data arrives: {"how": "staged" | "broadcast", "node": ..., "job": ...}.
+    origin: dict[str, Any] | None = None
+    # A broadcast delivery this staging reads (its folder goes when the staging ends);
+    # not persisted: a restart deletes deliveries, and the staging then fails cleanly.
+    delivery: str | None = None
     size_bytes: int = 0
     estimate_bytes: int = 0
     created_at: datetime = field(default_factory=now)
@@ -97,6 +103,7 @@ class Handle:
     spec_key: str  # the request without its sources' fingerprint: decides name conflicts
     link: str | None = None
     created_at: datetime = field(default_factory=now)
+    hit: bool = False  # the latest request for this name found the data already cached
 
 
 def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
@@ -105,6 +112,12 @@ def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
     args = "".join(f", {k}={v!r}" for k, v in usage.kwargs.items())
     usage.code = f"{usage.class_}(root={str(root)!r}{args})"
     return usage
+
+
+def public_origin(entry: Entry | None, hit: bool = False) -> Origin | None:
+    if entry is None or not entry.origin:
+        return None
+    return Origin.model_validate({**entry.origin, "hit": hit})
 
 
 def public_view(
@@ -123,6 +136,7 @@ def public_view(
         usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
         leases=leases,
         size_bytes=entry.size_bytes,
+        origin=public_origin(entry, handle.hit),
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )

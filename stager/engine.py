@@ -19,9 +19,10 @@ from typing import Any
 
 from stager import cache, preflight, recipes, slurm
 from stager.blocking import Limits, run_io, run_staging
-from stager.dataset import Entry, Handle, public_view, spec_key
+from stager.dataset import Entry, Handle, public_origin, public_view, spec_key
 from stager.durable import CrashPoints
 from stager.errors import (
+    BadRequest,
     Cancelled,
     Conflict,
     InsufficientSpace,
@@ -29,20 +30,39 @@ from stager.errors import (
     StagerError,
     from_os_error,
 )
+from stager.fanout import adoption
+from stager.fanout.transfers import (
+    EXPORT_TTL_S,
+    Transfer,
+    Transfers,
+    bundle_estimate,
+    count_files,
+    make_folder,
+    pack_export,
+    remove_folder,
+    transfer_public,
+    unwritten_bytes,
+)
 from stager.fingerprint import sources_fingerprint
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import table
+from stager.ops.base import CheckContext
 from stager.schemas import (
+    Adopt,
     DatasetCreate,
     DatasetPublic,
     ErrorInfo,
+    ExportPublic,
     GcRequest,
     GcResult,
+    IncomingCreate,
     LeaseCreate,
     LeasePublic,
+    ProbeResult,
     State,
+    TransferPublic,
 )
 from stager.settings import Settings
 from stager.store import Store
@@ -72,6 +92,12 @@ class Engine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
+        # Multi-node fan-out (docs/multinode.md): room reserved for broadcast deliveries,
+        # ready datasets packed to be sent, and what is being packed (not evictable).
+        self._deliveries = Transfers(settings.incoming_dir, "delivery")
+        self._exports = Transfers(settings.outgoing_dir, "export")
+        self._claimed: dict[str, Transfer] = {}  # deliveries stagings are adopting
+        self._exporting: set[str] = set()
 
     @property
     def _reg(self) -> Registry:
@@ -89,6 +115,10 @@ class Engine:
         self.registry = Registry(self.settings, store, self.metrics, trash, self._crash)
         for entry in await self._reg.load():
             self._queue.put_nowait(entry.key)
+        # Deliveries and exports of an earlier run: nobody will adopt or send them now.
+        for folder in (self.settings.incoming_dir, self.settings.outgoing_dir):
+            for leftover in await run_io(lambda f=folder: list(f.iterdir())):
+                await self._reg.trash.discard(leftover)
         try:
             # Recipe files are re-read per request; checking them now tells the admin early.
             await run_io(recipes.recipe_files, self.settings)
@@ -140,27 +170,52 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------
 
-    async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
-        """Create or join a staging. Returns the status and whether it is already ready."""
-        reg = self._reg
+    async def _resolve(
+        self, request: DatasetCreate, naming: bool = True
+    ) -> tuple[recipes.Expansion, str, str]:
+        """The request's steps, the key of its spec alone (decides name conflicts), and its
+        cache key (spec + sources' fingerprint). ``naming``: the request takes its name."""
         if request.recipe:
             expansion = await run_io(recipes.expand, request, self.settings)
         else:
             expansion = recipes.Expansion(steps=request.steps)
         spec = request.spec()
         request_key = spec_key(spec)
-        self._check_name(request.name, request_key)  # early, before paying for a fingerprint
-        await run_io(preflight.check_link, request.link, self.settings)
+        if naming:  # early, before paying for a fingerprint
+            self._check_name(request.name, request_key)
         fingerprint = await run_io(
             sources_fingerprint, expansion.steps, request.fingerprint == "deep"
         )
-        key = spec_key({"spec": spec, "sources": fingerprint})
+        return expansion, request_key, spec_key({"spec": spec, "sources": fingerprint})
+
+    async def probe(self, request: DatasetCreate) -> ProbeResult:
+        """This node's cache key for ``request`` and its copy, if any; changes nothing."""
+        expansion, _, key = await self._resolve(request, naming=False)
+        entry = self._reg.entries.get(key)
+        return ProbeResult(
+            key=key,
+            state=entry.state.value if entry else None,
+            size_bytes=entry.size_bytes if entry else 0,
+            origin=public_origin(entry),
+            source_files=await run_io(adoption.broadcastable_sources, expansion.steps),
+        )
+
+    async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
+        """Create or join a staging. Returns the status and whether it is already ready."""
+        reg = self._reg
+        expansion, request_key, key = await self._resolve(request)
+        await run_io(preflight.check_link, request.link, self.settings)
+        steps, origin = expansion.steps, self._origin(request)
         existing = reg.entries.get(key)
         if existing is None or not (existing.active or existing.state == State.READY):
             # Only a miss pays for validating sources and estimating the size (a walk).
-            estimate = await run_io(
-                preflight.check_steps, expansion.steps, request.verify, self.settings
-            )
+            if request.adopt is not None:
+                steps = await self._adoption_steps(request.adopt, key, expansion.steps)
+                estimate = await run_io(self._check_adoption, steps, request.verify)
+            else:
+                estimate = await run_io(
+                    preflight.check_steps, expansion.steps, request.verify, self.settings
+                )
         else:
             estimate = existing.estimate_bytes
 
@@ -170,13 +225,10 @@ class Engine:
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 await self._admit(estimate, key)
-                entry = entry or Entry(
-                    key=key,
-                    spec=spec,
-                    steps=expansion.steps,
-                    verify=request.verify,
-                    usage=expansion.usage,
-                )
+                entry = entry or Entry(key=key, spec=request.spec(), steps=steps, verify="")
+                # Asked for again: this request's steps (an adoption's, or the source's).
+                entry.steps, entry.verify, entry.usage = steps, request.verify, expansion.usage
+                entry.origin, entry.delivery = origin, self._claim(request.adopt)
                 entry.estimate_bytes = estimate
                 await reg.queue(entry)
                 self._queue.put_nowait(key)
@@ -184,18 +236,63 @@ class Engine:
             else:
                 outcome = "join" if entry.active else "hit"
                 self.metrics.requests.labels(outcome=outcome).inc()
+                if outcome == "hit":
+                    self.metrics.arrivals.labels(how="hit").inc()
                 await reg.touch(entry)
+            hit = entry.state == State.READY
             handle = reg.handles.get(request.name)
             if handle is None or (handle.key, handle.link) != (key, request.link):
-                handle = Handle(request.name, key, request_key, request.link)
+                handle = Handle(request.name, key, request_key, request.link, hit=hit)
                 if entry.state == State.READY and handle.link:
                     # Before the name is kept: a link that cannot be made is a 400 that
                     # leaves nothing behind. Under the lock, nothing evicts the entry first.
                     await reg.link(handle, entry)
                 await reg.name(handle)
+            elif handle.hit != hit:
+                await reg.note_hit(handle, hit)
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-            return self._view(handle), entry.state == State.READY
+        unused = request.adopt.incoming if request.adopt is not None else None
+        if unused and entry.delivery != unused and self._deliveries.find(unused):
+            await self.release_delivery(unused)  # a hit or a join: the copy is not needed
+        return self._view(handle), entry.state == State.READY
+
+    def _origin(self, request: DatasetCreate) -> dict[str, Any]:
+        if request.adopt is not None:
+            adopt = request.adopt
+            nbytes = self._deliveries.get(adopt.incoming).nbytes
+            origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
+            return {**origin, "bytes": nbytes}
+        job = request.lease.slurm_job_id if request.lease else None
+        return {"how": "staged", "job": job}
+
+    async def _adoption_steps(self, adopt: Adopt, key: str, steps: list[Any]) -> list[Any]:
+        if adopt.origin_key != key:
+            raise Conflict(
+                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
+                f"staged {adopt.origin_key}: the sources look different from here (changed "
+                "meanwhile, or another filesystem view); stage from the source instead"
+            )
+        if missing := adoption.missing_sources(adopt, steps):
+            raise BadRequest(
+                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
+                "request; stage from the source instead"
+            )
+        folder = self._deliveries.get(adopt.incoming).path
+        return adoption.steps_for(adopt, folder, steps, self.ops)
+
+    def _check_adoption(self, steps: list[Any], verify: str) -> int:
+        """Pre-flight of an adoption: its files are the daemon's own, in its incoming
+        folder, so the allowed source roots do not apply to them."""
+        roots = (*self.settings.allowed_roots, self.settings.incoming_dir)
+        return self.ops.check(steps, CheckContext(allowed_roots=tuple(roots), verify=verify))
+
+    def _claim(self, adopt: Adopt | None) -> str | None:
+        """The delivery a new staging reads: kept (and counted) until it ends."""
+        if adopt is None:
+            return None
+        self._claimed[adopt.incoming] = self._deliveries.pop(adopt.incoming)
+        return adopt.incoming
 
     def _check_name(self, name: str, request_key: str) -> None:
         handle = self._reg.handles.get(name)
@@ -213,6 +310,8 @@ class Engine:
         # Trees being deleted will be free space in a moment; count them as free now, or
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
+        # Room promised to deliveries and exports that is not written yet is not free.
+        free -= await run_io(unwritten_bytes, self._transfers())
         plan = cache.plan_admission(
             needed=estimate,
             entries=self.entries(),
@@ -226,9 +325,72 @@ class Engine:
             await self._reg.evict(victim)
 
     def _protected(self) -> set[str]:
-        """Keys eviction must not touch: leased, or being staged."""
+        """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
         leased = {lease.key for lease in self._reg.leases.values()}
-        return leased | {k for k, e in self._reg.entries.items() if e.active}
+        return leased | self._exporting | {k for k, e in self._reg.entries.items() if e.active}
+
+    def _transfers(self) -> list[Transfer]:
+        return [*self._deliveries.live(), *self._exports.live(), *self._claimed.values()]
+
+    # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
+
+    async def export(self, name: str, label: str) -> ExportPublic:
+        """Pack ready dataset ``name`` into a bundle and its manifest, for sbcast."""
+        handle = self._handle(name)
+        entry = self._reg.entries[handle.key]
+        if entry.state != State.READY:
+            raise Conflict(
+                f"dataset {name!r} is {entry.state}, not ready; only a ready dataset can be sent"
+            )
+        final = self._reg.final(entry)
+        async with self._admission:
+            self._exporting.add(entry.key)  # from here on, never evicted under the packer
+        try:
+            files = await run_io(count_files, final)
+            async with self._admission:
+                estimate = bundle_estimate(entry.size_bytes, files)
+                await self._admit(estimate, entry.key)
+                transfer = self._exports.add(label, estimate, EXPORT_TTL_S)
+            try:
+                return await run_io(pack_export, final, transfer, entry.key)
+            except BaseException:
+                self._exports.pop(label)
+                await run_io(remove_folder, transfer.path)
+                raise
+        except OSError as exc:
+            raise from_os_error(exc, f"packing {name!r} to send it") from exc
+        finally:
+            self._exporting.discard(entry.key)
+
+    async def drop_export(self, label: str) -> TransferPublic:
+        transfer = self._exports.pop(label)
+        await run_io(remove_folder, transfer.path)
+        return transfer_public(transfer)
+
+    async def reserve(self, request: IncomingCreate) -> TransferPublic:
+        """Room on the cache disk for a delivery, counted by admission until it goes.
+        The same label again (a re-run step) gets the same reservation."""
+        async with self._admission:
+            transfer = self._deliveries.find(request.label)
+            if transfer is None:
+                await self._admit(request.bytes, "")
+                transfer = self._deliveries.add(request.label, request.bytes, request.ttl_s)
+        await run_io(make_folder, transfer)
+        return transfer_public(transfer)
+
+    async def release_delivery(self, label: str) -> TransferPublic:
+        """Drop a reservation and what was delivered into it. A delivery that a staging
+        is adopting stays until that staging ends."""
+        if label in self._claimed:
+            return transfer_public(self._claimed[label])
+        transfer = self._deliveries.pop(label)  # NotFound, with its sentence
+        await run_io(remove_folder, transfer.path)
+        return transfer_public(transfer)
+
+    async def _expire_transfers(self) -> None:
+        for transfer in [*self._deliveries.expired(), *self._exports.expired()]:
+            log.info("removing expired %s", transfer.path)
+            await run_io(remove_folder, transfer.path)
 
     def get(self, name: str) -> DatasetPublic:
         return self._view(self._handle(name))
@@ -291,6 +453,7 @@ class Engine:
                 )
             if entry.state == State.QUEUED:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
+                await self._drop_claimed(entry)
             elif entry.state == State.STAGING:
                 entry.cancel.set()
             else:
@@ -374,6 +537,7 @@ class Engine:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 await self._drop_dead_leases()
+                await self._expire_transfers()
                 async with self._admission:
                     await self._admit(0, "")
             except InsufficientSpace:
@@ -429,7 +593,10 @@ class Engine:
         future = asyncio.ensure_future(run_staging(job, entry.progress, entry.cancel, limits))
         self._running.add(future)
         try:
-            size = await future
+            try:
+                size = await future
+            finally:
+                await self._drop_claimed(entry)  # read once: gone before ready is said
         except Cancelled:
             if self._stopping:
                 await reg.interrupt(entry)  # resumed when the daemon starts again
@@ -449,6 +616,16 @@ class Engine:
             await reg.publish(entry, size)
         finally:
             self._running.discard(future)
+
+    async def _drop_claimed(self, entry: Entry) -> None:
+        """A delivery is read once: when its staging ends, whatever the outcome, it goes
+        (after a stop too: a restart deletes deliveries, nobody could adopt it again)."""
+        if entry.delivery is None:
+            return
+        transfer = self._claimed.pop(entry.delivery, None)
+        entry.delivery = None
+        if transfer is not None:
+            await run_io(remove_folder, transfer.path)
 
     async def _flush_progress(self) -> None:
         """Persist progress now and then so a restarted daemon shows where it was."""

@@ -219,6 +219,11 @@ class Registry:
         await self._durable(Durable.NAMED, self._store.save_handle, handle)
         return handle
 
+    async def note_hit(self, handle: Handle, hit: bool) -> None:
+        """Whether the latest request for this name found its data already cached."""
+        handle.hit = hit
+        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+
     async def forget(self, handle: Handle) -> None:
         for lease in [x for x in self.leases.values() if x.name == handle.name]:
             await self.release(lease)
@@ -271,8 +276,18 @@ class Registry:
         entry.size_bytes = size
         entry.move(State.READY)
         self.metrics.staged_bytes.inc(size)
+        self._count_arrival(entry)
         await self._save(entry, Durable.READY)
         await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
+
+    def _count_arrival(self, entry: Entry) -> None:
+        how = (entry.origin or {}).get("how", "staged")
+        self.metrics.arrivals.labels(how=how).inc()
+        if how == "broadcast":
+            self.metrics.broadcast_bytes.inc((entry.origin or {}).get("bytes", 0))
+        else:
+            # What the ops read: archive bytes for an extraction, file bytes for a copy.
+            self.metrics.source_bytes.inc(entry.progress.snapshot().bytes_done)
 
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.

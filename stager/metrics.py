@@ -54,6 +54,26 @@ class Metrics:
             "Bytes removed from the cache by eviction",
             registry=self.registry,
         )
+        # Multi-node jobs (docs/multinode.md): what a node read from the shared storage,
+        # what it got from other nodes instead, and how each copy arrived.
+        self.source_bytes = Counter(
+            "stager_source_read_bytes",
+            "Bytes stagings read from their sources (the shared storage, URLs), counted "
+            "when the staging is published",
+            registry=self.registry,
+        )
+        self.broadcast_bytes = Counter(
+            "stager_broadcast_received_bytes",
+            "Bytes received from another node of a job (sbcast) and adopted",
+            registry=self.registry,
+        )
+        self.arrivals = Counter(
+            "stager_arrivals",
+            "How copies arrived on this node: staged (from the source), broadcast (from "
+            "another node), hit (a request served from the cache)",
+            ["how"],
+            registry=self.registry,
+        )
         self.evictions = Counter(
             "stager_evictions", "Ready entries removed from the cache", registry=self.registry
         )

@@ -7,6 +7,7 @@ contract, and a single definition cannot drift. It depends on pydantic only, so
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -85,6 +86,109 @@ class LeasePublic(BaseModel):
     expires_at: datetime | None = None
 
 
+# ---- multi-node fan-out (docs/multinode.md) ------------------------------------------
+#
+#     POST   /v1/datasets/probe            ProbeResult: this node's key and copy, no side effect
+#     POST   /v1/datasets/{name}/export    ExportPublic: a ready dataset packed for sbcast
+#     DELETE /v1/exports/{id}              the packed files, once sent
+#     POST   /v1/incoming                  TransferPublic: room reserved for a delivery
+#     DELETE /v1/incoming/{id}             the reservation and whatever was delivered
+#     POST   /v1/datasets  {"adopt": ...}  stage from a delivery instead of the source
+
+LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class Origin(BaseModel):
+    """How this node's copy arrived: ``staged`` here from the source, or ``broadcast``
+    by another node of a job (``node``); the SLURM job that brought it; and whether
+    the latest request for this name found it already in the cache (``hit``)."""
+
+    how: Literal["staged", "broadcast"]
+    node: str | None = None
+    job: str | None = None
+    bytes: int = 0  # received from that node (broadcast)
+    hit: bool = False
+
+
+class SourceFile(BaseModel):
+    path: str
+    size: int
+
+
+class ProbeResult(BaseModel):
+    key: str
+    state: str | None = None  # this node's entry for the key; None: it has none
+    size_bytes: int = 0
+    origin: Origin | None = None
+    # Every source of the request when each one is a plain file (archives): they can
+    # be broadcast as they are and staged from on every node. Empty otherwise.
+    source_files: list[SourceFile] = Field(default_factory=list)
+
+
+class ExportCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(pattern=LABEL_PATTERN)  # names the files, e.g. job-42
+
+
+class ExportPublic(BaseModel):
+    id: str
+    key: str
+    bundle: str  # a plain tar of the ready tree
+    manifest: str  # every path, size and sha256 of it
+    manifest_sha256: str
+    bundle_bytes: int
+
+
+class IncomingCreate(BaseModel):
+    """Room on the cache disk for files another node broadcasts here; counted by
+    admission until adopted, released or expired."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: str = Field(pattern=LABEL_PATTERN)  # the same on every node: one sbcast path
+    bytes: int = Field(ge=0)
+    ttl_s: float = Field(default=3600.0, gt=0)
+
+
+class TransferPublic(BaseModel):
+    """Room on the cache disk held for a broadcast: a delivery's folder (sbcast writes
+    into it) or an export's."""
+
+    id: str
+    path: str
+    bytes: int
+    expires_at: datetime
+
+
+class Adopt(BaseModel):
+    """``adopt`` of a ``POST /v1/datasets``: the dataset was delivered into reservation
+    ``incoming``; stage it from there. Either a bundle (``bundle.tar`` with its
+    ``manifest.json``, whose sha256 is given here) or the request's own source files
+    (``sources``: source path -> (size, sha256) of the copy, named
+    ``delivered_name(path)`` in the folder). The entry keeps the request's cache key,
+    which must equal ``origin_key``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    incoming: str = Field(pattern=LABEL_PATTERN)
+    origin_node: str
+    origin_key: str
+    job: str | None = None
+    manifest_sha256: str | None = Field(default=None, pattern=SHA256_PATTERN)
+    sources: dict[str, tuple[int, str]] | None = None
+
+
+BUNDLE_NAME = "bundle.tar"
+MANIFEST_NAME = "manifest.json"
+
+
+def delivered_name(source_path: str) -> str:
+    """The file name a broadcast source file gets in the incoming folder."""
+    return "src-" + hashlib.sha256(source_path.encode()).hexdigest()[:16]
+
+
 class DatasetCreate(BaseModel):
     """Body of ``POST /v1/datasets``: a recipe with its source, or raw steps."""
 
@@ -103,6 +207,8 @@ class DatasetCreate(BaseModel):
     # level of trees; "deep" stats every file of every tree.
     fingerprint: Literal["cheap", "deep"] = "cheap"
     lease: LeaseCreate | None = None
+    # Stage from what another node of a SLURM job broadcast here (docs/multinode.md).
+    adopt: Adopt | None = None
 
     @model_validator(mode="after")
     def _recipe_or_steps(self) -> DatasetCreate:
@@ -113,8 +219,10 @@ class DatasetCreate(BaseModel):
         return self
 
     def spec(self) -> dict[str, Any]:
-        """What identifies the content: everything but the handle and the link."""
-        return self.model_dump(mode="json", exclude={"name", "link", "lease"})
+        """What identifies the content: everything but the handle, the link, the lease,
+        and where the bytes come from (a node adopting a broadcast copy keys it as the
+        node that staged it from the source)."""
+        return self.model_dump(mode="json", exclude={"name", "link", "lease", "adopt"})
 
 
 class ErrorInfo(BaseModel):
@@ -148,6 +256,7 @@ class DatasetPublic(BaseModel):
     usage: list[TorchvisionUsage] = Field(default_factory=list)
     leases: list[LeasePublic] = Field(default_factory=list)
     size_bytes: int = 0  # on the node-local disk, once ready
+    origin: Origin | None = None  # how this node's copy arrived
     created_at: datetime
     updated_at: datetime
 

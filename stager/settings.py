@@ -105,6 +105,14 @@ class Settings(BaseSettings):
         return self.cache_dir / "data"  # published, ready entries
 
     @property
+    def incoming_dir(self) -> Path:
+        return self.cache_dir / "incoming"  # what other nodes broadcast here, until adopted
+
+    @property
+    def outgoing_dir(self) -> Path:
+        return self.cache_dir / "outgoing"  # ready datasets packed to be broadcast
+
+    @property
     def partial_dir(self) -> Path:
         return self.cache_dir / "partial"  # entries being staged; never reported ready
 

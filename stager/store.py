@@ -35,14 +35,16 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at TEXT NOT NULL,
     updated_at TEXT NOT NULL,
     last_used_at TEXT NOT NULL,
-    attempt TEXT
+    attempt TEXT,
+    origin TEXT
 );
 CREATE TABLE IF NOT EXISTS handles (
     name TEXT PRIMARY KEY,
     key TEXT NOT NULL,
     spec_key TEXT NOT NULL,
     link TEXT,
-    created_at TEXT NOT NULL
+    created_at TEXT NOT NULL,
+    hit INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY,
@@ -65,9 +67,15 @@ class Store:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(entries)")}
-        if "attempt" not in columns:  # a cache made before attempts had ids
-            self._db.execute("ALTER TABLE entries ADD COLUMN attempt TEXT")
+        # Columns added since the first release: a cache made before them gains them.
+        for table, column, kind in (
+            ("entries", "attempt", "TEXT"),
+            ("entries", "origin", "TEXT"),
+            ("handles", "hit", "INTEGER NOT NULL DEFAULT 0"),
+        ):
+            columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -103,6 +111,7 @@ class Store:
                 "updated_at": entry.updated_at.isoformat(),
                 "last_used_at": entry.last_used_at.isoformat(),
                 "attempt": entry.attempt,
+                "origin": json.dumps(entry.origin) if entry.origin else None,
             },
         )
 
@@ -162,11 +171,13 @@ class Store:
             updated_at=datetime.fromisoformat(row["updated_at"]),
             last_used_at=datetime.fromisoformat(row["last_used_at"]),
             attempt=row.get("attempt"),
+            origin=json.loads(row["origin"]) if row.get("origin") else None,
         )
 
 
 def _handle(row: dict[str, Any]) -> Handle:
-    return Handle(**{**row, "created_at": datetime.fromisoformat(row["created_at"])})
+    created = datetime.fromisoformat(row["created_at"])
+    return Handle(**{**row, "created_at": created, "hit": bool(row.get("hit"))})
 
 
 def _lease(row: dict[str, Any]) -> Lease:

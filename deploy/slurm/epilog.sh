@@ -7,7 +7,10 @@
 #    instead of when the daemon's sweep notices the job is gone;
 # 2. removes the job's $SLURM_TMPDIR (only the links into the cache live there; the
 #    staged data stays cached for the next job);
-# 3. with STAGER_EPILOG_STOP=1, stops the daemon the prolog started once no other
+# 3. drops what a multi-node staging (--peers slurm, docs/multinode.md) of the job
+#    left in the cache: deliveries not adopted, packed copies not removed (a job
+#    killed mid-broadcast); the daemon would expire them within the hour;
+# 4. with STAGER_EPILOG_STOP=1, stops the daemon the prolog started once no other
 #    job of the user runs on the node.
 #
 # Exits 0 on every stager problem (logged): a failing epilog drains the node.
@@ -48,6 +51,26 @@ release_leases() {
     local count
     count=$(grep -o '"id"' <<<"$body" | wc -l || true)
     log "released $count lease(s) of $HOLDER"
+}
+
+# Deliveries and exports are folders named job<id>-<key> under the cache's incoming/
+# and outgoing/; the daemon releases them (and frees their room in its admission).
+drop_broadcast_leftovers() {
+    [[ -n $STAGER_SOCKET && -S $STAGER_SOCKET ]] || return 0
+    local folder kind label reply code
+    for folder in "$CACHE_DIR/incoming/job$JOB_ID"-* "$CACHE_DIR/outgoing/job$JOB_ID"-*; do
+        [[ -d $folder ]] || continue
+        label=$(basename "$folder")
+        kind=incoming
+        [[ $folder == "$CACHE_DIR"/outgoing/* ]] && kind=exports
+        reply=$(daemon_request DELETE "/v1/$kind/$label" 2>&1) || true
+        code=${reply##*$'\n'}
+        if [[ $code == 404 ]]; then
+            # Unknown to the daemon (it restarted): nothing will adopt it.
+            rm -rf --one-file-system -- "$folder"
+        fi
+        log "dropped broadcast leftover $folder (HTTP ${code:-?})"
+    done
 }
 
 remove_job_tmpdir() {
@@ -97,6 +120,7 @@ main() {
     lock_user
     rm -f "$USER_STATE/jobs/$JOB_ID"
     release_leases
+    drop_broadcast_leftovers
     remove_job_tmpdir
     maybe_stop_daemon
     log "finished"

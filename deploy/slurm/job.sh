@@ -28,6 +28,8 @@
 #   OUTPUT_DIR   checkpoints and logs (default $SLURM_SUBMIT_DIR/runs/$SLURM_JOB_ID)
 #   TRAIN_ARGS   more stager-train flags, e.g. "--crop-size 160 --amp bf16"
 #   STAGE_ARGS   more stager-client stage flags, e.g. "--param splits=[\"2021_train_mini\"]"
+#   FANOUT       1 (default): a multi-node job reads the shared storage once (sbcast);
+#                0: every node stages from the storage itself
 #   STAGER_VENV  a virtualenv to activate that has stager installed
 #
 #SBATCH --job-name=inat-stager
@@ -114,24 +116,40 @@ if [[ -z ${SLURM_TMPDIR:-} ]]; then
     exit 2
 fi
 
-# Stage on every node, one task per node. The single quotes matter: $SLURM_TMPDIR
-# must be expanded on each node, not here on the first one (seeds/000's data.py makes
-# the same point). --lease pins the data for this job; the epilog releases it.
+# Stage on every node. On more than one node, one command in this script does it while
+# the shared storage is read once: one node stages (or already holds) the data and
+# SLURM's sbcast sends it to the others (docs/multinode.md; FANOUT=0 turns it off).
+# $SLURM_TMPDIR is the same path on every node of a job, so the link is too. --lease
+# pins the data for this job; the epilog releases it.
 echo "Staging $DATASET from $INAT_SOURCE on $NODES node(s)"
+# The link's fallback, on every node: a requeued job keeps its job id, so it asks for
+# the same link again after the epilog removed it; the daemon may consider that link
+# made already. $1: the staged path (the same on every node: same cache path and key).
 # shellcheck disable=SC2016  # expanded by the task's bash, on purpose
-srun --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" bash -c '
-    set -euo pipefail
+ensure_link='
     link=$SLURM_TMPDIR/data/$DATASET
-    path=$(stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
-        --link "$link" --lease "slurm-job-$SLURM_JOB_ID" --wait --progress log "$@")
-    echo "$path"
     if [[ ! -e $link ]]; then
-        # A requeued job keeps its job id, so it asks for the same link again after
-        # the epilog removed it; the daemon may consider that link made already.
         mkdir -p "$(dirname "$link")"
-        ln -sfn "$path" "$link"
+        ln -sfn "$1" "$link"
     fi
-    echo "$(hostname -s): $link -> $(readlink "$link")"' stage "${stage_args[@]}"
+    echo "$(hostname -s): $link -> $(readlink "$link")"'
+if ((NODES > 1)) && [[ ${FANOUT:-1} == 1 ]]; then
+    path=$(stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
+        --link "$SLURM_TMPDIR/data/$DATASET" --lease "slurm-job-$SLURM_JOB_ID" \
+        --peers slurm "${stage_args[@]}")
+    srun --ntasks="$NODES" --ntasks-per-node=1 bash -c "set -euo pipefail; $ensure_link" link "$path"
+else
+    # One task per node. The single quotes matter: $SLURM_TMPDIR must be expanded on
+    # each node, not here on the first one (seeds/000's data.py makes the same point).
+    # shellcheck disable=SC2016  # expanded by the task's bash, on purpose
+    srun --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$CPUS_PER_TASK" bash -c '
+        set -euo pipefail
+        path=$(stager-client stage "$DATASET" --recipe inat2021 --source "$INAT_SOURCE" \
+            --link "$SLURM_TMPDIR/data/$DATASET" --lease "slurm-job-$SLURM_JOB_ID" \
+            --wait --progress log "$@")
+        echo "$path"
+        set -- "$path"'"$ensure_link" stage "${stage_args[@]}"
+fi
 
 if [[ -n $interrupted ]]; then
     requeue_if_asked

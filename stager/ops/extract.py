@@ -441,6 +441,13 @@ def _tar_member(
             if stream is None and _start_inner(job, archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
+        if stream is None and member.sparse is None:  # the common case, kept short
+            if member.offset_data + member.size > archive.length:
+                _require_inside(archive, member, member.size)
+            offset = archive.base + member.offset_data
+            mode, size = file_mode(member.mode), member.size
+            rel = writer.range_file(rel, mode, member.mtime, archive.fd, offset, size, share)
+            return
         payload = _tar_payload(archive, tar, stream, member)
         inline = callable(payload)
         rel = writer.file(rel, file_mode(member.mode), member.mtime, payload, share, inline)

@@ -24,6 +24,8 @@ from pydantic import Field, TypeAdapter, create_model
 
 from stager.errors import BadRequest
 from stager.ops import (
+    adopt,
+    check_delivered,
     copy,
     extract,
     fetch,
@@ -82,6 +84,9 @@ BUILTIN = (
     _row("unpack", unpack, unpack.UnpackStep, verify=EVERY_LEVEL),
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
+    # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.
+    _row("adopt", adopt, adopt.AdoptStep, verify=EVERY_LEVEL),
+    _row("check_delivered", check_delivered, check_delivered.CheckDeliveredStep),
 )
 
 

@@ -22,6 +22,7 @@ and so does this module: the members must be followed by an end-of-archive
 from __future__ import annotations
 
 import tarfile
+import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
@@ -90,7 +91,28 @@ def _next(
     return member, tar.offset if member is not None else offset
 
 
-def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> tarfile.TarInfo | None:
+class Member:
+    """What extraction reads of a plain file or folder header: the fields of a
+    ``tarfile.TarInfo`` it uses, made in a fraction of the time."""
+
+    __slots__ = ("name", "type", "mode", "size", "mtime", "offset", "offset_data")
+    sparse = None
+    linkname = ""
+
+    def isreg(self) -> bool:
+        return self.type in tarfile.REGULAR_TYPES
+
+    def isdir(self) -> bool:
+        return self.type == tarfile.DIRTYPE
+
+    def issym(self) -> bool:
+        return False
+
+    def islnk(self) -> bool:
+        return False
+
+
+def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member | None:
     """The member a plain file or directory header describes, or None for tarfile."""
     if (
         len(block) != BLOCK
@@ -108,7 +130,7 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> tarfil
         )
     except ValueError:
         return None
-    if chksum != 256 + sum(block[:148]) + sum(block[156:]):
+    if min(chksum, mode, size, mtime) < 0 or not _checksum_ok(block, chksum):
         return None  # maybe a signed-char checksum (old Sun tars): tarfile decides
     # Name rules as tarfile's ``frombuf``: V7 directories end in "/", directory names
     # lose trailing slashes, and a ustar prefix comes in front.
@@ -122,8 +144,8 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> tarfil
         prefix = _text(block[345:500], encoding, errors)
         if prefix:
             name = f"{prefix}/{name}"
-    member = TarInfo(name)
-    member.type, member.mode, member.size, member.mtime = kind, mode, size, mtime
+    member = Member()
+    member.name, member.type, member.mode, member.size, member.mtime = name, kind, mode, size, mtime
     member.offset, member.offset_data = offset, offset + BLOCK
     return member
 
@@ -131,7 +153,27 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> tarfil
 def _octal(field: bytes) -> int:
     if field[0] & 0x80:
         raise ValueError("base-256 number")
-    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+    try:
+        # The common layout (zero-padded digits, NUL- or space-terminated) in one call;
+        # int() strips the padding that replace() made of the NULs.
+        return int(field.replace(b"\0", b" "), 8)
+    except ValueError:
+        return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+# The header checksum is the sum of its 512 bytes with the checksum field read as 8
+# spaces. Summing bytes in Python costs ~4 us a header; two C-speed residues pin the
+# sum exactly instead: adler32's low half is (1 + sum) mod 65521, and a big-endian
+# integer is congruent to its byte sum mod 255 (256 = 1 mod 255). A checksum larger
+# than any header can have is refused first, so every possible difference is smaller
+# than 65521 * 255 and both residues agreeing is equality.
+def _checksum_ok(block: bytes, chksum: int) -> bool:
+    if chksum > 256 + 504 * 255:  # a larger field could alias past the moduli
+        return False
+    want = chksum - 256 + sum(block[148:156])  # the sum of the block as it is
+    return ((zlib.adler32(block) & 0xFFFF) - 1 - want) % 65521 == 0 and (
+        int.from_bytes(block, "big") - want
+    ) % 255 == 0
 
 
 def _text(field: bytes, encoding: str, errors: str) -> str:

@@ -27,7 +27,8 @@ def fake_bin(folder: Path) -> Path:
     folder.mkdir()
     scripts = {
         "srun": 'printf "%q " "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"',
-        **dict.fromkeys(("stager", "stager-client", "stager-train"), "exit 0"),
+        "stager-client": 'printf "%q " stager-client "$@" >>"$SRUN_LOG"; echo >>"$SRUN_LOG"',
+        **dict.fromkeys(("stager", "stager-train"), "exit 0"),
     }
     for name, body in scripts.items():
         (folder / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -53,7 +54,7 @@ def srun_calls(tmp_path: Path, **slurm: str) -> list[list[str]]:
 
 def test_every_srun_passes_the_jobs_cpus_per_task(tmp_path: Path) -> None:
     # Slurm >= 22.05: srun does not inherit the job's --cpus-per-task by itself.
-    calls = srun_calls(tmp_path, SLURM_CPUS_PER_TASK="4")
+    calls = [c for c in srun_calls(tmp_path, SLURM_CPUS_PER_TASK="4") if c[0] != "stager-client"]
     assert calls[0][-1] == "--detach"  # no STAGER_URL: daemon, then stage, then train
     assert len(calls) == 3
     for call in calls:
@@ -61,8 +62,20 @@ def test_every_srun_passes_the_jobs_cpus_per_task(tmp_path: Path) -> None:
 
 
 def test_without_cpus_per_task_sruns_ask_for_one(tmp_path: Path) -> None:
-    calls = srun_calls(tmp_path)
+    calls = [c for c in srun_calls(tmp_path) if c[0] != "stager-client"]
     assert calls and all("--cpus-per-task=1" in call for call in calls), calls
+
+
+def test_a_multi_node_job_stages_once_in_the_batch_script_with_fanout(tmp_path: Path) -> None:
+    calls = srun_calls(tmp_path, SLURM_JOB_NUM_NODES="4", STAGER_URL="unix:///x.sock")
+    stages = [c for c in calls if "stage" in c]
+    assert len(stages) == 1 and stages[0][0] == "stager-client", calls  # not under srun
+    assert "--peers" in stages[0] and stages[0][stages[0].index("--peers") + 1] == "slurm"
+    assert f"{tmp_path / 'tmp'}/data/inat2021" in stages[0]  # the link, the same everywhere
+    (tmp_path / "off").mkdir()
+    off = srun_calls(tmp_path / "off", SLURM_JOB_NUM_NODES="4", STAGER_URL="u", FANOUT="0")
+    per_node = [c for c in off if "stage" in c]
+    assert per_node[0][0] == "--ntasks=4", off  # srun, one task per node
 
 
 # ----------------------------------------------------------------- preemption

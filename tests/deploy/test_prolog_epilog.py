@@ -19,8 +19,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-SLURM_DIR = Path(__file__).resolve().parents[2] / "deploy" / "slurm"
+REPO = Path(__file__).resolve().parents[2]
+SLURM_DIR = REPO / "deploy" / "slurm"
 BIN_DIR = Path(sys.executable).parent
+
+
+def checkout_bin(folder: Path) -> Path:
+    """``stager`` that runs this checkout's code: the prolog starts the daemon with a
+    clean environment, so a virtualenv installed from another checkout would win."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "stager"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={REPO} exec {BIN_DIR / "stager"} "$@"\n')
+    wrapper.chmod(0o755)
+    return folder
+
 
 pytestmark = pytest.mark.skipif(
     not all(shutil.which(tool) for tool in ("bash", "curl", "flock")),
@@ -84,7 +96,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
     config.write_text(
         "\n".join(
             [
-                f"STAGER_BIN_DIR={BIN_DIR}",
+                f"STAGER_BIN_DIR={checkout_bin(root / 'bin')}",
                 "STAGER_SLURM_START=1",
                 f"STAGER_SLURM_RUNTIME_DIR={root}/rt-%U",
                 f"STAGER_SLURM_CACHE_DIR={root}/cache-%u",
@@ -159,10 +171,33 @@ def test_two_jobs_share_one_daemon_and_the_last_epilog_stops_it(node: Node, tmp_
     assert not node.answers()
 
 
+def test_the_epilog_drops_what_a_broadcast_of_the_job_left(node: Node) -> None:
+    """A job killed mid-broadcast (docs/multinode.md) leaves a delivery reserved on a
+    receiver; the epilog releases it (its room too), and only that job's."""
+    assert node.run("prolog.sh", 301).returncode == 0
+    assert node.run("prolog.sh", 3010).returncode == 0  # keeps the daemon past 301's end
+    with node.api() as api:
+        for label in ("job301-abc", "job3010-abc"):
+            reserved = api.post("/v1/incoming", json={"label": label, "bytes": 1000})
+            assert reserved.status_code == 200, reserved.text
+            (Path(reserved.json()["path"]) / "bundle.tar").write_bytes(b"x" * 1000)
+    incoming = node.root / f"cache-{pwd.getpwuid(os.getuid()).pw_name}" / "incoming"
+    # A folder the daemon does not know (it restarted since): removed all the same.
+    (incoming / "job301-old").mkdir()
+    assert node.run("epilog.sh", 301).returncode == 0, node.log_text()
+    assert sorted(p.name for p in incoming.iterdir()) == ["job3010-abc"]
+    assert "dropped broadcast leftover" in node.log_text()
+    with node.api() as api:
+        assert api.delete("/v1/incoming/job301-abc").status_code == 404
+        assert api.delete("/v1/incoming/job3010-abc").status_code == 200
+
+
 def test_prolog_never_fails_the_job(node: Node) -> None:
     """A broken install is logged; the prolog still exits 0 (non-zero drains the node)."""
     node.config.write_text(
-        node.config.read_text().replace(f"STAGER_BIN_DIR={BIN_DIR}", "STAGER_BIN_DIR=/nonexistent")
+        node.config.read_text().replace(
+            f"STAGER_BIN_DIR={node.root / 'bin'}", "STAGER_BIN_DIR=/nonexistent"
+        )
     )
     result = node.run("prolog.sh", 201)
     assert result.returncode == 0, result.stderr

@@ -37,22 +37,12 @@ require_root() {
     command -v apt-get >/dev/null || die "needs a Debian-like system with apt-get (Debian's slurm-wlm)"
 }
 
+# shellcheck source=../packages.sh
+source "$SLURM_DIR/packages.sh"
+
 install_packages() {
-    local missing=0 tool
-    for tool in slurmctld slurmd sbatch scontrol munged mungekey curl setpriv; do
-        command -v "$tool" >/dev/null || missing=1
-    done
-    ((missing)) || return 0
-    say "installing ${PACKAGES[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    # Fresh machines have empty package lists; refresh only when needed (once).
-    if ! compgen -G '/var/lib/apt/lists/*_Packages' >/dev/null; then
-        apt-get update -qq
-    fi
-    if ! apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null; then
-        apt-get update -qq
-        apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
-    fi
+    apt_install_missing "slurmctld slurmd sbatch scontrol munged mungekey curl setpriv" \
+        "${PACKAGES[@]}"
 }
 
 # shellcheck source=pidfile.sh

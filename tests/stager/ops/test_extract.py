@@ -282,8 +282,9 @@ def test_extract_onto_another_filesystem(fmt: str, tree: Path, tmp_path: Path, t
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("size", ["small", "large"])
 def test_sha256_reads_every_file_back(
-    fmt: str, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fmt: str, size: str, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """verify sha256: a file whose bytes on disk differ from its member's is a failure
     naming it. The fault is injected below stager, where the bytes reach the disk."""
@@ -291,10 +292,18 @@ def test_sha256_reads_every_file_back(
     run_extract(archive, tmp_path / "good", verify="sha256")  # the clean case passes
     assert digest(tmp_path / "good") == digest(tree)
     real_write = os.write
+    bad = str(tmp_path / "bad")
 
     def flip_after_write(fd: int, data) -> int:  # noqa: ANN001 - os.write's signature
         done = real_write(fd, data)
-        if done > 65_000:  # only file data: corrupt the first byte of what just landed
+        # Only the extracted files' data, small files (written from one read of the
+        # archive per batch) or large ones (copied in chunks): corrupt the first byte
+        # of what just landed.
+        if (
+            (0 < done < 65_000) == (size == "small")
+            and done
+            and os.readlink(f"/proc/self/fd/{fd}").startswith(bad)
+        ):
             os.pwrite(fd, b"\0" if bytes(data[:1]) != b"\0" else b"\1", os.lseek(fd, 0, 1) - done)
         return done
 

@@ -1,0 +1,201 @@
+"""Multi-node staging with fan-out on the 4-node test cluster (deploy/slurm/multinode):
+bytes that leave the shared storage, and wall time to ready on every node, for
+N = 1, 2, 4 nodes, with the storage link limited to --rate.
+
+Two datasets of --mb MB (random bytes, as incompressible as JPEGs), both staged with
+the ``imagefolder`` recipe: a tree of many files (~100 KB each) and a .tar.gz of the
+same tree. Each run is a real ``sbatch -N<n>`` job that runs one
+``stager-client stage --peers slurm`` and reports its own wall time to ready on
+all nodes; every run starts from empty caches. Bytes are counted on the storage
+side (its sftp-server's log; its link's counter for the wire total).
+
+Two references in the same run: ``per-node`` (every node of an N=4 job runs its own
+``stager-client stage``, which is what a job did before fan-out: the storage is
+read N times), and ``held`` (one node other than the batch node already holds the
+dataset: nothing should leave the storage).
+
+    sudo .venv/bin/python bench/bench_fanout.py                 # 200 MB, 200 Mbit/s, N=1,2,4
+    sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
+    ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tarfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.multinode import Cluster, fresh_copy, leftovers  # noqa: E402
+
+FILE_BYTES = 100_000
+
+
+def make_data(root: Path, total: int) -> tuple[Path, Path]:
+    tree = root / "imgs"
+    count = max(1, total // FILE_BYTES)
+    for i in range(count):
+        path = tree / f"class_{i % 10:02d}" / f"img_{i:06d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(FILE_BYTES))
+    archive = root / "imgs.tar.gz"
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+        tar.add(tree, arcname=".")
+    return tree, archive
+
+
+def stage_job(cluster: Cluster, name: str, source: str, nodes: int, broadcast: str) -> dict:
+    script = f"""
+stager-client stage {name} --recipe imagefolder --source {source} --peers slurm \\
+    --broadcast {broadcast} --timeout 900 --json > {cluster.jobs_dir}/{name}.json
+"""
+    job = cluster.sbatch(script, nodes=nodes, name=name, timeout=1200)
+    report_path = cluster.jobs_dir / f"{name}.json"
+    if not job.ok or not report_path.exists():
+        raise SystemExit(f"job {job.job_id} ({name}) {job.state} {job.exit_code}:\n{job.output}")
+    return json.loads(report_path.read_text())
+
+
+def per_node_job(cluster: Cluster, name: str, source: str, nodes: int) -> dict:
+    """Every node stages for itself (no --peers): the reference fan-out replaces."""
+    times = cluster.jobs_dir / f"{name}.times"
+    script = f"""
+date +%s.%N > {times}
+srun --nodes={nodes} --ntasks-per-node=1 stager-client stage {name} --recipe imagefolder \\
+    --source {source} --wait --timeout 900 >/dev/null
+date +%s.%N >> {times}
+"""
+    job = cluster.sbatch(script, nodes=nodes, name=name, timeout=1200)
+    if not job.ok:
+        raise SystemExit(f"job {job.job_id} ({name}) {job.state} {job.exit_code}:\n{job.output}")
+    start, end = (float(x) for x in times.read_text().split())
+    return {"seconds": end - start, "mode": "per-node", "nodes": {}, "timeline": {}}
+
+
+def hold_on_one_node(cluster: Cluster, name: str, source: str) -> None:
+    """Stage ``source`` on the third node alone (not the batch node of the next job)."""
+    holder = cluster.nodes[min(2, len(cluster.nodes) - 1)]
+    script = f"stager-client stage {name} --recipe imagefolder --source {source} --wait\n"
+    job = cluster.sbatch(script, nodes=1, name=name, timeout=1200, extra=[f"--nodelist={holder}"])
+    if not job.ok:
+        raise SystemExit(f"staging on {holder} alone failed:\n{job.output}")
+
+
+def clear_caches(cluster: Cluster) -> None:
+    job = cluster.sbatch(
+        f"srun --nodes={len(cluster.nodes)} --ntasks-per-node=1 stager gc --all >/dev/null\n",
+        nodes=len(cluster.nodes),
+        name="gc",
+    )
+    if not job.ok:
+        raise SystemExit(f"clearing the caches failed:\n{job.output}")
+
+
+def measure(cluster: Cluster, kind: str, source: Path, nodes: int, broadcast: str, run: int):
+    source = fresh_copy(source, f"r{run}-n{nodes}-{broadcast}")
+    clear_caches(cluster)
+    name, shared = f"{kind}-n{nodes}-{broadcast}-r{run}", cluster.shared(source)
+    if broadcast == "held":
+        hold_on_one_node(cluster, f"{name}-hold", shared)
+    before = cluster.storage()
+    if broadcast == "per-node":
+        report = per_node_job(cluster, name, shared, nodes)
+    else:
+        mode = "auto" if broadcast == "held" else broadcast
+        report = stage_job(cluster, name, shared, nodes, mode)
+    moved = cluster.storage() - before
+    failed = [n for n, r in report["nodes"].items() if r["error"]]
+    if failed:
+        raise SystemExit(f"nodes {failed} failed: {json.dumps(report, indent=1)}")
+    return report, moved
+
+
+def source_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--rate", default="200mbit")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--compare-modes", action="store_true")
+    parser.add_argument("--no-references", action="store_true", help="skip per-node and held")
+    args = parser.parse_args()
+
+    local = f"{max(1, args.mb * 5 // 1000 + 1)}g"  # room for data, delivery and bundle
+    cluster = Cluster(nodes=max(args.nodes), rate=args.rate, local_size=local)
+    print(f"load before: {os.getloadavg()[0]:.2f}; storage link {args.rate}", flush=True)
+    cluster.up()
+    try:
+        tree, archive = make_data(cluster.storage_dir, args.mb * 1_000_000)
+        sizes = {"tree": source_bytes(tree), "tar.gz": source_bytes(archive)}
+        print(f"tree: {sizes['tree'] / 1e6:.0f} MB in {len(list(tree.rglob('*.jpg')))} files; "
+              f"tar.gz: {sizes['tar.gz'] / 1e6:.0f} MB", flush=True)  # fmt: skip
+        results: dict[tuple[str, int, str], list] = {}
+        plan = [(kind, n, "auto") for kind in ("tree", "tar.gz") for n in args.nodes]
+        if not args.no_references:
+            most = max(args.nodes)
+            plan += [
+                (kind, most, how) for kind in ("tree", "tar.gz") for how in ("per-node", "held")
+            ]
+        if args.compare_modes:
+            plan += [
+                ("tar.gz", max(args.nodes), "prepared"),
+                ("tar.gz", max(args.nodes), "sources"),
+            ]
+        for run in range(args.runs):
+            for kind, nodes, broadcast in plan:
+                source = tree if kind == "tree" else archive
+                report, moved = measure(
+                    cluster, kind.replace(".", ""), source, nodes, broadcast, run
+                )
+                results.setdefault((kind, nodes, broadcast), []).append((report, moved))
+                print(f"  run {run}: {kind} N={nodes} {broadcast}: {report['seconds']:.1f} s, "
+                      f"mode {report['mode']}, storage {moved.content / sizes[kind]:.3f}x, "
+                      f"timeline {report['timeline']}", flush=True)  # fmt: skip
+        print(f"\nload after: {os.getloadavg()[0]:.2f}")
+        print_table(results, sizes, args)
+    finally:
+        namespaces = cluster.namespaces
+        cluster.down()
+        left = leftovers(namespaces)
+        if left:
+            print(f"LEFT BEHIND: {left}")
+    return 0
+
+
+def print_table(results: dict, sizes: dict[str, int], args: argparse.Namespace) -> None:
+    print(f"\n{args.mb} MB, storage link {args.rate}, median of {args.runs} run(s)")
+    print("| dataset | N | mode | wall time to ready on all nodes | vs N=1 | "
+          "storage bytes / source (content) | (wire) |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for (kind, nodes, broadcast), runs in sorted(results.items()):
+        seconds = statistics.median(r["seconds"] for r, _ in runs)
+        base = results.get((kind, 1, "auto"))
+        ratio = seconds / statistics.median(r["seconds"] for r, _ in base) if base else None
+        content = statistics.median(m.content for _, m in runs) / sizes[kind]
+        wire = statistics.median(m.wire for _, m in runs) / sizes[kind]
+        mode = runs[0][0]["mode"]
+        if broadcast == "held":
+            mode += " (one node holds it)"
+        elif broadcast not in ("auto", "per-node"):
+            mode += " (forced)"
+        spread = (
+            f" ({min(r['seconds'] for r, _ in runs):.1f}-{max(r['seconds'] for r, _ in runs):.1f})"
+        )
+        shown = f"{ratio:.2f}x" if ratio is not None else "-"
+        print(f"| {kind} | {nodes} | {mode} | {seconds:.1f} s{spread} | {shown} | "
+              f"{content:.3f}x | {wire:.3f}x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

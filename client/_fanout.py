@@ -1,0 +1,490 @@
+"""``stager-client stage --peers slurm``: stage on every node of the job, reading the
+shared storage once.
+
+Run once, in the batch script. SLURM is the orchestrator and the transport: the
+per-node work runs as ``srun`` steps (`client._fanout_node`), the bytes move with
+``sbcast``; there is no coordinator of ours and no listener. In order:
+
+1. **Probe** every node: its cache key for the request and whether it holds the
+   data (a cache hit).
+2. **Pick the source node**: a node that holds it (this one if it does), else one
+   chosen from the cache key and the sorted node list, so that different datasets
+   start on different nodes.
+3. **Move the data** to the nodes that lack it, with one step on exactly those
+   nodes (sbcast has no node list; it reaches the nodes of a step):
+
+   - *bundle*: the source node stages (or already holds) the dataset, packs the
+     ready tree into one tar with a manifest (every path, size and sha256), and
+     sbcasts both. Used whenever a node holds the data: the storage is not read.
+   - *sources*: when every source of the request is a plain file (release
+     archives), the source node sbcasts them as they are, read from the storage
+     once, and every node (itself too) stages from its local copy. The staging
+     then runs on all nodes at once instead of one after the other.
+
+4. **Adopt**: each receiving daemon stages from what it received, through the same
+   hardened extraction as any archive, checked against the manifest the source
+   node computed, and deletes the delivery. A copy that is missing, truncated or
+   different is rejected, and that node stages from the source itself.
+
+The outcome is one line per node; the command fails (naming the node and the
+step) only when some node has no data and nothing was left to try.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from client._client import AsyncStagerClient
+from client._fanout_node import Node
+from client._slurm import (
+    STEP_START_TIMEOUT_S,
+    Broadcast,
+    Job,
+    Step,
+    agent_argv,
+    cancel_step,
+    sbcast,
+    sink_argv,
+)
+from client.errors import FanoutError, StagerError
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, delivered_name
+
+# sbcast sends one 8 MB block at a time and waits for every node to have it. Up to
+# FLAT_FANOUT receivers the sender sends to each directly; beyond, a tree.
+BLOCK_BYTES = 8 << 20
+FLAT_FANOUT = 8
+# lz4 on the wire pays for data it shrinks; packed datasets are mostly JPEG/PNG and
+# release archives are compressed already, so it is off unless the data says so.
+LZ4_MIN_BYTES = 64 << 20
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".zst", ".tzst", ".xz", ".txz", ".bz2", ".tbz2", ".zip")
+
+Say = Callable[[str], None]
+
+
+def source_node(key: str, nodes: Sequence[str], holders: Sequence[str], this_node: str) -> str:
+    """Who reads the data for the others: a holder (this node first), else a node chosen
+    by the key, so that different datasets of one job start on different nodes."""
+    if this_node in holders:
+        return this_node
+    if holders:
+        return sorted(holders)[0]
+    ordered = sorted(nodes)
+    return ordered[int(key[:15], 16) % len(ordered)]
+
+
+def fanout_for(receivers: int, nbytes: int) -> int:
+    """sbcast's ``--fanout``: flat (the sender sends every copy) for few receivers or
+    one block; for many, the tree width that minimises width x depth per block."""
+    if receivers <= FLAT_FANOUT or nbytes <= BLOCK_BYTES:
+        return max(1, min(receivers, FLAT_FANOUT))
+
+    def cost(width: int) -> tuple[int, int]:
+        depth, reached = 0, 1
+        while reached < receivers + 1:
+            reached *= width + 1
+            depth += 1
+        return width * depth, -width
+
+    return min(range(2, FLAT_FANOUT + 1), key=cost)
+
+
+def broadcast_for(receivers: int, nbytes: int, compressible: bool) -> Broadcast:
+    return Broadcast(compressible and nbytes >= LZ4_MIN_BYTES, fanout_for(receivers, nbytes))
+
+
+def compressed_name(path: str) -> bool:
+    return path.lower().endswith(COMPRESSED_SUFFIXES)
+
+
+@dataclass
+class NodeResult:
+    node: str
+    how: str | None = None  # hit | staged | broadcast
+    path: str | None = None
+    seconds: float | None = None
+    fallback: str | None = None  # why a broadcast copy was not used
+    error: str | None = None
+
+    def line(self) -> str:
+        if self.error:
+            return f"{self.node}: FAILED: {self.error}"
+        what = {"hit": "cache hit", "staged": "staged from the source"}.get(
+            self.how or "", "broadcast copy adopted"
+        )
+        took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
+        note = f" (fallback: {self.fallback})" if self.fallback else ""
+        return f"{self.node}: {what}{took}{note} -> {self.path}"
+
+
+@dataclass
+class Report:
+    name: str
+    key: str | None = None
+    source: str | None = None
+    mode: str = "none"  # bundle | sources | none (nothing to send)
+    sent_bytes: int = 0
+    broadcast: Broadcast | None = None
+    seconds: float = 0.0
+    nodes: dict[str, NodeResult] = field(default_factory=dict)
+    # When each phase ended, in seconds from the start: where the time went.
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[NodeResult]:
+        return [r for r in self.nodes.values() if r.error]
+
+    def headline(self) -> str:
+        nodes = len(self.nodes)
+        text = f"{self.name!r} on {nodes} node{'s' * (nodes != 1)} in {self.seconds:.1f} s"
+        if self.mode == "none":
+            return text
+        sent = f"{self.sent_bytes / 1e6:.1f} MB"
+        how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
+        what = "the prepared tree" if self.mode == "bundle" else "the source files"
+        return f"{text}: {self.source} sent {what} ({sent}) with sbcast{how}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "source": self.source,
+            "mode": self.mode,
+            "sent_bytes": self.sent_bytes,
+            "compress": self.broadcast.compress if self.broadcast else None,
+            "fanout": self.broadcast.fanout if self.broadcast else None,
+            "seconds": round(self.seconds, 3),
+            "timeline": self.timeline,
+            "nodes": {n: vars(r) for n, r in sorted(self.nodes.items())},
+        }
+
+
+class Fanout:
+    def __init__(
+        self,
+        job: Job,
+        client: AsyncStagerClient,
+        body: Mapping[str, Any],
+        timeout: float | None,
+        say: Say,
+        broadcast: str = "auto",
+    ) -> None:
+        self.job = job
+        self.client = client
+        self.body = dict(body)
+        self.timeout = timeout
+        self.say = say
+        self.broadcast = broadcast  # auto | prepared | sources
+        self.report = Report(name=str(body["name"]))
+        self._started = time.monotonic()
+
+    def _mark(self, phase: str) -> None:
+        self.report.timeline[phase] = round(time.monotonic() - self._started, 3)
+
+    # ---- the run -----------------------------------------------------------------------
+
+    async def run(self) -> Report:
+        self._started = time.monotonic()
+        try:
+            if len(self.job.nodes) == 1:
+                await self._alone()
+            else:
+                await self._everywhere()
+            self._mark("ready")
+        finally:
+            self.report.seconds = time.monotonic() - self._started
+        return self.report
+
+    async def _alone(self) -> None:
+        """One node: a plain staging, in this process."""
+        node = Node(self.client, self.job.this_node, self.body, self.timeout, lambda _: None)
+        self._record(await node.stage(), "batch step")
+
+    async def _everywhere(self) -> None:
+        argv = ["--request", json.dumps(self.body), "--url", self.client.url]
+        if self.timeout is not None:
+            argv += ["--timeout", str(self.timeout)]
+        step = Step(self.job, self.job.nodes, "node")
+        agents = Agents(await step.start(agent_argv(*argv), stdin=True, kill_on_bad_exit=True))
+        try:
+            await asyncio.wait_for(agents.started(), STEP_START_TIMEOUT_S)
+            probes = await agents.collect("probe", self.job.nodes)
+            self._mark("probe")
+            await self._plan(agents, probes)
+            for event in await agents.done():
+                self._record(event, agents.step.label())
+        except TimeoutError:
+            raise FanoutError(
+                f"{agents.step.label()} did not start within {STEP_START_TIMEOUT_S:.0f} s "
+                f"({agents.step.stderr_tail()}); check the nodes with sinfo"
+            ) from None
+        finally:
+            await agents.close()
+
+    async def _plan(self, agents: Agents, probes: dict[str, dict[str, Any]]) -> None:
+        usable = []
+        for node in self.job.nodes:
+            error = probes.get(node, {}).get("error") or (node not in probes and "no answer")
+            if error:
+                self._record({"node": node, "error": f"probe: {error}"}, agents.step.label())
+            else:
+                usable.append(node)
+        keys = {probes[n]["key"] for n in usable}
+        if len(keys) > 1:
+            self.say(
+                "the nodes compute different cache keys for this request ("
+                + ", ".join(f"{n}: {probes[n]['key']}" for n in usable)
+                + "): they see the sources differently, so each stages its own copy"
+            )
+            await agents.tell({"do": "stage", "to": usable})
+            return
+        if not keys:
+            return
+        key = self.report.key = keys.pop()
+        holders = [n for n in usable if probes[n].get("state") == "ready"]
+        lacking = [n for n in usable if n not in holders]
+        source = self.report.source = source_node(key, usable, holders, self.job.this_node)
+        if not lacking:
+            await agents.tell({"do": "stage", "to": usable})
+        elif self._sources_pay(holders, probes[source].get("source_files", [])):
+            self.report.mode = "sources"
+            await self._send_sources(agents, source, probes[source]["source_files"], lacking)
+        else:
+            self.report.mode = "bundle"
+            await self._send_bundle(agents, source, lacking, holders)
+
+    def _sources_pay(self, holders: list[str], files: list[dict[str, Any]]) -> bool:
+        """Broadcast the source files, rather than the prepared tree, when there are such
+        files and no node holds the data (a holder's copy costs the storage nothing).
+        Measured (docs/benchmarks.md): every node extracting at once beats one node
+        extracting, packing, sending and the others unpacking."""
+        if holders or not files or self.broadcast == "prepared":
+            return False
+        return True
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _label(self) -> str:
+        """Names the delivery folder on every receiver and the export on the sender."""
+        return f"job{self.job.job_id}-{self.report.key}"
+
+    def _record(self, event: Mapping[str, Any], step: str) -> NodeResult:
+        node = str(event["node"])
+        error = event.get("error")
+        result = NodeResult(
+            node,
+            how=event.get("how"),
+            path=event.get("path"),
+            seconds=event.get("seconds"),
+            fallback=event.get("fallback"),
+            error=f"{error} ({step})" if error else None,
+        )
+        self.report.nodes[node] = result
+        return result
+
+    async def _sink(self, nodes: Sequence[str]) -> Sink:
+        step = await Step(self.job, nodes, "sink").start(sink_argv())
+        return await Sink(step).started()
+
+    async def _reserve(self, agents: Agents, nodes: Sequence[str], nbytes: int) -> str:
+        """Room on every receiver: the one folder sbcast writes into (FanoutError if not)."""
+        await agents.tell({"do": "reserve", "to": list(nodes), "label": self._label(),
+                           "bytes": nbytes})  # fmt: skip
+        found = await agents.collect("reserved", nodes)
+        errors = [f"{n}: {e['error']}" for n, e in sorted(found.items()) if e.get("error")]
+        if errors or len(found) < len(nodes):
+            raise FanoutError(
+                "not every receiving node could make room for the broadcast copy ("
+                + ("; ".join(errors) or agents.step.stderr_tail())
+                + "), so the receivers stage from the source"
+            )
+        paths = {e["path"] for e in found.values()}
+        if len(paths) > 1:
+            raise FanoutError(
+                f"the receiving nodes' cache folders differ ({', '.join(sorted(paths))}); sbcast "
+                "writes one path on every node, so run the daemons with the same --cache-dir"
+            )
+        self._mark("reserve")
+        return paths.pop()
+
+    # ---- bundle: stage on one node, pack, broadcast the prepared tree -----------------
+
+    async def _send_bundle(
+        self, agents: Agents, source: str, lacking: list[str], holders: list[str]
+    ) -> None:
+        receivers = [n for n in lacking if n != source]
+        # Every holder takes its cache hit (the source too: it then packs its copy), and
+        # the sink starts while the source stages: both off the critical path.
+        await agents.tell({"do": "stage", "to": sorted({*holders, source})})
+        sink_start = asyncio.create_task(self._sink(receivers))
+        staged = (await agents.collect("staged", [source])).get(source, {})
+        self._mark("stage")
+        sink = await sink_start
+        try:
+            if staged.get("error") or not staged:
+                reason = f"the source node {source} failed ({staged.get('error', 'no answer')})"
+                await agents.tell({"do": "stage", "to": receivers, "reason": reason})
+                return
+            try:
+                await self._bundle_to(agents, sink, source, receivers)
+            except FanoutError as exc:
+                await agents.tell({"do": "stage", "to": receivers, "reason": exc.message})
+        finally:
+            await sink.close()
+
+    async def _bundle_to(
+        self, agents: Agents, sink: Sink, source: str, receivers: list[str]
+    ) -> None:
+        label = self._label()
+        await agents.tell({"do": "export", "to": [source], "label": label})
+        exported = (await agents.collect("exported", [source])).get(source, {})
+        self._mark("export")
+        if exported.get("error") or not exported:
+            raise FanoutError(f"packing on {source} failed ({exported.get('error', 'no answer')})")
+        try:
+            nbytes = int(exported["bundle_bytes"])
+            dest = await self._reserve(agents, receivers, nbytes)
+            how = self.report.broadcast = broadcast_for(len(receivers), nbytes, False)
+            try:
+                for path, name in (
+                    (exported["manifest"], MANIFEST_NAME),
+                    (exported["bundle"], BUNDLE_NAME),
+                ):
+                    await sbcast(self.job, source, sink.step_id, path, f"{dest}/{name}", how)
+            except StagerError as exc:
+                # Some nodes may hold a whole copy all the same: each receiver checks its own.
+                self.say(f"the broadcast from {source} failed ({exc.message}); receivers check")
+            self._mark("sbcast")
+            self.report.sent_bytes = nbytes
+        finally:
+            await agents.tell({"do": "drop-export", "to": [source], "label": label})
+        adopt = Adopt(
+            incoming=label,
+            origin_node=source,
+            origin_key=str(exported["key"]),
+            job=self.job.job_id,
+            manifest_sha256=exported["manifest_sha256"],
+        )
+        await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
+
+    # ---- sources: broadcast the release files, every node stages from its copy -------
+
+    async def _send_sources(
+        self, agents: Agents, source: str, source_files: list[dict[str, Any]], lacking: list[str]
+    ) -> None:
+        files = {str(f["path"]): int(f["size"]) for f in source_files}
+        sink = await self._sink(lacking)
+        try:
+            dest = await self._reserve(agents, lacking, sum(files.values()))
+            for path, size in files.items():
+                how = broadcast_for(len(lacking), size, not compressed_name(path))
+                self.report.broadcast = how
+                target = f"{dest}/{delivered_name(path)}"
+                await sbcast(self.job, source, sink.step_id, path, target, how)
+                self.report.sent_bytes += size
+            self._mark("sbcast")
+        except StagerError as exc:
+            reason = f"the broadcast of the source files failed ({exc.message})"
+            await agents.tell({"do": "stage", "to": lacking, "reason": reason})
+            return
+        finally:
+            await sink.close()
+        # The source node's copy is the reference the others are checked against.
+        await agents.tell({"do": "hash", "to": [source], "files": list(files)})
+        hashed = (await agents.collect("hashed", [source])).get(source, {})
+        self._mark("hash")
+        if hashed.get("error") or not hashed:
+            reason = f"{source}: {hashed.get('error', 'no answer')}"
+            await agents.tell({"do": "stage", "to": lacking, "reason": reason})
+            return
+        adopt = Adopt(
+            incoming=self._label(),
+            origin_node=source,
+            origin_key=str(self.report.key),
+            job=self.job.job_id,
+            sources={path: tuple(entry) for path, entry in hashed["files"].items()},
+        )
+        await agents.tell({"do": "adopt", "to": lacking, "adopt": adopt.model_dump()})
+
+
+class Agents:
+    """The step with one `client._fanout_node` task per node, and the talk with it."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self._events = step.events()
+        self._early: list[dict[str, Any]] = []  # read while looking for other events
+
+    async def collect(self, kind: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The next ``kind`` event from each of ``nodes`` (fewer if the step ends)."""
+        found = {}
+        for event in [e for e in self._early if e.get("event") == kind and e["node"] in nodes]:
+            self._early.remove(event)
+            found[event["node"]] = event
+        while len(found) < len(nodes):
+            try:
+                event = await anext(self._events)
+            except StopAsyncIteration:
+                break
+            if event.get("event") == kind and event["node"] in nodes:
+                found[event["node"]] = event
+            else:
+                self._early.append(event)
+        return found
+
+    async def started(self) -> None:
+        found = await self.collect("ready", self.step.nodes)
+        if self.step.step_id is None:
+            missing = [n for n in self.step.nodes if n not in found]
+            raise FanoutError(
+                f"{self.step.label()} did not start on {', '.join(missing) or 'any node'} "
+                f"({self.step.stderr_tail()}); check those nodes with sinfo"
+            )
+
+    async def tell(self, message: dict[str, Any]) -> None:
+        await self.step.write(message)
+
+    async def done(self) -> list[dict[str, Any]]:
+        """Every node's outcome: stdin closes, each task reports and exits."""
+        self.step.close_stdin()
+        found = await self.collect("done", self.step.nodes)
+        await self.step.wait()
+        return [
+            found.get(node)
+            or {
+                "node": node,
+                "event": "done",
+                "error": f"its task ended without a report ({self.step.stderr_tail()})",
+            }
+            for node in self.step.nodes
+        ]
+
+    async def close(self) -> None:
+        await self.step.kill()
+
+
+class Sink:
+    """The step sbcast sends to: on exactly the nodes that lack the data."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.step_id = ""
+
+    async def started(self) -> Sink:
+        async for event in self.step.events():
+            if event.get("step"):
+                self.step_id = str(event["step"])
+                return self
+        raise FanoutError(
+            f"{self.step.label()} did not start ({self.step.stderr_tail()}); check those "
+            "nodes with sinfo"
+        )
+
+    async def close(self) -> None:
+        if self.step_id:
+            await cancel_step(self.step.job, self.step_id)
+        await self.step.kill()

@@ -1,0 +1,51 @@
+"""Multi-node fan-out (docs/multinode.md): what a job's per-node tasks ask of the daemon.
+
+    POST   /v1/datasets/probe          this node's cache key for a request, and its copy
+    POST   /v1/datasets/{name}/export  pack a ready dataset into one file for sbcast
+    DELETE /v1/exports/{id}            the packed files, once sent
+    POST   /v1/incoming                room on the cache disk for a delivery
+    DELETE /v1/incoming/{id}           the reservation and what was delivered into it
+
+No ``from __future__ import annotations``: the probe's body is typed by the op table,
+and FastAPI reads that class from the handler's annotation at run time.
+"""
+
+from fastapi import APIRouter
+
+from stager.api.deps import EngineDep
+from stager.api.routes.datasets import RESPONSES
+from stager.ops.table import OpTable
+from stager.schemas import ExportCreate, ExportPublic, IncomingCreate, ProbeResult, TransferPublic
+
+
+def fanout_router(ops: OpTable) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["fan-out"], responses=RESPONSES)
+    DatasetCreate = ops.request_model()  # noqa: N806 - a class, named as the schema shows it
+
+    @router.post("/datasets/probe", response_model=ProbeResult)
+    async def probe(request: DatasetCreate, engine: EngineDep) -> ProbeResult:
+        """This node's cache key for a stage request, whether it holds that copy, and the
+        request's source files when they could be broadcast as they are. Changes nothing."""
+        return await engine.probe(request)
+
+    @router.post("/datasets/{name}/export", response_model=ExportPublic)
+    async def export(name: str, request: ExportCreate, engine: EngineDep) -> ExportPublic:
+        """Pack ready dataset ``name`` into a bundle (a plain tar) and its manifest (every
+        path, size and sha256), in the cache's ``outgoing/`` folder."""
+        return await engine.export(name, request.label)
+
+    @router.delete("/exports/{label}", response_model=TransferPublic)
+    async def drop_export(label: str, engine: EngineDep) -> TransferPublic:
+        return await engine.drop_export(label)
+
+    @router.post("/incoming", response_model=TransferPublic)
+    async def reserve(request: IncomingCreate, engine: EngineDep) -> TransferPublic:
+        """Room for a delivery, in ``incoming/<label>/``: admission counts it until it is
+        adopted, released or expired (it may evict unleased entries, or answer 422)."""
+        return await engine.reserve(request)
+
+    @router.delete("/incoming/{label}", response_model=TransferPublic)
+    async def release(label: str, engine: EngineDep) -> TransferPublic:
+        return await engine.release_delivery(label)
+
+    return router

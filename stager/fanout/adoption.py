@@ -1,0 +1,89 @@
+"""What a node stages when it adopts a broadcast copy instead of reading the source.
+
+Two shapes of delivery (see ``stager.schemas.Adopt``), two step lists:
+
+- a bundle: one ``adopt`` step (extract the bundle through the hardened extraction,
+  then check every path, size and sha256 against the manifest);
+- the request's own source files: one ``check_delivered`` step (each copy's size and
+  sha256), then the request's steps with each ``src`` pointed at its copy.
+
+The entry keeps the request's own cache key: the data is what the source node
+staged from the same sources, so a later request on this node is a cache hit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from stager.ops.adopt import AdoptStep
+from stager.ops.check_delivered import CheckDeliveredStep
+from stager.ops.unpack import UnpackStep
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, SourceFile, delivered_name
+
+# Steps whose result keeps pointing at the source (a link): a delivered copy is
+# deleted after adoption, so these are never staged from one.
+LINKING_OPS = frozenset({"symlink"})
+
+
+def broadcastable_sources(steps: list[Any]) -> list[SourceFile]:
+    """The request's source files when they can be broadcast as they are and staged
+    from on every node: every source a plain file, nothing downloaded (a URL) and
+    nothing left as a link to its source. Empty when that is not so."""
+    found: dict[str, SourceFile] = {}
+    for step in steps:
+        if step.op in LINKING_OPS or getattr(step, "mode", None) == "symlink":
+            return []
+        if hasattr(step, "url"):
+            return []
+        src = getattr(step, "src", None)
+        if not isinstance(src, str) or not src.startswith("/"):
+            continue  # relative: an earlier step's output, inside the dataset
+        try:
+            info = os.stat(src)
+        except OSError:
+            return []
+        if not os.path.isfile(src):
+            return []
+        found[src] = SourceFile(path=src, size=info.st_size)
+    return list(found.values())
+
+
+def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[Any]:
+    """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources."""
+    if adopt.sources is not None:
+        return _from_sources(adopt, folder, steps, table)
+    step = AdoptStep(
+        bundle=str(folder / BUNDLE_NAME),
+        manifest=str(folder / MANIFEST_NAME),
+        manifest_sha256=adopt.manifest_sha256 or "",
+        origin_node=adopt.origin_node,
+    )
+    return table.validate_steps([{"op": "adopt", **step.model_dump()}])
+
+
+def _from_sources(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[Any]:
+    copies = {src: str(folder / delivered_name(src)) for src in adopt.sources or {}}
+    check = CheckDeliveredStep(
+        files={copies[src]: tuple(entry) for src, entry in (adopt.sources or {}).items()},
+        origin_node=adopt.origin_node,
+    )
+    rewritten = []
+    for step in steps:
+        fields = step.model_dump(mode="json")
+        src = fields.get("src")
+        if src in copies:
+            fields["src"] = copies[src]
+            if isinstance(step, UnpackStep) and step.keep is None:
+                # A kept copy or link carries the release's own name, not the delivery's.
+                fields["keep"] = os.path.basename(src.rstrip("/"))
+        rewritten.append(fields)
+    return table.validate_steps([{"op": "check_delivered", **check.model_dump()}, *rewritten])
+
+
+def missing_sources(adopt: Adopt, steps: list[Any]) -> list[str]:
+    """Sources of the request that the delivery lacks (then it cannot replace them)."""
+    if adopt.sources is None:
+        return []
+    return sorted({s.path for s in broadcastable_sources(steps)} - set(adopt.sources))

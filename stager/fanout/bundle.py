@@ -1,0 +1,80 @@
+"""A bundle: one plain tar that carries a ready dataset to the other nodes of a job.
+
+sbcast moves one file, so the tree is packed first. Plain tar, because the
+receiving side already has a hardened, fast extraction for it (stager.ops.extract:
+byte ranges copied with ``copy_file_range``); compression, when it pays, is
+sbcast's own (lz4 on the wire). Each file is read once: the manifest's sha256 is
+computed from the same bytes that go into the tar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tarfile
+from pathlib import Path
+from typing import BinaryIO
+
+from stager.errors import BadRequest
+from stager.fanout.manifest import HASH_CHUNK, Manifest, walk
+
+
+class _Hashing:
+    """A reader that hashes what tarfile copies out of it."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(size)
+        self.sha.update(data)
+        self.size += len(data)
+        return data
+
+
+def pack(root: Path, bundle: Path) -> Manifest:
+    """Write ``root``'s tree to ``bundle`` (a tar) and return its manifest."""
+    manifest = Manifest()
+    with tarfile.open(bundle, "w", format=tarfile.PAX_FORMAT, copybufsize=HASH_CHUNK) as tar:
+        for path, info in walk(root):
+            member = _member(root, path, info)
+            if stat.S_ISREG(info.st_mode):
+                with open(root / path, "rb") as stream:
+                    reader = _Hashing(stream)
+                    tar.addfile(member, reader)  # type: ignore[arg-type]
+                manifest.files[path] = (reader.size, reader.sha.hexdigest())
+            else:
+                tar.addfile(member)
+                if member.isdir():
+                    manifest.dirs.add(path)
+                else:
+                    manifest.links[path] = member.linkname
+    return manifest
+
+
+def _member(root: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:
+    member = tarfile.TarInfo(path)
+    member.mode = stat.S_IMODE(info.st_mode)
+    member.mtime = int(info.st_mtime)
+    if stat.S_ISDIR(info.st_mode):
+        member.type = tarfile.DIRTYPE
+    elif stat.S_ISLNK(info.st_mode):
+        member.type = tarfile.SYMTYPE
+        member.linkname = os.readlink(root / path)
+        if member.linkname.startswith("/"):
+            raise BadRequest(
+                f"{root / path} links to {member.linkname}, outside the dataset; a dataset "
+                "of links (symlink mode) is cheap to stage on every node, so stage it there "
+                "instead of broadcasting it"
+            )
+    elif stat.S_ISREG(info.st_mode):
+        member.size = info.st_size
+    else:
+        raise BadRequest(
+            f"{root / path} is neither a file, a folder nor a link; a dataset holding "
+            "devices or sockets cannot be broadcast, stage it on every node instead"
+        )
+    return member

@@ -1,0 +1,143 @@
+"""A manifest: what a node's copy of a dataset must be, so another node can check its own.
+
+Every path of the tree, and for each file its size and sha256; for each link its
+target. The node that staged from the source writes it while it packs the tree
+(:mod:`stager.fanout.bundle`); a node that receives the broadcast extracts the
+bundle through the same hardened extraction as any archive, then checks the tree
+it got against the manifest: a delivered file is trusted only once it matches.
+The manifest itself is checked against its sha256, which reaches the receiving
+node along another path (the job's own ``srun`` step, not the broadcast).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stager.errors import VerifyFailed
+
+VERSION = 1
+HASH_CHUNK = 1 << 20
+
+
+@dataclass
+class Manifest:
+    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> (size, sha256)
+    dirs: set[str] = field(default_factory=set)
+    links: dict[str, str] = field(default_factory=dict)  # path -> target
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+    def to_bytes(self) -> bytes:
+        # Canonical: the same tree always gives the same bytes, so the same digest.
+        document = {
+            "version": VERSION,
+            "files": {path: list(entry) for path, entry in sorted(self.files.items())},
+            "dirs": sorted(self.dirs),
+            "links": dict(sorted(self.links.items())),
+        }
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, label: str) -> Manifest:
+        try:
+            document = json.loads(data)
+            if document.get("version") != VERSION:
+                raise ValueError(f"version {document.get('version')!r}, not {VERSION}")
+            files = {str(p): (int(s), str(h)) for p, (s, h) in document["files"].items()}
+            return cls(files, set(map(str, document["dirs"])), dict(document["links"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise VerifyFailed(
+                f"manifest {label} is not a stager manifest ({exc}); the copy cannot be "
+                "checked, so this node stages from the source"
+            ) from exc
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """(size, sha256) of one file; hashlib releases the GIL on large chunks."""
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as stream:
+        while chunk := stream.read(HASH_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def walk(root: Path) -> list[tuple[str, os.stat_result]]:
+    """Every path under ``root`` (relative, sorted, parents first) with its lstat."""
+    found = []
+    stack = [""]
+    while stack:
+        relative = stack.pop()
+        with os.scandir(root / relative if relative else root) as children:
+            for child in children:
+                path = f"{relative}/{child.name}" if relative else child.name
+                info = child.stat(follow_symlinks=False)
+                found.append((path, info))
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append(path)
+    found.sort(key=lambda item: item[0].split("/"))
+    return found
+
+
+def build(root: Path) -> Manifest:
+    """The manifest of a tree as it is on disk (hashes every file)."""
+    manifest = Manifest()
+    for path, info in walk(root):
+        add(manifest, root, path, info)
+    return manifest
+
+
+def add(manifest: Manifest, root: Path, path: str, info: os.stat_result) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        manifest.dirs.add(path)
+    elif stat.S_ISLNK(info.st_mode):
+        manifest.links[path] = os.readlink(root / path)
+    elif stat.S_ISREG(info.st_mode):
+        manifest.files[path] = file_digest(root / path)
+    else:
+        raise VerifyFailed(
+            f"{root / path} is neither a file, a folder nor a link; a dataset holding "
+            "devices or sockets cannot be broadcast, stage it on every node instead"
+        )
+
+
+def verify(root: Path, expected: Manifest, origin: str) -> None:
+    """Raise `VerifyFailed` naming the first path where ``root`` differs from ``expected``."""
+    got = build(root)
+    for kind, want, have in (
+        ("folder", expected.dirs, got.dirs),
+        ("link", set(expected.links), set(got.links)),
+        ("file", set(expected.files), set(got.files)),
+    ):
+        if missing := sorted(want - have):
+            raise _differs(origin, f"{kind} {missing[0]!r} is missing")
+        if extra := sorted(have - want):
+            raise _differs(origin, f"{kind} {extra[0]!r} is not in the manifest")
+    for path, target in sorted(expected.links.items()):
+        if got.links[path] != target:
+            raise _differs(origin, f"link {path!r} points to {got.links[path]!r}, not {target!r}")
+    for path, (size, sha) in sorted(expected.files.items()):
+        have_size, have_sha = got.files[path]
+        if have_size != size:
+            raise _differs(origin, f"file {path!r} has {have_size} bytes, not {size}")
+        if have_sha != sha:
+            raise _differs(origin, f"file {path!r} has different content (sha256 {have_sha})")
+
+
+def _differs(origin: str, what: str) -> VerifyFailed:
+    return VerifyFailed(
+        f"the copy broadcast from {origin} does not match the manifest that node wrote: "
+        f"{what}; this node stages from the source instead"
+    )

@@ -1,0 +1,142 @@
+"""The cache disk's share of a broadcast: exports (a ready dataset packed to be sent)
+and deliveries (room reserved for what another node sends here).
+
+Both are folders under the cache directory, so they live on the node-local disk
+the cache admits against: ``outgoing/<label>/`` and ``incoming/<label>/``. Their
+bytes count as pending in admission until they are gone, so a broadcast never
+fills the disk behind the cache's back. Both expire (a job that died leaves
+nothing for long), and both are orphans at start: a daemon that restarts deletes
+whatever an earlier run left there.
+
+Bookkeeping here is plain and in memory; the blocking file work is done by the
+functions below, which the daemon runs off its event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from stager.errors import NotFound
+from stager.fanout import bundle
+from stager.fanout.manifest import digest, walk
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, ExportPublic, TransferPublic
+
+EXPORT_TTL_S = 3600.0
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Transfer:
+    label: str
+    path: Path  # the folder
+    nbytes: int  # counted by admission until released
+    expires_at: datetime
+
+
+class Transfers:
+    """The reservations of one kind (exports or deliveries) under one folder."""
+
+    def __init__(self, root: Path, kind: str) -> None:
+        self.root = root
+        self.kind = kind  # "export" or "delivery", for messages
+        self._live: dict[str, Transfer] = {}
+
+    def live(self) -> list[Transfer]:
+        return list(self._live.values())
+
+    def find(self, label: str) -> Transfer | None:
+        return self._live.get(label)
+
+    def add(self, label: str, nbytes: int, ttl_s: float) -> Transfer:
+        """Book ``label`` (again: the same label renews it, as a re-run step would)."""
+        transfer = Transfer(label, self.root / label, nbytes, _now() + timedelta(seconds=ttl_s))
+        self._live[label] = transfer
+        return transfer
+
+    def get(self, label: str) -> Transfer:
+        transfer = self._live.get(label)
+        if transfer is None:
+            raise NotFound(
+                f"no {self.kind} {label!r} on this node (released, expired, or this daemon "
+                "restarted since); start the multi-node staging again"
+            )
+        return transfer
+
+    def pop(self, label: str) -> Transfer:
+        transfer = self.get(label)
+        del self._live[label]
+        return transfer
+
+    def expired(self) -> list[Transfer]:
+        now = _now()
+        gone = [t for t in self._live.values() if t.expires_at <= now]
+        for transfer in gone:
+            del self._live[transfer.label]
+        return gone
+
+
+# ---- blocking work, run off the event loop -------------------------------------------
+
+
+def make_folder(transfer: Transfer) -> None:
+    transfer.path.mkdir(parents=True, exist_ok=True)
+
+
+def remove_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def unwritten_bytes(transfers: list[Transfer]) -> int:
+    """Room promised to transfers that their files do not take yet."""
+    total = 0
+    for transfer in transfers:
+        written = 0
+        try:
+            with os.scandir(transfer.path) as files:
+                written = sum(f.stat(follow_symlinks=False).st_size for f in files)
+        except FileNotFoundError:
+            pass
+        total += max(0, transfer.nbytes - written)
+    return total
+
+
+def count_files(tree: Path) -> int:
+    return len(walk(tree))
+
+
+def pack_export(tree: Path, transfer: Transfer, key: str) -> ExportPublic:
+    """Write the bundle and its manifest for ``tree`` into the export's folder."""
+    make_folder(transfer)
+    manifest = bundle.pack(tree, transfer.path / BUNDLE_NAME)
+    data = manifest.to_bytes()
+    (transfer.path / MANIFEST_NAME).write_bytes(data)
+    return ExportPublic(
+        id=transfer.label,
+        key=key,
+        bundle=str(transfer.path / BUNDLE_NAME),
+        manifest=str(transfer.path / MANIFEST_NAME),
+        manifest_sha256=digest(data),
+        bundle_bytes=(transfer.path / BUNDLE_NAME).stat().st_size,
+    )
+
+
+def transfer_public(transfer: Transfer) -> TransferPublic:
+    return TransferPublic(
+        id=transfer.label,
+        path=str(transfer.path),
+        bytes=transfer.nbytes,
+        expires_at=transfer.expires_at,
+    )
+
+
+def bundle_estimate(size_bytes: int, files: int) -> int:
+    """A tar of ``files`` files of ``size_bytes`` in all: data, a 512-byte header and up
+    to 511 bytes of padding per file (a PAX header too for long names), two end blocks."""
+    return size_bytes + files * 2048 + 10240

@@ -1,0 +1,77 @@
+"""The fan-out's decisions, as pure functions: which node reads the data, how sbcast
+sends it, and how a node's copy is described."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from datetime import UTC, datetime
+
+from client._fanout import BLOCK_BYTES, broadcast_for, fanout_for, source_node
+from client._progress import describe_origin
+from stager.schemas import DatasetPublic, Origin, State
+
+NODES = ["mn1", "mn2", "mn3", "mn4"]
+
+
+def key(i: int) -> str:
+    return hashlib.sha256(str(i).encode()).hexdigest()[:24]
+
+
+def test_a_holder_is_the_source_and_this_node_first() -> None:
+    assert source_node(key(1), NODES, ["mn4", "mn3"], "mn1") == "mn3"
+    assert source_node(key(1), NODES, ["mn4", "mn1"], "mn1") == "mn1"
+
+
+def test_without_holders_the_key_picks_and_spreads_datasets_over_the_nodes() -> None:
+    shuffled = random.Random(0).sample(NODES, len(NODES))
+    picks = [source_node(key(i), NODES, [], "mn1") for i in range(400)]
+    # The same key gives the same node, whatever order the nodes are listed in.
+    assert picks == [source_node(key(i), shuffled, [], "mn2") for i in range(400)]
+    counts = Counter(picks)
+    assert set(counts) == set(NODES) and min(counts.values()) > 60
+
+
+def test_sbcast_fans_out_flat_to_few_nodes_and_as_a_tree_to_many() -> None:
+    assert fanout_for(3, 200 << 20) == 3
+    assert fanout_for(8, 200 << 20) == 8
+    assert fanout_for(60, BLOCK_BYTES) == 8  # one block: latency, not bandwidth
+    for receivers in (9, 31, 63, 255):
+        width = fanout_for(receivers, 1 << 30)
+        assert 2 <= width < 8
+        costs = {w: w * tree_depth(w, receivers) for w in range(2, 9)}
+        assert costs[width] == min(costs.values())
+
+
+def tree_depth(width: int, receivers: int) -> int:
+    """Levels of a tree where each node forwards to ``width`` others."""
+    depth, reached = 0, 1
+    while reached < receivers + 1:
+        reached, depth = reached * (width + 1), depth + 1
+    return depth
+
+
+def test_lz4_only_for_large_compressible_data() -> None:
+    assert broadcast_for(3, 1 << 30, compressible=True).compress
+    assert not broadcast_for(3, 1 << 30, compressible=False).compress
+    assert not broadcast_for(3, 1 << 20, compressible=True).compress
+    assert broadcast_for(3, 1 << 30, False).flags() == ["--compress=none", "--fanout=3"]
+
+
+def status(origin: Origin | None, state: State = State.READY) -> DatasetPublic:
+    now = datetime.now(UTC)
+    return DatasetPublic(name="d", key="k", state=state, origin=origin, created_at=now,
+                         updated_at=now)  # fmt: skip
+
+
+def test_status_says_how_the_copy_arrived() -> None:
+    assert describe_origin(status(None)) == ""
+    assert describe_origin(status(Origin(how="staged", job="12"))) == (
+        "; staged here from the source, job 12"
+    )
+    broadcast = Origin(how="broadcast", node="mn2", job="42", hit=True)
+    assert describe_origin(status(broadcast)) == (
+        "; broadcast from mn2, job 42; this request was a cache hit"
+    )
+    assert describe_origin(status(broadcast, State.STAGING)) == ""

@@ -1,0 +1,196 @@
+"""The daemon's side of a multi-node fan-out, with two real daemons standing for two
+nodes (their own cache folders) and a plain file copy standing for sbcast: probe,
+export, reserve, adopt (bundle and source files), and what happens to a copy that
+does not match: the staging fails with a sentence, nothing is published, and the
+same request then stages from the source."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stager.fanout.manifest import file_digest
+from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, delivered_name
+from tests.daemon import Daemon
+from tests.stager.test_cache import metric, ready
+from tests.trees import digest, make_tar, write_tree
+
+
+def request(name: str, src: Path) -> dict:
+    return {"name": name, "steps": [{"op": "copy", "src": str(src)}]}
+
+
+def archive_request(name: str, archive: Path) -> dict:
+    return {"name": name, "steps": [{"op": "extract", "src": str(archive)}]}
+
+
+@pytest.fixture
+def two(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> tuple[Daemon, Daemon]:
+    return (
+        daemon_factory(cache_dir=tmp_path / "node1"),
+        daemon_factory(cache_dir=tmp_path / "node2"),
+    )
+
+
+def send_bundle(sender: httpx.Client, receiver: httpx.Client, name: str, label: str) -> dict:
+    """Export on the sender, reserve on the receiver, copy the files across (sbcast's
+    part), and return the adopt field for the receiver's request."""
+    exported = sender.post(f"/v1/datasets/{name}/export", json={"label": label})
+    assert exported.status_code == 200, exported.text
+    export = exported.json()
+    reserved = receiver.post(
+        "/v1/incoming", json={"label": label, "bytes": export["bundle_bytes"] + 10_000}
+    )
+    assert reserved.status_code == 200, reserved.text
+    folder = Path(reserved.json()["path"])
+    shutil.copyfile(export["bundle"], folder / BUNDLE_NAME)
+    shutil.copyfile(export["manifest"], folder / MANIFEST_NAME)
+    assert sender.delete(f"/v1/exports/{label}").status_code == 200
+    assert not Path(export["bundle"]).exists()
+    return {
+        "incoming": label,
+        "origin_node": "node1",
+        "origin_key": export["key"],
+        "job": "42",
+        "manifest_sha256": export["manifest_sha256"],
+    }
+
+
+def test_probe_reports_the_key_and_the_copy_and_changes_nothing(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    archive = make_tar(write_tree(tmp_path / "imgs", n_files=10), tmp_path / "imgs.tar.gz")
+    body = archive_request("imgs", archive)
+    node1, node2 = two
+    with node1.client() as one, node2.client() as other:
+        probed = one.post("/v1/datasets/probe", json=body).json()
+        assert probed["state"] is None
+        assert probed["source_files"] == [{"path": str(archive), "size": archive.stat().st_size}]
+        assert one.get("/v1/datasets").json()["count"] == 0  # no name, no entry
+        staged = ready(one, body)
+        assert one.post("/v1/datasets/probe", json=body).json()["state"] == "ready"
+        # Another node computes the same key for the same sources.
+        assert other.post("/v1/datasets/probe", json=body).json()["key"] == staged["key"]
+        tree = request("tree", tmp_path / "imgs")
+        assert one.post("/v1/datasets/probe", json=tree).json()["source_files"] == []
+
+
+def test_a_bundle_is_adopted_under_the_same_key_and_the_delivery_is_deleted(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=40)
+    (src / "class_0" / "alias.jpg").symlink_to("img_0000.jpg")
+    body = request("ds", src)
+    node1, node2 = two
+    with node1.client() as one, node2.client() as other:
+        staged = ready(one, {**body, "lease": {"holder": "j", "slurm_job_id": "42"}})
+        assert staged["origin"] == {
+            "how": "staged", "node": None, "job": "42", "bytes": 0, "hit": False
+        }  # fmt: skip
+        adopt = send_bundle(one, other, "ds", "job42-ds")
+        response = other.post("/v1/datasets", json={**body, "adopt": adopt})
+        assert response.status_code == 202, response.text
+        adopted = other.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert adopted["state"] == "ready", adopted["error"]
+        assert adopted["key"] == staged["key"]
+        assert adopted["origin"]["how"] == "broadcast" and adopted["origin"]["node"] == "node1"
+        assert digest(Path(adopted["path"])) == digest(src)
+        assert (Path(adopted["path"]) / "class_0" / "alias.jpg").is_symlink()
+        assert list((node2.cache_dir / "incoming").iterdir()) == []
+        # Where each copy came from, in the metrics of each node.
+        assert metric(one, "stager_arrivals_total", how="staged") == 1
+        data = sum(p.stat().st_size for p in src.rglob("*") if p.is_file() and not p.is_symlink())
+        assert metric(one, "stager_source_read_bytes_total") == data
+        assert metric(other, "stager_arrivals_total", how="broadcast") == 1
+        assert metric(other, "stager_source_read_bytes_total") == 0
+        assert metric(other, "stager_broadcast_received_bytes_total") > staged["size_bytes"]
+        # The next request on the receiving node is a cache hit.
+        again = other.post("/v1/datasets", json=body)
+        assert again.status_code == 200 and again.json()["origin"]["hit"] is True
+        assert metric(other, "stager_arrivals_total", how="hit") == 1
+
+
+def test_a_copy_that_does_not_match_is_never_ready_and_the_source_is_staged_instead(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=30)
+    body = request("ds", src)
+    node1, node2 = two
+    with node1.client() as one, node2.client() as other:
+        ready(one, body)
+        adopt = send_bundle(one, other, "ds", "job7-ds")
+        bundle = node2.cache_dir / "incoming" / "job7-ds" / BUNDLE_NAME
+        data = bytearray(bundle.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside some file's data
+        bundle.write_bytes(bytes(data))
+        other.post("/v1/datasets", json={**body, "adopt": adopt})
+        failed = other.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert failed["state"] == "failed"
+        assert "node1" in failed["error"]["message"]
+        assert not (node2.cache_dir / "data" / failed["key"]).exists()
+        assert list((node2.cache_dir / "incoming").iterdir()) == []
+        staged = ready(other, body)  # the same request, from the source this time
+        assert staged["origin"]["how"] == "staged"
+        assert digest(Path(staged["path"])) == digest(src)
+
+
+def test_broadcast_source_files_are_checked_then_staged_from_on_every_node(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    archive = make_tar(write_tree(tmp_path / "imgs", n_files=20), tmp_path / "imgs.tar.gz")
+    body = archive_request("imgs", archive)
+    node1, node2 = two
+    with node1.client() as one, node2.client() as other:
+        reference = ready(one, body)
+        reserved = other.post("/v1/incoming", json={"label": "j1", "bytes": 10_000_000}).json()
+        copy = Path(reserved["path"]) / delivered_name(str(archive))
+        shutil.copyfile(archive, copy)
+        adopt = {
+            "incoming": "j1",
+            "origin_node": "node1",
+            "origin_key": reference["key"],
+            "sources": {str(archive): list(file_digest(copy))},
+        }
+        other.post("/v1/datasets", json={**body, "adopt": adopt})
+        adopted = other.get("/v1/datasets/imgs/wait", params={"timeout": 60}).json()
+        assert adopted["state"] == "ready", adopted["error"]
+        assert adopted["key"] == reference["key"]
+        assert digest(Path(adopted["path"])) == digest(Path(reference["path"]))
+        assert not Path(reserved["path"]).exists()
+        assert metric(other, "stager_source_read_bytes_total") == 0
+
+
+def test_a_delivery_for_other_sources_is_refused(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    src = write_tree(tmp_path / "src", n_files=5)
+    node1, node2 = two
+    with node2.client() as other:
+        other.post("/v1/incoming", json={"label": "j2", "bytes": 1000})
+        adopt = {"incoming": "j2", "origin_node": "node1", "origin_key": "0" * 24,
+                 "manifest_sha256": "0" * 64}  # fmt: skip
+        response = other.post("/v1/datasets", json={**request("ds", src), "adopt": adopt})
+        assert response.status_code == 409
+        assert "node1 staged" in response.json()["error"]["message"]
+        assert other.get("/v1/datasets").json()["count"] == 0
+
+
+def test_reservations_count_against_the_disk(
+    daemon_factory: Callable[..., Daemon], tmpfs: Callable[[str], Path]
+) -> None:
+    disk = tmpfs("8m")
+    daemon = daemon_factory(cache_dir=disk / "cache", env={"STAGER_MIN_FREE_BYTES": "0"})
+    with daemon.client() as client:
+        first = client.post("/v1/incoming", json={"label": "a", "bytes": 5_000_000})
+        assert first.status_code == 200
+        second = client.post("/v1/incoming", json={"label": "b", "bytes": 5_000_000})
+        assert second.status_code == 422, second.text  # the first one's room is taken
+        assert client.post("/v1/incoming", json={"label": "a", "bytes": 5_000_000}).is_success
+        assert client.delete("/v1/incoming/a").status_code == 200
+        assert not Path(first.json()["path"]).exists()
+        assert client.post("/v1/incoming", json={"label": "b", "bytes": 5_000_000}).is_success
+        assert client.delete("/v1/incoming/nope").status_code == 404
