@@ -41,13 +41,15 @@ def time_status(client: httpx.Client, path: str, n: int) -> list[float]:
     return out
 
 
-def start_daemon(run_dir: Path, cache_dir: Path) -> subprocess.Popen:
+def start_daemon(run_dir: Path, cache_dir: Path, nice: int | None = None) -> subprocess.Popen:
     env = {
         **os.environ,
         "STAGER_RUNTIME_DIR": str(run_dir),
         "STAGER_CACHE_DIR": str(cache_dir),
         "STAGER_MIN_FREE_BYTES": "0",
     }
+    if nice is not None:
+        env["STAGER_STAGING_NICE"] = str(nice)
     process = subprocess.Popen(
         [sys.executable, "-m", "stager", "serve", "--log-level", "warning"], env=env
     )

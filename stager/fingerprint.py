@@ -9,6 +9,12 @@ finds a node's copy by its key (see docs/multinode.md). Trees get a cheap
 fingerprint by default (the root and its direct children), or a deep one (every
 file) on request: on a network filesystem a deep walk of ImageNet costs minutes,
 a cheap one milliseconds.
+
+Both are streams: each entry's line is hashed on its own and the hashes are added
+up (modulo 2**256), so the result does not depend on the order a folder lists its
+entries in and nothing is sorted or kept. A million entries in one folder cost a
+million ``fstatat`` calls and constant memory. Nothing is ever opened but folders:
+``stat`` of a FIFO or a device does not wait on it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,10 @@ import hashlib
 import os
 import stat
 from typing import Any
+
+from stager.ops.sources import Folder, Visitor, open_child, walk
+
+_MODULUS = 1 << 256
 
 
 def sources_fingerprint(steps: list[Any], deep: bool = False) -> str:
@@ -29,40 +39,95 @@ def sources_fingerprint(steps: list[Any], deep: bool = False) -> str:
 
 
 def _add_path(digest: Any, path: str, deep: bool) -> None:
-    info = _add_stat(digest, path)
+    info = _stat(path)
+    digest.update(_line(path, info))
     if info is None or not stat.S_ISDIR(info.st_mode):
         return
+    tally = _Tally()
     try:
         if deep:
-            for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
-                dirnames.sort()  # walk order must not depend on the filesystem
-                for name in sorted(filenames):
-                    _add_stat(digest, os.path.join(dirpath, name))
+            _walk(path, tally)
         else:
-            with os.scandir(path) as children:
-                for child in sorted(children, key=lambda c: c.name):
-                    _add_stat(digest, child.path)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                _add_children(fd, tally)
+            finally:
+                os.close(fd)
     except OSError as exc:
         # An unreadable folder: the key still differs from a readable tree's, and the
         # request's pre-flight check (or the staging) reports it with a sentence.
         digest.update(f"{path}\0unreadable {exc.errno}\n".encode("utf-8", "surrogateescape"))
+    digest.update(f"{path}\0{tally.count}\0{tally.total:064x}\n".encode())
 
 
-def _raise(exc: OSError) -> None:
-    raise exc
+class _Tally:
+    """An order-independent sum of the entries' hashes."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.count = 0
+
+    def add(self, line: bytes) -> None:
+        self.total = (self.total + int.from_bytes(hashlib.sha256(line).digest())) % _MODULUS
+        self.count += 1
 
 
-def _add_stat(digest: Any, path: str) -> os.stat_result | None:
-    """Add what identifies ``path``'s content; a dangling link or missing path counts as
-    itself (an ``lstat``), never as an error: the fingerprint is a key, not a check."""
+class _Deep(Visitor):
+    """Every entry under the top; folder links are not walked into (as ``os.walk``)."""
+
+    def __init__(self, tally: _Tally) -> None:
+        self.tally = tally
+
+    def _add(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        self.tally.add(_line(folder.child_rel(entry.name), _entry_info(folder.fd, entry)))
+
+    file = link = special = _add  # type: ignore[assignment]
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        self._add(folder, entry)
+        return open_child(folder, entry.name)
+
+
+def _walk(top: str, tally: _Tally) -> None:
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        info = os.stat(path)
+        walk(Folder(fd, top, "", os.fstat(fd)), _Deep(tally), special="skip")
+    finally:
+        os.close(fd)
+
+
+def _add_children(fd: int, tally: _Tally) -> None:
+    """Add each entry of the open folder ``fd``."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            tally.add(_line(entry.name, _entry_info(fd, entry)))
+
+
+def _entry_info(fd: int, entry: os.DirEntry[str]) -> os.stat_result | None:
+    """What a link leads to, like the copy sees it; the link itself when dangling."""
+    try:
+        return entry.stat()
     except OSError:
         try:
-            info = os.lstat(path)
-        except OSError as exc:
-            digest.update(f"{path}\0missing {exc.errno}\n".encode("utf-8", "surrogateescape"))
+            return os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
             return None
+
+
+def _stat(path: str) -> os.stat_result | None:
+    """What identifies ``path``'s content; a dangling link or missing path counts as
+    itself (an ``lstat``), never as an error: the fingerprint is a key, not a check."""
+    try:
+        return os.stat(path)
+    except OSError:
+        try:
+            return os.lstat(path)
+        except OSError:
+            return None
+
+
+def _line(path: str, info: os.stat_result | None) -> bytes:
+    if info is None:
+        return f"{path}\0missing\n".encode("utf-8", "surrogateescape")
     line = f"{path}\0{info.st_size}\0{info.st_mtime_ns}\n"
-    digest.update(line.encode("utf-8", "surrogateescape"))
-    return info
+    return line.encode("utf-8", "surrogateescape")

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+
+# Re-exported: the lifecycle and the staging process delete trees through this module.
+from stager.deletion import delete_tree as delete_tree
+from stager.ops.sources import sum_sizes
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
 DISCARDED_PREFIX = "discarded-"
-
-
-class StopFlag(Protocol):
-    def is_set(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -71,16 +69,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 def tree_size(root: Path) -> int:
     """Bytes on disk under root (files and link entries, not what links point to)."""
-    total = 0
-    stack = [root]
-    while stack:
-        with os.scandir(stack.pop()) as it:
-            for item in it:
-                if item.is_dir(follow_symlinks=False):
-                    stack.append(Path(item.path))
-                else:
-                    total += item.stat(follow_symlinks=False).st_size
-    return total
+    return sum_sizes(str(root))
 
 
 def discard(path: Path, trash_dir: Path) -> Path | None:
@@ -94,30 +83,6 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
     except FileNotFoundError:
         return None
     return trash
-
-
-def delete_tree(path: Path, stop: StopFlag | threading.Event) -> bool:
-    """Delete ``path`` bottom-up, giving up as soon as ``stop`` is set (the daemon is
-    stopping: a million-file tree must not hold up its exit). True once it is all gone;
-    what is left of a stopped one is an orphan the next start removes."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        if os.path.lexists(path):
-            os.unlink(path)
-        return True
-    for dirpath, dirnames, filenames in os.walk(path, topdown=False):
-        for name in filenames:
-            if stop.is_set():
-                return False
-            os.unlink(os.path.join(dirpath, name))
-        for name in dirnames:  # emptied already, or links to folders (never followed)
-            child = os.path.join(dirpath, name)
-            if os.path.islink(child):
-                os.unlink(child)
-            else:
-                os.rmdir(child)
-    if os.path.lexists(path):
-        os.rmdir(path)
-    return True
 
 
 def make_link(link: Path, target: Path) -> None:

@@ -1,26 +1,42 @@
 """Copy a file or a directory tree into the dataset.
 
-Why it looks like this:
+Why it looks like this (the per-file costs are in docs/performance.md):
 
-- Many small files (ImageNet, iNat) are dominated by per-file latency on the
-  network filesystem, not bandwidth, so files are copied by a thread pool while
-  the calling thread keeps walking the tree: the first bytes move before the walk
-  ends, and the pool hides the per-file round trips. Files travel in per-directory
-  batches so a million-file tree does not become a million futures.
-- Data moves with ``os.copy_file_range`` (reflink on XFS/btrfs, server-side copy
-  on NFS 4.2, in-kernel copy elsewhere), then ``os.sendfile``, then read/write
-  (the chain in :mod:`stager.ops.fastcopy`, shared with ``extract``).
-  The first method that fails as unsupported is dropped for the rest of the run.
+- The tree is walked on the staging process (:func:`stager.ops.sources.walk`:
+  depth-first, one open listing per level, each folder opened relative to its
+  parent) and its files go out in chunks to forked worker processes, one per core
+  (:mod:`stager.ops.forked`): per-file work is mostly system calls wrapped in
+  Python, and processes do not take turns on one GIL. Small trees are copied on
+  the walking process; the workers start once a tree has proved large.
+- Per file, a worker makes seven system calls: ``openat`` of the source relative
+  to its folder (``O_NOFOLLOW``, ``O_NONBLOCK``: a file swapped for a link or a
+  FIFO is refused, never waited on), ``openat`` of the destination with
+  ``O_CREAT | O_EXCL`` and the source's mode, ``copy_file_range``, ``fstat`` of
+  the source, ``futimens``, two ``close``. The walk's ``fstatat`` of each file gives
+  its size for the progress totals and is the "before" of the stability check.
+- Data moves with ``copy_file_range`` (reflink on XFS/btrfs, server-side copy on
+  NFS 4.2, in-kernel copy elsewhere), then ``sendfile``, then read/write (the chain
+  in :mod:`stager.ops.fastcopy`, shared with ``extract``).
+- A source that changes while it is copied is caught: after the bytes moved, the
+  ``fstat`` of the descriptor they were read from must show the size, mtime, ctime
+  and inode the walk saw. If not, the file is copied once more, its "before" taken
+  on its own descriptor; a second change fails the staging with a sentence naming
+  the file. ``verify: sha256`` also compares the digests of source and copy.
 - Restartable without a journal: a file's mtime is set last, after its bytes are
-  written and verified, so "same size and same mtime as the source" means
-  complete. Anything else at the destination is overwritten.
+  written and checked, so "same size and same mtime as the source" means complete.
+  The ``O_EXCL`` create costs nothing when the destination is new; only when a
+  file is already there (a resumed staging) is it compared, and kept or replaced.
+- Never a special file: a FIFO, socket or device in the tree is refused with a
+  sentence naming it, or left out with ``special: "skip"``. It is never opened.
+- Confined at every depth: with ``--allowed-root`` set, a link anywhere in the
+  tree, through any chain of links, must resolve inside the roots, dangling or not.
 - Symlinks inside the source tree are recreated as (relative) links when they
-  point inside the tree, so the copy is self-contained and keeps its shape.
-  Links that point outside are followed and their target's content is copied,
-  because the outside target will not exist on the node. Dangling links are kept
-  as they are: there is nothing to copy, and failing a whole dataset over a stale
-  link helps nobody. Directory links pointing outside are walked into, guarded
-  against cycles.
+  point inside the tree, so the copy is self-contained and keeps its shape. Links
+  that point outside are followed and their target's content is copied, because
+  the outside target will not exist on the node. Dangling links are kept as they
+  are: there is nothing to copy, and failing a whole dataset over a stale link
+  helps nobody. Directory links pointing outside are walked into, guarded against
+  cycles.
 """
 
 from __future__ import annotations
@@ -30,12 +46,10 @@ import hashlib
 import os
 import shutil
 import stat
-import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, Literal
 
 from stager.errors import (
     SourceNotFound,
@@ -44,6 +58,7 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
+from stager.ops import forked
 from stager.ops.base import (
     CheckContext,
     OpContext,
@@ -54,6 +69,21 @@ from stager.ops.base import (
     require_source,
 )
 from stager.ops.fastcopy import copy_chunk
+from stager.ops.sources import (
+    Folder,
+    Roots,
+    Target,
+    Visitor,
+    follow,
+    leads_to_special,
+    open_child,
+    open_followed,
+    open_path,
+    open_source,
+    open_top,
+    refuse_special,
+    walk,
+)
 
 
 class CopyStep(StepParams):
@@ -61,56 +91,170 @@ class CopyStep(StepParams):
 
     src: SourceOrInside
     dst: RelativePath = "."
+    # A FIFO, socket or device in the tree: refuse the staging (naming it), or leave
+    # it out. It is never opened either way.
+    special: Literal["refuse", "skip"] = "refuse"
 
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
 # and progress stay responsive (one check per chunk).
 CHUNK = 64 * 1024 * 1024
 READ_CHUNK = 1024 * 1024
-# Files per task handed to the pool: amortises the executor's overhead while
-# keeping the tail short when one directory is much larger than the others.
-BATCH_FILES = 64
+# A chunk of work for a worker: a folder's files, cut at this many files or bytes.
+# Large enough to amortise the hand-over (~100 us), small enough to spread one
+# folder over every worker and keep progress moving.
+BATCH_FILES = 256
+BATCH_BYTES = 64 * 1024 * 1024
+# Trees with fewer files are copied on the walking process: forking workers costs
+# more than it saves.
+PARALLEL_AFTER_FILES = 2_000
 # How long check() may walk a source tree to estimate its size.
-CHECK_BUDGET_S = 5.0
+CHECK_BUDGET_S = 2.0
+
+_SOURCE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# -- request time ----------------------------------------------------------------------
 
 
 def check(step: CopyStep, ctx: CheckContext) -> int:
     """Validate the source and estimate the bytes the copy will write.
 
-    A directory is walked to sum its sizes, but only for CHECK_BUDGET_S: a
-    million-file tree on a busy network filesystem would hold the request for
-    minutes, so past the budget the estimate is 0 ("unknown") and the copy
-    reports its real total as it walks.
+    A directory is walked to sum its sizes (refusing special files and links out of
+    the allowed roots at once), but only for CHECK_BUDGET_S: a million-file tree on
+    a busy network filesystem would hold the request for minutes. Past the budget,
+    the estimate scales what the walked part of the top folder held up to all of it
+    (ImageNet's 1,000 class folders: a few hundred are walked in time), and the copy
+    checks the rest as it walks.
     """
     if not step.src.startswith("/"):
         return 0  # an earlier step's output: nothing to look at yet
-    source = require_source(step.src)
+    require_source(step.src)
+    roots = Roots.of(ctx.allowed_roots)
     try:
-        if not source.is_dir():
-            return source.stat().st_size
-        deadline = time.monotonic() + CHECK_BUDGET_S
-        total = 0
-        for size in _walk_sizes(source):
-            total += size
-            if time.monotonic() > deadline:
-                return 0
-        return total
+        fd, st = open_path(step.src, roots)
+        os.close(fd)
+        if not stat.S_ISDIR(st.st_mode):
+            if not stat.S_ISREG(st.st_mode):
+                raise refuse_special(step.src, st.st_mode, skippable=False)
+            return st.st_size
+        sizes = _Sizes(roots, step.special, time.monotonic() + CHECK_BUDGET_S)
+        return sizes.run(step.src)
     except OSError as exc:
         raise _translate(exc, step.src) from exc
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _Sizes(Visitor):
+    """Sums file sizes the way the copy walks (links followed out of the tree)."""
+
+    def __init__(self, roots: Roots, special: str, deadline: float) -> None:
+        self.roots, self.policy, self.deadline = roots, special, deadline
+        self.total = 0
+        self.top_real = ""
+        self.open_ids: set[tuple[int, int]] = set()
+        # For the estimate past the budget: top-level entries walked whole, and the
+        # bytes they held.
+        self.top_done = 0
+        self.top_bytes = 0
+
+    def run(self, path: str) -> int:
+        top = open_top(path, self.roots)
+        self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
+        try:
+            self.open_ids.add((top.st.st_dev, top.st.st_ino))
+            walk(top, self, self.policy, check=self._in_budget)
+        except _OverBudget:
+            with os.scandir(top.fd) as entries:
+                top_entries = sum(1 for _ in entries)
+            return self.top_bytes * top_entries // self.top_done if self.top_done else 0
+        finally:
+            os.close(top.fd)
+        return self.total
+
+    def _in_budget(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _OverBudget
+
+    def _top_entry_done(self, folder: Folder) -> None:
+        if not folder.rel:
+            self.top_done += 1
+            self.top_bytes = self.total
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        self.total += entry.stat(follow_symlinks=False).st_size
+        self._top_entry_done(folder)
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        child = open_child(folder, entry.name)
+        self.open_ids.add((child.st.st_dev, child.st.st_ino))
+        return child
+
+    def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        target = follow(folder, entry.name, self.roots)
+        shown = folder.join(entry.name)
+        child = None
+        if leads_to_special(target, shown, self.policy) or target.st is None:
+            pass  # left out, or kept as a (dangling) link: no data
+        elif _inside(target.real, self.top_real):
+            pass  # kept as a link
+        elif stat.S_ISDIR(target.st.st_mode):
+            child = _enter_outside(target, shown, self.open_ids)
+            if child is not None:
+                child.rel = folder.child_rel(entry.name)
+                self.open_ids.add((child.st.st_dev, child.st.st_ino))
+        else:
+            self.total += target.st.st_size
+        if child is None:
+            self._top_entry_done(folder)
+        return child
+
+    def leave(self, folder: Folder) -> None:
+        self.open_ids.discard((folder.st.st_dev, folder.st.st_ino))
+        if folder.rel and "/" not in folder.rel:
+            self.top_done += 1
+            self.top_bytes = self.total
+
+
+def _inside(real: str | None, top_real: str) -> bool:
+    return real is not None and (real == top_real or real.startswith(top_real.rstrip("/") + "/"))
+
+
+def _enter_outside(target: Target, shown: str, open_ids: set[tuple[int, int]]) -> Folder | None:
+    """A folder outside the tree reached by a link, unless it is one of the folders
+    being walked already (a cycle of links): that one is left empty."""
+    assert target.st is not None
+    if (target.st.st_dev, target.st.st_ino) in open_ids:
+        return None
+    return open_followed(target, shown)
+
+
+# -- staging -----------------------------------------------------------------------
 
 
 def run(step: CopyStep, ctx: OpContext) -> None:
-    source = require_source(ctx.source(step.src))
+    path = ctx.source(step.src)
+    require_source(path)
+    roots = Roots.of(ctx.allowed_roots)
+    if roots and not step.src.startswith("/"):
+        roots = Roots.of([*roots.real, str(ctx.root)])  # an earlier step's output
     try:
-        if source.is_dir():
-            _TreeCopy(source, ctx.destination(step.dst), ctx).run()
-        else:
-            target = _file_target(source, step.dst, ctx)
-            st = source.stat()
-            ctx.progress.add_total(st.st_size, 1)
-            _Copier(ctx).copy_file(str(source), str(target), st)
+        fd, st = open_path(path, roots)
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                _TreeCopy(path, str(ctx.destination(step.dst)), ctx, roots, step.special).run()
+                return
+            if not stat.S_ISREG(st.st_mode):
+                raise refuse_special(step.src, st.st_mode, skippable=False)
+            _copy_single_file(fd, path, _file_target(path, step.dst, ctx), ctx, roots)
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise _translate(exc, step.src) from exc
+        raise _translate(exc, path) from exc
 
 
 def _translate(exc: OSError, source: str) -> StagerError:
@@ -123,19 +267,22 @@ def _translate(exc: OSError, source: str) -> StagerError:
     in_source = isinstance(name, str) and (
         name == source or name.startswith(source.rstrip("/") + "/")
     )
-    if in_source and exc.errno == errno.ENOENT:
-        return SourceNotFound(f"{name} disappeared while copying; check that the source is stable")
+    if in_source and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+        return SourceNotFound(
+            f"{name} disappeared or was replaced while copying; check that the source is stable"
+        )
     if in_source and exc.errno in (errno.EACCES, errno.EPERM):
         return SourceUnreadable(f"{name} is not readable by the daemon's user; fix its permissions")
     return from_os_error(exc, f"copying {source}")
 
 
-def _file_target(source: Path, dst: str, ctx: OpContext) -> Path:
+def _file_target(source: str, dst: str, ctx: OpContext) -> str:
     """``dst`` of "." or "dir/" means "inside that directory"; anything else is the new path."""
+    name = os.path.basename(source.rstrip("/"))
     if dst in ("", ".") or dst.endswith("/"):
         folder = ctx.destination(dst or ".")
         folder.mkdir(parents=True, exist_ok=True)
-        return folder / source.name
+        return str(folder / name)
     # Resolve the parent only: the target itself may be a stale link from a
     # previous run, and following it would be both wrong and refused.
     relative = dst.rstrip("/")
@@ -145,248 +292,428 @@ def _file_target(source: Path, dst: str, ctx: OpContext) -> Path:
     if target.is_dir() and not target.is_symlink():
         # Like cp: an existing directory (made by an earlier step) receives the
         # file; replacing it would throw away that step's work.
-        return target / source.name
-    return target
+        return str(target / name)
+    return str(target)
 
 
-def _walk_sizes(root: Path) -> Iterator[int]:
-    """Sizes of every file under ``root``, following links like the copy does."""
-    seen: set[tuple[int, int]] = set()
-    stack = [str(root)]
-    while stack:
-        folder = stack.pop()
-        st = os.stat(folder)
-        if (st.st_dev, st.st_ino) in seen:
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_dir():
-                        stack.append(entry.path)
-                    else:
-                        yield entry.stat().st_size
-                except FileNotFoundError:
-                    continue  # a dangling link: copied as a link, writes no data
-
-
-class _Copier:
-    """Moves one file's bytes with the fastest method that works, then sets metadata."""
-
-    def __init__(self, ctx: OpContext) -> None:
-        self.ctx = ctx
-
-    def copy_file(self, src: str, dst: str, st: os.stat_result) -> None:
-        """Copy ``src`` to ``dst`` unless an identical copy is already there."""
-        if _is_complete(dst, st):
-            self.ctx.progress.advance(st.st_size, 1)
-            return
-        # Raw descriptors: this runs once per file, and file objects cost more
-        # Python work than the syscalls they wrap.
-        fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fout = _open_destination(dst, stat.S_IMODE(st.st_mode))
-            try:
-                copied = self._copy_bytes(fin, fout, st.st_size)
-                self._finish(fout, src, dst, st, copied)
-            finally:
-                os.close(fout)
-        finally:
-            os.close(fin)
-        self.ctx.progress.advance(0, 1)
-
-    def _finish(self, fout: int, src: str, dst: str, st: os.stat_result, copied: int) -> None:
-        have = os.fstat(fout)
-        mode = stat.S_IMODE(st.st_mode)
-        if stat.S_IMODE(have.st_mode) != mode:
-            os.fchmod(fout, mode)  # the umask, or a file left by an earlier run
-        self._verify(src, st, copied, have.st_size, dst)
-        # The mtime goes last: it is what marks the file complete for a restart.
-        # Set through the descriptor, which NFS also orders after the writes.
-        os.utime(fout, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-    def _copy_bytes(self, fin: int, fout: int, size: int) -> int:
-        """Copy in CHUNK pieces, so progress and cancel are seen within a large file."""
-        done = 0
-        while done < size:
-            n = copy_chunk(fin, fout, done, min(CHUNK, size - done))
-            if n == 0:
-                break  # the source shrank under us; verify will say so
-            done += n
-            self.ctx.progress.advance(n)
-            if done < size:
-                self.ctx.check_cancelled()
-        return done
-
-    def _verify(self, src: str, st: os.stat_result, copied: int, written: int, dst: str) -> None:
-        if self.ctx.verify == "none":
-            return
-        if copied != st.st_size or written != st.st_size:
-            raise VerifyFailed(
-                f"copy of {src} has {written} bytes but the source has {st.st_size}; "
-                "check that the source is not being modified and stage again"
-            )
-        if self.ctx.verify == "sha256":
-            want, got = _sha256(src), _sha256(dst)
-            if want != got:
-                raise VerifyFailed(
-                    f"copy of {src} has sha256 {got} but the source has {want}; "
-                    "check the source and the local disk, then stage again"
-                )
-
-
-def _is_complete(dst: str, st: os.stat_result) -> bool:
+def _copy_single_file(path_fd: int, source: str, target: str, ctx: OpContext, roots: Roots) -> None:
+    """One file, on this process, with progress and cancel seen within it."""
+    st = os.fstat(path_fd)
+    ctx.progress.add_total(st.st_size, 1)
+    folder, name = os.path.split(target)
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        have = os.lstat(dst)
-    except FileNotFoundError:
-        return False
-    return (
-        stat.S_ISREG(have.st_mode)
-        and have.st_size == st.st_size
-        and have.st_mtime_ns == st.st_mtime_ns
-    )
+        if _is_complete(dfd, name, st.st_size, st.st_mtime_ns):
+            ctx.progress.advance(st.st_size, 1)
+            return
+        job = _FileJob(ctx.verify, ctx.progress.advance, ctx.check_cancelled)
+        # Opened by name again: a retry must see what the name holds now.
+        job.copy_checked(lambda: open_source(source, roots), source, dfd, name, again=True)
+    finally:
+        os.close(dfd)
+    ctx.progress.advance(0, 1)
 
 
-def _open_destination(dst: str, mode: int) -> int:
-    """Open for writing, replacing whatever is in the way; never follow a link.
-
-    The file is created with the source's mode, so usually no chmod is needed.
-    A read-only file left by an interrupted run (EACCES) is replaced too.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(dst, flags, mode)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.EACCES):
-            raise
-    _remove(dst)
-    return os.open(dst, flags, mode)
+# -- one file ------------------------------------------------------------------------
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+class _Stopped(Exception):
+    """The op is stopping (failed elsewhere, or cancelled): leave this file unfinished."""
 
 
 @dataclass
-class _Batch:
-    files: list[tuple[str, str, os.stat_result]] = field(default_factory=list)
-    nbytes: int = 0
+class _FileJob:
+    """How files are copied in one process: the verify level, where progress goes,
+    and what says stop."""
+
+    verify: str
+    advance: Callable[[int], Any]
+    check_stop: Callable[[], None]
+
+    def copy_group(
+        self, sfd: int | None, dfd: int, items: list[tuple[Any, ...]], umask: int
+    ) -> None:
+        """Copy the files the walk saw in one folder, each checked afterwards against what
+        the walk saw (size, times, inode) and copied once more if it changed.
+
+        The hot loop of a million-file copy, so the common case is written out here:
+        seven system calls and little else per file (docs/performance.md).
+        """
+        check = self.verify != "none"
+        done_bytes = 0
+        for name, dname, size, atime, mtime, ctime, ino, mode in items:
+            fin = os.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+            try:
+                try:
+                    fout = os.open(dname, _CREATE_FLAGS, mode, dir_fd=dfd)
+                except FileExistsError:
+                    fout = _replace(dfd, dname, mode, size, mtime)
+                    if fout < 0:  # complete from an earlier run of this staging
+                        done_bytes += size
+                        continue
+                try:
+                    if mode & umask:
+                        os.fchmod(fout, mode)  # the walking process keeps its umask
+                    if size > CHUNK:
+                        copied = self._move(fin, fout, size)  # counts its own progress
+                    else:
+                        copied = copy_chunk(fin, fout, 0, size) if size else 0
+                        if 0 < copied < size:
+                            copied += self._move(fin, fout, size, copied)
+                        done_bytes += copied
+                    if check:
+                        after = os.fstat(fin)
+                        # nlink 0: the name holds another file now (replaced by a rename).
+                        if (
+                            copied != size
+                            or after.st_mtime_ns != mtime
+                            or after.st_ctime_ns != ctime
+                            or after.st_size != size
+                            or after.st_ino != ino
+                            or not after.st_nlink
+                        ):
+                            os.close(fout)
+                            fout = -1
+                            shown = _shown(sfd, name)
+                            self.copy_checked(_opener(sfd, name), shown, dfd, dname)
+                            continue
+                        if self.verify == "sha256":
+                            _compare_digests(fin, fout, _shown(sfd, name))
+                    # The mtime goes last: it marks the file complete for a restart.
+                    os.utime(fout, ns=(atime, mtime))
+                finally:
+                    if fout >= 0:
+                        os.close(fout)
+            finally:
+                os.close(fin)
+        self.advance(done_bytes)
+
+    def copy_checked(
+        self, opener: Callable[[], int], shown: str, dfd: int, dname: str, again: bool = False
+    ) -> None:
+        """Copy with the "before" taken on the descriptor itself; a change fails, or
+        (``again``) is copied once more."""
+        fin = opener()
+        try:
+            before = os.fstat(fin)
+            if not stat.S_ISREG(before.st_mode):
+                raise refuse_special(shown, before.st_mode)
+            fout = _create(dfd, dname, stat.S_IMODE(before.st_mode))
+            try:
+                copied = self._move(fin, fout, before.st_size)
+                if self.verify != "none":
+                    after = os.fstat(fin)
+                    if copied != before.st_size or _identity(after) != _identity(before):
+                        if not again:
+                            raise _changed(shown)
+                        os.close(fout)
+                        fout = -1
+                        self.copy_checked(opener, shown, dfd, dname)
+                        return
+                    if self.verify == "sha256":
+                        _compare_digests(fin, fout, shown)
+                os.utime(fout, ns=(before.st_atime_ns, before.st_mtime_ns))
+            finally:
+                if fout >= 0:
+                    os.close(fout)
+        finally:
+            os.close(fin)
+
+    def _move(self, fin: int, fout: int, size: int, done: int = 0) -> int:
+        """Copy in CHUNK pieces, so progress and cancel are seen within a large file;
+        returns the bytes moved from ``done`` on."""
+        start = done
+        while done < size:
+            n = copy_chunk(fin, fout, done, min(CHUNK, size - done))
+            if n == 0:
+                break  # the source shrank under us; the check after says so
+            done += n
+            self.advance(n)
+            if done < size:
+                self.check_stop()
+        return done - start
 
 
-class _TreeCopy:
-    """Walk ``src`` on the calling thread while a pool copies the files found so far."""
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_nlink > 0)
 
-    def __init__(self, src: Path, dst: Path, ctx: OpContext) -> None:
-        self.src = os.path.abspath(src)
-        self.src_real = os.path.realpath(src)
-        self.dst = str(dst)
-        self.ctx = ctx
-        self.copier = _Copier(ctx)
-        self.failed = threading.Event()  # a worker failed: stop the others early
-        self.pending: set[Future[None]] = set()
-        self.dirs: list[tuple[str, os.stat_result]] = []
-        self.seen: set[tuple[int, int]] = set()
+
+def _changed(shown: str) -> VerifyFailed:
+    return VerifyFailed(
+        f"source {shown} changed while it was copied, twice (its size, mtime or ctime "
+        "moved); stage again once nothing writes to it, or copy a snapshot of it"
+    )
+
+
+def _shown(sfd: int | None, name: str) -> str:
+    """The source's path for a sentence (workers know their folder only by descriptor)."""
+    if sfd is None:
+        return name
+    return os.path.join(os.readlink(f"/proc/self/fd/{sfd}"), name)
+
+
+def _opener(sfd: int | None, name: str) -> Callable[[], int]:
+    return lambda: os.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+
+
+def _create(dfd: int, name: str, mode: int) -> int:
+    """A new destination file with the source's mode, replacing whatever is there."""
+    try:
+        fd = os.open(name, _CREATE_FLAGS, mode, dir_fd=dfd)
+    except FileExistsError:
+        fd = _replace(dfd, name, mode, -1, 0)
+    if mode & forked.umask():
+        os.fchmod(fd, mode)
+    return fd
+
+
+def _replace(dfd: int, name: str, mode: int, size: int, mtime: int) -> int:
+    """Something is where a file goes: -1 when it is that file already, complete (same
+    ``size`` and ``mtime``, from an earlier run); else it is removed (a partial file, a
+    link, a folder left by an interrupted run), never followed, and a new file made."""
+    if size >= 0 and _is_complete(dfd, name, size, mtime):
+        return -1
+    _remove(dfd, name)
+    return os.open(name, _CREATE_FLAGS, mode, dir_fd=dfd)
+
+
+def _is_complete(dfd: int, name: str, size: int, mtime: int) -> bool:
+    try:
+        have = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(have.st_mode) and have.st_size == size and have.st_mtime_ns == mtime
+
+
+def _remove(dfd: int, name: str) -> None:
+    have = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_ISDIR(have.st_mode):
+        shutil.rmtree(name, dir_fd=dfd)
+    else:
+        os.unlink(name, dir_fd=dfd)
+
+
+def _compare_digests(fin: int, fout: int, shown: str) -> None:
+    want, got = _sha256(fin), _sha256(fout)
+    if want != got:
+        raise VerifyFailed(
+            f"copy of {shown} has sha256 {got} but the source has {want}; "
+            "check the source and the local disk, then stage again"
+        )
+
+
+def _sha256(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, READ_CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+# -- a tree ----------------------------------------------------------------------------
+
+
+# A group: the files of one source folder in a chunk (a chunk may span folders, so
+# that small folders, iNaturalist's 270 files each, still travel a few hundred at a
+# time). ``src_dir`` None: the names are real paths of files links led to.
+Group = tuple[str | None, tuple[int, int] | None, str, list[tuple[Any, ...]]]
+
+
+def _copy_files(groups: list[Group], verify: str) -> None:
+    """A chunk, on a worker (or inline): copy each group's files."""
+    job = _FileJob(verify, forked.report_bytes, _check_stop)
+    umask = forked.umask()
+    for src_dir, src_id, dst_dir, items in groups:
+        if forked.stopping():
+            return
+        sfd = None
+        if src_dir is not None:
+            sfd = os.open(src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if sfd is not None:
+                st = os.fstat(sfd)
+                if (st.st_dev, st.st_ino) != src_id:
+                    raise SourceNotFound(f"source folder {src_dir} was replaced while copying")
+            dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                job.copy_group(sfd, dfd, items, umask)
+            except _Stopped:
+                return
+            finally:
+                os.close(dfd)
+        finally:
+            if sfd is not None:
+                os.close(sfd)
+        forked.report(0, len(items))
+
+
+def _check_stop() -> None:
+    if forked.stopping():
+        raise _Stopped
+
+
+@dataclass
+class _Out:
+    """A source folder's destination, finished (mode, mtime) once its last chunk is."""
+
+    dst: str  # absolute
+    rel: str  # below the copy's destination root, for relative links
+    st: os.stat_result
+    items: list[tuple[Any, ...]] = field(default_factory=list)
+    pending: int = 0  # chunks holding some of its files, not done yet
+    listed: bool = False
+
+
+class _TreeCopy(Visitor):
+    """Walk ``src`` on this process; its files go to :class:`forked.Workers`."""
+
+    def __init__(self, src: str, dst: str, ctx: OpContext, roots: Roots, special: str) -> None:
+        self.src, self.dst, self.ctx = src, dst, ctx
+        self.roots, self.policy = roots, special
+        self.root = os.path.realpath(ctx.root)
+        self.outs: dict[int, _Out] = {}  # by folder descriptor: the folders being walked
+        self.open_ids: set[tuple[int, int]] = set()
+        self.top_real = ""
+        self.workers = forked.Workers(
+            forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
+        )
+        # The chunk being filled: its groups, the folders they belong to, its size.
+        self.groups: list[Group] = []
+        self.group_outs: list[_Out] = []
+        self.files = self.nbytes = 0
 
     def run(self) -> None:
-        workers = max(1, self.ctx.workers)
         os.makedirs(self.dst, exist_ok=True)
-        with ThreadPoolExecutor(workers, thread_name_prefix="stager-copy") as pool:
-            try:
-                self._walk(pool, workers * 4)
-                self._drain(0)
-            finally:
-                # On error or cancel: let running batches stop at their next
-                # file and drop the queued ones, then surface the first error.
-                self.failed.set()
-                for future in self.pending:
-                    future.cancel()
-        self._finish_dirs()
+        top = open_top(self.src, self.roots)
+        self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
+        try:
+            self._enter(top, self.dst, "")
+            self.workers.walk(top, self, self.policy, flush=self._submit)
+        finally:
+            os.close(top.fd)
 
-    def _walk(self, pool: ThreadPoolExecutor, max_pending: int) -> None:
-        stack = [(self.src, self.dst)]
-        while stack:
-            self.ctx.check_cancelled()
-            src_dir, dst_dir = stack.pop()
-            st = os.stat(src_dir)
-            if (st.st_dev, st.st_ino) in self.seen:
-                continue  # a directory link loop: its content is already being copied
-            self.seen.add((st.st_dev, st.st_ino))
-            make_dir(dst_dir)
-            self.dirs.append((dst_dir, st))
-            for batch in self._scan(src_dir, dst_dir, stack):
-                self.ctx.progress.add_total(batch.nbytes, len(batch.files))
-                self._drain(max_pending)
-                self.pending.add(pool.submit(self._copy_batch, batch))
+    def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
+        make_dir(dst)
+        self.outs[folder.fd] = _Out(dst, rel, folder.st)
+        self.open_ids.add((folder.st.st_dev, folder.st.st_ino))
+        return folder
 
-    def _scan(self, src_dir: str, dst_dir: str, stack: list[tuple[str, str]]) -> Iterator[_Batch]:
-        batch = _Batch()
-        with os.scandir(src_dir) as entries:
-            for entry in entries:
-                target = os.path.join(dst_dir, entry.name)
-                if entry.is_symlink() and self._copy_link(entry.path, target):
-                    continue
-                if entry.is_dir():
-                    stack.append((entry.path, target))
-                    continue
-                st = entry.stat()
-                batch.files.append((entry.path, target, st))
-                batch.nbytes += st.st_size
-                if len(batch.files) >= BATCH_FILES:
-                    yield batch
-                    batch = _Batch()
-        if batch.files:
-            yield batch
+    # Visitor: called by the walk on this process.
 
-    def _copy_link(self, link: str, target: str) -> bool:
-        """Recreate an in-tree or dangling link; False means "copy what it points to"."""
-        resolved = os.path.realpath(link)
-        if not os.path.exists(resolved):
-            _place_link(os.readlink(link), target)
-            return True
-        inside = resolved == self.src_real or resolved.startswith(self.src_real + os.sep)
-        if not inside:
-            return False
-        # Relative, so the copy points into itself wherever the dataset is published.
-        rel_target = os.path.relpath(resolved, self.src_real)
-        rel_parent = os.path.relpath(os.path.dirname(target), self.dst)
-        _place_link(os.path.relpath(rel_target, rel_parent), target)
-        return True
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        st = entry.stat(follow_symlinks=False)
+        out = self.outs[folder.fd]
+        name = entry.name
+        out.items.append(
+            (
+                name,
+                name,
+                st.st_size,
+                st.st_atime_ns,
+                st.st_mtime_ns,
+                st.st_ctime_ns,
+                st.st_ino,
+                st.st_mode & 0o7777,
+            )
+        )
+        self.nbytes += st.st_size
+        if self.files + len(out.items) >= BATCH_FILES or self.nbytes >= BATCH_BYTES:
+            self._close_group(folder, out)
+            self._submit()
 
-    def _copy_batch(self, batch: _Batch) -> None:
-        for src, dst, st in batch.files:
-            if self.failed.is_set():
-                return
-            self.ctx.check_cancelled()
-            self.copier.copy_file(src, dst, st)
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        out = self.outs[folder.fd]
+        child = open_child(folder, entry.name)
+        return self._enter(child, f"{out.dst}/{entry.name}", _join(out.rel, entry.name))
 
-    def _drain(self, max_pending: int) -> None:
-        """Wait until at most ``max_pending`` batches are queued; re-raise a worker's error."""
-        while len(self.pending) > max_pending:
-            done, self.pending = wait(self.pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()
+    def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        out = self.outs[folder.fd]
+        name, shown = entry.name, folder.join(entry.name)
+        target = follow(folder, name, self.roots)
+        where = f"{out.dst}/{name}"
+        if leads_to_special(target, shown, self.policy):
+            return None  # left out
+        if target.st is None:
+            _place_link(target.text, where)  # dangling, but confined: kept as it is
+        elif _inside(target.real, self.top_real):
+            # Relative, so the copy points into itself wherever the dataset is published.
+            inner = os.path.relpath(str(target.real), self.top_real)
+            _place_link(os.path.relpath(inner, out.rel or "."), where)
+        elif stat.S_ISDIR(target.st.st_mode):
+            child = _enter_outside(target, shown, self.open_ids)
+            if child is None:
+                make_dir(where)  # a cycle of links: walked once already
+                return None
+            return self._enter(child, where, _join(out.rel, name))
+        else:
+            # A file a link led to: a group of its own, named by its real path.
+            st = target.st
+            item = (str(target.real), name, st.st_size, st.st_atime_ns, st.st_mtime_ns,
+                    st.st_ctime_ns, st.st_ino, st.st_mode & 0o7777)  # fmt: skip
+            self.nbytes += st.st_size
+            self._close_group(folder, out)
+            self._add_group((None, None, out.dst, [item]), out)
+        return None
 
-    def _finish_dirs(self) -> None:
-        # Deepest first, after all files: writing into a directory bumps its mtime.
-        # The owner keeps rwx so a restarted run can still write into read-only
-        # copies; the dataset root itself is left alone, other steps share it.
-        root = str(self.ctx.root.resolve())
-        for path, st in reversed(self.dirs):
-            if path == root:
-                continue
-            os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IRWXU)
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    def leave(self, folder: Folder) -> None:
+        out = self.outs.pop(folder.fd)
+        self._close_group(folder, out)
+        self.open_ids.discard((folder.st.st_dev, folder.st.st_ino))
+        out.listed = True
+        if out.pending == 0:
+            self._finish(out)
+
+    # Chunks.
+
+    def _close_group(self, folder: Folder, out: _Out) -> None:
+        """Move the folder's files found so far into the chunk being filled."""
+        if out.items:
+            ident = (folder.st.st_dev, folder.st.st_ino)
+            self._add_group((folder.path, ident, out.dst, out.items), out)
+            out.items = []
+
+    def _add_group(self, group: Group, out: _Out) -> None:
+        self.groups.append(group)
+        self.group_outs.append(out)
+        out.pending += 1
+        self.files += len(group[3])
+        if self.files >= BATCH_FILES:
+            self._submit()
+
+    def _submit(self) -> None:
+        if not self.groups:
+            return
+        groups, outs, files, nbytes = self.groups, self.group_outs, self.files, self.nbytes
+        self.groups, self.group_outs, self.files, self.nbytes = [], [], 0, 0
+        self.ctx.progress.add_total(nbytes, files)
+        self.workers.submit(
+            _copy_files,
+            groups,
+            self.ctx.verify,
+            files=files,
+            nbytes=nbytes,
+            then=lambda: self._done(outs),
+        )
+
+    def _done(self, outs: list[_Out]) -> None:
+        for out in outs:
+            out.pending -= 1
+            if out.listed and out.pending == 0:
+                self._finish(out)
+
+    def _finish(self, out: _Out) -> None:
+        # After all its entries: writing into a directory bumps its mtime. The owner
+        # keeps rwx so a restarted run can still write into read-only copies; the
+        # dataset root itself is left alone, other steps share it.
+        if out.dst == self.root:
+            return
+        os.chmod(out.dst, stat.S_IMODE(out.st.st_mode) | stat.S_IRWXU)
+        os.utime(out.dst, ns=(out.st.st_atime_ns, out.st.st_mtime_ns))
+
+
+def _join(rel: str, name: str) -> str:
+    return f"{rel}/{name}" if rel else name
 
 
 def _place_link(link_text: str, path: str) -> None:
@@ -400,5 +727,10 @@ def _place_link(link_text: str, path: str) -> None:
         if exc.errno != errno.EINVAL:  # EINVAL: there, but not a link
             raise
     if os.path.lexists(path):
-        _remove(path)
+        folder, name = os.path.split(path)
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _remove(dfd, name)
+        finally:
+            os.close(dfd)
     os.symlink(link_text, path)

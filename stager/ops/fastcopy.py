@@ -33,27 +33,46 @@ def _pread_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
     return len(data)
 
 
-# Checked by name at each call, so a platform (or a test) without one simply skips it.
+# Checked by name, so a platform (or a test) without one simply skips it.
 _METHODS: dict[str, Callable[[int, int, int, int], int]] = {
     "copy_file_range": lambda s, d, off, n: os.copy_file_range(s, d, n, off),
     "sendfile": lambda s, d, off, n: os.sendfile(d, s, off, n),
     "pread": _pread_write,
 }
 _refused: set[str] = set()
+# The first method not refused yet, looked up once rather than per call: a million
+# small files are a million calls (docs/performance.md).
+_best: tuple[str, Callable[[int, int, int, int], int]] | None = None
+
+
+def _pick() -> tuple[str, Callable[[int, int, int, int], int]]:
+    global _best
+    for name, method in _METHODS.items():
+        if name not in _refused and hasattr(os, name):
+            _best = (name, method)
+            return _best
+    raise OSError(errno.ENOSYS, "no way to copy file data on this platform")
 
 
 def copy_chunk(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
     """Move up to ``count`` bytes from ``offset`` of the source; 0 means end of source."""
-    for name, method in _METHODS.items():
-        if name in _refused or not hasattr(os, name):
-            continue
+    global _best
+    while True:
+        name, method = _best or _pick()
         try:
             return method(src_fd, dst_fd, offset, count)
+        except AttributeError:  # gone from ``os`` since it was picked (a test took it away)
+            _best = None
         except OSError as exc:
             if exc.errno not in _REFUSED_ERRNOS or name == "pread":
                 raise
-            _refused.add(name)  # nothing was written: retry this chunk with the next one
-    raise OSError(errno.ENOSYS, "no way to copy file data on this platform")
+            _refuse(name)  # nothing was written: retry this chunk with the next one
+
+
+def _refuse(name: str) -> None:
+    global _best
+    _refused.add(name)
+    _best = None
 
 
 def copy_range(src_fd: int, dst_fd: int, offset: int, size: int) -> None:

@@ -19,6 +19,7 @@ tree holds a link; :func:`open_link` is that step.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
@@ -81,13 +82,16 @@ class Roots:
         """The real path of what ``fd`` opened; UnsafePath when it is outside the roots."""
         real = fd_path(fd)
         if not self.contains(real):
-            roots = ", ".join(self.real)
-            raise UnsafePath(
-                f"source {shown} resolves to {real}, outside the allowed source roots "
-                f"({roots}); remove or fix that link, or ask the admin to add its target "
-                "to STAGER_ALLOWED_ROOTS"
-            )
+            raise self.refusal(shown, real)
         return real
+
+    def refusal(self, shown: str, real: str) -> UnsafePath:
+        roots = ", ".join(self.real)
+        return UnsafePath(
+            f"source {shown} resolves to {real}, outside the allowed source roots "
+            f"({roots}); remove or fix that link, or ask the admin to add its target "
+            "to STAGER_ALLOWED_ROOTS"
+        )
 
 
 def fd_path(fd: int) -> str:
@@ -98,12 +102,15 @@ def fd_path(fd: int) -> str:
     return real
 
 
-def open_path(path: str, roots: Roots, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+def open_path(
+    path: str, roots: Roots, dir_fd: int | None = None, shown: str | None = None
+) -> tuple[int, os.stat_result]:
     """An ``O_PATH`` descriptor of what ``path`` resolves to (every link followed) and its
-    stat; refused when it lies outside ``roots``. Opens no file: safe on a FIFO or device."""
+    stat; refused when it lies outside ``roots``. Opens no file: safe on a FIFO or device.
+    ``shown`` names it in the refusal (``path`` is relative to ``dir_fd``)."""
     fd = os.open(path, _PATH_FLAGS, dir_fd=dir_fd)
     try:
-        roots.check(fd, path)
+        roots.check(fd, shown or path)
         return fd, os.fstat(fd)
     except BaseException:
         os.close(fd)
@@ -143,3 +150,184 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+# -- walking a source tree ----------------------------------------------------------
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+SPECIAL_POLICIES = ("refuse", "skip")
+
+
+@dataclass
+class Folder:
+    """A folder of a source tree, open. ``rel`` is its path below the walk's top ("" for
+    the top); ``path`` names it for messages and for the processes that reopen it (they
+    compare ``st``'s device and inode, so a folder swapped meanwhile is refused)."""
+
+    fd: int
+    path: str
+    rel: str
+    st: os.stat_result
+
+    def join(self, name: str) -> str:
+        return f"{self.path}/{name}" if self.path != "/" else f"/{name}"
+
+    def child_rel(self, name: str) -> str:
+        return f"{self.rel}/{name}" if self.rel else name
+
+
+def open_top(path: str, roots: Roots) -> Folder:
+    """The top of a walk: ``path`` resolved (links followed) and confined."""
+    fd = open_source_dir(path, roots)
+    return Folder(fd, os.path.abspath(path), "", os.fstat(fd))
+
+
+def open_top_unconfined(path: str) -> Folder:
+    """The top of a walk of a tree stager owns: ``path`` itself, never through a link."""
+    fd = os.open(path, DIR_FLAGS | os.O_NOFOLLOW)
+    return Folder(fd, path, "", os.fstat(fd))
+
+
+def open_child(folder: Folder, name: str) -> Folder:
+    """A real sub-folder, opened relative to its parent and never through a link: a
+    folder swapped for a link after the parent was listed fails (ELOOP/ENOTDIR)."""
+    fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+    return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd))
+
+
+@dataclass
+class Target:
+    """Where a link in a source tree leads: ``real`` is None for a dangling link."""
+
+    text: str  # what the link says
+    real: str | None
+    st: os.stat_result | None
+
+
+def follow(folder: Folder, name: str, roots: Roots) -> Target:
+    """Resolve the link ``name`` in ``folder`` through any chain of links; refused
+    (UnsafePath) when it leads outside ``roots``, dangling or not."""
+    text = os.readlink(name, dir_fd=folder.fd)
+    try:
+        fd, st = open_path(name, roots, dir_fd=folder.fd, shown=folder.join(name))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            raise
+        # Dangling, or a loop of links: nothing to open, but where the text would
+        # lead must stay inside all the same.
+        real = os.path.realpath(folder.join(name))
+        if roots and not roots.contains(real):
+            raise roots.refusal(folder.join(name), real) from None
+        return Target(text, None, None)
+    try:
+        return Target(text, fd_path(fd), st)
+    finally:
+        os.close(fd)
+
+
+def leads_to_special(target: Target, shown: str, policy: str) -> bool:
+    """A link to a FIFO, socket or device is one too: refused, or True to leave it out."""
+    if target.st is None or stat.S_IFMT(target.st.st_mode) in (stat.S_IFREG, stat.S_IFDIR):
+        return False
+    if policy == "skip":
+        return True
+    raise refuse_special(shown, target.st.st_mode)
+
+
+def open_followed(target: Target, shown: str) -> Folder:
+    """A folder reached through a link, by its real path; refused if it changed since."""
+    assert target.real is not None and target.st is not None
+    fd = os.open(target.real, DIR_FLAGS | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (target.st.st_dev, target.st.st_ino):
+        os.close(fd)
+        raise SourceNotFound(f"source {shown} changed while it was staged; stage again")
+    return Folder(fd, target.real, "", st)
+
+
+class Visitor:
+    """What a walk calls for each thing it finds; ops override what they need.
+
+    ``subdir`` and ``link`` return the folder to walk into next, or None to stay.
+    """
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        pass
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        return open_child(folder, entry.name)
+
+    def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        return None
+
+    def special(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        pass
+
+    def leave(self, folder: Folder) -> None:
+        pass
+
+
+def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object = None) -> None:
+    """Depth-first over ``top``, streaming: one open listing per level of depth, never a
+    list of the tree's files, whatever their number. Each folder is opened relative to
+    its parent's descriptor. Special files are refused (``special="refuse"``: the
+    sentence names the path) or passed to ``visitor.special`` (``"skip"``); they are
+    never opened. ``check``, if given, is called once per folder (cancel).
+    """
+    stack = [(top, os.scandir(top.fd))]
+    try:
+        while stack:
+            folder, entries = stack[-1]
+            child = None
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    child = visitor.subdir(folder, entry)
+                elif entry.is_file(follow_symlinks=False):
+                    visitor.file(folder, entry)
+                    continue
+                elif entry.is_symlink():
+                    child = visitor.link(folder, entry)
+                elif special == "skip":
+                    visitor.special(folder, entry)
+                    continue
+                else:
+                    shown = folder.join(entry.name)
+                    raise refuse_special(shown, entry.stat(follow_symlinks=False).st_mode)
+                if child is not None:
+                    if check is not None:
+                        check()  # type: ignore[operator]
+                    stack.append((child, os.scandir(child.fd)))
+                    break
+            if child is None:
+                entries.close()
+                stack.pop()
+                visitor.leave(folder)
+                if folder is not top:
+                    os.close(folder.fd)
+    finally:
+        for folder, entries in stack:
+            entries.close()
+            if folder is not top:
+                os.close(folder.fd)
+
+
+class _Sizes(Visitor):
+    def __init__(self) -> None:
+        self.total = 0
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        self.total += entry.stat(follow_symlinks=False).st_size
+
+    link = special = file  # type: ignore[assignment]  # the entry itself
+
+
+def sum_sizes(path: str) -> int:
+    """Bytes of every entry under the tree stager owns at ``path`` (files, and links
+    and special files as themselves): one ``fstatat`` each, nothing kept."""
+    top = open_top_unconfined(path)
+    try:
+        sizes = _Sizes()
+        walk(top, sizes, special="skip")
+        return sizes.total
+    finally:
+        os.close(top.fd)

@@ -11,22 +11,30 @@ Link targets are ``os.path.abspath`` of the source, not ``realpath``: the
 user's path (``/network/datasets/...``) is the stable name on every node, while
 what it resolves to today may be a site-specific mount.
 
-``tree`` costs one ``scandir`` per directory plus one ``symlink`` per file;
-no ``stat`` of the sources. The syscalls themselves dominate (journalled
-metadata in the kernel), so a small thread pool creates the links, per
-directory batch, while this thread keeps walking: the kernel work spreads over
+``tree`` costs one ``scandir`` per folder plus one ``symlinkat`` per file, made
+relative to the destination folder's descriptor; no ``stat`` of the sources (the
+listing's entry types say what is a file). The walk stays on the staging process
+and the links are made by forked workers, per folder chunk (see
+:mod:`stager.ops.forked`): the kernel's work and Python's share of it spread over
 the cores, which a single-threaded ``cp -rs`` cannot do.
+
+The same rules as every walk of a source (:mod:`stager.ops.sources`): a FIFO,
+socket or device in the tree is refused with a sentence naming it, or left out
+with ``special: "skip"`` (a link to it would hang whoever opens it); a link in the
+tree is followed, through any chain, and must resolve inside ``--allowed-root``,
+or the staging is refused: the links made here would lead there.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import stat
+import time
 from typing import Literal
 
 from stager.errors import BadRequest, StagerError, from_os_error
+from stager.ops import forked
 from stager.ops.base import (
     AbsoluteSource,
     CheckContext,
@@ -36,6 +44,18 @@ from stager.ops.base import (
     make_dir,
     require_source,
 )
+from stager.ops.sources import (
+    Folder,
+    Roots,
+    Visitor,
+    follow,
+    leads_to_special,
+    open_child,
+    open_path,
+    open_top,
+    refuse_special,
+    walk,
+)
 
 
 class SymlinkStep(StepParams):
@@ -44,32 +64,91 @@ class SymlinkStep(StepParams):
     src: AbsoluteSource
     dst: RelativePath = "."
     mode: Literal["link", "tree"] = "link"
+    # A FIFO, socket or device in a tree: refuse the staging (naming it), or leave it out.
+    special: Literal["refuse", "skip"] = "refuse"
 
 
-# Links per pool task: large enough to amortise the executor, small enough to
-# spread one huge directory over several threads.
-BATCH = 256
+# Links per chunk handed to a worker: large enough to amortise the hand-over, small
+# enough to spread one huge folder over every worker.
+BATCH = 512
+# Trees with fewer files are linked on the walking process (forking costs more).
+PARALLEL_AFTER_FILES = 4_000
+# How long check() may walk a tree to refuse special files and links out of bounds.
+CHECK_BUDGET_S = 2.0
 
 
 def check(step: SymlinkStep, ctx: CheckContext) -> int:
-    """Validate the source; links write no data, so the estimate is 0."""
-    source = require_source(step.src)
-    if step.mode == "tree" and not source.is_dir():
+    """Validate the source, and scan a tree for what the staging would refuse (for
+    CHECK_BUDGET_S at most); links write no data, so the estimate is 0."""
+    _check_top(step, ctx)
+    if step.mode == "tree":
+        try:
+            roots = Roots.of(ctx.allowed_roots)
+            _Scan(roots, step.special, time.monotonic() + CHECK_BUDGET_S).run(step.src)
+        except OSError as exc:
+            raise _translate(exc, step.src) from exc
+    return 0
+
+
+def _check_top(step: SymlinkStep, ctx: CheckContext) -> None:
+    require_source(step.src)
+    try:
+        fd, st = open_path(step.src, Roots.of(ctx.allowed_roots))
+        os.close(fd)
+    except OSError as exc:
+        raise _translate(exc, step.src) from exc
+    if step.mode == "tree" and not stat.S_ISDIR(st.st_mode):
         raise BadRequest(
             f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
             "use mode 'link' for a single file"
         )
-    return 0
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+        raise refuse_special(step.src, st.st_mode, skippable=False)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _Scan(Visitor):
+    """Refuses early what the tree link would refuse, for as long as the budget lasts."""
+
+    def __init__(self, roots: Roots, special: str, deadline: float) -> None:
+        self.roots, self.policy, self.deadline = roots, special, deadline
+
+    def run(self, path: str) -> None:
+        top = open_top(path, self.roots)
+        try:
+            walk(top, self, self.policy, check=self._in_budget)
+        except _OverBudget:
+            pass
+        finally:
+            os.close(top.fd)
+
+    def _in_budget(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _OverBudget
+
+    def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        _judge_link(folder, entry.name, self.roots, self.policy)
+        return None
+
+
+def _judge_link(folder: Folder, name: str, roots: Roots, special: str) -> bool:
+    """Whether to mirror the link ``name``: refused out of ``roots`` (any chain, dangling
+    or not); a link to a special file is refused, or left out (False) with "skip"."""
+    target = follow(folder, name, roots)
+    return not leads_to_special(target, folder.join(name), special)
 
 
 def run(step: SymlinkStep, ctx: OpContext) -> None:
-    check(step, ctx.check_context)
+    _check_top(step, ctx.check_context)  # the tree itself is checked as it is walked
     source = os.path.abspath(step.src)
     try:
         if step.mode == "link":
             _link_one(source, _link_path(step, ctx), ctx)
         else:
-            _link_tree(source, str(ctx.destination(step.dst)), ctx)
+            _TreeLink(source, str(ctx.destination(step.dst)), ctx, step.special).run()
     except OSError as exc:
         raise _translate(exc, source) from exc
 
@@ -108,83 +187,109 @@ def _link_one(source: str, path: str, ctx: OpContext) -> None:
     ctx.progress.advance(0, 1)
 
 
-def _link_tree(source: str, dst_root: str, ctx: OpContext) -> None:
-    """Walk on this thread; link each directory's files on the pool."""
-    os.makedirs(dst_root, exist_ok=True)
-    pending: set[Future[None]] = set()
-    max_pending = max(1, ctx.workers) * 4
-    with ThreadPoolExecutor(max(1, ctx.workers), thread_name_prefix="stager-link") as pool:
+class _TreeLink(Visitor):
+    """Walk on this process; each folder's links are made by :class:`forked.Workers`."""
+
+    def __init__(self, source: str, dst_root: str, ctx: OpContext, special: str) -> None:
+        self.source, self.dst_root, self.ctx, self.policy = source, dst_root, ctx, special
+        self.roots = Roots.of(ctx.allowed_roots)
+        self.dsts: dict[int, str] = {}  # by folder descriptor: the folders being walked
+        self.pending: dict[int, list[str]] = {}  # by folder descriptor: names to link
+        self.groups: list[tuple[str, str, list[str]]] = []  # the chunk being filled
+        self.files = 0
+        self.workers = forked.Workers(
+            forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
+        )
+
+    def run(self) -> None:
+        os.makedirs(self.dst_root, exist_ok=True)
+        top = open_top(self.source, self.roots)
+        top.path = self.source  # links name the user's path, not what it resolves to today
+        self.dsts[top.fd] = self.dst_root
         try:
-            for pairs in _scan_tree(source, dst_root, ctx):
-                ctx.progress.add_total(0, len(pairs))
-                while len(pending) >= max_pending:
-                    pending = _reap(pending)
-                pending.add(pool.submit(_place_all, pairs, ctx))
-            while pending:
-                pending = _reap(pending)
+            self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
-            for future in pending:
-                future.cancel()  # on error or cancel, drop what has not started
+            os.close(top.fd)
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        names = self.pending.get(folder.fd)
+        if names is None:
+            names = self.pending[folder.fd] = []
+        names.append(entry.name)
+        if self.files + len(names) >= BATCH:
+            self._close_group(folder)
+            self._submit()
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        # Real folders, so later steps can rename or add entries inside the dataset.
+        dst = f"{self.dsts[folder.fd]}/{entry.name}"
+        make_dir(dst)  # before its files are queued
+        child = open_child(folder, entry.name)
+        self.dsts[child.fd] = dst
+        return child
+
+    def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        # Folder links are linked like files, not walked: no cycles, and the link
+        # still resolves to the same content.
+        if _judge_link(folder, entry.name, self.roots, self.policy):
+            self.file(folder, entry)
+        return None
+
+    def leave(self, folder: Folder) -> None:
+        self._close_group(folder)
+        del self.dsts[folder.fd]
+
+    def _close_group(self, folder: Folder) -> None:
+        names = self.pending.pop(folder.fd, None)
+        if names:
+            self.groups.append((folder.path, self.dsts[folder.fd], names))
+            self.files += len(names)
+            if self.files >= BATCH:
+                self._submit()
+
+    def _submit(self) -> None:
+        if self.groups:
+            groups, files = self.groups, self.files
+            self.groups, self.files = [], 0
+            self.ctx.progress.add_total(0, files)
+            self.workers.submit(_place_all, groups, files=files, then=None)
 
 
-def _scan_tree(source: str, dst_root: str, ctx: OpContext) -> Iterator[list[tuple[str, str]]]:
-    """Create the directories; yield (source, link) pairs in per-directory batches."""
-    stack = [(source, dst_root)]
-    while stack:
-        ctx.check_cancelled()
-        src_dir, dst_dir = stack.pop()
-        pairs: list[tuple[str, str]] = []
-        with os.scandir(src_dir) as entries:
-            for entry in entries:
-                target = f"{dst_dir}/{entry.name}"
-                # Directory links are linked like files, not walked: no cycles,
-                # and the link still resolves to the same content.
-                if entry.is_dir(follow_symlinks=False):
-                    make_dir(target)  # before its files are queued
-                    stack.append((entry.path, target))
-                    continue
-                pairs.append((entry.path, target))
-                if len(pairs) >= BATCH:
-                    yield pairs
-                    pairs = []
-        if pairs:
-            yield pairs
+def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
+    """A chunk, on a worker: in each group's destination folder, link each name to the
+    same name in its source folder. One ``symlinkat`` per link in the common case."""
+    for src_dir, dst_dir, names in groups:
+        if forked.stopping():
+            return
+        dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            prefix = f"{src_dir}/" if src_dir != "/" else "/"
+            symlink = os.symlink
+            for name in names:
+                try:
+                    symlink(prefix + name, name, dir_fd=dfd)
+                except FileExistsError:
+                    _place(prefix + name, name, dfd)
+        finally:
+            os.close(dfd)
+        forked.report(0, len(names))
 
 
-def _place_all(pairs: list[tuple[str, str]], ctx: OpContext) -> None:
-    ctx.check_cancelled()
-    for source, path in pairs:
-        _place(source, path)
-    ctx.progress.advance(0, len(pairs))
-
-
-def _reap(pending: set[Future[None]]) -> set[Future[None]]:
-    """Wait for one batch to finish; re-raise its error here, on the calling thread."""
-    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-    for future in done:
-        future.result()
-    return pending
-
-
-def _place(source: str, path: str) -> None:
-    """Make ``path`` a link to ``source``; the common case is a single syscall."""
-    try:
-        os.symlink(source, path)
-        return
-    except FileExistsError:
-        pass
-    if _current_target(path) == source:
+def _place(source: str, name: str, dfd: int) -> None:
+    """Something is at ``name`` already: keep it if it is the link, else replace it."""
+    if _current_target(name, dfd) == source:
         return  # left by an earlier run
-    if os.path.isdir(path) and not os.path.islink(path):
-        _refuse_directory(path)
+    have = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    if stat.S_ISDIR(have.st_mode):
+        _refuse_directory(name, dfd)
     else:
-        os.unlink(path)
-    os.symlink(source, path)
+        os.unlink(name, dir_fd=dfd)
+    os.symlink(source, name, dir_fd=dfd)
 
 
-def _current_target(path: str) -> str | None:
+def _current_target(path: str, dfd: int | None = None) -> str | None:
     try:
-        return os.readlink(path)
+        return os.readlink(path, dir_fd=dfd)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
@@ -193,14 +298,15 @@ def _current_target(path: str) -> str | None:
         raise
 
 
-def _refuse_directory(path: str) -> None:
+def _refuse_directory(path: str, dfd: int | None = None) -> None:
     """An empty directory may be replaced; a full one is another step's data."""
     try:
-        os.rmdir(path)
+        os.rmdir(path, dir_fd=dfd)
     except OSError as exc:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
             raise
+        shown = path if dfd is None else os.path.join(os.readlink(f"/proc/self/fd/{dfd}"), path)
         raise BadRequest(
-            f"cannot create a link at {path}: a non-empty directory is there; "
+            f"cannot create a link at {shown}: a non-empty directory is there; "
             "choose another 'dst' for the symlink step or remove the step that fills it"
         ) from exc

@@ -1,0 +1,225 @@
+"""Worker processes for an op that walks a tree: the walk stays on the staging
+process, the per-file work goes to forked workers, one per core.
+
+Why processes: per-file work is a handful of system calls wrapped in Python, and
+Python's share of it holds the GIL; threads of one process take turns, processes
+do not (measured in docs/performance.md). Why fork: the staging process has
+imported everything already, so a worker costs a few milliseconds, and it inherits
+the shared counters below without any message.
+
+Progress travels without a message per file either: each worker adds into its own
+slots of one shared array, and the walking process sums them into the op's
+``ProgressSink`` while it waits for room in the queue. Work goes out in chunks
+(a folder's files, at most a few hundred), and at most a few chunks per worker are
+queued: memory stays the same whatever the tree's size.
+
+Small trees never pay for the fork: until ``parallel_after`` files (or
+``PARALLEL_AFTER_BYTES``) have been seen,
+:class:`Workers` runs each chunk on the calling thread. No thread exists in the
+staging process at that point, which is what makes the later fork safe.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+from stager.children import die_with_parent
+from stager.errors import Cancelled
+from stager.ops.sources import Folder, Visitor, walk
+from stager.progress import ProgressSink
+
+_CONTEXT = multiprocessing.get_context("fork")
+# A few large files are worth the workers too: copying them is memory bandwidth,
+# which two cores have more of than one.
+PARALLEL_AFTER_BYTES = 128 << 20
+# Slot 0: stop (set by the walking process on error or cancel); then per worker
+# (bytes done, files done). The walking process itself, running chunks inline, is
+# worker 0.
+_tally: Any = None
+_slot = 1
+# On the walking process: the op's cancel flag, and its umask (workers have none).
+_cancel: Any = None
+_umask = 0
+
+
+def report(nbytes: int = 0, files: int = 0) -> None:
+    """Count work done by this process (a worker, or the walker running a chunk)."""
+    _tally[_slot] += nbytes
+    _tally[_slot + 1] += files
+
+
+def report_bytes(nbytes: int) -> None:
+    _tally[_slot] += nbytes
+
+
+def stopping() -> bool:
+    """The op failed elsewhere or was cancelled: drop the rest of the chunk."""
+    return bool(_tally[0]) or (_cancel is not None and _cancel.is_set())
+
+
+def umask() -> int:
+    """What the kernel will take from a new file's mode in this process."""
+    return _umask
+
+
+def _init_worker(tally: Any, slots: Any) -> None:
+    global _tally, _slot, _cancel, _umask
+    die_with_parent()
+    gc.disable()  # see Workers.paused_gc
+    os.umask(0)  # files are created with the source's mode exactly: no chmod per file
+    with slots.get_lock():
+        slots.value += 1
+        index = slots.value
+    _tally, _slot, _cancel, _umask = tally, 1 + 2 * index, None, 0
+
+
+def cores(workers: int) -> int:
+    return max(1, min(workers, len(os.sched_getaffinity(0))))
+
+
+class Workers:
+    """Runs chunks of per-file work inline, then on forked processes once a tree is
+    large enough to repay them; forwards their progress; re-raises their errors here.
+
+    ``then`` callbacks run on the walking thread once their chunk is done (a folder's
+    mtime can be set once its last chunk has been written).
+    """
+
+    def __init__(
+        self, processes: int, progress: ProgressSink, parallel_after: int, cancel: Any = None
+    ) -> None:
+        global _tally, _slot, _cancel, _umask
+        self._processes = processes
+        self._progress = progress
+        self._parallel_after = parallel_after
+        self._seen = self._seen_bytes = 0
+        self._pool: ProcessPoolExecutor | None = None
+        self._pending: dict[Future[Any], Callable[[], None] | None] = {}
+        self._tally = _CONTEXT.RawArray("q", 3 + 2 * processes)
+        self._forwarded = [0, 0]
+        self._cancel = cancel
+        self._gc_was = True
+        _umask = os.umask(0o22)
+        os.umask(_umask)
+        _tally, _slot, _cancel = self._tally, 1, cancel
+
+    @property
+    def parallel(self) -> bool:
+        return self._pool is not None
+
+    def submit(
+        self,
+        fn: Callable[..., None],
+        *args: Any,
+        files: int,
+        nbytes: int = 0,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``fn(*args)`` (``files`` files', ``nbytes`` bytes' work) here or on a worker."""
+        self._check_cancel()
+        self._seen += files
+        self._seen_bytes += nbytes
+        if (
+            self._pool is None
+            and self._processes > 1
+            and (self._seen >= self._parallel_after or self._seen_bytes >= PARALLEL_AFTER_BYTES)
+        ):
+            self._start()
+        if self._pool is None:
+            fn(*args)
+            self.pump()
+            if then is not None:
+                then()
+            return
+        while len(self._pending) >= 4 * self._processes:
+            self._reap(timeout=0.1)
+        self._pending[self._pool.submit(fn, *args)] = then
+
+    def walk(self, top: Folder, visitor: Visitor, special: str, flush: Callable[[], None]) -> None:
+        """Walk ``top`` with ``visitor`` (which hands its chunks to :meth:`submit`),
+        then ``flush`` the last chunk and wait for every chunk; cancel is looked at
+        between folders and at the end."""
+        with self:
+            walk(top, visitor, special, check=self._between_folders)
+            flush()
+        self._check_cancel()
+
+    def _between_folders(self) -> None:
+        self._check_cancel()
+        self.pump()
+
+    def __enter__(self) -> Workers:
+        # No garbage collection while a tree is walked: the walk allocates a tuple per
+        # file and no cycles, and each collection re-scans the staging process's whole
+        # heap (measured: a quarter of a million-file copy's time went to it). Forked
+        # workers inherit the pause.
+        self._gc_was = gc.isenabled()
+        gc.disable()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """Drain on success; on an error or cancel, stop the workers at once."""
+        failed = exc_type is not None
+        try:
+            if not failed:
+                failed = True  # until the drain has re-raised nothing
+                self.drain()
+                failed = False
+        finally:
+            self.close(failed)
+            if self._gc_was:
+                gc.enable()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._reap(timeout=0.1)
+        self.pump()
+
+    def pump(self) -> None:
+        """Forward what the workers counted since last time to the op's progress."""
+        tally = self._tally
+        nbytes = sum(tally[1::2])
+        files = sum(tally[2::2])
+        before_bytes, before_files = self._forwarded
+        if nbytes != before_bytes or files != before_files:
+            self._forwarded = [nbytes, files]
+            self._progress.advance(nbytes - before_bytes, files - before_files)
+
+    def close(self, failed: bool) -> None:
+        """Stop the workers: at once (queued chunks dropped) when the op failed."""
+        if failed:
+            self._tally[0] = 1
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def _check_cancel(self) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise Cancelled("staging was cancelled")
+
+    def _start(self) -> None:
+        slots = _CONTEXT.Value("i", 0)
+        self._pool = ProcessPoolExecutor(
+            self._processes,
+            mp_context=_CONTEXT,
+            initializer=_init_worker,
+            initargs=(self._tally, slots),
+        )
+        # With fork, the first task starts every worker: do it now, while this process
+        # runs no thread of its own (the pool's helper threads start after the forks).
+        self._pool.submit(int).result()
+
+    def _reap(self, timeout: float) -> None:
+        done, _ = wait(self._pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        self.pump()
+        self._check_cancel()
+        for future in done:
+            then = self._pending.pop(future)
+            future.result()  # a worker's error is raised here, on the walking thread
+            if then is not None:
+                then()
