@@ -37,6 +37,7 @@ class Durable(StrEnum):
     ATTEMPT_CREATED = "attempt-created"  # fs: partial/<key>.<attempt>/tree (staging process)
     STEP_DONE = "step-done"  # fs: steps-done marker, once per step (staging process)
     INPUT_USED_UP = "input-used-up"  # fs: an extracted intermediate archive removed (ditto)
+    DELIVERY_REMOVED = "delivery-removed"  # fs: a broadcast copy it adopted, removed
     # ... and publishes it (``Registry.publish``).
     PUBLISHED = "published"  # fs: tree renamed to data/<key>, the folder fsynced
     LINKED = "linked"  # fs: each name's link points at data/<key>

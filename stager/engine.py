@@ -22,7 +22,6 @@ from stager.blocking import Limits, run_io, run_staging
 from stager.dataset import Entry, Handle, public_origin, public_view, spec_key
 from stager.durable import CrashPoints
 from stager.errors import (
-    BadRequest,
     Cancelled,
     Conflict,
     InsufficientSpace,
@@ -31,38 +30,24 @@ from stager.errors import (
     from_os_error,
 )
 from stager.fanout import adoption
-from stager.fanout.transfers import (
-    EXPORT_TTL_S,
-    Transfer,
-    Transfers,
-    bundle_estimate,
-    count_files,
-    make_folder,
-    pack_export,
-    remove_folder,
-    transfer_public,
-    unwritten_bytes,
-)
+from stager.fanout.room import FanoutRoom
+from stager.fanout.transfers import unwritten_bytes
 from stager.fingerprint import sources_fingerprint
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import table
-from stager.ops.base import CheckContext
 from stager.schemas import (
-    Adopt,
     DatasetCreate,
     DatasetPublic,
     ErrorInfo,
     ExportPublic,
     GcRequest,
     GcResult,
-    IncomingCreate,
     LeaseCreate,
     LeasePublic,
     ProbeResult,
     State,
-    TransferPublic,
 )
 from stager.settings import Settings
 from stager.store import Store
@@ -92,12 +77,8 @@ class Engine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
-        # Multi-node fan-out (docs/multinode.md): room reserved for broadcast deliveries,
-        # ready datasets packed to be sent, and what is being packed (not evictable).
-        self._deliveries = Transfers(settings.incoming_dir, "delivery")
-        self._exports = Transfers(settings.outgoing_dir, "export")
-        self._claimed: dict[str, Transfer] = {}  # deliveries stagings are adopting
-        self._exporting: set[str] = set()
+        # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
+        self.fanout = FanoutRoom(settings, self.ops, self._admission, self._admit)
 
     @property
     def _reg(self) -> Registry:
@@ -205,13 +186,13 @@ class Engine:
         reg = self._reg
         expansion, request_key, key = await self._resolve(request)
         await run_io(preflight.check_link, request.link, self.settings)
-        steps, origin = expansion.steps, self._origin(request)
+        steps, origin = expansion.steps, self.fanout.origin(request)
         existing = reg.entries.get(key)
         if existing is None or not (existing.active or existing.state == State.READY):
             # Only a miss pays for validating sources and estimating the size (a walk).
             if request.adopt is not None:
-                steps = await self._adoption_steps(request.adopt, key, expansion.steps)
-                estimate = await run_io(self._check_adoption, steps, request.verify)
+                steps = self.fanout.adoption_steps(request.adopt, key, expansion.steps)
+                estimate = await run_io(self.fanout.check_adoption, steps, request.verify)
             else:
                 estimate = await run_io(
                     preflight.check_steps, expansion.steps, request.verify, self.settings
@@ -228,7 +209,7 @@ class Engine:
                 entry = entry or Entry(key=key, spec=request.spec(), steps=steps, verify="")
                 # Asked for again: this request's steps (an adoption's, or the source's).
                 entry.steps, entry.verify, entry.usage = steps, request.verify, expansion.usage
-                entry.origin, entry.delivery = origin, self._claim(request.adopt)
+                entry.origin, entry.delivery = origin, self.fanout.claim(request.adopt)
                 entry.estimate_bytes = estimate
                 await reg.queue(entry)
                 self._queue.put_nowait(key)
@@ -252,47 +233,8 @@ class Engine:
                 await reg.note_hit(handle, hit)
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-        unused = request.adopt.incoming if request.adopt is not None else None
-        if unused and entry.delivery != unused and self._deliveries.find(unused):
-            await self.release_delivery(unused)  # a hit or a join: the copy is not needed
+        await self.fanout.release_unused(request.adopt, entry)
         return self._view(handle), entry.state == State.READY
-
-    def _origin(self, request: DatasetCreate) -> dict[str, Any]:
-        if request.adopt is not None:
-            adopt = request.adopt
-            nbytes = self._deliveries.get(adopt.incoming).nbytes
-            origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
-            return {**origin, "bytes": nbytes}
-        job = request.lease.slurm_job_id if request.lease else None
-        return {"how": "staged", "job": job}
-
-    async def _adoption_steps(self, adopt: Adopt, key: str, steps: list[Any]) -> list[Any]:
-        if adopt.origin_key != key:
-            raise Conflict(
-                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
-                f"staged {adopt.origin_key}: the sources look different from here (changed "
-                "meanwhile, or another filesystem view); stage from the source instead"
-            )
-        if missing := adoption.missing_sources(adopt, steps):
-            raise BadRequest(
-                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
-                "request; stage from the source instead"
-            )
-        folder = self._deliveries.get(adopt.incoming).path
-        return adoption.steps_for(adopt, folder, steps, self.ops)
-
-    def _check_adoption(self, steps: list[Any], verify: str) -> int:
-        """Pre-flight of an adoption: its files are the daemon's own, in its incoming
-        folder, so the allowed source roots do not apply to them."""
-        roots = (*self.settings.allowed_roots, self.settings.incoming_dir)
-        return self.ops.check(steps, CheckContext(allowed_roots=tuple(roots), verify=verify))
-
-    def _claim(self, adopt: Adopt | None) -> str | None:
-        """The delivery a new staging reads: kept (and counted) until it ends."""
-        if adopt is None:
-            return None
-        self._claimed[adopt.incoming] = self._deliveries.pop(adopt.incoming)
-        return adopt.incoming
 
     def _check_name(self, name: str, request_key: str) -> None:
         handle = self._reg.handles.get(name)
@@ -311,7 +253,7 @@ class Engine:
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
         # Room promised to deliveries and exports that is not written yet is not free.
-        free -= await run_io(unwritten_bytes, self._transfers())
+        free -= await run_io(unwritten_bytes, self.fanout.pending())
         plan = cache.plan_admission(
             needed=estimate,
             entries=self.entries(),
@@ -327,70 +269,19 @@ class Engine:
     def _protected(self) -> set[str]:
         """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
         leased = {lease.key for lease in self._reg.leases.values()}
-        return leased | self._exporting | {k for k, e in self._reg.entries.items() if e.active}
-
-    def _transfers(self) -> list[Transfer]:
-        return [*self._deliveries.live(), *self._exports.live(), *self._claimed.values()]
+        active = {k for k, e in self._reg.entries.items() if e.active}
+        return leased | self.fanout.exporting | active
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
     async def export(self, name: str, label: str) -> ExportPublic:
         """Pack ready dataset ``name`` into a bundle and its manifest, for sbcast."""
-        handle = self._handle(name)
-        entry = self._reg.entries[handle.key]
+        entry = self._reg.entries[self._handle(name).key]
         if entry.state != State.READY:
             raise Conflict(
                 f"dataset {name!r} is {entry.state}, not ready; only a ready dataset can be sent"
             )
-        final = self._reg.final(entry)
-        async with self._admission:
-            self._exporting.add(entry.key)  # from here on, never evicted under the packer
-        try:
-            files = await run_io(count_files, final)
-            async with self._admission:
-                estimate = bundle_estimate(entry.size_bytes, files)
-                await self._admit(estimate, entry.key)
-                transfer = self._exports.add(label, estimate, EXPORT_TTL_S)
-            try:
-                return await run_io(pack_export, final, transfer, entry.key)
-            except BaseException:
-                self._exports.pop(label)
-                await run_io(remove_folder, transfer.path)
-                raise
-        except OSError as exc:
-            raise from_os_error(exc, f"packing {name!r} to send it") from exc
-        finally:
-            self._exporting.discard(entry.key)
-
-    async def drop_export(self, label: str) -> TransferPublic:
-        transfer = self._exports.pop(label)
-        await run_io(remove_folder, transfer.path)
-        return transfer_public(transfer)
-
-    async def reserve(self, request: IncomingCreate) -> TransferPublic:
-        """Room on the cache disk for a delivery, counted by admission until it goes.
-        The same label again (a re-run step) gets the same reservation."""
-        async with self._admission:
-            transfer = self._deliveries.find(request.label)
-            if transfer is None:
-                await self._admit(request.bytes, "")
-                transfer = self._deliveries.add(request.label, request.bytes, request.ttl_s)
-        await run_io(make_folder, transfer)
-        return transfer_public(transfer)
-
-    async def release_delivery(self, label: str) -> TransferPublic:
-        """Drop a reservation and what was delivered into it. A delivery that a staging
-        is adopting stays until that staging ends."""
-        if label in self._claimed:
-            return transfer_public(self._claimed[label])
-        transfer = self._deliveries.pop(label)  # NotFound, with its sentence
-        await run_io(remove_folder, transfer.path)
-        return transfer_public(transfer)
-
-    async def _expire_transfers(self) -> None:
-        for transfer in [*self._deliveries.expired(), *self._exports.expired()]:
-            log.info("removing expired %s", transfer.path)
-            await run_io(remove_folder, transfer.path)
+        return await self.fanout.export(name, entry, self._reg.final(entry), label)
 
     def get(self, name: str) -> DatasetPublic:
         return self._view(self._handle(name))
@@ -537,7 +428,8 @@ class Engine:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 await self._drop_dead_leases()
-                await self._expire_transfers()
+                for gone in await self.fanout.expire():
+                    log.info("removed expired %s", gone)
                 async with self._admission:
                     await self._admit(0, "")
             except InsufficientSpace:
@@ -620,12 +512,8 @@ class Engine:
     async def _drop_claimed(self, entry: Entry) -> None:
         """A delivery is read once: when its staging ends, whatever the outcome, it goes
         (after a stop too: a restart deletes deliveries, nobody could adopt it again)."""
-        if entry.delivery is None:
-            return
-        transfer = self._claimed.pop(entry.delivery, None)
-        entry.delivery = None
-        if transfer is not None:
-            await run_io(remove_folder, transfer.path)
+        if (folder := self.fanout.unclaim(entry)) is not None:
+            await self._reg.drop_delivery(folder)
 
     async def _flush_progress(self) -> None:
         """Persist progress now and then so a restarted daemon shows where it was."""

@@ -289,6 +289,12 @@ class Registry:
             # What the ops read: archive bytes for an extraction, file bytes for a copy.
             self.metrics.source_bytes.inc(entry.progress.snapshot().bytes_done)
 
+    async def drop_delivery(self, folder: Path) -> None:
+        """A broadcast copy (``incoming/<label>/``) that a staging read, once it has
+        ended: read once, it goes before the staging's outcome is recorded. After a
+        crash before this, the restart removes it with the rest of ``incoming/``."""
+        await self._durable(Durable.DELIVERY_REMOVED, delete_tree, folder, threading.Event())
+
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.
 

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -200,8 +201,12 @@ def _stop_workers() -> None:
     A run that ends with an error can leave a persistent loader that was never
     shut down; multiprocessing's exit handler would then SIGTERM its workers,
     which ignore SIGTERM (`worker_init`), and wait for them forever. At exit
-    they have nothing left to do.
+    they have nothing left to do. torch's SIGCHLD handler would report the kill as
+    "DataLoader worker ... is killed by signal" from inside the join: it is put back
+    to the default first.
     """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:  # loader workers; the trainer starts no other daemonic children
             child.kill()

@@ -7,10 +7,10 @@ no daemon, so its prolog starts one; it stages (a cache miss), links the data un
 the job's $SLURM_TMPDIR, trains one epoch in two srun tasks, and its epilog releases
 the lease. The second job must be a pure cache hit.
 
-Needs root (packages, slurmd); skipped with the reason otherwise. The session's
-``local_cluster`` fixture brings the cluster up and, if it was not up before, down at
-the end; the test makes its own state each run (a fresh daemon, a dataset name of its
-own) rather than relying on a clean machine.
+Needs root (packages, slurmd): skipped with the reason otherwise, failed under
+CI=true. The session's ``local_cluster`` fixture brings the cluster up and, if it was
+not up before, down at the end; the test makes its own state each run (a fresh
+daemon, a dataset name of its own) rather than relying on a clean machine.
 """
 
 from __future__ import annotations

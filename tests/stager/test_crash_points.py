@@ -16,6 +16,7 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 from stager.durable import Durable
+from stager.schemas import BUNDLE_NAME
 from tests.counts import tally
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
@@ -41,6 +43,8 @@ class World:
     tmp: Path
     base_url: str
     trees: dict[str, Path]
+    delivery: Path  # "ds" as another node would broadcast it, damaged on the way
+    adopt: dict
 
     def body(self, which: str, links: Path | None = None) -> dict:
         if which == "ds":  # copy, fetch, extract what was fetched, rename
@@ -58,11 +62,9 @@ class World:
             }
         if which == "other":  # the same name, another request
             return {"name": "ds", "steps": [{"op": "copy", "src": str(self.trees["b"])}]}
-        # A staging that fails in its staging process: the download is not there.
-        return {
-            "name": "bad",
-            "steps": [{"op": "fetch", "url": f"{self.base_url}/gone", "dst": "x"}],
-        }
+        # A staging that fails in its staging process: it adopts a broadcast copy of
+        # "ds" that does not match its manifest (and the delivery is removed).
+        return {"name": "bad", "steps": self.body("ds")["steps"], "adopt": self.adopt}
 
     def expected(self, which: str) -> dict[str, str]:
         if which == "other":
@@ -78,7 +80,36 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     trees = {name: write_tree(tmp / name, n_files=8, seed=i) for i, name in enumerate("abt")}
     archive = make_tar(trees["t"], tmp / "t.tar").read_bytes()
     with serve_files(Behaviour(files={"/t.tar": archive})) as url:
-        yield World(tmp, url, trees)
+        world = World(tmp, url, trees, tmp / "delivery", {})
+        world.adopt = damaged_broadcast(world)
+        yield world
+
+
+def damaged_broadcast(world: World) -> dict:
+    """Stage "ds" on another daemon (another node), pack it as a fan-out does, keep the
+    packed files in ``world.delivery`` with a byte of file data flipped; the ``adopt``
+    field of a request for that delivery (reserved under the label "bad")."""
+    sender = Daemon(cache_dir=world.tmp / "sender")
+    try:
+        with sender.start().client() as client:
+            post(client, world.body("ds", world.tmp / "sender-links"))
+            assert wait(client, "ds")["state"] == "ready"
+            exported = client.post("/v1/datasets/ds/export", json={"label": "bad"}).json()
+            world.delivery.mkdir()
+            for key in ("bundle", "manifest"):
+                shutil.copy(exported[key], world.delivery)
+    finally:
+        sender.cleanup()
+    bundle = world.delivery / BUNDLE_NAME
+    data = bytearray(bundle.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside some file's data
+    bundle.write_bytes(bytes(data))
+    return {
+        "incoming": "bad",
+        "origin_node": "node2",
+        "origin_key": exported["key"],
+        "manifest_sha256": exported["manifest_sha256"],
+    }
 
 
 def script(client: httpx.Client, world: World, links: Path | None = None) -> None:
@@ -87,6 +118,12 @@ def script(client: httpx.Client, world: World, links: Path | None = None) -> Non
     wait(client, "ds")
     client.delete("/v1/datasets/ds/leases", params={"holder": "job-1"}).raise_for_status()
     client.delete("/v1/datasets/ds").raise_for_status()  # evict
+    # sbcast's part: the delivery lands in a reservation
+    nbytes = sum(f.stat().st_size for f in world.delivery.iterdir())
+    reserved = client.post("/v1/incoming", json={"label": "bad", "bytes": nbytes})
+    reserved.raise_for_status()
+    for delivered in world.delivery.iterdir():
+        shutil.copy(delivered, reserved.json()["path"])
     post(client, world.body("bad"))
     wait(client, "bad")
     client.delete("/v1/datasets/bad").raise_for_status()  # forget the name
@@ -182,6 +219,7 @@ def wait_for(probe, expect_none: bool, timeout: float = 10):  # noqa: ANN001, AN
         time.sleep(0.05)
 
 
+@pytest.mark.timeout(1200)  # ~2 min on 2 quiet cores; each of ~27 runs is two daemon starts
 def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
     def one(point: str) -> str | None:
         try:

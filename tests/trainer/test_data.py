@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torchvision import datasets as tvd
 from torchvision.transforms import v2
 
-from tests.trainer.conftest import make_inat2021
+from tests.trainer.conftest import REPO, make_inat2021
 from trainer import data, datasets, transforms
 
 
@@ -131,3 +134,25 @@ def test_device_normalize_treats_stacked_views_as_rgb_each():
     rgb = transforms.DeviceNormalize(cpu)
     assert torch.allclose(stacked[:, :3], rgb(views[:, :3]))
     assert torch.allclose(stacked[:, 3:], rgb(views[:, 3:]))
+
+
+EXIT_WITH_A_LIVE_LOADER = """
+from torch.utils.data import DataLoader
+from trainer import data
+loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, persistent_workers=True,
+                    worker_init_fn=data.worker_init)
+batches = iter(loader)
+next(batches)
+raise SystemExit("stopping with the loader's worker alive")
+"""
+
+
+def test_exit_with_a_live_loader_worker_stops_it_quietly():
+    """A run that ends with an error while a persistent loader is alive: its worker is
+    killed at exit without torch's SIGCHLD handler turning that into a traceback."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_LIVE_LOADER],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == "stopping with the loader's worker alive", done.stderr

@@ -154,8 +154,12 @@ def _slow_stager_worker(rank: int, port: int, out: str, stage_s: float, timeout:
 
     torch.set_num_threads(1)
     # A 2 s default group stands in for the real 30 minutes: shorter than the staging.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=2))  # fmt: skip
+    # The rendezvous has a store of its own with a long timeout: on a busy machine
+    # one process may start seconds after the other.
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0,
+                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=2))  # fmt: skip
 
     def slow_wait(name: str, timeout: float) -> staging.Staged:
         if rank == 0:  # the daemon call of local rank 0 (which ignores its timeout here)

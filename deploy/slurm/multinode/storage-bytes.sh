@@ -16,8 +16,9 @@ source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/lib.sh"
 mn_load_recorded
 
 [[ -e /run/netns/$MN_STORAGE_NS ]] || mn_die "the multi-node cluster is not up; run up.sh"
+# %.0f, not %d: mawk's %d stops at 2^31-1, and a few runs of 200 MB pass that.
 content=$(awk '/^close .* bytes read [0-9]+ written/ {
     for (i = 1; i < NF; i++) if ($i == "read") sum += $(i + 1)
-} END { printf "%d", sum }' "$MN_LOG_DIR/sftp-server.log" 2>/dev/null || echo 0)
+} END { printf "%.0f", sum }' "$MN_LOG_DIR/sftp-server.log" 2>/dev/null || echo 0)
 wire=$(ip -n "$MN_STORAGE_NS" -s link show eth0 | awk '/TX:/ { getline; print $1; exit }')
 printf 'content_bytes=%s wire_bytes=%s\n' "$content" "$wire"

@@ -36,16 +36,16 @@ def fanout_router(ops: OpTable) -> APIRouter:
 
     @router.delete("/exports/{label}", response_model=TransferPublic)
     async def drop_export(label: str, engine: EngineDep) -> TransferPublic:
-        return await engine.drop_export(label)
+        return await engine.fanout.drop_export(label)
 
     @router.post("/incoming", response_model=TransferPublic)
     async def reserve(request: IncomingCreate, engine: EngineDep) -> TransferPublic:
         """Room for a delivery, in ``incoming/<label>/``: admission counts it until it is
         adopted, released or expired (it may evict unleased entries, or answer 422)."""
-        return await engine.reserve(request)
+        return await engine.fanout.reserve(request)
 
     @router.delete("/incoming/{label}", response_model=TransferPublic)
     async def release(label: str, engine: EngineDep) -> TransferPublic:
-        return await engine.release_delivery(label)
+        return await engine.fanout.release(label)
 
     return router

@@ -1,0 +1,167 @@
+"""One daemon's share of multi-node fan-out (docs/multinode.md): the room on its
+cache disk that broadcasts take, and which delivery each adopting staging reads.
+
+- deliveries: room reserved for what another node sbcasts here (``incoming/``);
+- claimed: deliveries a staging is adopting, kept (and counted) until it ends;
+- exports: ready datasets packed to be sent (``outgoing/``);
+- exporting: keys being packed, never evicted under the packer.
+
+The engine decides (admission, scheduling); this keeps the books it decides with,
+and the registry (:mod:`stager.lifecycle`) makes the one durable change here: a
+claimed delivery removed once its staging ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from stager.blocking import run_io
+from stager.dataset import Entry
+from stager.errors import BadRequest, Conflict, from_os_error
+from stager.fanout import adoption
+from stager.fanout.transfers import (
+    EXPORT_TTL_S,
+    Transfer,
+    Transfers,
+    bundle_estimate,
+    count_files,
+    make_folder,
+    pack_export,
+    remove_folder,
+    transfer_public,
+)
+from stager.ops.base import CheckContext
+from stager.schemas import Adopt, DatasetCreate, ExportPublic, IncomingCreate, TransferPublic
+from stager.settings import Settings
+
+Admit = Callable[[int, str], Awaitable[None]]
+
+
+class FanoutRoom:
+    def __init__(self, settings: Settings, ops: Any, admission: asyncio.Lock, admit: Admit):
+        self.settings = settings
+        self.ops = ops
+        self._admission = admission  # the engine's: held while room is promised
+        self._admit = admit  # the engine's admission (evicts, or refuses with the sizes)
+        self.deliveries = Transfers(settings.incoming_dir, "delivery")
+        self.exports = Transfers(settings.outgoing_dir, "export")
+        self.claimed: dict[str, Transfer] = {}
+        self.exporting: set[str] = set()
+
+    def pending(self) -> list[Transfer]:
+        """Every reservation admission counts until its files are written."""
+        return [*self.deliveries.live(), *self.exports.live(), *self.claimed.values()]
+
+    # ---- a request that adopts a delivery ---------------------------------------------
+
+    def origin(self, request: DatasetCreate) -> dict[str, Any]:
+        """How the entry a request creates arrives: from a broadcast, or staged here."""
+        if request.adopt is not None:
+            adopt = request.adopt
+            nbytes = self.deliveries.get(adopt.incoming).nbytes
+            origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
+            return {**origin, "bytes": nbytes}
+        job = request.lease.slurm_job_id if request.lease else None
+        return {"how": "staged", "job": job}
+
+    def adoption_steps(self, adopt: Adopt, key: str, steps: list[Any]) -> list[Any]:
+        """The steps that stage ``key`` from the delivery instead of the sources."""
+        if adopt.origin_key != key:
+            raise Conflict(
+                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
+                f"staged {adopt.origin_key}: the sources look different from here (changed "
+                "meanwhile, or another filesystem view); stage from the source instead"
+            )
+        if missing := adoption.missing_sources(adopt, steps):
+            raise BadRequest(
+                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
+                "request; stage from the source instead"
+            )
+        folder = self.deliveries.get(adopt.incoming).path
+        return adoption.steps_for(adopt, folder, steps, self.ops)
+
+    def check_adoption(self, steps: list[Any], verify: str) -> int:
+        """Pre-flight of an adoption (blocking): its files are the daemon's own, in its
+        incoming folder, so the allowed source roots do not apply to them."""
+        roots = (*self.settings.allowed_roots, self.settings.incoming_dir)
+        return self.ops.check(steps, CheckContext(allowed_roots=tuple(roots), verify=verify))
+
+    def claim(self, adopt: Adopt | None) -> str | None:
+        """The delivery a new staging reads: kept (and counted) until it ends."""
+        if adopt is None:
+            return None
+        self.claimed[adopt.incoming] = self.deliveries.pop(adopt.incoming)
+        return adopt.incoming
+
+    def unclaim(self, entry: Entry) -> Path | None:
+        """The folder of the delivery ``entry``'s staging read, once it has ended: read
+        once, it goes (the registry removes it)."""
+        if entry.delivery is None:
+            return None
+        transfer = self.claimed.pop(entry.delivery, None)
+        entry.delivery = None
+        return transfer.path if transfer is not None else None
+
+    async def release_unused(self, adopt: Adopt | None, entry: Entry) -> None:
+        """A request that joined or hit: the copy delivered for it is not needed."""
+        label = adopt.incoming if adopt is not None else None
+        if label and entry.delivery != label and self.deliveries.find(label):
+            await self.release(label)
+
+    # ---- reservations and exports (the API's /v1/incoming and /v1/exports) -------------
+
+    async def reserve(self, request: IncomingCreate) -> TransferPublic:
+        """Room on the cache disk for a delivery, counted by admission until it goes.
+        The same label again (a re-run step) gets the same reservation."""
+        async with self._admission:
+            transfer = self.deliveries.find(request.label)
+            if transfer is None:
+                await self._admit(request.bytes, "")
+                transfer = self.deliveries.add(request.label, request.bytes, request.ttl_s)
+        await run_io(make_folder, transfer)
+        return transfer_public(transfer)
+
+    async def release(self, label: str) -> TransferPublic:
+        """Drop a reservation and what was delivered into it. A delivery that a staging
+        is adopting stays until that staging ends."""
+        if label in self.claimed:
+            return transfer_public(self.claimed[label])
+        transfer = self.deliveries.pop(label)  # NotFound, with its sentence
+        await run_io(remove_folder, transfer.path)
+        return transfer_public(transfer)
+
+    async def export(self, name: str, entry: Entry, final: Path, label: str) -> ExportPublic:
+        """Pack ready ``entry`` (at ``final``) into a bundle and its manifest, for sbcast."""
+        async with self._admission:
+            self.exporting.add(entry.key)  # from here on, never evicted under the packer
+        try:
+            files = await run_io(count_files, final)
+            async with self._admission:
+                estimate = bundle_estimate(entry.size_bytes, files)
+                await self._admit(estimate, entry.key)
+                transfer = self.exports.add(label, estimate, EXPORT_TTL_S)
+            try:
+                return await run_io(pack_export, final, transfer, entry.key)
+            except BaseException:
+                self.exports.pop(label)
+                await run_io(remove_folder, transfer.path)
+                raise
+        except OSError as exc:
+            raise from_os_error(exc, f"packing {name!r} to send it") from exc
+        finally:
+            self.exporting.discard(entry.key)
+
+    async def drop_export(self, label: str) -> TransferPublic:
+        transfer = self.exports.pop(label)
+        await run_io(remove_folder, transfer.path)
+        return transfer_public(transfer)
+
+    async def expire(self) -> list[Path]:
+        """Reservations and exports past their time (a job that died): removed."""
+        gone = [*self.deliveries.expired(), *self.exports.expired()]
+        for transfer in gone:
+            await run_io(remove_folder, transfer.path)
+        return [t.path for t in gone]
