@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,15 @@ class Cluster:
     log: Path
     state_dir: Path
     started_here: bool
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "stager.sock"
+
+    def api(self) -> httpx.Client:
+        """The node's stager daemon over its Unix socket."""
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        return httpx.Client(transport=transport, base_url="http://stager", timeout=10)
 
 
 _started: list[Cluster] = []  # clusters this session brought up

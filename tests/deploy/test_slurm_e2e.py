@@ -22,14 +22,13 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from bench.fakedata import make_inat2021
-from tests.slurm_cluster import job_info
+from tests.slurm_cluster import Cluster, expand, job_info
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -41,35 +40,10 @@ CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 4, 16, 4
 JOB_TIMEOUT_S = 150
 
 
-@dataclass
-class Cluster:
-    runtime_dir: Path
-    cache_dir: Path
-    tmpdir_pattern: str
-    log: Path
-
-    @property
-    def socket(self) -> Path:
-        return self.runtime_dir / "stager.sock"
-
-    def api(self) -> httpx.Client:
-        transport = httpx.HTTPTransport(uds=str(self.socket))
-        return httpx.Client(transport=transport, base_url="http://stager", timeout=10)
-
-
-def expand(pattern: str, job_id: str = "") -> str:
-    return pattern.replace("%U", str(os.getuid())).replace("%u", "root").replace("%j", job_id)
-
-
 @pytest.fixture(scope="module")
-def cluster(local_cluster) -> Cluster:
-    """The session's local cluster (tests/slurm_cluster.py), seen from this module."""
-    return Cluster(
-        runtime_dir=local_cluster.runtime_dir,
-        cache_dir=local_cluster.cache_dir,
-        tmpdir_pattern=local_cluster.tmpdir_pattern,
-        log=local_cluster.log,
-    )
+def cluster(local_cluster: Cluster) -> Cluster:
+    """The session's local cluster (tests/slurm_cluster.py)."""
+    return local_cluster
 
 
 @pytest.fixture
