@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.counts import LINES
+from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
 
@@ -90,5 +90,5 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in LINES:
+    for line in session_lines():
         terminalreporter.write_line(line)

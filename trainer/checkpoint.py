@@ -86,10 +86,6 @@ def entries(directory: Path) -> list[Entry]:
     return sorted(found)
 
 
-def all_checkpoints(directory: Path) -> list[Path]:
-    return [e.path for e in entries(directory)]
-
-
 def latest(directory: Path) -> Path | None:
     found = entries(directory)
     return found[-1].path if found else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from stager.ops import extract
+from tests.counts import summary
 
 
 @pytest.fixture(params=["threads", "processes"])
@@ -20,10 +21,12 @@ def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 COMPAT_COUNTS = {"archives": 0, "members": 0, "refused": 0}
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if any(COMPAT_COUNTS.values()):
-        terminalreporter.write_line(
-            f"archive compatibility: {COMPAT_COUNTS['archives']} archives, "
-            f"{COMPAT_COUNTS['members']} members equal to the reference extractor's; "
-            f"{COMPAT_COUNTS['refused']} refused where it fails too"
-        )
+@summary
+def compat_line() -> str | None:
+    if not any(COMPAT_COUNTS.values()):
+        return None
+    return (
+        f"archive compatibility: {COMPAT_COUNTS['archives']} archives, "
+        f"{COMPAT_COUNTS['members']} members equal to the reference extractor's; "
+        f"{COMPAT_COUNTS['refused']} refused where it fails too"
+    )
