@@ -617,14 +617,21 @@ class AsyncStagerClient(_Base):
             "POST", "/v1/datasets/probe", _model(ProbeResult), what="probe", json=_plain(body)
         )
 
-    async def export(self, name: str, label: str) -> ExportPublic:
-        """Pack ready dataset ``name`` into one file (and its manifest) for sbcast."""
+    async def export(
+        self, name: str, label: str, part: int = 0, part_bytes: int | None = None
+    ) -> ExportPublic:
+        """Pack part ``part`` of ready dataset ``name`` for sbcast (part 0 plans them all,
+        in parts of about ``part_bytes``; the last comes with the manifest); parts are
+        asked for in order."""
+        body: dict[str, Any] = {"label": label, "part": part}
+        if part_bytes is not None:
+            body["part_bytes"] = part_bytes
         return await self._call(
             "POST",
             f"/v1/datasets/{_q(name)}/export",
             _model(ExportPublic),
             what=f"the export of {name!r}",
-            json={"label": label},
+            json=body,
             timeout=EXPORT_TIMEOUT_S,
         )
 

@@ -14,8 +14,10 @@ per-node work runs as ``srun`` steps (`client._fanout_node`), the bytes move wit
    nodes (sbcast has no node list; it reaches the nodes of a step):
 
    - *bundle*: the source node stages (or already holds) the dataset, packs the
-     ready tree into one tar with a manifest (every path, size and sha256), and
-     sbcasts both. Used whenever a node holds the data: the storage is not read.
+     ready tree into tars of ~32 MB with a manifest (every path, size and sha256),
+     and sbcasts them, packing the next part while one travels; the receivers
+     extract each part as it lands. Used whenever a node holds the data: the
+     storage is not read.
    - *sources*: when every source of the request is a plain file (release
      archives), the source node sbcasts them as they are, read from the storage
      once, and every node (itself too) stages from its local copy. The staging
@@ -52,7 +54,7 @@ from client._slurm import (
     sink_argv,
 )
 from client.errors import FanoutError, StagerError
-from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, delivered_name
+from stager.schemas import Adopt, delivered_name
 
 # sbcast sends one 8 MB block at a time and waits for every node to have it. Up to
 # FLAT_FANOUT receivers the sender sends to each directly; beyond, a tree.
@@ -339,6 +341,8 @@ class Fanout:
     async def _bundle_to(
         self, agents: Agents, sink: Sink, source: str, receivers: list[str]
     ) -> None:
+        """The prepared tree in parts, pipelined: the source node packs part i+1 while
+        it sbcasts part i, and the receivers' daemons extract part i-1 meanwhile."""
         label = self._label()
         await agents.tell({"do": "export", "to": [source], "label": label})
         exported = (await agents.collect("exported", [source])).get(source, {})
@@ -346,30 +350,53 @@ class Fanout:
         if exported.get("error") or not exported:
             raise FanoutError(f"packing on {source} failed ({exported.get('error', 'no answer')})")
         try:
-            nbytes = int(exported["bundle_bytes"])
+            nbytes = int(exported["total_bytes"])
             dest = await self._reserve(agents, receivers, nbytes)
+            adopt = Adopt(
+                incoming=label,
+                origin_node=source,
+                origin_key=str(exported["key"]),
+                job=self.job.job_id,
+                bundle_bytes=int(exported["data_bytes"]),
+            )
+            await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
             how = self.report.broadcast = broadcast_for(len(receivers), nbytes, False)
-            try:
-                for path, name in (
-                    (exported["manifest"], MANIFEST_NAME),
-                    (exported["bundle"], BUNDLE_NAME),
-                ):
-                    await sbcast(self.job, source, sink.step_id, path, f"{dest}/{name}", how)
-            except StagerError as exc:
-                # Some nodes may hold a whole copy all the same: each receiver checks its own.
-                self.say(f"the broadcast from {source} failed ({exc.message}); receivers check")
+            end = await self._send_parts(agents, sink, source, label, dest, how, exported)
+            await agents.tell({"do": "end", "to": receivers, **end})
             self._mark("sbcast")
-            self.report.sent_bytes = nbytes
         finally:
             await agents.tell({"do": "drop-export", "to": [source], "label": label})
-        adopt = Adopt(
-            incoming=label,
-            origin_node=source,
-            origin_key=str(exported["key"]),
-            job=self.job.job_id,
-            manifest_sha256=exported["manifest_sha256"],
-        )
-        await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
+
+    async def _send_parts(
+        self,
+        agents: Agents,
+        sink: Sink,
+        source: str,
+        label: str,
+        dest: str,
+        how: Broadcast,
+        exported: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Have the source node sbcast every part and then the manifest, and tell the
+        receivers each part that landed; what the end must say (the count and the
+        manifest's sha256, or why the broadcast stopped)."""
+        parts = int(exported["parts"])
+        await agents.tell({"do": "send", "to": [source], "label": label, "dest": dest,
+                           "step": sink.step_id, "compress": how.compress,
+                           "fanout": how.fanout})  # fmt: skip
+        receivers = list(sink.step.nodes)
+        for index in range(parts + 1):  # the parts, then the manifest
+            sent = (await agents.collect("sent", [source])).get(source)
+            if sent is None or sent.get("error"):
+                why = sent.get("error") if sent else f"{source}'s task ended"
+                return {"abort": f"the broadcast from {source} stopped ({why})"}
+            if sent.get("failed"):
+                # Some nodes may hold that part all the same: each receiver checks its own.
+                self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
+            if index < parts:
+                self.report.sent_bytes += int(sent["bytes"])
+                await agents.tell({"do": "part", "to": receivers, "index": index})
+        return {"parts": parts, "manifest_sha256": sent["manifest_sha256"]}
 
     # ---- sources: broadcast the release files, every node stages from its copy -------
 

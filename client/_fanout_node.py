@@ -9,11 +9,15 @@ interpreter) is paid once per node, at the beginning, all nodes at once.
 
     at start   probe: this node's cache key for the request, and whether it holds it
     stage      stage (or take the cache hit) as a plain request
-    export     pack the ready dataset into one file and its manifest, for sbcast
-    drop-export  delete them once sent
+    export     pack part 0 of the ready dataset (and plan the others), for sbcast
+    send       sbcast every part, each packed while the one before travels, then the
+               manifest; one ``sent`` event per part as it lands on the receivers
+    drop-export  delete the packed parts once sent
     reserve    room in the cache for a delivery; says the folder sbcast writes into
     hash       (size, sha256) of delivered source files: the manifest others check
-    adopt      stage from the delivery; if it does not verify, from the source
+    adopt      stage from the delivery (the daemon extracts the parts as they come);
+               if it does not verify, from the source
+    part, end  a part is whole here; no more parts come (with the manifest's sha256)
 
 When stdin closes, the task reports how the data arrived here (``done``) and exits,
 releasing a reservation nothing adopted. A task never told to stage anything says
@@ -25,19 +29,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from client._client import AsyncStagerClient
-from client._slurm import Job
+from client._slurm import Broadcast, Job, sbcast
 from client.errors import DaemonUnavailable, StagerError, StagingFailed
 from stager.fanout.manifest import file_digest
-from stager.schemas import Adopt, DatasetPublic, State, TransferPublic, delivered_name
+from stager.schemas import (
+    END_NAME,
+    MANIFEST_NAME,
+    READY_SUFFIX,
+    Adopt,
+    DatasetPublic,
+    ExportPublic,
+    State,
+    TransferPublic,
+    delivered_name,
+    part_name,
+)
 
 Emit = Callable[[dict[str, Any]], None]
+# How a file on this node reaches the same path on the nodes of a step (sbcast).
+SendFile = Callable[[str, str, str, Broadcast], Awaitable[None]]
 # A node whose daemon does not answer is not waited for long: the job is running.
 NODE_RETRY_FOR_S = 10.0
 
@@ -56,14 +74,18 @@ class Node:
         body: Mapping[str, Any],
         timeout: float | None,
         emit: Emit,
+        send_file: SendFile | None = None,
     ) -> None:
         self.client = client
         self.node = node
         self.body = dict(body)
         self.timeout = timeout
         self.emit = emit
+        self.send_file = send_file
         self.result: dict[str, Any] | None = None  # the ``done`` event, once there is one
         self.incoming: TransferPublic | None = None
+        self.exported: ExportPublic | None = None  # the part packed last, on the source
+        self._adopting: asyncio.Task[dict[str, Any]] | None = None
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"node": self.node, "event": kind, **fields}
@@ -76,17 +98,33 @@ class Node:
                 to = message.get("to")
                 if to is None or self.node in to:
                     await self._obey(message)
+            if self._adopting is not None:
+                # Normally the end came; if the driver went away before, nothing more
+                # will arrive: the adoption stops waiting and stages from the source.
+                await asyncio.to_thread(self._abort, "the fan-out driver ended before it")
+                self.result = await self._adopting
         finally:
+            if self._adopting is not None and not self._adopting.done():
+                await asyncio.to_thread(self._abort, "this node's task was stopped")
+                self._adopting.cancel()
             await self._release()
             self.emit(self.result or self._event("done", error=NOT_TOLD))
 
     async def _obey(self, message: dict[str, Any]) -> None:
         action = message.get("do")
-        if action == "stage":
+        if action == "stage" and self._adopting is not None:
+            # Told to stage while adopting: the broadcast was given up on; the adoption
+            # stops waiting for parts and stages from the source itself.
+            await asyncio.to_thread(self._abort, str(message.get("reason") or "given up"))
+            self.result = await self._adopting
+            self.emit(self._event("staged", **_public(self.result)))
+        elif action == "stage":
             self.result = await self.stage(fallback=message.get("reason"))
             self.emit(self._event("staged", **_public(self.result)))
         elif action == "export":
-            self.emit(await self.export(str(message["label"])))
+            self.emit(await self.export(str(message["label"]), message.get("part_bytes")))
+        elif action == "send":
+            await self.send(message)
         elif action == "drop-export":
             try:
                 await self.client.delete_export(str(message["label"]))
@@ -97,7 +135,14 @@ class Node:
         elif action == "hash":
             self.emit(await asyncio.to_thread(self.hash, list(message["files"])))
         elif action == "adopt":
-            self.result = await self.adopt(Adopt.model_validate(message["adopt"]))
+            # Waited for at the end: meanwhile the parts arrive, and are announced here.
+            self._adopting = asyncio.create_task(self.adopt(Adopt.model_validate(message["adopt"])))
+        elif action in ("part", "end"):
+            try:
+                await asyncio.to_thread(self.mark, message)
+            except OSError as exc:
+                why = f"this node could not record that the broadcast arrived ({exc.strerror})"
+                await asyncio.to_thread(self._abort, why)
 
     # ---- the actions ---------------------------------------------------------------
 
@@ -134,12 +179,56 @@ class Node:
             fallback=fallback,
         )
 
-    async def export(self, label: str) -> dict[str, Any]:
+    async def export(self, label: str, part_bytes: int | None = None) -> dict[str, Any]:
+        """Plan the parts and pack part 0 (the others are packed as they are sent)."""
         try:
-            exported = await self.client.export(str(self.body["name"]), label)
+            name = str(self.body["name"])
+            self.exported = await self.client.export(name, label, 0, part_bytes)
         except StagerError as exc:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
-        return self._event("exported", **exported.model_dump(mode="json"))
+        return self._event("exported", **self.exported.model_dump(mode="json"))
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """sbcast the parts to step ``message["step"]``, into folder ``message["dest"]``
+        on its nodes, packing part i+1 while part i travels; then the manifest. One
+        ``sent`` event per part and one for the manifest (with its sha256). An sbcast
+        that fails (``failed``: some node may lack that part) does not stop the others:
+        each receiver checks its own copy. A part that cannot be packed does (``error``)."""
+        label, dest, step = str(message["label"]), str(message["dest"]), str(message["step"])
+        how = Broadcast(bool(message["compress"]), int(message["fanout"]))
+        exported = self.exported
+        if exported is None or exported.id != label or self.send_file is None:
+            self.emit(self._event("sent", error=f"export {label!r} was not packed here"))
+            return
+        name = str(self.body["name"])
+        while True:
+            following = None
+            if exported.part + 1 < exported.parts:
+                following = asyncio.create_task(self.client.export(name, label, exported.part + 1))
+            target = f"{dest}/{part_name(exported.part)}"
+            failed = await self._send(exported.path, target, step, how)
+            self.emit(self._event("sent", index=exported.part, bytes=exported.bytes, failed=failed))
+            if following is None:
+                break
+            try:
+                exported = self.exported = await following
+            except StagerError as exc:
+                error = f"packing part {exported.part + 1} of {name!r}: {exc.message}"
+                self.emit(self._event("sent", error=error))
+                return
+        assert exported.manifest is not None
+        failed = await self._send(exported.manifest, f"{dest}/{MANIFEST_NAME}", step, how)
+        self.emit(self._event("sent", index=exported.parts, failed=failed,
+                              manifest_sha256=exported.manifest_sha256))  # fmt: skip
+
+    async def _send(self, path: str, dest: str, step: str, how: Broadcast) -> str | None:
+        """Why sending ``path`` failed, or None."""
+        assert self.send_file is not None
+        try:
+            await self.send_file(path, dest, step, how)
+        except StagerError as exc:
+            return exc.message
+        return None
 
     async def reserve(self, label: str, nbytes: int) -> dict[str, Any]:
         try:
@@ -147,6 +236,37 @@ class Node:
         except StagerError as exc:
             return self._event("reserved", error=exc.message)
         return self._event("reserved", path=self.incoming.path)
+
+    def _abort(self, reason: str) -> None:
+        """Tell an adoption still waiting for parts that none will come (the end file,
+        unless there is one): it stops and this node stages from the source. Best
+        effort: an adoption that cannot read it gives up after ``PART_WAIT_S``."""
+        if self.incoming is None:
+            return
+        folder = Path(self.incoming.path)
+        try:
+            if not (folder / END_NAME).exists():
+                self._write_end(folder, {"abort": reason})
+        except OSError:
+            pass
+
+    @staticmethod
+    def _write_end(folder: Path, end: dict[str, Any]) -> None:
+        tmp = folder / (END_NAME + ".tmp")
+        tmp.write_text(json.dumps(end))
+        os.replace(tmp, folder / END_NAME)  # appears whole
+
+    def mark(self, message: dict[str, Any]) -> None:
+        """Tell the adopting staging that part N is whole, or that no more come: files
+        in the delivery folder, each appearing whole (a rename)."""
+        if self.incoming is None:
+            return
+        folder = Path(self.incoming.path)
+        if message["do"] == "part":
+            (folder / (part_name(int(message["index"])) + READY_SUFFIX)).touch()
+            return
+        end = {k: message[k] for k in ("parts", "manifest_sha256", "abort") if k in message}
+        self._write_end(folder, end)
 
     def hash(self, files: list[str]) -> dict[str, Any]:
         """(size, sha256) of each delivered source file: the manifest the others check."""
@@ -226,8 +346,12 @@ async def run(args: argparse.Namespace) -> int:
     job = Job.here()
     step = f"{job.job_id}.{job.env.get('SLURM_STEP_ID', '?')}"
     body = json.loads(args.request)
+
+    async def send_file(path: str, dest: str, step: str, how: Broadcast) -> None:
+        await sbcast(job, job.this_node, step, path, dest, how)  # from this node's file
+
     async with AsyncStagerClient(args.url, retry_for=NODE_RETRY_FOR_S) as client:
-        node = Node(client, job.this_node, body, args.timeout, emit_stdout)
+        node = Node(client, job.this_node, body, args.timeout, emit_stdout, send_file)
         await node.run(_stdin_lines(), step)
     return 0
 

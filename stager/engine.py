@@ -41,6 +41,7 @@ from stager.schemas import (
     DatasetCreate,
     DatasetPublic,
     ErrorInfo,
+    ExportCreate,
     ExportPublic,
     GcRequest,
     GcResult,
@@ -274,14 +275,19 @@ class Engine:
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
-    async def export(self, name: str, label: str) -> ExportPublic:
-        """Pack ready dataset ``name`` into a bundle and its manifest, for sbcast."""
-        entry = self._reg.entries[self._handle(name).key]
-        if entry.state != State.READY:
-            raise Conflict(
-                f"dataset {name!r} is {entry.state}, not ready; only a ready dataset can be sent"
-            )
-        return await self.fanout.export(name, entry, self._reg.final(entry), label)
+    async def export(self, name: str, request: ExportCreate) -> ExportPublic:
+        """Pack part ``request.part`` of ready dataset ``name`` for sbcast (part 0 plans
+        them all, and the last one comes with the manifest)."""
+        ready = None
+        if request.part == 0:
+            entry = self._reg.entries[self._handle(name).key]
+            if entry.state != State.READY:
+                raise Conflict(
+                    f"dataset {name!r} is {entry.state}, not ready; only a ready dataset "
+                    "can be sent"
+                )
+            ready = (entry, self._reg.final(entry))
+        return await self.fanout.export(name, request, ready)
 
     def get(self, name: str) -> DatasetPublic:
         return self._view(self._handle(name))

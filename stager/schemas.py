@@ -127,18 +127,28 @@ class ProbeResult(BaseModel):
 
 
 class ExportCreate(BaseModel):
+    """Pack part ``part`` of a ready dataset (parts are asked for in order, from 0)."""
+
     model_config = ConfigDict(extra="forbid")
 
     label: str = Field(pattern=LABEL_PATTERN)  # names the files, e.g. job-42
+    part: int = Field(default=0, ge=0)
+    # With part 0: about how many bytes of file data each part holds (default 32 MiB).
+    part_bytes: int | None = Field(default=None, ge=1 << 16)
 
 
 class ExportPublic(BaseModel):
     id: str
     key: str
-    bundle: str  # a plain tar of the ready tree
-    manifest: str  # every path, size and sha256 of it
-    manifest_sha256: str
-    bundle_bytes: int
+    part: int
+    parts: int  # how many there are in all
+    path: str  # this part: a plain tar of whole files of the ready tree
+    bytes: int  # this part's size
+    total_bytes: int  # all parts together, about
+    data_bytes: int  # the dataset's file data (what the receivers will write)
+    # With the last part: every path, size and sha256 of the tree, and its sha256.
+    manifest: str | None = None
+    manifest_sha256: str | None = None
 
 
 class IncomingCreate(BaseModel):
@@ -163,12 +173,13 @@ class TransferPublic(BaseModel):
 
 
 class Adopt(BaseModel):
-    """``adopt`` of a ``POST /v1/datasets``: the dataset was delivered into reservation
-    ``incoming``; stage it from there. Either a bundle (``bundle.tar`` with its
-    ``manifest.json``, whose sha256 is given here) or the request's own source files
-    (``sources``: source path -> (size, sha256) of the copy, named
-    ``delivered_name(path)`` in the folder). The entry keeps the request's cache key,
-    which must equal ``origin_key``."""
+    """``adopt`` of a ``POST /v1/datasets``: stage from what is delivered into
+    reservation ``incoming`` instead of from the sources. Either the prepared tree, in
+    parts that may still be arriving (``bundle_bytes``: its file data; see
+    ``stager.ops.adopt`` for the files that say a part is whole and that the last one
+    came), or the request's own source files (``sources``: source path -> (size,
+    sha256) of the copy, named ``delivered_name(path)`` in the folder). The entry
+    keeps the request's cache key, which must equal ``origin_key``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -176,12 +187,26 @@ class Adopt(BaseModel):
     origin_node: str
     origin_key: str
     job: str | None = None
-    manifest_sha256: str | None = Field(default=None, pattern=SHA256_PATTERN)
+    bundle_bytes: int | None = Field(default=None, ge=0)
     sources: dict[str, tuple[int, str]] | None = None
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> Adopt:
+        if (self.bundle_bytes is None) == (self.sources is None):
+            raise ValueError("give either 'bundle_bytes' (a prepared tree) or 'sources'")
+        return self
 
-BUNDLE_NAME = "bundle.tar"
+
+# The files of a delivery folder of a prepared tree. A part is whole once its ``.ok``
+# file exists; the end file ({"parts": n, "manifest_sha256": ...} or {"abort": why})
+# says that no more come.
 MANIFEST_NAME = "manifest.json"
+END_NAME = "end.json"
+READY_SUFFIX = ".ok"
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}.tar"
 
 
 def delivered_name(source_path: str) -> str:

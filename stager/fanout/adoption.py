@@ -2,8 +2,9 @@
 
 Two shapes of delivery (see ``stager.schemas.Adopt``), two step lists:
 
-- a bundle: one ``adopt`` step (extract the bundle through the hardened extraction,
-  then check every path, size and sha256 against the manifest);
+- the prepared tree, in parts: one ``adopt`` step (extract each part through the
+  hardened extraction as it arrives, then check every path, size and sha256
+  against the manifest);
 - the request's own source files: one ``check_delivered`` step (each copy's size and
   sha256), then the request's steps with each ``src`` pointed at its copy.
 
@@ -20,7 +21,7 @@ from typing import Any
 from stager.ops.adopt import AdoptStep
 from stager.ops.check_delivered import CheckDeliveredStep
 from stager.ops.unpack import UnpackStep
-from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, Adopt, SourceFile, delivered_name
+from stager.schemas import Adopt, SourceFile, delivered_name
 
 # Steps whose result keeps pointing at the source (a link): a delivered copy is
 # deleted after adoption, so these are never staged from one.
@@ -55,10 +56,7 @@ def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
     step = AdoptStep(
-        bundle=str(folder / BUNDLE_NAME),
-        manifest=str(folder / MANIFEST_NAME),
-        manifest_sha256=adopt.manifest_sha256 or "",
-        origin_node=adopt.origin_node,
+        folder=str(folder), origin_node=adopt.origin_node, data_bytes=adopt.bundle_bytes or 0
     )
     return table.validate_steps([{"op": "adopt", **step.model_dump()}])
 

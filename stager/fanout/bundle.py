@@ -1,10 +1,14 @@
-"""A bundle: one plain tar that carries a ready dataset to the other nodes of a job.
+"""A bundle: plain tars that carry a ready dataset to the other nodes of a job.
 
-sbcast moves one file, so the tree is packed first. Plain tar, because the
-receiving side already has a hardened, fast extraction for it (stager.ops.extract:
-byte ranges copied with ``copy_file_range``); compression, when it pays, is
-sbcast's own (lz4 on the wire). Each file is read once: the manifest's sha256 is
-computed from the same bytes that go into the tar.
+sbcast moves whole files, so the tree is packed. In parts of about ``PART_BYTES``:
+while part *i* is on its way, the sender packs part *i+1* and the receivers extract
+part *i-1*, so sending costs about one part's time after the staging instead of
+packing, sending and extracting the whole tree one after the other. Each part is a
+complete tar of whole files (a folder always comes in the same part as its first
+entry, or earlier: the walk lists parents first). Plain tar, because the receiving
+side already has a hardened, fast extraction for it (stager.ops.extract);
+compression, when it pays, is sbcast's own (lz4 on the wire). Each file is read
+once: the manifest's sha256 is computed from the same bytes that go into the tar.
 """
 
 from __future__ import annotations
@@ -35,11 +39,33 @@ class _Hashing:
         return data
 
 
-def pack(root: Path, bundle: Path) -> Manifest:
-    """Write ``root``'s tree to ``bundle`` (a tar) and return its manifest."""
-    manifest = Manifest()
-    with tarfile.open(bundle, "w", format=tarfile.PAX_FORMAT, copybufsize=HASH_CHUNK) as tar:
-        for path, info in walk(root):
+PART_BYTES = 32 << 20
+
+Entries = list[tuple[str, os.stat_result]]
+
+
+def plan(root: Path, part_bytes: int = PART_BYTES) -> list[Entries]:
+    """``root``'s paths (parents first) in parts of about ``part_bytes`` of file data;
+    always at least one part."""
+    parts: list[Entries] = []
+    current: Entries = []
+    size = 0
+    for path, info in walk(root):
+        current.append((path, info))
+        if stat.S_ISREG(info.st_mode):
+            size += info.st_size
+            if size >= part_bytes:
+                parts.append(current)
+                current, size = [], 0
+    if current or not parts:
+        parts.append(current)
+    return parts
+
+
+def pack_part(root: Path, out: Path, entries: Entries, manifest: Manifest) -> None:
+    """Write ``entries`` of ``root`` to ``out`` (a tar), adding them to ``manifest``."""
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT, copybufsize=HASH_CHUNK) as tar:
+        for path, info in entries:
             member = _member(root, path, info)
             if stat.S_ISREG(info.st_mode):
                 with open(root / path, "rb") as stream:
@@ -52,7 +78,6 @@ def pack(root: Path, bundle: Path) -> Manifest:
                     manifest.dirs.add(path)
                 else:
                     manifest.links[path] = member.linkname
-    return manifest
 
 
 def _member(root: Path, path: str, info: os.stat_result) -> tarfile.TarInfo:

@@ -3,7 +3,7 @@ cache disk that broadcasts take, and which delivery each adopting staging reads.
 
 - deliveries: room reserved for what another node sbcasts here (``incoming/``);
 - claimed: deliveries a staging is adopting, kept (and counted) until it ends;
-- exports: ready datasets packed to be sent (``outgoing/``);
+- exports: ready datasets packed to be sent (``outgoing/``), part by part (plans);
 - exporting: keys being packed, never evicted under the packer.
 
 The engine decides (admission, scheduling); this keeps the books it decides with,
@@ -20,21 +20,29 @@ from typing import Any
 
 from stager.blocking import run_io
 from stager.dataset import Entry
-from stager.errors import BadRequest, Conflict, from_os_error
+from stager.errors import BadRequest, Conflict, NotFound, from_os_error
 from stager.fanout import adoption
+from stager.fanout.bundle import PART_BYTES
 from stager.fanout.transfers import (
     EXPORT_TTL_S,
+    ExportPlan,
     Transfer,
     Transfers,
-    bundle_estimate,
-    count_files,
     make_folder,
-    pack_export,
+    pack_export_part,
+    plan_export,
     remove_folder,
     transfer_public,
 )
 from stager.ops.base import CheckContext
-from stager.schemas import Adopt, DatasetCreate, ExportPublic, IncomingCreate, TransferPublic
+from stager.schemas import (
+    Adopt,
+    DatasetCreate,
+    ExportCreate,
+    ExportPublic,
+    IncomingCreate,
+    TransferPublic,
+)
 from stager.settings import Settings
 
 Admit = Callable[[int, str], Awaitable[None]]
@@ -49,7 +57,14 @@ class FanoutRoom:
         self.deliveries = Transfers(settings.incoming_dir, "delivery")
         self.exports = Transfers(settings.outgoing_dir, "export")
         self.claimed: dict[str, Transfer] = {}
-        self.exporting: set[str] = set()
+        self.plans: dict[str, ExportPlan] = {}  # exports under way, by label
+        self._planning: list[str] = []  # keys of exports being listed (part 0)
+
+    @property
+    def exporting(self) -> set[str]:
+        """Keys with parts still to pack: never evicted under the packer."""
+        unpacked = {p.key for p in self.plans.values() if p.packed < len(p.parts)}
+        return unpacked | set(self._planning)
 
     def pending(self) -> list[Transfer]:
         """Every reservation admission counts until its files are written."""
@@ -133,29 +148,49 @@ class FanoutRoom:
         await run_io(remove_folder, transfer.path)
         return transfer_public(transfer)
 
-    async def export(self, name: str, entry: Entry, final: Path, label: str) -> ExportPublic:
-        """Pack ready ``entry`` (at ``final``) into a bundle and its manifest, for sbcast."""
-        async with self._admission:
-            self.exporting.add(entry.key)  # from here on, never evicted under the packer
+    async def export(
+        self, name: str, request: ExportCreate, ready: tuple[Entry, Path] | None
+    ) -> ExportPublic:
+        """Pack part ``request.part`` of dataset ``name`` for sbcast. Part 0 (``ready``:
+        the ready entry and its tree) plans the parts and is admitted for all of them;
+        the others come in order, each packed while the one before is on its way."""
+        label, part = request.label, request.part
+        if ready is not None:
+            await self._plan_export(ready, label, request.part_bytes or PART_BYTES)
+        plan = self.plans.get(label)
+        if plan is None:
+            raise NotFound(f"export {label!r} was not started here; ask for its part 0 first")
+        if part != plan.packed or part >= len(plan.parts):
+            raise Conflict(
+                f"export {label!r} has {plan.packed} of {len(plan.parts)} parts packed; "
+                f"ask for part {plan.packed}, not {part}"
+            )
         try:
-            files = await run_io(count_files, final)
-            async with self._admission:
-                estimate = bundle_estimate(entry.size_bytes, files)
-                await self._admit(estimate, entry.key)
-                transfer = self.exports.add(label, estimate, EXPORT_TTL_S)
-            try:
-                return await run_io(pack_export, final, transfer, entry.key)
-            except BaseException:
-                self.exports.pop(label)
-                await run_io(remove_folder, transfer.path)
-                raise
+            exported = await run_io(pack_export_part, plan, self.exports.get(label))
         except OSError as exc:
             raise from_os_error(exc, f"packing {name!r} to send it") from exc
+        return exported
+
+    async def _plan_export(self, ready: tuple[Entry, Path], label: str, part_bytes: int) -> None:
+        entry, final = ready
+        if label in self.plans:
+            await self.drop_export(label)  # asked again from the start: a re-run step
+        async with self._admission:
+            self._planning.append(entry.key)  # from here on, never evicted under the packer
+        try:
+            plan = await run_io(plan_export, final, entry.key, part_bytes)
+            async with self._admission:
+                await self._admit(plan.total_bytes, entry.key)
+                self.exports.add(label, plan.total_bytes, EXPORT_TTL_S)
+                self.plans[label] = plan
+        except OSError as exc:
+            raise from_os_error(exc, f"listing {final} to send it") from exc
         finally:
-            self.exporting.discard(entry.key)
+            self._planning.remove(entry.key)
 
     async def drop_export(self, label: str) -> TransferPublic:
         transfer = self.exports.pop(label)
+        self.plans.pop(label, None)
         await run_io(remove_folder, transfer.path)
         return transfer_public(transfer)
 
@@ -163,5 +198,6 @@ class FanoutRoom:
         """Reservations and exports past their time (a job that died): removed."""
         gone = [*self.deliveries.expired(), *self.exports.expired()]
         for transfer in gone:
+            self.plans.pop(transfer.label, None)
             await run_io(remove_folder, transfer.path)
         return [t.path for t in gone]

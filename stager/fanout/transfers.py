@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from stager.errors import NotFound
 from stager.fanout import bundle
-from stager.fanout.manifest import digest, walk
-from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, ExportPublic, TransferPublic
+from stager.fanout.manifest import Manifest, digest
+from stager.schemas import MANIFEST_NAME, ExportPublic, TransferPublic, part_name
 
 EXPORT_TTL_S = 3600.0
 
@@ -38,6 +39,25 @@ class Transfer:
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
+
+
+@dataclass
+class ExportPlan:
+    """An export under way: the ready tree cut into parts, packed one at a time."""
+
+    tree: Path
+    key: str
+    parts: list[bundle.Entries]
+    manifest: Manifest
+    packed: int = 0  # parts written so far
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(i.st_size for part in self.parts for _, i in part if stat.S_ISREG(i.st_mode))
+
+    @property
+    def total_bytes(self) -> int:
+        return bundle_estimate(self.data_bytes, sum(len(part) for part in self.parts))
 
 
 class Transfers:
@@ -107,24 +127,33 @@ def unwritten_bytes(transfers: list[Transfer]) -> int:
     return total
 
 
-def count_files(tree: Path) -> int:
-    return len(walk(tree))
+def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:
+    return ExportPlan(tree, key, bundle.plan(tree, part_bytes), Manifest())
 
 
-def pack_export(tree: Path, transfer: Transfer, key: str) -> ExportPublic:
-    """Write the bundle and its manifest for ``tree`` into the export's folder."""
+def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
+    """Write the next part (and, with the last, the manifest) into the export's folder."""
     make_folder(transfer)
-    manifest = bundle.pack(tree, transfer.path / BUNDLE_NAME)
-    data = manifest.to_bytes()
-    (transfer.path / MANIFEST_NAME).write_bytes(data)
-    return ExportPublic(
+    index = plan.packed
+    out = transfer.path / part_name(index)
+    bundle.pack_part(plan.tree, out, plan.parts[index], plan.manifest)
+    plan.packed += 1
+    public = ExportPublic(
         id=transfer.label,
-        key=key,
-        bundle=str(transfer.path / BUNDLE_NAME),
-        manifest=str(transfer.path / MANIFEST_NAME),
-        manifest_sha256=digest(data),
-        bundle_bytes=(transfer.path / BUNDLE_NAME).stat().st_size,
+        key=plan.key,
+        part=index,
+        parts=len(plan.parts),
+        path=str(out),
+        bytes=out.stat().st_size,
+        total_bytes=plan.total_bytes,
+        data_bytes=plan.data_bytes,
     )
+    if plan.packed == len(plan.parts):
+        data = plan.manifest.to_bytes()
+        (transfer.path / MANIFEST_NAME).write_bytes(data)
+        public.manifest = str(transfer.path / MANIFEST_NAME)
+        public.manifest_sha256 = digest(data)
+    return public
 
 
 def transfer_public(transfer: Transfer) -> TransferPublic:

@@ -1,55 +1,124 @@
-"""The ``adopt`` op: stage a prepared dataset another node broadcast as a bundle.
+"""The ``adopt`` op: stage a prepared dataset that another node broadcasts here.
 
 A multi-node job (``stager-client stage --peers slurm``, docs/multinode.md) stages a
-dataset on one node and sbcasts it to the others as a plain tar with a manifest
-(every path, size and sha256). The manifest must match the sha256 the job gave (it
-reached this node along another path than the broadcast); the bundle is extracted
-by ``extract``, the hardened path every archive takes; then the tree is compared
-with the manifest, path by path. Anything missing, extra or different fails the
-staging, which never publishes: no delivered byte is trusted before it matched.
+dataset on one node and sbcasts it to the others in parts (plain tars of whole
+files) into this node's delivery folder. This op extracts each part as soon as it
+is whole, through ``extract``, the hardened path every archive takes, while the
+next parts are still on their way. The job's own task on this node says when a
+part is whole (``part-N.tar.ok``) and, at the end, how many parts there were and
+the sha256 of the manifest (``end.json``): those come along the job's ``srun``
+step, not the broadcast. Then the manifest (every path, size and sha256, written by
+the node that packed the tree) must match that sha256, and the tree must match the
+manifest, path by path. Anything missing, extra or different fails the staging,
+which never publishes: no delivered byte is trusted before it matched.
 (``check_delivered`` is the same promise for source files broadcast as they are.)
 """
 
 from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
 from stager.errors import VerifyFailed
 from stager.fanout import manifest as manifests
 from stager.ops import extract
-from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams, require_source
+from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 
-SHA256 = r"^[0-9a-f]{64}$"
+# A part that has not arrived this long after the one before: the sender is gone
+# (the job's task normally says so at once, with an ``abort`` end).
+PART_WAIT_S = 600.0
+POLL_S = 0.05
 
 
 class AdoptStep(StepParams):
-    """Extract a bundle another node broadcast, then check the tree against its manifest."""
+    """Extract the parts of a tree another node broadcasts here, then check the tree
+    against the manifest that node wrote."""
 
-    bundle: AbsoluteSource
-    manifest: AbsoluteSource
-    manifest_sha256: str = Field(pattern=SHA256)
+    folder: AbsoluteSource  # the delivery folder
     origin_node: str = Field(min_length=1, max_length=200)  # for messages
-
-
-def _manifest(step: AdoptStep) -> manifests.Manifest:
-    path = require_source(step.manifest, "delivered manifest")
-    data = path.read_bytes()
-    if manifests.digest(data) != step.manifest_sha256:
-        raise VerifyFailed(
-            f"the manifest broadcast from {step.origin_node} ({step.manifest}) is damaged "
-            "(its sha256 differs from the one the job sent); this node stages from the source"
-        )
-    return manifests.Manifest.from_bytes(data, step.manifest)
+    data_bytes: int = Field(ge=0)  # the tree's file data, for admission
 
 
 def check(step: AdoptStep, ctx: CheckContext) -> int:
-    require_source(step.bundle, "delivered bundle")
-    return _manifest(step).total_bytes
+    if not Path(step.folder).is_dir():
+        raise VerifyFailed(
+            f"delivery folder {step.folder} is not there (released or expired); "
+            "this node stages from the source"
+        )
+    return step.data_bytes
 
 
 def run(step: AdoptStep, ctx: OpContext) -> None:
-    expected = _manifest(step)
-    bundle = extract.ExtractStep(src=step.bundle, format="tar")
-    extract.run(bundle, ctx)
+    folder = Path(step.folder)
+    index = 0
+    while (end := _next(step, folder, index, ctx)) is None:
+        extract.run(extract.ExtractStep(src=str(folder / part_name(index)), format="tar"), ctx)
+        index += 1
+    expected = _manifest(step, folder, end)
     ctx.check_cancelled()
     manifests.verify(ctx.destination("."), expected, step.origin_node)
+
+
+def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str, Any] | None:
+    """Wait until part ``index`` is whole (None), or the end says it will not come (the
+    end's contents)."""
+    ready = folder / (part_name(index) + READY_SUFFIX)
+    deadline = time.monotonic() + PART_WAIT_S
+    while True:
+        ctx.check_cancelled()
+        if ready.exists():
+            return None
+        end = _end(folder)
+        if end is not None:
+            if end.get("abort"):
+                raise VerifyFailed(
+                    f"the broadcast from {step.origin_node} did not complete ({end['abort']}); "
+                    "this node stages from the source"
+                )
+            if index >= int(end["parts"]):
+                return end
+        elif not folder.is_dir():
+            raise VerifyFailed(
+                f"delivery folder {folder} went away (released or expired) before part "
+                f"{index} came; this node stages from the source"
+            )
+        if time.monotonic() > deadline:
+            raise VerifyFailed(
+                f"part {index} of the broadcast from {step.origin_node} did not arrive "
+                f"within {PART_WAIT_S:.0f} s; this node stages from the source"
+            )
+        time.sleep(POLL_S)
+
+
+def _end(folder: Path) -> dict[str, Any] | None:
+    try:
+        end = json.loads((folder / END_NAME).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:  # written by a rename: whole, or not there
+        raise VerifyFailed(f"{folder / END_NAME} is not JSON ({exc})") from exc
+    if not isinstance(end, dict) or not (end.get("abort") or "parts" in end):
+        raise VerifyFailed(f"{folder / END_NAME} says neither how many parts came nor why not")
+    return end
+
+
+def _manifest(step: AdoptStep, folder: Path, end: dict[str, Any]) -> manifests.Manifest:
+    path = folder / MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise VerifyFailed(
+            f"the manifest from {step.origin_node} did not arrive ({path}); "
+            "this node stages from the source"
+        ) from exc
+    if manifests.digest(data) != end.get("manifest_sha256"):
+        raise VerifyFailed(
+            f"the manifest broadcast from {step.origin_node} ({path}) is damaged (its "
+            "sha256 differs from the one the job sent); this node stages from the source"
+        )
+    return manifests.Manifest.from_bytes(data, str(path))

@@ -5,10 +5,11 @@ test_multinode.py, ``-m multinode``). The test plays the driver: it sends each a
 the messages the driver would, and a file copy stands for sbcast.
 
 What it shows: a node that already holds the dataset takes it from its cache and
-reads nothing; a receiving node adopts the sender's copy under the same key without
-reading the source; a copy that does not match the manifest makes that node stage
-from the source itself, never ready with wrong content; and a delivery never
-outlives the agent.
+reads nothing; a receiving node adopts the sender's copy, sent in parts that it
+extracts as they come, under the same key without reading the source; a copy that
+does not match the manifest, a part that never lands, and a driver that goes away
+between parts each make that node stage from the source itself, never ready with
+wrong content; and a delivery never outlives the agent.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import pytest
 
 from client._client import AsyncStagerClient
 from client._fanout_node import Node
-from stager.schemas import BUNDLE_NAME, MANIFEST_NAME
+from client._slurm import Broadcast
+from client.errors import FanoutError
 from tests.daemon import Daemon
 from tests.stager.test_cache import metric
 from tests.trees import digest, write_tree
@@ -34,14 +36,15 @@ TIMEOUT = 60
 class Agent:
     """One node's agent, run in this process, fed messages as the driver would."""
 
-    def __init__(self, daemon: Daemon, node: str, body: dict[str, Any]) -> None:
+    def __init__(
+        self, daemon: Daemon, node: str, body: dict[str, Any], send_file: Any = None
+    ) -> None:
         self.daemon, self.node = daemon, node
         self.events: list[dict[str, Any]] = []
         self._messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._client = AsyncStagerClient(daemon.url)
-        self._task = asyncio.create_task(
-            Node(self._client, node, body, TIMEOUT, self.events.append).run(self._read(), "1.0")
-        )
+        node_ = Node(self._client, node, body, TIMEOUT, self.events.append, send_file)
+        self._task = asyncio.create_task(node_.run(self._read(), "1.0"))
 
     async def _read(self) -> AsyncIterator[dict[str, Any]]:
         while (message := await self._messages.get()) is not None:
@@ -50,13 +53,14 @@ class Agent:
     async def tell(self, **message: Any) -> None:
         self._messages.put_nowait(message)
 
-    async def event(self, kind: str) -> dict[str, Any]:
+    async def event(self, kind: str, nth: int = 1) -> dict[str, Any]:
+        """Its ``nth`` ``kind`` event, once there is one."""
         for _ in range(TIMEOUT * 20):
             found = [e for e in self.events if e["event"] == kind]
-            if found:
-                return found[-1]
+            if len(found) >= nth:
+                return found[nth - 1]
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{self.node} never said {kind!r}: {self.events}")
+        raise AssertionError(f"{self.node} never said {kind!r} {nth} times: {self.events}")
 
     async def finish(self) -> dict[str, Any]:
         """Close its input (the driver is done): its ``done`` event."""
@@ -70,49 +74,89 @@ def body(src: Path) -> dict[str, Any]:
     return {"name": "ds", "steps": [{"op": "copy", "src": str(src)}]}
 
 
-async def send(sender: Agent, receiver: Agent, damage: Callable[[Path], None] | None) -> None:
-    """The driver's part of one broadcast: pack on the sender, reserve on the receiver,
-    copy (sbcast's part), drop the export, adopt."""
-    await sender.tell(do="export", label="job1-ds")
+def copy_file(damage: Callable[[Path], None] | None = None, lost: int | None = None):  # noqa: ANN201
+    """sbcast's part, for a sender agent: a file copy to the same path (the receiver's
+    folder); ``damage`` applied to the copy of the middle part, part ``lost`` never
+    lands (sbcast says it failed)."""
+    sent: list[str] = []
+
+    async def send_file(path: str, dest: str, step: str, how: Broadcast) -> None:
+        assert step == "1.1" and how == Broadcast(False, 1)
+        sent.append(dest)
+        if lost is not None and dest.endswith(f"part-{lost:05d}.tar"):
+            raise FanoutError(f"sbcast of {path} failed (node2: No space left on device)")
+        await asyncio.to_thread(shutil.copyfile, path, dest)
+        if damage is not None and dest.endswith("part-00002.tar"):
+            damage(Path(dest))
+
+    return send_file
+
+
+async def send(sender: Agent, receiver: Agent, stop_after: int | None = None) -> int:
+    """The driver's part of one broadcast (client/_fanout.py's _bundle_to): pack part
+    0 on the sender, reserve on the receiver, adopt there, have the sender send the
+    parts, announce each to the receiver as it lands, then the end. ``stop_after``:
+    the driver goes away after announcing that many parts. Returns the part count."""
+    await sender.tell(do="export", label="job1-ds", part_bytes=1 << 16)
     exported = await sender.event("exported")
     assert "error" not in exported, exported
-    await receiver.tell(do="reserve", label="job1-ds", bytes=exported["bundle_bytes"] + 10_000)
-    folder = Path((await receiver.event("reserved"))["path"])
-    shutil.copyfile(exported["bundle"], folder / BUNDLE_NAME)
-    shutil.copyfile(exported["manifest"], folder / MANIFEST_NAME)
-    if damage is not None:
-        damage(folder / BUNDLE_NAME)
-    await sender.tell(do="drop-export", label="job1-ds")
+    parts = exported["parts"]
+    assert parts >= 4, exported  # several parts: order and overlap are exercised
+    await receiver.tell(do="reserve", label="job1-ds", bytes=exported["total_bytes"])
+    folder = (await receiver.event("reserved"))["path"]
     adopt = {
         "incoming": "job1-ds",
         "origin_node": sender.node,
         "origin_key": exported["key"],
         "job": "1",
-        "manifest_sha256": exported["manifest_sha256"],
+        "bundle_bytes": exported["data_bytes"],
     }
     await receiver.tell(do="adopt", adopt=adopt)
+    await sender.tell(do="send", label="job1-ds", dest=folder, step="1.1", compress=False,
+                      fanout=1)  # fmt: skip
+    for index in range(parts + 1):
+        sent = await sender.event("sent", index + 1)
+        assert sent.get("index") == index and not sent.get("error"), sent
+        if index == parts:
+            await receiver.tell(do="end", parts=parts, manifest_sha256=sent["manifest_sha256"])
+        elif stop_after is not None and index == stop_after:
+            break
+        else:
+            await receiver.tell(do="part", index=index)
+    await sender.tell(do="drop-export", label="job1-ds")
+    return parts
 
 
-def flip_a_byte(bundle: Path) -> None:
-    data = bytearray(bundle.read_bytes())
+def flip_a_byte(part: Path) -> None:
+    data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside some file's data
-    bundle.write_bytes(bytes(data))
+    part.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damaged", [False, True], ids=["copy", "damaged-copy"])
+CASES = {  # how the broadcast goes: the sender's transport, and where the driver stops
+    "copy": ({}, None),
+    "damaged-part": ({"damage": flip_a_byte}, None),
+    "lost-part": ({"lost": 1}, None),
+    "driver-gone": ({}, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_node_adopts_the_broadcast_copy_or_stages_from_the_source(
-    daemon_factory: Callable[..., Daemon], tmp_path: Path, damaged: bool
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, case: str
 ) -> None:
     src = write_tree(tmp_path / "src", n_files=40)
     node1 = daemon_factory(cache_dir=tmp_path / "node1")
     node2 = daemon_factory(cache_dir=tmp_path / "node2")
+    transport, stop_after = CASES[case]
 
     async def job() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-        sender, receiver = Agent(node1, "node1", body(src)), Agent(node2, "node2", body(src))
+        sender = Agent(node1, "node1", body(src), copy_file(**transport))
+        receiver = Agent(node2, "node2", body(src))
         probes = [await sender.event("probe"), await receiver.event("probe")]
         await sender.tell(do="stage", to=["node1"])
         await sender.event("staged")
-        await send(sender, receiver, flip_a_byte if damaged else None)
+        await send(sender, receiver, stop_after)
         return await sender.finish(), await receiver.finish(), probes
 
     sent, received, probes = asyncio.run(job())
@@ -124,9 +168,11 @@ def test_a_node_adopts_the_broadcast_copy_or_stages_from_the_source(
     assert digest(Path(received["path"])) == digest(src)  # never ready with wrong content
     with node2.client() as other:
         read = metric(other, "stager_source_read_bytes_total")
-        if damaged:
+        if case != "copy":
             assert received["how"] == "staged"
             assert "node1" in received["fallback"] and "rejected" in received["fallback"]
+            if case == "driver-gone":
+                assert "driver ended" in received["fallback"], received
             assert read > 0  # it read the source itself
         else:
             assert received["how"] == "broadcast" and received["fallback"] is None

@@ -15,6 +15,7 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ import httpx
 import pytest
 
 from stager.durable import Durable
-from stager.schemas import BUNDLE_NAME
+from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.counts import tally
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
@@ -86,29 +87,40 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def damaged_broadcast(world: World) -> dict:
-    """Stage "ds" on another daemon (another node), pack it as a fan-out does, keep the
-    packed files in ``world.delivery`` with a byte of file data flipped; the ``adopt``
-    field of a request for that delivery (reserved under the label "bad")."""
+    """Stage "ds" on another daemon (another node), pack it in parts as a fan-out does,
+    keep what a receiver gets in ``world.delivery`` (every part announced whole, the
+    manifest, the end file) with a byte of file data flipped in the middle part; the
+    ``adopt`` field of a request for that delivery (reserved under the label "bad")."""
     sender = Daemon(cache_dir=world.tmp / "sender")
+    world.delivery.mkdir()
     try:
         with sender.start().client() as client:
             post(client, world.body("ds", world.tmp / "sender-links"))
             assert wait(client, "ds")["state"] == "ready"
-            exported = client.post("/v1/datasets/ds/export", json={"label": "bad"}).json()
-            world.delivery.mkdir()
-            for key in ("bundle", "manifest"):
-                shutil.copy(exported[key], world.delivery)
+            ask = {"label": "bad", "part_bytes": 1 << 16}
+            while True:
+                exported = client.post("/v1/datasets/ds/export", json=ask).json()
+                part = world.delivery / part_name(exported["part"])
+                shutil.copy(exported["path"], part)
+                (world.delivery / (part_name(exported["part"]) + READY_SUFFIX)).touch()
+                if exported["manifest"]:
+                    break
+                ask = {"label": "bad", "part": exported["part"] + 1}
+            shutil.copy(exported["manifest"], world.delivery / MANIFEST_NAME)
     finally:
         sender.cleanup()
-    bundle = world.delivery / BUNDLE_NAME
-    data = bytearray(bundle.read_bytes())
+    assert exported["parts"] > 1, exported
+    end = {"parts": exported["parts"], "manifest_sha256": exported["manifest_sha256"]}
+    (world.delivery / END_NAME).write_text(json.dumps(end))
+    middle = world.delivery / part_name(exported["parts"] // 2)
+    data = bytearray(middle.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside some file's data
-    bundle.write_bytes(bytes(data))
+    middle.write_bytes(bytes(data))
     return {
         "incoming": "bad",
         "origin_node": "node2",
         "origin_key": exported["key"],
-        "manifest_sha256": exported["manifest_sha256"],
+        "bundle_bytes": exported["data_bytes"],
     }
 
 

@@ -6,6 +6,7 @@ same request then stages from the source."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from stager.fanout.manifest import file_digest
-from stager.schemas import BUNDLE_NAME, MANIFEST_NAME, delivered_name
+from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, delivered_name, part_name
 from tests.daemon import Daemon
 from tests.stager.test_cache import metric, ready
 from tests.trees import digest, make_tar, write_tree
@@ -36,28 +37,50 @@ def two(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> tuple[Daemon, 
     )
 
 
-def send_bundle(sender: httpx.Client, receiver: httpx.Client, name: str, label: str) -> dict:
-    """Export on the sender, reserve on the receiver, copy the files across (sbcast's
-    part), and return the adopt field for the receiver's request."""
-    exported = sender.post(f"/v1/datasets/{name}/export", json={"label": label})
-    assert exported.status_code == 200, exported.text
-    export = exported.json()
+def send_bundle(
+    sender: httpx.Client, receiver: httpx.Client, body: dict, label: str, corrupt: bool = False
+) -> dict:
+    """What the job's tasks do, with a file copy for sbcast: export part 0, reserve on
+    the receiver, ask it to adopt, then send every part (announcing each one whole)
+    and the manifest, and write the end file. Returns the receiver's final status."""
+    name = body["name"]
+    first = sender.post(f"/v1/datasets/{name}/export", json={"label": label, "part_bytes": 1 << 16})
+    assert first.status_code == 200, first.text
+    exported = first.json()
+    assert exported["parts"] > 2  # small parts: the order and the waiting are exercised
+    skipped = sender.post(f"/v1/datasets/{name}/export", json={"label": label, "part": 2})
+    assert skipped.status_code == 409 and "ask for part 1" in skipped.text
     reserved = receiver.post(
-        "/v1/incoming", json={"label": label, "bytes": export["bundle_bytes"] + 10_000}
+        "/v1/incoming", json={"label": label, "bytes": exported["total_bytes"]}
     )
     assert reserved.status_code == 200, reserved.text
     folder = Path(reserved.json()["path"])
-    shutil.copyfile(export["bundle"], folder / BUNDLE_NAME)
-    shutil.copyfile(export["manifest"], folder / MANIFEST_NAME)
-    assert sender.delete(f"/v1/exports/{label}").status_code == 200
-    assert not Path(export["bundle"]).exists()
-    return {
+    adopt = {
         "incoming": label,
         "origin_node": "node1",
-        "origin_key": export["key"],
+        "origin_key": exported["key"],
         "job": "42",
-        "manifest_sha256": export["manifest_sha256"],
+        "bundle_bytes": exported["data_bytes"],
     }
+    response = receiver.post("/v1/datasets", json={**body, "adopt": adopt})
+    assert response.status_code == 202, response.text
+    for part in range(exported["parts"]):
+        if part:
+            answer = sender.post(f"/v1/datasets/{name}/export", json={"label": label, "part": part})
+            exported = answer.json()
+        target = folder / part_name(part)
+        shutil.copyfile(exported["path"], target)
+        if corrupt and part == exported["parts"] // 2:
+            data = bytearray(target.read_bytes())
+            data[len(data) // 2] ^= 0xFF  # inside some file's data
+            target.write_bytes(bytes(data))
+        (folder / (part_name(part) + READY_SUFFIX)).touch()
+    shutil.copyfile(exported["manifest"], folder / MANIFEST_NAME)
+    end = {"parts": exported["parts"], "manifest_sha256": exported["manifest_sha256"]}
+    (folder / END_NAME).write_text(json.dumps(end))
+    assert sender.delete(f"/v1/exports/{label}").status_code == 200
+    assert not Path(exported["path"]).exists()
+    return receiver.get(f"/v1/datasets/{name}/wait", params={"timeout": 60}).json()
 
 
 def test_probe_reports_the_key_and_the_copy_and_changes_nothing(
@@ -91,10 +114,7 @@ def test_a_bundle_is_adopted_under_the_same_key_and_the_delivery_is_deleted(
         assert staged["origin"] == {
             "how": "staged", "node": None, "job": "42", "bytes": 0, "hit": False
         }  # fmt: skip
-        adopt = send_bundle(one, other, "ds", "job42-ds")
-        response = other.post("/v1/datasets", json={**body, "adopt": adopt})
-        assert response.status_code == 202, response.text
-        adopted = other.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        adopted = send_bundle(one, other, body, "job42-ds")
         assert adopted["state"] == "ready", adopted["error"]
         assert adopted["key"] == staged["key"]
         assert adopted["origin"]["how"] == "broadcast" and adopted["origin"]["node"] == "node1"
@@ -122,13 +142,7 @@ def test_a_copy_that_does_not_match_is_never_ready_and_the_source_is_staged_inst
     node1, node2 = two
     with node1.client() as one, node2.client() as other:
         ready(one, body)
-        adopt = send_bundle(one, other, "ds", "job7-ds")
-        bundle = node2.cache_dir / "incoming" / "job7-ds" / BUNDLE_NAME
-        data = bytearray(bundle.read_bytes())
-        data[len(data) // 2] ^= 0xFF  # inside some file's data
-        bundle.write_bytes(bytes(data))
-        other.post("/v1/datasets", json={**body, "adopt": adopt})
-        failed = other.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        failed = send_bundle(one, other, body, "job7-ds", corrupt=True)
         assert failed["state"] == "failed"
         assert "node1" in failed["error"]["message"]
         assert not (node2.cache_dir / "data" / failed["key"]).exists()
@@ -172,7 +186,7 @@ def test_a_delivery_for_other_sources_is_refused(
     with node2.client() as other:
         other.post("/v1/incoming", json={"label": "j2", "bytes": 1000})
         adopt = {"incoming": "j2", "origin_node": "node1", "origin_key": "0" * 24,
-                 "manifest_sha256": "0" * 64}  # fmt: skip
+                 "bundle_bytes": 10}  # fmt: skip
         response = other.post("/v1/datasets", json={**request("ds", src), "adopt": adopt})
         assert response.status_code == 409
         assert "node1 staged" in response.json()["error"]["message"]

@@ -30,9 +30,10 @@ def fanout_router(ops: OpTable) -> APIRouter:
 
     @router.post("/datasets/{name}/export", response_model=ExportPublic)
     async def export(name: str, request: ExportCreate, engine: EngineDep) -> ExportPublic:
-        """Pack ready dataset ``name`` into a bundle (a plain tar) and its manifest (every
-        path, size and sha256), in the cache's ``outgoing/`` folder."""
-        return await engine.export(name, request.label)
+        """Pack part ``part`` of ready dataset ``name`` (a plain tar of whole files) in the
+        cache's ``outgoing/<label>/``; part 0 plans the parts, the last one also writes
+        the manifest (every path, size and sha256). Parts are asked for in order."""
+        return await engine.export(name, request)
 
     @router.delete("/exports/{label}", response_model=TransferPublic)
     async def drop_export(label: str, engine: EngineDep) -> TransferPublic:

@@ -1,24 +1,29 @@
 """adopt / check_delivered: a broadcast copy is trusted only once it matches what the
-source node packed: a tree packed by stager.fanout.bundle comes out byte for byte
-(checked against GNU tar's reading of the same bundle), and every kind of damage to
-the bundle or the manifest fails the op with a sentence naming the path."""
+source node packed: a tree packed in parts by stager.fanout.bundle comes out byte
+for byte (checked against GNU tar's reading of the same parts), and every kind of
+damage to a part, the manifest or the delivery fails the op with a sentence naming
+the path; a part that never comes fails it too, and a cancel stops the wait."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from stager.errors import BadRequest, StagingError, UnsafeArchiveMember, VerifyFailed
+from stager.errors import BadRequest, Cancelled, StagingError, UnsafeArchiveMember, VerifyFailed
 from stager.fanout import bundle, manifest
 from stager.ops import adopt, check_delivered
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.check_delivered import CheckDeliveredStep
 from stager.progress import Progress
+from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.trees import digest, write_tree
 
 pytestmark = pytest.mark.usefixtures("pool")
@@ -41,84 +46,94 @@ def odd_tree(root: Path) -> Path:
     return root
 
 
-def export(tree: Path, out: Path) -> AdoptStep:
-    out.mkdir()
-    packed = bundle.pack(tree, out / "bundle.tar")
+def deliver(tree: Path, folder: Path, part_bytes: int = 100_000, end: bool = True) -> AdoptStep:
+    """What a receiving node gets: the parts (each announced whole), the manifest, and
+    the end file with the manifest's sha256, as the job's task writes it."""
+    folder.mkdir()
+    packed = manifest.Manifest()
+    parts = bundle.plan(tree, part_bytes)
+    for index, entries in enumerate(parts):
+        bundle.pack_part(tree, folder / part_name(index), entries, packed)
+        (folder / (part_name(index) + READY_SUFFIX)).touch()
     data = packed.to_bytes()
-    (out / "manifest.json").write_bytes(data)
-    return AdoptStep(
-        bundle=str(out / "bundle.tar"),
-        manifest=str(out / "manifest.json"),
-        manifest_sha256=manifest.digest(data),
-        origin_node="mn1",
-    )
+    (folder / MANIFEST_NAME).write_bytes(data)
+    if end:
+        ending = {"parts": len(parts), "manifest_sha256": manifest.digest(data)}
+        (folder / END_NAME).write_text(json.dumps(ending))
+    return AdoptStep(folder=str(folder), origin_node="mn1", data_bytes=packed.total_bytes)
 
 
-def run_adopt(step: AdoptStep, root: Path) -> None:
-    ctx = OpContext(root=root, progress=Progress(), workers=2)
-    adopt.check(step, CheckContext())
+def run_adopt(step: AdoptStep, root: Path, cancel: threading.Event | None = None) -> None:
+    ctx = OpContext(root=root, progress=Progress(), workers=2, cancel=cancel or threading.Event())
+    assert adopt.check(step, CheckContext()) == step.data_bytes
     adopt.run(step, ctx)
 
 
-def test_a_packed_tree_is_adopted_byte_for_byte(tmp_path: Path) -> None:
+def test_a_tree_packed_in_parts_is_adopted_byte_for_byte(tmp_path: Path) -> None:
     tree = odd_tree(tmp_path / "tree")
-    step = export(tree, tmp_path / "out")
+    step = deliver(tree, tmp_path / "in")
+    parts = sorted((tmp_path / "in").glob("part-*.tar"))
+    assert len(parts) > 3
+    listed = set()
+    for part in parts:  # what GNU tar reads from the parts is what the manifest lists
+        out = subprocess.run(["tar", "-tf", str(part)], capture_output=True, text=True)
+        listed |= {n.rstrip("/") for n in out.stdout.splitlines() if n}
+    packed = manifest.Manifest.from_bytes((tmp_path / "in" / MANIFEST_NAME).read_bytes(), "m")
+    assert listed == set(packed.files) | packed.dirs | set(packed.links)
+    assert manifest.build(tree).to_bytes() == packed.to_bytes()
     run_adopt(step, tmp_path / "dest")
     assert digest(tmp_path / "dest") == digest(tree)
     assert os.readlink(tmp_path / "dest/class_0/link.jpg") == "img_0000.jpg"
     assert (tmp_path / "dest/empty dir").is_dir()
     assert (tmp_path / "dest/class_1/run.sh").stat().st_mode & 0o777 == 0o755
-    # The manifest agrees with what GNU tar reads from the bundle, and with the tree.
-    listed = subprocess.run(
-        ["tar", "-tf", step.bundle], capture_output=True, text=True, check=True
-    ).stdout.split("\n")
-    packed = manifest.Manifest.from_bytes(Path(step.manifest).read_bytes(), "m")
-    names = {n.rstrip("/") for n in listed if n}
-    assert names == set(packed.files) | packed.dirs | set(packed.links)
-    assert manifest.build(tree).to_bytes() == packed.to_bytes()
 
 
-def flip_byte_of_member(bundle_path: str, member: str) -> None:
-    with tarfile.open(bundle_path) as tar:
-        offset = tar.getmember(member).offset_data
-    with open(bundle_path, "r+b") as stream:
-        stream.seek(offset)
-        byte = stream.read(1)
-        stream.seek(offset)
-        stream.write(bytes([byte[0] ^ 0xFF]))
+def flip_byte_of_member(folder: Path, member: str) -> None:
+    for part in sorted(folder.glob("part-*.tar")):
+        with tarfile.open(part) as tar:
+            try:
+                offset = tar.getmember(member).offset_data
+            except KeyError:
+                continue
+        with open(part, "r+b") as stream:
+            stream.seek(offset)
+            byte = stream.read(1)
+            stream.seek(offset)
+            stream.write(bytes([byte[0] ^ 0xFF]))
+        return
+    raise AssertionError(f"{member} is in no part")
 
 
-def test_a_changed_byte_in_the_bundle_fails_naming_the_file(tmp_path: Path) -> None:
+def test_a_changed_byte_in_a_part_fails_naming_the_file(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=12)
-    step = export(tree, tmp_path / "out")
-    flip_byte_of_member(step.bundle, "class_1/img_0004.jpg")
-    with pytest.raises(VerifyFailed, match=r"class_1/img_0004\.jpg.*mn1|mn1.*class_1/img_0004"):
+    step = deliver(tree, tmp_path / "in")
+    flip_byte_of_member(tmp_path / "in", "class_1/img_0004.jpg")
+    with pytest.raises(VerifyFailed, match=r"mn1.*class_1/img_0004\.jpg"):
         run_adopt(step, tmp_path / "dest")
 
 
-def test_a_truncated_bundle_fails(tmp_path: Path) -> None:
+def test_a_truncated_part_fails(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=12)
-    step = export(tree, tmp_path / "out")
-    size = Path(step.bundle).stat().st_size
-    os.truncate(step.bundle, size // 2)
+    step = deliver(tree, tmp_path / "in")
+    part = tmp_path / "in" / part_name(0)
+    os.truncate(part, part.stat().st_size // 2)
     with pytest.raises(StagingError):
         run_adopt(step, tmp_path / "dest")
 
 
-def test_a_damaged_manifest_is_refused_before_anything_is_extracted(tmp_path: Path) -> None:
+def test_a_damaged_manifest_fails_and_nothing_past_it_is_trusted(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=5)
-    step = export(tree, tmp_path / "out")
-    text = Path(step.manifest).read_text().replace('"class_0', '"class_9', 1)
-    Path(step.manifest).write_text(text)
+    step = deliver(tree, tmp_path / "in")
+    path = tmp_path / "in" / MANIFEST_NAME
+    path.write_text(path.read_text().replace('"class_0', '"class_9', 1))
     with pytest.raises(VerifyFailed, match="manifest broadcast from mn1.*damaged"):
         run_adopt(step, tmp_path / "dest")
-    assert not (tmp_path / "dest").exists()
 
 
-def test_a_bundle_with_a_file_the_manifest_lacks_fails(tmp_path: Path) -> None:
+def test_a_part_with_a_file_the_manifest_lacks_fails(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=5)
-    step = export(tree, tmp_path / "out")
-    with tarfile.open(step.bundle, "a") as tar:
+    step = deliver(tree, tmp_path / "in")
+    with tarfile.open(tmp_path / "in" / part_name(0), "a") as tar:
         extra = tmp_path / "extra.txt"
         extra.write_text("smuggled\n")
         tar.add(extra, arcname="class_0/extra.txt")
@@ -126,25 +141,55 @@ def test_a_bundle_with_a_file_the_manifest_lacks_fails(tmp_path: Path) -> None:
         run_adopt(step, tmp_path / "dest")
 
 
-def test_a_bundle_that_escapes_is_refused_by_the_hardened_extraction(tmp_path: Path) -> None:
+def test_a_part_that_escapes_is_refused_by_the_hardened_extraction(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=3)
-    step = export(tree, tmp_path / "out")
-    evil = tmp_path / "evil.tar"
-    with tarfile.open(evil, "w") as tar:
+    step = deliver(tree, tmp_path / "in")
+    with tarfile.open(tmp_path / "in" / part_name(0), "w") as tar:
         info = tarfile.TarInfo("../escaped.txt")
         info.size = 0
         tar.addfile(info)
-    os.replace(evil, step.bundle)
     with pytest.raises(UnsafeArchiveMember):
         run_adopt(step, tmp_path / "dest")
     assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_an_aborted_broadcast_fails_with_its_reason(tmp_path: Path) -> None:
+    tree = write_tree(tmp_path / "tree", n_files=5)
+    step = deliver(tree, tmp_path / "in", end=False)
+    (tmp_path / "in" / END_NAME).write_text(json.dumps({"abort": "sbcast: mn3 timed out"}))
+    # Parts already announced are taken; then the abort is read, not waited past.
+    for ok in (tmp_path / "in").glob("*" + READY_SUFFIX):
+        ok.unlink()
+    with pytest.raises(VerifyFailed, match="from mn1 did not complete .sbcast: mn3 timed out"):
+        run_adopt(step, tmp_path / "dest")
+
+
+def test_a_part_that_never_comes_fails_and_a_cancel_stops_the_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = write_tree(tmp_path / "tree", n_files=12)
+    step = deliver(tree, tmp_path / "in", end=False)
+    last = max((tmp_path / "in").glob("*" + READY_SUFFIX))
+    last.unlink()  # its sbcast never finished
+    monkeypatch.setattr(adopt, "PART_WAIT_S", 0.5)
+    with pytest.raises(VerifyFailed, match="did not arrive within"):
+        run_adopt(step, tmp_path / "dest")
+    monkeypatch.setattr(adopt, "PART_WAIT_S", 60)
+    step = deliver(tree, tmp_path / "in2", end=False)
+    max((tmp_path / "in2").glob("*" + READY_SUFFIX)).unlink()
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        run_adopt(step, tmp_path / "dest2", cancel)
+    assert time.monotonic() - started < 5
 
 
 def test_a_tree_linking_outside_itself_is_not_packed(tmp_path: Path) -> None:
     tree = write_tree(tmp_path / "tree", n_files=3)
     (tree / "data").symlink_to("/network/datasets/x")
     with pytest.raises(BadRequest, match="links to /network/datasets/x"):
-        bundle.pack(tree, tmp_path / "b.tar")
+        deliver(tree, tmp_path / "in")
 
 
 def test_delivered_copies_must_match_size_and_sha256(tmp_path: Path) -> None:
