@@ -160,16 +160,23 @@ class FanoutRoom:
         plan = self.plans.get(label)
         if plan is None:
             raise NotFound(f"export {label!r} was not started here; ask for its part 0 first")
+        if plan.packing:
+            raise Conflict(
+                f"export {label!r} is packing part {plan.packed} now; ask for the next part "
+                "once that answer came"
+            )
         if part != plan.packed or part >= len(plan.parts):
             raise Conflict(
                 f"export {label!r} has {plan.packed} of {len(plan.parts)} parts packed; "
                 f"ask for part {plan.packed}, not {part}"
             )
+        plan.packing = True
         try:
-            exported = await run_io(pack_export_part, plan, self.exports.get(label))
+            return await run_io(pack_export_part, plan, self.exports.get(label))
         except OSError as exc:
             raise from_os_error(exc, f"packing {name!r} to send it") from exc
-        return exported
+        finally:
+            plan.packing = False
 
     async def _plan_export(self, ready: tuple[Entry, Path], label: str, part_bytes: int) -> None:
         entry, final = ready

@@ -50,6 +50,7 @@ class ExportPlan:
     parts: list[bundle.Entries]
     manifest: Manifest
     packed: int = 0  # parts written so far
+    packing: bool = False  # a part is being written now
 
     @property
     def data_bytes(self) -> int:
