@@ -225,8 +225,8 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         "--broadcast",
         choices=["auto", "prepared", "sources"],
         default="auto",
-        help="with --peers slurm, what is sent to the other nodes: the prepared tree, or "
-        "the request's source files (archives) for every node to stage from; auto picks "
+        help="with --peers slurm, what is sent to the other nodes: the prepared tree (auto), "
+        "or the request's source files (archives) for every node to stage from "
         "(see docs/multinode.md)",
     )
     _add_wait_flags(sub)

@@ -109,9 +109,11 @@ def stage_script(name: str, source: str, *extra: str) -> str:
     )
 
 
-def run_stage(cluster: Cluster, name: str, source: str, nodes: int = NODES, **kw) -> tuple:
+def run_stage(
+    cluster: Cluster, name: str, source: str, nodes: int = NODES, extra: tuple = (), **kw
+) -> tuple:
     before = cluster.storage()
-    job = cluster.sbatch(stage_script(name, source), nodes=nodes, name=name, **kw)
+    job = cluster.sbatch(stage_script(name, source, *extra), nodes=nodes, name=name, **kw)
     moved = cluster.storage() - before
     report_file = cluster.jobs_dir / f"{name}.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
@@ -129,12 +131,16 @@ def data(cluster: Cluster) -> dict[str, Path]:
     return {"tree": tree, "archive": archive}
 
 
-@pytest.mark.parametrize("kind", ["tree", "archive"])
+@pytest.mark.parametrize("kind", ["tree", "archive", "archive-sources"])
 def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
     cluster: Cluster, data: dict[str, Path], kind: str
 ) -> None:
-    source = fresh_copy(data[kind], f"once-{kind}")
-    job, report, moved = run_stage(cluster, f"once-{kind}", cluster.shared(source))
+    """The prepared tree in parts (auto, a tree or an archive), and an archive sent
+    as it is (``--broadcast sources``)."""
+    sources = kind == "archive-sources"
+    source = fresh_copy(data["archive" if sources else kind], f"once-{kind}")
+    extra = ("--broadcast", "sources") if sources else ()
+    job, report, moved = run_stage(cluster, f"once-{kind}", cluster.shared(source), extra=extra)
     assert job.ok, job.output
     size = (
         source.stat().st_size
@@ -142,9 +148,9 @@ def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
         else sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     )
     assert moved.content <= 1.05 * size, (moved, size, report)
-    assert report["mode"] == ("sources" if kind == "archive" else "bundle")
+    assert report["mode"] == ("sources" if sources else "bundle")
     hows = sorted(r["how"] for r in report["nodes"].values())
-    assert hows == (["broadcast"] * 4 if kind == "archive" else ["broadcast"] * 3 + ["staged"])
+    assert hows == (["broadcast"] * 4 if sources else ["broadcast"] * 3 + ["staged"])
     paths = {r["path"] for r in report["nodes"].values()}
     assert len(paths) == 1
     expected = local_digest(data["tree"])
