@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -92,26 +94,6 @@ def run_trainer(
         trainer_command(args, nproc), cwd=cwd, env=env or trainer_env(), capture_output=True,
         text=True, timeout=timeout,
     )  # fmt: skip
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), as SLURM's proctrack/linuxproc finds them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def signal_tree(pid: int, sig: int) -> list[int]:
