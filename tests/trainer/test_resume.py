@@ -14,13 +14,16 @@ from __future__ import annotations
 import csv
 import shutil
 import signal
+import subprocess
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.trainer.conftest import (
+    REPO,
     descendants,
     finish,
     run_trainer,
@@ -28,6 +31,7 @@ from tests.trainer.conftest import (
     start_srun_trainer,
     start_trainer,
     tiny_args,
+    trainer_command,
     trainer_env,
     wait_for_lines,
 )
@@ -82,11 +86,27 @@ def _fake_scontrol(tmp_path: Path) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{trainer_env()['PATH']}"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", autouse=True)
+def reference_run(tmp_path_factory) -> Iterator[tuple[Path, subprocess.Popen, Path]]:
+    """The uninterrupted run, started with the module: the tests that do not compare
+    with it (first in this file) run meanwhile; its result does not depend on timing."""
     out = tmp_path_factory.mktemp("reference")
-    done = run_trainer(_args(out), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path_factory.mktemp("reference-log") / "trainer.log"
+    with open(log, "w") as sink:  # a file, not a pipe: nothing reads it while it runs
+        process = subprocess.Popen(
+            trainer_command(_args(out), nproc=2), cwd=REPO, env=trainer_env(),
+            stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield out, process, log
+    finally:
+        process.wait(timeout=240)
+
+
+@pytest.fixture
+def reference(reference_run) -> Path:
+    out, process, log = reference_run
+    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
     return out
 
 
@@ -115,6 +135,42 @@ def assert_each_sample_once_per_epoch(rec: Path, global_batch: int) -> None:
         ids = [i for (e, i), n in seen.items() if e == epoch for _ in range(n)]
         assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample twice"
         assert N - len(ids) < global_batch, f"epoch {epoch}: {N - len(ids)} samples missing"
+
+
+def test_sigterm_to_every_process_of_an_srun_step_then_resume(tmp_path):
+    # What SLURM does at the time limit or on scancel: SIGTERM to every process
+    # of the step, loader workers included.
+    cut = tmp_path / "cut"
+    procs = start_srun_trainer(_args(cut), **_fake_scontrol(tmp_path))
+    wait_for_lines(cut / "rec" / "inputs-rank0.txt", 3, procs[0])
+    for proc in procs:
+        assert len(signal_tree(proc.pid, signal.SIGTERM)) >= 2  # a rank and its worker
+    done = finish(procs)
+    assert [d.returncode for d in done] == [75, 75], done[0].stderr[-3000:]
+    assert "preempted at iteration" in done[0].stderr
+    assert "Traceback" not in done[0].stderr + done[1].stderr
+    requeued = (tmp_path / "scontrol.log").read_text().splitlines()
+    assert len(requeued) == 1 and requeued[0].startswith("requeue ")  # rank 0 alone, once
+    assert len(checkpoint.entries(cut / "checkpoints")) >= 1
+
+    resumed = run_trainer([*_args(cut), "--resume"], nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_lr_follows_samples(cut)
+    assert_each_sample_once_per_epoch(cut / "rec", global_batch=8)
+
+
+def test_one_rank_cut_resumed_on_two_ranks(tmp_path):
+    out = tmp_path / "run"
+    first = run_trainer([*_args(out), "--debug-signal-at-iter", "5"], nproc=1)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert _final(out)["position"]["samples"] == 20
+    resumed = run_trainer([*_args(out), "--resume"], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Epoch 0 goes on after sample 20 in steps of 8: 9 more steps, and a tail of 4
+    # that fills no step on two ranks is left out.
+    assert "epoch 0 continues after its first 20 samples" in resumed.stderr
+    assert_lr_follows_samples(out)
+    assert_each_sample_once_per_epoch(out / "rec", global_batch=8)
 
 
 def test_ranks_draw_different_augmentations(reference):
@@ -165,39 +221,3 @@ def test_usr1_to_torchrun_with_workers_then_resume_is_exact(reference, tmp_path)
     assert "world size 2, batch 4, accumulation 1; now 1, 4, 1" in done.stderr
     assert_lr_follows_samples(one)
     assert_each_sample_once_per_epoch(one / "rec", global_batch=8)
-
-
-def test_sigterm_to_every_process_of_an_srun_step_then_resume(tmp_path):
-    # What SLURM does at the time limit or on scancel: SIGTERM to every process
-    # of the step, loader workers included.
-    cut = tmp_path / "cut"
-    procs = start_srun_trainer(_args(cut), **_fake_scontrol(tmp_path))
-    wait_for_lines(cut / "rec" / "inputs-rank0.txt", 3, procs[0])
-    for proc in procs:
-        assert len(signal_tree(proc.pid, signal.SIGTERM)) >= 2  # a rank and its worker
-    done = finish(procs)
-    assert [d.returncode for d in done] == [75, 75], done[0].stderr[-3000:]
-    assert "preempted at iteration" in done[0].stderr
-    assert "Traceback" not in done[0].stderr + done[1].stderr
-    requeued = (tmp_path / "scontrol.log").read_text().splitlines()
-    assert len(requeued) == 1 and requeued[0].startswith("requeue ")  # rank 0 alone, once
-    assert len(checkpoint.entries(cut / "checkpoints")) >= 1
-
-    resumed = run_trainer([*_args(cut), "--resume"], nproc=1)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_lr_follows_samples(cut)
-    assert_each_sample_once_per_epoch(cut / "rec", global_batch=8)
-
-
-def test_one_rank_cut_resumed_on_two_ranks(tmp_path):
-    out = tmp_path / "run"
-    first = run_trainer([*_args(out), "--debug-signal-at-iter", "5"], nproc=1)
-    assert first.returncode == 75, first.stderr[-3000:]
-    assert _final(out)["position"]["samples"] == 20
-    resumed = run_trainer([*_args(out), "--resume"], nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    # Epoch 0 goes on after sample 20 in steps of 8: 9 more steps, and a tail of 4
-    # that fills no step on two ranks is left out.
-    assert "epoch 0 continues after its first 20 samples" in resumed.stderr
-    assert_lr_follows_samples(out)
-    assert_each_sample_once_per_epoch(out / "rec", global_batch=8)
