@@ -83,6 +83,20 @@ def trainer_command(args: list[str], nproc: int = 1, torchrun: tuple[str, ...] =
     ]  # fmt: skip
 
 
+def start_trainer(
+    args: list[str],
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    torchrun: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """``run_trainer``'s launch, left running (for runs that go on side by side)."""
+    return subprocess.Popen(
+        trainer_command(args, nproc, torchrun), cwd=cwd, env=env or trainer_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def run_trainer(
     args: list[str],
     nproc: int = 1,
