@@ -1,5 +1,5 @@
 from stager.cli import main
 
-# Guarded: staging worker processes are spawned and re-import the main module.
+# Guarded: a multiprocessing child must never run the CLI again if it imports this module.
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -20,7 +20,7 @@ import anyio.to_thread
 
 from stager import errors
 from stager.progress import Progress, SharedCounters
-from stager.worker import CONTEXT, StageJob, stage_in_child
+from stager.worker import CONTEXT, StageJob, stage_in_child, start_fork_server
 
 log = logging.getLogger("stager.staging")
 
@@ -64,9 +64,8 @@ async def run_staging(
         args=(job, counters, child_cancel, sender, os.getpid()),
         name=f"stager-stage-{job.final.name}",
     )
-    # Started from the event-loop thread on purpose: the child's parent-death signal
-    # is tied to the creating thread, and a pool thread may exit while it runs.
-    process.start()
+    await run_io(start_fork_server)  # the first time: an interpreter start, off the loop
+    process.start()  # a request to the fork server: milliseconds
     sender.close()
     loop = asyncio.get_running_loop()
     cancelled_at: float | None = None

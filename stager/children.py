@@ -1,14 +1,17 @@
-"""Child processes never outlive the process that started them.
+"""Staging processes and their workers never outlive the daemon.
 
 A staging process (and the extraction processes it starts) writes into a partial
-directory that a restarted daemon resumes in; if its parent is killed (-9), a
+directory that a restarted daemon resumes in; if the daemon is killed (-9), a
 child still writing there would race with the resumed staging.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import select
 import signal
+import threading
 
 _PR_SET_PDEATHSIG = 1
 
@@ -20,3 +23,23 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass  # not glibc Linux: callers keep their own parent checks
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
+
+    A staging process is forked by multiprocessing's fork server, not by the daemon,
+    and the server lives on while any staging holds its pipe; so the staging watches
+    the daemon itself, through a pidfd, on a thread that only ever waits.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone already
+        return
+    threading.Thread(target=_die_when_exited, args=(fd,), name="die-with", daemon=True).start()
+
+
+def _die_when_exited(pidfd: int) -> None:
+    select.select([pidfd], [], [])  # readable once the process has exited
+    os.kill(os.getpid(), signal.SIGKILL)

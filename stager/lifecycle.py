@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,7 @@ class Registry:
         self.handles: dict[str, Handle] = {}
         self.leases: dict[str, Lease] = {}
         self.changed = asyncio.Condition()
+        self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
 
     # ---- paths ---------------------------------------------------------------
 
@@ -210,8 +212,15 @@ class Registry:
         return entry
 
     async def touch(self, entry: Entry) -> None:
-        """A use: moves the entry back in LRU order."""
+        """A use: moves the entry back in LRU order. Eviction reads the order from
+        memory; the store hears of it at most every ``recency_persist_s`` per entry,
+        so a burst of cache hits costs one write, not one each."""
         entry.last_used_at = now()
+        clock = time.monotonic()
+        saved = self._recency_saved.get(entry.key)
+        if saved is not None and clock - saved < self.settings.recency_persist_s:
+            return
+        self._recency_saved[entry.key] = clock
         await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
 
     async def name(self, handle: Handle) -> Handle:

@@ -71,7 +71,7 @@ _STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL = 
 
 class SharedCounters:
     """Absolute counters of one staging in shared memory: written by the staging
-    process, read by the daemon. Picklable into a ``spawn`` child."""
+    process, read by the daemon. Picklable into the staging process."""
 
     def __init__(self, context: Any = None) -> None:
         self._array = (context or multiprocessing).Array("q", 6)

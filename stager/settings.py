@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     sweep_interval_s: float = Field(default=30.0, gt=0)  # lease expiry and capacity sweep
     min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk
     progress_flush_s: float = Field(default=1.0, gt=0)
+    # How often at most one entry's last use (LRU order) is written to the store: a
+    # cache hit then costs no write, and a crash leaves eviction order this stale.
+    recency_persist_s: float = Field(default=30.0, ge=0)
     shutdown_timeout_s: float = Field(default=5.0, gt=0)
     # A staging that has not stopped this long after a cancel (or a stop) is ended.
     cancel_grace_s: float = Field(default=3.0, gt=0)

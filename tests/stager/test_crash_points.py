@@ -35,6 +35,9 @@ from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
 
 TIMEOUT = 30
+# Every use of an entry is written, so the script's cache hit reaches Durable.TOUCHED
+# (a daemon normally writes one entry's recency at most every 30 s).
+EVERY_WRITE = {"STAGER_RECENCY_PERSIST_S": "0"}
 
 
 @dataclass
@@ -153,7 +156,7 @@ def wait(client: httpx.Client, name: str) -> dict:
 
 def traced_points(world: World, cache: Path) -> list[str]:
     """Every durable step the script passes through, in order, with ``#N`` repeats."""
-    daemon = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "trace"})
+    daemon = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "trace", **EVERY_WRITE})
     try:
         with daemon.start().client() as client:
             script(client, world)
@@ -253,7 +256,7 @@ def test_crash_after_every_durable_step(world: World, points: list[str], tmp_pat
 
 def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
     cache, links = cache_root / "cache", cache_root / "links"
-    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
+    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point, **EVERY_WRITE})
     try:
         with crashing.start().client() as client:
             try:

@@ -8,7 +8,6 @@ into the partial directory that the restarted daemon resumes in.
 from __future__ import annotations
 
 import io
-import os
 import random
 import tarfile
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from stager.ops.extract import PROCESS_MIN_BYTES
 from tests.daemon import Daemon
+from tests.processes import children_of, staging_processes
 from tests.trees import digest
 
 FILE_BYTES = 256 * 1024
@@ -37,19 +37,6 @@ def big_tar(path: Path, tree: Path, total_bytes: int) -> Path:
             tar.addfile(info, io.BytesIO(data))
     assert path.stat().st_size > PROCESS_MIN_BYTES
     return path
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def test_a_large_tar_and_a_tar_of_tars_arrive_intact(daemon: Daemon, tmp_path: Path) -> None:
@@ -80,11 +67,11 @@ def test_extraction_workers_die_with_a_killed_daemon(daemon: Daemon, tmp_path: P
     with daemon.client() as client:
         body = {"name": "big", "steps": [{"op": "extract", "src": str(archive)}]}
         assert client.post("/v1/datasets", json=body).status_code == 202
-    # daemon -> staging process -> extraction workers
+    # daemon -> fork server -> staging process -> extraction workers
     assert daemon.process is not None
     deadline, workers = time.monotonic() + 30, []
     while time.monotonic() < deadline and len(workers) < 2:
-        workers = [w for s in children_of(daemon.process.pid) for w in children_of(s)]
+        workers = [w for s in staging_processes(daemon.process.pid) for w in children_of(s)]
         time.sleep(0.01)
     assert len(workers) >= 2, "the staging process should have forked extraction workers"
     daemon.kill()

@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 from tests.daemon import Daemon, stage
 from tests.httpserver import Behaviour, serve_files
+from tests.processes import staging_processes
 
 BLOB = bytes(1 << 20)
 
 
 def children(daemon: Daemon) -> set[int]:
-    """The daemon's staging processes (not multiprocessing's resource tracker)."""
-    found = set()
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            args = (proc / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        if ppid == daemon.process.pid and b"spawn_main" in args:
-            found.add(int(proc.name))
-    return found
+    """The daemon's staging processes."""
+    assert daemon.process is not None
+    return set(staging_processes(daemon.process.pid))
 
 
 def wait_for_step(daemon: Daemon, name: str, step: str) -> None:

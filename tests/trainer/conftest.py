@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -81,6 +83,20 @@ def trainer_command(args: list[str], nproc: int = 1, torchrun: tuple[str, ...] =
     ]  # fmt: skip
 
 
+def start_trainer(
+    args: list[str],
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO,
+    torchrun: tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """``run_trainer``'s launch, left running (for runs that go on side by side)."""
+    return subprocess.Popen(
+        trainer_command(args, nproc, torchrun), cwd=cwd, env=env or trainer_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
 def run_trainer(
     args: list[str],
     nproc: int = 1,
@@ -92,26 +108,6 @@ def run_trainer(
         trainer_command(args, nproc), cwd=cwd, env=env or trainer_env(), capture_output=True,
         text=True, timeout=timeout,
     )  # fmt: skip
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc), as SLURM's proctrack/linuxproc finds them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def signal_tree(pid: int, sig: int) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision import datasets as tvd
 
-from tests.trainer.conftest import make_imagefolder, run_trainer, tiny_args
+from tests.trainer.conftest import finish, make_imagefolder, start_trainer, tiny_args
 from trainer import data, decode, transforms
 from trainer.datasets import DataError
 
@@ -103,14 +103,21 @@ def test_a_dataset_with_odd_files_trains(tmp_path):
                      "--num-classes", "3", "--workers", "1", "--no-eval",
                      "--record-samples", str(tmp_path / "rec"))  # fmt: skip
     args[args.index("fake")] = "imagefolder"
+    # --bad-images error (the default) and skip, side by side (each in a folder of its own).
+    refused = [*args, "--output-dir", str(tmp_path / "refused"), "--record-samples",
+               str(tmp_path / "refused-rec")]  # fmt: skip
+    failed, done = finish(
+        [
+            start_trainer(refused),
+            start_trainer([*args, "--bad-images", "skip", "--batch-size", "14"]),
+        ]
+    )
 
-    done = run_trainer(args)  # --bad-images error (the default)
-    assert done.returncode == 1
-    line = [x for x in done.stderr.splitlines() if "error:" in x]
-    assert len(line) == 1 and f"cannot decode image {files['truncated']}" in line[0], done.stderr
-    assert "--bad-images skip" in line[0] and "Traceback" not in done.stderr
+    assert failed.returncode == 1
+    line = [x for x in failed.stderr.splitlines() if "error:" in x]
+    assert len(line) == 1 and f"cannot decode image {files['truncated']}" in line[0], failed.stderr
+    assert "--bad-images skip" in line[0] and "Traceback" not in failed.stderr
 
-    done = run_trainer([*args, "--bad-images", "skip", "--batch-size", "14"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"skipping unreadable image {files['truncated']}" in done.stderr
     names = [p for p, _ in tvd.ImageFolder(str(root / "train")).samples]

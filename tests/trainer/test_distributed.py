@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from tests.slurm_cluster import unavailable
-from tests.trainer.conftest import run_srun_trainer, run_trainer, tiny_args, trainer_env
+from tests.trainer.conftest import finish, run_srun_trainer, start_trainer, tiny_args, trainer_env
 from trainer import checkpoint
 from trainer.distributed import (
     DistributedEnvError,
@@ -115,12 +115,6 @@ def test_bad_hostlists_are_named(nodelist):
         expand_hostlist(nodelist)
 
 
-def test_cli_reports_half_set_env(tmp_path):
-    done = run_trainer(tiny_args(tmp_path, "--epochs", "1"), env=trainer_env(RANK="0"))
-    assert done.returncode == 1
-    assert "half set" in done.stderr and "LOCAL_RANK" in done.stderr
-
-
 @pytest.mark.slow
 def test_srun_step_trains_as_one_gloo_group(tmp_path):
     # Two processes with only the step-level variables srun sets (no RANK or
@@ -134,9 +128,16 @@ def test_srun_step_trains_as_one_gloo_group(tmp_path):
     assert final["position"]["iteration"] == 3 and final["world_size"] == 2
 
 
-def test_cli_reports_half_set_srun_env(tmp_path):
-    env = trainer_env(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", SLURM_JOB_ID="9")
-    done = run_trainer(tiny_args(tmp_path, "--epochs", "1"), env=env)
-    assert done.returncode == 1
-    assert "srun launch is half set" in done.stderr and "SLURM_LOCALID" in done.stderr
-    assert "Traceback" not in done.stderr
+def test_cli_reports_half_set_torchrun_and_srun_env(tmp_path):
+    # Both launchers' variables half set, one run each, side by side.
+    srun_env = trainer_env(SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="0", SLURM_JOB_ID="9")
+    torchrun, srun = finish(
+        [start_trainer(tiny_args(tmp_path / "torchrun", "--epochs", "1"),
+                       env=trainer_env(RANK="0")),
+         start_trainer(tiny_args(tmp_path / "srun", "--epochs", "1"), env=srun_env)]
+    )  # fmt: skip
+    assert torchrun.returncode == 1
+    assert "half set" in torchrun.stderr and "LOCAL_RANK" in torchrun.stderr
+    assert srun.returncode == 1
+    assert "srun launch is half set" in srun.stderr and "SLURM_LOCALID" in srun.stderr
+    assert "Traceback" not in torchrun.stderr + srun.stderr

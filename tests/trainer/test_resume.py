@@ -16,17 +16,20 @@ import shutil
 import signal
 import subprocess
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.trainer.conftest import (
+    REPO,
     descendants,
     finish,
     run_trainer,
     signal_tree,
     start_srun_trainer,
+    start_trainer,
     tiny_args,
     trainer_command,
     trainer_env,
@@ -83,11 +86,27 @@ def _fake_scontrol(tmp_path: Path) -> dict[str, str]:
     return {"PATH": f"{bin_dir}:{trainer_env()['PATH']}"}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", autouse=True)
+def reference_run(tmp_path_factory) -> Iterator[tuple[Path, subprocess.Popen, Path]]:
+    """The uninterrupted run, started with the module: the tests that do not compare
+    with it (first in this file) run meanwhile; its result does not depend on timing."""
     out = tmp_path_factory.mktemp("reference")
-    done = run_trainer(_args(out), nproc=2)
-    assert done.returncode == 0, done.stderr[-3000:]
+    log = tmp_path_factory.mktemp("reference-log") / "trainer.log"
+    with open(log, "w") as sink:  # a file, not a pipe: nothing reads it while it runs
+        process = subprocess.Popen(
+            trainer_command(_args(out), nproc=2), cwd=REPO, env=trainer_env(),
+            stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        yield out, process, log
+    finally:
+        process.wait(timeout=240)
+
+
+@pytest.fixture
+def reference(reference_run) -> Path:
+    out, process, log = reference_run
+    assert process.wait(timeout=240) == 0, log.read_text()[-3000:]
     return out
 
 
@@ -116,53 +135,6 @@ def assert_each_sample_once_per_epoch(rec: Path, global_batch: int) -> None:
         ids = [i for (e, i), n in seen.items() if e == epoch for _ in range(n)]
         assert len(ids) == len(set(ids)), f"epoch {epoch}: a sample twice"
         assert N - len(ids) < global_batch, f"epoch {epoch}: {N - len(ids)} samples missing"
-
-
-def test_ranks_draw_different_augmentations(reference):
-    rank0, rank1 = _inputs(reference, 0), _inputs(reference, 1)
-    assert rank0.keys() == rank1.keys() and len(rank0) == EPOCHS * N // 8
-    assert all(rank0[s] != rank1[s] for s in rank0)  # every micro-batch differs across ranks
-    assert_lr_follows_samples(reference)
-    final = _final(reference)
-    assert any(
-        not torch.equal(value, final["model_ema"][f"module.{key}"])
-        for key, value in final["model"].items()
-    )
-
-
-def test_usr1_to_torchrun_with_workers_then_resume_is_exact(reference, tmp_path):
-    cut = tmp_path / "cut"
-    launcher = subprocess.Popen(
-        trainer_command(_args(cut), nproc=2, torchrun=TORCHRUN_USR1),
-        env=trainer_env(SLURM_JOB_ID="4242", **_fake_scontrol(tmp_path)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    wait_for_lines(cut / "rec" / "inputs-rank0.txt", 3, launcher)
-    tree = descendants(launcher.pid)  # both ranks and their loader workers
-    assert len(tree) >= 4
-    launcher.send_signal(signal.SIGUSR1)  # torchrun only, as a user's `kill -USR1` would
-    (done,) = finish([launcher])
-    assert "preempted at iteration" in done.stderr, done.stderr[-3000:]
-    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()], "processes left behind"
-    saved = _final(cut)["position"]
-    assert 0 < saved["samples"] < EPOCHS * N
-    shutil.copytree(cut, tmp_path / "onto-one-rank")
-
-    resumed = run_trainer([*_args(cut), "--resume"], nproc=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"sample {saved['samples']}" in resumed.stderr
-    assert_same_weights(reference, cut)
-    for rank in (0, 1):  # every augmentation and mixing draw, before and after the cut
-        assert _inputs(cut, rank) == _inputs(reference, rank)
-
-    # The same checkpoint onto one rank: the schedule goes on in samples.
-    one = tmp_path / "onto-one-rank"
-    done = run_trainer([*_args(one), "--resume"], nproc=1)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "world size 2, batch 4, accumulation 1; now 1, 4, 1" in done.stderr
-    assert_lr_follows_samples(one)
-    assert_each_sample_once_per_epoch(one / "rec", global_batch=8)
 
 
 def test_sigterm_to_every_process_of_an_srun_step_then_resume(tmp_path):
@@ -199,3 +171,53 @@ def test_one_rank_cut_resumed_on_two_ranks(tmp_path):
     assert "epoch 0 continues after its first 20 samples" in resumed.stderr
     assert_lr_follows_samples(out)
     assert_each_sample_once_per_epoch(out / "rec", global_batch=8)
+
+
+def test_ranks_draw_different_augmentations(reference):
+    rank0, rank1 = _inputs(reference, 0), _inputs(reference, 1)
+    assert rank0.keys() == rank1.keys() and len(rank0) == EPOCHS * N // 8
+    assert all(rank0[s] != rank1[s] for s in rank0)  # every micro-batch differs across ranks
+    assert_lr_follows_samples(reference)
+    final = _final(reference)
+    assert any(
+        not torch.equal(value, final["model_ema"][f"module.{key}"])
+        for key, value in final["model"].items()
+    )
+
+
+def test_usr1_to_torchrun_with_workers_then_resume_is_exact(reference, tmp_path):
+    cut = tmp_path / "cut"
+    launcher = start_trainer(
+        _args(cut), nproc=2, torchrun=TORCHRUN_USR1,
+        env=trainer_env(SLURM_JOB_ID="4242", **_fake_scontrol(tmp_path)),
+    )  # fmt: skip
+    wait_for_lines(cut / "rec" / "inputs-rank0.txt", 3, launcher)
+    tree = descendants(launcher.pid)  # both ranks and their loader workers
+    assert len(tree) >= 4
+    launcher.send_signal(signal.SIGUSR1)  # torchrun only, as a user's `kill -USR1` would
+    (done,) = finish([launcher])
+    assert "preempted at iteration" in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    assert not [pid for pid in tree if Path(f"/proc/{pid}").exists()], "processes left behind"
+    saved = _final(cut)["position"]
+    assert 0 < saved["samples"] < EPOCHS * N
+    one = tmp_path / "onto-one-rank"
+    shutil.copytree(cut, one)
+
+    # Resumed on the same layout, and the same checkpoint onto one rank, side by side
+    # (what either computes does not depend on timing).
+    resumed, done = finish(
+        [start_trainer([*_args(cut), "--resume"], nproc=2),
+         start_trainer([*_args(one), "--resume"], nproc=1)]
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"sample {saved['samples']}" in resumed.stderr
+    assert_same_weights(reference, cut)
+    for rank in (0, 1):  # every augmentation and mixing draw, before and after the cut
+        assert _inputs(cut, rank) == _inputs(reference, rank)
+
+    # On one rank the schedule goes on in samples.
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world size 2, batch 4, accumulation 1; now 1, 4, 1" in done.stderr
+    assert_lr_follows_samples(one)
+    assert_each_sample_once_per_epoch(one / "rec", global_batch=8)

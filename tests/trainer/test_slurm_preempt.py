@@ -25,7 +25,7 @@ import torch
 
 from bench.fakedata import make_inat2021
 from tests.slurm_cluster import BIN_DIR, REPO, Cluster, job_info
-from tests.trainer.conftest import run_srun_trainer
+from tests.trainer.conftest import finish, start_srun_trainer
 from trainer import checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -105,13 +105,27 @@ def test_usr1_warning_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
 
-    # Requeued, the job waits for its credential to expire (AuthInfo=cred_expire, 30 s on
-    # the local cluster) so that its prolog runs again, then runs to the end.
-    def finished(info: dict[str, str]) -> bool:
-        running = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
-        return info.get("Restarts") == "1" and info.get("JobState") not in running
+    # The same training, uninterrupted, on the same staged files (outside SLURM). It runs
+    # while the job is requeued and waits (the node is idle then): the result of either
+    # run does not depend on timing (one thread per rank, a fixed summation order).
+    with _api(local_cluster) as api:
+        staged = api.get(f"/v1/datasets/{dataset}").json()["path"]
+    reference = tmp_path / "reference"
+    args = ["--dataset", "inat2021", "--data-root", staged, "--arch", "resnet18",
+            "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--device", "cpu",
+            "--output-dir", str(reference), *TRAIN_ARGS]  # fmt: skip
+    ranks = start_srun_trainer(args)
+    try:
+        # Requeued, the job waits for its credential to expire (AuthInfo=cred_expire, 10 s
+        # on the local cluster) so that its prolog runs again, then runs to the end.
+        def finished(info: dict[str, str]) -> bool:
+            running = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+            return info.get("Restarts") == "1" and info.get("JobState") not in running
 
-    info = _wait(job, finished, "requeue and the second run")
+        info = _wait(job, finished, "requeue and the second run")
+    finally:
+        done = finish(ranks)
+    assert [r.returncode for r in done] == [0, 0], done[0].stderr[-3000:]
     text = output.read_text(errors="replace")
     assert info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1", (info, text)
     first, _, second = text.partition("(restart 1)")
@@ -128,15 +142,6 @@ def test_usr1_warning_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
             range(CLASSES * TRAIN_PER_CLASS)
         ), epoch
 
-    # The same training, uninterrupted, on the same staged files (outside SLURM).
-    with _api(local_cluster) as api:
-        staged = api.get(f"/v1/datasets/{dataset}").json()["path"]
-    reference = tmp_path / "reference"
-    args = ["--dataset", "inat2021", "--data-root", staged, "--arch", "resnet18",
-            "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--device", "cpu",
-            "--output-dir", str(reference), *TRAIN_ARGS]  # fmt: skip
-    ranks = run_srun_trainer(args)
-    assert [r.returncode for r in ranks] == [0, 0], ranks[0].stderr[-3000:]
     a, b = _final(reference), _final(work / "run")
     assert a["position"] == b["position"]
     for part in ("model", "model_ema"):

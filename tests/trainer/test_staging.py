@@ -20,9 +20,11 @@ import pytest
 from tests.daemon import stage_ready
 from tests.trainer.conftest import (
     REPO,
+    finish,
     free_port,
     make_imagefolder,
     run_trainer,
+    start_trainer,
     tiny_args,
     trainer_command,
     trainer_env,
@@ -88,12 +90,13 @@ def test_raw_steps_fall_back_to_dataset_flag(tmp_path, daemon):
         steps = [{"op": "copy", "src": str(tmp_path / "src"), "dst": "tree"}]
         stage_ready(client, {"name": "imgs", "steps": steps})
     env = trainer_env(STAGER_URL=daemon.url)
-    done = run_trainer(_args(tmp_path / "out"), env=env)  # no usage, no --dataset
-    assert done.returncode == 1
-    assert "carries no torchvision usage" in done.stderr and "pass --dataset" in done.stderr
-    assert "Traceback" not in done.stderr
     args = _args(tmp_path / "out", "--dataset", "imagefolder", "--data-root", "tree")
-    done = run_trainer(args, env=env)
+    failed, done = finish(  # side by side: without --dataset (no usage to go by), and with it
+        [start_trainer(_args(tmp_path / "refused"), env=env), start_trainer(args, env=env)]
+    )
+    assert failed.returncode == 1
+    assert "carries no torchvision usage" in failed.stderr and "pass --dataset" in failed.stderr
+    assert "Traceback" not in failed.stderr
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data: imagefolder train=6" in done.stderr
 

@@ -13,7 +13,14 @@ import torch.multiprocessing as mp
 from torchvision import datasets as tvd
 
 from bench.fakedata import make_inat2021 as make_inat_release
-from tests.trainer.conftest import free_port, run_trainer, tiny_args, trainer_env
+from tests.trainer.conftest import (
+    finish,
+    free_port,
+    run_trainer,
+    start_trainer,
+    tiny_args,
+    trainer_env,
+)
 from trainer import checkpoint, data, datasets, engine, transforms
 from trainer.models import build_model
 
@@ -179,11 +186,12 @@ def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
 
 def test_gradient_accumulation_equals_larger_batch(tmp_path):
     common = ["--iterations", "4", "--no-eval", "--lr", "0.1"]
-    micro = run_trainer(
-        tiny_args(tmp_path / "micro", *common, "--batch-size", "4", "--accum-steps", "3"), nproc=2
-    )
+    micro, big = finish(  # side by side: neither result depends on timing
+        [start_trainer(tiny_args(tmp_path / "micro", *common, "--batch-size", "4",
+                                 "--accum-steps", "3"), nproc=2),
+         start_trainer(tiny_args(tmp_path / "big", *common, "--batch-size", "12"), nproc=2)]
+    )  # fmt: skip
     assert micro.returncode == 0, micro.stderr[-3000:]
-    big = run_trainer(tiny_args(tmp_path / "big", *common, "--batch-size", "12"), nproc=2)
     assert big.returncode == 0, big.stderr[-3000:]
     a, b = _final_model(tmp_path / "micro"), _final_model(tmp_path / "big")
     start = build_model("tinynet", 4).state_dict()

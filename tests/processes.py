@@ -1,0 +1,50 @@
+"""Who runs under whom, from /proc: what tests check about the processes a daemon or a
+job step starts (staged work in its own process, nothing outliving its parent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def parents() -> dict[int, list[int]]:
+    """Every live process's children, by parent pid."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def children_of(pid: int) -> list[int]:
+    return parents().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, as SLURM's proctrack/linuxproc finds them."""
+    children = parents()
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def staging_processes(daemon_pid: int) -> list[int]:
+    """A daemon's staging processes: what its multiprocessing fork server forked
+    (daemon -> fork server -> staging; not the resource tracker)."""
+    found = []
+    for child in children_of(daemon_pid):
+        try:
+            args = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in args:
+            found += children_of(child)
+    return found
