@@ -210,8 +210,9 @@ class Workers:
             initializer=_init_worker,
             initargs=(self._tally, slots),
         )
-        # With fork, the first task starts every worker: do it now, while this process
-        # runs no thread of its own (the pool's helper threads start after the forks).
+        # With fork, the first task starts every worker: do it now, before the pool's
+        # helper threads start. (The one other thread here only ever waits in select()
+        # for the daemon's exit, holding no lock a fork could copy: children.die_with.)
         self._pool.submit(int).result()
 
     def _reap(self, timeout: float) -> None:
