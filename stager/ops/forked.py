@@ -15,8 +15,10 @@ queued: memory stays the same whatever the tree's size.
 
 Small trees never pay for the fork: until ``parallel_after`` files (or
 ``PARALLEL_AFTER_BYTES``) have been seen,
-:class:`Workers` runs each chunk on the calling thread. No thread exists in the
-staging process at that point, which is what makes the later fork safe.
+:class:`Workers` runs each chunk on the calling thread. The only other thread in
+the staging process at that point waits in ``select()`` for the daemon's exit
+(:func:`stager.children.die_with`) and holds no lock, which is what keeps the
+later fork safe.
 """
 
 from __future__ import annotations
