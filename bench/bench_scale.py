@@ -52,8 +52,7 @@ RSS_GOAL_MB = 300.0
 # --- what a staging costs the machine ---------------------------------------------
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of ``pid`` and every process under it, in MB (shared pages counted in each)."""
+def _children() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -64,6 +63,12 @@ def tree_rss_mb(pid: int) -> float:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of ``pid`` and every process under it, in MB (shared pages counted in each)."""
+    children = _children()
     total_kb, stack = 0, [pid]
     while stack:
         current = stack.pop()
@@ -172,11 +177,21 @@ def timed(command: list[str], quiet: bool = False) -> tuple[float, float]:
 
 
 def process_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and of its children it has reaped (a staging process and
-    its workers are reaped before the staging reports ready)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of ``pid`` and every live process under it, each with the children it
+    has reaped: the daemon's staging processes are forked (and reaped) by its fork
+    server, which lives under the daemon; a staging's workers are reaped by it."""
+    ticks, stack = 0, [pid]
+    children = _children()
+    while stack:
+        current = stack.pop()
+        stack.extend(children.get(current, ()))
+        try:
+            with open(f"/proc/{current}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += sum(int(v) for v in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -33,6 +33,7 @@ from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.ops import table
 from stager.ops.base import OpContext
+from stager.ops.sizes import tree_bytes
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, tree_size, write_atomically
 
@@ -153,4 +154,4 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
     ctx.check_cancelled()
-    return tree_size(attempt.tree)
+    return tree_bytes(attempt.tree, job.workers)

@@ -15,8 +15,10 @@ queued: memory stays the same whatever the tree's size.
 
 Small trees never pay for the fork: until ``parallel_after`` files (or
 ``PARALLEL_AFTER_BYTES``) have been seen,
-:class:`Workers` runs each chunk on the calling thread. No thread exists in the
-staging process at that point, which is what makes the later fork safe.
+:class:`Workers` runs each chunk on the calling thread. The only other thread in
+the staging process at that point waits in ``select()`` for the daemon's exit
+(:func:`stager.children.die_with`) and holds no lock, which is what keeps the
+later fork safe.
 """
 
 from __future__ import annotations
@@ -210,8 +212,9 @@ class Workers:
             initializer=_init_worker,
             initargs=(self._tally, slots),
         )
-        # With fork, the first task starts every worker: do it now, while this process
-        # runs no thread of its own (the pool's helper threads start after the forks).
+        # With fork, the first task starts every worker: do it now, before the pool's
+        # helper threads start. (The one other thread here only ever waits in select()
+        # for the daemon's exit, holding no lock a fork could copy: children.die_with.)
         self._pool.submit(int).result()
 
     def _reap(self, timeout: float) -> None:
