@@ -230,8 +230,11 @@ class Engine:
                     # leaves nothing behind. Under the lock, nothing evicts the entry first.
                     await reg.link(handle, entry)
                 await reg.name(handle)
-            elif handle.hit != hit:
-                await reg.note_hit(handle, hit)
+            else:
+                if handle.hit != hit:
+                    await reg.note_hit(handle, hit)
+                if entry.state == State.READY and handle.link:
+                    await reg.link(handle, entry)  # again: the job may have removed it
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
         await self.fanout.release_unused(request.adopt, entry)

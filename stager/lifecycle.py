@@ -361,7 +361,8 @@ class Registry:
             log.error("could not create link %s: %s", handle.link, exc)
 
     async def link(self, handle: Handle, entry: Entry) -> None:
-        """A ready entry's new name with a link: the link, or a 400 saying why not."""
+        """A ready entry's name with a link, on each request for it: the link (made again
+        if it was removed), or a 400 saying why not."""
         try:
             await run_io(make_link, Path(handle.link), self.final(entry))
         except OSError as exc:

@@ -86,7 +86,13 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
 
 
 def make_link(link: Path, target: Path) -> None:
-    """Point ``link`` at ``target``, replacing an old symlink atomically."""
+    """Point ``link`` at ``target``, replacing an old symlink atomically. Made on every
+    request for a linked dataset, so a link already right is left alone."""
+    try:
+        if os.readlink(link) == str(target):
+            return
+    except OSError:
+        pass  # missing, or not a link: made (or refused) below
     link.parent.mkdir(parents=True, exist_ok=True)
     tmp = link.with_name(f".{link.name}.stager-tmp")
     if tmp.is_symlink():

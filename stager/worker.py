@@ -35,7 +35,7 @@ from stager.ops import table
 from stager.ops.base import OpContext
 from stager.ops.sizes import tree_bytes
 from stager.progress import SharedCounters, WorkerCounters
-from stager.publish import Attempt, delete_tree, tree_size, write_atomically
+from stager.publish import Attempt, delete_tree, write_atomically
 
 # A fork server, not a plain fork: the daemon has threads (uvicorn, anyio) that fork
 # would clone mid-state. The server is a single-threaded process, started at the first
@@ -127,7 +127,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     steps = ops.validate_steps(job.steps)
     done = attempt.steps_done()
     if done == len(steps) and not attempt.tree.is_dir():
-        return tree_size(job.final)  # published just before the daemon died
+        return tree_bytes(job.final, job.workers)  # published just before the daemon died
     if not attempt.tree.is_dir():
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -97,6 +98,32 @@ def test_link_points_at_the_staged_root_and_eviction_removes_both(
         assert not Path(status.path).exists() and not os.path.lexists(link)
         assert client.delete("/v1/datasets/ds").status_code == 200  # forget
         assert client.get("/v1/datasets/ds").status_code == 404
+
+
+def test_every_request_for_a_ready_dataset_leaves_its_link_pointing_at_it(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """The link is the job's way in: whatever happened to it since the last request
+    (removed with the job folder, pointed elsewhere, a daemon restart in between), the
+    next request for the same name and link makes it again."""
+    src = write_tree(tmp_path / "src", n_files=5)
+    link = tmp_path / "job" / "data" / "ds"
+    body = {"name": "ds", "link": str(link), "steps": [{"op": "copy", "src": str(src)}]}
+
+    def points_at_the_dataset(status: DatasetPublic) -> bool:
+        return link.is_symlink() and link.resolve() == Path(status.path).resolve()
+
+    with daemon.client() as client:
+        assert points_at_the_dataset(stage_ready(client, body))
+        shutil.rmtree(link.parent.parent)  # the job folder, link and all
+        assert points_at_the_dataset(stage_ready(client, body))
+        link.unlink()
+        link.symlink_to(tmp_path / "elsewhere")
+        assert points_at_the_dataset(stage_ready(client, body))
+        link.unlink()
+    daemon.stop()
+    with daemon.start().client() as client:
+        assert points_at_the_dataset(stage_ready(client, body))
 
 
 @pytest.mark.parametrize(
