@@ -395,7 +395,7 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
     # map, no pax) goes straight to the writer: the loop a million-file archive runs
     # a million times, so it skips the general dispatch of _tar_member.
     ranges = stream is None and not (job.nested and outer)
-    fast, dirtype, length, base = tar_members.Member, tarfile.DIRTYPE, archive.length, archive.base
+    fast, dirtype, fd, base = tar_members.Member, tarfile.DIRTYPE, archive.fd, archive.base
     with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
         consumed = 0
         for member, next_header in tar_members.members(tar, headers, job.ctx.check_cancelled):
@@ -404,10 +404,11 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
             if ranges and member.__class__ is fast and member.type != dirtype:
                 rel = writer.clean_name(member.name, strip)
                 if rel is not None:
-                    if member.offset_data + member.size > length:
-                        _require_inside(archive, member, member.size)
+                    size = member.size
+                    if member.offset_data + size > archive.length:
+                        _require_inside(archive, member, size)
                     offset, mode = base + member.offset_data, file_mode(member.mode)
-                    writer.range_file(rel, mode, member.mtime, archive.fd, offset, member.size, share)
+                    writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
                     continue
             _tar_member(job, archive, writer, tar, stream, member, strip, share, outer)
         if stream is not None:
