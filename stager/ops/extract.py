@@ -76,6 +76,7 @@ from stager.ops.base import (
     StepParams,
     require_source,
 )
+from stager.ops.forked import paused_gc
 from stager.ops.sources import open_source
 from stager.progress import Progress
 
@@ -160,7 +161,7 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
         fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
         job = _Job(ctx, step.strip_components, step.nested)
         try:
-            with _executors(job, fmt, before.st_size):
+            with paused_gc(), _executors(job, fmt, before.st_size):
                 try:
                     archive = _Archive(fd, 0, before.st_size, fmt, step.src)
                     _extract(job, archive, str(dest), outer=True)

@@ -26,8 +26,9 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 from stager.children import die_with_parent
@@ -72,12 +73,27 @@ def umask() -> int:
 def _init_worker(tally: Any, slots: Any) -> None:
     global _tally, _slot, _cancel, _umask
     die_with_parent()
-    gc.disable()  # see Workers.paused_gc
+    gc.disable()  # see paused_gc
     os.umask(0)  # files are created with the source's mode exactly: no chmod per file
     with slots.get_lock():
         slots.value += 1
         index = slots.value
     _tally, _slot, _cancel, _umask = tally, 1 + 2 * index, None, 0
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No garbage collection while a tree is walked or an archive read: the per-file
+    work allocates tuples and no cycles, and each collection re-scans the staging
+    process's whole heap (measured: a quarter of a million-file copy's time went to
+    it). Processes forked meanwhile inherit the pause."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def cores(workers: int) -> int:
@@ -105,7 +121,7 @@ class Workers:
         self._tally = _CONTEXT.RawArray("q", 3 + 2 * processes)
         self._forwarded = [0, 0]
         self._cancel = cancel
-        self._gc_was = True
+        self._paused_gc: Any = None
         _umask = os.umask(0o22)
         os.umask(_umask)
         _tally, _slot, _cancel = self._tally, 1, cancel
@@ -156,12 +172,8 @@ class Workers:
         self.pump()
 
     def __enter__(self) -> Workers:
-        # No garbage collection while a tree is walked: the walk allocates a tuple per
-        # file and no cycles, and each collection re-scans the staging process's whole
-        # heap (measured: a quarter of a million-file copy's time went to it). Forked
-        # workers inherit the pause.
-        self._gc_was = gc.isenabled()
-        gc.disable()
+        self._paused_gc = paused_gc()
+        self._paused_gc.__enter__()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -174,8 +186,7 @@ class Workers:
                 failed = False
         finally:
             self.close(failed)
-            if self._gc_was:
-                gc.enable()
+            self._paused_gc.__exit__(None, None, None)
 
     def drain(self) -> None:
         while self._pending:
