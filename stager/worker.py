@@ -128,9 +128,14 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     done = attempt.steps_done()
     if done == len(steps) and not attempt.tree.is_dir():
         return tree_bytes(job.final, job.workers)  # published just before the daemon died
+    # An op's own count of its bytes stands for the tree's size only when nothing else
+    # is in it: one step into a tree made now (a resumed attempt holds an earlier
+    # run's files, which may differ from what this run makes).
+    counted_by_op = len(steps) == 1 and not attempt.tree.is_dir()
     if not attempt.tree.is_dir():
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
+    made: int | None = None
     progress = WorkerCounters(counters)
     ctx = OpContext(
         root=attempt.tree,
@@ -144,7 +149,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
-            ops.run(step, ctx)
+            made = ops.run(step, ctx)
             progress.flush()
             write_atomically(attempt.marker, str(index))
             crash.reached(Durable.STEP_DONE)
@@ -154,4 +159,6 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
     ctx.check_cancelled()
+    if counted_by_op and made is not None:
+        return made
     return tree_bytes(attempt.tree, job.workers)

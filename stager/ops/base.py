@@ -10,6 +10,11 @@ An op is a pair of plain blocking functions, declared in :mod:`stager.ops.table`
   :mod:`stager.worker`). Ops are idempotent and restartable: a staging resumed
   after a crash re-runs its unfinished step in the same partial directory, so an
   op skips work already complete (same size and mtime) and overwrites the rest.
+  It may return the bytes it put in the tree (``lstat`` sizes of what it made,
+  folders not counted) when it knows them exactly without a second walk; a
+  one-step staging into a new tree then takes that figure as its size instead of
+  measuring the finished tree (a walk with one ``lstat`` per entry). ``None``:
+  the staging measures.
 """
 
 from __future__ import annotations

@@ -142,14 +142,15 @@ def _judge_link(folder: Folder, name: str, roots: Roots, special: str) -> bool:
     return not leads_to_special(target, folder.join(name), special)
 
 
-def run(step: SymlinkStep, ctx: OpContext) -> None:
+def run(step: SymlinkStep, ctx: OpContext) -> int:
+    """Make the link or the tree of links; returns their bytes (a link's size is its
+    target's length), so the staging need not measure the tree it just made."""
     _check_top(step, ctx.check_context)  # the tree itself is checked as it is walked
     source = os.path.abspath(step.src)
     try:
         if step.mode == "link":
-            _link_one(source, _link_path(step, ctx), ctx)
-        else:
-            _TreeLink(source, str(ctx.destination(step.dst)), ctx, step.special).run()
+            return _link_one(source, _link_path(step, ctx), ctx)
+        return _TreeLink(source, str(ctx.destination(step.dst)), ctx, step.special).run()
     except OSError as exc:
         raise _translate(exc, source) from exc
 
@@ -174,7 +175,7 @@ def _link_path(step: SymlinkStep, ctx: OpContext) -> str:
     return str(folder / name)
 
 
-def _link_one(source: str, path: str, ctx: OpContext) -> None:
+def _link_one(source: str, path: str, ctx: OpContext) -> int:
     ctx.progress.add_total(0, 1)
     if _current_target(path) != source:
         if os.path.isdir(path) and not os.path.islink(path):
@@ -186,6 +187,7 @@ def _link_one(source: str, path: str, ctx: OpContext) -> None:
         os.symlink(source, tmp)
         os.replace(tmp, path)
     ctx.progress.advance(0, 1)
+    return len(os.fsencode(source))
 
 
 class _TreeLink(Visitor):
@@ -198,11 +200,12 @@ class _TreeLink(Visitor):
         self.pending: dict[int, list[str]] = {}  # by folder descriptor: names to link
         self.groups: list[tuple[str, str, list[str]]] = []  # the chunk being filled
         self.files = 0
+        self.nbytes = 0  # of the links queued: each one's size is its target's length
         self.workers = forked.Workers(
             forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
         )
 
-    def run(self) -> None:
+    def run(self) -> int:
         os.makedirs(self.dst_root, exist_ok=True)
         top = open_top(self.source, self.roots)
         top.path = self.source  # links name the user's path, not what it resolves to today
@@ -211,6 +214,7 @@ class _TreeLink(Visitor):
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
+        return self.nbytes
 
     def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
         names = self.pending.get(folder.fd)
@@ -245,6 +249,9 @@ class _TreeLink(Visitor):
         if names:
             self.groups.append((folder.path, self.dsts[folder.fd], names))
             self.files += len(names)
+            # Each link's target is _place_all's prefix + name; one encode per group.
+            prefix = len(os.fsencode(_prefix(folder.path)))
+            self.nbytes += prefix * len(names) + len(os.fsencode("".join(names)))
             if self.files >= BATCH:
                 self._submit()
 
@@ -264,7 +271,7 @@ def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
             return
         dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            prefix = f"{src_dir}/" if src_dir != "/" else "/"
+            prefix = _prefix(src_dir)
             symlink = os.symlink
             for name in names:
                 try:
@@ -274,6 +281,11 @@ def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
         finally:
             os.close(dfd)
         forked.report(0, len(names))
+
+
+def _prefix(src_dir: str) -> str:
+    """What a link's target in ``src_dir`` starts with, before the name."""
+    return f"{src_dir}/" if src_dir != "/" else "/"
 
 
 def _place(source: str, name: str, dfd: int) -> None:

@@ -49,7 +49,9 @@ class Op:
     name: str
     params: type[StepParams]
     check: Callable[[Any, CheckContext], int]
-    run: Callable[[Any, OpContext], None]
+    # Returns the bytes the step put in the tree when it knows them exactly, else None
+    # (see stager.ops.base).
+    run: Callable[[Any, OpContext], int | None]
     # The request's ``verify`` levels this op carries out for the data it writes.
     verify: frozenset[str] = NOTHING_TO_VERIFY
     # An earlier step's output named by a relative ``src`` is used up by this op (an
@@ -163,8 +165,8 @@ class OpTable:
             total += op.check(step, ctx)
         return total
 
-    def run(self, step: Any, ctx: OpContext) -> None:
-        self.op_of(step).run(step, ctx)
+    def run(self, step: Any, ctx: OpContext) -> int | None:
+        return self.op_of(step).run(step, ctx)
 
     def used_up(self, step: Any, ctx: OpContext) -> str | None:
         """The earlier step's output this step consumed, to remove once it is done."""

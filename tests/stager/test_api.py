@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from stager.ops.sources import sum_sizes
 from stager.schemas import DatasetPublic, DatasetsPublic
 from stager.server import pid_alive
 from tests.daemon import Daemon, free_port, stage, stage_ready
@@ -67,6 +68,10 @@ def test_copy_symlink_extract_nested_and_rename_stage_exact_bytes(
 
         listing = DatasetsPublic.model_validate_json(client.get("/v1/datasets").text)
         assert listing.count == 4 and {d.state for d in listing.data} == {"ready"}
+        # Each entry's size is its tree's: measured after the staging, or for the
+        # symlink farm counted by the op as it made the links (stager.worker).
+        for staged in (copied, linked, renamed, imagenet):
+            assert staged.size_bytes == sum_sizes(staged.path) > 0, staged.name
 
 
 def test_same_request_twice_is_ready_at_once_and_a_new_spec_under_that_name_conflicts(

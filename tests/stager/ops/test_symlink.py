@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 from stager.errors import BadRequest, Cancelled, SourceNotFound
-from stager.ops import symlink
+from stager.ops import sizes, symlink
 from stager.ops.base import CheckContext, OpContext
+from stager.ops.sources import sum_sizes
 from stager.ops.symlink import SymlinkStep
 from stager.progress import Progress
 from tests.trees import digest, write_tree
@@ -108,3 +110,49 @@ def test_cancel_stops_a_tree(source: Path, tmp_path: Path) -> None:
     ctx.cancel.set()
     with pytest.raises(Cancelled):
         symlink.run(SymlinkStep(src=str(source), mode="tree"), ctx)
+
+
+def generated_source(root: Path, seed: int, files: int) -> Path:
+    """Nested folders, names in several scripts and with undecodable bytes, links to
+    files and folders, and a FIFO (left out with special 'skip')."""
+    rng = random.Random(seed)
+    folders = [root]
+    root.mkdir()
+    names = ["f", "é", "日本", "data set", os.fsdecode(b"raw\xff")]
+    for i in range(files):
+        folder = rng.choice(folders)
+        name = f"{rng.choice(names)}{i}"
+        kind = rng.random()
+        if kind < 0.05:
+            (folder / name).mkdir()
+            folders.append(folder / name)
+        elif kind < 0.85:
+            (folder / name).write_bytes(b"x" * rng.randrange(0, 200))
+        elif kind < 0.95:
+            os.symlink(rng.choice([str(rng.choice(folders)), "/etc/hostname"]), folder / name)
+        else:
+            os.mkfifo(folder / name)
+    return root
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("parallel_after", [10**9, 50], ids=["inline", "workers"])
+def test_the_bytes_a_tree_returns_are_what_measuring_it_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, parallel_after: int
+) -> None:
+    """A one-step staging takes symlink.run's figure as its size instead of measuring
+    (stager.worker): it must equal the measured bytes of the links it made."""
+    monkeypatch.setattr(symlink, "PARALLEL_AFTER_FILES", parallel_after)
+    monkeypatch.setattr(symlink, "BATCH", 16)
+    source = generated_source(tmp_path / "src", seed, files=400)
+    ctx = make_ctx(tmp_path / "root")
+    ctx.workers = 2
+    made = symlink.run(SymlinkStep(src=str(source), dst="data", mode="tree", special="skip"), ctx)
+    assert made == sum_sizes(str(ctx.root)) > 0
+    assert made == sizes.tree_bytes(ctx.root, workers=1)
+
+
+def test_the_bytes_a_single_link_returns_are_its_size(source: Path, tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path / "root")
+    made = symlink.run(SymlinkStep(src=str(source), dst="sub/train"), ctx)
+    assert made == os.lstat(ctx.root / "sub" / "train").st_size == len(str(source))
