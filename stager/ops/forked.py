@@ -41,8 +41,10 @@ _CONTEXT = multiprocessing.get_context("fork")
 # which two cores have more of than one.
 PARALLEL_AFTER_BYTES = 128 << 20
 # Slot 0: stop (set by the walking process on error or cancel); then per worker
-# (bytes done, files done). The walking process itself, running chunks inline, is
-# worker 0.
+# (bytes done, files done, bytes made). Bytes done are progress (a file copied twice
+# counts twice); bytes made are what the op left in the tree (lstat sizes), so the
+# staging need not measure it afterwards. The walking process itself, running
+# chunks inline, is worker 0.
 _tally: Any = None
 _slot = 1
 # On the walking process: the op's cancel flag, and its umask (workers have none).
@@ -58,6 +60,11 @@ def report(nbytes: int = 0, files: int = 0) -> None:
 
 def report_bytes(nbytes: int) -> None:
     _tally[_slot] += nbytes
+
+
+def report_made(nbytes: int) -> None:
+    """Count bytes this process left in the tree (a file's size, a link's length)."""
+    _tally[_slot + 2] += nbytes
 
 
 def stopping() -> bool:
@@ -78,7 +85,7 @@ def _init_worker(tally: Any, slots: Any) -> None:
     with slots.get_lock():
         slots.value += 1
         index = slots.value
-    _tally, _slot, _cancel, _umask = tally, 1 + 2 * index, None, 0
+    _tally, _slot, _cancel, _umask = tally, 1 + 3 * index, None, 0
 
 
 @contextmanager
@@ -118,7 +125,7 @@ class Workers:
         self._seen = self._seen_bytes = 0
         self._pool: ProcessPoolExecutor | None = None
         self._pending: dict[Future[Any], Callable[[], None] | None] = {}
-        self._tally = _CONTEXT.RawArray("q", 3 + 2 * processes)
+        self._tally = _CONTEXT.RawArray("q", 1 + 3 * (processes + 1))
         self._forwarded = [0, 0]
         self._cancel = cancel
         self._paused_gc: Any = None
@@ -129,6 +136,11 @@ class Workers:
     @property
     def parallel(self) -> bool:
         return self._pool is not None
+
+    @property
+    def made(self) -> int:
+        """The bytes every process reported leaving in the tree (:func:`report_made`)."""
+        return sum(self._tally[3::3])
 
     def submit(
         self,
@@ -196,8 +208,8 @@ class Workers:
     def pump(self) -> None:
         """Forward what the workers counted since last time to the op's progress."""
         tally = self._tally
-        nbytes = sum(tally[1::2])
-        files = sum(tally[2::2])
+        nbytes = sum(tally[1::3])
+        files = sum(tally[2::3])
         before_bytes, before_files = self._forwarded
         if nbytes != before_bytes or files != before_files:
             self._forwarded = [nbytes, files]
