@@ -237,7 +237,9 @@ def _enter_outside(target: Target, shown: str, open_ids: set[tuple[int, int]]) -
 # -- staging -----------------------------------------------------------------------
 
 
-def run(step: CopyStep, ctx: OpContext) -> None:
+def run(step: CopyStep, ctx: OpContext) -> int:
+    """Copy the file or tree; returns the bytes it left in the destination (the
+    files' sizes and the links' lengths: what measuring the tree would find)."""
     path = ctx.source(step.src)
     require_source(path)
     roots = Roots.of(ctx.allowed_roots)
@@ -247,11 +249,11 @@ def run(step: CopyStep, ctx: OpContext) -> None:
         fd, st = open_path(path, roots)
         try:
             if stat.S_ISDIR(st.st_mode):
-                _TreeCopy(path, str(ctx.destination(step.dst)), ctx, roots, step.special).run()
-                return
+                dst = str(ctx.destination(step.dst))
+                return _TreeCopy(path, dst, ctx, roots, step.special).run()
             if not stat.S_ISREG(st.st_mode):
                 raise refuse_special(step.src, st.st_mode, skippable=False)
-            _copy_single_file(fd, path, _file_target(path, step.dst, ctx), ctx, roots)
+            return _copy_single_file(fd, path, _file_target(path, step.dst, ctx), ctx, roots)
         finally:
             os.close(fd)
     except OSError as exc:
@@ -297,22 +299,25 @@ def _file_target(source: str, dst: str, ctx: OpContext) -> str:
     return str(target)
 
 
-def _copy_single_file(path_fd: int, source: str, target: str, ctx: OpContext, roots: Roots) -> None:
-    """One file, on this process, with progress and cancel seen within it."""
+def _copy_single_file(path_fd: int, source: str, target: str, ctx: OpContext, roots: Roots) -> int:
+    """One file, on this process, with progress and cancel seen within it; returns
+    its size as copied."""
     st = os.fstat(path_fd)
     ctx.progress.add_total(st.st_size, 1)
     folder, name = os.path.split(target)
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    made: list[int] = []
     try:
         if _is_complete(dfd, name, st.st_size, st.st_mtime_ns):
             ctx.progress.advance(st.st_size, 1)
-            return
-        job = _FileJob(ctx.verify, ctx.progress.advance, ctx.check_cancelled)
+            return st.st_size
+        job = _FileJob(ctx.verify, ctx.progress.advance, ctx.check_cancelled, made.append)
         # Opened by name again: a retry must see what the name holds now.
         job.copy_checked(lambda: open_source(source, roots), source, dfd, name, again=True)
     finally:
         os.close(dfd)
     ctx.progress.advance(0, 1)
+    return sum(made)
 
 
 # -- one file ------------------------------------------------------------------------
@@ -330,6 +335,7 @@ class _FileJob:
     verify: str
     advance: Callable[[int], Any]
     check_stop: Callable[[], None]
+    made: Callable[[int], Any]  # the bytes of each file finished, as it is in the tree
 
     def copy_group(
         self, sfd: int | None, dfd: int, items: list[tuple[Any, ...]], umask: int
@@ -341,7 +347,7 @@ class _FileJob:
         seven system calls and little else per file (docs/performance.md).
         """
         check = self.verify != "none"
-        done_bytes = 0
+        done_bytes = made_bytes = 0
         for name, dname, size, atime, mtime, ctime, ino, mode in items:
             fin = os.open(name, _SOURCE_FLAGS, dir_fd=sfd)
             try:
@@ -351,6 +357,7 @@ class _FileJob:
                     fout = _replace(dfd, dname, mode, size, mtime)
                     if fout < 0:  # complete from an earlier run of this staging
                         done_bytes += size
+                        made_bytes += size
                         continue
                 try:
                     if mode & umask:
@@ -382,12 +389,14 @@ class _FileJob:
                             _compare_digests(fin, fout, _shown(sfd, name))
                     # The mtime goes last: it marks the file complete for a restart.
                     os.utime(fout, ns=(atime, mtime))
+                    made_bytes += copied
                 finally:
                     if fout >= 0:
                         os.close(fout)
             finally:
                 os.close(fin)
         self.advance(done_bytes)
+        self.made(made_bytes)
 
     def copy_checked(
         self, opener: Callable[[], int], shown: str, dfd: int, dname: str, again: bool = False
@@ -414,6 +423,7 @@ class _FileJob:
                     if self.verify == "sha256":
                         _compare_digests(fin, fout, shown)
                 os.utime(fout, ns=(before.st_atime_ns, before.st_mtime_ns))
+                self.made(copied)
             finally:
                 if fout >= 0:
                     os.close(fout)
@@ -523,7 +533,7 @@ Group = tuple[str | None, tuple[int, int] | None, str, list[tuple[Any, ...]]]
 
 def _copy_files(groups: list[Group], verify: str) -> None:
     """A chunk, on a worker (or inline): copy each group's files."""
-    job = _FileJob(verify, forked.report_bytes, _check_stop)
+    job = _FileJob(verify, forked.report_bytes, _check_stop, forked.report_made)
     umask = forked.umask()
     for src_dir, src_id, dst_dir, items in groups:
         if forked.stopping():
@@ -584,7 +594,7 @@ class _TreeCopy(Visitor):
         self.group_outs: list[_Out] = []
         self.files = self.nbytes = 0
 
-    def run(self) -> None:
+    def run(self) -> int:
         os.makedirs(self.dst, exist_ok=True)
         top = open_top(self.src, self.roots)
         self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
@@ -593,6 +603,7 @@ class _TreeCopy(Visitor):
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
+        return self.workers.made
 
     def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
         make_dir(dst)
@@ -719,6 +730,7 @@ def _join(rel: str, name: str) -> str:
 
 def _place_link(link_text: str, path: str) -> None:
     """Make ``path`` a symlink with ``link_text``, leaving an identical one alone."""
+    forked.report_made(len(os.fsencode(link_text)))  # on the walking process
     try:
         if os.readlink(path) == link_text:
             return

@@ -26,8 +26,9 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 from stager.children import die_with_parent
@@ -40,8 +41,10 @@ _CONTEXT = multiprocessing.get_context("fork")
 # which two cores have more of than one.
 PARALLEL_AFTER_BYTES = 128 << 20
 # Slot 0: stop (set by the walking process on error or cancel); then per worker
-# (bytes done, files done). The walking process itself, running chunks inline, is
-# worker 0.
+# (bytes done, files done, bytes made). Bytes done are progress (a file copied twice
+# counts twice); bytes made are what the op left in the tree (lstat sizes), so the
+# staging need not measure it afterwards. The walking process itself, running
+# chunks inline, is worker 0.
 _tally: Any = None
 _slot = 1
 # On the walking process: the op's cancel flag, and its umask (workers have none).
@@ -59,6 +62,11 @@ def report_bytes(nbytes: int) -> None:
     _tally[_slot] += nbytes
 
 
+def report_made(nbytes: int) -> None:
+    """Count bytes this process left in the tree (a file's size, a link's length)."""
+    _tally[_slot + 2] += nbytes
+
+
 def stopping() -> bool:
     """The op failed elsewhere or was cancelled: drop the rest of the chunk."""
     return bool(_tally[0]) or (_cancel is not None and _cancel.is_set())
@@ -72,12 +80,27 @@ def umask() -> int:
 def _init_worker(tally: Any, slots: Any) -> None:
     global _tally, _slot, _cancel, _umask
     die_with_parent()
-    gc.disable()  # see Workers.paused_gc
+    gc.disable()  # see paused_gc
     os.umask(0)  # files are created with the source's mode exactly: no chmod per file
     with slots.get_lock():
         slots.value += 1
         index = slots.value
-    _tally, _slot, _cancel, _umask = tally, 1 + 2 * index, None, 0
+    _tally, _slot, _cancel, _umask = tally, 1 + 3 * index, None, 0
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No garbage collection while a tree is walked or an archive read: the per-file
+    work allocates tuples and no cycles, and each collection re-scans the staging
+    process's whole heap (measured: a quarter of a million-file copy's time went to
+    it). Processes forked meanwhile inherit the pause."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def cores(workers: int) -> int:
@@ -102,10 +125,10 @@ class Workers:
         self._seen = self._seen_bytes = 0
         self._pool: ProcessPoolExecutor | None = None
         self._pending: dict[Future[Any], Callable[[], None] | None] = {}
-        self._tally = _CONTEXT.RawArray("q", 3 + 2 * processes)
+        self._tally = _CONTEXT.RawArray("q", 1 + 3 * (processes + 1))
         self._forwarded = [0, 0]
         self._cancel = cancel
-        self._gc_was = True
+        self._paused_gc: Any = None
         _umask = os.umask(0o22)
         os.umask(_umask)
         _tally, _slot, _cancel = self._tally, 1, cancel
@@ -113,6 +136,11 @@ class Workers:
     @property
     def parallel(self) -> bool:
         return self._pool is not None
+
+    @property
+    def made(self) -> int:
+        """The bytes every process reported leaving in the tree (:func:`report_made`)."""
+        return sum(self._tally[3::3])
 
     def submit(
         self,
@@ -156,12 +184,8 @@ class Workers:
         self.pump()
 
     def __enter__(self) -> Workers:
-        # No garbage collection while a tree is walked: the walk allocates a tuple per
-        # file and no cycles, and each collection re-scans the staging process's whole
-        # heap (measured: a quarter of a million-file copy's time went to it). Forked
-        # workers inherit the pause.
-        self._gc_was = gc.isenabled()
-        gc.disable()
+        self._paused_gc = paused_gc()
+        self._paused_gc.__enter__()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -174,8 +198,7 @@ class Workers:
                 failed = False
         finally:
             self.close(failed)
-            if self._gc_was:
-                gc.enable()
+            self._paused_gc.__exit__(None, None, None)
 
     def drain(self) -> None:
         while self._pending:
@@ -185,8 +208,8 @@ class Workers:
     def pump(self) -> None:
         """Forward what the workers counted since last time to the op's progress."""
         tally = self._tally
-        nbytes = sum(tally[1::2])
-        files = sum(tally[2::2])
+        nbytes = sum(tally[1::3])
+        files = sum(tally[2::3])
         before_bytes, before_files = self._forwarded
         if nbytes != before_bytes or files != before_files:
             self._forwarded = [nbytes, files]

@@ -2,7 +2,7 @@
 
 A staging ends by measuring what it built (the entry's size, for the cache's
 accounting): one ``fstatat`` per entry. (A one-step staging whose op counted
-its bytes as it made them, a symlink farm, skips this: see stager.ops.base.)
+its bytes as it made them, a copy or a symlink farm, skips this: see stager.ops.base.)
 On one process that took 1.3 s for 300,000 links, 1.0 s here
 (docs/benchmarks.md, "Million-file walks"). Here the walk lists folders and the
 forked workers of :mod:`stager.ops.forked` stat their entries, a folder chunk at

@@ -200,7 +200,6 @@ class _TreeLink(Visitor):
         self.pending: dict[int, list[str]] = {}  # by folder descriptor: names to link
         self.groups: list[tuple[str, str, list[str]]] = []  # the chunk being filled
         self.files = 0
-        self.nbytes = 0  # of the links queued: each one's size is its target's length
         self.workers = forked.Workers(
             forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
         )
@@ -214,7 +213,7 @@ class _TreeLink(Visitor):
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
-        return self.nbytes
+        return self.workers.made
 
     def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
         names = self.pending.get(folder.fd)
@@ -249,9 +248,6 @@ class _TreeLink(Visitor):
         if names:
             self.groups.append((folder.path, self.dsts[folder.fd], names))
             self.files += len(names)
-            # Each link's target is _place_all's prefix + name; one encode per group.
-            prefix = len(os.fsencode(_prefix(folder.path)))
-            self.nbytes += prefix * len(names) + len(os.fsencode("".join(names)))
             if self.files >= BATCH:
                 self._submit()
 
@@ -271,7 +267,7 @@ def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
             return
         dfd = os.open(dst_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            prefix = _prefix(src_dir)
+            prefix = f"{src_dir}/" if src_dir != "/" else "/"
             symlink = os.symlink
             for name in names:
                 try:
@@ -281,11 +277,8 @@ def _place_all(groups: list[tuple[str, str, list[str]]]) -> None:
         finally:
             os.close(dfd)
         forked.report(0, len(names))
-
-
-def _prefix(src_dir: str) -> str:
-    """What a link's target in ``src_dir`` starts with, before the name."""
-    return f"{src_dir}/" if src_dir != "/" else "/"
+        # Each link's size is its target's length: prefix + name, one encode a folder.
+        forked.report_made(len(os.fsencode(prefix)) * len(names) + len(os.fsencode("".join(names))))
 
 
 def _place(source: str, name: str, dfd: int) -> None:

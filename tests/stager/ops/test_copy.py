@@ -10,6 +10,7 @@ from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFaile
 from stager.ops import copy
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
+from stager.ops.sources import sum_sizes
 from stager.progress import Progress
 from tests.trees import digest, write_tree
 
@@ -67,9 +68,10 @@ def test_tree_copy_keeps_bytes_mtimes_and_modes(source: Path, tmp_path: Path) ->
     step = CopyStep(src=str(source), dst="data")
     expected = copy.check(step, CheckContext())
 
-    copy.run(step, ctx)
+    made = copy.run(step, ctx)
 
     out = ctx.root / "data"
+    assert made == sum_sizes(str(out))  # the staging takes it as the entry's size
     assert digest(out) == digest(source)
     assert file_mtimes(out) == file_mtimes(source)
     assert (out / "class_0" / "deep").stat().st_mtime_ns == (
@@ -84,9 +86,13 @@ def test_tree_copy_keeps_bytes_mtimes_and_modes(source: Path, tmp_path: Path) ->
 def test_single_file_destinations(source: Path, tmp_path: Path) -> None:
     ctx = make_ctx(tmp_path / "root")
     leaf = source / "class_0" / "deep" / "er" / "leaf.bin"
-    copy.run(CopyStep(src=str(leaf), dst="."), ctx)
-    copy.run(CopyStep(src=str(leaf), dst="inside/"), ctx)
-    copy.run(CopyStep(src=str(leaf), dst="sub/renamed.bin"), ctx)
+    made = [
+        copy.run(CopyStep(src=str(leaf), dst="."), ctx),
+        copy.run(CopyStep(src=str(leaf), dst="inside/"), ctx),
+        copy.run(CopyStep(src=str(leaf), dst="sub/renamed.bin"), ctx),
+        copy.run(CopyStep(src=str(leaf), dst="sub/renamed.bin"), ctx),  # complete already
+    ]
+    assert made == [leaf.stat().st_size] * 4
     for path in ("leaf.bin", "inside/leaf.bin", "sub/renamed.bin"):
         assert (ctx.root / path).read_bytes() == leaf.read_bytes()
         assert (ctx.root / path).stat().st_mtime_ns == leaf.stat().st_mtime_ns
@@ -113,9 +119,10 @@ def test_symlinks_inside_kept_outside_followed(tmp_path: Path) -> None:
     (src / "dangling").symlink_to("/nonexistent/target")
     ctx = make_ctx(tmp_path / "root")
 
-    copy.run(CopyStep(src=str(src), dst="."), ctx)
+    made = copy.run(CopyStep(src=str(src), dst="."), ctx)
 
     root = ctx.root
+    assert made == sum_sizes(str(root))  # links by their length, followed files by size
     assert os.readlink(root / "a" / "b" / "rel") == "../x.txt"
     assert os.readlink(root / "abs") == "a"  # rewritten relative: points into the copy
     assert (root / "abs" / "x.txt").read_text() == "x"
@@ -182,7 +189,8 @@ def test_source_shrinking_during_copy_is_copied_again(
             os.truncate(src, 8192)
 
     ctx = make_ctx(tmp_path / "root", progress=HookProgress(shrink))
-    copy.run(CopyStep(src=str(src), dst="."), ctx)
+    made = copy.run(CopyStep(src=str(src), dst="."), ctx)
+    assert made == 8192  # as copied the second time, not the first time's 64 KB
     assert (ctx.root / "big.bin").read_bytes() == src.read_bytes()
     assert len(src.read_bytes()) == 8192
 

@@ -32,6 +32,7 @@ from stager.fingerprint import sources_fingerprint
 from stager.ops import copy, symlink, unpack
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
+from stager.ops.sources import sum_sizes
 from stager.ops.symlink import SymlinkStep
 from stager.ops.unpack import UnpackStep
 from stager.progress import Progress
@@ -187,9 +188,13 @@ def test_special_files_are_never_opened(seed: int, tmp_path: Path) -> None:
 
     # skip: every regular file arrives, no special file does, nothing blocks.
     skip = tmp_path / "skip"
+    made = {}
     for what, call in walks(src, skip, "skip").items():
         if "unpack" not in what:  # unpack has no special field: it refuses
-            within(call, fifos)
+            made[what] = within(call, fifos)
+    # What the ops say they left is what is there (a staging takes it as its size).
+    assert made["copy"] == sum_sizes(str(skip / "copy"))
+    assert made["tree link"] == sum_sizes(str(skip / "links"))
     assert regular_digest(skip / "copy") == regular_digest(src)
     assert regular_digest(skip / "links") == regular_digest(src)
     assert no_special_under(skip / "copy") and no_special_under(skip / "links")
@@ -274,6 +279,8 @@ def test_links_at_any_depth_are_confined(seed: int, tmp_path: Path) -> None:
                 op.run(step, ctx)
         assert not os.path.lexists(ctx.root / f"ln-{i}")
     if not escaping:
+        assert calls["copy"]() == sum_sizes(str(ctx.root / "copy"))  # again: complete
+        assert calls["tree link"]() == sum_sizes(str(ctx.root / "ln"))
         # Nothing from outside was copied; every link made resolves inside the root.
         for path in (ctx.root / "copy").rglob("*"):
             if path.is_file():
@@ -361,7 +368,8 @@ def test_a_source_changing_during_the_copy_is_never_published_stale(
     # Once: the retry copies the file as it ends up.
     writer_during_copy(monkeypatch, victim, mutate, 1, tmp_path / "once.log")
     ctx = ctx_at(tmp_path / "once")
-    copy.run(step, ctx)
+    made = copy.run(step, ctx)
+    assert made == sum_sizes(str(ctx.root)), kind  # the file counted as it ended up
     copied = ctx.root / "out" / (victim.name if single else victim.relative_to(src))
     assert copied.read_bytes() == victim.read_bytes(), kind
     assert copied.stat().st_mtime_ns == victim.stat().st_mtime_ns, kind
