@@ -17,6 +17,7 @@ dataset: nothing should leave the storage).
     sudo .venv/bin/python bench/bench_fanout.py                 # 200 MB, 200 Mbit/s, N=1,2,4
     sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
     ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
+    ... --nodes 1 --kinds tree --no-references   # only the 1-node tree staging
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.multinode import Cluster, fresh_copy, leftovers  # noqa: E402
 
 FILE_BYTES = 100_000
+KINDS = ("tree", "tar.gz")
 
 
 def make_data(root: Path, total: int) -> tuple[Path, Path]:
@@ -129,6 +131,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--compare-modes", action="store_true")
     parser.add_argument("--no-references", action="store_true", help="skip per-node and held")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     args = parser.parse_args()
 
     local = f"{max(1, args.mb * 5 // 1000 + 1)}g"  # room for data, delivery and bundle
@@ -141,13 +144,11 @@ def main() -> int:
         print(f"tree: {sizes['tree'] / 1e6:.0f} MB in {len(list(tree.rglob('*.jpg')))} files; "
               f"tar.gz: {sizes['tar.gz'] / 1e6:.0f} MB", flush=True)  # fmt: skip
         results: dict[tuple[str, int, str], list] = {}
-        plan = [(kind, n, "auto") for kind in ("tree", "tar.gz") for n in args.nodes]
+        plan = [(kind, n, "auto") for kind in args.kinds for n in args.nodes]
         if not args.no_references:
             most = max(args.nodes)
-            plan += [
-                (kind, most, how) for kind in ("tree", "tar.gz") for how in ("per-node", "held")
-            ]
-        if args.compare_modes:
+            plan += [(kind, most, how) for kind in args.kinds for how in ("per-node", "held")]
+        if args.compare_modes and "tar.gz" in args.kinds:
             plan += [
                 ("tar.gz", max(args.nodes), "prepared"),
                 ("tar.gz", max(args.nodes), "sources"),

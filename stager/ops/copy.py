@@ -7,7 +7,10 @@ Why it looks like this (the per-file costs are in docs/performance.md):
   parent) and its files go out in chunks to forked worker processes, one per core
   (:mod:`stager.ops.forked`): per-file work is mostly system calls wrapped in
   Python, and processes do not take turns on one GIL. Small trees are copied on
-  the walking process; the workers start once a tree has proved large.
+  the walking process; the workers start once a tree has proved large. A source
+  on a network filesystem (NFS, Lustre, GPFS, sshfs...: :mod:`stager.ops.mounts`)
+  is bound by round trips, not by the CPU: there NETWORK_IN_FLIGHT processes copy
+  from the first file, in smaller chunks.
 - Per file, a worker makes seven system calls: ``openat`` of the source relative
   to its folder (``O_NOFOLLOW``, ``O_NONBLOCK``: a file swapped for a link or a
   FIFO is refused, never waited on), ``openat`` of the destination with
@@ -58,7 +61,7 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
-from stager.ops import forked
+from stager.ops import forked, mounts
 from stager.ops.base import (
     CheckContext,
     OpContext,
@@ -108,6 +111,18 @@ BATCH_BYTES = 64 * 1024 * 1024
 # Trees with fewer files are copied on the walking process: forking workers costs
 # more than it saves.
 PARALLEL_AFTER_FILES = 2_000
+# Processes copying at once when the source is on a network filesystem
+# (stager.ops.mounts), started with the first file. There a file's time is round
+# trips (lookup, open, reads, close) that use no CPU, so more files in flight than
+# cores overlap them: a 1-node copy of 2,000 files of 100 KB over sshfs (200 Mbit/s)
+# took 31-32 s with one process per core started after ~1,280 files, 10.6-12.3 s
+# with 8 from the first (docs/benchmarks.md). ``op_workers`` caps it, as it capped
+# the copy's threads before the workers were processes.
+NETWORK_IN_FLIGHT = 8
+# A network source's chunks are smaller, so that a tree of a few hundred files
+# already keeps every process busy: a hand-over (~100 us) is little next to one
+# file's round trips.
+NETWORK_BATCH_FILES = 32
 # How long check() may walk a source tree to estimate its size: the request waits,
 # and the staging walks the tree again anyway.
 CHECK_BUDGET_S = 0.5
@@ -586,9 +601,8 @@ class _TreeCopy(Visitor):
         self.outs: dict[int, _Out] = {}  # by folder descriptor: the folders being walked
         self.open_ids: set[tuple[int, int]] = set()
         self.top_real = ""
-        self.workers = forked.Workers(
-            forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
-        )
+        self.workers: forked.Workers  # once the source is open: run()
+        self.batch_files = BATCH_FILES
         # The chunk being filled: its groups, the folders they belong to, its size.
         self.groups: list[Group] = []
         self.group_outs: list[_Out] = []
@@ -598,12 +612,24 @@ class _TreeCopy(Visitor):
         os.makedirs(self.dst, exist_ok=True)
         top = open_top(self.src, self.roots)
         self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
+        self.workers = self._workers(mounts.on_network(self.top_real))
         try:
             self._enter(top, self.dst, "")
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)
         return self.workers.made
+
+    def _workers(self, network: bool) -> forked.Workers:
+        """One process per core once the tree is large (local: CPU-bound), or
+        NETWORK_IN_FLIGHT from the first file (network: bound by round trips)."""
+        ctx = self.ctx
+        if not network:
+            processes, after = forked.cores(ctx.workers), PARALLEL_AFTER_FILES
+        else:
+            processes, after = min(NETWORK_IN_FLIGHT, ctx.workers), 0
+            self.batch_files = min(self.batch_files, NETWORK_BATCH_FILES)
+        return forked.Workers(processes, ctx.progress, after, ctx.cancel)
 
     def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
         make_dir(dst)
@@ -630,7 +656,7 @@ class _TreeCopy(Visitor):
             )
         )
         self.nbytes += st.st_size
-        if self.files + len(out.items) >= BATCH_FILES or self.nbytes >= BATCH_BYTES:
+        if self.files + len(out.items) >= self.batch_files or self.nbytes >= BATCH_BYTES:
             self._close_group(folder, out)
             self._submit()
 
@@ -690,7 +716,7 @@ class _TreeCopy(Visitor):
         self.group_outs.append(out)
         out.pending += 1
         self.files += len(group[3])
-        if self.files >= BATCH_FILES:
+        if self.files >= self.batch_files:
             self._submit()
 
     def _submit(self) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
-from stager.ops import copy
+from stager.ops import copy, mounts
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
 from stager.ops.sources import sum_sizes
@@ -17,13 +17,17 @@ from tests.trees import digest, write_tree
 OLD = 1_500_000_000_123_456_789  # an mtime in ns that a fresh write can never produce
 
 
-@pytest.fixture(autouse=True, params=["inline", "processes"])
-def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Small trees are copied on the walking process, large ones on forked workers:
-    every test runs both ways, so each path is held to the same results and errors."""
+@pytest.fixture(autouse=True, params=["inline", "processes", "network"])
+def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """Small trees are copied on the walking process, large ones on forked workers,
+    a network filesystem's on more workers from the first file: every test runs each
+    way, so each path is held to the same results and errors."""
     if request.param == "processes":
         monkeypatch.setattr(copy, "PARALLEL_AFTER_FILES", 0)
         monkeypatch.setattr(copy, "BATCH_FILES", 16)
+    if request.param == "network":  # this test's own filesystem classified as remote
+        here = mounts.fs_type(os.path.realpath(tmp_path))
+        monkeypatch.setattr(mounts, "NETWORK_TYPES", mounts.NETWORK_TYPES | {here})
     return request.param
 
 

@@ -1,0 +1,84 @@
+"""Which filesystem holds a path, and whether reading from it waits on a network.
+
+A copy from a network filesystem is bound by round trips per file (lookup, open,
+reads, close), not by the CPU, so it wants more files in flight than cores
+(stager.ops.copy). The answer comes from the kernel's own table,
+``/proc/self/mountinfo``: the mount whose mount point is the longest prefix of the
+path (the path should be real: resolved links, as ``/proc/self/fd/N`` gives it).
+"""
+
+from __future__ import annotations
+
+# Filesystem types (mountinfo's field after " - ") whose reads cross a network. The
+# one list; a FUSE mount (``fuse.sshfs``, ``fuse.s3fs``, ``fuse.gcsfuse``...) counts
+# as remote too, whatever its subtype: FUSE's own round trip to its daemon per call
+# is latency of the same kind.
+NETWORK_TYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "9p",
+        "afs",
+        "glusterfs",
+        "orangefs",
+        "pvfs2",
+        "panfs",
+        "wekafs",
+        "fuse",
+    }
+)
+NETWORK_PREFIXES = ("fuse.",)
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def fs_type(real_path: str) -> str:
+    """The type of the filesystem mounted where ``real_path`` lies ("" if unknown)."""
+    best, best_type = -1, ""
+    try:
+        with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as table:
+            for line in table:
+                fields, _, tail = line.partition(" - ")
+                point = _unescape(fields.split(" ")[4])
+                if not _holds(point, real_path):
+                    continue
+                # Equal length: a later line is a mount on top of the earlier one.
+                if len(point) >= best:
+                    best, best_type = len(point), tail.split(" ", 1)[0]
+    except OSError:
+        return ""  # no /proc: treated as local, the rule for local disks
+    return best_type
+
+
+def is_network(fstype: str) -> bool:
+    return fstype in NETWORK_TYPES or fstype.startswith(NETWORK_PREFIXES)
+
+
+def on_network(real_path: str) -> bool:
+    """Whether reads of ``real_path`` wait on a network (see NETWORK_TYPES)."""
+    return is_network(fs_type(real_path))
+
+
+def _holds(point: str, path: str) -> bool:
+    return point == "/" or path == point or path.startswith(point + "/")
+
+
+def _unescape(field: str) -> str:
+    r"""Mount points in mountinfo have space, tab, newline and backslash as ``\ooo``."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
