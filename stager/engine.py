@@ -486,7 +486,7 @@ class Engine:
             final=reg.final(entry),
             workers=self.settings.op_workers,
             verify=entry.verify,
-            allowed_roots=tuple(self.settings.allowed_roots),
+            allowed_roots=self.fanout.source_roots(adopting=entry.delivery is not None),
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
         )

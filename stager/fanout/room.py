@@ -98,11 +98,19 @@ class FanoutRoom:
         folder = self.deliveries.get(adopt.incoming).path
         return adoption.steps_for(adopt, folder, steps, self.ops)
 
+    def source_roots(self, adopting: bool) -> tuple[Path, ...]:
+        """Where a staging may read: the allowed source roots, and for an adoption the
+        incoming folder too (its files are the daemon's own, delivered there). The
+        request check and the staging process both take it from here."""
+        roots = tuple(self.settings.allowed_roots)
+        if adopting and roots:  # no roots: anywhere the daemon can read already
+            roots = (*roots, self.settings.incoming_dir)
+        return roots
+
     def check_adoption(self, steps: list[Any], verify: str) -> int:
-        """Pre-flight of an adoption (blocking): its files are the daemon's own, in its
-        incoming folder, so the allowed source roots do not apply to them."""
-        roots = (*self.settings.allowed_roots, self.settings.incoming_dir)
-        return self.ops.check(steps, CheckContext(allowed_roots=tuple(roots), verify=verify))
+        """Pre-flight of an adoption (blocking)."""
+        roots = self.source_roots(adopting=True)
+        return self.ops.check(steps, CheckContext(allowed_roots=roots, verify=verify))
 
     def claim(self, adopt: Adopt | None) -> str | None:
         """The delivery a new staging reads: kept (and counted) until it ends."""

@@ -208,3 +208,45 @@ def test_reservations_count_against_the_disk(
         assert not Path(first.json()["path"]).exists()
         assert client.post("/v1/incoming", json={"label": "b", "bytes": 5_000_000}).is_success
         assert client.delete("/v1/incoming/nope").status_code == 404
+
+
+def test_adoption_works_where_sources_are_confined_to_allowed_roots(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A site that sets --allowed-root still fans out: the delivered files sit in the
+    daemon's own incoming folder, outside those roots, and both the request check and
+    the staging process accept them there (only there: a source must still be inside)."""
+    data = tmp_path / "datasets"
+    src = write_tree(data / "src", n_files=20)
+    archive = make_tar(src, data / "src.tar.gz")
+    node1, node2 = (
+        daemon_factory(cache_dir=tmp_path / node, args=["--allowed-root", str(data)])
+        for node in ("node1", "node2")
+    )
+    with node1.client() as one, node2.client() as other:
+        body = request("tree", src)
+        ready(one, body)
+        adopted = send_bundle(one, other, body, "job9-tree")
+        assert adopted["state"] == "ready", adopted["error"]
+        assert adopted["origin"]["how"] == "broadcast"
+        assert digest(Path(adopted["path"])) == digest(src)
+
+        body = archive_request("imgs", archive)
+        reference = ready(one, body)
+        reserved = other.post("/v1/incoming", json={"label": "j9", "bytes": 10_000_000}).json()
+        copy = Path(reserved["path"]) / delivered_name(str(archive))
+        shutil.copyfile(archive, copy)
+        adopt = {
+            "incoming": "j9",
+            "origin_node": "node1",
+            "origin_key": reference["key"],
+            "sources": {str(archive): list(file_digest(copy))},
+        }
+        other.post("/v1/datasets", json={**body, "adopt": adopt})
+        adopted = other.get("/v1/datasets/imgs/wait", params={"timeout": 60}).json()
+        assert adopted["state"] == "ready", adopted["error"]
+        assert digest(Path(adopted["path"])) == digest(Path(reference["path"]))
+
+        # The incoming folder is no source root for anything but an adoption.
+        outside = other.post("/v1/datasets", json=request("sneak", node2.cache_dir / "incoming"))
+        assert outside.status_code == 400 and "outside the allowed source roots" in outside.text
