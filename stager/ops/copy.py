@@ -115,9 +115,10 @@ PARALLEL_AFTER_FILES = 2_000
 # (stager.ops.mounts), started with the first file. There a file's time is round
 # trips (lookup, open, reads, close) that use no CPU, so more files in flight than
 # cores overlap them: a 1-node copy of 2,000 files of 100 KB over sshfs (200 Mbit/s)
-# took 31-32 s with one process per core started after ~1,280 files, 10.6-12.3 s
-# with 8 from the first (docs/benchmarks.md). ``op_workers`` caps it, as it capped
-# the copy's threads before the workers were processes.
+# took 25.5-30.3 s with one process per core started after ~1,280 files, 8.8-9.1 s
+# with 8 from the first file in chunks of 32, near the link's own 8 s
+# (docs/benchmarks.md). ``op_workers`` caps it, as it capped the copy's threads
+# before the workers were processes.
 NETWORK_IN_FLIGHT = 8
 # A network source's chunks are smaller, so that a tree of a few hundred files
 # already keeps every process busy: a hand-over (~100 us) is little next to one
