@@ -305,15 +305,16 @@ class Engine:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         changed = self._reg.changed
-        async with changed:
-            while self._reg.entries[handle.key].active and not self._stopping:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(changed.wait(), remaining)
-                except TimeoutError:
-                    break
+        with self.metrics.waiting.track_inprogress():
+            async with changed:
+                while self._reg.entries[handle.key].active and not self._stopping:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(changed.wait(), remaining)
+                    except TimeoutError:
+                        break
         return self._view(handle)
 
     async def watch(self, name: str, interval: float = 0.5) -> AsyncIterator[DatasetPublic]:

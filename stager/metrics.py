@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -76,6 +76,11 @@ class Metrics:
         )
         self.evictions = Counter(
             "stager_evictions", "Ready entries removed from the cache", registry=self.registry
+        )
+        self.waiting = Gauge(
+            "stager_waiting_requests",
+            "Requests long-polling for a dataset to finish (jobs blocked on this node)",
+            registry=self.registry,
         )
 
     def watch_states(self, counts: Callable[[], dict[str, int]], used: Callable[[], int]) -> None:

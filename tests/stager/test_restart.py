@@ -20,6 +20,7 @@ import pytest
 from stager.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
+from tests.stager.test_cache import metric
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
 BLOB = bytes(range(256)) * 8192  # 2 MiB
@@ -197,7 +198,11 @@ def test_sigterm_answers_open_long_polls_and_exits_promptly(daemon: Daemon, tmp_
 
         poller = threading.Thread(target=long_poll)
         poller.start()
-        time.sleep(0.5)
+        with daemon.client() as client:  # until the long poll is inside the daemon
+            deadline = time.monotonic() + 30
+            while metric(client, "stager_waiting_requests") != 1:
+                assert time.monotonic() < deadline, "the long poll never reached the daemon"
+                time.sleep(0.02)
         t0 = time.monotonic()
         assert daemon.stop() == 0
         elapsed = time.monotonic() - t0
