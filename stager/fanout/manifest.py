@@ -91,21 +91,42 @@ def walk(root: Path) -> list[tuple[str, os.stat_result]]:
     return found
 
 
-def build(root: Path) -> Manifest:
-    """The manifest of a tree as it is on disk (hashes every file)."""
+class Digests:
+    """Files hashed earlier, each kept with the identity it had then (inode, size,
+    mtime, ctime): an adopting node hashes each part's files while the next parts
+    are on their way, and the final check reads again only a file that changed since
+    (any write moves its ctime)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[int, int, int, int], tuple[int, str]]] = {}
+
+    def of(self, root: Path, path: str, info: os.stat_result) -> tuple[int, str]:
+        identity = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        known = self._known.get(path)
+        if known is not None and known[0] == identity:
+            return known[1]
+        found = file_digest(root / path)
+        self._known[path] = (identity, found)
+        return found
+
+
+def build(root: Path, digests: Digests | None = None) -> Manifest:
+    """The manifest of a tree as it is on disk (hashes every file ``digests`` does not
+    hold as it is now)."""
     manifest = Manifest()
+    digests = digests or Digests()
     for path, info in walk(root):
-        add(manifest, root, path, info)
+        add(manifest, root, path, info, digests)
     return manifest
 
 
-def add(manifest: Manifest, root: Path, path: str, info: os.stat_result) -> None:
+def add(manifest: Manifest, root: Path, path: str, info: os.stat_result, digests: Digests) -> None:
     if stat.S_ISDIR(info.st_mode):
         manifest.dirs.add(path)
     elif stat.S_ISLNK(info.st_mode):
         manifest.links[path] = os.readlink(root / path)
     elif stat.S_ISREG(info.st_mode):
-        manifest.files[path] = file_digest(root / path)
+        manifest.files[path] = digests.of(root, path, info)
     else:
         raise VerifyFailed(
             f"{root / path} is neither a file, a folder nor a link; a dataset holding "
@@ -113,9 +134,9 @@ def add(manifest: Manifest, root: Path, path: str, info: os.stat_result) -> None
         )
 
 
-def verify(root: Path, expected: Manifest, origin: str) -> None:
+def verify(root: Path, expected: Manifest, origin: str, digests: Digests | None = None) -> None:
     """Raise `VerifyFailed` naming the first path where ``root`` differs from ``expected``."""
-    got = build(root)
+    got = build(root, digests)
     for kind, want, have in (
         ("folder", expected.dirs, got.dirs),
         ("link", set(expected.links), set(got.links)),

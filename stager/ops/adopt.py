@@ -54,14 +54,19 @@ def check(step: AdoptStep, ctx: CheckContext) -> int:
 
 
 def run(step: AdoptStep, ctx: OpContext) -> None:
-    folder = Path(step.folder)
+    folder, tree = Path(step.folder), ctx.destination(".")
+    # Each part's files are hashed once it is extracted, while the next parts travel;
+    # the check against the manifest, which comes last, re-reads only what changed
+    # since (nothing, unless a later part rewrote a file).
+    digests = manifests.Digests()
     index = 0
     while (end := _next(step, folder, index, ctx)) is None:
         extract.run(extract.ExtractStep(src=str(folder / part_name(index)), format="tar"), ctx)
+        manifests.build(tree, digests)
         index += 1
     expected = _manifest(step, folder, end)
     ctx.check_cancelled()
-    manifests.verify(ctx.destination("."), expected, step.origin_node)
+    manifests.verify(tree, expected, step.origin_node, digests)
 
 
 def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str, Any] | None:

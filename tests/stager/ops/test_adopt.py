@@ -209,3 +209,41 @@ def test_delivered_copies_must_match_size_and_sha256(tmp_path: Path) -> None:
     os.truncate(good, 10)
     with pytest.raises(VerifyFailed, match="10 bytes, not 50000"):
         check_delivered.run(step, ctx)
+
+
+def test_a_file_a_later_part_rewrites_is_checked_as_it_ends_up(tmp_path: Path) -> None:
+    """Each part's files are hashed as soon as it is extracted (manifest.Digests); a
+    later part that rewrites one of them (same name and size, other bytes) must not
+    pass on the earlier hash."""
+    tree = write_tree(tmp_path / "tree", n_files=12)
+    step = deliver(tree, tmp_path / "in", part_bytes=20_000, end=False)
+    folder = tmp_path / "in"
+    parts = len(list(folder.glob("part-*.tar")))
+    assert parts > 2
+    victim = "class_0/img_0000.jpg"
+    forged = bytes(255 - b for b in (tree / victim).read_bytes())
+    (tmp_path / "forged" / "class_0").mkdir(parents=True)
+    (tmp_path / "forged" / victim).write_bytes(forged)
+    with tarfile.open(folder / part_name(parts), "w", format=tarfile.GNU_FORMAT) as tar:
+        tar.add(tmp_path / "forged" / victim, arcname=victim)
+    (folder / (part_name(parts) + READY_SUFFIX)).touch()
+    data = (folder / MANIFEST_NAME).read_bytes()
+    (folder / END_NAME).write_text(
+        json.dumps({"parts": parts + 1, "manifest_sha256": manifest.digest(data)})
+    )
+    with pytest.raises(VerifyFailed, match=rf"mn1.*{victim}.*different content"):
+        run_adopt(step, tmp_path / "dest")
+
+
+def test_digests_read_again_a_file_changed_since_it_was_hashed(tmp_path: Path) -> None:
+    root = write_tree(tmp_path / "tree", n_files=6)
+    digests = manifest.Digests()
+    first = manifest.build(root, digests)
+    name = sorted(first.files)[0]
+    path = root / name
+    before = path.stat()
+    path.write_bytes(bytes(255 - b for b in path.read_bytes()))  # same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime
+    again = manifest.build(root, digests)
+    assert again.files[name] == manifest.file_digest(path) != first.files[name]
+    assert manifest.build(root).to_bytes() == again.to_bytes()
