@@ -160,22 +160,31 @@ def test_broadcast_source_files_are_checked_then_staged_from_on_every_node(
     node1, node2 = two
     with node1.client() as one, node2.client() as other:
         reference = ready(one, body)
-        reserved = other.post("/v1/incoming", json={"label": "j1", "bytes": 10_000_000}).json()
-        copy = Path(reserved["path"]) / delivered_name(str(archive))
-        shutil.copyfile(archive, copy)
-        adopt = {
-            "incoming": "j1",
-            "origin_node": "node1",
-            "origin_key": reference["key"],
-            "sources": {str(archive): list(file_digest(copy))},
-        }
-        other.post("/v1/datasets", json={**body, "adopt": adopt})
-        adopted = other.get("/v1/datasets/imgs/wait", params={"timeout": 60}).json()
+        adopted, folder = send_archive(other, body, archive, reference["key"], "j1")
         assert adopted["state"] == "ready", adopted["error"]
         assert adopted["key"] == reference["key"]
         assert digest(Path(adopted["path"])) == digest(Path(reference["path"]))
-        assert not Path(reserved["path"]).exists()
+        assert not folder.exists()
         assert metric(other, "stager_source_read_bytes_total") == 0
+
+
+def send_archive(
+    receiver: httpx.Client, body: dict, archive: Path, key: str, label: str
+) -> tuple[dict, Path]:
+    """The archive broadcast as it is (a file copy for sbcast) and adopted by the
+    receiver; returns its final status and the delivery folder."""
+    reserved = receiver.post("/v1/incoming", json={"label": label, "bytes": 10_000_000}).json()
+    copy = Path(reserved["path"]) / delivered_name(str(archive))
+    shutil.copyfile(archive, copy)
+    adopt = {
+        "incoming": label,
+        "origin_node": "node1",
+        "origin_key": key,
+        "sources": {str(archive): list(file_digest(copy))},
+    }
+    receiver.post("/v1/datasets", json={**body, "adopt": adopt})
+    status = receiver.get(f"/v1/datasets/{body['name']}/wait", params={"timeout": 60}).json()
+    return status, Path(reserved["path"])
 
 
 def test_a_delivery_for_other_sources_is_refused(
@@ -233,17 +242,7 @@ def test_adoption_works_where_sources_are_confined_to_allowed_roots(
 
         body = archive_request("imgs", archive)
         reference = ready(one, body)
-        reserved = other.post("/v1/incoming", json={"label": "j9", "bytes": 10_000_000}).json()
-        copy = Path(reserved["path"]) / delivered_name(str(archive))
-        shutil.copyfile(archive, copy)
-        adopt = {
-            "incoming": "j9",
-            "origin_node": "node1",
-            "origin_key": reference["key"],
-            "sources": {str(archive): list(file_digest(copy))},
-        }
-        other.post("/v1/datasets", json={**body, "adopt": adopt})
-        adopted = other.get("/v1/datasets/imgs/wait", params={"timeout": 60}).json()
+        adopted, _ = send_archive(other, body, archive, reference["key"], "j9")
         assert adopted["state"] == "ready", adopted["error"]
         assert digest(Path(adopted["path"])) == digest(Path(reference["path"]))
 
