@@ -131,8 +131,9 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     # An op's own count of its bytes stands for the tree's size only when nothing else
     # is in it: one step into a tree made now (a resumed attempt holds an earlier
     # run's files, which may differ from what this run makes).
-    counted_by_op = len(steps) == 1 and not attempt.tree.is_dir()
-    if not attempt.tree.is_dir():
+    fresh = not attempt.tree.is_dir()
+    counted_by_op = fresh and len(steps) == 1
+    if fresh:
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     made: int | None = None

@@ -17,6 +17,8 @@ which never publishes: no delivered byte is trusted before it matched.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from pydantic import Field
 
 from stager.errors import VerifyFailed
 from stager.fanout import manifest as manifests
-from stager.ops import extract
+from stager.ops import extract, tar_members
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 
@@ -61,12 +63,30 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
     digests = manifests.Digests()
     index = 0
     while (end := _next(step, folder, index, ctx)) is None:
-        extract.run(extract.ExtractStep(src=str(folder / part_name(index)), format="tar"), ctx)
-        manifests.build(tree, digests)
+        part = folder / part_name(index)
+        extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
+        _hash_part(tree, part, digests)
         index += 1
     expected = _manifest(step, folder, end)
     ctx.check_cancelled()
     manifests.verify(tree, expected, step.origin_node, digests)
+
+
+def _hash_part(tree: Path, part: Path, digests: manifests.Digests) -> None:
+    """Hash the files ``part`` just put in ``tree``, found from the part's own headers
+    (not a walk of the whole tree: that would make the parts' cost grow with their
+    number times the tree's size)."""
+    with open(part, "rb") as headers, tar_members.open_tar(headers) as tar:
+        for member, _ in tar_members.members(tar, headers):
+            if not member.isreg():
+                continue
+            path = os.path.normpath(member.name)
+            try:
+                info = os.lstat(tree / path)
+            except OSError:
+                continue  # not there: the manifest check names it
+            if stat.S_ISREG(info.st_mode):
+                digests.of(tree, path, info)
 
 
 def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str, Any] | None:
