@@ -57,6 +57,7 @@ from stager.ops.fastcopy import READ_CHUNK, copy_range
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # 1,024 files a batch: the per-batch cost of a process pool (a future, a pickle, thread
 # hand-offs in the reading process) is paid once per 1,024 small files; and with
 # folders of ~1,000 files, two workers mostly write into different folders instead of
@@ -152,12 +153,40 @@ def write_files(jobs: list[_RangeJob | _FileJob], verify: str | None) -> int:
     """One batch, in order, on a pool thread or process (or inline); returns its file
     count. ``verify`` is the archive's label when files are read back."""
     window = _Window(jobs)
-    for job in jobs:
-        if job.__class__ is tuple:
-            _write_range(job, window, verify)  # type: ignore[arg-type]
-        else:
-            write_file(job, verify)  # type: ignore[arg-type]
+    folder = _Folder()
+    try:
+        for job in jobs:
+            if job.__class__ is tuple:
+                _write_range(job, window, folder, verify)  # type: ignore[arg-type]
+            else:
+                write_file(job, verify)  # type: ignore[arg-type]
+    finally:
+        folder.close()
     return len(jobs)
+
+
+class _Folder:
+    """The folder a batch's files are being created in, kept open: a file is created
+    by its name in it (``openat``), not by its whole path, which the kernel would walk
+    component by component for every file. Members come folder by folder, so a batch
+    opens a folder or two. Opening it follows the path as the whole path would: its
+    components were made (and checked to be real folders) by the reading process."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self.fd = -1
+
+    def get(self, path: str) -> int:
+        if path != self.path:
+            self.close()
+            self.fd = os.open(path, _DIR_FLAGS)
+            self.path = path
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd, self.path = -1, ""
 
 
 class _Window:
@@ -178,10 +207,11 @@ class _Window:
         return self.data[at : at + size]
 
 
-def _write_range(job: _RangeJob, window: _Window, verify: str | None) -> None:
+def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str | None) -> None:
     path, mode, mtime, src_fd, offset, size = job
+    parent, _, name = path.rpartition("/")
     try:
-        fd = os.open(path, _CREATE_FLAGS, mode)
+        fd = os.open(name, _CREATE_FLAGS, mode, dir_fd=folder.get(parent or "/"))
     except FileExistsError:
         fd = _create(path, mode)
     digest = hashlib.sha256() if verify else None

@@ -426,7 +426,9 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
     fast, dirtype, fd, base = tar_members.Member, tarfile.DIRTYPE, archive.fd, archive.base
     with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
         consumed = 0
-        for member, next_header in tar_members.members(tar, headers, job.ctx.check_cancelled):
+        blocks = tar_members.Blocks(fd, base, archive.length) if stream is None else None
+        check = job.ctx.check_cancelled
+        for member, next_header in tar_members.members(tar, headers, check, blocks):
             now = stream.compressed_pos() if stream else next_header
             share, consumed = now - consumed, now
             if ranges and member.__class__ is fast and member.type != dirtype:

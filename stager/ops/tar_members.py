@@ -21,6 +21,7 @@ and so does this module: the members must be followed by an end-of-archive
 
 from __future__ import annotations
 
+import os
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -54,35 +55,67 @@ def open_tar(fileobj: BinaryIO) -> tarfile.TarFile:
 
 
 def members(
-    tar: tarfile.TarFile, headers: BinaryIO, check: Callable[[], None] = lambda: None
+    tar: tarfile.TarFile,
+    headers: BinaryIO,
+    check: Callable[[], None] = lambda: None,
+    blocks: Blocks | None = None,
 ) -> Iterator[tuple[tarfile.TarInfo, int]]:
     """Yield ``(member, offset of the next header)`` for every member of ``tar``.
 
     ``headers`` is the seekable file ``tar`` reads (the same one, so that both
-    readers share its buffer); ``check`` runs before each member (cancellation).
+    readers share its buffer); ``blocks``, for a plain tar read by offset, serves the
+    headers this module reads itself from larger windows (``headers`` then serves
+    only tarfile). ``check`` runs before each member (cancellation).
     Raises ``tarfile.ReadError`` if the archive ends without its end marker.
     """
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened
     offset = tar.offset
+    encoding, errors, dirtype = tar.encoding, tar.errors, tarfile.DIRTYPE
     while member is not None:
-        tar.members.clear()  # tarfile keeps every header; 2.7M of them would be GBs
         yield member, offset
         check()
-        member, offset = _next(tar, headers, offset)
+        block = blocks.at(offset) if blocks is not None else _read_block(headers, offset)
+        if not tar.pax_headers:  # global pax headers change every later member: tarfile's job
+            member = fast_header(block, offset, encoding, errors)
+            if member is not None:
+                # The next header follows the data, padded to whole blocks; a folder has none.
+                offset += BLOCK if member.type == dirtype else BLOCK + ((member.size + 511) & ~511)
+                continue
+        tar.members.clear()  # tarfile keeps every header; 2.7M of them would be GBs
+        member, offset = _next_by_tarfile(tar, block, offset)
     _require_end(headers, offset)
 
 
-def _next(
-    tar: tarfile.TarFile, headers: BinaryIO, offset: int
-) -> tuple[tarfile.TarInfo | None, int]:
+class Blocks:
+    """Header blocks of a plain tar at ``base`` of ``fd``, each served from a window of
+    ``_WINDOW`` bytes read with one ``pread``: with small members a window holds dozens
+    of headers, and a slice of it is cheaper than a buffered file's seek and read."""
+
+    _WINDOW = 64 << 10
+
+    def __init__(self, fd: int, base: int, length: int) -> None:
+        self._fd, self._base, self._length = fd, base, length
+        self._data = b""
+        self._start = 0
+
+    def at(self, offset: int) -> bytes:
+        """The block at ``offset`` of the archive (shorter at its end)."""
+        at = offset - self._start
+        if at < 0 or at + BLOCK > len(self._data):
+            count = max(0, min(self._WINDOW, self._length - offset))
+            self._data, self._start, at = os.pread(self._fd, count, self._base + offset), offset, 0
+        return self._data[at : at + BLOCK]
+
+
+def _read_block(headers: BinaryIO, offset: int) -> bytes:
     headers.seek(offset)
-    block = headers.read(BLOCK)
-    if not tar.pax_headers:  # global pax headers change every later member: tarfile's job
-        member = fast_header(block, offset, tar.encoding, tar.errors)
-        if member is not None:
-            data_end = member.offset_data + (_padded(member.size) if member.isreg() else 0)
-            return member, data_end
+    return headers.read(BLOCK)
+
+
+def _next_by_tarfile(
+    tar: tarfile.TarFile, block: bytes, offset: int
+) -> tuple[tarfile.TarInfo | None, int]:
     if block == ZERO_BLOCK:
         return None, offset
     # ``TarFile.offset`` is where tarfile reads its next header from.
@@ -178,15 +211,12 @@ def _octal(field: bytes) -> int:
 # half of the block it is the exact sum, at C speed.
 def _checksum_ok(block: bytes, chksum: int) -> bool:
     total = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
-    return total - sum(block[148:156]) + 8 * 32 == chksum
+    stored = (zlib.adler32(block[148:156]) & 0xFFFF) - 1  # the checksum field's own bytes
+    return total - stored + 8 * 32 == chksum
 
 
 def _text(field: bytes, encoding: str, errors: str) -> str:
     return field.split(b"\0", 1)[0].decode(encoding, errors)
-
-
-def _padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
 
 
 def _require_end(headers: BinaryIO, offset: int) -> None:
