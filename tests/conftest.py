@@ -89,6 +89,43 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+class DiskWatch:
+    """The free space on the filesystem of the tests' temporary folders, after each
+    test: the summary names the test after which it was lowest, so a run that ends
+    in "disk full" on a small CI machine says where its space went."""
+
+    def __init__(self) -> None:
+        self.start: int | None = None
+        self.lowest: tuple[int, str] | None = None
+
+    def note(self, config: pytest.Config, nodeid: str) -> None:
+        stats = os.statvfs(config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+        free = stats.f_bavail * stats.f_frsize
+        if self.start is None:
+            self.start = free
+        if self.lowest is None or free < self.lowest[0]:
+            self.lowest = (free, nodeid)
+
+    def line(self) -> str | None:
+        if self.start is None or self.lowest is None:
+            return None
+        free, nodeid = self.lowest
+        gib = 2**30
+        return (
+            f"disk: {self.start / gib:.1f} GiB free after the first test, "
+            f"lowest {free / gib:.1f} GiB after {nodeid}"
+        )
+
+
+DISK = DiskWatch()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    DISK.note(item.config, item.nodeid)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in session_lines():
-        terminalreporter.write_line(line)
+    for line in [*session_lines(), DISK.line()]:
+        if line:
+            terminalreporter.write_line(line)

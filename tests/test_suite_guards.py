@@ -1,6 +1,8 @@
 """The suite's own guards, run in a pytest of their own: a daemon left running fails
-the run, and under ``CI=true`` a SLURM test that cannot get its cluster fails
-instead of skipping (a skip there would report an untested promise as green)."""
+the run, under ``CI=true`` a SLURM test that cannot get its cluster fails
+instead of skipping (a skip there would report an untested promise as green), and
+a passed test's temporary folder does not outlive it (the suite's disk use is its
+largest test's, not the sum: a CI machine with little free disk filled up)."""
 
 from __future__ import annotations
 
@@ -28,13 +30,23 @@ def test_starts_a_slurmd_and_forgets_it():
     with open(os.environ["LEAK_PIDFILE"], "w") as f:
         f.write(str(proc.pid))
 """
+WRITES_TWO_TMP_PATHS = """
+FIRST = []
+
+def test_first(tmp_path):
+    (tmp_path / "data").write_bytes(b"x" * 4096)
+    FIRST.append(tmp_path)
+
+def test_second(tmp_path):
+    assert not FIRST[0].exists(), "a passed test's tmp_path outlived it"
+"""
 NEEDS_THE_CLUSTER = """
 def test_on_the_cluster(local_cluster):
     pass
 """
 
 
-def _inner_pytest(tmp_path: Path, test: str, **env: str) -> subprocess.CompletedProcess:
+def _inner_pytest(tmp_path: Path, test: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_inner.py").write_text(test)
@@ -46,7 +58,7 @@ def _inner_pytest(tmp_path: Path, test: str, **env: str) -> subprocess.Completed
     environ.update(PYTHONPATH=str(REPO), **env)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-         "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "base"), str(tmp_path)],
+         "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "base"), *args, str(tmp_path)],
         cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -70,3 +82,8 @@ def test_missing_cluster_skips_locally_and_fails_under_ci(tmp_path):
     assert ci.returncode == 1 and "1 error" in ci.stdout, ci.stdout[-2000:]
     assert "CI=true and the SLURM tests cannot run" in ci.stdout
     assert "skipped" not in ci.stdout
+
+
+def test_a_passed_tests_tmp_path_is_deleted_under_the_projects_settings(tmp_path):
+    done = _inner_pytest(tmp_path, WRITES_TWO_TMP_PATHS, "-c", str(REPO / "pyproject.toml"))
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-2000:]
