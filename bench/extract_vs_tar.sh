@@ -36,11 +36,16 @@ else
 fi
 cat "$archive" > /dev/null  # in the page cache for both
 echo "archive $(basename "$archive"): $n files, $(du -m "$archive" | cut -f1) MB"
+# Seconds of CPU the hypervisor gave to others while a run had work for both vCPUs
+# (/proc/stat "steal"): stager's workers need the second core, tar does not, so a
+# round with much steal favours tar; printed beside each run to read the spread.
+steal() { awk '/^cpu /{print $9}' /proc/stat; }
 declare -A took
 for round in 1 2 3; do
     for who in stager tar; do
         rm -rf "$work/out"
         mkdir -p "$work/out"
+        s0=$(steal)
         t0=$(date +%s.%N)
         if [ "$who" = stager ]; then
             "$python" -m bench.extract_once "$archive" "$work/out" --workers 2 --rss-log "$work/rss.log" >/dev/null
@@ -48,8 +53,10 @@ for round in 1 2 3; do
             tar "$tar_flags" "$archive" -C "$work/out"
         fi
         t1=$(date +%s.%N)
+        s1=$(steal)
         took[$who$round]=$(echo "$t1 - $t0" | bc)
-        echo "round $round $who ${took[$who$round]} s, files $(find "$work/out" -type f | wc -l)"
+        echo "round $round $who ${took[$who$round]} s, files $(find "$work/out" -type f | wc -l)," \
+            "steal $(echo "scale=2; ($s1 - $s0) / $(getconf CLK_TCK)" | bc) s"
     done
 done
 rm -rf "$work/out"
