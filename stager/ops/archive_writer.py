@@ -120,6 +120,10 @@ class _Batch:
     nbytes: int = 0
 
 
+# Only a pax header carries one; GNU tar cuts the name there and writes another file.
+NUL_IN_NAME = "a NUL byte in its name or link target, which no file name can hold"
+
+
 def unsafe(archive: str, member: str, why: str) -> UnsafeArchiveMember:
     return UnsafeArchiveMember(
         f"archive {archive} has an unsafe member {member!r} ({why}); nothing was written "
@@ -399,9 +403,11 @@ class ArchiveWriter:
             # The common name needs none of the work below: relative, no empty, "." or
             # ".." component (none starts with a dot), no drive letter.
             if short and short[0] not in "/\\." and "/." not in short and "//" not in short:
-                if short[1:2] != ":" and short[-1] != "/":
+                if short[1:2] != ":" and short[-1] != "/" and "\0" not in short:
                     return short
         label = label if label is not None else name
+        if "\0" in name:
+            raise unsafe(self.archive, label, NUL_IN_NAME)
         if name.startswith("/") or name.startswith("\\") or _has_drive(name):
             raise unsafe(self.archive, label, "absolute path")
         parts = [p for p in name.split("/") if p]

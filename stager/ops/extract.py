@@ -67,7 +67,14 @@ from stager.ops.archive_formats import (
     resolve_format,
     sniff,
 )
-from stager.ops.archive_writer import ArchiveWriter, Payload, SparseRanges, file_mode, unsafe
+from stager.ops.archive_writer import (
+    NUL_IN_NAME,
+    ArchiveWriter,
+    Payload,
+    SparseRanges,
+    file_mode,
+    unsafe,
+)
 from stager.ops.base import (
     CheckContext,
     OpContext,
@@ -502,6 +509,8 @@ def _tar_member(
     if member.isdir() or member.type == _DUMPDIR:  # a dumpdir's data lists its entries
         writer.directory(rel, member.mtime, member.name)
     elif member.issym():
+        if "\0" in member.linkname:
+            raise unsafe(archive.label, member.name, NUL_IN_NAME)
         _judge_link(member.replace(name=rel, deep=False), writer.root)
         writer.symlink(rel, member.linkname, member.mtime)
     elif member.islnk():

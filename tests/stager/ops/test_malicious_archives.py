@@ -49,8 +49,16 @@ def _tar_special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
     return info, None
 
 
-def write_tar(path: Path, members: list) -> None:
-    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+def _pax(info: tarfile.TarInfo, **headers: str) -> tarfile.TarInfo:
+    """Only a pax header can carry a NUL byte inside a name (ustar and GNU fields end
+    at the first NUL): what a hostile tar writer sends."""
+    info.pax_headers = headers
+    return info
+
+
+def write_tar(path: Path, members: list, pax: bool = False) -> None:
+    kind = tarfile.PAX_FORMAT if pax else tarfile.GNU_FORMAT
+    with tarfile.open(path, "w", format=kind) as tar:
         for info, data in [_tar_file("ok/first.txt", b"fine"), *members]:
             tar.addfile(info, io.BytesIO(data) if data is not None else None)
 
@@ -146,6 +154,17 @@ CASES = {
         "tar", lambda w: [_tar_special("disk", tarfile.BLKTYPE)], _same("disk")
     ),
     "tar-fifo": Case("tar", lambda w: [_tar_special("pipe", tarfile.FIFOTYPE)], _same("pipe")),
+    # GNU tar cuts such a name at the NUL and writes another file than the archive names.
+    "pax-nul-in-name": Case(
+        "pax",
+        lambda w: [(_pax(_tar_file("x")[0], path="ok\x00../evil.txt"), b"evil")],
+        _same("ok\x00../evil.txt"),
+    ),
+    "pax-nul-in-symlink-target": Case(
+        "pax",
+        lambda w: [(_pax(_tar_link("ln", "x", tarfile.SYMTYPE)[0], linkpath="ok\x00/.."), None)],
+        _same("ln"),
+    ),
     "zip-absolute-path": Case(
         "zip", lambda w: [_zip_entry(str(w / "abs_evil.txt"))], lambda w: str(w / "abs_evil.txt")
     ),
@@ -201,8 +220,12 @@ def test_malicious_archive_is_refused(case_id: str, tmp_path: Path):
     dest.mkdir(parents=True)
     (work / "outside.txt").write_bytes(b"precious")
     (work / "outside").mkdir()
-    archive = tmp_path / f"evil.{case.fmt}"  # outside ``work``: not part of the snapshot
-    (write_tar if case.fmt == "tar" else write_zip)(archive, case.members(work))
+    suffix = "zip" if case.fmt == "zip" else "tar"
+    archive = tmp_path / f"evil.{suffix}"  # outside ``work``: not part of the snapshot
+    if case.fmt == "zip":
+        write_zip(archive, case.members(work))
+    else:
+        write_tar(archive, case.members(work), pax=case.fmt == "pax")
 
     before = snapshot(work, dest)
     ctx = OpContext(root=dest, progress=Progress(), workers=2)
