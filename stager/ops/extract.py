@@ -25,6 +25,7 @@ Library errors become ours in :func:`_translate`, the one place that maps them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import lzma
@@ -420,39 +421,40 @@ def _extract_tar(job: _Job, archive: _Archive, writer: ArchiveWriter, strip: int
     raw = _RangeFile(archive.fd, archive.base, archive.length)
     stream: StreamReader | None = None
     if archive.fmt != "tar":
-        decompressed = open_decompressed(io.BufferedReader(raw, STREAM_CHUNK), archive.fmt)  # type: ignore[arg-type]
+        buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
+        decompressed = open_decompressed(buffered, archive.fmt, read_ahead=True)
         stream = StreamReader(decompressed, raw)
-    # Headers of a plain tar are read through a read-ahead buffer: with small members
-    # the next header usually lies in the same window, which saves a pread per header
-    # (member data itself is copied by offset, not through this buffer).
-    headers = stream or io.BufferedReader(raw, HEADER_READAHEAD)  # type: ignore[arg-type]
-    # A plain tar's file member in the fast header format (tar_members.Member, no sparse
-    # map, no pax) goes straight to the writer: the loop a million-file archive runs
-    # a million times, so it skips the general dispatch of _tar_member.
-    ranges = stream is None and not (job.nested and outer)
-    fast, dirtype, fd, base = tar_members.Member, tarfile.DIRTYPE, archive.fd, archive.base
-    with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
-        consumed = 0
-        blocks = tar_members.Blocks(fd, base, archive.length) if stream is None else None
-        check = job.ctx.check_cancelled
-        for member, next_header in tar_members.members(tar, headers, check, blocks):
-            now = stream.compressed_pos() if stream else next_header
-            share, consumed = now - consumed, now
-            if ranges and member.__class__ is fast and member.type != dirtype:
-                rel = writer.clean_name(member.name, strip)
-                if rel is not None:
-                    size = member.size
-                    if member.offset_data + size > archive.length:
-                        _require_inside(archive, member, size)
-                    offset, mode = base + member.offset_data, file_mode(member.mode)
-                    writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
-                    continue
-            _tar_member(job, archive, writer, tar, stream, member, strip, share, outer)
-        if stream is not None:
-            stream.drain()  # lets the decompressor verify its checksum and length
-        job.ctx.progress.advance(max(0, archive.length - consumed), 0)
-    if stream is not None:
-        stream.close()
+    # Closed also when the extraction fails: that stops gzip's read-ahead thread.
+    with stream if stream is not None else contextlib.nullcontext():
+        # Headers of a plain tar are read through a read-ahead buffer: with small members
+        # the next header usually lies in the same window, which saves a pread per header
+        # (member data itself is copied by offset, not through this buffer).
+        headers = stream or io.BufferedReader(raw, HEADER_READAHEAD)  # type: ignore[arg-type]
+        # A plain tar's file member in the fast header format (tar_members.Member, no sparse
+        # map, no pax) goes straight to the writer: the loop a million-file archive runs
+        # a million times, so it skips the general dispatch of _tar_member.
+        ranges = stream is None and not (job.nested and outer)
+        fast, dirtype, fd, base = tar_members.Member, tarfile.DIRTYPE, archive.fd, archive.base
+        with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
+            consumed = 0
+            blocks = tar_members.Blocks(fd, base, archive.length) if stream is None else None
+            check = job.ctx.check_cancelled
+            for member, next_header in tar_members.members(tar, headers, check, blocks):
+                now = stream.compressed_pos() if stream else next_header
+                share, consumed = now - consumed, now
+                if ranges and member.__class__ is fast and member.type != dirtype:
+                    rel = writer.clean_name(member.name, strip)
+                    if rel is not None:
+                        size = member.size
+                        if member.offset_data + size > archive.length:
+                            _require_inside(archive, member, size)
+                        offset, mode = base + member.offset_data, file_mode(member.mode)
+                        writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
+                        continue
+                _tar_member(job, archive, writer, tar, stream, member, strip, share, outer)
+            if stream is not None:
+                stream.drain()  # lets the decompressor verify its checksum and length
+            job.ctx.progress.advance(max(0, archive.length - consumed), 0)
 
 
 # Member types of GNU tar's beyond tarfile's; anything else unknown is a regular file, as

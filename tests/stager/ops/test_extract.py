@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -22,6 +23,7 @@ from stager.errors import (
     SourceNotFound,
     SpecialSource,
     UnknownFormat,
+    UnsafeArchiveMember,
     UnsafePath,
     VerifyFailed,
 )
@@ -277,6 +279,26 @@ def test_cancellation_raises_cancelled(tree: Path, tmp_path: Path):
     ctx.cancel.set()
     with pytest.raises(Cancelled):
         extract.run(ExtractStep(src=str(archive)), ctx)
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_an_extraction_that_fails_early_leaves_no_thread_running(mode: str, tmp_path: Path):
+    """gzip is decompressed ahead on a thread: an error that ends the extraction before
+    the stream does (here an unsafe first member) stops it too. The archive is larger
+    than what that thread may hold ahead (~10 MiB), so it would still be running."""
+    archive = tmp_path / "data.tar"
+    with tarfile.open(archive, mode, **({"compresslevel": 1} if "gz" in mode else {})) as tar:
+        for name, data in (("../evil.txt", b"evil"), ("big.bin", os.urandom(24 << 20))):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    before = set(threading.enumerate())
+    with pytest.raises(UnsafeArchiveMember) as raised:
+        run_extract(archive, tmp_path / "dest")
+    # Checked while the error is still held (its traceback keeps the extraction's
+    # objects alive, as an error handler does): the thread must be stopped already.
+    assert raised.traceback
+    assert set(threading.enumerate()) - before == set()
 
 
 def test_safe_links_inside_are_kept(tmp_path: Path):
