@@ -8,8 +8,9 @@ file is a byte range of the archive, copied by ``os.copy_file_range`` without
 passing through Python, and the pool is worker *processes*: what is left per
 file (open, copy, utime, close and the Python around them) is GIL-bound, so
 threads take turns where processes use every core. For compressed tars the
-main thread decompresses (python-isal for gzip) in 4 MiB chunks and a thread
-pool writes the slices (shipping them to processes would cost a copy each).
+main thread reads the decompressed stream in 4 MiB chunks (gzip: python-isal
+inflates ahead on a thread of its own) and a thread pool writes the slices
+(shipping them to processes would cost a copy each).
 Nested archives inside a plain tar (ImageNet's 1,000 class tars) are read in
 place from their byte range, each extracted whole by one worker process, and
 never written to disk.
