@@ -512,14 +512,13 @@ def _tar_member(
     if member.isdir() or member.type == _DUMPDIR:  # a dumpdir's data lists its entries
         writer.directory(rel, member.mtime, member.name)
     elif member.issym():
-        if "\0" in member.linkname:
-            raise unsafe(archive.label, member.name, NUL_IN_NAME)
-        _judge_link(member.replace(name=rel, deep=False), writer.root)
+        _judge_link(member.replace(name=rel, deep=False), writer.root, archive.label, member.name)
         writer.symlink(rel, member.linkname, member.mtime)
     elif member.islnk():
         target = writer.clean_name(member.linkname, strip, f"{member.name} -> {member.linkname}")
         if target is not None:
-            _judge_link(member.replace(name=rel, linkname=target, deep=False), writer.root)
+            link = member.replace(name=rel, linkname=target, deep=False)
+            _judge_link(link, writer.root, archive.label, member.name)
             writer.hardlink(rel, target)
     else:
         raise unsafe(archive.label, member.name, "a device file or FIFO")
@@ -538,10 +537,14 @@ _NOT_FILES = frozenset(
 )
 
 
-def _judge_link(member: tarfile.TarInfo, root: str) -> None:
+def _judge_link(link: tarfile.TarInfo, root: str, archive: str, label: str) -> None:
+    """Refuse a link (of a tar or a zip) whose target leaves ``root`` or cannot be a
+    path; ``label`` is the member's name as the archive gives it, for the error."""
+    if "\0" in link.linkname:  # before tarfile, which would fail on it with a ValueError
+        raise unsafe(archive, label, NUL_IN_NAME)
     # tarfile's data filter decides (absolute targets, targets resolving
     # outside); its FilterError is mapped to UnsafeArchiveMember in _translate.
-    tarfile.data_filter(member, root)
+    tarfile.data_filter(link, root)
 
 
 def _tar_payload(
@@ -749,7 +752,7 @@ def _zip_member(
         job.ctx.progress.advance(share, 0)
         link = tarfile.TarInfo(rel)
         link.type, link.linkname = tarfile.SYMTYPE, zf.read(info).decode("utf-8", "surrogateescape")
-        _judge_link(link, writer.root)
+        _judge_link(link, writer.root, archive.label, info.filename)
         writer.symlink(rel, link.linkname, mtime)
     elif stat.S_IFMT(unix_mode) not in (0, stat.S_IFREG):
         # Many writers store permission bits only (no type): those are files.

@@ -9,6 +9,8 @@ path (the path should be real: resolved links, as ``/proc/self/fd/N`` gives it).
 
 from __future__ import annotations
 
+import re
+
 # Filesystem types (mountinfo's field after " - ") whose reads cross a network. The
 # one list; a FUSE mount (``fuse.sshfs``, ``fuse.s3fs``, ``fuse.gcsfuse``...) counts
 # as remote too, whatever its subtype: FUSE's own round trip to its daemon per call
@@ -36,6 +38,7 @@ NETWORK_TYPES = frozenset(
 )
 NETWORK_PREFIXES = ("fuse.",)
 MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
 def fs_type(real_path: str) -> str:
@@ -71,14 +74,4 @@ def _holds(point: str, path: str) -> bool:
 
 def _unescape(field: str) -> str:
     r"""Mount points in mountinfo have space, tab, newline and backslash as ``\ooo``."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m[1], 8)), field)

@@ -189,6 +189,9 @@ CASES = {
         ],
         _same("here/evil.txt"),
     ),
+    "zip-nul-in-symlink-target": Case(
+        "zip", lambda w: [_zip_entry("ln", b"ok\x00/..", stat.S_IFLNK | 0o777)], _same("ln")
+    ),
     "zip-fifo": Case(
         "zip", lambda w: [_zip_entry("pipe", b"", stat.S_IFIFO | 0o644)], _same("pipe")
     ),
