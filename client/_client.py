@@ -618,14 +618,21 @@ class AsyncStagerClient(_Base):
         )
 
     async def export(
-        self, name: str, label: str, part: int = 0, part_bytes: int | None = None
+        self,
+        name: str,
+        label: str,
+        part: int = 0,
+        part_bytes: int | None = None,
+        early: bool = False,
     ) -> ExportPublic:
         """Pack part ``part`` of ready dataset ``name`` for sbcast (part 0 plans them all,
         in parts of about ``part_bytes``; the last comes with the manifest); parts are
-        asked for in order."""
+        asked for in order. ``early``: of the files it finished while still staging."""
         body: dict[str, Any] = {"label": label, "part": part}
         if part_bytes is not None:
             body["part_bytes"] = part_bytes
+        if early:
+            body["early"] = True
         return await self._call(
             "POST",
             f"/v1/datasets/{_q(name)}/export",

@@ -322,49 +322,101 @@ class Fanout:
         # the sink starts while the source stages: both off the critical path.
         await agents.tell({"do": "stage", "to": sorted({*holders, source})})
         sink_start = asyncio.create_task(self._sink(receivers))
-        staged = (await agents.collect("staged", [source])).get(source, {})
-        self._mark("stage")
+        label = self._label()
+        first: dict[str, Any] = {}
+        if source not in holders:
+            # It stages from the storage: what it finishes is sent while it goes on.
+            await agents.tell({"do": "early", "to": [source], "label": label})
+            first = (await agents.collect("early", [source])).get(source) or {}
         sink = await sink_start
         try:
-            if staged.get("error") or not staged:
-                reason = f"the source node {source} failed ({staged.get('error', 'no answer')})"
-                await agents.tell({"do": "stage", "to": receivers, "reason": reason})
-                return
             try:
-                await self._bundle_to(agents, sink, source, receivers)
+                early = None
+                if first and not first.get("error"):
+                    early = await self._send_early(agents, sink, source, receivers, first)
+                staged = (await agents.collect("staged", [source])).get(source, {})
+                self._mark("stage")
+                if staged.get("error") or not staged:
+                    raise FanoutError(
+                        f"the source node {source} failed ({staged.get('error', 'no answer')})"
+                    )
+                await self._bundle_to(agents, sink, source, receivers, early)
             except FanoutError as exc:
                 await agents.tell({"do": "stage", "to": receivers, "reason": exc.message})
+            finally:
+                await agents.tell({"do": "drop-export", "to": [source], "label": label})
         finally:
             await sink.close()
 
-    async def _bundle_to(
-        self, agents: Agents, sink: Sink, source: str, receivers: list[str]
+    async def _send_early(
+        self, agents: Agents, sink: Sink, source: str, receivers: list[str], first: dict[str, Any]
+    ) -> Early:
+        """The parts the source node packs from the files its staging finished, sent as
+        it goes (`stager.fanout.early`): the receivers reserve room for its estimate and
+        start adopting at once, extracting each part as it lands."""
+        nbytes = int(first["total_bytes"])
+        early = Early(await self._reserve(agents, receivers, nbytes),
+                      broadcast_for(len(receivers), nbytes, False))  # fmt: skip
+        self.report.broadcast = early.how
+        await self._adopt_from(agents, source, receivers, str(first["key"]), first["data_bytes"])
+        await agents.tell({"do": "send-early", "to": [source], "label": self._label(),
+                           "dest": early.dest, "step": sink.step_id,
+                           "compress": early.how.compress, "fanout": early.how.fanout})  # fmt: skip
+        while True:
+            sent = (await agents.collect("sent", [source])).get(source)
+            if sent is None:
+                raise FanoutError(f"{source}'s task ended while it sent early parts")
+            if sent.get("early_done"):
+                early.parts = int(sent["parts"])
+                self._mark("early")
+                return early
+            await self._part_sent(agents, source, receivers, sent)
+
+    async def _adopt_from(
+        self, agents: Agents, source: str, receivers: list[str], key: str, data_bytes: int
     ) -> None:
-        """The prepared tree in parts, pipelined: the source node packs part i+1 while
-        it sbcasts part i, and the receivers' daemons extract part i-1 meanwhile."""
+        adopt = Adopt(
+            incoming=self._label(),
+            origin_node=source,
+            origin_key=key,
+            job=self.job.job_id,
+            bundle_bytes=int(data_bytes),
+        )
+        await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
+
+    async def _part_sent(
+        self, agents: Agents, source: str, receivers: list[str], sent: dict[str, Any]
+    ) -> None:
+        """A part's sbcast ended: the receivers learn it is there (each checks its own)."""
+        if sent.get("failed"):
+            # Some nodes may hold that part all the same: each receiver checks its own.
+            self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
+        self.report.sent_bytes += int(sent["bytes"])
+        await agents.tell({"do": "part", "to": receivers, "index": int(sent["index"])})
+
+    async def _bundle_to(
+        self, agents: Agents, sink: Sink, source: str, receivers: list[str], early: Early | None
+    ) -> None:
+        """The prepared tree in parts (after the early ones, what they did not carry),
+        pipelined: the source node packs part i+1 while it sbcasts part i, and the
+        receivers' daemons extract part i-1 meanwhile."""
         label = self._label()
-        await agents.tell({"do": "export", "to": [source], "label": label})
+        first_part = early.parts if early is not None else 0
+        await agents.tell({"do": "export", "to": [source], "label": label, "part": first_part})
         exported = (await agents.collect("exported", [source])).get(source, {})
         self._mark("export")
         if exported.get("error") or not exported:
             raise FanoutError(f"packing on {source} failed ({exported.get('error', 'no answer')})")
-        try:
+        if early is None:
             nbytes = int(exported["total_bytes"])
-            dest = await self._reserve(agents, receivers, nbytes)
-            adopt = Adopt(
-                incoming=label,
-                origin_node=source,
-                origin_key=str(exported["key"]),
-                job=self.job.job_id,
-                bundle_bytes=int(exported["data_bytes"]),
-            )
-            await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
-            how = self.report.broadcast = broadcast_for(len(receivers), nbytes, False)
-            end = await self._send_parts(agents, sink, source, label, dest, how, exported)
-            await agents.tell({"do": "end", "to": receivers, **end})
-            self._mark("sbcast")
-        finally:
-            await agents.tell({"do": "drop-export", "to": [source], "label": label})
+            early = Early(await self._reserve(agents, receivers, nbytes),
+                          broadcast_for(len(receivers), nbytes, False))  # fmt: skip
+            self.report.broadcast = early.how
+            await self._adopt_from(agents, source, receivers, str(exported["key"]),
+                                   exported["data_bytes"])  # fmt: skip
+        end = await self._send_parts(agents, sink, source, label, early, exported)
+        await agents.tell({"do": "end", "to": receivers, **end})
+        self._mark("sbcast")
 
     async def _send_parts(
         self,
@@ -372,29 +424,26 @@ class Fanout:
         sink: Sink,
         source: str,
         label: str,
-        dest: str,
-        how: Broadcast,
+        early: Early,
         exported: dict[str, Any],
     ) -> dict[str, Any]:
-        """Have the source node sbcast every part and then the manifest, and tell the
-        receivers each part that landed; what the end must say (the count and the
-        manifest's sha256, or why the broadcast stopped)."""
+        """Have the source node sbcast every part from ``exported`` on and then the
+        manifest, and tell the receivers each part that landed; what the end must say
+        (the count and the manifest's sha256, or why the broadcast stopped)."""
         parts = int(exported["parts"])
-        await agents.tell({"do": "send", "to": [source], "label": label, "dest": dest,
-                           "step": sink.step_id, "compress": how.compress,
-                           "fanout": how.fanout})  # fmt: skip
+        await agents.tell({"do": "send", "to": [source], "label": label, "dest": early.dest,
+                           "step": sink.step_id, "compress": early.how.compress,
+                           "fanout": early.how.fanout})  # fmt: skip
         receivers = list(sink.step.nodes)
-        for index in range(parts + 1):  # the parts, then the manifest
+        for index in range(int(exported["part"]), parts + 1):  # the parts, then the manifest
             sent = (await agents.collect("sent", [source])).get(source)
             if sent is None or sent.get("error"):
                 why = sent.get("error") if sent else f"{source}'s task ended"
                 return {"abort": f"the broadcast from {source} stopped ({why})"}
-            if sent.get("failed"):
-                # Some nodes may hold that part all the same: each receiver checks its own.
-                self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
             if index < parts:
-                self.report.sent_bytes += int(sent["bytes"])
-                await agents.tell({"do": "part", "to": receivers, "index": index})
+                await self._part_sent(agents, source, receivers, sent)
+            elif sent.get("failed"):
+                self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
         return {"parts": parts, "manifest_sha256": sent["manifest_sha256"]}
 
     # ---- sources: broadcast the release files, every node stages from its copy -------
@@ -435,6 +484,16 @@ class Fanout:
             sources={path: tuple(entry) for path, entry in hashed["files"].items()},
         )
         await agents.tell({"do": "adopt", "to": lacking, "adopt": adopt.model_dump()})
+
+
+@dataclass
+class Early:
+    """Where the parts go (the receivers' delivery folder, how sbcast sends them), and
+    how many early parts went before the ready tree's."""
+
+    dest: str
+    how: Broadcast
+    parts: int = 0
 
 
 class Agents:

@@ -8,8 +8,12 @@ nodes it is for). A task lives for the whole fan-out, so its start-up (a Python
 interpreter) is paid once per node, at the beginning, all nodes at once.
 
     at start   probe: this node's cache key for the request, and whether it holds it
-    stage      stage (or take the cache hit) as a plain request
-    export     pack part 0 of the ready dataset (and plan the others), for sbcast
+    stage      stage (or take the cache hit) as a plain request, in the background
+    early      start an export of the dataset while it stages (its estimate)
+    send-early sbcast the files the staging finished, in parts, as it goes; one
+               ``sent`` event per part, and one (``early_done``) once it is not staging
+    export     pack the first part of the ready dataset that early parts did not
+               carry (and plan the others), for sbcast
     send       sbcast every part, each packed while the one before travels, then the
                manifest; one ``sent`` event per part as it lands on the receivers
     drop-export  delete the packed parts once sent
@@ -86,6 +90,9 @@ class Node:
         self.incoming: TransferPublic | None = None
         self.exported: ExportPublic | None = None  # the part packed last, on the source
         self._adopting: asyncio.Task[dict[str, Any]] | None = None
+        self._staging: asyncio.Task[None] | None = None
+        self._sending_early: asyncio.Task[None] | None = None
+        self._submitted = asyncio.Event()  # the stage request reached the daemon (or failed)
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"node": self.node, "event": kind, **fields}
@@ -103,10 +110,16 @@ class Node:
                 # will arrive: the adoption stops waiting and stages from the source.
                 await asyncio.to_thread(self._abort, "the fan-out driver ended before it")
                 self.result = await self._adopting
+            for task in (self._sending_early, self._staging):
+                if task is not None:
+                    await task
         finally:
             if self._adopting is not None and not self._adopting.done():
                 await asyncio.to_thread(self._abort, "this node's task was stopped")
                 self._adopting.cancel()
+            for task in (self._sending_early, self._staging):
+                if task is not None:
+                    task.cancel()
             await self._release()
             self.emit(self.result or self._event("done", error=NOT_TOLD))
 
@@ -118,11 +131,16 @@ class Node:
             await asyncio.to_thread(self._abort, str(message.get("reason") or "given up"))
             self.result = await self._adopting
             self.emit(self._event("staged", **_public(self.result)))
-        elif action == "stage":
-            self.result = await self.stage(fallback=message.get("reason"))
-            self.emit(self._event("staged", **_public(self.result)))
+        elif action == "stage" and self._staging is None:
+            # In the background: meanwhile the files it finishes may be sent (early).
+            self._staging = asyncio.create_task(self._stage_and_say(message.get("reason")))
+        elif action == "early":
+            self.emit(await self.export_early(str(message["label"])))
+        elif action == "send-early":
+            self._sending_early = asyncio.create_task(self.send_early(message))
         elif action == "export":
-            self.emit(await self.export(str(message["label"]), message.get("part_bytes")))
+            label, part = str(message["label"]), int(message.get("part", 0))
+            self.emit(await self.export(label, message.get("part_bytes"), part))
         elif action == "send":
             await self.send(message)
         elif action == "drop-export":
@@ -153,11 +171,18 @@ class Node:
             return self._event("probe", error=exc.message)
         return self._event("probe", **result.model_dump(mode="json"))
 
+    async def _stage_and_say(self, fallback: str | None) -> None:
+        self.result = await self.stage(fallback)
+        self.emit(self._event("staged", **_public(self.result)))
+
     async def stage(self, fallback: str | None = None) -> dict[str, Any]:
         """A plain staging (or cache hit) on this node; the ``done`` event."""
         started = time.monotonic()
         try:
-            status = await self.client.submit(self.body)
+            try:
+                status = await self.client.submit(self.body)
+            finally:
+                self._submitted.set()
             hit = status.state == State.READY
             if not hit:
                 status = await self.client.wait(status.name, self.timeout)
@@ -179,14 +204,58 @@ class Node:
             fallback=fallback,
         )
 
-    async def export(self, label: str, part_bytes: int | None = None) -> dict[str, Any]:
-        """Plan the parts and pack part 0 (the others are packed as they are sent)."""
+    async def export(
+        self, label: str, part_bytes: int | None = None, part: int = 0
+    ) -> dict[str, Any]:
+        """Plan the parts and pack the first (``part``: after the early ones); the others
+        are packed as they are sent."""
         try:
             name = str(self.body["name"])
-            self.exported = await self.client.export(name, label, 0, part_bytes)
+            self.exported = await self.client.export(name, label, part, part_bytes)
         except StagerError as exc:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
         return self._event("exported", **self.exported.model_dump(mode="json"))
+
+    async def export_early(self, label: str) -> dict[str, Any]:
+        """Start sending the dataset while it stages: its first early part, if it has
+        one yet, and the staging's estimate of its size (for the receivers' room)."""
+        await self._submitted.wait()
+        try:
+            self.exported = await self.client.export(str(self.body["name"]), label, 0, early=True)
+        except StagerError as exc:
+            return self._event("early", error=exc.message)
+        return self._event("early", **self.exported.model_dump(mode="json"))
+
+    async def send_early(self, message: dict[str, Any]) -> None:
+        """sbcast early parts as the daemon packs them, until the staging is over
+        (then ``sent`` with ``early_done`` and the count). A part that cannot be packed
+        ends the early parts: the ready tree's parts carry what they did not."""
+        label, dest, step = str(message["label"]), str(message["dest"]), str(message["step"])
+        how = Broadcast(bool(message["compress"]), int(message["fanout"]))
+        exported, name = self.exported, str(self.body["name"])
+        while exported is not None and exported.id == label:
+            if exported.path is not None:
+                failed = await self._send(exported.path, f"{dest}/{part_name(exported.part)}",
+                                          step, how)  # fmt: skip
+                self.emit(self._event("sent", index=exported.part, bytes=exported.bytes,
+                                      failed=failed))  # fmt: skip
+            if not exported.more:
+                break
+            if exported.path is None:
+                await asyncio.sleep(exported.retry_after_s)
+            # The staging's end is seen by the daemon (the entry is not staging any more)
+            # or here (this node's wait for it returned, maybe with an error).
+            staging_over = self._staging is not None and self._staging.done()
+            try:
+                exported = self.exported = await self.client.export(
+                    name, label, exported.parts, early=True
+                )
+            except StagerError:
+                break
+            if staging_over and exported.path is None:
+                break
+        parts = self.exported.parts if self.exported is not None else 0
+        self.emit(self._event("sent", early_done=True, parts=parts))
 
     async def send(self, message: dict[str, Any]) -> None:
         """sbcast the parts to step ``message["step"]``, into folder ``message["dest"]``

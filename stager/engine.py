@@ -279,10 +279,16 @@ class Engine:
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
     async def export(self, name: str, request: ExportCreate) -> ExportPublic:
-        """Pack part ``request.part`` of ready dataset ``name`` for sbcast (part 0 plans
-        them all, and the last one comes with the manifest)."""
+        """Pack part ``request.part`` of dataset ``name`` for sbcast: of its ready tree
+        (the first part plans them, and the last one comes with the manifest), or with
+        ``early`` of the tree it is still staging (docs/multinode.md)."""
+        if request.early:
+            entry = self._reg.entries[self._handle(name).key]
+            staging = entry.state == State.STAGING and entry.attempt is not None
+            tree = self._reg.attempt(entry).tree if staging else None
+            return await self.fanout.export_early(entry, request, tree)
         ready = None
-        if request.part == 0:
+        if self.fanout.plans_from(request.label, request.part):
             entry = self._reg.entries[self._handle(name).key]
             if entry.state != State.READY:
                 raise Conflict(

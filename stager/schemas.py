@@ -127,28 +127,37 @@ class ProbeResult(BaseModel):
 
 
 class ExportCreate(BaseModel):
-    """Pack part ``part`` of a ready dataset (parts are asked for in order, from 0)."""
+    """Pack part ``part`` of a dataset (parts are asked for in order, from 0). With
+    ``early``, of a dataset still staging: files it finished a while ago, sent while it
+    stages the rest; the first part asked for without ``early`` then plans what the
+    ready tree still needs (see ``stager.fanout.early``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     label: str = Field(pattern=LABEL_PATTERN)  # names the files, e.g. job-42
     part: int = Field(default=0, ge=0)
-    # With part 0: about how many bytes of file data each part holds (default 32 MiB).
+    # With the first part: about how many bytes of file data each part holds (32 MiB).
     part_bytes: int | None = Field(default=None, ge=1 << 16)
+    early: bool = False
 
 
 class ExportPublic(BaseModel):
     id: str
     key: str
     part: int
-    parts: int  # how many there are in all
-    path: str  # this part: a plain tar of whole files of the ready tree
-    bytes: int  # this part's size
+    parts: int  # how many there are in all (an early export: packed so far)
+    # This part: a plain tar of whole files. None: an early export has no part now
+    # (``more``: ask again after ``retry_after_s``; else the staging ended, and the
+    # ready tree's parts follow from part ``parts``).
+    path: str | None = None
+    bytes: int = 0  # this part's size
     total_bytes: int  # all parts together, about
     data_bytes: int  # the dataset's file data (what the receivers will write)
     # With the last part: every path, size and sha256 of the tree, and its sha256.
     manifest: str | None = None
     manifest_sha256: str | None = None
+    more: bool = False
+    retry_after_s: float = 0.0
 
 
 class IncomingCreate(BaseModel):

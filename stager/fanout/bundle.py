@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stager.errors import BadRequest
-from stager.fanout.manifest import HASH_CHUNK, Manifest, walk
+from stager.fanout.manifest import HASH_CHUNK, Digests, Manifest, walk
 
 
 class _Hashing:
@@ -47,10 +47,15 @@ Entries = list[tuple[str, os.stat_result]]
 def plan(root: Path, part_bytes: int = PART_BYTES) -> list[Entries]:
     """``root``'s paths (parents first) in parts of about ``part_bytes`` of file data;
     always at least one part."""
+    return cut(walk(root), part_bytes)
+
+
+def cut(entries: Entries, part_bytes: int) -> list[Entries]:
+    """``entries`` (parents first) in parts of about ``part_bytes``; at least one part."""
     parts: list[Entries] = []
     current: Entries = []
     size = 0
-    for path, info in walk(root):
+    for path, info in entries:
         current.append((path, info))
         if stat.S_ISREG(info.st_mode):
             size += info.st_size
@@ -62,8 +67,11 @@ def plan(root: Path, part_bytes: int = PART_BYTES) -> list[Entries]:
     return parts
 
 
-def pack_part(root: Path, out: Path, entries: Entries, manifest: Manifest) -> None:
-    """Write ``entries`` of ``root`` to ``out`` (a tar), adding them to ``manifest``."""
+def pack_part(
+    root: Path, out: Path, entries: Entries, manifest: Manifest, sent: Digests | None = None
+) -> None:
+    """Write ``entries`` of ``root`` to ``out`` (a tar), adding them to ``manifest``
+    (and each file, with the identity it had before it was read, to ``sent``)."""
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT, copybufsize=HASH_CHUNK) as tar:
         for path, info in entries:
             member = _member(root, path, info)
@@ -72,6 +80,8 @@ def pack_part(root: Path, out: Path, entries: Entries, manifest: Manifest) -> No
                     reader = _Hashing(stream)
                     tar.addfile(member, reader)  # type: ignore[arg-type]
                 manifest.files[path] = (reader.size, reader.sha.hexdigest())
+                if sent is not None:
+                    sent.remember(path, info, manifest.files[path])
             else:
                 tar.addfile(member)
                 if member.isdir():

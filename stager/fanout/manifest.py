@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,13 +102,24 @@ class Digests:
         self._known: dict[str, tuple[tuple[int, int, int, int], tuple[int, str]]] = {}
 
     def of(self, root: Path, path: str, info: os.stat_result) -> tuple[int, str]:
-        identity = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-        known = self._known.get(path)
-        if known is not None and known[0] == identity:
-            return known[1]
-        found = file_digest(root / path)
-        self._known[path] = (identity, found)
+        found = self.known(path, info)
+        if found is None:
+            found = file_digest(root / path)
+            self.remember(path, info, found)
         return found
+
+    def known(self, path: str, info: os.stat_result) -> tuple[int, str] | None:
+        """(size, sha256) of ``path`` if it was hashed as it is now (``info``), else None."""
+        known = self._known.get(path)
+        return known[1] if known is not None and known[0] == _identity(info) else None
+
+    def remember(self, path: str, info: os.stat_result, digest: tuple[int, str]) -> None:
+        """``digest`` is what ``path`` held while it was ``info`` (stat before reading)."""
+        self._known[path] = (_identity(info), digest)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def build(root: Path, digests: Digests | None = None) -> Manifest:
@@ -132,6 +144,20 @@ def add(manifest: Manifest, root: Path, path: str, info: os.stat_result, digests
             f"{root / path} is neither a file, a folder nor a link; a dataset holding "
             "devices or sockets cannot be broadcast, stage it on every node instead"
         )
+
+
+def prune(root: Path, expected: Manifest) -> None:
+    """Remove what ``root`` holds that ``expected`` does not name (deepest first): files
+    an early part carried that the staging on the source renamed or removed later.
+    Links are removed, never followed."""
+    named = expected.dirs | set(expected.files) | set(expected.links)
+    for path, info in reversed(walk(root)):
+        if path in named:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            shutil.rmtree(root / path)
+        elif os.path.lexists(root / path):  # a folder removed above may have held it
+            os.unlink(root / path)
 
 
 def verify(root: Path, expected: Manifest, origin: str, digests: Digests | None = None) -> None:

@@ -19,18 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from stager.blocking import run_io
-from stager.dataset import Entry
-from stager.errors import BadRequest, Conflict, NotFound, from_os_error
+from stager.dataset import Entry, State
+from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
+from stager.fanout.early import RETRY_MIN_S
+from stager.fanout.manifest import Manifest
 from stager.fanout.transfers import (
     EXPORT_TTL_S,
     ExportPlan,
     Transfer,
     Transfers,
+    bundle_estimate,
+    early_public,
     make_folder,
+    pack_early_part,
     pack_export_part,
     plan_export,
+    plan_rest,
     remove_folder,
     transfer_public,
 )
@@ -63,7 +69,7 @@ class FanoutRoom:
     @property
     def exporting(self) -> set[str]:
         """Keys with parts still to pack: never evicted under the packer."""
-        unpacked = {p.key for p in self.plans.values() if p.packed < len(p.parts)}
+        unpacked = {p.key for p in self.plans.values() if p.early or p.packed < p.count}
         return unpacked | set(self._planning)
 
     def pending(self) -> list[Transfer]:
@@ -156,15 +162,66 @@ class FanoutRoom:
         await run_io(remove_folder, transfer.path)
         return transfer_public(transfer)
 
+    def plans_from(self, label: str, part: int) -> bool:
+        """Whether asking for part ``part`` of ``label`` plans parts of a ready tree:
+        the first part of an export, or the first after its early parts."""
+        plan = self.plans.get(label)
+        return part == 0 or (plan is not None and plan.early and part == plan.packed)
+
     async def export(
         self, name: str, request: ExportCreate, ready: tuple[Entry, Path] | None
     ) -> ExportPublic:
-        """Pack part ``request.part`` of dataset ``name`` for sbcast. Part 0 (``ready``:
-        the ready entry and its tree) plans the parts and is admitted for all of them;
-        the others come in order, each packed while the one before is on its way."""
+        """Pack part ``request.part`` of dataset ``name`` for sbcast. The first part
+        (``ready``: the ready entry and its tree) plans the parts and is admitted for all
+        of them (after early parts: for what they did not carry); the others come in
+        order, each packed while the one before is on its way."""
         label, part = request.label, request.part
+        part_bytes = request.part_bytes or PART_BYTES
         if ready is not None:
-            await self._plan_export(ready, label, request.part_bytes or PART_BYTES)
+            plan = self.plans.get(label)
+            if plan is not None and plan.early and part == plan.packed:
+                await self._locked(plan, label, plan_rest, plan, ready[1], part_bytes)
+            else:
+                await self._plan_export(ready, label, part_bytes)
+        plan = self._plan(label, part)
+        if part >= plan.count or plan.early:
+            raise Conflict(
+                f"export {label!r} has {plan.packed} of {plan.count} parts packed; "
+                f"ask for part {plan.packed}, not {part}"
+            )
+        return await self._locked(plan, name, pack_export_part, plan, self.exports.get(label))
+
+    async def export_early(
+        self, entry: Entry, request: ExportCreate, tree: Path | None
+    ) -> ExportPublic:
+        """Pack the next early part of ``entry``, which is staging into ``tree`` (None:
+        queued), or say there is none yet; once it is not staging any more, say so: its
+        remaining parts are asked for without ``early``."""
+        label, part = request.label, request.part
+        if part == 0 and label not in self.plans:
+            nbytes = bundle_estimate(entry.estimate_bytes, 0)
+            async with self._admission:
+                await self._admit(nbytes, entry.key)
+                self.exports.add(label, nbytes, EXPORT_TTL_S)
+                self.plans[label] = ExportPlan(Path(), entry.key, [], Manifest(),
+                                               entry.estimate_bytes, early=True)  # fmt: skip
+        plan = self._plan(label, part)
+        if not plan.early:
+            raise Conflict(f"export {label!r} is past its early parts; ask without 'early'")
+        transfer = self.exports.get(label)
+        staging = entry.state in (State.QUEUED, State.STAGING)
+        if tree is None or not staging:
+            return early_public(plan, transfer, more=staging, retry_after_s=RETRY_MIN_S)
+        part_bytes = request.part_bytes or PART_BYTES
+        try:
+            return await self._locked(plan, entry.key, pack_early_part, plan, transfer, tree,
+                                      part_bytes)  # fmt: skip
+        except StagerError:
+            # The staging moved its tree (published) or removed a file while it was read:
+            # nothing was sent; the next look sees where it stands.
+            return early_public(plan, transfer, more=True, retry_after_s=RETRY_MIN_S)
+
+    def _plan(self, label: str, part: int) -> ExportPlan:
         plan = self.plans.get(label)
         if plan is None:
             raise NotFound(f"export {label!r} was not started here; ask for its part 0 first")
@@ -173,16 +230,20 @@ class FanoutRoom:
                 f"export {label!r} is packing part {plan.packed} now; ask for the next part "
                 "once that answer came"
             )
-        if part != plan.packed or part >= len(plan.parts):
+        if part != plan.packed:
             raise Conflict(
-                f"export {label!r} has {plan.packed} of {len(plan.parts)} parts packed; "
-                f"ask for part {plan.packed}, not {part}"
+                f"export {label!r} has {plan.packed} parts packed; ask for part "
+                f"{plan.packed}, not {part}"
             )
+        return plan
+
+    async def _locked(self, plan: ExportPlan, what: str, work: Any, *args: Any) -> Any:
+        """``work(*args)`` off the event loop, as the one piece of work on ``plan``."""
         plan.packing = True
         try:
-            return await run_io(pack_export_part, plan, self.exports.get(label))
+            return await run_io(work, *args)
         except OSError as exc:
-            raise from_os_error(exc, f"packing {name!r} to send it") from exc
+            raise from_os_error(exc, f"packing {what!r} to send it") from exc
         finally:
             plan.packing = False
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from stager.errors import NotFound
-from stager.fanout import bundle
-from stager.fanout.manifest import Manifest, digest
+from stager.fanout import bundle, early
+from stager.fanout.manifest import Digests, Manifest, digest
 from stager.schemas import MANIFEST_NAME, ExportPublic, TransferPublic, part_name
 
 EXPORT_TTL_S = 3600.0
@@ -43,18 +45,26 @@ class Transfer:
 
 @dataclass
 class ExportPlan:
-    """An export under way: the ready tree cut into parts, packed one at a time."""
+    """An export under way: the tree cut into parts, packed one at a time. An early
+    export (``early``) packs parts of a tree still staging, as its files are finished
+    (:mod:`stager.fanout.early`); once the tree is ready, its remaining parts are
+    planned and numbered from ``first`` on."""
 
     tree: Path
     key: str
-    parts: list[bundle.Entries]
+    parts: list[bundle.Entries]  # parts ``first`` .. ``first + len(parts) - 1``
     manifest: Manifest
+    data_bytes: int  # the tree's file data (an early export: the staging's estimate)
+    first: int = 0
     packed: int = 0  # parts written so far
     packing: bool = False  # a part is being written now
+    early: bool = False
+    sent: Digests = field(default_factory=Digests)  # files packed, as they were then
+    sent_dirs: set[str] = field(default_factory=set)
 
     @property
-    def data_bytes(self) -> int:
-        return sum(i.st_size for part in self.parts for _, i in part if stat.S_ISREG(i.st_mode))
+    def count(self) -> int:
+        return self.first + len(self.parts)
 
     @property
     def total_bytes(self) -> int:
@@ -129,32 +139,76 @@ def unwritten_bytes(transfers: list[Transfer]) -> int:
 
 
 def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:
-    return ExportPlan(tree, key, bundle.plan(tree, part_bytes), Manifest())
+    parts = bundle.plan(tree, part_bytes)
+    data = sum(i.st_size for part in parts for _, i in part if stat.S_ISREG(i.st_mode))
+    return ExportPlan(tree, key, parts, Manifest(), data)
+
+
+def plan_rest(plan: ExportPlan, tree: Path, part_bytes: int) -> None:
+    """After the early parts: the parts ready ``tree`` still needs, from part ``packed``."""
+    plan.parts, plan.manifest, plan.data_bytes = early.rest(tree, plan.sent, part_bytes)
+    plan.tree, plan.first, plan.early = tree, plan.packed, False
 
 
 def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
     """Write the next part (and, with the last, the manifest) into the export's folder."""
-    make_folder(transfer)
     index = plan.packed
-    out = transfer.path / part_name(index)
-    bundle.pack_part(plan.tree, out, plan.parts[index], plan.manifest)
+    out = _start_part(plan, transfer)
+    bundle.pack_part(plan.tree, out, plan.parts[index - plan.first], plan.manifest, plan.sent)
     plan.packed += 1
-    public = ExportPublic(
-        id=transfer.label,
-        key=plan.key,
-        part=index,
-        parts=len(plan.parts),
-        path=str(out),
-        bytes=out.stat().st_size,
-        total_bytes=plan.total_bytes,
-        data_bytes=plan.data_bytes,
-    )
-    if plan.packed == len(plan.parts):
+    public = _part_public(plan, transfer, out)
+    if plan.packed == plan.count:
         data = plan.manifest.to_bytes()
         (transfer.path / MANIFEST_NAME).write_bytes(data)
         public.manifest = str(transfer.path / MANIFEST_NAME)
         public.manifest_sha256 = digest(data)
     return public
+
+
+def pack_early_part(
+    plan: ExportPlan, transfer: Transfer, tree: Path, part_bytes: int
+) -> ExportPublic:
+    """The next early part of staging ``tree``, or none yet (``path`` None, ``more``)."""
+    entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, part_bytes, time.time())
+    if entries is None:
+        return early_public(plan, transfer, more=True, retry_after_s=retry)
+    out = _start_part(plan, transfer)
+    bundle.pack_part(tree, out, entries, Manifest(), plan.sent)
+    plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
+    plan.packed += 1
+    public = _part_public(plan, transfer, out)
+    public.more, public.retry_after_s = True, retry
+    return public
+
+
+def early_public(plan: ExportPlan, transfer: Transfer, **fields: Any) -> ExportPublic:
+    """An early export's answer without a part: none yet, or (``more`` False) no more."""
+    return ExportPublic(id=transfer.label, key=plan.key, part=plan.packed, parts=plan.packed,
+                        total_bytes=transfer.nbytes, data_bytes=plan.data_bytes,
+                        **fields)  # fmt: skip
+
+
+def _start_part(plan: ExportPlan, transfer: Transfer) -> Path:
+    """Where part ``plan.packed`` goes. The part two before it was sent by now (a part
+    is packed while the one before it travels): it is removed, so an export takes
+    about three parts of disk, whatever the dataset's size."""
+    make_folder(transfer)
+    if plan.packed >= 2:
+        (transfer.path / part_name(plan.packed - 2)).unlink(missing_ok=True)
+    return transfer.path / part_name(plan.packed)
+
+
+def _part_public(plan: ExportPlan, transfer: Transfer, out: Path) -> ExportPublic:
+    return ExportPublic(
+        id=transfer.label,
+        key=plan.key,
+        part=plan.packed - 1,
+        parts=plan.count if not plan.early else plan.packed,
+        path=str(out),
+        bytes=out.stat().st_size,
+        total_bytes=plan.total_bytes if not plan.early else transfer.nbytes,
+        data_bytes=plan.data_bytes,
+    )
 
 
 def transfer_public(transfer: Transfer) -> TransferPublic:

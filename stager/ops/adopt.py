@@ -8,9 +8,11 @@ next parts are still on their way. The job's own task on this node says when a
 part is whole (``part-N.tar.ok``) and, at the end, how many parts there were and
 the sha256 of the manifest (``end.json``): those come along the job's ``srun``
 step, not the broadcast. Then the manifest (every path, size and sha256, written by
-the node that packed the tree) must match that sha256, and the tree must match the
-manifest, path by path. Anything missing, extra or different fails the staging,
-which never publishes: no delivered byte is trusted before it matched.
+the node that packed the tree) must match that sha256; what it does not name goes
+(parts packed while the source was still staging may hold files that node renamed
+or removed later), and the tree must match the manifest, path by path. Anything
+missing or different fails the staging, which never publishes: no delivered byte is
+trusted before it matched.
 (``check_delivered`` is the same promise for source files broadcast as they are.)
 """
 
@@ -69,6 +71,10 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
         index += 1
     expected = _manifest(step, folder, end)
     ctx.check_cancelled()
+    # Parts sent while the source node was still staging may carry files it renamed
+    # or removed later (stager.fanout.early): the manifest, written from its ready
+    # tree, says what stays.
+    manifests.prune(tree, expected)
     manifests.verify(tree, expected, step.origin_node, digests)
 
 

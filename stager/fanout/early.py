@@ -1,0 +1,80 @@
+"""Early parts: files a staging finished, sent to the other nodes while it stages the rest.
+
+A multi-node job reads the shared storage on one node and sends the others what it
+staged (docs/multinode.md). Sending only once that staging is ready adds the whole
+send to the job's time, although the staging is bound by the storage link and the
+cores sit idle meanwhile. So the source node packs and sends the files its staging
+finished a while ago as it goes, and when the dataset is ready only what changed
+or came since remains.
+
+Which files are finished? The staging does not say, and need not. A file is taken
+once its ctime is ``STABLE_S`` old (nothing wrote, renamed or chmodded it since: the
+kernel sets ctime, and no call sets it back), and it is remembered with its
+identity (inode, size, mtime, ctime) as it was before it was read. The ready tree
+is walked again at the end: a file with the same identity went out as it is now;
+any other file (written again, renamed, new) goes in the final parts, and the
+manifest, built from the ready tree, is what the receivers check. They extract
+every part in order (a later copy of a path replaces an earlier one), remove what
+the manifest does not name, and check the rest: sending early is never trusted,
+only faster.
+"""
+
+from __future__ import annotations
+
+import stat
+import time
+from pathlib import Path
+
+from stager.fanout.bundle import Entries, cut
+from stager.fanout.manifest import Digests, Manifest, walk
+
+# A file unchanged this long is taken to be finished (a wrong guess costs a resend).
+STABLE_S = 0.5
+# Between two looks at a staging tree: at least this, and a few times what a walk of
+# it took (a tree of a million files is not walked twice a second beside its staging).
+RETRY_MIN_S = 0.25
+RETRY_WALKS = 4
+
+
+def pick(
+    tree: Path, sent: Digests, sent_dirs: set[str], part_bytes: int, now: float
+) -> tuple[Entries | None, float]:
+    """The next early part of staging tree ``tree``: folders not sent yet and files
+    unchanged for ``STABLE_S`` and not sent as they are now, until ``part_bytes`` of
+    file data (None if there is not that much yet); and how long to wait before the
+    next look."""
+    started = time.monotonic()
+    entries: Entries = []
+    size = 0
+    for path, info in walk(tree):
+        if stat.S_ISDIR(info.st_mode):
+            if path not in sent_dirs:
+                entries.append((path, info))
+        elif (
+            stat.S_ISREG(info.st_mode)
+            and now - info.st_ctime >= STABLE_S
+            and sent.known(path, info) is None
+        ):
+            entries.append((path, info))
+            size += info.st_size
+            if size >= part_bytes:
+                break
+    retry = max(RETRY_MIN_S, RETRY_WALKS * (time.monotonic() - started))
+    return (entries if size >= part_bytes else None), retry
+
+
+def rest(tree: Path, sent: Digests, part_bytes: int) -> tuple[list[Entries], Manifest, int]:
+    """What the ready ``tree`` still needs sent after the early parts: its folders and
+    links, and every file not sent as it is now, in parts; the manifest with the files
+    already sent (the others are added as they are packed); and the tree's file bytes."""
+    manifest = Manifest()
+    needed: Entries = []
+    data_bytes = 0
+    for path, info in walk(tree):
+        if stat.S_ISREG(info.st_mode):
+            data_bytes += info.st_size
+            if (digest := sent.known(path, info)) is not None:
+                manifest.files[path] = digest
+                continue
+        needed.append((path, info))
+    return cut(needed, part_bytes), manifest, data_bytes
