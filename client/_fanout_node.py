@@ -135,7 +135,7 @@ class Node:
             # In the background: meanwhile the files it finishes may be sent (early).
             self._staging = asyncio.create_task(self._stage_and_say(message.get("reason")))
         elif action == "early":
-            self.emit(await self.export_early(str(message["label"])))
+            self.emit(await self.export_early(str(message["label"]), message.get("part_bytes")))
         elif action == "send-early":
             self._sending_early = asyncio.create_task(self.send_early(message))
         elif action == "export":
@@ -216,12 +216,13 @@ class Node:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
         return self._event("exported", **self.exported.model_dump(mode="json"))
 
-    async def export_early(self, label: str) -> dict[str, Any]:
+    async def export_early(self, label: str, part_bytes: int | None = None) -> dict[str, Any]:
         """Start sending the dataset while it stages: its first early part, if it has
         one yet, and the staging's estimate of its size (for the receivers' room)."""
         await self._submitted.wait()
         try:
-            self.exported = await self.client.export(str(self.body["name"]), label, 0, early=True)
+            name = str(self.body["name"])
+            self.exported = await self.client.export(name, label, 0, part_bytes, early=True)
         except StagerError as exc:
             return self._event("early", error=exc.message)
         return self._event("early", **self.exported.model_dump(mode="json"))

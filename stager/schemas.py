@@ -136,7 +136,7 @@ class ExportCreate(BaseModel):
 
     label: str = Field(pattern=LABEL_PATTERN)  # names the files, e.g. job-42
     part: int = Field(default=0, ge=0)
-    # With the first part: about how many bytes of file data each part holds (32 MiB).
+    # With part 0: about how many bytes of file data each part holds (32 MiB).
     part_bytes: int | None = Field(default=None, ge=1 << 16)
     early: bool = False
 

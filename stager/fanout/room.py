@@ -176,13 +176,12 @@ class FanoutRoom:
         of them (after early parts: for what they did not carry); the others come in
         order, each packed while the one before is on its way."""
         label, part = request.label, request.part
-        part_bytes = request.part_bytes or PART_BYTES
         if ready is not None:
             plan = self.plans.get(label)
             if plan is not None and plan.early and part == plan.packed:
-                await self._locked(plan, label, plan_rest, plan, ready[1], part_bytes)
+                await self._locked(plan, label, plan_rest, plan, ready[1])
             else:
-                await self._plan_export(ready, label, part_bytes)
+                await self._plan_export(ready, label, request.part_bytes or PART_BYTES)
         plan = self._plan(label, part)
         if part >= plan.count or plan.early:
             raise Conflict(
@@ -204,7 +203,9 @@ class FanoutRoom:
                 await self._admit(nbytes, entry.key)
                 self.exports.add(label, nbytes, EXPORT_TTL_S)
                 self.plans[label] = ExportPlan(Path(), entry.key, [], Manifest(),
-                                               entry.estimate_bytes, early=True)  # fmt: skip
+                                               entry.estimate_bytes,
+                                               request.part_bytes or PART_BYTES,
+                                               early=True)  # fmt: skip
         plan = self._plan(label, part)
         if not plan.early:
             raise Conflict(f"export {label!r} is past its early parts; ask without 'early'")
@@ -212,10 +213,8 @@ class FanoutRoom:
         staging = entry.state in (State.QUEUED, State.STAGING)
         if tree is None or not staging:
             return early_public(plan, transfer, more=staging, retry_after_s=RETRY_MIN_S)
-        part_bytes = request.part_bytes or PART_BYTES
         try:
-            return await self._locked(plan, entry.key, pack_early_part, plan, transfer, tree,
-                                      part_bytes)  # fmt: skip
+            return await self._locked(plan, entry.key, pack_early_part, plan, transfer, tree)
         except StagerError:
             # The staging moved its tree (published) or removed a file while it was read:
             # nothing was sent; the next look sees where it stands.

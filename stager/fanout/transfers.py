@@ -55,6 +55,7 @@ class ExportPlan:
     parts: list[bundle.Entries]  # parts ``first`` .. ``first + len(parts) - 1``
     manifest: Manifest
     data_bytes: int  # the tree's file data (an early export: the staging's estimate)
+    part_bytes: int = bundle.PART_BYTES  # about how much file data a part holds
     first: int = 0
     packed: int = 0  # parts written so far
     packing: bool = False  # a part is being written now
@@ -141,12 +142,12 @@ def unwritten_bytes(transfers: list[Transfer]) -> int:
 def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:
     parts = bundle.plan(tree, part_bytes)
     data = sum(i.st_size for part in parts for _, i in part if stat.S_ISREG(i.st_mode))
-    return ExportPlan(tree, key, parts, Manifest(), data)
+    return ExportPlan(tree, key, parts, Manifest(), data, part_bytes)
 
 
-def plan_rest(plan: ExportPlan, tree: Path, part_bytes: int) -> None:
+def plan_rest(plan: ExportPlan, tree: Path) -> None:
     """After the early parts: the parts ready ``tree`` still needs, from part ``packed``."""
-    plan.parts, plan.manifest, plan.data_bytes = early.rest(tree, plan.sent, part_bytes)
+    plan.parts, plan.manifest, plan.data_bytes = early.rest(tree, plan.sent, plan.part_bytes)
     plan.tree, plan.first, plan.early = tree, plan.packed, False
 
 
@@ -165,11 +166,9 @@ def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
     return public
 
 
-def pack_early_part(
-    plan: ExportPlan, transfer: Transfer, tree: Path, part_bytes: int
-) -> ExportPublic:
+def pack_early_part(plan: ExportPlan, transfer: Transfer, tree: Path) -> ExportPublic:
     """The next early part of staging ``tree``, or none yet (``path`` None, ``more``)."""
-    entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, part_bytes, time.time())
+    entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, plan.part_bytes, time.time())
     if entries is None:
         return early_public(plan, transfer, more=True, retry_after_s=retry)
     out = _start_part(plan, transfer)

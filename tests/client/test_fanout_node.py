@@ -15,6 +15,7 @@ wrong content; and a delivery never outlives the agent.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from client._fanout_node import Node
 from client._slurm import Broadcast
 from client.errors import FanoutError
 from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric
 from tests.trees import digest, write_tree
 
@@ -208,3 +210,82 @@ def test_a_node_that_holds_the_dataset_reads_nothing_and_an_unused_delivery_goes
         assert metric(client, "stager_source_read_bytes_total") == read_before
         assert metric(client, "stager_arrivals_total", how="hit") == 1
     assert list((node.cache_dir / "incoming").iterdir()) == []
+
+
+async def send_while_staging(sender: Agent, receiver: Agent) -> int:
+    """The driver's part when the sender stages from the source (client/_fanout.py's
+    _send_early, then _bundle_to): the sender stages in the background and sends the
+    files it finished as it goes; the receiver reserves for its estimate and adopts at
+    once; once ready, the parts the early ones did not carry, then the end. Returns how
+    many parts went before the staging ended."""
+    await sender.tell(do="stage")
+    await sender.tell(do="early", label="job3-ds", part_bytes=1 << 16)
+    first = await sender.event("early")
+    assert "error" not in first, first
+    await receiver.tell(do="reserve", label="job3-ds", bytes=first["total_bytes"])
+    folder = (await receiver.event("reserved"))["path"]
+    adopt = {"incoming": "job3-ds", "origin_node": sender.node, "origin_key": first["key"],
+             "job": "3", "bundle_bytes": first["data_bytes"]}  # fmt: skip
+    await receiver.tell(do="adopt", adopt=adopt)
+    how = {"dest": folder, "step": "1.1", "compress": False, "fanout": 1}
+    await sender.tell(do="send-early", label="job3-ds", **how)
+    before_ready = 0
+    for nth in range(1, 10_000):
+        sent = await sender.event("sent", nth)
+        if sent.get("early_done"):
+            early_parts = sent["parts"]
+            break
+        await receiver.tell(do="part", index=sent["index"])
+        if not [e for e in sender.events if e["event"] == "staged"]:
+            before_ready += 1
+    staged = await sender.event("staged")
+    assert "error" not in staged, staged
+    await sender.tell(do="export", label="job3-ds", part=early_parts)
+    exported = await sender.event("exported")
+    assert exported["part"] == early_parts and "error" not in exported, exported
+    await sender.tell(do="send", label="job3-ds", **how)
+    for index in range(early_parts, exported["parts"] + 1):
+        sent = await sender.event("sent", nth + 1 + index - early_parts)
+        assert sent.get("index") == index and not sent.get("error"), sent
+        if index < exported["parts"]:
+            await receiver.tell(do="part", index=index)
+    await receiver.tell(do="end", parts=exported["parts"], manifest_sha256=sent["manifest_sha256"])
+    await sender.tell(do="drop-export", label="job3-ds")
+    return before_ready
+
+
+def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_ready_tree(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """The source node's staging copies a tree, then downloads a file slowly, then
+    renames a folder it copied: the copied files go out while the download runs, the
+    renamed ones again at the end, and the receiver ends with the ready tree."""
+    src = write_tree(tmp_path / "src", n_files=60, max_size=40_000)
+    slow = Behaviour(files={"/late.bin": os.urandom(400_000)}, bytes_per_s=200_000)
+    node1 = daemon_factory(cache_dir=tmp_path / "node1")
+    node2 = daemon_factory(cache_dir=tmp_path / "node2")
+
+    async def job(url: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+        request = {"name": "ds", "steps": [
+            {"op": "copy", "src": str(src), "dst": "train"},
+            {"op": "fetch", "url": f"{url}/late.bin", "dst": "late.bin"},
+            {"op": "rename", "src": "train/class_0", "dst": "train/first"},
+        ]}  # fmt: skip
+        sender = Agent(node1, "node1", request, copy_file())
+        receiver = Agent(node2, "node2", request)
+        await sender.event("probe"), await receiver.event("probe")
+        before_ready = await send_while_staging(sender, receiver)
+        return await sender.finish(), await receiver.finish(), before_ready
+
+    with serve_files(slow) as url:
+        sent, received, before_ready = asyncio.run(job(url))
+    assert before_ready >= 2, "the copied files should go out during the download"
+    assert sent["how"] == "staged" and received.get("error") is None, received
+    assert received["how"] == "broadcast" and received["key"] == sent["key"]
+    adopted, ready = Path(received["path"]), Path(sent["path"])
+    assert digest(adopted) == digest(ready)
+    assert (adopted / "train" / "first").is_dir() and not (adopted / "train" / "class_0").exists()
+    with node2.client() as other:
+        assert metric(other, "stager_source_read_bytes_total") == 0
+    assert list((node2.cache_dir / "incoming").iterdir()) == []
+    assert list((node1.cache_dir / "outgoing").iterdir()) == []

@@ -1,0 +1,232 @@
+"""Early parts (stager.fanout.early): files sent while the source node still stages.
+
+Whatever the staging does to a file after it went out early (writes it again, renames
+it, removes it, turns it into a folder, changes its mode, replaces it by a copy), the
+receiving node ends with exactly the ready tree: the test plays a staging that
+mutates its tree at random between and after the early parts, then publishes it (a
+rename, as the registry does), and runs the receiver's real ``adopt`` op on every
+part. Files unchanged since they went out are not sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from stager.fanout import early, manifest
+from stager.fanout.transfers import (
+    ExportPlan,
+    Transfer,
+    pack_early_part,
+    pack_export_part,
+    plan_rest,
+)
+from stager.ops import adopt
+from stager.ops.adopt import AdoptStep
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from stager.schemas import END_NAME, READY_SUFFIX, part_name
+from tests.trees import digest, write_tree
+
+STABLE_S = 0.05  # the test's staging is quick; the rule is the same at any length
+PART_BYTES = 1 << 16
+
+
+def _files(tree: Path) -> list[Path]:
+    return sorted(p for p in tree.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def rewrite(tree: Path, rng: random.Random) -> None:
+    path = rng.choice(_files(tree))
+    data = bytearray(path.read_bytes() or b"x")
+    data[rng.randrange(len(data))] ^= 0xFF  # same size, other content
+    path.write_bytes(bytes(data))
+
+
+def append(tree: Path, rng: random.Random) -> None:
+    with rng.choice(_files(tree)).open("ab") as stream:
+        stream.write(rng.randbytes(100))
+
+
+def truncate(tree: Path, rng: random.Random) -> None:
+    path = rng.choice(_files(tree))
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def remove(tree: Path, rng: random.Random) -> None:
+    rng.choice(_files(tree)).unlink()
+
+
+def rename(tree: Path, rng: random.Random) -> None:
+    path = rng.choice(_files(tree))
+    path.rename(tree / f"renamed-{rng.randrange(10**6)}.jpg")
+
+
+def new_file(tree: Path, rng: random.Random) -> None:
+    (tree / f"new-{rng.randrange(10**6)}.bin").write_bytes(rng.randbytes(rng.randrange(5000)))
+
+
+def file_to_folder(tree: Path, rng: random.Random) -> None:
+    path = rng.choice(_files(tree))
+    path.unlink()
+    path.mkdir()
+    (path / "inside.txt").write_text("was a file\n")
+
+
+def folder_renamed(tree: Path, rng: random.Random) -> None:
+    folders = sorted(p for p in tree.iterdir() if p.is_dir())
+    if folders:
+        rng.choice(folders).rename(tree / f"class-renamed-{rng.randrange(10**6)}")
+
+
+def folder_removed(tree: Path, rng: random.Random) -> None:
+    folders = sorted(p for p in tree.iterdir() if p.is_dir())
+    if folders:
+        shutil.rmtree(rng.choice(folders))
+
+
+def chmod(tree: Path, rng: random.Random) -> None:
+    rng.choice(_files(tree)).chmod(0o600)
+
+
+def replaced_by_a_copy(tree: Path, rng: random.Random) -> None:
+    """Same name, same content, a new inode: what a copy-then-rename writer leaves."""
+    path = rng.choice(_files(tree))
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.copyfile(path, tmp)
+    os.replace(tmp, path)
+
+
+def link(tree: Path, rng: random.Random) -> None:
+    target = rng.choice(_files(tree))
+    (tree / f"link-{rng.randrange(10**6)}").symlink_to(os.path.relpath(target, tree))
+
+
+MUTATIONS: list[Callable[[Path, random.Random], None]] = [
+    rewrite, append, truncate, remove, rename, new_file, file_to_folder, folder_renamed,
+    folder_removed, chmod, replaced_by_a_copy, link,
+]  # fmt: skip
+
+
+class Receiver:
+    """The delivery folder of a receiving node: each part lands (a copy, as sbcast's)
+    as soon as it is packed, announced whole as the job's task does."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir()
+        self.parts = 0
+
+    def land(self, part: str) -> None:
+        shutil.copyfile(part, self.folder / part_name(self.parts))
+        (self.folder / (part_name(self.parts) + READY_SUFFIX)).touch()
+        self.parts += 1
+
+    def end(self, manifest_path: str, sha256: str) -> AdoptStep:
+        shutil.copyfile(manifest_path, self.folder / Path(manifest_path).name)
+        end = {"parts": self.parts, "manifest_sha256": sha256}
+        (self.folder / END_NAME).write_text(json.dumps(end))
+        return AdoptStep(folder=str(self.folder), origin_node="mn1", data_bytes=0)
+
+
+def stage_and_send(tmp_path: Path, rng: random.Random, mutations: int) -> tuple[Path, Path, int]:
+    """A staging that mutates its tree while early parts go out, then is published;
+    the receiver adopts every part. (ready tree, adopted tree, bytes sent early)."""
+    staging = write_tree(tmp_path / "partial" / "tree", n_files=60, seed=rng.randrange(1000))
+    receiver = Receiver(tmp_path / "incoming")
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest.Manifest(), 0, PART_BYTES, early=True)
+    sent_early = 0
+    for _ in range(30):
+        time.sleep(STABLE_S * 2)
+        packed = pack_early_part(plan, transfer, staging)
+        if packed.path is not None:
+            receiver.land(packed.path)
+            sent_early += packed.bytes
+        for _ in range(rng.randrange(3)):
+            if mutations:
+                rng.choice(MUTATIONS)(staging, rng)
+                mutations -= 1
+        if packed.path is None and not mutations:
+            break
+    for _ in range(mutations):
+        rng.choice(MUTATIONS)(staging, rng)
+    ready = tmp_path / "data" / "key"
+    ready.parent.mkdir()
+    staging.rename(ready)  # the registry's publish
+    plan_rest(plan, ready)
+    while plan.packed < plan.count:
+        packed = pack_export_part(plan, transfer)
+        receiver.land(str(packed.path))
+    assert packed.manifest is not None and packed.manifest_sha256 is not None
+    step = receiver.end(packed.manifest, packed.manifest_sha256)
+    adopted = tmp_path / "adopted"
+    ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
+    adopt.run(step, ctx)
+    return ready, adopted, sent_early
+
+
+@pytest.fixture(autouse=True)
+def quick_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(early, "STABLE_S", STABLE_S)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_whatever_the_staging_does_after_early_parts_the_receiver_gets_the_ready_tree(
+    tmp_path: Path, seed: int
+) -> None:
+    ready, adopted, sent_early = stage_and_send(tmp_path, random.Random(seed), mutations=8)
+    assert sent_early > 0  # early parts did go out
+    # Every path, file size and sha256, link target: the same (links may dangle).
+    assert manifest.build(adopted).to_bytes() == manifest.build(ready).to_bytes()
+    modes = {p.relative_to(ready): p.lstat().st_mode for p in ready.rglob("*")}
+    assert {p.relative_to(adopted): p.lstat().st_mode for p in adopted.rglob("*")} == modes
+
+
+def test_a_file_unchanged_since_it_went_out_early_is_not_sent_again(tmp_path: Path) -> None:
+    ready, adopted, sent_early = stage_and_send(tmp_path, random.Random(0), mutations=0)
+    assert digest(adopted) == digest(ready)
+    final_parts = sorted((tmp_path / "outgoing").glob("part-*.tar"))[-1:]
+    data = sum(p.stat().st_size for p in _files(ready))
+    assert sent_early >= data  # every file went early (with tar headers)
+    # The ready tree's part holds folders only: its size is headers, not file data.
+    assert final_parts[0].stat().st_size < 64 * 1024
+
+
+def test_a_file_still_being_written_is_not_taken(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "b-done.bin").write_bytes(os.urandom(PART_BYTES))
+    time.sleep(STABLE_S * 2)
+    growing = tree / "a-growing.bin"  # walked first
+    stop = threading.Event()
+
+    def writer() -> None:
+        with growing.open("ab", buffering=0) as stream:
+            while not stop.wait(STABLE_S / 5):
+                stream.write(os.urandom(1000))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(5):
+            time.sleep(STABLE_S)
+            found = early.pick(tree, manifest.Digests(), set(), PART_BYTES, time.time())
+            entries, retry = found
+            assert entries is not None and retry >= early.RETRY_MIN_S
+            assert [path for path, _ in entries] == ["b-done.bin"]
+    finally:
+        stop.set()
+        thread.join()
+    # Not enough finished data for a part: no part yet.
+    entries, _ = early.pick(tree, manifest.Digests(), set(), 10 * PART_BYTES, time.time())
+    assert entries is None
