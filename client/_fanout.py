@@ -129,6 +129,7 @@ class Report:
     source: str | None = None
     mode: str = "none"  # bundle | sources | none (nothing to send)
     sent_bytes: int = 0
+    early_parts: int = 0  # parts sent while the source node was still staging
     broadcast: Broadcast | None = None
     seconds: float = 0.0
     nodes: dict[str, NodeResult] = field(default_factory=dict)
@@ -147,7 +148,8 @@ class Report:
         sent = f"{self.sent_bytes / 1e6:.1f} MB"
         how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
         what = "the prepared tree" if self.mode == "bundle" else "the source files"
-        return f"{text}: {self.source} sent {what} ({sent}) with sbcast{how}"
+        early = f", {self.early_parts} parts while it staged" if self.early_parts else ""
+        return f"{text}: {self.source} sent {what} ({sent}{early}) with sbcast{how}"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -156,6 +158,7 @@ class Report:
             "source": self.source,
             "mode": self.mode,
             "sent_bytes": self.sent_bytes,
+            "early_parts": self.early_parts,
             "compress": self.broadcast.compress if self.broadcast else None,
             "fanout": self.broadcast.fanout if self.broadcast else None,
             "seconds": round(self.seconds, 3),
@@ -367,7 +370,7 @@ class Fanout:
             if sent is None:
                 raise FanoutError(f"{source}'s task ended while it sent early parts")
             if sent.get("early_done"):
-                early.parts = int(sent["parts"])
+                early.parts = self.report.early_parts = int(sent["parts"])
                 self._mark("early")
                 return early
             await self._part_sent(agents, source, receivers, sent)

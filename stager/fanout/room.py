@@ -23,7 +23,7 @@ from stager.dataset import Entry, State
 from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
-from stager.fanout.early import RETRY_MIN_S
+from stager.fanout.early import RETRY_MIN_S, part_bytes_for
 from stager.fanout.manifest import Manifest
 from stager.fanout.transfers import (
     EXPORT_TTL_S,
@@ -202,9 +202,10 @@ class FanoutRoom:
             async with self._admission:
                 await self._admit(nbytes, entry.key)
                 self.exports.add(label, nbytes, EXPORT_TTL_S)
+                part_bytes = request.part_bytes or part_bytes_for(entry.estimate_bytes,
+                                                                  PART_BYTES)  # fmt: skip
                 self.plans[label] = ExportPlan(Path(), entry.key, [], Manifest(),
-                                               entry.estimate_bytes,
-                                               request.part_bytes or PART_BYTES,
+                                               entry.estimate_bytes, part_bytes,
                                                early=True)  # fmt: skip
         plan = self._plan(label, part)
         if not plan.early:

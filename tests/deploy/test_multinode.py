@@ -157,6 +157,28 @@ def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
     assert node_digests(cluster, paths.pop()) == dict.fromkeys(cluster.nodes, expected)
 
 
+def test_on_a_slow_link_parts_go_out_while_the_source_node_stages(
+    cluster: Cluster, data: dict[str, Path]
+) -> None:
+    """Files the source node finished go out while it stages the rest (early parts):
+    the receivers still end with the same data, and the storage is read once."""
+    source = fresh_copy(data["tree"], "early")
+    cluster.set_rate("20mbit")  # the staging takes seconds: early parts have time to go
+    try:
+        job, report, moved = run_stage(cluster, "early", cluster.shared(source))
+    finally:
+        cluster.set_rate("200mbit")
+    assert job.ok, job.output
+    assert report["early_parts"] >= 2, report
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    assert moved.content <= 1.05 * size, (moved, size, report)
+    hows = sorted(r["how"] for r in report["nodes"].values())
+    assert hows == ["broadcast"] * 3 + ["staged"], report
+    paths = {r["path"] for r in report["nodes"].values()}
+    expected = local_digest(data["tree"])
+    assert node_digests(cluster, paths.pop()) == dict.fromkeys(cluster.nodes, expected)
+
+
 def test_when_one_node_holds_the_dataset_no_byte_leaves_the_storage(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:
@@ -221,8 +243,10 @@ def test_kill_9_of_the_staging_nodes_daemon_fails_the_job_clearly_and_others_are
     try:
         job_id = cluster.submit(stage_script("kill", cluster.shared(source)), NODES, "kill")
         deadline = time.monotonic() + 60
-        while not cluster.on_node(index, "ls /tmp/stager-0/cache/partial", check=False).strip():
-            assert time.monotonic() < deadline, "the sender never started staging"
+        # Killed once it is staging and sending what it finished (an early part).
+        parts = "ls /tmp/stager-0/cache/outgoing/*/ 2>/dev/null | grep part"
+        while not cluster.on_node(index, parts, check=False).strip():
+            assert time.monotonic() < deadline, "the sender never sent an early part"
             time.sleep(0.1)
         cluster.on_node(index, "kill -9 $(cat /tmp/stager-0/stager.pid)")
         job = cluster.wait(job_id, "kill", timeout=240)
