@@ -7,7 +7,9 @@ same request then stages from the source."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 from stager.fanout.manifest import file_digest
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, delivered_name, part_name
 from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric, ready
 from tests.trees import digest, make_tar, write_tree
 
@@ -249,3 +252,44 @@ def test_adoption_works_where_sources_are_confined_to_allowed_roots(
         # The incoming folder is no source root for anything but an adoption.
         outside = other.post("/v1/datasets", json=request("sneak", node2.cache_dir / "incoming"))
         assert outside.status_code == 400 and "outside the allowed source roots" in outside.text
+
+
+def test_an_early_export_follows_the_staging_and_then_hands_over_to_the_ready_tree(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    """While a dataset stages, an early export answers a part or "ask again"; once it
+    is not staging any more, "no more" (``more`` false); the ready tree's parts then
+    continue the numbering, and early parts are not asked for again."""
+    src = write_tree(tmp_path / "src", n_files=30)
+    slow = Behaviour(files={"/late.bin": os.urandom(300_000)}, bytes_per_s=150_000)
+    node1, _ = two
+    export = "/v1/datasets/ds/export"
+    with serve_files(slow) as url, node1.client() as one:
+        steps = [{"op": "copy", "src": str(src)},
+                 {"op": "fetch", "url": f"{url}/late.bin", "dst": "late.bin"}]  # fmt: skip
+        assert one.post("/v1/datasets", json={"name": "ds", "steps": steps}).status_code == 202
+        answer = one.post(export, json={"label": "job7-ds", "early": True, "part_bytes": 1 << 16})
+        assert answer.status_code == 200, answer.text
+        early = answer.json()
+        assert early["more"] is True and early["data_bytes"] > 0
+        not_ready = one.post(export, json={"label": "job8-ds"})
+        assert not_ready.status_code == 409 and "not ready" in not_ready.json()["error"]["message"]
+        skipped = one.post(export, json={"label": "job7-ds", "part": 5, "early": True})
+        assert skipped.status_code == 409 and "ask for part" in skipped.json()["error"]["message"]
+        while early["more"]:
+            if early["path"] is None:
+                time.sleep(early["retry_after_s"])
+            part = early["parts"]
+            early = one.post(export, json={"label": "job7-ds", "part": part, "early": True}).json()
+        assert one.get("/v1/datasets/ds").json()["state"] == "ready"
+        sent_early = early["parts"]
+        assert sent_early >= 1  # the copied files went while the download ran
+        rest = one.post(export, json={"label": "job7-ds", "part": sent_early})
+        assert rest.status_code == 200 and rest.json()["part"] == sent_early, rest.text
+        again = one.post(export, json={"label": "job7-ds", "part": sent_early + 1, "early": True})
+        assert (
+            again.status_code == 409 and "past its early parts" in again.json()["error"]["message"]
+        )
+        unknown = one.post("/v1/datasets/nope/export", json={"label": "x", "early": True})
+        assert unknown.status_code == 404
+        assert one.delete("/v1/exports/job7-ds").status_code == 200
