@@ -16,8 +16,9 @@ per-node work runs as ``srun`` steps (`client._fanout_node`), the bytes move wit
    - *bundle*: the source node stages (or already holds) the dataset, packs the
      ready tree into tars of ~32 MB with a manifest (every path, size and sha256),
      and sbcasts them, packing the next part while one travels; the receivers
-     extract each part as it lands. Used whenever a node holds the data: the
-     storage is not read.
+     extract each part as it lands. When it stages from the storage, the files it
+     finished go out while it stages the rest (early parts, `stager.fanout.early`),
+     and the ready tree's parts carry only what those did not. The default.
    - *sources* (``--broadcast sources``): when every source of the request is a
      plain file (release archives), the source node sbcasts them as they are, read
      from the storage once, and every node (itself too) stages from its local copy.
