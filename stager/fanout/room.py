@@ -188,7 +188,8 @@ class FanoutRoom:
                 f"export {label!r} has {plan.packed} of {plan.count} parts packed; "
                 f"ask for part {plan.packed}, not {part}"
             )
-        return await self._locked(plan, name, pack_export_part, plan, self.exports.get(label))
+        transfer = self.exports.renew(label, EXPORT_TTL_S)
+        return await self._locked(plan, name, pack_export_part, plan, transfer)
 
     async def export_early(
         self, entry: Entry, request: ExportCreate, tree: Path | None
@@ -210,7 +211,7 @@ class FanoutRoom:
         plan = self._plan(label, part)
         if not plan.early:
             raise Conflict(f"export {label!r} is past its early parts; ask without 'early'")
-        transfer = self.exports.get(label)
+        transfer = self.exports.renew(label, EXPORT_TTL_S)
         staging = entry.state in (State.QUEUED, State.STAGING)
         if tree is None or not staging:
             return early_public(plan, transfer, more=staging, retry_after_s=RETRY_MIN_S)

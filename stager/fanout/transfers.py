@@ -92,6 +92,13 @@ class Transfers:
         self._live[label] = transfer
         return transfer
 
+    def renew(self, label: str, ttl_s: float) -> Transfer:
+        """``label``, living ``ttl_s`` from now: an export is renewed by every part asked
+        for, so a long staging sending early parts does not outlive its export."""
+        transfer = self.get(label)
+        transfer.expires_at = _now() + timedelta(seconds=ttl_s)
+        return transfer
+
     def get(self, label: str) -> Transfer:
         transfer = self._live.get(label)
         if transfer is None:

@@ -26,6 +26,7 @@ from stager.fanout import early, manifest
 from stager.fanout.transfers import (
     ExportPlan,
     Transfer,
+    Transfers,
     pack_early_part,
     pack_export_part,
     plan_rest,
@@ -230,3 +231,16 @@ def test_a_file_still_being_written_is_not_taken(tmp_path: Path) -> None:
     # Not enough finished data for a part: no part yet.
     entries, _ = early.pick(tree, manifest.Digests(), set(), 10 * PART_BYTES, time.time())
     assert entries is None
+
+
+def test_an_export_lives_as_long_as_parts_are_asked_for(tmp_path: Path) -> None:
+    """A staging longer than an export's time to live sends early parts all along:
+    each part asked for renews it (the daemon's room renews on every export call)."""
+    exports = Transfers(tmp_path, "export")
+    exports.add("job1-x", 0, ttl_s=0.05)
+    for _ in range(4):
+        time.sleep(0.03)
+        exports.renew("job1-x", 0.05)
+        assert exports.expired() == []
+    time.sleep(0.06)
+    assert [t.label for t in exports.expired()] == ["job1-x"]
