@@ -30,11 +30,11 @@ from stager.fanout.manifest import Digests, Manifest, walk
 
 # A file unchanged this long is taken to be finished (a wrong guess costs a resend).
 STABLE_S = 0.5
-# Early parts hold about an eighth of the staging's estimate, within these bounds: a
+# Early parts hold about a sixteenth of the staging's estimate, within these bounds: a
 # small dataset still goes out in a few parts while it stages, a large one in parts
 # whose sbcast costs little next to their size.
 MIN_PART_BYTES = 1 << 20
-PARTS_PER_ESTIMATE = 8
+PARTS_PER_ESTIMATE = 16
 # Between two looks at a staging tree: at least this, and a few times what a walk of
 # it took (a tree of a million files is not walked twice a second beside its staging).
 RETRY_MIN_S = 0.25
