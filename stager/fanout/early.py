@@ -9,7 +9,8 @@ or came since remains.
 
 Which files are finished? The staging does not say, and need not. A file is taken
 once its ctime is ``STABLE_S`` old (nothing wrote, renamed or chmodded it since: the
-kernel sets ctime, and no call sets it back), and it is remembered with its
+kernel sets ctime, and no call sets it back; longer where ctimes are whole seconds,
+so that any later write moves it), and it is remembered with its
 identity (inode, size, mtime, ctime) as it was before it was read. The ready tree
 is walked again at the end: a file with the same identity went out as it is now;
 any other file (written again, renamed, new) goes in the final parts, and the
@@ -21,6 +22,7 @@ only faster.
 
 from __future__ import annotations
 
+import os
 import stat
 import time
 from pathlib import Path
@@ -30,6 +32,10 @@ from stager.fanout.manifest import Digests, Manifest, walk
 
 # A file unchanged this long is taken to be finished (a wrong guess costs a resend).
 STABLE_S = 0.5
+# A ctime of whole seconds may come from a filesystem that keeps no finer time (ext4
+# with small inodes, some network mounts; 2 s on FAT): a write later in the same
+# second or two would leave it as it is, so such a file waits that much longer.
+COARSE_S = 2.0
 # Early parts hold about a sixteenth of the staging's estimate, within these bounds: a
 # small dataset still goes out in a few parts while it stages, a large one in parts
 # whose sbcast costs little next to their size.
@@ -46,6 +52,13 @@ def part_bytes_for(estimate_bytes: int, largest: int) -> int:
     return max(MIN_PART_BYTES, min(largest, estimate_bytes // PARTS_PER_ESTIMATE))
 
 
+def settled(info: os.stat_result, now: float) -> bool:
+    """Whether nothing changed the file for ``STABLE_S``, in a way that any change
+    after ``now`` moves its ctime."""
+    coarse = info.st_ctime_ns % 1_000_000_000 == 0
+    return now - info.st_ctime >= STABLE_S + (COARSE_S if coarse else 0.0)
+
+
 def pick(
     tree: Path, sent: Digests, sent_dirs: set[str], part_bytes: int, now: float
 ) -> tuple[Entries | None, float]:
@@ -60,11 +73,7 @@ def pick(
         if stat.S_ISDIR(info.st_mode):
             if path not in sent_dirs:
                 entries.append((path, info))
-        elif (
-            stat.S_ISREG(info.st_mode)
-            and now - info.st_ctime >= STABLE_S
-            and sent.known(path, info) is None
-        ):
+        elif stat.S_ISREG(info.st_mode) and settled(info, now) and sent.known(path, info) is None:
             entries.append((path, info))
             size += info.st_size
             if size >= part_bytes:

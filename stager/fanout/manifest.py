@@ -117,6 +117,9 @@ class Digests:
         """``digest`` is what ``path`` held while it was ``info`` (stat before reading)."""
         self._known[path] = (_identity(info), digest)
 
+    def update(self, other: Digests) -> None:
+        self._known.update(other._known)
+
 
 def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
     return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)

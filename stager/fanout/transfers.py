@@ -179,7 +179,9 @@ def pack_early_part(plan: ExportPlan, transfer: Transfer, tree: Path) -> ExportP
     if entries is None:
         return early_public(plan, transfer, more=True, retry_after_s=retry)
     out = _start_part(plan, transfer)
-    bundle.pack_part(tree, out, entries, Manifest(), plan.sent)
+    packed = Digests()  # what this part carries counts as sent only once it is whole
+    bundle.pack_part(tree, out, entries, Manifest(), packed)
+    plan.sent.update(packed)
     plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
     plan.packed += 1
     public = _part_public(plan, transfer, out)

@@ -244,3 +244,60 @@ def test_an_export_lives_as_long_as_parts_are_asked_for(tmp_path: Path) -> None:
         assert exports.expired() == []
     time.sleep(0.06)
     assert [t.label for t in exports.expired()] == ["job1-x"]
+
+
+def test_files_of_a_part_that_failed_midway_are_sent_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging renames a file between the walk and the read: that part fails, and
+    the files read before it in that part were not sent, so they go later."""
+    staging = tmp_path / "partial" / "tree"
+    staging.mkdir(parents=True)
+    for i in range(4):
+        (staging / f"f{i}.bin").write_bytes(os.urandom(PART_BYTES // 2))
+    time.sleep(STABLE_S * 2)
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest.Manifest(), 0, PART_BYTES, early=True)
+    pick = early.pick
+
+    def pick_then_rename(tree: Path, *args: object) -> tuple[object, float]:
+        found = pick(tree, *args)  # type: ignore[arg-type]
+        (tree / "f1.bin").rename(tree / "g1.bin")  # a temporary name, renamed
+        return found
+
+    monkeypatch.setattr(early, "pick", pick_then_rename)
+    with pytest.raises(FileNotFoundError):
+        pack_early_part(plan, transfer, staging)
+    monkeypatch.setattr(early, "pick", pick)
+    receiver = Receiver(tmp_path / "incoming")
+    ready = tmp_path / "data" / "key"
+    ready.parent.mkdir()
+    staging.rename(ready)
+    plan_rest(plan, ready)
+    while plan.packed < plan.count:
+        packed = pack_export_part(plan, transfer)
+        receiver.land(str(packed.path))
+    assert packed.manifest is not None and packed.manifest_sha256 is not None
+    step = receiver.end(packed.manifest, packed.manifest_sha256)
+    adopted = tmp_path / "adopted"
+    ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
+    adopt.run(step, ctx)
+    assert digest(adopted) == digest(ready)
+
+
+def test_whole_second_ctimes_wait_until_a_later_write_would_move_them() -> None:
+    """A filesystem that keeps ctimes in whole seconds: a file 0.6 s "old" may have
+    been written later in that same second, and a write now would not move its
+    ctime; it is taken only once any later write must land in another second."""
+    now = 1_000_000.9
+
+    def stat_with_ctime(ctime_ns: int) -> os.stat_result:
+        return os.stat_result((0o100644, 1, 1, 1, 0, 0, 10, 0, 0, 0),
+                              {"st_ctime": ctime_ns / 1e9, "st_ctime_ns": ctime_ns})  # fmt: skip
+
+    fine = stat_with_ctime(int((now - 0.6) * 1e9) + 1)
+    assert early.settled(fine, now)
+    whole = stat_with_ctime(int(now - 0.6) * 1_000_000_000)  # floor: 1.5 s before now
+    assert not early.settled(whole, now)
+    assert not early.settled(whole, now + 0.9)
+    assert early.settled(whole, now + early.COARSE_S + 0.1)
