@@ -161,9 +161,17 @@ def stage_and_send(tmp_path: Path, rng: random.Random, mutations: int) -> tuple[
             break
     for _ in range(mutations):
         rng.choice(MUTATIONS)(staging, rng)
+    return (*publish_and_adopt(tmp_path, staging, plan, transfer, receiver), sent_early)
+
+
+def publish_and_adopt(
+    tmp_path: Path, staging: Path, plan: ExportPlan, transfer: Transfer, receiver: Receiver
+) -> tuple[Path, Path]:
+    """The staging ends: its tree is published (a rename, as the registry does), the
+    parts it still needs land, and the receiver adopts them all. (ready, adopted)"""
     ready = tmp_path / "data" / "key"
     ready.parent.mkdir()
-    staging.rename(ready)  # the registry's publish
+    staging.rename(ready)
     plan_rest(plan, ready)
     while plan.packed < plan.count:
         packed = pack_export_part(plan, transfer)
@@ -173,7 +181,7 @@ def stage_and_send(tmp_path: Path, rng: random.Random, mutations: int) -> tuple[
     adopted = tmp_path / "adopted"
     ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
     adopt.run(step, ctx)
-    return ready, adopted, sent_early
+    return ready, adopted
 
 
 @pytest.fixture(autouse=True)
@@ -270,18 +278,7 @@ def test_files_of_a_part_that_failed_midway_are_sent_later(
         pack_early_part(plan, transfer, staging)
     monkeypatch.setattr(early, "pick", pick)
     receiver = Receiver(tmp_path / "incoming")
-    ready = tmp_path / "data" / "key"
-    ready.parent.mkdir()
-    staging.rename(ready)
-    plan_rest(plan, ready)
-    while plan.packed < plan.count:
-        packed = pack_export_part(plan, transfer)
-        receiver.land(str(packed.path))
-    assert packed.manifest is not None and packed.manifest_sha256 is not None
-    step = receiver.end(packed.manifest, packed.manifest_sha256)
-    adopted = tmp_path / "adopted"
-    ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
-    adopt.run(step, ctx)
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
     assert digest(adopted) == digest(ready)
 
 
