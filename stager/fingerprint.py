@@ -24,7 +24,7 @@ import os
 import stat
 from typing import Any
 
-from stager.ops.sources import Folder, Visitor, open_child, walk
+from stager.fs.sources import Folder, Visitor, open_child, walk
 
 _MODULUS = 1 << 512  # blake2b's digest: the fastest hashlib offers for short lines
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import BadRequest, UnsafePath
+from stager.fs.sources import Roots
 from stager.ops import table
 from stager.ops.base import CheckContext
-from stager.ops.sources import Roots
 from stager.settings import Settings
 
 
@@ -46,7 +46,7 @@ def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
 def check_allowed_root(source: str, settings: Settings) -> None:
     """The request's own source path, resolved. What lies below it (links at any
     depth, archives named through links) is confined by the ops as they read it,
-    through :mod:`stager.ops.sources`, on the objects they open."""
+    through :mod:`stager.fs.sources`, on the objects they open."""
     if Roots.of(settings.allowed_roots).contains(os.path.realpath(source)):
         return
     listed = ", ".join(str(r) for r in settings.allowed_roots)

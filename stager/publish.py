@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
-from stager.deletion import delete_tree as delete_tree
-from stager.ops.sources import sum_sizes
+from stager.fs.deletion import delete_tree as delete_tree
+from stager.fs.sources import sum_sizes
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.

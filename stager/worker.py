@@ -31,9 +31,9 @@ from typing import Any
 from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
+from stager.fs.sizes import tree_bytes
 from stager.ops import table
 from stager.ops.base import OpContext
-from stager.ops.sizes import tree_bytes
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, write_atomically
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.ops.archive_writer import file_mode
+from stager.archive.writer import file_mode
 
 MTIME = 1_500_000_000
 

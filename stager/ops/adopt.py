@@ -27,9 +27,10 @@ from typing import Any
 
 from pydantic import Field
 
+from stager.archive import tar_members
 from stager.errors import VerifyFailed
 from stager.fanout import manifest as manifests
-from stager.ops import extract, tar_members
+from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 

@@ -27,7 +27,7 @@ from typing import Annotated, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from stager.errors import Cancelled, SourceNotFound, SourceUnreadable, UnsafePath
+from stager.errors import Cancelled, SourceNotFound, UnsafePath
 from stager.progress import ProgressSink
 from stager.schemas import checked_path
 
@@ -121,18 +121,6 @@ class OpContext:
                 "step wrote (a fetch, a copy), so put that step first"
             )
         return str(inside)
-
-
-def require_source(path: str, what: str = "source") -> Path:
-    """Fail with a sentence naming the path when a source is missing or unreadable."""
-    source = Path(path)
-    if not source.exists():
-        raise SourceNotFound(f"{what} {path} does not exist; check the path in the request")
-    if not os.access(source, os.R_OK):
-        raise SourceUnreadable(
-            f"{what} {path} is not readable by the daemon's user; fix its permissions"
-        )
-    return source
 
 
 def make_dir(path: str) -> None:

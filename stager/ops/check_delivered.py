@@ -15,7 +15,8 @@ from pydantic import Field
 
 from stager.errors import VerifyFailed
 from stager.fanout.manifest import file_digest
-from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams, require_source
+from stager.fs.sources import require_source
+from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 
 
 class CheckDeliveredStep(StepParams):

@@ -2,13 +2,13 @@
 
 Why it looks like this (the per-file costs are in docs/performance.md):
 
-- The tree is walked on the staging process (:func:`stager.ops.sources.walk`:
+- The tree is walked on the staging process (:func:`stager.fs.sources.walk`:
   depth-first, one open listing per level, each folder opened relative to its
   parent) and its files go out in chunks to forked worker processes, one per core
-  (:mod:`stager.ops.forked`): per-file work is mostly system calls wrapped in
+  (:mod:`stager.fs.forked`): per-file work is mostly system calls wrapped in
   Python, and processes do not take turns on one GIL. Small trees are copied on
   the walking process; the workers start once a tree has proved large. A source
-  on a network filesystem (NFS, Lustre, GPFS, sshfs...: :mod:`stager.ops.mounts`)
+  on a network filesystem (NFS, Lustre, GPFS, sshfs...: :mod:`stager.fs.mounts`)
   is bound by round trips, not by the CPU: there NETWORK_IN_FLIGHT processes copy
   from the first file, in smaller chunks.
 - Per file, a worker makes seven system calls: ``openat`` of the source relative
@@ -19,7 +19,7 @@ Why it looks like this (the per-file costs are in docs/performance.md):
   its size for the progress totals and is the "before" of the stability check.
 - Data moves with ``copy_file_range`` (reflink on XFS/btrfs, server-side copy on
   NFS 4.2, in-kernel copy elsewhere), then ``sendfile``, then read/write (the chain
-  in :mod:`stager.ops.fastcopy`, shared with ``extract``).
+  in :mod:`stager.fs.fastcopy`, shared with ``extract``).
 - A source that changes while it is copied is caught: after the bytes moved, the
   ``fstat`` of the descriptor they were read from must show the size, mtime, ctime
   and inode the walk saw. If not, the file is copied once more, its "before" taken
@@ -61,18 +61,9 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
-from stager.ops import forked, mounts
-from stager.ops.base import (
-    CheckContext,
-    OpContext,
-    RelativePath,
-    SourceOrInside,
-    StepParams,
-    make_dir,
-    require_source,
-)
-from stager.ops.fastcopy import copy_chunk
-from stager.ops.sources import (
+from stager.fs import forked, mounts
+from stager.fs.fastcopy import copy_chunk
+from stager.fs.sources import (
     Folder,
     Roots,
     Target,
@@ -85,7 +76,16 @@ from stager.ops.sources import (
     open_source,
     open_top,
     refuse_special,
+    require_source,
     walk,
+)
+from stager.ops.base import (
+    CheckContext,
+    OpContext,
+    RelativePath,
+    SourceOrInside,
+    StepParams,
+    make_dir,
 )
 
 
@@ -112,7 +112,7 @@ BATCH_BYTES = 64 * 1024 * 1024
 # more than it saves.
 PARALLEL_AFTER_FILES = 2_000
 # Processes copying at once when the source is on a network filesystem
-# (stager.ops.mounts), started with the first file. There a file's time is round
+# (stager.fs.mounts), started with the first file. There a file's time is round
 # trips (lookup, open, reads, close) that use no CPU, so more files in flight than
 # cores overlap them: a 1-node copy of 2,000 files of 100 KB over sshfs (200 Mbit/s)
 # took 25.5-30.3 s with one process per core started after ~1,280 files, 8.8-9.1 s

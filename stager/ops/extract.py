@@ -2,7 +2,7 @@
 
 How it is fast (measured on 2 cores, 20,000 files of 4-100 KB; see
 bench/bench_extract.py): the main thread only reads headers (common ones in
-:mod:`stager.ops.tar_members`, the rest with ``tarfile`` in random-access mode)
+:mod:`stager.archive.tar_members`, the rest with ``tarfile`` in random-access mode)
 and hands files to a pool in batches. For a plain tar a
 file is a byte range of the archive, copied by ``os.copy_file_range`` without
 passing through Python, and the pool is worker *processes*: what is left per
@@ -19,7 +19,7 @@ Worker processes are forked, before this op starts any thread of its own, so
 they inherit the open archive and start in milliseconds; a small archive is
 not worth even that and stays on threads (``PROCESS_MIN_BYTES``).
 
-Safety decisions live in :mod:`stager.ops.archive_writer` (paths, directories,
+Safety decisions live in :mod:`stager.archive.writer` (paths, directories,
 link ordering); links and special files are judged by ``tarfile.data_filter``.
 Library errors become ours in :func:`_translate`, the one place that maps them.
 """
@@ -49,16 +49,8 @@ import zstandard
 from isal import isal_zlib
 from pydantic import Field
 
-from stager.children import die_with_parent
-from stager.errors import (
-    CorruptArchive,
-    StagerError,
-    StagingIOError,
-    UnknownFormat,
-    VerifyFailed,
-)
-from stager.ops import tar_members
-from stager.ops.archive_formats import (
+from stager.archive import tar_members
+from stager.archive.formats import (
     ARCHIVE_SUFFIXES,
     STREAM_CHUNK,
     ArchiveFormat,
@@ -69,7 +61,7 @@ from stager.ops.archive_formats import (
     resolve_format,
     sniff,
 )
-from stager.ops.archive_writer import (
+from stager.archive.writer import (
     NUL_IN_NAME,
     ArchiveWriter,
     Payload,
@@ -77,16 +69,23 @@ from stager.ops.archive_writer import (
     file_mode,
     unsafe,
 )
+from stager.children import die_with_parent
+from stager.errors import (
+    CorruptArchive,
+    StagerError,
+    StagingIOError,
+    UnknownFormat,
+    VerifyFailed,
+)
+from stager.fs.forked import paused_gc
+from stager.fs.sources import open_source, require_source
 from stager.ops.base import (
     CheckContext,
     OpContext,
     RelativePath,
     SourceOrInside,
     StepParams,
-    require_source,
 )
-from stager.ops.forked import paused_gc
-from stager.ops.sources import open_source
 from stager.progress import Progress
 
 
@@ -145,7 +144,7 @@ def check(step: ExtractStep, ctx: CheckContext) -> int:
 
 def _open_archive(path: str, allowed_roots: tuple[Path, ...]) -> io.FileIO:
     """The archive, opened confined to ``allowed_roots`` through any chain of links,
-    and never a FIFO or device (see :mod:`stager.ops.sources`)."""
+    and never a FIFO or device (see :mod:`stager.fs.sources`)."""
     return open(open_source(path, allowed_roots), "rb", buffering=0)
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
+from stager.archive.devkit import check_devkit, import_torch, read_devkit
 from stager.errors import from_os_error
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, RelativePath, StepParams
-from stager.ops.imagenet import check_devkit, import_torch, read_devkit
 
 
 class ImagenetDevkitStep(StepParams):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from stager.archive.devkit import check_devkit, read_devkit
 from stager.errors import BadRequest, StagingError, from_os_error
 from stager.ops.base import (
     AbsoluteSource,
@@ -23,7 +24,6 @@ from stager.ops.base import (
     StepParams,
     make_dir,
 )
-from stager.ops.imagenet import check_devkit, read_devkit
 
 
 class ImagenetValStep(StepParams):

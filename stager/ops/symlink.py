@@ -15,10 +15,10 @@ what it resolves to today may be a site-specific mount.
 relative to the destination folder's descriptor; no ``stat`` of the sources (the
 listing's entry types say what is a file). The walk stays on the staging process
 and the links are made by forked workers, per folder chunk (see
-:mod:`stager.ops.forked`): the kernel's work and Python's share of it spread over
+:mod:`stager.fs.forked`): the kernel's work and Python's share of it spread over
 the cores, which a single-threaded ``cp -rs`` cannot do.
 
-The same rules as every walk of a source (:mod:`stager.ops.sources`): a FIFO,
+The same rules as every walk of a source (:mod:`stager.fs.sources`): a FIFO,
 socket or device in the tree is refused with a sentence naming it, or left out
 with ``special: "skip"`` (a link to it would hang whoever opens it); a link in the
 tree is followed, through any chain, and must resolve inside ``--allowed-root``,
@@ -34,17 +34,8 @@ import time
 from typing import Literal
 
 from stager.errors import BadRequest, StagerError, from_os_error
-from stager.ops import forked
-from stager.ops.base import (
-    AbsoluteSource,
-    CheckContext,
-    OpContext,
-    RelativePath,
-    StepParams,
-    make_dir,
-    require_source,
-)
-from stager.ops.sources import (
+from stager.fs import forked
+from stager.fs.sources import (
     Folder,
     Roots,
     Visitor,
@@ -54,7 +45,16 @@ from stager.ops.sources import (
     open_path,
     open_top,
     refuse_special,
+    require_source,
     walk,
+)
+from stager.ops.base import (
+    AbsoluteSource,
+    CheckContext,
+    OpContext,
+    RelativePath,
+    StepParams,
+    make_dir,
 )
 
 

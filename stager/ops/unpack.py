@@ -28,20 +28,19 @@ from typing import Literal
 
 from pydantic import Field
 
+from stager.archive.formats import ArchiveFormat
 from stager.errors import BadRequest, VerifyFailed, from_os_error
+from stager.fs.sources import open_source, require_source
 from stager.ops import copy, extract, symlink
-from stager.ops.archive_formats import ArchiveFormat
 from stager.ops.base import (
     AbsoluteSource,
     CheckContext,
     OpContext,
     RelativePath,
     StepParams,
-    require_source,
 )
 from stager.ops.copy import CopyStep
 from stager.ops.extract import ExtractStep
-from stager.ops.sources import open_source
 from stager.ops.symlink import SymlinkStep
 
 

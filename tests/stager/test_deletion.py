@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stager import deletion
-from stager.deletion import delete_tree
+from stager.fs import deletion
+from stager.fs.deletion import delete_tree
 
 
 def rm_children() -> list[int]:

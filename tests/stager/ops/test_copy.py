@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
-from stager.ops import copy, mounts
+from stager.fs import mounts
+from stager.fs.sources import sum_sizes
+from stager.ops import copy
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
-from stager.ops.sources import sum_sizes
 from stager.progress import Progress
 from tests.trees import digest, write_tree
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from stager.archive import devkit
 from stager.errors import (
     Cancelled,
     CorruptArchive,
@@ -27,7 +28,8 @@ from stager.errors import (
     UnsafePath,
     VerifyFailed,
 )
-from stager.ops import extract, fastcopy, imagenet
+from stager.fs import fastcopy
+from stager.ops import extract
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
 from stager.progress import Progress
@@ -437,9 +439,9 @@ def test_the_imagenet_devkit_is_read_confined_too(tmp_path: Path) -> None:
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     allowed.mkdir()
     outside.mkdir()
-    devkit = outside / "ILSVRC2012_devkit_t12.tar.gz"
-    with tarfile.open(devkit, "w:gz"):
+    devkit_file = outside / "ILSVRC2012_devkit_t12.tar.gz"
+    with tarfile.open(devkit_file, "w:gz"):
         pass
-    (allowed / "devkit.tar.gz").symlink_to(devkit)
+    (allowed / "devkit.tar.gz").symlink_to(devkit_file)
     with pytest.raises(UnsafePath, match="outside the allowed source roots"):
-        imagenet.read_devkit(str(allowed / "devkit.tar.gz"), (allowed,))
+        devkit.read_devkit(str(allowed / "devkit.tar.gz"), (allowed,))

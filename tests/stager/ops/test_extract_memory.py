@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from bench.datagen import make_small_tar
-from stager.ops import archive_formats, archive_writer, extract
+from stager.archive import formats, writer
+from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
 from stager.progress import Progress
@@ -44,8 +45,8 @@ def test_memory_does_not_grow_with_the_member_count(
     # What is in flight (a few batches of names and jobs, a few chunks of decompressed
     # data) is bounded but, at full size, larger than a small archive: small batches
     # and chunks put both counts past that bound.
-    monkeypatch.setattr(archive_writer, "_BATCH_FILES", 16)
-    for module in (extract, archive_formats):
+    monkeypatch.setattr(writer, "_BATCH_FILES", 16)
+    for module in (extract, formats):
         monkeypatch.setattr(module, "STREAM_CHUNK", 64 << 10)
     peaks = {}
     for count in (FEW, MANY):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from stager.archive.devkit import import_scipy_io, import_torch
 from stager.errors import MissingExtra
-from stager.ops.imagenet import import_scipy_io, import_torch
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 

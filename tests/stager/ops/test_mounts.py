@@ -1,4 +1,4 @@
-"""Which filesystem a source is on (stager.ops.mounts), and what a copy from a
+"""Which filesystem a source is on (stager.fs.mounts), and what a copy from a
 network filesystem does with it: NETWORK_IN_FLIGHT processes from the first file."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from stager.ops import copy, mounts
+from stager.fs import mounts
+from stager.ops import copy
 from stager.ops.base import OpContext
 from stager.ops.copy import CopyStep
 from stager.progress import Progress

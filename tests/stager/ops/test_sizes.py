@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stager.ops import sizes
-from stager.ops.sources import sum_sizes
+from stager.fs import sizes
+from stager.fs.sources import sum_sizes
 
 
 def generated_tree(root: Path, seed: int, files: int) -> None:

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from stager.errors import BadRequest, Cancelled, SourceNotFound
-from stager.ops import sizes, symlink
+from stager.fs import sizes
+from stager.fs.sources import sum_sizes
+from stager.ops import symlink
 from stager.ops.base import CheckContext, OpContext
-from stager.ops.sources import sum_sizes
 from stager.ops.symlink import SymlinkStep
 from stager.progress import Progress
 from tests.trees import digest, write_tree

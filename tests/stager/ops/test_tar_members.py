@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from stager.archive import tar_members
+from stager.archive.tar_members import BLOCK
 from stager.errors import CorruptArchive
-from stager.ops import extract, tar_members
+from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.ops.tar_members import BLOCK
 from stager.progress import Progress
 
 FIELDS = ("name", "type", "mode", "size", "mtime", "offset", "offset_data", "linkname")

@@ -29,10 +29,10 @@ import pytest
 
 from stager.errors import SpecialSource, UnsafePath, VerifyFailed
 from stager.fingerprint import sources_fingerprint
+from stager.fs.sources import sum_sizes
 from stager.ops import copy, symlink, unpack
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
-from stager.ops.sources import sum_sizes
 from stager.ops.symlink import SymlinkStep
 from stager.ops.unpack import UnpackStep
 from stager.progress import Progress

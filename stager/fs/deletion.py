@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from stager.ops.sources import Folder, Visitor, open_top_unconfined, walk
+from stager.fs.sources import Folder, Visitor, open_top_unconfined, walk
 
 RM = shutil.which("rm")
 # A folder with more entries than this is not split further (and its listing is

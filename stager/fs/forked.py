@@ -33,7 +33,7 @@ from typing import Any
 
 from stager.children import die_with_parent
 from stager.errors import Cancelled
-from stager.ops.sources import Folder, Visitor, walk
+from stager.fs.sources import Folder, Visitor, walk
 from stager.progress import ProgressSink
 
 _CONTEXT = multiprocessing.get_context("fork")

@@ -22,10 +22,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from stager.archive.tar_members import TarInfo
 from stager.errors import CorruptArchive, MissingExtra
-from stager.ops.base import require_source
-from stager.ops.sources import open_source
-from stager.ops.tar_members import TarInfo
+from stager.fs.sources import open_source, require_source
 
 DEVKIT_TOP = "ILSVRC2012_devkit_t12"
 META_MAT = f"{DEVKIT_TOP}/data/meta.mat"
@@ -77,7 +76,7 @@ def import_torch():  # noqa: ANN201 - a module
 
 def read_devkit(path: str, allowed_roots: Iterable[Path] = ()) -> Devkit:
     """Read the two files torchvision uses straight from the devkit archive, opened
-    confined to ``allowed_roots`` (see :func:`stager.ops.sources.open_source`)."""
+    confined to ``allowed_roots`` (see :func:`stager.fs.sources.open_source`)."""
     members = _read_members(path, (META_MAT, GROUND_TRUTH), allowed_roots)
     idx_to_wnid, wnid_to_classes = _parse_meta(path, members[META_MAT])
     try:

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.errors import SourceNotFound, SpecialSource, UnsafePath
+from stager.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
 
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY
@@ -331,3 +331,15 @@ def sum_sizes(path: str) -> int:
         return sizes.total
     finally:
         os.close(top.fd)
+
+
+def require_source(path: str, what: str = "source") -> Path:
+    """Fail with a sentence naming the path when a source is missing or unreadable."""
+    source = Path(path)
+    if not source.exists():
+        raise SourceNotFound(f"{what} {path} does not exist; check the path in the request")
+    if not os.access(source, os.R_OK):
+        raise SourceUnreadable(
+            f"{what} {path} is not readable by the daemon's user; fix its permissions"
+        )
+    return source

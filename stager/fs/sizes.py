@@ -5,11 +5,11 @@ accounting): one ``fstatat`` per entry. (A one-step staging whose op counted
 its bytes as it made them, a copy or a symlink farm, skips this: see stager.ops.base.)
 On one process that took 1.3 s for 300,000 links, 1.0 s here
 (docs/benchmarks.md, "Million-file walks"). Here the walk lists folders and the
-forked workers of :mod:`stager.ops.forked` stat their entries, a folder chunk at
+forked workers of :mod:`stager.fs.forked` stat their entries, a folder chunk at
 a time; the sizes come back through the workers' shared byte counters, so
 nothing per file is kept or sent back.
 
-Counted as ``stager.ops.sources.sum_sizes`` counts: files, links and special files
+Counted as ``stager.fs.sources.sum_sizes`` counts: files, links and special files
 as themselves, not folders, never following a link.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stager.ops import forked
-from stager.ops.sources import DIR_FLAGS, Folder, Visitor, open_child, open_top_unconfined
+from stager.fs import forked
+from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_child, open_top_unconfined
 
 # Entries per chunk handed to a worker.
 BATCH = 1024

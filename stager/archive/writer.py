@@ -49,11 +49,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from stager.errors import UnsafeArchiveMember, VerifyFailed
-from stager.ops.base import OpContext
-from stager.ops.fastcopy import READ_CHUNK, copy_range
+from stager.fs.fastcopy import READ_CHUNK, copy_range
+from stager.progress import ProgressSink
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -362,6 +362,14 @@ def _hard_link(path: str, link: HardLink, verify: str | None) -> None:
 # -- the writer ------------------------------------------------------------------
 
 
+class WriterContext(Protocol):
+    """What the writer needs of the op's context (an ``OpContext`` is one)."""
+
+    verify: str
+    workers: int
+    progress: ProgressSink
+
+
 class ArchiveWriter:
     """Writes one archive's members under ``root``; call ``finish()`` at the end."""
 
@@ -369,7 +377,7 @@ class ArchiveWriter:
         self,
         root: str,
         archive: str,
-        ctx: OpContext,
+        ctx: WriterContext,
         pool: Executor | None,
         through_links: bool = True,
     ) -> None:

@@ -1,0 +1,1 @@
+"""Archives: formats, member judging, the member writer and the readers extract uses."""
