@@ -19,6 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager import errors
+from stager.fs.seal import Seal
 from stager.progress import Progress, SharedCounters
 from stager.worker import CONTEXT, StageJob, stage_in_child, start_fork_server
 
@@ -47,8 +48,8 @@ async def run_staging(
     cancel: threading.Event,
     limits: Limits = Limits(),  # noqa: B008 - frozen
     poll_s: float = 0.1,
-) -> int:
-    """Stage ``job`` in a child process; return the size of its tree or raise its error.
+) -> Seal:
+    """Stage ``job`` in a child process; return its tree's seal or raise its error.
 
     ``cancel`` is forwarded to the child, which stops at its next unit of work. A
     child that has not stopped ``cancel_grace_s`` later, or whose counters have not
@@ -121,11 +122,11 @@ def _reap(process: Any, grace_s: float) -> None:
         process.join()
 
 
-def _outcome(message: tuple[str, Any]) -> int:
-    """Re-raise in the daemon what the child reported."""
+def _outcome(message: tuple[str, Any]) -> Seal:
+    """The seal of the child's tree, or its error re-raised in the daemon."""
     kind, payload = message
     if kind == "ok":
-        return payload
+        return Seal.from_dict(payload)
     if kind == "cancelled":
         raise errors.Cancelled("staging was cancelled")
     if kind == "error":

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import StagerError
+from stager.fs.seal import Seal
 from stager.progress import Progress
 from stager.schemas import (
     DatasetPublic,
@@ -74,6 +75,8 @@ class Entry:
     delivery: str | None = None
     size_bytes: int = 0
     estimate_bytes: int = 0
+    # What the published tree must still be (stager.fs.seal); a hit checks it.
+    seal: Seal | None = None
     created_at: datetime = field(default_factory=now)
     updated_at: datetime = field(default_factory=now)
     last_used_at: datetime = field(default_factory=now)  # LRU order for eviction

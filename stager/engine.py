@@ -33,6 +33,7 @@ from stager.fanout import adoption
 from stager.fanout.room import FanoutRoom
 from stager.fanout.transfers import unwritten_bytes
 from stager.fingerprint import sources_fingerprint
+from stager.fs.seal import check_seal
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
@@ -189,6 +190,8 @@ class Engine:
         await run_io(preflight.check_link, request.link, self.settings)
         steps, origin = expansion.steps, self.fanout.origin(request)
         existing = reg.entries.get(key)
+        if existing is not None and existing.state == State.READY:
+            await self._drop_if_changed(existing)
         if existing is None or not (existing.active or existing.state == State.READY):
             # Only a miss pays for validating sources and estimating the size (a walk).
             if request.adopt is not None:
@@ -240,6 +243,23 @@ class Engine:
         await self.fanout.release_unused(request.adopt, entry)
         return self._view(handle), entry.state == State.READY
 
+    async def _drop_if_changed(self, entry: Entry) -> None:
+        """A ready tree changed since its publish is never served as it is: it is
+        evicted, leased or not, and the request stages it again (stager.fs.seal)."""
+        final = self._reg.final(entry)
+        if entry.seal is None:
+            changed: str | None = f"{final} has no seal to check (published by an older stager)"
+        else:
+            changed = await run_io(check_seal, final, entry.seal)
+        if changed is None:
+            return
+        async with self._admission:
+            if entry.state != State.READY:
+                return  # another request found it first
+            log.warning("staging %s again: %s", entry.key, changed)
+            self.metrics.requests.labels(outcome="changed").inc()
+            await self._reg.evict(entry)
+
     def _check_name(self, name: str, request_key: str) -> None:
         handle = self._reg.handles.get(name)
         if handle is None or handle.spec_key == request_key:
@@ -290,6 +310,8 @@ class Engine:
         ready = None
         if self.fanout.plans_from(request.label, request.part):
             entry = self._reg.entries[self._handle(name).key]
+            if entry.state == State.READY:
+                await self._drop_if_changed(entry)  # a changed tree is never sent either
             if entry.state != State.READY:
                 raise Conflict(
                     f"dataset {name!r} is {entry.state}, not ready; only a ready dataset "
@@ -502,7 +524,7 @@ class Engine:
         self._running.add(future)
         try:
             try:
-                size = await future
+                seal = await future
             finally:
                 await self._drop_claimed(entry)  # read once: gone before ready is said
         except Cancelled:
@@ -521,7 +543,7 @@ class Engine:
             message = f"internal error while staging: {exc!r}; see the daemon log"
             await reg.end(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
         else:
-            await reg.publish(entry, size)
+            await reg.publish(entry, seal)
         finally:
             self._running.discard(future)
 

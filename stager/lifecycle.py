@@ -37,6 +37,7 @@ from stager.blocking import run_io
 from stager.dataset import Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
+from stager.fs.seal import Seal, protect_top, seal_tree
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -48,7 +49,6 @@ from stager.publish import (
     make_link,
     publish,
     remove_link,
-    tree_size,
 )
 from stager.schemas import ErrorInfo, LeaseCreate, State
 from stager.settings import Settings
@@ -158,7 +158,8 @@ class Registry:
                 # The daemon died between the commit point and the store's "ready".
                 if entry.state == State.QUEUED:
                     entry.move(State.STAGING)
-                await self.publish(entry, await run_io(tree_size, self.final(entry)))
+                # Sealed again on this process alone (workers=1: no fork from the daemon).
+                await self.publish(entry, await run_io(seal_tree, self.final(entry), 1))
                 continue
             if entry.state == State.STAGING:
                 entry.move(State.QUEUED)  # interrupted: the same attempt resumes
@@ -266,12 +267,13 @@ class Registry:
         await self._save(entry, Durable.STAGING)
         return self.attempt(entry)
 
-    async def publish(self, entry: Entry, size: int) -> None:
+    async def publish(self, entry: Entry, seal: Seal) -> None:
         """STAGING -> READY: what happens when a staging is published, in order.
 
         1. The attempt's complete tree is renamed to ``data/<key>``: the commit point;
            a tree under ``data/`` is complete by construction. (Already done if the
            daemon died right after it: then the tree is gone and ``data/<key>`` is there.)
+           Its top folder then becomes read-only like the rest (stager.fs.seal).
         2. Every name's link points at it, so whoever step 3 wakes can use its link.
         3. The store says ready.
         4. The attempt's folder, now holding only its marker, is removed.
@@ -279,12 +281,13 @@ class Registry:
         attempt, final = self.attempt(entry), self.final(entry)
         if await run_io(attempt.tree.is_dir):
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
+        await run_io(protect_top, final)  # again after a crash: it changes nothing then
         for handle in self._handles_of(entry):
             await self._link(handle, final)
         self._crash.reached(Durable.LINKED)
-        entry.size_bytes = size
+        entry.size_bytes, entry.seal = seal.nbytes, seal
         entry.move(State.READY)
-        self.metrics.staged_bytes.inc(size)
+        self.metrics.staged_bytes.inc(seal.nbytes)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
         await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())

@@ -36,7 +36,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "stager_requests",
-            "Stage requests by outcome: miss (new staging), join (already staging), hit (ready)",
+            "Stage requests by outcome: miss (new staging), join (already staging), hit (ready), "
+            "changed (a ready tree changed since its publish: staged again)",
             ["outcome"],
             registry=self.registry,
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.fs.deletion import delete_tree as delete_tree
-from stager.fs.sources import sum_sizes
+from stager.fs.seal import open_up_top
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
@@ -67,11 +67,6 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def tree_size(root: Path) -> int:
-    """Bytes on disk under root (files and link entries, not what links point to)."""
-    return sum_sizes(str(root))
-
-
 def discard(path: Path, trash_dir: Path) -> Path | None:
     """Move ``path`` aside in one rename, to be deleted at leisure: for a published tree
     the commit point of its eviction (a tree under ``data/`` is whole, or gone); for
@@ -82,6 +77,11 @@ def discard(path: Path, trash_dir: Path) -> Path | None:
         os.rename(path, trash)
     except FileNotFoundError:
         return None
+    except PermissionError:
+        # A published tree's top is read-only (stager.fs.seal), and a folder moved to a
+        # new parent must be writable by a mover who is not root.
+        open_up_top(path)
+        os.rename(path, trash)
     return trash
 
 

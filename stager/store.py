@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.dataset import Entry, Handle
+from stager.fs.seal import Seal
 from stager.leases import Lease
 from stager.ops.table import OpTable
 from stager.progress import Progress
@@ -71,6 +72,7 @@ class Store:
         for table, column, kind in (
             ("entries", "attempt", "TEXT"),
             ("entries", "origin", "TEXT"),
+            ("entries", "seal", "TEXT"),
             ("handles", "hit", "INTEGER NOT NULL DEFAULT 0"),
         ):
             columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
@@ -112,6 +114,7 @@ class Store:
                 "last_used_at": entry.last_used_at.isoformat(),
                 "attempt": entry.attempt,
                 "origin": json.dumps(entry.origin) if entry.origin else None,
+                "seal": json.dumps(entry.seal.to_dict()) if entry.seal else None,
             },
         )
 
@@ -172,6 +175,7 @@ class Store:
             last_used_at=datetime.fromisoformat(row["last_used_at"]),
             attempt=row.get("attempt"),
             origin=json.loads(row["origin"]) if row.get("origin") else None,
+            seal=Seal.from_dict(json.loads(row["seal"])) if row.get("seal") else None,
         )
 
 

@@ -31,7 +31,7 @@ from typing import Any
 from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
-from stager.fs.sizes import tree_bytes
+from stager.fs.seal import Seal, seal_tree
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
@@ -96,7 +96,7 @@ def stage_in_child(
     conn: multiprocessing.connection.Connection,
     daemon_pid: int,
 ) -> None:
-    """Entry point of the child: run every step, publish, report ("ok", size) or the error.
+    """Entry point of the child: run every step, report ("ok", seal) or the error.
 
     ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
     die_with(daemon_pid)  # the daemon is not our parent: the fork server is
@@ -107,7 +107,7 @@ def stage_in_child(
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
     try:
-        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid)))
+        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
     except Cancelled:
         conn.send(("cancelled", None))
     except StagerError as exc:
@@ -120,23 +120,17 @@ def stage_in_child(
         conn.close()
 
 
-def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> int:
-    """Run the steps this attempt has not finished; return the size of its tree."""
+def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> Seal:
+    """Run the steps this attempt has not finished; seal the tree (read-only, measured)."""
     attempt, crash = job.attempt, CrashPoints(job.crash_after, daemon_pid=daemon_pid)
     ops = table.load(job.op_modules)
     steps = ops.validate_steps(job.steps)
     done = attempt.steps_done()
     if done == len(steps) and not attempt.tree.is_dir():
-        return tree_bytes(job.final, job.workers)  # published just before the daemon died
-    # An op's own count of its bytes stands for the tree's size only when nothing else
-    # is in it: one step into a tree made now (a resumed attempt holds an earlier
-    # run's files, which may differ from what this run makes).
-    fresh = not attempt.tree.is_dir()
-    counted_by_op = fresh and len(steps) == 1
-    if fresh:
+        return seal_tree(job.final, job.workers)  # published just before the daemon died
+    if not attempt.tree.is_dir():
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
-    made: int | None = None
     progress = WorkerCounters(counters)
     ctx = OpContext(
         root=attempt.tree,
@@ -150,7 +144,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
-            made = ops.run(step, ctx)
+            ops.run(step, ctx)
             progress.flush()
             write_atomically(attempt.marker, str(index))
             crash.reached(Durable.STEP_DONE)
@@ -160,6 +154,4 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
     ctx.check_cancelled()
-    if counted_by_op and made is not None:
-        return made
-    return tree_bytes(attempt.tree, job.workers)
+    return seal_tree(attempt.tree, job.workers)

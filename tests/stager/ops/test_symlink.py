@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import BadRequest, Cancelled, SourceNotFound
-from stager.fs import sizes
+from stager.fs import seal
 from stager.fs.sources import sum_sizes
 from stager.ops import symlink
 from stager.ops.base import CheckContext, OpContext
@@ -150,7 +150,7 @@ def test_the_bytes_a_tree_returns_are_what_measuring_it_finds(
     ctx.workers = 2
     made = symlink.run(SymlinkStep(src=str(source), dst="data", mode="tree", special="skip"), ctx)
     assert made == sum_sizes(str(ctx.root)) > 0
-    assert made == sizes.tree_bytes(ctx.root, workers=1)
+    assert made == seal.seal_tree(ctx.root, workers=1).nbytes
 
 
 def test_the_bytes_a_single_link_returns_are_its_size(source: Path, tmp_path: Path) -> None:

@@ -1,0 +1,220 @@
+"""Published trees are read-only and sealed; a hit checks the seal before it answers.
+
+A staging ends by sealing its tree (:func:`seal_tree`, in the staging process):
+every file becomes 0444 and every folder below the top 0555, with no set-id bit
+left anywhere, and the walk that does it also measures the tree (its entries and
+bytes, counted as :func:`stager.fs.sources.sum_sizes` counts). The top folder is
+made 0555 by the daemon once it is published (:func:`protect_top`): a folder
+moved to a new parent must be writable by whoever moves it.
+
+The seal is the moment after which nothing in the tree may change. The kernel
+sets an inode's ctime on every change to it (a write, a chmod, a new link) and a
+folder's mtime on every entry added, removed or renamed in it, and nobody but the
+clock sets either. So a tree is as it was published when its entry count and
+bytes are the same and no ctime below the top (and no mtime of the top, whose
+ctime the publishing rename moves) is later than the seal. :func:`check_seal`
+looks at each entry once (``fstatat``), which costs a fraction of what hashing
+would and catches every change a user or an admin can make through the
+filesystem; it is what a hit pays before it says ready.
+
+Timestamps come from the kernel's coarse clock (one tick, a few milliseconds),
+so the seal is taken after the walk and the sealing waits until that clock has
+moved past it: a change made after the seal cannot carry the seal's own time.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from stager.fs import forked
+from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_child, open_top_unconfined, walk
+
+FILE_MODE = 0o444
+DIR_MODE = 0o555
+# Entries per chunk handed to a worker, and trees sealed on the walking process alone.
+BATCH = 1024
+PARALLEL_AFTER = 20_000
+# Linux's CLOCK_REALTIME_COARSE: the clock the kernel stamps inodes with.
+_COARSE_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
+
+
+@dataclass(frozen=True)
+class Seal:
+    """What a published tree must still be: ``entries`` and ``nbytes`` below the top
+    (files, links and folders; bytes of files and links), nothing changed after
+    ``sealed_ns`` (nanoseconds of the realtime clock)."""
+
+    entries: int
+    nbytes: int
+    sealed_ns: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Seal:
+        return cls(int(data["entries"]), int(data["nbytes"]), int(data["sealed_ns"]))
+
+
+def seal_tree(root: Path, workers: int) -> Seal:
+    """Make the tree under ``root`` read-only (its top excepted) and seal it."""
+    tally = _Tally()
+    sealer = _Sealer(forked.Workers(forked.cores(workers), tally, PARALLEL_AFTER))
+    top = open_top_unconfined(str(root))
+    try:
+        sealer.workers.walk(top, sealer, "skip", flush=sealer.submit)
+    finally:
+        os.close(top.fd)
+    sealed_ns = time.time_ns()
+    # Every ctime the walk caused is at most the coarse clock now; wait for it to tick
+    # past, so that no later change can be stamped with a time at or before the seal.
+    while time.clock_gettime_ns(_COARSE_CLOCK) <= sealed_ns:
+        time.sleep(0.001)
+    return Seal(entries=tally.files + sealer.folders, nbytes=tally.nbytes, sealed_ns=sealed_ns)
+
+
+def protect_top(root: Path) -> None:
+    """The published tree's top folder, read-only too (see the module's docstring)."""
+    os.chmod(root, DIR_MODE)
+
+
+def open_up_top(root: Path) -> None:
+    """Let the tree's owner move it away (an eviction renames it into the trash)."""
+    os.chmod(root, DIR_MODE | stat.S_IWUSR)
+
+
+def check_seal(root: Path, seal: Seal) -> str | None:
+    """None when the tree is as sealed; else a sentence naming what changed."""
+    checker = _Checker(seal.sealed_ns)
+    try:
+        top = open_top_unconfined(str(root))
+    except FileNotFoundError:
+        return f"{root} is gone"
+    try:
+        if top.st.st_mtime_ns > seal.sealed_ns:
+            return f"an entry of {root} was added, removed or renamed after it was published"
+        if stat.S_IMODE(top.st.st_mode) != DIR_MODE:
+            return f"{root} was made writable after it was published"
+        walk(top, checker, special="skip")
+    except _Changed as changed:
+        return str(changed)
+    finally:
+        os.close(top.fd)
+    if (checker.entries, checker.nbytes) != (seal.entries, seal.nbytes):
+        return (
+            f"{root} holds {checker.entries} entries and {checker.nbytes} bytes, "
+            f"not the {seal.entries} and {seal.nbytes} it was published with"
+        )
+    return None
+
+
+class _Changed(Exception):
+    pass
+
+
+class _Tally:
+    """The ProgressSink the workers' counters are summed into."""
+
+    def __init__(self) -> None:
+        self.nbytes = self.files = 0
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        pass
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        self.nbytes += nbytes
+        self.files += files
+
+
+class _Sealer(Visitor):
+    """Hands each folder's non-folder entries to the workers in chunks; makes each
+    folder below the top read-only once its chunks are handed out."""
+
+    def __init__(self, workers: forked.Workers) -> None:
+        self.workers = workers
+        self.pending: dict[int, list[str]] = {}
+        self.groups: list[tuple[str, list[str]]] = []
+        self.count = 0
+        self.folders = 0
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        names = self.pending.setdefault(folder.fd, [])
+        names.append(entry.name)
+        if len(names) >= BATCH:
+            self._hand_out(folder)
+
+    link = special = file  # type: ignore[assignment]
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        self.folders += 1
+        return open_child(folder, entry.name)
+
+    def leave(self, folder: Folder) -> None:
+        self._hand_out(folder)
+        if folder.rel:
+            # Entries are made read-only by path relative to this folder, which needs
+            # only search permission on it: 0555 keeps that.
+            os.chmod(folder.fd, DIR_MODE)
+
+    def _hand_out(self, folder: Folder) -> None:
+        names = self.pending.pop(folder.fd, None)
+        if names:
+            self.groups.append((folder.path, names))
+            self.count += len(names)
+            if self.count >= BATCH:
+                self.submit()
+
+    def submit(self) -> None:
+        if self.groups:
+            groups, count = self.groups, self.count
+            self.groups, self.count = [], 0
+            self.workers.submit(_seal_all, groups, files=count)
+
+
+def _seal_all(groups: list[tuple[str, list[str]]]) -> None:
+    """A chunk, on a worker: each file 0444 (links and special files as they are),
+    and the sizes counted."""
+    for path, names in groups:
+        if forked.stopping():
+            return
+        dfd = os.open(path, DIR_FLAGS | os.O_NOFOLLOW)
+        try:
+            nbytes = 0
+            for name in names:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
+                    os.chmod(name, FILE_MODE, dir_fd=dfd, follow_symlinks=False)
+                nbytes += st.st_size
+        finally:
+            os.close(dfd)
+        forked.report(nbytes, len(names))
+
+
+class _Checker(Visitor):
+    def __init__(self, sealed_ns: int) -> None:
+        self.sealed_ns = sealed_ns
+        self.entries = self.nbytes = 0
+
+    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
+        st = entry.stat(follow_symlinks=False)
+        if st.st_ctime_ns > self.sealed_ns:
+            raise _Changed(f"{folder.join(entry.name)} changed after it was published")
+        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
+            raise _Changed(f"{folder.join(entry.name)} is no longer read-only")
+        self.entries += 1
+        self.nbytes += st.st_size
+
+    link = special = file  # type: ignore[assignment]
+
+    def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
+        child = open_child(folder, entry.name)
+        if child.st.st_ctime_ns > self.sealed_ns or stat.S_IMODE(child.st.st_mode) != DIR_MODE:
+            os.close(child.fd)
+            raise _Changed(f"{child.path} changed after it was published")
+        self.entries += 1
+        return child

@@ -1,0 +1,180 @@
+"""Sealing a finished tree (stager.fs.seal): read-only, measured as the one-process
+walk measures it, inline or on workers; and every change made after the seal, of any
+kind, at any depth, is found by the check, while an untouched tree passes."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from stager.fs import seal
+from stager.fs.sources import sum_sizes
+
+
+def generated_tree(root: Path, seed: int, files: int) -> None:
+    rng = random.Random(seed)
+    folders = [root]
+    root.mkdir()
+    for i in range(files):
+        if rng.random() < 0.05:
+            child = rng.choice(folders) / f"dir{i}"
+            child.mkdir()
+            folders.append(child)
+            continue
+        folder = rng.choice(folders)
+        kind = rng.random()
+        if kind < 0.8:
+            (folder / f"f{i}").write_bytes(b"x" * rng.randrange(0, 3000))
+            if rng.random() < 0.1:  # set-id and writable bits a source may carry
+                os.chmod(folder / f"f{i}", 0o6777)
+        elif kind < 0.9:
+            target = rng.choice(["/etc/hostname", "../nowhere", str(rng.choice(folders))])
+            os.symlink(target, folder / f"l{i}")
+        else:
+            os.mkfifo(folder / f"p{i}")
+
+
+def published(tmp_path: Path, seed: int = 1, files: int = 300) -> tuple[Path, seal.Seal]:
+    """A tree sealed in an attempt folder, renamed into data/ and its top protected, as
+    a staging and the registry's publish do it."""
+    tree = tmp_path / "partial" / "tree"
+    tree.parent.mkdir()
+    generated_tree(tree, seed, files)
+    sealed = seal.seal_tree(tree, workers=2)
+    final = tmp_path / "data" / "key"
+    final.parent.mkdir()
+    os.rename(tree, final)
+    seal.protect_top(final)
+    return final, sealed
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("parallel_after", [10**9, 50], ids=["inline", "workers"])
+def test_the_seal_measures_as_the_single_process_walk_and_leaves_all_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, parallel_after: int
+) -> None:
+    monkeypatch.setattr(seal, "PARALLEL_AFTER", parallel_after)
+    monkeypatch.setattr(seal, "BATCH", 16)
+    generated_tree(tmp_path / "tree", seed, files=600)
+    expected = sum_sizes(str(tmp_path / "tree"))
+    assert expected > 0
+    sealed = seal.seal_tree(tmp_path / "tree", workers=2)
+    assert sealed.nbytes == expected
+    entries = 0
+    for dirpath, dirnames, filenames in os.walk(tmp_path / "tree"):
+        for name in dirnames + filenames:
+            entries += 1
+            st = os.lstat(os.path.join(dirpath, name))
+            if stat.S_ISREG(st.st_mode):
+                assert stat.S_IMODE(st.st_mode) == seal.FILE_MODE, name
+            elif stat.S_ISDIR(st.st_mode):
+                assert stat.S_IMODE(st.st_mode) == seal.DIR_MODE, name
+    assert sealed.entries == entries
+    assert seal.check_seal(tmp_path / "tree", sealed) is not None  # top not protected yet
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_an_untouched_published_tree_passes_its_check(tmp_path: Path, seed: int) -> None:
+    final, sealed = published(tmp_path, seed)
+    assert seal.check_seal(final, sealed) is None
+    assert seal.check_seal(final, sealed) is None  # checking changes nothing
+
+
+def _files(final: Path) -> list[Path]:
+    return sorted(p for p in final.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _dirs(final: Path) -> list[Path]:
+    return sorted(p for p in final.rglob("*") if p.is_dir() and not p.is_symlink())
+
+
+def _rewrite_same_size_keeping_mtime(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    st = victim.stat()
+    os.chmod(victim, 0o644)
+    victim.write_bytes(b"y" * st.st_size)
+    os.chmod(victim, 0o444)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # hide it from an mtime check
+
+
+def _append(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    os.chmod(victim, 0o644)
+    with open(victim, "ab") as out:
+        out.write(b"!")
+
+
+def _chmod_writable(final: Path, rng: random.Random) -> None:
+    os.chmod(rng.choice(_files(final)), 0o666)
+
+
+def _add_file(final: Path, rng: random.Random) -> None:
+    folder = rng.choice([final, *_dirs(final)])
+    os.chmod(folder, 0o755)
+    (folder / "planted").write_bytes(b"")
+    os.chmod(folder, 0o555)
+
+
+def _remove_file(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    os.chmod(victim.parent, 0o755)
+    victim.unlink()
+    os.chmod(victim.parent, 0o555)
+
+
+def _rename_file(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    os.chmod(victim.parent, 0o755)
+    victim.rename(victim.with_name(victim.name + ".moved"))
+    os.chmod(victim.parent, 0o555)
+
+
+def _swap_for_a_link(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    os.chmod(victim.parent, 0o755)
+    victim.unlink()
+    victim.symlink_to("/etc/passwd")
+    os.chmod(victim.parent, 0o555)
+
+
+def _hard_link_out(final: Path, rng: random.Random) -> None:
+    victim = rng.choice(_files(final))
+    os.link(victim, final.parent / "outside-link")  # its inode's ctime moves
+
+
+CHANGES: list[Callable[[Path, random.Random], None]] = [
+    _rewrite_same_size_keeping_mtime,
+    _append,
+    _chmod_writable,
+    _add_file,
+    _remove_file,
+    _rename_file,
+    _swap_for_a_link,
+    _hard_link_out,
+]
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__.strip("_"))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_kind_of_change_after_the_seal_is_found(
+    tmp_path: Path, change: Callable[[Path, random.Random], None], seed: int
+) -> None:
+    final, sealed = published(tmp_path, seed)
+    change(final, random.Random(seed))
+    found = seal.check_seal(final, sealed)
+    assert found is not None, change.__name__
+
+
+def test_a_swapped_top_folder_is_found(tmp_path: Path) -> None:
+    final, sealed = published(tmp_path)
+    os.rename(final, tmp_path / "elsewhere")
+    os.mkdir(final)
+    seal.protect_top(final)
+    assert seal.check_seal(final, sealed) is not None
+    os.rmdir(final)
+    assert "is gone" in (seal.check_seal(final, sealed) or "")
