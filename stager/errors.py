@@ -6,7 +6,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     StagerError
     ├── BadRequest (400)
     │   ├── SourceNotFound          source path does not exist
-    │   ├── SourceUnreadable        source exists but cannot be read
+    │   ├── SourceUnreadable (403)  the asking user may not read the source
     │   ├── UnsafePath              destination or link escapes where it may live
     │   ├── SpecialSource           a source is a FIFO, socket or device (never read)
     │   ├── UnknownFormat           archive format not recognised
@@ -52,7 +52,10 @@ class SourceNotFound(BadRequest):
 
 
 class SourceUnreadable(BadRequest):
+    """403: the kernel refused the asking user's open of a source."""
+
     type = "source_unreadable"
+    status = 403
 
 
 class UnsafePath(BadRequest):

@@ -31,6 +31,7 @@ from typing import Any
 from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
+from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_tree
 from stager.ops import table
 from stager.ops.base import OpContext
@@ -65,6 +66,8 @@ class StageJob:
     workers: int
     verify: str
     allowed_roots: tuple[Path, ...] = ()
+    # Whose rights sources are read with (stager.fs.credentials); None: the daemon's own.
+    reader: Reader | None = None
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
 
@@ -107,6 +110,7 @@ def stage_in_child(
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
     try:
+        read_sources_as(job.reader)
         conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
     except Cancelled:
         conn.send(("cancelled", None))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
+from stager.fs.credentials import as_reader
 
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY
@@ -108,7 +109,7 @@ def open_path(
     """An ``O_PATH`` descriptor of what ``path`` resolves to (every link followed) and its
     stat; refused when it lies outside ``roots``. Opens no file: safe on a FIFO or device.
     ``shown`` names it in the refusal (``path`` is relative to ``dir_fd``)."""
-    fd = os.open(path, _PATH_FLAGS, dir_fd=dir_fd)
+    fd = as_reader(os.open, path, _PATH_FLAGS, dir_fd=dir_fd)
     try:
         roots.check(fd, shown or path)
         return fd, os.fstat(fd)
@@ -118,8 +119,9 @@ def open_path(
 
 
 def reopen(path_fd: int, flags: int = READ_FLAGS) -> int:
-    """Open for real the very object an ``O_PATH`` descriptor names (no new lookup)."""
-    return os.open(f"/proc/self/fd/{path_fd}", flags)
+    """Open for real the very object an ``O_PATH`` descriptor names (no new lookup); the
+    kernel checks the right to read it here, as for any open."""
+    return as_reader(os.open, f"/proc/self/fd/{path_fd}", flags)
 
 
 def open_source(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
@@ -143,7 +145,7 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     """An ``O_RDONLY | O_DIRECTORY`` descriptor of the folder ``path`` resolves to,
     confined like :func:`open_source`; NotADirectoryError for anything else."""
     roots = Roots.of(allowed_roots)
-    fd = os.open(path, READ_FLAGS | os.O_DIRECTORY)
+    fd = as_reader(os.open, path, READ_FLAGS | os.O_DIRECTORY)
     try:
         roots.check(fd, path)
         return fd
@@ -168,6 +170,9 @@ class Folder:
     path: str
     rel: str
     st: os.stat_result
+    # A folder of a source (opened with the staging's reader's rights, see
+    # stager.fs.credentials), not of a tree stager owns.
+    source: bool = False
 
     def join(self, name: str) -> str:
         return f"{self.path}/{name}" if self.path != "/" else f"/{name}"
@@ -179,7 +184,7 @@ class Folder:
 def open_top(path: str, roots: Roots) -> Folder:
     """The top of a walk: ``path`` resolved (links followed) and confined."""
     fd = open_source_dir(path, roots)
-    return Folder(fd, os.path.abspath(path), "", os.fstat(fd))
+    return Folder(fd, os.path.abspath(path), "", os.fstat(fd), source=True)
 
 
 def open_top_unconfined(path: str) -> Folder:
@@ -191,8 +196,11 @@ def open_top_unconfined(path: str) -> Folder:
 def open_child(folder: Folder, name: str) -> Folder:
     """A real sub-folder, opened relative to its parent and never through a link: a
     folder swapped for a link after the parent was listed fails (ELOOP/ENOTDIR)."""
-    fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
-    return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd))
+    if folder.source:
+        fd = as_reader(os.open, name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+    else:
+        fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+    return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd), folder.source)
 
 
 @dataclass
@@ -207,7 +215,7 @@ class Target:
 def follow(folder: Folder, name: str, roots: Roots) -> Target:
     """Resolve the link ``name`` in ``folder`` through any chain of links; refused
     (UnsafePath) when it leads outside ``roots``, dangling or not."""
-    text = os.readlink(name, dir_fd=folder.fd)
+    text = as_reader(os.readlink, name, dir_fd=folder.fd)
     try:
         fd, st = open_path(name, roots, dir_fd=folder.fd, shown=folder.join(name))
     except OSError as exc:
@@ -215,7 +223,7 @@ def follow(folder: Folder, name: str, roots: Roots) -> Target:
             raise
         # Dangling, or a loop of links: nothing to open, but where the text would
         # lead must stay inside all the same.
-        real = os.path.realpath(folder.join(name))
+        real = as_reader(os.path.realpath, folder.join(name))
         if roots and not roots.contains(real):
             raise roots.refusal(folder.join(name), real) from None
         return Target(text, None, None)
@@ -237,12 +245,12 @@ def leads_to_special(target: Target, shown: str, policy: str) -> bool:
 def open_followed(target: Target, shown: str) -> Folder:
     """A folder reached through a link, by its real path; refused if it changed since."""
     assert target.real is not None and target.st is not None
-    fd = os.open(target.real, DIR_FLAGS | os.O_NOFOLLOW)
+    fd = as_reader(os.open, target.real, DIR_FLAGS | os.O_NOFOLLOW)
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino) != (target.st.st_dev, target.st.st_ino):
         os.close(fd)
         raise SourceNotFound(f"source {shown} changed while it was staged; stage again")
-    return Folder(fd, target.real, "", st)
+    return Folder(fd, target.real, "", st, source=True)
 
 
 class Visitor:
@@ -334,12 +342,31 @@ def sum_sizes(path: str) -> int:
 
 
 def require_source(path: str, what: str = "source") -> Path:
-    """Fail with a sentence naming the path when a source is missing or unreadable."""
-    source = Path(path)
-    if not source.exists():
-        raise SourceNotFound(f"{what} {path} does not exist; check the path in the request")
-    if not os.access(source, os.R_OK):
-        raise SourceUnreadable(
-            f"{what} {path} is not readable by the daemon's user; fix its permissions"
-        )
-    return source
+    """Fail with a sentence naming the path when a source is missing or unreadable.
+
+    Decided by opening it, as whoever reads sources here: a file or folder the open
+    refuses is unreadable, whatever its mode says (an ACL, a folder above it). A
+    special file is looked at without being opened for reading."""
+    try:
+        fd, st = open_path(path, Roots())
+    except FileNotFoundError:
+        raise SourceNotFound(
+            f"{what} {path} does not exist; check the path in the request"
+        ) from None
+    except PermissionError:
+        raise _unreadable(what, path) from None
+    try:
+        if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+            os.close(reopen(fd, READ_FLAGS))
+    except PermissionError:
+        raise _unreadable(what, path) from None
+    finally:
+        os.close(fd)
+    return Path(path)
+
+
+def _unreadable(what: str, path: str) -> SourceUnreadable:
+    return SourceUnreadable(
+        f"{what} {path} is not readable by the user who asked for it (the kernel refused "
+        "to open it); fix its permissions, or stage it as a user who may read it"
+    )

@@ -52,6 +52,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from stager.errors import (
@@ -62,6 +63,7 @@ from stager.errors import (
     from_os_error,
 )
 from stager.fs import forked, mounts
+from stager.fs.credentials import as_reader, source_reader
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import (
     Folder,
@@ -291,7 +293,10 @@ def _translate(exc: OSError, source: str) -> StagerError:
             f"{name} disappeared or was replaced while copying; check that the source is stable"
         )
     if in_source and exc.errno in (errno.EACCES, errno.EPERM):
-        return SourceUnreadable(f"{name} is not readable by the daemon's user; fix its permissions")
+        return SourceUnreadable(
+            f"{name} is not readable by the user who asked for it (the kernel refused to "
+            "open it); fix its permissions, or stage it as a user who may read it"
+        )
     return from_os_error(exc, f"copying {source}")
 
 
@@ -364,8 +369,10 @@ class _FileJob:
         """
         check = self.verify != "none"
         done_bytes = made_bytes = 0
+        # Sources are opened with the reader's rights where a staging has one.
+        open_source_file = os.open if source_reader() is None else partial(as_reader, os.open)
         for name, dname, size, atime, mtime, ctime, ino, mode in items:
-            fin = os.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+            fin = open_source_file(name, _SOURCE_FLAGS, dir_fd=sfd)
             try:
                 try:
                     fout = os.open(dname, _CREATE_FLAGS, mode, dir_fd=dfd)
@@ -480,7 +487,7 @@ def _shown(sfd: int | None, name: str) -> str:
 
 
 def _opener(sfd: int | None, name: str) -> Callable[[], int]:
-    return lambda: os.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+    return lambda: as_reader(os.open, name, _SOURCE_FLAGS, dir_fd=sfd)
 
 
 def _create(dfd: int, name: str, mode: int) -> int:
@@ -556,7 +563,7 @@ def _copy_files(groups: list[Group], verify: str) -> None:
             return
         sfd = None
         if src_dir is not None:
-            sfd = os.open(src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            sfd = as_reader(os.open, src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             if sfd is not None:
                 st = os.fstat(sfd)

@@ -242,13 +242,13 @@ def test_unreadable_source_and_existing_link_target_are_refused(
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file; permissions cannot fail")
-def test_unreadable_source_is_a_400(daemon: Daemon, tmp_path: Path) -> None:
+def test_unreadable_source_is_a_403(daemon: Daemon, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("x")
     secret.chmod(0)
     with daemon.client() as client:
         response = stage(client, {"name": "x", "steps": [{"op": "copy", "src": str(secret)}]})
-    assert response.status_code == 400 and response.json()["error"]["type"] == "source_unreadable"
+    assert response.status_code == 403 and response.json()["error"]["type"] == "source_unreadable"
 
 
 def test_not_enough_free_space_fails_fast_naming_the_sizes(daemon_factory, tmp_path: Path) -> None:

@@ -1,0 +1,138 @@
+"""Reading sources as the user who asked: the kernel decides, on every open.
+
+The node service runs as root and writes its cache as root, but it must never
+read a source with root's rights: a user may stage only what they could have read
+themselves. stager never asks ``access()`` or compares modes to decide that; it
+opens the source with the user's credentials and lets the open succeed or fail.
+
+Linux checks file access against a thread's *filesystem* uid and gid and its
+supplementary groups, and drops the capabilities that bypass those checks
+(``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``, ``CAP_FOWNER``...) while the
+filesystem uid is not 0. All three are per thread in the kernel. glibc makes
+``setgroups`` apply to every thread of a process (POSIX asks for it), so the
+groups are set here with the raw system call, which changes the calling thread
+alone; ``setfsuid`` and ``setfsgid`` are per thread already. A thread that holds
+a user's credentials therefore reads as that user, while every other thread of
+the daemon goes on as root; and a thread gives them back before it does anything
+else (:func:`reading_as`, a context manager).
+
+Two places read sources:
+
+- the daemon's request-time checks (the fingerprint, the pre-flight check of
+  each step, the link's folder): the whole call runs with the user's
+  credentials on its ``run_io`` thread (:func:`as_user`);
+- the staging process, which writes the cache as root and reads the sources
+  as the user: it records the user once (:func:`read_sources_as`, which also sets
+  the process's groups), and each open of a source, in :mod:`stager.fs.sources`
+  and the copy's workers, takes the user's filesystem uid and gid around itself
+  (:func:`as_reader`). Forked workers inherit both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# setgroups(2)'s number, which glibc's wrapper would broadcast to every thread.
+_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159, "ppc64le": 81, "s390x": 206}.get(
+    platform.machine()
+)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """The credentials a staging reads its sources with: a user's uid, gid and groups."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def _set_fs_ids(uid: int, gid: int, check: bool = True) -> tuple[int, int]:
+    """Set this thread's filesystem gid and uid; returns the previous ones. ``check``:
+    make sure they took (once per staging process is enough: rights do not change)."""
+    old_gid = _libc.setfsgid(gid)
+    old_uid = _libc.setfsuid(uid)
+    # setfs*id report no error; asking with -1 returns the value in force.
+    if check and (_libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid):
+        _libc.setfsuid(old_uid)
+        _libc.setfsgid(old_gid)
+        raise PermissionError(errno.EPERM, f"cannot take the credentials of uid {uid}")
+    return old_uid, old_gid
+
+
+def _set_thread_groups(groups: tuple[int, ...]) -> None:
+    if _SYS_SETGROUPS is None:
+        raise OSError(errno.ENOSYS, f"per-thread groups are not known on {platform.machine()}")
+    array = (ctypes.c_uint * max(1, len(groups)))(*groups)
+    if _libc.syscall(_SYS_SETGROUPS, len(groups), array) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
+
+
+@contextmanager
+def reading_as(reader: Reader) -> Iterator[None]:
+    """This thread reads as ``reader`` inside the block (groups included)."""
+    saved_groups = tuple(os.getgroups())  # this thread's own: getgroups is per thread
+    _set_thread_groups(reader.groups)
+    try:
+        old = _set_fs_ids(reader.uid, reader.gid)
+    except BaseException:
+        _set_thread_groups(saved_groups)
+        raise
+    try:
+        yield
+    finally:
+        _set_fs_ids(*old)
+        _set_thread_groups(saved_groups)
+
+
+def as_user(reader: Reader | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """``fn(*args)`` with ``reader``'s credentials on this thread (None: as the daemon)."""
+    if reader is None:
+        return fn(*args, **kwargs)
+    with reading_as(reader):
+        return fn(*args, **kwargs)
+
+
+# -- the staging process -----------------------------------------------------------
+
+_sources_reader: Reader | None = None
+
+
+def read_sources_as(reader: Reader | None) -> None:
+    """In a staging process: every source open from now on is made as ``reader``.
+    The process's groups become the user's here (files are written with filesystem
+    uid 0, which no group check applies to)."""
+    global _sources_reader
+    _sources_reader = reader
+    if reader is not None:
+        os.setgroups(list(reader.groups))
+        _set_fs_ids(*_set_fs_ids(reader.uid, reader.gid))  # fails here if it cannot
+
+
+def source_reader() -> Reader | None:
+    return _sources_reader
+
+
+def as_reader(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """One source access (an open, a stat, a readlink) with the staging's reader's
+    filesystem ids, if it has one."""
+    reader = _sources_reader
+    if reader is None:
+        return fn(*args, **kwargs)
+    old = _set_fs_ids(reader.uid, reader.gid, check=False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_fs_ids(*old, check=False)
