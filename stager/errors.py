@@ -24,6 +24,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
         ├── StagingIOError          an OS error (ENOSPC, EIO, ...) mid-staging
         ├── StagingProcessDied      the staging process crashed or hit a bug
         ├── StagingStalled          no progress for --stall-timeout seconds
+        ├── NotPublic               a shared staging met a source not everyone may read
         └── Cancelled               the dataset was cancelled
 """
 
@@ -132,6 +133,13 @@ class StagingProcessDied(StagingError):
 
 class StagingStalled(StagingError):
     type = "stalled"
+
+
+class NotPublic(StagingError):
+    """A staging meant for every user met a source that not everyone may read; the
+    engine stages it again for the asking user alone."""
+
+    type = "not_public"
 
 
 class Cancelled(StagingError):

@@ -129,3 +129,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for line in [*session_lines(), DISK.line()]:
         if line:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder every user of the machine can reach (pytest's own ``tmp_path`` sits
+    under a 0700 folder): for tests that read or stage as other users."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="stager-shared-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -34,10 +34,13 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
+
+from stager.errors import NotPublic
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -51,11 +54,15 @@ _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159, "ppc64le": 81, "s390x": 206}.ge
 
 @dataclass(frozen=True)
 class Reader:
-    """The credentials a staging reads its sources with: a user's uid, gid and groups."""
+    """The credentials a staging reads its sources with: a user's uid, gid and groups.
+
+    ``public``: the staging is to be shared by every user of the node, so every
+    source it opens must be readable by everyone (:func:`check_public`)."""
 
     uid: int
     gid: int
     groups: tuple[int, ...]
+    public: bool = False
 
 
 def _set_fs_ids(uid: int, gid: int, check: bool = True) -> tuple[int, int]:
@@ -123,6 +130,43 @@ def read_sources_as(reader: Reader | None) -> None:
 
 def source_reader() -> Reader | None:
     return _sources_reader
+
+
+# A file readable by everyone: read for owner, group and others (a member of the
+# owning group gets the group's bits, not the others'); a folder: read and search too.
+EVERYONE_FILE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+EVERYONE_DIR = EVERYONE_FILE | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+_ACL_XATTR = "system.posix_acl_access"
+
+
+def not_readable_by_everyone(fd: int, st: os.stat_result | None = None) -> str | None:
+    """Why the open object ``fd`` is not readable by everyone, or None if it is: its
+    mode, or an access ACL (which could narrow it for a named user or group; any ACL
+    counts, so nothing is shared on a guess)."""
+    st = st or os.fstat(fd)
+    need = EVERYONE_DIR if stat.S_ISDIR(st.st_mode) else EVERYONE_FILE
+    if stat.S_IMODE(st.st_mode) & need != need:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}"
+    try:
+        os.getxattr(fd, _ACL_XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    return "it has an access ACL"
+
+
+def check_public(fd: int, shown: str, st: os.stat_result | None = None) -> None:
+    """In a staging to be shared, refuse a source that not everyone could read."""
+    reader = _sources_reader
+    if reader is None or not reader.public:
+        return
+    why = not_readable_by_everyone(fd, st)
+    if why is not None:
+        raise NotPublic(
+            f"source {shown} is not readable by everyone ({why}), so this staging cannot "
+            "be shared by every user; it is staged again for the asking user alone"
+        )
 
 
 def as_reader(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

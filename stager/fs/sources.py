@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
-from stager.fs.credentials import as_reader
+from stager.fs.credentials import as_reader, check_public
 
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY
@@ -136,9 +136,15 @@ def open_source(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     try:
         if not stat.S_ISREG(st.st_mode):
             raise refuse_special(path, st.st_mode, skippable=False)
-        return reopen(fd)
+        opened = reopen(fd)
     finally:
         os.close(fd)
+    try:
+        check_public(opened, path, st)
+    except BaseException:
+        os.close(opened)
+        raise
+    return opened
 
 
 def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
@@ -148,6 +154,7 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     fd = as_reader(os.open, path, READ_FLAGS | os.O_DIRECTORY)
     try:
         roots.check(fd, path)
+        check_public(fd, path)
         return fd
     except BaseException:
         os.close(fd)
@@ -196,11 +203,17 @@ def open_top_unconfined(path: str) -> Folder:
 def open_child(folder: Folder, name: str) -> Folder:
     """A real sub-folder, opened relative to its parent and never through a link: a
     folder swapped for a link after the parent was listed fails (ELOOP/ENOTDIR)."""
-    if folder.source:
-        fd = as_reader(os.open, name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
-    else:
+    if not folder.source:
         fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
-    return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd), folder.source)
+        return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd))
+    fd = as_reader(os.open, name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+    child = Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd), source=True)
+    try:
+        check_public(fd, child.path, child.st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return child
 
 
 @dataclass
@@ -250,6 +263,11 @@ def open_followed(target: Target, shown: str) -> Folder:
     if (st.st_dev, st.st_ino) != (target.st.st_dev, target.st.st_ino):
         os.close(fd)
         raise SourceNotFound(f"source {shown} changed while it was staged; stage again")
+    try:
+        check_public(fd, shown, st)
+    except BaseException:
+        os.close(fd)
+        raise
     return Folder(fd, target.real, "", st, source=True)
 
 

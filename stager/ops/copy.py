@@ -63,7 +63,7 @@ from stager.errors import (
     from_os_error,
 )
 from stager.fs import forked, mounts
-from stager.fs.credentials import as_reader, source_reader
+from stager.fs.credentials import as_reader, check_public, source_reader
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import (
     Folder,
@@ -370,10 +370,14 @@ class _FileJob:
         check = self.verify != "none"
         done_bytes = made_bytes = 0
         # Sources are opened with the reader's rights where a staging has one.
-        open_source_file = os.open if source_reader() is None else partial(as_reader, os.open)
+        reader = source_reader()
+        open_source_file = os.open if reader is None else partial(as_reader, os.open)
+        shared = reader is not None and reader.public
         for name, dname, size, atime, mtime, ctime, ino, mode in items:
             fin = open_source_file(name, _SOURCE_FLAGS, dir_fd=sfd)
             try:
+                if shared:
+                    check_public(fin, _shown(sfd, name))
                 try:
                     fout = os.open(dname, _CREATE_FLAGS, mode, dir_fd=dfd)
                 except FileExistsError:
