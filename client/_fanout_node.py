@@ -43,7 +43,7 @@ from typing import Any
 from client._client import AsyncStagerClient
 from client._slurm import Broadcast, Job, sbcast
 from client.errors import DaemonUnavailable, StagerError, StagingFailed
-from stager.fanout.manifest import file_digest
+from stager.manifest_format import file_digest
 from stager.schemas import (
     END_NAME,
     MANIFEST_NAME,
