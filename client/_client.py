@@ -40,15 +40,7 @@ from client.errors import (
     Unauthorized,
     WaitTimeout,
 )
-from stager.schemas import (
-    DatasetPublic,
-    DatasetsPublic,
-    ExportPublic,
-    LeasePublic,
-    ProbeResult,
-    State,
-    TransferPublic,
-)
+from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State
 
 Model = TypeVar("Model")
 StatusCallback = Callable[[DatasetPublic], None]
@@ -57,7 +49,6 @@ DEFAULT_TIMEOUT_S = 10.0  # plain requests; the daemon answers status in millise
 DEFAULT_RETRY_FOR_S = 30.0  # how long wait/stage keep trying an unreachable daemon
 LONG_POLL_MAX_S = 60.0  # one long-poll; short enough to notice a hung daemon
 READ_MARGIN_S = 10.0  # a long-poll's read timeout is its length plus this
-EXPORT_TIMEOUT_S = 3600.0  # packing a large dataset for a broadcast takes minutes
 
 _LEASES = TypeAdapter(list[LeasePublic])
 _REJECTED = {401: Unauthorized, 404: DatasetNotFound, 409: Conflict}
@@ -608,51 +599,3 @@ class AsyncStagerClient(_Base):
         return await self._call(
             "DELETE", path, _LEASES.validate_json, what="release", params=params
         )
-
-    # ---- fan-out (--peers slurm): see client._fanout --------------------------------
-
-    async def probe(self, body: Mapping[str, Any] | BaseModel) -> ProbeResult:
-        """This node's cache key for a stage request, and its copy if it has one."""
-        return await self._call(
-            "POST", "/v1/datasets/probe", _model(ProbeResult), what="probe", json=_plain(body)
-        )
-
-    async def export(
-        self,
-        name: str,
-        label: str,
-        part: int = 0,
-        part_bytes: int | None = None,
-        early: bool = False,
-    ) -> ExportPublic:
-        """Pack part ``part`` of ready dataset ``name`` for sbcast (part 0 plans them all,
-        in parts of about ``part_bytes``; the last comes with the manifest); parts are
-        asked for in order. ``early``: of the files it finished while still staging."""
-        body: dict[str, Any] = {"label": label, "part": part}
-        if part_bytes is not None:
-            body["part_bytes"] = part_bytes
-        if early:
-            body["early"] = True
-        return await self._call(
-            "POST",
-            f"/v1/datasets/{_q(name)}/export",
-            _model(ExportPublic),
-            what=f"the export of {name!r}",
-            json=body,
-            timeout=EXPORT_TIMEOUT_S,
-        )
-
-    async def delete_export(self, export_id: str) -> TransferPublic:
-        return await self._call("DELETE", f"/v1/exports/{_q(export_id)}", _model(TransferPublic),
-                                what="the export's removal")  # fmt: skip
-
-    async def reserve(self, label: str, nbytes: int) -> TransferPublic:
-        """Room for a delivery of ``nbytes`` in the cache, in a folder named by ``label``."""
-        body = {"label": label, "bytes": nbytes}
-        return await self._call(
-            "POST", "/v1/incoming", _model(TransferPublic), what="reserve", json=body
-        )
-
-    async def release_incoming(self, label: str) -> TransferPublic:
-        return await self._call("DELETE", f"/v1/incoming/{_q(label)}", _model(TransferPublic),
-                                what="the reservation's release")  # fmt: skip

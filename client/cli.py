@@ -429,8 +429,8 @@ async def stage_on_peers(client: AsyncStagerClient, args: argparse.Namespace) ->
     """Every node of the job, through SLURM: one line per node on stderr, this node's
     path on stdout; fails naming the nodes (and steps) left without the data."""
     # Imported here: a plain `stage` or `wait` does not pay for the fan-out's modules.
-    from client._fanout import Fanout
-    from client._slurm import Job
+    from client.fanout.coordinator import Fanout
+    from client.fanout.slurm import Job
 
     job = await Job.detect()
     body = request_from(args)
@@ -546,9 +546,9 @@ async def _run(args: argparse.Namespace, run: Callable[..., Awaitable[int]]) -> 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_node"]:  # one node's part of --peers slurm, started by srun
-        from client import _fanout_node
+        from client.fanout import agent
 
-        return _fanout_node.main(argv[1:])
+        return agent.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.url = getattr(args, "url", None)

@@ -1,4 +1,5 @@
-"""No import circles inside a package, lazy (function-level) imports included.
+"""The import graph: no circles inside a package, lazy (function-level) imports
+included, and the client stands on nothing of the daemon but the wire layer.
 
 trainer/data.py and trainer/shards.py once imported each other, one of them
 from inside a function to dodge the ImportError: a circle that worked by
@@ -11,32 +12,55 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 
+from tests.imports import loaded_modules
+
 REPO = Path(__file__).resolve().parents[1]
+
+# The wire layer: all the client may import of `stager`. The HTTP API's models, the
+# manifest a fan-out checks a broadcast copy against (standard library only), and the
+# package itself (its version; it imports nothing).
+WIRE = {"stager", "stager.schemas", "stager.manifest_format"}
+# ProgressPublic, a wire model, is defined with the rest of the progress channel, so
+# the wire layer stands on stager/progress.py, which imports nothing of stager.
+WIRE_STANDS_ON = {"stager.progress"}
+
+
+def modules(package: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of ``package`` (a package is its __init__)."""
+    found = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imported(path: Path, known: Collection[str]) -> set[str]:
+    """The modules ``path`` imports anywhere in its body; ``from pkg import name`` is
+    ``pkg.name`` when that is one of the ``known`` modules, else ``pkg``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # `from pkg import module` names a module too
+                dotted = f"{node.module}.{alias.name}"
+                found.add(dotted if dotted in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
 
 
 def import_graph(package: Path) -> dict[str, set[str]]:
     """module -> the package's modules it imports anywhere in its body."""
-    root = package.parent
-    modules = {}
-    for path in package.rglob("*.py"):
-        name = ".".join(path.relative_to(root).with_suffix("").parts)
-        modules[name.removesuffix(".__init__")] = path
-    graph = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:  # `from pkg import module` names a module too
-                    dotted = f"{node.module}.{alias.name}"
-                    found.add(dotted if dotted in modules else node.module)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-        graph[name] = {m for m in found if m in modules and m not in (name, package.name)}
-    return graph
+    inside = modules(package)
+    return {
+        name: {m for m in imported(path, inside) if m in inside and m not in (name, package.name)}
+        for name, path in inside.items()
+    }
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -60,3 +84,42 @@ def test_a_lazy_import_circle_is_found(tmp_path):
     (pkg / "a.py").write_text("from pkg.b import g\n\ndef f():\n    return g()\n")
     (pkg / "b.py").write_text("def g():\n    from pkg import a\n    return a\n")
     assert set(cycle(import_graph(pkg))) == {"pkg.a", "pkg.b"}
+
+
+def in_stager(name: str) -> bool:
+    return name == "stager" or name.startswith("stager.")
+
+
+def test_the_client_imports_nothing_of_stager_but_the_wire_layer():
+    stager = modules(REPO / "stager")
+    assert WIRE <= set(stager), "a module named in WIRE is gone; update WIRE"
+    found = sorted(
+        f"{name} imports {target}"
+        for name, path in modules(REPO / "client").items()
+        for target in imported(path, stager)
+        if in_stager(target) and target not in WIRE
+    )
+    assert not found, f"the client may import only {sorted(WIRE)} of stager: {found}"
+
+
+def test_the_wire_layer_stands_on_nothing_else_of_stager():
+    graph = import_graph(REPO / "stager")
+    reached, todo = set(), list(WIRE)
+    while todo:
+        if (name := todo.pop()) not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    assert reached == WIRE | WIRE_STANDS_ON, f"the wire layer reaches {sorted(reached)}"
+
+
+def test_the_manifest_format_needs_only_the_standard_library():
+    path = REPO / "stager" / "manifest_format.py"
+    outside = {name.split(".")[0] for name in imported(path, ())} - sys.stdlib_module_names
+    assert not outside, f"stager/manifest_format.py imports {sorted(outside)}"
+
+
+def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
+    loaded = loaded_modules(*(m for m in modules(REPO / "client") if not m.endswith("__main__")))
+    assert "client.fanout.agent" in loaded
+    beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON)
+    assert not beyond, f"importing the client loads {beyond}"

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stager.errors import BadRequest
-from stager.fanout.manifest import HASH_CHUNK, Digests, Manifest, walk
+from stager.fs.manifest import Digests, walk
+from stager.manifest_format import HASH_CHUNK, Manifest
 
 
 class _Hashing:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from stager.fanout.bundle import Entries, cut
-from stager.fanout.manifest import Digests, Manifest, walk
+from stager.fs.manifest import Digests, walk
+from stager.manifest_format import Manifest
 
 # A file unchanged this long is taken to be finished (a wrong guess costs a resend).
 STABLE_S = 0.5

@@ -24,7 +24,6 @@ from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_e
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
-from stager.fanout.manifest import Manifest
 from stager.fanout.transfers import (
     EXPORT_TTL_S,
     ExportPlan,
@@ -40,6 +39,7 @@ from stager.fanout.transfers import (
     remove_folder,
     transfer_public,
 )
+from stager.manifest_format import Manifest
 from stager.ops.base import CheckContext
 from stager.schemas import (
     Adopt,

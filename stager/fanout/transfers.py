@@ -25,7 +25,8 @@ from typing import Any
 
 from stager.errors import NotFound
 from stager.fanout import bundle, early
-from stager.fanout.manifest import Digests, Manifest, digest
+from stager.fs.manifest import Digests
+from stager.manifest_format import Manifest, digest
 from stager.schemas import MANIFEST_NAME, ExportPublic, TransferPublic, part_name
 
 EXPORT_TTL_S = 3600.0

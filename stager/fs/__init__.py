@@ -1,2 +1,3 @@
 """Filesystem machinery the ops share: confined sources, walks by folder descriptor,
-forked walkers, zero-copy file copies, mounts, sizes and deletion."""
+forked walkers, zero-copy file copies, mounts, sizes, deletion, and a tree checked
+against its manifest."""

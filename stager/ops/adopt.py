@@ -27,9 +27,10 @@ from typing import Any
 
 from pydantic import Field
 
+from stager import manifest_format
 from stager.archive import tar_members
 from stager.errors import VerifyFailed
-from stager.fanout import manifest as manifests
+from stager.fs import manifest as manifests
 from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
@@ -139,7 +140,7 @@ def _end(folder: Path) -> dict[str, Any] | None:
     return end
 
 
-def _manifest(step: AdoptStep, folder: Path, end: dict[str, Any]) -> manifests.Manifest:
+def _manifest(step: AdoptStep, folder: Path, end: dict[str, Any]) -> manifest_format.Manifest:
     path = folder / MANIFEST_NAME
     try:
         data = path.read_bytes()
@@ -148,9 +149,9 @@ def _manifest(step: AdoptStep, folder: Path, end: dict[str, Any]) -> manifests.M
             f"the manifest from {step.origin_node} did not arrive ({path}); "
             "this node stages from the source"
         ) from exc
-    if manifests.digest(data) != end.get("manifest_sha256"):
+    if manifest_format.digest(data) != end.get("manifest_sha256"):
         raise VerifyFailed(
             f"the manifest broadcast from {step.origin_node} ({path}) is damaged (its "
             "sha256 differs from the one the job sent); this node stages from the source"
         )
-    return manifests.Manifest.from_bytes(data, str(path))
+    return manifests.read(data, str(path))

@@ -14,8 +14,8 @@ import os
 from pydantic import Field
 
 from stager.errors import VerifyFailed
-from stager.fanout.manifest import file_digest
 from stager.fs.sources import require_source
+from stager.manifest_format import file_digest
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 
 

@@ -1,4 +1,4 @@
-"""The per-node agent of a fan-out (``stager-client _node``, client/_fanout_node.py)
+"""The per-node agent of a fan-out (``stager-client _node``, client/fanout/agent.py)
 against two real daemons over real sockets, standing for two nodes of a job: the
 small-size, SLURM-free version of the 4-node cluster tests (tests/deploy/
 test_multinode.py, ``-m multinode``). The test plays the driver: it sends each agent
@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from client._client import AsyncStagerClient
-from client._fanout_node import Node
-from client._slurm import Broadcast
 from client.errors import FanoutError
+from client.fanout.agent import Node
+from client.fanout.slurm import Broadcast
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric
@@ -95,7 +95,7 @@ def copy_file(damage: Callable[[Path], None] | None = None, lost: int | None = N
 
 
 async def send(sender: Agent, receiver: Agent, stop_after: int | None = None) -> int:
-    """The driver's part of one broadcast (client/_fanout.py's _bundle_to): pack part
+    """The driver's part of one broadcast (client/fanout/coordinator.py's _bundle_to): pack part
     0 on the sender, reserve on the receiver, adopt there, have the sender send the
     parts, announce each to the receiver as it lands, then the end. ``stop_after``:
     the driver goes away after announcing that many parts. Returns the part count."""
@@ -213,7 +213,7 @@ def test_a_node_that_holds_the_dataset_reads_nothing_and_an_unused_delivery_goes
 
 
 async def send_while_staging(sender: Agent, receiver: Agent) -> int:
-    """The driver's part when the sender stages from the source (client/_fanout.py's
+    """The driver's part when the sender stages from the source (client/fanout/coordinator.py's
     _send_early, then _bundle_to): the sender stages in the background and sends the
     files it finished as it goes; the receiver reserves for its estimate and adopts at
     once; once ready, the parts the early ones did not carry, then the end. Returns how

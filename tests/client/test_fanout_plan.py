@@ -8,8 +8,8 @@ import random
 from collections import Counter
 from datetime import UTC, datetime
 
-from client._fanout import BLOCK_BYTES, broadcast_for, fanout_for, source_node
 from client._progress import describe_origin
+from client.fanout.policy import BLOCK_BYTES, broadcast_for, fanout_for, source_node
 from stager.schemas import DatasetPublic, Origin, State
 
 NODES = ["mn1", "mn2", "mn3", "mn4"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bench.multinode import Cluster, ClusterError, fresh_copy, leftovers
-from client._fanout import source_node
+from client.fanout.policy import source_node
 from tests.trees import make_tar, write_tree
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]

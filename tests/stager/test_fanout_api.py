@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.fanout.manifest import file_digest
+from stager.manifest_format import file_digest
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, delivered_name, part_name
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from stager.fanout import early, manifest
+from stager import manifest_format
+from stager.fanout import early
 from stager.fanout.transfers import (
     ExportPlan,
     Transfer,
@@ -31,6 +32,7 @@ from stager.fanout.transfers import (
     pack_export_part,
     plan_rest,
 )
+from stager.fs import manifest
 from stager.ops import adopt
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import OpContext
@@ -145,7 +147,7 @@ def stage_and_send(tmp_path: Path, rng: random.Random, mutations: int) -> tuple[
     staging = write_tree(tmp_path / "partial" / "tree", n_files=60, seed=rng.randrange(1000))
     receiver = Receiver(tmp_path / "incoming")
     transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest.Manifest(), 0, PART_BYTES, early=True)
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
     sent_early = 0
     for _ in range(30):
         time.sleep(STABLE_S * 2)
@@ -265,7 +267,7 @@ def test_files_of_a_part_that_failed_midway_are_sent_later(
         (staging / f"f{i}.bin").write_bytes(os.urandom(PART_BYTES // 2))
     time.sleep(STABLE_S * 2)
     transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest.Manifest(), 0, PART_BYTES, early=True)
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
     pick = early.pick
 
     def pick_then_rename(tree: Path, *args: object) -> tuple[object, float]:

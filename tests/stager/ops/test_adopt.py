@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from stager import manifest_format
 from stager.errors import BadRequest, Cancelled, StagingError, UnsafeArchiveMember, VerifyFailed
-from stager.fanout import bundle, manifest
+from stager.fanout import bundle
+from stager.fs import manifest
 from stager.ops import adopt, check_delivered
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import CheckContext, OpContext
@@ -50,7 +52,7 @@ def deliver(tree: Path, folder: Path, part_bytes: int = 100_000, end: bool = Tru
     """What a receiving node gets: the parts (each announced whole), the manifest, and
     the end file with the manifest's sha256, as the job's task writes it."""
     folder.mkdir()
-    packed = manifest.Manifest()
+    packed = manifest_format.Manifest()
     parts = bundle.plan(tree, part_bytes)
     for index, entries in enumerate(parts):
         bundle.pack_part(tree, folder / part_name(index), entries, packed)
@@ -58,7 +60,7 @@ def deliver(tree: Path, folder: Path, part_bytes: int = 100_000, end: bool = Tru
     data = packed.to_bytes()
     (folder / MANIFEST_NAME).write_bytes(data)
     if end:
-        ending = {"parts": len(parts), "manifest_sha256": manifest.digest(data)}
+        ending = {"parts": len(parts), "manifest_sha256": manifest_format.digest(data)}
         (folder / END_NAME).write_text(json.dumps(ending))
     return AdoptStep(folder=str(folder), origin_node="mn1", data_bytes=packed.total_bytes)
 
@@ -78,7 +80,9 @@ def test_a_tree_packed_in_parts_is_adopted_byte_for_byte(tmp_path: Path) -> None
     for part in parts:  # what GNU tar reads from the parts is what the manifest lists
         out = subprocess.run(["tar", "-tf", str(part)], capture_output=True, text=True)
         listed |= {n.rstrip("/") for n in out.stdout.splitlines() if n}
-    packed = manifest.Manifest.from_bytes((tmp_path / "in" / MANIFEST_NAME).read_bytes(), "m")
+    packed = manifest_format.Manifest.from_bytes(
+        (tmp_path / "in" / MANIFEST_NAME).read_bytes(), "m"
+    )
     assert listed == set(packed.files) | packed.dirs | set(packed.links)
     assert manifest.build(tree).to_bytes() == packed.to_bytes()
     run_adopt(step, tmp_path / "dest")
@@ -201,7 +205,7 @@ def test_a_tree_linking_outside_itself_is_not_packed(tmp_path: Path) -> None:
 def test_delivered_copies_must_match_size_and_sha256(tmp_path: Path) -> None:
     good = tmp_path / "a.tar.gz"
     good.write_bytes(os.urandom(50_000))
-    expected = {str(good): manifest.file_digest(good)}
+    expected = {str(good): manifest_format.file_digest(good)}
     ctx = OpContext(root=tmp_path / "dest", progress=Progress())
     step = CheckDeliveredStep(files=expected, origin_node="mn2")
     check_delivered.check(step, CheckContext())
@@ -235,7 +239,7 @@ def test_a_file_a_later_part_rewrites_is_checked_as_it_ends_up(tmp_path: Path) -
     (folder / (part_name(parts) + READY_SUFFIX)).touch()
     data = (folder / MANIFEST_NAME).read_bytes()
     (folder / END_NAME).write_text(
-        json.dumps({"parts": parts + 1, "manifest_sha256": manifest.digest(data)})
+        json.dumps({"parts": parts + 1, "manifest_sha256": manifest_format.digest(data)})
     )
     with pytest.raises(VerifyFailed, match=rf"mn1.*{victim}.*different content"):
         run_adopt(step, tmp_path / "dest")
@@ -251,5 +255,5 @@ def test_digests_read_again_a_file_changed_since_it_was_hashed(tmp_path: Path) -
     path.write_bytes(bytes(255 - b for b in path.read_bytes()))  # same size
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime
     again = manifest.build(root, digests)
-    assert again.files[name] == manifest.file_digest(path) != first.files[name]
+    assert again.files[name] == manifest_format.file_digest(path) != first.files[name]
     assert manifest.build(root).to_bytes() == again.to_bytes()

@@ -1,35 +1,9 @@
-"""``stager-client stage --peers slurm``: stage on every node of the job, reading the
-shared storage once.
+"""`Fanout`: the coordinator of ``stage --peers slurm``, run once in the batch script.
 
-Run once, in the batch script. SLURM is the orchestrator and the transport: the
-per-node work runs as ``srun`` steps (`client._fanout_node`), the bytes move with
-``sbcast``; there is no coordinator of ours and no listener. In order:
-
-1. **Probe** every node: its cache key for the request and whether it holds the
-   data (a cache hit).
-2. **Pick the source node**: a node that holds it (this one if it does), else one
-   chosen from the cache key and the sorted node list, so that different datasets
-   start on different nodes.
-3. **Move the data** to the nodes that lack it, with one step on exactly those
-   nodes (sbcast has no node list; it reaches the nodes of a step):
-
-   - *bundle*: the source node stages (or already holds) the dataset, packs the
-     ready tree into tars of ~32 MB with a manifest (every path, size and sha256),
-     and sbcasts them, packing the next part while one travels; the receivers
-     extract each part as it lands. When it stages from the storage, the files it
-     finished go out while it stages the rest (early parts, `stager.fanout.early`),
-     and the ready tree's parts carry only what those did not. The default.
-   - *sources* (``--broadcast sources``): when every source of the request is a
-     plain file (release archives), the source node sbcasts them as they are, read
-     from the storage once, and every node (itself too) stages from its local copy.
-
-4. **Adopt**: each receiving daemon stages from what it received, through the same
-   hardened extraction as any archive, checked against the manifest the source
-   node computed, and deletes the delivery. A copy that is missing, truncated or
-   different is rejected, and that node stages from the source itself.
-
-The outcome is one line per node; the command fails (naming the node and the
-step) only when some node has no data and nothing was left to try.
+It probes every node through the agents, picks the source node and the way the data
+travels (`client.fanout.policy`), has the source node send it and the others adopt
+it, and records how the data reached each node (`client.fanout.report`). The steps
+are described in `client.fanout`.
 """
 
 from __future__ import annotations
@@ -38,137 +12,33 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from client._client import AsyncStagerClient
-from client._fanout_node import Node
-from client._slurm import (
+from client.errors import FanoutError, StagerError
+from client.fanout.agent import Node
+from client.fanout.policy import broadcast_for, compressed_name, sends_sources, source_node
+from client.fanout.protocol import Agents
+from client.fanout.report import NodeResult, Report
+from client.fanout.slurm import (
     STEP_START_TIMEOUT_S,
     Broadcast,
     Job,
+    Sink,
     Step,
     agent_argv,
-    cancel_step,
     sbcast,
     sink_argv,
 )
-from client.errors import FanoutError, StagerError
 from stager.schemas import Adopt, delivered_name
-
-# sbcast sends one 8 MB block at a time and waits for every node to have it. Up to
-# FLAT_FANOUT receivers the sender sends to each directly; beyond, a tree.
-BLOCK_BYTES = 8 << 20
-FLAT_FANOUT = 8
-# lz4 on the wire pays for data it shrinks; packed datasets are mostly JPEG/PNG and
-# release archives are compressed already, so it is off unless the data says so.
-LZ4_MIN_BYTES = 64 << 20
-COMPRESSED_SUFFIXES = (".gz", ".tgz", ".zst", ".tzst", ".xz", ".txz", ".bz2", ".tbz2", ".zip")
 
 Say = Callable[[str], None]
 
 
-def source_node(key: str, nodes: Sequence[str], holders: Sequence[str], this_node: str) -> str:
-    """Who reads the data for the others: a holder (this node first), else a node chosen
-    by the key, so that different datasets of one job start on different nodes."""
-    if this_node in holders:
-        return this_node
-    if holders:
-        return sorted(holders)[0]
-    ordered = sorted(nodes)
-    return ordered[int(key[:15], 16) % len(ordered)]
-
-
-def fanout_for(receivers: int, nbytes: int) -> int:
-    """sbcast's ``--fanout``: flat (the sender sends every copy) for few receivers or
-    one block; for many, the tree width that minimises width x depth per block."""
-    if receivers <= FLAT_FANOUT or nbytes <= BLOCK_BYTES:
-        return max(1, min(receivers, FLAT_FANOUT))
-
-    def cost(width: int) -> tuple[int, int]:
-        depth, reached = 0, 1
-        while reached < receivers + 1:
-            reached *= width + 1
-            depth += 1
-        return width * depth, -width
-
-    return min(range(2, FLAT_FANOUT + 1), key=cost)
-
-
-def broadcast_for(receivers: int, nbytes: int, compressible: bool) -> Broadcast:
-    return Broadcast(compressible and nbytes >= LZ4_MIN_BYTES, fanout_for(receivers, nbytes))
-
-
-def compressed_name(path: str) -> bool:
-    return path.lower().endswith(COMPRESSED_SUFFIXES)
-
-
-@dataclass
-class NodeResult:
-    node: str
-    how: str | None = None  # hit | staged | broadcast
-    path: str | None = None
-    seconds: float | None = None
-    fallback: str | None = None  # why a broadcast copy was not used
-    error: str | None = None
-
-    def line(self) -> str:
-        if self.error:
-            return f"{self.node}: FAILED: {self.error}"
-        what = {"hit": "cache hit", "staged": "staged from the source"}.get(
-            self.how or "", "broadcast copy adopted"
-        )
-        took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
-        note = f" (fallback: {self.fallback})" if self.fallback else ""
-        return f"{self.node}: {what}{took}{note} -> {self.path}"
-
-
-@dataclass
-class Report:
-    name: str
-    key: str | None = None
-    source: str | None = None
-    mode: str = "none"  # bundle | sources | none (nothing to send)
-    sent_bytes: int = 0
-    early_parts: int = 0  # parts sent while the source node was still staging
-    broadcast: Broadcast | None = None
-    seconds: float = 0.0
-    nodes: dict[str, NodeResult] = field(default_factory=dict)
-    # When each phase ended, in seconds from the start: where the time went.
-    timeline: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def failed(self) -> list[NodeResult]:
-        return [r for r in self.nodes.values() if r.error]
-
-    def headline(self) -> str:
-        nodes = len(self.nodes)
-        text = f"{self.name!r} on {nodes} node{'s' * (nodes != 1)} in {self.seconds:.1f} s"
-        if self.mode == "none":
-            return text
-        sent = f"{self.sent_bytes / 1e6:.1f} MB"
-        how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
-        what = "the prepared tree" if self.mode == "bundle" else "the source files"
-        early = f", {self.early_parts} parts while it staged" if self.early_parts else ""
-        return f"{text}: {self.source} sent {what} ({sent}{early}) with sbcast{how}"
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "key": self.key,
-            "source": self.source,
-            "mode": self.mode,
-            "sent_bytes": self.sent_bytes,
-            "early_parts": self.early_parts,
-            "compress": self.broadcast.compress if self.broadcast else None,
-            "fanout": self.broadcast.fanout if self.broadcast else None,
-            "seconds": round(self.seconds, 3),
-            "timeline": self.timeline,
-            "nodes": {n: vars(r) for n, r in sorted(self.nodes.items())},
-        }
-
-
 class Fanout:
+    """One fan-out of one stage request over the job's nodes; `run` gives its `Report`."""
+
     def __init__(
         self,
         job: Job,
@@ -255,21 +125,12 @@ class Fanout:
         source = self.report.source = source_node(key, usable, holders, self.job.this_node)
         if not lacking:
             await agents.tell({"do": "stage", "to": usable})
-        elif self._sources_pay(holders, probes[source].get("source_files", [])):
+        elif sends_sources(self.broadcast, holders, probes[source].get("source_files", [])):
             self.report.mode = "sources"
             await self._send_sources(agents, source, probes[source]["source_files"], lacking)
         else:
             self.report.mode = "bundle"
             await self._send_bundle(agents, source, lacking, holders)
-
-    def _sources_pay(self, holders: list[str], files: list[dict[str, Any]]) -> bool:
-        """Broadcast the source files, rather than the prepared tree, only when asked
-        (``--broadcast sources``), there are such files and no node holds the data.
-        Measured (docs/benchmarks.md, a 201 MB .tar.gz on 4 nodes): the prepared tree
-        sent in parts beats the archive, since the source node extracts while it reads
-        the storage and the receivers get plain tars while the parts travel, where the
-        archive is sent first and then decompressed on every node."""
-        return not holders and bool(files) and self.broadcast == "sources"
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -498,82 +359,3 @@ class Early:
     dest: str
     how: Broadcast
     parts: int = 0
-
-
-class Agents:
-    """The step with one `client._fanout_node` task per node, and the talk with it."""
-
-    def __init__(self, step: Step) -> None:
-        self.step = step
-        self._events = step.events()
-        self._early: list[dict[str, Any]] = []  # read while looking for other events
-
-    async def collect(self, kind: str, nodes: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """The next ``kind`` event from each of ``nodes`` (fewer if the step ends)."""
-        found = {}
-        for event in [e for e in self._early if e.get("event") == kind and e["node"] in nodes]:
-            self._early.remove(event)
-            found[event["node"]] = event
-        while len(found) < len(nodes):
-            try:
-                event = await anext(self._events)
-            except StopAsyncIteration:
-                break
-            if event.get("event") == kind and event["node"] in nodes:
-                found[event["node"]] = event
-            else:
-                self._early.append(event)
-        return found
-
-    async def started(self) -> None:
-        found = await self.collect("ready", self.step.nodes)
-        if self.step.step_id is None:
-            missing = [n for n in self.step.nodes if n not in found]
-            raise FanoutError(
-                f"{self.step.label()} did not start on {', '.join(missing) or 'any node'} "
-                f"({self.step.stderr_tail()}); check those nodes with sinfo"
-            )
-
-    async def tell(self, message: dict[str, Any]) -> None:
-        await self.step.write(message)
-
-    async def done(self) -> list[dict[str, Any]]:
-        """Every node's outcome: stdin closes, each task reports and exits."""
-        self.step.close_stdin()
-        found = await self.collect("done", self.step.nodes)
-        await self.step.wait()
-        return [
-            found.get(node)
-            or {
-                "node": node,
-                "event": "done",
-                "error": f"its task ended without a report ({self.step.stderr_tail()})",
-            }
-            for node in self.step.nodes
-        ]
-
-    async def close(self) -> None:
-        await self.step.kill()
-
-
-class Sink:
-    """The step sbcast sends to: on exactly the nodes that lack the data."""
-
-    def __init__(self, step: Step) -> None:
-        self.step = step
-        self.step_id = ""
-
-    async def started(self) -> Sink:
-        async for event in self.step.events():
-            if event.get("step"):
-                self.step_id = str(event["step"])
-                return self
-        raise FanoutError(
-            f"{self.step.label()} did not start ({self.step.stderr_tail()}); check those "
-            "nodes with sinfo"
-        )
-
-    async def close(self) -> None:
-        if self.step_id:
-            await cancel_step(self.step.job, self.step_id)
-        await self.step.kill()

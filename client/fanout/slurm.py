@@ -3,10 +3,10 @@
 Only SLURM's own commands run here (``scontrol``, ``srun``, ``sbcast``): the
 transfer, the authentication and the process launch are SLURM's, so stager opens
 no network listener and needs nothing configured. Each per-node task is a
-``stager-client _node`` process that talks to its node's daemon over the local
-socket and reports back as JSON lines on stdout; a step that must wait for the
-broadcast reads one JSON line of instructions from stdin (srun hands stdin to
-every task of the step).
+``stager-client _node`` agent that talks to its node's daemon over the local
+socket, and to the coordinator in JSON lines on stdout and stdin (srun hands stdin
+to every task of the step; `client.fanout.protocol`). A `Sink` step runs on
+exactly the nodes sbcast sends to.
 
 Errors from these commands become `FanoutError` here, with a sentence naming the
 node and the step.
@@ -255,3 +255,26 @@ async def sbcast(
         f"sbcast of {source} from {sender} to step {to_step}",
         "check that sbcast is permitted on this cluster and the nodes' local disks have room",
     )
+
+
+class Sink:
+    """The step sbcast sends to: on exactly the nodes that lack the data."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.step_id = ""
+
+    async def started(self) -> Sink:
+        async for event in self.step.events():
+            if event.get("step"):
+                self.step_id = str(event["step"])
+                return self
+        raise FanoutError(
+            f"{self.step.label()} did not start ({self.step.stderr_tail()}); check those "
+            "nodes with sinfo"
+        )
+
+    async def close(self) -> None:
+        if self.step_id:
+            await cancel_step(self.step.job, self.step_id)
+        await self.step.kill()

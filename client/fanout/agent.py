@@ -1,31 +1,10 @@
-"""What runs on each node of a fan-out: ``stager-client _node --request JSON``.
+"""The per-node agent of a fan-out: ``stager-client _node --request JSON``.
 
-`client._fanout` starts one of these on every node of the job, in one ``srun``
-step. Each talks to its own node's daemon over the local socket, reports JSON lines
-on stdout (one object per event, each naming its node) and takes instructions as
-JSON lines on stdin (srun gives stdin to every task; a line's ``to`` names the
-nodes it is for). A task lives for the whole fan-out, so its start-up (a Python
-interpreter) is paid once per node, at the beginning, all nodes at once.
-
-    at start   probe: this node's cache key for the request, and whether it holds it
-    stage      stage (or take the cache hit) as a plain request, in the background
-    early      start an export of the dataset while it stages (its estimate)
-    send-early sbcast the files the staging finished, in parts, as it goes; one
-               ``sent`` event per part, and one (``early_done``) once it is not staging
-    export     pack the first part of the ready dataset that early parts did not
-               carry (and plan the others), for sbcast
-    send       sbcast every part, each packed while the one before travels, then the
-               manifest; one ``sent`` event per part as it lands on the receivers
-    drop-export  delete the packed parts once sent
-    reserve    room in the cache for a delivery; says the folder sbcast writes into
-    hash       (size, sha256) of delivered source files: the manifest others check
-    adopt      stage from the delivery (the daemon extracts the parts as they come);
-               if it does not verify, from the source
-    part, end  a part is whole here; no more parts come (with the manifest's sha256)
-
-When stdin closes, the task reports how the data arrived here (``done``) and exits,
-releasing a reservation nothing adopted. A task never told to stage anything says
-so: it never leaves data that looks ready.
+The coordinator (`client.fanout.coordinator`) starts one on every node of the job,
+in one ``srun`` step. `Node` talks to its own node's daemon over the local socket
+(the public client for staging, `FanoutCalls` for probe, export and the incoming
+room) and to the coordinator in JSON lines: the instructions and what it answers to
+each are listed in `client.fanout.protocol`.
 """
 
 from __future__ import annotations
@@ -34,16 +13,17 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from client._client import AsyncStagerClient
-from client._slurm import Broadcast, Job, sbcast
 from client.errors import DaemonUnavailable, StagerError, StagingFailed
-from stager.fanout.manifest import file_digest
+from client.fanout.calls import FanoutCalls
+from client.fanout.protocol import Emit, emit_stdout, stdin_messages
+from client.fanout.slurm import Broadcast, Job, sbcast
+from stager.manifest_format import file_digest
 from stager.schemas import (
     END_NAME,
     MANIFEST_NAME,
@@ -57,15 +37,10 @@ from stager.schemas import (
     part_name,
 )
 
-Emit = Callable[[dict[str, Any]], None]
 # How a file on this node reaches the same path on the nodes of a step (sbcast).
 SendFile = Callable[[str, str, str, Broadcast], Awaitable[None]]
 # A node whose daemon does not answer is not waited for long: the job is running.
 NODE_RETRY_FOR_S = 10.0
-
-
-def emit_stdout(event: dict[str, Any]) -> None:
-    print(json.dumps(event), flush=True)
 
 
 class Node:
@@ -81,6 +56,7 @@ class Node:
         send_file: SendFile | None = None,
     ) -> None:
         self.client = client
+        self.calls = FanoutCalls(client)
         self.node = node
         self.body = dict(body)
         self.timeout = timeout
@@ -145,7 +121,7 @@ class Node:
             await self.send(message)
         elif action == "drop-export":
             try:
-                await self.client.delete_export(str(message["label"]))
+                await self.calls.delete_export(str(message["label"]))
             except StagerError:
                 pass  # the daemon removes exports past their age itself
         elif action == "reserve":
@@ -166,7 +142,7 @@ class Node:
 
     async def probe(self) -> dict[str, Any]:
         try:
-            result = await self.client.probe(self.body)
+            result = await self.calls.probe(self.body)
         except StagerError as exc:
             return self._event("probe", error=exc.message)
         return self._event("probe", **result.model_dump(mode="json"))
@@ -211,7 +187,7 @@ class Node:
         are packed as they are sent."""
         try:
             name = str(self.body["name"])
-            self.exported = await self.client.export(name, label, part, part_bytes)
+            self.exported = await self.calls.export(name, label, part, part_bytes)
         except StagerError as exc:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
         return self._event("exported", **self.exported.model_dump(mode="json"))
@@ -222,7 +198,7 @@ class Node:
         await self._submitted.wait()
         try:
             name = str(self.body["name"])
-            self.exported = await self.client.export(name, label, 0, part_bytes, early=True)
+            self.exported = await self.calls.export(name, label, 0, part_bytes, early=True)
         except StagerError as exc:
             return self._event("early", error=exc.message)
         return self._event("early", **self.exported.model_dump(mode="json"))
@@ -248,7 +224,7 @@ class Node:
             # or here (this node's wait for it returned, maybe with an error).
             staging_over = self._staging is not None and self._staging.done()
             try:
-                exported = self.exported = await self.client.export(
+                exported = self.exported = await self.calls.export(
                     name, label, exported.parts, early=True
                 )
             except StagerError:
@@ -274,7 +250,7 @@ class Node:
         while True:
             following = None
             if exported.part + 1 < exported.parts:
-                following = asyncio.create_task(self.client.export(name, label, exported.part + 1))
+                following = asyncio.create_task(self.calls.export(name, label, exported.part + 1))
             target = f"{dest}/{part_name(exported.part)}"
             failed = await self._send(exported.path, target, step, how)
             self.emit(self._event("sent", index=exported.part, bytes=exported.bytes, failed=failed))
@@ -302,7 +278,7 @@ class Node:
 
     async def reserve(self, label: str, nbytes: int) -> dict[str, Any]:
         try:
-            self.incoming = await self.client.reserve(label, nbytes)
+            self.incoming = await self.calls.reserve(label, nbytes)
         except StagerError as exc:
             return self._event("reserved", error=exc.message)
         return self._event("reserved", path=self.incoming.path)
@@ -373,7 +349,7 @@ class Node:
             return
         incoming, self.incoming = self.incoming, None
         try:
-            await self.client.release_incoming(incoming.id)  # kept if a staging adopts it
+            await self.calls.release_incoming(incoming.id)  # kept if a staging adopts it
         except StagerError:
             pass  # the daemon is gone: it deletes deliveries when it starts again
 
@@ -389,16 +365,6 @@ def _public(event: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- the hidden CLI: stager-client _node ---------------------------------------------
-
-
-async def _stdin_lines() -> AsyncIterator[dict[str, Any]]:
-    while line := await asyncio.to_thread(sys.stdin.readline):
-        try:
-            message = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(message, dict):
-            yield message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -422,7 +388,7 @@ async def run(args: argparse.Namespace) -> int:
 
     async with AsyncStagerClient(args.url, retry_for=NODE_RETRY_FOR_S) as client:
         node = Node(client, job.this_node, body, args.timeout, emit_stdout, send_file)
-        await node.run(_stdin_lines(), step)
+        await node.run(stdin_messages(), step)
     return 0
 
 

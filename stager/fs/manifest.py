@@ -1,78 +1,36 @@
-"""A manifest: what a node's copy of a dataset must be, so another node can check its own.
+"""A tree and its manifest: the manifest of a tree on disk, hashed incrementally while
+parts arrive (`Digests`), what a tree holds beyond it removed (`prune`), and a tree
+checked against it path by path (`verify`).
 
-Every path of the tree, and for each file its size and sha256; for each link its
-target. The node that staged from the source writes it while it packs the tree
-(:mod:`stager.fanout.bundle`); a node that receives the broadcast extracts the
-bundle through the same hardened extraction as any archive, then checks the tree
-it got against the manifest: a delivered file is trusted only once it matches.
-The manifest itself is checked against its sha256, which reaches the receiving
-node along another path (the job's own ``srun`` step, not the broadcast).
+The manifest's format, its digest and `file_digest` are the wire layer's
+(:mod:`stager.manifest_format`); this side walks trees and raises the daemon's
+`VerifyFailed`. The node that staged from the source builds the manifest while it
+packs the tree (:mod:`stager.fanout.bundle`); a node that receives the broadcast
+extracts the parts through the same hardened extraction as any archive, then
+checks the tree it got (the ``adopt`` op): a delivered file is trusted only once
+it matches.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import VerifyFailed
-
-VERSION = 1
-HASH_CHUNK = 1 << 20
+from stager.manifest_format import Manifest, NotAManifest, file_digest
 
 
-@dataclass
-class Manifest:
-    files: dict[str, tuple[int, str]] = field(default_factory=dict)  # path -> (size, sha256)
-    dirs: set[str] = field(default_factory=set)
-    links: dict[str, str] = field(default_factory=dict)  # path -> target
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(size for size, _ in self.files.values())
-
-    def to_bytes(self) -> bytes:
-        # Canonical: the same tree always gives the same bytes, so the same digest.
-        document = {
-            "version": VERSION,
-            "files": {path: list(entry) for path, entry in sorted(self.files.items())},
-            "dirs": sorted(self.dirs),
-            "links": dict(sorted(self.links.items())),
-        }
-        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, label: str) -> Manifest:
-        try:
-            document = json.loads(data)
-            if document.get("version") != VERSION:
-                raise ValueError(f"version {document.get('version')!r}, not {VERSION}")
-            files = {str(p): (int(s), str(h)) for p, (s, h) in document["files"].items()}
-            return cls(files, set(map(str, document["dirs"])), dict(document["links"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise VerifyFailed(
-                f"manifest {label} is not a stager manifest ({exc}); the copy cannot be "
-                "checked, so this node stages from the source"
-            ) from exc
-
-
-def digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """(size, sha256) of one file; hashlib releases the GIL on large chunks."""
-    sha = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as stream:
-        while chunk := stream.read(HASH_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return size, sha.hexdigest()
+def read(data: bytes, label: str) -> Manifest:
+    """The manifest in ``data`` (a delivery's ``label``), or `VerifyFailed`: a copy that
+    cannot be checked is never trusted."""
+    try:
+        return Manifest.from_bytes(data, label)
+    except NotAManifest as exc:
+        raise VerifyFailed(
+            f"{exc}; the copy cannot be checked, so this node stages from the source"
+        ) from exc
 
 
 def walk(root: Path) -> list[tuple[str, os.stat_result]]:

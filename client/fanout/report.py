@@ -1,0 +1,74 @@
+"""What a fan-out did: how the data reached each node, what was sent and where the time
+went; one line per node, a headline, or one JSON document (``--json``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.fanout.slurm import Broadcast
+
+
+@dataclass
+class NodeResult:
+    node: str
+    how: str | None = None  # hit | staged | broadcast
+    path: str | None = None
+    seconds: float | None = None
+    fallback: str | None = None  # why a broadcast copy was not used
+    error: str | None = None
+
+    def line(self) -> str:
+        if self.error:
+            return f"{self.node}: FAILED: {self.error}"
+        what = {"hit": "cache hit", "staged": "staged from the source"}.get(
+            self.how or "", "broadcast copy adopted"
+        )
+        took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
+        note = f" (fallback: {self.fallback})" if self.fallback else ""
+        return f"{self.node}: {what}{took}{note} -> {self.path}"
+
+
+@dataclass
+class Report:
+    name: str
+    key: str | None = None
+    source: str | None = None
+    mode: str = "none"  # bundle | sources | none (nothing to send)
+    sent_bytes: int = 0
+    early_parts: int = 0  # parts sent while the source node was still staging
+    broadcast: Broadcast | None = None
+    seconds: float = 0.0
+    nodes: dict[str, NodeResult] = field(default_factory=dict)
+    # When each phase ended, in seconds from the start: where the time went.
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[NodeResult]:
+        return [r for r in self.nodes.values() if r.error]
+
+    def headline(self) -> str:
+        nodes = len(self.nodes)
+        text = f"{self.name!r} on {nodes} node{'s' * (nodes != 1)} in {self.seconds:.1f} s"
+        if self.mode == "none":
+            return text
+        sent = f"{self.sent_bytes / 1e6:.1f} MB"
+        how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
+        what = "the prepared tree" if self.mode == "bundle" else "the source files"
+        early = f", {self.early_parts} parts while it staged" if self.early_parts else ""
+        return f"{text}: {self.source} sent {what} ({sent}{early}) with sbcast{how}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "source": self.source,
+            "mode": self.mode,
+            "sent_bytes": self.sent_bytes,
+            "early_parts": self.early_parts,
+            "compress": self.broadcast.compress if self.broadcast else None,
+            "fanout": self.broadcast.fanout if self.broadcast else None,
+            "seconds": round(self.seconds, 3),
+            "timeline": self.timeline,
+            "nodes": {n: vars(r) for n, r in sorted(self.nodes.items())},
+        }
