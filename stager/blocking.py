@@ -72,6 +72,10 @@ async def run_staging(
     cancelled_at: float | None = None
     last, moved_at = counters.read(), loop.time()
     message = None
+    # The outcome is awaited on the pipe itself, not polled for: a small staging ends
+    # a few milliseconds after it starts, and a poll interval would be its whole cost.
+    answered = asyncio.Event()
+    loop.add_reader(receiver.fileno(), answered.set)
     try:
         while message is None:
             now = loop.time()
@@ -82,27 +86,43 @@ async def run_staging(
             if (seen := counters.read()) != last:
                 last, moved_at = seen, now
             if receiver.poll():
-                message = receiver.recv()
+                try:
+                    message = receiver.recv()
+                except EOFError:  # it closed the pipe without a word: it died
+                    await run_io(process.join, limits.cancel_grace_s)
+                    raise _died(process) from None
             elif not process.is_alive():
                 if receiver.poll():
                     continue
-                raise errors.StagingProcessDied(
-                    f"the staging process died with exit code {process.exitcode}; "
-                    "see the daemon log, then stage again"
-                )
+                raise _died(process)
             elif cancelled_at is not None and now - cancelled_at > limits.cancel_grace_s:
                 log.warning("staging of %s ignored its cancel; ending it", job.final.name)
                 raise errors.Cancelled("staging was cancelled (its process was ended)")
             elif limits.stall_timeout_s and now - moved_at > limits.stall_timeout_s:
                 raise errors.StagingStalled(_stalled(job, progress, limits.stall_timeout_s))
             else:
-                await asyncio.sleep(poll_s)
+                try:
+                    await asyncio.wait_for(answered.wait(), poll_s)
+                except TimeoutError:
+                    pass
     finally:
+        loop.remove_reader(receiver.fileno())
         child_cancel.set()  # no-op when it finished; stops it when we are being cancelled
-        await run_io(_reap, process, 0.0 if message is None else limits.cancel_grace_s)
         receiver.close()
+        if message is None:
+            await run_io(_reap, process, 0.0)
+        else:
+            # It has answered and is exiting; waiting for that would hold up the publish.
+            _reap_later(process, limits.cancel_grace_s)
     progress.mirror(counters)
     return _outcome(message)
+
+
+def _died(process: Any) -> errors.StagingProcessDied:
+    return errors.StagingProcessDied(
+        f"the staging process died with exit code {process.exitcode}; "
+        "see the daemon log, then stage again"
+    )
 
 
 def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
@@ -112,6 +132,16 @@ def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
         "be hung (a stalled network filesystem or server): check it and stage again, or "
         "raise --stall-timeout"
     )
+
+
+# Reaps of children that answered, kept so they are not garbage-collected.
+_reaping: set[asyncio.Future[None]] = set()
+
+
+def _reap_later(process: Any, grace_s: float) -> None:
+    reap = asyncio.ensure_future(run_io(_reap, process, grace_s))
+    _reaping.add(reap)
+    reap.add_done_callback(_reaping.discard)
 
 
 def _reap(process: Any, grace_s: float) -> None:

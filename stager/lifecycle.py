@@ -37,7 +37,7 @@ from stager.blocking import run_io
 from stager.dataset import Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
-from stager.fs.seal import Seal, protect_top, seal_tree
+from stager.fs.seal import Seal, protect_top, seal_tree, settled
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -279,6 +279,8 @@ class Registry:
         4. The attempt's folder, now holding only its marker, is removed.
         """
         attempt, final = self.attempt(entry), self.final(entry)
+        while not settled(seal):  # a tick at most; usually passed already
+            await asyncio.sleep(0.001)
         if await run_io(attempt.tree.is_dir):
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
         await run_io(protect_top, final)  # again after a crash: it changes nothing then

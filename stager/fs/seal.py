@@ -18,8 +18,9 @@ would and catches every change a user or an admin can make through the
 filesystem; it is what a hit pays before it says ready.
 
 Timestamps come from the kernel's coarse clock (one tick, a few milliseconds),
-so the seal is taken after the walk and the sealing waits until that clock has
-moved past it: a change made after the seal cannot carry the seal's own time.
+so the seal is taken after the walk, and the tree is published only once that
+clock has moved past it (:func:`settled`): a change made after the publish
+cannot carry a time at or before the seal.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ def seal_tree(root: Path, workers: int) -> Seal:
         sealer.workers.walk(top, sealer, "skip", flush=sealer.submit)
     finally:
         os.close(top.fd)
-    sealed_ns = time.time_ns()
-    # Every ctime the walk caused is at most the coarse clock now; wait for it to tick
-    # past, so that no later change can be stamped with a time at or before the seal.
-    while time.clock_gettime_ns(_COARSE_CLOCK) <= sealed_ns:
-        time.sleep(0.001)
+    sealed_ns = time.time_ns()  # no ctime the walk caused is later than this
     return Seal(entries=tally.files + sealer.folders, nbytes=tally.nbytes, sealed_ns=sealed_ns)
+
+
+def settled(seal: Seal) -> bool:
+    """Whether the kernel's coarse clock has passed the seal, so that any change made
+    from now on is stamped later than it. The tree must not be reachable by anyone
+    before then: the registry publishes it only once this holds (a tick at most)."""
+    return time.clock_gettime_ns(_COARSE_CLOCK) > seal.sealed_ns
 
 
 def protect_top(root: Path) -> None:

@@ -8,6 +8,8 @@ as far as the staging process can tell.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -67,6 +69,31 @@ def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) 
         assert status["error"]["type"] == "stalled"
         assert "no progress for 4 s in step 1 (fetch)" in status["error"]["message"]
         # The worker slot is free again: the next staging runs.
+        again = {"name": "next", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
+        assert stage(c, again).status_code == 202
+        assert c.get("/v1/datasets/next/wait", params={"timeout": 20}).json()["state"] == "ready"
+
+
+def test_a_staging_process_killed_midway_fails_its_dataset_at_once(daemon_factory) -> None:
+    """The daemon awaits the outcome on the child's pipe: a child that dies without a
+    word closes it, and the dataset fails with the sentence, not after a poll or a
+    timeout; the worker slot is free again."""
+    daemon: Daemon = daemon_factory()
+    hold = threading.Event()
+    with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url, daemon.client() as c:
+        before = children(daemon)
+        body = {"name": "killed", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
+        assert stage(c, body).status_code == 202
+        wait_for_step(daemon, "killed", "fetch")
+        for pid in children(daemon) - before:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        status = c.get("/v1/datasets/killed/wait", params={"timeout": 20}).json()
+        took = time.monotonic() - t0
+        hold.set()
+        assert status["state"] == "failed", status
+        assert "the staging process died with exit code -9" in status["error"]["message"]
+        assert took < 5, f"the death was noticed after {took:.1f} s"
         again = {"name": "next", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
         assert stage(c, again).status_code == 202
         assert c.get("/v1/datasets/next/wait", params={"timeout": 20}).json()["state"] == "ready"

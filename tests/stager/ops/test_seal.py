@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def published(tmp_path: Path, seed: int = 1, files: int = 300) -> tuple[Path, se
     tree.parent.mkdir()
     generated_tree(tree, seed, files)
     sealed = seal.seal_tree(tree, workers=2)
+    while not seal.settled(sealed):  # as the registry waits before it publishes
+        time.sleep(0.001)
     final = tmp_path / "data" / "key"
     final.parent.mkdir()
     os.rename(tree, final)

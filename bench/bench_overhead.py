@@ -1,0 +1,155 @@
+"""What a staging costs whatever its size: POST to ready for a one-file dataset.
+
+Starts a real ``stager serve``, then stages one small file at a time, each a miss
+(a new file per request), and prints the median and range of the time from the
+POST to the answer of ``GET .../wait`` saying ready (the first staging, which
+starts the fork server, is reported apart).
+
+``--trace`` says where the milliseconds go: it copies ``stager/`` to a scratch
+folder, adds ``perf_counter`` trace points at each phase boundary (the daemon's
+admission, the attempt, the request to the fork server, the child's start, its
+steps, its seal, the outcome reaching the daemon, the publish), runs the daemon
+from that copy and prints each phase's median. The code under test is unchanged;
+the trace points cost microseconds.
+
+    python bench/bench_overhead.py [--runs 30] [--trace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.daemon import Daemon  # noqa: E402
+
+# (file, the text the trace point goes before, label: after it with a "+"), in the order
+# they happen.
+TRACE_POINTS = [
+    (
+        "stager/engine.py",
+        "        expansion, request_key, key = await self._resolve(request)\n",
+        "post",
+    ),
+    (
+        "stager/engine.py",
+        "        await self.fanout.release_unused(request.adopt, entry)\n",
+        "admitted",
+    ),
+    ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
+    ("stager/blocking.py", "    counters = SharedCounters(CONTEXT)\n", "attempt-started"),
+    ("stager/blocking.py", "    process.start()  # a request", "job-built"),
+    ("stager/worker.py", "    die_with(daemon_pid)  # the daemon", "child-forked"),
+    ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
+    ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
+    ("stager/worker.py", "            write_atomically(attempt.marker, str(index))\n", "op-done"),
+    ("stager/worker.py", "            crash.reached(Durable.STEP_DONE)\n", "marker-written"),
+    ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
+    ("stager/fs/seal.py", "    return Seal(entries=", "sealed"),
+    (
+        "stager/blocking.py",
+        "    progress.mirror(counters)\n    return _outcome(message)",
+        "outcome-read",
+    ),
+    ("stager/engine.py", "            await reg.publish(entry, seal)\n", "publishing"),
+    ("stager/engine.py", "            await reg.publish(entry, seal)\n", "+published"),  # after
+]
+
+
+def traced_copy(scratch: Path) -> Path:
+    """``stager/`` copied with a trace line before each point; returns the copy's root."""
+    shutil.copytree(REPO / "stager", scratch / "stager")
+    for relative, anchor, label in TRACE_POINTS:
+        path = scratch / relative
+        text = path.read_text()
+        if anchor not in text:
+            raise SystemExit(f"trace point {label!r} not found in {relative}; update TRACE_POINTS")
+        after, label = label.startswith("+"), label.removeprefix("+")
+        indent = anchor[: len(anchor) - len(anchor.lstrip())]
+        line = (
+            f"{indent}__import__('sys').stderr.write('TRACE {label} %.3f\\n' % "
+            "(__import__('time').perf_counter() * 1000))\n"
+        )
+        text = text.replace(anchor, anchor + line if after else line + anchor, 1)
+        path.write_text(text)
+    return scratch
+
+
+def one_file_stagings(daemon: Daemon, source: Path, runs: int) -> list[float]:
+    times = []
+    with daemon.client() as client:
+        for i in range(runs + 1):
+            path = source / f"file-{i}"
+            path.write_bytes(os.urandom(1000))
+            start = time.perf_counter()
+            client.post(
+                "/v1/datasets", json={"name": f"d{i}", "steps": [{"op": "copy", "src": str(path)}]}
+            )
+            status = client.get(f"/v1/datasets/d{i}/wait", params={"timeout": 60}).json()
+            if status["state"] != "ready":
+                raise SystemExit(f"staging d{i} ended {status['state']}: {status['error']}")
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def phases(log: str) -> dict[str, list[float]]:
+    """Per phase (named by the point that ends it), its milliseconds in each staging."""
+    out: dict[str, list[float]] = {}
+    previous: tuple[str, float] | None = None
+    for line in log.splitlines():
+        if not line.startswith("TRACE "):
+            continue
+        _, label, ms = line.split()
+        if label == "post":
+            previous = (label, float(ms))
+            continue
+        if previous is not None:
+            out.setdefault(f"{previous[0]} -> {label}", []).append(float(ms) - previous[1])
+            previous = (label, float(ms))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=30, help="one-file stagings (after a first)")
+    parser.add_argument("--trace", action="store_true", help="say where each millisecond goes")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="stager-overhead-") as scratch:
+        scratch_dir = Path(scratch)
+        env = {}
+        if args.trace:
+            # `python -m stager` looks in its working folder first: run it from the copy.
+            code = traced_copy(scratch_dir / "code")
+            env["PYTHONPATH"] = str(code)
+            os.chdir(code)
+        source = scratch_dir / "source"
+        source.mkdir()
+        daemon = Daemon(cache_dir=scratch_dir / "cache", extra_env=env)
+        daemon.start()
+        try:
+            times = one_file_stagings(daemon, source, args.runs)
+            log = daemon.log(limit=None)
+        finally:
+            daemon.stop()
+        steady = times[1:]
+        print(
+            f"one-file staging, POST to ready: median {statistics.median(steady):.1f} ms "
+            f"(min {min(steady):.1f}, max {max(steady):.1f}, {len(steady)} runs); "
+            f"the first (starts the fork server) {times[0]:.0f} ms"
+        )
+        if args.trace:
+            found = phases(log)
+            for name, values in found.items():
+                steady_values = values[1:] or values
+                print(f"  {name:34s} {statistics.median(steady_values):6.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
