@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import StagerError
+from stager.fs.credentials import Reader
 from stager.fs.seal import Seal
 from stager.progress import Progress
 from stager.schemas import (
@@ -53,6 +54,12 @@ def spec_key(spec: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
+def private_key(key: str, uid: int) -> str:
+    """The key of one user's own copy of what ``key`` names, in the node service: data
+    that not everyone may read is never found under another user's request."""
+    return spec_key({"key": key, "private_to": uid})
+
+
 class IllegalTransition(StagerError):
     type = "internal_error"
 
@@ -77,6 +84,8 @@ class Entry:
     estimate_bytes: int = 0
     # What the published tree must still be (stager.fs.seal); a hit checks it.
     seal: Seal | None = None
+    # Whose rights its sources are read with (node service only; None: the daemon's).
+    reader: Reader | None = None
     created_at: datetime = field(default_factory=now)
     updated_at: datetime = field(default_factory=now)
     last_used_at: datetime = field(default_factory=now)  # LRU order for eviction
@@ -104,9 +113,17 @@ class Handle:
     name: str
     key: str  # the entry it shows: changes when the sources change
     spec_key: str  # the request without its sources' fingerprint: decides name conflicts
+    # The uid whose name this is: every user has a namespace of their own, so alice's
+    # "inat" and bob's "inat" are two handles (which may show one shared entry).
+    owner: int
     link: str | None = None
     created_at: datetime = field(default_factory=now)
     hit: bool = False  # the latest request for this name found the data already cached
+
+    @property
+    def id(self) -> tuple[int, str]:
+        """Its key among the registry's handles: the owner's uid and the name."""
+        return (self.owner, self.name)
 
 
 def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
@@ -130,6 +147,7 @@ def public_view(
     # atomic publish, so nobody can read a half-staged tree through it.
     return DatasetPublic(
         name=handle.name,
+        owner=handle.owner,
         key=entry.key,
         state=entry.state,
         path=str(data_dir / entry.key),

@@ -15,17 +15,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
 from stager.blocking import Limits, run_io, run_staging
-from stager.dataset import Entry, Handle, public_origin, public_view, spec_key
+from stager.dataset import Entry, Handle, private_key, public_origin, public_view, spec_key
 from stager.durable import CrashPoints
 from stager.errors import (
     Cancelled,
     Conflict,
+    Forbidden,
     InsufficientSpace,
     NotFound,
+    NotPublic,
     StagerError,
     from_os_error,
 )
@@ -33,7 +36,9 @@ from stager.fanout import adoption
 from stager.fanout.room import FanoutRoom
 from stager.fanout.transfers import unwritten_bytes
 from stager.fingerprint import sources_fingerprint
+from stager.fs.credentials import Reader, as_user, reader_of
 from stager.fs.seal import check_seal
+from stager.identity import Caller
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
@@ -154,10 +159,11 @@ class Engine:
     # ---- requests ------------------------------------------------------------------
 
     async def _resolve(
-        self, request: DatasetCreate, naming: bool = True
-    ) -> tuple[recipes.Expansion, str, str]:
-        """The request's steps, the key of its spec alone (decides name conflicts), and its
-        cache key (spec + sources' fingerprint). ``naming``: the request takes its name."""
+        self, request: DatasetCreate, caller: Caller, naming: bool = True
+    ) -> tuple[recipes.Expansion, str, str, Reader | None]:
+        """The request's steps, the key of its spec alone (decides name conflicts), its
+        cache key (spec + sources' fingerprint; in the node service also whose it is),
+        and whose rights its sources are read with. ``naming``: it takes its name."""
         if request.recipe:
             expansion = await run_io(recipes.expand, request, self.settings)
         else:
@@ -165,15 +171,42 @@ class Engine:
         spec = request.spec()
         request_key = spec_key(spec)
         if naming:  # early, before paying for a fingerprint
-            self._check_name(request.name, request_key)
+            self._check_name(request.name, caller.uid, request_key)
+        reader = self._reader(caller)
         fingerprint = await run_io(
-            sources_fingerprint, expansion.steps, request.fingerprint == "deep"
+            as_user, reader, sources_fingerprint, expansion.steps, request.fingerprint == "deep"
         )
-        return expansion, request_key, spec_key({"spec": spec, "sources": fingerprint})
+        key = spec_key({"spec": spec, "sources": fingerprint})
+        if reader is not None:
+            key, reader = await self._scope(key, reader, expansion.steps)
+        return expansion, request_key, key, reader
 
-    async def probe(self, request: DatasetCreate) -> ProbeResult:
+    def _reader(self, caller: Caller) -> Reader | None:
+        """Whose rights a request's sources are read with: in the node service the
+        caller's (root's too: its stagings are checked for sharing like anyone's)."""
+        return reader_of(caller) if self.settings.multi_user else None
+
+    async def _scope(self, key: str, reader: Reader, steps: list[Any]) -> tuple[str, Reader]:
+        """Shared by every user (the key alone) when every source is readable by
+        everyone, as the staging then checks file by file; else the caller's own copy.
+        A shared staging of this key that met a file not everyone may read has failed
+        with ``not_public``: until the sources change (and the key with them), it is
+        staged privately."""
+        shared = await run_io(as_user, reader, preflight.shareable, steps, self.settings)
+        earlier = self._reg.entries.get(key)
+        found_private = (
+            earlier is not None
+            and earlier.state == State.FAILED
+            and earlier.error is not None
+            and earlier.error.type == NotPublic.type
+        )
+        if shared and not found_private:
+            return key, replace(reader, public=True)
+        return private_key(key, reader.uid), reader
+
+    async def probe(self, request: DatasetCreate, caller: Caller) -> ProbeResult:
         """This node's cache key for ``request`` and its copy, if any; changes nothing."""
-        expansion, _, key = await self._resolve(request, naming=False)
+        expansion, _, key, _ = await self._resolve(request, caller, naming=False)
         entry = self._reg.entries.get(key)
         return ProbeResult(
             key=key,
@@ -183,11 +216,13 @@ class Engine:
             source_files=await run_io(adoption.broadcastable_sources, expansion.steps),
         )
 
-    async def submit(self, request: DatasetCreate) -> tuple[DatasetPublic, bool]:
+    async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:
         """Create or join a staging. Returns the status and whether it is already ready."""
         reg = self._reg
-        expansion, request_key, key = await self._resolve(request)
-        await run_io(preflight.check_link, request.link, self.settings)
+        expansion, request_key, key, reader = await self._resolve(request, caller)
+        # The link is the caller's: made where they may write, with their rights.
+        link_maker = self._reader(caller)
+        await run_io(as_user, link_maker, preflight.check_link, request.link, self.settings)
         steps, origin = expansion.steps, self.fanout.origin(request)
         existing = reg.entries.get(key)
         if existing is not None and existing.state == State.READY:
@@ -199,14 +234,19 @@ class Engine:
                 estimate = await run_io(self.fanout.check_adoption, steps, request.verify)
             else:
                 estimate = await run_io(
-                    preflight.check_steps, expansion.steps, request.verify, self.settings
+                    as_user,
+                    reader,
+                    preflight.check_steps,
+                    expansion.steps,
+                    request.verify,
+                    self.settings,
                 )
         else:
             estimate = existing.estimate_bytes
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
-            self._check_name(request.name, request_key)  # again: another request may have won
+            self._check_name(request.name, caller.uid, request_key)  # another may have won
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 await self._admit(estimate, key)
@@ -214,7 +254,7 @@ class Engine:
                 # Asked for again: this request's steps (an adoption's, or the source's).
                 entry.steps, entry.verify, entry.usage = steps, request.verify, expansion.usage
                 entry.origin, entry.delivery = origin, self.fanout.claim(request.adopt)
-                entry.estimate_bytes = estimate
+                entry.estimate_bytes, entry.reader = estimate, reader
                 await reg.queue(entry)
                 self._queue.put_nowait(key)
                 self.metrics.requests.labels(outcome="miss").inc()
@@ -225,9 +265,9 @@ class Engine:
                     self.metrics.arrivals.labels(how="hit").inc()
                 await reg.touch(entry)
             hit = entry.state == State.READY
-            handle = reg.handles.get(request.name)
+            handle = reg.handles.get((caller.uid, request.name))
             if handle is None or (handle.key, handle.link) != (key, request.link):
-                handle = Handle(request.name, key, request_key, request.link, hit=hit)
+                handle = Handle(request.name, key, request_key, caller.uid, request.link, hit=hit)
                 if entry.state == State.READY and handle.link:
                     # Before the name is kept: a link that cannot be made is a 400 that
                     # leaves nothing behind. Under the lock, nothing evicts the entry first.
@@ -260,8 +300,8 @@ class Engine:
             self.metrics.requests.labels(outcome="changed").inc()
             await self._reg.evict(entry)
 
-    def _check_name(self, name: str, request_key: str) -> None:
-        handle = self._reg.handles.get(name)
+    def _check_name(self, name: str, owner: int, request_key: str) -> None:
+        handle = self._reg.handles.get((owner, name))
         if handle is None or handle.spec_key == request_key:
             return
         other = self._reg.entries[handle.key]
@@ -298,18 +338,18 @@ class Engine:
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
-    async def export(self, name: str, request: ExportCreate) -> ExportPublic:
+    async def export(self, name: str, request: ExportCreate, caller: Caller) -> ExportPublic:
         """Pack part ``request.part`` of dataset ``name`` for sbcast: of its ready tree
         (the first part plans them, and the last one comes with the manifest), or with
         ``early`` of the tree it is still staging (docs/multinode.md)."""
         if request.early:
-            entry = self._reg.entries[self._handle(name).key]
+            entry = self._reg.entries[self._handle(name, caller).key]
             staging = entry.state == State.STAGING and entry.attempt is not None
             tree = self._reg.attempt(entry).tree if staging else None
             return await self.fanout.export_early(entry, request, tree)
         ready = None
         if self.fanout.plans_from(request.label, request.part):
-            entry = self._reg.entries[self._handle(name).key]
+            entry = self._reg.entries[self._handle(name, caller).key]
             if entry.state == State.READY:
                 await self._drop_if_changed(entry)  # a changed tree is never sent either
             if entry.state != State.READY:
@@ -320,16 +360,22 @@ class Engine:
             ready = (entry, self._reg.final(entry))
         return await self.fanout.export(name, request, ready)
 
-    def get(self, name: str) -> DatasetPublic:
-        return self._view(self._handle(name))
+    def get(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
+        return self._view(self._handle(name, caller, owner))
 
-    def list(self) -> list[DatasetPublic]:
-        handles = sorted(self._reg.handles.values(), key=lambda h: h.name)
+    def list(self, caller: Caller) -> list[DatasetPublic]:
+        """The caller's own names; root's list holds every user's."""
+        handles = sorted(
+            (h for h in self._reg.handles.values() if caller.is_root or h.owner == caller.uid),
+            key=lambda h: (h.name, h.owner),
+        )
         return [self._view(h) for h in handles]
 
-    async def wait(self, name: str, timeout: float) -> DatasetPublic:
+    async def wait(
+        self, name: str, timeout: float, caller: Caller, owner: int | None = None
+    ) -> DatasetPublic:
         """Long-poll: return once the dataset is terminal or ``timeout`` has passed."""
-        handle = self._handle(name)
+        handle = self._handle(name, caller, owner)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         changed = self._reg.changed
@@ -345,9 +391,11 @@ class Engine:
                         break
         return self._view(handle)
 
-    async def watch(self, name: str, interval: float = 0.5) -> AsyncIterator[DatasetPublic]:
+    async def watch(
+        self, name: str, caller: Caller, owner: int | None = None, interval: float = 0.5
+    ) -> AsyncIterator[DatasetPublic]:
         """Statuses for server-sent events: on every change, at most every ``interval``."""
-        handle = self._handle(name)
+        handle = self._handle(name, caller, owner)
         last = None
         while True:
             view = self._view(handle)
@@ -363,14 +411,15 @@ class Engine:
                 except TimeoutError:
                     pass
 
-    async def delete(self, name: str) -> DatasetPublic:
-        """Cancel if staging, evict if ready, forget the name if already finished."""
+    async def delete(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
+        """Cancel if staging, evict if ready, forget the name if already finished (only
+        the name, when another name, any user's, shows the same data)."""
         reg = self._reg
         async with self._admission:
-            handle = self._handle(name)
+            handle = self._handle(name, caller, owner)
             entry = reg.entries[handle.key]
             holders = sorted({x.holder for x in reg.leases.values() if x.key == entry.key})
-            shared = any(h.key == entry.key and h.name != name for h in reg.handles.values())
+            shared = any(h.key == entry.key and h.id != handle.id for h in reg.handles.values())
             if shared or not (entry.active or entry.state == State.READY):
                 view = self._view(handle)
                 await reg.forget(handle)
@@ -389,26 +438,33 @@ class Engine:
                 await reg.evict(entry)
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
             grace = self.settings.cancel_grace_s + 2.0
-            await self.wait(name, max(grace, self.settings.shutdown_timeout_s))
+            await self.wait(name, max(grace, self.settings.shutdown_timeout_s), caller, owner)
         return self._view(handle)
 
     # ---- leases ----------------------------------------------------------------------
 
-    async def lease(self, name: str, request: LeaseCreate) -> LeasePublic:
-        handle = self._handle(name)
+    async def lease(
+        self, name: str, request: LeaseCreate, caller: Caller, owner: int | None = None
+    ) -> LeasePublic:
+        handle = self._handle(name, caller, owner)
         async with self._admission:
             lease = await self._reg.lease(handle, request)
         return lease.public()
 
     async def release(
-        self, name: str, lease_id: str | None = None, holder: str | None = None
+        self,
+        name: str,
+        caller: Caller,
+        lease_id: str | None = None,
+        holder: str | None = None,
+        owner: int | None = None,
     ) -> list[LeasePublic]:
         """Drop one lease by id, or every lease of ``holder`` (or all) on this dataset."""
-        self._handle(name)
+        handle = self._handle(name, caller, owner)
         chosen = [
             lease
             for lease in self._reg.leases.values()
-            if lease.name == name
+            if lease.handle_id == handle.id
             and (lease_id is None or lease.id == lease_id)
             and (holder is None or lease.holder == holder)
         ]
@@ -416,9 +472,16 @@ class Engine:
             raise NotFound(f"dataset {name!r} has no lease {lease_id!r}")
         return await self._release(chosen)
 
-    async def release_holder(self, holder: str) -> list[LeasePublic]:
-        """Drop every lease of one holder on any dataset (a job's epilog)."""
-        return await self._release([x for x in self._reg.leases.values() if x.holder == holder])
+    async def release_holder(self, holder: str, caller: Caller) -> list[LeasePublic]:
+        """Drop every lease of one holder on any of the caller's datasets (root: on any
+        user's; a job's epilog runs as root)."""
+        return await self._release(
+            [
+                x
+                for x in self._reg.leases.values()
+                if x.holder == holder and (caller.is_root or x.owner == caller.uid)
+            ]
+        )
 
     async def _release(self, leases: list[Lease]) -> list[LeasePublic]:
         for lease in leases:
@@ -427,8 +490,14 @@ class Engine:
 
     # ---- sweeping --------------------------------------------------------------------
 
-    async def gc(self, request: GcRequest) -> GcResult:
-        """Drop dead leases; evict unnamed (superseded) entries, or every unleased one."""
+    async def gc(self, request: GcRequest, caller: Caller) -> GcResult:
+        """Drop dead leases; evict unnamed (superseded) entries, or every unleased one
+        (in the node service only root may: other users' data is not the caller's)."""
+        if request.all and self.settings.multi_user and not caller.is_root:
+            raise Forbidden(
+                "only root may evict every unleased dataset of the node service; "
+                "DELETE your own datasets instead"
+            )
         dropped = await self._drop_dead_leases()
         async with self._admission:
             named = {h.key for h in self._reg.handles.values()}
@@ -475,15 +544,21 @@ class Engine:
             except (OSError, StagerError) as exc:
                 log.error("cache sweep failed: %s", exc)
 
-    def _handle(self, name: str) -> Handle:
-        handle = self._reg.handles.get(name)
+    def _handle(self, name: str, caller: Caller, owner: int | None = None) -> Handle:
+        """The caller's handle ``name``; root may name another user's with ``owner``."""
+        if owner is not None and owner != caller.uid and not caller.is_root:
+            raise Forbidden(
+                f"dataset names of uid {owner} are theirs; only root may act on another "
+                "user's datasets (leave out owner)"
+            )
+        handle = self._reg.handles.get((caller.uid if owner is None else owner, name))
         if handle is None:
             raise NotFound(f"no dataset named {name!r}; GET /v1/datasets lists the known ones")
         return handle
 
     def _view(self, handle: Handle) -> DatasetPublic:
         reg = self._reg
-        leases = [x.public() for x in reg.leases.values() if x.name == handle.name]
+        leases = [x.public() for x in reg.leases.values() if x.handle_id == handle.id]
         return public_view(handle, reg.entries[handle.key], self.settings.data_dir, leases)
 
     def entries(self) -> list[Entry]:
@@ -516,6 +591,7 @@ class Engine:
             workers=self.settings.op_workers,
             verify=entry.verify,
             allowed_roots=self.fanout.source_roots(adopting=entry.delivery is not None),
+            reader=entry.reader,
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
         )
@@ -527,6 +603,9 @@ class Engine:
                 seal = await future
             finally:
                 await self._drop_claimed(entry)  # read once: gone before ready is said
+        except NotPublic as exc:
+            await reg.end(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
+            await self._stage_privately(entry)
         except Cancelled:
             if self._stopping:
                 await reg.interrupt(entry)  # resumed when the daemon starts again
@@ -546,6 +625,26 @@ class Engine:
             await reg.publish(entry, seal)
         finally:
             self._running.discard(future)
+
+    async def _stage_privately(self, shared: Entry) -> None:
+        """A shared staging met a source not everyone may read: each name that waits on
+        it gets its owner's own copy, staged with that owner's rights (which may refuse
+        the file: then that one fails naming it)."""
+        reg = self._reg
+        async with self._admission:
+            for handle in [h for h in reg.handles.values() if h.key == shared.key]:
+                owner = Caller.of_uid(handle.owner)
+                key = private_key(shared.key, owner.uid)
+                entry = reg.entries.get(key)
+                if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
+                    await self._admit(shared.estimate_bytes, key)
+                    entry = entry or Entry(key=key, spec=shared.spec, steps=[], verify="")
+                    entry.steps, entry.verify = shared.steps, shared.verify
+                    entry.usage, entry.origin = shared.usage, shared.origin
+                    entry.estimate_bytes, entry.reader = shared.estimate_bytes, reader_of(owner)
+                    await reg.queue(entry)
+                    self._queue.put_nowait(key)
+                await reg.repoint(handle, entry)
 
     async def _drop_claimed(self, entry: Entry) -> None:
         """A delivery is read once: when its staging ends, whatever the outcome, it goes

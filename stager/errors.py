@@ -12,6 +12,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     │   ├── UnknownFormat           archive format not recognised
     │   ├── UnknownRecipe           recipe name not known
     │   └── MissingExtra (422)      a step needs an optional package (torch, scipy)
+    ├── Forbidden (403)             another user's datasets or leases (root excepted)
     ├── NotFound (404)              no dataset by that name
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
@@ -85,6 +86,13 @@ class MissingExtra(BadRequest):
 class RecipeFileError(StagerError):
     type = "invalid_recipe_file"
     status = 500
+
+
+class Forbidden(StagerError):
+    """403: what a user asked for is another user's (their datasets, their leases)."""
+
+    type = "forbidden"
+    status = 403
 
 
 class NotFound(StagerError):

@@ -60,6 +60,15 @@ class Caller:
             return None
 
     @classmethod
+    def of_uid(cls, uid: int) -> Caller:
+        """A user named by uid alone (a handle's owner), with the passwd entry's gid."""
+        try:
+            gid = pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            gid = uid
+        return cls(uid=uid, gid=gid)
+
+    @classmethod
     def of_process(cls) -> Caller:
         """This process's own identity: the caller of every request in per-user mode."""
         return cls(uid=os.getuid(), gid=os.getgid(), pid=os.getpid())

@@ -16,12 +16,18 @@ class Lease:
     name: str
     key: str  # the entry it protects, fixed at creation (a renamed source keeps the old data)
     holder: str
+    owner: int  # the uid whose handle ``name`` is, and who may release it (and root)
     slurm_job_id: str | None = None
     created_at: datetime = field(default_factory=now)
     expires_at: datetime | None = None
 
+    @property
+    def handle_id(self) -> tuple[int, str]:
+        """The registry's key of the handle it pins (see ``Handle.id``)."""
+        return (self.owner, self.name)
+
     @classmethod
-    def create(cls, name: str, key: str, request: LeaseCreate) -> Lease:
+    def create(cls, name: str, owner: int, key: str, request: LeaseCreate) -> Lease:
         created = now()
         expires = created + timedelta(seconds=request.ttl_s) if request.ttl_s else None
         return cls(
@@ -29,6 +35,7 @@ class Lease:
             name=name,
             key=key,
             holder=request.holder,
+            owner=owner,
             slurm_job_id=request.slurm_job_id,
             created_at=created,
             expires_at=expires,

@@ -37,7 +37,9 @@ from stager.blocking import run_io
 from stager.dataset import Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
+from stager.fs.credentials import Reader, as_user, reader_of
 from stager.fs.seal import Seal, protect_top, seal_tree, settled
+from stager.identity import Caller
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -106,7 +108,7 @@ class Registry:
         self._store = store
         self._crash = crash
         self.entries: dict[str, Entry] = {}
-        self.handles: dict[str, Handle] = {}
+        self.handles: dict[tuple[int, str], Handle] = {}  # by (owner uid, name)
         self.leases: dict[str, Lease] = {}
         self.changed = asyncio.Condition()
         self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
@@ -150,8 +152,8 @@ class Registry:
         """Read the store and settle what a crash or stop left; returns entries to stage."""
         entries, handles, leases = await run_io(self._store.load)
         self.entries = {e.key: e for e in entries}
-        self.handles = {h.name: h for h in handles if h.key in self.entries}
-        self.leases = {x.id: x for x in leases if x.name in self.handles}
+        self.handles = {h.id: h for h in handles if h.key in self.entries}
+        self.leases = {x.id: x for x in leases if x.handle_id in self.handles}
         to_stage = []
         for entry in self.entries.values():
             if entry.active and entry.attempt and await run_io(self._published, entry):
@@ -225,9 +227,18 @@ class Registry:
         await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
 
     async def name(self, handle: Handle) -> Handle:
-        self.handles[handle.name] = handle
+        self.handles[handle.id] = handle
         await self._durable(Durable.NAMED, self._store.save_handle, handle)
         return handle
+
+    async def repoint(self, handle: Handle, entry: Entry) -> None:
+        """The name shows another entry now, and its leases pin that one."""
+        handle.key = entry.key
+        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        for lease in [x for x in self.leases.values() if x.handle_id == handle.id]:
+            lease.key = entry.key
+            await self._durable(Durable.LEASED, self._store.save_lease, lease)
+        await self.notify()
 
     async def note_hit(self, handle: Handle, hit: bool) -> None:
         """Whether the latest request for this name found its data already cached."""
@@ -235,17 +246,17 @@ class Registry:
         await self._durable(Durable.NAMED, self._store.save_handle, handle)
 
     async def forget(self, handle: Handle) -> None:
-        for lease in [x for x in self.leases.values() if x.name == handle.name]:
+        for lease in [x for x in self.leases.values() if x.handle_id == handle.id]:
             await self.release(lease)
-        del self.handles[handle.name]
-        await self._durable(Durable.FORGOTTEN, self._store.delete_handle, handle.name)
+        del self.handles[handle.id]
+        await self._durable(Durable.FORGOTTEN, self._store.delete_handle, *handle.id)
 
     async def lease(self, handle: Handle, request: LeaseCreate) -> Lease:
         # One lease per holder and dataset: a re-run of the same job step renews it.
-        for old in [x for x in self.leases.values() if x.name == handle.name]:
+        for old in [x for x in self.leases.values() if x.handle_id == handle.id]:
             if old.holder == request.holder:
                 await self.release(old)
-        lease = Lease.create(handle.name, handle.key, request)
+        lease = Lease.create(handle.name, handle.owner, handle.key, request)
         self.leases[lease.id] = lease
         await self._durable(Durable.LEASED, self._store.save_lease, lease)
         await self.touch(self.entries[handle.key])
@@ -359,9 +370,14 @@ class Registry:
     def _handles_of(self, entry: Entry) -> list[Handle]:
         return [h for h in self.handles.values() if h.key == entry.key and h.link]
 
+    def _link_maker(self, handle: Handle) -> Reader | None:
+        """A name's link is made with its owner's rights in the node service: only
+        where that user may write, and theirs (the daemon's own user otherwise)."""
+        return reader_of(Caller.of_uid(handle.owner)) if self.settings.multi_user else None
+
     async def _link(self, handle: Handle, final: Path) -> None:
         try:
-            await run_io(make_link, Path(handle.link), final)
+            await run_io(as_user, self._link_maker(handle), make_link, Path(handle.link), final)
         except OSError as exc:
             log.error("could not create link %s: %s", handle.link, exc)
 
@@ -369,11 +385,13 @@ class Registry:
         """A ready entry's name with a link, on each request for it: the link (made again
         if it was removed), or a 400 saying why not."""
         try:
-            await run_io(make_link, Path(handle.link), self.final(entry))
+            await run_io(
+                as_user, self._link_maker(handle), make_link, Path(handle.link), self.final(entry)
+            )
         except OSError as exc:
             raise BadRequest(
                 f"link {handle.link} could not be created ({exc.strerror}); choose a --link "
-                "path in a folder the daemon's user can write"
+                "path in a folder you can write"
             ) from exc
 
 

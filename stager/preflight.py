@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import BadRequest, UnsafePath
+from stager.fs.credentials import path_readable_by_everyone
 from stager.fs.sources import Roots
 from stager.ops import table
 from stager.ops.base import CheckContext
@@ -41,6 +42,20 @@ def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
                 check_allowed_root(src, settings)
         ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
         return table.for_settings(settings).check(steps, ctx)
+
+
+def shareable(steps: list[Any], settings: Settings) -> bool:
+    """Whether the node service may stage these steps once for every user: ops that
+    read only their sources, each source readable by everyone (a cheap look at the
+    source and the folders above it; the staging checks every file it opens)."""
+    if not table.for_settings(settings).shareable(steps):
+        return False
+    sources = [s for s in (getattr(step, "src", None) for step in steps) if _absolute(s)]
+    return bool(sources) and all(path_readable_by_everyone(s) for s in sources)
+
+
+def _absolute(src: object) -> bool:
+    return isinstance(src, str) and src.startswith("/")
 
 
 def check_allowed_root(source: str, settings: Settings) -> None:

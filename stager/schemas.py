@@ -81,6 +81,8 @@ class LeasePublic(BaseModel):
     name: str
     key: str
     holder: str
+    # None from a daemon older than per-user names.
+    owner: int | None = Field(None, description="uid of the user whose dataset name it pins")
     slurm_job_id: str | None = None
     created_at: datetime
     expires_at: datetime | None = None
@@ -281,6 +283,10 @@ class TorchvisionUsage(BaseModel):
 
 class DatasetPublic(BaseModel):
     name: str
+    # None from a daemon older than per-user names.
+    owner: int | None = Field(
+        None, description="uid of the user this name belongs to (names are per user)"
+    )
     key: str
     state: State
     path: str | None = None

@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
     crash_after: str | None = None
     log_level: str = "info"
+    # The node service for every user (stager serve --multi-user, as root): callers are
+    # told apart by the kernel, sources read with their rights (docs/multiuser.md).
+    multi_user: bool = False
 
     @field_validator("cache_dir", "runtime_dir")
     @classmethod

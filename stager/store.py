@@ -8,20 +8,37 @@ crash mid-write never corrupts what was committed.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from stager.dataset import Entry, Handle
+from stager.fs.credentials import Reader
 from stager.fs.seal import Seal
 from stager.leases import Lease
 from stager.ops.table import OpTable
 from stager.progress import Progress
 from stager.schemas import ErrorInfo, ProgressPublic, State
 
-SCHEMA = """
+HANDLES = """
+CREATE TABLE IF NOT EXISTS handles (
+    owner INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    key TEXT NOT NULL,
+    spec_key TEXT NOT NULL,
+    link TEXT,
+    created_at TEXT NOT NULL,
+    hit INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (owner, name)
+);
+"""
+SCHEMA = (
+    HANDLES
+    + """
 CREATE TABLE IF NOT EXISTS entries (
     key TEXT PRIMARY KEY,
     spec TEXT NOT NULL,
@@ -39,24 +56,18 @@ CREATE TABLE IF NOT EXISTS entries (
     attempt TEXT,
     origin TEXT
 );
-CREATE TABLE IF NOT EXISTS handles (
-    name TEXT PRIMARY KEY,
-    key TEXT NOT NULL,
-    spec_key TEXT NOT NULL,
-    link TEXT,
-    created_at TEXT NOT NULL,
-    hit INTEGER NOT NULL DEFAULT 0
-);
 CREATE TABLE IF NOT EXISTS leases (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
     key TEXT NOT NULL,
     holder TEXT NOT NULL,
+    owner INTEGER NOT NULL,
     slurm_job_id TEXT,
     created_at TEXT NOT NULL,
     expires_at TEXT
 );
 """
+)
 
 
 class Store:
@@ -67,17 +78,47 @@ class Store:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        self._give_names_owners()
         self._db.executescript(SCHEMA)
         # Columns added since the first release: a cache made before them gains them.
         for table, column, kind in (
             ("entries", "attempt", "TEXT"),
             ("entries", "origin", "TEXT"),
             ("entries", "seal", "TEXT"),
+            ("entries", "reader", "TEXT"),
             ("handles", "hit", "INTEGER NOT NULL DEFAULT 0"),
         ):
             columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+    def _give_names_owners(self) -> None:
+        """A cache from before per-user names: its names and leases are its daemon's
+        user's (a per-user daemon's, the only kind there was). The handles table is
+        rebuilt, its key being (owner, name) now."""
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
+        if "handles" not in tables:
+            return
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(handles)")}
+        if "owner" in columns:
+            return
+        uid = os.getuid()
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("ALTER TABLE handles RENAME TO handles_without_owners")
+            self._db.execute(HANDLES)
+            self._db.execute(
+                "INSERT INTO handles (owner, name, key, spec_key, link, created_at, hit) "
+                "SELECT ?, name, key, spec_key, link, created_at, hit "
+                "FROM handles_without_owners",
+                (uid,),
+            )
+            self._db.execute("DROP TABLE handles_without_owners")
+            if "leases" in tables:
+                self._db.execute(
+                    f"ALTER TABLE leases ADD COLUMN owner INTEGER NOT NULL DEFAULT {uid:d}"
+                )
+            self._db.execute("COMMIT")
 
     def close(self) -> None:
         with self._lock:
@@ -115,6 +156,7 @@ class Store:
                 "attempt": entry.attempt,
                 "origin": json.dumps(entry.origin) if entry.origin else None,
                 "seal": json.dumps(entry.seal.to_dict()) if entry.seal else None,
+                "reader": json.dumps(asdict(entry.reader)) if entry.reader else None,
             },
         )
 
@@ -129,8 +171,9 @@ class Store:
     def save_handle(self, handle: Handle) -> None:
         self._upsert("handles", {**handle.__dict__, "created_at": handle.created_at.isoformat()})
 
-    def delete_handle(self, name: str) -> None:
-        self._delete("handles", "name", name)
+    def delete_handle(self, owner: int, name: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM handles WHERE owner = ? AND name = ?", (owner, name))
 
     def save_lease(self, lease: Lease) -> None:
         row = {**lease.__dict__, "created_at": lease.created_at.isoformat()}
@@ -176,7 +219,15 @@ class Store:
             attempt=row.get("attempt"),
             origin=json.loads(row["origin"]) if row.get("origin") else None,
             seal=Seal.from_dict(json.loads(row["seal"])) if row.get("seal") else None,
+            reader=_reader(row.get("reader")),
         )
+
+
+def _reader(text: str | None) -> Reader | None:
+    if not text:
+        return None
+    raw = json.loads(text)
+    return Reader(raw["uid"], raw["gid"], tuple(raw["groups"]), raw["public"])
 
 
 def _handle(row: dict[str, Any]) -> Handle:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 
 from stager.engine import Engine
+from stager.errors import StagerError
+from stager.identity import SCOPE_KEY, Caller
 from stager.metrics import Metrics
 from stager.settings import Settings
 
@@ -23,6 +25,31 @@ def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
+class Unauthorized(StagerError):
+    type = "unauthorized"
+    status = 401
+
+
+def get_caller(request: Request) -> Caller:
+    """Who asks: the kernel's word for the connection (SO_PEERCRED, read by the server)
+    in the node service; the daemon's own user otherwise (its socket is 0700)."""
+    caller = request.scope.get(SCOPE_KEY)
+    if caller is not None:
+        return caller
+    if request.app.state.settings.multi_user:
+        raise Unauthorized(
+            "the node service could not tell who is asking (no peer credentials on this "
+            "connection); connect over its Unix socket"
+        )
+    return Caller.of_process()
+
+
 EngineDep = Annotated[Engine, Depends(get_engine)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+# root acting on another user's dataset names; anyone else may only name themselves.
+OwnerQuery = Annotated[
+    int | None,
+    Query(ge=0, le=2**32 - 2, description="uid whose dataset name this is (root only)"),
+]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from stager.errors import NotPublic
+from stager.identity import Caller
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -112,6 +113,10 @@ def as_user(reader: Reader | None, fn: Callable[P, T], *args: P.args, **kwargs: 
         return fn(*args, **kwargs)
 
 
+def reader_of(caller: Caller, public: bool = False) -> Reader:
+    return Reader(caller.uid, caller.gid, caller.groups(), public)
+
+
 # -- the staging process -----------------------------------------------------------
 
 _sources_reader: Reader | None = None
@@ -147,13 +152,56 @@ def not_readable_by_everyone(fd: int, st: os.stat_result | None = None) -> str |
     need = EVERYONE_DIR if stat.S_ISDIR(st.st_mode) else EVERYONE_FILE
     if stat.S_IMODE(st.st_mode) & need != need:
         return f"its mode is {stat.S_IMODE(st.st_mode):04o}"
+    return "it has an access ACL" if _has_acl(fd) else None
+
+
+def path_readable_by_everyone(path: str) -> bool:
+    """Whether every user could reach and read ``path`` (links resolved): each folder
+    above it searchable by owner, group and others, itself readable by everyone
+    (:func:`not_readable_by_everyone`). A few ``stat`` calls: the cheap look a request
+    takes before it asks for a shared staging, which checks every file it opens."""
+    real = os.path.realpath(path)
+    parts = real.split("/")[1:]
+    search = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+    for depth in range(len(parts)):
+        folder = "/" + "/".join(parts[:depth])
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) & search != search or _has_acl(fd):
+                return False
+        finally:
+            os.close(fd)
+    try:
+        fd = os.open(real, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            return False
+        readable = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        return not_readable_by_everyone(readable) is None
+    finally:
+        os.close(readable)
+
+
+def _has_acl(fd: int) -> bool:
     try:
         os.getxattr(fd, _ACL_XATTR)
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            return None
+            return False
         raise
-    return "it has an access ACL"
+    return True
 
 
 def check_public(fd: int, shown: str, st: os.stat_result | None = None) -> None:

@@ -57,6 +57,11 @@ class Op:
     # An earlier step's output named by a relative ``src`` is used up by this op (an
     # archive once extracted): the staging removes it after the step unless ``keep``.
     consumes_src: bool = False
+    # What it writes comes only from files it opens through stager.fs.sources (its
+    # ``src``), so the node service may share its result with every user when each
+    # of those files is readable by everyone (docs/multiuser.md). Not a download (it
+    # may carry the user's credentials), not a delivery, not a site's op unless it says.
+    shareable: bool = False
 
     @property
     def summary(self) -> str:
@@ -69,9 +74,10 @@ def _row(
     params: type[StepParams],
     verify: Iterable[str] = (),
     consumes_src: bool = False,
+    shareable: bool = True,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
-    return Op(name, params, module.check, module.run, verify, consumes_src)
+    return Op(name, params, module.check, module.run, verify, consumes_src, shareable)
 
 
 EVERY_LEVEL = VERIFY_LEVELS
@@ -82,13 +88,13 @@ BUILTIN = (
     _row("extract", extract, extract.ExtractStep, verify=EVERY_LEVEL, consumes_src=True),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
-    _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL),
+    _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL, shareable=False),
     _row("unpack", unpack, unpack.UnpackStep, verify=EVERY_LEVEL),
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
     # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.
-    _row("adopt", adopt, adopt.AdoptStep, verify=EVERY_LEVEL),
-    _row("check_delivered", check_delivered, check_delivered.CheckDeliveredStep),
+    _row("adopt", adopt, adopt.AdoptStep, verify=EVERY_LEVEL, shareable=False),
+    _row("check_delivered", check_delivered, check_delivered.CheckDeliveredStep, shareable=False),
 )
 
 
@@ -164,6 +170,10 @@ class OpTable:
                 )
             total += op.check(step, ctx)
         return total
+
+    def shareable(self, steps: Sequence[Any]) -> bool:
+        """Whether every step is an op whose result the node service may share."""
+        return all(self.op_of(step).shareable for step in steps)
 
     def run(self, step: Any, ctx: OpContext) -> int | None:
         return self.op_of(step).run(step, ctx)

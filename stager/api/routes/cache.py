@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query
 
-from stager.api.deps import EngineDep
+from stager.api.deps import CallerDep, EngineDep
 from stager.schemas import GcRequest, GcResult, LeasePublic
 
 router = APIRouter(prefix="/v1", tags=["cache"])
 
 
 @router.post("/gc", response_model=GcResult)
-async def gc(engine: EngineDep, request: GcRequest | None = None) -> GcResult:
+async def gc(engine: EngineDep, caller: CallerDep, request: GcRequest | None = None) -> GcResult:
     """Evict superseded entries (or, with ``all``, every unleased ready one)."""
-    return await engine.gc(request or GcRequest())
+    return await engine.gc(request or GcRequest(), caller)
 
 
 @router.delete("/leases", response_model=list[LeasePublic])
 async def release_holder(
-    engine: EngineDep, holder: str = Query(..., description="e.g. slurm-job-42")
+    engine: EngineDep, caller: CallerDep, holder: str = Query(..., description="e.g. slurm-job-42")
 ) -> list[LeasePublic]:
-    """Release every lease one holder has on any dataset: what a job's epilog calls."""
-    return await engine.release_holder(holder)
+    """Release every lease one holder has on any of the caller's datasets (root: any
+    user's): what a job's epilog calls."""
+    return await engine.release_holder(holder, caller)
