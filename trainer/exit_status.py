@@ -34,7 +34,7 @@ import socket
 import sys
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from trainer.preempt import EXIT_PREEMPTED
@@ -47,7 +47,7 @@ STATES = ("running", "completed", "preempted", "failed")
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 @dataclass
@@ -177,7 +177,7 @@ def outcome(
         where = f"epoch {record.epoch}, iteration {record.iteration}, sample {record.samples}"
         saved = out / record.checkpoint if record.checkpoint else None
         if saved is None or not saved.is_file():
-            return EXIT_ERROR, (
+            return broken, (
                 f"run {run_id} was preempted at {where} but its checkpoint {saved} is missing; "
                 "a --resume would not continue from there"
             )
@@ -185,7 +185,7 @@ def outcome(
             f"run {run_id} was preempted at {where}; checkpoint {saved} saved: rerun with --resume"
         )
     if launcher_exit not in (None, EXIT_OK):
-        return launcher_exit, (
+        return broken, (
             f"run {run_id}'s rank 0 completed, but the launcher exited {launcher_exit}: "
             "another rank failed (see the run's log)"
         )
