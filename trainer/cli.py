@@ -18,7 +18,7 @@ import sys
 
 from trainer.data import BAD_IMAGES
 from trainer.datasets import DATASETS
-from trainer.exit_status import RUN_ID_ENV
+from trainer.exit_status import RUN_ID_ENV, error_sentence
 from trainer.optim import SCHEDULES
 from trainer.preempt import EXIT_PREEMPTED
 from trainer.presets import PRESETS
@@ -527,19 +527,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         # Known failure kinds get one readable line; anything else keeps its traceback.
         logging.getLogger("trainer").debug("failed", exc_info=True)
-        print(f"stager-train {command}: error: {_sentence(exc)}", file=sys.stderr)
+        print(f"stager-train {command}: error: {error_sentence(exc)}", file=sys.stderr)
         return EXIT_ERROR
-
-
-def _sentence(exc: BaseException) -> str:
-    """The error's own sentence, also when a loader worker raised it.
-
-    The DataLoader re-raises a worker's exception as the same type whose text
-    is "Caught X in DataLoader worker process N. Original Traceback: ...";
-    its last line holds the original message.
-    """
-    text = str(exc)
-    if "Original Traceback" in text:
-        last = text.rstrip().splitlines()[-1]
-        text = last.split(": ", 1)[1] if ": " in last else last
-    return text

@@ -111,6 +111,20 @@ def read(out: Path) -> Record | None:
     return Record.from_json(data, path)
 
 
+def error_sentence(exc: BaseException) -> str:
+    """The error's own sentence, also when a loader worker raised it.
+
+    The DataLoader re-raises a worker's exception as the same type whose text
+    is "Caught X in DataLoader worker process N. Original Traceback: ...";
+    its last line holds the original message.
+    """
+    text = str(exc)
+    if "Original Traceback" in text:
+        last = text.rstrip().splitlines()[-1]
+        text = last.split(": ", 1)[1] if ": " in last else last
+    return text
+
+
 class Recorder:
     """Rank 0's writer; on the other ranks every call does nothing."""
 
@@ -139,7 +153,7 @@ class Recorder:
         self._end(status, code)
 
     def failed(self, exc: BaseException) -> None:
-        self._end("failed", EXIT_ERROR, error=f"{type(exc).__name__}: {exc}")
+        self._end("failed", EXIT_ERROR, error=error_sentence(exc) or type(exc).__name__)
 
     def _end(self, status: str, code: int, error: str | None = None) -> None:
         r = self.record

@@ -27,7 +27,7 @@ from tests.trainer.conftest import (
     wait_for_lines,
 )
 from trainer import checkpoint, cli
-from trainer.exit_status import FILE, STATES, Record, outcome, write
+from trainer.exit_status import FILE, STATES, Record, Recorder, outcome, write
 
 LAUNCHER_EXITS = (None, 0, 1, 2, 75, 137)
 
@@ -96,6 +96,25 @@ def test_no_record_reads_broken_and_a_bad_record_names_the_file(tmp_path, capsys
     assert code == 1 and "is not a stager-train exit status" in err
     code, err = read_status(capsys, tmp_path, None)  # no run id: no guess at whose record
     assert code == 2 and "--run-id is required" in err
+
+
+def test_only_rank_0_writes_and_a_loader_workers_error_is_one_sentence(tmp_path):
+    for out, rank0 in ((tmp_path / "rank0", True), (tmp_path / "rank1", False)):
+        rec = Recorder(out, "r", enabled=rank0, launcher="torchrun", world_size=2)
+        rec.start()
+        assert (out / FILE).exists() == rank0
+    rec = Recorder(tmp_path / "rank0", "r", enabled=True, launcher="torchrun", world_size=2)
+    worker = ValueError(
+        "Caught ValueError in DataLoader worker process 0.\nOriginal Traceback (most recent "
+        'call last):\n  File "x.py", line 1\nValueError: cannot decode /d/a.jpg; pass '
+        "--bad-images skip"
+    )
+    rec.failed(worker)
+    assert (
+        _recorded(tmp_path / "rank0")["error"] == "cannot decode /d/a.jpg; pass --bad-images skip"
+    )
+    rec.failed(KeyboardInterrupt())
+    assert _recorded(tmp_path / "rank0")["error"] == "KeyboardInterrupt"
 
 
 def test_an_earlier_runs_preemption_is_not_this_runs(tmp_path, capsys):
