@@ -215,8 +215,8 @@ def get_parser() -> argparse.ArgumentParser:
         "signal stopped it, also when every rank saved and exited 75.",
         epilog="example:\n"
         "  export STAGER_TRAIN_RUN_ID=$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}\n"
-        "  torchrun --nproc-per-node 4 -m trainer ... --output-dir OUT\n"
-        "  stager-train exit-status --output-dir OUT --launcher-exit $?",
+        "  torchrun --nproc-per-node 4 -m trainer ... --output-dir OUT && rc=0 || rc=$?\n"
+        '  stager-train exit-status --output-dir OUT --launcher-exit "$rc" && rc=0 || rc=$?',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--output-dir", required=True, help="the run's --output-dir")
