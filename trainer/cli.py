@@ -1,21 +1,24 @@
-"""``stager-train``: train (default), ``find-lr`` and ``shard``.
+"""``stager-train``: train (default), ``find-lr``, ``shard`` and ``exit-status``.
 
 ``stager-train --dataset fake ...`` trains; a first argument naming a
 subcommand selects it. argparse subparsers would make the command mandatory,
 so dispatch is done by hand on argv[0].
 
 Exit codes: 0 done, 1 error (message on stderr), 2 bad usage, 75 preempted
-(checkpoint saved; resume with --resume).
+(checkpoint saved; resume with --resume). Under torchrun the launcher exits 1
+instead of 75; ``exit-status`` gives the run's own code back (`trainer.exit_status`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from trainer.data import BAD_IMAGES
 from trainer.datasets import DATASETS
+from trainer.exit_status import RUN_ID_ENV, error_sentence
 from trainer.optim import SCHEDULES
 from trainer.preempt import EXIT_PREEMPTED
 from trainer.presets import PRESETS
@@ -26,13 +29,15 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_USAGE", "main"]
 
-SUBCOMMANDS = ("train", "find-lr", "shard")
+SUBCOMMANDS = ("train", "find-lr", "shard", "exit-status")
 # Old spellings of --lr-scheduler values.
 SCHEDULE_ALIASES = {"cosine": "cosineannealinglr", "step": "steplr"}
 EPILOG = """subcommands:
   stager-train [train] ...   train (this page)
   stager-train find-lr ...   LR range test: CSV + PNG + suggested LR (see find-lr --help)
   stager-train shard ...     write a dataset as shuffled webdataset tar shards (see shard --help)
+  stager-train exit-status   exit as a run ended (75 preempted, 0 completed), after torchrun
+                             returns (see exit-status --help)
 
 launch: one process as is; torchrun --nproc-per-node N -m trainer ...; or under
 SLURM `srun python -m trainer ...` (ranks from SLURM_PROCID/SLURM_LOCALID/
@@ -43,7 +48,10 @@ rank: every rank stops at the same step, rank 0 writes one checkpoint, the run e
 another world size or batch size. Under torchrun set
 TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 so that torchrun
 passes SIGUSR1 on to the ranks instead of dying of it (it then waits 30 s for them).
-exit codes: 0 done, 1 error, 2 usage, 75 preempted (checkpoint saved; rerun with --resume)."""
+exit codes: 0 done, 1 error, 2 usage, 75 preempted (checkpoint saved; rerun with --resume).
+torchrun exits 1 when a signal stopped it, even if every rank saved and exited 75: rank 0
+records how the run ended in OUTPUT/exit-status.json under --run-id, and
+`stager-train exit-status --output-dir OUTPUT --run-id ID --launcher-exit $?` exits with it."""
 
 
 def _data_args(p: argparse.ArgumentParser) -> None:
@@ -370,6 +378,14 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--keep-checkpoints", type=int, default=2, help="checkpoints kept on disk")
     g.add_argument(
+        "--run-id",
+        default=os.environ.get(RUN_ID_ENV),
+        metavar="ID",
+        help="this run's name in OUTPUT/exit-status.json, where rank 0 records how the run "
+        f"ended (default ${RUN_ID_ENV}, else a random one); `stager-train exit-status "
+        "--run-id ID` reads it back after torchrun returns",
+    )
+    g.add_argument(
         "--no-requeue",
         action="store_true",
         help="on SIGUSR1/SIGTERM save and exit 75 without scontrol requeue",
@@ -495,6 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         args = parse_train_args(argv)
         from trainer.train import main as run_command
+    elif command == "exit-status":
+        from trainer.exit_status import main as run_command
+        from trainer.exit_status import parse_args
+
+        args = parse_args(argv)
     elif command == "find-lr":
         args = get_find_lr_parser().parse_args(argv)
         from trainer.lr_finder import main as run_command
@@ -506,19 +527,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         # Known failure kinds get one readable line; anything else keeps its traceback.
         logging.getLogger("trainer").debug("failed", exc_info=True)
-        print(f"stager-train {command}: error: {_sentence(exc)}", file=sys.stderr)
+        print(f"stager-train {command}: error: {error_sentence(exc)}", file=sys.stderr)
         return EXIT_ERROR
-
-
-def _sentence(exc: BaseException) -> str:
-    """The error's own sentence, also when a loader worker raised it.
-
-    The DataLoader re-raises a worker's exception as the same type whose text
-    is "Caught X in DataLoader worker process N. Original Traceback: ...";
-    its last line holds the original message.
-    """
-    text = str(exc)
-    if "Original Traceback" in text:
-        last = text.rstrip().splitlines()[-1]
-        text = last.split(": ", 1)[1] if ": " in last else last
-    return text

@@ -9,6 +9,7 @@ import os
 import signal
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer import checkpoint, data, engine, mixing, optim
+from trainer import checkpoint, data, engine, exit_status, mixing, optim
 from trainer import distributed as dist_utils
 from trainer.datasets import DataConfig, build_dataset, input_channels, num_classes
 from trainer.distributed import World
@@ -211,9 +212,9 @@ def _compile(model: nn.Module) -> nn.Module:
     return torch.compile(model)
 
 
-def run(args: argparse.Namespace, fn) -> int:
+def run(args: argparse.Namespace, fn, world: World | None = None) -> int:
     """Detect the world, join the group, call ``fn(args, world, device)``, always leave."""
-    world = World.detect()
+    world = world or World.detect()
     setup_logging(world)
     device = resolve_device(args.device, world)
     dist_utils.init(world, device)
@@ -224,7 +225,22 @@ def run(args: argparse.Namespace, fn) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run(args, train)
+    """Train, with the outcome recorded in OUTPUT/exit-status.json (`trainer.exit_status`)."""
+    world = World.detect()
+    recorder = exit_status.Recorder(
+        Path(args.output_dir), args.run_id, enabled=world.is_main,
+        launcher=world.launcher, world_size=world.world_size,
+    )  # fmt: skip
+    recorder.start()
+    try:
+        code = run(args, partial(train, recorder=recorder), world)
+    except BaseException as exc:
+        # Whatever ends rank 0 (an error, Ctrl-C) is this run's outcome; a kill -9
+        # leaves "running", which the reader also takes as broken.
+        recorder.failed(exc)
+        raise
+    recorder.finish(code)
+    return code
 
 
 @dataclass
@@ -266,7 +282,12 @@ class Plan:
         return pos.epoch >= (self.epochs or 0)
 
 
-def train(args: argparse.Namespace, world: World, device: torch.device) -> int:
+def train(
+    args: argparse.Namespace,
+    world: World,
+    device: torch.device,
+    recorder: exit_status.Recorder | None = None,
+) -> int:
     s = build(args, world, device)
     global_batch = world.world_size * args.batch_size * args.accum_steps
     if s.train_sampler.steps(0) == 0:
@@ -315,6 +336,8 @@ def train(args: argparse.Namespace, world: World, device: torch.device) -> int:
             }
             path = checkpoint.save(snapshot, ckpt_dir, attempt, keep=args.keep_checkpoints)
             log.info("saved %s", path)
+            if recorder is not None:
+                recorder.saved(path, pos.epoch, pos.iteration, pos.samples)
         dist_utils.barrier()  # nobody runs ahead (or exits) before the file exists
 
     preemption = Preemption()

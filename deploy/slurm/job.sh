@@ -19,7 +19,11 @@
 # (scontrol requeue; a plain scancel is left cancelled), and the requeued job runs this
 # script again: the data is a cache hit, and --resume continues from the latest
 # complete checkpoint in $OUTPUT_DIR. `scancel --signal=USR1 --batch JOBID` asks a
-# running job to checkpoint and requeue by hand.
+# running job to checkpoint and requeue by hand. srun exits with the ranks' code (75);
+# a script that launches torchrun instead gets torchrun's 1 and runs
+# `stager-train exit-status --output-dir "$OUTPUT_DIR" --launcher-exit $?` after it for the
+# run's own code (docs/trainer.md, "Exit codes"): rank 0 records it in
+# $OUTPUT_DIR/exit-status.json under $STAGER_TRAIN_RUN_ID, set below.
 #
 # Settings (environment; sbatch passes the submitting shell's environment on):
 #   INAT_SOURCE  folder with train.tar.gz, val.tar.gz (default /network/datasets/inat)
@@ -95,6 +99,9 @@ EPOCHS=${EPOCHS:-10}
 BATCH_SIZE=${BATCH_SIZE:-64}
 DEVICE=${DEVICE:-auto}
 OUTPUT_DIR=${OUTPUT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/runs/$SLURM_JOB_ID}
+# Names this launch's record in $OUTPUT_DIR/exit-status.json: one per launch, so set here
+# (a value from the submitting shell would be the same for every requeue).
+export STAGER_TRAIN_RUN_ID=$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}
 read -r -a train_args <<<"${TRAIN_ARGS:-}"
 read -r -a stage_args <<<"${STAGE_ARGS:-}"
 NODES=${SLURM_JOB_NUM_NODES:-1}

@@ -147,3 +147,30 @@ def test_sigterm_requeues_at_a_time_limit_not_after_scancel(tmp_path, show_job, 
     code, _, requeues = interrupt(tmp_path, signal.SIGTERM, show_job)
     assert requeues == (["requeue 7"] if requeued else [])
     assert code == (0 if requeued else 75)  # cancelled: the checkpoint stays for a manual resume
+
+
+@pytest.mark.parametrize(
+    ("restarts", "inherited", "run_id"),
+    [(None, None, "7.0"), ("2", None, "7.2"), ("2", "from-the-submit-shell", "7.2")],
+)
+def test_each_requeue_names_its_exit_status_record(tmp_path, restarts, inherited, run_id):
+    # The training step's STAGER_TRAIN_RUN_ID names rank 0's OUTPUT/exit-status.json
+    # record (docs/trainer.md): one per launch, so a requeued job never reads its
+    # previous launch's record as its own.
+    bin_dir = fake_bin(tmp_path / "bin")
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        'if [[ " $* " == *" stager-train "* ]]; then\n'
+        '    echo "$STAGER_TRAIN_RUN_ID" >"$RUN_ID_LOG"\n'
+        "fi\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "STAGER_"))}
+    env.update(
+        PATH=f"{bin_dir}:/usr/bin:/bin", RUN_ID_LOG=str(tmp_path / "run-id"),
+        SLURM_JOB_ID="7", SLURM_TMPDIR=str(tmp_path / "tmp"), OUTPUT_DIR=str(tmp_path / "out"),
+        **({"SLURM_RESTART_COUNT": restarts} if restarts else {}),
+        **({"STAGER_TRAIN_RUN_ID": inherited} if inherited else {}),
+    )  # fmt: skip
+    done = subprocess.run(["bash", str(JOB)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "run-id").read_text().split() == [run_id]
