@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from stager.dataset import Entry
-from stager.errors import InsufficientSpace
+from stager.errors import InsufficientSpace, QuotaExceeded
 from stager.schemas import State
 
 
@@ -55,6 +55,39 @@ def evictable(entries: Iterable[Entry], protected: set[str]) -> list[Entry]:
     """Ready entries nobody holds, least recently used first."""
     candidates = [e for e in entries if e.state == State.READY and e.key not in protected]
     return sorted(candidates, key=lambda e: e.last_used_at)
+
+
+def private_owner(entry: Entry) -> int | None:
+    """The uid whose own copy an entry is, in the node service; None for one shared by
+    every user, and for every entry of a per-user daemon."""
+    reader = entry.reader
+    return reader.uid if reader is not None and not reader.public else None
+
+
+def plan_quota(
+    needed: int, owner: int, entries: list[Entry], protected: set[str], quota_bytes: int
+) -> list[Entry]:
+    """The owner's own entries to evict so that ``needed`` more private bytes stay within
+    their quota (shared entries count against nobody's); raises if they cannot."""
+    own = [e for e in entries if private_owner(e) == owner]
+    must_free = used_bytes(own) + needed - quota_bytes
+    if must_free <= 0:
+        return []
+    plan, freed = [], 0
+    for entry in evictable(own, protected):
+        if freed >= must_free:
+            break
+        plan.append(entry)
+        freed += entry.size_bytes
+    if freed < must_free:
+        raise QuotaExceeded(
+            f"staging needs about {human(needed)} of your own (data not everyone may read "
+            f"counts against your quota of {human(quota_bytes)}), and you hold "
+            f"{human(used_bytes(own))} of which evicting your unleased datasets frees only "
+            f"{human(freed)}; release your leases, delete datasets you no longer need, or "
+            "ask the admin for a larger --user-quota"
+        )
+    return plan
 
 
 def plan_admission(

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--min-free-bytes", type=int, help="free space to keep on the cache disk (default 1 GiB)"
     )
     serve.add_argument(
+        "--user-quota",
+        dest="user_quota_bytes",
+        type=int,
+        help="node service: bytes of data only its user may read that one user may hold; "
+        "data every user may read is shared and counts against nobody (default 0: no limit)",
+    )
+    serve.add_argument(
         "--stall-timeout",
         dest="stall_timeout_s",
         type=float,

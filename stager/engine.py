@@ -249,7 +249,9 @@ class Engine:
             self._check_name(request.name, caller.uid, request_key)  # another may have won
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-                await self._admit(estimate, key)
+                await self._admit(
+                    estimate, key, None if reader is None or reader.public else caller.uid
+                )
                 entry = entry or Entry(key=key, spec=request.spec(), steps=steps, verify="")
                 # Asked for again: this request's steps (an adoption's, or the source's).
                 entry.steps, entry.verify, entry.usage = steps, request.verify, expansion.usage
@@ -311,8 +313,20 @@ class Engine:
                 f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
             )
 
-    async def _admit(self, estimate: int, key: str) -> None:
-        """Make room for a new staging, evicting LRU entries, or refuse it with the sizes."""
+    async def _admit(self, estimate: int, key: str, owner: int | None = None) -> None:
+        """Make room for a new staging, evicting LRU entries, or refuse it with the sizes.
+        ``owner``: the uid whose own copy it is (node service), held to their quota first:
+        it evicts only their own data for it."""
+        if owner is not None and self.settings.user_quota_bytes:
+            for victim in cache.plan_quota(
+                estimate,
+                owner,
+                self.entries(),
+                self._protected() | {key},
+                self.settings.user_quota_bytes,
+            ):
+                log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
+                await self._reg.evict(victim)
         # Trees being deleted will be free space in a moment; count them as free now, or
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
@@ -637,7 +651,7 @@ class Engine:
                 key = private_key(shared.key, owner.uid)
                 entry = reg.entries.get(key)
                 if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-                    await self._admit(shared.estimate_bytes, key)
+                    await self._admit(shared.estimate_bytes, key, owner.uid)
                     entry = entry or Entry(key=key, spec=shared.spec, steps=[], verify="")
                     entry.steps, entry.verify = shared.steps, shared.verify
                     entry.usage, entry.origin = shared.usage, shared.origin

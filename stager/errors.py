@@ -16,6 +16,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     ├── NotFound (404)              no dataset by that name
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
+    │   └── QuotaExceeded           a user's own data past their --user-quota
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
@@ -108,6 +109,12 @@ class Conflict(StagerError):
 class InsufficientSpace(StagerError):
     type = "insufficient_space"
     status = 422
+
+
+class QuotaExceeded(InsufficientSpace):
+    """A user's own data would pass their --user-quota in the node service."""
+
+    type = "quota_exceeded"
 
 
 class StagingError(StagerError):

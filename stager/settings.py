@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     # The node service for every user (stager serve --multi-user, as root): callers are
     # told apart by the kernel, sources read with their rights (docs/multiuser.md).
     multi_user: bool = False
+    # Node service: the most bytes of data only its user may read that one user may hold
+    # (shared entries count against nobody's); 0: no limit but the cache's.
+    user_quota_bytes: int = Field(default=0, ge=0, le=2**62)
 
     @field_validator("cache_dir", "runtime_dir")
     @classmethod

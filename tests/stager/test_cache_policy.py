@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stager.cache import pending_bytes, plan_admission
+from stager.cache import pending_bytes, plan_admission, plan_quota
 from stager.dataset import Entry
-from stager.errors import InsufficientSpace
+from stager.errors import InsufficientSpace, QuotaExceeded
+from stager.fs.credentials import Reader
 from stager.publish import delete_tree
 from stager.schemas import State
 
@@ -89,3 +90,29 @@ def test_delete_tree_stops_when_the_daemon_stops(tmp_path: Path) -> None:
     stop.set()
     assert delete_tree(doomed, stop) is False
     assert len(list(doomed.iterdir())) == 100  # left for the next start's cleanup
+
+
+def owned(key: str, uid: int | None, size: int, age_s: int = 0) -> Entry:
+    """A ready entry that is ``uid``'s own copy (None: shared by every user)."""
+    made = entry(key, State.READY, size=size, age_s=age_s)
+    made.reader = Reader(uid if uid is not None else 0, 0, (), public=uid is None)
+    return made
+
+
+def test_a_users_quota_evicts_only_their_own_data_oldest_first() -> None:
+    mine_old, mine_new = owned("mine-old", 1001, 40 * MB, 100), owned("mine-new", 1001, 40 * MB, 1)
+    theirs, shared = owned("theirs", 1002, 90 * MB, 500), owned("shared", None, 90 * MB, 900)
+    everything = [mine_old, mine_new, theirs, shared]
+    assert plan_quota(20 * MB, 1001, everything, set(), 100 * MB) == []
+    assert plan_quota(30 * MB, 1001, everything, set(), 100 * MB) == [mine_old]
+    assert plan_quota(70 * MB, 1001, everything, set(), 100 * MB) == [mine_old, mine_new]
+    # Other users' data and shared data count against nobody's quota: 1002 is within it.
+    assert plan_quota(10 * MB, 1002, everything, set(), 100 * MB) == []
+
+
+def test_past_the_quota_with_everything_leased_is_refused_naming_the_quota() -> None:
+    mine = owned("mine", 1001, 80 * MB)
+    with pytest.raises(QuotaExceeded, match=r"quota of 95\.4 MiB"):
+        plan_quota(30 * MB, 1001, [mine], {"mine"}, 100 * MB)
+    with pytest.raises(QuotaExceeded, match="--user-quota"):
+        plan_quota(200 * MB, 1001, [], set(), 100 * MB)
