@@ -11,6 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -33,6 +34,8 @@ class Daemon:
     extra_env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
+    # Run as this user (a tests.users.User: uid and gid) instead of the test's own.
+    user: Any = None
 
     @property
     def socket(self) -> Path:
@@ -66,8 +69,13 @@ class Daemon:
 
     def start(self, wait: bool = True) -> Daemon:
         log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        argv = [sys.executable, "-m", "stager", "serve", *self.args]
+        if self.user is not None:
+            os.chown(self.runtime_dir, self.user.uid, self.user.gid)
+            user = [f"--reuid={self.user.uid}", f"--regid={self.user.gid}", "--init-groups"]
+            argv = ["setpriv", *user, "--", *argv]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stager", "serve", *self.args],
+            argv,
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

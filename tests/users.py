@@ -1,0 +1,131 @@
+"""Real second users for security tests: made with ``useradd`` for the test session,
+removed at its end, and commands run as them with ``setpriv`` (their uid, their gid,
+their groups), so the kernel treats them as it would any user of a shared node.
+
+Needs root; the fixtures skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PREFIX = "stager-t"
+GROUP = f"{PREFIX}-group"  # alice is in it, bob is not
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+
+    def run(
+        self, argv: Sequence[str], timeout: float = 60, **kwargs: object
+    ) -> subprocess.CompletedProcess[str]:
+        """``argv`` as this user: uid, gid and supplementary groups, a clean HOME."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": f"/tmp/{self.name}"}
+        env.update(kwargs.pop("env", {}))  # type: ignore[arg-type]
+        command = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups"]
+        return subprocess.run(
+            [*command, "--", *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    def curl(
+        self, socket: Path, method: str, path: str, body: object = None, headers: Sequence[str] = ()
+    ) -> tuple[int, dict]:
+        """One request over a Unix socket as this user; (status, JSON body)."""
+        argv = ["curl", "-s", "-o", "-", "-w", "\n%{http_code}", "--unix-socket", str(socket)]
+        argv += ["-X", method, f"http://stager{path}"]
+        for header in headers:
+            argv += ["-H", header]
+        if body is not None:
+            argv += ["-H", "content-type: application/json", "--data", json.dumps(body)]
+        done = self.run(argv)
+        text, _, code = done.stdout.rpartition("\n")
+        return int(code or 0), (json.loads(text) if text.strip() else {})
+
+
+def _ensure_user(name: str, groups: Sequence[str] = ()) -> User:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        argv = ["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin"]
+        if groups:
+            argv += ["--groups", ",".join(groups)]
+        subprocess.run([*argv, name], check=True, capture_output=True)
+    entry = pwd.getpwnam(name)
+    Path(f"/tmp/{name}").mkdir(mode=0o700, exist_ok=True)
+    os.chown(f"/tmp/{name}", entry.pw_uid, entry.pw_gid)
+    return User(name, entry.pw_uid, entry.pw_gid)
+
+
+@pytest.fixture(scope="session")
+def users() -> Iterator[tuple[User, User]]:
+    """Two real users: alice (in the group ``stager-t-group``) and bob (not)."""
+    if os.geteuid() != 0:
+        pytest.skip("creating users needs root")
+    if shutil.which("useradd") is None or shutil.which("setpriv") is None:
+        pytest.skip("needs useradd and setpriv (Debian: passwd, util-linux)")
+    made_group = False
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", GROUP], check=True, capture_output=True)
+        made_group = True
+    names = (f"{PREFIX}-alice", f"{PREFIX}-bob")
+    existed = {n for n in names if _exists(n)}
+    alice = _ensure_user(names[0], groups=[GROUP])
+    bob = _ensure_user(names[1])
+    try:
+        yield alice, bob
+    finally:
+        for user in (alice, bob):
+            shutil.rmtree(f"/tmp/{user.name}", ignore_errors=True)
+            if user.name not in existed:
+                subprocess.run(["userdel", user.name], capture_output=True)
+        if made_group:
+            subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def _exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def interpreter_for_users() -> Iterator[str]:
+    """This test run's Python, usable by every user: the folders above it (here under
+    root's 0700 home) get search permission for others until the session ends, and
+    get their modes back then."""
+    changed: list[tuple[Path, int]] = []
+    for path in [Path(sys.executable), Path(os.path.realpath(sys.executable)), Path.cwd()]:
+        for folder in [*reversed(path.parents)]:
+            mode = stat.S_IMODE(folder.stat().st_mode)
+            if not mode & stat.S_IXOTH:
+                changed.append((folder, mode))
+                folder.chmod(mode | stat.S_IXOTH)
+    try:
+        yield sys.executable
+    finally:
+        for folder, mode in reversed(changed):
+            folder.chmod(mode)
