@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +100,22 @@ def users() -> Iterator[tuple[User, User]]:
         for user in (alice, bob):
             shutil.rmtree(f"/tmp/{user.name}", ignore_errors=True)
             if user.name not in existed:
-                subprocess.run(["userdel", user.name], capture_output=True)
+                _remove_user(user.name)
         if made_group:
             subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def _remove_user(name: str, timeout: float = 10.0) -> None:
+    """``userdel``, once the user's last processes (a daemon's fork server on its way
+    out) have ended: userdel refuses a user who still runs something."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = subprocess.run(["userdel", name], capture_output=True, text=True)
+        if done.returncode == 0 or not _exists(name):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not remove test user {name}: {done.stderr.strip()}")
+        time.sleep(0.2)
 
 
 def _exists(name: str) -> bool:
