@@ -292,7 +292,7 @@ class Engine:
         if entry.seal is None:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
         else:
-            changed = await run_io(check_seal, final, entry.seal)
+            changed = await run_io(check_seal, final, entry.seal, cache.private_owner(entry))
         if changed is None:
             return
         async with self._admission:

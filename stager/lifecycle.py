@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.blocking import run_io
+from stager.cache import private_owner
 from stager.dataset import Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
@@ -294,7 +295,8 @@ class Registry:
             await asyncio.sleep(0.001)
         if await run_io(attempt.tree.is_dir):
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
-        await run_io(protect_top, final)  # again after a crash: it changes nothing then
+        # Again after a crash: it changes nothing then.
+        await run_io(protect_top, final, private_owner(entry))
         for handle in self._handles_of(entry):
             await self._link(handle, final)
         self._crash.reached(Durable.LINKED)

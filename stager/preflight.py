@@ -115,4 +115,12 @@ def ensure_dirs(settings: Settings) -> None:
         settings.outgoing_dir,
     ):
         folder.mkdir(parents=True, exist_ok=True)
-    os.chmod(settings.cache_dir, 0o700)
+    if not settings.multi_user:
+        os.chmod(settings.cache_dir, 0o700)  # one user's: nobody else's business
+        return
+    # The node service: users reach their data under data/, where each tree's own top
+    # says who may enter it (stager.fs.seal); the rest of the cache is the service's.
+    for shown in (settings.cache_dir, settings.data_dir):
+        os.chmod(shown, 0o755)
+    for private in (settings.partial_dir, settings.incoming_dir, settings.outgoing_dir):
+        os.chmod(private, 0o700)

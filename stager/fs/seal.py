@@ -82,9 +82,21 @@ def settled(seal: Seal) -> bool:
     return time.clock_gettime_ns(_COARSE_CLOCK) > seal.sealed_ns
 
 
-def protect_top(root: Path) -> None:
-    """The published tree's top folder, read-only too (see the module's docstring)."""
-    os.chmod(root, DIR_MODE)
+# The top of a tree only its owner may read (the node service's private copies): owned
+# by that user, who alone may enter it; what is inside stays the service's, read-only.
+PRIVATE_TOP_MODE = 0o500
+
+
+def top_mode(owner: int | None) -> int:
+    return DIR_MODE if owner is None else PRIVATE_TOP_MODE
+
+
+def protect_top(root: Path, owner: int | None = None) -> None:
+    """The published tree's top folder, read-only too (see the module's docstring); with
+    ``owner``, the top of that user's own copy, which nobody else may enter."""
+    if owner is not None:
+        os.chown(root, owner, -1)
+    os.chmod(root, top_mode(owner))
 
 
 def open_up_top(root: Path) -> None:
@@ -92,8 +104,9 @@ def open_up_top(root: Path) -> None:
     os.chmod(root, DIR_MODE | stat.S_IWUSR)
 
 
-def check_seal(root: Path, seal: Seal) -> str | None:
-    """None when the tree is as sealed; else a sentence naming what changed."""
+def check_seal(root: Path, seal: Seal, owner: int | None = None) -> str | None:
+    """None when the tree is as sealed (its top as :func:`protect_top` left it for
+    ``owner``); else a sentence naming what changed."""
     checker = _Checker(seal.sealed_ns)
     try:
         top = open_top_unconfined(str(root))
@@ -102,8 +115,10 @@ def check_seal(root: Path, seal: Seal) -> str | None:
     try:
         if top.st.st_mtime_ns > seal.sealed_ns:
             return f"an entry of {root} was added, removed or renamed after it was published"
-        if stat.S_IMODE(top.st.st_mode) != DIR_MODE:
-            return f"{root} was made writable after it was published"
+        if stat.S_IMODE(top.st.st_mode) != top_mode(owner) or (
+            owner is not None and top.st.st_uid != owner
+        ):
+            return f"{root} had its owner or mode changed after it was published"
         walk(top, checker, special="skip")
     except _Changed as changed:
         return str(changed)

@@ -181,3 +181,15 @@ def test_a_swapped_top_folder_is_found(tmp_path: Path) -> None:
     assert seal.check_seal(final, sealed) is not None
     os.rmdir(final)
     assert "is gone" in (seal.check_seal(final, sealed) or "")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_private_copys_top_is_its_owners_alone_and_watched_too(tmp_path: Path) -> None:
+    final, sealed = published(tmp_path)
+    seal.protect_top(final, owner=65534)
+    st = final.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o500)
+    assert seal.check_seal(final, sealed, owner=65534) is None
+    assert seal.check_seal(final, sealed) is not None  # not shared: a shared top is 0555
+    os.chmod(final, 0o700)  # its owner may do this (and then add files): it is seen
+    assert "owner or mode" in (seal.check_seal(final, sealed, owner=65534) or "")
