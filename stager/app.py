@@ -11,7 +11,7 @@ from stager import __version__, cache
 from stager.api import errors
 from stager.api.auth import BearerTokenMiddleware
 from stager.api.routes import cache as cache_routes
-from stager.api.routes import datasets, health, recipes
+from stager.api.routes import datasets, health, recipes, whoami
 from stager.api.routes.fanout import fanout_router
 from stager.engine import Engine
 from stager.lifecycle import state_counts
@@ -51,6 +51,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.include_router(recipes.router)
     app.include_router(cache_routes.router)
     app.include_router(health.router)
+    app.include_router(whoami.router)
     if token:
         app.add_middleware(BearerTokenMiddleware, token=token)
     return app

@@ -24,6 +24,7 @@ examples:
   stager serve --detach                  # background daemon on the default Unix socket
   stager serve --host 127.0.0.1 --port 8765 --cache-dir /local/scratch/stager
   stager stop
+  stager serve --multi-user              # as root: the node service for every user
 
 Every flag can also be set as STAGER_<FLAG> in the environment (e.g.
 STAGER_CACHE_DIR=/local/scratch/stager); flags win over the environment.
@@ -146,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_location_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--multi-user",
+        action="store_true",
+        default=None,
+        help="the node service for every user (as root, from systemd or the SLURM prolog): "
+        "one Unix socket anyone may connect to (default /run/stager/stager.sock), each "
+        "caller known by the kernel, sources read with the caller's rights, data everyone "
+        "may read shared, the rest private (docs/multiuser.md); cache default "
+        "/var/cache/stager",
+    )
     parser.add_argument(
         "--runtime-dir",
         type=Path,

@@ -618,8 +618,10 @@ class Engine:
             finally:
                 await self._drop_claimed(entry)  # read once: gone before ready is said
         except NotPublic as exc:
-            await reg.end(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
+            # Names move to their owners' own stagings first, so that nobody waiting on
+            # them is woken by this failure: it is not theirs.
             await self._stage_privately(entry)
+            await reg.end(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
         except Cancelled:
             if self._stopping:
                 await reg.interrupt(entry)  # resumed when the daemon starts again

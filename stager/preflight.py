@@ -95,9 +95,11 @@ def _check_link(link: str, settings: Settings) -> None:
     folder = path.parent
     while not os.path.lexists(folder):
         folder = folder.parent  # made when the link is
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+    # effective_ids: checked with the rights this thread holds (the asking user's, in the
+    # node service), as creating the link will be; plain access() asks as root.
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
         raise BadRequest(
-            f"link {link} cannot be created: {folder} is not a folder the daemon's user can "
+            f"link {link} cannot be created: {folder} is not a folder you can "
             "write; choose a --link path under one"
         )
 

@@ -76,6 +76,18 @@ class LeaseCreate(BaseModel):
     ttl_s: float | None = Field(default=None, gt=0, le=LEASE_TTL_MAX_S, allow_inf_nan=False)
 
 
+class WhoAmI(BaseModel):
+    """Who the daemon takes the caller to be: in the node service, the kernel's word for
+    the connection (SO_PEERCRED); per user, the daemon's own user."""
+
+    uid: int
+    gid: int
+    pid: int = Field(description="the connecting process (0 when not known)")
+    user: str = Field(description="the uid's passwd name, or the number")
+    root: bool
+    mode: Literal["multi-user", "per-user"]
+
+
 class LeasePublic(BaseModel):
     id: str
     name: str

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -19,8 +20,11 @@ from types import FrameType
 
 import httpx
 import uvicorn
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from stager.app import create_app
+from stager.identity import SCOPE_KEY, Caller
 from stager.settings import Settings
 
 
@@ -28,13 +32,31 @@ class ServeError(Exception):
     """Why the daemon cannot start, as a sentence for the terminal."""
 
 
+def check_mode(settings: Settings) -> None:
+    """The node service's rules: root, its Unix socket only."""
+    if not settings.multi_user:
+        return
+    if os.geteuid() != 0:
+        raise ServeError(
+            "stager serve --multi-user must run as root: it reads each user's sources with "
+            "that user's rights and keeps the node's cache as its own; start it from systemd "
+            "or the SLURM prolog, or leave out --multi-user to run a daemon of your own"
+        )
+    if settings.host:
+        raise ServeError(
+            "stager serve --multi-user serves its Unix socket only: the kernel tells its "
+            "callers apart there, which TCP cannot; leave out --host"
+        )
+
+
 def prepare_runtime_dir(settings: Settings) -> None:
     folder = settings.runtime_dir
     folder.mkdir(parents=True, exist_ok=True)
     if folder.stat().st_uid != os.getuid():
         raise ServeError(f"{folder} belongs to another user; set STAGER_RUNTIME_DIR to your own")
-    # Only this user may reach the socket: that is the whole access control for it.
-    os.chmod(folder, 0o700)
+    # Per user: only this user may reach the socket, which is the whole access control
+    # for it. The node service: everyone may connect, and the kernel says who did.
+    os.chmod(folder, 0o755 if settings.multi_user else 0o700)
 
 
 def resolve_token(settings: Settings) -> str | None:
@@ -91,6 +113,7 @@ def serve(settings: Settings) -> None:
     # between syscalls; a shorter switch interval lets the event loop in sooner, which
     # keeps status replies in milliseconds while they work.
     sys.setswitchinterval(0.0005)
+    check_mode(settings)
     prepare_runtime_dir(settings)
     token = resolve_token(settings)
     config_args: dict[str, object] = {}
@@ -106,6 +129,7 @@ def serve(settings: Settings) -> None:
     app = create_app(settings, token=token)
     config = uvicorn.Config(
         app,
+        http=PeerHTTPProtocol,
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
         access_log=settings.log_level == "debug",
@@ -121,6 +145,27 @@ def serve(settings: Settings) -> None:
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
+
+
+class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol, telling each request on a Unix socket connection who is
+    at its other end, as the kernel saw it connect (SO_PEERCRED): read once per
+    connection, put in every request's scope under ``identity.SCOPE_KEY``. Headers
+    and bodies never enter into it."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family != socket.AF_UNIX:
+            return  # TCP: no peer credentials (per-user mode's bearer token applies)
+        caller = Caller.of_socket(sock)
+        app = self.app
+
+        async def with_caller(scope: Scope, receive: Receive, send: Send) -> None:
+            scope[SCOPE_KEY] = caller
+            await app(scope, receive, send)
+
+        self.app = with_caller
 
 
 class _Server(uvicorn.Server):

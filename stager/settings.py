@@ -20,6 +20,11 @@ def default_runtime_dir() -> Path:
     return Path(base) / f"stager-{os.getuid()}"
 
 
+# The node service's places (stager serve --multi-user), unless given.
+NODE_RUNTIME_DIR = Path("/run/stager")
+NODE_CACHE_DIR = Path("/var/cache/stager")
+
+
 def default_cache_dir() -> Path:
     # Node-local by default: /tmp is local disk on every cluster we target.
     return Path("/tmp") / f"stager-{os.getuid()}" / "cache"
@@ -72,6 +77,16 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _node_service_places(self) -> Settings:
+        """The node service lives where admins look for a system service's files."""
+        if self.multi_user:
+            if "runtime_dir" not in self.model_fields_set:
+                self.runtime_dir = NODE_RUNTIME_DIR
+            if "cache_dir" not in self.model_fields_set:
+                self.cache_dir = NODE_CACHE_DIR
+        return self
 
     @model_validator(mode="after")
     def _token_rules(self) -> Settings:

@@ -10,6 +10,7 @@ import pytest
 from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
+from tests.users import interpreter_for_users, users  # noqa: F401 (fixtures)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -51,7 +51,8 @@ class User:
     def curl(
         self, socket: Path, method: str, path: str, body: object = None, headers: Sequence[str] = ()
     ) -> tuple[int, dict]:
-        """One request over a Unix socket as this user; (status, JSON body)."""
+        """One request over a Unix socket as this user; (status, JSON body, or the text
+        under "text" for a body that is not JSON)."""
         argv = ["curl", "-s", "-o", "-", "-w", "\n%{http_code}", "--unix-socket", str(socket)]
         argv += ["-X", method, f"http://stager{path}"]
         for header in headers:
@@ -60,7 +61,11 @@ class User:
             argv += ["-H", "content-type: application/json", "--data", json.dumps(body)]
         done = self.run(argv)
         text, _, code = done.stdout.rpartition("\n")
-        return int(code or 0), (json.loads(text) if text.strip() else {})
+        try:
+            answer = json.loads(text) if text.strip() else {}
+        except json.JSONDecodeError:
+            answer = {"text": text}  # /metrics and the like
+        return int(code or 0), answer
 
 
 def _ensure_user(name: str, groups: Sequence[str] = ()) -> User:

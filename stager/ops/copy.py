@@ -275,24 +275,28 @@ def run(step: CopyStep, ctx: OpContext) -> int:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise _translate(exc, path) from exc
+        raise _translate(exc, path, ctx.root) from exc
 
 
-def _translate(exc: OSError, source: str) -> StagerError:
+def _translate(exc: OSError, source: str, dataset: os.PathLike[str] | None = None) -> StagerError:
     """The one place where OS errors become stager errors.
 
     Problems with the source are the caller's to fix (a BadRequest-family
     error); everything else, ENOSPC included, is the shared staging sentence.
+    A refused open outside the ``dataset`` being written (none at request time) is
+    the source's, wherever its links led.
     """
     name = exc.filename
     in_source = isinstance(name, str) and (
         name == source or name.startswith(source.rstrip("/") + "/")
     )
+    inside = dataset is not None and isinstance(name, str) and name.startswith(f"{dataset}/")
+    read = isinstance(name, str) and not inside
     if in_source and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
         return SourceNotFound(
             f"{name} disappeared or was replaced while copying; check that the source is stable"
         )
-    if in_source and exc.errno in (errno.EACCES, errno.EPERM):
+    if read and exc.errno in (errno.EACCES, errno.EPERM):
         return SourceUnreadable(
             f"{name} is not readable by the user who asked for it (the kernel refused to "
             "open it); fix its permissions, or stage it as a user who may read it"

@@ -12,12 +12,12 @@ from pathlib import Path
 from tests.daemon import Daemon
 from tests.stager.test_cache import copy_body, ready
 from tests.trees import digest, wait_until_empty, write_tree
-from tests.users import User, interpreter_for_users, users  # noqa: F401 (fixtures)
+from tests.users import User
 
 
 def test_a_users_own_daemon_publishes_read_only_and_restages_what_they_change(
-    users: tuple[User, User],  # noqa: F811
-    interpreter_for_users: str,  # noqa: F811
+    users: tuple[User, User],
+    interpreter_for_users: str,
     shared_tmp: Path,
 ) -> None:
     alice, _ = users
