@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon import Daemon
-from tests.trees import digest, write_tree
+from tests.trees import digest, make_tar, write_tree
 from tests.users import GROUP, User
 
 SECRET = b"alice's secret bytes"
@@ -434,3 +435,65 @@ def test_bob_past_his_quota_is_refused_and_alice_keeps_her_data(
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+# ---- who is asking, and how the service may be reached ---------------------------------
+
+
+def test_whoami_is_the_kernels_word_for_each_caller(
+    service: Daemon, users: tuple[User, User]
+) -> None:
+    alice, bob = users
+    for user in (alice, bob):
+        code, who = user.curl(service.socket, "GET", "/v1/whoami")
+        assert code == 200, who
+        assert (who["uid"], who["gid"], who["user"], who["root"], who["mode"]) == (
+            user.uid,
+            user.gid,
+            user.name,
+            False,
+            "multi-user",
+        )
+    with service.client() as client:  # this test process: root
+        assert client.get("/v1/whoami").json()["root"] is True
+
+
+def test_the_node_service_refuses_tcp_and_a_user_who_is_not_root(
+    users: tuple[User, User], interpreter_for_users: str, shared_tmp: Path
+) -> None:
+    alice, _ = users
+    serve = [interpreter_for_users, "-m", "stager", "serve", "--multi-user"]
+    place = ["--runtime-dir", str(shared_tmp / "run"), "--cache-dir", str(shared_tmp / "c")]
+    done = subprocess.run([*serve, *place, "--host", "127.0.0.1"], capture_output=True, text=True)
+    assert done.returncode == 1 and "leave out --host" in done.stderr, done.stderr
+    as_alice = alice.run([*serve, *place], cwd=str(Path.cwd()))
+    assert as_alice.returncode == 1 and "must run as root" in as_alice.stderr, as_alice.stderr
+
+
+@pytest.mark.parametrize("op", ["extract", "symlink"])
+def test_bob_cannot_reach_alices_archive_or_folder_through_other_ops(
+    service: Daemon, users: tuple[User, User], homes: tuple[Path, Path], op: str
+) -> None:
+    alice, bob = users
+    archive = homes[0] / "private" / "data.tar"
+    make_tar(homes[0] / "private", archive)
+    source = archive if op == "extract" else homes[0] / "private"
+    step = {"op": op, "src": str(source)} | ({"mode": "tree"} if op == "symlink" else {})
+    code, answer = stage(bob, service, {"name": "other", "steps": [step]})
+    assert code == 403, answer
+    assert not cache_holds_secret(service)
+    healthy(service, alice)
+
+
+def test_a_shared_tree_changed_by_root_is_staged_again_at_the_next_hit(
+    service: Daemon, users: tuple[User, User], homes: tuple[Path, Path]
+) -> None:
+    alice, bob = users
+    tree = public_tree(homes[0] / "public")
+    first = ready(alice, service, copy("inat", tree))
+    victim = next(Path(first["path"]).rglob("*.jpg"))
+    victim.write_bytes(b"poisoned by an admin's mistake")  # root: modes do not stop it
+    code, answer = stage(bob, service, copy("inat", tree))
+    assert code == 202, answer  # not served as it is: staged again
+    _, status = wait(bob, service, "inat")
+    assert status["state"] == "ready" and digest(Path(status["path"])) == digest(tree)
