@@ -25,6 +25,12 @@ VERIFY_LEVELS = ("size", "sha256", "none")
 # Linux's limits: a file name of 255 bytes, a path of 4096 (NAME_MAX, PATH_MAX).
 NAME_MAX, PATH_MAX = 255, 4096
 LEASE_TTL_MAX_S = 10 * 365 * 86400  # ten years: longer is a mistake, and overflows dates
+# Every number a request carries is bounded where it is declared, far past any real use
+# and well inside what the code, the OS and dates take (tests/stager/test_request_bounds).
+MAX_BYTES = 1 << 60  # an exbibyte
+ByteCount = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+TRANSFER_TTL_MAX_S = 7 * 86400  # a reservation or export outliving a week is forgotten
+MAX_PARTS = 1_000_000
 
 
 def checked_path(value: str) -> str:
@@ -149,9 +155,9 @@ class ExportCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     label: str = Field(pattern=LABEL_PATTERN)  # names the files, e.g. job-42
-    part: int = Field(default=0, ge=0)
+    part: int = Field(default=0, ge=0, le=MAX_PARTS)
     # With part 0: about how many bytes of file data each part holds (32 MiB).
-    part_bytes: int | None = Field(default=None, ge=1 << 16)
+    part_bytes: int | None = Field(default=None, ge=1 << 16, le=MAX_BYTES)
     early: bool = False
 
 
@@ -181,8 +187,8 @@ class IncomingCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     label: str = Field(pattern=LABEL_PATTERN)  # the same on every node: one sbcast path
-    bytes: int = Field(ge=0)
-    ttl_s: float = Field(default=3600.0, gt=0)
+    bytes: ByteCount
+    ttl_s: float = Field(default=3600.0, gt=0, le=TRANSFER_TTL_MAX_S)
 
 
 class TransferPublic(BaseModel):
@@ -210,8 +216,8 @@ class Adopt(BaseModel):
     origin_node: str
     origin_key: str
     job: str | None = None
-    bundle_bytes: int | None = Field(default=None, ge=0)
-    sources: dict[str, tuple[int, str]] | None = None
+    bundle_bytes: ByteCount | None = None
+    sources: dict[str, tuple[ByteCount, str]] | None = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> Adopt:

@@ -33,7 +33,7 @@ from stager.errors import VerifyFailed
 from stager.fs import manifest as manifests
 from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
+from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, ByteCount, part_name
 
 # A part that has not arrived this long after the one before: the sender is gone
 # (the job's task normally says so at once, with an ``abort`` end).
@@ -47,7 +47,7 @@ class AdoptStep(StepParams):
 
     folder: AbsoluteSource  # the delivery folder
     origin_node: str = Field(min_length=1, max_length=200)  # for messages
-    data_bytes: int = Field(ge=0)  # the tree's file data, for admission
+    data_bytes: ByteCount  # the tree's file data, for admission
 
 
 def check(step: AdoptStep, ctx: CheckContext) -> int:

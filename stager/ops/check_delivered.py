@@ -17,12 +17,13 @@ from stager.errors import VerifyFailed
 from stager.fs.sources import require_source
 from stager.manifest_format import file_digest
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+from stager.schemas import ByteCount
 
 
 class CheckDeliveredStep(StepParams):
     """Check broadcast copies of source files: each path's size and sha256."""
 
-    files: dict[AbsoluteSource, tuple[int, str]]
+    files: dict[AbsoluteSource, tuple[ByteCount, str]]
     origin_node: str = Field(min_length=1, max_length=200)
 
 
