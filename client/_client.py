@@ -40,7 +40,7 @@ from client.errors import (
     Unauthorized,
     WaitTimeout,
 )
-from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State
+from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State, WhoAmI
 
 Model = TypeVar("Model")
 StatusCallback = Callable[[DatasetPublic], None]
@@ -369,6 +369,11 @@ class StagerClient(_Base):
         """The daemon's liveness answer, e.g. ``{"status": "ok", "version": "0.1.0"}``."""
         return self._call("GET", "/healthz", json.loads, what="the health check")
 
+    def whoami(self) -> WhoAmI:
+        """Who the daemon takes this process's user to be (the kernel's word, in the node
+        service) and which mode it runs in."""
+        return self._call("GET", "/v1/whoami", _model(WhoAmI), what="whoami")
+
     def status(self, name: str) -> DatasetPublic:
         return self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic), what="status")
 
@@ -513,6 +518,9 @@ class AsyncStagerClient(_Base):
                 method, path, timeout=timeout or self.timeout, **kwargs
             )
         return _decode(response, adapter, self.url)
+
+    async def whoami(self) -> WhoAmI:
+        return await self._call("GET", "/v1/whoami", _model(WhoAmI), what="whoami")
 
     async def status(self, name: str) -> DatasetPublic:
         return await self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic),

@@ -6,8 +6,10 @@ settings pull in pydantic-settings, and the client must stay light. They are kep
 side by side on purpose; ``tests/client/test_discovery.py`` checks they agree.
 
 Order: an explicit ``url`` > ``STAGER_URL`` > ``STAGER_SOCKET`` >
-``$STAGER_RUNTIME_DIR/stager.sock`` > the default socket. A token is sent on TCP
-only: explicit > ``STAGER_TOKEN`` > ``STAGER_TOKEN_FILE`` > ``<runtime_dir>/token``.
+``$STAGER_RUNTIME_DIR/stager.sock`` > the default socket, unless the user has no
+socket of their own there and the node service's does exist
+(``/run/stager/stager.sock``, docs/multiuser.md). A token is sent on TCP only:
+explicit > ``STAGER_TOKEN`` > ``STAGER_TOKEN_FILE`` > ``<runtime_dir>/token``.
 """
 
 from __future__ import annotations
@@ -56,10 +58,19 @@ def runtime_dir(env: Mapping[str, str]) -> Path:
     return Path(base) / f"stager-{os.getuid()}"
 
 
-def default_socket(env: Mapping[str, str]) -> Path:
+# The node service's socket (stager serve --multi-user), as stager.settings says.
+NODE_SOCKET = Path("/run/stager/stager.sock")
+
+
+def default_socket(env: Mapping[str, str], node_socket: Path = NODE_SOCKET) -> Path:
+    """The user's own daemon's socket; the node service's when the user has none and
+    it is there. Named explicitly (STAGER_SOCKET, STAGER_RUNTIME_DIR), it is used as is."""
     if env.get("STAGER_SOCKET"):
         return Path(env["STAGER_SOCKET"]).expanduser()
-    return runtime_dir(env) / "stager.sock"
+    own = runtime_dir(env) / "stager.sock"
+    if env.get("STAGER_RUNTIME_DIR") or own.exists() or not node_socket.exists():
+        return own
+    return node_socket
 
 
 def discover(

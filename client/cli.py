@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json(sub, "print the resulting status as JSON")
     sub.set_defaults(run=cmd_cancel)
     _add_release(commands, common)
+    sub = commands.add_parser(
+        "whoami", parents=[common], help="who the daemon takes you to be, and its mode"
+    )
+    _add_json(sub, "print the API's WhoAmI JSON")
+    sub.set_defaults(run=cmd_whoami)
     return parser
 
 
@@ -475,6 +480,15 @@ async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int
         _print_json(status)
     else:
         print(summary(status) + describe_origin(status))
+    return EXIT_OK
+
+
+async def cmd_whoami(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    who = await client.whoami()
+    if args.json:
+        _print_json(who)
+    else:
+        print(f"{who.user} (uid {who.uid}, gid {who.gid}) on the {who.mode} daemon at {client.url}")
     return EXIT_OK
 
 

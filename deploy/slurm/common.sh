@@ -13,6 +13,7 @@ load_config() {
     STAGER_SLURM_CACHE_DIR=/tmp/stager-%U/cache
     STAGER_SLURM_SERVE_ARGS=
     STAGER_SLURM_URL=
+    STAGER_NODE_SOCKET=/run/stager/stager.sock
     STAGER_SLURM_TMPDIR=/tmp/slurm-%j
     STAGER_EPILOG_STOP=0
     STAGER_SLURM_LOG=/var/log/stager-slurm.log
@@ -33,8 +34,13 @@ load_job() {
     CACHE_DIR=$(expand_pattern "$STAGER_SLURM_CACHE_DIR")
     JOB_TMPDIR=$(expand_pattern "$STAGER_SLURM_TMPDIR")
     STAGER_SOCKET=
+    NODE_SERVICE=0
     if [[ -n $STAGER_SLURM_URL ]]; then
         JOB_URL=$STAGER_SLURM_URL
+    elif node_service_answers; then
+        # The node service (stager serve --multi-user, as root) serves every user here.
+        JOB_URL=unix://$STAGER_NODE_SOCKET
+        NODE_SERVICE=1
     else
         JOB_URL=unix://$RUNTIME_DIR/stager.sock
     fi
@@ -43,6 +49,13 @@ load_job() {
     fi
     USER_STATE=$STAGER_SLURM_STATE_DIR/users/$JOB_UID
     HOLDER=slurm-job-$JOB_ID
+}
+
+# Whether the node service answers on its socket (a quick health check).
+node_service_answers() {
+    [[ -n $STAGER_NODE_SOCKET && -S $STAGER_NODE_SOCKET ]] || return 1
+    curl --silent --max-time 5 --output /dev/null --fail \
+        --unix-socket "$STAGER_NODE_SOCKET" http://stager/healthz 2>/dev/null
 }
 
 # %u user name, %U uid, %j job id: the same letters sbatch uses in --output.

@@ -31,6 +31,10 @@ make_job_tmpdir() {
 }
 
 start_daemon() {
+    if [[ $NODE_SERVICE == 1 ]]; then
+        log "the node service at $STAGER_NODE_SOCKET serves this job: no daemon of the user's own"
+        return 0
+    fi
     if [[ $STAGER_SLURM_START != 1 ]]; then
         log "STAGER_SLURM_START=$STAGER_SLURM_START: not starting a daemon (using $JOB_URL)"
         return 0

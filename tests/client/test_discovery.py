@@ -64,3 +64,21 @@ def test_unreadable_token_file(tmp_path: Path) -> None:
     (tmp_path / "token").chmod(0)
     with pytest.raises(BadConfiguration, match="cannot be read"):
         discover(env={"STAGER_URL": "http://h:1", "STAGER_RUNTIME_DIR": str(tmp_path)})
+
+
+def test_the_node_service_is_found_when_the_user_has_no_daemon(tmp_path: Path) -> None:
+    from client._discovery import default_socket
+    from stager.settings import NODE_RUNTIME_DIR
+
+    node = tmp_path / "node.sock"
+    own_dir = tmp_path / "own"
+    env = {"XDG_RUNTIME_DIR": str(own_dir)}
+    own = own_dir / f"stager-{os.getuid()}" / "stager.sock"
+    assert default_socket(env, node) == own  # no node service here: the user's own
+    node.touch()
+    assert default_socket(env, node) == node  # a node service and no daemon of one's own
+    own.parent.mkdir(parents=True)
+    own.touch()
+    assert default_socket(env, node) == own  # one's own daemon wins
+    assert default_socket({"STAGER_RUNTIME_DIR": str(tmp_path / "x")}, node) != node
+    assert NODE_RUNTIME_DIR / "stager.sock" == default_socket.__defaults__[0]  # as the daemon

@@ -497,3 +497,15 @@ def test_a_shared_tree_changed_by_root_is_staged_again_at_the_next_hit(
     assert code == 202, answer  # not served as it is: staged again
     _, status = wait(bob, service, "inat")
     assert status["state"] == "ready" and digest(Path(status["path"])) == digest(tree)
+
+
+def test_stager_client_whoami_names_each_user(
+    service: Daemon, users: tuple[User, User], interpreter_for_users: str
+) -> None:
+    for user in users:
+        env = {"STAGER_URL": f"unix://{service.socket}"}
+        done = user.run([interpreter_for_users, "-m", "client", "whoami"], env=env, cwd="/")
+        assert done.returncode == 0, done.stderr
+        assert f"{user.name} (uid {user.uid}, gid {user.gid}) on the multi-user daemon" in (
+            done.stdout
+        )
