@@ -10,16 +10,33 @@ No ``from __future__ import annotations``: the probe's body is typed by the op t
 and FastAPI reads that class from the handler's annotation at run time.
 """
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
-from stager.api.deps import CallerDep, EngineDep
+from stager.api.deps import CallerDep, EngineDep, SettingsDep
 from stager.api.routes.datasets import RESPONSES
+from stager.errors import Forbidden
 from stager.ops.table import OpTable
 from stager.schemas import ExportCreate, ExportPublic, IncomingCreate, ProbeResult, TransferPublic
 
 
+def per_user_only(caller: CallerDep, settings: SettingsDep) -> None:
+    """Room reserved for deliveries and exports is named by label, not owned by a user:
+    in the node service only root may hold it until transfers have owners
+    (docs/multiuser.md, "Not yet in this mode")."""
+    if settings.multi_user and not caller.is_root:
+        raise Forbidden(
+            "multi-node fan-out (--peers slurm) is not yet served by the node service to "
+            "users; use per-user daemons for fan-out jobs, or ask the admin"
+        )
+
+
 def fanout_router(ops: OpTable) -> APIRouter:
-    router = APIRouter(prefix="/v1", tags=["fan-out"], responses=RESPONSES)
+    router = APIRouter(
+        prefix="/v1",
+        tags=["fan-out"],
+        responses=RESPONSES,
+        dependencies=[Depends(per_user_only)],
+    )
     DatasetCreate = ops.request_model()  # noqa: N806 - a class, named as the schema shows it
 
     @router.post("/datasets/probe", response_model=ProbeResult)
