@@ -8,8 +8,8 @@ thread reads (shipping the bytes to processes would cost a copy each). Worker
 processes are forked before the extraction starts any thread of its own, so they
 inherit the open archive and start in milliseconds; a small archive is not worth
 even that and stays on threads (``PROCESS_MIN_BYTES``). Extraction is CPU-bound
-(headers, decompression, per-file calls), so the pools have one worker per core
-at most, whatever ``ctx.workers`` allows: more only fight over the cores.
+(headers, decompression, per-file calls), so each pool has ``ctx.workers`` workers
+capped at the cores (:func:`stager.fs.forked.cores`): more only fight over them.
 
 Nested archives (``nested``): inside a plain tar (ImageNet's 1,000 class tars)
 they are read in place from their byte range, each extracted whole by one worker
