@@ -13,7 +13,7 @@ capped at the cores (:func:`stager.fs.forked.cores`): more only fight over them.
 
 Nested archives (``nested``): inside a plain tar (ImageNet's 1,000 class tars)
 they are read in place from their byte range, each extracted whole by one worker
-process, and never written to disk. Inside a compressed tar or a zip they are
+of the pool, and never written to disk. Inside a compressed tar or a zip they are
 written as files first, then extracted and removed once the outer archive is done.
 """
 
