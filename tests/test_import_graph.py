@@ -1,5 +1,7 @@
 """The import graph: no circles inside a package, lazy (function-level) imports
-included, and the client stands on nothing of the daemon but the wire layer.
+included; the client stands on nothing of the daemon but the wire layer; inside the
+daemon no import goes up a floor (``LAYERS``), and stager/ops/ holds only the op
+table, the op base and the ops.
 
 trainer/data.py and trainer/shards.py once imported each other, one of them
 from inside a function to dodge the ImportError: a circle that worked by
@@ -123,3 +125,108 @@ def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
     assert "client.fanout.agent" in loaded
     beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON)
     assert not beyond, f"importing the client loads {beyond}"
+
+
+# The floors of the daemon, lowest first: a module may import modules of its own floor
+# and of the floors below it, never of one above. A name stands for a module, or for a
+# package with everything in it. Floors that import nothing of each other are ordered
+# as a request meets them.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
+    (floor, frozenset(names))
+    for floor, names in (
+        ("wire", WIRE | WIRE_STANDS_ON),
+        # Leaves every floor may use: they import nothing of stager.
+        (
+            "ground",
+            {
+                "stager.errors",
+                "stager.settings",
+                "stager.identity",
+                "stager.durable",
+                "stager.metrics",
+                "stager.children",
+                "stager.slurm",
+            },
+        ),
+        ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
+        ("archive", {"stager.archive"}),  # formats, readers, the member writer
+        ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
+        # The daemon's books: entries, leases, their store, the eviction policy.
+        ("books", {"stager.dataset", "stager.leases", "stager.store", "stager.cache"}),
+        # A request's checks and expansion: sources, recipes, the cache key.
+        ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
+        # One staging: its process, the doorway to it, its tree published.
+        ("staging", {"stager.worker", "stager.blocking", "stager.publish"}),
+        ("fanout", {"stager.fanout"}),
+        ("lifecycle", {"stager.lifecycle"}),
+        ("engine", {"stager.engine"}),
+        ("api", {"stager.api"}),
+        ("app", {"stager.app", "stager.server", "stager.cli", "stager.__main__"}),
+    )
+)
+
+
+def floor_of(module: str, layers: tuple[tuple[str, frozenset[str]], ...] = LAYERS) -> int | None:
+    """The index of the floor that names ``module``, or else the package nearest above
+    it (``stager`` itself names only its own ``__init__``, on the wire floor)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        for index, (_, names) in enumerate(layers):
+            if ".".join(parts[:n]) in names:
+                return index if n > 1 or n == len(parts) else None
+    return None
+
+
+def upward_imports(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, frozenset[str]], ...] = LAYERS
+) -> list[str]:
+    """Every import from a module to one on a higher floor, as a sentence."""
+    found = []
+    for name, targets in graph.items():
+        here = floor_of(name, layers)
+        for target in targets:
+            there = floor_of(target, layers)
+            if here is not None and there is not None and there > here:
+                found.append(f"{name} ({layers[here][0]}) imports {target} ({layers[there][0]})")
+    return sorted(found)
+
+
+def test_every_stager_module_stands_on_a_floor():
+    unplaced = sorted(m for m in modules(REPO / "stager") if floor_of(m) is None)
+    assert not unplaced, f"name the floor of {unplaced} in LAYERS"
+
+
+def test_no_import_goes_up_a_floor():
+    found = upward_imports(import_graph(REPO / "stager"))
+    assert not found, "imports that go up a floor (see LAYERS):\n" + "\n".join(found)
+
+
+def test_filesystem_and_archive_machinery_never_import_the_ops():
+    graph = import_graph(REPO / "stager")
+    found = sorted(
+        f"{name} imports {target}"
+        for name, targets in graph.items()
+        if name.startswith(("stager.fs", "stager.archive"))
+        for target in targets
+        if target == "stager.ops" or target.startswith("stager.ops.")
+    )
+    assert not found, f"pass what the op's context gives as a Protocol or parameters: {found}"
+
+
+def test_an_import_up_a_floor_is_found():
+    layers = (("low", frozenset({"pkg.low"})), ("high", frozenset({"pkg.high"})))
+    graph = {"pkg.low.deep": {"pkg.high"}, "pkg.high": {"pkg.low.deep"}}
+    assert upward_imports(graph, layers) == ["pkg.low.deep (low) imports pkg.high (high)"]
+
+
+def test_the_ops_package_holds_only_the_table_the_base_and_ops():
+    from stager.ops.table import BUILTIN
+
+    ops = REPO / "stager" / "ops"
+    op_modules = {op.run.__module__.rpartition(".")[2] for op in BUILTIN}
+    allowed = {f"{name}.py" for name in {"__init__", "table", "base", *op_modules}}
+    found = {entry.name for entry in ops.iterdir() if entry.name != "__pycache__"}
+    assert found <= allowed, (
+        f"stager/ops/ holds {sorted(found - allowed)}, which define no op of the table; "
+        "shared machinery goes to a room named for its concept (stager/fs/, stager/archive/)"
+    )

@@ -1,4 +1,5 @@
-"""Archive formats for ``extract``: detection by magic bytes, size estimates, readers.
+"""Archive formats for ``extract``: detection by magic bytes, size estimates, the
+first-header check, decompressed streams.
 
 Detection looks at content, never at the name alone: a ``.tar.gz`` that is
 really a zstd stream is read as zstd only when the step asks for ``auto``.
@@ -11,11 +12,13 @@ import io
 import lzma
 import os
 import tarfile
+import zipfile
 from typing import BinaryIO, Literal
 
 import zstandard
 from isal import igzip, igzip_threaded
 
+from stager.archive import tar_members
 from stager.errors import CorruptArchive, UnknownFormat
 
 # What an extract or unpack step may name as its archive format.
@@ -175,6 +178,43 @@ def estimate_output(path: str, fmt: str, size: int, raw: BinaryIO) -> int:
         if content > 0:
             return content
     return 2 * size
+
+
+def read_first_header(raw: io.RawIOBase, fmt: str) -> None:
+    """Read the first header of the archive ``raw`` holds, as ``fmt``: the request-time
+    check that it is readable. A zip's central directory is read whole (it is at the
+    end); a compressed tar's first block is decompressed and must be a tar header."""
+    if fmt == "zip":
+        zipfile.ZipFile(raw).close()
+    elif fmt == "tar":
+        tar_members.open_tar(raw).close()  # type: ignore[arg-type]
+    else:
+        with open_decompressed(_SmallReads(raw), fmt) as stream:  # type: ignore[arg-type]
+            head = stream.read(tarfile.BLOCKSIZE)
+        if sniff(head) != "tar":
+            raise tarfile.ReadError("the decompressed data is not a tar archive")
+
+
+class _SmallReads(io.RawIOBase):
+    """``raw``, handing out at most ``_SIP`` bytes per read.
+
+    Decompressors fill large buffers (igzip 512 KiB, zstd 1 MiB) where the check
+    needs the first 512 bytes of output: a few KiB of input for gzip, xz and zstd
+    (bz2 decodes whole blocks, up to 900 kB of input, and still reads what it needs).
+    A short read makes them ask again only when they need more.
+    """
+
+    _SIP = 16 << 10
+
+    def __init__(self, raw: io.RawIOBase) -> None:
+        super().__init__()
+        self._raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int | None:  # type: ignore[override]
+        return self._raw.readinto(memoryview(buffer)[: self._SIP])
 
 
 class StreamReader(io.RawIOBase):

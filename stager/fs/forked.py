@@ -104,6 +104,11 @@ def paused_gc() -> Iterator[None]:
 
 
 def cores(workers: int) -> int:
+    """Processes (or threads) for per-file work: ``workers`` (``op_workers``), capped at
+    the cores this process may run on, since that work is CPU-bound and more only take
+    turns. Every op that works per file uses it (copy of a local tree, symlink tree,
+    extract, measuring a tree); only a copy from a network filesystem runs more, its
+    time being round trips (``stager.ops.copy.NETWORK_IN_FLIGHT``)."""
     return max(1, min(workers, len(os.sched_getaffinity(0))))
 
 

@@ -3,7 +3,7 @@
 A staging ends by sealing its tree (:func:`seal_tree`, in the staging process):
 every file becomes 0444 and every folder below the top 0555, with no set-id bit
 left anywhere, and the walk that does it also measures the tree (its entries and
-bytes, counted as :func:`stager.fs.sources.sum_sizes` counts). The top folder is
+bytes, counted as :func:`stager.fs.sizes.sum_sizes` counts). The top folder is
 made 0555 by the daemon once it is published (:func:`protect_top`): a folder
 moved to a new parent must be writable by whoever moves it.
 

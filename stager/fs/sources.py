@@ -14,7 +14,8 @@ Two promises hold for everything stager reads from a source:
 
 Tree walks (copy, symlink tree, their size estimates) open each folder relative to
 its parent's descriptor with ``O_NOFOLLOW``, so they need these checks only where a
-tree holds a link; :func:`open_link` is that step.
+tree holds a link; :func:`follow` is that step (and :func:`open_followed` the way
+into a folder it led to).
 """
 
 from __future__ import annotations
@@ -75,9 +76,7 @@ class Roots:
         return bool(self.real)
 
     def contains(self, real: str) -> bool:
-        return not self.real or any(
-            real == root or real.startswith(root.rstrip("/") + "/") for root in self.real
-        )
+        return not self.real or any(within(real, root) for root in self.real)
 
     def check(self, fd: int, shown: str) -> str:
         """The real path of what ``fd`` opened; UnsafePath when it is outside the roots."""
@@ -93,6 +92,11 @@ class Roots:
             f"({roots}); remove or fix that link, or ask the admin to add its target "
             "to STAGER_ALLOWED_ROOTS"
         )
+
+
+def within(real: str | None, top: str) -> bool:
+    """``real`` is ``top`` or lies below it (both real paths); False for None."""
+    return real is not None and (real == top or real.startswith(top.rstrip("/") + "/"))
 
 
 def fd_path(fd: int) -> str:
@@ -271,6 +275,15 @@ def open_followed(target: Target, shown: str) -> Folder:
     return Folder(fd, target.real, "", st, source=True)
 
 
+def enter_outside(target: Target, shown: str, open_ids: set[tuple[int, int]]) -> Folder | None:
+    """A folder outside the tree reached by a link, unless it is one of the folders
+    being walked already (``open_ids``: a cycle of links): that one is left empty."""
+    assert target.st is not None
+    if (target.st.st_dev, target.st.st_ino) in open_ids:
+        return None
+    return open_followed(target, shown)
+
+
 class Visitor:
     """What a walk calls for each thing it finds; ops override what they need.
 
@@ -335,28 +348,6 @@ def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object =
             entries.close()
             if folder is not top:
                 os.close(folder.fd)
-
-
-class _Sizes(Visitor):
-    def __init__(self) -> None:
-        self.total = 0
-
-    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
-        self.total += entry.stat(follow_symlinks=False).st_size
-
-    link = special = file  # type: ignore[assignment]  # the entry itself
-
-
-def sum_sizes(path: str) -> int:
-    """Bytes of every entry under the tree stager owns at ``path`` (files, and links
-    and special files as themselves): one ``fstatat`` each, nothing kept."""
-    top = open_top_unconfined(path)
-    try:
-        sizes = _Sizes()
-        walk(top, sizes, special="skip")
-        return sizes.total
-    finally:
-        os.close(top.fd)
 
 
 def require_source(path: str, what: str = "source") -> Path:

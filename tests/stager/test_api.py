@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.fs.sources import sum_sizes
+from stager.fs.sizes import sum_sizes
 from stager.schemas import DatasetPublic, DatasetsPublic
 from stager.server import pid_alive
 from tests.daemon import Daemon, free_port, stage, stage_ready

@@ -13,7 +13,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from stager.ops.extract import PROCESS_MIN_BYTES
+from stager.archive.extractor import PROCESS_MIN_BYTES
 from tests.daemon import Daemon
 from tests.processes import children_of, staging_processes
 from tests.trees import digest

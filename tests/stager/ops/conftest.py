@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from stager.ops import extract
+from stager.archive import extractor
 from tests.counts import summary
 
 
 @pytest.fixture(params=["threads", "processes"])
 def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "processes":
-        monkeypatch.setattr(extract, "PROCESS_MIN_BYTES", 0)  # every archive is "large"
+        monkeypatch.setattr(extractor, "PROCESS_MIN_BYTES", 0)  # every archive is "large"
     return request.param
 
 

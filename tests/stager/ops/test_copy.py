@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
-from stager.fs import mounts
-from stager.fs.sources import sum_sizes
+from stager.fs import file_copy, mounts
+from stager.fs.sizes import sum_sizes
 from stager.ops import copy
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
@@ -185,7 +185,7 @@ def test_source_shrinking_during_copy_is_copied_again(
 ) -> None:
     """Seen on the descriptor after the copy (size, mtime, ctime): copied once more, as
     it is now. (tests/stager/ops/test_walks.py covers every kind of change.)"""
-    monkeypatch.setattr(copy, "CHUNK", 4096)
+    monkeypatch.setattr(file_copy, "CHUNK", 4096)
     src = tmp_path / "big.bin"
     src.write_bytes(os.urandom(64 * 1024))
 
@@ -207,14 +207,14 @@ def test_a_copy_corrupted_on_the_local_disk_fails_sha256_verify(
     digests can tell, and ``verify: sha256`` must."""
     src = tmp_path / "big.bin"
     src.write_bytes(b"a" * 64 * 1024)
-    real_copy_chunk = copy.copy_chunk
+    real_copy_chunk = file_copy.copy_chunk
 
     def corrupting(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
         done = real_copy_chunk(src_fd, dst_fd, offset, count)
         os.pwrite(dst_fd, b"b", offset)
         return done
 
-    monkeypatch.setattr(copy, "copy_chunk", corrupting)
+    monkeypatch.setattr(file_copy, "copy_chunk", corrupting)
     copy.run(CopyStep(src=str(src), dst="sized"), make_ctx(tmp_path / "root", verify="size"))
     ctx = make_ctx(tmp_path / "root", verify="sha256")
     with pytest.raises(VerifyFailed, match="sha256"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from stager.fs import seal
-from stager.fs.sources import sum_sizes
+from stager.fs.sizes import sum_sizes
 
 
 def generated_tree(root: Path, seed: int, files: int) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from stager.errors import BadRequest, Cancelled, SourceNotFound
 from stager.fs import seal
-from stager.fs.sources import sum_sizes
+from stager.fs.sizes import sum_sizes
 from stager.ops import symlink
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.symlink import SymlinkStep

@@ -29,7 +29,8 @@ import pytest
 
 from stager.errors import SpecialSource, UnsafePath, VerifyFailed
 from stager.fingerprint import sources_fingerprint
-from stager.fs.sources import sum_sizes
+from stager.fs import file_copy
+from stager.fs.sizes import sum_sizes
 from stager.ops import copy, symlink, unpack
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
@@ -338,7 +339,7 @@ def writer_during_copy(
 ) -> None:
     """A real writer, deterministic: right after the copy of ``victim``'s bytes (in
     whichever process copies it), change the source ``times`` times in all."""
-    real_copy_chunk = copy.copy_chunk
+    real_copy_chunk = file_copy.copy_chunk
 
     def copy_then_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
         done = real_copy_chunk(src_fd, dst_fd, offset, count)
@@ -351,7 +352,7 @@ def writer_during_copy(
                     mutate()
         return done
 
-    monkeypatch.setattr(copy, "copy_chunk", copy_then_write)
+    monkeypatch.setattr(file_copy, "copy_chunk", copy_then_write)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -1,0 +1,188 @@
+"""Extracting an archive: the pools it runs on, its reader, and the archives inside it.
+
+The pools: for a plain tar a file is a byte range of the archive, and the pool
+is worker *processes*: what is left per file (open, copy, utime, close and the
+Python around them) is GIL-bound, so threads take turns where processes use
+every core. For compressed tars and zips a thread pool writes what the main
+thread reads (shipping the bytes to processes would cost a copy each). Worker
+processes are forked before the extraction starts any thread of its own, so they
+inherit the open archive and start in milliseconds; a small archive is not worth
+even that and stays on threads (``PROCESS_MIN_BYTES``). Extraction is CPU-bound
+(headers, decompression, per-file calls), so each pool has ``ctx.workers`` workers
+capped at the cores (:func:`stager.fs.forked.cores`): more only fight over them.
+
+Nested archives (``nested``): inside a plain tar (ImageNet's 1,000 class tars)
+they are read in place from their byte range, each extracted whole by one worker
+of the pool, and never written to disk. Inside a compressed tar or a zip they are
+written as files first, then extracted and removed once the outer archive is done.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import shutil
+import tarfile
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import contextmanager
+
+from stager.archive.formats import sniff
+from stager.archive.job import (
+    Archive,
+    ExtractContext,
+    ExtractJob,
+    InnerContext,
+    nested_suffix,
+    translate,
+)
+from stager.archive.tar_reader import read_tar, require_inside
+from stager.archive.writer import ArchiveWriter
+from stager.archive.zip_reader import read_zip
+from stager.children import die_with_parent
+from stager.fs.forked import cores, paused_gc
+from stager.progress import Progress
+
+# Archives smaller than this extract on threads: forking workers costs ~10 ms.
+PROCESS_MIN_BYTES = 64 << 20
+
+
+def extract_archive(
+    ctx: ExtractContext,
+    archive: Archive,
+    dest: str,
+    strip: int = 0,
+    nested: bool = False,
+) -> None:
+    """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
+    leading components of member names; with ``nested``, archives inside it too."""
+    job = ExtractJob(ctx, strip, nested)
+    with paused_gc(), _pools(job, archive.fmt, archive.length):
+        try:
+            _extract(job, archive, dest, outer=True)
+        finally:
+            job.cancel_inner()
+
+
+@contextmanager
+def _pools(job: ExtractJob, fmt: str, size: int) -> Iterator[None]:
+    """The pools ``job`` uses, shut down (queued work dropped) when the extraction ends."""
+    workers = cores(job.ctx.workers)
+    processes = None
+    if workers > 1 and size >= PROCESS_MIN_BYTES and (fmt == "tar" or job.nested):
+        processes = _process_pool(workers)  # first: no thread of ours exists to fork with
+    needs_threads = processes is None or fmt != "tar"
+    threads = ThreadPoolExecutor(workers, thread_name_prefix="extract") if needs_threads else None
+    job.files_pool = processes if fmt == "tar" and processes else threads
+    job.inner_pool = processes or threads
+    try:
+        yield
+    finally:
+        for pool in (threads, processes):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _process_pool(workers: int) -> ProcessPoolExecutor:
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent
+    )
+    # With fork, the first task starts every worker: do it now, while this process
+    # runs no thread of its own (the pool's helper threads start after the forks).
+    pool.submit(int).result()
+    return pool
+
+
+def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> None:
+    """Extract one archive under ``root``; the outer one uses the pool for files."""
+    pool = job.files_pool if outer else None
+    writer = ArchiveWriter(root, archive.label, job.ctx, pool, through_links=archive.fmt != "zip")
+    strip = job.strip if outer else 0
+    nested = job.nested and outer
+    try:
+        if archive.fmt == "zip":
+            read_zip(job, archive, writer, strip, nested)
+        else:
+            start_inner = functools.partial(_start_inner, job) if nested else None
+            read_tar(job, archive, writer, strip, start_inner)
+        if outer:
+            # Inner archives write under this tree: they must be done before any link of
+            # the outer archive exists, or a pair of links that escapes only together
+            # could be written through before ``finish`` checks and removes it.
+            writer.flush()
+            job.wait_inner()
+            _extract_written_inner(job)
+        writer.finish()
+    finally:
+        writer.abort()
+
+
+# -- nested ------------------------------------------------------------------
+
+
+def _inner_root(writer: ArchiveWriter, rel: str, label: str) -> str:
+    suffix = nested_suffix(rel)
+    assert suffix is not None
+    return os.path.join(writer.root, writer.ensure_dir(rel[: -len(suffix)], label))
+
+
+def _start_inner(
+    job: ExtractJob, archive: Archive, writer: ArchiveWriter, member: tarfile.TarInfo, rel: str
+) -> bool:
+    """Extract an archive member of a plain tar in place, on the pool; False if not one."""
+    base = archive.base + member.offset_data
+    require_inside(archive, member, member.size)
+    fmt = sniff(os.pread(archive.fd, tarfile.BLOCKSIZE, base))
+    if fmt is None:
+        return False
+    label = f"{archive.label}:{rel}"
+    root = _inner_root(writer, rel, member.name)
+    earlier = job.inner_roots.get(root)
+    if earlier is not None:  # the same inner archive again (tar -u): the last copy wins
+        earlier.result()
+        shutil.rmtree(root)
+        os.mkdir(root)
+    job.inner_roots[root] = job.start_inner(
+        _extract_inner, archive.fd, base, member.size, fmt, label, root, job.ctx.verify
+    )
+    return True
+
+
+# Inner archives are extracted by plain functions of picklable arguments, so that a
+# worker process can run them; each counts its own progress and returns it.
+
+
+def _extract_inner(
+    fd: int, base: int, length: int, fmt: str, label: str, root: str, verify: str
+) -> tuple[int, int]:
+    tally = Progress()
+    job = ExtractJob(InnerContext(tally, verify), strip=0, nested=False)
+    with translate(label):
+        _extract(job, Archive(fd, base, length, fmt, label), root, outer=False)
+    return tally.bytes_done, tally.files_done
+
+
+def _extract_written_inner(job: ExtractJob) -> None:
+    """Inner archives of compressed or zip outers were written; extract, then drop them."""
+    for path, label in job.written_inner.items():
+        job.start_inner(_extract_inner_file, path, label, job.ctx.verify)
+    job.wait_inner()
+
+
+def _extract_inner_file(path: str, label: str, verify: str) -> tuple[int, int]:
+    with translate(label):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            fmt = sniff(os.pread(fd, tarfile.BLOCKSIZE, 0))
+            if fmt is None:
+                return 0, 0  # named like an archive, but is not one: keep it as a file
+            folder = path[: -len(nested_suffix(path) or "")]
+            os.makedirs(folder, exist_ok=True)
+            _, files = _extract_inner(fd, 0, size, fmt, label, folder, verify)
+        finally:
+            os.close(fd)
+        os.unlink(path)
+    # Bytes were counted when the outer archive was read; count files only.
+    return 0, files
