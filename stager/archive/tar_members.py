@@ -9,7 +9,7 @@ fields, no pax or GNU extensions) is read here in about 3 us, taking only what
 extraction uses: name, type, mode, size, mtime. Everything else (pax and GNU
 long names, links, sparse files, base-256 numbers, old V7 headers) is left to
 ``tarfile`` itself, at that offset, so the two readers never disagree on where a
-member starts. tests/stager/ops/test_tar_members.py holds them to the same
+member starts. tests/stager/archive/test_tar_members.py holds them to the same
 results.
 
 The end is checked too: ``tarfile`` stops quietly at a header it cannot read,
