@@ -108,6 +108,20 @@ class Entry:
         return self.state in (State.QUEUED, State.STAGING)
 
 
+@dataclass(frozen=True)
+class Ask:
+    """What a request asks of an entry it starts (or starts again): the registry sets
+    these on the entry as it queues it (``Registry.queue``)."""
+
+    steps: list[Any]
+    verify: str
+    usage: list[dict[str, Any]] = field(default_factory=list)
+    origin: dict[str, Any] | None = None
+    delivery: str | None = None
+    estimate_bytes: int = 0
+    reader: Reader | None = None
+
+
 @dataclass
 class Handle:
     name: str

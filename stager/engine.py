@@ -20,7 +20,15 @@ from typing import Any
 
 from stager import cache, preflight, recipes, slurm
 from stager.blocking import Limits, run_io, run_staging
-from stager.dataset import Entry, Handle, private_key, public_origin, public_view, spec_key
+from stager.dataset import (
+    Ask,
+    Entry,
+    Handle,
+    private_key,
+    public_origin,
+    public_view,
+    spec_key,
+)
 from stager.durable import CrashPoints
 from stager.errors import (
     Cancelled,
@@ -254,10 +262,16 @@ class Engine:
                 )
                 entry = entry or Entry(key=key, spec=request.spec(), steps=steps, verify="")
                 # Asked for again: this request's steps (an adoption's, or the source's).
-                entry.steps, entry.verify, entry.usage = steps, request.verify, expansion.usage
-                entry.origin, entry.delivery = origin, self.fanout.claim(request.adopt)
-                entry.estimate_bytes, entry.reader = estimate, reader
-                await reg.queue(entry)
+                ask = Ask(
+                    steps=steps,
+                    verify=request.verify,
+                    usage=expansion.usage,
+                    origin=origin,
+                    delivery=self.fanout.claim(request.adopt),
+                    estimate_bytes=estimate,
+                    reader=reader,
+                )
+                await reg.queue(entry, ask)
                 self._queue.put_nowait(key)
                 self.metrics.requests.labels(outcome="miss").inc()
             else:
@@ -655,18 +669,23 @@ class Engine:
                 if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                     await self._admit(shared.estimate_bytes, key, owner.uid)
                     entry = entry or Entry(key=key, spec=shared.spec, steps=[], verify="")
-                    entry.steps, entry.verify = shared.steps, shared.verify
-                    entry.usage, entry.origin = shared.usage, shared.origin
-                    entry.estimate_bytes, entry.reader = shared.estimate_bytes, reader_of(owner)
-                    await reg.queue(entry)
+                    ask = Ask(
+                        steps=shared.steps,
+                        verify=shared.verify,
+                        usage=shared.usage,
+                        origin=shared.origin,
+                        estimate_bytes=shared.estimate_bytes,
+                        reader=reader_of(owner),
+                    )
+                    await reg.queue(entry, ask)
                     self._queue.put_nowait(key)
                 await reg.repoint(handle, entry)
 
     async def _drop_claimed(self, entry: Entry) -> None:
         """A delivery is read once: when its staging ends, whatever the outcome, it goes
         (after a stop too: a restart deletes deliveries, nobody could adopt it again)."""
-        if (folder := self.fanout.unclaim(entry)) is not None:
-            await self._reg.drop_delivery(folder)
+        if entry.delivery is not None:
+            await self._reg.drop_delivery(entry, self.fanout.unclaim(entry.delivery))
 
     async def _flush_progress(self) -> None:
         """Persist progress now and then so a restarted daemon shows where it was."""

@@ -35,7 +35,7 @@ from typing import Any
 
 from stager.blocking import run_io
 from stager.cache import private_owner
-from stager.dataset import Entry, Handle, now
+from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
 from stager.fs.credentials import Reader, as_user, reader_of
@@ -204,8 +204,13 @@ class Registry:
 
     # ---- a request arrives -------------------------------------------------------
 
-    async def queue(self, entry: Entry) -> Entry:
-        """A new entry, or an ended one asked for again: queued for a fresh attempt."""
+    async def queue(self, entry: Entry, ask: Ask | None = None) -> Entry:
+        """A new entry, or an ended one asked for again: queued for a fresh attempt,
+        with what the request asks (``ask``) in place of what an earlier one asked."""
+        if ask is not None:
+            entry.steps, entry.verify, entry.usage = ask.steps, ask.verify, ask.usage
+            entry.origin, entry.delivery = ask.origin, ask.delivery
+            entry.estimate_bytes, entry.reader = ask.estimate_bytes, ask.reader
         if entry.key in self.entries:
             entry.move(State.QUEUED)
         self.entries[entry.key] = entry
@@ -316,7 +321,14 @@ class Registry:
             # What the ops read: archive bytes for an extraction, file bytes for a copy.
             self.metrics.source_bytes.inc(entry.progress.snapshot().bytes_done)
 
-    async def drop_delivery(self, folder: Path) -> None:
+    async def drop_delivery(self, entry: Entry, folder: Path | None) -> None:
+        """The staging of ``entry`` has ended: the delivery it read is no longer its,
+        and its folder (if it is still there to remove) goes."""
+        entry.delivery = None
+        if folder is not None:
+            await self._remove_delivery(folder)
+
+    async def _remove_delivery(self, folder: Path) -> None:
         """A broadcast copy (``incoming/<label>/``) that a staging read, once it has
         ended: read once, it goes before the staging's outcome is recorded. After a
         crash before this, the restart removes it with the rest of ``incoming/``."""

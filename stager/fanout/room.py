@@ -125,13 +125,10 @@ class FanoutRoom:
         self.claimed[adopt.incoming] = self.deliveries.pop(adopt.incoming)
         return adopt.incoming
 
-    def unclaim(self, entry: Entry) -> Path | None:
-        """The folder of the delivery ``entry``'s staging read, once it has ended: read
+    def unclaim(self, label: str) -> Path | None:
+        """The folder of delivery ``label``, which a staging read and has ended: read
         once, it goes (the registry removes it)."""
-        if entry.delivery is None:
-            return None
-        transfer = self.claimed.pop(entry.delivery, None)
-        entry.delivery = None
+        transfer = self.claimed.pop(label, None)
         return transfer.path if transfer is not None else None
 
     async def release_unused(self, adopt: Adopt | None, entry: Entry) -> None:
