@@ -24,12 +24,15 @@ def modules() -> list[Path]:
 
 
 def named(doc: str, module: Path, everything: list[Path]) -> bool:
-    """A module is named by its path (``stager/fs/seal.py``), its path inside its
-    package (``fs/seal.py``), or its file name alone (``seal.py``) where no other
-    module has that name."""
-    inside = module.relative_to(module.parts[0]).as_posix()
-    unique = sum(m.name == module.name for m in everything) == 1
-    forms = [module.as_posix(), inside] + ([module.name] if unique else [])
+    """A module is named by its path (``stager/fs/seal.py``) or by any end of it that
+    no other module shares (``fs/seal.py``, ``seal.py``; ``errors.py`` is not enough,
+    there are three)."""
+    parts = module.parts
+    forms = [
+        "/".join(parts[i:])
+        for i in range(len(parts))
+        if i == 0 or sum(m.parts[-(len(parts) - i) :] == parts[i:] for m in everything) == 1
+    ]
     return any(re.search(rf"(?<![\w/.]){re.escape(form)}(?!\w)", doc) for form in forms)
 
 
