@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.counts import tally
 from tests.daemon import Daemon
 from tests.slurm_cluster import Cluster, job_info
 from tests.trees import digest, write_tree
@@ -43,7 +44,7 @@ def storage(shared_tmp: Path) -> Iterator[tuple[Path, str]]:
     image, mount = shared_tmp / "storage.img", shared_tmp / "storage"
     content = shared_tmp / "content"
     write_tree(content / "pets", n_files=300, max_size=30_000)
-    for path in [content, *content.rglob("*")]:
+    for path in [content, *content.rglob("*")]:  # the filesystem's root takes content's
         path.chmod(0o755 if path.is_dir() else 0o644)
     subprocess.run(["truncate", "-s", "64M", str(image)], check=True)
     subprocess.run(
@@ -57,7 +58,6 @@ def storage(shared_tmp: Path) -> Iterator[tuple[Path, str]]:
     try:
         subprocess.run(["mount", "-o", "ro", device, str(mount)], check=True, capture_output=True)
         try:
-            mount.chmod(0o755)
             yield mount / "pets", Path(device).name
         finally:
             subprocess.run(["umount", str(mount)], capture_output=True)
@@ -76,6 +76,7 @@ def node_service(local_cluster: Cluster, shared_tmp: Path) -> Iterator[Daemon]:
     """`stager serve --multi-user` as root where the prolog looks for it."""
     if (NODE_RUNTIME / "stager.sock").exists():
         pytest.skip(f"a node service already answers at {NODE_RUNTIME}; not ours to replace")
+    NODE_RUNTIME.mkdir(mode=0o755, exist_ok=True)  # as systemd's RuntimeDirectory= would
     daemon = Daemon(
         cache_dir=shared_tmp / "node-cache",
         runtime_dir=NODE_RUNTIME,
@@ -166,6 +167,10 @@ def test_bobs_job_hits_what_alices_job_staged_reading_the_storage_once(
     after_bob = bytes_read(device)
 
     storage_read = after_bob - before
+    tally(
+        f"node service on SLURM: storage read {storage_read / size:.2f}x the dataset for two "
+        f"users' jobs, bob's hit {float(seconds) * 1000:.0f} ms"
+    )
     assert storage_read < 1.2 * size + (2 << 20), (storage_read, size)  # once, not twice
     assert after_bob - after_alice < 256 << 10  # bob's hit read (almost) nothing
     data = node_service.cache_dir / "data"
