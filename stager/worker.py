@@ -32,7 +32,7 @@ from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.fs.credentials import Reader, read_sources_as
-from stager.fs.seal import Seal, seal_tree
+from stager.fs.seal import Seal, seal_listed, seal_tree
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
@@ -136,7 +136,13 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     done = attempt.steps_done()
     if done == len(steps) and not attempt.tree.is_dir():
         return seal_tree(job.final, job.workers)  # published just before the daemon died
-    if not attempt.tree.is_dir():
+    # An op that made every file itself, read-only, and counted their bytes, in a tree
+    # made now by it alone (a resumed attempt holds an earlier run's files), needs its
+    # tree listed to be sealed, not every file looked at (stager.fs.seal).
+    fresh = not attempt.tree.is_dir()
+    sealed_by_op = fresh and len(steps) == 1 and ops.op_of(steps[0]).read_only_files
+    made: int | None = None
+    if fresh:
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
@@ -152,7 +158,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
-            ops.run(step, ctx)
+            made = ops.run(step, ctx)
             progress.flush()
             write_atomically(attempt.marker, str(index))
             crash.reached(Durable.STEP_DONE)
@@ -162,4 +168,6 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
     ctx.check_cancelled()
+    if sealed_by_op and made is not None:
+        return seal_listed(attempt.tree, made)
     return seal_tree(attempt.tree, job.workers)

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 from stager.errors import UnsafeArchiveMember, VerifyFailed
 from stager.fs.fastcopy import READ_CHUNK, copy_range
+from stager.fs.seal import FILE_MODE
 from stager.progress import ProgressSink
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -139,15 +140,11 @@ def refused(archive: str, member: str, why: str) -> UnsafeArchiveMember:
     )
 
 
-@functools.cache
 def file_mode(mode: int | None) -> int:
-    """tarfile's data-filter policy: drop setuid/setgid/sticky and group/other write."""
-    if mode is None:
-        return 0o644
-    mode &= 0o755
-    if not mode & 0o100:
-        mode &= ~0o111
-    return mode | 0o600
+    """Every file is created as a published tree keeps it: 0444, whatever the member
+    says (no set-id bit, no write bit, no exec bit: data), so sealing the tree has no
+    file to change (stager.fs.seal). The descriptor that creates it still writes."""
+    return FILE_MODE
 
 
 # -- on the pool: one batch of files -------------------------------------------------

@@ -37,6 +37,7 @@ from stager.errors import VerifyFailed
 from stager.fs import forked
 from stager.fs.credentials import as_reader, check_public, source_reader
 from stager.fs.fastcopy import copy_chunk
+from stager.fs.seal import FILE_MODE
 from stager.fs.sources import Roots, open_source, refuse_special
 from stager.progress import ProgressSink
 
@@ -109,22 +110,20 @@ class FileCopier:
         reader = source_reader()
         open_source_file = os.open if reader is None else partial(as_reader, os.open)
         shared = reader is not None and reader.public
-        for name, dname, size, atime, mtime, ctime, ino, mode in items:
+        for name, dname, size, atime, mtime, ctime, ino, _mode in items:
             fin = open_source_file(name, _SOURCE_FLAGS, dir_fd=sfd)
             try:
                 if shared:
                     check_public(fin, _shown(sfd, name))
                 try:
-                    fout = os.open(dname, _CREATE_FLAGS, mode, dir_fd=dfd)
+                    fout = os.open(dname, _CREATE_FLAGS, FILE_MODE, dir_fd=dfd)
                 except FileExistsError:
-                    fout = _replace(dfd, dname, mode, size, mtime)
+                    fout = _replace(dfd, dname, FILE_MODE, size, mtime)
                     if fout < 0:  # complete from an earlier run of this staging
                         done_bytes += size
                         made_bytes += size
                         continue
                 try:
-                    if mode & umask:
-                        os.fchmod(fout, mode)  # the walking process keeps its umask
                     if size > CHUNK:
                         copied = self._move(fin, fout, size)  # counts its own progress
                     else:
@@ -171,7 +170,7 @@ class FileCopier:
             before = os.fstat(fin)
             if not stat.S_ISREG(before.st_mode):
                 raise refuse_special(shown, before.st_mode)
-            fout = _create(dfd, dname, stat.S_IMODE(before.st_mode))
+            fout = _create(dfd, dname, FILE_MODE)
             try:
                 copied = self._move(fin, fout, before.st_size)
                 if self.verify != "none":
@@ -231,7 +230,8 @@ def _opener(sfd: int | None, name: str) -> Callable[[], int]:
 
 
 def _create(dfd: int, name: str, mode: int) -> int:
-    """A new destination file with the source's mode, replacing whatever is there."""
+    """A new destination file with ``mode`` (every copy's is FILE_MODE: read-only, as
+    the published tree keeps it), replacing whatever is there."""
     try:
         fd = os.open(name, _CREATE_FLAGS, mode, dir_fd=dfd)
     except FileExistsError:

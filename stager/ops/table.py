@@ -62,6 +62,9 @@ class Op:
     # of those files is readable by everyone (docs/multiuser.md). Not a download (it
     # may carry the user's credentials), not a delivery, not a site's op unless it says.
     shareable: bool = False
+    # Every file it writes is created 0444 (stager.fs.seal.FILE_MODE) and it returns the
+    # bytes it left in the tree: alone in a fresh tree, its tree is sealed by a listing.
+    read_only_files: bool = False
 
     @property
     def summary(self) -> str:
@@ -75,17 +78,27 @@ def _row(
     verify: Iterable[str] = (),
     consumes_src: bool = False,
     shareable: bool = True,
+    read_only_files: bool = False,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
-    return Op(name, params, module.check, module.run, verify, consumes_src, shareable)
+    return Op(
+        name, params, module.check, module.run, verify, consumes_src, shareable, read_only_files
+    )
 
 
 EVERY_LEVEL = VERIFY_LEVELS
 BUILTIN = (
-    _row("copy", copy, copy.CopyStep, verify=EVERY_LEVEL),
-    _row("symlink", symlink, symlink.SymlinkStep),
+    _row("copy", copy, copy.CopyStep, verify=EVERY_LEVEL, read_only_files=True),
+    _row("symlink", symlink, symlink.SymlinkStep, read_only_files=True),
     # sha256: every file read back and compared with its member's bytes in the archive.
-    _row("extract", extract, extract.ExtractStep, verify=EVERY_LEVEL, consumes_src=True),
+    _row(
+        "extract",
+        extract,
+        extract.ExtractStep,
+        verify=EVERY_LEVEL,
+        consumes_src=True,
+        read_only_files=True,
+    ),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
     _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL, shareable=False),

@@ -193,3 +193,44 @@ def test_a_private_copys_top_is_its_owners_alone_and_watched_too(tmp_path: Path)
     assert seal.check_seal(final, sealed) is not None  # not shared: a shared top is 0555
     os.chmod(final, 0o700)  # its owner may do this (and then add files): it is seen
     assert "owner or mode" in (seal.check_seal(final, sealed, owner=65534) or "")
+
+
+@pytest.mark.parametrize("op", ["copy", "extract"])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_ops_own_count_seals_as_the_full_walk_does(tmp_path: Path, op: str, seed: int) -> None:
+    """A one-op staging into a fresh tree is sealed from a listing and the op's count of
+    its bytes (the op table's read_only_files): the same seal a full walk gives, and
+    nothing left to make read-only."""
+    from stager.ops import table
+    from stager.ops.base import OpContext
+    from stager.progress import Progress
+    from tests.trees import make_tar
+
+    source = tmp_path / "source"
+    generated_tree(source, seed, files=400)
+    for fifo in [p for p in source.rglob("p*") if p.is_fifo()]:
+        fifo.unlink()  # a copy refuses them; sealing them is tested above
+    if op == "extract":  # an archive's links to absolute paths are refused
+        for link in [p for p in source.rglob("*") if p.is_symlink()]:
+            if os.readlink(link).startswith("/"):
+                link.unlink()
+    for path in source.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o644)
+    ops = table.load(())
+    if op == "copy":
+        step = {"op": "copy", "src": str(source)}
+    else:
+        step = {"op": "extract", "src": str(make_tar(source, tmp_path / "s.tar"))}
+    [typed] = ops.validate_steps([step])
+    assert ops.op_of(typed).read_only_files
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    made = ops.run(typed, OpContext(root=tree, progress=Progress(), workers=2))
+    files = [p for p in tree.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert files and {stat.S_IMODE(p.stat().st_mode) for p in files} == {seal.FILE_MODE}
+    if made is None:  # an op that does not count its bytes is sealed by the full walk
+        return
+    listed = seal.seal_listed(tree, made)
+    full = seal.seal_tree(tree, workers=2)
+    assert (listed.entries, listed.nbytes) == (full.entries, full.nbytes)
