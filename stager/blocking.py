@@ -3,6 +3,9 @@
 ``run_io`` runs short blocking calls (a SQLite write, a stat of a source) on
 anyio's thread pool. ``run_staging`` runs a whole staging in a child process
 (see ``stager.worker`` for why) and awaits it without blocking the loop.
+``run_in_process`` runs a long walk that needs processes of its own (the seal's
+check of a large tree on a hit) in one long-lived process forked by the fork
+server: the daemon runs threads, so it must never fork per-file workers itself.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import anyio.to_thread
 
 from stager import errors
+from stager.children import die_with
 from stager.fs.seal import Seal
 from stager.progress import Progress, SharedCounters
 from stager.worker import CONTEXT, StageJob, stage_in_child, start_fork_server
@@ -32,6 +37,30 @@ T = TypeVar("T")
 async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """Run a short blocking call off the event loop."""
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+_walker: ProcessPoolExecutor | None = None
+
+
+async def run_in_process(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run ``fn`` (importable, its arguments picklable) in the walking process."""
+    global _walker
+    if _walker is None:
+        await run_io(start_fork_server)
+        # It dies with the daemon, whatever ends the daemon (the fork server is its parent).
+        _walker = ProcessPoolExecutor(
+            1, mp_context=CONTEXT, initializer=die_with, initargs=(os.getpid(),)
+        )
+    call = functools.partial(fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_walker, call)
+
+
+def stop_walker() -> None:
+    """At the daemon's stop (blocking: call it off the loop)."""
+    global _walker
+    if _walker is not None:
+        _walker.shutdown(wait=True, cancel_futures=True)
+        _walker = None
 
 
 @dataclass(frozen=True)

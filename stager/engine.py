@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
-from stager.blocking import Limits, run_io, run_staging
+from stager.blocking import Limits, run_in_process, run_io, run_staging, stop_walker
 from stager.dataset import (
     Ask,
     Entry,
@@ -154,6 +154,7 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await run_io(stop_walker)
         if self.registry is not None:
             staging = [e for e in self._reg.entries.values() if e.active]
             await self._reg.save_progress(staging)
@@ -306,7 +307,9 @@ class Engine:
         if entry.seal is None:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
         else:
-            changed = await run_io(check_seal, final, entry.seal, cache.private_owner(entry))
+            changed = await run_in_process(
+                check_seal, final, entry.seal, cache.private_owner(entry), self.settings.op_workers
+            )
         if changed is None:
             return
         async with self._admission:

@@ -117,10 +117,13 @@ def open_up_top(root: Path) -> None:
     os.chmod(root, DIR_MODE | stat.S_IWUSR)
 
 
-def check_seal(root: Path, seal: Seal, owner: int | None = None) -> str | None:
+def check_seal(root: Path, seal: Seal, owner: int | None = None, workers: int = 1) -> str | None:
     """None when the tree is as sealed (its top as :func:`protect_top` left it for
-    ``owner``); else a sentence naming what changed."""
-    checker = _Checker(seal.sealed_ns)
+    ``owner``); else a sentence naming what changed. The files are looked at on
+    ``workers`` forked processes once the tree is large (never fork a process that
+    runs threads: the daemon asks through ``blocking.run_in_process``)."""
+    tally = _Tally()
+    checker = _Checker(seal.sealed_ns, forked.Workers(forked.cores(workers), tally, PARALLEL_AFTER))
     try:
         top = open_top_unconfined(str(root))
     except FileNotFoundError:
@@ -132,14 +135,15 @@ def check_seal(root: Path, seal: Seal, owner: int | None = None) -> str | None:
             owner is not None and top.st.st_uid != owner
         ):
             return f"{root} had its owner or mode changed after it was published"
-        walk(top, checker, special="skip")
+        checker.workers.walk(top, checker, "skip", flush=checker.submit)
     except _Changed as changed:
         return str(changed)
     finally:
         os.close(top.fd)
-    if (checker.entries, checker.nbytes) != (seal.entries, seal.nbytes):
+    entries, nbytes = tally.files + checker.folders, tally.nbytes
+    if (entries, nbytes) != (seal.entries, seal.nbytes):
         return (
-            f"{root} holds {checker.entries} entries and {checker.nbytes} bytes, "
+            f"{root} holds {entries} entries and {nbytes} bytes, "
             f"not the {seal.entries} and {seal.nbytes} it was published with"
         )
     return None
@@ -245,26 +249,48 @@ class _Lister(Visitor):
             os.chmod(folder.fd, DIR_MODE)
 
 
-class _Checker(Visitor):
-    def __init__(self, sealed_ns: int) -> None:
+class _Checker(_Sealer):
+    """Walks as the sealer does, handing each folder's entries to ``_check_all``; looks
+    at the folders itself."""
+
+    def __init__(self, sealed_ns: int, workers: forked.Workers) -> None:
+        super().__init__(workers)
         self.sealed_ns = sealed_ns
-        self.entries = self.nbytes = 0
-
-    def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
-        st = entry.stat(follow_symlinks=False)
-        if st.st_ctime_ns > self.sealed_ns:
-            raise _Changed(f"{folder.join(entry.name)} changed after it was published")
-        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
-            raise _Changed(f"{folder.join(entry.name)} is no longer read-only")
-        self.entries += 1
-        self.nbytes += st.st_size
-
-    link = special = file  # type: ignore[assignment]
 
     def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
         child = open_child(folder, entry.name)
         if child.st.st_ctime_ns > self.sealed_ns or stat.S_IMODE(child.st.st_mode) != DIR_MODE:
             os.close(child.fd)
             raise _Changed(f"{child.path} changed after it was published")
-        self.entries += 1
+        self.folders += 1
         return child
+
+    def leave(self, folder: Folder) -> None:
+        self._hand_out(folder)
+
+    def submit(self) -> None:
+        if self.groups:
+            groups, count = self.groups, self.count
+            self.groups, self.count = [], 0
+            self.workers.submit(_check_all, groups, self.sealed_ns, files=count)
+
+
+def _check_all(groups: list[tuple[str, list[str]]], sealed_ns: int) -> None:
+    """A chunk, on a worker: each entry unchanged since the seal (raised on the walking
+    process otherwise), and the sizes counted."""
+    for path, names in groups:
+        if forked.stopping():
+            return
+        dfd = os.open(path, DIR_FLAGS | os.O_NOFOLLOW)
+        try:
+            nbytes = 0
+            for name in names:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if st.st_ctime_ns > sealed_ns:
+                    raise _Changed(f"{path}/{name} changed after it was published")
+                if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
+                    raise _Changed(f"{path}/{name} is no longer read-only")
+                nbytes += st.st_size
+        finally:
+            os.close(dfd)
+        forked.report(nbytes, len(names))

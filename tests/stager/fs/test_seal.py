@@ -164,12 +164,20 @@ CHANGES: list[Callable[[Path, random.Random], None]] = [
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.__name__.strip("_"))
 @pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("parallel_after", [10**9, 20], ids=["inline", "workers"])
 def test_every_kind_of_change_after_the_seal_is_found(
-    tmp_path: Path, change: Callable[[Path, random.Random], None], seed: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Callable[[Path, random.Random], None],
+    seed: int,
+    parallel_after: int,
 ) -> None:
     final, sealed = published(tmp_path, seed)
+    monkeypatch.setattr(seal, "PARALLEL_AFTER", parallel_after)
+    monkeypatch.setattr(seal, "BATCH", 8)
+    assert seal.check_seal(final, sealed, workers=2) is None
     change(final, random.Random(seed))
-    found = seal.check_seal(final, sealed)
+    found = seal.check_seal(final, sealed, workers=2)
     assert found is not None, change.__name__
 
 
