@@ -43,7 +43,12 @@ PID_FILES = {
 # Set once per session, inherited by every process the tests start (not STAGER_*: the
 # cluster fixture strips those from the environment it passes on).
 MARK_VAR = "PYTEST_STAGER_SESSION"
-DAEMON_PATTERN = re.compile(r"(^|/)(slurmctld|slurmd|munged)( |$)|stager(\.__main__)? serve\b")
+# A daemon's fork server (and what it forked: stagings, the walking process) must die
+# with the daemon too, however the daemon ended.
+DAEMON_PATTERN = re.compile(
+    r"(^|/)(slurmctld|slurmd|munged)( |$)|stager(\.__main__)? serve\b"
+    r"|multiprocessing\.forkserver import main"
+)
 
 
 @dataclass
