@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from stager.fanout.transfers import (
     plan_rest,
 )
 from stager.fs import manifest
+from stager.fs.seal import FILE_MODE
 from stager.ops import adopt
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import OpContext
@@ -199,8 +201,13 @@ def test_whatever_the_staging_does_after_early_parts_the_receiver_gets_the_ready
     assert sent_early > 0  # early parts did go out
     # Every path, file size and sha256, link target: the same (links may dangle).
     assert manifest.build(adopted).to_bytes() == manifest.build(ready).to_bytes()
-    modes = {p.relative_to(ready): p.lstat().st_mode for p in ready.rglob("*")}
-    assert {p.relative_to(adopted): p.lstat().st_mode for p in adopted.rglob("*")} == modes
+    kinds = {p.relative_to(ready): stat.S_IFMT(p.lstat().st_mode) for p in ready.rglob("*")}
+    assert {p.relative_to(adopted): stat.S_IFMT(p.lstat().st_mode) for p in adopted.rglob("*")} == (
+        kinds
+    )
+    # Every file arrives as a published tree keeps it (stager.fs.seal): read-only.
+    files = [p for p in adopted.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {FILE_MODE}
 
 
 def test_a_file_unchanged_since_it_went_out_early_is_not_sent_again(tmp_path: Path) -> None:
