@@ -222,7 +222,7 @@ class Engine:
             state=entry.state.value if entry else None,
             size_bytes=entry.size_bytes if entry else 0,
             origin=public_origin(entry),
-            source_files=await run_io(adoption.broadcastable_sources, expansion.steps),
+            source_files=await run_io(adoption.broadcastable_sources, expansion.steps, self.ops),
         )
 
     async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:

@@ -20,23 +20,19 @@ from typing import Any
 
 from stager.ops.adopt import AdoptStep
 from stager.ops.check_delivered import CheckDeliveredStep
-from stager.ops.unpack import UnpackStep
+from stager.ops.table import OpTable
 from stager.schemas import Adopt, SourceFile, delivered_name
 
-# Steps whose result keeps pointing at the source (a link): a delivered copy is
-# deleted after adoption, so these are never staged from one.
-LINKING_OPS = frozenset({"symlink"})
 
-
-def broadcastable_sources(steps: list[Any]) -> list[SourceFile]:
+def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
     """The request's source files when they can be broadcast as they are and staged
-    from on every node: every source a plain file, nothing downloaded (a URL) and
-    nothing left as a link to its source. Empty when that is not so."""
+    from on every node: every op one that reads only its ``src`` (the op table's
+    ``shareable``: nothing downloaded), nothing left as a link to its source, every
+    source a plain file. Empty when that is not so."""
     found: dict[str, SourceFile] = {}
     for step in steps:
-        if step.op in LINKING_OPS or getattr(step, "mode", None) == "symlink":
-            return []
-        if hasattr(step, "url"):
+        op = table.op_of(step)
+        if not op.shareable or op.links_to_source(step):
             return []
         src = getattr(step, "src", None)
         if not isinstance(src, str) or not src.startswith("/"):
@@ -51,7 +47,7 @@ def broadcastable_sources(steps: list[Any]) -> list[SourceFile]:
     return list(found.values())
 
 
-def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[Any]:
+def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: OpTable) -> list[Any]:
     """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources."""
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
@@ -61,7 +57,7 @@ def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[
     return table.validate_steps([{"op": "adopt", **step.model_dump()}])
 
 
-def _from_sources(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> list[Any]:
+def _from_sources(adopt: Adopt, folder: Path, steps: list[Any], table: OpTable) -> list[Any]:
     copies = {src: str(folder / delivered_name(src)) for src in adopt.sources or {}}
     check = CheckDeliveredStep(
         files={copies[src]: tuple(entry) for src, entry in (adopt.sources or {}).items()},
@@ -73,15 +69,15 @@ def _from_sources(adopt: Adopt, folder: Path, steps: list[Any], table: Any) -> l
         src = fields.get("src")
         if src in copies:
             fields["src"] = copies[src]
-            if isinstance(step, UnpackStep) and step.keep is None:
+            if table.op_of(step).keeps_source_name and step.keep is None:
                 # A kept copy or link carries the release's own name, not the delivery's.
                 fields["keep"] = os.path.basename(src.rstrip("/"))
         rewritten.append(fields)
     return table.validate_steps([{"op": "check_delivered", **check.model_dump()}, *rewritten])
 
 
-def missing_sources(adopt: Adopt, steps: list[Any]) -> list[str]:
+def missing_sources(adopt: Adopt, steps: list[Any], table: OpTable) -> list[str]:
     """Sources of the request that the delivery lacks (then it cannot replace them)."""
     if adopt.sources is None:
         return []
-    return sorted({s.path for s in broadcastable_sources(steps)} - set(adopt.sources))
+    return sorted({s.path for s in broadcastable_sources(steps, table)} - set(adopt.sources))

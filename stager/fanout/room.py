@@ -96,7 +96,7 @@ class FanoutRoom:
                 f"staged {adopt.origin_key}: the sources look different from here (changed "
                 "meanwhile, or another filesystem view); stage from the source instead"
             )
-        if missing := adoption.missing_sources(adopt, steps):
+        if missing := adoption.missing_sources(adopt, steps, self.ops):
             raise BadRequest(
                 f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
                 "request; stage from the source instead"

@@ -65,6 +65,12 @@ class Op:
     # Every file it writes is created 0444 (stager.fs.seal.FILE_MODE) and it returns the
     # bytes it left in the tree: alone in a fresh tree, its tree is sealed by a listing.
     read_only_files: bool = False
+    # What else the fan-out's adoption asks of an op: whether this step leaves links
+    # pointing at its source (a copy delivered in its place is deleted after adoption,
+    # so such a step never stages from one), and whether a kept copy of its source
+    # carries the source's own name.
+    links_to_source: Callable[[Any], bool] = lambda step: False
+    keeps_source_name: bool = False
 
     @property
     def summary(self) -> str:
@@ -79,17 +85,34 @@ def _row(
     consumes_src: bool = False,
     shareable: bool = True,
     read_only_files: bool = False,
+    links_to_source: Callable[[Any], bool] = lambda step: False,
+    keeps_source_name: bool = False,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
-        name, params, module.check, module.run, verify, consumes_src, shareable, read_only_files
+        name,
+        params,
+        module.check,
+        module.run,
+        verify,
+        consumes_src,
+        shareable,
+        read_only_files,
+        links_to_source,
+        keeps_source_name,
     )
 
 
 EVERY_LEVEL = VERIFY_LEVELS
 BUILTIN = (
     _row("copy", copy, copy.CopyStep, verify=EVERY_LEVEL, read_only_files=True),
-    _row("symlink", symlink, symlink.SymlinkStep, read_only_files=True),
+    _row(
+        "symlink",
+        symlink,
+        symlink.SymlinkStep,
+        read_only_files=True,
+        links_to_source=lambda step: True,
+    ),
     # sha256: every file read back and compared with its member's bytes in the archive.
     _row(
         "extract",
@@ -102,7 +125,14 @@ BUILTIN = (
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
     _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL, shareable=False),
-    _row("unpack", unpack, unpack.UnpackStep, verify=EVERY_LEVEL),
+    _row(
+        "unpack",
+        unpack,
+        unpack.UnpackStep,
+        verify=EVERY_LEVEL,
+        links_to_source=lambda step: step.mode == "symlink",
+        keeps_source_name=True,
+    ),
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
     # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.
