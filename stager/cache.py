@@ -73,12 +73,7 @@ def plan_quota(
     must_free = used_bytes(own) + needed - quota_bytes
     if must_free <= 0:
         return []
-    plan, freed = [], 0
-    for entry in evictable(own, protected):
-        if freed >= must_free:
-            break
-        plan.append(entry)
-        freed += entry.size_bytes
+    plan, freed = _oldest_first(evictable(own, protected), must_free)
     if freed < must_free:
         raise QuotaExceeded(
             f"staging needs about {human(needed)} of your own (data not everyone may read "
@@ -104,17 +99,24 @@ def plan_admission(
     must_free = max(over_capacity, over_disk)
     if must_free == 0:
         return []
-    plan, freed = [], 0
-    for entry in evictable(entries, protected):
-        if freed >= must_free:
-            break
-        plan.append(entry)
-        freed += entry.size_bytes
+    plan, freed = _oldest_first(evictable(entries, protected), must_free)
     if freed < must_free:
         raise InsufficientSpace(
             _refusal(needed, entries, protected, capacity_bytes, free_bytes, min_free_bytes, freed)
         )
     return plan
+
+
+def _oldest_first(candidates: list[Entry], must_free: int) -> tuple[list[Entry], int]:
+    """The least recently used of ``candidates`` that free ``must_free`` bytes (or all
+    of them, if they cannot), and what they free."""
+    plan, freed = [], 0
+    for entry in candidates:
+        if freed >= must_free:
+            break
+        plan.append(entry)
+        freed += entry.size_bytes
+    return plan, freed
 
 
 def _refusal(

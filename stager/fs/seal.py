@@ -25,9 +25,11 @@ cannot carry a time at or before the seal.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -215,6 +217,20 @@ class _Sealer(Visitor):
 def _seal_all(groups: list[tuple[str, list[str]]]) -> None:
     """A chunk, on a worker: each file 0444 (links and special files as they are),
     and the sizes counted."""
+    _each_entry(groups, _make_read_only)
+
+
+def _make_read_only(dfd: int, path: str, name: str, st: os.stat_result) -> None:
+    if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
+        os.chmod(name, FILE_MODE, dir_fd=dfd, follow_symlinks=False)
+
+
+def _each_entry(
+    groups: list[tuple[str, list[str]]],
+    judge: Callable[[int, str, str, os.stat_result], None],
+) -> None:
+    """A chunk, on a worker: ``judge`` each folder's named entries by their ``lstat``
+    (relative to the folder's descriptor), then count their sizes."""
     for path, names in groups:
         if forked.stopping():
             return
@@ -223,8 +239,7 @@ def _seal_all(groups: list[tuple[str, list[str]]]) -> None:
             nbytes = 0
             for name in names:
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
-                    os.chmod(name, FILE_MODE, dir_fd=dfd, follow_symlinks=False)
+                judge(dfd, path, name, st)
                 nbytes += st.st_size
         finally:
             os.close(dfd)
@@ -278,19 +293,11 @@ class _Checker(_Sealer):
 def _check_all(groups: list[tuple[str, list[str]]], sealed_ns: int) -> None:
     """A chunk, on a worker: each entry unchanged since the seal (raised on the walking
     process otherwise), and the sizes counted."""
-    for path, names in groups:
-        if forked.stopping():
-            return
-        dfd = os.open(path, DIR_FLAGS | os.O_NOFOLLOW)
-        try:
-            nbytes = 0
-            for name in names:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if st.st_ctime_ns > sealed_ns:
-                    raise _Changed(f"{path}/{name} changed after it was published")
-                if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
-                    raise _Changed(f"{path}/{name} is no longer read-only")
-                nbytes += st.st_size
-        finally:
-            os.close(dfd)
-        forked.report(nbytes, len(names))
+    _each_entry(groups, functools.partial(_unchanged, sealed_ns))
+
+
+def _unchanged(sealed_ns: int, dfd: int, path: str, name: str, st: os.stat_result) -> None:
+    if st.st_ctime_ns > sealed_ns:
+        raise _Changed(f"{path}/{name} changed after it was published")
+    if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
+        raise _Changed(f"{path}/{name} is no longer read-only")
