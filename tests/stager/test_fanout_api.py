@@ -293,3 +293,19 @@ def test_an_early_export_follows_the_staging_and_then_hands_over_to_the_ready_tr
         unknown = one.post("/v1/datasets/nope/export", json={"label": "x", "early": True})
         assert unknown.status_code == 404
         assert one.delete("/v1/exports/job7-ds").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"ttl_s": 9.07e307, "label": "P", "bytes": 22407.0},  # as the fuzzer sent it
+        {"ttl_s": 60, "label": "P", "bytes": 2**80},
+        {"ttl_s": -1, "label": "P", "bytes": 1},
+    ],
+)
+def test_an_unbounded_reservation_is_a_422_naming_the_field(daemon: Daemon, body: dict) -> None:
+    with daemon.client() as client:
+        response = client.post("/v1/incoming", json=body)
+    assert response.status_code == 422, response.text
+    message = response.json()["error"]["message"]
+    assert ("ttl_s" in message) or ("bytes" in message), message
