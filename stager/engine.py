@@ -546,13 +546,15 @@ class Engine:
         )
 
     async def _drop_dead_leases(self) -> int:
+        leases = list(self._reg.leases.values())
+        # SLURM is asked once per job, not per lease, and about every job at once: one
+        # slow answer must not hold a sweep for minutes.
+        jobs = sorted({x.slurm_job_id for x in leases if x.slurm_job_id is not None})
+        answers = await asyncio.gather(*(run_io(slurm.job_alive, job) for job in jobs))
+        alive_by_job = dict(zip(jobs, answers, strict=True))
         dropped = 0
-        for lease in list(self._reg.leases.values()):
-            alive = (
-                None
-                if lease.slurm_job_id is None
-                else await run_io(slurm.job_alive, lease.slurm_job_id)
-            )
+        for lease in leases:
+            alive = alive_by_job.get(lease.slurm_job_id) if lease.slurm_job_id else None
             if lease.expired() or alive is False:
                 why = "expired" if lease.expired() else "job ended"
                 log.info("dropping lease %s of %s (%s)", lease.id, lease.holder, why)
