@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--op-workers",
         type=int,
-        help="threads one copy or link operation may use for many small files (default 8); "
-        "extraction uses at most one worker per CPU core, processes for large plain tars",
+        help="worker processes one operation may use for per-file work: copy, link, extract, "
+        "seal (default 8, capped at the CPU cores; a copy from a network filesystem runs "
+        "up to 8 at once whatever the cores, its time being round trips)",
     )
     serve.add_argument(
         "--allowed-root",

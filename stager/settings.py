@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     token_file: Path | None = None  # default: <runtime_dir>/token
     no_token: bool = False  # allowed on loopback addresses only
     max_workers: int = Field(default=2, ge=1)  # datasets staged at once
-    # Threads inside one op (parallel small files); extract caps it at the CPU cores.
+    # Processes one op may use for per-file work (copy, link, extract, seal), capped
+    # at the cores (stager.fs.forked.cores); a copy from a network filesystem runs more.
     op_workers: int = Field(default=8, ge=1)
     staging_nice: int = Field(default=10, ge=0, le=19)  # CPU priority of staging processes
     allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
