@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
@@ -40,9 +41,7 @@ from stager.errors import (
     StagerError,
     from_os_error,
 )
-from stager.fanout import adoption
 from stager.fanout.room import FanoutRoom
-from stager.fanout.transfers import unwritten_bytes
 from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import Reader, as_user, reader_of
 from stager.fs.seal import check_seal
@@ -222,7 +221,7 @@ class Engine:
             state=entry.state.value if entry else None,
             size_bytes=entry.size_bytes if entry else 0,
             origin=public_origin(entry),
-            source_files=await run_io(adoption.broadcastable_sources, expansion.steps, self.ops),
+            source_files=await self.fanout.source_files(expansion.steps),
         )
 
     async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:
@@ -232,26 +231,25 @@ class Engine:
         # The link is the caller's: made where they may write, with their rights.
         link_maker = self._reader(caller)
         await run_io(as_user, link_maker, preflight.check_link, request.link, self.settings)
-        steps, origin = expansion.steps, self.fanout.origin(request)
         existing = reg.entries.get(key)
         if existing is not None and existing.state == State.READY:
             await self._drop_if_changed(existing)
-        if existing is None or not (existing.active or existing.state == State.READY):
-            # Only a miss pays for validating sources and estimating the size (a walk).
-            if request.adopt is not None:
-                steps = self.fanout.adoption_steps(request.adopt, key, expansion.steps)
-                estimate = await run_io(self.fanout.check_adoption, steps, request.verify)
-            else:
-                estimate = await run_io(
-                    as_user,
-                    reader,
-                    preflight.check_steps,
-                    expansion.steps,
-                    request.verify,
-                    self.settings,
-                )
-        else:
+        # Only a miss pays for validating sources and estimating the size (a walk).
+        miss = existing is None or not (existing.active or existing.state == State.READY)
+        arrival = await self.fanout.arrival(request, key, expansion.steps, miss)
+        if existing is not None and not miss:
             estimate = existing.estimate_bytes
+        elif arrival.estimate is not None:
+            estimate = arrival.estimate
+        else:
+            estimate = await run_io(
+                as_user,
+                reader,
+                preflight.check_steps,
+                expansion.steps,
+                request.verify,
+                self.settings,
+            )
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
@@ -261,14 +259,14 @@ class Engine:
                 await self._admit(
                     estimate, key, None if reader is None or reader.public else caller.uid
                 )
-                entry = entry or Entry(key=key, spec=request.spec(), steps=steps, verify="")
+                entry = entry or Entry(key=key, spec=request.spec(), steps=[], verify="")
                 # Asked for again: this request's steps (an adoption's, or the source's).
                 ask = Ask(
-                    steps=steps,
+                    steps=arrival.steps,
                     verify=request.verify,
                     usage=expansion.usage,
-                    origin=origin,
-                    delivery=self.fanout.claim(request.adopt),
+                    origin=arrival.origin,
+                    delivery=request.adopt.incoming if request.adopt else None,
                     estimate_bytes=estimate,
                     reader=reader,
                 )
@@ -297,7 +295,7 @@ class Engine:
                     await reg.link(handle, entry)  # again: the job may have removed it
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-        await self.fanout.release_unused(request.adopt, entry)
+        await self.fanout.admitted(request.adopt, entry)
         return self._view(handle), entry.state == State.READY
 
     async def _drop_if_changed(self, entry: Entry) -> None:
@@ -348,13 +346,13 @@ class Engine:
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
         # Room promised to deliveries and exports that is not written yet is not free.
-        free -= await run_io(unwritten_bytes, self.fanout.pending())
+        held = await self.fanout.held()
         plan = cache.plan_admission(
             needed=estimate,
             entries=self.entries(),
-            protected=self._protected() | {key},
+            protected=self._leased_or_active() | held.exporting | {key},
             capacity_bytes=self.settings.capacity_bytes,
-            free_bytes=free,
+            free_bytes=free - held.unwritten_bytes,
             min_free_bytes=self.settings.min_free_bytes,
         )
         for victim in plan:
@@ -363,9 +361,11 @@ class Engine:
 
     def _protected(self) -> set[str]:
         """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
+        return self._leased_or_active() | self.fanout.exporting
+
+    def _leased_or_active(self) -> set[str]:
         leased = {lease.key for lease in self._reg.leases.values()}
-        active = {k for k, e in self._reg.entries.items() if e.active}
-        return leased | self.fanout.exporting | active
+        return leased | {k for k, e in self._reg.entries.items() if e.active}
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
@@ -373,23 +373,21 @@ class Engine:
         """Pack part ``request.part`` of dataset ``name`` for sbcast: of its ready tree
         (the first part plans them, and the last one comes with the manifest), or with
         ``early`` of the tree it is still staging (docs/multinode.md)."""
-        if request.early:
-            entry = self._reg.entries[self._handle(name, caller).key]
-            staging = entry.state == State.STAGING and entry.attempt is not None
-            tree = self._reg.attempt(entry).tree if staging else None
-            return await self.fanout.export_early(entry, request, tree)
-        ready = None
-        if self.fanout.plans_from(request.label, request.part):
-            entry = self._reg.entries[self._handle(name, caller).key]
-            if entry.state == State.READY:
-                await self._drop_if_changed(entry)  # a changed tree is never sent either
-            if entry.state != State.READY:
-                raise Conflict(
-                    f"dataset {name!r} is {entry.state}, not ready; only a ready dataset "
-                    "can be sent"
-                )
-            ready = (entry, self._reg.final(entry))
-        return await self.fanout.export(name, request, ready)
+        entry = self._reg.entries[self._handle(name, caller).key]
+        staging = entry.state == State.STAGING and entry.attempt is not None
+        tree = self._reg.attempt(entry).tree if staging else None
+        return await self.fanout.export(entry, request, tree, self._ready_tree)
+
+    async def _ready_tree(self, entry: Entry) -> Path:
+        """The published tree of ``entry``, to be sent: only a ready one, unchanged since
+        its publish (a changed tree is never sent either)."""
+        if entry.state == State.READY:
+            await self._drop_if_changed(entry)
+        if entry.state != State.READY:
+            raise Conflict(
+                f"dataset {entry.key} is {entry.state}, not ready; only a ready dataset can be sent"
+            )
+        return self._reg.final(entry)
 
     def get(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
         return self._view(self._handle(name, caller, owner))
@@ -623,7 +621,7 @@ class Engine:
             final=reg.final(entry),
             workers=self.settings.op_workers,
             verify=entry.verify,
-            allowed_roots=self.fanout.source_roots(adopting=entry.delivery is not None),
+            allowed_roots=self.fanout.staging_starts(entry),
             reader=entry.reader,
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
@@ -690,7 +688,7 @@ class Engine:
         """A delivery is read once: when its staging ends, whatever the outcome, it goes
         (after a stop too: a restart deletes deliveries, nobody could adopt it again)."""
         if entry.delivery is not None:
-            await self._reg.drop_delivery(entry, self.fanout.unclaim(entry.delivery))
+            await self._reg.drop_delivery(entry, self.fanout.staging_ends(entry))
 
     async def _flush_progress(self) -> None:
         """Persist progress now and then so a restarted daemon shows where it was."""

@@ -1,20 +1,35 @@
-"""One daemon's share of multi-node fan-out (docs/multinode.md): the room on its
-cache disk that broadcasts take, and which delivery each adopting staging reads.
+"""The one owner of a daemon's share of multi-node fan-out (docs/multinode.md): its
+books and the room on its cache disk that broadcasts take.
 
-- deliveries: room reserved for what another node sbcasts here (``incoming/``);
-- claimed: deliveries a staging is adopting, kept (and counted) until it ends;
-- exports: ready datasets packed to be sent (``outgoing/``), part by part (plans);
-- exporting: keys being packed, never evicted under the packer.
+- deliveries: room reserved for what another node sbcasts here (``incoming/``); a
+  delivery a staging adopts is *claimed*: kept, and counted, until that staging ends;
+- exports: ready (or still staging) datasets packed to be sent (``outgoing/``), part
+  by part, each with its plan.
 
-The engine decides (admission, scheduling); this keeps the books it decides with,
-and the registry (:mod:`stager.lifecycle`) makes the one durable change here: a
-claimed delivery removed once its staging ends.
+Both count as promised room in admission until they are gone, so a broadcast never
+fills the disk behind the cache's back. Both expire (a job that died leaves nothing
+for long), and a daemon that restarts deletes whatever an earlier run left there.
+
+The engine decides (admission, scheduling) and calls in through its hooks, one per
+phase of a request or a staging:
+
+- ``arrival``: what a request that may adopt a delivery stages, and from where;
+- ``held``: for admission, what the room holds (promised bytes, keys being packed);
+- ``admitted``: the request is decided; its delivery is claimed, or released unused;
+- ``staging_starts`` / ``staging_ends``: where an adopting staging may read, and the
+  claimed delivery it read, which the registry then removes (:mod:`stager.lifecycle`);
+- ``export``: the next part of a dataset to send.
+
+The API's reservations (``/v1/incoming``, ``/v1/exports``) come here directly. The
+blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +39,17 @@ from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_e
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
-from stager.fanout.transfers import (
-    EXPORT_TTL_S,
+from stager.fanout.packing import (
     ExportPlan,
     Transfer,
-    Transfers,
     bundle_estimate,
-    early_public,
     make_folder,
     pack_early_part,
     pack_export_part,
     plan_export,
     plan_rest,
     remove_folder,
-    transfer_public,
+    unwritten_bytes,
 )
 from stager.manifest_format import Manifest
 from stager.ops.base import CheckContext
@@ -47,11 +59,88 @@ from stager.schemas import (
     ExportCreate,
     ExportPublic,
     IncomingCreate,
+    SourceFile,
     TransferPublic,
 )
 from stager.settings import Settings
 
+EXPORT_TTL_S = 3600.0
+
 Admit = Callable[[int, str], Awaitable[None]]
+ReadyTree = Callable[[Entry], Awaitable[Path]]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Transfers:
+    """The books of one kind of transfer (exports or deliveries) under one folder."""
+
+    def __init__(self, root: Path, kind: str) -> None:
+        self.root = root
+        self.kind = kind  # "export" or "delivery", for messages
+        self._live: dict[str, Transfer] = {}
+
+    def live(self) -> list[Transfer]:
+        return list(self._live.values())
+
+    def find(self, label: str) -> Transfer | None:
+        return self._live.get(label)
+
+    def add(self, label: str, nbytes: int, ttl_s: float) -> Transfer:
+        """Book ``label`` (again: the same label renews it, as a re-run step would)."""
+        transfer = Transfer(label, self.root / label, nbytes, _now() + timedelta(seconds=ttl_s))
+        self._live[label] = transfer
+        return transfer
+
+    def renew(self, label: str, ttl_s: float) -> Transfer:
+        """``label``, living ``ttl_s`` from now: an export is renewed by every part asked
+        for, so a long staging sending early parts does not outlive its export."""
+        transfer = self.get(label)
+        transfer.expires_at = _now() + timedelta(seconds=ttl_s)
+        return transfer
+
+    def get(self, label: str) -> Transfer:
+        transfer = self._live.get(label)
+        if transfer is None:
+            raise NotFound(
+                f"no {self.kind} {label!r} on this node (released, expired, or this daemon "
+                "restarted since); start the multi-node staging again"
+            )
+        return transfer
+
+    def pop(self, label: str) -> Transfer:
+        transfer = self.get(label)
+        del self._live[label]
+        return transfer
+
+    def expired(self) -> list[Transfer]:
+        """Unclaimed transfers past their time, taken off the books."""
+        now = _now()
+        gone = [t for t in self._live.values() if t.expires_at <= now and not t.claimed]
+        for transfer in gone:
+            del self._live[transfer.label]
+        return gone
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """How a request's data arrives: the steps it stages with (an adoption's, or the
+    request's own), where it comes from, and (an adoption that misses) its size."""
+
+    steps: list[Any]
+    origin: dict[str, Any]
+    estimate: int | None = None
+
+
+@dataclass(frozen=True)
+class Held:
+    """What admission must not count as free or evict: room promised to transfers and
+    not written yet, and the keys of datasets being packed to be sent."""
+
+    unwritten_bytes: int
+    exporting: set[str]
 
 
 class FanoutRoom:
@@ -62,9 +151,34 @@ class FanoutRoom:
         self._admit = admit  # the engine's admission (evicts, or refuses with the sizes)
         self.deliveries = Transfers(settings.incoming_dir, "delivery")
         self.exports = Transfers(settings.outgoing_dir, "export")
-        self.claimed: dict[str, Transfer] = {}
         self.plans: dict[str, ExportPlan] = {}  # exports under way, by label
         self._planning: list[str] = []  # keys of exports being listed (part 0)
+
+    # ---- the engine's hooks ------------------------------------------------------------
+
+    async def arrival(
+        self, request: DatasetCreate, key: str, steps: list[Any], miss: bool
+    ) -> Arrival:
+        """What ``request`` (cache key ``key``, expanded to ``steps``) stages: without a
+        delivery, its own steps, staged here; with one, the delivery's steps, checked
+        before admission when it misses (a hit or a join stages nothing)."""
+        adopt = request.adopt
+        if adopt is None:
+            job = request.lease.slurm_job_id if request.lease else None
+            return Arrival(steps, {"how": "staged", "job": job})
+        delivery = self.deliveries.get(adopt.incoming)
+        origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
+        origin["bytes"] = delivery.nbytes
+        if not miss:
+            return Arrival(steps, origin)
+        adopting = self._adoption_steps(adopt, key, steps, delivery.path)
+        estimate = await run_io(self._check_adoption, adopting, request.verify)
+        return Arrival(adopting, origin, estimate)
+
+    async def held(self) -> Held:
+        """For admission (under its lock): what the room holds."""
+        promised = [*self.deliveries.live(), *self.exports.live()]
+        return Held(await run_io(unwritten_bytes, promised), self.exporting)
 
     @property
     def exporting(self) -> set[str]:
@@ -72,72 +186,76 @@ class FanoutRoom:
         unpacked = {p.key for p in self.plans.values() if p.early or p.packed < p.count}
         return unpacked | set(self._planning)
 
-    def pending(self) -> list[Transfer]:
-        """Every reservation admission counts until its files are written."""
-        return [*self.deliveries.live(), *self.exports.live(), *self.claimed.values()]
+    async def admitted(self, adopt: Adopt | None, entry: Entry) -> None:
+        """``entry`` answers a request that brought delivery ``adopt``: claimed when the
+        request queued its staging with it (``entry.delivery``), else not needed (the
+        request joined or hit) and released."""
+        transfer = self.deliveries.find(adopt.incoming) if adopt is not None else None
+        if transfer is None:
+            return
+        if entry.delivery == transfer.label:
+            transfer.claimed = True
+        elif not transfer.claimed:
+            await self._discard(transfer)
 
-    # ---- a request that adopts a delivery ---------------------------------------------
+    def staging_starts(self, entry: Entry) -> tuple[Path, ...]:
+        """Where the staging of ``entry`` may read: the allowed source roots, and for an
+        adoption the incoming folder too (its files are the daemon's own, delivered
+        there). The request check and the staging process both take it from here."""
+        return self._roots(adopting=entry.delivery is not None)
 
-    def origin(self, request: DatasetCreate) -> dict[str, Any]:
-        """How the entry a request creates arrives: from a broadcast, or staged here."""
-        if request.adopt is not None:
-            adopt = request.adopt
-            nbytes = self.deliveries.get(adopt.incoming).nbytes
-            origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
-            return {**origin, "bytes": nbytes}
-        job = request.lease.slurm_job_id if request.lease else None
-        return {"how": "staged", "job": job}
-
-    def adoption_steps(self, adopt: Adopt, key: str, steps: list[Any]) -> list[Any]:
-        """The steps that stage ``key`` from the delivery instead of the sources."""
-        if adopt.origin_key != key:
-            raise Conflict(
-                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
-                f"staged {adopt.origin_key}: the sources look different from here (changed "
-                "meanwhile, or another filesystem view); stage from the source instead"
-            )
-        if missing := adoption.missing_sources(adopt, steps, self.ops):
-            raise BadRequest(
-                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
-                "request; stage from the source instead"
-            )
-        folder = self.deliveries.get(adopt.incoming).path
-        return adoption.steps_for(adopt, folder, steps, self.ops)
-
-    def source_roots(self, adopting: bool) -> tuple[Path, ...]:
-        """Where a staging may read: the allowed source roots, and for an adoption the
-        incoming folder too (its files are the daemon's own, delivered there). The
-        request check and the staging process both take it from here."""
-        roots = tuple(self.settings.allowed_roots)
-        if adopting and roots:  # no roots: anywhere the daemon can read already
-            roots = (*roots, self.settings.incoming_dir)
-        return roots
-
-    def check_adoption(self, steps: list[Any], verify: str) -> int:
-        """Pre-flight of an adoption (blocking)."""
-        roots = self.source_roots(adopting=True)
-        return self.ops.check(steps, CheckContext(allowed_roots=roots, verify=verify))
-
-    def claim(self, adopt: Adopt | None) -> str | None:
-        """The delivery a new staging reads: kept (and counted) until it ends."""
-        if adopt is None:
+    def staging_ends(self, entry: Entry) -> Path | None:
+        """The folder of the delivery the staging of ``entry`` read, which has ended:
+        read once, it goes (the registry removes it), whatever the outcome."""
+        if entry.delivery is None:
             return None
-        self.claimed[adopt.incoming] = self.deliveries.pop(adopt.incoming)
-        return adopt.incoming
+        transfer = self.deliveries.find(entry.delivery)
+        if transfer is None:
+            return None
+        self.deliveries.pop(transfer.label)
+        return transfer.path
 
-    def unclaim(self, label: str) -> Path | None:
-        """The folder of delivery ``label``, which a staging read and has ended: read
-        once, it goes (the registry removes it)."""
-        transfer = self.claimed.pop(label, None)
-        return transfer.path if transfer is not None else None
+    async def source_files(self, steps: list[Any]) -> list[SourceFile]:
+        """The request's source files when they can be broadcast as they are."""
+        return await run_io(adoption.broadcastable_sources, steps, self.ops)
 
-    async def release_unused(self, adopt: Adopt | None, entry: Entry) -> None:
-        """A request that joined or hit: the copy delivered for it is not needed."""
-        label = adopt.incoming if adopt is not None else None
-        if label and entry.delivery != label and self.deliveries.find(label):
-            await self.release(label)
+    async def export(
+        self, entry: Entry, request: ExportCreate, staging_tree: Path | None, ready: ReadyTree
+    ) -> ExportPublic:
+        """Pack part ``request.part`` of ``entry`` for sbcast. With ``early``: of the
+        tree it is still staging (``staging_tree``; None: not staging yet). Else of its
+        ready tree: the first part (or the first after early parts) asks ``ready`` for
+        that tree, plans the parts and is admitted for them; the others come in order,
+        each packed while the one before is on its way."""
+        if request.early:
+            return await self._export_early(entry, request, staging_tree)
+        label, part = request.label, request.part
+        plan = self.plans.get(label)
+        resuming = plan is not None and plan.early and part == plan.packed
+        if part == 0 or resuming:
+            tree = await ready(entry)
+            if plan is not None and resuming:
+                await self._locked(plan, label, plan_rest, plan, tree)
+            else:
+                await self._plan_export(entry, tree, label, request.part_bytes or PART_BYTES)
+        plan = self._plan(label, part)
+        if part >= plan.count or plan.early:
+            raise Conflict(
+                f"export {label!r} has {plan.packed} of {plan.count} parts packed; "
+                f"ask for part {plan.packed}, not {part}"
+            )
+        transfer = self.exports.renew(label, EXPORT_TTL_S)
+        return await self._locked(plan, label, pack_export_part, plan, transfer)
 
-    # ---- reservations and exports (the API's /v1/incoming and /v1/exports) -------------
+    async def expire(self) -> list[Path]:
+        """Reservations and exports past their time (a job that died): removed."""
+        gone = [*self.deliveries.expired(), *self.exports.expired()]
+        for transfer in gone:
+            self.plans.pop(transfer.label, None)
+            await run_io(remove_folder, transfer.path)
+        return [t.path for t in gone]
+
+    # ---- the API's reservations and exports ---------------------------------------------
 
     async def reserve(self, request: IncomingCreate) -> TransferPublic:
         """Room on the cache disk for a delivery, counted by admission until it goes.
@@ -153,47 +271,55 @@ class FanoutRoom:
     async def release(self, label: str) -> TransferPublic:
         """Drop a reservation and what was delivered into it. A delivery that a staging
         is adopting stays until that staging ends."""
-        if label in self.claimed:
-            return transfer_public(self.claimed[label])
-        transfer = self.deliveries.pop(label)  # NotFound, with its sentence
+        transfer = self.deliveries.get(label)  # NotFound, with its sentence
+        if not transfer.claimed:
+            await self._discard(transfer)
+        return transfer_public(transfer)
+
+    async def _discard(self, delivery: Transfer) -> None:
+        self.deliveries.pop(delivery.label)
+        await run_io(remove_folder, delivery.path)
+
+    async def drop_export(self, label: str) -> TransferPublic:
+        transfer = self.exports.pop(label)
+        self.plans.pop(label, None)
         await run_io(remove_folder, transfer.path)
         return transfer_public(transfer)
 
-    def plans_from(self, label: str, part: int) -> bool:
-        """Whether asking for part ``part`` of ``label`` plans parts of a ready tree:
-        the first part of an export, or the first after its early parts."""
-        plan = self.plans.get(label)
-        return part == 0 or (plan is not None and plan.early and part == plan.packed)
+    # ---- inside ----------------------------------------------------------------------------
 
-    async def export(
-        self, name: str, request: ExportCreate, ready: tuple[Entry, Path] | None
-    ) -> ExportPublic:
-        """Pack part ``request.part`` of dataset ``name`` for sbcast. The first part
-        (``ready``: the ready entry and its tree) plans the parts and is admitted for all
-        of them (after early parts: for what they did not carry); the others come in
-        order, each packed while the one before is on its way."""
-        label, part = request.label, request.part
-        if ready is not None:
-            plan = self.plans.get(label)
-            if plan is not None and plan.early and part == plan.packed:
-                await self._locked(plan, label, plan_rest, plan, ready[1])
-            else:
-                await self._plan_export(ready, label, request.part_bytes or PART_BYTES)
-        plan = self._plan(label, part)
-        if part >= plan.count or plan.early:
+    def _adoption_steps(self, adopt: Adopt, key: str, steps: list[Any], folder: Path) -> list[Any]:
+        """The steps that stage ``key`` from the delivery in ``folder``."""
+        if adopt.origin_key != key:
             raise Conflict(
-                f"export {label!r} has {plan.packed} of {plan.count} parts packed; "
-                f"ask for part {plan.packed}, not {part}"
+                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
+                f"staged {adopt.origin_key}: the sources look different from here (changed "
+                "meanwhile, or another filesystem view); stage from the source instead"
             )
-        transfer = self.exports.renew(label, EXPORT_TTL_S)
-        return await self._locked(plan, name, pack_export_part, plan, transfer)
+        if missing := adoption.missing_sources(adopt, steps, self.ops):
+            raise BadRequest(
+                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
+                "request; stage from the source instead"
+            )
+        return adoption.steps_for(adopt, folder, steps, self.ops)
 
-    async def export_early(
+    def _check_adoption(self, steps: list[Any], verify: str) -> int:
+        """Pre-flight of an adoption (blocking)."""
+        roots = self._roots(adopting=True)
+        return self.ops.check(steps, CheckContext(allowed_roots=roots, verify=verify))
+
+    def _roots(self, adopting: bool) -> tuple[Path, ...]:
+        roots = tuple(self.settings.allowed_roots)
+        if adopting and roots:  # no roots: anywhere the daemon can read already
+            roots = (*roots, self.settings.incoming_dir)
+        return roots
+
+    async def _export_early(
         self, entry: Entry, request: ExportCreate, tree: Path | None
     ) -> ExportPublic:
-        """Pack the next early part of ``entry``, which is staging into ``tree`` (None:
-        queued), or say there is none yet; once it is not staging any more, say so: its
-        remaining parts are asked for without ``early``."""
+        """The next early part of ``entry``, which is staging into ``tree`` (None:
+        queued), or none yet; once it is not staging any more, say so: its remaining
+        parts are asked for without ``early``."""
         label, part = request.label, request.part
         if part == 0 and label not in self.plans:
             nbytes = bundle_estimate(entry.estimate_bytes, 0)
@@ -213,11 +339,12 @@ class FanoutRoom:
         if tree is None or not staging:
             return early_public(plan, transfer, more=staging, retry_after_s=RETRY_MIN_S)
         try:
-            return await self._locked(plan, entry.key, pack_early_part, plan, transfer, tree)
+            packed, retry = await self._locked(plan, label, pack_early_part, plan, transfer, tree)
         except StagerError:
             # The staging moved its tree (published) or removed a file while it was read:
             # nothing was sent; the next look sees where it stands.
-            return early_public(plan, transfer, more=True, retry_after_s=RETRY_MIN_S)
+            packed, retry = None, RETRY_MIN_S
+        return packed or early_public(plan, transfer, more=True, retry_after_s=retry)
 
     def _plan(self, label: str, part: int) -> ExportPlan:
         plan = self.plans.get(label)
@@ -245,33 +372,34 @@ class FanoutRoom:
         finally:
             plan.packing = False
 
-    async def _plan_export(self, ready: tuple[Entry, Path], label: str, part_bytes: int) -> None:
-        entry, final = ready
+    async def _plan_export(self, entry: Entry, tree: Path, label: str, part_bytes: int) -> None:
         if label in self.plans:
             await self.drop_export(label)  # asked again from the start: a re-run step
         async with self._admission:
             self._planning.append(entry.key)  # from here on, never evicted under the packer
         try:
-            plan = await run_io(plan_export, final, entry.key, part_bytes)
+            plan = await run_io(plan_export, tree, entry.key, part_bytes)
             async with self._admission:
                 await self._admit(plan.total_bytes, entry.key)
                 self.exports.add(label, plan.total_bytes, EXPORT_TTL_S)
                 self.plans[label] = plan
         except OSError as exc:
-            raise from_os_error(exc, f"listing {final} to send it") from exc
+            raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
 
-    async def drop_export(self, label: str) -> TransferPublic:
-        transfer = self.exports.pop(label)
-        self.plans.pop(label, None)
-        await run_io(remove_folder, transfer.path)
-        return transfer_public(transfer)
 
-    async def expire(self) -> list[Path]:
-        """Reservations and exports past their time (a job that died): removed."""
-        gone = [*self.deliveries.expired(), *self.exports.expired()]
-        for transfer in gone:
-            self.plans.pop(transfer.label, None)
-            await run_io(remove_folder, transfer.path)
-        return [t.path for t in gone]
+def early_public(plan: ExportPlan, transfer: Transfer, **fields: Any) -> ExportPublic:
+    """An early export's answer without a part: none yet, or (``more`` False) no more."""
+    return ExportPublic(id=transfer.label, key=plan.key, part=plan.packed, parts=plan.packed,
+                        total_bytes=transfer.nbytes, data_bytes=plan.data_bytes,
+                        **fields)  # fmt: skip
+
+
+def transfer_public(transfer: Transfer) -> TransferPublic:
+    return TransferPublic(
+        id=transfer.label,
+        path=str(transfer.path),
+        bytes=transfer.nbytes,
+        expires_at=transfer.expires_at,
+    )

@@ -309,3 +309,48 @@ def test_an_unbounded_reservation_is_a_422_naming_the_field(daemon: Daemon, body
     assert response.status_code == 422, response.text
     message = response.json()["error"]["message"]
     assert ("ttl_s" in message) or ("bytes" in message), message
+
+
+def test_a_delivery_is_kept_while_adopted_and_released_when_a_request_hits_instead(
+    two: tuple[Daemon, Daemon], tmp_path: Path
+) -> None:
+    """The three fates of a delivery: claimed by the staging that adopts it (a DELETE
+    meanwhile leaves it there), removed when that staging ends, and released at once
+    when its request hits a copy the node already holds."""
+    src = write_tree(tmp_path / "src", n_files=10)
+    body = request("ds", src)
+    node1, node2 = two
+    with node1.client() as one, node2.client() as other:
+        staged = ready(one, body)
+        exported = one.post("/v1/datasets/ds/export", json={"label": "a"}).json()
+        adopt = {
+            "incoming": "a",
+            "origin_node": "node1",
+            "origin_key": staged["key"],
+            "job": "42",
+            "bundle_bytes": exported["data_bytes"],
+        }
+        folder = Path(
+            other.post("/v1/incoming", json={"label": "a", "bytes": 1 << 20}).json()["path"]
+        )
+        assert other.post("/v1/datasets", json={**body, "adopt": adopt}).status_code == 202
+        # Adopting: the parts have not come yet, and a release does not pull them away.
+        assert other.delete("/v1/incoming/a").status_code == 200
+        assert folder.is_dir()
+        shutil.copyfile(exported["path"], folder / part_name(0))
+        (folder / (part_name(0) + READY_SUFFIX)).touch()
+        shutil.copyfile(exported["manifest"], folder / MANIFEST_NAME)
+        end = {"parts": exported["parts"], "manifest_sha256": exported["manifest_sha256"]}
+        (folder / END_NAME).write_text(json.dumps(end))
+        assert other.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()["state"] == "ready"
+        assert not folder.exists()  # read once: gone with its staging
+        assert other.delete("/v1/incoming/a").status_code == 404
+        # A second delivery for what the node now holds: the request hits, and the room
+        # it reserved is given back at once.
+        folder = Path(
+            other.post("/v1/incoming", json={"label": "b", "bytes": 1 << 20}).json()["path"]
+        )
+        hit = other.post("/v1/datasets", json={**body, "adopt": {**adopt, "incoming": "b"}})
+        assert hit.status_code == 200 and hit.json()["origin"]["hit"] is True
+        assert not folder.exists()
+        assert other.delete("/v1/incoming/b").status_code == 404

@@ -25,14 +25,14 @@ import pytest
 
 from stager import manifest_format
 from stager.fanout import early
-from stager.fanout.transfers import (
+from stager.fanout.packing import (
     ExportPlan,
     Transfer,
-    Transfers,
     pack_early_part,
     pack_export_part,
     plan_rest,
 )
+from stager.fanout.room import Transfers
 from stager.fs import manifest
 from stager.fs.seal import FILE_MODE
 from stager.ops import adopt
@@ -153,15 +153,15 @@ def stage_and_send(tmp_path: Path, rng: random.Random, mutations: int) -> tuple[
     sent_early = 0
     for _ in range(30):
         time.sleep(STABLE_S * 2)
-        packed = pack_early_part(plan, transfer, staging)
-        if packed.path is not None:
+        packed, _ = pack_early_part(plan, transfer, staging)
+        if packed is not None and packed.path is not None:
             receiver.land(packed.path)
             sent_early += packed.bytes
         for _ in range(rng.randrange(3)):
             if mutations:
                 rng.choice(MUTATIONS)(staging, rng)
                 mutations -= 1
-        if packed.path is None and not mutations:
+        if packed is None and not mutations:
             break
     for _ in range(mutations):
         rng.choice(MUTATIONS)(staging, rng)

@@ -1,15 +1,12 @@
-"""The cache disk's share of a broadcast: exports (a ready dataset packed to be sent)
-and deliveries (room reserved for what another node sends here).
+"""The file work of a broadcast on the cache disk, blocking, run off the event loop
+by :mod:`stager.fanout.room` (which keeps the books): a transfer's folder made and
+removed, the bytes promised to transfers and not written yet, and an export's
+parts planned and packed.
 
-Both are folders under the cache directory, so they live on the node-local disk
-the cache admits against: ``outgoing/<label>/`` and ``incoming/<label>/``. Their
-bytes count as pending in admission until they are gone, so a broadcast never
-fills the disk behind the cache's back. Both expire (a job that died leaves
-nothing for long), and both are orphans at start: a daemon that restarts deletes
-whatever an earlier run left there.
-
-Bookkeeping here is plain and in memory; the blocking file work is done by the
-functions below, which the daemon runs off its event loop.
+A transfer is a folder under the cache directory, so it lives on the node-local
+disk the cache admits against: ``outgoing/<label>/`` (an export: a ready dataset
+packed to be sent) or ``incoming/<label>/`` (a delivery: room for what another
+node sends here).
 """
 
 from __future__ import annotations
@@ -19,21 +16,13 @@ import shutil
 import stat
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-from stager.errors import NotFound
 from stager.fanout import bundle, early
 from stager.fs.manifest import Digests
 from stager.manifest_format import Manifest, digest
-from stager.schemas import MANIFEST_NAME, ExportPublic, TransferPublic, part_name
-
-EXPORT_TTL_S = 3600.0
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
+from stager.schemas import MANIFEST_NAME, ExportPublic, part_name
 
 
 @dataclass
@@ -42,6 +31,9 @@ class Transfer:
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
+    # A delivery a staging reads: kept (and counted) until that staging ends, whoever
+    # releases it meanwhile, and never expired under it.
+    claimed: bool = False
 
 
 @dataclass
@@ -71,55 +63,6 @@ class ExportPlan:
     @property
     def total_bytes(self) -> int:
         return bundle_estimate(self.data_bytes, sum(len(part) for part in self.parts))
-
-
-class Transfers:
-    """The reservations of one kind (exports or deliveries) under one folder."""
-
-    def __init__(self, root: Path, kind: str) -> None:
-        self.root = root
-        self.kind = kind  # "export" or "delivery", for messages
-        self._live: dict[str, Transfer] = {}
-
-    def live(self) -> list[Transfer]:
-        return list(self._live.values())
-
-    def find(self, label: str) -> Transfer | None:
-        return self._live.get(label)
-
-    def add(self, label: str, nbytes: int, ttl_s: float) -> Transfer:
-        """Book ``label`` (again: the same label renews it, as a re-run step would)."""
-        transfer = Transfer(label, self.root / label, nbytes, _now() + timedelta(seconds=ttl_s))
-        self._live[label] = transfer
-        return transfer
-
-    def renew(self, label: str, ttl_s: float) -> Transfer:
-        """``label``, living ``ttl_s`` from now: an export is renewed by every part asked
-        for, so a long staging sending early parts does not outlive its export."""
-        transfer = self.get(label)
-        transfer.expires_at = _now() + timedelta(seconds=ttl_s)
-        return transfer
-
-    def get(self, label: str) -> Transfer:
-        transfer = self._live.get(label)
-        if transfer is None:
-            raise NotFound(
-                f"no {self.kind} {label!r} on this node (released, expired, or this daemon "
-                "restarted since); start the multi-node staging again"
-            )
-        return transfer
-
-    def pop(self, label: str) -> Transfer:
-        transfer = self.get(label)
-        del self._live[label]
-        return transfer
-
-    def expired(self) -> list[Transfer]:
-        now = _now()
-        gone = [t for t in self._live.values() if t.expires_at <= now]
-        for transfer in gone:
-            del self._live[transfer.label]
-        return gone
 
 
 # ---- blocking work, run off the event loop -------------------------------------------
@@ -174,11 +117,14 @@ def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
     return public
 
 
-def pack_early_part(plan: ExportPlan, transfer: Transfer, tree: Path) -> ExportPublic:
-    """The next early part of staging ``tree``, or none yet (``path`` None, ``more``)."""
+def pack_early_part(
+    plan: ExportPlan, transfer: Transfer, tree: Path
+) -> tuple[ExportPublic | None, float]:
+    """The next early part of staging ``tree`` (None: none yet), and how soon to look
+    again for the one after it."""
     entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, plan.part_bytes, time.time())
     if entries is None:
-        return early_public(plan, transfer, more=True, retry_after_s=retry)
+        return None, retry
     out = _start_part(plan, transfer)
     packed = Digests()  # what this part carries counts as sent only once it is whole
     bundle.pack_part(tree, out, entries, Manifest(), packed)
@@ -187,14 +133,7 @@ def pack_early_part(plan: ExportPlan, transfer: Transfer, tree: Path) -> ExportP
     plan.packed += 1
     public = _part_public(plan, transfer, out)
     public.more, public.retry_after_s = True, retry
-    return public
-
-
-def early_public(plan: ExportPlan, transfer: Transfer, **fields: Any) -> ExportPublic:
-    """An early export's answer without a part: none yet, or (``more`` False) no more."""
-    return ExportPublic(id=transfer.label, key=plan.key, part=plan.packed, parts=plan.packed,
-                        total_bytes=transfer.nbytes, data_bytes=plan.data_bytes,
-                        **fields)  # fmt: skip
+    return public, retry
 
 
 def _start_part(plan: ExportPlan, transfer: Transfer) -> Path:
@@ -217,15 +156,6 @@ def _part_public(plan: ExportPlan, transfer: Transfer, out: Path) -> ExportPubli
         bytes=out.stat().st_size,
         total_bytes=plan.total_bytes if not plan.early else transfer.nbytes,
         data_bytes=plan.data_bytes,
-    )
-
-
-def transfer_public(transfer: Transfer) -> TransferPublic:
-    return TransferPublic(
-        id=transfer.label,
-        path=str(transfer.path),
-        bytes=transfer.nbytes,
-        expires_at=transfer.expires_at,
     )
 
 
