@@ -47,11 +47,12 @@ def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
 def shareable(steps: list[Any], settings: Settings) -> bool:
     """Whether the node service may stage these steps once for every user: ops that
     read only their sources, each source readable by everyone (a cheap look at the
-    source and the folders above it; the staging checks every file it opens)."""
-    if not table.for_settings(settings).shareable(steps):
+    source and the folders above it; the staging checks every file it opens), or
+    downloads without credentials."""
+    if not steps or not table.for_settings(settings).shareable(steps):
         return False
     sources = [s for s in (getattr(step, "src", None) for step in steps) if _absolute(s)]
-    return bool(sources) and all(path_readable_by_everyone(s) for s in sources)
+    return all(path_readable_by_everyone(s) for s in sources)
 
 
 def _absolute(src: object) -> bool:

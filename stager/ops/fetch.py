@@ -67,6 +67,15 @@ class FetchStep(StepParams):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
 
+def without_credentials(step: FetchStep) -> bool:
+    """Whether the download carries none of the user's credentials: no user or
+    password and no query string (where tokens travel) in its URL. The daemon sends
+    nothing else of the user's (no netrc, no headers), so anyone asking for this URL
+    gets the same bytes."""
+    parts = urlsplit(step.url)
+    return not (parts.username or parts.password or parts.query)
+
+
 class _Retry(Exception):
     """Internal: this attempt failed in a way the next attempt may fix."""
 

@@ -71,6 +71,11 @@ class Op:
     # carries the source's own name.
     links_to_source: Callable[[Any], bool] = lambda step: False
     keeps_source_name: bool = False
+    # Whether this step's bytes come from a source that carries none of the user's
+    # credentials, so anyone presenting the same step gets the same bytes (a download
+    # of a URL without user:password or query string): shareable like a world-readable
+    # file (docs/multiuser.md).
+    public_source: Callable[[Any], bool] = lambda step: False
 
     @property
     def summary(self) -> str:
@@ -87,6 +92,7 @@ def _row(
     read_only_files: bool = False,
     links_to_source: Callable[[Any], bool] = lambda step: False,
     keeps_source_name: bool = False,
+    public_source: Callable[[Any], bool] = lambda step: False,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
@@ -100,6 +106,7 @@ def _row(
         read_only_files,
         links_to_source,
         keeps_source_name,
+        public_source,
     )
 
 
@@ -124,7 +131,14 @@ BUILTIN = (
     ),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
-    _row("fetch", fetch, fetch.FetchStep, verify=EVERY_LEVEL, shareable=False),
+    _row(
+        "fetch",
+        fetch,
+        fetch.FetchStep,
+        verify=EVERY_LEVEL,
+        shareable=False,
+        public_source=fetch.without_credentials,
+    ),
     _row(
         "unpack",
         unpack,
@@ -215,8 +229,12 @@ class OpTable:
         return total
 
     def shareable(self, steps: Sequence[Any]) -> bool:
-        """Whether every step is an op whose result the node service may share."""
-        return all(self.op_of(step).shareable for step in steps)
+        """Whether every step is an op whose result the node service may share: one
+        that reads only its sources (each then checked readable by everyone), or one
+        whose source carries no credentials."""
+        return all(
+            self.op_of(step).shareable or self.op_of(step).public_source(step) for step in steps
+        )
 
     def run(self, step: Any, ctx: OpContext) -> int | None:
         return self.op_of(step).run(step, ctx)

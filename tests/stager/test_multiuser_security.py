@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
 from tests.users import GROUP, User
 
@@ -519,3 +520,52 @@ def test_fan_out_transfers_are_not_served_to_users_yet(
     assert code == 403 and "per-user daemons" in answer["error"]["message"], answer
     assert bob.curl(service.socket, "DELETE", "/v1/incoming/l")[0] == 403
     assert bob.curl(service.socket, "DELETE", "/v1/exports/l")[0] == 403
+
+
+# ---- downloads: public when the URL carries no credentials ------------------------
+
+
+@pytest.fixture
+def web() -> Iterator[tuple[Behaviour, str]]:
+    behaviour = Behaviour(files={"/data.bin": b"public bytes " * 1000})
+    with serve_files(behaviour) as url:
+        yield behaviour, url
+
+
+def fetch(name: str, url: str) -> dict:
+    return {"name": name, "steps": [{"op": "fetch", "url": url, "dst": "data.bin"}]}
+
+
+def test_a_download_without_credentials_is_fetched_once_for_everyone(
+    service: Daemon, users: tuple[User, User], web: tuple[Behaviour, str]
+) -> None:
+    alice, bob = users
+    behaviour, base = web
+    first = ready(alice, service, fetch("pub", f"{base}/data.bin"))
+    code, second = stage(bob, service, fetch("pub", f"{base}/data.bin"))
+    assert code == 200 and second["origin"]["hit"] is True
+    assert second["key"] == first["key"] and behaviour.requests == 1
+    assert (Path(second["path"]) / "data.bin").read_bytes() == behaviour.files["/data.bin"]
+    healthy(service, alice)
+
+
+@pytest.mark.parametrize(
+    "credentials", ["user:secret@", "user@", "?token=abc"], ids=["password", "user", "query"]
+)
+def test_a_download_with_credentials_stays_private_to_its_user(
+    service: Daemon, users: tuple[User, User], web: tuple[Behaviour, str], credentials: str
+) -> None:
+    alice, bob = users
+    behaviour, base = web
+    if credentials.startswith("?"):
+        url = f"{base}/data.bin{credentials}"
+        behaviour.files[f"/data.bin{credentials}"] = behaviour.files["/data.bin"]
+    else:
+        url = base.replace("http://", f"http://{credentials}") + "/data.bin"
+    first = ready(alice, service, fetch("mine", url))
+    second = ready(bob, service, fetch("mine", url))
+    assert second["key"] != first["key"] and second["origin"]["hit"] is False
+    assert behaviour.requests == 2  # each user's own download, with their own URL
+    code, status = bob.curl(service.socket, "GET", f"/v1/datasets/mine?owner={alice.uid}")
+    assert code == 403, status
+    healthy(service, alice)
