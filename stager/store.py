@@ -93,9 +93,9 @@ class Store:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def _give_names_owners(self) -> None:
-        """A cache from before per-user names: its names and leases are its daemon's
-        user's (a per-user daemon's, the only kind there was). The handles table is
-        rebuilt, its key being (owner, name) now."""
+        """A handles table without an owner column belongs to a daemon that served
+        one user: its names and leases are that user's (this daemon's uid). The table
+        is rebuilt with the key (owner, name)."""
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
         if "handles" not in tables:
             return

@@ -92,8 +92,8 @@ def _init_worker(tally: Any, slots: Any) -> None:
 def paused_gc() -> Iterator[None]:
     """No garbage collection while a tree is walked or an archive read: the per-file
     work allocates tuples and no cycles, and each collection re-scans the staging
-    process's whole heap (measured: a quarter of a million-file copy's time went to
-    it). Processes forked meanwhile inherit the pause."""
+    process's whole heap (left on, that is about a quarter of a million-file copy's
+    time). Processes forked meanwhile inherit the pause."""
     was = gc.isenabled()
     gc.disable()
     try:

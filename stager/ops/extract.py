@@ -64,9 +64,10 @@ def check(step: ExtractStep, ctx: CheckContext) -> int:
         return 0  # an earlier step's output (a fetch): nothing to look at yet
     source = require_source(step.src, "archive")
     with translate(step.src), _open_archive(str(source), ctx.allowed_roots) as raw:
-        # Only a few blocks are read here, and extraction opens the archive again;
-        # on a network filesystem, read-ahead would fetch (and a re-open drop) far
-        # more than that: 0.8 MB over sshfs for any .tar.gz before this.
+        # Only a few blocks are read here, and extraction opens the archive again. On
+        # a network filesystem read-ahead would fetch far more than those blocks
+        # (about 0.8 MB of a .tar.gz over sshfs) and the re-open would drop it, so the
+        # storage would serve those bytes twice.
         with suppress(OSError):  # advice only
             os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         fmt = resolve_format(step.src, step.format, raw.read(tarfile.BLOCKSIZE))
