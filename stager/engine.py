@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import table
 from stager.schemas import (
+    Adopt,
     DatasetCreate,
     DatasetPublic,
     ErrorInfo,
@@ -74,6 +75,18 @@ STATE_STORE_FAILED = ErrorInfo(
     message="the daemon could not record this staging in its state database; see the daemon "
     "log, check the cache disk, then stage again",
 )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A request, resolved: its steps, the key of its spec alone, its cache key, the
+    key it would have if every user shared it, and whose rights it is read with."""
+
+    expansion: recipes.Expansion
+    request_key: str
+    key: str
+    shared_key: str
+    reader: Reader | None
 
 
 class Engine:
@@ -168,7 +181,7 @@ class Engine:
 
     async def _resolve(
         self, request: DatasetCreate, caller: Caller, naming: bool = True
-    ) -> tuple[recipes.Expansion, str, str, Reader | None]:
+    ) -> Resolved:
         """The request's steps, the key of its spec alone (decides name conflicts), its
         cache key (spec + sources' fingerprint; in the node service also whose it is),
         and whose rights its sources are read with. ``naming``: it takes its name."""
@@ -184,22 +197,26 @@ class Engine:
         fingerprint = await run_io(
             as_user, reader, sources_fingerprint, expansion.steps, request.fingerprint == "deep"
         )
-        key = spec_key({"spec": spec, "sources": fingerprint})
+        key = shared_key = spec_key({"spec": spec, "sources": fingerprint})
         if reader is not None:
-            key, reader = await self._scope(key, reader, expansion.steps)
-        return expansion, request_key, key, reader
+            key, reader = await self._scope(key, reader, expansion.steps, request.adopt)
+        return Resolved(expansion, request_key, key, shared_key, reader)
 
     def _reader(self, caller: Caller) -> Reader | None:
         """Whose rights a request's sources are read with: in the node service the
         caller's (root's too: its stagings are checked for sharing like anyone's)."""
         return reader_of(caller) if self.settings.multi_user else None
 
-    async def _scope(self, key: str, reader: Reader, steps: list[Any]) -> tuple[str, Reader]:
+    async def _scope(
+        self, key: str, reader: Reader, steps: list[Any], adopt: Adopt | None
+    ) -> tuple[str, Reader]:
         """Shared by every user (the key alone) when every source is readable by
         everyone, as the staging then checks file by file; else the caller's own copy.
         A shared staging of this key that met a file not everyone may read has failed
         with ``not_public``: until the sources change (and the key with them), it is
-        staged privately."""
+        staged privately. A broadcast copy is shared only when the origin node's
+        service vouches for its manifest (stager.vouch); the job's own copies of the
+        source files, hashed by the job, never are."""
         shared = await run_io(as_user, reader, preflight.shareable, steps, self.settings)
         earlier = self._reg.entries.get(key)
         found_private = (
@@ -209,12 +226,16 @@ class Engine:
             and earlier.error.type == NotPublic.type
         )
         if shared and not found_private:
-            return key, replace(reader, public=True)
+            if adopt is None:
+                return key, replace(reader, public=True)
+            if adopt.vouched and adopt.sources is None:
+                return key, replace(reader, public=True, vouched=True)
         return private_key(key, reader.uid), reader
 
     async def probe(self, request: DatasetCreate, caller: Caller) -> ProbeResult:
         """This node's cache key for ``request`` and its copy, if any; changes nothing."""
-        expansion, _, key, _ = await self._resolve(request, caller, naming=False)
+        resolved = await self._resolve(request, caller, naming=False)
+        expansion, key = resolved.expansion, resolved.key
         entry = self._reg.entries.get(key)
         return ProbeResult(
             key=key,
@@ -227,7 +248,10 @@ class Engine:
     async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:
         """Create or join a staging. Returns the status and whether it is already ready."""
         reg = self._reg
-        expansion, request_key, key, reader = await self._resolve(request, caller)
+        resolved = await self._resolve(request, caller)
+        expansion, request_key, key, reader = (
+            resolved.expansion, resolved.request_key, resolved.key, resolved.reader
+        )  # fmt: skip
         # The link is the caller's: made where they may write, with their rights.
         link_maker = self._reader(caller)
         await run_io(as_user, link_maker, preflight.check_link, request.link, self.settings)
@@ -236,7 +260,8 @@ class Engine:
             await self._drop_if_changed(existing)
         # Only a miss pays for validating sources and estimating the size (a walk).
         miss = existing is None or not (existing.active or existing.state == State.READY)
-        arrival = await self.fanout.arrival(request, key, expansion.steps, miss)
+        arrival = await self.fanout.arrival(request, resolved.expansion.steps, resolved.key,
+                                            resolved.shared_key, reader, miss)  # fmt: skip
         if existing is not None and not miss:
             estimate = existing.estimate_bytes
         elif arrival.estimate is not None:

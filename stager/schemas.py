@@ -176,6 +176,10 @@ class ExportPublic(BaseModel):
     # With the last part: every path, size and sha256 of the tree, and its sha256.
     manifest: str | None = None
     manifest_sha256: str | None = None
+    # The node service vouches for the manifest (stager.vouch): the last part comes
+    # with ``manifest_credential``, which lets receiving node services share the copy.
+    vouched: bool = False
+    manifest_credential: str | None = None
     more: bool = False
     retry_after_s: float = 0.0
 
@@ -218,6 +222,10 @@ class Adopt(BaseModel):
     job: str | None = None
     bundle_bytes: ByteCount | None = None
     sources: dict[str, tuple[ByteCount, str]] | None = None
+    # The origin node's service vouches for the prepared tree's manifest (its export
+    # said ``vouched``): the end file will carry its credential. Only then may a node
+    # service share the adopted copy with every user; else it stays the asker's own.
+    vouched: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> Adopt:

@@ -73,6 +73,9 @@ class Settings(BaseSettings):
     # Node service: the most bytes of data only its user may read that one user may hold
     # (shared entries count against nobody's); 0: no limit but the cache's.
     user_quota_bytes: int = Field(default=0, ge=0, le=2**62)
+    # Node service: munged's socket, through which a fan-out's manifest is vouched for
+    # by the service that packed it (stager.vouch); None: munge's own default.
+    munge_socket: Path | None = None
 
     @field_validator("cache_dir", "runtime_dir")
     @classmethod

@@ -146,6 +146,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.metrics",
                 "stager.children",
                 "stager.slurm",
+                "stager.vouch",
             },
         ),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion

@@ -15,6 +15,7 @@ staged from the same sources, so a later request on this node is a cache hit.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +48,33 @@ def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
     return list(found.values())
 
 
-def steps_for(adopt: Adopt, folder: Path, steps: list[Any], table: OpTable) -> list[Any]:
-    """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources."""
+@dataclass(frozen=True)
+class Vouch:
+    """What a shared adoption demands of its manifest (stager.vouch): a credential of
+    ``uid`` (the node service's own) for entry ``key``, decoded through munged at
+    ``socket``."""
+
+    uid: int
+    key: str
+    socket: Path | None
+
+
+def steps_for(
+    adopt: Adopt, folder: Path, steps: list[Any], table: OpTable, vouch: Vouch | None = None
+) -> list[Any]:
+    """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources;
+    with ``vouch``, a prepared tree whose manifest must be vouched for."""
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
+    vouching = {}
+    if vouch is not None:
+        socket = str(vouch.socket) if vouch.socket is not None else None
+        vouching = {"vouch_uid": vouch.uid, "vouch_key": vouch.key, "munge_socket": socket}
     step = AdoptStep(
-        folder=str(folder), origin_node=adopt.origin_node, data_bytes=adopt.bundle_bytes or 0
+        folder=str(folder),
+        origin_node=adopt.origin_node,
+        data_bytes=adopt.bundle_bytes or 0,
+        **vouching,
     )
     return table.validate_steps([{"op": "adopt", **step.model_dump()}])
 

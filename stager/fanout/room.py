@@ -27,12 +27,14 @@ blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from stager import vouch
 from stager.blocking import run_io
 from stager.dataset import Entry, State
 from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
@@ -51,6 +53,7 @@ from stager.fanout.packing import (
     remove_folder,
     unwritten_bytes,
 )
+from stager.fs.credentials import Reader
 from stager.manifest_format import Manifest
 from stager.ops.base import CheckContext
 from stager.schemas import (
@@ -157,9 +160,16 @@ class FanoutRoom:
     # ---- the engine's hooks ------------------------------------------------------------
 
     async def arrival(
-        self, request: DatasetCreate, key: str, steps: list[Any], miss: bool
+        self,
+        request: DatasetCreate,
+        steps: list[Any],
+        key: str,
+        shared_key: str,
+        reader: Reader | None,
+        miss: bool,
     ) -> Arrival:
-        """What ``request`` (cache key ``key``, expanded to ``steps``) stages: without a
+        """What ``request`` (expanded to ``steps``, cache key ``key``, or ``shared_key``
+        were it shared by every user) stages, read with ``reader``'s rights: without a
         delivery, its own steps, staged here; with one, the delivery's steps, checked
         before admission when it misses (a hit or a join stages nothing)."""
         adopt = request.adopt
@@ -171,7 +181,21 @@ class FanoutRoom:
         origin["bytes"] = delivery.nbytes
         if not miss:
             return Arrival(steps, origin)
-        adopting = self._adoption_steps(adopt, key, steps, delivery.path)
+        if adopt.origin_key not in (key, shared_key):
+            raise Conflict(
+                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
+                f"staged {adopt.origin_key}: the sources look different from here (changed "
+                "meanwhile, or another filesystem view); stage from the source instead"
+            )
+        if missing := adoption.missing_sources(adopt, steps, self.ops):
+            raise BadRequest(
+                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
+                "request; stage from the source instead"
+            )
+        vouch = None
+        if reader is not None and reader.vouched:  # shared: the origin's service vouches
+            vouch = adoption.Vouch(os.geteuid(), key, self.settings.munge_socket)
+        adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch)
         estimate = await run_io(self._check_adoption, adopting, request.verify)
         return Arrival(adopting, origin, estimate)
 
@@ -228,7 +252,25 @@ class FanoutRoom:
         that tree, plans the parts and is admitted for them; the others come in order,
         each packed while the one before is on its way."""
         if request.early:
-            return await self._export_early(entry, request, staging_tree)
+            answer = await self._export_early(entry, request, staging_tree)
+        else:
+            answer = await self._export_ready(entry, request, ready)
+        answer.vouched = self._vouches_for(entry)
+        if answer.vouched and answer.manifest_sha256 is not None:
+            answer.manifest_credential = await run_io(
+                vouch.vouch, entry.key, answer.manifest_sha256, self.settings.munge_socket
+            )
+        return answer
+
+    def _vouches_for(self, entry: Entry) -> bool:
+        """Whether this service vouches for the manifest of ``entry`` (stager.vouch): the
+        node service does, for an entry every user shares, where munge is installed."""
+        shared = entry.reader is not None and entry.reader.public
+        return self.settings.multi_user and shared and vouch.available()
+
+    async def _export_ready(
+        self, entry: Entry, request: ExportCreate, ready: ReadyTree
+    ) -> ExportPublic:
         label, part = request.label, request.part
         plan = self.plans.get(label)
         resuming = plan is not None and plan.early and part == plan.packed
@@ -287,21 +329,6 @@ class FanoutRoom:
         return transfer_public(transfer)
 
     # ---- inside ----------------------------------------------------------------------------
-
-    def _adoption_steps(self, adopt: Adopt, key: str, steps: list[Any], folder: Path) -> list[Any]:
-        """The steps that stage ``key`` from the delivery in ``folder``."""
-        if adopt.origin_key != key:
-            raise Conflict(
-                f"this node computes cache key {key} for the request, but {adopt.origin_node} "
-                f"staged {adopt.origin_key}: the sources look different from here (changed "
-                "meanwhile, or another filesystem view); stage from the source instead"
-            )
-        if missing := adoption.missing_sources(adopt, steps, self.ops):
-            raise BadRequest(
-                f"the delivery from {adopt.origin_node} lacks source {missing[0]} of this "
-                "request; stage from the source instead"
-            )
-        return adoption.steps_for(adopt, folder, steps, self.ops)
 
     def _check_adoption(self, steps: list[Any], verify: str) -> int:
         """Pre-flight of an adoption (blocking)."""

@@ -58,12 +58,16 @@ class Reader:
     """The credentials a staging reads its sources with: a user's uid, gid and groups.
 
     ``public``: the staging is to be shared by every user of the node, so every
-    source it opens must be readable by everyone (:func:`check_public`)."""
+    source it opens must be readable by everyone (:func:`check_public`), unless
+    ``vouched``: it reads a broadcast copy whose every byte another node's service
+    vouches for (stager.vouch), so the copy's files need only be readable by the user
+    whose job delivered them."""
 
     uid: int
     gid: int
     groups: tuple[int, ...]
     public: bool = False
+    vouched: bool = False
 
 
 def _set_fs_ids(uid: int, gid: int, check: bool = True) -> tuple[int, int]:
@@ -207,7 +211,7 @@ def _has_acl(fd: int) -> bool:
 def check_public(fd: int, shown: str, st: os.stat_result | None = None) -> None:
     """In a staging to be shared, refuse a source that not everyone could read."""
     reader = _sources_reader
-    if reader is None or not reader.public:
+    if reader is None or not reader.public or reader.vouched:
         return
     why = not_readable_by_everyone(fd, st)
     if why is not None:

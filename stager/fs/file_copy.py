@@ -109,7 +109,7 @@ class FileCopier:
         # Sources are opened with the reader's rights where a staging has one.
         reader = source_reader()
         open_source_file = os.open if reader is None else partial(as_reader, os.open)
-        shared = reader is not None and reader.public
+        shared = reader is not None and reader.public and not reader.vouched
         for name, dname, size, atime, mtime, ctime, ino, _mode in items:
             fin = open_source_file(name, _SOURCE_FLAGS, dir_fd=sfd)
             try:

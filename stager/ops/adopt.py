@@ -27,10 +27,11 @@ from typing import Any
 
 from pydantic import Field
 
-from stager import manifest_format
+from stager import manifest_format, vouch
 from stager.archive import tar_members
 from stager.errors import VerifyFailed
 from stager.fs import manifest as manifests
+from stager.fs.sources import open_source
 from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, ByteCount, part_name
@@ -48,6 +49,11 @@ class AdoptStep(StepParams):
     folder: AbsoluteSource  # the delivery folder
     origin_node: str = Field(min_length=1, max_length=200)  # for messages
     data_bytes: ByteCount  # the tree's file data, for admission
+    # Set by a node service that shares the copy with every user (stager.vouch): the
+    # manifest must come with a credential of this uid's for entry ``vouch_key``.
+    vouch_uid: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    vouch_key: str | None = Field(default=None, max_length=64)
+    munge_socket: str | None = Field(default=None, max_length=4096)
 
 
 def check(step: AdoptStep, ctx: CheckContext) -> int:
@@ -69,9 +75,17 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
     while (end := _next(step, folder, index, ctx)) is None:
         part = folder / part_name(index)
         extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
-        _hash_part(tree, part, digests)
+        _hash_part(tree, part, digests, ctx)
         index += 1
-    expected = _manifest(step, folder, end)
+    expected = _manifest(step, folder, end, ctx)
+    if step.vouch_uid is not None:
+        vouch.check(
+            end.get("credential"),
+            step.vouch_uid,
+            step.vouch_key or "",
+            str(end.get("manifest_sha256")),
+            step.munge_socket,
+        )
     ctx.check_cancelled()
     # Parts sent while the source node was still staging may carry files it renamed
     # or removed later (stager.fanout.early): the manifest, written from its ready
@@ -80,11 +94,12 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
     manifests.verify(tree, expected, step.origin_node, digests)
 
 
-def _hash_part(tree: Path, part: Path, digests: manifests.Digests) -> None:
+def _hash_part(tree: Path, part: Path, digests: manifests.Digests, ctx: OpContext) -> None:
     """Hash the files ``part`` just put in ``tree``, found from the part's own headers
     (not a walk of the whole tree: that would make the parts' cost grow with their
     number times the tree's size)."""
-    with open(part, "rb") as headers, tar_members.open_tar(headers) as tar:
+    opened = open(open_source(str(part), ctx.allowed_roots), "rb")
+    with opened as headers, tar_members.open_tar(headers) as tar:
         for member, _ in tar_members.members(tar, headers):
             if not member.isreg():
                 continue
@@ -104,9 +119,9 @@ def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str
     deadline = time.monotonic() + PART_WAIT_S
     while True:
         ctx.check_cancelled()
-        if ready.exists():
+        if os.path.lexists(ready):  # a marker: there or not, never followed
             return None
-        end = _end(folder)
+        end = _end(folder, ctx)
         if end is not None:
             if end.get("abort"):
                 raise VerifyFailed(
@@ -128,9 +143,15 @@ def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str
         time.sleep(POLL_S)
 
 
-def _end(folder: Path) -> dict[str, Any] | None:
+def _read(path: Path, ctx: OpContext) -> bytes:
+    """A file of the delivery, read as the user whose job delivered it."""
+    with open(open_source(str(path), ctx.allowed_roots), "rb") as file:
+        return file.read()
+
+
+def _end(folder: Path, ctx: OpContext) -> dict[str, Any] | None:
     try:
-        end = json.loads((folder / END_NAME).read_text())
+        end = json.loads(_read(folder / END_NAME, ctx))
     except FileNotFoundError:
         return None
     except ValueError as exc:  # written by a rename: whole, or not there
@@ -140,10 +161,12 @@ def _end(folder: Path) -> dict[str, Any] | None:
     return end
 
 
-def _manifest(step: AdoptStep, folder: Path, end: dict[str, Any]) -> manifest_format.Manifest:
+def _manifest(
+    step: AdoptStep, folder: Path, end: dict[str, Any], ctx: OpContext
+) -> manifest_format.Manifest:
     path = folder / MANIFEST_NAME
     try:
-        data = path.read_bytes()
+        data = _read(path, ctx)
     except FileNotFoundError as exc:
         raise VerifyFailed(
             f"the manifest from {step.origin_node} did not arrive ({path}); "

@@ -1,0 +1,105 @@
+"""One node service vouching to another for a fan-out's manifest, with MUNGE.
+
+In the node service, a copy broadcast from another node may become an entry every
+user shares only if its manifest (every path, size and sha256 of the tree) comes
+from the source node's service itself, not from the job that carried it: the job
+is a user's, and could forge parts and a manifest that match each other. So the
+service that packs a shared entry's last part asks munged for a credential whose
+payload names the entry's key and the manifest's sha256 (:func:`vouch`); the job
+carries it to the receiving nodes in the end file; the receiving service decodes
+it with its own munged (:func:`check`), which says who made it. Only a credential
+made by the service's own uid (MUNGE's uid is the kernel's word for the process that
+asked, as on the socket) over this key and this manifest counts. The cluster's
+munged already shares one key across nodes for SLURM.
+
+A credential decoded twice on one node (a resumed adoption) is reported as
+replayed: it still vouches, since its payload binds the key and the manifest, and
+a replay can only ever vouch for the same genuine tree.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from stager.errors import VerifyFailed
+
+TTL_S = 900  # from the last part packed to the adoption checking it
+WHAT = "stager fan-out manifest"
+# unmunge's STATUS values that still vouch for the payload (munge.h: EMUNGE_SUCCESS,
+# EMUNGE_CRED_REPLAYED).
+VOUCHING = {0, 17}
+
+
+def available() -> bool:
+    """Whether this node can vouch (and check): munge's commands are installed."""
+    return shutil.which("munge") is not None and shutil.which("unmunge") is not None
+
+
+def _socket_args(socket: Path | str | None) -> list[str]:
+    return ["--socket", str(socket)] if socket is not None else []
+
+
+def vouch(key: str, manifest_sha256: str, socket: Path | str | None) -> str | None:
+    """A credential of this process's uid for the manifest of entry ``key``; None when
+    munged cannot make one (the receivers then keep their copies private)."""
+    payload = json.dumps({"what": WHAT, "key": key, "manifest_sha256": manifest_sha256})
+    try:
+        done = subprocess.run(
+            ["munge", *_socket_args(socket), "--ttl", str(TTL_S), "--string", payload],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+def check(
+    credential: object, uid: int, key: str, manifest_sha256: str, socket: Path | str | None
+) -> None:
+    """Raise unless ``credential`` is munged's, made by ``uid``, for the manifest of
+    ``key`` whose sha256 is ``manifest_sha256``."""
+    if not isinstance(credential, str) or not credential.strip():
+        raise VerifyFailed(
+            "the broadcast copy's manifest came without the source node's credential, so it "
+            "cannot be shared with every user; this node stages from the source"
+        )
+    try:
+        done = subprocess.run(
+            ["unmunge", *_socket_args(socket), "--numeric", "--keys", "STATUS,UID"],
+            input=credential,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VerifyFailed(f"cannot check the manifest's credential with unmunge ({exc})") from exc
+    meta_text, _, payload_text = done.stdout.partition("\n\n")
+    meta = dict(
+        (name.strip(), value.strip())
+        for name, _, value in (line.partition(":") for line in meta_text.splitlines())
+    )
+    status, maker = meta.get("STATUS", ""), meta.get("UID", "")
+    if not status.isdigit() or int(status) not in VOUCHING:
+        why = done.stderr.strip() or f"status {status or 'unknown'}"
+        raise VerifyFailed(f"the manifest's credential does not decode here ({why})")
+    if maker != str(uid):
+        raise VerifyFailed(
+            f"the manifest's credential was made by uid {maker}, not by the node service "
+            f"(uid {uid}): a job's own, so the copy is not trusted"
+        )
+    try:
+        payload = json.loads(payload_text)
+    except ValueError as exc:
+        raise VerifyFailed("the manifest's credential holds no stager payload") from exc
+    if not isinstance(payload, dict) or payload.get("what") != WHAT:
+        raise VerifyFailed("the manifest's credential vouches for something else")
+    if (payload.get("key"), payload.get("manifest_sha256")) != (key, manifest_sha256):
+        raise VerifyFailed(
+            f"the manifest's credential vouches for {payload.get('key')} with manifest "
+            f"{payload.get('manifest_sha256')}, not for {key} with manifest {manifest_sha256}"
+        )
