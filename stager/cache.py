@@ -76,8 +76,9 @@ def plan_quota(
     plan, freed = _oldest_first(evictable(own, protected), must_free)
     if freed < must_free:
         raise QuotaExceeded(
-            f"staging needs about {human(needed)} of your own (data not everyone may read "
-            f"counts against your quota of {human(quota_bytes)}), and you hold "
+            f"this needs about {human(needed)} of your own (data not everyone may read, and "
+            f"the room your fan-out transfers hold, count against your quota of "
+            f"{human(quota_bytes)}), and you hold "
             f"{human(used_bytes(own))} of which evicting your unleased datasets frees only "
             f"{human(freed)}; release your leases, delete datasets you no longer need, or "
             "ask the admin for a larger --user-quota"

@@ -260,8 +260,9 @@ class Engine:
             await self._drop_if_changed(existing)
         # Only a miss pays for validating sources and estimating the size (a walk).
         miss = existing is None or not (existing.active or existing.state == State.READY)
-        arrival = await self.fanout.arrival(request, resolved.expansion.steps, resolved.key,
-                                            resolved.shared_key, reader, miss)  # fmt: skip
+        arrival = await self.fanout.arrival(request, caller, resolved.expansion.steps,
+                                            resolved.key, resolved.shared_key, reader,
+                                            miss)  # fmt: skip
         if existing is not None and not miss:
             estimate = existing.estimate_bytes
         elif arrival.estimate is not None:
@@ -291,7 +292,7 @@ class Engine:
                     verify=request.verify,
                     usage=expansion.usage,
                     origin=arrival.origin,
-                    delivery=request.adopt.incoming if request.adopt else None,
+                    delivery=arrival.delivery,
                     estimate_bytes=estimate,
                     reader=reader,
                 )
@@ -320,7 +321,7 @@ class Engine:
                     await reg.link(handle, entry)  # again: the job may have removed it
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
-        await self.fanout.admitted(request.adopt, entry)
+        await self.fanout.admitted(arrival, entry)
         return self._view(handle), entry.state == State.READY
 
     async def _drop_if_changed(self, entry: Entry) -> None:
@@ -354,15 +355,18 @@ class Engine:
             )
 
     async def _admit(self, estimate: int, key: str, owner: int | None = None) -> None:
-        """Make room for a new staging, evicting LRU entries, or refuse it with the sizes.
-        ``owner``: the uid whose own copy it is (node service), held to their quota first:
-        it evicts only their own data for it."""
+        """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
+        entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
+        is (node service), held to their quota first, which counts their own entries and
+        their transfers' room: it evicts only their own data for it."""
+        held = await self.fanout.held()
+        protected = self._leased_or_active() | held.exporting | {key}
         if owner is not None and self.settings.user_quota_bytes:
             for victim in cache.plan_quota(
-                estimate,
+                estimate + held.reserved_by.get(owner, 0),
                 owner,
                 self.entries(),
-                self._protected() | {key},
+                protected,
                 self.settings.user_quota_bytes,
             ):
                 log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
@@ -370,13 +374,12 @@ class Engine:
         # Trees being deleted will be free space in a moment; count them as free now, or
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
-        # Room promised to deliveries and exports that is not written yet is not free.
-        held = await self.fanout.held()
         plan = cache.plan_admission(
             needed=estimate,
             entries=self.entries(),
-            protected=self._leased_or_active() | held.exporting | {key},
+            protected=protected,
             capacity_bytes=self.settings.capacity_bytes,
+            # Room promised to deliveries and exports that is not written yet is not free.
             free_bytes=free - held.unwritten_bytes,
             min_free_bytes=self.settings.min_free_bytes,
         )
@@ -401,7 +404,7 @@ class Engine:
         entry = self._reg.entries[self._handle(name, caller).key]
         staging = entry.state == State.STAGING and entry.attempt is not None
         tree = self._reg.attempt(entry).tree if staging else None
-        return await self.fanout.export(entry, request, tree, self._ready_tree)
+        return await self.fanout.export(entry, request, caller, tree, self._ready_tree)
 
     async def _ready_tree(self, entry: Entry) -> Path:
         """The published tree of ``entry``, to be sent: only a ready one, unchanged since

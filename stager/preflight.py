@@ -122,8 +122,11 @@ def ensure_dirs(settings: Settings) -> None:
         os.chmod(settings.cache_dir, 0o700)  # one user's: nobody else's business
         return
     # The node service: users reach their data under data/, where each tree's own top
-    # says who may enter it (stager.fs.seal); the rest of the cache is the service's.
+    # says who may enter it (stager.fs.seal), and their transfers under incoming/ and
+    # outgoing/, where each has a folder of their own (<uid>/<label>, theirs, 0700:
+    # stager.fanout.packing); partial/ is the service's alone.
     for shown in (settings.cache_dir, settings.data_dir):
         os.chmod(shown, 0o755)
-    for private in (settings.partial_dir, settings.incoming_dir, settings.outgoing_dir):
-        os.chmod(private, 0o700)
+    for passage in (settings.incoming_dir, settings.outgoing_dir):
+        os.chmod(passage, 0o711)  # searchable, not listable: nobody sees others' labels
+    os.chmod(settings.partial_dir, 0o700)

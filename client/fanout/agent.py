@@ -265,7 +265,8 @@ class Node:
         assert exported.manifest is not None
         failed = await self._send(exported.manifest, f"{dest}/{MANIFEST_NAME}", step, how)
         self.emit(self._event("sent", index=exported.parts, failed=failed,
-                              manifest_sha256=exported.manifest_sha256))  # fmt: skip
+                              manifest_sha256=exported.manifest_sha256,
+                              manifest_credential=exported.manifest_credential))  # fmt: skip
 
     async def _send(self, path: str, dest: str, step: str, how: Broadcast) -> str | None:
         """Why sending ``path`` failed, or None."""
@@ -311,7 +312,8 @@ class Node:
         if message["do"] == "part":
             (folder / (part_name(int(message["index"])) + READY_SUFFIX)).touch()
             return
-        end = {k: message[k] for k in ("parts", "manifest_sha256", "abort") if k in message}
+        said = ("parts", "manifest_sha256", "credential", "abort")
+        end = {k: message[k] for k in said if k in message}
         self._write_end(folder, end)
 
     def hash(self, files: list[str]) -> dict[str, Any]:

@@ -223,7 +223,7 @@ class Fanout:
         early = Early(await self._reserve(agents, receivers, nbytes),
                       broadcast_for(len(receivers), nbytes, False))  # fmt: skip
         self.report.broadcast = early.how
-        await self._adopt_from(agents, source, receivers, str(first["key"]), first["data_bytes"])
+        await self._adopt_from(agents, source, receivers, first)
         await agents.tell({"do": "send-early", "to": [source], "label": self._label(),
                            "dest": early.dest, "step": sink.step_id,
                            "compress": early.how.compress, "fanout": early.how.fanout})  # fmt: skip
@@ -238,14 +238,18 @@ class Fanout:
             await self._part_sent(agents, source, receivers, sent)
 
     async def _adopt_from(
-        self, agents: Agents, source: str, receivers: list[str], key: str, data_bytes: int
+        self, agents: Agents, source: str, receivers: list[str], exported: dict[str, Any]
     ) -> None:
+        """The receivers adopt what ``source`` exports (its first export answer): the
+        prepared tree, shared by every user of a node service where the source's
+        service vouches for its manifest."""
         adopt = Adopt(
             incoming=self._label(),
             origin_node=source,
-            origin_key=key,
+            origin_key=str(exported["key"]),
             job=self.job.job_id,
-            bundle_bytes=int(data_bytes),
+            bundle_bytes=int(exported["data_bytes"]),
+            vouched=bool(exported.get("vouched")),
         )
         await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
 
@@ -277,8 +281,7 @@ class Fanout:
             early = Early(await self._reserve(agents, receivers, nbytes),
                           broadcast_for(len(receivers), nbytes, False))  # fmt: skip
             self.report.broadcast = early.how
-            await self._adopt_from(agents, source, receivers, str(exported["key"]),
-                                   exported["data_bytes"])  # fmt: skip
+            await self._adopt_from(agents, source, receivers, exported)
         end = await self._send_parts(agents, sink, source, label, early, exported)
         await agents.tell({"do": "end", "to": receivers, **end})
         self._mark("sbcast")
@@ -309,7 +312,10 @@ class Fanout:
                 await self._part_sent(agents, source, receivers, sent)
             elif sent.get("failed"):
                 self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
-        return {"parts": parts, "manifest_sha256": sent["manifest_sha256"]}
+        end = {"parts": parts, "manifest_sha256": sent["manifest_sha256"]}
+        if sent.get("manifest_credential"):  # the source's service vouches (stager.vouch)
+            end["credential"] = sent["manifest_credential"]
+        return end
 
     # ---- sources: broadcast the release files, every node stages from its copy -------
 

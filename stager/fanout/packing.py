@@ -27,10 +27,15 @@ from stager.schemas import MANIFEST_NAME, ExportPublic, part_name
 
 @dataclass
 class Transfer:
-    label: str
+    label: str  # the job's name for it, the same on every node
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
+    # Whose it is: the uid (and gid) whose job asked for it. In the node service the
+    # folder is theirs (None: the service's own), so that their sbcast can write a
+    # delivery and read an export, and nobody else can reach either.
+    owner: int | None = None
+    group: int | None = None
     # A delivery a staging reads: kept (and counted) until that staging ends, whoever
     # releases it meanwhile, and never expired under it.
     claimed: bool = False
@@ -69,7 +74,17 @@ class ExportPlan:
 
 
 def make_folder(transfer: Transfer) -> None:
-    transfer.path.mkdir(parents=True, exist_ok=True)
+    """The transfer's folder; in the node service its owner's alone (0700), in a folder
+    of theirs that only the service may change (so they cannot move it away)."""
+    transfer.path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    try:
+        transfer.path.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    if transfer.owner is not None:
+        os.chown(
+            transfer.path, transfer.owner, transfer.group if transfer.group is not None else -1
+        )
 
 
 def remove_folder(path: Path) -> None:

@@ -54,10 +54,10 @@ from stager.fanout.packing import (
     unwritten_bytes,
 )
 from stager.fs.credentials import Reader
+from stager.identity import Caller
 from stager.manifest_format import Manifest
 from stager.ops.base import CheckContext
 from stager.schemas import (
-    Adopt,
     DatasetCreate,
     ExportCreate,
     ExportPublic,
@@ -69,7 +69,7 @@ from stager.settings import Settings
 
 EXPORT_TTL_S = 3600.0
 
-Admit = Callable[[int, str], Awaitable[None]]
+Admit = Callable[[int, str, int | None], Awaitable[None]]
 ReadyTree = Callable[[Entry], Awaitable[Path]]
 
 
@@ -77,8 +77,16 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def transfer_key(owner: Caller | None, label: str) -> str:
+    """Where a transfer is booked and kept, under its kind's folder: ``label``, and in
+    the node service ``<uid>/<label>``: every user names their transfers for
+    themselves, and nobody else's label reaches theirs."""
+    return label if owner is None else f"{owner.uid}/{label}"
+
+
 class Transfers:
-    """The books of one kind of transfer (exports or deliveries) under one folder."""
+    """The books of one kind of transfer (exports or deliveries) under one folder, each
+    by its key (:func:`transfer_key`)."""
 
     def __init__(self, root: Path, kind: str) -> None:
         self.root = root
@@ -88,43 +96,54 @@ class Transfers:
     def live(self) -> list[Transfer]:
         return list(self._live.values())
 
-    def find(self, label: str) -> Transfer | None:
-        return self._live.get(label)
+    def find(self, key: str) -> Transfer | None:
+        return self._live.get(key)
 
-    def add(self, label: str, nbytes: int, ttl_s: float) -> Transfer:
-        """Book ``label`` (again: the same label renews it, as a re-run step would)."""
-        transfer = Transfer(label, self.root / label, nbytes, _now() + timedelta(seconds=ttl_s))
-        self._live[label] = transfer
+    def add(
+        self, key: str, label: str, nbytes: int, ttl_s: float, owner: Caller | None = None
+    ) -> Transfer:
+        """Book ``key`` (again: the same key renews it, as a re-run step would)."""
+        expires_at = _now() + timedelta(seconds=ttl_s)
+        transfer = Transfer(label, self.root / key, nbytes, expires_at)
+        if owner is not None:
+            transfer.owner, transfer.group = owner.uid, owner.gid
+        self._live[key] = transfer
         return transfer
 
-    def renew(self, label: str, ttl_s: float) -> Transfer:
-        """``label``, living ``ttl_s`` from now: an export is renewed by every part asked
+    def key_of(self, transfer: Transfer) -> str:
+        return str(transfer.path.relative_to(self.root))
+
+    def owned_by(self, uid: int) -> int:
+        """The bytes reserved by ``uid``'s transfers."""
+        return sum(t.nbytes for t in self._live.values() if t.owner == uid)
+
+    def renew(self, key: str, ttl_s: float) -> Transfer:
+        """``key``, living ``ttl_s`` from now: an export is renewed by every part asked
         for, so a long staging sending early parts does not outlive its export."""
-        transfer = self.get(label)
+        transfer = self.get(key)
         transfer.expires_at = _now() + timedelta(seconds=ttl_s)
         return transfer
 
-    def get(self, label: str) -> Transfer:
-        transfer = self._live.get(label)
+    def get(self, key: str) -> Transfer:
+        transfer = self._live.get(key)
         if transfer is None:
+            label = key.rpartition("/")[2]
             raise NotFound(
-                f"no {self.kind} {label!r} on this node (released, expired, or this daemon "
-                "restarted since); start the multi-node staging again"
+                f"no {self.kind} {label!r} of yours on this node (released, expired, or this "
+                "daemon restarted since); start the multi-node staging again"
             )
         return transfer
 
-    def pop(self, label: str) -> Transfer:
-        transfer = self.get(label)
-        del self._live[label]
+    def pop(self, key: str) -> Transfer:
+        transfer = self.get(key)
+        del self._live[key]
         return transfer
 
     def expired(self) -> list[Transfer]:
         """Unclaimed transfers past their time, taken off the books."""
         now = _now()
-        gone = [t for t in self._live.values() if t.expires_at <= now and not t.claimed]
-        for transfer in gone:
-            del self._live[transfer.label]
-        return gone
+        gone = [k for k, t in self._live.items() if t.expires_at <= now and not t.claimed]
+        return [self._live.pop(key) for key in gone]
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,7 @@ class Arrival:
     steps: list[Any]
     origin: dict[str, Any]
     estimate: int | None = None
+    delivery: str | None = None  # the key of the caller's delivery it brought
 
 
 @dataclass(frozen=True)
@@ -144,6 +164,7 @@ class Held:
 
     unwritten_bytes: int
     exporting: set[str]
+    reserved_by: dict[int, int]  # the bytes each user's transfers hold, for their quota
 
 
 class FanoutRoom:
@@ -162,25 +183,28 @@ class FanoutRoom:
     async def arrival(
         self,
         request: DatasetCreate,
+        caller: Caller,
         steps: list[Any],
         key: str,
         shared_key: str,
         reader: Reader | None,
         miss: bool,
     ) -> Arrival:
-        """What ``request`` (expanded to ``steps``, cache key ``key``, or ``shared_key``
-        were it shared by every user) stages, read with ``reader``'s rights: without a
-        delivery, its own steps, staged here; with one, the delivery's steps, checked
-        before admission when it misses (a hit or a join stages nothing)."""
+        """What ``caller``'s ``request`` (expanded to ``steps``, cache key ``key``, or
+        ``shared_key`` were it shared by every user) stages, read with ``reader``'s
+        rights: without a delivery, its own steps, staged here; with one of the
+        caller's, the delivery's steps, checked before admission when it misses (a hit
+        or a join stages nothing)."""
         adopt = request.adopt
         if adopt is None:
             job = request.lease.slurm_job_id if request.lease else None
             return Arrival(steps, {"how": "staged", "job": job})
-        delivery = self.deliveries.get(adopt.incoming)
+        delivery_key = transfer_key(self._owner(caller), adopt.incoming)
+        delivery = self.deliveries.get(delivery_key)
         origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
         origin["bytes"] = delivery.nbytes
         if not miss:
-            return Arrival(steps, origin)
+            return Arrival(steps, origin, delivery=delivery_key)
         if adopt.origin_key not in (key, shared_key):
             raise Conflict(
                 f"this node computes cache key {key} for the request, but {adopt.origin_node} "
@@ -197,12 +221,13 @@ class FanoutRoom:
             vouch = adoption.Vouch(os.geteuid(), key, self.settings.munge_socket)
         adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch)
         estimate = await run_io(self._check_adoption, adopting, request.verify)
-        return Arrival(adopting, origin, estimate)
+        return Arrival(adopting, origin, estimate, delivery_key)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds."""
         promised = [*self.deliveries.live(), *self.exports.live()]
-        return Held(await run_io(unwritten_bytes, promised), self.exporting)
+        unwritten = await run_io(unwritten_bytes, promised)
+        return Held(unwritten, self.exporting, self.reserved_by())
 
     @property
     def exporting(self) -> set[str]:
@@ -210,17 +235,16 @@ class FanoutRoom:
         unpacked = {p.key for p in self.plans.values() if p.early or p.packed < p.count}
         return unpacked | set(self._planning)
 
-    async def admitted(self, adopt: Adopt | None, entry: Entry) -> None:
-        """``entry`` answers a request that brought delivery ``adopt``: claimed when the
+    async def admitted(self, arrival: Arrival, entry: Entry) -> None:
+        """``entry`` answers a request that arrived with a delivery: claimed when the
         request queued its staging with it (``entry.delivery``), else not needed (the
         request joined or hit) and released."""
-        transfer = self.deliveries.find(adopt.incoming) if adopt is not None else None
-        if transfer is None:
+        if arrival.delivery is None or (transfer := self.deliveries.find(arrival.delivery)) is None:
             return
-        if entry.delivery == transfer.label:
+        if entry.delivery == arrival.delivery:
             transfer.claimed = True
         elif not transfer.claimed:
-            await self._discard(transfer)
+            await self._discard(arrival.delivery)
 
     def staging_starts(self, entry: Entry) -> tuple[Path, ...]:
         """Where the staging of ``entry`` may read: the allowed source roots, and for an
@@ -236,7 +260,7 @@ class FanoutRoom:
         transfer = self.deliveries.find(entry.delivery)
         if transfer is None:
             return None
-        self.deliveries.pop(transfer.label)
+        self.deliveries.pop(entry.delivery)
         return transfer.path
 
     async def source_files(self, steps: list[Any]) -> list[SourceFile]:
@@ -244,17 +268,23 @@ class FanoutRoom:
         return await run_io(adoption.broadcastable_sources, steps, self.ops)
 
     async def export(
-        self, entry: Entry, request: ExportCreate, staging_tree: Path | None, ready: ReadyTree
+        self,
+        entry: Entry,
+        request: ExportCreate,
+        caller: Caller,
+        staging_tree: Path | None,
+        ready: ReadyTree,
     ) -> ExportPublic:
         """Pack part ``request.part`` of ``entry`` for sbcast. With ``early``: of the
         tree it is still staging (``staging_tree``; None: not staging yet). Else of its
         ready tree: the first part (or the first after early parts) asks ``ready`` for
         that tree, plans the parts and is admitted for them; the others come in order,
         each packed while the one before is on its way."""
+        owner = self._owner(caller)
         if request.early:
-            answer = await self._export_early(entry, request, staging_tree)
+            answer = await self._export_early(entry, request, owner, staging_tree)
         else:
-            answer = await self._export_ready(entry, request, ready)
+            answer = await self._export_ready(entry, request, owner, ready)
         answer.vouched = self._vouches_for(entry)
         if answer.vouched and answer.manifest_sha256 is not None:
             answer.manifest_credential = await run_io(
@@ -269,66 +299,94 @@ class FanoutRoom:
         return self.settings.multi_user and shared and vouch.available()
 
     async def _export_ready(
-        self, entry: Entry, request: ExportCreate, ready: ReadyTree
+        self, entry: Entry, request: ExportCreate, owner: Caller | None, ready: ReadyTree
     ) -> ExportPublic:
-        label, part = request.label, request.part
-        plan = self.plans.get(label)
+        part, key = request.part, transfer_key(owner, request.label)
+        plan = self.plans.get(key)
         resuming = plan is not None and plan.early and part == plan.packed
         if part == 0 or resuming:
             tree = await ready(entry)
             if plan is not None and resuming:
-                await self._locked(plan, label, plan_rest, plan, tree)
+                await self._locked(plan, key, plan_rest, plan, tree)
             else:
-                await self._plan_export(entry, tree, label, request.part_bytes or PART_BYTES)
-        plan = self._plan(label, part)
+                part_bytes = request.part_bytes or PART_BYTES
+                await self._plan_export(entry, tree, key, owner, part_bytes)
+        plan = self._plan(key, part)
         if part >= plan.count or plan.early:
             raise Conflict(
-                f"export {label!r} has {plan.packed} of {plan.count} parts packed; "
+                f"export {request.label!r} has {plan.packed} of {plan.count} parts packed; "
                 f"ask for part {plan.packed}, not {part}"
             )
-        transfer = self.exports.renew(label, EXPORT_TTL_S)
-        return await self._locked(plan, label, pack_export_part, plan, transfer)
+        transfer = self.exports.renew(key, EXPORT_TTL_S)
+        return await self._locked(plan, key, pack_export_part, plan, transfer)
 
     async def expire(self) -> list[Path]:
         """Reservations and exports past their time (a job that died): removed."""
         gone = [*self.deliveries.expired(), *self.exports.expired()]
         for transfer in gone:
-            self.plans.pop(transfer.label, None)
+            self.plans.pop(self.exports.key_of(transfer), None)
             await run_io(remove_folder, transfer.path)
         return [t.path for t in gone]
 
-    # ---- the API's reservations and exports ---------------------------------------------
+    # ---- the API's reservations and exports: each caller's own ---------------------------
 
-    async def reserve(self, request: IncomingCreate) -> TransferPublic:
-        """Room on the cache disk for a delivery, counted by admission until it goes.
-        The same label again (a re-run step) gets the same reservation."""
+    async def reserve(self, request: IncomingCreate, caller: Caller) -> TransferPublic:
+        """Room on the cache disk for a delivery, counted by admission (and against the
+        caller's quota) until it goes. The same label again (a re-run step) gets the
+        same reservation."""
+        owner = self._owner(caller)
+        key = transfer_key(owner, request.label)
         async with self._admission:
-            transfer = self.deliveries.find(request.label)
+            transfer = self.deliveries.find(key)
             if transfer is None:
-                await self._admit(request.bytes, "")
-                transfer = self.deliveries.add(request.label, request.bytes, request.ttl_s)
+                await self._admit(request.bytes, "", self._quota_owner(owner))
+                transfer = self.deliveries.add(
+                    key, request.label, request.bytes, request.ttl_s, owner
+                )
         await run_io(make_folder, transfer)
         return transfer_public(transfer)
 
-    async def release(self, label: str) -> TransferPublic:
-        """Drop a reservation and what was delivered into it. A delivery that a staging
-        is adopting stays until that staging ends."""
-        transfer = self.deliveries.get(label)  # NotFound, with its sentence
+    async def release(self, label: str, caller: Caller) -> TransferPublic:
+        """Drop a reservation of the caller's and what was delivered into it. A delivery
+        that a staging is adopting stays until that staging ends."""
+        key = transfer_key(self._owner(caller), label)
+        transfer = self.deliveries.get(key)  # NotFound, with its sentence
         if not transfer.claimed:
-            await self._discard(transfer)
+            await self._discard(key)
         return transfer_public(transfer)
 
-    async def _discard(self, delivery: Transfer) -> None:
-        self.deliveries.pop(delivery.label)
-        await run_io(remove_folder, delivery.path)
-
-    async def drop_export(self, label: str) -> TransferPublic:
-        transfer = self.exports.pop(label)
-        self.plans.pop(label, None)
-        await run_io(remove_folder, transfer.path)
-        return transfer_public(transfer)
+    async def drop_export(self, label: str, caller: Caller) -> TransferPublic:
+        return await self._drop_export(transfer_key(self._owner(caller), label))
 
     # ---- inside ----------------------------------------------------------------------------
+
+    def _owner(self, caller: Caller) -> Caller | None:
+        """Whose a transfer is: in the node service the caller's, else the daemon's."""
+        return caller if self.settings.multi_user else None
+
+    @staticmethod
+    def _quota_owner(owner: Caller | None) -> int | None:
+        """Whose quota a transfer's room counts against: a user's, not root's."""
+        return owner.uid if owner is not None and not owner.is_root else None
+
+    def reserved_by(self) -> dict[int, int]:
+        """The bytes each user's transfers hold (for their quota)."""
+        owners = {t.owner for t in [*self.deliveries.live(), *self.exports.live()]}
+        return {
+            uid: self.deliveries.owned_by(uid) + self.exports.owned_by(uid)
+            for uid in owners
+            if uid is not None
+        }
+
+    async def _discard(self, key: str) -> None:
+        delivery = self.deliveries.pop(key)
+        await run_io(remove_folder, delivery.path)
+
+    async def _drop_export(self, key: str) -> TransferPublic:
+        transfer = self.exports.pop(key)
+        self.plans.pop(key, None)
+        await run_io(remove_folder, transfer.path)
+        return transfer_public(transfer)
 
     def _check_adoption(self, steps: list[Any], verify: str) -> int:
         """Pre-flight of an adoption (blocking)."""
@@ -342,39 +400,40 @@ class FanoutRoom:
         return roots
 
     async def _export_early(
-        self, entry: Entry, request: ExportCreate, tree: Path | None
+        self, entry: Entry, request: ExportCreate, owner: Caller | None, tree: Path | None
     ) -> ExportPublic:
         """The next early part of ``entry``, which is staging into ``tree`` (None:
         queued), or none yet; once it is not staging any more, say so: its remaining
         parts are asked for without ``early``."""
-        label, part = request.label, request.part
-        if part == 0 and label not in self.plans:
+        part, key = request.part, transfer_key(owner, request.label)
+        if part == 0 and key not in self.plans:
             nbytes = bundle_estimate(entry.estimate_bytes, 0)
             async with self._admission:
-                await self._admit(nbytes, entry.key)
-                self.exports.add(label, nbytes, EXPORT_TTL_S)
+                await self._admit(nbytes, entry.key, self._quota_owner(owner))
+                self.exports.add(key, request.label, nbytes, EXPORT_TTL_S, owner)
                 part_bytes = request.part_bytes or part_bytes_for(entry.estimate_bytes,
                                                                   PART_BYTES)  # fmt: skip
-                self.plans[label] = ExportPlan(Path(), entry.key, [], Manifest(),
-                                               entry.estimate_bytes, part_bytes,
-                                               early=True)  # fmt: skip
-        plan = self._plan(label, part)
+                self.plans[key] = ExportPlan(Path(), entry.key, [], Manifest(),
+                                             entry.estimate_bytes, part_bytes,
+                                             early=True)  # fmt: skip
+        plan = self._plan(key, part)
         if not plan.early:
-            raise Conflict(f"export {label!r} is past its early parts; ask without 'early'")
-        transfer = self.exports.renew(label, EXPORT_TTL_S)
+            raise Conflict(f"export {request.label!r} is past its early parts; ask without 'early'")
+        transfer = self.exports.renew(key, EXPORT_TTL_S)
+        await run_io(make_folder, transfer)
         staging = entry.state in (State.QUEUED, State.STAGING)
         if tree is None or not staging:
             return early_public(plan, transfer, more=staging, retry_after_s=RETRY_MIN_S)
         try:
-            packed, retry = await self._locked(plan, label, pack_early_part, plan, transfer, tree)
+            packed, retry = await self._locked(plan, key, pack_early_part, plan, transfer, tree)
         except StagerError:
             # The staging moved its tree (published) or removed a file while it was read:
             # nothing was sent; the next look sees where it stands.
             packed, retry = None, RETRY_MIN_S
         return packed or early_public(plan, transfer, more=True, retry_after_s=retry)
 
-    def _plan(self, label: str, part: int) -> ExportPlan:
-        plan = self.plans.get(label)
+    def _plan(self, key: str, part: int) -> ExportPlan:
+        plan, label = self.plans.get(key), key.rpartition("/")[2]
         if plan is None:
             raise NotFound(f"export {label!r} was not started here; ask for its part 0 first")
         if plan.packing:
@@ -389,27 +448,32 @@ class FanoutRoom:
             )
         return plan
 
-    async def _locked(self, plan: ExportPlan, what: str, work: Any, *args: Any) -> Any:
+    async def _locked(self, plan: ExportPlan, key: str, work: Any, *args: Any) -> Any:
         """``work(*args)`` off the event loop, as the one piece of work on ``plan``."""
         plan.packing = True
         try:
             return await run_io(work, *args)
         except OSError as exc:
-            raise from_os_error(exc, f"packing {what!r} to send it") from exc
+            label = key.rpartition("/")[2]
+            raise from_os_error(exc, f"packing export {label!r} to send it") from exc
         finally:
             plan.packing = False
 
-    async def _plan_export(self, entry: Entry, tree: Path, label: str, part_bytes: int) -> None:
-        if label in self.plans:
-            await self.drop_export(label)  # asked again from the start: a re-run step
+    async def _plan_export(
+        self, entry: Entry, tree: Path, key: str, owner: Caller | None, part_bytes: int
+    ) -> None:
+        if key in self.plans:
+            await self._drop_export(key)  # asked again from the start: a re-run step
         async with self._admission:
             self._planning.append(entry.key)  # from here on, never evicted under the packer
         try:
             plan = await run_io(plan_export, tree, entry.key, part_bytes)
             async with self._admission:
-                await self._admit(plan.total_bytes, entry.key)
-                self.exports.add(label, plan.total_bytes, EXPORT_TTL_S)
-                self.plans[label] = plan
+                await self._admit(plan.total_bytes, entry.key, self._quota_owner(owner))
+                label = key.rpartition("/")[2]
+                transfer = self.exports.add(key, label, plan.total_bytes, EXPORT_TTL_S, owner)
+                self.plans[key] = plan
+            await run_io(make_folder, transfer)
         except OSError as exc:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:

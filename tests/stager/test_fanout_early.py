@@ -254,7 +254,7 @@ def test_an_export_lives_as_long_as_parts_are_asked_for(tmp_path: Path) -> None:
     """A staging longer than an export's time to live sends early parts all along:
     each part asked for renews it (the daemon's room renews on every export call)."""
     exports = Transfers(tmp_path, "export")
-    exports.add("job1-x", 0, ttl_s=0.05)
+    exports.add("job1-x", "job1-x", 0, ttl_s=0.05)
     for _ in range(4):
         time.sleep(0.03)
         exports.renew("job1-x", 0.05)

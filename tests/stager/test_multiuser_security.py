@@ -512,16 +512,6 @@ def test_stager_client_whoami_names_each_user(
         )
 
 
-def test_fan_out_transfers_are_not_served_to_users_yet(
-    service: Daemon, users: tuple[User, User]
-) -> None:
-    _, bob = users
-    code, answer = bob.curl(service.socket, "POST", "/v1/incoming", {"label": "l", "bytes": 1})
-    assert code == 403 and "per-user daemons" in answer["error"]["message"], answer
-    assert bob.curl(service.socket, "DELETE", "/v1/incoming/l")[0] == 403
-    assert bob.curl(service.socket, "DELETE", "/v1/exports/l")[0] == 403
-
-
 # ---- downloads: public when the URL carries no credentials ------------------------
 
 

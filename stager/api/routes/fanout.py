@@ -10,24 +10,12 @@ No ``from __future__ import annotations``: the probe's body is typed by the op t
 and FastAPI reads that class from the handler's annotation at run time.
 """
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from stager.api.deps import CallerDep, EngineDep, SettingsDep
+from stager.api.deps import CallerDep, EngineDep
 from stager.api.routes.datasets import RESPONSES
-from stager.errors import Forbidden
 from stager.ops.table import OpTable
 from stager.schemas import ExportCreate, ExportPublic, IncomingCreate, ProbeResult, TransferPublic
-
-
-def per_user_only(caller: CallerDep, settings: SettingsDep) -> None:
-    """Room reserved for deliveries and exports is named by label, not owned by a user:
-    in the node service only root may hold it until transfers have owners
-    (docs/multiuser.md, "Not yet in this mode")."""
-    if settings.multi_user and not caller.is_root:
-        raise Forbidden(
-            "multi-node fan-out (--peers slurm) is not yet served by the node service to "
-            "users; use per-user daemons for fan-out jobs, or ask the admin"
-        )
 
 
 def fanout_router(ops: OpTable) -> APIRouter:
@@ -35,7 +23,6 @@ def fanout_router(ops: OpTable) -> APIRouter:
         prefix="/v1",
         tags=["fan-out"],
         responses=RESPONSES,
-        dependencies=[Depends(per_user_only)],
     )
     DatasetCreate = ops.request_model()  # noqa: N806 - a class, named as the schema shows it
 
@@ -55,17 +42,22 @@ def fanout_router(ops: OpTable) -> APIRouter:
         return await engine.export(name, request, caller)
 
     @router.delete("/exports/{label}", response_model=TransferPublic)
-    async def drop_export(label: str, engine: EngineDep) -> TransferPublic:
-        return await engine.fanout.drop_export(label)
+    async def drop_export(label: str, engine: EngineDep, caller: CallerDep) -> TransferPublic:
+        """The caller's packed parts, once sent."""
+        return await engine.fanout.drop_export(label, caller)
 
     @router.post("/incoming", response_model=TransferPublic)
-    async def reserve(request: IncomingCreate, engine: EngineDep) -> TransferPublic:
-        """Room for a delivery, in ``incoming/<label>/``: admission counts it until it is
-        adopted, released or expired (it may evict unleased entries, or answer 422)."""
-        return await engine.fanout.reserve(request)
+    async def reserve(
+        request: IncomingCreate, engine: EngineDep, caller: CallerDep
+    ) -> TransferPublic:
+        """Room for a delivery, in ``incoming/<label>/`` (node service: the caller's own
+        ``incoming/<uid>/<label>/``): admission counts it, and the caller's quota, until it
+        is adopted, released or expired (it may evict unleased entries, or answer 422)."""
+        return await engine.fanout.reserve(request, caller)
 
     @router.delete("/incoming/{label}", response_model=TransferPublic)
-    async def release(label: str, engine: EngineDep) -> TransferPublic:
-        return await engine.fanout.release(label)
+    async def release(label: str, engine: EngineDep, caller: CallerDep) -> TransferPublic:
+        """The caller's reservation and what was delivered into it."""
+        return await engine.fanout.release(label, caller)
 
     return router
