@@ -67,12 +67,16 @@ class Cluster:
         local_size: str = "2g",
         serve_args: str | None = None,
         python: str | None = None,
+        node_service: bool = False,
     ) -> None:
         self.settings = {
             "MN_NODES": str(nodes),
             "MN_STORAGE_RATE": rate,
             "MN_LOCAL_SIZE": local_size,
             "MN_PYTHON": python or str(REPO / ".venv" / "bin" / "python"),
+            # Each node's node service for every user (stager serve --multi-user, as root)
+            # instead of per-user daemons started by the prolog.
+            "MN_NODE_SERVICE": "1" if node_service else "0",
         }
         if serve_args is not None:
             self.settings["MN_SERVE_ARGS"] = serve_args

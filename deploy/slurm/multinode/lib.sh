@@ -22,6 +22,9 @@ MN_STORAGE_DELAY=${MN_STORAGE_DELAY:-0}               # netem delay on it, e.g. 
 MN_LOCAL_SIZE=${MN_LOCAL_SIZE:-2g}                    # each node's local disk (a tmpfs)
 MN_SUBNET=${MN_SUBNET:-10.199.0}                      # a /24 no other interface uses
 MN_LOCK=${MN_LOCK:-/tmp/stager-multinode.lock}
+# 1: every node runs the node service (stager serve --multi-user, as root) from its
+# start, as an admin's systemd would, and jobs use it; 0: per-user daemons (prolog).
+MN_NODE_SERVICE=${MN_NODE_SERVICE:-0}
 
 MN_PREFIX=stmn                     # every link and namespace name starts with it
 MN_BRIDGE=$MN_PREFIX-br
@@ -38,6 +41,7 @@ MN_MUNGE_DIR=$MN_ROOT/munge
 MN_BIN_DIR=$MN_ROOT/bin            # stager wrappers that run this checkout's code
 MN_SHARED=$MN_ROOT/shared          # where every node mounts the shared storage
 MN_PRIVATE=$MN_ROOT/private        # a node-private tmpfs for root-owned state
+MN_NODE_RUN=$MN_PRIVATE/stager-node # the node service's runtime folder (its socket)
 MN_JOBS=$MN_ROOT/jobs              # job scripts and outputs, visible everywhere
 MN_ENV=$MN_ROOT/cluster.env
 

@@ -1,0 +1,92 @@
+"""Multi-node fan-out through node services on the real 4-node SLURM cluster
+(deploy/slurm/multinode with ``MN_NODE_SERVICE=1``): every node runs ``stager serve
+--multi-user`` as root from its start, as the admin's systemd would, and real users'
+jobs use it (docs/multiuser.md).
+
+alice's 4-node job reads the shared storage once, and the three broadcast copies are
+shared (their manifests vouched for by the source node's service through the
+cluster's munged), so bob's 4-node job of the same data then hits on every node and
+reads nothing from the storage. The CI-sized promise is
+tests/stager/test_multiuser_fanout.py (two services on one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.multinode import Cluster, ClusterError, leftovers
+from tests.deploy.test_multinode import local_digest, node_digests, stage_script
+from tests.trees import write_tree
+from tests.users import User
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+
+NODES = 4
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: namespaces, mounts, slurmd, the node service")
+    if shutil.which("apt-get") is None and shutil.which("slurmd") is None:
+        pytest.skip("needs Debian's apt-get to install slurm-wlm, sshfs (or them installed)")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("needs /dev/fuse for the shared storage (sshfs)")
+    made = Cluster(nodes=NODES, rate="200mbit", local_size="1g", node_service=True)
+    try:
+        made.up()
+    except ClusterError as exc:
+        pytest.skip(f"the multi-node cluster cannot start here: {exc}")
+    try:
+        made.jobs_dir.chmod(0o1777)  # users' jobs write their outputs there
+        yield made
+    finally:
+        namespaces = made.namespaces
+        made.down()
+        left = leftovers(namespaces)
+        assert not left, f"down.sh left: {left}"
+
+
+def as_user(user: User) -> list[str]:
+    return [f"--uid={user.uid}", f"--gid={user.gid}"]
+
+
+def test_alices_fan_out_is_shared_and_bobs_job_then_reads_nothing(
+    cluster: Cluster, users: tuple[User, User], interpreter_for_users: str
+) -> None:
+    alice, bob = users
+    tree = write_tree(cluster.storage_dir / "public-imgs", n_files=120, max_size=80_000)
+    for path in [tree, *tree.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    size = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
+    source = cluster.shared(tree)
+    reports = {}
+    for user, name in ((alice, "mu-alice"), (bob, "mu-bob")):
+        before = cluster.storage()
+        job = cluster.sbatch(stage_script(name, source), nodes=NODES, name=name,
+                             extra=as_user(user))  # fmt: skip
+        moved = cluster.storage() - before
+        assert job.ok, job.output
+        reports[name] = report = json.loads((cluster.jobs_dir / f"{name}.json").read_text())
+        hows = sorted(r["how"] for r in report["nodes"].values())
+        if user is alice:
+            assert moved.content <= 1.05 * size, (moved, size, report)
+            assert hows == ["broadcast"] * 3 + ["staged"], report
+        else:
+            assert moved.content == 0, (moved, report)
+            assert hows == ["hit"] * NODES, report
+    # One shared copy per node, the same key everywhere, and every node's bytes right.
+    paths = {r["path"] for rep in reports.values() for r in rep["nodes"].values()}
+    assert len(paths) == 1, reports
+    path = paths.pop()
+    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(tree))
+    # The node service, not a per-user daemon, served both users: no user's own cache.
+    for index in range(1, NODES + 1):
+        assert cluster.on_node(index, "ls -d /tmp/stager-[0-9]* 2>/dev/null || true").strip() == ""
+    assert Path(path).parts[:3] == ("/", "tmp", "stager-node")
