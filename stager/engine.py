@@ -45,6 +45,7 @@ from stager.fanout.room import FanoutRoom
 from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import Reader, as_user, reader_of
 from stager.fs.seal import check_seal
+from stager.fs.watch import TreeWatch
 from stager.identity import Caller
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
@@ -104,6 +105,8 @@ class Engine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
+        # Published trees known unchanged since their last full check, without a walk.
+        self._watch = TreeWatch()
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
         self.fanout = FanoutRoom(settings, self.ops, self._admission, self._admit)
 
@@ -167,6 +170,7 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await run_io(stop_walker)
+        self._watch.close()
         if self.registry is not None:
             staging = [e for e in self._reg.entries.values() if e.active]
             await self._reg.save_progress(staging)
@@ -327,15 +331,21 @@ class Engine:
     async def _drop_if_changed(self, entry: Entry) -> None:
         """A ready tree changed since its publish is never served as it is: it is
         evicted, leased or not, and the request stages it again (stager.fs.seal)."""
+        if self._watch.clean(entry.key):
+            return  # checked whole, and no change reported since (stager.fs.watch)
         final = self._reg.final(entry)
         if entry.seal is None:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
         else:
+            token = await run_io(self._watch.arm, entry.key, final)
             changed = await run_in_process(
                 check_seal, final, entry.seal, cache.private_owner(entry), self.settings.op_workers
             )
+            if changed is None:
+                self._watch.confirm(entry.key, token)
         if changed is None:
             return
+        self._watch.forget(entry.key)
         async with self._admission:
             if entry.state != State.READY:
                 return  # another request found it first

@@ -8,6 +8,8 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
+
 from tests.daemon import Daemon
 from tests.stager.test_cache import copy_body, metric, ready
 from tests.trees import digest, write_tree
@@ -61,3 +63,48 @@ def test_a_file_planted_in_a_ready_tree_survives_no_restart(daemon: Daemon, tmp_
         status = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
         assert status["state"] == "ready"
         assert digest(Path(status["path"])) == digest(src)
+
+
+def _rewrite(tree: Path) -> None:
+    victim = next(p for p in sorted(tree.rglob("*")) if p.is_file())
+    size, mtime = victim.stat().st_size, victim.stat().st_mtime_ns
+    victim.write_bytes(b"X" * size)
+    os.utime(victim, ns=(mtime, mtime))
+
+
+def _deepest_folder(tree: Path) -> Path:
+    return max((p for p in tree.rglob("*") if p.is_dir()), key=lambda p: len(p.parts))
+
+
+MUTATIONS = {
+    "rewrite a file in place, times kept": _rewrite,
+    "chmod a file": lambda tree: next(p for p in tree.rglob("*") if p.is_file()).chmod(0o666),
+    "plant a file deep down": lambda tree: (_deepest_folder(tree) / "planted").write_text("x"),
+    "remove a file": lambda tree: next(p for p in tree.rglob("*") if p.is_file()).unlink(),
+    "rename a file": lambda tree: (lambda f: f.rename(f.with_name("renamed")))(
+        next(p for p in tree.rglob("*") if p.is_file())
+    ),
+    "rename a folder": lambda tree: _deepest_folder(tree).rename(
+        _deepest_folder(tree).with_name("moved")
+    ),
+    "chmod the top": lambda tree: tree.chmod(0o777),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_tree_changed_after_hits_is_caught_at_the_next_hit(
+    daemon: Daemon, tmp_path: Path, mutation: str
+) -> None:
+    """Hits that found the tree unchanged leave it watched (stager.fs.watch), so later
+    hits do not walk it; a change made after them, of any kind, is still caught."""
+    src = write_tree(tmp_path / "src", n_files=20)
+    with daemon.client() as client:
+        tree = Path(ready(client, copy_body("ds", src))["path"])
+        for _ in range(2):  # the first hit checks whole and watches; the second trusts it
+            hit = client.post("/v1/datasets", json=copy_body("ds", src))
+            assert hit.status_code == 200, hit.text
+        MUTATIONS[mutation](tree)
+        again = client.post("/v1/datasets", json=copy_body("ds", src))
+        assert again.status_code == 202, again.text
+        status = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert status["state"] == "ready" and digest(Path(status["path"])) == digest(src)
