@@ -412,6 +412,8 @@ class Engine:
         (the first part plans them, and the last one comes with the manifest), or with
         ``early`` of the tree it is still staging (docs/multinode.md)."""
         entry = self._reg.entries[self._handle(name, caller).key]
+        if request.early:
+            await self._reg.note_feeding(entry)
         staging = entry.state == State.STAGING and entry.attempt is not None
         tree = self._reg.attempt(entry).tree if staging else None
         return await self.fanout.export(entry, request, caller, tree, self._ready_tree)

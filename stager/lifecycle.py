@@ -61,6 +61,12 @@ log = logging.getLogger("stager.lifecycle")
 
 
 CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
+FED_A_FAN_OUT = ErrorInfo(
+    type="interrupted",
+    message="the daemon stopped while this staging fed a multi-node fan-out, so it is not "
+    "resumed from the source on its own (other nodes may hold the data by now); ask again: "
+    "stager-client stage --peers slurm sources from a node that holds it",
+)
 
 
 class Trash:
@@ -163,6 +169,9 @@ class Registry:
                     entry.move(State.STAGING)
                 # Sealed again on this process alone (workers=1: no fork from the daemon).
                 await self.publish(entry, await run_io(seal_tree, self.final(entry), 1))
+                continue
+            if entry.active and _feeds_a_fan_out(entry):
+                await self._end_fed_fan_out(entry)
                 continue
             if entry.state == State.STAGING:
                 entry.move(State.QUEUED)  # interrupted: the same attempt resumes
@@ -352,9 +361,26 @@ class Registry:
         await self._save(entry, Durable.ENDED)
 
     async def interrupt(self, entry: Entry) -> None:
-        """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start."""
+        """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start;
+        unless it fed a fan-out (``note_feeding``): then it ends, left to the next request."""
+        if _feeds_a_fan_out(entry):
+            await self._end_fed_fan_out(entry)
+            return
         entry.move(State.QUEUED)
         await self._save(entry, Durable.QUEUED)
+
+    async def note_feeding(self, entry: Entry) -> None:
+        """A fan-out sends what this staging finishes as it goes (early parts): its peers
+        may hold the data before it ends, so a daemon that stops does not resume it from
+        the source on its own (docs/multinode.md)."""
+        if entry.active and not _feeds_a_fan_out(entry):
+            entry.origin = {**(entry.origin or {}), "feeds": True}
+            await self._save(entry, Durable.TOUCHED)
+
+    async def _end_fed_fan_out(self, entry: Entry) -> None:
+        log.info("not resuming %s on its own: it fed a multi-node fan-out", entry.key)
+        entry.move(State.FAILED, FED_A_FAN_OUT)
+        await self._save(entry, Durable.ENDED)
 
     async def fail_unrecorded(self, entry: Entry, error: ErrorInfo) -> None:
         """The store itself failed: waiters must not hang on the entry; a restart retries it."""
@@ -414,3 +440,7 @@ def state_counts(entries: list[Entry]) -> dict[str, int]:
     for entry in entries:
         counts[entry.state.value] += 1
     return counts
+
+
+def _feeds_a_fan_out(entry: Entry) -> bool:
+    return bool((entry.origin or {}).get("feeds"))

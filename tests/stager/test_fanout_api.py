@@ -354,3 +354,45 @@ def test_a_delivery_is_kept_while_adopted_and_released_when_a_request_hits_inste
         assert hit.status_code == 200 and hit.json()["origin"]["hit"] is True
         assert not folder.exists()
         assert other.delete("/v1/incoming/b").status_code == 404
+
+
+@pytest.mark.parametrize("stop", ["kill -9", "SIGTERM"])
+def test_a_staging_that_fed_a_fan_out_is_not_resumed_from_the_source_on_its_own(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, stop: str
+) -> None:
+    """Its peers may hold the data by now: a restarted daemon leaves it to the next
+    request (which a fan-out sources from a holder) instead of reading the source
+    again by itself. A staging nobody fed from resumes as before."""
+    blob = os.urandom(2 << 20)
+    behaviour = Behaviour(files={"/fed": blob, "/alone": blob}, bytes_per_s=500_000)
+    daemon = daemon_factory(cache_dir=tmp_path / "node")
+    with serve_files(behaviour) as url:
+        with daemon.client() as client:
+            for name in ("fed", "alone"):
+                body = {
+                    "name": name,
+                    "steps": [{"op": "fetch", "url": f"{url}/{name}", "dst": "b"}],
+                }
+                assert client.post("/v1/datasets", json=body).status_code == 202
+            early = client.post("/v1/datasets/fed/export", json={"label": "j1-fed", "early": True})
+            assert early.status_code == 200, early.text
+            deadline = time.monotonic() + 20
+            while client.get("/v1/datasets/fed").json()["progress"]["bytes_done"] == 0:
+                assert time.monotonic() < deadline, "the fed staging never started"
+                time.sleep(0.05)
+        if stop == "kill -9":
+            daemon.kill()
+        else:
+            daemon.stop()
+        daemon.start()
+        with daemon.client() as client:
+            fed = client.get("/v1/datasets/fed").json()
+            assert fed["state"] == "failed" and fed["error"]["type"] == "interrupted", fed
+            assert "--peers slurm" in fed["error"]["message"]
+            alone = client.get("/v1/datasets/alone/wait", params={"timeout": 60}).json()
+            assert alone["state"] == "ready", alone  # resumed on its own
+            again = client.post("/v1/datasets", json={"name": "fed", "steps": [
+                {"op": "fetch", "url": f"{url}/fed", "dst": "b"}]})  # fmt: skip
+            assert again.status_code == 202, again.text
+            status = client.get("/v1/datasets/fed/wait", params={"timeout": 60}).json()
+            assert status["state"] == "ready", status
