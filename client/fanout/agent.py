@@ -69,6 +69,9 @@ class Node:
         self._staging: asyncio.Task[None] | None = None
         self._sending_early: asyncio.Task[None] | None = None
         self._submitted = asyncio.Event()  # the stage request reached the daemon (or failed)
+        # Giving up the current broadcast for one from another source (``resource``):
+        # an adoption that fails meanwhile does not stage from the source itself.
+        self._resourcing = False
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         return {"node": self.node, "event": kind, **fields}
@@ -131,6 +134,8 @@ class Node:
         elif action == "adopt":
             # Waited for at the end: meanwhile the parts arrive, and are announced here.
             self._adopting = asyncio.create_task(self.adopt(Adopt.model_validate(message["adopt"])))
+        elif action == "resource":
+            await self.resource(str(message.get("reason") or "its source node failed"))
         elif action in ("part", "end"):
             try:
                 await asyncio.to_thread(self.mark, message)
@@ -164,7 +169,10 @@ class Node:
                 status = await self.client.wait(status.name, self.timeout)
         except StagerError as exc:
             error = f"staging from the source: {exc.message}"
-            return self._event("done", error=f"{fallback}; then {error}" if fallback else error)
+            # ``unreachable``: this node's daemon is gone, not the data at fault; a
+            # fan-out goes on from another source (client.fanout.coordinator).
+            return self._event("done", error=f"{fallback}; then {error}" if fallback else error,
+                               unreachable=isinstance(exc, DaemonUnavailable))  # fmt: skip
         return self._done(status, "hit" if hit else "staged", started, fallback)
 
     def _done(
@@ -339,12 +347,27 @@ class Node:
         except DaemonUnavailable as exc:
             return self._event("done", error=f"adopting the broadcast copy: {exc.message}")
         except StagingFailed as exc:
+            if self._resourcing:  # given up for another source's copy: nothing to stage
+                return self._event("done", error=f"gave up the copy from {adopt.origin_node}")
             # The copy did not verify, or could not be extracted: the daemon says why.
             # This node stages from the source then; never a false ready.
             return await self.stage(f"the copy from {adopt.origin_node} was rejected ({exc})")
         except StagerError as exc:
             return await self.stage(f"the daemon refused the broadcast copy ({exc.message})")
         return self._done(status, how, started)
+
+    async def resource(self, reason: str) -> None:
+        """Give up the broadcast under way (its source node failed): the adoption stops
+        (never ready), its reservation goes, and this node waits for what the fan-out
+        does next, a broadcast from another source or this node as the source; it does
+        not stage from the storage on its own."""
+        if self._adopting is not None:
+            self._resourcing = True
+            await asyncio.to_thread(self._abort, reason)
+            await self._adopting
+            self._adopting, self._resourcing = None, False
+        await self._release()
+        self.emit(self._event("resourced"))
 
     async def _release(self) -> None:
         if self.incoming is None:

@@ -36,6 +36,10 @@ from stager.schemas import Adopt, delivered_name
 Say = Callable[[str], None]
 
 
+class SourceLost(FanoutError):
+    """The source node's daemon went away while it staged (not the data at fault)."""
+
+
 class Fanout:
     """One fan-out of one stage request over the job's nodes; `run` gives its `Report`."""
 
@@ -56,6 +60,7 @@ class Fanout:
         self.broadcast = broadcast  # auto | prepared | sources
         self.report = Report(name=str(body["name"]))
         self._started = time.monotonic()
+        self._round = 0  # sources chosen anew after one failed
 
     def _mark(self, phase: str) -> None:
         self.report.timeline[phase] = round(time.monotonic() - self._started, 3)
@@ -135,8 +140,10 @@ class Fanout:
     # ---- helpers -----------------------------------------------------------------------
 
     def _label(self) -> str:
-        """Names the delivery folder on every receiver and the export on the sender."""
-        return f"job{self.job.job_id}-{self.report.key}"
+        """Names the delivery folder on every receiver and the export on the sender (a
+        new one for each source chosen anew)."""
+        again = f"-r{self._round}" if self._round else ""
+        return f"job{self.job.job_id}-{self.report.key}{again}"
 
     def _record(self, event: Mapping[str, Any], step: str) -> NodeResult:
         node = str(event["node"])
@@ -194,6 +201,7 @@ class Fanout:
             await agents.tell({"do": "early", "to": [source], "label": label})
             first = (await agents.collect("early", [source])).get(source) or {}
         sink = await sink_start
+        lost: SourceLost | None = None
         try:
             try:
                 early = None
@@ -202,16 +210,40 @@ class Fanout:
                 staged = (await agents.collect("staged", [source])).get(source, {})
                 self._mark("stage")
                 if staged.get("error") or not staged:
-                    raise FanoutError(
-                        f"the source node {source} failed ({staged.get('error', 'no answer')})"
-                    )
+                    why = f"the source node {source} failed ({staged.get('error', 'no answer')})"
+                    if staged.get("unreachable") and receivers:
+                        raise SourceLost(why)
+                    raise FanoutError(why)
                 await self._bundle_to(agents, sink, source, receivers, early)
+            except SourceLost as exc:
+                lost = exc
             except FanoutError as exc:
                 await agents.tell({"do": "stage", "to": receivers, "reason": exc.message})
             finally:
                 await agents.tell({"do": "drop-export", "to": [source], "label": label})
         finally:
             await sink.close()
+        if lost is not None:
+            await self._reelect(agents, receivers, lost)
+
+    async def _reelect(self, agents: Agents, receivers: list[str], lost: SourceLost) -> None:
+        """The source node's daemon went away while it staged: the receivers give up its
+        broadcast (none stages from the storage on its own), one of them becomes the
+        source, and the fan-out goes on from it. A failed source costs one more read of
+        the storage, not one per receiver."""
+        await agents.tell({"do": "resource", "to": receivers, "reason": lost.message})
+        alive = sorted((await agents.collect("resourced", receivers)).keys())
+        if not alive:
+            return
+        self._round += 1
+        source = source_node(str(self.report.key), alive, [], self.job.this_node)
+        self.report.reelected.append(str(self.report.source))
+        self.report.source = source
+        self.say(f"{lost.message}; {source} takes over as the source")
+        if len(alive) == 1:
+            await agents.tell({"do": "stage", "to": alive})
+        else:
+            await self._send_bundle(agents, source, alive, [])
 
     async def _send_early(
         self, agents: Agents, sink: Sink, source: str, receivers: list[str], first: dict[str, Any]

@@ -30,6 +30,9 @@ interpreter) is paid once per node, at the beginning, all nodes at once.
                  the source
     part, end    a part is whole here; no more parts come (with      -
                  the manifest's sha256)
+    resource     give up the broadcast under way (its source node    resourced
+                 failed) without staging from the source: another
+                 source follows
 
 When stdin closes, the agent reports how the data arrived on its node (``done``)
 and exits, releasing a reservation nothing adopted. An agent never told to stage

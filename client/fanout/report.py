@@ -37,6 +37,7 @@ class Report:
     mode: str = "none"  # bundle | sources | none (nothing to send)
     sent_bytes: int = 0
     early_parts: int = 0  # parts sent while the source node was still staging
+    reelected: list[str] = field(default_factory=list)  # sources that failed, in order
     broadcast: Broadcast | None = None
     seconds: float = 0.0
     nodes: dict[str, NodeResult] = field(default_factory=dict)
@@ -66,6 +67,7 @@ class Report:
             "mode": self.mode,
             "sent_bytes": self.sent_bytes,
             "early_parts": self.early_parts,
+            "reelected": self.reelected,
             "compress": self.broadcast.compress if self.broadcast else None,
             "fanout": self.broadcast.fanout if self.broadcast else None,
             "seconds": round(self.seconds, 3),

@@ -289,3 +289,61 @@ def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_rea
         assert metric(other, "stager_source_read_bytes_total") == 0
     assert list((node2.cache_dir / "incoming").iterdir()) == []
     assert list((node1.cache_dir / "outgoing").iterdir()) == []
+
+
+def test_receivers_give_up_a_failed_source_and_take_the_data_from_a_new_one(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """The source node's daemon dies mid-broadcast: told ``resource``, each receiver
+    gives up the adoption without reading the source itself, and the fan-out goes on
+    from one of them (client/fanout/coordinator.py's _reelect): one more read of the
+    source in all, not one per receiver."""
+    src = write_tree(tmp_path / "src", n_files=40)
+    nodes = [daemon_factory(cache_dir=tmp_path / f"node{i}") for i in (1, 2, 3)]
+
+    async def adopt(agent: Agent, label: str, exported: dict[str, Any]) -> str:
+        await agent.tell(do="reserve", label=label, bytes=exported["total_bytes"])
+        folder = (await agent.event("reserved", nth=2 if label.endswith("r1") else 1))["path"]
+        await agent.tell(do="adopt", adopt={"incoming": label, "origin_node": "x",
+                         "origin_key": exported["key"], "job": "1",
+                         "bundle_bytes": exported["data_bytes"]})  # fmt: skip
+        return folder
+
+    async def job() -> list[dict[str, Any]]:
+        first, second, third = (Agent(n, f"node{i}", body(src), copy_file())
+                                for i, n in enumerate(nodes, start=1))  # fmt: skip
+        await first.tell(do="stage")
+        await first.event("staged")
+        await first.tell(do="export", label="job1-ds", part_bytes=1 << 16)
+        exported = await first.event("exported")
+        folders = [await adopt(agent, "job1-ds", exported) for agent in (second, third)]
+        shutil.copyfile(exported["path"], Path(folders[0]) / "part-00000.tar")
+        await second.tell(do="part", index=0)
+        nodes[0].kill()  # the source node's daemon dies between parts
+        for agent in (second, third):
+            await agent.tell(do="resource", reason="the source node node1 failed")
+            await agent.event("resourced")
+        # node2 takes over: it stages from the source, node3 adopts its copy.
+        await second.tell(do="stage")
+        await second.event("staged")
+        await second.tell(do="export", label="job1-ds-r1", part_bytes=1 << 16)
+        exported = await second.event("exported")
+        folder = await adopt(third, "job1-ds-r1", exported)
+        await second.tell(do="send", label="job1-ds-r1", dest=folder, step="1.1",
+                          compress=False, fanout=1)  # fmt: skip
+        for index in range(exported["parts"] + 1):
+            sent = await second.event("sent", index + 1)
+            if index == exported["parts"]:
+                await third.tell(do="end", parts=index, manifest_sha256=sent["manifest_sha256"])
+            else:
+                await third.tell(do="part", index=index)
+        return [await agent.finish() for agent in (first, second, third)]
+
+    _, staged, adopted = asyncio.run(job())
+    assert staged.get("error") is None and staged["how"] == "staged", staged
+    assert adopted.get("error") is None and adopted["how"] == "broadcast", adopted
+    assert adopted["fallback"] is None
+    assert digest(Path(adopted["path"])) == digest(src)
+    with nodes[2].client() as third:
+        assert metric(third, "stager_source_read_bytes_total") == 0  # never read the source
+    assert list((nodes[2].cache_dir / "incoming").iterdir()) == []

@@ -233,12 +233,19 @@ def test_a_node_whose_broadcast_fails_stages_from_the_source_and_no_copy_is_wron
     assert node_digests(cluster, paths.pop()) == dict.fromkeys(cluster.nodes, expected)
 
 
-def test_kill_9_of_the_staging_nodes_daemon_fails_the_job_clearly_and_others_are_right(
+def test_kill_9_of_the_staging_nodes_daemon_costs_one_more_read_and_a_rerun_reads_nothing(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:
+    """The source node's daemon dies while it stages and sends early parts: the others
+    choose a new source among themselves and go on from it (one more read of the
+    storage, not one per node), and the job fails naming the dead node. Run again
+    (its prolog starts that daemon again, which does not resume the staging on its
+    own), the job reads nothing from the storage: the dead node adopts a holder's copy."""
     source = fresh_copy(data["tree"], "kill")
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     sender = source_of(cluster, cluster.shared(source))
     index = cluster.nodes.index(sender) + 1
+    before = cluster.storage()
     cluster.set_rate("10mbit")  # the sender's staging now takes seconds: time to kill it
     try:
         job_id = cluster.submit(stage_script("kill", cluster.shared(source)), NODES, "kill")
@@ -252,15 +259,27 @@ def test_kill_9_of_the_staging_nodes_daemon_fails_the_job_clearly_and_others_are
         job = cluster.wait(job_id, "kill", timeout=240)
     finally:
         cluster.set_rate("200mbit")
+    moved = cluster.storage() - before
     assert job.exit_code != "0:0", job.output
     # The job says which node is left without data, and why.
     assert f"not ready on every node ({sender}:" in job.output
     assert "no stager daemon answers" in job.output
     report = json.loads((cluster.jobs_dir / "kill.json").read_text())
+    assert report["reelected"] == [sender] and report["source"] != sender, report
     others = {n: r for n, r in report["nodes"].items() if n != sender}
-    assert all(r["how"] == "staged" and not r["error"] for r in others.values()), report
+    assert not any(r["error"] for r in others.values()), report
+    assert sorted(r["how"] for r in others.values()) == ["broadcast"] * 2 + ["staged"], report
+    assert moved.content <= 2.05 * size, (moved, size, report)
     expected = local_digest(data["tree"])
     for i, node in enumerate(cluster.nodes, start=1):
         if node != sender:
             path = others[node]["path"]
             assert cluster.on_node(i, TREE_DIGEST.format(path=path)).strip() == expected
+
+    job, report, moved = run_stage(cluster, "kill-again", cluster.shared(source))
+    assert job.ok, job.output
+    assert moved.content == 0, (moved, report)
+    assert report["nodes"][sender]["how"] == "broadcast", report
+    assert {r["how"] for n, r in report["nodes"].items() if n != sender} == {"hit"}, report
+    path = report["nodes"][sender]["path"]
+    assert cluster.on_node(index, TREE_DIGEST.format(path=path)).strip() == expected
