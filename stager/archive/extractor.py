@@ -58,7 +58,9 @@ def extract_archive(
     """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
     leading components of member names; with ``nested``, archives inside it too."""
     job = ExtractJob(ctx, strip, nested)
-    with paused_gc(), _pools(job, archive.fmt, archive.length):
+    # Growing: never fork worker processes while the download's thread runs.
+    size = archive.length if archive.growing is None else 0
+    with paused_gc(), _pools(job, archive.fmt, size):
         try:
             _extract(job, archive, dest, outer=True)
         finally:

@@ -24,10 +24,12 @@ from pydantic import Field
 from stager.archive.extractor import extract_archive
 from stager.archive.formats import (
     ArchiveFormat,
+    archive_suffix,
     estimate_output,
     read_first_header,
     resolve_format,
 )
+from stager.archive.growing import GrowingFile
 from stager.archive.job import Archive, translate
 from stager.errors import CorruptArchive, VerifyFailed
 from stager.fs.sources import open_source, require_source
@@ -104,6 +106,29 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
             raise
         if ctx.verify != "none":
             _require_unchanged(fd, before, step.src)
+
+
+def reads_growing(step: ExtractStep) -> str | None:
+    """The relative src this step can extract while an earlier step still downloads it
+    (:mod:`stager.ops.stream`), or None. Not a zip: its directory is at its end."""
+    if step.src.startswith("/") or step.format == "zip":
+        return None
+    if step.format == "auto" and archive_suffix(step.src) == ".zip":
+        return None
+    return step.src
+
+
+def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> bool:
+    """Extract ``step.src`` from its download as it arrives (``growing``); False when its
+    first bytes say it is a zip, which must be whole first (then run ``run`` on it)."""
+    dest = ctx.destination(step.dst)
+    with translate(step.src):
+        fmt = resolve_format(step.src, step.format, growing.head(tarfile.BLOCKSIZE))
+        if fmt == "zip":
+            return False
+        archive = Archive(growing.fileno(), 0, 0, fmt, step.src, growing=growing)
+        extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
+    return True
 
 
 def _require_unchanged(

@@ -27,7 +27,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -82,14 +82,31 @@ def check(step: FetchStep, ctx: CheckContext) -> int:
     return 0
 
 
-def run(step: FetchStep, ctx: OpContext) -> None:
+class Watch(Protocol):
+    """Told as the download's file grows, so a reader can follow it (stager.ops.table's
+    overlap of a fetch and the extract of what it fetches)."""
+
+    def writing(self, offset: int) -> None:
+        """The ``.part`` file is open to append at ``offset``, the bytes before it kept;
+        0: a new file."""
+
+    def wrote(self) -> None:
+        """More bytes are in the ``.part`` file, visible to other readers."""
+
+
+def files(step: FetchStep, ctx: OpContext) -> tuple[Path, Path]:
+    """The file a download appends to, and the name it has once complete."""
     target = _target(step, ctx)
-    part = target.with_name(target.name + ".part")
+    return target.with_name(target.name + ".part"), target
+
+
+def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:
+    part, target = files(step, ctx)
     try:
         if _already_done(step, target, ctx):
             return
         with httpx.Client(follow_redirects=True, timeout=TIMEOUT) as client:
-            _Download(step, part, ctx, client).run()
+            _Download(step, part, ctx, client, watch).run()
         _verify(step, part, ctx)
         os.replace(part, target)
         ctx.progress.advance(0, 1)
@@ -158,11 +175,19 @@ def _sha256(path: Path, ctx: OpContext) -> str:
 class _Download:
     """Retries and resume state for one URL; each attempt appends to the ``.part`` file."""
 
-    def __init__(self, step: FetchStep, part: Path, ctx: OpContext, client: httpx.Client):
+    def __init__(
+        self,
+        step: FetchStep,
+        part: Path,
+        ctx: OpContext,
+        client: httpx.Client,
+        watch: Watch | None = None,
+    ):
         self.url = step.url
         self.part = part
         self.ctx = ctx
         self.client = client
+        self.watch = watch
         self.counted = 0  # bytes already reported to progress, so retries never double-count
         self.announced = False
         # Sent as If-Range on resumes within this run: a file that changed
@@ -231,11 +256,16 @@ class _Download:
         position = offset
         self._advance(position)
         with open(self.part, "ab" if offset else "wb") as out:
+            if self.watch is not None:
+                self.watch.writing(offset)
             # No chunk_size: httpx would buffer up to it, and a cut connection
             # would lose everything buffered instead of leaving it in the .part.
             for chunk in response.iter_raw():
                 out.write(chunk)
                 position += len(chunk)
+                if self.watch is not None:
+                    out.flush()  # so a reader of the file sees what it is told of
+                    self.watch.wrote()
                 self._advance(position)
                 self.ctx.check_cancelled()
         if total is not None and position > total:
