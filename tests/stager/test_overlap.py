@@ -392,3 +392,41 @@ def test_the_daemon_fails_a_wrong_sha256_and_publishes_nothing(
     assert status["path"] is None or not Path(status["path"]).exists()
     data_dir = daemon.cache_dir / "data"
     assert not data_dir.exists() or not any(data_dir.iterdir())
+
+
+def test_kill_9_mid_stream_resumes_after_restart_and_gives_the_exact_tree(
+    daemon: Daemon, corpus, http
+) -> None:
+    """The daemon (and its staging process) killed while the archive is half downloaded
+    and partly extracted: the restarted daemon resumes the download with a Range
+    request, extracts again from the first byte, and publishes exactly GNU tar's tree."""
+    _, built = corpus
+    behaviour, url = http
+    data = built["archives"]["data.tar.gz"].read_bytes()
+    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour.bytes_per_s = 2e6
+    steps = [
+        {
+            "op": "fetch",
+            "url": f"{url}/pub/data.tar.gz",
+            "dst": "dl/",
+            "sha256": hashlib.sha256(data).hexdigest(),
+        },
+        {"op": "extract", "src": "dl/data.tar.gz"},
+    ]
+    partial = daemon.cache_dir / "partial"
+    with daemon.client() as client:
+        assert stage(client, {"name": "mid", "steps": steps}).status_code == 202
+        deadline = time.monotonic() + 20
+        while not (any(partial.rglob("data.tar.gz.part")) and any(partial.rglob("class_*/*.jpg"))):
+            assert time.monotonic() < deadline, "the extraction never started mid-download"
+            time.sleep(0.02)
+    assert behaviour.sent < len(data), "the download ended before the kill"
+    daemon.kill()
+    behaviour.bytes_per_s = None
+    daemon.start()
+    with daemon.client() as client:
+        waited = client.get("/v1/datasets/mid/wait", params={"timeout": 60}).json()
+    assert waited["state"] == "ready", waited["error"]
+    assert snapshot(Path(waited["path"])) == built["references"]["data.tar.gz"]
+    assert [r for r in behaviour.ranges_seen if r != "bytes=0-"], "the download started over"
