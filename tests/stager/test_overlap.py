@@ -21,7 +21,7 @@ import pytest
 
 from stager import overlap
 from stager.archive import growing
-from stager.errors import Cancelled, CorruptArchive, VerifyFailed
+from stager.errors import Cancelled, CorruptArchive, FetchFailed, VerifyFailed
 from stager.fs.seal import FILE_MODE
 from stager.ops import extract, fetch, table
 from stager.ops.base import OpContext
@@ -308,6 +308,13 @@ def test_a_corrupt_archive_stops_the_download(http, ctx: OpContext) -> None:
         run_pair(pair(f"{url}/pub/bad.tar.gz", "bad.tar.gz"), ctx)
     assert time.monotonic() - started < 0.6, "the download ran on after the extraction failed"
     assert behaviour.sent < len(garbage)
+
+
+def test_a_download_that_fails_fails_the_pair_with_its_own_error(http, ctx: OpContext) -> None:
+    _, url = http
+    with pytest.raises(FetchFailed, match="404"):
+        run_pair(pair(f"{url}/pub/missing.tar.gz", "missing.tar.gz"), ctx)
+    assert not [t for t in threading.enumerate() if t.name == "stager-download"]
 
 
 def test_cancel_stops_both_promptly(corpus, http, tmp_path: Path) -> None:
