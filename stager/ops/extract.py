@@ -18,8 +18,9 @@ import os
 import tarfile
 from contextlib import suppress
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, model_validator
 
 from stager.archive.extractor import extract_archive
 from stager.archive.formats import (
@@ -37,24 +38,73 @@ from stager.ops.base import (
     CheckContext,
     OpContext,
     RelativePath,
-    SourceOrInside,
     StepParams,
+    source_or_inside,
 )
+from stager.ops.fetch import http_url, url_file_name
+
+# Where an extract of a URL downloads its archive, inside the dataset.
+DOWNLOADS = ".download"
+
+
+def _is_url(src: str) -> bool:
+    return src.startswith(("http://", "https://"))
+
+
+def _archive_source(value: str) -> str:
+    """An absolute path, an earlier step's output, or an http(s) URL naming a file."""
+    if not _is_url(value):
+        if "://" in value:  # as a relative path, a folder named "ftp:": surely a mistake
+            raise ValueError(
+                f"src {value!r} is a URL stager cannot download; extract downloads "
+                "http:// and https:// URLs, or give a path"
+            )
+        return source_or_inside(value)
+    http_url(value)
+    if url_file_name(value) is None:
+        raise ValueError(
+            f"url {value!r} names no file; fetch it with a 'fetch' step whose dst names "
+            "the file, then extract that"
+        )
+    return value
 
 
 class ExtractStep(StepParams):
     """Extract an archive; ``nested`` also extracts archives found inside it.
 
     A relative ``src`` names an archive an earlier step wrote into the dataset (a
-    fetch); it is deleted once extracted unless ``keep`` is set.
+    fetch); it is deleted once extracted unless ``keep`` is set. An http(s) URL is
+    extracted as it downloads (a fetch of it into ``.download/``, then the extract of
+    that, overlapped), checked against ``sha256`` when given, and kept the same way.
     """
 
-    src: SourceOrInside
+    src: Annotated[str, AfterValidator(_archive_source)]
     dst: RelativePath = "."
     format: ArchiveFormat = "auto"
     strip_components: int = Field(default=0, ge=0, le=1024)
     nested: bool = False
     keep: bool = False  # keep an archive that an earlier step wrote into the dataset
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")  # of a URL's
+
+    @model_validator(mode="after")
+    def _sha256_of_a_download(self) -> ExtractStep:
+        if self.sha256 is not None and not _is_url(self.src):
+            raise ValueError(
+                "sha256 checks an archive extract downloads: give it with an http(s) src; "
+                "a file's own bytes are checked by verify 'sha256'"
+            )
+        return self
+
+
+def as_fetch_then_extract(step: ExtractStep) -> list[dict[str, Any]] | None:
+    """An extract of a URL as the steps it runs as: the fetch of the URL into the
+    dataset's ``.download/``, then the extract of that file (which stager.overlap runs
+    at once). None for any other src."""
+    if not _is_url(step.src):
+        return None
+    archive = f"{DOWNLOADS}/{url_file_name(step.src)}"
+    fetched = {"op": "fetch", "url": step.src, "dst": archive, "sha256": step.sha256}
+    return [fetched, {**step.model_dump(), "src": archive, "sha256": None}]
 
 
 def check(step: ExtractStep, ctx: CheckContext) -> int:

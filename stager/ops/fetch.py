@@ -46,7 +46,8 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
 
 
-def _http_url(value: str) -> str:
+def http_url(value: str) -> str:
+    """``value`` if it is an http(s) URL with a host name; else a ValueError naming it."""
     try:
         url = httpx.URL(value)
     except (httpx.InvalidURL, TypeError, UnicodeError) as exc:
@@ -56,7 +57,7 @@ def _http_url(value: str) -> str:
     return value
 
 
-HttpUrlText = Annotated[str, AfterValidator(_http_url)]
+HttpUrlText = Annotated[str, AfterValidator(http_url)]
 
 
 class FetchStep(StepParams):
@@ -76,8 +77,9 @@ def check(step: FetchStep, ctx: CheckContext) -> int:
     _file_name(step)
     if ctx.verify == "sha256" and step.sha256 is None:
         raise BadRequest(
-            f"verify 'sha256' needs the digest of {step.url}: give the fetch step its "
-            "'sha256' (as published with the file), or ask for verify 'size'"
+            f"verify 'sha256' needs the digest of {step.url}: give the step that downloads "
+            "it (a fetch, or an extract of the URL) its 'sha256' (as published with the "
+            "file), or ask for verify 'size'"
         )
     return 0
 
@@ -122,12 +124,18 @@ def _translate(exc: OSError, step: FetchStep) -> StagerError:
 def _file_name(step: FetchStep) -> str:
     if step.dst not in ("", ".") and not step.dst.endswith("/"):
         return os.path.basename(step.dst)
-    name = os.path.basename(unquote(urlsplit(step.url).path))
-    if not name or name in (".", ".."):
+    name = url_file_name(step.url)
+    if name is None:
         raise BadRequest(
             f"cannot name the download of {step.url} from its URL; give 'dst' as a file path"
         )
     return name
+
+
+def url_file_name(url: str) -> str | None:
+    """The file name a URL's path ends with, or None (``https://host/``)."""
+    name = os.path.basename(unquote(urlsplit(url).path))
+    return None if not name or name in (".", "..") else name
 
 
 def _target(step: FetchStep, ctx: OpContext) -> Path:

@@ -97,6 +97,9 @@ class Op:
     # op ``follows`` it and names that file as its src, run at once.
     grows: Grows | None = None
     follows: Follows | None = None
+    # The steps a step of this op runs as, when a request arrives (raw, as in a request),
+    # or None: itself (an extract of a URL runs as a fetch, then an extract).
+    expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None
 
     @property
     def summary(self) -> str:
@@ -115,6 +118,7 @@ def _row(
     keeps_source_name: bool = False,
     grows: Grows | None = None,
     follows: Follows | None = None,
+    expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
@@ -130,6 +134,7 @@ def _row(
         keeps_source_name,
         grows,
         follows,
+        expands,
     )
 
 
@@ -152,6 +157,7 @@ BUILTIN = (
         consumes_src=True,
         read_only_files=True,
         follows=Follows(extract.reads_growing, extract.run_growing),
+        expands=extract.as_fetch_then_extract,
     ),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
@@ -217,6 +223,16 @@ class OpTable:
 
     def validate_steps_json(self, raw: str | bytes) -> list[Any]:
         return self._steps.validate_json(raw)
+
+    def expand(self, steps: Sequence[Any]) -> list[Any]:
+        """The steps a request's steps run as: each one that its op ``expands`` replaced
+        by what it expands to. Done once, when a request arrives: what is stored, keyed by
+        its sources, shared and run is the expansion."""
+        expanded: list[Any] = []
+        for step in steps:
+            raw = self.op_of(step).expands(step)
+            expanded.extend(step for step in ([step] if raw is None else self.validate_steps(raw)))
+        return expanded
 
     def dump_steps(self, steps: Sequence[Any]) -> list[dict[str, Any]]:
         return self._steps.dump_python(list(steps), mode="json")

@@ -437,3 +437,51 @@ def test_kill_9_mid_stream_resumes_after_restart_and_gives_the_exact_tree(
     assert waited["state"] == "ready", waited["error"]
     assert snapshot(Path(waited["path"])) == built["references"]["data.tar.gz"]
     assert [r for r in behaviour.ranges_seen if r != "bytes=0-"], "the download started over"
+
+
+def test_an_extract_of_a_url_runs_as_the_overlapped_pair() -> None:
+    url = "https://example.org/pub/data.tar.gz?token=x"
+    (step,) = OPS.validate_steps([{"op": "extract", "src": url, "strip_components": 1}])
+    fetched, extracted = OPS.expand([step])
+    assert (fetched.op, fetched.url, fetched.dst) == ("fetch", url, ".download/data.tar.gz")
+    assert (extracted.op, extracted.src, extracted.strip_components) == (
+        "extract",
+        ".download/data.tar.gz",
+        1,
+    )
+    assert OPS.overlaps(fetched, extracted, OpContext(root=Path("/nonexistent"), progress=None))
+
+
+@pytest.mark.parametrize(
+    ("step", "message"),
+    [
+        ({"src": "https://example.org/"}, "names no file"),
+        ({"src": "/data/a.tar.gz", "sha256": "0" * 64}, "sha256 checks an archive"),
+        ({"src": "ftp://example.org/a.tar.gz"}, "cannot download"),
+    ],
+)
+def test_an_extract_src_that_cannot_be_downloaded_is_refused(step: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OPS.validate_steps([{"op": "extract", **step}])
+
+
+def test_the_daemon_extracts_a_url_as_it_downloads(daemon: Daemon, corpus, http) -> None:
+    _, built = corpus
+    behaviour, url = http
+    data = built["archives"]["data.tar.zst"].read_bytes()
+    behaviour.files = {"/pub/data.tar.zst": data}
+    sha = hashlib.sha256(data).hexdigest()
+    step = {"op": "extract", "src": f"{url}/pub/data.tar.zst", "sha256": sha}
+    with daemon.client() as client:
+        dropped = stage_ready(client, {"name": "u", "steps": [step], "verify": "sha256"})
+        kept = stage_ready(client, {"name": "k", "steps": [{**step, "keep": True}]})
+        assert (
+            stage(client, {"name": "w", "steps": [{**step, "sha256": "1" * 64}]}).status_code == 202
+        )
+        wrong = client.get("/v1/datasets/w/wait", params={"timeout": 30}).json()
+    reference = built["references"]["data.tar.zst"]
+    assert snapshot(Path(dropped.path)) == reference
+    assert not os.path.lexists(Path(dropped.path, ".download")), "the download's folder is left"
+    assert snapshot(Path(kept.path), skip=".download") == reference
+    assert Path(kept.path, ".download", "data.tar.zst").read_bytes() == data
+    assert wrong["state"] == "failed" and wrong["error"]["type"] == "verify_failed"
