@@ -170,11 +170,14 @@ def reads_growing(step: ExtractStep) -> str | None:
 
 def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> bool:
     """Extract ``step.src`` from its download as it arrives (``growing``); False when its
-    first bytes say it is a zip, which must be whole first (then run ``run`` on it)."""
+    first bytes say it must be whole first (then run ``run`` on it): a zip, whose
+    directory is at its end, or a plain tar with ``nested``, whose inner archives (the
+    ImageNet shape) are extracted in place and in parallel from the whole file, where a
+    stream would write each one out and read it back."""
     dest = ctx.destination(step.dst)
     with translate(step.src):
         fmt = resolve_format(step.src, step.format, growing.head(tarfile.BLOCKSIZE))
-        if fmt == "zip":
+        if fmt == "zip" or (fmt == "tar" and step.nested):
             return False
         archive = Archive(growing.fileno(), 0, 0, fmt, step.src, growing=growing)
         extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)

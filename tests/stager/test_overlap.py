@@ -21,6 +21,7 @@ import pytest
 
 from stager import overlap
 from stager.archive import growing
+from stager.archive.job import ExtractJob
 from stager.errors import Cancelled, CorruptArchive, FetchFailed, VerifyFailed
 from stager.fs.seal import FILE_MODE
 from stager.ops import extract, fetch, table
@@ -485,3 +486,36 @@ def test_the_daemon_extracts_a_url_as_it_downloads(daemon: Daemon, corpus, http)
     assert snapshot(Path(kept.path), skip=".download") == reference
     assert Path(kept.path, ".download", "data.tar.zst").read_bytes() == data
     assert wrong["state"] == "failed" and wrong["error"]["type"] == "verify_failed"
+
+
+def test_a_plain_tar_of_archives_is_extracted_in_place_once_whole(
+    http, ctx: OpContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ImageNet shape (a tar of tars, ``nested``): read in place once downloaded, its
+    inner archives never written out, rather than streamed."""
+    behaviour, url = http
+    source = write_source(tmp_path / "outer", n_files=20, big=0)
+    for name in ("n01", "n02"):
+        gnu_tar(write_source(tmp_path / name, n_files=10, big=0), source / f"{name}.tar", "")
+    archive = gnu_tar(source, tmp_path / "outer.tar", "")
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    subprocess.run(["tar", "-xf", archive, "-C", reference], check=True)
+    for name in ("n01", "n02"):  # each inner archive into a folder named after it
+        inner = reference / "data" / f"{name}.tar"
+        (reference / "data" / name).mkdir()
+        subprocess.run(["tar", "-xf", inner, "-C", reference / "data" / name], check=True)
+        inner.unlink()
+    written: list[str] = []  # inner archives the extraction wrote out as files
+    real_note = ExtractJob.note_written_inner
+
+    def note(self, root, rel, outer):  # noqa: ANN001
+        written.append(rel)
+        return real_note(self, root, rel, outer)
+
+    monkeypatch.setattr(ExtractJob, "note_written_inner", note)
+    behaviour.files = {"/pub/outer.tar": archive.read_bytes()}
+    events = run_pair(pair(f"{url}/pub/outer.tar", "outer.tar", nested=True), ctx)
+    assert events == ["downloaded", "extracted"]
+    assert written == []
+    assert snapshot(ctx.root) == snapshot(reference)
