@@ -181,9 +181,9 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
-        if used_up and Path(used_up).parent != attempt.tree:
+        if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
             with contextlib.suppress(OSError):  # not empty: something else is kept there
-                os.rmdir(Path(used_up).parent)  # a folder it alone was downloaded into
+                os.rmdir(folder)  # a folder it alone was downloaded into
     ctx.check_cancelled()
     if sealed_by_op and made is not None:
         return seal_listed(attempt.tree, made)

@@ -1,6 +1,6 @@
 """A file that a download is still writing, read as it grows.
 
-An archive is extracted while it downloads (:mod:`stager.ops.stream`) by reading
+An archive is extracted while it downloads (:mod:`stager.overlap`) by reading
 the download's file through a :class:`GrowingFile`: at the end of the bytes
 written so far a read waits until more arrive, the download ends (then the end of
 the file is the end of the archive) or fails (then the read raises).
@@ -117,7 +117,7 @@ class Growth:
         if generation is not None and generation != self.generation:
             raise StartOver(f"the download of {self.final.name} started over")
 
-    def _wait(self, reader: GrowingFile, size: int, wanted: int) -> bool:
+    def wait_for(self, reader: GrowingFile, size: int, wanted: int) -> bool:
         """Wait until the file holds ``wanted`` bytes beyond ``size``... or a while; True
         when the download has ended, so what the file holds now is all there is."""
         with self._changed:
@@ -128,7 +128,7 @@ class Growth:
                 self._changed.wait(POLL_S)
             return False
 
-    def _require_final(self, reader: GrowingFile) -> None:
+    def require_final(self, reader: GrowingFile) -> None:
         """At the end of the file: it must be the finished download, this generation."""
         with self._changed:
             self._check(reader.generation)
@@ -165,7 +165,7 @@ class GrowingFile(io.RawIOBase):
     def head(self, size: int) -> bytes:
         """The file's first ``size`` bytes (fewer if it ends sooner), waiting for them."""
         while True:
-            ended = self.growth._wait(self, 0, size)
+            ended = self.growth.wait_for(self, 0, size)
             data = os.pread(self.fd, size, 0)
             if len(data) == size or ended:
                 return data
@@ -177,21 +177,21 @@ class GrowingFile(io.RawIOBase):
             if self.closed:
                 raise ValueError("read of a closed file (the extraction stopped)")
             # Before reading, so bytes of a newer generation are never handed out.
-            ended = self.growth._wait(self, self._pos, wanted)
+            ended = self.growth.wait_for(self, self._pos, wanted)
             available = os.fstat(self.fd).st_size - self._pos
             if available >= wanted or (ended and available > 0):
                 done = os.preadv(self.fd, [view], self._pos)
                 self._pos += done
                 return done
             if ended:
-                self.growth._require_final(self)
+                self.growth.require_final(self)
                 self.reached_end = True
                 return 0
 
     def confirm(self) -> None:
         """After a reader stopped short of the end: raise ``StartOver`` unless what it
         read is the start of the finished file (the download must have ended)."""
-        self.growth._require_final(self)
+        self.growth.require_final(self)
 
     def release(self) -> None:
         self.close()

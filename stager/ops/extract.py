@@ -7,6 +7,8 @@ archive opened confined to the allowed roots. Safety decisions live in
 :mod:`stager.archive.writer` (paths, directories, link ordering); library errors
 become ours in :func:`stager.archive.job.translate`, the one place that maps them.
 With any ``verify`` but ``none`` the archive must not change while it is read.
+An archive that an earlier ``fetch`` is still downloading is read as it arrives
+(``run_growing``, run by :mod:`stager.overlap`); a URL ``src`` becomes that pair.
 
 Benchmark: bench/bench_extract.py.
 """
@@ -24,6 +26,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from stager.archive.extractor import extract_archive
 from stager.archive.formats import (
+    ARCHIVE_SUFFIXES,
     ArchiveFormat,
     archive_suffix,
     estimate_output,
@@ -160,10 +163,14 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
 
 def reads_growing(step: ExtractStep) -> str | None:
     """The relative src this step can extract while an earlier step still downloads it
-    (:mod:`stager.ops.stream`), or None. Not a zip: its directory is at its end."""
-    if step.src.startswith("/") or step.format == "zip":
-        return None
-    if step.format == "auto" and archive_suffix(step.src) == ".zip":
+    (:mod:`stager.overlap`), or None where its name or format says it must be whole
+    first (see ``run_growing``, which decides by the first bytes)."""
+    fmt = (
+        step.format
+        if step.format != "auto"
+        else ARCHIVE_SUFFIXES.get(archive_suffix(step.src) or "", "auto")
+    )
+    if step.src.startswith("/") or fmt == "zip" or (fmt == "tar" and step.nested):
         return None
     return step.src
 

@@ -85,8 +85,8 @@ def check(step: FetchStep, ctx: CheckContext) -> int:
 
 
 class Watch(Protocol):
-    """Told as the download's file grows, so a reader can follow it (stager.ops.table's
-    overlap of a fetch and the extract of what it fetches)."""
+    """Told as the download's file grows, so a reader can follow it (stager.overlap:
+    a fetch and the extract of what it fetches, at once)."""
 
     def writing(self, offset: int) -> None:
         """The ``.part`` file is open to append at ``offset``, the bytes before it kept;

@@ -231,7 +231,7 @@ class OpTable:
         expanded: list[Any] = []
         for step in steps:
             raw = self.op_of(step).expands(step)
-            expanded.extend(step for step in ([step] if raw is None else self.validate_steps(raw)))
+            expanded.extend([step] if raw is None else self.validate_steps(raw))
         return expanded
 
     def dump_steps(self, steps: Sequence[Any]) -> list[dict[str, Any]]:

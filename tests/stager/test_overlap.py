@@ -488,11 +488,13 @@ def test_the_daemon_extracts_a_url_as_it_downloads(daemon: Daemon, corpus, http)
     assert wrong["state"] == "failed" and wrong["error"]["type"] == "verify_failed"
 
 
+@pytest.mark.parametrize("name", ["outer.tar", "outer.bin"])
 def test_a_plain_tar_of_archives_is_extracted_in_place_once_whole(
-    http, ctx: OpContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, http, ctx: OpContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The ImageNet shape (a tar of tars, ``nested``): read in place once downloaded, its
-    inner archives never written out, rather than streamed."""
+    inner archives never written out, rather than streamed. Named .tar: not overlapped
+    at all; named otherwise: its first bytes say tar, and the pair extracts it whole."""
     behaviour, url = http
     source = write_source(tmp_path / "outer", n_files=20, big=0)
     for name in ("n01", "n02"):
@@ -514,8 +516,13 @@ def test_a_plain_tar_of_archives_is_extracted_in_place_once_whole(
         return real_note(self, root, rel, outer)
 
     monkeypatch.setattr(ExtractJob, "note_written_inner", note)
-    behaviour.files = {"/pub/outer.tar": archive.read_bytes()}
-    events = run_pair(pair(f"{url}/pub/outer.tar", "outer.tar", nested=True), ctx)
-    assert events == ["downloaded", "extracted"]
+    behaviour.files = {f"/pub/{name}": archive.read_bytes()}
+    steps = pair(f"{url}/pub/{name}", name, nested=True)
+    if name.endswith(".tar"):
+        assert not OPS.overlaps(steps[0], steps[1], ctx)
+        for step in steps:
+            OPS.run(step, ctx)
+    else:
+        assert run_pair(steps, ctx) == ["downloaded", "extracted"]
     assert written == []
     assert snapshot(ctx.root) == snapshot(reference)
