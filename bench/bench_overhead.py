@@ -49,8 +49,12 @@ TRACE_POINTS = [
     ("stager/worker.py", "    die_with(daemon_pid)  # the daemon", "child-forked"),
     ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
     ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
-    ("stager/worker.py", "            write_atomically(attempt.marker, str(index))\n", "op-done"),
-    ("stager/worker.py", "            crash.reached(Durable.STEP_DONE)\n", "marker-written"),
+    (
+        "stager/worker.py",
+        "                write_atomically(attempt.marker, str(marked))\n",
+        "op-done",
+    ),
+    ("stager/worker.py", "                crash.reached(Durable.STEP_DONE)\n", "marker-written"),
     ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
     ("stager/fs/seal.py", "    return Seal(entries=", "sealed"),
     (

@@ -193,6 +193,7 @@ class Engine:
             expansion = await run_io(recipes.expand, request, self.settings)
         else:
             expansion = recipes.Expansion(steps=request.steps)
+        expansion.steps = self.ops.expand(expansion.steps)  # e.g. an extract of a URL
         spec = request.spec()
         request_key = spec_key(spec)
         if naming:  # early, before paying for a fingerprint

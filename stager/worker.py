@@ -16,6 +16,8 @@ progress through the progress channel's shared counters (see
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stager import overlap
 from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
@@ -158,15 +161,29 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
-            made = ops.run(step, ctx)
+            following = steps[index] if index < len(steps) else None
+            if following is not None and ops.overlaps(step, following, ctx):
+                # A download and the extraction of it, at once (stager.overlap): both
+                # steps are done together, the next turn only removes what it used up.
+                after = functools.partial(progress.start_step, index + 1)
+                overlap.run_pair(ops, step, following, ctx, downloaded=after)
+                finished = [index, index + 1]
+                done = index + 1
+            else:
+                made = ops.run(step, ctx)
+                finished = [index]
             progress.flush()
-            write_atomically(attempt.marker, str(index))
-            crash.reached(Durable.STEP_DONE)
+            for marked in finished:
+                write_atomically(attempt.marker, str(marked))
+                crash.reached(Durable.STEP_DONE)
         # After the marker, so a crash in between finds the step done and its input
         # still there; repeated for done steps on resume, where it may be gone already.
         if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
             delete_tree(Path(used_up), threading.Event())
             crash.reached(Durable.INPUT_USED_UP)
+        if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
+            with contextlib.suppress(OSError):  # not empty: something else is kept there
+                os.rmdir(folder)  # a folder it alone was downloaded into
     ctx.check_cancelled()
     if sealed_by_op and made is not None:
         return seal_listed(attempt.tree, made)

@@ -17,8 +17,10 @@ class Behaviour:
     bytes_per_s: float | None = None  # throttle every response body
     drop_after: int | None = None  # cut the first full response after this many bytes
     hold: threading.Event | None = None  # bodies wait until this is set (a stalled server)
+    ignore_ranges: bool = False  # answer every request 200 with the whole body
     ranges_seen: list[str] = field(default_factory=list)
     requests: int = 0
+    sent: int = 0  # body bytes written to clients, all responses together
 
 
 def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
@@ -36,6 +38,9 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
             header = self.headers.get("Range")
             if header:
                 behaviour.ranges_seen.append(header)
+            if header and behaviour.ignore_ranges:
+                header = None
+            if header:
                 start = int(re.match(r"bytes=(\d+)-", header).group(1))
                 if start >= len(body):
                     self.send_response(416)
@@ -63,6 +68,7 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
                 piece = data[sent : sent + chunk]
                 self.wfile.write(piece)
                 sent += len(piece)
+                behaviour.sent += len(piece)
                 if behaviour.bytes_per_s:
                     time.sleep(len(piece) / behaviour.bytes_per_s)
 

@@ -156,8 +156,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("books", {"stager.dataset", "stager.leases", "stager.store", "stager.cache"}),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
-        # One staging: its process, the doorway to it, its tree published.
-        ("staging", {"stager.worker", "stager.blocking", "stager.publish"}),
+        # One staging: its process (a download overlapped with its extraction), the
+        # doorway to it, its tree published.
+        ("staging", {"stager.worker", "stager.overlap", "stager.blocking", "stager.publish"}),
         ("fanout", {"stager.fanout"}),
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),

@@ -127,8 +127,11 @@ def open_decompressed(raw: BinaryIO, fmt: str, read_ahead: bool = False) -> Bina
     isal's decompresses the next blocks while the caller parses headers and
     hands out files (its errors are raised by the read that reaches them); a
     check that reads a few KiB does without it, as it would read megabytes ahead.
-    The stream must be closed: that stops the thread.
+    The stream must be closed: that stops the thread. A plain tar is ``raw`` itself
+    (a download still arriving is read as a stream, whatever its format).
     """
+    if fmt == "tar":
+        return raw
     if fmt == "tar.gz":
         if read_ahead:
             # Blocks of a quarter chunk: ahead of the reader it holds 2 decompressed
@@ -297,5 +300,8 @@ class StreamReader(io.RawIOBase):
         self._pos = self._start + len(self._chunk)
 
     def close(self) -> None:
+        # The raw file first: a decompressor's read-ahead thread waiting on it (a growing
+        # download) is released before closing the stream waits for that thread.
+        self._raw.close()
         self._stream.close()
         super().close()

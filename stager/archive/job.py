@@ -65,13 +65,22 @@ class InnerContext:
 
 @dataclass
 class Archive:
-    """An archive as a byte range of an open file: a whole file or a nested member."""
+    """An archive as a byte range of an open file: a whole file or a nested member.
+
+    Or a download still arriving (``growing``, see :mod:`stager.archive.growing`): read
+    once from start to end as a stream, its ``length`` unknown (0) until it ends.
+    """
 
     fd: int
     base: int
     length: int
     fmt: str
     label: str  # how messages name it
+    growing: io.RawIOBase | None = None
+
+    def reader(self) -> io.RawIOBase:
+        """The archive's bytes from its first: the growing file, or a view of the range."""
+        return self.growing or RangeFile(self.fd, self.base, self.length)
 
 
 @dataclass

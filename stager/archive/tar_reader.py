@@ -22,7 +22,7 @@ from typing import Any
 
 from stager.archive import tar_members
 from stager.archive.formats import STREAM_CHUNK, StreamReader, open_decompressed
-from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
+from stager.archive.job import Archive, ExtractJob, judge_link, nested_suffix
 from stager.archive.writer import ArchiveWriter, Payload, SparseRanges, file_mode, unsafe
 from stager.errors import UnknownFormat
 
@@ -45,12 +45,15 @@ def read_tar(
 ) -> None:
     """Every member of the tar ``archive`` to ``writer``; ``start_inner`` (an outer
     archive with ``nested``) takes the members that are archives themselves."""
-    raw = RangeFile(archive.fd, archive.base, archive.length)
+    raw = archive.reader()
     stream: StreamReader | None = None
-    if archive.fmt != "tar":
+    if archive.growing is not None:  # read once, in order: its reads wait for the bytes
+        decompressed = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
+        stream = StreamReader(decompressed, raw)  # type: ignore[arg-type]
+    elif archive.fmt != "tar":
         buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
         decompressed = open_decompressed(buffered, archive.fmt, read_ahead=True)
-        stream = StreamReader(decompressed, raw)
+        stream = StreamReader(decompressed, raw)  # type: ignore[arg-type]
     # Closed also when the extraction fails: that stops gzip's read-ahead thread.
     with stream if stream is not None else contextlib.nullcontext():
         # Headers of a plain tar are read through a read-ahead buffer: with small members
@@ -81,7 +84,8 @@ def read_tar(
                 _tar_member(job, archive, writer, tar, stream, member, strip, share, start_inner)
             if stream is not None:
                 stream.drain()  # lets the decompressor verify its checksum and length
-            job.ctx.progress.advance(max(0, archive.length - consumed), 0)
+            length = archive.length if archive.growing is None else raw.tell()
+            job.ctx.progress.advance(max(0, length - consumed), 0)
 
 
 # Member types of GNU tar's beyond tarfile's; anything else unknown is a regular file, as

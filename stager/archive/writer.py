@@ -64,7 +64,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 # folders of ~1,000 files, two workers mostly write into different folders instead of
 # taking turns on one folder's lock.
 _BATCH_FILES = 1024
-_BATCH_BYTES = 8 << 20  # of payloads held in memory (compressed archives)
+BATCH_BYTES = 8 << 20  # of payloads held in memory (compressed archives)
 # Members up to this size are written from one read of the archive per batch (a write
 # each, like GNU tar) rather than one copy_file_range each; both cost the same in the
 # kernel, but one call less per file is ~1 us of Python less.
@@ -377,10 +377,13 @@ class ArchiveWriter:
         ctx: WriterContext,
         pool: Executor | None,
         through_links: bool = True,
+        batch_bytes: int = BATCH_BYTES,
     ) -> None:
         """``through_links``: place members under the archive's own safe symlinks, as
-        GNU tar does (unzip refuses them: a zip's writer passes False)."""
+        GNU tar does (unzip refuses them: a zip's writer passes False). ``batch_bytes``:
+        payload bytes a batch holds before it goes to the pool."""
         self.root = root
+        self._batch_bytes = batch_bytes
         self._prefix = os.path.join(root, "")
         self._through_links = through_links
         self.archive = archive
@@ -569,7 +572,7 @@ class ArchiveWriter:
         self._in_flight[rel] = batch.seq
         batch.share += share
         batch.nbytes += nbytes
-        if len(batch.jobs) >= _BATCH_FILES or batch.nbytes >= _BATCH_BYTES:
+        if len(batch.jobs) >= _BATCH_FILES or batch.nbytes >= self._batch_bytes:
             self._submit()
 
     def _submit(self) -> None:

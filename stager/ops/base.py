@@ -44,7 +44,7 @@ def _absolute_source(value: str) -> str:
     return checked_path(value)
 
 
-def _source_or_inside(value: str) -> str:
+def source_or_inside(value: str) -> str:
     """An absolute source, or a path an earlier step wrote inside the dataset."""
     return _absolute_source(value) if value.startswith("/") else _relative(value)
 
@@ -59,7 +59,7 @@ def _relative(value: str) -> str:
 AbsoluteSource = Annotated[str, AfterValidator(_absolute_source)]
 # ``fetch`` then ``extract`` of what it fetched: a relative ``src`` names an earlier
 # step's output inside the dataset (see ``OpContext.source``).
-SourceOrInside = Annotated[str, AfterValidator(_source_or_inside)]
+SourceOrInside = Annotated[str, AfterValidator(source_or_inside)]
 RelativePath = Annotated[str, AfterValidator(_relative)]
 
 

@@ -7,6 +7,8 @@ archive opened confined to the allowed roots. Safety decisions live in
 :mod:`stager.archive.writer` (paths, directories, link ordering); library errors
 become ours in :func:`stager.archive.job.translate`, the one place that maps them.
 With any ``verify`` but ``none`` the archive must not change while it is read.
+An archive that an earlier ``fetch`` is still downloading is read as it arrives
+(``run_growing``, run by :mod:`stager.overlap`); a URL ``src`` becomes that pair.
 
 Benchmark: bench/bench_extract.py.
 """
@@ -18,16 +20,20 @@ import os
 import tarfile
 from contextlib import suppress
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, model_validator
 
 from stager.archive.extractor import extract_archive
 from stager.archive.formats import (
+    ARCHIVE_SUFFIXES,
     ArchiveFormat,
+    archive_suffix,
     estimate_output,
     read_first_header,
     resolve_format,
 )
+from stager.archive.growing import GrowingFile
 from stager.archive.job import Archive, translate
 from stager.errors import CorruptArchive, VerifyFailed
 from stager.fs.sources import open_source, require_source
@@ -35,24 +41,73 @@ from stager.ops.base import (
     CheckContext,
     OpContext,
     RelativePath,
-    SourceOrInside,
     StepParams,
+    source_or_inside,
 )
+from stager.ops.fetch import http_url, url_file_name
+
+# Where an extract of a URL downloads its archive, inside the dataset.
+DOWNLOADS = ".download"
+
+
+def _is_url(src: str) -> bool:
+    return src.startswith(("http://", "https://"))
+
+
+def _archive_source(value: str) -> str:
+    """An absolute path, an earlier step's output, or an http(s) URL naming a file."""
+    if not _is_url(value):
+        if "://" in value:  # as a relative path, a folder named "ftp:": surely a mistake
+            raise ValueError(
+                f"src {value!r} is a URL stager cannot download; extract downloads "
+                "http:// and https:// URLs, or give a path"
+            )
+        return source_or_inside(value)
+    http_url(value)
+    if url_file_name(value) is None:
+        raise ValueError(
+            f"url {value!r} names no file; fetch it with a 'fetch' step whose dst names "
+            "the file, then extract that"
+        )
+    return value
 
 
 class ExtractStep(StepParams):
     """Extract an archive; ``nested`` also extracts archives found inside it.
 
     A relative ``src`` names an archive an earlier step wrote into the dataset (a
-    fetch); it is deleted once extracted unless ``keep`` is set.
+    fetch); it is deleted once extracted unless ``keep`` is set. An http(s) URL is
+    extracted as it downloads (a fetch of it into ``.download/``, then the extract of
+    that, overlapped), checked against ``sha256`` when given, and kept the same way.
     """
 
-    src: SourceOrInside
+    src: Annotated[str, AfterValidator(_archive_source)]
     dst: RelativePath = "."
     format: ArchiveFormat = "auto"
     strip_components: int = Field(default=0, ge=0, le=1024)
     nested: bool = False
     keep: bool = False  # keep an archive that an earlier step wrote into the dataset
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")  # of a URL's
+
+    @model_validator(mode="after")
+    def _sha256_of_a_download(self) -> ExtractStep:
+        if self.sha256 is not None and not _is_url(self.src):
+            raise ValueError(
+                "sha256 checks an archive extract downloads: give it with an http(s) src; "
+                "a file's own bytes are checked by verify 'sha256'"
+            )
+        return self
+
+
+def as_fetch_then_extract(step: ExtractStep) -> list[dict[str, Any]] | None:
+    """An extract of a URL as the steps it runs as: the fetch of the URL into the
+    dataset's ``.download/``, then the extract of that file (which stager.overlap runs
+    at once). None for any other src."""
+    if not _is_url(step.src):
+        return None
+    archive = f"{DOWNLOADS}/{url_file_name(step.src)}"
+    fetched = {"op": "fetch", "url": step.src, "dst": archive, "sha256": step.sha256}
+    return [fetched, {**step.model_dump(), "src": archive, "sha256": None}]
 
 
 def check(step: ExtractStep, ctx: CheckContext) -> int:
@@ -105,6 +160,36 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
             raise
         if ctx.verify != "none":
             _require_unchanged(fd, before, step.src)
+
+
+def reads_growing(step: ExtractStep) -> str | None:
+    """The relative src this step can extract while an earlier step still downloads it
+    (:mod:`stager.overlap`), or None where its name or format says it must be whole
+    first (see ``run_growing``, which decides by the first bytes)."""
+    fmt = (
+        step.format
+        if step.format != "auto"
+        else ARCHIVE_SUFFIXES.get(archive_suffix(step.src) or "", "auto")
+    )
+    if step.src.startswith("/") or fmt == "zip" or (fmt == "tar" and step.nested):
+        return None
+    return step.src
+
+
+def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> bool:
+    """Extract ``step.src`` from its download as it arrives (``growing``); False when its
+    first bytes say it must be whole first (then run ``run`` on it): a zip, whose
+    directory is at its end, or a plain tar with ``nested``, whose inner archives (the
+    ImageNet shape) are extracted in place and in parallel from the whole file, where a
+    stream would write each one out and read it back."""
+    dest = ctx.destination(step.dst)
+    with translate(step.src):
+        fmt = resolve_format(step.src, step.format, growing.head(tarfile.BLOCKSIZE))
+        if fmt == "zip" or (fmt == "tar" and step.nested):
+            return False
+        archive = Archive(growing.fileno(), 0, 0, fmt, step.src, growing=growing)
+        extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
+    return True
 
 
 def _require_unchanged(

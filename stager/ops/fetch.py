@@ -27,7 +27,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -46,7 +46,8 @@ RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CONTENT_RANGE = re.compile(r"bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)")
 
 
-def _http_url(value: str) -> str:
+def http_url(value: str) -> str:
+    """``value`` if it is an http(s) URL with a host name; else a ValueError naming it."""
     try:
         url = httpx.URL(value)
     except (httpx.InvalidURL, TypeError, UnicodeError) as exc:
@@ -56,7 +57,7 @@ def _http_url(value: str) -> str:
     return value
 
 
-HttpUrlText = Annotated[str, AfterValidator(_http_url)]
+HttpUrlText = Annotated[str, AfterValidator(http_url)]
 
 
 class FetchStep(StepParams):
@@ -85,21 +86,40 @@ def check(step: FetchStep, ctx: CheckContext) -> int:
     _file_name(step)
     if ctx.verify == "sha256" and step.sha256 is None:
         raise BadRequest(
-            f"verify 'sha256' needs the digest of {step.url}: give the fetch step its "
-            "'sha256' (as published with the file), or ask for verify 'size'"
+            f"verify 'sha256' needs the digest of {step.url}: give the step that downloads "
+            "it (a fetch, or an extract of the URL) its 'sha256' (as published with the "
+            "file), or ask for verify 'size'"
         )
     return 0
 
 
-def run(step: FetchStep, ctx: OpContext) -> None:
+class Watch(Protocol):
+    """Told as the download's file grows, so a reader can follow it (stager.overlap:
+    a fetch and the extract of what it fetches, at once)."""
+
+    def writing(self, offset: int) -> None:
+        """The ``.part`` file is open to append at ``offset``, the bytes before it kept;
+        0: a new file."""
+
+    def wrote(self) -> None:
+        """More bytes are in the ``.part`` file, visible to other readers."""
+
+
+def files(step: FetchStep, ctx: OpContext) -> tuple[Path, Path]:
+    """The file a download appends to, and the name it has once complete."""
     target = _target(step, ctx)
-    part = target.with_name(target.name + ".part")
+    return target.with_name(target.name + ".part"), target
+
+
+def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:
+    part, target = files(step, ctx)
     try:
         if _already_done(step, target, ctx):
             return
         with httpx.Client(follow_redirects=True, timeout=TIMEOUT) as client:
-            _Download(step, part, ctx, client).run()
-        _verify(step, part, ctx)
+            download = _Download(step, part, ctx, client, watch)
+            download.run()
+        _verify(step, part, ctx, download.digest_of_part())
         os.replace(part, target)
         ctx.progress.advance(0, 1)
     except OSError as exc:
@@ -114,12 +134,18 @@ def _translate(exc: OSError, step: FetchStep) -> StagerError:
 def _file_name(step: FetchStep) -> str:
     if step.dst not in ("", ".") and not step.dst.endswith("/"):
         return os.path.basename(step.dst)
-    name = os.path.basename(unquote(urlsplit(step.url).path))
-    if not name or name in (".", ".."):
+    name = url_file_name(step.url)
+    if name is None:
         raise BadRequest(
             f"cannot name the download of {step.url} from its URL; give 'dst' as a file path"
         )
     return name
+
+
+def url_file_name(url: str) -> str | None:
+    """The file name a URL's path ends with, or None (``https://host/``)."""
+    name = os.path.basename(unquote(urlsplit(url).path))
+    return None if not name or name in (".", "..") else name
 
 
 def _target(step: FetchStep, ctx: OpContext) -> Path:
@@ -143,10 +169,11 @@ def _already_done(step: FetchStep, target: Path, ctx: OpContext) -> bool:
     return True
 
 
-def _verify(step: FetchStep, part: Path, ctx: OpContext) -> None:
+def _verify(step: FetchStep, part: Path, ctx: OpContext, digest: str | None = None) -> None:
+    """``digest``: the ``.part`` file's, taken as its bytes arrived (None: read it again)."""
     if not step.sha256:
         return
-    got, want = _sha256(part, ctx), step.sha256.lower()
+    got, want = digest or _sha256(part, ctx), step.sha256.lower()
     if got != want:
         part.unlink()
         raise VerifyFailed(
@@ -167,16 +194,28 @@ def _sha256(path: Path, ctx: OpContext) -> str:
 class _Download:
     """Retries and resume state for one URL; each attempt appends to the ``.part`` file."""
 
-    def __init__(self, step: FetchStep, part: Path, ctx: OpContext, client: httpx.Client):
+    def __init__(
+        self,
+        step: FetchStep,
+        part: Path,
+        ctx: OpContext,
+        client: httpx.Client,
+        watch: Watch | None = None,
+    ):
         self.url = step.url
         self.part = part
         self.ctx = ctx
         self.client = client
+        self.watch = watch
         self.counted = 0  # bytes already reported to progress, so retries never double-count
         self.announced = False
         # Sent as If-Range on resumes within this run: a file that changed
         # between attempts comes back whole (200) instead of being spliced.
         self.validator: str | None = None
+        # The sha256 of the .part's first ``hashed`` bytes, taken as they are written, so
+        # a checked download is not read a second time (140 GB: minutes) once complete.
+        self.digest = hashlib.sha256() if step.sha256 else None
+        self.hashed = 0
 
     def run(self) -> None:
         reason = "no attempt was made"
@@ -240,17 +279,44 @@ class _Download:
         position = offset
         self._advance(position)
         with open(self.part, "ab" if offset else "wb") as out:
+            if self.watch is not None:
+                self.watch.writing(offset)
+            self._hash_up_to(offset)
             # No chunk_size: httpx would buffer up to it, and a cut connection
             # would lose everything buffered instead of leaving it in the .part.
             for chunk in response.iter_raw():
                 out.write(chunk)
+                if self.digest is not None:
+                    self.digest.update(chunk)
+                    self.hashed += len(chunk)
                 position += len(chunk)
+                if self.watch is not None:
+                    out.flush()  # so a reader of the file sees what it is told of
+                    self.watch.wrote()
                 self._advance(position)
                 self.ctx.check_cancelled()
         if total is not None and position > total:
             self.part.unlink()
             raise _Retry(f"received {position} bytes but the server announced {total}")
         return total is None or position == total
+
+    def _hash_up_to(self, offset: int) -> None:
+        """Make the digest cover the .part's first ``offset`` bytes, which are kept: read
+        from the file when it does not (a resume after a restart, a file started over)."""
+        if self.digest is None or self.hashed == offset:
+            return
+        self.digest, self.hashed = hashlib.sha256(), 0
+        with open(self.part, "rb") as kept:
+            while self.hashed < offset and (chunk := kept.read(min(CHUNK, offset - self.hashed))):
+                self.digest.update(chunk)
+                self.hashed += len(chunk)
+                self.ctx.check_cancelled()
+
+    def digest_of_part(self) -> str | None:
+        """The complete .part's sha256 when the download took it whole, else None."""
+        if self.digest is None or not self.part.exists():
+            return None
+        return self.digest.hexdigest() if self.part.stat().st_size == self.hashed else None
 
     def _unsatisfiable(self, response: httpx.Response, offset: int) -> bool:
         _, total = _content_range(response.headers.get("content-range"))

@@ -18,10 +18,12 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, TypeAdapter, create_model
 
+from stager.archive.growing import GrowingFile, Growth
 from stager.errors import BadRequest
 from stager.ops import (
     adopt,
@@ -42,6 +44,26 @@ from stager.settings import Settings
 # An op that writes no file data of its own (a link, a rename) has nothing to verify,
 # so any level is fine for it.
 NOTHING_TO_VERIFY = frozenset(VERIFY_LEVELS)
+
+
+@dataclass(frozen=True)
+class Grows:
+    """An op that writes one file from its first byte to its last (a download), and can
+    tell a reader as it grows (stager.overlap)."""
+
+    # The file it appends to, and the name that file has once complete.
+    files: Callable[[Any, OpContext], tuple[Path, Path]]
+    run: Callable[[Any, OpContext, Growth], None]
+
+
+@dataclass(frozen=True)
+class Follows:
+    """An op that can read its ``src`` while an earlier step still writes it."""
+
+    # The relative src it can read so, or None (an archive whose end must come first).
+    src: Callable[[Any], str | None]
+    # False: the file turned out to need its end first; run the op once it is complete.
+    run: Callable[[Any, OpContext, GrowingFile], bool]
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,13 @@ class Op:
     # of a URL without user:password or query string): shareable like a world-readable
     # file (docs/multiuser.md).
     public_source: Callable[[Any], bool] = lambda step: False
+    # Overlap (stager.overlap): a step whose op ``grows`` a file, followed by one whose
+    # op ``follows`` it and names that file as its src, run at once.
+    grows: Grows | None = None
+    follows: Follows | None = None
+    # The steps a step of this op runs as, when a request arrives (raw, as in a request),
+    # or None: itself (an extract of a URL runs as a fetch, then an extract).
+    expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None
 
     @property
     def summary(self) -> str:
@@ -93,6 +122,9 @@ def _row(
     links_to_source: Callable[[Any], bool] = lambda step: False,
     keeps_source_name: bool = False,
     public_source: Callable[[Any], bool] = lambda step: False,
+    grows: Grows | None = None,
+    follows: Follows | None = None,
+    expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
@@ -107,6 +139,9 @@ def _row(
         links_to_source,
         keeps_source_name,
         public_source,
+        grows,
+        follows,
+        expands,
     )
 
 
@@ -128,6 +163,8 @@ BUILTIN = (
         verify=EVERY_LEVEL,
         consumes_src=True,
         read_only_files=True,
+        follows=Follows(extract.reads_growing, extract.run_growing),
+        expands=extract.as_fetch_then_extract,
     ),
     _row("rename", rename, rename.RenameStep),
     # sha256 of a download is checked against the digest its step names.
@@ -138,6 +175,7 @@ BUILTIN = (
         verify=EVERY_LEVEL,
         shareable=False,
         public_source=fetch.without_credentials,
+        grows=Grows(fetch.files, fetch.run),
     ),
     _row(
         "unpack",
@@ -194,6 +232,16 @@ class OpTable:
     def validate_steps_json(self, raw: str | bytes) -> list[Any]:
         return self._steps.validate_json(raw)
 
+    def expand(self, steps: Sequence[Any]) -> list[Any]:
+        """The steps a request's steps run as: each one that its op ``expands`` replaced
+        by what it expands to. Done once, when a request arrives: what is stored, keyed by
+        its sources, shared and run is the expansion."""
+        expanded: list[Any] = []
+        for step in steps:
+            raw = self.op_of(step).expands(step)
+            expanded.extend([step] if raw is None else self.validate_steps(raw))
+        return expanded
+
     def dump_steps(self, steps: Sequence[Any]) -> list[dict[str, Any]]:
         return self._steps.dump_python(list(steps), mode="json")
 
@@ -238,6 +286,14 @@ class OpTable:
 
     def run(self, step: Any, ctx: OpContext) -> int | None:
         return self.op_of(step).run(step, ctx)
+
+    def overlaps(self, step: Any, following: Any, ctx: OpContext) -> bool:
+        """Whether ``following`` reads the file ``step`` writes and the two can run at
+        once (stager.overlap)."""
+        grows, follows = self.op_of(step).grows, self.op_of(following).follows
+        if grows is None or follows is None or (src := follows.src(following)) is None:
+            return False
+        return ctx.destination(src) == grows.files(step, ctx)[1]
 
     def used_up(self, step: Any, ctx: OpContext) -> str | None:
         """The earlier step's output this step consumed, to remove once it is done."""
