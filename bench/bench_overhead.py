@@ -35,12 +35,12 @@ from tests.daemon import Daemon  # noqa: E402
 TRACE_POINTS = [
     (
         "stager/engine.py",
-        "        expansion, request_key, key = await self._resolve(request)\n",
+        "        resolved = await self._resolve(request, caller)\n",
         "post",
     ),
     (
         "stager/engine.py",
-        "        await self.fanout.release_unused(request.adopt, entry)\n",
+        "        await self.fanout.admitted(arrival, entry)\n",
         "admitted",
     ),
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
