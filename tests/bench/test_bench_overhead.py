@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_trace_point_names_a_line_that_exists_once() -> None:
+def test_every_trace_point_names_a_line_that_exists() -> None:
     spec = importlib.util.spec_from_file_location(
         "bench_overhead", REPO / "bench" / "bench_overhead.py"
     )
