@@ -73,18 +73,31 @@ class ExportPlan:
 # ---- blocking work, run off the event loop -------------------------------------------
 
 
-def make_folder(transfer: Transfer) -> None:
-    """The transfer's folder; in the node service its owner's alone (0700), in a folder
-    of theirs that only the service may change (so they cannot move it away)."""
+def make_folder(transfer: Transfer, writable_by_owner: bool = False) -> None:
+    """The transfer's folder, in a folder of its owner's uid that only the service may
+    change (so nobody moves it away). A delivery's (``writable_by_owner``) is its
+    owner's, 0700: their sbcast writes there, and the service only reads it as them
+    and removes it. An export's stays the service's (0711): the service writes there,
+    so nobody else may plant anything in it (a link, a FIFO); each file it packs is
+    handed to the owner once written (:func:`hand_over`)."""
     transfer.path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+    mode = 0o711 if transfer.owner is not None and not writable_by_owner else 0o700
     try:
-        transfer.path.mkdir(mode=0o700)
+        transfer.path.mkdir(mode=mode)
     except FileExistsError:
         return
+    if transfer.owner is not None and writable_by_owner:
+        group = transfer.group if transfer.group is not None else -1
+        os.chown(transfer.path, transfer.owner, group)
+
+
+def hand_over(path: Path, transfer: Transfer) -> None:
+    """A file the service packed for ``transfer``: its owner's alone to read (0400),
+    so their sbcast can send it and nobody else can read what may be private data."""
     if transfer.owner is not None:
-        os.chown(
-            transfer.path, transfer.owner, transfer.group if transfer.group is not None else -1
-        )
+        group = transfer.group if transfer.group is not None else -1
+        os.chown(path, transfer.owner, group, follow_symlinks=False)
+        os.chmod(path, 0o400, follow_symlinks=False)
 
 
 def remove_folder(path: Path) -> None:
@@ -122,12 +135,15 @@ def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
     index = plan.packed
     out = _start_part(plan, transfer)
     bundle.pack_part(plan.tree, out, plan.parts[index - plan.first], plan.manifest, plan.sent)
+    hand_over(out, transfer)
     plan.packed += 1
     public = _part_public(plan, transfer, out)
     if plan.packed == plan.count:
         data = plan.manifest.to_bytes()
-        (transfer.path / MANIFEST_NAME).write_bytes(data)
-        public.manifest = str(transfer.path / MANIFEST_NAME)
+        manifest = transfer.path / MANIFEST_NAME
+        manifest.write_bytes(data)
+        hand_over(manifest, transfer)
+        public.manifest = str(manifest)
         public.manifest_sha256 = digest(data)
     return public
 
@@ -143,6 +159,7 @@ def pack_early_part(
     out = _start_part(plan, transfer)
     packed = Digests()  # what this part carries counts as sent only once it is whole
     bundle.pack_part(tree, out, entries, Manifest(), packed)
+    hand_over(out, transfer)
     plan.sent.update(packed)
     plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
     plan.packed += 1

@@ -343,7 +343,7 @@ class FanoutRoom:
                 transfer = self.deliveries.add(
                     key, request.label, request.bytes, request.ttl_s, owner
                 )
-        await run_io(make_folder, transfer)
+        await run_io(make_folder, transfer, True)
         return transfer_public(transfer)
 
     async def release(self, label: str, caller: Caller) -> TransferPublic:

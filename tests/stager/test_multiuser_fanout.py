@@ -269,3 +269,40 @@ def test_a_users_reservations_count_against_their_quota(
     finally:
         node.stop()
         node.cleanup()
+
+
+def test_a_user_plants_nothing_where_the_service_packs_their_export(
+    nodes: tuple[Daemon, Daemon], users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """The service writes an export's parts and manifest as root: in a folder the user
+    could write, a link named like the next part would make root overwrite any file,
+    and a FIFO would hang a thread. The folder is the service's; each file is handed
+    to its owner once written, readable by them alone."""
+    node1, _ = nodes
+    alice, bob = users
+    victim = shared_tmp / "victim"
+    victim.write_text("root's own file")
+    victim.chmod(0o600)
+    big = public_tree(shared_tmp / "datasets" / "big", n_files=60)
+    ready(alice, node1, copy(big))
+    first = call(
+        alice, node1, "POST", "/v1/datasets/ds/export", {"label": "j11-ds", "part_bytes": 65536}
+    )
+    assert first["parts"] >= 3, first
+    folder = Path(first["path"]).parent
+    for argv in (
+        ["ln", "-s", str(victim), str(folder / part_name(1))],
+        ["ln", "-s", str(victim), str(folder / MANIFEST_NAME)],
+        ["mkfifo", str(folder / part_name(2))],
+        ["rm", "-f", first["path"]],
+    ):
+        assert alice.run(argv).returncode != 0, argv
+    read = ["dd", f"if={first['path']}", "of=/dev/null", "status=none"]
+    assert alice.run(read).returncode == 0  # hers to read and send
+    assert bob.run(read).returncode != 0
+    for part in range(1, first["parts"]):
+        answer = call(
+            alice, node1, "POST", "/v1/datasets/ds/export", {"label": "j11-ds", "part": part}
+        )
+        assert Path(answer["path"]).stat().st_uid == alice.uid
+    assert victim.read_text() == "root's own file"
