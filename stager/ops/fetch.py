@@ -70,11 +70,13 @@ class FetchStep(StepParams):
 
 def without_credentials(step: FetchStep) -> bool:
     """Whether the download carries none of the user's credentials: no user or
-    password and no query string (where tokens travel) in its URL. The daemon sends
-    nothing else of the user's (no netrc, no headers), so anyone asking for this URL
-    gets the same bytes."""
-    parts = urlsplit(step.url)
-    return not (parts.username or parts.password or parts.query)
+    password, no query string and no path parameters (``;jsessionid=``: where tokens
+    travel) in its URL, read by the parser that downloads it. The daemon sends nothing
+    else of the user's (no netrc, no headers), so anyone asking for this URL gets the
+    same bytes."""
+    url = httpx.URL(step.url)
+    target = url.raw_path.decode("ascii", "replace")  # the path and the query, as sent
+    return not (url.userinfo or "?" in target or ";" in target)
 
 
 class _Retry(Exception):

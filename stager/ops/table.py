@@ -105,6 +105,9 @@ class Op:
     # The steps a step of this op runs as, when a request arrives (raw, as in a request),
     # or None: itself (an extract of a URL runs as a fetch, then an extract).
     expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None
+    # The daemon's own: built by the daemon from a request (a fan-out's adoption), never
+    # given in a request's steps, whose checks it skips (its folder is the service's).
+    internal: bool = False
 
     @property
     def summary(self) -> str:
@@ -125,6 +128,7 @@ def _row(
     grows: Grows | None = None,
     follows: Follows | None = None,
     expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None,
+    internal: bool = False,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
@@ -142,6 +146,7 @@ def _row(
         grows,
         follows,
         expands,
+        internal,
     )
 
 
@@ -188,8 +193,14 @@ BUILTIN = (
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
     # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.
-    _row("adopt", adopt, adopt.AdoptStep, verify=EVERY_LEVEL, shareable=False),
-    _row("check_delivered", check_delivered, check_delivered.CheckDeliveredStep, shareable=False),
+    _row("adopt", adopt, adopt.AdoptStep, verify=EVERY_LEVEL, shareable=False, internal=True),
+    _row(
+        "check_delivered",
+        check_delivered,
+        check_delivered.CheckDeliveredStep,
+        shareable=False,
+        internal=True,
+    ),
 )
 
 
@@ -237,8 +248,15 @@ class OpTable:
         by what it expands to. Done once, when a request arrives: what is stored, keyed by
         its sources, shared and run is the expansion."""
         expanded: list[Any] = []
-        for step in steps:
-            raw = self.op_of(step).expands(step)
+        for index, step in enumerate(steps, start=1):
+            op = self.op_of(step)
+            if op.internal:
+                raise BadRequest(
+                    f"step {index} ({op.name}) is the daemon's own, built from a request's "
+                    "'adopt' (a multi-node fan-out), not a step a request may give; use "
+                    "stager-client stage --peers slurm"
+                )
+            raw = op.expands(step)
             expanded.extend([step] if raw is None else self.validate_steps(raw))
         return expanded
 

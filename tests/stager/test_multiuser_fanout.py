@@ -306,3 +306,22 @@ def test_a_user_plants_nothing_where_the_service_packs_their_export(
         )
         assert Path(answer["path"]).stat().st_uid == alice.uid
     assert victim.read_text() == "root's own file"
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        {"op": "adopt", "folder": "/tmp", "origin_node": "x", "data_bytes": 1, "vouch_uid": 0,
+         "munge_socket": "/tmp/mine"},
+        {"op": "check_delivered", "files": {}, "origin_node": "x"},
+    ],
+    ids=["adopt", "check_delivered"],
+)  # fmt: skip
+def test_the_daemons_own_ops_are_refused_in_a_request(
+    nodes: tuple[Daemon, Daemon], users: tuple[User, User], step: dict
+) -> None:
+    """Built by the daemon from a request's ``adopt``, never given as steps: a user's
+    own would run its checks (and unmunge, on a socket of theirs) as root."""
+    _, bob = users
+    code, answer = bob.curl(nodes[0].socket, "POST", "/v1/datasets", {"name": "x", "steps": [step]})
+    assert code == 400 and "daemon's own" in answer["error"]["message"], answer

@@ -177,3 +177,25 @@ def test_check_does_no_network_io_and_estimates_zero() -> None:
 class _QuietFiles(SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
+
+
+@pytest.mark.parametrize(
+    ("url", "public"),
+    [
+        ("http://h/data.tar", True),
+        ("https://h:8443/a/b%20c.tar", True),
+        ("http://h/data.tar#part?x", True),  # a fragment is never sent
+        ("http://h/p%3Fx", True),  # an escaped '?' is part of the path
+        ("http://u:p@h/data.tar", False),
+        ("http://u@h/data.tar", False),
+        ("http://:@h/data.tar", False),  # an empty Authorization header still goes out
+        ("http://u%40x:p@h/data.tar", False),
+        ("http://h/data.tar?token=abc", False),
+        ("http://h/data.tar?", False),
+        ("http://h/data.tar;jsessionid=SECRET", False),
+    ],
+)
+def test_a_download_is_public_only_when_its_url_carries_nothing_of_the_user(
+    url: str, public: bool
+) -> None:
+    assert fetch.without_credentials(fetch.FetchStep(url=url, dst="d")) is public
