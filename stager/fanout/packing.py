@@ -104,9 +104,10 @@ def remove_folder(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def unwritten_bytes(transfers: list[Transfer]) -> int:
-    """Room promised to transfers that their files do not take yet."""
-    total = 0
+def written_bytes(transfers: list[Transfer]) -> list[int]:
+    """The bytes each transfer's folder holds now (a delivery's files are its user's:
+    they may hold more than was reserved)."""
+    found = []
     for transfer in transfers:
         written = 0
         try:
@@ -114,8 +115,8 @@ def unwritten_bytes(transfers: list[Transfer]) -> int:
                 written = sum(f.stat(follow_symlinks=False).st_size for f in files)
         except FileNotFoundError:
             pass
-        total += max(0, transfer.nbytes - written)
-    return total
+        found.append(written)
+    return found
 
 
 def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:

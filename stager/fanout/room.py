@@ -51,7 +51,7 @@ from stager.fanout.packing import (
     plan_export,
     plan_rest,
     remove_folder,
-    unwritten_bytes,
+    written_bytes,
 )
 from stager.fs.credentials import Reader
 from stager.identity import Caller
@@ -112,10 +112,6 @@ class Transfers:
 
     def key_of(self, transfer: Transfer) -> str:
         return str(transfer.path.relative_to(self.root))
-
-    def owned_by(self, uid: int) -> int:
-        """The bytes reserved by ``uid``'s transfers."""
-        return sum(t.nbytes for t in self._live.values() if t.owner == uid)
 
     def renew(self, key: str, ttl_s: float) -> Transfer:
         """``key``, living ``ttl_s`` from now: an export is renewed by every part asked
@@ -224,10 +220,18 @@ class FanoutRoom:
         return Arrival(adopting, origin, estimate, delivery_key)
 
     async def held(self) -> Held:
-        """For admission (under its lock): what the room holds."""
-        promised = [*self.deliveries.live(), *self.exports.live()]
-        unwritten = await run_io(unwritten_bytes, promised)
-        return Held(unwritten, self.exporting, self.reserved_by())
+        """For admission (under its lock): what the room holds. Room promised and not
+        written yet is not free; each user's transfers count against their quota with
+        what they reserved, or what they wrote if that is more."""
+        transfers = [*self.deliveries.live(), *self.exports.live()]
+        written = await run_io(written_bytes, transfers)
+        unwritten, reserved_by = 0, {}
+        for transfer, nbytes in zip(transfers, written, strict=True):
+            unwritten += max(0, transfer.nbytes - nbytes)
+            if transfer.owner is not None:
+                held = max(transfer.nbytes, nbytes)
+                reserved_by[transfer.owner] = reserved_by.get(transfer.owner, 0) + held
+        return Held(unwritten, self.exporting, reserved_by)
 
     @property
     def exporting(self) -> set[str]:
@@ -368,15 +372,6 @@ class FanoutRoom:
     def _quota_owner(owner: Caller | None) -> int | None:
         """Whose quota a transfer's room counts against: a user's, not root's."""
         return owner.uid if owner is not None and not owner.is_root else None
-
-    def reserved_by(self) -> dict[int, int]:
-        """The bytes each user's transfers hold (for their quota)."""
-        owners = {t.owner for t in [*self.deliveries.live(), *self.exports.live()]}
-        return {
-            uid: self.deliveries.owned_by(uid) + self.exports.owned_by(uid)
-            for uid in owners
-            if uid is not None
-        }
 
     async def _discard(self, key: str) -> None:
         delivery = self.deliveries.pop(key)

@@ -266,6 +266,11 @@ def test_a_users_reservations_count_against_their_quota(
         call(bob, node, "POST", "/v1/incoming", {"label": "b", "bytes": 600_000})  # his own
         call(alice, node, "DELETE", "/v1/incoming/a")
         call(alice, node, "POST", "/v1/incoming", {"label": "b", "bytes": 600_000})
+        # What a user writes past a reservation counts too: the folder is theirs.
+        tiny = Path(call(bob, node, "POST", "/v1/incoming", {"label": "t", "bytes": 1})["path"])
+        bob.run(["dd", "if=/dev/zero", f"of={tiny / 'extra'}", "bs=1000", "count=500"])
+        code, answer = bob.curl(node.socket, "POST", "/v1/incoming", {"label": "c", "bytes": 1})
+        assert code == 422 and answer["error"]["type"] == "quota_exceeded", answer
     finally:
         node.stop()
         node.cleanup()
