@@ -148,10 +148,21 @@ def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
     return usage
 
 
-def public_origin(entry: Entry | None, hit: bool = False) -> Origin | None:
+def public_origin(
+    entry: Entry | None, hit: bool = False, of_another: bool = False
+) -> Origin | None:
+    """How ``entry`` arrived; ``of_another``: it was staged for another user, whose job
+    is theirs to know (how it arrived is said, not by which job)."""
     if entry is None or not entry.origin:
         return None
-    return Origin.model_validate({**entry.origin, "hit": hit})
+    origin = {**entry.origin, "hit": hit}
+    if of_another:
+        origin["job"] = None
+    return Origin.model_validate(origin)
+
+
+def _staged_for_another(entry: Entry, handle: Handle) -> bool:
+    return entry.reader is not None and entry.reader.uid != handle.owner
 
 
 def public_view(
@@ -171,7 +182,7 @@ def public_view(
         usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
         leases=leases,
         size_bytes=entry.size_bytes,
-        origin=public_origin(entry, handle.hit),
+        origin=public_origin(entry, handle.hit, of_another=_staged_for_another(entry, handle)),
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )

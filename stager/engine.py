@@ -230,7 +230,16 @@ class Engine:
             and earlier.error is not None
             and earlier.error.type == NotPublic.type
         )
-        if shared and not found_private:
+        # Another user's adoption of this key under way: its delivery is theirs to
+        # send, slowly or never, so nobody else waits on it (nor sees why it failed).
+        adopting = (
+            earlier is not None
+            and earlier.active
+            and earlier.reader is not None
+            and earlier.reader.vouched
+            and earlier.reader.uid != reader.uid
+        )
+        if shared and not found_private and not adopting:
             if adopt is None:
                 return key, replace(reader, public=True)
             if adopt.vouched and adopt.sources is None:

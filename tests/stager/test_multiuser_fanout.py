@@ -330,3 +330,28 @@ def test_the_daemons_own_ops_are_refused_in_a_request(
     _, bob = users
     code, answer = bob.curl(nodes[0].socket, "POST", "/v1/datasets", {"name": "x", "steps": [step]})
     assert code == 400 and "daemon's own" in answer["error"]["message"], answer
+
+
+def test_nobody_waits_on_another_users_adoption(
+    nodes: tuple[Daemon, Daemon], users: tuple[User, User], source: Path
+) -> None:
+    """bob starts a vouched adoption of the shared key on node2 and never sends a part
+    (or aborts it with words of his): alice's own request for the same data does not
+    join it, it stages from the source for her; she never sees bob's job or his text."""
+    node1, node2 = nodes
+    alice, bob = users
+    staged = ready(alice, node1, copy(source))
+    reserve(bob, node2, "j12-ds")
+    body = adopt_body(copy(source), "j12-ds", staged["key"], 1 << 20, vouched=True)
+    code, held = bob.curl(node2.socket, "POST", "/v1/datasets", body)
+    assert code == 202 and held["key"] == staged["key"], held  # the shared key
+    mine = ready(alice, node2, copy(source))
+    assert mine["key"] != staged["key"] and mine["origin"]["how"] == "staged"
+    assert digest(Path(mine["path"])) == digest(source)
+    folder = node2.cache_dir / "incoming" / str(bob.uid) / "j12-ds"
+    abort = json.dumps({"abort": "bob says no"})
+    assert bob.run(["sh", "-c", f"cat > {folder / END_NAME}"], input=abort).returncode == 0
+    failed = call(bob, node2, "GET", "/v1/datasets/ds/wait?timeout=60")
+    assert failed["state"] == "failed", failed
+    again = call(alice, node2, "GET", "/v1/datasets/ds")
+    assert again["state"] == "ready" and "bob says no" not in json.dumps(again)
