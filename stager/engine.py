@@ -341,9 +341,9 @@ class Engine:
     async def _drop_if_changed(self, entry: Entry) -> None:
         """A ready tree changed since its publish is never served as it is: it is
         evicted, leased or not, and the request stages it again (stager.fs.seal)."""
-        if self._watch.clean(entry.key):
-            return  # checked whole, and no change reported since (stager.fs.watch)
         final = self._reg.final(entry)
+        if self._watch.clean(entry.key, final):
+            return  # checked whole, and no change reported since (stager.fs.watch)
         if entry.seal is None:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
         else:

@@ -18,7 +18,15 @@ limit of watches), a lost event (the kernel's queue overflowed), a folder remove
 moved away, a daemon that restarted.
 
 Events are read on the event loop without blocking (the descriptor is non-blocking,
-and a read takes what is queued), when a hit asks (:meth:`TreeWatch.clean`).
+and a read takes what is queued), when a hit asks (:meth:`TreeWatch.clean`), which
+also checks that the tree's top is still the folder that was watched (a cache folder
+renamed above it, and another tree put in its place, changes no watched folder).
+
+What no folder watch reports: a write through a hard link to a file of the tree made
+from outside it, or through a shared writable mapping, or a mount over a folder of
+the tree. In the node service every file is root's and read-only, so only root can
+do any of these; in per-user mode, the cache's owner. Such a change is caught at the
+first hit after the daemon starts again, which checks every tree whole.
 """
 
 from __future__ import annotations
@@ -63,11 +71,21 @@ class TreeWatch:
         self._watches: dict[str, list[int]] = {}  # cache key -> its folders' watches
         self._changes: dict[str, int] = {}  # changes reported per key since it was armed
         self._clean: set[str] = set()  # checked whole, unchanged since
+        # The top folder each key's watches are on, by (device, inode): a tree put in its
+        # place by renaming a folder above it (which no watch of the tree sees) is not it.
+        self._tops: dict[str, tuple[int, int]] = {}
 
-    def clean(self, key: str) -> bool:
-        """Whether the tree of ``key`` is known unchanged since its last full check."""
+    def clean(self, key: str, root: Path) -> bool:
+        """Whether the tree of ``key`` at ``root`` is known unchanged since its last full
+        check (one ``lstat`` of the top besides the queue's read)."""
         self._drain()
-        return key in self._clean
+        if key not in self._clean:
+            return False
+        try:
+            top = os.lstat(root)
+        except OSError:
+            return False
+        return self._tops.get(key) == (top.st_dev, top.st_ino)
 
     def arm(self, key: str, root: Path) -> int | None:
         """Watch every folder of ``root`` unless they are watched already (blocking:
@@ -80,6 +98,7 @@ class TreeWatch:
                 return self._changes[key]
         added: list[int] = []
         try:
+            top = os.lstat(root)
             for folder, _, _ in os.walk(root, onerror=_raise):
                 added.append(self._inotify.add_watch(folder, CHANGES))
         except OSError as exc:
@@ -90,6 +109,7 @@ class TreeWatch:
                 self._remove(wd)
             return None
         with self._lock:
+            self._tops[key] = (top.st_dev, top.st_ino)
             self._watches.setdefault(key, []).extend(added)
             for wd in added:
                 self._key_of[wd] = key
@@ -114,6 +134,7 @@ class TreeWatch:
         """(Under the lock.) ``key`` is watched no more; the watches to remove."""
         self._clean.discard(key)
         self._changes.pop(key, None)
+        self._tops.pop(key, None)
         wds = self._watches.pop(key, [])
         for wd in wds:
             self._key_of.pop(wd, None)

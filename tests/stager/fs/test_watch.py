@@ -27,13 +27,13 @@ def test_a_confirmed_tree_is_clean_until_anything_in_it_changes(
     tree = write_tree(tmp_path / "tree", n_files=9)
     token = watch.arm("k", tree)
     watch.confirm("k", token)
-    assert watch.clean("k")
+    assert watch.clean("k", tree)
     (tree / "class_1" / "img_0001.jpg").touch()
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
     watch.confirm("k", token)  # a check armed before that change: it proves nothing
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
     watch.confirm("k", watch.arm("k", tree))  # armed again, then (the engine's) check
-    assert watch.clean("k")
+    assert watch.clean("k", tree)
 
 
 def test_a_change_between_arming_and_confirming_is_never_lost(
@@ -43,7 +43,7 @@ def test_a_change_between_arming_and_confirming_is_never_lost(
     token = watch.arm("k", tree)
     (tree / "class_2" / "new").write_text("made while the check ran")
     watch.confirm("k", token)
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
 
 
 def test_a_tree_moved_away_is_forgotten_and_its_successor_watched_anew(
@@ -52,12 +52,12 @@ def test_a_tree_moved_away_is_forgotten_and_its_successor_watched_anew(
     tree = write_tree(tmp_path / "tree", n_files=9)
     watch.confirm("k", watch.arm("k", tree))
     tree.rename(tmp_path / "evicted")  # as an eviction does
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
     fresh = write_tree(tmp_path / "tree", n_files=3)
     watch.confirm("k", watch.arm("k", fresh))
-    assert watch.clean("k")
+    assert watch.clean("k", tree)
     (fresh / "class_0" / "img_0000.jpg").chmod(0o600)
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
 
 
 def test_a_tree_that_cannot_be_watched_whole_is_never_clean(
@@ -79,7 +79,7 @@ def test_a_tree_that_cannot_be_watched_whole_is_never_clean(
     token = watch.arm("k", tree)
     assert token is None
     watch.confirm("k", token)
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
 
 
 def test_without_inotify_nothing_is_ever_clean(
@@ -92,4 +92,17 @@ def test_without_inotify_nothing_is_ever_clean(
     watch = TreeWatch()
     tree = write_tree(tmp_path / "tree", n_files=3)
     watch.confirm("k", watch.arm("k", tree))
-    assert not watch.clean("k")
+    assert not watch.clean("k", tree)
+
+
+def test_a_tree_put_in_place_by_moving_a_folder_above_it_is_not_the_one_watched(
+    watch: TreeWatch, tmp_path: Path
+) -> None:
+    """Renaming the cache's data folder and putting another tree at the same path
+    changes no watched folder: the top's identity says it is another tree."""
+    tree = write_tree(tmp_path / "data" / "k", n_files=6)
+    watch.confirm("k", watch.arm("k", tree))
+    assert watch.clean("k", tree)
+    (tmp_path / "data").rename(tmp_path / "data-away")
+    write_tree(tmp_path / "data" / "k", n_files=6)
+    assert not watch.clean("k", tree)
