@@ -19,12 +19,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.datagen import make_archives, make_tree, tree_bytes
+from bench.timing import spread, timed
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
@@ -87,28 +87,15 @@ def _stager_runner(archive: Path, workers: int) -> Callable[[Path], None]:
     return run
 
 
-def _timed(runner: Callable[[Path], None], out: Path) -> float:
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    os.sync()
-    start = time.perf_counter()
-    runner(out)
-    return time.perf_counter() - start
-
-
 def _measure(runners: dict[str, Callable[[Path], None]], out: Path, repeat: int):
     times: dict[str, list[float]] = {name: [] for name in runners}
     for runner in runners.values():
-        _timed(runner, out)  # warm-up: archive into the page cache, code paths hot
+        timed(runner, out)  # warm-up: archive into the page cache, code paths hot
     for _ in range(repeat):
         for name, runner in runners.items():
-            times[name].append(_timed(runner, out))
+            times[name].append(timed(runner, out))
     shutil.rmtree(out, ignore_errors=True)
     return times
-
-
-def _spread(values: list[float]) -> str:
-    return f"{(max(values) - min(values)) / statistics.median(values) * 100:.0f}%"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -135,13 +122,13 @@ def main(args: argparse.Namespace) -> int:
         for name, values in times.items():
             median = statistics.median(values)
             if name == pair.baseline:
-                print(f"{name:<22}{median:>9.3f}{_spread(values):>8}{1.0:>8.2f}{'':>7}  baseline")
+                print(f"{name:<22}{median:>9.3f}{spread(values):>8}{1.0:>8.2f}{'':>7}  baseline")
                 continue
             ratio = median / base
             verdict = "PASS" if ratio <= pair.goal else "MISS"
             missed += verdict == "MISS"
             print(
-                f"{name:<22}{median:>9.3f}{_spread(values):>8}{ratio:>8.2f}"
+                f"{name:<22}{median:>9.3f}{spread(values):>8}{ratio:>8.2f}"
                 f"{pair.goal:>7.1f}  {verdict}"
             )
     return 1 if missed else 0

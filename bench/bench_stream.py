@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.datagen import make_archives, make_tree, tree_bytes
+from bench.timing import spread, timed
 from stager import overlap
 from stager.ops import table
 from stager.ops.base import OpContext
@@ -171,19 +172,6 @@ def _daemon(url: str, daemon: Daemon) -> Callable[[Path], None]:
     return run
 
 
-def _timed(runner: Callable[[Path], None], out: Path) -> float:
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    os.sync()
-    start = time.perf_counter()
-    runner(out)
-    return time.perf_counter() - start
-
-
-def _spread(values: list[float]) -> str:
-    return f"{(max(values) - min(values)) / statistics.median(values) * 100:.0f}%"
-
-
 def main(args: argparse.Namespace) -> int:
     work = args.work_dir / f"stream-{args.files}"
     tree = make_tree(work / "tree", n_files=args.files)
@@ -207,10 +195,10 @@ def main(args: argparse.Namespace) -> int:
         )
         times: dict[str, list[float]] = {name: [] for name in runners}
         for runner in runners.values():
-            _timed(runner, out)  # warm-up: the archive in the page cache, code paths hot
+            timed(runner, out)  # warm-up: the archive in the page cache, code paths hot
         for _ in range(args.repeat):
             for name, runner in runners.items():
-                times[name].append(_timed(runner, out))
+                times[name].append(timed(runner, out))
     finally:
         daemon.stop()
         server.terminate()
@@ -224,7 +212,7 @@ def main(args: argparse.Namespace) -> int:
     for name, values in times.items():
         median = statistics.median(values)
         runs = " ".join(f"{v:.2f}" for v in values)
-        print(f"{name:<22}{median:>9.3f}{_spread(values):>8}{median / base_time:>8.2f}  {runs}")
+        print(f"{name:<22}{median:>9.3f}{spread(values):>8}{median / base_time:>8.2f}  {runs}")
     return 0
 
 

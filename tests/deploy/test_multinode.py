@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,35 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.multinode import Cluster, ClusterError, fresh_copy, leftovers
+from bench.multinode import Cluster, fresh_copy
 from client.fanout.policy import source_node
+from tests.deploy.multinode_cluster import NODES, module_cluster
 from tests.trees import make_tar, write_tree
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
-NODES = 4
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: namespaces, mounts, slurmd")
-    if shutil.which("apt-get") is None and shutil.which("slurmd") is None:
-        pytest.skip("needs Debian's apt-get to install slurm-wlm, sshfs (or them installed)")
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("needs /dev/fuse for the shared storage (sshfs)")
-    made = Cluster(nodes=NODES, rate="200mbit", local_size="1g")
-    try:
-        made.up()
-    except ClusterError as exc:
-        pytest.skip(f"the multi-node cluster cannot start here: {exc}")
-    try:
-        yield made
-    finally:
-        namespaces = made.namespaces
-        made.down()
-        left = leftovers(namespaces)
-        assert not left, f"down.sh left: {left}"
+    yield from module_cluster()
 
 
 def test_every_node_has_its_own_disk_and_reads_the_storage_over_the_counted_link(

@@ -13,44 +13,23 @@ tests/stager/test_multiuser_fanout.py (two services on one machine).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.multinode import Cluster, ClusterError, leftovers
+from bench.multinode import Cluster
+from tests.deploy.multinode_cluster import NODES, module_cluster
 from tests.deploy.test_multinode import local_digest, node_digests, stage_script
 from tests.trees import write_tree
 from tests.users import User
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
-NODES = 4
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: namespaces, mounts, slurmd, the node service")
-    if shutil.which("apt-get") is None and shutil.which("slurmd") is None:
-        pytest.skip("needs Debian's apt-get to install slurm-wlm, sshfs (or them installed)")
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("needs /dev/fuse for the shared storage (sshfs)")
-    made = Cluster(nodes=NODES, rate="200mbit", local_size="1g", node_service=True)
-    try:
-        made.up()
-    except ClusterError as exc:
-        pytest.skip(f"the multi-node cluster cannot start here: {exc}")
-    try:
-        made.jobs_dir.chmod(0o1777)  # users' jobs write their outputs there
-        yield made
-    finally:
-        namespaces = made.namespaces
-        made.down()
-        left = leftovers(namespaces)
-        assert not left, f"down.sh left: {left}"
+    yield from module_cluster(users_jobs=True, node_service=True)
 
 
 def as_user(user: User) -> list[str]:
