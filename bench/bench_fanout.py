@@ -9,6 +9,12 @@ same tree. Each run is a real ``sbatch -N<n>`` job that runs one
 all nodes; every run starts from empty caches. Bytes are counted on the storage
 side (its sftp-server's log; its link's counter for the wire total).
 
+Two more shapes read the .tar.gz over HTTP from the storage (a ``http.server`` in the
+storage's own network namespace, behind the same rate-limited link; its bytes counted
+on that link, the wire column): ``url-file``, one large file fetched as it is
+(``fetch``), and ``url-extract``, the archive extracted while it downloads (an
+``extract`` of its URL: fetch then extract, overlapped).
+
 Two references in the same run: ``per-node`` (every node of an N=4 job runs its own
 ``stager-client stage``, which is what a job did before fan-out: the storage is
 read N times), and ``held`` (one node other than the batch node already holds the
@@ -18,6 +24,7 @@ dataset: nothing should leave the storage).
     sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
     ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
     ... --nodes 1 --kinds tree --no-references   # only the 1-node tree staging
+    ... --kinds url-file url-extract --no-references   # the two HTTP shapes
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -35,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.multinode import Cluster, fresh_copy, leftovers  # noqa: E402
 
 FILE_BYTES = 100_000
-KINDS = ("tree", "tar.gz")
+KINDS = ("tree", "tar.gz", "url-file", "url-extract")
+HTTP_PORT = 8080  # inside the storage's own network namespace: no clash possible
 
 
 def make_data(root: Path, total: int) -> tuple[Path, Path]:
@@ -51,9 +61,34 @@ def make_data(root: Path, total: int) -> tuple[Path, Path]:
     return tree, archive
 
 
-def stage_job(cluster: Cluster, name: str, source: str, nodes: int, broadcast: str) -> dict:
+def serve_http(cluster: Cluster) -> tuple[subprocess.Popen, str]:
+    """The storage folder over HTTP, from the storage's namespace; (server, base URL)."""
+    address = f"{cluster.values['MN_SUBNET']}.2"
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.values["MN_STORAGE_NS"], sys.executable, "-m",
+         "http.server", str(HTTP_PORT), "--bind", address, "--directory",
+         str(cluster.storage_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    return server, f"http://{address}:{HTTP_PORT}"
+
+
+def what(kind: str, source: str) -> str:
+    """The stage flags of ``kind`` reading ``source`` (a path on the nodes, or a URL)."""
+    if kind == "url-file":
+        step = {"op": "fetch", "url": source, "dst": Path(source).name}
+    elif kind == "url-extract":
+        step = {"op": "extract", "src": source}
+    else:
+        return f"--recipe imagefolder --source {source}"
+    return f"--step {shlex.quote(json.dumps(step))}"
+
+
+def stage_job(
+    cluster: Cluster, name: str, kind: str, source: str, nodes: int, broadcast: str
+) -> dict:
     script = f"""
-stager-client stage {name} --recipe imagefolder --source {source} --peers slurm \\
+stager-client stage {name} {what(kind, source)} --peers slurm \\
     --broadcast {broadcast} --timeout 900 --json > {cluster.jobs_dir}/{name}.json
 """
     job = cluster.sbatch(script, nodes=nodes, name=name, timeout=1200)
@@ -63,13 +98,13 @@ stager-client stage {name} --recipe imagefolder --source {source} --peers slurm 
     return json.loads(report_path.read_text())
 
 
-def per_node_job(cluster: Cluster, name: str, source: str, nodes: int) -> dict:
+def per_node_job(cluster: Cluster, name: str, kind: str, source: str, nodes: int) -> dict:
     """Every node stages for itself (no --peers): the reference fan-out replaces."""
     times = cluster.jobs_dir / f"{name}.times"
     script = f"""
 date +%s.%N > {times}
-srun --nodes={nodes} --ntasks-per-node=1 stager-client stage {name} --recipe imagefolder \\
-    --source {source} --wait --timeout 900 >/dev/null
+srun --nodes={nodes} --ntasks-per-node=1 stager-client stage {name} {what(kind, source)} \\
+    --wait --timeout 900 >/dev/null
 date +%s.%N >> {times}
 """
     job = cluster.sbatch(script, nodes=nodes, name=name, timeout=1200)
@@ -79,10 +114,10 @@ date +%s.%N >> {times}
     return {"seconds": end - start, "mode": "per-node", "nodes": {}, "timeline": {}}
 
 
-def hold_on_one_node(cluster: Cluster, name: str, source: str) -> None:
+def hold_on_one_node(cluster: Cluster, name: str, kind: str, source: str) -> None:
     """Stage ``source`` on the third node alone (not the batch node of the next job)."""
     holder = cluster.nodes[min(2, len(cluster.nodes) - 1)]
-    script = f"stager-client stage {name} --recipe imagefolder --source {source} --wait\n"
+    script = f"stager-client stage {name} {what(kind, source)} --wait\n"
     job = cluster.sbatch(script, nodes=1, name=name, timeout=1200, extra=[f"--nodelist={holder}"])
     if not job.ok:
         raise SystemExit(f"staging on {holder} alone failed:\n{job.output}")
@@ -98,18 +133,24 @@ def clear_caches(cluster: Cluster) -> None:
         raise SystemExit(f"clearing the caches failed:\n{job.output}")
 
 
-def measure(cluster: Cluster, kind: str, source: Path, nodes: int, broadcast: str, run: int):
-    source = fresh_copy(source, f"r{run}-n{nodes}-{broadcast}")
+def measure(
+    cluster: Cluster, kind: str, source: Path, nodes: int, broadcast: str, run: int, http: str
+):
+    source = fresh_copy(source, f"{kind}-r{run}-n{nodes}-{broadcast}")
     clear_caches(cluster)
-    name, shared = f"{kind}-n{nodes}-{broadcast}-r{run}", cluster.shared(source)
+    name = f"{kind.replace('.', '')}-n{nodes}-{broadcast}-r{run}"
+    if kind.startswith("url-"):
+        shared = f"{http}/{source.relative_to(cluster.storage_dir)}"
+    else:
+        shared = cluster.shared(source)
     if broadcast == "held":
-        hold_on_one_node(cluster, f"{name}-hold", shared)
+        hold_on_one_node(cluster, f"{name}-hold", kind, shared)
     before = cluster.storage()
     if broadcast == "per-node":
-        report = per_node_job(cluster, name, shared, nodes)
+        report = per_node_job(cluster, name, kind, shared, nodes)
     else:
         mode = "auto" if broadcast == "held" else broadcast
-        report = stage_job(cluster, name, shared, nodes, mode)
+        report = stage_job(cluster, name, kind, shared, nodes, mode)
     moved = cluster.storage() - before
     failed = [n for n, r in report["nodes"].items() if r["error"]]
     if failed:
@@ -138,9 +179,11 @@ def main() -> int:
     cluster = Cluster(nodes=max(args.nodes), rate=args.rate, local_size=local)
     print(f"load before: {os.getloadavg()[0]:.2f}; storage link {args.rate}", flush=True)
     cluster.up()
+    server, http = serve_http(cluster)
     try:
         tree, archive = make_data(cluster.storage_dir, args.mb * 1_000_000)
         sizes = {"tree": source_bytes(tree), "tar.gz": source_bytes(archive)}
+        sizes["url-file"] = sizes["url-extract"] = sizes["tar.gz"]
         print(f"tree: {sizes['tree'] / 1e6:.0f} MB in {len(list(tree.rglob('*.jpg')))} files; "
               f"tar.gz: {sizes['tar.gz'] / 1e6:.0f} MB", flush=True)  # fmt: skip
         results: dict[tuple[str, int, str], list] = {}
@@ -156,16 +199,17 @@ def main() -> int:
         for run in range(args.runs):
             for kind, nodes, broadcast in plan:
                 source = tree if kind == "tree" else archive
-                report, moved = measure(
-                    cluster, kind.replace(".", ""), source, nodes, broadcast, run
-                )
+                report, moved = measure(cluster, kind, source, nodes, broadcast, run, http)
                 results.setdefault((kind, nodes, broadcast), []).append((report, moved))
+                read = moved.wire if kind.startswith("url-") else moved.content
                 print(f"  run {run}: {kind} N={nodes} {broadcast}: {report['seconds']:.1f} s, "
-                      f"mode {report['mode']}, storage {moved.content / sizes[kind]:.3f}x, "
+                      f"mode {report['mode']}, storage {read / sizes[kind]:.3f}x, "
                       f"timeline {report['timeline']}", flush=True)  # fmt: skip
         print(f"\nload after: {os.getloadavg()[0]:.2f}")
         print_table(results, sizes, args)
     finally:
+        server.terminate()
+        server.wait(timeout=10)
         namespaces = cluster.namespaces
         cluster.down()
         left = leftovers(namespaces)
@@ -177,7 +221,7 @@ def main() -> int:
 def print_table(results: dict, sizes: dict[str, int], args: argparse.Namespace) -> None:
     print(f"\n{args.mb} MB, storage link {args.rate}, median of {args.runs} run(s)")
     print("| dataset | N | mode | wall time to ready on all nodes | vs N=1 | "
-          "storage bytes / source (content) | (wire) |")  # fmt: skip
+          "storage bytes / source (content; HTTP: none) | (wire; HTTP: all of it) |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|")
     for (kind, nodes, broadcast), runs in sorted(results.items()):
         seconds = statistics.median(r["seconds"] for r, _ in runs)
