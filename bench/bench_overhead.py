@@ -13,6 +13,14 @@ from that copy and prints each phase's median. The code under test is unchanged;
 the trace points cost microseconds.
 
     python bench/bench_overhead.py [--runs 30] [--trace]
+
+``--tar-files N`` times instead an extraction of a plain ``.tar`` of N files of 512 B
+through the daemon, POST to ready, against ``tar -xf`` of the same archive into a
+fresh folder on the same disk, alternating, ``--runs`` rounds (each staging reads
+its own hard link of the archive, so none is a cache hit); with ``--trace``, where
+its time goes.
+
+    python bench/bench_overhead.py --tar-files 200000 --runs 3 [--trace]
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +112,50 @@ def one_file_stagings(daemon: Daemon, source: Path, runs: int) -> list[float]:
     return times
 
 
+def make_tar(folder: Path, files: int) -> Path:
+    """A plain tar of ``files`` files of 512 B in folders of 1,000, by GNU tar."""
+    tree = folder / "tree"
+    for i in range(files):
+        path = tree / f"d{i // 1000:04d}" / f"f{i:07d}"
+        if i % 1000 == 0:
+            path.parent.mkdir(parents=True)
+        path.write_bytes(os.urandom(512))
+    archive = folder / "tree.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(tree), "."], check=True)
+    shutil.rmtree(tree)
+    return archive
+
+
+def tar_against_daemon(
+    daemon: Daemon, archive: Path, out: Path, runs: int
+) -> tuple[list[float], list[float]]:
+    """(tar -xf seconds, daemon POST-to-ready seconds) of each round, alternating, after
+    a first staging that starts the fork server."""
+    one_file_stagings(daemon, archive.parent, 0)
+    by_tar, by_daemon = [], []
+    with daemon.client(timeout=600) as client:
+        for i in range(runs):
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            os.sync()
+            start = time.perf_counter()
+            subprocess.run(["tar", "-xf", str(archive), "-C", str(out)], check=True)
+            by_tar.append(time.perf_counter() - start)
+            shutil.rmtree(out)
+            link = archive.with_name(f"run-{i}.tar")
+            os.link(archive, link)
+            os.sync()
+            start = time.perf_counter()
+            body = {"name": f"x{i}", "steps": [{"op": "extract", "src": str(link)}]}
+            client.post("/v1/datasets", json=body)
+            status = client.get(f"/v1/datasets/x{i}/wait", params={"timeout": 600}).json()
+            by_daemon.append(time.perf_counter() - start)
+            if status["state"] != "ready":
+                raise SystemExit(f"staging x{i} ended {status['state']}: {status['error']}")
+            client.delete(f"/v1/datasets/x{i}")
+    return by_tar, by_daemon
+
+
 def phases(log: str) -> dict[str, list[float]]:
     """Per phase (named by the point that ends it), its milliseconds in each staging."""
     out: dict[str, list[float]] = {}
@@ -124,6 +177,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=30, help="one-file stagings (after a first)")
     parser.add_argument("--trace", action="store_true", help="say where each millisecond goes")
+    parser.add_argument(
+        "--tar-files", type=int, default=0, help="time an extraction of a tar of N files instead"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="stager-overhead-") as scratch:
         scratch_dir = Path(scratch)
@@ -138,10 +194,29 @@ def main() -> None:
         daemon = Daemon(cache_dir=scratch_dir / "cache", extra_env=env)
         daemon.start()
         try:
-            times = one_file_stagings(daemon, source, args.runs)
-            log = daemon.log(limit=None)
+            if args.tar_files:
+                archive = make_tar(source, args.tar_files)
+                by_tar, by_daemon = tar_against_daemon(
+                    daemon, archive, scratch_dir / "out", args.runs
+                )
+                log = daemon.log(limit=None)
+            else:
+                times = one_file_stagings(daemon, source, args.runs)
+                log = daemon.log(limit=None)
         finally:
             daemon.stop()
+        if args.tar_files:
+            ratios = [d / t for t, d in zip(by_tar, by_daemon, strict=True)]
+            print(
+                f"{args.tar_files} files: tar -xf median {statistics.median(by_tar):.2f} s, "
+                f"the daemon's extract, POST to ready, {statistics.median(by_daemon):.2f} s; "
+                f"pairwise ratio median {statistics.median(ratios):.2f} "
+                f"({', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+            if args.trace:
+                for name, values in phases(log).items():
+                    print(f"  {name:34s} {statistics.median(values):9.2f} ms")
+            return
         steady = times[1:]
         print(
             f"one-file staging, POST to ready: median {statistics.median(steady):.1f} ms "
