@@ -110,9 +110,6 @@ class Transfers:
         self._live[key] = transfer
         return transfer
 
-    def key_of(self, transfer: Transfer) -> str:
-        return str(transfer.path.relative_to(self.root))
-
     def renew(self, key: str, ttl_s: float) -> Transfer:
         """``key``, living ``ttl_s`` from now: an export is renewed by every part asked
         for, so a long staging sending early parts does not outlive its export."""
@@ -135,11 +132,11 @@ class Transfers:
         del self._live[key]
         return transfer
 
-    def expired(self) -> list[Transfer]:
-        """Unclaimed transfers past their time, taken off the books."""
+    def expired(self) -> dict[str, Transfer]:
+        """Unclaimed transfers past their time, taken off the books, by key."""
         now = _now()
         gone = [k for k, t in self._live.items() if t.expires_at <= now and not t.claimed]
-        return [self._live.pop(key) for key in gone]
+        return {key: self._live.pop(key) for key in gone}
 
 
 @dataclass(frozen=True)
@@ -326,11 +323,13 @@ class FanoutRoom:
 
     async def expire(self) -> list[Path]:
         """Reservations and exports past their time (a job that died): removed."""
-        gone = [*self.deliveries.expired(), *self.exports.expired()]
-        for transfer in gone:
-            self.plans.pop(self.exports.key_of(transfer), None)
-            await run_io(remove_folder, transfer.path)
-        return [t.path for t in gone]
+        exports = self.exports.expired()
+        for key in exports:
+            self.plans.pop(key, None)
+        gone = [t.path for t in [*self.deliveries.expired().values(), *exports.values()]]
+        for path in gone:
+            await run_io(remove_folder, path)
+        return gone
 
     # ---- the API's reservations and exports: each caller's own ---------------------------
 

@@ -396,3 +396,26 @@ def test_a_staging_that_fed_a_fan_out_is_not_resumed_from_the_source_on_its_own(
             assert again.status_code == 202, again.text
             status = client.get("/v1/datasets/fed/wait", params={"timeout": 60}).json()
             assert status["state"] == "ready", status
+
+
+def test_expired_reservations_and_exports_go_and_the_sweep_goes_on(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A job that died leaves a reservation and an export: each goes once past its time,
+    and the sweep that removed them keeps sweeping (a second reservation goes too)."""
+    src = write_tree(tmp_path / "src", n_files=5)
+    daemon = daemon_factory(cache_dir=tmp_path / "node", env={"STAGER_SWEEP_INTERVAL_S": "0.2"})
+    with daemon.client() as client:
+        ready(client, request("ds", src))
+        exported = client.post("/v1/datasets/ds/export", json={"label": "e"}).json()
+        first = client.post("/v1/incoming", json={"label": "a", "bytes": 1, "ttl_s": 0.3}).json()
+        deadline = time.monotonic() + 10
+        while Path(first["path"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(first["path"]).exists()
+        assert Path(exported["path"]).exists()  # an hour to live: not yet
+        second = client.post("/v1/incoming", json={"label": "b", "bytes": 1, "ttl_s": 0.3}).json()
+        while Path(second["path"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(second["path"]).exists(), daemon.log()
+        assert client.delete("/v1/incoming/a").status_code == 404

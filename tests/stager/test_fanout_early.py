@@ -258,9 +258,9 @@ def test_an_export_lives_as_long_as_parts_are_asked_for(tmp_path: Path) -> None:
     for _ in range(4):
         time.sleep(0.03)
         exports.renew("job1-x", 0.05)
-        assert exports.expired() == []
+        assert exports.expired() == {}
     time.sleep(0.06)
-    assert [t.label for t in exports.expired()] == ["job1-x"]
+    assert [t.label for t in exports.expired().values()] == ["job1-x"]
 
 
 def test_files_of_a_part_that_failed_midway_are_sent_later(
