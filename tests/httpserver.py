@@ -22,6 +22,13 @@ class Behaviour:
     requests: int = 0
     sent: int = 0  # body bytes written to clients, all responses together
 
+    def reset(self, files: dict[str, bytes]) -> Behaviour:
+        """Serve ``files``, with no faults and no history (one server serves a module)."""
+        fresh = Behaviour(files=dict(files))
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(fresh, name))
+        return self
+
 
 def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):

@@ -120,10 +120,7 @@ def server() -> Iterator[tuple[Behaviour, str]]:
 @pytest.fixture
 def http(server: tuple[Behaviour, str]) -> tuple[Behaviour, str]:
     """The module's server with no faults and no history."""
-    behaviour = server[0]
-    behaviour.files, behaviour.bytes_per_s, behaviour.drop_after = {}, None, None
-    behaviour.ignore_ranges, behaviour.ranges_seen, behaviour.requests = False, [], 0
-    behaviour.sent = 0
+    server[0].reset({})
     return server
 
 

@@ -38,13 +38,7 @@ def server() -> Iterator[tuple[Behaviour, str]]:
 @pytest.fixture
 def behaviour(server: tuple[Behaviour, str]) -> Behaviour:
     """The module's server, reset to serve BODY with no faults and no history."""
-    behaviour = server[0]
-    behaviour.files = {"/data/train.tar": BODY}
-    behaviour.drop_after = None
-    behaviour.bytes_per_s = None
-    behaviour.ranges_seen = []
-    behaviour.requests = 0
-    return behaviour
+    return server[0].reset({"/data/train.tar": BODY})
 
 
 @pytest.fixture
