@@ -124,6 +124,16 @@ def http(server: tuple[Behaviour, str]) -> tuple[Behaviour, str]:
     return server
 
 
+def serve(corpus, http, name: str) -> tuple[Behaviour, str, bytes, dict]:  # noqa: ANN001
+    """The module's server serving archive ``name`` of the corpus at ``/pub/<name>``:
+    (the server's behaviour, its base URL, the archive's bytes, the corpus)."""
+    _, built = corpus
+    behaviour, url = http
+    data = built["archives"][name].read_bytes()
+    behaviour.files = {f"/pub/{name}": data}
+    return behaviour, url, data, built
+
+
 @pytest.fixture
 def ctx(tmp_path: Path) -> OpContext:
     root = tmp_path / "tree"
@@ -213,10 +223,7 @@ def test_files_appear_in_the_tree_before_the_download_ends(
 def test_a_dropped_connection_resumes_with_range_and_gives_the_exact_tree(
     corpus, http, ctx: OpContext
 ) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     behaviour.drop_after = len(data) // 2
     behaviour.bytes_per_s = 20e6  # so the extraction is waiting when the connection drops
     run_pair(pair(f"{url}/pub/data.tar.gz", "data.tar.gz"), ctx)
@@ -229,10 +236,7 @@ def test_a_restart_extracts_again_from_the_bytes_on_disk_and_resumes_the_downloa
 ) -> None:
     """As after a crash: half the archive in ``.part``, part of the tree extracted, one
     file of it cut short."""
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar"].read_bytes()
-    behaviour.files = {"/pub/data.tar": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar")
     (ctx.root / "dl").mkdir()
     (ctx.root / "dl" / "data.tar.part").write_bytes(data[: len(data) // 2])
     (ctx.root / "data").mkdir()
@@ -258,10 +262,7 @@ def test_a_download_that_starts_over_starts_the_extraction_over(
         return reader
 
     monkeypatch.setattr(growing.Growth, "open", open_reader)
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     behaviour.drop_after = len(data) // 2
     behaviour.bytes_per_s = 20e6
     behaviour.ignore_ranges = True
@@ -276,10 +277,7 @@ def test_a_download_that_starts_over_starts_the_extraction_over(
 def test_a_wrong_sha256_fails_the_pair_even_after_a_whole_extraction(
     corpus, http, ctx: OpContext
 ) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     with pytest.raises(VerifyFailed, match="sha256"):
         run_pair(pair(f"{url}/pub/data.tar.gz", "data.tar.gz", sha256="0" * 64), ctx)
     assert not (ctx.root / "dl" / "data.tar.gz").exists()
@@ -287,10 +285,7 @@ def test_a_wrong_sha256_fails_the_pair_even_after_a_whole_extraction(
 
 
 def test_the_right_sha256_passes(corpus, http, ctx: OpContext) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.xz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.xz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.xz")
     sha = hashlib.sha256(data).hexdigest()
     run_pair(pair(f"{url}/pub/data.tar.xz", "data.tar.xz", sha256=sha), ctx)
     assert snapshot(ctx.root) == built["references"]["data.tar.xz"]
@@ -316,10 +311,7 @@ def test_a_download_that_fails_fails_the_pair_with_its_own_error(http, ctx: OpCo
 
 
 def test_cancel_stops_both_promptly(corpus, http, tmp_path: Path) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     behaviour.bytes_per_s = 2e6
     cancel = threading.Event()
     ctx = OpContext(root=tmp_path, progress=Progress(), cancel=cancel)
@@ -360,10 +352,7 @@ def test_a_zip_is_extracted_once_whole(name: str, corpus, http, ctx: OpContext) 
 def test_the_daemon_overlaps_the_pair_and_keeps_the_archive_only_when_asked(
     daemon: Daemon, corpus, http
 ) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     sha = hashlib.sha256(data).hexdigest()
     steps = [
         {"op": "fetch", "url": f"{url}/pub/data.tar.gz", "dst": "dl/", "sha256": sha},
@@ -405,10 +394,7 @@ def test_kill_9_mid_stream_resumes_after_restart_and_gives_the_exact_tree(
     """The daemon (and its staging process) killed while the archive is half downloaded
     and partly extracted: the restarted daemon resumes the download with a Range
     request, extracts again from the first byte, and publishes exactly GNU tar's tree."""
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.gz"].read_bytes()
-    behaviour.files = {"/pub/data.tar.gz": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     behaviour.bytes_per_s = 2e6
     steps = [
         {
@@ -464,10 +450,7 @@ def test_an_extract_src_that_cannot_be_downloaded_is_refused(step: dict, message
 
 
 def test_the_daemon_extracts_a_url_as_it_downloads(daemon: Daemon, corpus, http) -> None:
-    _, built = corpus
-    behaviour, url = http
-    data = built["archives"]["data.tar.zst"].read_bytes()
-    behaviour.files = {"/pub/data.tar.zst": data}
+    behaviour, url, data, built = serve(corpus, http, "data.tar.zst")
     sha = hashlib.sha256(data).hexdigest()
     step = {"op": "extract", "src": f"{url}/pub/data.tar.zst", "sha256": sha}
     with daemon.client() as client:
