@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -263,9 +264,7 @@ class Engine:
         """Create or join a staging. Returns the status and whether it is already ready."""
         reg = self._reg
         resolved = await self._resolve(request, caller)
-        expansion, request_key, key, reader = (
-            resolved.expansion, resolved.request_key, resolved.key, resolved.reader
-        )  # fmt: skip
+        expansion, key, reader = resolved.expansion, resolved.key, resolved.reader
         # The link is the caller's: made where they may write, with their rights.
         link_maker = self._reader(caller)
         await run_io(as_user, link_maker, preflight.check_link, request.link, self.settings)
@@ -274,9 +273,9 @@ class Engine:
             await self._drop_if_changed(existing)
         # Only a miss pays for validating sources and estimating the size (a walk).
         miss = existing is None or not (existing.active or existing.state == State.READY)
-        arrival = await self.fanout.arrival(request, caller, resolved.expansion.steps,
-                                            resolved.key, resolved.shared_key, reader,
-                                            miss)  # fmt: skip
+        arrival = await self.fanout.arrival(
+            request, caller, expansion.steps, key, resolved.shared_key, reader, miss
+        )
         if existing is not None and not miss:
             estimate = existing.estimate_bytes
         elif arrival.estimate is not None:
@@ -293,7 +292,7 @@ class Engine:
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
-            self._check_name(request.name, caller.uid, request_key)  # another may have won
+            self._check_name(request.name, caller.uid, resolved.request_key)  # another may have won
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 await self._admit(
@@ -322,7 +321,9 @@ class Engine:
             hit = entry.state == State.READY
             handle = reg.handles.get((caller.uid, request.name))
             if handle is None or (handle.key, handle.link) != (key, request.link):
-                handle = Handle(request.name, key, request_key, caller.uid, request.link, hit=hit)
+                handle = Handle(
+                    request.name, key, resolved.request_key, caller.uid, request.link, hit=hit
+                )
                 if entry.state == State.READY and handle.link:
                     # Before the name is kept: a link that cannot be made is a 400 that
                     # leaves nothing behind. Under the lock, nothing evicts the entry first.
@@ -342,7 +343,7 @@ class Engine:
         """A ready tree changed since its publish is never served as it is: it is
         evicted, leased or not, and the request stages it again (stager.fs.seal)."""
         final = self._reg.final(entry)
-        if self._watch.clean(entry.key, final):
+        if await run_io(self._watch.clean, entry.key, final):
             return  # checked whole, and no change reported since (stager.fs.watch)
         if entry.seal is None:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
@@ -426,16 +427,17 @@ class Engine:
             await self._reg.note_feeding(entry)
         staging = entry.state == State.STAGING and entry.attempt is not None
         tree = self._reg.attempt(entry).tree if staging else None
-        return await self.fanout.export(entry, request, caller, tree, self._ready_tree)
+        ready = partial(self._ready_tree, name=name)
+        return await self.fanout.export(entry, request, caller, tree, ready)
 
-    async def _ready_tree(self, entry: Entry) -> Path:
-        """The published tree of ``entry``, to be sent: only a ready one, unchanged since
-        its publish (a changed tree is never sent either)."""
+    async def _ready_tree(self, entry: Entry, name: str) -> Path:
+        """The published tree of ``entry`` (dataset ``name``), to be sent: only a ready
+        one, unchanged since its publish (a changed tree is never sent either)."""
         if entry.state == State.READY:
             await self._drop_if_changed(entry)
         if entry.state != State.READY:
             raise Conflict(
-                f"dataset {entry.key} is {entry.state}, not ready; only a ready dataset can be sent"
+                f"dataset {name!r} is {entry.state}, not ready; only a ready dataset can be sent"
             )
         return self._reg.final(entry)
 

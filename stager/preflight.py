@@ -123,8 +123,8 @@ def ensure_dirs(settings: Settings) -> None:
         return
     # The node service: users reach their data under data/, where each tree's own top
     # says who may enter it (stager.fs.seal), and their transfers under incoming/ and
-    # outgoing/, where each has a folder of their own (<uid>/<label>, theirs, 0700:
-    # stager.fanout.packing); partial/ is the service's alone.
+    # outgoing/, in <uid>/<label> folders (stager.fanout.packing: a delivery's theirs,
+    # an export's the service's with files handed to them); partial/ is the service's.
     for shown in (settings.cache_dir, settings.data_dir):
         os.chmod(shown, 0o755)
     for passage in (settings.incoming_dir, settings.outgoing_dir):

@@ -19,6 +19,7 @@ a replay can only ever vouch for the same genuine tree.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import subprocess
@@ -33,8 +34,10 @@ WHAT = "stager fan-out manifest"
 VOUCHING = {0, 17}
 
 
+@functools.cache
 def available() -> bool:
-    """Whether this node can vouch (and check): munge's commands are installed."""
+    """Whether this node can vouch (and check): munge's commands are installed. Looked
+    up once per daemon: it is asked on the event loop for every part exported."""
     return shutil.which("munge") is not None and shutil.which("unmunge") is not None
 
 

@@ -6,7 +6,8 @@ parts planned and packed.
 A transfer is a folder under the cache directory, so it lives on the node-local
 disk the cache admits against: ``outgoing/<label>/`` (an export: a ready dataset
 packed to be sent) or ``incoming/<label>/`` (a delivery: room for what another
-node sends here).
+node sends here); in the node service ``<uid>/<label>/`` below each, per user
+(:func:`stager.fanout.room.transfer_key`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ class Transfer:
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
-    # Whose it is: the uid (and gid) whose job asked for it. In the node service the
-    # folder is theirs (None: the service's own), so that their sbcast can write a
-    # delivery and read an export, and nobody else can reach either.
+    # Whose it is: the uid (and gid) whose job asked for it (None: the daemon's own,
+    # per-user mode). Their sbcast writes a delivery's folder and reads an export's
+    # files, and nobody else can reach either (:func:`make_folder`).
     owner: int | None = None
     group: int | None = None
     # A delivery a staging reads: kept (and counted) until that staging ends, whoever

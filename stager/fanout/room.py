@@ -249,8 +249,9 @@ class FanoutRoom:
 
     def staging_starts(self, entry: Entry) -> tuple[Path, ...]:
         """Where the staging of ``entry`` may read: the allowed source roots, and for an
-        adoption the incoming folder too (its files are the daemon's own, delivered
-        there). The request check and the staging process both take it from here."""
+        adoption the incoming folder too (what was delivered there, read with the rights
+        of the user whose job delivered it). The request check and the staging process
+        both take it from here."""
         return self._roots(adopting=entry.delivery is not None)
 
     def staging_ends(self, entry: Entry) -> Path | None:
