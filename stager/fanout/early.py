@@ -27,6 +27,7 @@ import stat
 import time
 from pathlib import Path
 
+from stager.archive import ranges
 from stager.fanout.bundle import Entries, cut
 from stager.fs.manifest import Digests, walk
 from stager.manifest_format import Manifest
@@ -61,34 +62,72 @@ def settled(info: os.stat_result, now: float) -> bool:
 
 
 def pick(
-    tree: Path, sent: Digests, sent_dirs: set[str], part_bytes: int, now: float
-) -> tuple[Entries | None, float]:
-    """The next early part of staging tree ``tree``: folders not sent yet and files
+    tree: Path,
+    sent: Digests,
+    sent_dirs: set[str],
+    part_bytes: int,
+    now: float,
+    growing: dict[int, ranges.Growing] | None = None,
+    scratch: frozenset[str] = frozenset(),
+) -> tuple[Entries | ranges.RangePart | None, float]:
+    """The next early part of staging tree ``tree``, and how long to wait before the
+    next look. Either a part of whole entries: folders not sent yet and files
     unchanged for ``STABLE_S`` and not sent as they are now, until ``part_bytes`` of
-    file data (None if there is not that much yet); and how long to wait before the
-    next look."""
+    file data; or, with ``growing`` (the files sent in ranges so far), a part of
+    ranges: of files still written (``part_bytes`` at a time), and the ends of those
+    that settled since. None if there is not that much yet. Files in ``scratch`` (the
+    staging removes them: a downloaded archive it extracts) are never sent."""
     started = time.monotonic()
     entries: Entries = []
+    ranged = ranges.RangePart()
     size = 0
     for path, info in walk(tree):
         if stat.S_ISDIR(info.st_mode):
             if path not in sent_dirs:
                 entries.append((path, info))
-        elif stat.S_ISREG(info.st_mode) and settled(info, now) and sent.known(path, info) is None:
-            entries.append((path, info))
-            size += info.st_size
-            if size >= part_bytes:
-                break
+            continue
+        if not stat.S_ISREG(info.st_mode) or _scratch(path, scratch):
+            continue
+        done = settled(info, now)
+        if growing is not None and ranged.nbytes < part_bytes:
+            book = growing.get(info.st_ino)
+            if book is not None or (
+                not done and info.st_size >= part_bytes and sent.known(path, info) is None
+            ):
+                room = part_bytes - ranged.nbytes
+                piece = ranges.next_range(tree, path, info, book, room, ends=done)
+                if piece is not None:
+                    ranged.ranges.append(piece)
+                continue
+        if done and size < part_bytes and sent.known(path, info) is None:
+            if growing is None or info.st_ino not in growing:
+                entries.append((path, info))
+                size += info.st_size
+        if size >= part_bytes and (growing is None or ranged.nbytes >= part_bytes):
+            break
     retry = max(RETRY_MIN_S, RETRY_WALKS * (time.monotonic() - started))
+    if ranged.nbytes >= part_bytes or any(piece.last for piece in ranged.ranges):
+        return ranged, retry
     return (entries if size >= part_bytes else None), retry
 
 
-def rest(tree: Path, sent: Digests, part_bytes: int) -> tuple[list[Entries], Manifest, int]:
-    """What the ready ``tree`` still needs sent after the early parts: its folders and
-    links, and every file not sent as it is now, in parts; the manifest with the files
-    already sent (the others are added as they are packed); and the tree's file bytes."""
+def _scratch(path: str, scratch: frozenset[str]) -> bool:
+    """Whether ``path`` is a file the staging removes (or its name while written)."""
+    return path in scratch
+
+
+def rest(
+    tree: Path, sent: Digests, part_bytes: int, growing: dict[int, ranges.Growing] | None = None
+) -> tuple[list[Entries | ranges.RangePart], Manifest, int]:
+    """What the ready ``tree`` still needs sent after the early parts: the ends of the
+    files sent in ranges (``growing``: each file found by its inode, whatever its name
+    now), in range parts; then its folders and links, and every other file not sent
+    as it is now, in parts; the manifest with the files already sent (the others are
+    added as they are packed); and the tree's file bytes."""
     manifest = Manifest()
     needed: Entries = []
+    ends: list[tuple[str, os.stat_result, ranges.Growing]] = []
+    growing = dict(growing or {})
     data_bytes = 0
     for path, info in walk(tree):
         if stat.S_ISREG(info.st_mode):
@@ -96,5 +135,10 @@ def rest(tree: Path, sent: Digests, part_bytes: int) -> tuple[list[Entries], Man
             if (digest := sent.known(path, info)) is not None:
                 manifest.files[path] = digest
                 continue
+            if (book := growing.pop(info.st_ino, None)) is not None:
+                ranges.confirm(tree, path, book)  # changed behind its ranges: all again
+                ends.append((path, info, book))
+                continue
         needed.append((path, info))
-    return cut(needed, part_bytes), manifest, data_bytes
+    parts: list[Entries | ranges.RangePart] = [*ranges.cut(ends, part_bytes)]
+    return [*parts, *cut(needed, part_bytes)], manifest, data_bytes

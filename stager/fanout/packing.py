@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from stager.archive import ranges
 from stager.fanout import bundle, early
 from stager.fs.manifest import Digests
 from stager.manifest_format import Manifest, digest
@@ -51,7 +52,8 @@ class ExportPlan:
 
     tree: Path
     key: str
-    parts: list[bundle.Entries]  # parts ``first`` .. ``first + len(parts) - 1``
+    # Parts ``first`` .. ``first + len(parts) - 1``: of whole entries, or of ranges.
+    parts: list[bundle.Entries | ranges.RangePart]
     manifest: Manifest
     data_bytes: int  # the tree's file data (an early export: the staging's estimate)
     part_bytes: int = bundle.PART_BYTES  # about how much file data a part holds
@@ -61,6 +63,10 @@ class ExportPlan:
     early: bool = False
     sent: Digests = field(default_factory=Digests)  # files packed, as they were then
     sent_dirs: set[str] = field(default_factory=set)
+    # Files sent in ranges so far, by inode (stager.archive.ranges), and what the
+    # staging removes before it is ready, never sent (an archive it extracts).
+    growing: dict[int, ranges.Growing] = field(default_factory=dict)
+    scratch: frozenset[str] = frozenset()
 
     @property
     def count(self) -> int:
@@ -68,7 +74,8 @@ class ExportPlan:
 
     @property
     def total_bytes(self) -> int:
-        return bundle_estimate(self.data_bytes, sum(len(part) for part in self.parts))
+        members = sum(_members(part) for part in self.parts)
+        return bundle_estimate(self.data_bytes, members)
 
 
 # ---- blocking work, run off the event loop -------------------------------------------
@@ -128,7 +135,9 @@ def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:
 
 def plan_rest(plan: ExportPlan, tree: Path) -> None:
     """After the early parts: the parts ready ``tree`` still needs, from part ``packed``."""
-    plan.parts, plan.manifest, plan.data_bytes = early.rest(tree, plan.sent, plan.part_bytes)
+    plan.parts, plan.manifest, plan.data_bytes = early.rest(
+        tree, plan.sent, plan.part_bytes, plan.growing
+    )
     plan.tree, plan.first, plan.early = tree, plan.packed, False
 
 
@@ -136,7 +145,7 @@ def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
     """Write the next part (and, with the last, the manifest) into the export's folder."""
     index = plan.packed
     out = _start_part(plan, transfer)
-    bundle.pack_part(plan.tree, out, plan.parts[index - plan.first], plan.manifest, plan.sent)
+    _pack(plan, plan.tree, out, plan.parts[index - plan.first], plan.manifest, plan.sent)
     hand_over(out, transfer)
     plan.packed += 1
     public = _part_public(plan, transfer, out)
@@ -155,19 +164,39 @@ def pack_early_part(
 ) -> tuple[ExportPublic | None, float]:
     """The next early part of staging ``tree`` (None: none yet), and how soon to look
     again for the one after it."""
-    entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, plan.part_bytes, time.time())
+    entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, plan.part_bytes, time.time(),
+                                plan.growing, plan.scratch)  # fmt: skip
     if entries is None:
         return None, retry
     out = _start_part(plan, transfer)
     packed = Digests()  # what this part carries counts as sent only once it is whole
-    bundle.pack_part(tree, out, entries, Manifest(), packed)
+    _pack(plan, tree, out, entries, Manifest(), packed)
     hand_over(out, transfer)
     plan.sent.update(packed)
-    plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
+    if not isinstance(entries, ranges.RangePart):
+        plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
     plan.packed += 1
     public = _part_public(plan, transfer, out)
     public.more, public.retry_after_s = True, retry
     return public, retry
+
+
+def _pack(
+    plan: ExportPlan,
+    tree: Path,
+    out: Path,
+    part: bundle.Entries | ranges.RangePart,
+    manifest: Manifest,
+    sent: Digests,
+) -> None:
+    if isinstance(part, ranges.RangePart):
+        ranges.pack(tree, out, part, plan.growing, manifest, sent)
+    else:
+        bundle.pack_part(tree, out, part, manifest, sent)
+
+
+def _members(part: bundle.Entries | ranges.RangePart) -> int:
+    return len(part.ranges) if isinstance(part, ranges.RangePart) else len(part)
 
 
 def _start_part(plan: ExportPlan, transfer: Transfer) -> Path:

@@ -409,8 +409,8 @@ class FanoutRoom:
                 part_bytes = request.part_bytes or part_bytes_for(entry.estimate_bytes,
                                                                   PART_BYTES)  # fmt: skip
                 self.plans[key] = ExportPlan(Path(), entry.key, [], Manifest(),
-                                             entry.estimate_bytes, part_bytes,
-                                             early=True)  # fmt: skip
+                                             entry.estimate_bytes, part_bytes, early=True,
+                                             scratch=self.ops.scratch(entry.steps))  # fmt: skip
         plan = self._plan(key, part)
         if not plan.early:
             raise Conflict(f"export {request.label!r} is past its early parts; ask without 'early'")

@@ -2,17 +2,18 @@
 
 A multi-node job (``stager-client stage --peers slurm``, docs/multinode.md) stages a
 dataset on one node and sbcasts it to the others in parts (plain tars of whole
-files) into this node's delivery folder. This op extracts each part as soon as it
-is whole, through ``extract``, the hardened path every archive takes, while the
-next parts are still on their way. The job's own task on this node says when a
-part is whole (``part-N.tar.ok``) and, at the end, how many parts there were and
-the sha256 of the manifest (``end.json``): those come along the job's ``srun``
-step, not the broadcast. Then the manifest (every path, size and sha256, written by
-the node that packed the tree) must match that sha256; what it does not name goes
-(parts packed while the source was still staging may hold files that node renamed
-or removed later), and the tree must match the manifest, path by path. Anything
-missing or different fails the staging, which never publishes: no delivered byte is
-trusted before it matched.
+files) into this node's delivery folder. This op extracts each part as soon as it is
+whole, through ``extract``, the hardened path every archive takes, while the next
+parts are still on their way; a part of byte ranges of a file the source node was
+still writing is written into that file (stager.archive.ranges). The job's own task
+on this node says when a part is whole (``part-N.tar.ok``) and, at the end, how many
+parts there were and the sha256 of the manifest (``end.json``): those come along the
+job's ``srun`` step, not the broadcast. Then the manifest (every path, size and
+sha256, written by the node that packed the tree) must match that sha256; what it
+does not name goes (parts packed while the source was still staging may hold files
+that node renamed or removed later), and the tree must match the manifest, path by
+path. Anything missing or different fails the staging, which never publishes: no
+delivered byte is trusted before it matched.
 (``check_delivered`` is the same promise for source files broadcast as they are.)
 """
 
@@ -28,7 +29,7 @@ from typing import Any
 from pydantic import Field
 
 from stager import manifest_format, vouch
-from stager.archive import tar_members
+from stager.archive import ranges, tar_members
 from stager.errors import VerifyFailed
 from stager.fs import manifest as manifests
 from stager.fs.sources import open_source
@@ -71,11 +72,18 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
     # the check against the manifest, which comes last, re-reads only what changed
     # since (nothing, unless a later part rewrote a file).
     digests = manifests.Digests()
+    assembly = ranges.Assembly()  # files that come in byte ranges (stager.archive.ranges)
+    tree.mkdir(parents=True, exist_ok=True)  # the first part may be one of ranges
     index = 0
     while (end := _next(step, folder, index, ctx)) is None:
         part = folder / part_name(index)
-        extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
-        _hash_part(tree, part, digests, ctx)
+        with open(open_source(str(part), ctx.allowed_roots), "rb") as stream:
+            ranged = ranges.is_range_part(stream)
+            if ranged:
+                ranges.assemble(stream, tree, assembly, digests, str(part))
+        if not ranged:
+            extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
+            _hash_part(tree, part, digests, ctx)
         index += 1
     expected = _manifest(step, folder, end, ctx)
     if step.vouch_uid is not None:

@@ -107,10 +107,18 @@ class Watch(Protocol):
         """More bytes are in the ``.part`` file, visible to other readers."""
 
 
+PART_SUFFIX = ".part"
+
+
+def partial(dst: str) -> str:
+    """The name a download's file has until it is complete (``dst``: its name then)."""
+    return dst + PART_SUFFIX
+
+
 def files(step: FetchStep, ctx: OpContext) -> tuple[Path, Path]:
     """The file a download appends to, and the name it has once complete."""
     target = _target(step, ctx)
-    return target.with_name(target.name + ".part"), target
+    return target.with_name(partial(target.name)), target
 
 
 def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import posixpath
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,8 @@ class Grows:
     # The file it appends to, and the name that file has once complete.
     files: Callable[[Any, OpContext], tuple[Path, Path]]
     run: Callable[[Any, OpContext, Growth], None]
+    # The name (relative) of the file it appends to, given the name it has once complete.
+    partial: Callable[[str], str]
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ BUILTIN = (
         verify=EVERY_LEVEL,
         shareable=False,
         public_source=fetch.without_credentials,
-        grows=Grows(fetch.files, fetch.run),
+        grows=Grows(fetch.files, fetch.run, fetch.partial),
     ),
     _row(
         "unpack",
@@ -319,6 +322,20 @@ class OpTable:
         if self.op_of(step).consumes_src and not src.startswith("/") and not step.keep:
             return str(ctx.destination(src))
         return None
+
+    def scratch(self, steps: Sequence[Any]) -> frozenset[str]:
+        """What a staging of ``steps`` writes in its tree and removes before it is ready
+        (paths relative to the tree): an earlier step's output that a later one uses
+        up, and the names such a file has while an op still writes it. A fan-out never
+        sends them early (stager.fanout.early)."""
+        growers = [op.grows for op in self._ops.values() if op.grows is not None]
+        names: set[str] = set()
+        for step in steps:
+            src = getattr(step, "src", "")
+            if self.op_of(step).consumes_src and not src.startswith("/") and not step.keep:
+                name = posixpath.normpath(src)
+                names |= {name, *(grows.partial(name) for grows in growers)}
+        return frozenset(names)
 
     def describe(self) -> list[dict[str, Any]]:
         """What ``GET /v1/recipes`` lists under ``ops``: each op's fields and options."""

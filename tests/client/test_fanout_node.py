@@ -281,7 +281,7 @@ def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_rea
         sent, received, before_ready = asyncio.run(job(url))
     assert before_ready >= 2, "the copied files should go out during the download"
     assert sent["how"] == "staged" and received.get("error") is None, received
-    assert received["how"] == "broadcast" and received["key"] == sent["key"]
+    assert received["how"] == "broadcast" and received["key"] == sent["key"], received.get("fallback")
     adopted, ready = Path(received["path"]), Path(sent["path"])
     assert digest(adopted) == digest(ready)
     assert (adopted / "train" / "first").is_dir() and not (adopted / "train" / "class_0").exists()

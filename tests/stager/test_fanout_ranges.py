@@ -1,0 +1,303 @@
+"""Byte ranges of growing files (stager.archive.ranges): a large file goes out while the
+source node still writes it, and the receiver ends with exactly the ready tree.
+
+The source's real packing (``pack_early_part``, ``plan_rest``, ``pack_export_part``)
+runs against a file a thread writes as a download or a copy does (sequential
+appends), and the receiver's real ``adopt`` op takes every part. Whatever happens to
+the file behind its ranges (rewritten, truncated and written again, renamed as a
+download's ``.part`` is), it is sent again, never trusted; and a receiver given
+ranges no sender writes refuses them without writing outside its tree.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from stager import manifest_format
+from stager.archive import ranges
+from stager.errors import VerifyFailed
+from stager.fanout import early
+from stager.fanout.packing import ExportPlan, Transfer, pack_early_part
+from stager.fs import manifest
+from stager.ops import adopt
+from stager.ops.base import OpContext
+from stager.progress import Progress
+from tests.stager.test_fanout_early import (
+    MUTATIONS,
+    PART_BYTES,
+    STABLE_S,
+    Receiver,
+    publish_and_adopt,
+)
+from tests.trees import digest, write_tree
+
+CHUNK = PART_BYTES // 4
+
+
+class Writer(threading.Thread):
+    """A sequential writer (a download, a copy): appends ``total`` bytes to ``path`` a
+    chunk at a time; ``hook(written)`` runs between chunks."""
+
+    def __init__(self, path: Path, total: int, hook: Callable[[int], None] = lambda n: None):
+        super().__init__()
+        self.path, self.total, self.hook = path, total, hook
+        self.rng = random.Random(total)
+
+    def run(self) -> None:
+        written = 0
+        with self.path.open("ab", buffering=0) as stream:
+            while written < self.total:
+                stream.write(self.rng.randbytes(CHUNK))
+                written += CHUNK
+                self.hook(written)
+                time.sleep(0.004)
+
+
+def send_while_written(
+    tmp_path: Path, writer: Writer, staging: Path, scratch: frozenset[str] = frozenset()
+) -> tuple[ExportPlan, Transfer, Receiver, list[int]]:
+    """Early parts packed and landed while ``writer`` writes into ``staging``: the plan,
+    the export, the receiver, and the size of each part sent while it wrote."""
+    receiver = Receiver(tmp_path / "incoming")
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True,
+                      scratch=scratch)  # fmt: skip
+    sent: list[int] = []
+    writer.start()
+    try:
+        while writer.is_alive():
+            packed, _ = pack_early_part(plan, transfer, staging)
+            if packed is not None and packed.path is not None:
+                receiver.land(packed.path)
+                sent.append(packed.bytes)
+            time.sleep(0.01)
+    finally:
+        writer.join()
+    return plan, transfer, receiver, sent
+
+
+def final_bytes(tmp_path: Path, plan: ExportPlan) -> int:
+    """What the parts packed once the tree was ready hold."""
+    names = [f"part-{i:05d}.tar" for i in range(plan.first, plan.count)]
+    return sum((tmp_path / "outgoing" / name).stat().st_size for name in names)
+
+
+@pytest.fixture(autouse=True)
+def quick_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(early, "STABLE_S", STABLE_S)
+
+
+def staging_tree(tmp_path: Path) -> Path:
+    staging = tmp_path / "partial" / "tree"
+    (staging / "train").mkdir(parents=True)
+    return staging
+
+
+def test_a_file_still_written_goes_out_in_ranges_and_only_its_end_after(tmp_path: Path) -> None:
+    staging = staging_tree(tmp_path)
+    total = 24 * PART_BYTES
+    writer = Writer(staging / "train" / "ILSVRC2012_img_train.tar", total)
+    plan, transfer, receiver, sent = send_while_written(tmp_path, writer, staging)
+    assert sum(sent) >= total // 2  # most of the file went while it was written
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert digest(adopted) == digest(ready)
+    assert final_bytes(tmp_path, plan) <= 2 * PART_BYTES  # its end, not the file again
+    assert manifest.build(adopted).to_bytes() == manifest.build(ready).to_bytes()
+
+
+def test_a_download_renamed_when_complete_is_not_sent_again(tmp_path: Path) -> None:
+    """A download appends to ``x.part`` and renames it ``x`` once complete: the ranges
+    follow the file (its inode), and the receiver renames what it holds."""
+    staging = staging_tree(tmp_path)
+    total = 16 * PART_BYTES
+    part = staging / "train" / "archive.tar.part"
+
+    def renamed_when_done(written: int) -> None:
+        if written >= total:  # its last bytes come fast: its end spans several parts
+            with part.open("ab") as stream:
+                stream.write(os.urandom(3 * PART_BYTES))
+            part.rename(part.with_name("archive.tar"))
+
+    writer = Writer(part, total, renamed_when_done)
+    plan, transfer, receiver, sent = send_while_written(tmp_path, writer, staging)
+    assert sum(sent) >= total // 2
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert digest(adopted) == digest(ready)
+    assert (adopted / "train" / "archive.tar").is_file()
+    assert not (adopted / "train" / "archive.tar.part").exists()
+    assert final_bytes(tmp_path, plan) <= 5 * PART_BYTES
+
+
+@pytest.mark.parametrize("change", ["rewritten", "truncated", "started over"])
+def test_a_file_changed_behind_its_ranges_is_sent_again(tmp_path: Path, change: str) -> None:
+    staging = staging_tree(tmp_path)
+    total = 16 * PART_BYTES
+    path = staging / "train" / "data.bin"
+
+    def change_behind(written: int) -> None:
+        if written != total // 2:
+            return
+        if change == "rewritten":  # same size, other bytes at the start
+            with path.open("r+b") as stream:
+                stream.write(b"\xff" * 100)
+        elif change == "truncated":  # cut behind what went; the writer appends on
+            os.truncate(path, PART_BYTES)
+        else:  # a download that started over: new file, same name, grows past the old
+            path.unlink()
+            path.write_bytes(os.urandom(total))
+
+    writer = Writer(path, total, change_behind)
+    plan, transfer, receiver, sent = send_while_written(tmp_path, writer, staging)
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert digest(adopted) == digest(ready)
+
+
+def test_a_sender_that_trusted_changed_ranges_is_caught_by_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver never trusts ranges: were the sender to skip its check of the
+    bytes already sent, the manifest check on the receiver names the file."""
+    staging = staging_tree(tmp_path)
+    total = 16 * PART_BYTES
+    path = staging / "train" / "data.bin"
+
+    def rewrite_behind(written: int) -> None:
+        if written == total // 2:
+            with path.open("r+b") as stream:
+                stream.write(b"\xff" * 100)
+
+    monkeypatch.setattr(ranges, "still_as_sent", lambda now, growing: True)
+    plan, transfer, receiver, _ = send_while_written(
+        tmp_path, Writer(path, total, rewrite_behind), staging
+    )
+    with pytest.raises(VerifyFailed, match="train/data.bin"):
+        publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+
+
+def test_a_file_the_staging_removes_is_never_sent(tmp_path: Path) -> None:
+    """A downloaded archive the staging extracts and removes (and its ``.part``) costs
+    no byte on the wire."""
+    staging = staging_tree(tmp_path)
+    writer = Writer(staging / ".download" / "a.tar.gz.part", 16 * PART_BYTES)
+    (staging / ".download").mkdir()
+    scratch = frozenset({".download/a.tar.gz", ".download/a.tar.gz.part"})
+    _, _, _, sent = send_while_written(tmp_path, writer, staging, scratch)
+    assert sum(sent) < PART_BYTES  # folders at most
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_whatever_happens_around_a_growing_file_the_receiver_gets_the_ready_tree(
+    tmp_path: Path, seed: int
+) -> None:
+    """A growing file among other files, and random changes to the tree (the growing
+    file included) while parts go out and after."""
+    rng = random.Random(seed)
+    staging = write_tree(tmp_path / "partial" / "tree", n_files=30, seed=seed)
+    lock = threading.Lock()
+
+    def mutate(written: int) -> None:
+        if rng.random() < 0.15:
+            with lock:
+                try:
+                    rng.choice(MUTATIONS)(staging, rng)
+                except (OSError, IndexError):
+                    pass  # the writer's file moved under the mutation: fine
+
+    growing = staging / f"big-{seed}.bin"
+    plan, transfer, receiver, _ = send_while_written(
+        tmp_path, Writer(growing, 12 * PART_BYTES, mutate), staging
+    )
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert manifest.build(adopted).to_bytes() == manifest.build(ready).to_bytes()
+
+
+# ---- a receiver given ranges no sender writes ----------------------------------------
+
+
+def range_part(path: Path, *members: tuple[str, int, bytes]) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, offset, data in members:
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            member.pax_headers[ranges.OFFSET] = str(offset)
+            tar.addfile(member, io.BytesIO(data))
+
+
+def assemble(part: Path, tree: Path, assembly: ranges.Assembly | None = None) -> None:
+    with part.open("rb") as stream:
+        assert ranges.is_range_part(stream)
+        ranges.assemble(stream, tree, assembly or ranges.Assembly(), manifest.Digests(), "p")
+
+
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ([("../escape", 0, b"x")], "no sender writes"),
+        ([("/etc/passwd", 0, b"x")], "no sender writes"),
+        ([("a/./b", 0, b"x")], "no sender writes"),
+        ([("f", 5, b"x")], "came first"),
+        ([("f", 0, b"abc"), ("f", 5, b"x")], "does not continue"),
+        ([("f", 0, b"abc"), ("f", 1, b"x")], "does not continue"),
+        ([("link/f", 0, b"x")], "not a folder"),
+    ],
+)
+def test_a_receiver_refuses_ranges_no_sender_writes(
+    tmp_path: Path, members: list[tuple[str, int, bytes]], why: str
+) -> None:
+    tree, outside = tmp_path / "tree", tmp_path / "outside"
+    tree.mkdir()
+    outside.mkdir()
+    (tree / "link").symlink_to(outside)  # an earlier part's link
+    range_part(tmp_path / "part.tar", *members)
+    with pytest.raises(VerifyFailed, match=why):
+        assemble(tmp_path / "part.tar", tree)
+    assert list(outside.iterdir()) == []
+    assert not (tmp_path / "escape").exists()
+
+
+def test_a_range_at_byte_zero_replaces_what_a_link_was_without_following_it(
+    tmp_path: Path,
+) -> None:
+    tree, target = tmp_path / "tree", tmp_path / "target"
+    tree.mkdir()
+    target.write_bytes(b"keep")
+    (tree / "f").symlink_to(target)
+    range_part(tmp_path / "part.tar", ("f", 0, b"new"))
+    assemble(tmp_path / "part.tar", tree)
+    assert target.read_bytes() == b"keep"
+    assert not (tree / "f").is_symlink() and (tree / "f").read_bytes() == b"new"
+
+
+def test_the_receiving_op_takes_a_range_part_between_ordinary_parts(tmp_path: Path) -> None:
+    """The adopt op itself: an ordinary part, a part of ranges, and the manifest."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "small.txt").write_text("whole\n")
+    (source / "big.bin").write_bytes(os.urandom(3 * CHUNK))
+    receiver = Receiver(tmp_path / "incoming")
+    with tarfile.open(tmp_path / "p0.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(source / "small.txt", "small.txt")
+    data = (source / "big.bin").read_bytes()
+    range_part(tmp_path / "p1.tar", ("big.bin", 0, data[:CHUNK]))
+    range_part(tmp_path / "p2.tar", ("big.bin", CHUNK, data[CHUNK:]))
+    for name in ("p0.tar", "p1.tar", "p2.tar"):
+        receiver.land(str(tmp_path / name))
+    expected = manifest.build(source)
+    (tmp_path / "manifest.json").write_bytes(expected.to_bytes())
+    step = receiver.end(
+        str(tmp_path / "manifest.json"), manifest_format.digest(expected.to_bytes())
+    )
+    adopted = tmp_path / "adopted"
+    ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
+    adopt.run(step, ctx)
+    assert digest(adopted) == digest(source)
