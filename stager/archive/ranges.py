@@ -140,8 +140,8 @@ def next_range(
     has nothing worth a range yet: a file still written sends only whole ``room``s."""
     if growing is not None and info.st_size < growing.sent:
         growing.sent, growing.sha = 0, hashlib.sha256()
-    if growing is not None and ends:
-        confirm(root, path, growing)
+    if growing is not None and ends and info.st_size - growing.sent <= room:
+        confirm(root, path, growing)  # its last range: only if it starts as sent
     offset = growing.sent if growing is not None else 0
     length = min(info.st_size - offset, room)
     last = ends and offset + length == info.st_size
@@ -157,7 +157,8 @@ def cut(files: list[tuple[str, os.stat_result, Growing]], room: int) -> list[Ran
     """The rest of each file of a ready tree (``files``, with what went of each), in
     range parts of about ``room`` bytes; each file's last range ends it."""
     parts = [RangePart()]
-    for path, info, growing in files:
+    # A renamed file moves on the receivers before a file takes its old name.
+    for path, info, growing in sorted(files, key=lambda found: found[2].path == found[0]):
         offset = growing.sent
         moved = growing.path if growing.path != path and offset else None  # first range
         while True:
@@ -171,6 +172,13 @@ def cut(files: list[tuple[str, os.stat_result, Growing]], room: int) -> list[Ran
                 break
             parts.append(RangePart())
     return [part for part in parts if part.ranges]
+
+
+def replaced(growing: dict[int, Growing], paths: set[str]) -> None:
+    """Files were sent whole at ``paths``: one sent in ranges under such a path, if
+    still there under another name, starts over (the receivers' copy is gone)."""
+    for ino in [ino for ino, book in growing.items() if book.path in paths]:
+        del growing[ino]
 
 
 def pack(

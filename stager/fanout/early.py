@@ -107,6 +107,8 @@ def pick(
             break
     retry = max(RETRY_MIN_S, RETRY_WALKS * (time.monotonic() - started))
     if ranged.nbytes >= part_bytes or any(piece.last for piece in ranged.ranges):
+        # A renamed file moves on the receivers before a file takes its old name.
+        ranged.ranges.sort(key=lambda piece: piece.moved_from is None)
         return ranged, retry
     return (entries if size >= part_bytes else None), retry
 
@@ -141,4 +143,6 @@ def rest(
                 continue
         needed.append((path, info))
     parts: list[Entries | ranges.RangePart] = [*ranges.cut(ends, part_bytes)]
-    return [*parts, *cut(needed, part_bytes)], manifest, data_bytes
+    if needed or not parts:  # a part of nothing only when nothing else is left to send
+        parts.extend(cut(needed, part_bytes))
+    return parts, manifest, data_bytes

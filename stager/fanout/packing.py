@@ -175,6 +175,7 @@ def pack_early_part(
     plan.sent.update(packed)
     if not isinstance(entries, ranges.RangePart):
         plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
+        ranges.replaced(plan.growing, {path for path, _ in entries})
     plan.packed += 1
     public = _part_public(plan, transfer, out)
     public.more, public.retry_after_s = True, retry

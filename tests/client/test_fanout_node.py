@@ -281,7 +281,8 @@ def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_rea
         sent, received, before_ready = asyncio.run(job(url))
     assert before_ready >= 2, "the copied files should go out during the download"
     assert sent["how"] == "staged" and received.get("error") is None, received
-    assert received["how"] == "broadcast" and received["key"] == sent["key"], received.get("fallback")
+    why = received.get("fallback")
+    assert received["how"] == "broadcast" and received["key"] == sent["key"], why
     adopted, ready = Path(received["path"]), Path(sent["path"])
     assert digest(adopted) == digest(ready)
     assert (adopted / "train" / "first").is_dir() and not (adopted / "train" / "class_0").exists()
@@ -289,6 +290,37 @@ def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_rea
         assert metric(other, "stager_source_read_bytes_total") == 0
     assert list((node2.cache_dir / "incoming").iterdir()) == []
     assert list((node1.cache_dir / "outgoing").iterdir()) == []
+
+
+def test_a_single_download_goes_out_in_ranges_while_it_downloads(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A dataset of one large file fetched over HTTP (its ``.part`` renamed when
+    complete): its bytes go out in byte ranges while it downloads, the receiver
+    assembles them, and only its end goes after the staging."""
+    data = os.urandom(1_200_000)
+    slow = Behaviour(files={"/train.tar": data}, bytes_per_s=400_000)
+    node1 = daemon_factory(cache_dir=tmp_path / "node1")
+    node2 = daemon_factory(cache_dir=tmp_path / "node2")
+
+    async def job(url: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+        request = {"name": "one", "steps": [{"op": "fetch", "url": f"{url}/train.tar",
+                                             "dst": "train.tar"}]}  # fmt: skip
+        sender = Agent(node1, "node1", request, copy_file())
+        receiver = Agent(node2, "node2", request)
+        await sender.event("probe"), await receiver.event("probe")
+        before_ready = await send_while_staging(sender, receiver)
+        return await sender.finish(), await receiver.finish(), before_ready
+
+    with serve_files(slow) as url:
+        sent, received, before_ready = asyncio.run(job(url))
+    assert before_ready >= 3, "the download's bytes should go out while it downloads"
+    why = received.get("fallback")
+    assert received["how"] == "broadcast" and received["key"] == sent["key"], why
+    assert (Path(received["path"]) / "train.tar").read_bytes() == data
+    assert not (Path(received["path"]) / "train.tar.part").exists()
+    with node2.client() as other:
+        assert metric(other, "stager_source_read_bytes_total") == 0
 
 
 def test_receivers_give_up_a_failed_source_and_take_the_data_from_a_new_one(

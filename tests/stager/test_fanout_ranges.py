@@ -87,9 +87,9 @@ def send_while_written(
 
 
 def final_bytes(tmp_path: Path, plan: ExportPlan) -> int:
-    """What the parts packed once the tree was ready hold."""
+    """What the parts packed once the tree was ready hold (as the receiver got them)."""
     names = [f"part-{i:05d}.tar" for i in range(plan.first, plan.count)]
-    return sum((tmp_path / "outgoing" / name).stat().st_size for name in names)
+    return sum((tmp_path / "incoming" / name).stat().st_size for name in names)
 
 
 @pytest.fixture(autouse=True)
@@ -103,10 +103,17 @@ def staging_tree(tmp_path: Path) -> Path:
     return staging
 
 
-def test_a_file_still_written_goes_out_in_ranges_and_only_its_end_after(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["train/ILSVRC2012_img_train.tar", "alone.bin"])
+def test_a_file_still_written_goes_out_in_ranges_and_only_its_end_after(
+    tmp_path: Path, where: str
+) -> None:
+    """In a folder, or alone in the tree (then nothing but its ranges is left to send
+    once it is ready)."""
     staging = staging_tree(tmp_path)
+    if where == "alone.bin":
+        (staging / "train").rmdir()
     total = 24 * PART_BYTES
-    writer = Writer(staging / "train" / "ILSVRC2012_img_train.tar", total)
+    writer = Writer(staging / where, total)
     plan, transfer, receiver, sent = send_while_written(tmp_path, writer, staging)
     assert sum(sent) >= total // 2  # most of the file went while it was written
     ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
