@@ -216,8 +216,11 @@ def pack(
 
 
 def _read(path: Path, offset: int, length: int) -> bytes:
-    with open(path, "rb", buffering=0) as stream:
-        data = os.pread(stream.fileno(), length, offset) if length else b""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, length, offset) if length else b""
+    finally:
+        os.close(fd)
     if len(data) != length:
         raise VerifyFailed(f"{path} holds fewer bytes than when it was listed; it is sent later")
     return data
