@@ -204,6 +204,8 @@ def main() -> int:
                 read = moved.wire if kind.startswith("url-") else moved.content
                 print(f"  run {run}: {kind} N={nodes} {broadcast}: {report['seconds']:.1f} s, "
                       f"mode {report['mode']}, storage {read / sizes[kind]:.3f}x, "
+                      f"sent {report.get('sent_bytes', 0) / 1e6:.0f} MB "
+                      f"({report.get('early_bytes', 0) / 1e6:.0f} MB while staging), "
                       f"timeline {report['timeline']}", flush=True)  # fmt: skip
         print(f"\nload after: {os.getloadavg()[0]:.2f}")
         print_table(results, sizes, args)

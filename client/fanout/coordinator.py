@@ -265,6 +265,7 @@ class Fanout:
                 raise FanoutError(f"{source}'s task ended while it sent early parts")
             if sent.get("early_done"):
                 early.parts = self.report.early_parts = int(sent["parts"])
+                self.report.early_bytes = self.report.sent_bytes
                 self._mark("early")
                 return early
             await self._part_sent(agents, source, receivers, sent)

@@ -37,6 +37,7 @@ class Report:
     mode: str = "none"  # bundle | sources | none (nothing to send)
     sent_bytes: int = 0
     early_parts: int = 0  # parts sent while the source node was still staging
+    early_bytes: int = 0  # and their bytes (the rest went once it was ready)
     reelected: list[str] = field(default_factory=list)  # sources that failed, in order
     broadcast: Broadcast | None = None
     seconds: float = 0.0
@@ -56,7 +57,11 @@ class Report:
         sent = f"{self.sent_bytes / 1e6:.1f} MB"
         how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
         what = "the prepared tree" if self.mode == "bundle" else "the source files"
-        early = f", {self.early_parts} parts while it staged" if self.early_parts else ""
+        early = (
+            f", {self.early_bytes / 1e6:.1f} MB in {self.early_parts} parts while it staged"
+            if self.early_parts
+            else ""
+        )
         return f"{text}: {self.source} sent {what} ({sent}{early}) with sbcast{how}"
 
     def as_json(self) -> dict[str, Any]:
@@ -67,6 +72,7 @@ class Report:
             "mode": self.mode,
             "sent_bytes": self.sent_bytes,
             "early_parts": self.early_parts,
+            "early_bytes": self.early_bytes,
             "reelected": self.reelected,
             "compress": self.broadcast.compress if self.broadcast else None,
             "fanout": self.broadcast.fanout if self.broadcast else None,
