@@ -38,7 +38,8 @@ STABLE_S = 0.5
 # with small inodes, some network mounts; 2 s on FAT): a write later in the same
 # second or two would leave it as it is, so such a file waits that much longer.
 COARSE_S = 2.0
-# Early parts hold about a sixteenth of the staging's estimate, within these bounds: a
+# Early parts hold about a sixteenth of the staging's estimate (or of its size, once
+# known: a download's estimate is 0 until it started), within these bounds: a
 # small dataset still goes out in a few parts while it stages, a large one in parts
 # whose sbcast costs little next to their size.
 MIN_PART_BYTES = 1 << 20

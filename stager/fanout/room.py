@@ -414,6 +414,9 @@ class FanoutRoom:
         plan = self._plan(key, part)
         if not plan.early:
             raise Conflict(f"export {request.label!r} is past its early parts; ask without 'early'")
+        if not request.part_bytes:  # a download's size is known once it started
+            size = max(entry.estimate_bytes, entry.progress.bytes_total)
+            plan.part_bytes = max(plan.part_bytes, part_bytes_for(size, PART_BYTES))
         transfer = self.exports.renew(key, EXPORT_TTL_S)
         await run_io(make_folder, transfer)
         staging = entry.state in (State.QUEUED, State.STAGING)
