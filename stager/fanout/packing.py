@@ -61,6 +61,7 @@ class ExportPlan:
     packed: int = 0  # parts written so far
     packing: bool = False  # a part is being written now
     early: bool = False
+    sized_by_staging: bool = False  # part size follows the staging's size (not asked for)
     sent: Digests = field(default_factory=Digests)  # files packed, as they were then
     sent_dirs: set[str] = field(default_factory=set)
     # Files sent in ranges so far, by inode (stager.archive.ranges), and what the

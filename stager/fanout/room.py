@@ -410,11 +410,12 @@ class FanoutRoom:
                                                                   PART_BYTES)  # fmt: skip
                 self.plans[key] = ExportPlan(Path(), entry.key, [], Manifest(),
                                              entry.estimate_bytes, part_bytes, early=True,
-                                             scratch=self.ops.scratch(entry.steps))  # fmt: skip
+                                             scratch=self.ops.scratch(entry.steps),
+                                             sized_by_staging=not request.part_bytes)  # fmt: skip
         plan = self._plan(key, part)
         if not plan.early:
             raise Conflict(f"export {request.label!r} is past its early parts; ask without 'early'")
-        if not request.part_bytes:  # a download's size is known once it started
+        if plan.sized_by_staging:  # a download's size is known once it started
             size = max(entry.estimate_bytes, entry.progress.bytes_total)
             plan.part_bytes = max(plan.part_bytes, part_bytes_for(size, PART_BYTES))
         transfer = self.exports.renew(key, EXPORT_TTL_S)
