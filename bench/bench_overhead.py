@@ -64,8 +64,11 @@ TRACE_POINTS = [
         "op-done",
     ),
     ("stager/worker.py", "                crash.reached(Durable.STEP_DONE)\n", "marker-written"),
+    # The tree sealed from the op's count and a listing, or by a walk of every file.
+    ("stager/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
     ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
-    ("stager/fs/seal.py", "    return Seal(entries=", "sealed"),
+    ("stager/fs/seal.py", "    return Seal(entries=lister.entries", "sealed"),
+    ("stager/fs/seal.py", "    return Seal(entries=tally.files", "sealed"),
     (
         "stager/blocking.py",
         "    progress.mirror(counters)\n    return _outcome(message)",
