@@ -67,7 +67,7 @@ TRACE_POINTS = [
     # The tree sealed from the op's count and a listing, or by a walk of every file.
     ("stager/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
     ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
-    ("stager/fs/seal.py", "    return Seal(entries=lister.entries", "sealed"),
+    ("stager/fs/seal.py", "    return Seal(entries=entries, nbytes=nbytes", "sealed"),
     ("stager/fs/seal.py", "    return Seal(entries=tally.files", "sealed"),
     (
         "stager/blocking.py",
