@@ -279,9 +279,14 @@ def _remove(path: str) -> int:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
         return st.st_size
-    nbytes = 0
-    for folder, _dirs, files in os.walk(path):  # never follows a link: lstat each name
-        nbytes += sum(os.lstat(os.path.join(folder, name)).st_size for name in files)
+    nbytes, folders = 0, [path]
+    while folders:  # every entry but folders by its lstat size, never through a link
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                else:
+                    nbytes += entry.stat(follow_symlinks=False).st_size
     shutil.rmtree(path)
     return nbytes
 

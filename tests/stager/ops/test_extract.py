@@ -485,3 +485,22 @@ def test_an_extraction_of_inner_archives_leaves_its_tree_to_be_measured(
         assert made == expected, archive
         if made is None:
             assert (dest / "n01440764/a.txt").read_bytes() == b"alpha\n"
+
+
+def test_what_a_member_replaces_is_taken_off_the_count(tmp_path: Path) -> None:
+    """A leftover folder (files, a link to a folder, a sub-folder) under a member's
+    name is removed, and its bytes, counted as a walk counts them, come off."""
+    dest = tmp_path / "dest"
+    (dest / "x/sub").mkdir(parents=True)
+    (dest / "x/sub/f").write_bytes(b"12345")
+    (dest / "x/to-sub").symlink_to("sub")
+    (dest / "kept").write_bytes(b"kept")
+    before = sum_sizes(str(dest))
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w") as tar:
+        member = tarfile.TarInfo("x")
+        member.size = 3
+        tar.addfile(member, io.BytesIO(b"abc"))
+    made = extract.run(ExtractStep(src=str(archive)), OpContext(root=dest, progress=Progress()))
+    assert (dest / "x").read_bytes() == b"abc"
+    assert made == sum_sizes(str(dest)) - before == 3 - 5 - len("sub")
