@@ -15,6 +15,12 @@ Nested archives (``nested``): inside a plain tar (ImageNet's 1,000 class tars)
 they are read in place from their byte range, each extracted whole by one worker
 of the pool, and never written to disk. Inside a compressed tar or a zip they are
 written as files first, then extracted and removed once the outer archive is done.
+
+What it leaves is counted as it is written (the writer's ``made``): the bytes of
+its files and symlinks, so a fresh tree is sealed without a ``stat`` of each file
+(:mod:`stager.worker`). Where an inner archive was extracted the count is not
+kept (an inner archive writes under folders the outer one may fill or replace
+meanwhile): the extraction says None, and the tree is measured instead.
 """
 
 from __future__ import annotations
@@ -57,17 +63,22 @@ def extract_archive(
     dest: str,
     strip: int = 0,
     nested: bool = False,
-) -> None:
+) -> int | None:
     """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
-    leading components of member names; with ``nested``, archives inside it too."""
+    leading components of member names; with ``nested``, archives inside it too.
+
+    Returns the bytes of the files and symlinks it left under ``dest`` (less those of
+    what they replaced), as ``stager.fs.sizes.sum_sizes`` counts them; None where an
+    inner archive was extracted (see the module's docstring)."""
     job = ExtractJob(ctx, strip, nested)
     # Growing: never fork worker processes while the download's thread runs.
     size = archive.length if archive.growing is None else 0
     with paused_gc(), _pools(job, archive.fmt, size):
         try:
-            _extract(job, archive, dest, outer=True)
+            made = _extract(job, archive, dest, outer=True)
         finally:
             job.cancel_inner()
+    return None if job.inner else made
 
 
 @contextmanager
@@ -99,8 +110,9 @@ def _process_pool(workers: int) -> ProcessPoolExecutor:
     return pool
 
 
-def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> None:
-    """Extract one archive under ``root``; the outer one uses the pool for files."""
+def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> int:
+    """Extract one archive under ``root``; the outer one uses the pool for files.
+    Returns the bytes its writer left (see ``ArchiveWriter.made``)."""
     pool = job.files_pool if outer else None
     batch = BATCH_BYTES if archive.growing is None else GROWING_BATCH_BYTES
     links = archive.fmt != "zip"
@@ -121,6 +133,7 @@ def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> None:
             job.wait_inner()
             _extract_written_inner(job)
         writer.finish()
+        return writer.made
     finally:
         writer.abort()
 

@@ -30,6 +30,12 @@ kept without a record of every file: only the names of batches still in flight
 are remembered, and a member whose name (or hard-link target) is in one of them
 waits for that batch. Progress is counted here, when a batch is done.
 
+The writer also counts the bytes it leaves (``made``: each file and symlink by its
+``lstat`` size, as :func:`stager.fs.sizes.sum_sizes` counts a tree), so a fresh
+tree need not be measured again: a name is only ever created new (``O_EXCL``, a
+symlink, a link), never written into, so its size is fixed when it is made; what
+a new entry replaces is measured as it is removed and taken off again.
+
 With ``verify`` (the request's ``verify: sha256``) every file is read back
 after it is written and its SHA-256 compared with that of the member's bytes as
 read from the archive; hard links and symlinks are checked to be what the
@@ -150,20 +156,22 @@ def file_mode(mode: int | None) -> int:
 # -- on the pool: one batch of files -------------------------------------------------
 
 
-def write_files(jobs: list[_RangeJob | _FileJob], verify: str | None) -> int:
+def write_files(jobs: list[_RangeJob | _FileJob], verify: str | None) -> tuple[int, int]:
     """One batch, in order, on a pool thread or process (or inline); returns its file
-    count. ``verify`` is the archive's label when files are read back."""
+    count and the bytes it left (made less replaced, see the module's docstring).
+    ``verify`` is the archive's label when files are read back."""
     window = _Window(jobs)
     folder = _Folder()
+    made = 0
     try:
         for job in jobs:
             if job.__class__ is tuple:
-                _write_range(job, window, folder, verify)  # type: ignore[arg-type]
+                made += job[5] - _write_range(job, window, folder, verify)  # type: ignore[arg-type,index,operator]
             else:
-                write_file(job, verify)  # type: ignore[arg-type]
+                made += write_file(job, verify)  # type: ignore[arg-type]
     finally:
         folder.close()
-    return len(jobs)
+    return len(jobs), made
 
 
 class _Folder:
@@ -208,13 +216,15 @@ class _Window:
         return self.data[at : at + size]
 
 
-def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str | None) -> None:
+def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str | None) -> int:
+    """Write one member; returns the bytes of what it replaced (mostly nothing)."""
     path, mode, mtime, src_fd, offset, size = job
     parent, _, name = path.rpartition("/")
+    replaced = 0
     try:
         fd = os.open(name, _CREATE_FLAGS, mode, dir_fd=folder.get(parent or "/"))
     except FileExistsError:
-        fd = _create(path, mode)
+        fd, replaced = _create(path, mode)
     digest = hashlib.sha256() if verify else None
     try:
         if size <= _SMALL:
@@ -233,39 +243,52 @@ def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str |
         os.close(fd)
     if digest is not None:
         _read_back(_FileJob(path, mode, mtime, (src_fd, offset, size)), digest, verify)  # type: ignore[arg-type]
+    return replaced
 
 
-def write_file(job: _FileJob, verify: str | None = None) -> None:
+def write_file(job: _FileJob, verify: str | None = None) -> int:
+    """Write one file or hard link; returns the bytes it left less those it replaced."""
     if isinstance(job.payload, HardLink):
-        _hard_link(job.path, job.payload, verify)
-        return
-    fd = _create(job.path, job.mode)
+        return _hard_link(job.path, job.payload, verify)
+    fd, replaced = _create(job.path, job.mode)
     try:
         digest = hashlib.sha256() if verify else None
-        _write_payload(fd, job.payload, digest)
+        size = _write_payload(fd, job.payload, digest)
         os.utime(fd, (job.mtime, job.mtime))
     finally:
         os.close(fd)
     if digest is not None:
         _read_back(job, digest, verify)  # type: ignore[arg-type]
+    return size - replaced
 
 
-def _create(path: str, mode: int) -> int:
-    """A new file at ``path``: whatever was there (an earlier copy of this member, a
-    leftover of an interrupted run) is unlinked first, never written into, so a hard
-    link to it keeps its content, as with GNU tar."""
+def _create(path: str, mode: int) -> tuple[int, int]:
+    """A new file at ``path``, and the bytes of what was there: whatever it was (an
+    earlier copy of this member, a leftover of an interrupted run) is unlinked first,
+    never written into, so a hard link to it keeps its content, as with GNU tar."""
     try:
-        return os.open(path, _CREATE_FLAGS, mode)
+        return os.open(path, _CREATE_FLAGS, mode), 0
     except FileExistsError:
-        _remove(path)
-        return os.open(path, _CREATE_FLAGS, mode)
+        replaced = _remove(path)
+        return os.open(path, _CREATE_FLAGS, mode), replaced
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
+def _remove(path: str) -> int:
+    """Remove what is at ``path``; returns its bytes as ``sum_sizes`` counts them."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
+        return st.st_size
+    nbytes, folders = 0, [path]
+    while folders:  # every entry but folders by its lstat size, never through a link
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)
+                else:
+                    nbytes += entry.stat(follow_symlinks=False).st_size
+    shutil.rmtree(path)
+    return nbytes
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -274,17 +297,20 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _write_payload(fd: int, payload: Payload, digest: Any) -> None:
+def _write_payload(fd: int, payload: Payload, digest: Any) -> int:
+    """Write ``payload`` into the new file ``fd``; returns the file's size."""
     if isinstance(payload, bytes):
         _write_all(fd, payload)
         if digest is not None:
             digest.update(payload)
-    elif isinstance(payload, tuple):
+        return len(payload)
+    if isinstance(payload, tuple):
         src_fd, offset, size = payload
         copy_range(src_fd, fd, offset, size)
         if digest is not None:
             _hash_range(digest, src_fd, offset, size)
-    elif isinstance(payload, SparseRanges):
+        return size
+    if isinstance(payload, SparseRanges):
         offset = payload.offset
         for position, length in payload.regions:
             if length:
@@ -294,8 +320,9 @@ def _write_payload(fd: int, payload: Payload, digest: Any) -> None:
                     _hash_range(digest, payload.fd, offset, length)
                 offset += length
         os.ftruncate(fd, payload.size)  # trailing hole; GNU tar leaves holes as holes
-    else:
-        payload(fd, digest)
+        return payload.size
+    payload(fd, digest)
+    return os.fstat(fd).st_size  # a stream's copier (a large member): one call is nothing
 
 
 def _hash_range(digest: Any, fd: int, offset: int, size: int) -> None:
@@ -335,7 +362,9 @@ def _mismatch(path: str, archive: str, what: str) -> VerifyFailed:
     )
 
 
-def _hard_link(path: str, link: HardLink, verify: str | None) -> None:
+def _hard_link(path: str, link: HardLink, verify: str | None) -> int:
+    """Link ``path`` to the target; returns its bytes (the target's, as ``lstat`` of
+    the new name says) less those of what it replaced."""
     try:
         st = os.lstat(link.target)
     except FileNotFoundError:
@@ -347,13 +376,15 @@ def _hard_link(path: str, link: HardLink, verify: str | None) -> None:
             f"is a hard link to {os.path.basename(link.target)!r}, which no earlier member "
             "of the archive wrote as a file",
         )
+    replaced = 0
     try:
         os.link(link.target, path, follow_symlinks=False)
     except FileExistsError:
-        _remove(path)
+        replaced = _remove(path)
         os.link(link.target, path, follow_symlinks=False)
     if verify and os.lstat(path).st_ino != st.st_ino:
         raise _mismatch(path, verify, "inode")
+    return st.st_size - replaced
 
 
 # -- the writer ------------------------------------------------------------------
@@ -400,6 +431,8 @@ class ArchiveWriter:
         self._in_flight: dict[str, int] = {}  # name -> seq of the batch writing it
         # Bounds memory held by queued batches (compressed archives pass bytes).
         self._slots = threading.BoundedSemaphore(2 * ctx.workers + 2)
+        # Bytes of the files and symlinks this writer left, as ``sum_sizes`` counts them.
+        self.made = 0
         os.makedirs(root, exist_ok=True)
 
     # -- names ------------------------------------------------------------
@@ -480,7 +513,7 @@ class ArchiveWriter:
             if stat.S_ISDIR(mode):
                 pass
             elif stat.S_ISLNK(mode) or replace_file:
-                os.unlink(path)
+                self.made -= _remove(path)
                 os.mkdir(path)
             else:
                 raise refused(self.archive, label, f"needs the folder {rel!r}, a file") from None
@@ -541,7 +574,7 @@ class ArchiveWriter:
         self._claim(rel, rel, same_batch=not inline)
         job = _FileJob(self._path(rel), mode, mtime, payload)
         if inline:
-            write_file(job, self._verify)
+            self.made += write_file(job, self._verify)
             self._ctx.progress.advance(archive_bytes, 1)
         else:
             self._add(rel, job, archive_bytes, len(payload) if isinstance(payload, bytes) else 0)
@@ -584,7 +617,9 @@ class ArchiveWriter:
             for name in batch.names:
                 if self._in_flight.get(name) == batch.seq:
                     del self._in_flight[name]
-            self._ctx.progress.advance(batch.share, write_files(batch.jobs, self._verify))
+            files, made = write_files(batch.jobs, self._verify)
+            self.made += made
+            self._ctx.progress.advance(batch.share, files)
             return
         self._slots.acquire()
         future = self._pool.submit(write_files, batch.jobs, self._verify)
@@ -593,10 +628,10 @@ class ArchiveWriter:
         if len(self._pending) > 16:
             self._reap(wait=False)
 
-    def _batch_done(self, share: int, future: Future[int]) -> None:
+    def _batch_done(self, share: int, future: Future[tuple[int, int]]) -> None:
         self._slots.release()
         if not future.cancelled() and future.exception() is None:
-            self._ctx.progress.advance(share, future.result())
+            self._ctx.progress.advance(share, future.result()[0])
 
     def _wait_for(self, rel: str) -> None:
         """Until the batch that writes ``rel`` is done (handing it over if still ours)."""
@@ -610,7 +645,8 @@ class ArchiveWriter:
             future, names = self._pending[seq]
             if not (future.done() or (wait and (upto is None or seq <= upto))):
                 continue
-            future.result()  # re-raises a worker's error here, on the caller's thread
+            # Re-raises a worker's error here, on the caller's thread.
+            self.made += future.result()[1]
             del self._pending[seq]
             for name in names:
                 if self._in_flight.get(name) == seq:
@@ -637,6 +673,10 @@ class ArchiveWriter:
         self._claim(rel, rel, same_batch=True)
         if target in self._in_flight and self._in_flight[target] != self._batch.seq:
             self._wait_for(target)
+        # The target counts as written by this batch: a later member replacing it waits
+        # until the link is made, so the link gets the content it had at this point.
+        self._in_flight[target] = self._batch.seq
+        self._batch.names.append(target)
         link = HardLink(self._path(target), self.archive, rel)
         self._add(rel, _FileJob(self._path(rel), 0, 0, link), 0)
 
@@ -662,6 +702,7 @@ class ArchiveWriter:
         self.flush()
         for rel, (target, mtime) in self._symlinks.items():
             self._replace(rel, lambda p, t=target: os.symlink(t, p))
+            self.made += len(os.fsencode(target))  # a symlink's size: its target's bytes
             os.utime(self._path(rel), (mtime, mtime), follow_symlinks=False)
             if self._verify and os.readlink(self._path(rel)) != target:
                 raise _mismatch(self._path(rel), self.archive, "symlink target")
@@ -680,7 +721,7 @@ class ArchiveWriter:
         try:
             create(path)
         except FileExistsError:
-            _remove(path)  # a file of this archive the link replaces, or a leftover
+            self.made -= _remove(path)  # a file of this archive the link replaces, or a leftover
             create(path)
 
     def _check_symlinks(self) -> None:

@@ -139,8 +139,10 @@ def _open_archive(path: str, allowed_roots: tuple[Path, ...]) -> io.FileIO:
     return open(open_source(path, allowed_roots), "rb", buffering=0)
 
 
-def run(step: ExtractStep, ctx: OpContext) -> None:
-    """Extract ``step.src`` into ``ctx.destination(step.dst)``; safe to re-run."""
+def run(step: ExtractStep, ctx: OpContext) -> int | None:
+    """Extract ``step.src`` into ``ctx.destination(step.dst)``; safe to re-run. Returns
+    the bytes it left there when it counted them exactly (see
+    :func:`stager.archive.extractor.extract_archive`), else None."""
     source = require_source(ctx.source(step.src), "archive")
     dest = ctx.destination(step.dst)
     # An absolute src is the user's and must lie under the allowed roots; a relative one
@@ -153,13 +155,14 @@ def run(step: ExtractStep, ctx: OpContext) -> None:
         fmt = resolve_format(step.src, step.format, os.pread(fd, tarfile.BLOCKSIZE, 0))
         archive = Archive(fd, 0, before.st_size, fmt, step.src)
         try:
-            extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
+            made = extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
         except CorruptArchive as exc:
             if ctx.verify != "none":
                 _require_unchanged(fd, before, step.src, exc)  # a short read may be a rewrite
             raise
         if ctx.verify != "none":
             _require_unchanged(fd, before, step.src)
+    return made
 
 
 def reads_growing(step: ExtractStep) -> str | None:

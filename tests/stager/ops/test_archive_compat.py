@@ -5,7 +5,8 @@ stager (on threads and on worker processes) and the two trees are compared membe
 by member: names, types, modes (after stager's policy), sizes, contents, mtimes,
 symlink targets and hard-link groups. Where the reference tool fails too, stager
 must refuse with a sentence that says why. The counts are printed at the end of
-the session ("archive compatibility: ...").
+the session ("archive compatibility: ..."). The bytes the extraction counts as it
+writes are held to a walk of each tree.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import StagerError
+from stager.fs.sizes import sum_sizes
 from stager.ops import extract
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
@@ -28,10 +30,15 @@ pytestmark = pytest.mark.usefixtures("pool")
 
 
 def stager_extract(archives: list[Path], dest: Path) -> None:
+    """Extract each archive into ``dest`` in turn; each must count the bytes it left
+    (what a fresh tree is sealed with, stager.worker) as a walk of the tree finds them."""
     for archive in archives:
+        before = sum_sizes(str(dest)) if dest.exists() else 0
         step = ExtractStep(src=str(archive))
         extract.check(step, CheckContext())
-        extract.run(step, OpContext(root=dest, progress=Progress(), workers=2))
+        made = extract.run(step, OpContext(root=dest, progress=Progress(), workers=2))
+        assert made is not None, archive  # no nested archives here: always counted
+        assert made == sum_sizes(str(dest)) - before, archive
 
 
 @pytest.mark.parametrize("name", list(tar_corpus.CASES))

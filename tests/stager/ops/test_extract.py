@@ -29,6 +29,7 @@ from stager.errors import (
     VerifyFailed,
 )
 from stager.fs import fastcopy
+from stager.fs.sizes import sum_sizes
 from stager.ops import extract
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
@@ -446,3 +447,60 @@ def test_the_imagenet_devkit_is_read_confined_too(tmp_path: Path) -> None:
     (allowed / "devkit.tar.gz").symlink_to(devkit_file)
     with pytest.raises(UnsafePath, match="outside the allowed source roots"):
         devkit.read_devkit(str(allowed / "devkit.tar.gz"), (allowed,))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_extraction_counts_the_bytes_it_leaves(fmt: str, tree: Path, tmp_path: Path) -> None:
+    """What a fresh tree is sealed with (stager.worker): the bytes of the files and
+    symlinks the extraction left, as a walk of the tree finds them, stripped or not.
+    GNU tar's own shapes (appends, hard links, sparse files, replaced types) are held
+    to the same in test_archive_compat."""
+    (tree / "top/link").symlink_to("sub/deeper/c.jpg")
+    os.link(tree / "top/big.bin", tree / "top/hard")
+    archive = build(fmt, tree, tmp_path / f"data.{fmt}")
+    for strip in (0, 2):
+        dest = tmp_path / f"dest-{strip}"
+        step = ExtractStep(src=str(archive), strip_components=strip)
+        made = extract.run(step, OpContext(root=dest, progress=Progress(), workers=2))
+        assert made == sum_sizes(str(dest)) > 0, strip
+
+
+@pytest.mark.parametrize("outer", ["tar", "tar.gz", "zip"])
+def test_an_extraction_of_inner_archives_leaves_its_tree_to_be_measured(
+    outer: str, tmp_path: Path
+) -> None:
+    """Inner archives write under folders the outer one may fill or replace meanwhile,
+    so their count is not kept: None, and the staging measures the tree (its seal is
+    held to a full walk in test_seal). ``nested`` without an archive inside counts."""
+    inner_dir = tmp_path / "inner"
+    (inner_dir / "class").mkdir(parents=True)
+    (inner_dir / "class/x.txt").write_bytes(b"x" * 1000)
+    plain = build(outer, inner_dir, tmp_path / f"plain.{outer}")
+    build("tar", make_tree(tmp_path / "tree") / "top", inner_dir / "n01440764.tar")
+    nested = build(outer, inner_dir, tmp_path / f"outer.{outer}")
+    for archive, expected in ((nested, None), (plain, 1000)):
+        dest = tmp_path / f"dest-{archive.stem}"
+        step = ExtractStep(src=str(archive), nested=True)
+        made = extract.run(step, OpContext(root=dest, progress=Progress(), workers=2))
+        assert made == expected, archive
+        if made is None:
+            assert (dest / "n01440764/a.txt").read_bytes() == b"alpha\n"
+
+
+def test_what_a_member_replaces_is_taken_off_the_count(tmp_path: Path) -> None:
+    """A leftover folder (files, a link to a folder, a sub-folder) under a member's
+    name is removed, and its bytes, counted as a walk counts them, come off."""
+    dest = tmp_path / "dest"
+    (dest / "x/sub").mkdir(parents=True)
+    (dest / "x/sub/f").write_bytes(b"12345")
+    (dest / "x/to-sub").symlink_to("sub")
+    (dest / "kept").write_bytes(b"kept")
+    before = sum_sizes(str(dest))
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w") as tar:
+        member = tarfile.TarInfo("x")
+        member.size = 3
+        tar.addfile(member, io.BytesIO(b"abc"))
+    made = extract.run(ExtractStep(src=str(archive)), OpContext(root=dest, progress=Progress()))
+    assert (dest / "x").read_bytes() == b"abc"
+    assert made == sum_sizes(str(dest)) - before == 3 - 5 - len("sub")

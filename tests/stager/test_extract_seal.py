@@ -1,0 +1,43 @@
+"""A one-step extract into a fresh tree is sealed from the bytes the op counted as it
+wrote (stager.worker), not from a stat of every file: through a real daemon, that
+seal must be the tree's, or every hit would find the tree changed and stage it again.
+
+Archives written by GNU tar in the shapes where a count could go wrong: members
+appended again (``tar -u``/``-r``: a file, a symlink and a folder replaced by later
+members), hard links (one to a file replaced later), sparse files, and members of
+one kind replaced by another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stager.fs.sizes import sum_sizes
+from tests import tar_corpus
+from tests.daemon import Daemon, stage, stage_ready
+
+SHAPES = ["gnu-tar-update-append", "gnu-tar-sparse-pax-1.0", "replaced-members"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_one_step_extract_is_sealed_as_its_tree_is(
+    daemon: Daemon, tmp_path: Path, shape: str
+) -> None:
+    case = tar_corpus.CASES[shape]
+    [archive] = case.build(tmp_path)
+    body = {"name": "x", "steps": [{"op": "extract", "src": str(archive)}]}
+    with daemon.client() as client:
+        staged = stage_ready(client, body)
+        reference = tmp_path / "reference"
+        assert tar_corpus.reference_extract(case, [archive], reference) is None
+        assert (
+            tar_corpus.snapshot(Path(staged.path)).keys() == tar_corpus.snapshot(reference).keys()
+        )
+        assert staged.size_bytes == sum_sizes(staged.path) > 0
+        # A hit checks the tree against its seal (entries, bytes, times) before it
+        # answers: a seal counted wrong would be a miss here, and a new staging.
+        again = stage(client, body)
+        assert again.status_code == 200, again.text
+        assert again.json()["state"] == "ready"
