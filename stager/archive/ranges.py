@@ -10,9 +10,9 @@ records
 
 - ``STAGER.range.offset``: where its bytes go in the file (0: the file starts over);
 - ``STAGER.range.from``: the path the receiver holds the file under, when the staging
-  renamed it since its last range (a download's ``x.part`` that became ``x``);
-- ``STAGER.range.last``: present on the range that completes the file, which then
-  takes the member's mtime and the mode every published file has.
+  renamed it since its last range (a download's ``x.part`` that became ``x``).
+
+The member's mtime is the file's as it was then.
 
 The sender keeps, for each file it sends in ranges, how many bytes went and their
 sha256 (:class:`Growing`), by inode, so a rename does not lose it. A range continues
@@ -24,8 +24,9 @@ tree, then decides on the receiving node as for every file (stager.ops.adopt).
 
 A receiver writes each range at its offset of the file at that path (folders on the
 way are never links, and neither is the file), and a range must continue exactly
-what came before (no gap, no overlap); anything else fails the adoption, which
-then stages from the source.
+what came before, in the very file the earlier ranges wrote (no gap, no overlap, no
+file put there meanwhile); anything else fails the adoption, which then stages from
+the source. Once every part came, the assembled files take the published mode.
 """
 
 from __future__ import annotations
@@ -43,18 +44,18 @@ from typing import Any, BinaryIO
 from stager.archive import tar_members
 from stager.errors import VerifyFailed
 from stager.fs.file_copy import remove
-from stager.fs.manifest import Digests
+from stager.fs.manifest import Digests, open_listed
 from stager.fs.seal import FILE_MODE
 from stager.manifest_format import HASH_CHUNK, Manifest
 
 OFFSET = "STAGER.range.offset"
 MOVED_FROM = "STAGER.range.from"
-LAST = "STAGER.range.last"
 
-# A file that a receiver holds only in part, until its last range: its owner may write.
+# A file a receiver assembles from ranges, until every part came: its owner may write.
 PARTIAL_MODE = 0o600
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -95,22 +96,23 @@ class RangePart:
 # ---- the sending node ----------------------------------------------------------------
 
 
-def reread(root: Path, path: str, growing: Growing) -> Any:
+def reread(root: Path, path: str, info: os.stat_result, growing: Growing) -> Any:
     """The sha256 (a hash object) of the first ``growing.sent`` bytes of the file at
-    ``path`` under ``root`` (``growing``'s, maybe renamed since) as they are now; None
-    if it holds fewer or is gone."""
+    ``path`` under ``root`` (``info``: ``growing``'s, maybe renamed since) as they are
+    now; None if it holds fewer or is not that file any more."""
     sha = hashlib.sha256()
     left = growing.sent
     try:
-        with open(root / path, "rb", buffering=0) as stream:
-            while left:
-                chunk = stream.read(min(HASH_CHUNK, left))
-                if not chunk:
-                    return None
-                sha.update(chunk)
-                left -= len(chunk)
+        fd = open_listed(root, path, info)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, "rb", buffering=0) as stream:
+        while left:
+            chunk = stream.read(min(HASH_CHUNK, left))
+            if not chunk:
+                return None
+            sha.update(chunk)
+            left -= len(chunk)
     return sha
 
 
@@ -119,11 +121,11 @@ def still_as_sent(now: Any, growing: Growing) -> bool:
     return bool(now.digest() == growing.sha.digest())
 
 
-def confirm(root: Path, path: str, growing: Growing) -> bool:
+def confirm(root: Path, path: str, info: os.stat_result, growing: Growing) -> bool:
     """Before a file's last range: whether it still starts with what was sent of it.
     If so, ``growing`` goes on from the bytes as read now (the manifest's digest is
     the file's own, not taken on trust from the ranges); if not, it starts over."""
-    now = reread(root, path, growing)
+    now = reread(root, path, info, growing)
     if now is None or not still_as_sent(now, growing):
         growing.path, growing.sent, growing.sha = path, 0, hashlib.sha256()
         return False
@@ -141,7 +143,7 @@ def next_range(
     if growing is not None and info.st_size < growing.sent:
         growing.sent, growing.sha = 0, hashlib.sha256()
     if growing is not None and ends and info.st_size - growing.sent <= room:
-        confirm(root, path, growing)  # its last range: only if it starts as sent
+        confirm(root, path, info, growing)  # its last range: only if it starts as sent
     offset = growing.sent if growing is not None else 0
     length = min(info.st_size - offset, room)
     last = ends and offset + length == info.st_size
@@ -199,30 +201,34 @@ def pack(
             book = Growing(piece.path)
             if before is not None and piece.offset:
                 book = Growing(piece.path, before.sent, before.sha.copy())
-            data = _read(root / piece.path, piece.offset, piece.length)
+            data = _read(root, piece)
             book.sha.update(data)
             book.sent += len(data)
             tar.addfile(_member(piece), io.BytesIO(data))
             done.append((piece, book))
     for piece, book in done:
         ino = piece.info.st_ino
+        if not piece.offset:  # the receivers' file at that path is this one from now on
+            replaced(growing, {piece.path})
+        # Kept after its last range: should the file grow again (a download that
+        # stalled longer than a file takes to settle), it goes on from there.
+        growing[ino] = book
         if piece.last:
-            growing.pop(ino, None)
             digest = (book.sent, book.sha.hexdigest())
             manifest.files[piece.path] = digest
             sent.remember(piece.path, piece.info, digest)
-        else:
-            growing[ino] = book
 
 
-def _read(path: Path, offset: int, length: int) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _read(root: Path, piece: Range) -> bytes:
+    fd = open_listed(root, piece.path, piece.info)
     try:
-        data = os.pread(fd, length, offset) if length else b""
+        data = os.pread(fd, piece.length, piece.offset) if piece.length else b""
     finally:
         os.close(fd)
-    if len(data) != length:
-        raise VerifyFailed(f"{path} holds fewer bytes than when it was listed; it is sent later")
+    if len(data) != piece.length:
+        raise VerifyFailed(
+            f"{root / piece.path} holds fewer bytes than when it was listed; it is sent later"
+        )
     return data
 
 
@@ -234,8 +240,6 @@ def _member(piece: Range) -> tarfile.TarInfo:
     member.pax_headers[OFFSET] = str(piece.offset)
     if piece.moved_from is not None:
         member.pax_headers[MOVED_FROM] = piece.moved_from
-    if piece.last:
-        member.pax_headers[LAST] = "1"
     return member
 
 
@@ -243,48 +247,82 @@ def _member(piece: Range) -> tarfile.TarInfo:
 
 
 def is_range_part(stream: BinaryIO) -> bool:
-    """Whether the part open in ``stream`` is a part of ranges (its first member is one)."""
-    with tar_members.open_tar(stream) as tar:
-        first = tar.next()
+    """Whether the part open in ``stream`` is a part of ranges (its first member is one).
+    A part that is no tar at all is not: extracting it says what is wrong with it."""
+    try:
+        with tar_members.open_tar(stream) as tar:
+            first = tar.next()
+    except (tarfile.TarError, EOFError):
+        first = None
     stream.seek(0)
     return first is not None and OFFSET in first.pax_headers
 
 
 @dataclass
+class _Assembling:
+    size: int  # the bytes written so far
+    sha: Any  # their sha256
+    identity: tuple[int, int, int, int]  # the file's as the last range left it
+
+
+@dataclass
 class Assembly:
-    """A receiving node's files that came in ranges: the sha256 of each so far, by path."""
+    """A receiving node's files that came in ranges, by path: what was written of each,
+    and the file as it was left then. A range continues only that same file, so no
+    ordinary part can put other bytes behind it unseen."""
 
-    hashes: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    files: dict[str, _Assembling] = field(default_factory=dict)
 
 
-def assemble(
-    stream: BinaryIO, tree: Path, assembly: Assembly, digests: Digests, label: str
-) -> None:
-    """Write each range of the part open in ``stream`` into ``tree``. A file its last
-    range completed goes in ``digests`` with its sha256, taken from the bytes written."""
+def assemble(stream: BinaryIO, tree: Path, assembly: Assembly, label: str) -> None:
+    """Write each range of the part open in ``stream`` (``label``) into ``tree``."""
     top = os.open(tree, _DIR_FLAGS)
     try:
         with tar_members.open_tar(stream) as tar:
             for member, _ in tar_members.members(tar, stream):
-                _place(tar, member, top, assembly, digests, label)
+                _place(tar, member, top, assembly, label)
+    except (tarfile.TarError, EOFError) as exc:
+        raise VerifyFailed(f"{label} is damaged ({exc}); this node stages from the source") from exc
+    finally:
+        os.close(top)
+
+
+def finish(tree: Path, assembly: Assembly, digests: Digests) -> None:
+    """Every part came: each file assembled from ranges, still as its last range left
+    it, takes the mode every published file has, and goes in ``digests`` with the
+    sha256 of the bytes written (the manifest check then reads only what changed)."""
+    top = os.open(tree, _DIR_FLAGS)
+    try:
+        for path, done in assembly.files.items():
+            try:
+                folder, name = _folder(top, path, "", create=False)
+            except VerifyFailed:
+                continue  # gone (a later part put something else there): checked as is
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=folder)
+            except OSError:
+                continue
+            finally:
+                os.close(folder)
+            try:
+                if _identity(os.fstat(fd)) == done.identity:
+                    os.fchmod(fd, FILE_MODE)
+                    digests.remember(path, os.fstat(fd), (done.size, done.sha.hexdigest()))
+            finally:
+                os.close(fd)
     finally:
         os.close(top)
 
 
 def _place(
-    tar: tarfile.TarFile,
-    member: tarfile.TarInfo,
-    top: int,
-    assembly: Assembly,
-    digests: Digests,
-    label: str,
+    tar: tarfile.TarFile, member: tarfile.TarInfo, top: int, assembly: Assembly, label: str
 ) -> None:
     path = _relative(member.name, label)
     try:
-        offset = int(member.pax_headers[OFFSET])
+        offset = int(getattr(member, "pax_headers", {})[OFFSET])
     except (KeyError, ValueError):
         offset = -1
-    if not member.isreg() or offset < 0:
+    if not member.isreg() or getattr(member, "sparse", None) is not None or offset < 0:
         raise VerifyFailed(f"{label} mixes ranges with other members ({member.name!r})")
     folder, name = _folder(top, path, label)
     try:
@@ -293,40 +331,38 @@ def _place(
             _move(top, _relative(moved, label), folder, name, assembly, path, label)
         if offset == 0:
             fd = _create(folder, name)
-            assembly.hashes[path] = (0, hashlib.sha256())
-        elif path in assembly.hashes:
+            assembly.files[path] = _Assembling(0, hashlib.sha256(), _identity(os.fstat(fd)))
+        elif path in assembly.files:
             fd = os.open(name, _APPEND_FLAGS, dir_fd=folder)
         else:
             raise VerifyFailed(f"{label}: a range of {path!r} at byte {offset} came first")
         try:
-            size = os.fstat(fd).st_size
-            if size != offset or assembly.hashes[path][0] != offset:
+            done = assembly.files[path]
+            if _identity(os.fstat(fd)) != done.identity or done.size != offset:
                 raise VerifyFailed(
-                    f"{label}: the range of {path!r} at byte {offset} does not continue the "
-                    f"{size} bytes that came before it"
+                    f"{label}: the range of {path!r} at byte {offset} does not continue "
+                    "the file its earlier ranges wrote"
                 )
-            sha = assembly.hashes[path][1]
             source = tar.extractfile(member)
             assert source is not None  # a regular member
-            position = offset
             while chunk := source.read(HASH_CHUNK):
-                sha.update(chunk)
+                done.sha.update(chunk)
                 view = memoryview(chunk)
                 while view:
-                    written = os.pwrite(fd, view, position)
-                    view, position = view[written:], position + written
-            assembly.hashes[path] = (position, sha)
-            if LAST in member.pax_headers:
-                os.fchmod(fd, FILE_MODE)
-                os.utime(fd, (member.mtime, member.mtime))
-                digests.remember(path, os.fstat(fd), (position, sha.hexdigest()))
-                del assembly.hashes[path]
+                    written = os.pwrite(fd, view, done.size)
+                    view, done.size = view[written:], done.size + written
+            os.utime(fd, (member.mtime, member.mtime))
+            done.identity = _identity(os.fstat(fd))
         finally:
             os.close(fd)
     except OSError as exc:
         raise VerifyFailed(f"{label}: cannot write the range of {path!r} ({exc})") from exc
     finally:
         os.close(folder)
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _relative(name: str, label: str) -> str:
@@ -343,9 +379,9 @@ def _relative(name: str, label: str) -> str:
     return name
 
 
-def _folder(top: int, path: str, label: str) -> tuple[int, str]:
-    """The folder of ``path`` under ``top``, made where missing, never through a link;
-    and the file's name in it."""
+def _folder(top: int, path: str, label: str, create: bool = True) -> tuple[int, str]:
+    """The folder of ``path`` under ``top``, never through a link (made where missing,
+    with ``create``); and the file's name in it."""
     *folders, name = path.split("/")
     fd = os.dup(top)
     try:
@@ -353,6 +389,8 @@ def _folder(top: int, path: str, label: str) -> tuple[int, str]:
             try:
                 inner = os.open(component, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
+                if not create:
+                    raise
                 os.mkdir(component, 0o755, dir_fd=fd)
                 inner = os.open(component, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
@@ -375,11 +413,12 @@ def _move(
     top: int, old: str, folder: int, name: str, assembly: Assembly, path: str, label: str
 ) -> None:
     """The file a range continues was at ``old``: it moves to ``path`` (replacing what
-    is there, never followed), and its hash with it."""
-    old_folder, old_name = _folder(top, old, label)
+    is there, never followed), and what was written of it with it."""
+    old_folder, old_name = _folder(top, old, label, create=False)
     try:
         info = os.stat(old_name, dir_fd=old_folder, follow_symlinks=False)
-        if not stat.S_ISREG(info.st_mode) or old not in assembly.hashes:
+        done = assembly.files.get(old)
+        if done is None or _identity(info) != done.identity:
             raise VerifyFailed(f"{label}: {path!r} continues {old!r}, which came otherwise")
         try:
             if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
@@ -387,6 +426,7 @@ def _move(
         except FileNotFoundError:
             pass
         os.rename(old_name, name, src_dir_fd=old_folder, dst_dir_fd=folder)
-        assembly.hashes[path] = assembly.hashes.pop(old)
+        done.identity = _identity(os.stat(name, dir_fd=folder, follow_symlinks=False))
+        assembly.files[path] = assembly.files.pop(old)
     finally:
         os.close(old_folder)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stager.errors import BadRequest
-from stager.fs.manifest import Digests, walk
+from stager.fs.manifest import Digests, open_listed, walk
 from stager.manifest_format import HASH_CHUNK, Manifest
 
 
@@ -77,7 +77,7 @@ def pack_part(
         for path, info in entries:
             member = _member(root, path, info)
             if stat.S_ISREG(info.st_mode):
-                with open(root / path, "rb") as stream:
+                with os.fdopen(open_listed(root, path, info), "rb") as stream:
                     reader = _Hashing(stream)
                     tar.addfile(member, reader)  # type: ignore[arg-type]
                 manifest.files[path] = (reader.size, reader.sha.hexdigest())

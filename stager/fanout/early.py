@@ -92,6 +92,8 @@ def pick(
         done = settled(info, now)
         if growing is not None and ranged.nbytes < part_bytes:
             book = growing.get(info.st_ino)
+            if book is not None and sent.known(path, info) is not None:
+                continue  # its last range went, and it is as it was then
             if book is not None or (
                 not done and info.st_size >= part_bytes and sent.known(path, info) is None
             ):
@@ -139,7 +141,7 @@ def rest(
                 manifest.files[path] = digest
                 continue
             if (book := growing.pop(info.st_ino, None)) is not None:
-                ranges.confirm(tree, path, book)  # changed behind its ranges: all again
+                ranges.confirm(tree, path, info, book)  # changed behind its ranges: again
                 ends.append((path, info, book))
                 continue
         needed.append((path, info))

@@ -13,6 +13,7 @@ it matches.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -48,6 +49,30 @@ def walk(root: Path) -> list[tuple[str, os.stat_result]]:
                     stack.append(path)
     found.sort(key=lambda item: item[0].split("/"))
     return found
+
+
+_LISTED_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_listed(root: Path, path: str, info: os.stat_result) -> int:
+    """The file a walk of ``root`` listed at ``path`` (``info``), opened to read: that
+    same file (device and inode), or FileNotFoundError, never whatever took its place
+    since (a link, a FIFO, another file, one reached through a folder that became a
+    link); the caller sends such a path later, as it is then, or not at all."""
+    try:
+        fd = os.open(root / path, _LISTED_FLAGS)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # a link where the file was
+            raise
+        raise FileNotFoundError(errno.ENOENT, "a link now", str(root / path)) from exc
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or (found.st_dev, found.st_ino) != (
+        info.st_dev,
+        info.st_ino,
+    ):
+        os.close(fd)
+        raise FileNotFoundError(errno.ENOENT, "not the file listed there", str(root / path))
+    return fd
 
 
 class Digests:

@@ -80,11 +80,12 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
         with open(open_source(str(part), ctx.allowed_roots), "rb") as stream:
             ranged = ranges.is_range_part(stream)
             if ranged:
-                ranges.assemble(stream, tree, assembly, digests, str(part))
+                ranges.assemble(stream, tree, assembly, str(part))
         if not ranged:
             extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
             _hash_part(tree, part, digests, ctx)
         index += 1
+    ranges.finish(tree, assembly, digests)
     expected = _manifest(step, folder, end, ctx)
     if step.vouch_uid is not None:
         vouch.check(

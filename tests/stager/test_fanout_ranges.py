@@ -11,6 +11,7 @@ ranges no sender writes refuses them without writing outside its tree.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -25,8 +26,8 @@ import pytest
 
 from stager import manifest_format
 from stager.archive import ranges
-from stager.errors import VerifyFailed
-from stager.fanout import early
+from stager.errors import StagerError, VerifyFailed
+from stager.fanout import bundle, early
 from stager.fanout.packing import ExportPlan, Transfer, pack_early_part
 from stager.fs import manifest
 from stager.ops import adopt
@@ -231,19 +232,33 @@ def test_whatever_happens_around_a_growing_file_the_receiver_gets_the_ready_tree
 # ---- a receiver given ranges no sender writes ----------------------------------------
 
 
-def range_part(path: Path, *members: tuple[str, int, bytes]) -> None:
+Member = tuple[str, int, bytes] | tuple[str, int, bytes, dict[str, str]]
+
+
+def range_part(path: Path, *members: Member) -> None:
+    """A part of ranges as a sender (or a forger) writes it: (path, offset, bytes[, more
+    pax records])."""
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, offset, data in members:
+        for name, offset, data, *more in members:
             member = tarfile.TarInfo(name)
             member.size = len(data)
             member.pax_headers[ranges.OFFSET] = str(offset)
+            for records in more:
+                member.pax_headers.update(records)
             tar.addfile(member, io.BytesIO(data))
+
+
+def whole_part(path: Path, name: str, data: bytes) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        member = tarfile.TarInfo(name)
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
 
 
 def assemble(part: Path, tree: Path, assembly: ranges.Assembly | None = None) -> None:
     with part.open("rb") as stream:
         assert ranges.is_range_part(stream)
-        ranges.assemble(stream, tree, assembly or ranges.Assembly(), manifest.Digests(), "p")
+        ranges.assemble(stream, tree, assembly or ranges.Assembly(), "p")
 
 
 @pytest.mark.parametrize(
@@ -255,6 +270,12 @@ def assemble(part: Path, tree: Path, assembly: ranges.Assembly | None = None) ->
         ([("f", 5, b"x")], "came first"),
         ([("f", 0, b"abc"), ("f", 5, b"x")], "does not continue"),
         ([("f", 0, b"abc"), ("f", 1, b"x")], "does not continue"),
+        ([("f", 0, b"abc"), ("g", 3, b"x", {ranges.MOVED_FROM: "h"})], "cannot write"),
+        ([("f", 0, b"abc"), ("g", 3, b"x", {ranges.MOVED_FROM: "link"})], "came otherwise"),
+        (
+            [("f", 0, b"x", {"GNU.sparse.map": "67108863,1", "GNU.sparse.size": "67108864"})],
+            "mixes ranges",
+        ),
         ([("link/f", 0, b"x")], "not a folder"),
     ],
 )
@@ -308,3 +329,164 @@ def test_the_receiving_op_takes_a_range_part_between_ordinary_parts(tmp_path: Pa
     ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
     adopt.run(step, ctx)
     assert digest(adopted) == digest(source)
+
+
+def adopt_parts(tmp_path: Path, parts: list[Path], expected: manifest_format.Manifest) -> Path:
+    """The receiving op on ``parts`` then ``expected``'s manifest: the adopted tree."""
+    receiver = Receiver(tmp_path / "incoming")
+    for part in parts:
+        receiver.land(str(part))
+    (tmp_path / "manifest.json").write_bytes(expected.to_bytes())
+    sha256 = manifest_format.digest(expected.to_bytes())
+    step = receiver.end(str(tmp_path / "manifest.json"), sha256)
+    adopted = tmp_path / "adopted"
+    ctx = OpContext(root=adopted, progress=Progress(), workers=2, cancel=threading.Event())
+    adopt.run(step, ctx)
+    return adopted
+
+
+def test_an_ordinary_part_put_between_two_ranges_fails_the_adoption(tmp_path: Path) -> None:
+    """A forged ordinary part replaces a file between its ranges, with as many bytes as
+    came: the next range continues only the file the earlier ones wrote, so the
+    adoption fails instead of passing the manifest check on bytes it never held."""
+    true = b"A" * 100 + b"B" * 100
+    range_part(tmp_path / "p0.tar", ("f", 0, true[:100]))
+    whole_part(tmp_path / "p1.tar", "f", b"X" * 100)
+    range_part(tmp_path / "p2.tar", ("f", 100, true[100:]))
+    expected = manifest_format.Manifest()
+    expected.files["f"] = (len(true), hashlib.sha256(true).hexdigest())
+    with pytest.raises(VerifyFailed, match="does not continue"):
+        adopt_parts(tmp_path, [tmp_path / f"p{i}.tar" for i in range(3)], expected)
+
+
+def test_a_damaged_part_is_named_as_such(tmp_path: Path) -> None:
+    """Not a tar at all: extract names it (a corrupt archive, not an internal error);
+    a part of ranges cut short: the adoption names it."""
+    (tmp_path / "p0.tar").write_bytes(os.urandom(700))
+    with pytest.raises(StagerError, match="p0.tar|part-00000.tar"):
+        adopt_parts(tmp_path, [tmp_path / "p0.tar"], manifest_format.Manifest())
+    range_part(tmp_path / "r.tar", ("f", 0, b"x" * 5000))
+    (tmp_path / "r.tar").write_bytes((tmp_path / "r.tar").read_bytes()[:3072])
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    with pytest.raises(VerifyFailed, match="damaged"):
+        assemble(tmp_path / "r.tar", tree)
+
+
+def test_a_plain_member_after_a_range_is_refused(tmp_path: Path) -> None:
+    """A header the fast reader reads itself (no pax records) after a range."""
+    range_part(tmp_path / "p.tar", ("a", 0, b"x"))
+    with tarfile.open(tmp_path / "q.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        plain = tarfile.TarInfo("b")
+        plain.size = 1
+        tar.addfile(plain, io.BytesIO(b"y"))
+    first = (tmp_path / "p.tar").read_bytes().rstrip(b"\0")
+    glued = first + b"\0" * (-len(first) % 512) + (tmp_path / "q.tar").read_bytes()
+    (tmp_path / "glued.tar").write_bytes(glued)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    with pytest.raises(VerifyFailed, match="mixes ranges"):
+        assemble(tmp_path / "glued.tar", tree)
+
+
+def listed_then_swapped(tmp_path: Path, what: str) -> tuple[Path, os.stat_result, Path]:
+    """A staging tree whose ``d/f`` was listed, then replaced: its folder by a link to
+    a folder outside, or the file by a link or a FIFO. (tree, the listing, outside)"""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"SECRET" * 1000)
+    tree = tmp_path / "tree"
+    (tree / "d").mkdir(parents=True)
+    (tree / "d" / "f").write_bytes(b"\0" * 6000)
+    info = os.lstat(tree / "d" / "f")
+    (tree / "d" / "f").unlink()
+    if what == "folder":
+        (tree / "d").rmdir()
+        (tree / "d").symlink_to(outside)
+    elif what == "file":
+        (tree / "d" / "f").symlink_to(outside / "f")
+    else:
+        os.mkfifo(tree / "d" / "f")
+    return tree, info, outside
+
+
+@pytest.mark.parametrize("what", ["folder", "file", "fifo"])
+def test_the_packers_read_only_the_file_they_listed(tmp_path: Path, what: str) -> None:
+    """Between the walk and the read the staging put a link (or a FIFO) in the way: a
+    range, a whole file and the check of bytes already sent read nothing else (and do
+    not hang)."""
+    tree, info, _ = listed_then_swapped(tmp_path, what)
+    piece = ranges.RangePart([ranges.Range("d/f", info, 0, 6000, None, False)])
+    with pytest.raises(FileNotFoundError):
+        ranges.pack(tree, tmp_path / "r.tar", piece, {}, manifest_format.Manifest(),
+                    manifest.Digests())  # fmt: skip
+    with pytest.raises(FileNotFoundError):
+        bundle.pack_part(tree, tmp_path / "w.tar", [("d/f", info)], manifest_format.Manifest())
+    book = ranges.Growing("d/f", 10, hashlib.sha256(b"\0" * 10))
+    assert not ranges.confirm(tree, "d/f", info, book) and book.sent == 0
+
+
+def test_a_new_file_under_a_ranged_files_old_name_is_no_trouble(tmp_path: Path) -> None:
+    """P goes out in ranges, is renamed Q, and a new P grows: the new P's first range
+    goes first (the part is full before Q's next one), so Q starts over on the
+    receivers instead of continuing the copy that P's range replaced."""
+    staging = staging_tree(tmp_path)
+    receiver = Receiver(tmp_path / "incoming")
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
+
+    def one_part() -> None:
+        packed, _ = pack_early_part(plan, transfer, staging)
+        assert packed is not None and packed.path is not None
+        receiver.land(packed.path)
+
+    (staging / "P").write_bytes(os.urandom(2 * PART_BYTES))
+    one_part()  # P at byte 0
+    (staging / "P").rename(staging / "Q")
+    (staging / "P").write_bytes(os.urandom(PART_BYTES))
+    one_part()  # the new P at byte 0 fills the part
+    one_part()  # Q
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert digest(adopted) == digest(ready)
+
+
+def ranges_sent(
+    plan: ExportPlan, transfer: Transfer, staging: Path, receiver: Receiver
+) -> list[tuple[int, int]]:
+    """One early look (its part landed): the (offset, length) of each range it sent."""
+    packed, _ = pack_early_part(plan, transfer, staging)
+    if packed is None or packed.path is None:
+        return []
+    receiver.land(packed.path)
+    with tarfile.open(packed.path) as tar:
+        return [(int(m.pax_headers.get(ranges.OFFSET, -1)), m.size) for m in tar.getmembers()]
+
+
+def test_a_download_that_stalls_goes_on_where_it_was(tmp_path: Path) -> None:
+    """A download pauses longer than a file takes to settle (a slow server): its end so
+    far goes as its last range; when it goes on, so do its ranges, from there; and
+    renamed once complete, it is not sent again."""
+    staging = staging_tree(tmp_path)
+    receiver = Receiver(tmp_path / "incoming")
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
+    sent: list[tuple[int, int]] = []
+    part = staging / "x.part"
+    with part.open("ab", buffering=0) as out:
+        for _ in range(8):
+            out.write(os.urandom(PART_BYTES + 100))
+            sent += ranges_sent(plan, transfer, staging, receiver)
+        time.sleep(STABLE_S * 3)  # the server stalls: settled, its end goes
+        sent += ranges_sent(plan, transfer, staging, receiver)
+        assert sent[-1][0] + sent[-1][1] == part.stat().st_size
+        for _ in range(8):
+            out.write(os.urandom(PART_BYTES))
+            sent += ranges_sent(plan, transfer, staging, receiver)
+    time.sleep(STABLE_S * 3)
+    sent += ranges_sent(plan, transfer, staging, receiver)
+    assert [offset for offset, _ in sent if offset == 0] == [0]  # never from byte 0 again
+    assert sum(length for _, length in sent) == part.stat().st_size
+    part.rename(staging / "x")
+    ready, adopted = publish_and_adopt(tmp_path, staging, plan, transfer, receiver)
+    assert digest(adopted) == digest(ready)
+    assert final_bytes(tmp_path, plan) < 64 * 1024  # renamed: headers, no data again
