@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import random
+import stat
 import tarfile
 import threading
 import time
@@ -30,6 +31,7 @@ from stager.errors import StagerError, VerifyFailed
 from stager.fanout import bundle, early
 from stager.fanout.packing import ExportPlan, Transfer, pack_early_part
 from stager.fs import manifest
+from stager.fs.seal import FILE_MODE
 from stager.ops import adopt
 from stager.ops.base import OpContext
 from stager.progress import Progress
@@ -121,6 +123,7 @@ def test_a_file_still_written_goes_out_in_ranges_and_only_its_end_after(
     assert digest(adopted) == digest(ready)
     assert final_bytes(tmp_path, plan) <= 2 * PART_BYTES  # its end, not the file again
     assert manifest.build(adopted).to_bytes() == manifest.build(ready).to_bytes()
+    assert stat.S_IMODE((adopted / where).stat().st_mode) == FILE_MODE  # as published
 
 
 def test_a_download_renamed_when_complete_is_not_sent_again(tmp_path: Path) -> None:
