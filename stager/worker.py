@@ -36,7 +36,7 @@ from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_listed, seal_tree
-from stager.ops import table
+from stager.ops import fetch, table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, write_atomically
@@ -51,6 +51,7 @@ CONTEXT.set_forkserver_preload([__name__])
 # with it: building the table (a pydantic model per op) costs ~10 ms, a fifth of a
 # small staging. A site's own ops (op_modules) are added in each staging process.
 table.load(())  # the key every job without site ops asks for
+fetch.warm_up()  # a download's TLS settings and HTTP transport: 20-70 ms before its first byte
 
 
 def start_fork_server() -> None:

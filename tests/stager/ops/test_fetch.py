@@ -4,6 +4,8 @@ import functools
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +19,7 @@ from stager.ops.base import CheckContext, OpContext
 from stager.ops.fetch import FetchStep
 from stager.progress import Progress
 from tests.httpserver import Behaviour, serve_files
+from tests.imports import REPO
 
 BODY = os.urandom(1024 * 1024 + 123)
 SHA = hashlib.sha256(BODY).hexdigest()
@@ -193,3 +196,22 @@ def test_a_download_is_public_only_when_its_url_carries_nothing_of_the_user(
     url: str, public: bool
 ) -> None:
     assert fetch.without_credentials(fetch.FetchStep(url=url, dst="d")) is public
+
+
+def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts() -> None:
+    """What a process's first download pays before its first byte (its TLS authorities
+    loaded, httpx's transport imported: 20-70 ms) the staging processes' fork server has
+    paid when it imported stager.worker: a download's client then loads nothing more."""
+    code = (
+        "import sys, stager.worker\n"
+        "from stager.ops import fetch\n"
+        "assert fetch.tls_context.cache_info().currsize == 1, 'no TLS context yet'\n"
+        "before = set(sys.modules)\n"
+        "fetch.httpx.Client(verify=fetch.tls_context()).close()\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
