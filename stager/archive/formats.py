@@ -230,10 +230,14 @@ class StreamReader(io.RawIOBase):
     handed out as slices of large chunks, so per-call overhead stays low.
     """
 
-    def __init__(self, stream: BinaryIO, raw: BinaryIO) -> None:
+    def __init__(self, stream: BinaryIO, raw: BinaryIO, arriving: bool = False) -> None:
         super().__init__()
         self._stream = stream
         self._raw = raw
+        # A download still arriving: each chunk is what one read of the stream gives
+        # (read1: what is decompressed so far), not a whole STREAM_CHUNK, so that the
+        # members in its last bytes are not held back until the download ends.
+        self._read = getattr(stream, "read1", stream.read) if arriving else stream.read
         self._prev = b""  # chunk before ``_chunk``, for short backward seeks
         self._chunk = b""
         self._start = 0  # stream offset of ``_chunk[0]``
@@ -266,7 +270,7 @@ class StreamReader(io.RawIOBase):
     def _fill(self) -> bool:
         if self._eof:
             return False
-        data = self._stream.read(STREAM_CHUNK)
+        data = self._read(STREAM_CHUNK)
         if not data:
             self._eof = True
             return False

@@ -49,7 +49,7 @@ def read_tar(
     stream: StreamReader | None = None
     if archive.growing is not None:  # read once, in order: its reads wait for the bytes
         decompressed = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
-        stream = StreamReader(decompressed, raw)  # type: ignore[arg-type]
+        stream = StreamReader(decompressed, raw, arriving=True)  # type: ignore[arg-type]
     elif archive.fmt != "tar":
         buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
         decompressed = open_decompressed(buffered, archive.fmt, read_ahead=True)

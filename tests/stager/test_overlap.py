@@ -220,6 +220,65 @@ def test_files_appear_in_the_tree_before_the_download_ends(
     assert (ctx.root / "data" / "part_7.bin").stat().st_size == 2_700_000
 
 
+@pytest.mark.parametrize("name", ["data.tar.gz", "data.tar.zst", "data.tar.xz"])
+def test_a_member_is_written_soon_after_its_bytes_arrive(
+    name: str, ctx: OpContext, tmp_path: Path
+) -> None:
+    """The decompressed stream is read as it comes, not in whole chunks (4 MiB): a file
+    is written once its bytes and a little more have arrived, so what is left to write
+    when the download ends is about what its last bytes hold."""
+    source = tmp_path / "src" / "data"
+    source.mkdir(parents=True)
+    (source / "a_first.bin").write_bytes(os.urandom(1_500_000))  # fills a write batch
+    (source / "b_rest.bin").write_bytes(os.urandom(8_000_000))
+    flag = {v: k for k, v in FORMATS.items()}[name]
+    members = ["data/a_first.bin", "data/b_rest.bin"]  # in this order
+    subprocess.run(["tar", flag, "-cf", tmp_path / name, "-C", source.parent, *members], check=True)
+    data = (tmp_path / name).read_bytes()
+    part, final = ctx.root / "dl" / f"{name}.part", ctx.root / "dl" / name
+    part.parent.mkdir()
+    growth = growing.Growth(part, final, ctx.cancel)
+    step = OPS.validate_steps([{"op": "extract", "src": f"dl/{name}"}])[0]
+    done: list[BaseException | None] = []
+
+    def extract_growing() -> None:
+        reader = growth.open()
+        try:
+            extract.run_growing(step, ctx, reader)
+            done.append(None)
+        except BaseException as exc:  # seen by the test's thread below
+            done.append(exc)
+        finally:
+            reader.release()
+
+    first = ctx.root / "data" / "a_first.bin"
+    written_when_seen = None  # bytes of the download there when the first file was whole
+    extraction = threading.Thread(target=extract_growing)
+    with open(part, "wb") as out:
+        growth.writing(0)
+        extraction.start()
+        try:
+            for at in range(0, len(data), 256 << 10):  # arriving in steps, as a download
+                out.write(data[at : at + (256 << 10)])
+                out.flush()
+                growth.wrote()
+                deadline = time.monotonic() + 0.3
+                while written_when_seen is None and time.monotonic() < deadline:
+                    if first.exists() and first.stat().st_size == 1_500_000:
+                        written_when_seen = out.tell()
+                    time.sleep(0.01)
+        finally:
+            os.replace(part, final)
+            growth.end(ok=True)
+            extraction.join()
+    assert done == [None]
+    assert written_when_seen is not None and written_when_seen <= 3_000_000, (
+        f"the first file (1.5 MB) was written once {written_when_seen} bytes had arrived"
+    )
+    assert first.read_bytes() == (source / "a_first.bin").read_bytes()
+    assert (ctx.root / "data" / "b_rest.bin").read_bytes() == (source / "b_rest.bin").read_bytes()
+
+
 def test_a_dropped_connection_resumes_with_range_and_gives_the_exact_tree(
     corpus, http, ctx: OpContext
 ) -> None:
