@@ -36,7 +36,7 @@ class Durable(StrEnum):
     STAGING = "staging"  # store: staging, with the attempt's id
     ATTEMPT_CREATED = "attempt-created"  # fs: partial/<key>.<attempt>/tree (staging process)
     STEP_DONE = "step-done"  # fs: steps-done marker, once per step (staging process)
-    INPUT_USED_UP = "input-used-up"  # fs: an extracted intermediate archive removed (ditto)
+    INPUT_USED_UP = "input-used-up"  # fs: an extracted intermediate archive set aside (ditto)
     DELIVERY_REMOVED = "delivery-removed"  # fs: a broadcast copy it adopted, removed
     # ... and publishes it (``Registry.publish``).
     PUBLISHED = "published"  # fs: tree renamed to data/<key>, the folder fsynced

@@ -40,6 +40,11 @@ class Attempt:
         """How many steps completed, for resuming this attempt (and no other)."""
         return self.root / "steps-done"
 
+    def set_aside(self, index: int) -> Path:
+        """Where step ``index``'s used-up input (an extracted download) is moved out of
+        the tree: removed with this folder once the tree is published, or discarded."""
+        return self.root / f"used-up-{index}"
+
     def steps_done(self) -> int:
         try:
             return int(self.marker.read_text() or 0)

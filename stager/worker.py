@@ -193,8 +193,14 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
                 crash.reached(Durable.STEP_DONE)
         # After the marker, so a crash in between finds the step done and its input
         # still there; repeated for done steps on resume, where it may be gone already.
+        # Moved out of the tree in one rename, not deleted here: deleting a large archive
+        # takes from milliseconds to seconds, which the dataset would wait for; it goes
+        # with the attempt's folder, after the publish (stager.lifecycle).
         if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
-            delete_tree(Path(used_up), threading.Event())
+            aside = attempt.set_aside(index)
+            if os.path.lexists(aside):
+                delete_tree(aside, threading.Event())
+            os.rename(used_up, aside)
             crash.reached(Durable.INPUT_USED_UP)
         if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
             with contextlib.suppress(OSError):  # not empty: something else is kept there

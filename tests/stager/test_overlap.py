@@ -425,6 +425,12 @@ def test_the_daemon_overlaps_the_pair_and_keeps_the_archive_only_when_asked(
     assert not os.path.lexists(Path(dropped.path, "dl", "data.tar.gz"))
     assert snapshot(Path(kept.path)) == built["references"]["data.tar.gz"]
     assert Path(kept.path, "dl", "data.tar.gz").read_bytes() == data
+    # The archive it did not keep was set aside in the attempt's folder, which goes
+    # after the publish: nothing is left behind.
+    partial, deadline = daemon.cache_dir / "partial", time.monotonic() + 10
+    while any(partial.iterdir()):
+        assert time.monotonic() < deadline, f"left behind: {list(partial.iterdir())}"
+        time.sleep(0.05)
 
 
 def test_the_daemon_fails_a_wrong_sha256_and_publishes_nothing(
