@@ -83,10 +83,11 @@ TRACE_POINTS = [
 ]
 
 
-def traced_copy(scratch: Path) -> Path:
-    """``stager/`` copied with a trace line before each point; returns the copy's root."""
+def traced_copy(scratch: Path, points: list[tuple[str, str, str]] = TRACE_POINTS) -> Path:
+    """``stager/`` copied with a trace line at each point (before it, or after it for a
+    label with a "+"); returns the copy's root."""
     shutil.copytree(REPO / "stager", scratch / "stager")
-    for relative, anchor, label in TRACE_POINTS:
+    for relative, anchor, label in points:
         path = scratch / relative
         text = path.read_text()
         if anchor not in text:
@@ -175,15 +176,16 @@ def tar_against_daemon(
     return by_tar, by_user_tar, by_daemon
 
 
-def phases(log: str) -> dict[str, list[float]]:
-    """Per phase (named by the point that ends it), its milliseconds in each staging."""
+def phases(log: str, first: str = "post") -> dict[str, list[float]]:
+    """Per phase (named by the point that ends it), its milliseconds in each staging;
+    a staging's trace begins at the point ``first``."""
     out: dict[str, list[float]] = {}
     previous: tuple[str, float] | None = None
     for line in log.splitlines():
         if not line.startswith("TRACE "):
             continue
         _, label, ms = line.split()
-        if label == "post":
+        if label == first:
             previous = (label, float(ms))
             continue
         if previous is not None:

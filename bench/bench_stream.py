@@ -11,8 +11,15 @@ incompressible files (~80 MB at 1,500):
   them: overlapped (stager.overlap), the default for these two steps;
 - the same two steps one after the other (the whole download, then the
   extraction), as before the overlap;
-- a real ``stager serve`` asked for an ``extract`` of the URL, from the POST to
-  ready (the staging process, the seal and the publish counted too).
+- a real ``stager serve`` asked for an ``extract`` of the URL by stager's own client
+  (``client.StagerClient``, made once, as a job holds it), from the POST to the wait
+  that says ready (the staging process, the seal and the publish counted too; the
+  eviction that follows is not).
+
+``--trace`` runs the daemon alone, from a copy of ``stager/`` with trace points (as
+``bench.bench_overhead --trace`` does), and says where its time goes: the POST, the
+staging process, the first and the last byte of the download, the extraction's end,
+the seal, the publish, the client seeing ready.
 
 Candidates run interleaved so that load from other processes hits all alike, each
 into a fresh folder, after ``sync``; stager runs in-process, as in the staging
@@ -31,12 +38,15 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import bench_overhead
 from bench.datagen import make_archives, make_tree, tree_bytes
 from bench.timing import spread, timed
+from client import StagerClient
 from stager import overlap
 from stager.ops import table
 from stager.ops.base import OpContext
@@ -45,6 +55,19 @@ from tests.daemon import Daemon
 
 OPS = table.load(())
 PIPE = "curl | tar -xzf -"
+DAEMON = "daemon, extract URL"
+# Where a staging of a URL's archive spends its time (--trace): the points of
+# bench_overhead, then the download and the extraction's end, in the order they happen.
+TRACE_POINTS = [
+    *bench_overhead.TRACE_POINTS,
+    ("stager/ops/fetch.py", "        with self.client.stream(", "get-sent"),
+    ("stager/ops/fetch.py", "            self._raise_for_status(response)\n", "headers"),
+    ("stager/ops/fetch.py", "        if total is not None and position > total:\n", "last-byte"),
+    ("stager/ops/fetch.py", "        ctx.progress.advance(0, 1)\n", "renamed"),
+    ("stager/archive/growing.py", "                self.reached_end = True\n", "eof-read"),
+    ("stager/archive/extractor.py", "            writer.flush()\n", "members-read"),
+    ("stager/archive/extractor.py", "        writer.finish()\n", "+written"),
+]
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -64,6 +87,9 @@ def get_args_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="serve at this many Mbit/s (default: as fast as the loopback goes)",
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="run the daemon alone; say where its time goes"
     )
     parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # the server process
     parser.add_argument(
@@ -154,22 +180,34 @@ def _stager(url: str, workers: int, overlapped: bool) -> Callable[[Path], None]:
     return run
 
 
-def _daemon(url: str, daemon: Daemon) -> Callable[[Path], None]:
-    """A real ``stager serve``: POST an ``extract`` of the URL, wait for ready, evict it.
-    Each run asks for a new spec (a query string the server ignores), so each is a miss."""
-    runs = iter(range(1 << 30))
+class _DaemonRuns:
+    """A real ``stager serve``, asked by stager's client for an ``extract`` of the URL;
+    a run is the POST and the wait that says ready. Each run asks for a new spec (a
+    query string the server ignores), so each is a miss; the dataset is evicted after
+    the timing (``evict``)."""
 
-    def run(dest: Path) -> None:
-        name = f"s{next(runs)}"
-        step = {"op": "extract", "src": f"{url}?run={name}"}
-        with daemon.client(timeout=120) as client:
-            client.post("/v1/datasets", json={"name": name, "steps": [step]})
-            status = client.get(f"/v1/datasets/{name}/wait", params={"timeout": 120}).json()
-            if status["state"] != "ready":
-                raise SystemExit(f"staging {name} ended {status['state']}: {status['error']}")
-            client.delete(f"/v1/datasets/{name}")
+    def __init__(self, url: str, daemon: Daemon, trace: Path | None = None) -> None:
+        self.url, self.trace = url, trace
+        self.client = StagerClient(daemon.url)
+        self.runs = 0
 
-    return run
+    def __call__(self, dest: Path) -> None:
+        self.runs += 1
+        name = f"s{self.runs}"
+        self._note("asked")
+        self.client.stage(name, steps=[{"op": "extract", "src": f"{self.url}?run={name}"}])
+        status = self.client.wait(name, timeout=120)
+        self._note("ready-seen")
+        if status.state != "ready":
+            raise SystemExit(f"staging {name} ended {status.state}: {status.error}")
+
+    def evict(self) -> None:
+        self.client.cancel(f"s{self.runs}")
+
+    def _note(self, label: str) -> None:
+        if self.trace is not None:
+            with open(self.trace, "a") as log:
+                log.write(f"TRACE {label} {time.perf_counter() * 1000:.3f}\n")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -178,13 +216,21 @@ def main(args: argparse.Namespace) -> int:
     archive = make_archives(tree, work)["tar.gz"]
     server, base = _serve(work, args.rate_mbit)
     url = f"{base}/{archive.name}"
+    if args.trace:
+        try:
+            return _trace(url, work, args.repeat)
+        finally:
+            server.terminate()
+            server.wait(10)
     daemon = Daemon(cache_dir=work / "daemon-cache").start()
+    daemon_runs = _DaemonRuns(url, daemon)
     runners = {
         PIPE: _pipe(url),
         "stager overlapped": _stager(url, args.workers, overlapped=True),
         "stager one by one": _stager(url, args.workers, overlapped=False),
-        "daemon, extract URL": _daemon(url, daemon),
+        DAEMON: daemon_runs,
     }
+    after = {DAEMON: daemon_runs.evict}
     out = work / "out"
     try:
         print(
@@ -194,12 +240,15 @@ def main(args: argparse.Namespace) -> int:
             f"workers={args.workers}; median of {args.repeat}"
         )
         times: dict[str, list[float]] = {name: [] for name in runners}
-        for runner in runners.values():
+        for name, runner in runners.items():
             timed(runner, out)  # warm-up: the archive in the page cache, code paths hot
+            after.get(name, lambda: None)()
         for _ in range(args.repeat):
             for name, runner in runners.items():
                 times[name].append(timed(runner, out))
+                after.get(name, lambda: None)()
     finally:
+        daemon_runs.client.close()
         daemon.stop()
         server.terminate()
         server.wait(10)
@@ -213,6 +262,37 @@ def main(args: argparse.Namespace) -> int:
         median = statistics.median(values)
         runs = " ".join(f"{v:.2f}" for v in values)
         print(f"{name:<22}{median:>9.3f}{spread(values):>8}{median / base_time:>8.2f}  {runs}")
+    return 0
+
+
+def _trace(url: str, work: Path, repeat: int) -> int:
+    """The daemon's runs alone, from a copy of ``stager/`` with trace points: each
+    phase's median in milliseconds (the first run, which starts the fork server, left
+    out)."""
+    scratch = Path(tempfile.mkdtemp(prefix="stager-stream-trace-"))
+    code = bench_overhead.traced_copy(scratch / "code", TRACE_POINTS)
+    os.chdir(code)  # `python -m stager` looks in its working folder first
+    daemon = Daemon(cache_dir=scratch / "cache", extra_env={"PYTHONPATH": str(code)}).start()
+    runs = _DaemonRuns(url, daemon, trace=scratch / "client.log")
+    walls = []
+    try:
+        for _ in range(repeat + 1):
+            walls.append(timed(runs, scratch / "out"))
+            runs.evict()
+        log = daemon.log(limit=None) + (scratch / "client.log").read_text()
+    finally:
+        runs.client.close()
+        daemon.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    # The points of several processes and threads, in the order they happened.
+    lines = sorted(
+        (float(line.split()[2]), line) for line in log.splitlines() if line.startswith("TRACE ")
+    )
+    found = bench_overhead.phases("\n".join(line for _, line in lines), first="asked")
+    print(f"POST to ready, s: {' '.join(f'{w:.3f}' for w in walls[1:])} (first {walls[0]:.3f})")
+    for name, values in found.items():
+        steady = values[1:] or values
+        print(f"  {name:32s} {statistics.median(steady):9.2f} ms")
     return 0
 
 
