@@ -21,6 +21,14 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+
+# What a staging process needs to unpickle its arguments (the shared counters, the
+# cancel event): imported here, so that the fork server holds it (see CONTEXT below);
+# each staging process would otherwise import it before its first step, 3-10 ms.
+import multiprocessing.heap  # noqa: F401
+import multiprocessing.popen_forkserver  # noqa: F401
+import multiprocessing.sharedctypes  # noqa: F401
+import multiprocessing.synchronize  # noqa: F401
 import os
 import signal
 import threading
