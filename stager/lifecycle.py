@@ -302,7 +302,8 @@ class Registry:
            Its top folder then becomes read-only like the rest (stager.fs.seal).
         2. Every name's link points at it, so whoever step 3 wakes can use its link.
         3. The store says ready.
-        4. The attempt's folder, now holding only its marker, is removed.
+        4. The attempt's folder, now holding its marker and any input the staging set
+           aside (an extracted download), is removed.
         """
         attempt, final = self.attempt(entry), self.final(entry)
         while not settled(seal):  # a tick at most; usually passed already
