@@ -187,18 +187,17 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             following = steps[index] if index < len(steps) else None
             if following is not None and ops.overlaps(step, following, ctx):
                 # A download and the extraction of it, at once (stager.overlap): both
-                # steps are done together, the next turn only removes what it used up.
+                # steps are done together (one marker says so), the next turn only
+                # removes what it used up.
                 after = functools.partial(progress.start_step, index + 1)
                 overlap.run_pair(ops, step, following, ctx, downloaded=after)
-                finished = [index, index + 1]
                 done = index + 1
             else:
                 made = ops.run(step, ctx)
-                finished = [index]
+                done = index
             progress.flush()
-            for marked in finished:
-                write_atomically(attempt.marker, str(marked))
-                crash.reached(Durable.STEP_DONE)
+            write_atomically(attempt.marker, str(done))
+            crash.reached(Durable.STEP_DONE)
         # After the marker, so a crash in between finds the step done and its input
         # still there; repeated for done steps on resume, where it may be gone already.
         # Moved out of the tree in one rename, not deleted here: deleting a large archive
