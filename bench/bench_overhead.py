@@ -64,10 +64,10 @@ TRACE_POINTS = [
     ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
     (
         "stager/worker.py",
-        "                write_atomically(attempt.marker, str(marked))\n",
+        "            write_atomically(attempt.marker, str(done))\n",
         "op-done",
     ),
-    ("stager/worker.py", "                crash.reached(Durable.STEP_DONE)\n", "marker-written"),
+    ("stager/worker.py", "            crash.reached(Durable.STEP_DONE)\n", "marker-written"),
     # The tree sealed from the op's count and a listing, or by a walk of every file.
     ("stager/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
     ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
