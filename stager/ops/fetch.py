@@ -126,10 +126,12 @@ def tls_context() -> ssl.SSLContext:
 
 def warm_up() -> None:
     """Pay now what a process's first download pays before its first byte (20-70 ms):
-    the TLS authorities loaded, and the HTTP transport imported (httpx imports httpcore
-    when its first client is made). The staging processes' fork server calls it before
-    it forks them (stager.worker)."""
+    the TLS authorities loaded, the HTTP transport imported (httpx imports httpcore
+    when its first client is made), and the codec that the socket module encodes host
+    names with (a first connection imports it). The staging processes' fork server
+    calls it before it forks them (stager.worker)."""
     httpx.Client(verify=tls_context()).close()
+    "localhost".encode("idna")
 
 
 def files(step: FetchStep, ctx: OpContext) -> tuple[Path, Path]:

@@ -198,18 +198,27 @@ def test_a_download_is_public_only_when_its_url_carries_nothing_of_the_user(
     assert fetch.without_credentials(fetch.FetchStep(url=url, dst="d")) is public
 
 
-def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts() -> None:
+def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts(
+    base_url: str, tmp_path: Path
+) -> None:
     """What a process's first download pays before its first byte (its TLS authorities
-    loaded, httpx's transport imported: 20-70 ms) the staging processes' fork server has
-    paid when it imported stager.worker: a download's client then loads nothing more."""
-    code = (
-        "import sys, stager.worker\n"
-        "from stager.ops import fetch\n"
-        "assert fetch.tls_context.cache_info().currsize == 1, 'no TLS context yet'\n"
-        "before = set(sys.modules)\n"
-        "fetch.httpx.Client(verify=fetch.tls_context()).close()\n"
-        "print(sorted(set(sys.modules) - before))\n"
-    )
+    loaded, httpx's transport imported, the codec that host names are looked up with:
+    20-70 ms) the staging processes' fork server has paid when it imported
+    stager.worker: a staging's download then loads nothing more."""
+    code = f"""
+import sys
+from pathlib import Path
+import stager.worker
+from stager.ops import fetch
+from stager.ops.base import OpContext
+from stager.progress import Progress
+
+before = set(sys.modules)
+ctx = OpContext(root=Path({str(tmp_path)!r}), progress=Progress())
+fetch.run(fetch.FetchStep(url={base_url + "/data/train.tar"!r}, dst="train.tar"), ctx)
+assert (ctx.root / "train.tar").stat().st_size == {len(BODY)}
+print(sorted(set(sys.modules) - before))
+"""
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
     )
