@@ -39,9 +39,10 @@ from stager.progress import ProgressSink
 
 def run_pair(
     ops: OpTable, step: Any, following: Any, ctx: OpContext, downloaded: Callable[[], None]
-) -> None:
+) -> int | None:
     """Run ``step`` (its op ``grows`` a file) and ``following`` (its op ``follows`` it)
-    at once; ``downloaded`` is called when the download is complete."""
+    at once; ``downloaded`` is called when the download is complete. Returns what the
+    following op's ``run`` returns (the bytes an extraction left, when it counted them)."""
     first, second = ops.op_of(step), ops.op_of(following)
     assert first.grows is not None and second.follows is not None
     part, final = first.grows.files(step, ctx)
@@ -58,37 +59,41 @@ def run_pair(
     )
     download.start()
     try:
-        whole = _follow(second.follows.run, following, ctx, growth, download)
+        read, made = _follow(second.follows.run, following, ctx, growth, download)
     except BaseException:
         stop.set()
         download.join()
         download.raise_failure(stopped=True)  # the cause, when the download failed first
         raise
-    if not whole:  # a zip: read now that the download is complete
-        download.join()
-        download.raise_failure()
-        second.run(following, replace(ctx, progress=_NoTotals(ctx.progress)))
+    if read:
+        return made
+    # A zip: read now that the download is complete.
+    download.join()
+    download.raise_failure()
+    return second.run(following, replace(ctx, progress=_NoTotals(ctx.progress)))
 
 
 def _follow(
-    run: Callable[[Any, OpContext, Any], bool],
+    run: Callable[[Any, OpContext, Any], tuple[bool, int | None]],
     step: Any,
     ctx: OpContext,
     growth: Growth,
     download: _Download,
-) -> bool:
-    """Run the extraction on the growing file until it reads the finished one."""
+) -> tuple[bool, int | None]:
+    """Run the extraction on the growing file until it reads the finished one; returns
+    what its ``run`` returns (read False: it needs the whole file)."""
     tally = _Tally(ctx.progress)
     follow_ctx = replace(ctx, progress=tally)
     while True:
         reader = growth.open()
         try:
-            if not run(step, follow_ctx, reader):
-                return False
+            read, made = run(step, follow_ctx, reader)
+            if not read:
+                return False, None
             download.join()
             download.raise_failure()
             reader.confirm()  # what it read is the finished file (it may stop short of its end)
-            return True
+            return True, made
         except StartOver:
             pass
         except DownloadFailed:

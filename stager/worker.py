@@ -162,12 +162,9 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     done = attempt.steps_done()
     if done == len(steps) and not attempt.tree.is_dir():
         return seal_tree(job.final, job.workers)  # published just before the daemon died
-    # An op that made every file itself, read-only, and counted their bytes, in a tree
-    # made now by it alone (a resumed attempt holds an earlier run's files), needs its
-    # tree listed to be sealed, not every file looked at (stager.fs.seal).
     fresh = not attempt.tree.is_dir()
-    sealed_by_op = fresh and len(steps) == 1 and ops.op_of(steps[0]).read_only_files
-    made: int | None = None
+    made: int | None = None  # what the last op run returned (see _sealed_by_listing)
+    paired = False
     if fresh:
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
@@ -190,8 +187,8 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
                 # steps are done together (one marker says so), the next turn only
                 # removes what it used up.
                 after = functools.partial(progress.start_step, index + 1)
-                overlap.run_pair(ops, step, following, ctx, downloaded=after)
-                done = index + 1
+                made = overlap.run_pair(ops, step, following, ctx, downloaded=after)
+                done, paired = index + 1, True
             else:
                 made = ops.run(step, ctx)
                 done = index
@@ -213,6 +210,18 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
             with contextlib.suppress(OSError):  # not empty: something else is kept there
                 os.rmdir(folder)  # a folder it alone was downloaded into
     ctx.check_cancelled()
-    if sealed_by_op and made is not None:
+    if fresh and made is not None and _sealed_by_listing(ops, steps, paired, ctx):
         return seal_listed(attempt.tree, made)
     return seal_tree(attempt.tree, job.workers)
+
+
+def _sealed_by_listing(ops: table.OpTable, steps: list[Any], paired: bool, ctx: OpContext) -> bool:
+    """Whether a tree made now (not resumed) holds only what its last op made, each file
+    created read-only and its bytes counted (the op's ``read_only_files``), so that a
+    listing seals it and no file is looked at (stager.fs.seal): the op is the only step,
+    or it ran as a pair with the download before it, which it used up (set aside)."""
+    if not ops.op_of(steps[-1]).read_only_files:
+        return False
+    if len(steps) == 1:
+        return True
+    return len(steps) == 2 and paired and ops.used_up(steps[1], ctx) is not None

@@ -179,20 +179,20 @@ def reads_growing(step: ExtractStep) -> str | None:
     return step.src
 
 
-def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> bool:
-    """Extract ``step.src`` from its download as it arrives (``growing``); False when its
-    first bytes say it must be whole first (then run ``run`` on it): a zip, whose
-    directory is at its end, or a plain tar with ``nested``, whose inner archives (the
-    ImageNet shape) are extracted in place and in parallel from the whole file, where a
-    stream would write each one out and read it back."""
+def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> tuple[bool, int | None]:
+    """Extract ``step.src`` from its download as it arrives (``growing``); returns
+    (True, what ``run`` returns), or (False, None) when its first bytes say it must be
+    whole first (then run ``run`` on it): a zip, whose directory is at its end, or a
+    plain tar with ``nested``, whose inner archives (the ImageNet shape) are extracted
+    in place and in parallel from the whole file, where a stream would write each one
+    out and read it back."""
     dest = ctx.destination(step.dst)
     with translate(step.src):
         fmt = resolve_format(step.src, step.format, growing.head(tarfile.BLOCKSIZE))
         if fmt == "zip" or (fmt == "tar" and step.nested):
-            return False
+            return False, None
         archive = Archive(growing.fileno(), 0, 0, fmt, step.src, growing=growing)
-        extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
-    return True
+        return True, extract_archive(ctx, archive, str(dest), step.strip_components, step.nested)
 
 
 def _require_unchanged(

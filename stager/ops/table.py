@@ -65,8 +65,9 @@ class Follows:
 
     # The relative src it can read so, or None (an archive whose end must come first).
     src: Callable[[Any], str | None]
-    # False: the file turned out to need its end first; run the op once it is complete.
-    run: Callable[[Any, OpContext, GrowingFile], bool]
+    # (read, made): read False when the file turned out to need its end first (run the
+    # op once it is complete); made as the op's ``run`` returns it.
+    run: Callable[[Any, OpContext, GrowingFile], tuple[bool, int | None]]
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class Op:
     # may carry the user's credentials), not a delivery, not a site's op unless it says.
     shareable: bool = False
     # Every file it writes is created 0444 (stager.fs.seal.FILE_MODE) and it returns the
-    # bytes it left in the tree: alone in a fresh tree, its tree is sealed by a listing.
+    # bytes it left in the tree: alone in a fresh tree (or after the download it used
+    # up, run as a pair), its tree is sealed by a listing.
     read_only_files: bool = False
     # What else the fan-out's adoption asks of an op: whether this step leaves links
     # pointing at its source (a copy delivered in its place is deleted after adoption,

@@ -24,6 +24,7 @@ from stager.archive import growing
 from stager.archive.job import ExtractJob
 from stager.errors import Cancelled, CorruptArchive, FetchFailed, VerifyFailed
 from stager.fs.seal import FILE_MODE
+from stager.fs.sizes import sum_sizes
 from stager.ops import extract, fetch, table
 from stager.ops.base import OpContext
 from stager.progress import Progress
@@ -165,9 +166,14 @@ def test_the_overlapped_pair_gives_exactly_the_tree_gnu_tar_gives(
     behaviour, url = http
     data = built["archives"][name].read_bytes()
     behaviour.files = {f"/pub/{name}": data}
-    events = run_pair(pair(f"{url}/pub/{name}", name), ctx)
-    assert events == ["downloaded", "extracted"]
+    events: list[str] = []
+    made = overlap.run_pair(
+        OPS, *pair(f"{url}/pub/{name}", name), ctx, downloaded=lambda: events.append("downloaded")
+    )
+    assert events == ["downloaded"]
     assert snapshot(ctx.root) == built["references"][name]
+    # What it returns is what it left, as a walk counts it (the download aside).
+    assert made == sum_sizes(str(ctx.root)) - len(data)
     # Modes as the op leaves them when it extracts the whole file (every file read-only).
     alone = OpContext(root=tmp_path / "alone", progress=Progress())
     alone.root.mkdir()
@@ -528,6 +534,13 @@ def test_the_daemon_extracts_a_url_as_it_downloads(daemon: Daemon, corpus, http)
     reference = built["references"]["data.tar.zst"]
     assert snapshot(Path(dropped.path)) == reference
     assert not os.path.lexists(Path(dropped.path, ".download")), "the download's folder is left"
+    # Sealed from the extraction's own count: the size a walk finds, and the seal holds
+    # when the same request comes again (a hit, not a staging).
+    assert dropped.size_bytes == sum_sizes(dropped.path) > 0
+    assert kept.size_bytes == sum_sizes(kept.path) == dropped.size_bytes + len(data)
+    with daemon.client() as client:
+        again = stage(client, {"name": "u2", "steps": [step], "verify": "sha256"}).json()
+    assert again["state"] == "ready" and again["path"] == dropped.path
     assert snapshot(Path(kept.path), skip=".download") == reference
     assert Path(kept.path, ".download", "data.tar.zst").read_bytes() == data
     assert wrong["state"] == "failed" and wrong["error"]["type"] == "verify_failed"
