@@ -223,7 +223,12 @@ def main(args: argparse.Namespace) -> int:
         finally:
             server.terminate()
             server.wait(10)
-    daemon = Daemon(cache_dir=work / "daemon-cache").start()
+    try:
+        daemon = Daemon(cache_dir=work / "daemon-cache").start()
+    except BaseException:
+        server.terminate()  # the server process is ours to stop whatever happens
+        server.wait(10)
+        raise
     daemon_runs = _DaemonRuns(url, daemon)
     runners = {
         PIPE: _pipe(url),
@@ -251,6 +256,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         daemon_runs.client.close()
         daemon.stop()
+        daemon.cleanup()
         server.terminate()
         server.wait(10)
         shutil.rmtree(out, ignore_errors=True)
@@ -273,17 +279,21 @@ def _trace(url: str, work: Path, repeat: int) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="stager-stream-trace-"))
     code = bench_overhead.traced_copy(scratch / "code", TRACE_POINTS)
     os.chdir(code)  # `python -m stager` looks in its working folder first
-    daemon = Daemon(cache_dir=scratch / "cache", extra_env={"PYTHONPATH": str(code)}).start()
-    runs = _DaemonRuns(url, daemon, trace=scratch / "client.log")
+    daemon = Daemon(cache_dir=scratch / "cache", extra_env={"PYTHONPATH": str(code)})
+    runs: _DaemonRuns | None = None
     walls = []
     try:
+        runs = _DaemonRuns(url, daemon.start(), trace=scratch / "client.log")
         for _ in range(repeat + 1):
             walls.append(timed(runs, scratch / "out"))
             runs.evict()
         log = daemon.log(limit=None) + (scratch / "client.log").read_text()
     finally:
-        runs.client.close()
-        daemon.stop()
+        if runs is not None:
+            runs.client.close()
+        if daemon.process is not None and daemon.process.poll() is None:
+            daemon.stop()
+        daemon.cleanup()
         shutil.rmtree(scratch, ignore_errors=True)
     # The points of several processes and threads, in the order they happened.
     lines = sorted(
