@@ -79,7 +79,12 @@ def send_while_written(
     writer.start()
     try:
         while writer.is_alive():
-            packed, _ = pack_early_part(plan, transfer, staging)
+            try:
+                packed, _ = pack_early_part(plan, transfer, staging)
+            except (OSError, StagerError):
+                # Renamed or removed between the walk and the read: the daemon's room
+                # answers "none yet" and looks again (stager.fanout.room).
+                packed = None
             if packed is not None and packed.path is not None:
                 receiver.land(packed.path)
                 sent.append(packed.bytes)
