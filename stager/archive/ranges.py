@@ -68,6 +68,10 @@ class Growing:
     sent: int = 0
     sha: Any = field(default_factory=hashlib.sha256)
 
+    def start_over(self, path: str) -> None:
+        """Its receivers' copy cannot be continued: it goes again from byte 0."""
+        self.path, self.sent, self.sha = path, 0, hashlib.sha256()
+
 
 @dataclass(frozen=True)
 class Range:
@@ -127,21 +131,29 @@ def confirm(root: Path, path: str, info: os.stat_result, growing: Growing) -> bo
     the file's own, not taken on trust from the ranges); if not, it starts over."""
     now = reread(root, path, info, growing)
     if now is None or not still_as_sent(now, growing):
-        growing.path, growing.sent, growing.sha = path, 0, hashlib.sha256()
+        growing.start_over(path)
         return False
     growing.sha = now
     return True
 
 
 def next_range(
-    root: Path, path: str, info: os.stat_result, growing: Growing | None, room: int, ends: bool
+    root: Path,
+    path: str,
+    info: os.stat_result,
+    growing: Growing | None,
+    room: int,
+    ends: bool,
+    held: dict[str, int],
 ) -> Range | None:
     """The next range of the file at ``path`` (``info``), at most ``room`` bytes: where
     its ranges so far (``growing``) ended, or from byte 0 if the file is new, shrank,
-    or (``ends``: it is complete) no longer starts with what was sent. None when it
-    has nothing worth a range yet: a file still written sends only whole ``room``s."""
-    if growing is not None and info.st_size < growing.sent:
-        growing.sent, growing.sha = 0, hashlib.sha256()
+    was renamed onto a path where the receivers hold another file's copy (``held``:
+    each booked file's inode by the path of its copy), or (``ends``: it is complete)
+    no longer starts with what was sent. None when it has nothing worth a range yet:
+    a file still written sends only whole ``room``s."""
+    if growing is not None and (info.st_size < growing.sent or _onto_another(path, info, held)):
+        growing.start_over(path)
     if growing is not None and ends and info.st_size - growing.sent <= room:
         confirm(root, path, info, growing)  # its last range: only if it starts as sent
     offset = growing.sent if growing is not None else 0
@@ -155,13 +167,28 @@ def next_range(
     return Range(path, info, offset, length, moved, last)
 
 
-def cut(files: list[tuple[str, os.stat_result, Growing]], room: int) -> list[RangePart]:
+def _onto_another(path: str, info: os.stat_result, held: dict[str, int]) -> bool:
+    return held.get(path, info.st_ino) != info.st_ino
+
+
+def booked_paths(growing: dict[int, Growing]) -> dict[str, int]:
+    """Where the receivers hold each booked file's copy: its inode by that path."""
+    return {book.path: ino for ino, book in growing.items()}
+
+
+def cut(
+    files: list[tuple[str, os.stat_result, Growing]], room: int, held: dict[str, int]
+) -> list[RangePart]:
     """The rest of each file of a ready tree (``files``, with what went of each), in
-    range parts of about ``room`` bytes; each file's last range ends it."""
+    range parts of about ``room`` bytes, in the receivers' order (:func:`in_order`);
+    each file's last range ends it. One renamed onto a path where the receivers hold
+    another file's copy (``held``) starts over."""
+    for path, info, growing in files:
+        if growing.path != path and _onto_another(path, info, held):
+            growing.start_over(path)
     parts = [RangePart()]
-    # A renamed file moves on the receivers before a file takes its old name.
     for path, info, growing in sorted(files, key=lambda found: found[2].path == found[0]):
-        offset = growing.sent
+        offset = growing.sent  # renamed files first, as in_order puts them
         moved = growing.path if growing.path != path and offset else None  # first range
         while True:
             space = max(room - parts[-1].nbytes, 0)
@@ -176,11 +203,25 @@ def cut(files: list[tuple[str, os.stat_result, Growing]], room: int) -> list[Ran
     return [part for part in parts if part.ranges]
 
 
-def replaced(growing: dict[int, Growing], paths: set[str]) -> None:
-    """Files were sent whole at ``paths``: one sent in ranges under such a path, if
-    still there under another name, starts over (the receivers' copy is gone)."""
-    for ino in [ino for ino, book in growing.items() if book.path in paths]:
+def replaced(
+    growing: dict[int, Growing],
+    paths: set[str],
+    folders: set[str] = frozenset(),
+    keep: int | None = None,
+) -> None:
+    """Something new went to ``paths`` (whole files, links, a file's range from byte
+    0) and ``folders``: a file sent in ranges (but ``keep``) whose receivers' copy
+    they replaced (:meth:`Assembly.forget`'s rule, the receivers' side of it) starts
+    over, wherever it is now."""
+    gone = [i for i, b in growing.items() if i != keep and _touches(b.path, paths, folders)]
+    for ino in gone:
         del growing[ino]
+
+
+def in_order(pieces: list[Range]) -> list[Range]:
+    """The ranges of a part in the order the receivers take them: a file moves away
+    from a path before another takes that path (a renamed file's range first)."""
+    return sorted(pieces, key=lambda piece: piece.moved_from is None)
 
 
 def pack(
@@ -209,7 +250,7 @@ def pack(
     for piece, book in done:
         ino = piece.info.st_ino
         if not piece.offset:  # the receivers' file at that path is this one from now on
-            replaced(growing, {piece.path})
+            replaced(growing, {piece.path}, keep=ino)
         # Kept after its last range: should the file grow again (a download that
         # stalled longer than a file takes to settle), it goes on from there.
         growing[ino] = book
@@ -273,6 +314,26 @@ class Assembly:
 
     files: dict[str, _Assembling] = field(default_factory=dict)
 
+    def forget(self, names: set[str], folders: set[str]) -> None:
+        """An ordinary part wrote ``names`` (files, links) and ``folders``: no range
+        continues a file at one of them, under one of ``names`` (its folder replaced),
+        or above any of them (it became a folder), whatever the file there looks like
+        now (extraction replaced it)."""
+        for path in [p for p in self.files if _touches(p, names, folders)]:
+            del self.files[path]
+
+
+def _touches(path: str, names: set[str], folders: set[str] = frozenset()) -> bool:
+    """Whether ``path`` is one of ``names`` or ``folders``, lies under one of
+    ``names``, or holds one of either."""
+    if path in folders:
+        return True
+    above = path.split("/")
+    if any("/".join(above[:n]) in names for n in range(1, len(above) + 1)):
+        return True
+    inside = path + "/"
+    return any(name.startswith(inside) for name in (*names, *folders))
+
 
 def assemble(stream: BinaryIO, tree: Path, assembly: Assembly, label: str) -> None:
     """Write each range of the part open in ``stream`` (``label``) into ``tree``."""
@@ -319,10 +380,10 @@ def _place(
 ) -> None:
     path = _relative(member.name, label)
     try:
-        offset = int(getattr(member, "pax_headers", {})[OFFSET])
+        offset = int(member.pax_headers[OFFSET])
     except (KeyError, ValueError):
         offset = -1
-    if not member.isreg() or getattr(member, "sparse", None) is not None or offset < 0:
+    if not member.isreg() or member.sparse is not None or offset < 0:
         raise VerifyFailed(f"{label} mixes ranges with other members ({member.name!r})")
     folder, name = _folder(top, path, label)
     try:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import tarfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import MappingProxyType
 from typing import BinaryIO
 
 BLOCK = tarfile.BLOCKSIZE
@@ -131,6 +132,7 @@ class Member:
     __slots__ = ("name", "type", "mode", "size", "mtime", "offset", "offset_data")
     sparse = None
     linkname = ""
+    pax_headers: Mapping[str, str] = MappingProxyType({})  # a header with none
 
     def isreg(self) -> bool:
         return self.type in tarfile.REGULAR_TYPES

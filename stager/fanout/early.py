@@ -81,6 +81,7 @@ def pick(
     started = time.monotonic()
     entries: Entries = []
     ranged = ranges.RangePart()
+    held = ranges.booked_paths(growing) if growing is not None else {}
     size = 0
     for path, info in walk(tree):
         if stat.S_ISDIR(info.st_mode):
@@ -98,7 +99,7 @@ def pick(
                 not done and info.st_size >= part_bytes and sent.known(path, info) is None
             ):
                 room = part_bytes - ranged.nbytes
-                piece = ranges.next_range(tree, path, info, book, room, ends=done)
+                piece = ranges.next_range(tree, path, info, book, room, done, held)
                 if piece is not None:
                     ranged.ranges.append(piece)
                 continue
@@ -110,8 +111,7 @@ def pick(
             break
     retry = max(RETRY_MIN_S, RETRY_WALKS * (time.monotonic() - started))
     if ranged.nbytes >= part_bytes or any(piece.last for piece in ranged.ranges):
-        # A renamed file moves on the receivers before a file takes its old name.
-        ranged.ranges.sort(key=lambda piece: piece.moved_from is None)
+        ranged.ranges = ranges.in_order(ranged.ranges)
         return ranged, retry
     return (entries if size >= part_bytes else None), retry
 
@@ -133,6 +133,7 @@ def rest(
     needed: Entries = []
     ends: list[tuple[str, os.stat_result, ranges.Growing]] = []
     growing = dict(growing or {})
+    held = ranges.booked_paths(growing)
     data_bytes = 0
     for path, info in walk(tree):
         if stat.S_ISREG(info.st_mode):
@@ -145,7 +146,7 @@ def rest(
                 ends.append((path, info, book))
                 continue
         needed.append((path, info))
-    parts: list[Entries | ranges.RangePart] = [*ranges.cut(ends, part_bytes)]
+    parts: list[Entries | ranges.RangePart] = [*ranges.cut(ends, part_bytes, held)]
     if needed or not parts:  # a part of nothing only when nothing else is left to send
         parts.extend(cut(needed, part_bytes))
     return parts, manifest, data_bytes

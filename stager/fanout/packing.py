@@ -175,8 +175,10 @@ def pack_early_part(
     hand_over(out, transfer)
     plan.sent.update(packed)
     if not isinstance(entries, ranges.RangePart):
-        plan.sent_dirs.update(path for path, info in entries if stat.S_ISDIR(info.st_mode))
-        ranges.replaced(plan.growing, {path for path, _ in entries})
+        folders = {path for path, info in entries if stat.S_ISDIR(info.st_mode)}
+        plan.sent_dirs.update(folders)
+        files = {path for path, _ in entries} - folders
+        ranges.replaced(plan.growing, files, folders)
     plan.packed += 1
     public = _part_public(plan, transfer, out)
     public.more, public.retry_after_s = True, retry

@@ -52,26 +52,42 @@ def walk(root: Path) -> list[tuple[str, os.stat_result]]:
 
 
 _LISTED_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class NotAsListed(FileNotFoundError):
+    """The path a walk listed holds something else now (or nothing)."""
 
 
 def open_listed(root: Path, path: str, info: os.stat_result) -> int:
     """The file a walk of ``root`` listed at ``path`` (``info``), opened to read: that
-    same file (device and inode), or FileNotFoundError, never whatever took its place
-    since (a link, a FIFO, another file, one reached through a folder that became a
-    link); the caller sends such a path later, as it is then, or not at all."""
+    same file (device and inode), reached through real folders only, or `NotAsListed`;
+    never whatever took its place since (a link, a FIFO, another file, one behind a
+    folder that became a link). The caller sends such a path later, or not at all."""
+    *folders, name = path.split("/")
     try:
-        fd = os.open(root / path, _LISTED_FLAGS)
+        folder = os.open(root, _FOLDER_FLAGS)
+        try:
+            for component in folders:
+                inner = os.open(component, _FOLDER_FLAGS, dir_fd=folder)
+                os.close(folder)
+                folder = inner
+            fd = os.open(name, _LISTED_FLAGS, dir_fd=folder)
+        finally:
+            os.close(folder)
     except OSError as exc:
-        if exc.errno != errno.ELOOP:  # a link where the file was
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
             raise
-        raise FileNotFoundError(errno.ENOENT, "a link now", str(root / path)) from exc
+        raise NotAsListed(
+            exc.errno, f"{root / path} is not there as listed ({exc.strerror})"
+        ) from exc
     found = os.fstat(fd)
     if not stat.S_ISREG(found.st_mode) or (found.st_dev, found.st_ino) != (
         info.st_dev,
         info.st_ino,
     ):
         os.close(fd)
-        raise FileNotFoundError(errno.ENOENT, "not the file listed there", str(root / path))
+        raise NotAsListed(errno.ENOENT, f"{root / path} is another file than the one listed")
     return fd
 
 

@@ -83,7 +83,7 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
                 ranges.assemble(stream, tree, assembly, str(part))
         if not ranged:
             extract.run(extract.ExtractStep(src=str(part), format="tar"), ctx)
-            _hash_part(tree, part, digests, ctx)
+            assembly.forget(*_hash_part(tree, part, digests, ctx))
         index += 1
     ranges.finish(tree, assembly, digests)
     expected = _manifest(step, folder, end, ctx)
@@ -103,22 +103,29 @@ def run(step: AdoptStep, ctx: OpContext) -> None:
     manifests.verify(tree, expected, step.origin_node, digests)
 
 
-def _hash_part(tree: Path, part: Path, digests: manifests.Digests, ctx: OpContext) -> None:
+def _hash_part(
+    tree: Path, part: Path, digests: manifests.Digests, ctx: OpContext
+) -> tuple[set[str], set[str]]:
     """Hash the files ``part`` just put in ``tree``, found from the part's own headers
     (not a walk of the whole tree: that would make the parts' cost grow with their
-    number times the tree's size)."""
+    number times the tree's size). Returns the paths it wrote: files and links, and
+    folders."""
+    written: set[str] = set()
+    folders: set[str] = set()
     opened = open(open_source(str(part), ctx.allowed_roots), "rb")
     with opened as headers, tar_members.open_tar(headers) as tar:
         for member, _ in tar_members.members(tar, headers):
+            path = os.path.normpath(member.name)
+            (folders if member.isdir() else written).add(path)
             if not member.isreg():
                 continue
-            path = os.path.normpath(member.name)
             try:
                 info = os.lstat(tree / path)
             except OSError:
                 continue  # not there: the manifest check names it
             if stat.S_ISREG(info.st_mode):
                 digests.of(tree, path, info)
+    return written, folders
 
 
 def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str, Any] | None:
