@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -26,11 +27,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_RUNTIME_DIRS: list[Path] = []
+
+
+def _runtime_dir() -> Path:
+    """A short-lived folder for a daemon's socket and log (Unix socket paths are limited
+    to ~107 bytes, so it lives at a short path under the temp dir), removed when this
+    process exits, whether or not its user called ``cleanup``."""
+    if not _RUNTIME_DIRS:
+        atexit.register(_remove_runtime_dirs)
+    folder = Path(tempfile.mkdtemp(prefix="stg-"))
+    _RUNTIME_DIRS.append(folder)
+    return folder
+
+
+def _remove_runtime_dirs() -> None:
+    for folder in _RUNTIME_DIRS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class Daemon:
     cache_dir: Path
-    # Unix socket paths are limited to ~107 bytes, so the runtime dir lives at a short path.
-    runtime_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="stg-")))
+    runtime_dir: Path = field(default_factory=_runtime_dir)
     extra_env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None

@@ -22,13 +22,20 @@ slurm_cluster.LEFTOVER_GRACE_S = 1.0
 slurm_cluster.LOCAL_CLUSTER = __import__("pathlib").Path(__file__).parent / "cluster"
 """
 LEAVES_A_DAEMON = """
-import os, subprocess
+import os, subprocess, time
 
 def test_starts_a_slurmd_and_forgets_it():
     # argv[0] "slurmd": the guard's pattern, a harmless sleep behind it.
     proc = subprocess.Popen(["bash", "-c", "exec -a slurmd sleep 60"])
     with open(os.environ["LEAK_PIDFILE"], "w") as f:
         f.write(str(proc.pid))
+    # Running as slurmd before the test ends, as a daemon a test started would be (a
+    # loaded machine may not have run bash's exec yet when the session ends).
+    for _ in range(500):
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
+            if cmdline.read().startswith(b"slurmd"):
+                break
+        time.sleep(0.01)
 """
 WRITES_TWO_TMP_PATHS = """
 FIRST = []

@@ -362,10 +362,11 @@ def test_socket_folder_is_private(daemon: Daemon) -> None:
     assert daemon.socket.exists()
 
 
-def test_detach_and_stop_via_the_cli(tmp_path: Path) -> None:
+def test_detach_and_stop_via_the_cli(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     import tempfile
 
-    run = Path(tempfile.mkdtemp(prefix="stg-"))
+    run = Path(tempfile.mkdtemp(prefix="stg-"))  # short: a socket's path is limited
+    request.addfinalizer(lambda: shutil.rmtree(run, ignore_errors=True))
     env = {**os.environ, "STAGER_RUNTIME_DIR": str(run), "STAGER_CACHE_DIR": str(tmp_path / "c")}
     cli = [sys.executable, "-m", "stager"]
     started = subprocess.run(
