@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 from stager.archive import tar_members
 from stager.errors import VerifyFailed
 from stager.fs.file_copy import remove
-from stager.fs.manifest import Digests, open_listed
+from stager.fs.manifest import Digests, folder_of, open_listed
 from stager.fs.seal import FILE_MODE
 from stager.manifest_format import HASH_CHUNK, Manifest
 
@@ -443,23 +443,10 @@ def _relative(name: str, label: str) -> str:
 def _folder(top: int, path: str, label: str, create: bool = True) -> tuple[int, str]:
     """The folder of ``path`` under ``top``, never through a link (made where missing,
     with ``create``); and the file's name in it."""
-    *folders, name = path.split("/")
-    fd = os.dup(top)
     try:
-        for component in folders:
-            try:
-                inner = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                os.mkdir(component, 0o755, dir_fd=fd)
-                inner = os.open(component, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = inner
+        return folder_of(top, path, create)
     except OSError as exc:
-        os.close(fd)
         raise VerifyFailed(f"{label}: the folder of {path!r} is not a folder here ({exc})") from exc
-    return fd, name
 
 
 def _create(folder: int, name: str) -> int:

@@ -60,6 +60,7 @@ from typing import Any, Protocol
 from stager.errors import UnsafeArchiveMember, VerifyFailed
 from stager.fs.fastcopy import READ_CHUNK, copy_range
 from stager.fs.seal import FILE_MODE
+from stager.fs.sizes import sum_sizes
 from stager.progress import ProgressSink
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -279,14 +280,7 @@ def _remove(path: str) -> int:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(path)
         return st.st_size
-    nbytes, folders = 0, [path]
-    while folders:  # every entry but folders by its lstat size, never through a link
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    folders.append(entry.path)
-                else:
-                    nbytes += entry.stat(follow_symlinks=False).st_size
+    nbytes = sum_sizes(path)
     shutil.rmtree(path)
     return nbytes
 

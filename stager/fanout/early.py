@@ -88,25 +88,23 @@ def pick(
             if path not in sent_dirs:
                 entries.append((path, info))
             continue
-        if not stat.S_ISREG(info.st_mode) or _scratch(path, scratch):
+        if not stat.S_ISREG(info.st_mode) or path in scratch:
             continue
         done = settled(info, now)
-        if growing is not None and ranged.nbytes < part_bytes:
-            book = growing.get(info.st_ino)
-            if book is not None and sent.known(path, info) is not None:
-                continue  # its last range went, and it is as it was then
-            if book is not None or (
-                not done and info.st_size >= part_bytes and sent.known(path, info) is None
-            ):
+        known = sent.known(path, info) is not None  # went as it is now
+        book = growing.get(info.st_ino) if growing is not None else None
+        if growing is not None and (
+            book is not None or (not done and info.st_size >= part_bytes and not known)
+        ):
+            # Sent in ranges (once its last range went and it is unchanged: nothing).
+            if not known and ranged.nbytes < part_bytes:
                 room = part_bytes - ranged.nbytes
                 piece = ranges.next_range(tree, path, info, book, room, done, held)
                 if piece is not None:
                     ranged.ranges.append(piece)
-                continue
-        if done and size < part_bytes and sent.known(path, info) is None:
-            if growing is None or info.st_ino not in growing:
-                entries.append((path, info))
-                size += info.st_size
+        elif done and not known and size < part_bytes:
+            entries.append((path, info))
+            size += info.st_size
         if size >= part_bytes and (growing is None or ranged.nbytes >= part_bytes):
             break
     retry = max(RETRY_MIN_S, RETRY_WALKS * (time.monotonic() - started))
@@ -114,11 +112,6 @@ def pick(
         ranged.ranges = ranges.in_order(ranged.ranges)
         return ranged, retry
     return (entries if size >= part_bytes else None), retry
-
-
-def _scratch(path: str, scratch: frozenset[str]) -> bool:
-    """Whether ``path`` is a file the staging removes (or its name while written)."""
-    return path in scratch
 
 
 def rest(

@@ -59,19 +59,42 @@ class NotAsListed(FileNotFoundError):
     """The path a walk listed holds something else now (or nothing)."""
 
 
+def folder_of(top: int, path: str, create: bool = False) -> tuple[int, str]:
+    """The folder that holds ``path`` under the folder open as ``top`` (a descriptor of
+    its own, for the caller to close), reached through real folders only (made where
+    missing, with ``create``); and the name in it. OSError if a folder on the way is
+    missing, a link or not a folder."""
+    *folders, name = path.split("/")
+    folder = os.dup(top)
+    try:
+        for component in folders:
+            try:
+                inner = os.open(component, _FOLDER_FLAGS, dir_fd=folder)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(component, 0o755, dir_fd=folder)
+                inner = os.open(component, _FOLDER_FLAGS, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+    except BaseException:
+        os.close(folder)
+        raise
+    return folder, name
+
+
 def open_listed(root: Path, path: str, info: os.stat_result) -> int:
     """The file a walk of ``root`` listed at ``path`` (``info``), opened to read: that
     same file (device and inode), reached through real folders only, or `NotAsListed`;
     never whatever took its place since (a link, a FIFO, another file, one behind a
     folder that became a link). The caller sends such a path later, or not at all."""
-    *folders, name = path.split("/")
     try:
-        folder = os.open(root, _FOLDER_FLAGS)
+        top = os.open(root, _FOLDER_FLAGS)
         try:
-            for component in folders:
-                inner = os.open(component, _FOLDER_FLAGS, dir_fd=folder)
-                os.close(folder)
-                folder = inner
+            folder, name = folder_of(top, path)
+        finally:
+            os.close(top)
+        try:
             fd = os.open(name, _LISTED_FLAGS, dir_fd=folder)
         finally:
             os.close(folder)

@@ -254,6 +254,18 @@ async def send_while_staging(sender: Agent, receiver: Agent) -> int:
     return before_ready
 
 
+async def early_job(
+    node1: Daemon, node2: Daemon, request: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """``request`` on node1 (the source) and node2, parts sent while node1 stages: each
+    agent's ``done`` event, and how many parts went before node1's staging was ready."""
+    sender = Agent(node1, "node1", request, copy_file())
+    receiver = Agent(node2, "node2", request)
+    await sender.event("probe"), await receiver.event("probe")
+    before_ready = await send_while_staging(sender, receiver)
+    return await sender.finish(), await receiver.finish(), before_ready
+
+
 def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_ready_tree(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
@@ -265,20 +277,13 @@ def test_parts_go_out_while_the_source_node_stages_and_the_receiver_gets_the_rea
     node1 = daemon_factory(cache_dir=tmp_path / "node1")
     node2 = daemon_factory(cache_dir=tmp_path / "node2")
 
-    async def job(url: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+    with serve_files(slow) as url:
         request = {"name": "ds", "steps": [
             {"op": "copy", "src": str(src), "dst": "train"},
             {"op": "fetch", "url": f"{url}/late.bin", "dst": "late.bin"},
             {"op": "rename", "src": "train/class_0", "dst": "train/first"},
         ]}  # fmt: skip
-        sender = Agent(node1, "node1", request, copy_file())
-        receiver = Agent(node2, "node2", request)
-        await sender.event("probe"), await receiver.event("probe")
-        before_ready = await send_while_staging(sender, receiver)
-        return await sender.finish(), await receiver.finish(), before_ready
-
-    with serve_files(slow) as url:
-        sent, received, before_ready = asyncio.run(job(url))
+        sent, received, before_ready = asyncio.run(early_job(node1, node2, request))
     assert before_ready >= 2, "the copied files should go out during the download"
     assert sent["how"] == "staged" and received.get("error") is None, received
     why = received.get("fallback")
@@ -303,17 +308,10 @@ def test_a_single_download_goes_out_in_ranges_while_it_downloads(
     node1 = daemon_factory(cache_dir=tmp_path / "node1")
     node2 = daemon_factory(cache_dir=tmp_path / "node2")
 
-    async def job(url: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+    with serve_files(slow) as url:
         request = {"name": "one", "steps": [{"op": "fetch", "url": f"{url}/train.tar",
                                              "dst": "train.tar"}]}  # fmt: skip
-        sender = Agent(node1, "node1", request, copy_file())
-        receiver = Agent(node2, "node2", request)
-        await sender.event("probe"), await receiver.event("probe")
-        before_ready = await send_while_staging(sender, receiver)
-        return await sender.finish(), await receiver.finish(), before_ready
-
-    with serve_files(slow) as url:
-        sent, received, before_ready = asyncio.run(job(url))
+        sent, received, before_ready = asyncio.run(early_job(node1, node2, request))
     assert before_ready >= 3, "the download's bytes should go out while it downloads"
     why = received.get("fallback")
     assert received["how"] == "broadcast" and received["key"] == sent["key"], why

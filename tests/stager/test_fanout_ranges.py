@@ -66,15 +66,30 @@ class Writer(threading.Thread):
                 time.sleep(0.004)
 
 
+def early_export(
+    tmp_path: Path, scratch: frozenset[str] = frozenset()
+) -> tuple[ExportPlan, Transfer, Receiver]:
+    """An early export (its plan and folder) and the one node that receives it."""
+    receiver = Receiver(tmp_path / "incoming")
+    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
+    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True,
+                      scratch=scratch)  # fmt: skip
+    return plan, transfer, receiver
+
+
+def land_next(plan: ExportPlan, transfer: Transfer, receiver: Receiver, staging: Path) -> None:
+    """Pack the next early part of ``staging`` (there is one) and land it."""
+    packed, _ = pack_early_part(plan, transfer, staging)
+    assert packed is not None and packed.path is not None
+    receiver.land(packed.path)
+
+
 def send_while_written(
     tmp_path: Path, writer: Writer, staging: Path, scratch: frozenset[str] = frozenset()
 ) -> tuple[ExportPlan, Transfer, Receiver, list[int]]:
     """Early parts packed and landed while ``writer`` writes into ``staging``: the plan,
     the export, the receiver, and the size of each part sent while it wrote."""
-    receiver = Receiver(tmp_path / "incoming")
-    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True,
-                      scratch=scratch)  # fmt: skip
+    plan, transfer, receiver = early_export(tmp_path, scratch)
     sent: list[int] = []
     writer.start()
     try:
@@ -440,14 +455,10 @@ def test_a_new_file_under_a_ranged_files_old_name_is_no_trouble(tmp_path: Path) 
     goes first (the part is full before Q's next one), so Q starts over on the
     receivers instead of continuing the copy that P's range replaced."""
     staging = staging_tree(tmp_path)
-    receiver = Receiver(tmp_path / "incoming")
-    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
+    plan, transfer, receiver = early_export(tmp_path)
 
     def one_part() -> None:
-        packed, _ = pack_early_part(plan, transfer, staging)
-        assert packed is not None and packed.path is not None
-        receiver.land(packed.path)
+        land_next(plan, transfer, receiver, staging)
 
     (staging / "P").write_bytes(os.urandom(2 * PART_BYTES))
     one_part()  # P at byte 0
@@ -476,9 +487,7 @@ def test_a_download_that_stalls_goes_on_where_it_was(tmp_path: Path) -> None:
     far goes as its last range; when it goes on, so do its ranges, from there; and
     renamed once complete, it is not sent again."""
     staging = staging_tree(tmp_path)
-    receiver = Receiver(tmp_path / "incoming")
-    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
+    plan, transfer, receiver = early_export(tmp_path)
     sent: list[tuple[int, int]] = []
     part = staging / "x.part"
     with part.open("ab", buffering=0) as out:
@@ -508,14 +517,10 @@ def test_a_chain_of_renames_of_files_sent_in_ranges(tmp_path: Path, grown: int) 
     renamed onto the path where the receivers hold another's copy starts over, and
     renamed files move before others take their names."""
     staging = staging_tree(tmp_path)
-    receiver = Receiver(tmp_path / "incoming")
-    transfer = Transfer("job1-x", tmp_path / "outgoing", 0, datetime.now(UTC))
-    plan = ExportPlan(Path(), "key", [], manifest_format.Manifest(), 0, PART_BYTES, early=True)
+    plan, transfer, receiver = early_export(tmp_path)
 
     def one_part() -> None:
-        packed, _ = pack_early_part(plan, transfer, staging)
-        assert packed is not None and packed.path is not None
-        receiver.land(packed.path)
+        land_next(plan, transfer, receiver, staging)
 
     (staging / "a").write_bytes(os.urandom(PART_BYTES))
     (staging / "b").write_bytes(os.urandom(PART_BYTES))
