@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 
+from stager.archive import split_tar
 from stager.archive.formats import sniff
 from stager.archive.job import (
     Archive,
@@ -43,6 +44,7 @@ from stager.archive.job import (
     nested_suffix,
     translate,
 )
+from stager.archive.split_tar import Head
 from stager.archive.tar_reader import read_tar, require_inside
 from stager.archive.writer import BATCH_BYTES, ArchiveWriter
 from stager.archive.zip_reader import read_zip
@@ -73,11 +75,15 @@ def extract_archive(
     job = ExtractJob(ctx, strip, nested)
     # Growing: never fork worker processes while the download's thread runs.
     size = archive.length if archive.growing is None else 0
-    with paused_gc(), _pools(job, archive.fmt, size):
-        try:
-            made = _extract(job, archive, dest, outer=True)
-        finally:
-            job.cancel_inner()
+    with paused_gc():
+        head = Head()
+        if split_tar.applies(ctx, archive, dest, strip, nested):
+            head = split_tar.extract_head(ctx, archive, dest)  # its threads end before a fork
+        with _pools(job, archive.fmt, size - head.end):
+            try:
+                made = _extract(job, archive, dest, outer=True, head=head)
+            finally:
+                job.cancel_inner()
     return None if job.inner else made
 
 
@@ -110,13 +116,18 @@ def _process_pool(workers: int) -> ProcessPoolExecutor:
     return pool
 
 
-def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> int:
-    """Extract one archive under ``root``; the outer one uses the pool for files.
-    Returns the bytes its writer left (see ``ArchiveWriter.made``)."""
+def _extract(
+    job: ExtractJob, archive: Archive, root: str, outer: bool, head: Head | None = None
+) -> int:
+    """Extract one archive under ``root``, from where ``head`` (the plain files that
+    GNU tars wrote) ends; the outer one uses the pool for files. Returns the bytes
+    left (see ``ArchiveWriter.made``)."""
+    head = head or Head()
     pool = job.files_pool if outer else None
     batch = BATCH_BYTES if archive.growing is None else GROWING_BATCH_BYTES
     links = archive.fmt != "zip"
     writer = ArchiveWriter(root, archive.label, job.ctx, pool, links, batch_bytes=batch)
+    writer.adopt_folders(head.folders, head.folder_mtimes)
     strip = job.strip if outer else 0
     nested = job.nested and outer
     try:
@@ -124,7 +135,7 @@ def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> int:
             read_zip(job, archive, writer, strip, nested)
         else:
             start_inner = functools.partial(_start_inner, job) if nested else None
-            read_tar(job, archive, writer, strip, start_inner)
+            read_tar(job, archive, writer, strip, start_inner, head.end)
         if outer:
             # Inner archives write under this tree: they must be done before any link of
             # the outer archive exists, or a pair of links that escapes only together
@@ -133,7 +144,7 @@ def _extract(job: ExtractJob, archive: Archive, root: str, outer: bool) -> int:
             job.wait_inner()
             _extract_written_inner(job)
         writer.finish()
-        return writer.made
+        return head.made + writer.made
     finally:
         writer.abort()
 

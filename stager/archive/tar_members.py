@@ -30,8 +30,8 @@ from typing import BinaryIO
 
 BLOCK = tarfile.BLOCKSIZE
 ZERO_BLOCK = bytes(BLOCK)
-_MAGICS = (b"ustar\x0000", tarfile.GNU_MAGIC)
-_POSIX_MAGIC = b"ustar\x00"  # any version: only these headers have a name prefix
+MAGICS = (b"ustar\x0000", tarfile.GNU_MAGIC)
+POSIX_MAGIC = b"ustar\x00"  # any version: only these headers have a name prefix
 _FAST_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE)
 
 
@@ -44,7 +44,7 @@ class TarInfo(tarfile.TarInfo):
     @classmethod
     def frombuf(cls, buf: bytes, encoding: str, errors: str) -> TarInfo:  # type: ignore[override]
         member = super().frombuf(buf, encoding, errors)
-        if buf[257:263] != _POSIX_MAGIC and member.type not in tarfile.GNU_TYPES:
+        if buf[257:263] != POSIX_MAGIC and member.type not in tarfile.GNU_TYPES:
             name = _text(buf[0:100], encoding, errors)
             member.name = name.rstrip("/") if member.isdir() else name
         return member
@@ -60,8 +60,10 @@ def members(
     headers: BinaryIO,
     check: Callable[[], None] = lambda: None,
     blocks: Blocks | None = None,
+    start: int = 0,
 ) -> Iterator[tuple[tarfile.TarInfo, int]]:
-    """Yield ``(member, offset of the next header)`` for every member of ``tar``.
+    """Yield ``(member, offset of the next header)`` for every member of ``tar`` from
+    the header at ``start`` (a member's, or the end marker's).
 
     ``headers`` is the seekable file ``tar`` reads (the same one, so that both
     readers share its buffer); ``blocks``, for a plain tar read by offset, serves the
@@ -72,6 +74,9 @@ def members(
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened
     offset = tar.offset
+    if start:
+        block = blocks.at(start) if blocks is not None else _read_block(headers, start)
+        member, offset = _next_by_tarfile(tar, block, start)
     encoding, errors, dirtype = tar.encoding, tar.errors, tarfile.DIRTYPE
     while member is not None:
         yield member, offset
@@ -152,7 +157,7 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member
     if (
         len(block) != BLOCK
         or block[156:157] not in _FAST_TYPES
-        or block[257:265] not in _MAGICS
+        or block[257:265] not in MAGICS
         or block[124] & 0x80  # a base-256 size (a member of 8 GiB or more)
     ):
         return None
@@ -176,7 +181,7 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member
             )
         except ValueError:
             return None
-    if min(chksum, mode, size, mtime) < 0 or not _checksum_ok(block, chksum):
+    if min(chksum, mode, size, mtime) < 0 or not checksum_ok(block, chksum):
         return None  # maybe a signed-char checksum (old Sun tars): tarfile decides
     # Name rules as tarfile's ``frombuf``: V7 directories end in "/", directory names
     # lose trailing slashes, and a ustar prefix comes in front.
@@ -186,7 +191,7 @@ def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member
         kind = tarfile.DIRTYPE
     if kind == tarfile.DIRTYPE:
         name = name.rstrip("/")
-    if block[257:263] == _POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
+    if block[257:263] == POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
         prefix = _text(block[345:500], encoding, errors)
         if prefix:
             name = f"{prefix}/{name}"
@@ -211,7 +216,7 @@ def _octal(field: bytes) -> int:
 # spaces. Summing bytes in Python costs ~4 us a header; adler32's low half is
 # (1 + the byte sum) mod 65521, and the sum of 256 bytes is at most 65280: over each
 # half of the block it is the exact sum, at C speed.
-def _checksum_ok(block: bytes, chksum: int) -> bool:
+def checksum_ok(block: bytes, chksum: int) -> bool:
     total = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
     stored = (zlib.adler32(block[148:156]) & 0xFFFF) - 1  # the checksum field's own bytes
     return total - stored + 8 * 32 == chksum

@@ -42,8 +42,10 @@ def read_tar(
     writer: ArchiveWriter,
     strip: int,
     start_inner: StartInner | None,
+    start: int = 0,
 ) -> None:
-    """Every member of the tar ``archive`` to ``writer``; ``start_inner`` (an outer
+    """Every member of the tar ``archive`` to ``writer``, from the header at ``start``
+    (a plain tar's: what came before it is written already); ``start_inner`` (an outer
     archive with ``nested``) takes the members that are archives themselves."""
     raw = archive.reader()
     stream: StreamReader | None = None
@@ -66,10 +68,10 @@ def read_tar(
         ranges = stream is None and start_inner is None
         fast, dirtype, fd, base = tar_members.Member, tarfile.DIRTYPE, archive.fd, archive.base
         with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
-            consumed = 0
+            consumed = start
             blocks = tar_members.Blocks(fd, base, archive.length) if stream is None else None
             check = job.ctx.check_cancelled
-            for member, next_header in tar_members.members(tar, headers, check, blocks):
+            for member, next_header in tar_members.members(tar, headers, check, blocks, start):
                 now = stream.compressed_pos() if stream else next_header
                 share, consumed = now - consumed, now
                 if ranges and member.__class__ is fast and member.type != dirtype:

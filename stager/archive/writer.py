@@ -429,6 +429,12 @@ class ArchiveWriter:
         self.made = 0
         os.makedirs(root, exist_ok=True)
 
+    def adopt_folders(self, folders: set[str], mtimes: dict[str, float]) -> None:
+        """Folders made for this archive before this writer (real folders, by relative
+        path), and the mtimes ``finish`` gives them."""
+        self._dirs |= folders
+        self._dir_mtimes.update(mtimes)
+
     # -- names ------------------------------------------------------------
 
     def clean_name(self, name: str, strip: int, label: str | None = None) -> str | None:

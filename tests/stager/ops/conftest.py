@@ -1,19 +1,25 @@
 """Extraction runs on threads for small archives and on forked worker processes for
-large ones; archive tests run both ways (``pool``), so each path is held to the same
-results, errors and safety."""
+large ones, and a large plain tar's plain files go to GNU tars side by side
+(stager.archive.split_tar); archive tests run every way (``pool``), so each path is
+held to the same results, errors and safety."""
 
 from __future__ import annotations
 
 import pytest
 
-from stager.archive import extractor
+from stager.archive import extractor, split_tar
 from tests.counts import summary
 
 
-@pytest.fixture(params=["threads", "processes"])
+@pytest.fixture(params=["threads", "processes", "tars"])
 def pool(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "processes":
+    if request.param in ("processes", "tars"):
         monkeypatch.setattr(extractor, "PROCESS_MIN_BYTES", 0)  # every archive is "large"
+    if request.param == "tars":
+        monkeypatch.setattr(split_tar, "SPLIT_MIN_BYTES", 0)
+        # Chunks of a file or two, so that even a small archive spans both tars.
+        monkeypatch.setattr(split_tar, "CHUNK_FILES", 2)
+        monkeypatch.setattr(split_tar, "FOLDER_CHUNK_FILES", 1)
     return request.param
 
 

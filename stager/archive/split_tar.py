@@ -1,0 +1,430 @@
+"""A large plain tar's plain files, written by GNU tars side by side.
+
+Why: a small member costs GNU tar ~4 us of one core (open, write, utimes, close);
+the ordered writer (:mod:`stager.archive.writer`) costs ~10 us of Python and
+system calls spread over two, so on a two-core node it loses to one ``tar -xf``
+of a 200,000-file archive. Here the reading process only checks headers and makes
+folders, and the files go to ``cores`` GNU tar processes, each given whole runs of
+members by ``splice`` (the archive's pages move to a pipe, not through Python).
+
+Why what a tar writes is exactly what was checked here: every header is read
+here before any byte of it is sent (a ustar or GNU header with a good checksum, a
+regular file or a folder, strictly octal numbers as GNU tar reads them, a clean
+relative name, data inside the archive); each tar gets whole members, so from
+one checked header it finds the next at the offset found here, and from nothing
+else. Only regular files go to the tars: folders are made here, in archive order,
+before the files below them are sent, so a tar never creates a folder.
+
+What may differ between the tars and the ordered writer is refused rather than
+reasoned about: the destination must start empty and the tars run with
+``--keep-old-files``, so any name written twice (a later copy of a member, a file
+where a folder is) fails a tar; then everything written here is removed and the
+caller extracts the whole archive with the ordered writer, which gives the result
+and the error that every other archive gets. A member whose mode is not readable
+by everyone, or has a set-id or sticky bit, ends the run here (the ordered writer
+takes the rest), so that the tars' ``umask 0333`` gives every file 0444, as the
+writer creates them. The first member of any other kind (a link, a pax or GNU long
+name header, a sparse file) ends the run too; the ordered writer goes on from it,
+knowing the folders made here.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import fcntl
+import functools
+import os
+import re
+import select
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+from stager.archive import tar_members
+from stager.archive.job import Archive, ExtractContext
+from stager.fs.forked import cores
+
+# Archives smaller than this are not worth the tars' start (~3 ms each).
+SPLIT_MIN_BYTES = 64 << 20
+# Members sent to one tar at a time: a run of them is one splice per contiguous stretch.
+CHUNK_FILES = 4096
+# A chunk ends where a new folder starts once it holds this many files: two tars
+# creating files in one folder take turns on its lock, in different folders they do not.
+FOLDER_CHUNK_FILES = 256
+CHUNK_BYTES = 4 << 20
+_TAR_UMASK = 0o333  # with the modes _FILE takes: every file 0444, as the writer's
+_BLOCK = tar_members.BLOCK
+_WINDOW = 64 << 10  # headers are read a window at a time, as tar_members.Blocks does
+# Bytes 100-265 of a header as GNU tar, Python's tarfile and libarchive write a plain
+# file's or a folder's, and only that layout (any other is the ordered reader's):
+# numbers in octal digits, as GNU tar reads them too (Python's int() would also take
+# a sign or underscores); no link name; the ustar or GNU magic. A file's mode is
+# readable by all with no set-id or sticky bit (the fourth digit from the end 0, the
+# last three 4-7), so that the tars' umask 0333 leaves exactly 0444; group 1 is its
+# size. A folder's size is 0; group 1 is its mtime. Group 2: the checksum; 3: the
+# magic.
+_POSIX = b"ustar\x0000"
+_MAGIC = rb"(ustar\x0000|ustar  \0)"
+_FILE = re.compile(
+    rb"(?:[0-7]{3}0[4-7]{3}[ \0]|[0-7]{2}0[4-7]{3}[ \0]{2}).{16}"
+    rb"([0-7]{11})[ \0][0-7]{11}[ \0]([0-7]{6})\0 0\0{100}" + _MAGIC,
+    re.DOTALL,
+)
+_FOLDER = re.compile(
+    rb"[0-7 \0]{8}.{16}0{11}[ \0]([0-7]{11})[ \0]([0-7]{6})\0 5\0{100}" + _MAGIC,
+    re.DOTALL,
+)
+# A name the ordered writer takes as it is (ArchiveWriter.clean_name): relative, no
+# empty, "." or ".." component, no drive letter; "./" in front is dropped (group 1 is
+# the rest) and a trailing "/" (group 2) is a folder's. It ends at a NUL or at the
+# field's end.
+_COMPONENT = rb"(?!\.\.?(?:/|\0|\Z))[^/\0]+"
+_NAME = re.compile(
+    rb"(?:\./)?((?![\\/])(?!.:)" + _COMPONENT + rb"(?:/" + _COMPONENT + rb")*)(/?)(?:\0|\Z)",
+    re.DOTALL,
+)
+
+
+@dataclass
+class Head:
+    """What the tars wrote: the archive up to ``end`` (a header they did not take, or
+    the end marker when ``complete``), the folders made for it, and their mtimes."""
+
+    end: int = 0
+    complete: bool = False
+    made: int = 0  # bytes of the files written
+    files: int = 0
+    folder_bytes: int = 0  # of folder headers, counted as progress here
+    folders: set[str] = field(default_factory=set)
+    folder_mtimes: dict[str, float] = field(default_factory=dict)
+
+
+@functools.cache
+def gnu_tar() -> str | None:
+    """The path of GNU tar, if that is what ``tar`` is here."""
+    path = shutil.which("tar")
+    if path is None:
+        return None
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return path if done.returncode == 0 and b"GNU tar" in done.stdout else None
+
+
+def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested: bool) -> bool:
+    """Whether ``archive`` is extracted here first: a large plain tar, nothing asked of
+    it that the tars do not do the writer's way, an empty destination, two cores."""
+    if archive.fmt != "tar" or archive.growing is not None or nested or strip:
+        return False
+    if ctx.verify == "sha256" or archive.length < SPLIT_MIN_BYTES or cores(ctx.workers) < 2:
+        return False
+    try:
+        with os.scandir(dest) as listing:
+            if next(listing, None) is not None:
+                return False
+    except FileNotFoundError:
+        pass
+    return gnu_tar() is not None
+
+
+def extract_head(ctx: ExtractContext, archive: Archive, dest: str) -> Head:
+    """Extract the archive's leading plain files and folders under ``dest`` (see the
+    module's docstring); an empty ``Head`` when the tars refused a name (nothing is
+    left of what they wrote)."""
+    os.makedirs(dest, exist_ok=True)
+    head = Head()
+    tars = _Tars(cores(ctx.workers), dest, archive, ctx)
+    try:
+        _read_headers(ctx, archive, dest, head, tars)
+        ok = tars.finish()
+    finally:
+        tars.stop()
+    if not ok:
+        _empty(dest)
+        ctx.progress.advance(-tars.counted_bytes - head.folder_bytes, -tars.counted_files)
+        return Head()
+    return head
+
+
+def _read_headers(
+    ctx: ExtractContext, archive: Archive, dest: str, head: Head, tars: _Tars
+) -> None:
+    """Check headers from the first, make folders and send files' runs to ``tars``, up
+    to the first member that is not a plain file or folder (see _FILE, _FOLDER) or the
+    end marker. The loop a 200,000-file archive runs 200,000 times: kept flat."""
+    fd, base, length = archive.fd, archive.base, archive.length
+    folders, mtimes = head.folders, head.folder_mtimes
+    folders.add("")
+    run_start = run_end = 0  # the run of file members being gathered
+    chunk: list[tuple[int, int]] = []  # runs for the next tar
+    chunk_files = 0
+    parent = b""  # the folder of the last file, known to be made
+    window, window_start = b"", 0
+    offset = 0
+    while True:
+        at = offset - window_start
+        if at + _BLOCK > len(window):
+            window, window_start, at = os.pread(fd, _WINDOW, base + offset), offset, 0
+        block = window[at : at + _BLOCK]
+        kind = block[156:157]
+        fields = (_FILE if kind == b"0" else _FOLDER).match(block, 100, 265)
+        if fields is None or not tar_members.checksum_ok(block, int(fields[2], 8)):
+            head.complete = block == tar_members.ZERO_BLOCK
+            break
+        posix_prefix = fields[3] == _POSIX and block[345]
+        named = _NAME.match(block, 0, 100) if not posix_prefix else _prefixed_name(block)
+        if kind == b"5":
+            rel = named[1] if named is not None else _top_folder(block)
+            if rel is None or not _make_folders(dest, _text(rel), folders):
+                break
+            if rel:
+                mtimes[_text(rel)] = int(fields[1], 8)
+            end = offset + _BLOCK
+            ctx.progress.advance(_BLOCK, 0)
+            head.folder_bytes += _BLOCK
+        else:
+            size = int(fields[1], 8)
+            end = offset + _BLOCK + ((size + 511) & ~511)
+            if named is None or named[2] or offset + _BLOCK + size > length:
+                break
+            folder = named[1].rpartition(b"/")[0]
+            if folder != parent:
+                if not _make_folders(dest, _text(folder), folders):
+                    break
+                parent = folder
+                if chunk_files >= FOLDER_CHUNK_FILES:  # the folder's files to one tar
+                    chunk.append((run_start, run_end - run_start))
+                    ctx.check_cancelled()
+                    tars.send(chunk, chunk_files)
+                    head.files += chunk_files
+                    chunk, chunk_files, run_start = [], 0, offset
+                    run_end = offset
+            if offset != run_end:  # a folder's header lies between: a new run
+                if run_end > run_start:
+                    chunk.append((run_start, run_end - run_start))
+                run_start = offset
+            run_end = end
+            head.made += size
+            chunk_files += 1
+            if chunk_files == CHUNK_FILES or run_end - run_start >= CHUNK_BYTES:
+                chunk.append((run_start, run_end - run_start))
+                ctx.check_cancelled()
+                tars.send(chunk, chunk_files)
+                head.files += chunk_files
+                chunk, chunk_files, run_start = [], 0, run_end
+        offset = end
+    if run_end > run_start:
+        chunk.append((run_start, run_end - run_start))
+    if chunk:
+        tars.send(chunk, chunk_files)
+        head.files += chunk_files
+    head.end = offset
+    folders.discard("")
+
+
+def _prefixed_name(block: bytes) -> re.Match[bytes] | None:
+    """The name of a ustar header with a prefix (bytes 345-500, before the name)."""
+    prefix = block[345:500].split(b"\0", 1)[0]
+    return _NAME.fullmatch(prefix + b"/" + block[0:100].split(b"\0", 1)[0])
+
+
+def _top_folder(block: bytes) -> bytes | None:
+    """b"" for the archive's own top folder ("." or "./"), which is not made; else None."""
+    return b"" if block[0:100].split(b"\0", 1)[0] in (b".", b"./") else None
+
+
+def _text(name: bytes) -> str:
+    return name.decode("utf-8", "surrogateescape")  # as tarfile and the writer read names
+
+
+def _make_folders(dest: str, rel: str, folders: set[str]) -> bool:
+    """``rel`` and its parents as real folders; False where a component is something
+    else (a file a tar wrote: the ordered writer decides what follows)."""
+    if rel in folders:
+        return True
+    parent = rel.rpartition("/")[0]
+    if parent not in folders and not _make_folders(dest, parent, folders):
+        return False
+    path = os.path.join(dest, rel)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return False
+    folders.add(rel)
+    return True
+
+
+def _empty(dest: str) -> None:
+    with os.scandir(dest) as listing:
+        for entry in listing:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+
+
+class _Tars:
+    """GNU tars reading members from pipes that this thread fills without blocking
+    (``splice`` with SPLICE_F_NONBLOCK): a chunk goes to the tar with the least
+    waiting, the header loop never waits for a tar (what it has found waits as
+    offsets), and no thread of ours hands data over. Started at the first chunk, so an
+    archive that starts with another kind of member costs nothing."""
+
+    def __init__(self, count: int, dest: str, archive: Archive, ctx: ExtractContext) -> None:
+        self._count, self._dest, self._archive, self._ctx = count, dest, archive, ctx
+        self._tars: list[_Tar] = []
+        self._errors = tempfile.TemporaryFile()
+        self.failed = False
+        # Progress counted as the pipes took the bytes: taken back if the tars failed.
+        self.counted_bytes = self.counted_files = 0
+
+    def send(self, runs: list[tuple[int, int]], files: int) -> None:
+        if not self._tars:
+            self._tars = [self._start() for _ in range(self._count)]
+        tar = min(self._tars, key=lambda t: t.waiting)
+        tar.queue(runs, files)
+        self._pump()
+
+    def _start(self) -> _Tar:
+        path = gnu_tar()
+        assert path is not None
+        read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            with contextlib.suppress(OSError):  # a smaller pipe only costs wake-ups
+                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+            os.set_blocking(read_end, True)
+            proc = subprocess.Popen(
+                [path, "-x", *_TAR_FLAGS, "-C", self._dest, "-f", "-"],
+                stdin=read_end,
+                stdout=subprocess.DEVNULL,
+                stderr=self._errors,
+                umask=_TAR_UMASK,
+                env=_TAR_ENV,
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        return _Tar(proc, write_end)
+
+    def _pump(self) -> None:
+        """Move what each pipe takes now."""
+        for tar in self._tars:
+            if tar.pipe >= 0 and not tar.pump(self._archive, self):
+                self.failed = True
+
+    def count(self, nbytes: int, files: int) -> None:
+        self._ctx.progress.advance(nbytes, files)
+        self.counted_bytes += nbytes
+        self.counted_files += files
+
+    def finish(self) -> bool:
+        """Send the rest, wait for every tar; whether each wrote every member it got."""
+        for tar in self._tars:
+            tar.queue_end()
+        poller = select.poll()
+        while True:
+            self._pump()
+            busy = [tar for tar in self._tars if tar.pipe >= 0 and tar.waiting]
+            if not busy:
+                break
+            for tar in busy:
+                poller.register(tar.pipe, select.POLLOUT)
+            poller.poll(_POLL_MS)
+            for tar in busy:
+                poller.unregister(tar.pipe)
+            self._ctx.check_cancelled()
+        for tar in self._tars:
+            tar.close()
+        codes = [tar.proc.wait() for tar in self._tars]
+        return not self.failed and not any(codes)
+
+    def stop(self) -> None:
+        """On an error or cancel: no tar writes after this returns."""
+        for tar in self._tars:
+            tar.proc.kill()
+            tar.close()
+            tar.proc.wait()
+        self._errors.close()
+
+
+# Refuse any name already there (a tar never replaces), owner and mode not taken
+# from the archive (the umask makes them 0444), whole records read from the pipe.
+_TAR_FLAGS = ("--keep-old-files", "--no-same-owner", "--no-same-permissions", "--read-full-records")
+# Nothing from the daemon's environment: TAR_OPTIONS or POSIXLY_CORRECT would change
+# what a tar does.
+_TAR_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+_PIPE_BYTES = 1 << 20
+_POLL_MS = 100
+_END_MARKER = bytes(2 * _BLOCK)
+
+
+class _Tar:
+    """One tar, its pipe, and the runs of the archive waiting to go into it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], pipe: int) -> None:
+        self.proc, self.pipe = proc, pipe
+        self._runs: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.waiting = 0  # bytes queued, not yet in the pipe
+
+    def queue(self, runs: list[tuple[int, int]], files: int) -> None:
+        for i, (offset, length) in enumerate(runs):
+            self._runs.append((offset, length, files if i == len(runs) - 1 else 0))
+            self.waiting += length
+
+    def queue_end(self) -> None:
+        self._runs.append((-1, len(_END_MARKER), 0))
+        self.waiting += len(_END_MARKER)
+
+    def pump(self, archive: Archive, tars: _Tars) -> bool:
+        """Fill the pipe from the queued runs until it is full; False if the tar is gone."""
+        while self._runs:
+            offset, length, files = self._runs[0]
+            try:
+                if offset < 0:
+                    moved = os.write(self.pipe, _END_MARKER[len(_END_MARKER) - length :])
+                else:
+                    moved = _splice(archive, offset, length, self.pipe)
+            except BlockingIOError:
+                return True
+            except BrokenPipeError:
+                self._runs.clear()
+                self.waiting = 0
+                self.close()
+                return False
+            self.waiting -= moved
+            if moved < length:
+                self._runs[0] = (offset + moved if offset >= 0 else -1, length - moved, files)
+            else:
+                self._runs.popleft()
+            if offset >= 0:
+                tars.count(moved, files if moved == length else 0)
+        return True
+
+    def close(self) -> None:
+        if self.pipe >= 0:
+            os.close(self.pipe)
+            self.pipe = -1
+
+
+def _splice(archive: Archive, offset: int, length: int, pipe: int) -> int:
+    """Move up to ``length`` bytes at ``offset`` of the archive into ``pipe``, by the
+    kernel where it can; raises BlockingIOError when the pipe is full."""
+    start = archive.base + offset
+    try:
+        moved = os.splice(archive.fd, pipe, length, offset_src=start, flags=os.SPLICE_F_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        # This file cannot be spliced from: through memory, as much as the pipe takes.
+        data = os.pread(archive.fd, min(length, _PIPE_BYTES), start)
+        moved = os.write(pipe, data) if data else 0
+    if moved == 0:
+        raise EOFError("the archive ended inside a member")
+    return moved
