@@ -1,4 +1,7 @@
-"""Dependency aliases for route handlers."""
+"""Dependency aliases for route handlers.
+
+Each is an ``async def``: none blocks, and FastAPI runs a plain ``def`` dependency on
+its thread pool, a hand-off to a thread and back (~0.2 ms) on every request."""
 
 from __future__ import annotations
 
@@ -13,15 +16,15 @@ from stager.metrics import Metrics
 from stager.settings import Settings
 
 
-def get_engine(request: Request) -> Engine:
+async def get_engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
@@ -30,7 +33,7 @@ class Unauthorized(StagerError):
     status = 401
 
 
-def get_caller(request: Request) -> Caller:
+async def get_caller(request: Request) -> Caller:
     """Who asks: the kernel's word for the connection (SO_PEERCRED, read by the server)
     in the node service; the daemon's own user otherwise (its socket is 0700)."""
     caller = request.scope.get(SCOPE_KEY)
