@@ -50,6 +50,7 @@ from stager.archive.writer import BATCH_BYTES, ArchiveWriter
 from stager.archive.zip_reader import read_zip
 from stager.children import die_with_parent
 from stager.fs.forked import cores, paused_gc
+from stager.fs.seal import KnownTree
 from stager.progress import Progress
 
 # Archives smaller than this extract on threads: forking workers costs ~10 ms.
@@ -65,13 +66,15 @@ def extract_archive(
     dest: str,
     strip: int = 0,
     nested: bool = False,
-) -> int | None:
+) -> int | KnownTree | None:
     """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
     leading components of member names; with ``nested``, archives inside it too.
 
     Returns the bytes of the files and symlinks it left under ``dest`` (less those of
     what they replaced), as ``stager.fs.sizes.sum_sizes`` counts them; None where an
-    inner archive was extracted (see the module's docstring)."""
+    inner archive was extracted (see the module's docstring); where GNU tars wrote the
+    whole archive into an empty ``dest`` (stager.archive.split_tar), every entry and
+    folder under ``dest`` as well (a ``KnownTree``)."""
     job = ExtractJob(ctx, strip, nested)
     # Growing: never fork worker processes while the download's thread runs.
     size = archive.length if archive.growing is None else 0
@@ -84,7 +87,11 @@ def extract_archive(
                 made = _extract(job, archive, dest, outer=True, head=head)
             finally:
                 job.cancel_inner()
-    return None if job.inner else made
+    if job.inner:
+        return None
+    if head.complete and made == head.made:  # the tars wrote it all: the tree is known
+        return KnownTree(made, head.files + len(head.folders), tuple(head.folders))
+    return made
 
 
 @contextmanager

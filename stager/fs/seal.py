@@ -77,10 +77,36 @@ def seal_tree(root: Path, workers: int) -> Seal:
     return Seal(entries=tally.files + sealer.folders, nbytes=tally.nbytes, sealed_ns=sealed_ns)
 
 
-def seal_listed(root: Path, nbytes: int) -> Seal:
+@dataclass(frozen=True)
+class KnownTree:
+    """What an op that alone made a tree knows of all of it: the bytes of its files and
+    links (as :func:`stager.fs.sizes.sum_sizes` counts), its entries, and its folders
+    (relative to the tree's root, each made by the op), so that no listing is needed
+    to seal it."""
+
+    nbytes: int
+    entries: int
+    folders: tuple[str, ...]
+
+    def under(self, folder: str) -> KnownTree:
+        """The same, made under ``folder`` (relative; its components made by the op)."""
+        parts = [part for part in folder.split("/") if part not in ("", ".")]
+        above = tuple("/".join(parts[: i + 1]) for i in range(len(parts)))
+        prefix = "/".join(parts)
+        inside = tuple(f"{prefix}/{f}" if prefix else f for f in self.folders)
+        return KnownTree(self.nbytes, self.entries + len(above), above + inside)
+
+
+def seal_listed(root: Path, made: int | KnownTree) -> Seal:
     """The seal of a tree whose one op created every file read-only and counted its
     bytes (the op table's ``read_only_files``): its folders made read-only and its
-    entries counted from their listings, no file looked at one by one."""
+    entries counted from their listings, no file looked at one by one; or, where the
+    op knows the whole tree (``KnownTree``), from what it knows, listing nothing."""
+    if isinstance(made, KnownTree):
+        for folder in made.folders:
+            os.chmod(root / folder, DIR_MODE)
+        return Seal(entries=made.entries, nbytes=made.nbytes, sealed_ns=time.time_ns())
+    nbytes = made
     top = open_top_unconfined(str(root))
     try:
         entries = _list_tree(top.fd)

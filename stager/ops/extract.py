@@ -36,6 +36,7 @@ from stager.archive.formats import (
 from stager.archive.growing import GrowingFile
 from stager.archive.job import Archive, translate
 from stager.errors import CorruptArchive, VerifyFailed
+from stager.fs.seal import KnownTree
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import (
     CheckContext,
@@ -139,7 +140,7 @@ def _open_archive(path: str, allowed_roots: tuple[Path, ...]) -> io.FileIO:
     return open(open_source(path, allowed_roots), "rb", buffering=0)
 
 
-def run(step: ExtractStep, ctx: OpContext) -> int | None:
+def run(step: ExtractStep, ctx: OpContext) -> int | KnownTree | None:
     """Extract ``step.src`` into ``ctx.destination(step.dst)``; safe to re-run. Returns
     the bytes it left there when it counted them exactly (see
     :func:`stager.archive.extractor.extract_archive`), else None."""
@@ -162,6 +163,8 @@ def run(step: ExtractStep, ctx: OpContext) -> int | None:
             raise
         if ctx.verify != "none":
             _require_unchanged(fd, before, step.src)
+    if isinstance(made, KnownTree):  # what it knows is below dest: so is the tree above
+        made = made.under(str(dest.relative_to(ctx.root.resolve())))
     return made
 
 

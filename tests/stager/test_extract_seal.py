@@ -10,13 +10,17 @@ one kind replaced by another.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from stager.archive.split_tar import SPLIT_MIN_BYTES
 from stager.fs.sizes import sum_sizes
 from tests import tar_corpus
 from tests.daemon import Daemon, stage, stage_ready
+from tests.trees import digest
 
 SHAPES = ["gnu-tar-update-append", "gnu-tar-sparse-pax-1.0", "replaced-members"]
 
@@ -38,6 +42,30 @@ def test_a_one_step_extract_is_sealed_as_its_tree_is(
         assert staged.size_bytes == sum_sizes(staged.path) > 0
         # A hit checks the tree against its seal (entries, bytes, times) before it
         # answers: a seal counted wrong would be a miss here, and a new staging.
+        again = stage(client, body)
+        assert again.status_code == 200, again.text
+        assert again.json()["state"] == "ready"
+
+
+def test_a_plain_tar_that_gnu_tars_wrote_whole_is_sealed_as_its_tree_is(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """Over the size where GNU tars write a plain tar's files side by side
+    (stager.archive.split_tar): the op knows every entry, nothing is listed, and the
+    seal is still the tree's (a hit answers ready)."""
+    tree = tmp_path / "tree"
+    chunk = os.urandom(1 << 20)
+    for i in range((SPLIT_MIN_BYTES >> 20) + 4):
+        folder = tree / f"class_{i % 3}" / ("deep" if i % 2 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"img_{i}.bin").write_bytes(chunk[i:] + chunk[:i])
+    archive = tmp_path / "train.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(tree), "."], check=True)
+    body = {"name": "x", "steps": [{"op": "extract", "src": str(archive), "dst": "train"}]}
+    with daemon.client() as client:
+        staged = stage_ready(client, body)
+        assert staged.size_bytes == sum_sizes(staged.path)
+        assert digest(Path(staged.path) / "train") == digest(tree)
         again = stage(client, body)
         assert again.status_code == 200, again.text
         assert again.json()["state"] == "ready"

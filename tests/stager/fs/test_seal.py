@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import stat
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -240,5 +241,42 @@ def test_an_ops_own_count_seals_as_the_full_walk_does(tmp_path: Path, op: str, s
     if made is None:  # an op that does not count its bytes is sealed by the full walk
         return
     listed = seal.seal_listed(tree, made)
+    full = seal.seal_tree(tree, workers=2)
+    assert (listed.entries, listed.nbytes) == (full.entries, full.nbytes)
+
+
+@pytest.mark.parametrize("dst", [".", "x/y"])
+def test_a_tree_gnu_tars_wrote_whole_is_sealed_from_what_it_knows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dst: str
+) -> None:
+    """A plain tar's files all written by GNU tars (stager.archive.split_tar): the op
+    knows every entry and folder, the seal lists nothing, and it is the full walk's
+    seal, every folder read-only."""
+    from stager.archive import split_tar
+    from stager.ops import table
+    from stager.ops.base import OpContext
+    from stager.progress import Progress
+
+    monkeypatch.setattr(split_tar, "SPLIT_MIN_BYTES", 0)
+    source = tmp_path / "source"
+    for i in range(5):
+        (source / f"d{i}" / "sub").mkdir(parents=True)
+        for j in range(4):
+            (source / f"d{i}" / ("sub" if j % 2 else "") / f"f{j}").write_bytes(b"x" * (i * j))
+    archive = tmp_path / "s.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(source), "."], check=True)
+    ops = table.load(())
+    step = {"op": "extract", "src": str(archive), "dst": dst}
+    [typed] = ops.validate_steps([step])
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    made = ops.run(typed, OpContext(root=tree, progress=Progress(), workers=2))
+    assert isinstance(made, seal.KnownTree)
+    listing = monkeypatch.context()
+    with listing as patch:
+        patch.setattr(seal, "_list_tree", None)  # nothing is listed
+        listed = seal.seal_listed(tree, made)
+    folders = [p for p in tree.rglob("*") if p.is_dir()]
+    assert folders and {stat.S_IMODE(p.stat().st_mode) for p in folders} == {seal.DIR_MODE}
     full = seal.seal_tree(tree, workers=2)
     assert (listed.entries, listed.nbytes) == (full.entries, full.nbytes)
