@@ -55,6 +55,8 @@ CHUNK_FILES = 4096
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
 CHUNK_BYTES = 4 << 20
+# Bytes found here that the tars have not taken yet, at most (see _Tars._drain).
+AHEAD_BYTES = 256 << 20
 _TAR_UMASK = 0o333  # with the modes _FILE takes: every file 0444, as the writer's
 _BLOCK = tar_members.BLOCK
 _WINDOW = 64 << 10  # headers are read a window at a time, as tar_members.Blocks does
@@ -289,6 +291,23 @@ class _Tars:
         tar = min(self._tars, key=lambda t: t.waiting)
         tar.queue(runs, files)
         self._pump()
+        self._drain(AHEAD_BYTES)
+
+    def _drain(self, ahead: int) -> None:
+        """Pump until at most ``ahead`` bytes wait for the tars: the headers read here
+        stay close to what the tars read, so the archive's pages are read once even
+        where it is larger than the memory (a page read for a header and evicted
+        before a tar takes it would be read from the storage again)."""
+        poller = select.poll()
+        while sum(tar.waiting for tar in self._tars if tar.pipe >= 0) > ahead:
+            busy = [tar for tar in self._tars if tar.pipe >= 0 and tar.waiting]
+            for tar in busy:
+                poller.register(tar.pipe, select.POLLOUT)
+            poller.poll(_POLL_MS)
+            for tar in busy:
+                poller.unregister(tar.pipe)
+            self._ctx.check_cancelled()
+            self._pump()
 
     def _start(self) -> _Tar:
         path = gnu_tar()
@@ -328,18 +347,8 @@ class _Tars:
         """Send the rest, wait for every tar; whether each wrote every member it got."""
         for tar in self._tars:
             tar.queue_end()
-        poller = select.poll()
-        while True:
-            self._pump()
-            busy = [tar for tar in self._tars if tar.pipe >= 0 and tar.waiting]
-            if not busy:
-                break
-            for tar in busy:
-                poller.register(tar.pipe, select.POLLOUT)
-            poller.poll(_POLL_MS)
-            for tar in busy:
-                poller.unregister(tar.pipe)
-            self._ctx.check_cancelled()
+        self._pump()
+        self._drain(0)
         for tar in self._tars:
             tar.close()
         codes = [tar.proc.wait() for tar in self._tars]
