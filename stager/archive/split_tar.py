@@ -80,12 +80,17 @@ _FOLDER = re.compile(
     re.DOTALL,
 )
 # A name the ordered writer takes as it is (ArchiveWriter.clean_name): relative, no
-# empty, "." or ".." component, no drive letter; "./" in front is dropped (group 1 is
-# the rest) and a trailing "/" (group 2) is a folder's. It ends at a NUL or at the
-# field's end.
+# empty, "." or ".." component, no drive letter (the writer takes any letter, up to
+# four UTF-8 bytes, before a ":": a ":" in the first five bytes is its to judge); "./"
+# in front is dropped (group 1 is the rest) and a trailing "/" (group 2) is a folder's.
+# It ends at a NUL or at the field's end.
 _COMPONENT = rb"(?!\.\.?(?:/|\0|\Z))[^/\0]+"
 _NAME = re.compile(
-    rb"(?:\./)?((?![\\/])(?!.:)" + _COMPONENT + rb"(?:/" + _COMPONENT + rb")*)(/?)(?:\0|\Z)",
+    rb"(?:\./)?((?![\\/])(?![^/\0]{1,4}:)"
+    + _COMPONENT
+    + rb"(?:/"
+    + _COMPONENT
+    + rb")*)(/?)(?:\0|\Z)",
     re.DOTALL,
 )
 
@@ -130,7 +135,19 @@ def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested
                 return False
     except FileNotFoundError:
         pass
-    return gnu_tar() is not None
+    except NotADirectoryError:
+        return False  # the writer's error
+    return _unwritable_by_others(archive.fd) and gnu_tar() is not None
+
+
+def _unwritable_by_others(fd: int) -> bool:
+    """Whether only this process's user can change the archive while it is read: ours,
+    not writable by group or others. The tars read the archive again, after its
+    headers were checked here: where someone else may rewrite a header in between (a
+    user's file, read by the root-run service), a tar would take what was never
+    checked, as root: a device, a FIFO, a symlink anywhere."""
+    st = os.fstat(fd)
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def extract_head(ctx: ExtractContext, archive: Archive, dest: str) -> Head:
@@ -180,8 +197,14 @@ def _read_headers(
         posix_prefix = fields[3] == _POSIX and block[345]
         named = _NAME.match(block, 0, 100) if not posix_prefix else _prefixed_name(block)
         if kind == b"5":
-            rel = named[1] if named is not None else _top_folder(block)
-            if rel is None or not _make_folders(dest, _text(rel), folders):
+            # "." is the top folder only alone: after a prefix it is the prefix's folder.
+            if named is not None:
+                rel = named[1]
+            else:
+                rel = None if posix_prefix else _top_folder(block)
+            if rel is None or offset + _BLOCK > length:  # cut short: the writer's error
+                break
+            if not _make_folders(dest, _text(rel), folders):
                 break
             if rel:
                 mtimes[_text(rel)] = int(fields[1], 8)
@@ -191,7 +214,7 @@ def _read_headers(
         else:
             size = int(fields[1], 8)
             end = offset + _BLOCK + ((size + 511) & ~511)
-            if named is None or named[2] or offset + _BLOCK + size > length:
+            if named is None or named[2] or end > length:  # a tar reads the padding too
                 break
             folder = named[1].rpartition(b"/")[0]
             if folder != parent:
@@ -286,8 +309,8 @@ class _Tars:
         self.counted_bytes = self.counted_files = 0
 
     def send(self, runs: list[tuple[int, int]], files: int) -> None:
-        if not self._tars:
-            self._tars = [self._start() for _ in range(self._count)]
+        while len(self._tars) < self._count:  # each kept as it starts: stop() ends it
+            self._tars.append(self._start())
         tar = min(self._tars, key=lambda t: t.waiting)
         tar.queue(runs, files)
         self._pump()
