@@ -74,10 +74,17 @@ def members(
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened
     offset = tar.offset
-    if start:
-        block = blocks.at(start) if blocks is not None else _read_block(headers, start)
-        member, offset = _next_by_tarfile(tar, block, start)
     encoding, errors, dirtype = tar.encoding, tar.errors, tarfile.DIRTYPE
+    if start:
+        # Read as the loop below reads a header after the first: a plain one here, so
+        # that a field only tarfile reads (a uid) fails neither way or both.
+        block = blocks.at(start) if blocks is not None else _read_block(headers, start)
+        member = fast_header(block, start, encoding, errors) if not tar.pax_headers else None
+        if member is None:
+            member, offset = _next_by_tarfile(tar, block, start)
+        else:
+            offset = start + BLOCK
+            offset += 0 if member.type == dirtype else (member.size + 511) & ~511
     while member is not None:
         yield member, offset
         check()

@@ -502,8 +502,8 @@ class ArchiveWriter:
         """``rel`` as a real directory. A leftover symlink is replaced; a file only for
         an explicit folder member (an implicit parent over a file fails in GNU tar)."""
         if rel in self._in_flight:
-            if not replace_file:
-                raise refused(self.archive, label, f"needs the folder {rel!r}, a file of it")
+            if not replace_file:  # the same words as for one written already
+                raise refused(self.archive, label, f"needs the folder {rel!r}, a file")
             self._wait_for(rel)
         path = self._path(rel)
         try:

@@ -199,3 +199,44 @@ def test_a_header_rewritten_after_its_check_never_reaches_a_tar(
     for path in dest.rglob("*"):
         mode = path.lstat().st_mode
         assert stat.S_ISREG(mode) or stat.S_ISDIR(mode), path
+
+
+def test_the_writer_reads_the_header_it_starts_from_as_it_reads_any_other(
+    tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tars' part ends at a file only its owner may read (the writer's); its gid
+    field is not a number. Read from the start, the writer's quick header reader takes
+    it (it reads no gid); started at it, tarfile read it and called it damaged."""
+    odd = plain_header(b"private", 4, mode=0o600)
+    odd[116:124] = b"garbage\0"
+    rechecksum(odd)
+    archive = write_tar(
+        tmp_path / "a.tar",
+        (plain_header(b"first", 3), b"one"),
+        (odd, b"mine"),
+        (plain_header(b"last", 1), b"3"),
+    )
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
+    assert split == ordered
+    assert ordered[0] == "ok"
+    assert len(heads) == 1 and heads[0].end == 2 * BLOCK
+
+
+def test_a_file_where_a_later_member_needs_a_folder_fails_in_the_same_words(
+    tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "x" is a file, a link ends the tars' part, then "x/y" needs "x" as a folder. The
+    writer said "a file of it" while its own batch still held "x" and "a file" once
+    written; a tar wrote it, so the words depended on who wrote "x"."""
+    link = tarfile.TarInfo("l")
+    link.type, link.linkname, link.mtime = tarfile.SYMTYPE, "x", MTIME
+    archive = write_tar(
+        tmp_path / "a.tar",
+        (plain_header(b"x", 1), b"1"),
+        (bytearray(link.tobuf(tarfile.GNU_FORMAT)), b""),
+        (plain_header(b"x/y", 1), b"2"),
+    )
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
+    assert split == ordered
+    assert ordered[0] == "error" and "needs the folder 'x'" in ordered[1]
+    assert len(heads) == 1 and heads[0].files == 1
