@@ -191,7 +191,10 @@ def _read_headers(
         block = window[at : at + _BLOCK]
         kind = block[156:157]
         fields = (_FILE if kind == b"0" else _FOLDER).match(block, 100, 265)
-        if fields is None or not tar_members.checksum_ok(block, int(fields[2], 8)):
+        # A header cut short by the archive's end is the writer's error (its checksum
+        # holds when what is missing was zeros).
+        ok = fields is not None and len(block) == _BLOCK
+        if not ok or not tar_members.checksum_ok(block, int(fields[2], 8)):
             head.complete = block == tar_members.ZERO_BLOCK
             break
         posix_prefix = fields[3] == _POSIX and block[345]

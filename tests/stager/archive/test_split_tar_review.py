@@ -240,3 +240,22 @@ def test_a_file_where_a_later_member_needs_a_folder_fails_in_the_same_words(
     assert split == ordered
     assert ordered[0] == "error" and "needs the folder 'x'" in ordered[1]
     assert len(heads) == 1 and heads[0].files == 1
+
+
+@pytest.mark.parametrize("cut", [300, 400])
+def test_an_archive_cut_inside_a_header_fails_as_the_writer_fails(
+    cut: int, tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download cut short 300 or 400 bytes into a header Python's tarfile wrote: the
+    bytes missing are zeros, so the checksum of what is there holds, and the header
+    check read byte 345 of a 300-byte block (IndexError)."""
+    archive = tmp_path / "a.tar"
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as out:
+        for name in ("a", "b"):
+            info = tarfile.TarInfo(name)
+            info.mtime = MTIME
+            out.addfile(info)  # empty files: the second header starts at byte 512
+    archive.write_bytes(archive.read_bytes()[: BLOCK + cut])
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
+    assert split == ordered and ordered[0] == "error"
+    assert len(heads) == 1 and heads[0].files == 1
