@@ -12,8 +12,11 @@ here before any byte of it is sent (a ustar or GNU header with a good checksum, 
 regular file or a folder, strictly octal numbers as GNU tar reads them, a clean
 relative name, data inside the archive); each tar gets whole members, so from
 one checked header it finds the next at the offset found here, and from nothing
-else. Only regular files go to the tars: folders are made here, in archive order,
-before the files below them are sent, so a tar never creates a folder.
+else. The tars read the archive again (splice), later: so only an archive that no
+one but this process's user may write goes to them (``applies``), or a header
+rewritten after its check would reach a tar (as root: a device node). Only
+regular files go to the tars: folders are made here, in archive order, before the
+files below them are sent, so a tar never creates a folder.
 
 What may differ between the tars and the ordered writer is refused rather than
 reasoned about: the destination must start empty and the tars run with
