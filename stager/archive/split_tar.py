@@ -126,8 +126,9 @@ def gnu_tar() -> str | None:
 
 
 def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested: bool) -> bool:
-    """Whether ``archive`` is extracted here first: a large plain tar, nothing asked of
-    it that the tars do not do the writer's way, an empty destination, two cores."""
+    """Whether ``archive`` is extracted here first: a large plain tar no one else may
+    write, nothing asked of it that the tars do not do the writer's way, an empty
+    destination, two cores."""
     if archive.fmt != "tar" or archive.growing is not None or nested or strip:
         return False
     if ctx.verify == "sha256" or archive.length < SPLIT_MIN_BYTES or cores(ctx.workers) < 2:
@@ -269,7 +270,7 @@ def _top_folder(block: bytes) -> bytes | None:
 
 
 def _text(name: bytes) -> str:
-    return name.decode("utf-8", "surrogateescape")  # as tarfile and the writer read names
+    return os.fsdecode(name)  # as tarfile (its encoding: the file system's) and the writer
 
 
 def _make_folders(dest: str, rel: str, folders: set[str]) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -259,3 +261,47 @@ def test_an_archive_cut_inside_a_header_fails_as_the_writer_fails(
     split, ordered = both_ways(archive, tmp_path, monkeypatch)
     assert split == ordered and ordered[0] == "error"
     assert len(heads) == 1 and heads[0].files == 1
+
+
+_UNDER_ASCII = """
+import sys
+from pathlib import Path
+from stager.archive import split_tar
+from tests.stager.archive.test_split_tar import extract, outcome
+split_tar.SPLIT_MIN_BYTES, split_tar.CHUNK_FILES, split_tar.FOLDER_CHUNK_FILES = 0, 2, 1
+archive, work = Path(sys.argv[1]), Path(sys.argv[2])
+split = outcome(archive, work / "split", extract)
+split_tar.SPLIT_MIN_BYTES = 1 << 62
+ordered = outcome(archive, work / "ordered", extract)
+print(repr(split))
+assert split == ordered, (split, ordered)
+"""
+
+
+def test_names_are_read_as_the_writer_reads_them_whatever_the_locale(tmp_path: Path) -> None:
+    """Under a locale that is not UTF-8 (here C, ASCII, as Python takes it without
+    coercion), tarfile and so the writer read names in the file system's encoding;
+    the header check read them as UTF-8, made "é" and could not encode it again."""
+    archive = write_tar(
+        tmp_path / "a.tar",
+        (plain_header("é".encode(), 0, b"5"), b""),
+        (plain_header("é/f".encode(), 1), b"1"),
+        (plain_header(b"g", 1), b"2"),
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[3]),
+        "LC_ALL": "C",
+        "PYTHONCOERCECLOCALE": "0",
+        "PYTHONUTF8": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _UNDER_ASCII, str(archive), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("('ok'")
