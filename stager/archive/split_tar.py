@@ -69,8 +69,9 @@ _WINDOW = 64 << 10  # headers are read a window at a time, as tar_members.Blocks
 # a sign or underscores); no link name; the ustar or GNU magic. A file's mode is
 # readable by all with no set-id or sticky bit (the fourth digit from the end 0, the
 # last three 4-7), so that the tars' umask 0333 leaves exactly 0444; group 1 is its
-# size. A folder's size is 0; group 1 is its mtime. Group 2: the checksum; 3: the
-# magic.
+# size. A folder's mode is any, in the same digits (the writer reads it, and fails on
+# what is not a number), its size 0; group 1 is its mtime. Group 2: the checksum; 3:
+# the magic.
 _POSIX = b"ustar\x0000"
 _MAGIC = rb"(ustar\x0000|ustar  \0)"
 _FILE = re.compile(
@@ -79,7 +80,8 @@ _FILE = re.compile(
     re.DOTALL,
 )
 _FOLDER = re.compile(
-    rb"[0-7 \0]{8}.{16}0{11}[ \0]([0-7]{11})[ \0]([0-7]{6})\0 5\0{100}" + _MAGIC,
+    rb"(?:[0-7]{7}[ \0]|[0-7]{6}[ \0]{2}).{16}0{11}[ \0]([0-7]{11})[ \0]([0-7]{6})\0 5\0{100}"
+    + _MAGIC,
     re.DOTALL,
 )
 # A name the ordered writer takes as it is (ArchiveWriter.clean_name): relative, no

@@ -305,3 +305,23 @@ def test_names_are_read_as_the_writer_reads_them_whatever_the_locale(tmp_path: P
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("('ok'")
+
+
+@pytest.mark.parametrize("mode", [b"7 7 7 7 ", b"0 0\0    "])
+def test_a_folder_whose_mode_is_not_a_number_fails_as_the_writer_fails(
+    mode: bytes, tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header check took any digits, spaces and NULs as a folder's mode (it does
+    not use it); the writer reads the mode and calls such a header damaged."""
+    folder = plain_header(b"d", 0, b"5")
+    folder[100:108] = mode
+    rechecksum(folder)
+    archive = write_tar(
+        tmp_path / "a.tar",
+        (plain_header(b"f", 1), b"1"),
+        (folder, b""),
+        (plain_header(b"d/g", 1), b"2"),
+    )
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
+    assert split == ordered
+    assert ordered[0] == "error" and "damaged" in ordered[1]
