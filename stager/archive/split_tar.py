@@ -4,19 +4,21 @@ Why: a small member costs GNU tar ~4 us of one core (open, write, utimes, close)
 the ordered writer (:mod:`stager.archive.writer`) costs ~10 us of Python and
 system calls spread over two, so on a two-core node it loses to one ``tar -xf``
 of a 200,000-file archive. Here the reading process only checks headers and makes
-folders, and the files go to ``cores`` GNU tar processes, each given whole runs of
-members by ``splice`` (the archive's pages move to a pipe, not through Python).
+folders, and the files go to ``cores`` GNU tar processes through pipes, each
+given whole runs of members.
 
 Why what a tar writes is exactly what was checked here: every header is read
 here before any byte of it is sent (a ustar or GNU header with a good checksum, a
 regular file or a folder, strictly octal numbers as GNU tar reads them, a clean
 relative name, data inside the archive); each tar gets whole members, so from
 one checked header it finds the next at the offset found here, and from nothing
-else. The tars read the archive again (splice), later: so only an archive that no
-one but this process's user may write goes to them (``applies``), or a header
-rewritten after its check would reach a tar (as root: a device node). Only
-regular files go to the tars: folders are made here, in archive order, before the
-files below them are sent, so a tar never creates a folder.
+else. The headers a tar reads are the very bytes checked (the window they were read
+in, written into its pipe); only a file's data past that window is spliced from the
+archive, so an archive rewritten meanwhile (a user's file, read by the root-run
+service) changes at most a file's content, never what a member is (a device node,
+a link), and the op's check that the archive did not change fails the staging.
+Only regular files go to the tars: folders are made here, in archive order, before
+the files below them are sent, so a tar never creates a folder.
 
 What may differ between the tars and the ordered writer is refused rather than
 reasoned about: the destination must start empty and the tars run with
@@ -40,10 +42,10 @@ import fcntl
 import functools
 import os
 import re
-import select
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
@@ -58,8 +60,9 @@ CHUNK_FILES = 4096
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
 CHUNK_BYTES = 4 << 20
-# Bytes found here that the tars have not taken yet, at most (see _Tars._drain).
-AHEAD_BYTES = 256 << 20
+# Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
+# are held in memory (the windows headers were checked in).
+AHEAD_BYTES = 32 << 20
 _TAR_UMASK = 0o333  # with the modes _FILE takes: every file 0444, as the writer's
 _BLOCK = tar_members.BLOCK
 _WINDOW = 64 << 10  # headers are read a window at a time, as tar_members.Blocks does
@@ -143,17 +146,7 @@ def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested
         pass
     except NotADirectoryError:
         return False  # the writer's error
-    return _unwritable_by_others(archive.fd) and gnu_tar() is not None
-
-
-def _unwritable_by_others(fd: int) -> bool:
-    """Whether only this process's user can change the archive while it is read: ours,
-    not writable by group or others. The tars read the archive again, after its
-    headers were checked here: where someone else may rewrite a header in between (a
-    user's file, read by the root-run service), a tar would take what was never
-    checked, as root: a device, a FIFO, a symlink anywhere."""
-    st = os.fstat(fd)
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return gnu_tar() is not None
 
 
 def extract_head(ctx: ExtractContext, archive: Archive, dest: str) -> Head:
@@ -178,22 +171,31 @@ def extract_head(ctx: ExtractContext, archive: Archive, dest: str) -> Head:
 def _read_headers(
     ctx: ExtractContext, archive: Archive, dest: str, head: Head, tars: _Tars
 ) -> None:
-    """Check headers from the first, make folders and send files' runs to ``tars``, up
-    to the first member that is not a plain file or folder (see _FILE, _FOLDER) or the
-    end marker. The loop a 200,000-file archive runs 200,000 times: kept flat."""
+    """Check headers from the first, make folders and send files to ``tars``, up to
+    the first member that is not a plain file or folder (see _FILE, _FOLDER) or the
+    end marker. The loop a 200,000-file archive runs 200,000 times: kept flat.
+
+    A file goes to a tar as the bytes of the window its header was checked in (the
+    header, and what of its data the window holds) and, past the window, the rest of
+    its data from the archive (``splice``): every header a tar reads is one checked
+    here, whatever happens to the archive meanwhile."""
     fd, base, length = archive.fd, archive.base, archive.length
     folders, mtimes = head.folders, head.folder_mtimes
     folders.add("")
-    run_start = run_end = 0  # the run of file members being gathered
-    chunk: list[tuple[int, int]] = []  # runs for the next tar
-    chunk_files = 0
+    chunk: list[Segment] = []  # for the next tar
+    chunk_files = chunk_bytes = 0
+    held = memoryview(b"")  # the window's bytes being gathered for the chunk
+    held_from = held_to = 0  # their span in the window
     parent = b""  # the folder of the last file, known to be made
     window, window_start = b"", 0
     offset = 0
     while True:
         at = offset - window_start
         if at + _BLOCK > len(window):
+            if held_to > held_from:
+                chunk.append(held[held_from:held_to])
             window, window_start, at = os.pread(fd, _WINDOW, base + offset), offset, 0
+            held, held_from, held_to = memoryview(window), 0, 0
         block = window[at : at + _BLOCK]
         kind = block[156:157]
         fields = (_FILE if kind == b"0" else _FOLDER).match(block, 100, 265)
@@ -220,6 +222,9 @@ def _read_headers(
             end = offset + _BLOCK
             ctx.progress.advance(_BLOCK, 0)
             head.folder_bytes += _BLOCK
+            if held_to > held_from:  # a folder's header is not sent: the bytes break
+                chunk.append(held[held_from:held_to])
+            held_from = held_to = at + _BLOCK
         else:
             size = int(fields[1], 8)
             end = offset + _BLOCK + ((size + 511) & ~511)
@@ -231,28 +236,36 @@ def _read_headers(
                     break
                 parent = folder
                 if chunk_files >= FOLDER_CHUNK_FILES:  # the folder's files to one tar
-                    chunk.append((run_start, run_end - run_start))
+                    if held_to > held_from:
+                        chunk.append(held[held_from:held_to])
+                    held_from = held_to = at
                     ctx.check_cancelled()
                     tars.send(chunk, chunk_files)
                     head.files += chunk_files
-                    chunk, chunk_files, run_start = [], 0, offset
-                    run_end = offset
-            if offset != run_end:  # a folder's header lies between: a new run
-                if run_end > run_start:
-                    chunk.append((run_start, run_end - run_start))
-                run_start = offset
-            run_end = end
+                    chunk, chunk_files, chunk_bytes = [], 0, 0
+            if held_to != at:  # not right after the last file's bytes: a new span
+                if held_to > held_from:
+                    chunk.append(held[held_from:held_to])
+                held_from = at
+            held_to = min(end - window_start, len(window))
+            if end > window_start + held_to:  # the rest of its data, past the window
+                chunk.append(held[held_from:held_to])
+                chunk.append((window_start + held_to, end - window_start - held_to))
+                held_from = held_to = len(window)
             head.made += size
             chunk_files += 1
-            if chunk_files == CHUNK_FILES or run_end - run_start >= CHUNK_BYTES:
-                chunk.append((run_start, run_end - run_start))
+            chunk_bytes += end - offset
+            if chunk_files == CHUNK_FILES or chunk_bytes >= CHUNK_BYTES:
+                if held_to > held_from:
+                    chunk.append(held[held_from:held_to])
+                held_from = held_to
                 ctx.check_cancelled()
                 tars.send(chunk, chunk_files)
                 head.files += chunk_files
-                chunk, chunk_files, run_start = [], 0, run_end
+                chunk, chunk_files, chunk_bytes = [], 0, 0
         offset = end
-    if run_end > run_start:
-        chunk.append((run_start, run_end - run_start))
+    if held_to > held_from:
+        chunk.append(held[held_from:held_to])
     if chunk:
         tars.send(chunk, chunk_files)
         head.files += chunk_files
@@ -304,9 +317,9 @@ def _empty(dest: str) -> None:
 
 class _Tars:
     """GNU tars reading members from pipes that this thread fills without blocking
-    (``splice`` with SPLICE_F_NONBLOCK): a chunk goes to the tar with the least
-    waiting, the header loop never waits for a tar (what it has found waits as
-    offsets), and no thread of ours hands data over. Started at the first chunk, so an
+    (``write`` and ``splice`` on non-blocking pipes): a chunk goes to the tar with
+    the least waiting, the header loop waits for the tars only once AHEAD_BYTES wait
+    for them, and no thread of ours hands data over. Started at the first chunk, so an
     archive that starts with another kind of member costs nothing."""
 
     def __init__(self, count: int, dest: str, archive: Archive, ctx: ExtractContext) -> None:
@@ -317,27 +330,24 @@ class _Tars:
         # Progress counted as the pipes took the bytes: taken back if the tars failed.
         self.counted_bytes = self.counted_files = 0
 
-    def send(self, runs: list[tuple[int, int]], files: int) -> None:
+    def send(self, segments: list[Segment], files: int) -> None:
         while len(self._tars) < self._count:  # each kept as it starts: stop() ends it
             self._tars.append(self._start())
         tar = min(self._tars, key=lambda t: t.waiting)
-        tar.queue(runs, files)
-        self._pump()
+        tar.queue(segments, files)
         self._drain(AHEAD_BYTES)
 
     def _drain(self, ahead: int) -> None:
         """Pump until at most ``ahead`` bytes wait for the tars: the headers read here
         stay close to what the tars read, so the archive's pages are read once even
         where it is larger than the memory (a page read for a header and evicted
-        before a tar takes it would be read from the storage again)."""
-        poller = select.poll()
+        before a tar takes it would be read from the storage again), and the windows
+        held for the tars stay few. A pipe holds ~1 MiB, a few milliseconds of a tar's
+        work: a nap between pumps keeps them fed, where waiting for room in a pipe
+        would wake this thread for every page a tar reads."""
+        self._pump()
         while sum(tar.waiting for tar in self._tars if tar.pipe >= 0) > ahead:
-            busy = [tar for tar in self._tars if tar.pipe >= 0 and tar.waiting]
-            for tar in busy:
-                poller.register(tar.pipe, select.POLLOUT)
-            poller.poll(_POLL_MS)
-            for tar in busy:
-                poller.unregister(tar.pipe)
+            time.sleep(_NAP_S)
             self._ctx.check_cancelled()
             self._pump()
 
@@ -379,7 +389,6 @@ class _Tars:
         """Send the rest, wait for every tar; whether each wrote every member it got."""
         for tar in self._tars:
             tar.queue_end()
-        self._pump()
         self._drain(0)
         for tar in self._tars:
             tar.close()
@@ -402,49 +411,60 @@ _TAR_FLAGS = ("--keep-old-files", "--no-same-owner", "--no-same-permissions", "-
 # what a tar does.
 _TAR_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
 _PIPE_BYTES = 1 << 20
-_POLL_MS = 100
+_NAP_S = 0.001
 _END_MARKER = bytes(2 * _BLOCK)
+_NOT_COUNTED = -1  # the end marker's "files": not the archive's bytes, not progress
+
+
+# What goes to a tar: bytes checked here (headers, and data read with them), or a
+# file's data past them, (offset, length) of the archive.
+Segment = memoryview | tuple[int, int]
 
 
 class _Tar:
-    """One tar, its pipe, and the runs of the archive waiting to go into it."""
+    """One tar, its pipe, and the segments waiting to go into it."""
 
     def __init__(self, proc: subprocess.Popen[bytes], pipe: int) -> None:
         self.proc, self.pipe = proc, pipe
-        self._runs: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._segments: collections.deque[tuple[Segment, int]] = collections.deque()
         self.waiting = 0  # bytes queued, not yet in the pipe
 
-    def queue(self, runs: list[tuple[int, int]], files: int) -> None:
-        for i, (offset, length) in enumerate(runs):
-            self._runs.append((offset, length, files if i == len(runs) - 1 else 0))
-            self.waiting += length
+    def queue(self, segments: list[Segment], files: int) -> None:
+        for i, segment in enumerate(segments):
+            self._segments.append((segment, files if i == len(segments) - 1 else 0))
+            self.waiting += len(segment) if isinstance(segment, memoryview) else segment[1]
 
     def queue_end(self) -> None:
-        self._runs.append((-1, len(_END_MARKER), 0))
+        self._segments.append((memoryview(_END_MARKER), _NOT_COUNTED))
         self.waiting += len(_END_MARKER)
 
     def pump(self, archive: Archive, tars: _Tars) -> bool:
-        """Fill the pipe from the queued runs until it is full; False if the tar is gone."""
-        while self._runs:
-            offset, length, files = self._runs[0]
+        """Fill the pipe from the queued segments until it is full; False if the tar is
+        gone."""
+        while self._segments:
+            segment, files = self._segments[0]
             try:
-                if offset < 0:
-                    moved = os.write(self.pipe, _END_MARKER[len(_END_MARKER) - length :])
+                if isinstance(segment, memoryview):
+                    moved = os.write(self.pipe, segment)
+                    left: Segment = segment[moved:]
+                    length = len(segment)
                 else:
+                    offset, length = segment
                     moved = _splice(archive, offset, length, self.pipe)
+                    left = (offset + moved, length - moved)
             except BlockingIOError:
                 return True
             except BrokenPipeError:
-                self._runs.clear()
+                self._segments.clear()
                 self.waiting = 0
                 self.close()
                 return False
             self.waiting -= moved
             if moved < length:
-                self._runs[0] = (offset + moved if offset >= 0 else -1, length - moved, files)
+                self._segments[0] = (left, files)
             else:
-                self._runs.popleft()
-            if offset >= 0:
+                self._segments.popleft()
+            if files != _NOT_COUNTED:
                 tars.count(moved, files if moved == length else 0)
         return True
 
