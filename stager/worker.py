@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import overlap
+from stager.archive import split_tar
 from stager.children import die_with, die_with_parent
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
@@ -60,6 +61,7 @@ CONTEXT.set_forkserver_preload([__name__])
 # small staging. A site's own ops (op_modules) are added in each staging process.
 table.load(())  # the key every job without site ops asks for
 fetch.warm_up()  # a download's TLS settings and HTTP transport: 20-70 ms before its first byte
+split_tar.gnu_tar()  # whether `tar` is GNU tar (a `tar --version`, ~2 ms): once, not per staging
 
 
 def start_fork_server() -> None:
