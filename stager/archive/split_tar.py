@@ -54,12 +54,13 @@ from stager.fs.forked import cores
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
 SPLIT_MIN_BYTES = 64 << 20
-# Members sent to one tar at a time: a run of them is one splice per contiguous stretch.
+# Members sent to one tar at a time (a chunk): at most this many files or bytes, so
+# that the tar with the least waiting gets the next one and both stay busy.
 CHUNK_FILES = 4096
+CHUNK_BYTES = 4 << 20
 # A chunk ends where a new folder starts once it holds this many files: two tars
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
-CHUNK_BYTES = 4 << 20
 # Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
 # are held in memory (the windows headers were checked in).
 AHEAD_BYTES = 32 << 20
@@ -131,9 +132,9 @@ def gnu_tar() -> str | None:
 
 
 def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested: bool) -> bool:
-    """Whether ``archive`` is extracted here first: a large plain tar no one else may
-    write, nothing asked of it that the tars do not do the writer's way, an empty
-    destination, two cores."""
+    """Whether ``archive`` is extracted here first: a large plain tar, nothing asked
+    of it that the tars do not do the writer's way, an empty destination, two cores,
+    GNU tar."""
     if archive.fmt != "tar" or archive.growing is not None or nested or strip:
         return False
     if ctx.verify == "sha256" or archive.length < SPLIT_MIN_BYTES or cores(ctx.workers) < 2:

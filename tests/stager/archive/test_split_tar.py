@@ -138,7 +138,9 @@ def random_tree(root: Path, rng: random.Random) -> Path:
         sub.mkdir(parents=True, exist_ok=True)
         for j in range(rng.randint(0, 7)):
             target = rng.choice([folder, sub]) / f"{rng.choice(NAMES)}_{j}"
-            target.write_bytes(rng.randbytes(rng.choice([0, 1, 511, 512, 513, 3000, 70_000, 200_000])))
+            target.write_bytes(
+                rng.randbytes(rng.choice([0, 1, 511, 512, 513, 3000, 70_000, 200_000]))
+            )
             # Mostly modes the tars write; now and then one they leave to the writer.
             odd = rng.random() < 0.04
             target.chmod(
