@@ -61,6 +61,13 @@ CHUNK_BYTES = 4 << 20
 # A chunk ends where a new folder starts once it holds this many files: two tars
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
+# The tars are for small files: there a file's cost is its system calls, which two
+# tars make side by side. From ~8 KiB a file the ordered writer is faster (its
+# workers copy in the kernel, copy_file_range; through the tars' pipes every byte is
+# copied twice more): once the files sent average more than SMALL bytes (judged
+# from SAMPLE_FILES on), the writer takes the rest.
+SMALL = 4 << 10
+SAMPLE_FILES = 256
 # Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
 # are held in memory (the windows headers were checked in).
 AHEAD_BYTES = 32 << 20
@@ -227,6 +234,8 @@ def _read_headers(
                 chunk.append(held[held_from:held_to])
             held_from = held_to = at + _BLOCK
         else:
+            if not chunk_files and head.files >= SAMPLE_FILES and head.made > head.files * SMALL:
+                break  # files this large are the writer's (see SMALL)
             size = int(fields[1], 8)
             end = offset + _BLOCK + ((size + 511) & ~511)
             if named is None or named[2] or end > length:  # a tar reads the padding too

@@ -418,3 +418,21 @@ def test_the_headers_read_stay_close_to_what_the_tars_took(
     assert heads[0].complete and heads[0].files == 64
     assert len(waiting) >= 32 and max(waiting) <= 50_000
     assert snapshot(tmp_path / "dest").keys() == snapshot(tree).keys()
+
+
+def test_large_files_are_left_to_the_writer_once_they_are_the_rule(
+    tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past SAMPLE_FILES files averaging more than SMALL bytes, the tars' part ends
+    (the writer, copying in the kernel, is faster there) and the writer goes on."""
+    monkeypatch.setattr(split_tar, "SAMPLE_FILES", 8)
+    tree = tmp_path / "tree"
+    (tree / "d").mkdir(parents=True)
+    for i in range(20):
+        (tree / "d" / f"f{i:02d}").write_bytes(os.urandom(split_tar.SMALL + 1000))
+    archive = tmp_path / "a.tar"
+    gnu_tar("-cf", archive, "d", cwd=tree)
+    split = outcome(archive, tmp_path / "split", extract)
+    ordered = outcome(archive, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    assert split == ordered
+    assert not heads[0].complete and heads[0].files == 8
