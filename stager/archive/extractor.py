@@ -81,7 +81,7 @@ def extract_archive(
     with paused_gc():
         head = Head()
         if split_tar.applies(ctx, archive, dest, strip, nested):
-            head = split_tar.extract_head(ctx, archive, dest)  # its threads end before a fork
+            head = split_tar.extract_head(ctx, archive, dest)  # done before any worker forks
         with _pools(job, archive.fmt, size - head.end):
             try:
                 made = _extract(job, archive, dest, outer=True, head=head)
