@@ -559,3 +559,41 @@ def test_a_download_with_credentials_stays_private_to_its_user(
     code, status = bob.curl(service.socket, "GET", f"/v1/datasets/mine?owner={alice.uid}")
     assert code == 403, status
     healthy(service, alice)
+
+
+def test_alices_large_tar_of_small_files_goes_to_gnu_tars_and_bob_hits_it(
+    service: Daemon, users: tuple[User, User], homes: tuple[Path, Path]
+) -> None:
+    """A plain tar of small files over the size where GNU tars write them side by side
+    (stager.archive.split_tar), alice's own file read by the root-run service: the
+    tars take it (they leave each file's atime at the extraction, the ordered writer
+    at its mtime), every file lands 0444, and bob's identical request is a hit."""
+    from stager.archive import split_tar
+
+    alice, bob = users
+    tree = homes[0] / "small"
+    payload = os.urandom(3000)
+    count = split_tar.SPLIT_MIN_BYTES // 3000 + 2000
+    for i in range(count):
+        folder = tree / f"class_{i // 1000:03d}"
+        if i % 1000 == 0:
+            folder.mkdir(parents=True)
+        image = folder / f"img_{i:06d}.jpg"
+        image.write_bytes(payload[i % 100 :] + payload[: i % 100])
+        os.utime(image, (1_600_000_000, 1_600_000_000))
+    archive = homes[0] / "small.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(tree), "."], check=True)
+    os.chown(archive, alice.uid, alice.gid)
+    assert archive.stat().st_size > split_tar.SPLIT_MIN_BYTES
+    body = {"name": "small", "steps": [{"op": "extract", "src": str(archive)}]}
+    first = ready(alice, service, body)
+    root = Path(first["path"])
+    sample = root / "class_000" / "img_000000.jpg"
+    assert stat.S_IMODE(sample.stat().st_mode) == 0o444
+    assert sample.stat().st_mtime == 1_600_000_000
+    # Before anything reads it (a read moves an atime at or before the mtime).
+    assert sample.stat().st_atime > 1_700_000_000  # written by a GNU tar, not the writer
+    assert digest(root) == digest(tree)
+    code, hit = stage(bob, service, body)
+    assert code == 200 and hit["state"] == "ready" and hit["path"] == first["path"], hit
+    healthy(service, alice)
