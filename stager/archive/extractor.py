@@ -89,7 +89,7 @@ def extract_archive(
                 job.cancel_inner()
     if job.inner:
         return None
-    if head.complete and made == head.made:  # the tars wrote it all: the tree is known
+    if head.complete:  # the tars wrote it all (the writer started at its end): all known
         return KnownTree(made, head.files + len(head.folders), tuple(head.folders))
     return made
 

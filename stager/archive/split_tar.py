@@ -16,7 +16,8 @@ else. The headers a tar reads are the very bytes checked (the window they were r
 in, written into its pipe); only a file's data past that window is spliced from the
 archive, so an archive rewritten meanwhile (a user's file, read by the root-run
 service) changes at most a file's content, never what a member is (a device node,
-a link), and the op's check that the archive did not change fails the staging.
+a link), and the op's check that the archive did not change (every verify level but
+``none``) fails the staging.
 Only regular files go to the tars: folders are made here, in archive order, before
 the files below them are sent, so a tar never creates a folder.
 
@@ -45,11 +46,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
+from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
@@ -200,8 +203,7 @@ def _read_headers(
     while True:
         at = offset - window_start
         if at + _BLOCK > len(window):
-            if held_to > held_from:
-                chunk.append(held[held_from:held_to])
+            chunk.append(held[held_from:held_to])
             window, window_start, at = os.pread(fd, _WINDOW, base + offset), offset, 0
             held, held_from, held_to = memoryview(window), 0, 0
         block = window[at : at + _BLOCK]
@@ -230,11 +232,11 @@ def _read_headers(
             end = offset + _BLOCK
             ctx.progress.advance(_BLOCK, 0)
             head.folder_bytes += _BLOCK
-            if held_to > held_from:  # a folder's header is not sent: the bytes break
-                chunk.append(held[held_from:held_to])
+            chunk.append(held[held_from:held_to])  # a folder's header is not sent
             held_from = held_to = at + _BLOCK
         else:
-            if not chunk_files and head.files >= SAMPLE_FILES and head.made > head.files * SMALL:
+            sent = tars.files_sent
+            if not chunk_files and sent >= SAMPLE_FILES and head.made > sent * SMALL:
                 break  # files this large are the writer's (see SMALL)
             size = int(fields[1], 8)
             end = offset + _BLOCK + ((size + 511) & ~511)
@@ -246,16 +248,12 @@ def _read_headers(
                     break
                 parent = folder
                 if chunk_files >= FOLDER_CHUNK_FILES:  # the folder's files to one tar
-                    if held_to > held_from:
-                        chunk.append(held[held_from:held_to])
+                    chunk.append(held[held_from:held_to])
                     held_from = held_to = at
-                    ctx.check_cancelled()
                     tars.send(chunk, chunk_files)
-                    head.files += chunk_files
                     chunk, chunk_files, chunk_bytes = [], 0, 0
             if held_to != at:  # not right after the last file's bytes: a new span
-                if held_to > held_from:
-                    chunk.append(held[held_from:held_to])
+                chunk.append(held[held_from:held_to])
                 held_from = at
             held_to = min(end - window_start, len(window))
             if end > window_start + held_to:  # the rest of its data, past the window
@@ -266,19 +264,15 @@ def _read_headers(
             chunk_files += 1
             chunk_bytes += end - offset
             if chunk_files == CHUNK_FILES or chunk_bytes >= CHUNK_BYTES:
-                if held_to > held_from:
-                    chunk.append(held[held_from:held_to])
+                chunk.append(held[held_from:held_to])
                 held_from = held_to
-                ctx.check_cancelled()
                 tars.send(chunk, chunk_files)
-                head.files += chunk_files
                 chunk, chunk_files, chunk_bytes = [], 0, 0
         offset = end
-    if held_to > held_from:
-        chunk.append(held[held_from:held_to])
-    if chunk:
+    chunk.append(held[held_from:held_to])
+    if chunk_files:
         tars.send(chunk, chunk_files)
-        head.files += chunk_files
+    head.files = tars.files_sent
     head.end = offset
     folders.discard("")
 
@@ -317,12 +311,10 @@ def _make_folders(dest: str, rel: str, folders: set[str]) -> bool:
 
 
 def _empty(dest: str) -> None:
+    """Remove what the tars' part left in ``dest`` (which it found empty)."""
     with os.scandir(dest) as listing:
         for entry in listing:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+            delete_tree(entry.path, threading.Event())
 
 
 class _Tars:
@@ -339,8 +331,12 @@ class _Tars:
         self.failed = False
         # Progress counted as the pipes took the bytes: taken back if the tars failed.
         self.counted_bytes = self.counted_files = 0
+        self.files_sent = 0
 
     def send(self, segments: list[Segment], files: int) -> None:
+        """``segments`` (``files`` whole files) to the tar with the least waiting."""
+        self._ctx.check_cancelled()
+        self.files_sent += files
         while len(self._tars) < self._count:  # each kept as it starts: stop() ends it
             self._tars.append(self._start())
         tar = min(self._tars, key=lambda t: t.waiting)
@@ -440,9 +436,12 @@ class _Tar:
         self.waiting = 0  # bytes queued, not yet in the pipe
 
     def queue(self, segments: list[Segment], files: int) -> None:
-        for i, segment in enumerate(segments):
-            self._segments.append((segment, files if i == len(segments) - 1 else 0))
-            self.waiting += len(segment) if isinstance(segment, memoryview) else segment[1]
+        """The non-empty ``segments``; ``files`` are counted done with the last of them."""
+        lengths = [len(s) if isinstance(s, memoryview) else s[1] for s in segments]
+        kept = [(s, n) for s, n in zip(segments, lengths, strict=True) if n]
+        for i, (segment, length) in enumerate(kept):
+            self._segments.append((segment, files if i == len(kept) - 1 else 0))
+            self.waiting += length
 
     def queue_end(self) -> None:
         self._segments.append((memoryview(_END_MARKER), _NOT_COUNTED))

@@ -101,6 +101,14 @@ def outcome(archive: Path, dest: Path, run: Any) -> tuple[str, Any]:
     return "ok", (snapshot(dest), made, sum_sizes(dest), snap.bytes_done, snap.files_done)
 
 
+def both_ways(archive: Path, work: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """The outcome of ``archive`` through the tars (into ``work/split``) and by the
+    writer alone (``work/ordered``)."""
+    split = outcome(archive, work / "split", extract)
+    ordered = outcome(archive, work / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    return split, ordered
+
+
 def snapshot(root: Path) -> dict[str, tuple]:
     """Every entry: kind, mode, and content, size and mtime (files), target (links)."""
     out: dict[str, tuple] = {}
@@ -191,8 +199,7 @@ def test_generated_archives_extract_as_the_writer_extracts_them(
     seed: int, tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     archive = random_archive(tmp_path, random.Random(seed))
-    split = outcome(archive, tmp_path / "split", extract)
-    ordered = outcome(archive, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
     assert split == ordered
     assert len(heads) == 1  # the tars were tried (a plain tar into an empty folder)
 
@@ -220,15 +227,12 @@ def test_the_tars_write_whole_archives_part_of_one_and_none_of_a_refused_one(
     (tree / "d0" / "f1").write_bytes(b"later")
     gnu_tar("-rf", refused, "d0/f1", cwd=tree)  # a plain copy again: a tar says "exists"
     for archive in (whole, part, refused):
-        split = outcome(archive, tmp_path / f"{archive.stem}-split", extract)
-        ordered = outcome(
-            archive, tmp_path / f"{archive.stem}-ordered", lambda a, d: by_writer(a, d, monkeypatch)
-        )
+        split, ordered = both_ways(archive, tmp_path / archive.stem, monkeypatch)
         assert split == ordered, archive.name
     assert [(h.complete, h.files) for h in heads] == [(True, 18), (False, 8), (False, 0)]
     assert heads[1].folders == {"d0", "d1", "d5"}
-    assert (tmp_path / "part-split/d2/f1").read_bytes() == b"again"
-    assert (tmp_path / "refused-split/d0/f1").read_bytes() == b"later"
+    assert (tmp_path / "part/split/d2/f1").read_bytes() == b"again"
+    assert (tmp_path / "refused/split/d0/f1").read_bytes() == b"later"
 
 
 def plain_header(name: bytes, size: int, kind: bytes = b"0", mode: int = 0o644) -> bytearray:
@@ -276,8 +280,7 @@ def test_headers_the_tars_might_read_otherwise_are_left_to_the_writer(
     archive = write_tar(
         tmp_path / "forged.tar", (first, b"one"), (forged, b"two"), (plain_header(b"last", 1), b"3")
     )
-    split = outcome(archive, tmp_path / "split", extract)
-    ordered = outcome(archive, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
     assert split == ordered
     assert heads[0].end == BLOCK * 2 and heads[0].files == 1  # the forged member: the writer's
 
@@ -291,8 +294,7 @@ def test_a_damaged_header_fails_as_the_writer_fails(
     offset = {"a name": 1, "a size": 130, "the checksum": 150}[where]
     damaged[offset] ^= 0x01
     archive = write_tar(tmp_path / "damaged.tar", *members)
-    split = outcome(archive, tmp_path / "split", extract)
-    ordered = outcome(archive, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
     assert split == ordered
     assert split[0] == "error" and "damaged" in split[1]
     assert heads[0].files == 3
@@ -306,8 +308,7 @@ def test_an_archive_cut_inside_a_member_fails_as_the_writer_fails(
     )
     cut = tmp_path / "cut.tar"
     cut.write_bytes(whole.read_bytes()[: 3 * 2560 + 1000])
-    split = outcome(cut, tmp_path / "split", extract)
-    ordered = outcome(cut, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    split, ordered = both_ways(cut, tmp_path, monkeypatch)
     assert split == ordered and split[0] == "error"
     assert heads[0].files == 3
 
@@ -432,7 +433,6 @@ def test_large_files_are_left_to_the_writer_once_they_are_the_rule(
         (tree / "d" / f"f{i:02d}").write_bytes(os.urandom(split_tar.SMALL + 1000))
     archive = tmp_path / "a.tar"
     gnu_tar("-cf", archive, "d", cwd=tree)
-    split = outcome(archive, tmp_path / "split", extract)
-    ordered = outcome(archive, tmp_path / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
+    split, ordered = both_ways(archive, tmp_path, monkeypatch)
     assert split == ordered
     assert not heads[0].complete and heads[0].files == 8

@@ -23,9 +23,8 @@ from tests.stager.archive import test_split_tar
 from tests.stager.archive.test_split_tar import (
     BLOCK,
     MTIME,
-    by_writer,
+    both_ways,
     extract,
-    outcome,
     plain_header,
     rechecksum,
     write_tar,
@@ -43,12 +42,6 @@ def ustar_header(name: bytes, size: int, kind: bytes = b"0", prefix: bytes = b""
     header[345:500] = prefix.ljust(155, b"\0")
     rechecksum(header)
     return header
-
-
-def both_ways(archive: Path, work: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    split = outcome(archive, work / "split", extract)
-    ordered = outcome(archive, work / "ordered", lambda a, d: by_writer(a, d, monkeypatch))
-    return split, ordered
 
 
 def test_a_prefixed_dot_folder_is_the_prefix_folder_not_the_top(
