@@ -57,9 +57,10 @@ TRACE_POINTS = [
         "admitted",
     ),
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
-    ("stager/blocking.py", "    counters = SharedCounters(CONTEXT)\n", "attempt-started"),
-    ("stager/blocking.py", "    process.start()  # a request", "job-built"),
+    ("stager/engine.py", "        attempt = await reg.start(entry)\n", "+attempt-started"),
+    ("stager/blocking.py", "    child = _take_spare(job)\n", "job-built"),
     ("stager/worker.py", "    die_with(daemon_pid)  # the daemon", "child-forked"),
+    ("stager/worker.py", "        job = jobs.recv()\n", "+spare-given"),  # a spare's job
     ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
     ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
     (

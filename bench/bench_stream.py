@@ -60,7 +60,7 @@ DAEMON = "daemon, extract URL"
 # bench_overhead, then the download and the extraction's end, in the order they happen.
 TRACE_POINTS = [
     *bench_overhead.TRACE_POINTS,
-    ("stager/blocking.py", "    sender.close()\n", "process-started"),
+    ("stager/blocking.py", "    process, counters, child_cancel, receiver = child\n", "handed"),
     ("stager/ops/fetch.py", "        with self.client.stream(", "get-sent"),
     ("stager/ops/fetch.py", "            self._raise_for_status(response)\n", "headers"),
     ("stager/ops/fetch.py", "        if total is not None and position > total:\n", "last-byte"),

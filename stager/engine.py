@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
-from stager.blocking import Limits, run_in_process, run_io, run_staging, stop_walker
+from stager.blocking import (
+    Limits,
+    run_in_process,
+    run_io,
+    run_staging,
+    stop_spare,
+    stop_walker,
+)
 from stager.dataset import (
     Ask,
     Entry,
@@ -171,6 +178,7 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await run_io(stop_walker)
+        await run_io(stop_spare)
         self._watch.close()
         if self.registry is not None:
             staging = [e for e in self._reg.entries.values() if e.active]

@@ -124,6 +124,12 @@ class _ParentWatch:
         return self.is_set()
 
 
+# What a staging process is called in ps and top (its "comm"); a spare waiting for its
+# job is called otherwise, so that nobody takes it for a staging under way.
+STAGE_NAME = "stager-stage"
+SPARE_NAME = "stager-spare"
+
+
 def stage_in_child(
     job: StageJob,
     counters: SharedCounters,
@@ -131,11 +137,54 @@ def stage_in_child(
     conn: multiprocessing.connection.Connection,
     daemon_pid: int,
 ) -> None:
-    """Entry point of the child: run every step, report ("ok", seal) or the error.
+    """Entry point of a child forked for ``job``: run every step, report ("ok", seal)
+    or the error.
 
     ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
+    _die_with_daemon(daemon_pid)
+    _name_process(STAGE_NAME)
+    _run(job, counters, cancel, conn, daemon_pid)
+
+
+def stage_when_sent(
+    jobs: multiprocessing.connection.Connection,
+    counters: SharedCounters,
+    cancel: Any,
+    conn: multiprocessing.connection.Connection,
+    daemon_pid: int,
+) -> None:
+    """Entry point of a spare (stager.blocking): forked before its job, it waits for it
+    on ``jobs``, then runs it as :func:`stage_in_child` does. The daemon closing
+    ``jobs`` without a job ends it."""
+    _die_with_daemon(daemon_pid)
+    _name_process(SPARE_NAME)
+    try:
+        job = jobs.recv()
+    except EOFError:
+        return
+    finally:
+        jobs.close()
+    _name_process(STAGE_NAME)
+    _run(job, counters, cancel, conn, daemon_pid)
+
+
+def _die_with_daemon(daemon_pid: int) -> None:
     die_with(daemon_pid)  # the daemon is not our parent: the fork server is
     die_with_parent()
+
+
+def _name_process(name: str) -> None:
+    with contextlib.suppress(OSError):  # not Linux: the name is only for people
+        Path("/proc/self/comm").write_text(name)
+
+
+def _run(
+    job: StageJob,
+    counters: SharedCounters,
+    cancel: Any,
+    conn: multiprocessing.connection.Connection,
+    daemon_pid: int,
+) -> None:
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
     os.nice(job.nice)
     if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stager.worker import SPARE_NAME
+
 
 def parents() -> dict[int, list[int]]:
     """Every live process's children, by parent pid."""
@@ -38,7 +40,8 @@ def descendants(pid: int) -> list[int]:
 
 def staging_processes(daemon_pid: int) -> list[int]:
     """A daemon's staging processes: what its multiprocessing fork server forked
-    (daemon -> fork server -> staging; not the resource tracker)."""
+    (daemon -> fork server -> staging; not the resource tracker), less a spare waiting
+    for its job (stager.blocking), once it has named itself."""
     found = []
     for child in children_of(daemon_pid):
         try:
@@ -46,5 +49,12 @@ def staging_processes(daemon_pid: int) -> list[int]:
         except OSError:
             continue
         if b"forkserver" in args:
-            found += children_of(child)
+            found += [pid for pid in children_of(child) if not is_spare(pid)]
     return found
+
+
+def is_spare(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == SPARE_NAME
+    except OSError:
+        return False

@@ -45,14 +45,16 @@ def test_cancel_ends_a_staging_stuck_in_a_system_call(daemon_factory) -> None:
             body = {"name": "stuck", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}
             assert stage(client, body).status_code == 202
             wait_for_step(daemon, "stuck", "fetch")
-            assert children(daemon) - before, "the staging should run in its own process"
+            staging = children(daemon) - before
+            assert staging, "the staging should run in its own process"
             t0 = time.monotonic()
             cancelled = client.delete("/v1/datasets/stuck").json()
             took = time.monotonic() - t0
         hold.set()
     assert cancelled["state"] == "cancelled", cancelled
     assert took < 5, f"cancel took {took:.1f} s"
-    assert children(daemon) - before == set(), "the stuck staging process is still running"
+    # That process, by pid: a spare forked for the next staging may have come since.
+    assert children(daemon) & staging == set(), "the stuck staging process is still running"
 
 
 def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) -> None:
