@@ -92,6 +92,7 @@ async def run_staging(
         await run_io(start_fork_server)  # the first time: an interpreter start, off the loop
         child = _fork(stage_in_child, job, name=f"stager-stage-{job.final.name}")
     process, counters, child_cancel, receiver = child
+    _spare_for_next()
     loop = asyncio.get_running_loop()
     cancelled_at: float | None = None
     last, moved_at = counters.read(), loop.time()
@@ -138,7 +139,6 @@ async def run_staging(
         else:
             # It has answered and is exiting; waiting for that would hold up the publish.
             _reap_later(process, limits.cancel_grace_s)
-        _spare_for_next()
     progress.mirror(counters)
     return _outcome(message)
 
@@ -237,8 +237,8 @@ def _take_spare(job: StageJob) -> _Child | None:
 
 
 def _spare_for_next() -> None:
-    """A spare for the next staging, made in the background once one has ended: not
-    at a staging's start, whose process would share the CPU with the fork."""
+    """A spare for the next staging, forked in the background as this one starts: ready
+    for one that starts while this one runs, and for one asked right after it ends."""
     if not _making:
         making = asyncio.ensure_future(run_io(_make_spare))
         _making.add(making)
@@ -246,16 +246,23 @@ def _spare_for_next() -> None:
 
 
 def _make_spare() -> None:
-    """Fork the next spare, unless there is one (blocking: run it off the loop)."""
+    """Fork the next spare, unless there is one (blocking: run it off the loop). The
+    lock is held only to look and to store it: a staging that takes the spare meanwhile
+    (on the loop) must not wait for a fork."""
     global _spare
     with _spare_lock:
         if _spare is not None or _spares_stopped:
             return
-        start_fork_server()
-        jobs, sender = CONTEXT.Pipe(duplex=False)
-        child = _fork(stage_when_sent, jobs, name="stager-spare")
-        jobs.close()
-        _spare = _Spare(child, sender)
+    start_fork_server()
+    jobs, sender = CONTEXT.Pipe(duplex=False)
+    child = _fork(stage_when_sent, jobs, name="stager-spare")
+    jobs.close()
+    spare = _Spare(child, sender)
+    with _spare_lock:
+        if not _spares_stopped:
+            _spare, spare = spare, None
+    if spare is not None:  # the daemon stopped meanwhile
+        _close(spare)
 
 
 def stop_spare() -> None:
