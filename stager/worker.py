@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -158,6 +159,7 @@ def stage_when_sent(
     ``jobs`` without a job ends it."""
     _die_with_daemon(daemon_pid)
     _name_process(SPARE_NAME)
+    _own_pages(jobs)
     try:
         job = jobs.recv()
     except EOFError:
@@ -166,6 +168,25 @@ def stage_when_sent(
         jobs.close()
     _name_process(STAGE_NAME)
     _run(job, counters, cancel, conn, daemon_pid)
+
+
+# A spare idle this long is likely to stay idle: it makes its pages its own then, in
+# pieces of this many objects (~0.3 ms) between looks for a job.
+_IDLE_BEFORE_TOUCH_S = 0.05
+_TOUCH_BETWEEN_LOOKS = 1000
+
+
+def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
+    """Make the fork server's objects this process's own while it waits for its job: a
+    forked child copies each page it first writes (a reference count is a write), ~1,200
+    pages on a download's first request alone, 3-4 ms before its first byte. Touched
+    (~15 ms of CPU, ~16 MB) only once idle, so that stagings asked one right after
+    another do not share the CPU with it, and never after the job is there."""
+    if jobs.poll(_IDLE_BEFORE_TOUCH_S):
+        return
+    for done, _ in enumerate(gc.get_objects()):
+        if done % _TOUCH_BETWEEN_LOOKS == 0 and jobs.poll():
+            return
 
 
 def _die_with_daemon(daemon_pid: int) -> None:
