@@ -221,16 +221,20 @@ _making: set[asyncio.Future[None]] = set()
 
 
 def _take_spare(job: StageJob) -> _Child | None:
-    """The spare, given ``job``; None if there is none (or it died): fork one then."""
+    """The spare, given ``job``; None if there is none or it died (killed, out of
+    memory): fork one then. One that dies in the instant between the look and the
+    hand-over fails its staging, as any staging process dying at its start does."""
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
     if spare is None:
         return None
     try:
+        if not spare.child.process.is_alive():  # the fork server has reaped it
+            raise BrokenPipeError
         spare.jobs.send(job)
-    except OSError:  # it died (killed, out of memory): a fresh child does the job
-        _close(spare)
+    except OSError:
+        _close(spare, later=True)
         return None
     spare.jobs.close()
     return spare.child
@@ -275,10 +279,12 @@ def stop_spare() -> None:
         _close(spare)
 
 
-def _close(spare: _Spare) -> None:
+def _close(spare: _Spare, later: bool = False) -> None:
+    """Tell the spare there is no job, and reap it: at once (blocking), or ``later``
+    (on the loop)."""
     spare.jobs.close()
     spare.child.outcome.close()
-    _reap(spare.child.process, 1.0)
+    (_reap_later if later else _reap)(spare.child.process, 1.0)
 
 
 def _outcome(message: tuple[str, Any]) -> Seal:

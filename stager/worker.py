@@ -158,6 +158,7 @@ def stage_when_sent(
     on ``jobs``, then runs it as :func:`stage_in_child` does. The daemon closing
     ``jobs`` without a job ends it."""
     _die_with_daemon(daemon_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
     _name_process(SPARE_NAME)
     _own_pages(jobs)
     try:
@@ -170,18 +171,19 @@ def stage_when_sent(
     _run(job, counters, cancel, conn, daemon_pid)
 
 
-# A spare idle this long is likely to stay idle: it makes its pages its own then, in
-# pieces of this many objects (~0.3 ms) between looks for a job.
-_IDLE_BEFORE_TOUCH_S = 0.05
+# A spare idle this long is likely to stay idle for a while: it makes its pages its
+# own then, looking for its job between pieces of this many objects.
+_IDLE_BEFORE_TOUCH_S = 0.5
 _TOUCH_BETWEEN_LOOKS = 1000
 
 
 def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
     """Make the fork server's objects this process's own while it waits for its job: a
     forked child copies each page it first writes (a reference count is a write), ~1,200
-    pages on a download's first request alone, 3-4 ms before its first byte. Touched
-    (~15 ms of CPU, ~16 MB) only once idle, so that stagings asked one right after
-    another do not share the CPU with it, and never after the job is there."""
+    pages on a download's first request alone, 3-4 ms before its first byte. Done only
+    once idle, so that stagings asked one right after another do not share the CPU with
+    it: ~15 ms of CPU and ~16 MB, most of it in the one call that lists the objects
+    (which a job coming meanwhile waits for)."""
     if jobs.poll(_IDLE_BEFORE_TOUCH_S):
         return
     for done, _ in enumerate(gc.get_objects()):

@@ -20,8 +20,9 @@ filesystem; it is what a hit pays before it says ready.
 Timestamps come from the kernel's coarse clock (one tick, a few milliseconds),
 so the seal is taken after the walk, and the tree is published only once no change
 can be stamped at or before it any more: the clock has moved past it
-(:func:`settled`), or a change stamped now already was (:func:`stamped_after`, at
-once where the kernel has multigrain timestamps).
+(:func:`settled`), or rather a change stamped now on the tree's filesystem already
+is later (:func:`publishable`: at once where the kernel has multigrain timestamps,
+and it heeds a filesystem that stamps whole seconds).
 """
 
 from __future__ import annotations
@@ -159,27 +160,30 @@ def _list_tree(top: int) -> int:
 
 
 def settled(seal: Seal) -> bool:
-    """Whether the kernel's coarse clock has passed the seal, so that any change made
-    from now on is stamped later than it. The tree must not be reachable by anyone
-    before then: the registry publishes it only once this holds, or once
-    :func:`stamped_after` does."""
+    """Whether the kernel's coarse clock has passed the seal: where a filesystem stamps
+    at the clock's own granularity, any change made from now on is stamped later."""
     return time.clock_gettime_ns(_COARSE_CLOCK) > seal.sealed_ns
 
 
-def stamped_after(seal: Seal, probe: Path) -> bool:
-    """Have the kernel stamp two changes to ``probe`` (a file on the tree's filesystem
-    that nothing else uses) now; True when the last was stamped later than the seal,
-    so that any change from now on is too: no need to wait for the clock's tick.
+def publishable(seal: Seal, probe: Path) -> bool:
+    """Whether any change made from now on to the sealed tree is stamped later than the
+    seal, so that the tree may be reachable: the registry publishes it once this holds.
+    ``probe`` is a file on the tree's filesystem that nothing else uses (the attempt's
+    marker): the kernel stamps two changes to it now, and the answer is whether the
+    last was stamped later than the seal. Without the probe: whether the coarse clock
+    has passed the seal (:func:`settled`).
 
-    Why it holds: a stamp is never earlier than one handed out before it. Without
-    multigrain timestamps (Linux before 6.13) every stamp is the coarse clock's, so a
-    stamp after the seal means the clock has passed it (:func:`settled`). With them, a
-    change to an inode whose times were looked at since its last change, within the
-    same tick, is stamped from the fine clock, and the kernel raises a floor that
-    every later stamp, coarse or fine, on any filesystem, is at least: here the second
-    change, a look after the first. Either way the stamp seen bounds all later ones
-    from below. The probe shares the tree's filesystem so that both are truncated to
-    the same granularity. False (then wait for the tick) when the probe is gone."""
+    Why it holds: on a local filesystem a stamp is never earlier than one handed out
+    before it. Without multigrain timestamps (Linux before 6.13) every stamp is the
+    coarse clock's, so the probe's is later than the seal once the clock has passed it.
+    With them, a change to an inode whose times were looked at since its last change,
+    within the same tick, is stamped from the fine clock, and the kernel raises a floor
+    that every later stamp, coarse or fine, is at least: here the second change, a look
+    after the first. Either way the stamp seen bounds all later ones from below, at
+    once on such a kernel, within a tick elsewhere. The probe shares the tree's
+    filesystem so that both are truncated to its granularity: on one that stamps whole
+    seconds, this holds only once the second has turned (the clock alone would say so
+    a tick after the seal)."""
     try:
         for _ in range(2):
             mode = stat.S_IMODE(os.stat(probe).st_mode)  # the look
@@ -187,7 +191,7 @@ def stamped_after(seal: Seal, probe: Path) -> bool:
             if os.stat(probe).st_ctime_ns > seal.sealed_ns:
                 return True
     except FileNotFoundError:
-        pass
+        return settled(seal)
     return False
 
 

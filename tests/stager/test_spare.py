@@ -1,7 +1,7 @@
 """A staging starts in a spare: a staging process the fork server forked before its
-job, once the previous staging ended (stager.blocking). The spare runs the next job
-as a process forked for it would; a dead spare costs nothing but the fork; a stopped
-daemon leaves none behind."""
+job, as the previous staging started (stager.blocking). The spare runs the next job
+as a process forked for it would (niced, batch-scheduled); a dead spare is passed
+over; Ctrl-C does not kill it; a daemon gone leaves none behind."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ def test_the_next_staging_runs_in_the_spare(daemon: Daemon, tmp_path: Path) -> N
             assert forked(daemon).get(spare) == STAGE_NAME, "the spare should run the job"
             stagings = [p for p, name in forked(daemon).items() if name == STAGE_NAME]
             assert stagings == [spare], f"one staging process, the spare: {forked(daemon)}"
+            # /proc/PID/stat after the name: field 19 is the nice, 41 the policy.
+            fields = Path(f"/proc/{spare}/stat").read_text().rsplit(")", 1)[1].split()
+            assert (fields[16], fields[38]) == ("10", str(os.SCHED_BATCH)), fields
             hold.set()
             waited = client.get("/v1/datasets/held/wait", params={"timeout": 30}).json()
         assert waited["state"] == "ready", waited
@@ -83,6 +86,23 @@ def test_the_next_staging_runs_in_the_spare(daemon: Daemon, tmp_path: Path) -> N
         body = {"name": "third", "steps": [{"op": "copy", "src": str(third)}]}
         status = stage_ready(client, body)
     assert digest(Path(status.path)) == digest(third)
+
+
+def test_ctrl_c_leaves_the_spare_alone(daemon: Daemon, tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches the daemon's whole process group: the daemon
+    cancels its stagings and stops its spare itself; the spare neither dies of it nor
+    prints a traceback."""
+    tree = small_tree(tmp_path / "tree")
+    with daemon.client() as client:
+        stage_ready(client, {"name": "a", "steps": [{"op": "copy", "src": str(tree)}]})
+        spare = wait_for_spare(daemon)
+        os.kill(spare, signal.SIGINT)
+        time.sleep(0.3)
+        assert not _gone(spare), "the spare died of SIGINT"
+        assert "KeyboardInterrupt" not in daemon.log(limit=None)
+        other = small_tree(tmp_path / "other", files=5)
+        status = stage_ready(client, {"name": "b", "steps": [{"op": "copy", "src": str(other)}]})
+        assert digest(Path(status.path)) == digest(other)
 
 
 def test_a_dead_spare_is_passed_over(daemon: Daemon, tmp_path: Path) -> None:
