@@ -39,7 +39,7 @@ from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest
 from stager.fs.credentials import Reader, as_user, reader_of
-from stager.fs.seal import Seal, protect_top, publishable, seal_tree
+from stager.fs.seal import Seal, protect_top, seal_tree
 from stager.identity import Caller
 from stager.leases import Lease
 from stager.metrics import Metrics
@@ -306,10 +306,6 @@ class Registry:
            aside (an extracted download), is removed.
         """
         attempt, final = self.attempt(entry), self.final(entry)
-        # Any change from the publish on must be stamped after the seal: at once where the
-        # kernel stamps from the fine clock, a tick at most elsewhere.
-        while not await run_io(publishable, seal, attempt.marker):
-            await asyncio.sleep(0.001)
         if await run_io(attempt.tree.is_dir):
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
         # Again after a crash: it changes nothing then.

@@ -17,12 +17,13 @@ looks at each entry once (``fstatat``), which costs a fraction of what hashing
 would and catches every change a user or an admin can make through the
 filesystem; it is what a hit pays before it says ready.
 
-Timestamps come from the kernel's coarse clock (one tick, a few milliseconds),
-so the seal is taken after the walk, and the tree is published only once no change
-can be stamped at or before it any more: the clock has moved past it
-(:func:`settled`), or rather a change stamped now on the tree's filesystem already
-is later (:func:`publishable`: at once where the kernel has multigrain timestamps,
-and it heeds a filesystem that stamps whole seconds).
+Timestamps come from the kernel's coarse clock (one tick, a few milliseconds) and
+are truncated to the filesystem's granularity, so the seal is taken after the walk
+and handed out only once no change can be stamped at or before it any more: once a
+change made then to the tree's top is stamped later (:func:`_stamped_after`: at once
+where the kernel has multigrain timestamps, within a tick elsewhere, once the second
+has turned on a filesystem that stamps whole seconds). The registry publishes a
+tree as soon as its seal comes.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ DIR_MODE = 0o555
 # Entries per chunk handed to a worker, and trees sealed on the walking process alone.
 BATCH = 1024
 PARALLEL_AFTER = 20_000
-# Linux's CLOCK_REALTIME_COARSE: the clock the kernel stamps inodes with.
-_COARSE_CLOCK = getattr(time, "CLOCK_REALTIME_COARSE", 5)
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,7 @@ def seal_tree(root: Path, workers: int) -> Seal:
         sealer.workers.walk(top, sealer, "skip", flush=sealer.submit)
     finally:
         os.close(top.fd)
-    sealed_ns = time.time_ns()  # no ctime the walk caused is later than this
-    return Seal(entries=tally.files + sealer.folders, nbytes=tally.nbytes, sealed_ns=sealed_ns)
+    return _sealed(root, entries=tally.files + sealer.folders, nbytes=tally.nbytes)
 
 
 @dataclass(frozen=True)
@@ -107,14 +105,14 @@ def seal_listed(root: Path, made: int | KnownTree) -> Seal:
     if isinstance(made, KnownTree):
         for folder in made.folders:
             os.chmod(root / folder, DIR_MODE)
-        return Seal(entries=made.entries, nbytes=made.nbytes, sealed_ns=time.time_ns())
+        return _sealed(root, entries=made.entries, nbytes=made.nbytes)
     nbytes = made
     top = open_top_unconfined(str(root))
     try:
         entries = _list_tree(top.fd)
     finally:
         os.close(top.fd)
-    return Seal(entries=entries, nbytes=nbytes, sealed_ns=time.time_ns())
+    return _sealed(root, entries=entries, nbytes=nbytes)
 
 
 def _list_tree(top: int) -> int:
@@ -159,39 +157,35 @@ def _list_tree(top: int) -> int:
                 os.close(parent)
 
 
-def settled(seal: Seal) -> bool:
-    """Whether the kernel's coarse clock has passed the seal: where a filesystem stamps
-    at the clock's own granularity, any change made from now on is stamped later."""
-    return time.clock_gettime_ns(_COARSE_CLOCK) > seal.sealed_ns
+def _sealed(root: Path, entries: int, nbytes: int) -> Seal:
+    """The seal of the tree at ``root``, whose last change was made: taken now, and
+    returned once any change from then on is stamped later than it, so that the tree
+    may be published at once (a tick of the coarse clock at most)."""
+    seal = Seal(entries=entries, nbytes=nbytes, sealed_ns=time.time_ns())
+    while not _stamped_after(seal.sealed_ns, root):
+        time.sleep(0.001)
+    return seal
 
 
-def publishable(seal: Seal, probe: Path) -> bool:
-    """Whether any change made from now on to the sealed tree is stamped later than the
-    seal, so that the tree may be reachable: the registry publishes it once this holds.
-    ``probe`` is a file on the tree's filesystem that nothing else uses (the attempt's
-    marker): the kernel stamps two changes to it now, and the answer is whether the
-    last was stamped later than the seal. Without the probe: whether the coarse clock
-    has passed the seal (:func:`settled`).
+def _stamped_after(sealed_ns: int, top: Path) -> bool:
+    """Whether the kernel stamps a change to the tree's top folder made now (a ``chmod``
+    to its own mode: only its ctime moves, which the check of a tree does not read)
+    later than ``sealed_ns``; then so is any later change to the tree.
 
     Why it holds: on a local filesystem a stamp is never earlier than one handed out
     before it. Without multigrain timestamps (Linux before 6.13) every stamp is the
-    coarse clock's, so the probe's is later than the seal once the clock has passed it.
-    With them, a change to an inode whose times were looked at since its last change,
-    within the same tick, is stamped from the fine clock, and the kernel raises a floor
-    that every later stamp, coarse or fine, is at least: here the second change, a look
-    after the first. Either way the stamp seen bounds all later ones from below, at
-    once on such a kernel, within a tick elsewhere. The probe shares the tree's
-    filesystem so that both are truncated to its granularity: on one that stamps whole
-    seconds, this holds only once the second has turned (the clock alone would say so
-    a tick after the seal)."""
-    try:
-        for _ in range(2):
-            mode = stat.S_IMODE(os.stat(probe).st_mode)  # the look
-            os.chmod(probe, mode)  # the change: only its ctime moves
-            if os.stat(probe).st_ctime_ns > seal.sealed_ns:
-                return True
-    except FileNotFoundError:
-        return settled(seal)
+    coarse clock's, so this holds within a tick. With them, a change to an inode whose
+    times were looked at since its last change, within the same tick, is stamped from
+    the fine clock, and the kernel raises a floor that every later stamp, coarse or
+    fine, is at least: the second change here, a look after the first, makes it hold
+    at once. The top shares the tree's filesystem, so its stamp is truncated to the
+    same granularity: on one that stamps whole seconds, this holds only once the
+    second has turned (which the clock alone would say a tick after the seal)."""
+    for _ in range(2):
+        mode = stat.S_IMODE(os.stat(top).st_mode)  # the look
+        os.chmod(top, mode)  # the change
+        if os.stat(top).st_ctime_ns > sealed_ns:
+            return True
     return False
 
 
