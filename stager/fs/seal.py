@@ -42,6 +42,7 @@ from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_child, open_top_u
 
 FILE_MODE = 0o444
 DIR_MODE = 0o555
+_STAMP_WAIT_S = 2.0
 # Entries per chunk handed to a worker, and trees sealed on the walking process alone.
 BATCH = 1024
 PARALLEL_AFTER = 20_000
@@ -162,7 +163,10 @@ def _sealed(root: Path, entries: int, nbytes: int) -> Seal:
     returned once any change from then on is stamped later than it, so that the tree
     may be published at once (a tick of the coarse clock at most)."""
     seal = Seal(entries=entries, nbytes=nbytes, sealed_ns=time.time_ns())
-    while not _stamped_after(seal.sealed_ns, root):
+    # A filesystem that does not stamp a chmod (none Linux mounts locally) would never
+    # say so: after two seconds, more than any granularity, the seal goes as it is.
+    deadline = time.monotonic() + _STAMP_WAIT_S
+    while not _stamped_after(seal.sealed_ns, root) and time.monotonic() < deadline:
         time.sleep(0.001)
     return seal
 
