@@ -59,7 +59,6 @@ TRACE_POINTS = [
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "+attempt-started"),
     ("stager/blocking.py", "    child = _take_spare(job)\n", "job-built"),
-    ("stager/worker.py", "    die_with(daemon_pid)  # the daemon", "child-forked"),
     ("stager/worker.py", "        job = jobs.recv()\n", "+spare-given"),  # a spare's job
     ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
     ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
@@ -72,8 +71,7 @@ TRACE_POINTS = [
     # The tree sealed from the op's count and a listing, or by a walk of every file.
     ("stager/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
     ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
-    ("stager/fs/seal.py", "    return Seal(entries=entries, nbytes=nbytes", "sealed"),
-    ("stager/fs/seal.py", "    return Seal(entries=tally.files", "sealed"),
+    ("stager/fs/seal.py", "    return seal\n", "sealed"),  # once later stamps are later
     (
         "stager/blocking.py",
         "    progress.mirror(counters)\n    return _outcome(message)",

@@ -92,7 +92,6 @@ async def run_staging(
         await run_io(start_fork_server)  # the first time: an interpreter start, off the loop
         child = _fork(stage_in_child, job, name=f"stager-stage-{job.final.name}")
     process, counters, child_cancel, receiver = child
-    _spare_for_next()
     loop = asyncio.get_running_loop()
     cancelled_at: float | None = None
     last, moved_at = counters.read(), loop.time()
@@ -240,9 +239,10 @@ def _take_spare(job: StageJob) -> _Child | None:
     return spare.child
 
 
-def _spare_for_next() -> None:
-    """A spare for the next staging, forked in the background as this one starts: ready
-    for one that starts while this one runs, and for one asked right after it ends."""
+def prepare_spare() -> None:
+    """A spare for the next staging, forked in the background: call it once a staging
+    has ended and its outcome is told (not as one starts: the fork would take the CPU
+    from the starting staging, whose process yields it to everyone)."""
     if not _making:
         making = asyncio.ensure_future(run_io(_make_spare))
         _making.add(making)

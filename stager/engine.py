@@ -23,6 +23,7 @@ from typing import Any
 from stager import cache, preflight, recipes, slurm
 from stager.blocking import (
     Limits,
+    prepare_spare,
     run_in_process,
     run_io,
     run_staging,
@@ -718,6 +719,7 @@ class Engine:
             await reg.publish(entry, seal)
         finally:
             self._running.discard(future)
+            prepare_spare()  # for the next staging, now that this one's outcome is told
 
     async def _stage_privately(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on
