@@ -1,5 +1,5 @@
 """A staging starts in a spare: a staging process the fork server forked before its
-job, as the previous staging started (stager.blocking). The spare runs the next job
+job, once the previous staging ended (stager.blocking). The spare runs the next job
 as a process forked for it would (niced, batch-scheduled); a dead spare is passed
 over; Ctrl-C does not kill it; a daemon gone leaves none behind."""
 
