@@ -137,14 +137,33 @@ def stage_in_child(
     cancel: Any,
     conn: multiprocessing.connection.Connection,
     daemon_pid: int,
+    watching: bool = False,
 ) -> None:
-    """Entry point of a child forked for ``job``: run every step, report ("ok", seal)
-    or the error.
+    """Entry point of a child forked for ``job`` (and of a spare once its job came,
+    ``watching`` the daemon already): run every step, report ("ok", seal) or the error.
 
     ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
-    _die_with_daemon(daemon_pid)
+    if not watching:
+        _die_with_daemon(daemon_pid)
     _name_process(STAGE_NAME)
-    _run(job, counters, cancel, conn, daemon_pid)
+    # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
+    os.nice(job.nice)
+    if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
+    try:
+        read_sources_as(job.reader)
+        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
+    except Cancelled:
+        conn.send(("cancelled", None))
+    except StagerError as exc:
+        conn.send(("error", (type(exc).__name__, exc.type, exc.message)))
+    except OSError as exc:
+        conn.send(("oserror", (exc.errno, exc.strerror, exc.filename)))
+    except Exception:  # a bug in an op: report it; the parent logs it and fails the entry
+        conn.send(("internal", traceback.format_exc()))
+    finally:
+        conn.close()
 
 
 def stage_when_sent(
@@ -167,8 +186,7 @@ def stage_when_sent(
         return
     finally:
         jobs.close()
-    _name_process(STAGE_NAME)
-    _run(job, counters, cancel, conn, daemon_pid)
+    stage_in_child(job, counters, cancel, conn, daemon_pid, watching=True)
 
 
 # A spare idle this long is likely to stay idle for a while: it makes its pages its
@@ -199,33 +217,6 @@ def _die_with_daemon(daemon_pid: int) -> None:
 def _name_process(name: str) -> None:
     with contextlib.suppress(OSError):  # not Linux: the name is only for people
         Path("/proc/self/comm").write_text(name)
-
-
-def _run(
-    job: StageJob,
-    counters: SharedCounters,
-    cancel: Any,
-    conn: multiprocessing.connection.Connection,
-    daemon_pid: int,
-) -> None:
-    # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
-    os.nice(job.nice)
-    if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
-    try:
-        read_sources_as(job.reader)
-        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
-    except Cancelled:
-        conn.send(("cancelled", None))
-    except StagerError as exc:
-        conn.send(("error", (type(exc).__name__, exc.type, exc.message)))
-    except OSError as exc:
-        conn.send(("oserror", (exc.errno, exc.strerror, exc.filename)))
-    except Exception:  # a bug in an op: report it; the parent logs it and fails the entry
-        conn.send(("internal", traceback.format_exc()))
-    finally:
-        conn.close()
 
 
 def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> Seal:
