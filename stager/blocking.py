@@ -206,7 +206,8 @@ class _Spare:
     """A staging process forked before its job, waiting for it on ``jobs``
     (stager.worker.stage_when_sent). A staging that finds one starts in the time of a
     pipe write: the fork and the hand-over of the child's pipe and shared memory (~5 ms,
-    a third of a one-file staging) were paid between stagings, off anyone's clock."""
+    as much as the rest of a one-file staging) were paid between stagings, off anyone's
+    clock."""
 
     child: _Child
     jobs: multiprocessing.connection.Connection
