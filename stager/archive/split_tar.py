@@ -203,6 +203,7 @@ def _read_headers(
     while True:
         at = offset - window_start
         if at + _BLOCK > len(window):
+            ctx.check_cancelled()  # here too for folders, which no tar is sent
             chunk.append(held[held_from:held_to])
             window, window_start, at = os.pread(fd, _WINDOW, base + offset), offset, 0
             held, held_from, held_to = memoryview(window), 0, 0

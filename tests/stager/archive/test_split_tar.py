@@ -347,6 +347,22 @@ def test_cancel_stops_every_tar_before_it_returns(
     assert written < 2040
 
 
+def test_cancel_stops_an_archive_of_folders_alone(
+    tmp_path: Path, heads: list[split_tar.Head]
+) -> None:
+    """Folders are made by the header loop, not sent to a tar: a cancel must stop them
+    too, not only a send."""
+    tree = tmp_path / "tree"
+    for i in range(3000):
+        (tree / f"d{i // 100}" / f"e{i}").mkdir(parents=True)
+    archive = tmp_path / "a.tar"
+    gnu_tar("-cf", archive, ".", cwd=tree)
+    dest = tmp_path / "dest"
+    with pytest.raises(Cancelled):
+        extract(archive, dest, Ctx(cancel_after=3))
+    assert sum(1 for _ in dest.rglob("*")) < 3030  # stopped before the last folder
+
+
 def test_files_are_read_only_for_all_and_folders_keep_their_times(
     tmp_path: Path, heads: list[split_tar.Head]
 ) -> None:
