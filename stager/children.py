@@ -8,12 +8,24 @@ child still writing there would race with the resumed staging.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import ctypes
 import os
 import select
 import signal
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+
+# What a staging process is called in ps and top (its "comm"); a spare waiting for its
+# job (stager.blocking) is called otherwise, so that nobody takes it for a staging.
+STAGE_NAME = "stager-stage"
+SPARE_NAME = "stager-spare"
+
+
+def name_process(name: str) -> None:
+    with contextlib.suppress(OSError):  # not Linux: the name is only for people
+        Path("/proc/self/comm").write_text(name)
 
 
 def die_with_parent() -> None:

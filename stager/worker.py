@@ -41,7 +41,7 @@ from typing import Any
 
 from stager import overlap
 from stager.archive import split_tar
-from stager.children import die_with, die_with_parent
+from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.fs.credentials import Reader, read_sources_as
@@ -125,12 +125,6 @@ class _ParentWatch:
         return self.is_set()
 
 
-# What a staging process is called in ps and top (its "comm"); a spare waiting for its
-# job is called otherwise, so that nobody takes it for a staging under way.
-STAGE_NAME = "stager-stage"
-SPARE_NAME = "stager-spare"
-
-
 def stage_in_child(
     job: StageJob,
     counters: SharedCounters,
@@ -145,7 +139,7 @@ def stage_in_child(
     ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
     if not watching:
         _die_with_daemon(daemon_pid)
-    _name_process(STAGE_NAME)
+    name_process(STAGE_NAME)
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
     os.nice(job.nice)
     if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)
@@ -178,7 +172,7 @@ def stage_when_sent(
     ``jobs`` without a job ends it."""
     _die_with_daemon(daemon_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which stops us
-    _name_process(SPARE_NAME)
+    name_process(SPARE_NAME)
     _own_pages(jobs)
     try:
         job = jobs.recv()
@@ -212,11 +206,6 @@ def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
 def _die_with_daemon(daemon_pid: int) -> None:
     die_with(daemon_pid)  # the daemon is not our parent: the fork server is
     die_with_parent()
-
-
-def _name_process(name: str) -> None:
-    with contextlib.suppress(OSError):  # not Linux: the name is only for people
-        Path("/proc/self/comm").write_text(name)
 
 
 def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> Seal:

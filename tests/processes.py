@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stager.worker import SPARE_NAME
+from stager.children import SPARE_NAME
 
 
 def parents() -> dict[int, list[int]]:

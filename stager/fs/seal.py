@@ -42,6 +42,8 @@ from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_child, open_top_u
 
 FILE_MODE = 0o444
 DIR_MODE = 0o555
+# How long a seal waits for a stamp later than it (see _sealed): more than any
+# filesystem's granularity (whole seconds at the coarsest).
 _STAMP_WAIT_S = 2.0
 # Entries per chunk handed to a worker, and trees sealed on the walking process alone.
 BATCH = 1024
@@ -164,7 +166,7 @@ def _sealed(root: Path, entries: int, nbytes: int) -> Seal:
     may be published at once (a tick of the coarse clock at most)."""
     seal = Seal(entries=entries, nbytes=nbytes, sealed_ns=time.time_ns())
     # A filesystem that does not stamp a chmod (none Linux mounts locally) would never
-    # say so: after two seconds, more than any granularity, the seal goes as it is.
+    # say so: after _STAMP_WAIT_S the seal goes as it is.
     deadline = time.monotonic() + _STAMP_WAIT_S
     while not _stamped_after(seal.sealed_ns, root) and time.monotonic() < deadline:
         time.sleep(0.001)
