@@ -1,0 +1,75 @@
+"""A URL's secrets never leave the daemon: its user, password, query and path
+parameters are replaced by ``***`` wherever a URL is printed.
+
+A private download's URL carries its credentials (``https://user:pass@host/x``, a
+presigned ``?X-Amz-Signature=...``, a ``;jsessionid=...``). The daemon needs them
+to download, and nothing else does: a log line, an error sentence, a status or a
+metric shows which server and which file, never the token. So every text that
+leaves the daemon for a person (log records, error messages, the status of a
+dataset) goes through :func:`redact_text`, which finds URLs in free text, and
+``RedactingFilter`` does it for every log record.
+
+What is kept: the scheme, the host, the port and the path (up to its first
+``;``), which is what a user needs to tell one download from another.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+MASK = "***"
+
+# A URL in free text: a scheme, then anything up to white space or a character that
+# ends a URL in prose (quotes, brackets, a closing parenthesis).
+_URL_IN_TEXT = re.compile(r"""\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'"<>()\[\]{}]+""")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user, password, query, path parameters and fragment.
+
+    Works on the text itself (no parser's normalisation), so it also redacts a URL
+    that no parser accepts: whatever sits between ``://`` and the last ``@`` before
+    the path is credentials; everything from the first ``?``, ``;`` or ``#`` of the
+    path on is masked."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    slash = rest.find("/")
+    authority, path = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+    # A query may also follow the authority directly: http://host?token=x
+    for mark in "?#":
+        cut = authority.find(mark)
+        if cut >= 0:
+            authority, path = authority[:cut], authority[cut:] + path
+    if "@" in authority:
+        authority = f"{MASK}@{authority.rsplit('@', 1)[1]}"
+    cut = min((i for i in (path.find(c) for c in "?;#") if i >= 0), default=-1)
+    if cut >= 0:
+        path = f"{path[:cut]}{path[cut]}{MASK}"
+    return f"{scheme}://{authority}{path}"
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it redacted (:func:`redact_url`)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts URLs in a log record's message and arguments before any handler sees
+    it. Installed on the handlers of the daemon's log, so that no logger (ours,
+    uvicorn's, httpx's) can write a token to it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args:
+            record.msg = record.getMessage()
+            record.args = None
+        if isinstance(record.msg, str):
+            record.msg = redact_text(record.msg)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        return True
