@@ -21,15 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
-from stager.blocking import (
-    Limits,
-    prepare_spare,
-    run_in_process,
-    run_io,
-    run_staging,
-    stop_spare,
-    stop_walker,
-)
+from stager.blocking import Limits, run_io, run_staging
 from stager.dataset import (
     Ask,
     Entry,
@@ -51,8 +43,7 @@ from stager.errors import (
     from_os_error,
 )
 from stager.fanout.room import FanoutRoom
-from stager.fingerprint import sources_fingerprint
-from stager.fs.credentials import Reader, as_user, reader_of
+from stager.fs.credentials import Reader, reader_of
 from stager.fs.seal import check_seal
 from stager.fs.watch import TreeWatch
 from stager.identity import Caller
@@ -60,6 +51,7 @@ from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import table
+from stager.processes import Processes
 from stager.schemas import (
     Adopt,
     DatasetCreate,
@@ -116,8 +108,10 @@ class Engine:
         self.started = False
         # Published trees known unchanged since their last full check, without a walk.
         self._watch = TreeWatch()
+        # Every process the daemon starts (stager.processes), and who acts for a user.
+        self.processes = Processes(separate_users=settings.multi_user)
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
-        self.fanout = FanoutRoom(settings, self.ops, self._admission, self._admit)
+        self.fanout = FanoutRoom(settings, self.ops, self._admission, self._admit, self.as_user)
 
     @property
     def _reg(self) -> Registry:
@@ -128,17 +122,20 @@ class Engine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        await self.processes.start()
         await run_io(preflight.ensure_dirs, self.settings)
         store = await run_io(Store, self.settings.db_path, self.ops)
         trash = Trash(self.settings.partial_dir, self._spawn)
         self._crash = CrashPoints(self.settings.crash_after)
-        self.registry = Registry(self.settings, store, self.metrics, trash, self._crash)
+        self.registry = Registry(
+            self.settings, store, self.metrics, trash, self._crash, self.as_user
+        )
         for entry in await self._reg.load():
             self._queue.put_nowait(entry.key)
         # Deliveries and exports of an earlier run: nobody will adopt or send them now.
-        for folder in (self.settings.incoming_dir, self.settings.outgoing_dir):
-            for leftover in await run_io(lambda f=folder: list(f.iterdir())):
-                await self._reg.trash.discard(leftover)
+        await self.fanout.clear_deliveries()
+        for leftover in await run_io(lambda: list(self.settings.outgoing_dir.iterdir())):
+            await self._reg.trash.discard(leftover)  # exports: the service's own folders
         try:
             # Recipe files are re-read per request; checking them now tells the admin early.
             await run_io(recipes.recipe_files, self.settings)
@@ -178,13 +175,23 @@ class Engine:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await run_io(stop_walker)
-        await run_io(stop_spare)
+        await self.processes.close()
         self._watch.close()
         if self.registry is not None:
             staging = [e for e in self._reg.entries.values() if e.active]
             await self._reg.save_progress(staging)
             await self._reg.close()
+
+    async def as_user(self, uid_or_caller: Caller | int | None, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), its
+        result as JSON data (stager.processes.Processes.run_as). Never awaited under the
+        admission lock: a user's process may take its time, and others must not wait."""
+        if uid_or_caller is None or not self.settings.multi_user:
+            return await self.processes.run_as(None, fn, *args)
+        caller = (
+            uid_or_caller if isinstance(uid_or_caller, Caller) else Caller.of_uid(uid_or_caller)
+        )
+        return await self.processes.run_as(caller.identity, fn, *args)
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -200,7 +207,8 @@ class Engine:
         cache key (spec + sources' fingerprint; in the node service also whose it is),
         and whose rights its sources are read with. ``naming``: it takes its name."""
         if request.recipe:
-            expansion = await run_io(recipes.expand, request, self.settings)
+            # Rendered here; whether its release files are there is the caller's to see.
+            expansion = await run_io(recipes.expand, request, self.settings, False)
         else:
             expansion = recipes.Expansion(steps=request.steps)
         expansion.steps = self.ops.expand(expansion.steps)  # e.g. an extract of a URL
@@ -209,12 +217,20 @@ class Engine:
         if naming:  # early, before paying for a fingerprint
             self._check_name(request.name, caller.uid, request_key)
         reader = self._reader(caller)
-        fingerprint = await run_io(
-            as_user, reader, sources_fingerprint, expansion.steps, request.fingerprint == "deep"
+        recipe = (request.recipe, request.params, request.source) if request.recipe else None
+        found = await self.as_user(
+            caller,
+            preflight.look,
+            self.ops.dump_steps(expansion.steps),
+            self.settings,
+            request.fingerprint == "deep",
+            request.link if naming else None,
+            recipe,
         )
+        fingerprint = str(found["fingerprint"])
         key = shared_key = spec_key({"spec": spec, "sources": fingerprint})
         if reader is not None:
-            key, reader = await self._scope(key, reader, expansion.steps, request.adopt)
+            key, reader = self._scope(key, reader, found["shareable"] is True, request.adopt)
         return Resolved(expansion, request_key, key, shared_key, reader)
 
     def _reader(self, caller: Caller) -> Reader | None:
@@ -222,8 +238,8 @@ class Engine:
         caller's (root's too: its stagings are checked for sharing like anyone's)."""
         return reader_of(caller) if self.settings.multi_user else None
 
-    async def _scope(
-        self, key: str, reader: Reader, steps: list[Any], adopt: Adopt | None
+    def _scope(
+        self, key: str, reader: Reader, shared: bool, adopt: Adopt | None
     ) -> tuple[str, Reader]:
         """Shared by every user (the key alone) when every source is readable by
         everyone, as the staging then checks file by file; else the caller's own copy.
@@ -232,7 +248,6 @@ class Engine:
         staged privately. A broadcast copy is shared only when the origin node's
         service vouches for its manifest (stager.vouch); the job's own copies of the
         source files, hashed by the job, never are."""
-        shared = await run_io(as_user, reader, preflight.shareable, steps, self.settings)
         earlier = self._reg.entries.get(key)
         found_private = (
             earlier is not None
@@ -266,7 +281,7 @@ class Engine:
             state=entry.state.value if entry else None,
             size_bytes=entry.size_bytes if entry else 0,
             origin=public_origin(entry),
-            source_files=await self.fanout.source_files(expansion.steps),
+            source_files=await self.fanout.source_files(expansion.steps, caller),
         )
 
     async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:
@@ -274,9 +289,6 @@ class Engine:
         reg = self._reg
         resolved = await self._resolve(request, caller)
         expansion, key, reader = resolved.expansion, resolved.key, resolved.reader
-        # The link is the caller's: made where they may write, with their rights.
-        link_maker = self._reader(caller)
-        await run_io(as_user, link_maker, preflight.check_link, request.link, self.settings)
         existing = reg.entries.get(key)
         if existing is not None and existing.state == State.READY:
             await self._drop_if_changed(existing)
@@ -290,14 +302,23 @@ class Engine:
         elif arrival.estimate is not None:
             estimate = arrival.estimate
         else:
-            estimate = await run_io(
-                as_user,
-                reader,
-                preflight.check_steps,
-                expansion.steps,
-                request.verify,
-                self.settings,
+            estimate = int(
+                await self.as_user(
+                    caller,
+                    preflight.check_steps,
+                    self.ops.dump_steps(expansion.steps),
+                    request.verify,
+                    self.settings,
+                )
             )
+
+        # The link first, as the caller and outside the lock (a user's process may take
+        # its time): a link that cannot be made is a 400 that leaves nothing behind. It
+        # names data/<key>, where this key's tree is whenever it is ready.
+        linked = False
+        if request.link and existing is not None and existing.state == State.READY:
+            await reg.link(request.link, caller, existing)
+            linked = True
 
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
@@ -333,18 +354,13 @@ class Engine:
                 handle = Handle(
                     request.name, key, resolved.request_key, caller.uid, request.link, hit=hit
                 )
-                if entry.state == State.READY and handle.link:
-                    # Before the name is kept: a link that cannot be made is a 400 that
-                    # leaves nothing behind. Under the lock, nothing evicts the entry first.
-                    await reg.link(handle, entry)
                 await reg.name(handle)
-            else:
-                if handle.hit != hit:
-                    await reg.note_hit(handle, hit)
-                if entry.state == State.READY and handle.link:
-                    await reg.link(handle, entry)  # again: the job may have removed it
+            elif handle.hit != hit:
+                await reg.note_hit(handle, hit)
             if request.lease is not None:
                 await reg.lease(handle, request.lease)
+        if request.link and not linked and entry.state == State.READY:
+            await reg.link(request.link, caller, entry)  # it became ready meanwhile
         await self.fanout.admitted(arrival, entry)
         return self._view(handle), entry.state == State.READY
 
@@ -358,7 +374,7 @@ class Engine:
             changed: str | None = f"{final} has no seal to check (published by an older stager)"
         else:
             token = await run_io(self._watch.arm, entry.key, final)
-            changed = await run_in_process(
+            changed = await self.processes.run_in_walker(
                 check_seal, final, entry.seal, cache.private_owner(entry), self.settings.op_workers
             )
             if changed is None:
@@ -505,6 +521,7 @@ class Engine:
         """Cancel if staging, evict if ready, forget the name if already finished (only
         the name, when another name, any user's, shows the same data)."""
         reg = self._reg
+        dropped: Entry | None = None
         async with self._admission:
             handle = self._handle(name, caller, owner)
             entry = reg.entries[handle.key]
@@ -521,11 +538,13 @@ class Engine:
                 )
             if entry.state == State.QUEUED:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
-                await self._drop_claimed(entry)
+                dropped = entry
             elif entry.state == State.STAGING:
                 entry.cancel.set()
             else:
                 await reg.evict(entry)
+        if dropped is not None:
+            await self._drop_claimed(dropped)  # its owner deletes it: outside the lock
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
             grace = self.settings.cancel_grace_s + 2.0
             await self.wait(name, max(grace, self.settings.shutdown_timeout_s), caller, owner)
@@ -688,7 +707,9 @@ class Engine:
             crash_after=self._crash.for_staging_process(),
         )
         limits = Limits(self.settings.cancel_grace_s, self.settings.stall_timeout_s)
-        future = asyncio.ensure_future(run_staging(job, entry.progress, entry.cancel, limits))
+        future = asyncio.ensure_future(
+            run_staging(job, self.processes, entry.progress, entry.cancel, limits)
+        )
         self._running.add(future)
         try:
             try:
@@ -719,7 +740,8 @@ class Engine:
             await reg.publish(entry, seal)
         finally:
             self._running.discard(future)
-            prepare_spare()  # for the next staging, now that this one's outcome is told
+            # For the next staging, now that this one's outcome is told.
+            self.processes.prepare_spare()
 
     async def _stage_privately(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on

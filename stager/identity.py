@@ -14,27 +14,57 @@ a staging reads its sources with its credentials (:mod:`stager.fs.credentials`).
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import socket
 import struct
 from dataclasses import dataclass
 
+from stager.rights.become import Identity
+
 # Where the server puts the connection's caller in the ASGI scope.
 SCOPE_KEY = "stager.caller"
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+
+
+def peer_groups(sock: socket.socket, gid: int) -> tuple[int, ...]:
+    """The supplementary groups of the process at the other end of ``sock`` when it
+    connected (the primary group first, as the kernel checks it too)."""
+    size = 64 * 4
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ERANGE or size > 65536 * 4:
+                raise
+            size *= 4
+    found = struct.unpack(f"{len(raw) // 4}I", raw)
+    return tuple(dict.fromkeys([gid, *found]))
 
 
 @dataclass(frozen=True)
 class Caller:
+    """``groups``: the supplementary groups the caller's process held when it connected
+    (``SO_PEERGROUPS``), not what the group database says now: a process that dropped
+    a group (``setpriv --clear-groups``, ``newgrp``) has dropped it for stager too."""
+
     uid: int
     gid: int
     pid: int = 0
+    groups: tuple[int, ...] = ()
 
     @property
     def is_root(self) -> bool:
         return self.uid == 0
+
+    @property
+    def identity(self) -> Identity:
+        """What a process that acts for this caller becomes (stager.rights)."""
+        return Identity(self.uid, self.gid, self.groups or (self.gid,))
 
     @property
     def user_name(self) -> str:
@@ -44,15 +74,6 @@ class Caller:
         except KeyError:
             return str(self.uid)
 
-    def groups(self) -> tuple[int, ...]:
-        """The caller's supplementary groups, as a login would give them (the
-        primary group first). A uid without a passwd entry has only its gid."""
-        try:
-            name = pwd.getpwuid(self.uid).pw_name
-        except KeyError:
-            return (self.gid,)
-        return tuple(dict.fromkeys([self.gid, *os.getgrouplist(name, self.gid)]))
-
     def home(self) -> str | None:
         try:
             return pwd.getpwuid(self.uid).pw_dir
@@ -60,22 +81,28 @@ class Caller:
             return None
 
     @classmethod
-    def of_uid(cls, uid: int) -> Caller:
-        """A user named by uid alone (a handle's owner), with the passwd entry's gid."""
-        try:
-            gid = pwd.getpwuid(uid).pw_gid
-        except KeyError:
-            gid = uid
-        return cls(uid=uid, gid=gid)
+    def of_uid(cls, uid: int, gid: int | None = None, groups: tuple[int, ...] = ()) -> Caller:
+        """A user named by uid (a handle's owner), with the groups known of them (none
+        beyond the primary group when nothing else was recorded: fewer rights, never
+        more)."""
+        if gid is None:
+            try:
+                gid = pwd.getpwuid(uid).pw_gid
+            except KeyError:
+                gid = uid
+        return cls(uid=uid, gid=gid, groups=groups or (gid,))
 
     @classmethod
     def of_process(cls) -> Caller:
         """This process's own identity: the caller of every request in per-user mode."""
-        return cls(uid=os.getuid(), gid=os.getgid(), pid=os.getpid())
+        groups = tuple(dict.fromkeys([os.getgid(), *os.getgroups()]))
+        return cls(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), groups=groups)
 
     @classmethod
     def of_socket(cls, sock: socket.socket) -> Caller:
-        """The process at the other end of a connected Unix socket, from the kernel."""
+        """The process at the other end of a connected Unix socket, from the kernel: its
+        uid, gid and pid (``SO_PEERCRED``) and its groups (``SO_PEERGROUPS``), as they
+        were when it connected."""
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
-        return cls(uid=uid, gid=gid, pid=pid)
+        return cls(uid=uid, gid=gid, pid=pid, groups=peer_groups(sock, gid))

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,8 @@ from stager.blocking import run_io
 from stager.cache import private_owner
 from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
-from stager.errors import BadRequest
-from stager.fs.credentials import Reader, as_user, reader_of
+from stager.errors import BadRequest, StagerError
 from stager.fs.seal import Seal, protect_top, seal_tree
-from stager.identity import Caller
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -52,12 +50,19 @@ from stager.publish import (
     make_link,
     publish,
     remove_link,
+    remove_own_tree,
 )
 from stager.schemas import ErrorInfo, LeaseCreate, State
 from stager.settings import Settings
 from stager.store import Store
 
 log = logging.getLogger("stager.lifecycle")
+
+AsUser = Callable[..., Awaitable[Any]]  # (uid, fn, *args) -> fn's JSON result
+# A name's link is the owner's convenience: making it may not hold the publish, which
+# everyone sharing the entry waits on, longer than this (a link in a folder on a hung
+# filesystem of the user's own).
+LINK_TIMEOUT_S = 5.0
 
 
 CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
@@ -86,6 +91,10 @@ class Trash:
             self.delete_later(moved, nbytes)
         return moved is not None
 
+    def spawn(self, coro: Any, name: str) -> None:
+        """Background work of the registry's (kept by the engine until it ends)."""
+        self._spawn(coro, name)
+
     def delete_later(self, path: Path, nbytes: int = 0) -> None:
         self.freeing_bytes += nbytes
         self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
@@ -108,8 +117,12 @@ class Registry:
         metrics: Metrics,
         trash: Trash,
         crash: CrashPoints,
+        as_user: AsUser,
     ) -> None:
         self.settings = settings
+        # Acts with a user's rights (stager.engine.Engine.as_user): their links, their
+        # deliveries. Never awaited under the engine's admission lock.
+        self._as_user = as_user
         self.metrics = metrics
         self.trash = trash
         self._store = store
@@ -310,8 +323,7 @@ class Registry:
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
         # Again after a crash: it changes nothing then.
         await run_io(protect_top, final, private_owner(entry))
-        for handle in self._handles_of(entry):
-            await self._link(handle, final)
+        await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
         self._crash.reached(Durable.LINKED)
         entry.size_bytes, entry.seal = seal.nbytes, seal
         entry.move(State.READY)
@@ -334,13 +346,17 @@ class Registry:
         and its folder (if it is still there to remove) goes."""
         entry.delivery = None
         if folder is not None:
-            await self._remove_delivery(folder)
+            owner = entry.reader.uid if entry.reader is not None else None
+            await self._remove_delivery(folder, owner)
 
-    async def _remove_delivery(self, folder: Path) -> None:
-        """A broadcast copy (``incoming/<label>/``) that a staging read, once it has
-        ended: read once, it goes before the staging's outcome is recorded. After a
-        crash before this, the restart removes it with the rest of ``incoming/``."""
-        await self._durable(Durable.DELIVERY_REMOVED, delete_tree, folder, threading.Event())
+    async def _remove_delivery(self, folder: Path, owner: int | None) -> None:
+        """A broadcast copy (``incoming/<uid>/<label>/``) that a staging read, once it
+        has ended: read once, it goes before the staging's outcome is recorded, deleted
+        by its owner's process (the folder is theirs to write: root never walks it).
+        After a crash before this, the restart removes it with the rest of
+        ``incoming/``."""
+        await self._as_user(owner, remove_own_tree, folder)
+        self._crash.reached(Durable.DELIVERY_REMOVED)
 
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.
@@ -397,7 +413,9 @@ class Registry:
         await self._save(entry, Durable.EVICTED)
         final = self.final(entry)
         for handle in self._handles_of(entry):
-            await run_io(remove_link, Path(handle.link), final)
+            # In the background, as the link's owner: eviction runs under the admission
+            # lock, which no user's process may hold up.
+            self.trash.spawn(self._unlink(handle, final), f"unlink-{handle.name}")
         self._crash.reached(Durable.UNLINKED)
         if await self.trash.discard(final, entry.size_bytes):
             self._crash.reached(Durable.DATA_DISCARDED)
@@ -409,27 +427,29 @@ class Registry:
     def _handles_of(self, entry: Entry) -> list[Handle]:
         return [h for h in self.handles.values() if h.key == entry.key and h.link]
 
-    def _link_maker(self, handle: Handle) -> Reader | None:
-        """A name's link is made with its owner's rights in the node service: only
-        where that user may write, and theirs (the daemon's own user otherwise)."""
-        return reader_of(Caller.of_uid(handle.owner)) if self.settings.multi_user else None
-
     async def _link(self, handle: Handle, final: Path) -> None:
         try:
-            await run_io(as_user, self._link_maker(handle), make_link, Path(handle.link), final)
-        except OSError as exc:
+            await asyncio.wait_for(
+                self._as_user(handle.owner, make_link, Path(handle.link), final), LINK_TIMEOUT_S
+            )
+        except (OSError, StagerError, TimeoutError) as exc:
             log.error("could not create link %s: %s", handle.link, exc)
 
-    async def link(self, handle: Handle, entry: Entry) -> None:
-        """A ready entry's name with a link, on each request for it: the link (made again
-        if it was removed), or a 400 saying why not."""
+    async def _unlink(self, handle: Handle, final: Path) -> None:
         try:
-            await run_io(
-                as_user, self._link_maker(handle), make_link, Path(handle.link), self.final(entry)
-            )
+            await self._as_user(handle.owner, remove_link, Path(handle.link), final)
+        except (OSError, StagerError) as exc:
+            log.error("could not remove link %s: %s", handle.link, exc)
+
+    async def link(self, link: str, owner: Any, entry: Entry) -> None:
+        """A ready entry's link, on each request for it: the link (made again if it was
+        removed), made as its owner (only where they may write), or a 400 saying why
+        not."""
+        try:
+            await self._as_user(owner, make_link, Path(link), self.final(entry))
         except OSError as exc:
             raise BadRequest(
-                f"link {handle.link} could not be created ({exc.strerror}); choose a --link "
+                f"link {link} could not be created ({exc.strerror}); choose a --link "
                 "path in a folder you can write"
             ) from exc
 

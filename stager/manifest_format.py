@@ -67,8 +67,9 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_digest(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """(size, sha256) of one file; hashlib releases the GIL on large chunks."""
+def file_digest(path: str | os.PathLike[str] | int) -> tuple[int, str]:
+    """(size, sha256) of one file (a path, or a descriptor it closes); hashlib releases
+    the GIL on large chunks."""
     sha = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as stream:

@@ -1,8 +1,9 @@
 """Checks run when a request arrives, before anything is queued.
 
-Everything here is fast (stat calls, reading an archive header) and blocking, so
-the engine runs it through ``run_io``. A request that fails here gets a 4xx with
-a sentence naming the bad input; nothing is staged.
+Everything here is fast (stat calls, reading an archive header) and blocking. What
+looks at a request's paths runs as the caller (stager.processes.Processes.run_as: in
+the node service, in a process that became them), and answers in JSON. A request
+that fails here gets a 4xx with a sentence naming the bad input; nothing is staged.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from stager import recipes
 from stager.errors import BadRequest, UnsafePath
+from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import path_readable_by_everyone
 from stager.fs.sources import Roots
 from stager.ops import table
@@ -32,8 +35,31 @@ def _request_paths() -> Iterator[None]:
         raise BadRequest(f"{where}: {exc.strerror}; check that path in the request") from exc
 
 
-def check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
+def look(
+    dumped_steps: list[dict[str, Any]],
+    settings: Settings,
+    deep: bool,
+    link: str | None,
+    recipe: tuple[str, dict[str, Any], str | None] | None = None,
+) -> dict[str, Any]:
+    """What the daemon must know of a request's paths, found as the caller: the recipe's
+    release files are there (``recipe``: its name, params and source), the sources'
+    fingerprint, whether every user may share the staging (node service), and that the
+    link can be made. Steps travel as JSON data (``dumped_steps``), typed here again."""
+    if recipe is not None:
+        recipes.check_sources(*recipe, settings)
+    steps = table.for_settings(settings).validate_steps(dumped_steps)
+    found = {
+        "fingerprint": sources_fingerprint(steps, deep),
+        "shareable": settings.multi_user and shareable(steps, settings),
+    }
+    check_link(link, settings)
+    return found
+
+
+def check_steps(dumped_steps: list[dict[str, Any]], verify: str, settings: Settings) -> int:
     """Validate every step's source; return the estimated bytes the staging writes."""
+    steps = table.for_settings(settings).validate_steps(dumped_steps)
     with _request_paths():
         for step in steps:
             src = getattr(step, "src", None)
@@ -96,8 +122,8 @@ def _check_link(link: str, settings: Settings) -> None:
     folder = path.parent
     while not os.path.lexists(folder):
         folder = folder.parent  # made when the link is
-    # effective_ids: checked with the rights this thread holds (the asking user's, in the
-    # node service), as creating the link will be; plain access() asks as root.
+    # Checked with this process's rights (the caller's, in the node service), as
+    # creating the link will be.
     if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
         raise BadRequest(
             f"link {link} cannot be created: {folder} is not a folder you can "

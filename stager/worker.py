@@ -19,17 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
-
-# What a staging process needs to unpickle its arguments (the shared counters, the
-# cancel event): imported here, so that the fork server holds it (see CONTEXT below);
-# each staging process would otherwise import it before its first step, 3-10 ms.
-import multiprocessing.heap  # noqa: F401
-import multiprocessing.popen_forkserver  # noqa: F401
-import multiprocessing.sharedctypes  # noqa: F401
-import multiprocessing.synchronize  # noqa: F401
 import os
 import signal
 import threading
@@ -40,34 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from stager import overlap
-from stager.archive import split_tar
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_listed, seal_tree
-from stager.ops import fetch, table
+from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, write_atomically
-
-# A fork server, not a plain fork: the daemon has threads (uvicorn, anyio) that fork
-# would clone mid-state. The server is a single-threaded process, started at the first
-# staging with this module (and with it every op) imported, so each staging after the
-# first starts in milliseconds instead of an interpreter's start-up (~0.5 s).
-CONTEXT = multiprocessing.get_context("forkserver")
-CONTEXT.set_forkserver_preload([__name__])
-# Built here, at import, so the fork server holds it and every staging it forks starts
-# with it: building the table (a pydantic model per op) costs ~10 ms, a fifth of a
-# small staging. A site's own ops (op_modules) are added in each staging process.
-table.load(())  # the key every job without site ops asks for
-fetch.warm_up()  # a download's TLS settings and HTTP transport: 20-70 ms before its first byte
-split_tar.gnu_tar()  # whether `tar` is GNU tar (a `tar --version`, ~2 ms): once, not per staging
-
-
-def start_fork_server() -> None:
-    """Start the fork server if it is not running (blocking: call it off the loop)."""
-    multiprocessing.forkserver.ensure_running()
+from stager.rights.become import drop_capabilities
 
 
 @dataclass
@@ -147,6 +119,8 @@ def stage_in_child(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the daemon, which cancels us
     try:
         read_sources_as(job.reader)
+        if job.reader is not None and os.geteuid() == 0 and not job.reader.identity.is_root:
+            drop_capabilities()  # it acts for a user: root's powers stay out of its reach
         conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
     except Cancelled:
         conn.send(("cancelled", None))

@@ -41,6 +41,9 @@ class Transfer:
     # A delivery a staging reads: kept (and counted) until that staging ends, whoever
     # releases it meanwhile, and never expired under it.
     claimed: bool = False
+    # The bytes a delivery's folder held when last measured (as its owner, by the
+    # sweep: the folder is theirs to write, so root never walks it).
+    written: int = 0
 
 
 @dataclass
@@ -113,19 +116,18 @@ def remove_folder(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def written_bytes(transfers: list[Transfer]) -> list[int]:
-    """The bytes each transfer's folder holds now (a delivery's files are its user's:
-    they may hold more than was reserved)."""
-    found = []
-    for transfer in transfers:
-        written = 0
-        try:
-            with os.scandir(transfer.path) as files:
-                written = sum(f.stat(follow_symlinks=False).st_size for f in files)
-        except FileNotFoundError:
-            pass
-        found.append(written)
-    return found
+def folder_bytes(path: Path) -> int:
+    """The bytes a folder holds, every file and link below it counted, links never
+    followed. Run on a delivery as its owner (who may have written more than they
+    reserved, in any layout), or on an export's folder, which is the service's."""
+    total = 0
+    for folder, folders, files in os.walk(path):
+        for name in [*folders, *files]:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def plan_export(tree: Path, key: str, part_bytes: int) -> ExportPlan:

@@ -27,6 +27,7 @@ blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,18 +46,20 @@ from stager.fanout.packing import (
     ExportPlan,
     Transfer,
     bundle_estimate,
+    folder_bytes,
     make_folder,
     pack_early_part,
     pack_export_part,
     plan_export,
     plan_rest,
     remove_folder,
-    written_bytes,
 )
 from stager.fs.credentials import Reader
 from stager.identity import Caller
 from stager.manifest_format import Manifest
+from stager.ops import table
 from stager.ops.base import CheckContext
+from stager.publish import remove_own_tree
 from stager.schemas import (
     DatasetCreate,
     ExportCreate,
@@ -67,9 +70,12 @@ from stager.schemas import (
 )
 from stager.settings import Settings
 
+log = logging.getLogger("stager.fanout")
+
 EXPORT_TTL_S = 3600.0
 
 Admit = Callable[[int, str, int | None], Awaitable[None]]
+AsUser = Callable[..., Awaitable[Any]]  # (uid or caller, fn, *args) -> fn's JSON result
 ReadyTree = Callable[[Entry], Awaitable[Path]]
 
 
@@ -95,6 +101,9 @@ class Transfers:
 
     def live(self) -> list[Transfer]:
         return list(self._live.values())
+
+    def items(self) -> list[tuple[str, Transfer]]:
+        return list(self._live.items())
 
     def find(self, key: str) -> Transfer | None:
         return self._live.get(key)
@@ -161,9 +170,14 @@ class Held:
 
 
 class FanoutRoom:
-    def __init__(self, settings: Settings, ops: Any, admission: asyncio.Lock, admit: Admit):
+    def __init__(
+        self, settings: Settings, ops: Any, admission: asyncio.Lock, admit: Admit, as_user: AsUser
+    ):
         self.settings = settings
         self.ops = ops
+        # A delivery's folder is its user's to write: whatever looks into it or deletes
+        # it runs as that user (stager.rights), never under the admission lock.
+        self._as_user = as_user
         self._admission = admission  # the engine's: held while room is promised
         self._admit = admit  # the engine's admission (evicts, or refuses with the sizes)
         self.deliveries = Transfers(settings.incoming_dir, "delivery")
@@ -213,15 +227,23 @@ class FanoutRoom:
         if reader is not None and reader.vouched:  # shared: the origin's service vouches
             vouch = adoption.Vouch(os.geteuid(), key, self.settings.munge_socket)
         adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch)
-        estimate = await run_io(self._check_adoption, adopting, request.verify)
+        roots = self._roots(adopting=True)
+        dumped = self.ops.dump_steps(adopting)
+        estimate = int(
+            await self._as_user(
+                caller, check_adoption, self.settings, dumped, request.verify, roots
+            )
+        )
         return Arrival(adopting, origin, estimate, delivery_key)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds. Room promised and not
         written yet is not free; each user's transfers count against their quota with
         what they reserved, or what they wrote if that is more."""
-        transfers = [*self.deliveries.live(), *self.exports.live()]
-        written = await run_io(written_bytes, transfers)
+        exports = self.exports.live()
+        exported = await run_io(lambda: [folder_bytes(t.path) for t in exports])
+        transfers = [*self.deliveries.live(), *exports]
+        written = [t.written for t in self.deliveries.live()] + exported
         unwritten, reserved_by = 0, {}
         for transfer, nbytes in zip(transfers, written, strict=True):
             unwritten += max(0, transfer.nbytes - nbytes)
@@ -265,9 +287,12 @@ class FanoutRoom:
         self.deliveries.pop(entry.delivery)
         return transfer.path
 
-    async def source_files(self, steps: list[Any]) -> list[SourceFile]:
-        """The request's source files when they can be broadcast as they are."""
-        return await run_io(adoption.broadcastable_sources, steps, self.ops)
+    async def source_files(self, steps: list[Any], caller: Caller) -> list[SourceFile]:
+        """The request's source files when they can be broadcast as they are (looked at
+        as the caller)."""
+        dumped = self.ops.dump_steps(steps)
+        found = await self._as_user(caller, source_files, self.settings, dumped)
+        return [SourceFile(**item) for item in found]
 
     async def export(
         self,
@@ -323,14 +348,53 @@ class FanoutRoom:
         return await self._locked(plan, key, pack_export_part, plan, transfer)
 
     async def expire(self) -> list[Path]:
-        """Reservations and exports past their time (a job that died): removed."""
+        """Reservations and exports past their time (a job that died), and deliveries
+        grown past what was reserved for them: removed. Called by the sweep, outside
+        the admission lock: each delivery is measured and removed as its owner."""
         exports = self.exports.expired()
         for key in exports:
             self.plans.pop(key, None)
-        gone = [t.path for t in [*self.deliveries.expired().values(), *exports.values()]]
-        for path in gone:
-            await run_io(remove_folder, path)
-        return gone
+        for transfer in exports.values():
+            await run_io(remove_folder, transfer.path)
+        deliveries = self.deliveries.expired()
+        for key, transfer in list(self.deliveries.items()):
+            try:
+                transfer.written = int(
+                    await self._as_user(transfer.owner, folder_bytes, transfer.path)
+                )
+            except (OSError, StagerError) as exc:
+                transfer.written = transfer.nbytes + 1  # unmeasurable: treated as overgrown
+                log.warning("could not measure delivery %s: %s", transfer.path, exc)
+            if transfer.written > transfer.nbytes and not transfer.claimed:
+                log.warning(
+                    "ending delivery %s: it holds %d bytes, past the %d reserved",
+                    transfer.path,
+                    transfer.written,
+                    transfer.nbytes,
+                )
+                deliveries[key] = self.deliveries.pop(key)
+        for transfer in deliveries.values():
+            await self._remove_delivery(transfer)
+        return [t.path for t in [*exports.values(), *deliveries.values()]]
+
+    async def clear_deliveries(self) -> None:
+        """At start: deliveries an earlier run left (nobody will adopt them now), each
+        deleted by its owner (the passage ``incoming/<uid>/`` names them)."""
+        root = self.settings.incoming_dir
+        for folder in await run_io(lambda: sorted(root.iterdir())):
+            if not self.settings.multi_user:
+                await run_io(remove_folder, folder)
+                continue
+            uid = int(folder.name) if folder.name.isdigit() else None
+            for label in await run_io(lambda f=folder: sorted(f.iterdir())):
+                await self._as_user(uid, remove_own_tree, label)
+            await run_io(folder.rmdir)
+
+    async def _remove_delivery(self, transfer: Transfer) -> None:
+        if self.settings.multi_user:
+            await self._as_user(transfer.owner, remove_own_tree, transfer.path)
+        else:
+            await run_io(remove_folder, transfer.path)
 
     # ---- the API's reservations and exports: each caller's own ---------------------------
 
@@ -374,19 +438,13 @@ class FanoutRoom:
         return owner.uid if owner is not None and not owner.is_root else None
 
     async def _discard(self, key: str) -> None:
-        delivery = self.deliveries.pop(key)
-        await run_io(remove_folder, delivery.path)
+        await self._remove_delivery(self.deliveries.pop(key))
 
     async def _drop_export(self, key: str) -> TransferPublic:
         transfer = self.exports.pop(key)
         self.plans.pop(key, None)
         await run_io(remove_folder, transfer.path)
         return transfer_public(transfer)
-
-    def _check_adoption(self, steps: list[Any], verify: str) -> int:
-        """Pre-flight of an adoption (blocking)."""
-        roots = self._roots(adopting=True)
-        return self.ops.check(steps, CheckContext(allowed_roots=roots, verify=verify))
 
     def _roots(self, adopting: bool) -> tuple[Path, ...]:
         roots = tuple(self.settings.allowed_roots)
@@ -477,6 +535,23 @@ class FanoutRoom:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+
+
+def check_adoption(
+    settings: Settings, dumped: list[dict[str, Any]], verify: str, roots: tuple[Path, ...]
+) -> int:
+    """Pre-flight of an adoption, run as the user whose delivery it reads."""
+    ops = table.for_settings(settings)
+    steps = ops.validate_steps(dumped)
+    return int(ops.check(steps, CheckContext(allowed_roots=roots, verify=verify)))
+
+
+def source_files(settings: Settings, dumped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's source files that can be broadcast as they are, as JSON (run as
+    the user who asks)."""
+    ops = table.for_settings(settings)
+    steps = ops.validate_steps(dumped)
+    return [f.model_dump() for f in adoption.broadcastable_sources(steps, ops)]
 
 
 def early_public(plan: ExportPlan, transfer: Transfer, **fields: Any) -> ExportPublic:

@@ -2,66 +2,47 @@
 
 The node service runs as root and writes its cache as root, but it must never
 read a source with root's rights: a user may stage only what they could have read
-themselves. stager never asks ``access()`` or compares modes to decide that; it
-opens the source with the user's credentials and lets the open succeed or fail.
+themselves. stager never asks ``access()`` or compares modes to decide that: a
+process that *became* the user (stager.rights) opens the source, and the open
+succeeds or fails.
 
-Linux checks file access against a thread's *filesystem* uid and gid and its
-supplementary groups, and drops the capabilities that bypass those checks
-(``CAP_DAC_OVERRIDE``, ``CAP_DAC_READ_SEARCH``, ``CAP_FOWNER``...) while the
-filesystem uid is not 0. All three are per thread in the kernel. glibc makes
-``setgroups`` apply to every thread of a process (POSIX asks for it), so the
-groups are set here with the raw system call, which changes the calling thread
-alone; ``setfsuid`` and ``setfsgid`` are per thread already. A thread that holds
-a user's credentials therefore reads as that user, while every other thread of
-the daemon goes on as root; and a thread gives them back before it does anything
-else (:func:`reading_as`, a context manager).
+- The daemon's request-time checks (the fingerprint, each step's check, the
+  link's folder) run whole in one of the caller's user processes
+  (stager.rights.pool).
+- A staging process writes the cache as root and reaches sources only through
+  its *access* (:func:`access`): in the node service a gateway process that
+  became the reader and hands back descriptors (stager.rights.gateway); in a
+  per-user daemon, or for root's own requests, this process's own rights.
+  :func:`read_sources_as` chooses it once, at the staging's start; forked workers
+  inherit it and open channels of their own.
 
-Two places read sources:
-
-- the daemon's request-time checks (the fingerprint, the pre-flight check of
-  each step, the link's folder): the whole call runs with the user's
-  credentials on its ``run_io`` thread (:func:`as_user`);
-- the staging process, which writes the cache as root and reads the sources
-  as the user: it records the user once (:func:`read_sources_as`, which also sets
-  the process's groups), and each open of a source, in :mod:`stager.fs.sources`
-  and the copy's workers, takes the user's filesystem uid and gid around itself
-  (:func:`as_reader`). Forked workers inherit both.
+A staging every user shares is read as ``nobody`` (stager.rights.become.nobody),
+and each source it opens must also be readable by everyone (:func:`check_public`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import platform
 import stat
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
 
 from stager.errors import NotPublic
 from stager.identity import Caller
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-# setgroups(2)'s number, which glibc's wrapper would broadcast to every thread.
-_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159, "ppc64le": 81, "s390x": 206}.get(
-    platform.machine()
-)
+from stager.rights.become import Identity, nobody
+from stager.rights.gateway import DIRECT, DirectAccess
+from stager.rights.gateway import start as start_gateway
 
 
 @dataclass(frozen=True)
 class Reader:
-    """The credentials a staging reads its sources with: a user's uid, gid and groups.
+    """Whose rights a staging reads its sources with: a user's uid, gid and groups.
 
     ``public``: the staging is to be shared by every user of the node, so every
-    source it opens must be readable by everyone (:func:`check_public`), unless
-    ``vouched``: it reads a broadcast copy whose every byte another node's service
-    vouches for (stager.vouch), so the copy's files need only be readable by the user
-    whose job delivered them."""
+    source it opens must be readable by everyone (:func:`check_public`), and it is
+    read as ``nobody``; unless ``vouched``: it reads a broadcast copy whose every byte
+    another node's service vouches for (stager.vouch), from the delivering user's own
+    folder, as that user, and the copy's files need only be readable by them."""
 
     uid: int
     gid: int
@@ -69,76 +50,85 @@ class Reader:
     public: bool = False
     vouched: bool = False
 
+    @property
+    def identity(self) -> Identity:
+        """The user who asked, as their process was when it connected."""
+        return Identity(self.uid, self.gid, tuple(self.groups))
 
-def _set_fs_ids(uid: int, gid: int, check: bool = True) -> tuple[int, int]:
-    """Set this thread's filesystem gid and uid; returns the previous ones. ``check``:
-    make sure they took (once per staging process is enough: rights do not change)."""
-    old_gid = _libc.setfsgid(gid)
-    old_uid = _libc.setfsuid(uid)
-    # setfs*id report no error; asking with -1 returns the value in force.
-    if check and (_libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid):
-        _libc.setfsuid(old_uid)
-        _libc.setfsgid(old_gid)
-        raise PermissionError(errno.EPERM, f"cannot take the credentials of uid {uid}")
-    return old_uid, old_gid
-
-
-def _set_thread_groups(groups: tuple[int, ...]) -> None:
-    if _SYS_SETGROUPS is None:
-        raise OSError(errno.ENOSYS, f"per-thread groups are not known on {platform.machine()}")
-    array = (ctypes.c_uint * max(1, len(groups)))(*groups)
-    if _libc.syscall(_SYS_SETGROUPS, len(groups), array) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, os.strerror(number))
-
-
-@contextmanager
-def reading_as(reader: Reader) -> Iterator[None]:
-    """This thread reads as ``reader`` inside the block (groups included)."""
-    saved_groups = tuple(os.getgroups())  # this thread's own: getgroups is per thread
-    _set_thread_groups(reader.groups)
-    try:
-        old = _set_fs_ids(reader.uid, reader.gid)
-    except BaseException:
-        _set_thread_groups(saved_groups)
-        raise
-    try:
-        yield
-    finally:
-        _set_fs_ids(*old)
-        _set_thread_groups(saved_groups)
-
-
-def as_user(reader: Reader | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(*args)`` with ``reader``'s credentials on this thread (None: as the daemon)."""
-    if reader is None:
-        return fn(*args, **kwargs)
-    with reading_as(reader):
-        return fn(*args, **kwargs)
+    def reads_as(self) -> Identity:
+        """Who the staging's gateway becomes."""
+        return nobody() if self.public and not self.vouched else self.identity
 
 
 def reader_of(caller: Caller, public: bool = False) -> Reader:
-    return Reader(caller.uid, caller.gid, caller.groups(), public)
+    return Reader(caller.uid, caller.gid, caller.groups, public)
 
 
 # -- the staging process -----------------------------------------------------------
 
 _sources_reader: Reader | None = None
+_access: DirectAccess = DIRECT
 
 
 def read_sources_as(reader: Reader | None) -> None:
-    """In a staging process: every source open from now on is made as ``reader``.
-    The process's groups become the user's here (files are written with filesystem
-    uid 0, which no group check applies to)."""
-    global _sources_reader
+    """In a staging process: every source access from now on is made as ``reader``
+    (None: with this process's own rights), through a gateway that became them."""
+    global _sources_reader, _access
     _sources_reader = reader
-    if reader is not None:
-        os.setgroups(list(reader.groups))
-        _set_fs_ids(*_set_fs_ids(reader.uid, reader.gid))  # fails here if it cannot
+    if reader is None or reader.reads_as().is_root:
+        _access = DIRECT
+    elif reader.public and not reader.vouched:
+        _access = _Everyone(start_gateway(reader.reads_as()))
+    else:
+        _access = start_gateway(reader.reads_as())
+
+
+class _Everyone(DirectAccess):
+    """A shared staging's access: ``nobody`` refused an open, so not everyone may read
+    that source (NotPublic: each waiting name gets its owner's own staging)."""
+
+    def __init__(self, gateway: DirectAccess) -> None:
+        self._gateway = gateway
+
+    def open(self, path: str, flags: int, dir_fd: int | None = None, mode: int = 0o777) -> int:
+        return self._everyone(self._gateway.open, path, path, flags, dir_fd, mode)
+
+    def reopen(self, path_fd: int, flags: int) -> int:
+        return self._everyone(self._gateway.reopen, "a source", path_fd, flags)
+
+    def open_many(self, dir_fd: int, names: list[str], flags: int) -> list[int]:
+        opened = self._gateway.open_many(dir_fd, names, flags)
+        if -errno.EACCES in opened:
+            for fd in opened:
+                if fd >= 0:
+                    os.close(fd)
+            raise _not_public(names[opened.index(-errno.EACCES)], "nobody may open it")
+        return opened
+
+    def readlink(self, path: str, dir_fd: int | None = None) -> str:
+        return self._everyone(self._gateway.readlink, path, path, dir_fd)
+
+    def realpath(self, path: str) -> str:
+        return self._everyone(self._gateway.realpath, path, path)
+
+    def scandir(self, fd: int):  # type: ignore[no-untyped-def]
+        return self._gateway.scandir(fd)
+
+    @staticmethod
+    def _everyone(call, shown, *args):  # type: ignore[no-untyped-def]
+        try:
+            return call(*args)
+        except PermissionError:
+            raise _not_public(str(shown), "nobody may open it") from None
 
 
 def source_reader() -> Reader | None:
     return _sources_reader
+
+
+def access() -> DirectAccess:
+    """How this process reaches sources (see :func:`read_sources_as`)."""
+    return _access
 
 
 # A file readable by everyone: read for owner, group and others (a member of the
@@ -215,20 +205,11 @@ def check_public(fd: int, shown: str, st: os.stat_result | None = None) -> None:
         return
     why = not_readable_by_everyone(fd, st)
     if why is not None:
-        raise NotPublic(
-            f"source {shown} is not readable by everyone ({why}), so this staging cannot "
-            "be shared by every user; it is staged again for the asking user alone"
-        )
+        raise _not_public(shown, why)
 
 
-def as_reader(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """One source access (an open, a stat, a readlink) with the staging's reader's
-    filesystem ids, if it has one."""
-    reader = _sources_reader
-    if reader is None:
-        return fn(*args, **kwargs)
-    old = _set_fs_ids(reader.uid, reader.gid, check=False)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _set_fs_ids(*old, check=False)
+def _not_public(shown: str, why: str) -> NotPublic:
+    return NotPublic(
+        f"source {shown} is not readable by everyone ({why}), so this staging cannot "
+        "be shared by every user; it is staged again for the asking user alone"
+    )

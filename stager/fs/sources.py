@@ -26,9 +26,10 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stager.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
-from stager.fs.credentials import as_reader, check_public
+from stager.fs.credentials import access, check_public
 
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY
@@ -113,7 +114,7 @@ def open_path(
     """An ``O_PATH`` descriptor of what ``path`` resolves to (every link followed) and its
     stat; refused when it lies outside ``roots``. Opens no file: safe on a FIFO or device.
     ``shown`` names it in the refusal (``path`` is relative to ``dir_fd``)."""
-    fd = as_reader(os.open, path, _PATH_FLAGS, dir_fd=dir_fd)
+    fd = access().open(path, _PATH_FLAGS, dir_fd=dir_fd)
     try:
         roots.check(fd, shown or path)
         return fd, os.fstat(fd)
@@ -125,7 +126,7 @@ def open_path(
 def reopen(path_fd: int, flags: int = READ_FLAGS) -> int:
     """Open for real the very object an ``O_PATH`` descriptor names (no new lookup); the
     kernel checks the right to read it here, as for any open."""
-    return as_reader(os.open, f"/proc/self/fd/{path_fd}", flags)
+    return access().reopen(path_fd, flags)
 
 
 def open_source(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
@@ -155,7 +156,7 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     """An ``O_RDONLY | O_DIRECTORY`` descriptor of the folder ``path`` resolves to,
     confined like :func:`open_source`; NotADirectoryError for anything else."""
     roots = Roots.of(allowed_roots)
-    fd = as_reader(os.open, path, READ_FLAGS | os.O_DIRECTORY)
+    fd = access().open(path, READ_FLAGS | os.O_DIRECTORY)
     try:
         roots.check(fd, path)
         check_public(fd, path)
@@ -210,7 +211,7 @@ def open_child(folder: Folder, name: str) -> Folder:
     if not folder.source:
         fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
         return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd))
-    fd = as_reader(os.open, name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+    fd = access().open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
     child = Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd), source=True)
     try:
         check_public(fd, child.path, child.st)
@@ -232,7 +233,7 @@ class Target:
 def follow(folder: Folder, name: str, roots: Roots) -> Target:
     """Resolve the link ``name`` in ``folder`` through any chain of links; refused
     (UnsafePath) when it leads outside ``roots``, dangling or not."""
-    text = as_reader(os.readlink, name, dir_fd=folder.fd)
+    text = access().readlink(name, dir_fd=folder.fd)
     try:
         fd, st = open_path(name, roots, dir_fd=folder.fd, shown=folder.join(name))
     except OSError as exc:
@@ -240,7 +241,7 @@ def follow(folder: Folder, name: str, roots: Roots) -> Target:
             raise
         # Dangling, or a loop of links: nothing to open, but where the text would
         # lead must stay inside all the same.
-        real = as_reader(os.path.realpath, folder.join(name))
+        real = access().realpath(folder.join(name))
         if roots and not roots.contains(real):
             raise roots.refusal(folder.join(name), real) from None
         return Target(text, None, None)
@@ -262,7 +263,7 @@ def leads_to_special(target: Target, shown: str, policy: str) -> bool:
 def open_followed(target: Target, shown: str) -> Folder:
     """A folder reached through a link, by its real path; refused if it changed since."""
     assert target.real is not None and target.st is not None
-    fd = as_reader(os.open, target.real, DIR_FLAGS | os.O_NOFOLLOW)
+    fd = access().open(target.real, DIR_FLAGS | os.O_NOFOLLOW)
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino) != (target.st.st_dev, target.st.st_ino):
         os.close(fd)
@@ -306,6 +307,13 @@ class Visitor:
         pass
 
 
+def listing(folder: Folder) -> Any:
+    """The entries of ``folder``, as ``os.scandir`` gives them: a source folder's listed
+    (and each entry's lstat taken) by whoever reads sources here, a tree stager owns
+    by this process."""
+    return access().scandir(folder.fd) if folder.source else os.scandir(folder.fd)
+
+
 def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object = None) -> None:
     """Depth-first over ``top``, streaming: one open listing per level of depth, never a
     list of the tree's files, whatever their number. Each folder is opened relative to
@@ -313,7 +321,7 @@ def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object =
     sentence names the path) or passed to ``visitor.special`` (``"skip"``); they are
     never opened. ``check``, if given, is called once per folder (cancel).
     """
-    stack = [(top, os.scandir(top.fd))]
+    stack = [(top, listing(top))]
     try:
         while stack:
             folder, entries = stack[-1]
@@ -335,7 +343,7 @@ def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object =
                 if child is not None:
                     if check is not None:
                         check()  # type: ignore[operator]
-                    stack.append((child, os.scandir(child.fd)))
+                    stack.append((child, listing(child)))
                     break
             if child is None:
                 entries.close()

@@ -32,6 +32,7 @@ from stager import manifest_format, vouch
 from stager.archive import ranges, tar_members
 from stager.errors import VerifyFailed
 from stager.fs import manifest as manifests
+from stager.fs.credentials import access
 from stager.fs.sources import open_source
 from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
@@ -135,7 +136,7 @@ def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str
     deadline = time.monotonic() + PART_WAIT_S
     while True:
         ctx.check_cancelled()
-        if os.path.lexists(ready):  # a marker: there or not, never followed
+        if _there(ready):  # a marker: there or not, never followed
             return None
         end = _end(folder, ctx)
         if end is not None:
@@ -146,7 +147,7 @@ def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str
                 )
             if index >= int(end["parts"]):
                 return end
-        elif not folder.is_dir():
+        elif not _there(folder, os.O_DIRECTORY):
             raise VerifyFailed(
                 f"delivery folder {folder} went away (released or expired) before part "
                 f"{index} came; this node stages from the source"
@@ -157,6 +158,15 @@ def _next(step: AdoptStep, folder: Path, index: int, ctx: OpContext) -> dict[str
                 f"within {PART_WAIT_S:.0f} s; this node stages from the source"
             )
         time.sleep(POLL_S)
+
+
+def _there(path: Path, flags: int = os.O_NOFOLLOW) -> bool:
+    """Whether the delivery holds ``path``, looked up as the user it belongs to."""
+    try:
+        os.close(access().open(str(path), os.O_PATH | os.O_CLOEXEC | flags))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def _read(path: Path, ctx: OpContext) -> bytes:

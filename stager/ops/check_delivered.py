@@ -14,7 +14,7 @@ import os
 from pydantic import Field
 
 from stager.errors import VerifyFailed
-from stager.fs.sources import require_source
+from stager.fs.sources import open_source, require_source
 from stager.manifest_format import file_digest
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.schemas import ByteCount
@@ -38,7 +38,9 @@ def run(step: CheckDeliveredStep, ctx: OpContext) -> None:
     ctx.progress.add_total(total, len(step.files))
     for path, (size, sha256) in sorted(step.files.items()):
         ctx.check_cancelled()
-        have_size, have_sha = file_digest(path)
+        # Opened as the user whose job delivered it, never by root's rights: a link
+        # planted in the delivery reads only what that user could.
+        have_size, have_sha = file_digest(open_source(path, ctx.allowed_roots))
         if (have_size, have_sha) != (size, sha256):
             what = f"{have_size} bytes, not {size}" if have_size != size else "different content"
             raise VerifyFailed(

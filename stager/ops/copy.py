@@ -43,7 +43,7 @@ from stager.errors import (
     from_os_error,
 )
 from stager.fs import forked, mounts
-from stager.fs.credentials import as_reader
+from stager.fs.credentials import access
 from stager.fs.file_copy import FileCopier, Stopped, copy_file, remove
 from stager.fs.sizes import copy_estimate
 from stager.fs.sources import (
@@ -219,7 +219,7 @@ def _copy_files(groups: list[Group], verify: str) -> None:
             return
         sfd = None
         if src_dir is not None:
-            sfd = as_reader(os.open, src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            sfd = access().open(src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             if sfd is not None:
                 st = os.fstat(sfd)

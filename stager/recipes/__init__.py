@@ -88,20 +88,15 @@ def describe(path: Path, recipe: RecipeFile) -> dict[str, Any]:
     }
 
 
-def expand(request: DatasetCreate, settings: Settings) -> Expansion:
-    """Validate params and sources, then render the chosen splits' steps and usage."""
-    recipes = recipe_files(settings)
-    if request.recipe not in recipes:
-        names = ", ".join(sorted(recipes)) or "none installed"
-        raise UnknownRecipe(
-            f"recipe {request.recipe!r} is not known (available: {names}); "
-            "GET /v1/recipes lists them, or pass raw steps instead"
-        )
-    _, recipe = recipes[request.recipe]
-    values = _params(recipe, request.params)
-    source = _source(recipe, request.source)
-    chosen = [(name, recipe.splits[name]) for name in recipe.splits if name in values["splits"]]
-    _check_files(recipe, source, chosen)
+def expand(request: DatasetCreate, settings: Settings, check_files: bool = True) -> Expansion:
+    """Validate params and sources, then render the chosen splits' steps and usage.
+    ``check_files``: look for the release files here; the node service leaves that to
+    the caller's own process (:func:`check_sources`), never to root."""
+    recipe, values, source, chosen = _choose(
+        request.recipe or "", request.params, request.source, settings
+    )
+    if check_files:
+        _check_files(recipe, source, chosen)
 
     steps: list[Any] = []
     usage: list[dict[str, Any]] = []
@@ -120,6 +115,32 @@ def expand(request: DatasetCreate, settings: Settings) -> Expansion:
             f"(steps.{where}: {first['msg']}); check the params' values"
         ) from exc
     return Expansion(steps=validated, usage=usage)
+
+
+def check_sources(
+    name: str, params: dict[str, Any], source: str | None, settings: Settings
+) -> None:
+    """Fail when a release file the chosen splits of recipe ``name`` need is missing."""
+    recipe, _values, folder, chosen = _choose(name, params, source, settings)
+    _check_files(recipe, folder, chosen)
+
+
+def _choose(
+    name: str, params: dict[str, Any], given_source: str | None, settings: Settings
+) -> tuple[RecipeFile, dict[str, Any], str, list[tuple[str, Section]]]:
+    """The recipe, its params' values, its source and its chosen splits."""
+    recipes = recipe_files(settings)
+    if name not in recipes:
+        names = ", ".join(sorted(recipes)) or "none installed"
+        raise UnknownRecipe(
+            f"recipe {name!r} is not known (available: {names}); "
+            "GET /v1/recipes lists them, or pass raw steps instead"
+        )
+    _, recipe = recipes[name]
+    values = _params(recipe, params)
+    source = _source(recipe, given_source)
+    chosen = [(name, recipe.splits[name]) for name in recipe.splits if name in values["splits"]]
+    return recipe, values, source, chosen
 
 
 def _params(recipe: RecipeFile, given: dict[str, Any]) -> dict[str, Any]:

@@ -201,7 +201,7 @@ def test_bobs_links_into_alices_data_give_him_nothing(
         if status["state"] == "ready":
             assert not holds_secret(Path(status["path"]))
     else:
-        assert code == 403, answer
+        assert code == 403, (answer, service.log())
     assert not cache_holds_secret(service)
     healthy(service, alice)
 

@@ -1,5 +1,5 @@
 """A staging process starts in about the time of a fork: its fork server (set up by
-stager.worker) has imported what a staging needs before its first step, down to what
+stager.processes, with stager.preload) has imported what a staging needs before its first step, down to what
 multiprocessing needs to unpickle the staging's arguments."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from tests.imports import REPO
 
 # A process started as blocking.run_staging starts one (the fork server exits with it).
 PROBE = """
-from stager import worker
+from stager.processes import Processes
 from stager.progress import SharedCounters
 from tests import fork_probe
 
-worker.CONTEXT.set_forkserver_preload(["stager.worker", "tests.fork_probe"])
-receiver, sender = worker.CONTEXT.Pipe(duplex=False)
-args = (SharedCounters(worker.CONTEXT), worker.CONTEXT.Event(), sender)
-process = worker.CONTEXT.Process(target=fork_probe.imported_since_preload, args=args)
+context = Processes(separate_users=False).context
+context.set_forkserver_preload(["stager.preload", "tests.fork_probe"])
+receiver, sender = context.Pipe(duplex=False)
+args = (SharedCounters(context), context.Event(), sender)
+process = context.Process(target=fork_probe.imported_since_preload, args=args)
 process.start()
 sender.close()
 print(receiver.recv())

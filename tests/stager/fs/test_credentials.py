@@ -1,13 +1,15 @@
-"""Reading sources with the asking user's rights (stager.fs.credentials): the kernel
-refuses what that user may not read, whatever path leads there, while the process
-keeps writing as root; and a staging to be shared refuses any source that not
-everyone may read, an ACL included. Needs root (it takes other users' rights)."""
+"""Reading sources with the asking user's rights (stager.fs.credentials): a staging
+process reaches sources only through a gateway process that became the reader
+(stager.rights), so the kernel refuses what that user may not read, whatever path
+leads there (another process's ``/proc/<pid>/cwd`` included), while the staging
+process keeps writing as root; and a staging to be shared refuses any source that
+not everyone may read, an ACL included. Needs root (it takes other users' rights)."""
 
 from __future__ import annotations
 
 import os
 import struct
-import threading
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,26 +17,34 @@ import pytest
 
 from stager.errors import NotPublic, SourceUnreadable
 from stager.fs import credentials
-from stager.fs.credentials import Reader, reading_as
+from stager.fs.credentials import Reader
 from stager.fs.sources import Folder, Roots, Visitor, open_source, open_top, require_source, walk
+from stager.rights.become import effective_capabilities
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="taking another user's rights needs root")
 
 NOBODY = 65534
-OTHER_GROUP = 65533  # a group the reader is not in
+OTHER = 65533  # another user, and a group the reader is not in
 
 
 @pytest.fixture
 def reader() -> Iterator[Reader]:
     """This process reads sources as uid 65534 (``nobody``), as a staging process would."""
     reader = Reader(NOBODY, NOBODY, (NOBODY,))
-    saved = os.getgroups()
     credentials.read_sources_as(reader)
     try:
         yield reader
     finally:
-        credentials.read_sources_as(None)
-        os.setgroups(saved)
+        _stop_reading()
+
+
+def _stop_reading() -> None:
+    gateway = credentials.access()
+    credentials.read_sources_as(None)
+    close = getattr(gateway, "close", None)
+    if close is not None:
+        close()
+        os.waitpid(gateway.pid, 0)
 
 
 def tree(root: Path) -> Path:
@@ -51,47 +61,62 @@ def tree(root: Path) -> Path:
     return root
 
 
-def test_a_thread_reads_as_the_user_and_gives_the_rights_back(shared_tmp: Path) -> None:
-    src = tree(shared_tmp / "src")
-    with reading_as(Reader(NOBODY, NOBODY, (NOBODY,))):
-        assert (src / "public.txt").read_text() == "everyone"
-        with pytest.raises(PermissionError):
-            (src / "secret.txt").read_text()
-        with pytest.raises(PermissionError):
-            (src / "locked" / "inner.txt").read_text()
-    assert (src / "secret.txt").read_text() == "owner only"  # root again
-
-
-def test_other_threads_keep_the_daemons_rights_meanwhile(shared_tmp: Path) -> None:
-    src = tree(shared_tmp / "src")
-    holding, done = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with reading_as(Reader(NOBODY, NOBODY, (NOBODY,))):
-            holding.set()
-            done.wait(10)
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    try:
-        assert holding.wait(10)
-        assert (src / "secret.txt").read_text() == "owner only"
-        assert os.getgroups() != [NOBODY]
-    finally:
-        done.set()
-        thread.join()
+def test_the_gateway_became_the_reader_entirely(shared_tmp: Path, reader: Reader) -> None:
+    os.close(open_source(str(tree(shared_tmp / "src") / "public.txt")))
+    gateway = credentials.access()
+    status = Path(f"/proc/{gateway.pid}/status").read_text()
+    assert effective_capabilities(gateway.pid) == 0
+    assert f"Uid:\t{NOBODY}\t{NOBODY}\t{NOBODY}\t{NOBODY}" in status
+    assert f"Groups:\t{NOBODY} " in status
+    assert "NoNewPrivs:\t1" in status
+    # Nothing of root's is open in it: only its channel (a socket) and /dev/null.
+    held = [
+        os.readlink(f"/proc/{gateway.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{gateway.pid}/fd")
+    ]
+    assert all(t.startswith("socket:") or t == "/dev/null" for t in held), held
 
 
 def test_group_rights_follow_the_readers_groups(shared_tmp: Path) -> None:
     shared = shared_tmp / "group.txt"
     shared.write_text("members")
-    os.chown(shared, 0, OTHER_GROUP)
+    os.chown(shared, 0, OTHER)
     os.chmod(shared, 0o640)
     os.chmod(shared_tmp, 0o755)
-    with reading_as(Reader(NOBODY, NOBODY, (NOBODY, OTHER_GROUP))):
-        assert shared.read_text() == "members"
-    with reading_as(Reader(NOBODY, NOBODY, (NOBODY,))), pytest.raises(PermissionError):
-        shared.read_text()
+    try:
+        credentials.read_sources_as(Reader(NOBODY, NOBODY, (NOBODY, OTHER)))
+        os.close(open_source(str(shared)))
+    finally:
+        _stop_reading()
+    try:
+        credentials.read_sources_as(Reader(NOBODY, NOBODY, (NOBODY,)))
+        with pytest.raises(PermissionError):
+            open_source(str(shared))
+    finally:
+        _stop_reading()
+
+
+def test_another_users_cwd_is_refused(shared_tmp: Path, reader: Reader) -> None:
+    """Through ``/proc/<pid>/cwd`` a root thread with a switched fsuid reads past the
+    folders above a process's working folder; a process that became the reader does not."""
+    home = shared_tmp / "other-home"
+    (home / "work").mkdir(parents=True)
+    (home / "work" / "notes.txt").write_text("private notes")
+    os.chmod(shared_tmp, 0o755)
+    for path in (home, home / "work", home / "work" / "notes.txt"):
+        os.chown(path, OTHER, OTHER)
+    os.chmod(home, 0o700)
+    sitting = subprocess.Popen(
+        ["setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", "sleep", "30"],
+        cwd=home / "work",
+    )
+    try:
+        path = f"/proc/{sitting.pid}/cwd/notes.txt"
+        assert Path(path).read_text() == "private notes"  # root may
+        with pytest.raises(PermissionError):
+            open_source(path)
+    finally:
+        sitting.kill()
+        sitting.wait()
 
 
 def test_every_way_to_a_private_file_is_refused_by_the_kernel(
@@ -160,7 +185,6 @@ def test_a_shared_staging_refuses_any_source_not_everyone_may_read(
         "unsearchable folder": src / "a" / "b",
         "acl": src / "x.txt",
     }[narrowing]
-    saved = os.getgroups()
     credentials.read_sources_as(Reader(NOBODY, NOBODY, (NOBODY,), public=True))
     try:
         top = open_top(str(src), Roots())
@@ -178,5 +202,4 @@ def test_a_shared_staging_refuses_any_source_not_everyone_may_read(
             walk(top, _Opener())
         os.close(top.fd)
     finally:
-        credentials.read_sources_as(None)
-        os.setgroups(saved)
+        _stop_reading()

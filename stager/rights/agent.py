@@ -1,0 +1,234 @@
+"""The user's side: a process that became a user and does, for root, what only that
+user may do.
+
+It serves one channel (:mod:`stager.rights.channel`), one request at a time, and
+answers in JSON and descriptors. Two kinds of work come to it:
+
+- **calls** (``("call", fn, args, kwargs)``): a whole function run as the user,
+  its result JSON: the daemon's request-time checks (a request's fingerprint, each
+  step's check, its link's folder), making or removing a user's link, deleting a
+  tree the user may write (a delivery). The function opens what it opens with the
+  user's rights and nothing else.
+- **opens** for a staging process, which writes the cache as root and reads a
+  user's sources only through here: ``open``, ``reopen`` (an ``O_PATH`` descriptor
+  opened for real), ``open_many`` (a folder's files at once), ``readlink``,
+  ``realpath``, ``scan`` (a folder's entries with their ``lstat``, in pieces).
+  Descriptors root sends with a request are ones this process opened for it
+  before (a source folder to open relative to).
+
+``connect`` hands it a new channel, served on a thread of its own: each forked
+worker of a staging process asks for its own, so that no two processes share one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from stager.rights import channel
+
+# Entries of a folder sent per answer: a folder of a million files is sent in pieces,
+# never held whole.
+SCAN_CHUNK = 2000
+_SCAN_IDS = itertools.count(1)
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer requests on ``sock`` until root closes it."""
+    scans: dict[int, Iterator[os.DirEntry[str]]] = {}
+    try:
+        while True:
+            try:
+                request, fds = channel.recv_request(sock)
+            except (channel.Closed, ConnectionError):
+                return
+            try:
+                _answer(sock, request, fds, scans)
+            finally:
+                for fd in fds:
+                    _close(fd)
+    finally:
+        for scan in scans.values():
+            scan.close()  # type: ignore[attr-defined]
+
+
+def _answer(
+    sock: socket.socket,
+    request: tuple[Any, ...],
+    fds: list[int],
+    scans: dict[int, Iterator[os.DirEntry[str]]],
+) -> None:
+    kind = request[0]
+    if kind == "connect":
+        theirs = socket.socket(fileno=os.dup(fds[0]))
+        threading.Thread(target=_serve_and_close, args=(theirs,), daemon=True).start()
+        return
+    try:
+        if kind in ("scan", "scan_next", "scan_close"):
+            channel.send_answer(sock, channel.ok(_scan(request, fds, scans)))
+            return
+        if kind == "call":
+            _fn, args, kwargs = request[1], request[2], request[3]
+            fn: Callable[..., Any] = _fn
+            channel.send_answer(sock, channel.ok(fn(*args, **kwargs)))
+            return
+        opened = _OPENS[kind](request, fds)
+    except Exception as exc:  # noqa: BLE001 - every failure is an answer, never a crash
+        channel.send_answer(sock, channel.failure(exc))
+        return
+    result, new_fds = opened
+    try:
+        channel.send_answer(sock, channel.ok(result), new_fds)
+    finally:
+        for fd in new_fds:
+            _close(fd)
+
+
+def _serve_and_close(sock: socket.socket) -> None:
+    with sock:
+        serve(sock)
+
+
+def _open(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    _, path, flags, mode = request
+    return None, [os.open(path, flags, mode, dir_fd=fds[0] if fds else None)]
+
+
+def _reopen(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    # The very object root holds an O_PATH descriptor of, opened for real here: the
+    # kernel checks this process's right to open it now.
+    return None, [os.open(f"/proc/self/fd/{fds[0]}", request[1])]
+
+
+def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    """Each name in the folder ``fds[0]``: 0 and its descriptor, or its errno."""
+    _, names, flags = request
+    numbers: list[int] = []
+    opened: list[int] = []
+    try:
+        for name in names:
+            try:
+                opened.append(os.open(name, flags, dir_fd=fds[0]))
+                numbers.append(0)
+            except OSError as exc:
+                numbers.append(exc.errno or 1)
+    except BaseException:
+        for fd in opened:
+            _close(fd)
+        raise
+    return numbers, opened
+
+
+def _readlink(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    return os.readlink(request[1], dir_fd=fds[0] if fds else None), []
+
+
+def _realpath(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    return os.path.realpath(request[1]), []
+
+
+_OPENS: dict[str, Callable[[tuple[Any, ...], list[int]], tuple[Any, list[int]]]] = {
+    "open": _open,
+    "reopen": _reopen,
+    "open_many": _open_many,
+    "readlink": _readlink,
+    "realpath": _realpath,
+}
+
+
+def _scan(
+    request: tuple[Any, ...], fds: list[int], scans: dict[int, Iterator[os.DirEntry[str]]]
+) -> Any:
+    """A folder's entries with their lstat, a piece at a time, so that a folder of a
+    million files is never held whole and a walk may keep several folders open.
+    ``("scan",)`` with the folder: [scan id, entries, done]; ``("scan_next", id)``:
+    [entries, done]; ``("scan_close", id)`` drops one left unfinished. An entry gone
+    between the listing and its lstat is left out, as if removed a moment earlier."""
+    kind = request[0]
+    if kind == "scan":
+        scan_id = next(_SCAN_IDS)
+        folder = os.dup(fds[0])  # the scan keeps it; root's copy goes with the request
+        scans[scan_id] = _entries(folder)
+        piece, done = _piece(scans, scan_id)
+        return [scan_id, piece, done]
+    scan_id = request[1]
+    if kind == "scan_close":
+        scan = scans.pop(scan_id, None)
+        if scan is not None:
+            scan.close()  # type: ignore[attr-defined]
+        return None
+    return list(_piece(scans, scan_id))
+
+
+def _entries(folder: int) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(folder) as entries:
+            yield from entries
+    finally:
+        os.close(folder)
+
+
+def _piece(
+    scans: dict[int, Iterator[os.DirEntry[str]]], scan_id: int
+) -> tuple[list[list[Any]], bool]:
+    scan = scans[scan_id]
+    piece: list[list[Any]] = []
+    for entry in scan:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        piece.append([entry.name, *stat_fields(st)])
+        if len(piece) >= SCAN_CHUNK:
+            return piece, False
+    scans.pop(scan_id)
+    return piece, True
+
+
+def stat_fields(st: os.stat_result) -> list[int]:
+    return [
+        st.st_mode,
+        st.st_ino,
+        st.st_dev,
+        st.st_nlink,
+        st.st_uid,
+        st.st_gid,
+        st.st_size,
+        st.st_atime_ns,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        st.st_blocks,
+        st.st_blksize,
+        st.st_rdev,
+    ]
+
+
+def stat_result(fields: list[int]) -> os.stat_result:
+    """An ``os.stat_result`` from :func:`stat_fields`, for code that reads one."""
+    mode, ino, dev, nlink, uid, gid, size, atime, mtime, ctime, blocks, blksize, rdev = fields
+    seconds = (atime // 1_000_000_000, mtime // 1_000_000_000, ctime // 1_000_000_000)
+    return os.stat_result(
+        (mode, ino, dev, nlink, uid, gid, size, *seconds),
+        {
+            "st_atime": atime / 1e9,
+            "st_mtime": mtime / 1e9,
+            "st_ctime": ctime / 1e9,
+            "st_atime_ns": atime,
+            "st_mtime_ns": mtime,
+            "st_ctime_ns": ctime,
+            "st_blocks": blocks,
+            "st_blksize": blksize,
+            "st_rdev": rdev,
+        },
+    )
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,219 @@
+"""The daemon's user processes: a request's work that touches a user's paths, done by
+a process that became that user.
+
+``await pool.call(identity, fn, *args)`` runs ``fn(*args)`` in a process of
+``identity``'s (forked by the fork server, which has every module loaded, so a new
+one is ready in milliseconds) and returns its JSON result. A user's processes are
+theirs alone and kept a while for their next request; each user may have
+``per_user`` at once, so one user's slow checks (a deep fingerprint of a huge
+tree, a hung filesystem) queue behind each other and never take another user's.
+
+A call that takes longer than ``timeout_s`` ends its process and fails with a
+sentence: nothing the daemon awaits from a user's process can hold it forever.
+Nothing is awaited from one while the daemon holds a lock others wait on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.to_thread
+
+from stager.errors import StagerError
+from stager.rights import agent, channel
+from stager.rights.become import Identity, become, close_fds_except
+
+log = logging.getLogger("stager.rights")
+
+# The modules whose functions the daemon runs as a user. The fork server imports them
+# (stager.preload): a process that became a user must not import anything, since the
+# interpreter's own files may be unreadable to that user (a Python under root's home).
+USER_SIDE_MODULES = (
+    "stager.preflight",
+    "stager.publish",
+    "stager.fanout.packing",
+    "stager.fanout.room",
+)
+
+
+class UserProcessTimeout(StagerError):
+    type = "timeout"
+    status = 504
+
+
+@dataclass
+class _Agent:
+    identity: Identity
+    process: Any
+    sock: socket.socket
+    idle_since: float = 0.0
+    expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+def _agent_main(identity: Identity, sock: socket.socket) -> None:
+    """A user process's life, in the process the fork server forked: drop everything of
+    root's, become the user, serve until the daemon closes the channel."""
+    code = 1
+    try:
+        close_fds_except({sock.fileno()})
+        become(identity)
+        agent.serve(sock)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+class UserProcesses:
+    def __init__(
+        self, context: Any, per_user: int = 2, idle_s: float = 30.0, timeout_s: float = 60.0
+    ) -> None:
+        self._context = context
+        self.per_user = per_user
+        self.idle_s = idle_s
+        self.timeout_s = timeout_s
+        self._idle: dict[Identity, list[_Agent]] = {}
+        self._busy: dict[Identity, int] = {}
+        self._freed = asyncio.Condition()
+        self._closed = False
+
+    async def call(
+        self, identity: Identity, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``fn(*args, **kwargs)`` as ``identity``; its JSON result, or its error raised."""
+        if fn.__module__ not in USER_SIDE_MODULES:
+            raise ValueError(f"{fn.__module__}.{fn.__qualname__} is not in USER_SIDE_MODULES")
+        worker = await self._take(identity)
+        healthy = False
+        try:
+            payload = await asyncio.wait_for(
+                self._exchange(worker, ("call", fn, args, kwargs)), self.timeout_s
+            )
+            healthy = True
+        except TimeoutError:
+            raise UserProcessTimeout(
+                f"checking this request as uid {identity.uid} took longer than "
+                f"{self.timeout_s:g} s (a source on a hung filesystem?); check the source "
+                "and ask again"
+            ) from None
+        finally:
+            await self._give_back(worker, healthy)
+        return channel.result(channel.decode_answer(payload))
+
+    async def _exchange(self, worker: _Agent, request: tuple[Any, ...]) -> bytes:
+        channel.send_request(worker.sock, request)
+        loop = asyncio.get_running_loop()
+        parts: list[bytes] = []
+        while True:
+            ready = loop.create_future()
+            loop.add_reader(worker.sock.fileno(), ready.set_result, None)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(worker.sock.fileno())
+            data, fds, last = channel.recv_packet(worker.sock)
+            for fd in fds:  # calls answer with data only
+                os.close(fd)
+            parts.append(data)
+            if last:
+                return b"".join(parts)
+
+    async def _take(self, identity: Identity) -> _Agent:
+        async with self._freed:
+            while True:
+                if self._closed:
+                    raise StagerError("the daemon is stopping")
+                idle = self._idle.get(identity)
+                if idle:
+                    worker = idle.pop()
+                    if worker.expiry is not None:
+                        worker.expiry.cancel()
+                    self._busy[identity] = self._busy.get(identity, 0) + 1
+                    if worker.process.is_alive():
+                        return worker
+                    self._busy[identity] -= 1
+                    self._discard(worker)
+                    continue
+                if self._busy.get(identity, 0) < self.per_user:
+                    self._busy[identity] = self._busy.get(identity, 0) + 1
+                    break
+                await self._freed.wait()
+        try:
+            return await anyio.to_thread.run_sync(self._start, identity)
+        except BaseException:
+            async with self._freed:
+                self._busy[identity] -= 1
+                self._freed.notify_all()
+            raise
+
+    def _start(self, identity: Identity) -> _Agent:
+        mine, theirs = channel.pair()
+        process = self._context.Process(
+            target=_agent_main, args=(identity, theirs), name=f"stager-user-{identity.uid}"
+        )
+        try:
+            process.start()
+        finally:
+            theirs.close()
+        mine.setblocking(True)
+        return _Agent(identity, process, mine)
+
+    async def _give_back(self, worker: _Agent, healthy: bool) -> None:
+        async with self._freed:
+            self._busy[worker.identity] -= 1
+            if healthy and not self._closed:
+                loop = asyncio.get_running_loop()
+                worker.idle_since = loop.time()
+                worker.expiry = loop.call_later(self.idle_s, self._expire, worker)
+                self._idle.setdefault(worker.identity, []).append(worker)
+            else:
+                self._discard(worker)
+            self._freed.notify_all()
+
+    def _expire(self, worker: _Agent) -> None:
+        idle = self._idle.get(worker.identity, [])
+        if worker in idle:
+            idle.remove(worker)
+            if not idle:
+                self._idle.pop(worker.identity, None)
+            self._discard(worker)
+
+    def _discard(self, worker: _Agent) -> None:
+        """Close the channel (the process exits at its next read) and end the process:
+        one that timed out may be stuck; it is killed, reaped off the loop."""
+        with contextlib.suppress(OSError):
+            worker.sock.close()
+        with contextlib.suppress(OSError):
+            worker.process.kill()
+        asyncio.get_running_loop().run_in_executor(None, worker.process.join, 5.0)
+
+    def pids(self) -> list[int]:
+        """The user processes alive now (for tests and ps)."""
+        return [w.process.pid for idle in self._idle.values() for w in idle]
+
+    async def close(self) -> None:
+        async with self._freed:
+            self._closed = True
+            workers = [w for idle in self._idle.values() for w in idle]
+            self._idle.clear()
+            self._freed.notify_all()
+        for worker in workers:
+            if worker.expiry is not None:
+                worker.expiry.cancel()
+            with contextlib.suppress(OSError):
+                worker.sock.close()
+        for worker in workers:
+            await anyio.to_thread.run_sync(_end, worker.process)
+
+
+def _end(process: Any) -> None:
+    process.join(2.0)
+    if process.is_alive():
+        process.kill()
+        process.join()
