@@ -1,6 +1,6 @@
 """A staging process starts in about the time of a fork: its fork server (set up by
-stager.processes, with stager.preload) has imported what a staging needs before its first step, down to what
-multiprocessing needs to unpickle the staging's arguments."""
+stager.processes, with stager.preload) has imported what a staging needs before its
+first step, down to what multiprocessing needs to unpickle the staging's arguments."""
 
 from __future__ import annotations
 
