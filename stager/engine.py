@@ -545,6 +545,7 @@ class Engine:
                 await reg.evict(entry)
         if dropped is not None:
             await self._drop_claimed(dropped)  # its owner deletes it: outside the lock
+        await reg.links_removed(entry)
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
             grace = self.settings.cancel_grace_s + 2.0
             await self.wait(name, max(grace, self.settings.shutdown_timeout_s), caller, owner)

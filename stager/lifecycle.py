@@ -49,8 +49,8 @@ from stager.publish import (
     discard,
     make_link,
     publish,
+    remove_delivery,
     remove_link,
-    remove_own_tree,
 )
 from stager.schemas import ErrorInfo, LeaseCreate, State
 from stager.settings import Settings
@@ -91,10 +91,6 @@ class Trash:
             self.delete_later(moved, nbytes)
         return moved is not None
 
-    def spawn(self, coro: Any, name: str) -> None:
-        """Background work of the registry's (kept by the engine until it ends)."""
-        self._spawn(coro, name)
-
     def delete_later(self, path: Path, nbytes: int = 0) -> None:
         self.freeing_bytes += nbytes
         self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
@@ -132,6 +128,7 @@ class Registry:
         self.leases: dict[str, Lease] = {}
         self.changed = asyncio.Condition()
         self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
+        self._unlinking: dict[str, list[asyncio.Future[None]]] = {}  # links of evicted keys
 
     # ---- paths ---------------------------------------------------------------
 
@@ -355,7 +352,7 @@ class Registry:
         by its owner's process (the folder is theirs to write: root never walks it).
         After a crash before this, the restart removes it with the rest of
         ``incoming/``."""
-        await self._as_user(owner, remove_own_tree, folder)
+        await remove_delivery(self._as_user, owner, folder)
         self._crash.reached(Durable.DELIVERY_REMOVED)
 
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
@@ -412,10 +409,13 @@ class Registry:
         entry.move(State.EVICTED)
         await self._save(entry, Durable.EVICTED)
         final = self.final(entry)
-        for handle in self._handles_of(entry):
-            # In the background, as the link's owner: eviction runs under the admission
-            # lock, which no user's process may hold up.
-            self.trash.spawn(self._unlink(handle, final), f"unlink-{handle.name}")
+        # In the background, as each link's owner: eviction runs under the admission
+        # lock, which no user's process may hold up (DELETE then waits for them).
+        unlinks = [asyncio.ensure_future(self._unlink(h, final)) for h in self._handles_of(entry)]
+        if unlinks:
+            self._unlinking[entry.key] = unlinks
+            for task in unlinks:
+                task.add_done_callback(lambda _t, key=entry.key: self._unlinked(key))
         self._crash.reached(Durable.UNLINKED)
         if await self.trash.discard(final, entry.size_bytes):
             self._crash.reached(Durable.DATA_DISCARDED)
@@ -423,6 +423,17 @@ class Registry:
         self.metrics.evicted_bytes.inc(entry.size_bytes)
 
     # ---- links -------------------------------------------------------------------------
+
+    def _unlinked(self, key: str) -> None:
+        tasks = self._unlinking.get(key, [])
+        if all(t.done() for t in tasks):
+            self._unlinking.pop(key, None)
+
+    async def links_removed(self, entry: Entry) -> None:
+        """Wait (outside the lock) for the links of an evicted entry to be removed."""
+        tasks = self._unlinking.get(entry.key)
+        if tasks:
+            await asyncio.wait(tasks, timeout=LINK_TIMEOUT_S)
 
     def _handles_of(self, entry: Entry) -> list[Handle]:
         return [h for h in self.handles.values() if h.key == entry.key and h.link]

@@ -19,6 +19,7 @@ from stager import recipes
 from stager.errors import BadRequest, UnsafePath
 from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import path_readable_by_everyone
+from stager.fs.seal import check_acls
 from stager.fs.sources import Roots
 from stager.ops import table
 from stager.ops.base import CheckContext
@@ -156,3 +157,4 @@ def ensure_dirs(settings: Settings) -> None:
     for passage in (settings.incoming_dir, settings.outgoing_dir):
         os.chmod(passage, 0o711)  # searchable, not listable: nobody sees others' labels
     os.chmod(settings.partial_dir, 0o700)
+    check_acls(settings.partial_dir)  # private copies' tops need them (stager.fs.seal)

@@ -15,6 +15,9 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.fs.deletion import delete_tree as delete_tree
@@ -107,11 +110,12 @@ def make_link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-def remove_own_tree(path: Path) -> None:
-    """Delete a tree the calling user may write (a delivery), run in that user's own
-    process: whatever they make of it meanwhile (a folder swapped for a link, a FIFO),
-    the worst it can do is delete their own files. Folders they made read-only are
-    opened up first (they own them)."""
+def empty_own_folder(path: Path) -> None:
+    """Delete what a folder the calling user may write holds (a delivery), run in that
+    user's own process: whatever they make of it meanwhile (a folder swapped for a link,
+    a FIFO), the worst it can do is delete their own files. Folders they made
+    read-only are opened up first (they own them). The folder itself stays: it sits in
+    the service's passage, where only the service removes it (:func:`remove_emptied`)."""
 
     def open_up(function: object, failed: str, excinfo: object) -> None:
         parent = os.path.dirname(failed)
@@ -124,12 +128,41 @@ def remove_own_tree(path: Path) -> None:
             pass
         raise excinfo[1]  # type: ignore[index]
 
-    if not os.path.lexists(path):
+    try:
+        entries = os.listdir(path)
+    except FileNotFoundError:
         return
-    if os.path.islink(path) or not os.path.isdir(path):
-        os.unlink(path)
-        return
-    shutil.rmtree(path, onerror=open_up)
+    for name in entries:
+        inner = os.path.join(path, name)
+        if os.path.isdir(inner) and not os.path.islink(inner):
+            shutil.rmtree(inner, onerror=open_up)
+        else:
+            os.unlink(inner)
+
+
+def remove_emptied(path: Path) -> bool:
+    """Remove a folder its user has emptied (:func:`empty_own_folder`), as the service:
+    ``rmdir`` follows no link and removes nothing but an empty folder. False if the user
+    put something in it meanwhile."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    return True
+
+
+async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None:
+    """A delivery's folder, gone: emptied by its owner's process, then removed by the
+    service (the passage it sits in is the service's). Tried twice, in case the user
+    wrote into it in between; what still stays is left for the next start."""
+    for _ in range(2):
+        await as_user(owner, empty_own_folder, folder)
+        if await anyio.to_thread.run_sync(remove_emptied, folder):
+            return
 
 
 def remove_link(link: Path, target: Path) -> None:

@@ -55,8 +55,12 @@ def prepare_runtime_dir(settings: Settings) -> None:
     if folder.stat().st_uid != os.getuid():
         raise ServeError(f"{folder} belongs to another user; set STAGER_RUNTIME_DIR to your own")
     # Per user: only this user may reach the socket, which is the whole access control
-    # for it. The node service: everyone may connect, and the kernel says who did.
+    # for it. The node service: everyone may connect, and the kernel says who did; what
+    # is the service's alone (pid, log) sits in a folder nobody else may enter.
     os.chmod(folder, 0o755 if settings.multi_user else 0o700)
+    if settings.private_dir != folder:
+        settings.private_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(settings.private_dir, 0o700)
 
 
 def resolve_token(settings: Settings) -> str | None:
@@ -206,7 +210,10 @@ def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> i
     if pid is not None and is_healthy(settings):
         print(f"stager already running (pid {pid}) at {settings.url}")
         return pid
-    with open(settings.log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+    # The log is the daemon's alone: it names sources and users' datasets.
+    log_fd = os.open(settings.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    os.fchmod(log_fd, 0o600)
+    with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
         process = subprocess.Popen(
             [sys.executable, "-m", "stager", "serve", *serve_argv],
             stdin=devnull,

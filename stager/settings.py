@@ -106,16 +106,23 @@ class Settings(BaseSettings):
         return self.socket or self.runtime_dir / "stager.sock"
 
     @property
+    def private_dir(self) -> Path:
+        """Where the daemon keeps what is its alone (pid, log, token): the runtime folder
+        itself per user (0700); in the node service, whose socket everyone must reach,
+        a folder of its own in it (0700), its log and state never readable by users."""
+        return self.runtime_dir / "private" if self.multi_user else self.runtime_dir
+
+    @property
     def token_path(self) -> Path:
-        return self.token_file or self.runtime_dir / "token"
+        return self.token_file or self.private_dir / "token"
 
     @property
     def pid_path(self) -> Path:
-        return self.runtime_dir / "stager.pid"
+        return self.private_dir / "stager.pid"
 
     @property
     def log_path(self) -> Path:
-        return self.runtime_dir / "stager.log"
+        return self.private_dir / "stager.log"
 
     @property
     def url(self) -> str:

@@ -75,6 +75,10 @@ class Store:
         self._ops = ops
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # The state names every user's datasets, sources and leases: the daemon's alone
+        # (its -wal and -shm files take the database's mode).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

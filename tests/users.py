@@ -8,6 +8,7 @@ Needs root; the fixtures skip with the reason otherwise.
 from __future__ import annotations
 
 import grp
+import hashlib
 import json
 import os
 import pwd
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-PREFIX = "stager-t"
+# Per checkout: test sessions of two checkouts on one machine (a developer's worktrees)
+# must not make, use and delete each other's users mid-run.
+PREFIX = "stg-" + hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:6]
 GROUP = f"{PREFIX}-group"  # alice is in it, bob is not
 
 

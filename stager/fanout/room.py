@@ -27,6 +27,7 @@ blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -59,7 +60,7 @@ from stager.identity import Caller
 from stager.manifest_format import Manifest
 from stager.ops import table
 from stager.ops.base import CheckContext
-from stager.publish import remove_own_tree
+from stager.publish import remove_delivery
 from stager.schemas import (
     DatasetCreate,
     ExportCreate,
@@ -387,12 +388,13 @@ class FanoutRoom:
                 continue
             uid = int(folder.name) if folder.name.isdigit() else None
             for label in await run_io(lambda f=folder: sorted(f.iterdir())):
-                await self._as_user(uid, remove_own_tree, label)
-            await run_io(folder.rmdir)
+                await remove_delivery(self._as_user, uid, label)
+            with contextlib.suppress(OSError):  # not empty: left for the next start
+                await run_io(folder.rmdir)
 
     async def _remove_delivery(self, transfer: Transfer) -> None:
         if self.settings.multi_user:
-            await self._as_user(transfer.owner, remove_own_tree, transfer.path)
+            await remove_delivery(self._as_user, transfer.owner, transfer.path)
         else:
             await run_io(remove_folder, transfer.path)
 

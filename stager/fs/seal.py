@@ -28,9 +28,11 @@ tree as soon as its seal comes.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import stat
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -195,21 +197,76 @@ def _stamped_after(sealed_ns: int, top: Path) -> bool:
     return False
 
 
-# The top of a tree only its owner may read (the node service's private copies): owned
-# by that user, who alone may enter it; what is inside stays the service's, read-only.
-PRIVATE_TOP_MODE = 0o500
+# The top of a tree only one user may read (the node service's private copies): the
+# service's, like everything inside, with an access ACL that lets that user (and root)
+# in and nobody else. The user can read their copy and cannot change it: not its mode,
+# not its entries (nothing is theirs), so root never deletes a tree they could write.
+PRIVATE_TOP_MODE = 0o550  # with the ACL below: its group bits are the ACL's mask
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_NO_ID = 0xFFFFFFFF
 
 
 def top_mode(owner: int | None) -> int:
     return DIR_MODE if owner is None else PRIVATE_TOP_MODE
 
 
+def private_acl(owner: int) -> bytes:
+    """The access ACL of a private copy's top: owner (root) r-x, user ``owner`` r-x,
+    nobody else (the kernel's xattr form: version 2, then tag, perms and id each)."""
+    entries = [
+        (_ACL_USER_OBJ, 5, _NO_ID),
+        (_ACL_USER, 5, owner),
+        (_ACL_GROUP_OBJ, 0, _NO_ID),
+        (_ACL_MASK, 5, _NO_ID),
+        (_ACL_OTHER, 0, _NO_ID),
+    ]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
 def protect_top(root: Path, owner: int | None = None) -> None:
     """The published tree's top folder, read-only too (see the module's docstring); with
-    ``owner``, the top of that user's own copy, which nobody else may enter."""
-    if owner is not None:
-        os.chown(root, owner, -1)
-    os.chmod(root, top_mode(owner))
+    ``owner``, the top of that user's own copy, which only they may enter (an ACL:
+    the folder stays the service's). Opened without following a link."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if owner is None:
+            os.fchmod(fd, DIR_MODE)
+        else:
+            os.setxattr(fd, _ACL_XATTR, private_acl(owner))  # sets the mode bits too
+    finally:
+        os.close(fd)
+
+
+def top_protected(fd: int, st: os.stat_result, owner: int | None) -> bool:
+    """Whether a top is as :func:`protect_top` left it for ``owner``."""
+    if stat.S_IMODE(st.st_mode) != top_mode(owner) or st.st_uid != os.geteuid():
+        return False
+    try:
+        acl = os.getxattr(fd, _ACL_XATTR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        acl = None
+    return acl == (private_acl(owner) if owner is not None else None)
+
+
+def check_acls(folder: Path) -> None:
+    """Refuse a cache whose filesystem cannot hold the private copies' ACLs (the node
+    service checks at its start)."""
+    probe = folder / f".acl-probe-{os.getpid()}"
+    probe.mkdir(mode=0o700, exist_ok=True)
+    try:
+        protect_top(probe, owner=65534)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"{folder} is on a filesystem without POSIX ACLs, which the node service needs "
+            "to give each user a private copy only they may read; put the cache on ext4, "
+            "xfs or tmpfs (mounted with acl)",
+        ) from exc
+    finally:
+        probe.rmdir()
 
 
 def open_up_top(root: Path) -> None:
@@ -231,10 +288,8 @@ def check_seal(root: Path, seal: Seal, owner: int | None = None, workers: int = 
     try:
         if top.st.st_mtime_ns > seal.sealed_ns:
             return f"an entry of {root} was added, removed or renamed after it was published"
-        if stat.S_IMODE(top.st.st_mode) != top_mode(owner) or (
-            owner is not None and top.st.st_uid != owner
-        ):
-            return f"{root} had its owner or mode changed after it was published"
+        if not top_protected(top.fd, top.st, owner):
+            return f"{root} had its owner, mode or ACL changed after it was published"
         checker.workers.walk(top, checker, "skip", flush=checker.submit)
     except _Changed as changed:
         return str(changed)

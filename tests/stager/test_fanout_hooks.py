@@ -11,6 +11,7 @@ import stager
 
 ENGINE = Path(stager.__file__).parent / "engine.py"
 HOOKS = {
+    "clear_deliveries",  # the start: deliveries an earlier run left, deleted by their owners
     "arrival",  # a request: what it stages, and from where
     "held",  # admission: promised bytes, keys being packed
     "exporting",  # eviction: keys being packed

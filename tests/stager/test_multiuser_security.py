@@ -22,7 +22,7 @@ import pytest
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
-from tests.users import GROUP, User
+from tests.users import GROUP, PREFIX, User
 
 SECRET = b"alice's secret bytes"
 
@@ -193,7 +193,7 @@ def test_bobs_links_into_alices_data_give_him_nothing(
     assert bob.run(["ln", "-s", str(homes[0] / "private"), str(dir_link)]).returncode == 0
     code, answer = stage(bob, service, copy("deep", tree))
     assert code == 403, answer  # the link into alice's folder: the kernel refused bob
-    assert "stager-t-alice/private" in answer["error"]["message"]
+    assert f"{alice.name}/private" in answer["error"]["message"]
     (tree / "deep" / "alice-dir").unlink()
     code, answer = stage(bob, service, copy("deep", tree))
     if code == 202:  # a link to a file is copied as the link it is: no bytes of alice's
@@ -371,7 +371,7 @@ def service_root_list(service: Daemon) -> tuple[int, dict]:
     [
         ["X-User: 0"],
         ["X-Forwarded-User: root"],
-        ["X-Remote-User: stager-t-alice"],
+        [f"X-Remote-User: {PREFIX}-alice"],
         ["Authorization: Bearer anything"],
     ],
 )

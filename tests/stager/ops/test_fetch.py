@@ -203,12 +203,12 @@ def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts(
 ) -> None:
     """What a process's first download pays before its first byte (its TLS authorities
     loaded, httpx's transport imported, the codec that host names are looked up with:
-    20-70 ms) the staging processes' fork server has paid when it imported
-    stager.worker: a staging's download then loads nothing more."""
+    20-70 ms) the staging processes' fork server has paid when it imported its preload
+    (stager.preload): a staging's download then loads nothing more."""
     code = f"""
 import sys
 from pathlib import Path
-import stager.worker
+import stager.preload
 from stager.ops import fetch
 from stager.ops.base import OpContext
 from stager.progress import Progress
