@@ -113,12 +113,12 @@ class Registry:
         metrics: Metrics,
         trash: Trash,
         crash: CrashPoints,
-        as_user: AsUser,
+        as_user: AsUser | None = None,
     ) -> None:
         self.settings = settings
         # Acts with a user's rights (stager.engine.Engine.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
-        self._as_user = as_user
+        self._as_user = as_user or _as_the_daemon
         self.metrics = metrics
         self.trash = trash
         self._store = store
@@ -463,6 +463,11 @@ class Registry:
                 f"link {link} could not be created ({exc.strerror}); choose a --link "
                 "path in a folder you can write"
             ) from exc
+
+
+async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """A registry of a daemon that acts for nobody else (per-user mode, tests)."""
+    return await run_io(fn, *args)
 
 
 def state_counts(entries: list[Entry]) -> dict[str, int]:
