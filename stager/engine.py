@@ -1,10 +1,10 @@
 """The staging engine: admits requests, schedules stagings, answers about them.
 
 What it decides: whether a request joins, hits or starts a staging (``submit``),
-what to evict to make room (``_admit``, by :mod:`stager.cache`'s policy), when a
-queued entry runs (``_worker``), and what becomes of a finished staging
-(``_stage``). Every change it decides on is made by the registry
-(:mod:`stager.lifecycle`), which persists it. A staging itself runs in a child
+with :mod:`stager.admission` making room (by :mod:`stager.cache`'s policy) and
+handing out slots fairly between users, when a queued entry runs (``_worker``),
+and what becomes of a finished staging (``_stage``). Every change it decides on is
+made by the registry (:mod:`stager.lifecycle`), which persists it. A staging itself runs in a child
 process of its own (:mod:`stager.worker`), awaited without blocking the loop.
 
 Entries, names and leases are read and changed on the event loop only.
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import cache, preflight, recipes, slurm
+from stager.admission import Admission, owner_of
 from stager.blocking import Limits, run_io, run_staging
 from stager.dataset import (
     Ask,
@@ -97,10 +98,10 @@ class Engine:
         self.metrics = metrics
         self.ops = table.for_settings(settings)
         self.registry: Registry | None = None
-        # Held by whatever decides an entry's fate: admission, joins and hits, leases,
-        # eviction. So an entry is never evicted between being chosen and being answered.
-        self._admission = asyncio.Lock()
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        # Room and slots (stager.admission); its lock is held by whatever decides an
+        # entry's fate: admission, joins and hits, leases, eviction.
+        self.admission = Admission(settings)
+        self._admission = self.admission.lock
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
         self._running: set[asyncio.Future[Any]] = set()
         self._stopping = False
@@ -111,7 +112,7 @@ class Engine:
         # Every process the daemon starts (stager.processes), and who acts for a user.
         self.processes = Processes(separate_users=settings.multi_user)
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
-        self.fanout = FanoutRoom(settings, self.ops, self._admission, self._admit, self.as_user)
+        self.fanout = FanoutRoom(settings, self.ops, self.admission, self.as_user)
 
     @property
     def _reg(self) -> Registry:
@@ -130,8 +131,9 @@ class Engine:
         self.registry = Registry(
             self.settings, store, self.metrics, trash, self._crash, self.as_user
         )
+        self.admission.bind(self.registry, self.fanout.held, lambda: self.fanout.exporting)
         for entry in await self._reg.load():
-            self._queue.put_nowait(entry.key)
+            self.admission.queue.put(entry.key, owner_of(entry))
         # Deliveries and exports of an earlier run: nobody will adopt or send them now.
         await self.fanout.clear_deliveries()
         for leftover in await run_io(lambda: list(self.settings.outgoing_dir.iterdir())):
@@ -325,7 +327,8 @@ class Engine:
             self._check_name(request.name, caller.uid, resolved.request_key)  # another may have won
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-                await self._admit(
+                self.admission.check_queue(caller.uid)
+                await self.admission.make_room(
                     estimate, key, None if reader is None or reader.public else caller.uid
                 )
                 entry = entry or Entry(key=key, spec=request.spec(), steps=[], verify="")
@@ -340,7 +343,7 @@ class Engine:
                     reader=reader,
                 )
                 await reg.queue(entry, ask)
-                self._queue.put_nowait(key)
+                self.admission.queue.put(key, owner_of(entry))
                 self.metrics.requests.labels(outcome="miss").inc()
             else:
                 outcome = "join" if entry.active else "hit"
@@ -399,47 +402,6 @@ class Engine:
                 f"dataset name {name!r} is already used by a different request "
                 f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
             )
-
-    async def _admit(self, estimate: int, key: str, owner: int | None = None) -> None:
-        """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
-        entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
-        is (node service), held to their quota first, which counts their own entries and
-        their transfers' room: it evicts only their own data for it."""
-        held = await self.fanout.held()
-        protected = self._leased_or_active() | held.exporting | {key}
-        if owner is not None and self.settings.user_quota_bytes:
-            for victim in cache.plan_quota(
-                estimate + held.reserved_by.get(owner, 0),
-                owner,
-                self.entries(),
-                protected,
-                self.settings.user_quota_bytes,
-            ):
-                log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
-                await self._reg.evict(victim)
-        # Trees being deleted will be free space in a moment; count them as free now, or
-        # every request during a large deletion would evict more than it needs.
-        free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
-        plan = cache.plan_admission(
-            needed=estimate,
-            entries=self.entries(),
-            protected=protected,
-            capacity_bytes=self.settings.capacity_bytes,
-            # Room promised to deliveries and exports that is not written yet is not free.
-            free_bytes=free - held.unwritten_bytes,
-            min_free_bytes=self.settings.min_free_bytes,
-        )
-        for victim in plan:
-            log.info("evicting %s (%d bytes) to admit %s", victim.key, victim.size_bytes, key)
-            await self._reg.evict(victim)
-
-    def _protected(self) -> set[str]:
-        """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
-        return self._leased_or_active() | self.fanout.exporting
-
-    def _leased_or_active(self) -> set[str]:
-        leased = {lease.key for lease in self._reg.leases.values()}
-        return leased | {k for k, e in self._reg.entries.items() if e.active}
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
 
@@ -538,6 +500,7 @@ class Engine:
                 )
             if entry.state == State.QUEUED:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
+                self.admission.queue.discard(entry.key, owner_of(entry))
                 dropped = entry
             elif entry.state == State.STAGING:
                 entry.cancel.set()
@@ -613,7 +576,7 @@ class Engine:
             named = {h.key for h in self._reg.handles.values()}
             victims = [
                 e
-                for e in cache.evictable(self.entries(), self._protected())
+                for e in cache.evictable(self.entries(), self.admission.protected())
                 if request.all or e.key not in named
             ]
             for victim in victims:
@@ -650,7 +613,7 @@ class Engine:
                 for gone in await self.fanout.expire():
                     log.info("removed expired %s", gone)
                 async with self._admission:
-                    await self._admit(0, "")
+                    await self.admission.make_room(0, "")
             except InsufficientSpace:
                 pass  # over the limit with everything leased: nothing more can go now
             except (OSError, StagerError) as exc:
@@ -680,17 +643,20 @@ class Engine:
 
     async def _worker(self) -> None:
         while True:
-            key = await self._queue.get()
-            entry = self._reg.entries.get(key)
-            if entry is None or entry.state != State.QUEUED or self._stopping:
-                continue
+            key, owner = await self.admission.queue.get()
             try:
-                await self._stage(entry)
-            except Exception:
-                # The state store failed under us (disk full, database locked): this entry
-                # is lost to this run, but the worker must live on for the queue's sake.
-                log.exception("could not record the outcome of staging %s", entry.key)
-                await self._reg.fail_unrecorded(entry, STATE_STORE_FAILED)
+                entry = self._reg.entries.get(key)
+                if entry is None or entry.state != State.QUEUED or self._stopping:
+                    continue
+                try:
+                    await self._stage(entry)
+                except Exception:
+                    # The state store failed under us (disk full, database locked): this
+                    # entry is lost to this run, but the worker must live on for the queue.
+                    log.exception("could not record the outcome of staging %s", entry.key)
+                    await self._reg.fail_unrecorded(entry, STATE_STORE_FAILED)
+            finally:
+                self.admission.queue.finished(owner)
 
     async def _stage(self, entry: Entry) -> None:
         reg = self._reg
@@ -755,7 +721,7 @@ class Engine:
                 key = private_key(shared.key, owner.uid)
                 entry = reg.entries.get(key)
                 if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-                    await self._admit(shared.estimate_bytes, key, owner.uid)
+                    await self.admission.make_room(shared.estimate_bytes, key, owner.uid)
                     entry = entry or Entry(key=key, spec=shared.spec, steps=[], verify="")
                     ask = Ask(
                         steps=shared.steps,
@@ -766,7 +732,7 @@ class Engine:
                         reader=reader_of(owner),
                     )
                     await reg.queue(entry, ask)
-                    self._queue.put_nowait(key)
+                    self.admission.queue.put(key, owner_of(entry))
                 await reg.repoint(handle, entry)
 
     async def _drop_claimed(self, entry: Entry) -> None:

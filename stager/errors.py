@@ -17,6 +17,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
     │   └── QuotaExceeded           a user's own data past their --user-quota
+    ├── TooManyRequests (429)       a user's queue on the node service is full
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
@@ -174,3 +175,10 @@ def from_os_error(exc: OSError, doing: str) -> StagingIOError:
     if exc.errno in (errno.EACCES, errno.EPERM):
         return StagingIOError(f"permission denied while {doing}{where}; check the permissions")
     return StagingIOError(f"I/O error while {doing}{where}: {exc.strerror or exc}")
+
+
+class TooManyRequests(StagerError):
+    """429: a user has as many stagings queued as the node service lets one user queue."""
+
+    type = "too_many_requests"
+    status = 429

@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     # Node service: the most bytes of data only its user may read that one user may hold
     # (shared entries count against nobody's); 0: no limit but the cache's.
     user_quota_bytes: int = Field(default=0, ge=0, le=2**62)
+    # Node service: the most stagings one user runs at once (0: all slots but one, so
+    # that another user always finds one) and queues (past it, 429).
+    max_stagings_per_user: int = Field(default=0, ge=0)
+    max_queued_per_user: int = Field(default=64, ge=1)
+    # Node service: a request's checks run in a process that became its user; one that
+    # takes longer than this (a source on a hung filesystem) is ended and the request fails.
+    user_process_timeout_s: float = Field(default=60.0, gt=0)
     # Node service: munged's socket, through which a fan-out's manifest is vouched for
     # by the service that packed it (stager.vouch); None: munge's own default.
     munge_socket: Path | None = None
@@ -104,6 +111,10 @@ class Settings(BaseSettings):
     @property
     def socket_path(self) -> Path:
         return self.socket or self.runtime_dir / "stager.sock"
+
+    def stagings_per_user(self) -> int:
+        """The most stagings one user of the node service runs at once."""
+        return self.max_stagings_per_user or max(1, self.max_workers - 1)
 
     @property
     def private_dir(self) -> Path:

@@ -26,7 +26,6 @@ blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import vouch
+from stager.admission import Admission
 from stager.blocking import run_io
 from stager.dataset import Entry, State
 from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
@@ -75,7 +75,6 @@ log = logging.getLogger("stager.fanout")
 
 EXPORT_TTL_S = 3600.0
 
-Admit = Callable[[int, str, int | None], Awaitable[None]]
 AsUser = Callable[..., Awaitable[Any]]  # (uid or caller, fn, *args) -> fn's JSON result
 ReadyTree = Callable[[Entry], Awaitable[Path]]
 
@@ -171,16 +170,14 @@ class Held:
 
 
 class FanoutRoom:
-    def __init__(
-        self, settings: Settings, ops: Any, admission: asyncio.Lock, admit: Admit, as_user: AsUser
-    ):
+    def __init__(self, settings: Settings, ops: Any, admission: Admission, as_user: AsUser):
         self.settings = settings
         self.ops = ops
         # A delivery's folder is its user's to write: whatever looks into it or deletes
         # it runs as that user (stager.rights), never under the admission lock.
         self._as_user = as_user
-        self._admission = admission  # the engine's: held while room is promised
-        self._admit = admit  # the engine's admission (evicts, or refuses with the sizes)
+        self._admission = admission.lock  # held while room is promised
+        self._admit = admission.make_room  # evicts, or refuses with the sizes
         self.deliveries = Transfers(settings.incoming_dir, "delivery")
         self.exports = Transfers(settings.outgoing_dir, "export")
         self.plans: dict[str, ExportPlan] = {}  # exports under way, by label

@@ -1,0 +1,209 @@
+"""Admission: who gets room on the cache disk and a staging slot, decided in one place.
+
+One object, one lock (:attr:`Admission.lock`), called by the engine and by the
+fan-out room alike:
+
+- **Room** (:meth:`Admission.make_room`): what a new staging or a transfer's
+  reservation needs, made by evicting ready entries nobody holds, least recently
+  used first: the user's own first, to keep them in their quota, then any, to keep
+  the cache in its capacity and the disk above its floor; or refused with the sizes.
+- **Protected keys** (:meth:`Admission.protected`): leased (by any of their names),
+  being staged, or being packed to be sent: never evicted.
+- **Slots** (:class:`FairQueue`): queued stagings wait per user and are served
+  round-robin between users, so one user's hundred queued stagings delay another's
+  one by at most one staging per slot. In the node service each user runs at most
+  ``max_stagings_per_user`` at once (so that slots are always left for others) and
+  queues at most ``max_queued_per_user``; a request past that is refused (429).
+
+Reservations held by transfers come from the fan-out room (``held``): room promised
+and not written yet is not free, and counts against its user's quota.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from stager import cache, preflight
+from stager.blocking import run_io
+from stager.errors import TooManyRequests
+
+if TYPE_CHECKING:
+    from stager.fanout.room import Held
+    from stager.lifecycle import Registry
+    from stager.settings import Settings
+
+log = logging.getLogger("stager.admission")
+
+
+class FairQueue:
+    """Stagings waiting for a slot, per user, served round-robin between users.
+
+    ``running_cap``: the most stagings one user runs at once (None: no cap)."""
+
+    def __init__(self, running_cap: int | None = None) -> None:
+        self.running_cap = running_cap
+        self._queued: dict[int, deque[str]] = {}
+        self._turn: deque[int] = deque()  # users with queued stagings, next first
+        self._running: dict[int, int] = {}
+        # Set on every change that may let a waiting worker go. Everything here runs on
+        # the event loop, so nothing changes between a worker's look and its wait.
+        self._changed = asyncio.Event()
+
+    def put(self, key: str, owner: int) -> None:
+        if owner not in self._queued:
+            self._queued[owner] = deque()
+            self._turn.append(owner)
+        self._queued[owner].append(key)
+        self._wake()
+
+    def discard(self, key: str, owner: int) -> None:
+        """A queued staging cancelled before it ran."""
+        queued = self._queued.get(owner)
+        if queued is not None and key in queued:
+            queued.remove(key)
+            if not queued:
+                self._forget(owner)
+
+    def queued_by(self, owner: int) -> int:
+        return len(self._queued.get(owner, ()))
+
+    def running_by(self, owner: int) -> int:
+        return self._running.get(owner, 0)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queued.values())
+
+    async def get(self) -> tuple[str, int]:
+        """The next staging to run and its user: the first user in turn who has one
+        queued and is under the cap; that user goes to the back of the turn."""
+        while True:
+            for _ in range(len(self._turn)):
+                owner = self._turn[0]
+                self._turn.rotate(-1)
+                if self.running_cap is not None and self.running_by(owner) >= self.running_cap:
+                    continue
+                key = self._queued[owner].popleft()
+                if not self._queued[owner]:
+                    self._forget(owner)
+                self._running[owner] = self.running_by(owner) + 1
+                return key, owner
+            self._changed.clear()
+            await self._changed.wait()
+
+    def finished(self, owner: int) -> None:
+        """A staging of ``owner``'s has ended: their slot is free."""
+        left = self.running_by(owner) - 1
+        if left > 0:
+            self._running[owner] = left
+        else:
+            self._running.pop(owner, None)
+        self._wake()
+
+    def _forget(self, owner: int) -> None:
+        del self._queued[owner]
+        self._turn.remove(owner)
+
+    def _wake(self) -> None:
+        self._changed.set()
+
+
+class Admission:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        # Held by whatever decides an entry's fate: admission, joins and hits, leases,
+        # eviction; so an entry is never evicted between being chosen and being answered.
+        self.lock = asyncio.Lock()
+        multi = settings.multi_user
+        self.queue = FairQueue(settings.stagings_per_user() if multi else None)
+        self.max_queued = settings.max_queued_per_user if multi else None
+        self._registry: Registry | None = None
+        self._held: Callable[[], Awaitable[Held]] | None = None
+        self._exporting: Callable[[], set[str]] = set
+
+    def bind(
+        self,
+        registry: Registry,
+        held: Callable[[], Awaitable[Held]],
+        exporting: Callable[[], set[str]],
+    ) -> None:
+        """What admission reads: the registry's entries and leases (once it has loaded
+        them), and the fan-out room's reservations and keys being packed."""
+        self._registry, self._held, self._exporting = registry, held, exporting
+
+    @property
+    def _reg(self) -> Registry:
+        assert self._registry is not None, "admission is not bound to a registry yet"
+        return self._registry
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def check_queue(self, owner: int) -> None:
+        """Refuse (429) a staging ``owner`` would queue past their limit."""
+        if self.max_queued is None:
+            return
+        queued = self.queue.queued_by(owner)
+        if queued >= self.max_queued:
+            raise TooManyRequests(
+                f"you have {queued} stagings queued on this node, the most one user may "
+                f"queue (--max-queued-per-user); wait for some to start, or cancel some "
+                "(stager-client ls shows them)"
+            )
+
+    # ---- keys that stay -------------------------------------------------------------------
+
+    def leased_or_active(self) -> set[str]:
+        leased = {lease.key for lease in self._reg.leases.values()}
+        return leased | {k for k, e in self._reg.entries.items() if e.active}
+
+    def protected(self) -> set[str]:
+        """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
+        return self.leased_or_active() | self._exporting()
+
+    # ---- room ------------------------------------------------------------------------------
+
+    async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
+        """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
+        entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
+        is (node service), held to their quota first, which counts their own entries and
+        their transfers' room: it evicts only their own data for it. Call it holding
+        :attr:`lock`."""
+        assert self._held is not None
+        held = await self._held()
+        protected = self.leased_or_active() | held.exporting | {key}
+        entries = list(self._reg.entries.values())
+        if owner is not None and self.settings.user_quota_bytes:
+            for victim in cache.plan_quota(
+                estimate + held.reserved_by.get(owner, 0),
+                owner,
+                entries,
+                protected,
+                self.settings.user_quota_bytes,
+            ):
+                log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
+                await self._reg.evict(victim)
+        # Trees being deleted will be free space in a moment; count them as free now, or
+        # every request during a large deletion would evict more than it needs.
+        free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
+        plan = cache.plan_admission(
+            needed=estimate,
+            entries=list(self._reg.entries.values()),
+            protected=protected,
+            capacity_bytes=self.settings.capacity_bytes,
+            # Room promised to deliveries and exports that is not written yet is not free.
+            free_bytes=free - held.unwritten_bytes,
+            min_free_bytes=self.settings.min_free_bytes,
+        )
+        for victim in plan:
+            log.info("evicting %s (%d bytes) to admit %s", victim.key, victim.size_bytes, key)
+            await self._reg.evict(victim)
+
+
+def owner_of(entry: Any) -> int:
+    """Whose turn a staging takes in the fair queue: the user it is read as (the first
+    to ask for a shared one), or the daemon's own user (-1) in per-user mode."""
+    reader = entry.reader
+    return reader.uid if reader is not None else -1
