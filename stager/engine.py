@@ -338,6 +338,7 @@ class Engine:
                     delivery=arrival.delivery,
                     estimate_bytes=estimate,
                     reader=reader,
+                    asked_as=(caller.uid, request.name),
                 )
                 await reg.queue(entry, ask)
                 self._queue.put_nowait(key)
@@ -385,9 +386,10 @@ class Engine:
         async with self._admission:
             if entry.state != State.READY:
                 return  # another request found it first
-            log.warning("staging %s again: %s", entry.key, changed)
             self.metrics.requests.labels(outcome="changed").inc()
-            await self._reg.evict(entry)
+            await self._reg.evict(
+                entry, f"changed since it was published ({changed}); staged again"
+            )
 
     def _check_name(self, name: str, owner: int, request_key: str) -> None:
         handle = self._reg.handles.get((owner, name))
@@ -415,8 +417,7 @@ class Engine:
                 protected,
                 self.settings.user_quota_bytes,
             ):
-                log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
-                await self._reg.evict(victim)
+                await self._reg.evict(victim, f"to keep uid {owner} within --user-quota")
         # Trees being deleted will be free space in a moment; count them as free now, or
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
@@ -430,8 +431,8 @@ class Engine:
             min_free_bytes=self.settings.min_free_bytes,
         )
         for victim in plan:
-            log.info("evicting %s (%d bytes) to admit %s", victim.key, victim.size_bytes, key)
-            await self._reg.evict(victim)
+            why = f"to make room for {key}" if key else "to bring the cache back under its limits"
+            await self._reg.evict(victim, why)
 
     def _protected(self) -> set[str]:
         """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
@@ -542,7 +543,7 @@ class Engine:
             elif entry.state == State.STAGING:
                 entry.cancel.set()
             else:
-                await reg.evict(entry)
+                await reg.evict(entry, "on request (stager-client cancel)")
         if dropped is not None:
             await self._drop_claimed(dropped)  # its owner deletes it: outside the lock
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
@@ -615,8 +616,9 @@ class Engine:
                 for e in cache.evictable(self.entries(), self._protected())
                 if request.all or e.key not in named
             ]
+            why = "by gc --all" if request.all else "by gc: no name refers to it any more"
             for victim in victims:
-                await self._reg.evict(victim)
+                await self._reg.evict(victim, why)
         return GcResult(
             evicted=[v.key for v in victims],
             freed_bytes=sum(v.size_bytes for v in victims),
@@ -763,6 +765,7 @@ class Engine:
                         origin=shared.origin,
                         estimate_bytes=shared.estimate_bytes,
                         reader=reader_of(owner),
+                        asked_as=handle.id,
                     )
                     await reg.queue(entry, ask)
                     self._queue.put_nowait(key)

@@ -147,13 +147,18 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.children",
                 "stager.slurm",
                 "stager.vouch",
+                "stager.redact",
             },
         ),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
-        # The daemon's books: entries, leases, their store, the eviction policy.
-        ("books", {"stager.dataset", "stager.leases", "stager.store", "stager.cache"}),
+        # The daemon's books: entries, leases, their store, the eviction policy, and the
+        # log line of each state change.
+        (
+            "books",
+            {"stager.dataset", "stager.leases", "stager.store", "stager.cache", "stager.statelog"},
+        ),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
         # One staging: its process (a download overlapped with its extraction), the
@@ -163,7 +168,17 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),
         ("api", {"stager.api"}),
-        ("app", {"stager.app", "stager.server", "stager.cli", "stager.__main__"}),
+        (
+            "app",
+            {
+                "stager.app",
+                "stager.server",
+                "stager.cli",
+                "stager.__main__",
+                "stager.startup",
+                "stager.logs",
+            },
+        ),
     )
 )
 
