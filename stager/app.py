@@ -44,7 +44,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
-    errors.install(app, engine.ops.names)
+    errors.install(app, engine.ops.public_names)
     app.include_router(datasets.stage_router(engine.ops))
     app.include_router(fanout_router(engine.ops))  # before /v1/datasets/{name} routes
     app.include_router(datasets.router)

@@ -19,6 +19,7 @@ import sys
 from pydantic import ValidationError
 
 from stager import __version__
+from stager.completion import add_completion, print_completion
 from stager.settings import Settings, cli_flags, describe_error, environment_warnings
 
 EXIT_OK = 0
@@ -110,25 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     for _, options, keywords in cli_flags(command):
         parser.add_argument(*options, **keywords)
-
-
-def add_completion(commands: argparse._SubParsersAction, parser: argparse.ArgumentParser) -> None:
-    """``PROG completion bash``: a completion script for the shell (shtab)."""
-    sub = commands.add_parser(
-        "completion",
-        help="print a shell completion script",
-        description=f'Print a completion script: `eval "$({parser.prog} completion bash)"` '
-        "in ~/.bashrc, or save it in the shell's completion folder.",
-    )
-    sub.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell")
-    sub.set_defaults(completion_of=parser)
-
-
-def print_completion(args: argparse.Namespace) -> int:
-    import shtab
-
-    print(shtab.complete(args.completion_of, shell=args.shell))
-    return EXIT_OK
 
 
 def settings_from(args: argparse.Namespace) -> Settings:

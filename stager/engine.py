@@ -68,6 +68,7 @@ from stager.schemas import (
 )
 from stager.settings import Settings
 from stager.store import Store
+from stager.suggest import did_you_mean
 from stager.worker import StageJob
 
 log = logging.getLogger("stager.engine")
@@ -399,7 +400,7 @@ class Engine:
         if other.active or other.state == State.READY:
             raise Conflict(
                 f"dataset name {name!r} is already used by a different request "
-                f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
+                f"(state {other.state}); DELETE /v1/datasets/{name} first, or choose another name"
             )
 
     async def _admit(self, estimate: int, key: str, owner: int | None = None) -> None:
@@ -666,7 +667,12 @@ class Engine:
             )
         handle = self._reg.handles.get((caller.uid if owner is None else owner, name))
         if handle is None:
-            raise NotFound(f"no dataset named {name!r}; GET /v1/datasets lists the known ones")
+            whose = caller.uid if owner is None else owner
+            known = [n for (uid, n) in self._reg.handles if uid == whose]
+            raise NotFound(
+                f"no dataset named {name!r}; {did_you_mean(name, known)}"
+                "GET /v1/datasets lists the known ones"
+            )
         return handle
 
     def _view(self, handle: Handle) -> DatasetPublic:

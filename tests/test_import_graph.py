@@ -27,7 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 # The wire layer: all the client may import of `stager`. The HTTP API's models, the
 # manifest a fan-out checks a broadcast copy against (standard library only), and the
 # package itself (its version; it imports nothing).
-WIRE = {"stager", "stager.schemas", "stager.manifest_format"}
+# recipe_listing: the recipes as text, printed alike by `stager` and `stager-client`;
+# completion: the shell completion all three commands print.
+WIRE = {
+    "stager",
+    "stager.schemas",
+    "stager.manifest_format",
+    "stager.recipe_listing",
+    "stager.completion",
+}
 # ProgressPublic, a wire model, is defined with the rest of the progress channel, so
 # the wire layer stands on stager/progress.py, which imports nothing of stager.
 WIRE_STANDS_ON = {"stager.progress"}
@@ -148,6 +156,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.slurm",
                 "stager.vouch",
                 "stager.redact",
+                "stager.suggest",
             },
         ),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
