@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from stager import __version__, cache
 from stager.api import errors
@@ -35,7 +36,11 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
         finally:
             await engine.stop()
 
-    app = FastAPI(
+    # /docs with Swagger UI's scripts served by the daemon itself: compute nodes often
+    # have no internet, and FastAPI's own page loads them from a CDN. No /redoc.
+    app = FastAPIOffline(
+        redoc_url=None,
+        static_url="/docs/assets",
         title="stager",
         version=__version__,
         summary="Per-node dataset staging and caching for deep-learning jobs",
