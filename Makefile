@@ -30,7 +30,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check stager client trainer tests bench deploy
 	$(BIN)/ruff format --check stager client trainer tests bench deploy
-	shellcheck deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
+	shellcheck deploy/install.sh deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
 	shellcheck -x deploy/slurm/multinode/*.sh
 
 # A real one-node SLURM cluster on this (Debian) machine, wired with deploy/slurm's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,12 +21,20 @@ from stager.metrics import Metrics
 from stager.settings import Settings
 
 
+def cache_room(settings: Settings) -> tuple[int, int]:
+    """(capacity, free) of the cache for the metrics: one statvfs at each scrape."""
+    disk = shutil.disk_usage(settings.cache_dir)
+    return settings.capacity_bytes or disk.total, disk.free
+
+
 def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
     metrics.watch_states(
-        lambda: state_counts(engine.entries()), lambda: cache.used_bytes(engine.entries())
+        lambda: state_counts(engine.entries()),
+        lambda: cache.used_bytes(engine.entries()),
+        lambda: cache_room(settings),
     )
 
     @asynccontextmanager

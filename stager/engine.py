@@ -349,6 +349,7 @@ class Engine:
                 self.metrics.requests.labels(outcome=outcome).inc()
                 if outcome == "hit":
                     self.metrics.arrivals.labels(how="hit").inc()
+                    self.metrics.hit_bytes.inc(entry.size_bytes)
                 await reg.touch(entry)
             hit = entry.state == State.READY
             handle = reg.handles.get((caller.uid, request.name))

@@ -335,7 +335,7 @@ class Registry:
         self.metrics.staged_bytes.inc(seal.nbytes)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
-        self.events.ready(entry)
+        self.metrics.ready_after(self.events.ready(entry))
         await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
 
     def _count_arrival(self, entry: Entry) -> None:

@@ -90,7 +90,8 @@ class StateLog:
         detail = f"attempt {entry.attempt}" + (" resumed where it stopped" if resumed else "")
         self._line(logging.INFO, entry, "staging", detail, attempt=entry.attempt)
 
-    def ready(self, entry: Entry) -> None:
+    def ready(self, entry: Entry) -> float | None:
+        """Logs it; returns the seconds since it was queued (None: queued before a restart)."""
         seconds = self._seconds(entry)
         took = f"in {seconds:.1f} s, " if seconds is not None else ""
         detail = f"{took}{format_size(entry.size_bytes)}"
@@ -102,6 +103,7 @@ class StateLog:
             seconds=seconds,
             size_bytes=entry.size_bytes,
         )
+        return seconds
 
     def ended(self, entry: Entry) -> None:
         """Failed or cancelled: the reason, as the user reads it."""
