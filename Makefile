@@ -10,11 +10,15 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# The first build downloads and installs torch and the rest (a few minutes): pip shows
+# each package as it goes, so a newcomer sees it move.
 $(STAMP): pyproject.toml constraints.txt
+	@echo "== installing stager and its packages into $(VENV) (first time only; a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[train,test]'
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[train,test]'
 	touch $(STAMP)
+	@echo "== $(VENV) is ready"
 
 demo: $(STAMP)
 	$(BIN)/python deploy/demo/run.py

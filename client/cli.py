@@ -504,8 +504,11 @@ async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int
     status = await client.status(args.name)
     if args.json:
         _print_json(status)
-    else:
-        print(summary(status) + describe_origin(status))
+        return EXIT_OK
+    print(summary(status) + describe_origin(status))
+    if status.state == "ready":  # what README promises: the call that loads it
+        for usage in status.usage:
+            print(f"  usage: {usage.code}")
     return EXIT_OK
 
 
