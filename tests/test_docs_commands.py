@@ -21,12 +21,28 @@ ENDS = {"|", "||", "&&", ";", ")", ">", ">>", "2>&1", "#"}
 def code_lines(text: str) -> Iterator[str]:
     """Shell lines of fenced code blocks (continuations joined), and inline code spans
     that read as a whole command with a flag (not a synopsis with NAME, [...], a|b)."""
-    for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", text, re.S):
+    for block in shell_blocks(text):
         lines = (line.split(" # ")[0] for line in block.replace("\\\n", " ").splitlines())
         yield from (line for line in lines if whole(line))
-    for span in re.findall(r"`([^`\n]+)`", text):
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    for span in re.findall(r"`([^`\n]+)`", prose):
         if " --" in span and len(span.split()) >= 3 and whole(span):
             yield span
+
+
+def shell_blocks(text: str) -> Iterator[str]:
+    """The fenced blocks marked as shell, or not marked at all."""
+    language, lines = None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, lines = line[3:].strip() or "sh", []
+                continue
+            if language in ("bash", "sh", "shell", "console"):
+                yield "\n".join(lines)
+            language = None
+        elif language is not None:
+            lines.append(line)
 
 
 def whole(line: str) -> bool:
