@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "== $(VENV) is ready"
 
 demo: $(STAMP)
-	$(BIN)/python deploy/demo/run.py
+	$(BIN)/python deploy/demo/run.py $(DEMO_ARGS)
 
 # A 4-node SLURM cluster on this machine (root), one dataset fanned out to every node
 # while the shared storage is read once; figures printed, cluster taken down.

@@ -31,6 +31,19 @@ disable_created_metrics()
 READY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200)
 
 
+def failure_types() -> list[str]:
+    """The ``type`` of every way a staging can end without data (stager.errors), and the
+    registry's own (an interrupted fan-out feeder, a lost store write)."""
+    from stager.errors import StagingError
+
+    found, todo = set(), [StagingError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.type)
+        todo.extend(cls.__subclasses__())
+    return sorted(found | {"internal_error", "interrupted"})
+
+
 class _StateCollector(Collector):
     """Per-state entry counts, bytes in use and the cache's room, read when scraped."""
 
@@ -136,6 +149,8 @@ class Metrics:
             self.requests.labels(outcome=outcome)
         for how in ("staged", "broadcast", "hit"):
             self.arrivals.labels(how=how)
+        for kind in failure_types():
+            self.failures.labels(type=kind)
 
     def watch_states(
         self,

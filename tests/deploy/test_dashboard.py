@@ -103,15 +103,17 @@ def test_every_panel_answers_from_a_real_prometheus(
     base = prometheus(f"127.0.0.1:{port}")
     archive = make_tar(write_tree(tmp_path / "t", n_files=20, max_size=20_000), tmp_path / "a.tar")
     wait_for(base, "up == 1")  # scraped before the requests: their rates are the test's
-    whole = make_tar(write_tree(tmp_path / "u", n_files=5, max_size=5000), tmp_path / "w.tar.gz")
-    cut = tmp_path / "cut.tar.gz"
-    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # fails mid-stream
     with daemon.client() as client:
         body = {"name": "imgs", "steps": [{"op": "extract", "src": str(archive)}]}
         stage_ready(client, body)
         stage_ready(client, body)  # a hit
-        stage(client, {"name": "cut", "steps": [{"op": "extract", "src": str(cut)}]})
-        client.get("/v1/datasets/cut/wait", params={"timeout": 30})
+        # A download from a port nobody listens on: a staging that fails.
+        url = f"http://127.0.0.1:{free_port()}/x.bin"
+        failing = {"name": "gone", "steps": [{"op": "fetch", "url": url, "dst": "x.bin"}]}
+        assert stage(client, failing).status_code == 202
+        assert client.get("/v1/datasets/gone/wait", params={"timeout": 30}).json()["state"] == (
+            "failed"
+        )
         exposed = client.get("/metrics").text
     assert not WHO.search(exposed), "a metric is labelled by who: " + str(WHO.findall(exposed))
     # Prometheus applies its targets some seconds after it starts: wait until it has

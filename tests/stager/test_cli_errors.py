@@ -90,8 +90,9 @@ def test_bad_values_name_the_flag_or_the_variable(places: dict[str, str]) -> Non
         EXIT_USAGE,
         "only loopback addresses may use --no-token",
     )
-    one_sentence(stager(places, "recipes", "--recipe-dirs", "/nonexistent"), EXIT_FAILED,
-                 "recipe folder /nonexistent")  # fmt: skip
+    missing = Path(places["STAGER_CACHE_DIR"]) / "no-recipes"
+    one_sentence(stager(places, "recipes", "--recipe-dirs", str(missing)), EXIT_FAILED,
+                 f"recipe folder {missing}")  # fmt: skip
 
 
 def test_an_address_in_use_and_a_socket_path_too_long(places: dict[str, str]) -> None:
