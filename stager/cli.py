@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"stager: {describe_error(exc, given_flags(args))}", file=sys.stderr)
         return EXIT_USAGE
-    for warning in environment_warnings():
-        print(f"stager: warning: {warning}", file=sys.stderr)
+    if not (args.command == "serve" and not args.detach):  # serve logs them itself
+        for warning in environment_warnings():
+            print(f"stager: warning: {warning}", file=sys.stderr)
     if args.command == "recipes":
         return _recipes(settings, as_json=args.json)
     return _daemon_command(args, argv, settings)
