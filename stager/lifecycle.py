@@ -7,7 +7,8 @@
 
 ``Registry`` holds the entries (what is staged), handles (users' names for
 entries) and leases (a job's pin on an entry), and is the only code that changes
-them. Each change persists itself before anyone can see it, and wakes waiters.
+them. Each change is made in memory, written to the store, then wakes waiters
+(docs/architecture.md); each transition is one log line (stager.statelog).
 
 An *attempt* is one try at staging an entry. Its data and its resume bookkeeping
 live together in ``partial/<key>.<attempt>/`` (``tree/``: the dataset being built;
