@@ -46,8 +46,9 @@ def shell_blocks(text: str) -> Iterator[str]:
 
 
 def whole(line: str) -> bool:
-    """Not a synopsis (NAME, [optional], a|b, ...) or a diagram."""
-    return not re.search(r"\[-|\[[A-Z]|\b(NAME|FILE|JSON|DIR)\b|\.\.\.|…| / |\(only ", line)
+    """Not a synopsis (NAME, [optional], {a,b}, ...) or a diagram."""
+    synopsis = r"\[-|\[[A-Z]|\{[a-z]+,|\b(NAME|FILE|JSON|DIR)\b|\.\.\.|…| / |\(only "
+    return not re.search(synopsis, line)
 
 
 def commands(text: str) -> Iterator[tuple[str, list[str]]]:

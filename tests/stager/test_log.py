@@ -6,6 +6,7 @@ from __future__ import annotations
 import getpass
 import json
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,3 +63,29 @@ def test_the_json_format_is_one_object_a_line_with_the_state_changes_fields(
     assert ready[0]["datasets"] == [{"name": "imgs", "owner": getpass.getuser()}]
     assert ready[0]["size_bytes"] > 0 and ready[0]["seconds"] >= 0
     assert re.fullmatch(STAMP, ready[0]["time"])
+
+
+def test_a_stop_mid_staging_logs_interrupted_then_resumed(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    from tests.httpserver import Behaviour, serve_files
+
+    behaviour = Behaviour(files={"/big.bin": b"x" * 600_000}, bytes_per_s=100_000)
+    daemon = daemon_factory(env={"STAGER_SHUTDOWN_TIMEOUT": "1"})
+    with serve_files(behaviour) as base:
+        body = {"name": "slow", "steps": [{"op": "fetch", "url": f"{base}/big.bin", "dst": "b"}]}
+        with daemon.client() as client:
+            assert stage(client, body).status_code == 202
+            deadline = time.monotonic() + 20
+            while client.get("/v1/datasets/slow").json()["state"] != "staging":
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        daemon.restart()
+        with daemon.client() as client:
+            waited = client.get("/v1/datasets/slow/wait", params={"timeout": 30}).json()
+        assert waited["state"] == "ready", waited
+    daemon.stop()
+    log = daemon.log(limit=None)
+    said = re.findall(r"dataset 'slow' of \S+ \(key \w+\) (\w+)", log)
+    assert said == ["queued", "staging", "interrupted", "resumed", "staging", "ready"], log
+    assert "resumed where it stopped" in log, log
