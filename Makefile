@@ -10,14 +10,18 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# The first build downloads and installs torch and the rest (a few minutes): pip shows
+# each package as it goes, so a newcomer sees it move.
 $(STAMP): pyproject.toml constraints.txt
+	@echo "== installing stager and its packages into $(VENV) (first time only; a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[train,test]'
+	$(BIN)/pip install --progress-bar on --upgrade pip
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[train,test]'
 	touch $(STAMP)
+	@echo "== $(VENV) is ready"
 
 demo: $(STAMP)
-	$(BIN)/python deploy/demo/run.py
+	$(BIN)/python deploy/demo/run.py $(DEMO_ARGS)
 
 # A 4-node SLURM cluster on this machine (root), one dataset fanned out to every node
 # while the shared storage is read once; figures printed, cluster taken down.
@@ -30,7 +34,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check stager client trainer tests bench deploy
 	$(BIN)/ruff format --check stager client trainer tests bench deploy
-	shellcheck deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
+	shellcheck deploy/install.sh deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
 	shellcheck -x deploy/slurm/multinode/*.sh
 
 # A real one-node SLURM cluster on this (Debian) machine, wired with deploy/slurm's

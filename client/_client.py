@@ -164,13 +164,26 @@ def _timed_out(status: DatasetPublic, timeout: float) -> WaitTimeout:
 
 class _NotRequestedYet:
     """A wait that began before the stage request (the prolog stages while the batch
-    script already waits): keep waiting, say so once, and at the timeout name the
-    datasets the daemon does know, so a typo shows."""
+    script already waits), when its caller says so (``await_request``): keep waiting,
+    say so once, and at the end name the datasets the daemon does know, so a typo
+    shows. Without ``await_request`` a name the daemon does not know fails at once:
+    nobody waits forever on a typo."""
 
     pause_s = 0.5
 
-    def __init__(self, name: str, deadline: float | None, clock: Callable[[], float]) -> None:
-        self.name, self.deadline, self.clock = name, deadline, clock
+    def __init__(
+        self,
+        name: str,
+        deadline: float | None,
+        clock: Callable[[], float],
+        await_request: float | None = 0.0,
+    ) -> None:
+        self.name, self.clock = name, clock
+        self.await_request = await_request
+        if await_request is not None:
+            until = clock() + await_request
+            deadline = until if deadline is None else min(deadline, until)
+        self.deadline = deadline
         self.said = False
 
     def pause(self, say: Callable[[str], None] | None) -> float | None:
@@ -185,8 +198,9 @@ class _NotRequestedYet:
 
     def timed_out(self, timeout: float | None, known: list[DatasetPublic]) -> NeverRequested:
         names = ", ".join(sorted(s.name for s in known)) or "none"
+        waited = min((x for x in (timeout, self.await_request) if x is not None), default=0.0)
         return NeverRequested(
-            f"dataset {self.name!r} was never requested in {timeout or 0:g} s (the daemon "
+            f"dataset {self.name!r} was never requested in {waited:g} s (the daemon "
             f"knows: {names}); check the name, and that the job's stage request ran",
             name=self.name,
         )
@@ -377,6 +391,10 @@ class StagerClient(_Base):
     def status(self, name: str) -> DatasetPublic:
         return self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic), what="status")
 
+    def recipes(self) -> dict[str, Any]:
+        """``GET /v1/recipes``: ``data`` (each recipe, its params and splits) and ``ops``."""
+        return self._call("GET", "/v1/recipes", json.loads, what="recipes")
+
     def list(self) -> list[DatasetPublic]:
         return self._call("GET", "/v1/datasets", _model(DatasetsPublic), what="list").data
 
@@ -405,20 +423,24 @@ class StagerClient(_Base):
         on_status: StatusCallback | None = None,
         interval: float | None = None,
         on_not_requested: Callable[[str], None] | None = None,
+        await_request: float | None = 0.0,
     ) -> DatasetPublic:
         """Block until ``name`` is ready and return its status (``.path``).
 
         Long-polls the daemon, so it returns within milliseconds of the dataset
         becoming ready. ``timeout=None`` waits forever. ``on_status`` gets every
         status seen, at least every ``interval`` seconds (for progress displays).
-        A name the daemon does not know yet is waited for too (its stage request
-        may still be on its way); ``on_not_requested`` gets one sentence saying so.
-        Raises `StagingFailed`, `WaitTimeout` (`NeverRequested`) or `DaemonUnavailable`.
+        A name the daemon does not know raises `DatasetNotFound` at once, unless
+        ``await_request`` gives seconds (None: as long as ``timeout``) to wait for its
+        stage request, which may still be on its way; ``on_not_requested`` then gets
+        one sentence saying so.
+        Raises `StagingFailed`, `WaitTimeout` (`NeverRequested`), `DatasetNotFound` or
+        `DaemonUnavailable`.
         """
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         backoff = Backoff(self.retry_for, self._clock)
-        unknown = _NotRequestedYet(name, deadline, self._clock)
+        unknown = _NotRequestedYet(name, deadline, self._clock, await_request)
         while True:
             poll = _poll_length(deadline, self._clock(), interval)
             try:
@@ -434,6 +456,8 @@ class StagerClient(_Base):
                 self._sleep(backoff.delay(exc, deadline))
                 continue
             except DatasetNotFound:
+                if unknown.await_request == 0:
+                    raise
                 if (pause := unknown.pause(on_not_requested)) is None:
                     raise unknown.timed_out(timeout, self.list()) from None
                 self._sleep(pause)
@@ -526,6 +550,9 @@ class AsyncStagerClient(_Base):
         return await self._call("GET", f"/v1/datasets/{_q(name)}", _model(DatasetPublic),
                                 what="status")  # fmt: skip
 
+    async def recipes(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/recipes", json.loads, what="recipes")
+
     async def list(self) -> list[DatasetPublic]:
         return (await self._call("GET", "/v1/datasets", _model(DatasetsPublic), what="list")).data
 
@@ -551,11 +578,12 @@ class AsyncStagerClient(_Base):
         on_status: StatusCallback | None = None,
         interval: float | None = None,
         on_not_requested: Callable[[str], None] | None = None,
+        await_request: float | None = 0.0,
     ) -> DatasetPublic:
         """See `StagerClient.wait`."""
         deadline = None if timeout is None else self._clock() + timeout
         backoff = Backoff(self.retry_for, self._clock)
-        unknown = _NotRequestedYet(name, deadline, self._clock)
+        unknown = _NotRequestedYet(name, deadline, self._clock, await_request)
         while True:
             poll = _poll_length(deadline, self._clock(), interval)
             try:
@@ -571,6 +599,8 @@ class AsyncStagerClient(_Base):
                 await asyncio.sleep(backoff.delay(exc, deadline))
                 continue
             except DatasetNotFound:
+                if unknown.await_request == 0:
+                    raise
                 if (pause := unknown.pause(on_not_requested)) is None:
                     raise unknown.timed_out(timeout, await self.list()) from None
                 await asyncio.sleep(pause)

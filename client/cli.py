@@ -31,13 +31,17 @@ from client.errors import (
     BadConfiguration,
     DaemonError,
     DaemonUnavailable,
+    DatasetNotFound,
     FanoutError,
     RequestRejected,
     StagerError,
     StagingFailed,
     WaitTimeout,
 )
+from client.hints import in_user_terms
 from stager import __version__
+from stager.completion import add_completion, print_completion
+from stager.recipe_listing import format_listing
 from stager.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
 
 EXIT_OK = 0  # every dataset asked for is ready (or the command did what it said)
@@ -75,6 +79,7 @@ examples:
       --link $SLURM_TMPDIR/imgs
   stager-client wait inat imgs --timeout 3600
   stager-client ls --json
+  stager-client recipes                  # the recipes, their params and source files
 
 The daemon is found from --url, else STAGER_URL (unix:///path/to.sock or
 http://host:port with STAGER_TOKEN or the daemon's token file), else the default
@@ -134,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_json(sub, "print the API's WhoAmI JSON")
     sub.set_defaults(run=cmd_whoami)
+    sub = commands.add_parser(
+        "recipes",
+        parents=[common],
+        help="the recipes the daemon knows: their params, the files each split needs, and "
+        "the torchvision call that loads it",
+    )
+    _add_json(sub, "print the API's GET /v1/recipes JSON")
+    sub.set_defaults(run=cmd_recipes)
+    add_completion(commands, parser)
     return parser
 
 
@@ -183,7 +197,9 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         nargs="?",
         help="the dataset's handle, [a-z0-9._-] (may come from --request)",
     )
-    sub.add_argument("--recipe", help="named recipe, e.g. inat2021 (see GET /v1/recipes)")
+    sub.add_argument(
+        "--recipe", help="named recipe, e.g. inat2021 (`stager-client recipes` lists them)"
+    )
     sub.add_argument("--source", help="the recipe's source folder or URL")
     sub.add_argument(
         "--param",
@@ -247,6 +263,15 @@ def _add_wait(commands: Any, common: argparse.ArgumentParser) -> None:
         description="Tolerates a daemon that is still starting or restarts meanwhile.",
     )
     sub.add_argument("names", metavar="NAME", nargs="+")
+    sub.add_argument(
+        "--await-request",
+        type=_seconds,
+        default=0.0,
+        metavar="S",
+        help="a NAME the daemon does not know yet may be requested within S seconds (its "
+        "stage request is still on its way, e.g. from another job step); default 0: an "
+        "unknown NAME fails at once (exit 3)",
+    )
     _add_wait_flags(sub)
     _add_json(sub, "print the final statuses as the API's DatasetsPublic JSON")
     sub.set_defaults(run=cmd_wait)
@@ -397,6 +422,7 @@ async def wait_all(
                 on_status=display.update,
                 interval=interval,
                 on_not_requested=lambda sentence: _say(args, sentence),
+                await_request=getattr(args, "await_request", 0.0),
             )
         )
         for name in names
@@ -478,8 +504,20 @@ async def cmd_status(client: AsyncStagerClient, args: argparse.Namespace) -> int
     status = await client.status(args.name)
     if args.json:
         _print_json(status)
+        return EXIT_OK
+    print(summary(status) + describe_origin(status))
+    if status.state == "ready":  # what README promises: the call that loads it
+        for usage in status.usage:
+            print(f"  usage: {usage.code}")
+    return EXIT_OK
+
+
+async def cmd_recipes(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    listing = await client.recipes()
+    if args.json:
+        print(json.dumps(listing))
     else:
-        print(summary(status) + describe_origin(status))
+        print(format_listing(listing["data"]))
     return EXIT_OK
 
 
@@ -538,17 +576,36 @@ def exit_code(exc: StagerError) -> int:
     return next((code for cls, code in EXIT_CODES if isinstance(exc, cls)), EXIT_DAEMON_ERROR)
 
 
-def describe(exc: StagerError) -> str:
+def describe(exc: StagerError, args: argparse.Namespace | None = None) -> str:
+    """The sentence for the terminal, in the terms of stager-client's own commands."""
     if isinstance(exc, StagingFailed):
-        return f"dataset {exc.name!r} {exc.status.state}: {exc}"
-    return str(exc)
+        return in_user_terms(f"dataset {exc.name!r} {exc.status.state}: {exc}")
+    sentence = in_user_terms(str(exc))
+    if isinstance(exc, DatasetNotFound) and args is not None and args.command == "wait":
+        sentence += "; if its stage request is still on its way, give --await-request S"
+    return sentence
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """What Ctrl-C leaves behind: a staging it waited on goes on in the daemon."""
+    names = list(getattr(args, "names", None) or [])
+    if args.command == "stage" and args.name:
+        names = [args.name]
+    if args.command not in ("stage", "wait") or not names:
+        return "stager-client: interrupted"
+    shown = " ".join(names)
+    return (
+        f"stager-client: interrupted; the daemon goes on staging {shown} (if it was "
+        f"requested): `stager-client wait {shown}` waits again, "
+        f"`stager-client cancel NAME` stops one"
+    )
 
 
 def _report(args: argparse.Namespace, exc: StagerError) -> int:
+    sentence = describe(exc, args)
     if getattr(args, "json", False):
-        error = ErrorInfo(type=exc.type, message=describe(exc))
-        _print_json(ErrorResponse(error=error))
-    print(f"stager-client: {describe(exc)}", file=sys.stderr)
+        _print_json(ErrorResponse(error=ErrorInfo(type=exc.type, message=sentence)))
+    print(f"stager-client: {sentence}", file=sys.stderr)
     return exit_code(exc)
 
 
@@ -565,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         return agent.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "completion":
+        return print_completion(args)
     args.url = getattr(args, "url", None)
     args.quiet = getattr(args, "quiet", False)
     try:
@@ -574,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     except StagerError as exc:
         return _report(args, exc)
     except KeyboardInterrupt:
-        print("stager-client: interrupted", file=sys.stderr)
+        print(interrupted(args), file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK  # unreachable: parser.error exits
 

@@ -183,8 +183,7 @@ class Admission:
                 protected,
                 self.settings.user_quota_bytes,
             ):
-                log.info("evicting %s of uid %d to keep it in its quota", victim.key, owner)
-                await self._reg.evict(victim)
+                await self._reg.evict(victim, f"to keep uid {owner} within --user-quota")
         # Trees being deleted will be free space in a moment; count them as free now, or
         # every request during a large deletion would evict more than it needs.
         free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
@@ -198,8 +197,8 @@ class Admission:
             min_free_bytes=self.settings.min_free_bytes,
         )
         for victim in plan:
-            log.info("evicting %s (%d bytes) to admit %s", victim.key, victim.size_bytes, key)
-            await self._reg.evict(victim)
+            why = f"to make room for {key}" if key else "to bring the cache back under its limits"
+            await self._reg.evict(victim, why)
 
 
 def owner_of(entry: Any) -> int:

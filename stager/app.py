@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from stager import __version__, cache
 from stager.api import errors
@@ -19,12 +21,20 @@ from stager.metrics import Metrics
 from stager.settings import Settings
 
 
+def cache_room(settings: Settings) -> tuple[int, int]:
+    """(capacity, free) of the cache for the metrics: one statvfs at each scrape."""
+    disk = shutil.disk_usage(settings.cache_dir)
+    return settings.capacity_bytes or disk.total, disk.free
+
+
 def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
     metrics.watch_states(
-        lambda: state_counts(engine.entries()), lambda: cache.used_bytes(engine.entries())
+        lambda: state_counts(engine.entries()),
+        lambda: cache.used_bytes(engine.entries()),
+        lambda: cache_room(settings),
     )
 
     @asynccontextmanager
@@ -35,7 +45,11 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
         finally:
             await engine.stop()
 
-    app = FastAPI(
+    # /docs with Swagger UI's scripts served by the daemon itself: compute nodes often
+    # have no internet, and FastAPI's own page loads them from a CDN. No /redoc.
+    app = FastAPIOffline(
+        redoc_url=None,
+        static_url="/docs/assets",
         title="stager",
         version=__version__,
         summary="Per-node dataset staging and caching for deep-learning jobs",
@@ -44,7 +58,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
-    errors.install(app, engine.ops.names)
+    errors.install(app, engine.ops.public_names)
     app.include_router(datasets.stage_router(engine.ops))
     app.include_router(fanout_router(engine.ops))  # before /v1/datasets/{name} routes
     app.include_router(datasets.router)

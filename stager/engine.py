@@ -69,6 +69,7 @@ from stager.schemas import (
 )
 from stager.settings import Settings
 from stager.store import Store
+from stager.suggest import did_you_mean
 from stager.worker import StageJob
 
 log = logging.getLogger("stager.engine")
@@ -341,6 +342,7 @@ class Engine:
                     delivery=arrival.delivery,
                     estimate_bytes=estimate,
                     reader=reader,
+                    asked_as=(caller.uid, request.name),
                 )
                 await reg.queue(entry, ask)
                 self.admission.queue.put(key, owner_of(entry))
@@ -350,6 +352,7 @@ class Engine:
                 self.metrics.requests.labels(outcome=outcome).inc()
                 if outcome == "hit":
                     self.metrics.arrivals.labels(how="hit").inc()
+                    self.metrics.hit_bytes.inc(entry.size_bytes)
                 await reg.touch(entry)
             hit = entry.state == State.READY
             handle = reg.handles.get((caller.uid, request.name))
@@ -388,9 +391,10 @@ class Engine:
         async with self._admission:
             if entry.state != State.READY:
                 return  # another request found it first
-            log.warning("staging %s again: %s", entry.key, changed)
             self.metrics.requests.labels(outcome="changed").inc()
-            await self._reg.evict(entry)
+            await self._reg.evict(
+                entry, f"changed since it was published ({changed}); staged again"
+            )
 
     def _check_name(self, name: str, owner: int, request_key: str) -> None:
         handle = self._reg.handles.get((owner, name))
@@ -400,7 +404,7 @@ class Engine:
         if other.active or other.state == State.READY:
             raise Conflict(
                 f"dataset name {name!r} is already used by a different request "
-                f"(state {other.state}); DELETE /v1/datasets/{name} first or choose another name"
+                f"(state {other.state}); DELETE /v1/datasets/{name} first, or choose another name"
             )
 
     # ---- fan-out: exports and deliveries (docs/multinode.md) ---------------------------
@@ -505,7 +509,7 @@ class Engine:
             elif entry.state == State.STAGING:
                 entry.cancel.set()
             else:
-                await reg.evict(entry)
+                await reg.evict(entry, "on request (stager-client cancel)")
         if dropped is not None:
             await self._drop_claimed(dropped)  # its owner deletes it: outside the lock
         await reg.links_removed(entry)
@@ -579,8 +583,9 @@ class Engine:
                 for e in cache.evictable(self.entries(), self.admission.protected())
                 if request.all or e.key not in named
             ]
+            why = "by gc --all" if request.all else "by gc: no name refers to it any more"
             for victim in victims:
-                await self._reg.evict(victim)
+                await self._reg.evict(victim, why)
         return GcResult(
             evicted=[v.key for v in victims],
             freed_bytes=sum(v.size_bytes for v in victims),
@@ -628,7 +633,12 @@ class Engine:
             )
         handle = self._reg.handles.get((caller.uid if owner is None else owner, name))
         if handle is None:
-            raise NotFound(f"no dataset named {name!r}; GET /v1/datasets lists the known ones")
+            whose = caller.uid if owner is None else owner
+            known = [n for (uid, n) in self._reg.handles if uid == whose]
+            raise NotFound(
+                f"no dataset named {name!r}; {did_you_mean(name, known)}"
+                "GET /v1/datasets lists the known ones"
+            )
         return handle
 
     def _view(self, handle: Handle) -> DatasetPublic:
@@ -730,6 +740,7 @@ class Engine:
                         origin=shared.origin,
                         estimate_bytes=shared.estimate_bytes,
                         reader=reader_of(owner),
+                        asked_as=handle.id,
                     )
                     await reg.queue(entry, ask)
                     self.admission.queue.put(key, owner_of(entry))

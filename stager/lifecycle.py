@@ -7,7 +7,8 @@
 
 ``Registry`` holds the entries (what is staged), handles (users' names for
 entries) and leases (a job's pin on an entry), and is the only code that changes
-them. Each change persists itself before anyone can see it, and wakes waiters.
+them. Each change is made in memory, written to the store, then wakes waiters
+(docs/architecture.md); each transition is one log line (stager.statelog).
 
 An *attempt* is one try at staging an entry. Its data and its resume bookkeeping
 live together in ``partial/<key>.<attempt>/`` (``tree/``: the dataset being built;
@@ -54,6 +55,7 @@ from stager.publish import (
 )
 from stager.schemas import ErrorInfo, LeaseCreate, State
 from stager.settings import Settings
+from stager.statelog import StateLog
 from stager.store import Store
 
 log = logging.getLogger("stager.lifecycle")
@@ -129,6 +131,7 @@ class Registry:
         self.changed = asyncio.Condition()
         self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
         self._unlinking: dict[str, list[asyncio.Future[None]]] = {}  # links of evicted keys
+        self.events = StateLog(lambda key: [h for h in self.handles.values() if h.key == key])
 
     # ---- paths ---------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class Registry:
                 entry.move(State.QUEUED)  # interrupted: the same attempt resumes
                 await self._save(entry, Durable.QUEUED)
             if entry.state == State.QUEUED:
-                log.info("resuming interrupted staging of %s", entry.key)
+                self.events.resumed(entry)
                 # Ops re-count the work they find already done, so start the counters afresh.
                 entry.progress = Progress(step_names=entry.step_names)
                 to_stage.append(entry)
@@ -237,6 +240,7 @@ class Registry:
         entry.last_used_at = now()
         entry.progress = Progress(step_names=entry.step_names)
         await self._save(entry, Durable.QUEUED)
+        self.events.queued(entry, ask.asked_as if ask is not None else None)
         return entry
 
     async def touch(self, entry: Entry) -> None:
@@ -296,11 +300,13 @@ class Registry:
     async def start(self, entry: Entry) -> Attempt:
         """QUEUED -> STAGING. An interrupted attempt resumes where its marker says; any
         other start is a new attempt, in a folder of its own."""
+        resumed = entry.attempt is not None
         if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
-            entry.attempt = uuid.uuid4().hex[:12]
+            entry.attempt, resumed = uuid.uuid4().hex[:12], False
         entry.cancel.clear()
         entry.move(State.STAGING)
         await self._save(entry, Durable.STAGING)
+        self.events.staging(entry, resumed)
         return self.attempt(entry)
 
     async def publish(self, entry: Entry, seal: Seal) -> None:
@@ -327,6 +333,7 @@ class Registry:
         self.metrics.staged_bytes.inc(seal.nbytes)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
+        self.metrics.ready_after(self.events.ready(entry))
         await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
 
     def _count_arrival(self, entry: Entry) -> None:
@@ -361,7 +368,6 @@ class Registry:
         The data goes first: a full disk (the commonest failure) has room again for the
         store's write, and a crash in between restarts the staging in a new attempt.
         """
-        log.warning("dataset %s %s: %s", entry.key, state, error.message)
         if entry.attempt is not None:
             try:
                 if await self.trash.discard(self.attempt(entry).root):
@@ -371,6 +377,7 @@ class Registry:
         entry.move(state, error)
         self.metrics.failures.labels(type=error.type).inc()
         await self._save(entry, Durable.ENDED)
+        self.events.ended(entry)
 
     async def interrupt(self, entry: Entry) -> None:
         """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start;
@@ -380,6 +387,7 @@ class Registry:
             return
         entry.move(State.QUEUED)
         await self._save(entry, Durable.QUEUED)
+        self.events.interrupted(entry)
 
     async def note_feeding(self, entry: Entry) -> None:
         """A fan-out sends what this staging finishes as it goes (early parts): its peers
@@ -390,9 +398,9 @@ class Registry:
             await self._save(entry, Durable.TOUCHED)
 
     async def _end_fed_fan_out(self, entry: Entry) -> None:
-        log.info("not resuming %s on its own: it fed a multi-node fan-out", entry.key)
         entry.move(State.FAILED, FED_A_FAN_OUT)
         await self._save(entry, Durable.ENDED)
+        self.events.ended(entry)
 
     async def fail_unrecorded(self, entry: Entry, error: ErrorInfo) -> None:
         """The store itself failed: waiters must not hang on the entry; a restart retries it."""
@@ -402,12 +410,13 @@ class Registry:
 
     # ---- ready data leaves ------------------------------------------------------------
 
-    async def evict(self, entry: Entry) -> None:
+    async def evict(self, entry: Entry, why: str = "evicted") -> None:
         """READY -> EVICTED. The store says so first, so a half-gone tree is never reported
         ready; links go next; then one rename takes the tree out of ``data/``, and the slow
-        delete of a million files runs afterwards, in the background."""
+        delete of a million files runs afterwards, in the background. ``why``: for the log."""
         entry.move(State.EVICTED)
         await self._save(entry, Durable.EVICTED)
+        self.events.evicted(entry, why)
         final = self.final(entry)
         # In the background, as each link's owner: eviction runs under the admission
         # lock, which no user's process may hold up (DELETE then waits for them).

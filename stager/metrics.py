@@ -1,10 +1,24 @@
-"""Prometheus metrics: counters the engine bumps, gauges read at scrape time."""
+"""Prometheus metrics: counters the engine bumps, gauges read at scrape time.
+
+Named as Prometheus asks (``stager_`` first, the unit last: ``_bytes``,
+``_seconds``, ``_total`` for counters), and labelled by what happened (outcome,
+state, error type), never by who: no user, job or dataset name is a label, so the
+series stay few on a node with thousands of jobs. deploy/grafana/stager-node.json
+is the dashboard over them; tests/deploy/test_dashboard.py asks a real Prometheus
+every one of its panels' queries.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -12,11 +26,34 @@ from prometheus_client.registry import Collector
 disable_created_metrics()
 
 
-class _StateCollector(Collector):
-    """Per-state entry counts and bytes in use, read from the engine when scraped."""
+# Time to ready: from a request's queueing to its data's publish. Seconds for a small
+# dataset, hours for ImageNet from a slow filesystem.
+READY_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200)
 
-    def __init__(self, counts: Callable[[], dict[str, int]], used: Callable[[], int]) -> None:
-        self._counts, self._used = counts, used
+
+def failure_types() -> list[str]:
+    """The ``type`` of every way a staging can end without data (stager.errors), and the
+    registry's own (an interrupted fan-out feeder, a lost store write)."""
+    from stager.errors import StagingError
+
+    found, todo = set(), [StagingError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.type)
+        todo.extend(cls.__subclasses__())
+    return sorted(found | {"internal_error", "interrupted"})
+
+
+class _StateCollector(Collector):
+    """Per-state entry counts, bytes in use and the cache's room, read when scraped."""
+
+    def __init__(
+        self,
+        counts: Callable[[], dict[str, int]],
+        used: Callable[[], int],
+        room: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self._counts, self._used, self._room = counts, used, room
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily("stager_datasets", "Cache entries by state", labels=["state"])
@@ -28,6 +65,16 @@ class _StateCollector(Collector):
             "Bytes of ready entries plus estimates of stagings under way",
             value=self._used(),
         )
+        if self._room is not None:
+            capacity, free = self._room()
+            yield GaugeMetricFamily(
+                "stager_cache_capacity_bytes",
+                "What the cache may hold: --capacity-bytes, or the cache disk's size",
+                value=capacity,
+            )
+            yield GaugeMetricFamily(
+                "stager_cache_disk_free_bytes", "Free bytes on the cache's disk", value=free
+            )
 
 
 class Metrics:
@@ -78,11 +125,42 @@ class Metrics:
         self.evictions = Counter(
             "stager_evictions", "Ready entries removed from the cache", registry=self.registry
         )
+        self.hit_bytes = Counter(
+            "stager_hit_bytes",
+            "Bytes of ready datasets that requests found in the cache (hits): the bytes "
+            "that were not staged again",
+            registry=self.registry,
+        )
+        self.time_to_ready = Histogram(
+            "stager_time_to_ready_seconds",
+            "Seconds from a staging's request (queued) to its data being ready",
+            buckets=READY_BUCKETS,
+            registry=self.registry,
+        )
         self.waiting = Gauge(
             "stager_waiting_requests",
             "Requests long-polling for a dataset to finish (jobs blocked on this node)",
             registry=self.registry,
         )
 
-    def watch_states(self, counts: Callable[[], dict[str, int]], used: Callable[[], int]) -> None:
-        self.registry.register(_StateCollector(counts, used))
+        # Every outcome's series exists from the start, at 0, so that its first event is a
+        # rise a rate sees (a series born at 1 has no rate until it rises again).
+        for outcome in ("miss", "join", "hit", "changed"):
+            self.requests.labels(outcome=outcome)
+        for how in ("staged", "broadcast", "hit"):
+            self.arrivals.labels(how=how)
+        for kind in failure_types():
+            self.failures.labels(type=kind)
+
+    def watch_states(
+        self,
+        counts: Callable[[], dict[str, int]],
+        used: Callable[[], int],
+        room: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        """``room``: (capacity, free) bytes of the cache, asked at each scrape."""
+        self.registry.register(_StateCollector(counts, used, room))
+
+    def ready_after(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self.time_to_ready.observe(seconds)

@@ -23,6 +23,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from stager import logs, startup
 from stager.app import create_app
 from stager.identity import SCOPE_KEY, Caller
 from stager.settings import Settings
@@ -51,7 +52,10 @@ def check_mode(settings: Settings) -> None:
 
 def prepare_runtime_dir(settings: Settings) -> None:
     folder = settings.runtime_dir
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise startup.unusable_folder("runtime_dir", folder, exc) from exc
     if folder.stat().st_uid != os.getuid():
         raise ServeError(f"{folder} belongs to another user; set STAGER_RUNTIME_DIR to your own")
     # Per user: only this user may reach the socket, which is the whole access control
@@ -119,6 +123,8 @@ def serve(settings: Settings) -> None:
     sys.setswitchinterval(0.0005)
     check_mode(settings)
     prepare_runtime_dir(settings)
+    startup.check_cache(settings)
+    startup.check_address(settings)
     token = resolve_token(settings)
     config_args: dict[str, object] = {}
     if settings.host:
@@ -135,11 +141,13 @@ def serve(settings: Settings) -> None:
         app,
         http=PeerHTTPProtocol,
         log_level=settings.log_level,
+        log_config=logs.config(settings),
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
         access_log=settings.log_level == "debug",
         **config_args,
     )
     settings.pid_path.write_text(f"{os.getpid()}\n")
+    logs.started(settings)  # after uvicorn.Config: it set the log up
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the
     # previous handler; make that handler a clean exit so the status is 0, as job
     # prologues and systemd expect from a graceful stop.
@@ -149,6 +157,8 @@ def serve(settings: Settings) -> None:
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
+            if not settings.host and not socket_answers(settings.socket_path):
+                settings.socket_path.unlink(missing_ok=True)  # no stale socket after a stop
 
 
 class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -210,23 +220,27 @@ def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> i
     if pid is not None and is_healthy(settings):
         print(f"stager already running (pid {pid}) at {settings.url}")
         return pid
-    # The log is the daemon's alone: it names sources and users' datasets.
-    log_fd = os.open(settings.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    os.fchmod(log_fd, 0o600)
-    with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "stager", "serve", *serve_argv],
-            stdin=devnull,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # survive the prologue's shell and its signals
-        )
+    check_mode(settings)  # what the daemon would refuse, said here and not in its log
+    startup.check_cache(settings)
+    log = logs.open_log_file(settings.log_path)
+    try:
+        with open(os.devnull, "rb") as devnull:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "stager", "serve", *serve_argv],
+                stdin=devnull,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # survive the prologue's shell and its signals
+            )
+    finally:
+        os.close(log)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
+            last = _tail(settings.log_path, 1).removeprefix("stager: ")
             raise ServeError(
-                f"the daemon exited with code {process.returncode} while starting; "
-                f"see {settings.log_path}:\n{_tail(settings.log_path)}"
+                f"the daemon exited with code {process.returncode} while starting: {last} "
+                f"(its log: {settings.log_path})"
             )
         if is_healthy(settings):
             print(f"stager started (pid {process.pid}) at {settings.url}; log: {settings.log_path}")
@@ -240,6 +254,7 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
     """SIGTERM the daemon of this runtime folder and wait for it; False if none ran."""
     pid = read_pid(settings)
     if pid is None:
+        _remove_stale_socket(settings)
         return False
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -249,25 +264,31 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
         raise ServeError(f"daemon pid {pid} did not stop within {timeout:.0f}s; kill it by hand")
     with contextlib.suppress(FileNotFoundError):
         settings.pid_path.unlink()
+    _remove_stale_socket(settings)
     return True
 
 
-def gc(settings: Settings, evict_all: bool = False) -> str:
-    """Run the daemon's garbage collection; a one-line summary for the terminal."""
+def _remove_stale_socket(settings: Settings) -> None:
+    """A socket nobody answers on (a daemon killed before it could remove it) goes."""
+    if not settings.host and settings.socket_path.is_socket():
+        if not socket_answers(settings.socket_path):
+            settings.socket_path.unlink(missing_ok=True)
+
+
+def gc(settings: Settings, evict_all: bool = False) -> dict[str, object]:
+    """Run the daemon's garbage collection; its answer (``GcResult``'s JSON)."""
     token = resolve_token(settings) if settings.host else None
     try:
         with health_client(settings, timeout=120) as client:
             headers = {"authorization": f"Bearer {token}"} if token else {}
             response = client.post("/v1/gc", json={"all": evict_all}, headers=headers)
     except httpx.TransportError as exc:
-        raise ServeError(f"no daemon answers at {settings.url} ({exc}); start it first") from exc
+        raise ServeError(
+            f"no daemon answers at {settings.url} ({exc}); start it with `stager serve --detach`"
+        ) from exc
     if response.status_code != 200:
         raise ServeError(response.json().get("error", {}).get("message", response.text))
-    result = response.json()
-    return (
-        f"evicted {len(result['evicted'])} dataset(s), freed {result['freed_bytes']} bytes, "
-        f"dropped {result['leases_dropped']} lease(s)"
-    )
+    return response.json()
 
 
 def _tail(path: Path, lines: int = 20) -> str:

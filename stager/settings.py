@@ -2,16 +2,46 @@
 
 Nothing else in the daemon reads ``os.environ``: the CLI builds ``Settings`` and
 passes it down.
+
+One source for every name a setting goes by: each field declares its flag (the
+field's name with dashes, unless ``flag=`` says otherwise), and its environment
+variable is ``STAGER_`` plus that flag's name (``--user-quota``:
+``STAGER_USER_QUOTA``). ``stager serve``'s flags, the environment this module
+reads and the settings table in docs/settings.md are all derived from the fields
+(``cli_flags``, ``env_name``, ``settings_table``), so they cannot drift apart.
+An environment variable's earlier name (the field's own, where the flag differs)
+still works, and ``Settings.renamed`` says which were used, for a warning.
+
+Values read the same from a flag and from the environment: lists take commas
+(``STAGER_ALLOWED_ROOTS=/data,/home``; a JSON list still works), sizes take
+units (``10G``, ``500MiB``; ``format_size`` prints them back).
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import json
 import os
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    BeforeValidator,
+    ByteSize,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+PREFIX = "STAGER_"
 
 
 def default_runtime_dir() -> Path:
@@ -30,59 +60,256 @@ def default_cache_dir() -> Path:
     return Path("/tmp") / f"stager-{os.getuid()}" / "cache"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="STAGER_", extra="ignore")
+# ---- value types that read the same from a flag and from the environment -------------
 
-    cache_dir: Path = Field(default_factory=default_cache_dir)
-    runtime_dir: Path = Field(default_factory=default_runtime_dir)
-    socket: Path | None = None  # default: <runtime_dir>/stager.sock
-    host: str | None = None  # TCP instead of the Unix socket when set
-    port: int = 8765
-    token: str | None = None  # bearer token for TCP; generated when not given
-    token_file: Path | None = None  # default: <runtime_dir>/token
-    no_token: bool = False  # allowed on loopback addresses only
-    max_workers: int = Field(default=2, ge=1)  # datasets staged at once
-    # Processes one op may use for per-file work (copy, link, extract, seal), capped
-    # at the cores (stager.fs.forked.cores); a copy from a network filesystem runs more.
-    op_workers: int = Field(default=8, ge=1)
-    staging_nice: int = Field(default=10, ge=0, le=19)  # CPU priority of staging processes
-    allowed_roots: list[Path] = Field(default_factory=list)  # empty: any readable source
-    recipe_dirs: list[Path] = Field(default_factory=list)
+
+def _size(value: Any) -> Any:
+    """``10G``, ``500 MiB``, ``1.5T``, ``0`` or a plain count of bytes (pydantic's
+    ByteSize: K, M, G, T are powers of 1000; KiB, MiB, GiB, TiB of 1024)."""
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        if text.isdigit():
+            return int(text)
+        try:
+            return int(_BYTE_SIZE.validate_python(text))
+        except ValidationError as exc:
+            raise ValueError(
+                f"{value!r} is not a size; give bytes or a number with a unit, "
+                "e.g. 10G, 500M, 1.5TiB"
+            ) from exc
+    return value
+
+
+_BYTE_SIZE = TypeAdapter(ByteSize)
+# A number of bytes, written with or without a unit; an int for the code that uses it.
+Size = Annotated[int, BeforeValidator(_size)]
+
+
+def _comma_list(value: Any) -> Any:
+    """``a,b`` (and ``["a", "b"]``, the JSON form earlier releases asked for) -> a list;
+    each item of a list given as flags is split at commas too."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{value!r} is not a JSON list; give items separated by commas"
+                ) from exc
+        return [item.strip() for item in text.split(",") if item.strip()]
+    if isinstance(value, list | tuple):
+        return [part for item in value for part in _comma_list(str(item))]
+    return value
+
+
+def CommaList(item: Any) -> Any:  # noqa: N802 - used as a type: CommaList(Path)
+    """A list setting: repeat its flag or separate items with commas."""
+    return Annotated[list[item], BeforeValidator(_comma_list)]
+
+
+def format_size(nbytes: int) -> str:
+    """``161597160`` -> ``154.1 MiB``: how sizes are printed back to people."""
+    return re.sub(r"(?<=\d)(?=[A-Za-z])", " ", ByteSize(nbytes).human_readable())
+
+
+def setting(
+    default: Any = None,
+    *,
+    factory: Any = None,
+    help: str,  # noqa: A002 - argparse's word for it
+    flag: str | None = None,
+    cli: tuple[str, ...] = ("serve",),
+    aliases: tuple[str, ...] = (),
+    default_text: str | None = None,
+    **constraints: Any,
+) -> Any:
+    """A settings field with its flag's name and help. ``cli``: the ``stager`` commands
+    that take it as a flag (none: it is set in the environment only).
+    ``aliases``: other flag spellings accepted (an older or singular form)."""
+    extra = {"flag": flag, "cli": cli, "aliases": list(aliases), "default_text": default_text}
+    if factory is not None:
+        return Field(
+            default_factory=factory, description=help, json_schema_extra=extra, **constraints
+        )
+    return Field(default, description=help, json_schema_extra=extra, **constraints)
+
+
+# Commands whose flags find a daemon: where it listens and in which mode.
+LOCATION = ("serve", "stop", "gc")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore")
+
+    # ---- where it lives and how it is reached ----
+    multi_user: bool = setting(
+        False,
+        cli=LOCATION,
+        help="the node service for every user (as root, from systemd or the SLURM prolog): "
+        "one Unix socket anyone may connect to (default /run/stager/stager.sock), each "
+        "caller known by the kernel, sources read with the caller's rights, data everyone "
+        "may read shared, the rest private (docs/multiuser.md); cache default "
+        "/var/cache/stager",
+    )
+    runtime_dir: Path = setting(
+        factory=default_runtime_dir,
+        cli=LOCATION,
+        default_text="${XDG_RUNTIME_DIR:-/tmp}/stager-$UID (node service: /run/stager)",
+        help="folder of socket, pid, log, token",
+    )
+    socket: Path | None = setting(
+        cli=LOCATION, default_text="<runtime-dir>/stager.sock", help="Unix socket path"
+    )
+    cache_dir: Path = setting(
+        factory=default_cache_dir,
+        default_text="/tmp/stager-$UID/cache (node service: /var/cache/stager)",
+        help="node-local cache root (data, partial stagings, state.db): keep it on local disk",
+    )
+    host: str | None = setting(help="serve TCP on this address instead of the Unix socket")
+    port: int = setting(8765, help="TCP port")
+    token: str | None = setting(default_text="generated, stored 0600", help="bearer token for TCP")
+    token_file: Path | None = setting(
+        default_text="<runtime-dir>/token", help="where the TCP token is read or stored"
+    )
+    no_token: bool = setting(False, help="serve TCP without a token (loopback addresses only)")
+
+    # ---- how much it does at once ----
+    max_workers: int = setting(2, ge=1, help="datasets staged at once")
+    op_workers: int = setting(
+        8,
+        ge=1,
+        help="worker processes one operation may use for per-file work: copy, link, extract, "
+        "seal (capped at the CPU cores; a copy from a network filesystem runs up to 8 at "
+        "once whatever the cores, its time being round trips)",
+    )
+    staging_nice: int = setting(
+        10, ge=0, le=19, cli=(), help="CPU priority (nice) of staging processes"
+    )
+
+    # ---- what it may read ----
+    allowed_roots: CommaList(Path) = setting(
+        factory=list,
+        aliases=("--allowed-root",),
+        default_text="any readable source",
+        help="only stage sources under these folders",
+    )
+    recipe_dirs: CommaList(Path) = setting(
+        factory=list,
+        cli=("serve", "recipes"),
+        aliases=("--recipe-dir",),
+        default_text="none",
+        help="also read recipe files (*.toml) from these folders (docs/recipes.md)",
+    )
     # Modules that add ops to the op table (each defines OPS; see stager.ops.table).
-    op_modules: list[str] = Field(default_factory=list)
-    capacity_bytes: int = Field(default=0, ge=0)  # cache size limit; 0 means the disk's size
-    sweep_interval_s: float = Field(default=30.0, gt=0)  # lease expiry and capacity sweep
-    min_free_bytes: int = Field(default=1 << 30, ge=0)  # floor kept free on the cache disk
-    progress_flush_s: float = Field(default=1.0, gt=0)
-    # How often at most one entry's last use (LRU order) is written to the store: a
-    # cache hit then costs no write, and a crash leaves eviction order this stale.
-    recency_persist_s: float = Field(default=30.0, ge=0)
-    shutdown_timeout_s: float = Field(default=5.0, gt=0)
-    # A staging that has not stopped this long after a cancel (or a stop) is ended.
-    cancel_grace_s: float = Field(default=3.0, gt=0)
-    # A staging whose counters have not moved this long is stuck (a hung source) and
-    # fails; 0 turns the check off. Generous: one huge file may be hashed in silence.
-    stall_timeout_s: float = Field(default=900.0, ge=0)
-    # For the crash-consistency tests only: die right after this durable step
-    # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
-    crash_after: str | None = None
-    log_level: str = "info"
-    # The node service for every user (stager serve --multi-user, as root): callers are
-    # told apart by the kernel, sources read with their rights (docs/multiuser.md).
-    multi_user: bool = False
+    op_modules: CommaList(str) = setting(
+        factory=list, cli=(), default_text="none", help="Python modules that add ops (OPS)"
+    )
+
+    # ---- the cache's size ----
+    capacity_bytes: Size = setting(
+        0,
+        ge=0,
+        default_text="0: the disk's size",
+        help="cache size limit, e.g. 800G; least recently used datasets are evicted beyond it",
+    )
+    min_free_bytes: Size = setting(
+        1 << 30, ge=0, default_text="1GiB", help="free space to keep on the cache disk, e.g. 10G"
+    )
     # Node service: the most bytes of data only its user may read that one user may hold
     # (shared entries count against nobody's); 0: no limit but the cache's.
-    user_quota_bytes: int = Field(default=0, ge=0, le=2**62)
-    # Node service: the most stagings one user runs at once (0: all slots but one, so
-    # that another user always finds one) and queues (past it, 429).
-    max_stagings_per_user: int = Field(default=0, ge=0)
-    max_queued_per_user: int = Field(default=64, ge=1)
-    # Node service: a request's checks run in a process that became its user; one that
-    # takes longer than this (a source on a hung filesystem) is ended and the request fails.
-    user_process_timeout_s: float = Field(default=60.0, gt=0)
+    user_quota_bytes: Size = setting(
+        0,
+        ge=0,
+        le=2**62,
+        flag="user-quota",
+        default_text="0: no limit",
+        help="node service: bytes of data only its user may read that one user may hold, "
+        "e.g. 200G; data every user may read is shared and counts against nobody",
+    )
+
+    # ---- timings ----
+    # A staging whose counters have not moved this long is stuck (a hung source) and
+    # fails; 0 turns the check off. Generous: one huge file may be hashed in silence.
+    stall_timeout_s: float = setting(
+        900.0,
+        ge=0,
+        flag="stall-timeout",
+        help="seconds: fail a staging whose progress has not moved this long, e.g. on a hung "
+        "network filesystem (0: never)",
+    )
+    # A staging that has not stopped this long after a cancel (or a stop) is ended.
+    cancel_grace_s: float = setting(
+        3.0,
+        gt=0,
+        flag="cancel-grace",
+        help="seconds a cancelled staging may take to stop before its process is ended",
+    )
+    sweep_interval_s: float = setting(
+        30.0, gt=0, cli=(), help="seconds between sweeps: lease expiry, capacity"
+    )
+    progress_flush_s: float = setting(
+        1.0, gt=0, cli=(), help="seconds between writes of progress to the state store"
+    )
+    # How often at most one entry's last use (LRU order) is written to the store: a
+    # cache hit then costs no write, and a crash leaves eviction order this stale.
+    recency_persist_s: float = setting(
+        30.0, ge=0, cli=(), help="seconds: how stale a crash may leave the LRU order"
+    )
+    shutdown_timeout_s: float = setting(
+        5.0, gt=0, cli=(), help="seconds a stop waits for open requests and stagings"
+    )
+
+    # ---- the log ----
+    log_level: Literal["debug", "info", "warning", "error"] = setting(
+        "info", help="the least important log lines written"
+    )
+    log_format: Literal["text", "json"] = setting(
+        "text",
+        help="text: a timestamped line each; json: one JSON object a line, for journald's "
+        "and log shippers' parsers (docs/logging.md)",
+    )
+
+    # ---- the node service ----
+    max_stagings_per_user: int = setting(
+        0,
+        ge=0,
+        default_text="0: all slots but one",
+        help="node service: the most stagings one user runs at once, so that another user "
+        "always finds a slot",
+    )
+    max_queued_per_user: int = setting(
+        64, ge=1, help="node service: the most stagings one user may queue (past it: 429)"
+    )
+    user_process_timeout_s: float = setting(
+        60.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds a request's checks may take in the process that became "
+        "its user (a source on a hung filesystem) before the request fails",
+    )
     # Node service: munged's socket, through which a fan-out's manifest is vouched for
     # by the service that packed it (stager.vouch); None: munge's own default.
-    munge_socket: Path | None = None
+    munge_socket: Path | None = setting(
+        cli=(), default_text="munge's own", help="munged's socket (node service, fan-out)"
+    )
+    # For the crash-consistency tests only: die right after this durable step
+    # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
+    crash_after: str | None = setting(cli=(), help="tests only: die after this durable step")
+
+    _renamed: list[str] = PrivateAttr(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags (init) win over the environment; nothing else is read.
+        return init_settings, _Environment(settings_cls)
 
     @field_validator("cache_dir", "runtime_dir")
     @classmethod
@@ -170,3 +397,171 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# ---- names: one source for flags, environment variables and the docs' table ---------
+
+
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def flag_name(name: str) -> str:
+    """The flag of field ``name``, without its dashes: ``user-quota``."""
+    return _extra(Settings.model_fields[name]).get("flag") or name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable of field ``name``: ``STAGER_`` + its flag's name."""
+    return PREFIX + flag_name(name).replace("-", "_").upper()
+
+
+def old_env_names(name: str) -> list[str]:
+    """Names the variable had before it followed its flag (still read, with a warning)."""
+    old = PREFIX + name.upper()
+    return [old] if old != env_name(name) else []
+
+
+def commands_of(name: str) -> tuple[str, ...]:
+    return tuple(_extra(Settings.model_fields[name]).get("cli") or ())
+
+
+def is_list(name: str) -> bool:
+    return get_origin(Settings.model_fields[name].annotation) is list
+
+
+def is_size(name: str) -> bool:
+    return any(
+        isinstance(m, BeforeValidator) and m.func is _size
+        for m in Settings.model_fields[name].metadata
+    )
+
+
+def choices(name: str) -> list[str] | None:
+    annotation = Settings.model_fields[name].annotation
+    return list(get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+def default_text(name: str) -> str:
+    field = Settings.model_fields[name]
+    given = _extra(field).get("default_text")
+    if given:
+        return str(given)
+    if field.default is None:
+        return "none"
+    if is_size(name):
+        return format_size(field.default).replace(" ", "")
+    if isinstance(field.default, bool):
+        return "off" if not field.default else "on"
+    return f"{field.default:g}" if isinstance(field.default, float) else str(field.default)
+
+
+def cli_flags(command: str) -> Iterator[tuple[str, list[str], dict[str, Any]]]:
+    """Each flag of ``command`` as (field, option strings, argparse keywords). Values stay
+    text: the settings model reads them exactly as it reads the environment."""
+    for name, field in Settings.model_fields.items():
+        if command not in commands_of(name):
+            continue
+        options = [f"--{flag_name(name)}", *_extra(field).get("aliases", [])]
+        help_text = f"{field.description} (default {default_text(name)}; env {env_name(name)})"
+        keywords: dict[str, Any] = {"dest": name, "help": help_text.replace("%", "%%")}
+        if field.annotation is bool:
+            keywords.update(action="store_true", default=None)
+        elif is_list(name):
+            keywords.update(action="append", metavar=_metavar(name).rstrip("S"))
+        elif choices(name):
+            keywords.update(choices=choices(name))
+        else:
+            keywords.update(metavar="SIZE" if is_size(name) else _metavar(name))
+        yield name, options, keywords
+
+
+def _metavar(name: str) -> str:
+    if Settings.model_fields[name].annotation is float:
+        return "SECONDS"
+    return flag_name(name).upper().replace("-", "_")
+
+
+def settings_table() -> str:
+    """The settings table of docs/settings.md, as Markdown, from the fields."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        flag = f"`--{flag_name(name)}`" if commands_of(name) else "-"
+        meaning = (field.description or "").replace("|", "\\|")
+        if is_size(name):
+            meaning += " (a size: 500M, 10G, 1.5TiB or bytes)"
+        elif is_list(name):
+            meaning += " (comma-separated)"
+        rows.append(f"| {flag} | `{env_name(name)}` | `{default_text(name)}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+class _Environment(PydanticBaseSettingsSource):
+    """``STAGER_<FLAG>`` for each field (its old name too), as text: the field's own
+    type reads it, so ``STAGER_X`` and ``--x`` accept the same values."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str] | None = None):
+        super().__init__(settings_cls)
+        self.environ = os.environ if environ is None else environ
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        for env in [env_name(field_name), *old_env_names(field_name)]:
+            if env in self.environ:
+                return self.environ[env], env, False
+        return None, env_name(field_name), False
+
+    def __call__(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            value, _, _ = self.get_field_value(field, name)
+            if value is not None:
+                found[name] = value
+        return found
+
+
+def environment_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Sentences about ``STAGER_*`` variables that are set but read differently than the
+    admin may think: an old name (still read), or a near miss of a setting's name."""
+    environ = os.environ if environ is None else environ
+    names = {env_name(n): n for n in Settings.model_fields}
+    old = {o: env_name(n) for n in Settings.model_fields for o in old_env_names(n)}
+    warnings = []
+    for var in sorted(v for v in environ if v.startswith(PREFIX)):
+        if var in old:
+            shadowed = " (and is ignored: the new name is set too)" if old[var] in environ else ""
+            warnings.append(f"{var} is the old name of {old[var]}{shadowed}; rename it")
+        elif var not in names and var not in NOT_SETTINGS:
+            close = difflib.get_close_matches(var, list(names), n=1, cutoff=0.8)
+            if close:
+                warnings.append(f"{var} is not a setting and is ignored; did you mean {close[0]}?")
+    return warnings
+
+
+# STAGER_* variables that other parts read, not the daemon: the client, the trainer and
+# the SLURM scripts (never warned about as near misses).
+NOT_SETTINGS = frozenset({"STAGER_URL"})
+
+
+def describe_error(exc: ValidationError, flags: Mapping[str, Any]) -> str:
+    """Pydantic's first complaint as one sentence naming the flag or variable at fault."""
+    first = exc.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else ""
+    message = first["msg"].removeprefix("Value error, ")
+    if name not in Settings.model_fields:
+        return message
+    where = f"--{flag_name(name)}" if name in flags else env_name(name)
+    value = first.get("input")
+    shown = (
+        f" {value!r}" if isinstance(value, str | int | float) and str(value) not in message else ""
+    )
+    return f"{where}{shown}: {message}"
+
+
+def main() -> None:
+    """``python -m stager.settings``: print the settings table (docs/settings.md)."""
+    print(settings_table(), end="")
+
+
+if __name__ == "__main__":
+    main()

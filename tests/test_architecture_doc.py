@@ -4,6 +4,7 @@ names after it is gone."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -48,3 +49,109 @@ def test_the_map_names_no_module_that_is_gone() -> None:
     mentioned = set(re.findall(r"`((?:stager|client|trainer)/[\w/]+\.py)`", doc))
     gone = sorted(m for m in mentioned if not (REPO / m).exists())
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
+
+
+# ---- claims about who calls whom, checked against the code -------------------------
+
+
+def marked(doc: str, marker: str, end: str) -> str:
+    """The doc's text from ``<!-- marker -->`` to the first ``end`` after it."""
+    start = doc.index(f"<!-- {marker} -->")
+    return doc[start : doc.index(end, start)]
+
+
+def modules_named(text: str) -> set[str]:
+    return set(re.findall(r"`(?:[\w/]+/)?(\w+\.py)`", text))
+
+
+def parsed(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
+def daemon_modules() -> list[Path]:
+    return sorted((REPO / "stager").rglob("*.py"))
+
+
+def test_the_fanout_hooks_the_map_lists_are_the_ones_the_engine_calls() -> None:
+    from tests.stager.test_fanout_hooks import fanout_uses
+
+    listed = set(re.findall(r"`(\w+)` \(", marked(DOC.read_text(), "hooks", "tests/stager")))
+    used = fanout_uses(parsed(REPO / "stager" / "engine.py"))
+    assert listed == used, f"the map lists {sorted(listed)}, the engine calls {sorted(used)}"
+
+
+def is_entry(node: ast.expr) -> bool:
+    """A name the daemon gives entries (as tests/stager/test_entry_writes.py counts)."""
+    return isinstance(node, ast.Name) and (
+        node.id in ("entry", "victim", "existing", "shared") or node.id.endswith("entry")
+    )
+
+
+def test_the_modules_that_change_an_entry_in_place_are_the_ones_the_map_names() -> None:
+    """Outside the registry and the class itself: a module that hands an entry's progress
+    to a call, and the module of the function it hands it to (which updates it), and a
+    module that sets or clears an entry's cancel event."""
+    owners = {"lifecycle.py", "dataset.py"}
+    changers, callees = set(), set()
+    for path in daemon_modules():
+        if path.name in owners:
+            continue
+        for node in ast.walk(parsed(path)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if any(isinstance(a, ast.Attribute) and a.attr == "progress" and is_entry(a.value)
+                   for a in node.args):  # fmt: skip
+                changers.add(path.name)
+                callees.add(func.id if isinstance(func, ast.Name) else getattr(func, "attr", ""))
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("set", "clear")
+                and isinstance(func.value, ast.Attribute)
+                and func.value.attr == "cancel"
+                and is_entry(func.value.value)
+            ):
+                changers.add(path.name)
+    for path in daemon_modules():
+        defined = {n.name for n in ast.walk(parsed(path)) if isinstance(n, ast.AsyncFunctionDef
+                   | ast.FunctionDef)}  # fmt: skip
+        if defined & callees:
+            changers.add(path.name)
+    named = modules_named(marked(DOC.read_text(), "in-place", "Each"))
+    assert changers and named == changers, f"the map names {named}, the code: {changers}"
+
+
+def test_the_callers_of_the_store_are_the_ones_the_map_names() -> None:
+    importers = {
+        path.name
+        for path in daemon_modules()
+        for node in ast.walk(parsed(path))
+        if isinstance(node, ast.ImportFrom) and node.module == "stager.store"
+    }
+    named = modules_named(marked(DOC.read_text(), "store-callers", "run_io"))
+    assert named == importers, f"the map names {named}, these import the store: {importers}"
+
+
+def test_the_routes_that_reach_past_the_engine_are_the_ones_the_map_names() -> None:
+    """A route calling ``engine.<part>.<method>`` reaches past the engine's own calls."""
+    reaching = set()
+    for path in sorted((REPO / "stager" / "api" / "routes").glob("*.py")):
+        for node in ast.walk(parsed(path)):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "engine"
+            ):
+                reaching.add(path.name)
+    named = modules_named(marked(DOC.read_text(), "past-the-engine", "that is all"))
+    assert named == reaching, f"the map names {named}, these routes reach past: {reaching}"
+
+
+def test_the_state_machine_lives_where_the_map_says() -> None:
+    doc = DOC.read_text()
+    assert "`dataset.py` (an\nentry" in doc and "table `ALLOWED`" in doc
+    tree = parsed(REPO / "stager" / "dataset.py")
+    defined = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+               if isinstance(t, ast.Name)}  # fmt: skip
+    assert "ALLOWED" in defined

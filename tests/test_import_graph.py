@@ -27,7 +27,15 @@ REPO = Path(__file__).resolve().parents[1]
 # The wire layer: all the client may import of `stager`. The HTTP API's models, the
 # manifest a fan-out checks a broadcast copy against (standard library only), and the
 # package itself (its version; it imports nothing).
-WIRE = {"stager", "stager.schemas", "stager.manifest_format"}
+# recipe_listing: the recipes as text, printed alike by `stager` and `stager-client`;
+# completion: the shell completion all three commands print.
+WIRE = {
+    "stager",
+    "stager.schemas",
+    "stager.manifest_format",
+    "stager.recipe_listing",
+    "stager.completion",
+}
 # ProgressPublic, a wire model, is defined with the rest of the progress channel, so
 # the wire layer stands on stager/progress.py, which imports nothing of stager.
 WIRE_STANDS_ON = {"stager.progress"}
@@ -147,13 +155,19 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.children",
                 "stager.slurm",
                 "stager.vouch",
+                "stager.redact",
+                "stager.suggest",
             },
         ),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
-        # The daemon's books: entries, leases, their store, the eviction policy.
-        ("books", {"stager.dataset", "stager.leases", "stager.store", "stager.cache"}),
+        # The daemon's books: entries, leases, their store, the eviction policy, and the
+        # log line of each state change.
+        (
+            "books",
+            {"stager.dataset", "stager.leases", "stager.store", "stager.cache", "stager.statelog"},
+        ),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
         # One staging: its process (a download overlapped with its extraction), the
@@ -163,7 +177,17 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),
         ("api", {"stager.api"}),
-        ("app", {"stager.app", "stager.server", "stager.cli", "stager.__main__"}),
+        (
+            "app",
+            {
+                "stager.app",
+                "stager.server",
+                "stager.cli",
+                "stager.__main__",
+                "stager.startup",
+                "stager.logs",
+            },
+        ),
     )
 )
 

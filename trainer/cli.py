@@ -29,7 +29,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 __all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_PREEMPTED", "EXIT_USAGE", "main"]
 
-SUBCOMMANDS = ("train", "find-lr", "shard", "exit-status")
+SUBCOMMANDS = ("train", "find-lr", "shard", "exit-status", "completion")
 # Old spellings of --lr-scheduler values.
 SCHEDULE_ALIASES = {"cosine": "cosineannealinglr", "step": "steplr"}
 EPILOG = """subcommands:
@@ -38,6 +38,7 @@ EPILOG = """subcommands:
   stager-train shard ...     write a dataset as shuffled webdataset tar shards (see shard --help)
   stager-train exit-status   exit as a run ended (75 preempted, 0 completed), after torchrun
                              returns (see exit-status --help)
+  stager-train completion SHELL   a completion script for bash, zsh or tcsh
 
 launch: one process as is; torchrun --nproc-per-node N -m trainer ...; or under
 SLURM `srun python -m trainer ...` (ranks from SLURM_PROCID/SLURM_LOCALID/
@@ -426,6 +427,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"stager-train {_version()}")
     p.add_argument(
         "--recipe",
         choices=sorted(PRESETS),
@@ -437,6 +439,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _train_args(p)
     return p
+
+
+def _version() -> str:
+    from stager import __version__
+
+    return __version__
 
 
 def parse_train_args(argv: list[str]) -> argparse.Namespace:
@@ -516,6 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.exit_status import parse_args
 
         args = parse_args(argv)
+    elif command == "completion":
+        completion = argparse.ArgumentParser(prog="stager-train completion")
+        completion.add_argument("shell", choices=["bash", "zsh", "tcsh"])
+        import shtab
+
+        print(shtab.complete(get_args_parser(), shell=completion.parse_args(argv).shell))
+        return EXIT_OK
     elif command == "find-lr":
         args = get_find_lr_parser().parse_args(argv)
         from trainer.lr_finder import main as run_command

@@ -49,7 +49,10 @@ def _wait(name: str, timeout: float) -> Staged:
             "install stager or drop --stager-wait"
         ) from exc
     try:
-        status = StagerClient().wait(name, timeout=timeout, on_not_requested=log.warning)
+        # The prolog may stage it while this job already runs: wait for its request too.
+        status = StagerClient().wait(
+            name, timeout=timeout, on_not_requested=log.warning, await_request=timeout
+        )
     except StagerError as exc:
         raise StagingError(f"dataset {name!r} is not available: {exc}") from exc
     if getattr(status, "state", None) != "ready":

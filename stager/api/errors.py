@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stager.errors import StagerError
+from stager.suggest import did_you_mean
 
 log = logging.getLogger("stager.api")
 
@@ -45,8 +46,13 @@ def describe_validation_error(
             f"the request body is not valid JSON ({detail}); send a JSON object",
         )
     if kind == "union_tag_invalid":
-        tag = first.get("ctx", {}).get("tag", "?")
-        return 422, "unknown_op", f"{field}: unknown op {tag!r}; use one of {', '.join(op_names)}"
+        tag = str(first.get("ctx", {}).get("tag", "?"))
+        hint = did_you_mean(tag, op_names)
+        return (
+            422,
+            "unknown_op",
+            f"{field}: unknown op {tag!r}; {hint}use one of {', '.join(op_names)}",
+        )
     if kind == "union_tag_not_found":
         return 422, "invalid_request", f"{field}: each step needs an 'op' ({', '.join(op_names)})"
     if kind == "string_pattern_mismatch" and loc == ["name"]:
@@ -64,6 +70,8 @@ def describe_validation_error(
 
 
 def install(app: FastAPI, op_names: list[str]) -> None:
+    """``op_names``: the ops a request may name (never the daemon's internal ones)."""
+
     @app.exception_handler(StagerError)
     async def _stager_error(request: Request, exc: StagerError) -> JSONResponse:
         return error_response(exc.status, exc.type, exc.message)

@@ -132,7 +132,11 @@ class FileCopier:
         done_bytes = made_bytes = 0
         for index, (name, dname, size, atime, mtime, ctime, ino, _mode) in enumerate(items):
             if opened is None:
-                fin = reach.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+                try:
+                    fin = reach.open(name, _SOURCE_FLAGS, dir_fd=sfd)
+                except OSError as exc:
+                    exc.filename = _shown(sfd, name)  # its path in the sentence, not its name
+                    raise
             else:
                 fin, opened[index] = opened[index], -1  # this loop closes it now
                 if fin < 0:

@@ -232,6 +232,11 @@ class OpTable:
     def names(self) -> list[str]:
         return list(self._ops)
 
+    @property
+    def public_names(self) -> list[str]:
+        """The ops a request may name: not the daemon's own (``internal``)."""
+        return [name for name, op in self._ops.items() if not op.internal]
+
     def __getitem__(self, name: str) -> Op:
         return self._ops[name]
 
@@ -349,6 +354,7 @@ class OpTable:
                 "schema": self._tagged[op.name].model_json_schema(),
             }
             for op in self._ops.values()
+            if not op.internal  # built by the daemon, never named in a request
         ]
 
 

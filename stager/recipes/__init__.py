@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from stager.errors import BadRequest, SourceNotFound, UnknownRecipe
 from stager.ops import table
+from stager.recipe_listing import format_listing
 from stager.recipes.model import (
     RecipeFile,
     RecipeFileError,
@@ -31,6 +32,7 @@ from stager.recipes.model import (
 )
 from stager.schemas import DatasetCreate
 from stager.settings import Settings
+from stager.suggest import did_you_mean
 
 BUILTIN_DIR = Path(__file__).parent
 
@@ -133,8 +135,8 @@ def _choose(
     if name not in recipes:
         names = ", ".join(sorted(recipes)) or "none installed"
         raise UnknownRecipe(
-            f"recipe {name!r} is not known (available: {names}); "
-            "GET /v1/recipes lists them, or pass raw steps instead"
+            f"recipe {name!r} is not known; {did_you_mean(name, recipes)}"
+            f"the recipes: {names} (GET /v1/recipes describes them), or pass raw steps instead"
         )
     _, recipe = recipes[name]
     values = _params(recipe, params)
@@ -149,6 +151,7 @@ def _params(recipe: RecipeFile, given: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise BadRequest(
             f"recipe {recipe.name!r} has no parameter {', '.join(map(repr, unknown))}; "
+            f"{did_you_mean(unknown[0], specs)}"
             f"its parameters are {', '.join(specs)} (GET /v1/recipes describes them)"
         )
     values = {name: spec.default for name, spec in specs.items()}
@@ -195,25 +198,23 @@ def _check_files(recipe: RecipeFile, source: str, chosen: list[tuple[str, Sectio
                     f"recipe {recipe.name!r} expects {path} for {which}, but it does not "
                     "exist; check --source, or narrow params.splits to the splits you have"
                 )
+    if "." in recipe.common.files and os.path.isdir(source):
+        _check_usage_roots(recipe, source, chosen)
 
 
-def format_listing(listing: list[dict[str, Any]]) -> str:
-    """``stager recipes``: per recipe its params, the files each split needs, and the call."""
-    blocks = []
-    for recipe in listing:
-        lines = [f"{recipe['name']}: {recipe['description']}", f"  file: {recipe['file']}"]
-        for param in recipe["params"]:
-            choices = "|".join(map(str, param.get("choices") or [])) or param["type"]
-            lines.append(f"  param {param['name']} = {param.get('default')!r}  ({choices})")
-        for split, info in recipe["splits"].items():
-            files = ", ".join(f if f != "." else "the source itself" for f in info["files"])
-            calls = "; ".join(_call(u) for u in info["usage"]) or "-"
-            lines.append(f"  split {split}: needs {files or '-'} -> {calls}")
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def _call(usage: dict[str, Any]) -> str:
-    root = "root" if usage["root"] in ("", ".") else f"root + '/{usage['root']}'"
-    args = "".join(f", {k}={v!r}" for k, v in usage["kwargs"].items())
-    return f"{usage['class']}({root}{args})"
+def _check_usage_roots(recipe: RecipeFile, source: str, chosen: list[tuple[str, Section]]) -> None:
+    """A folder staged as it is (the recipe's source is the dataset itself): each chosen
+    split's torchvision root must be in it, or the dataset would go ready with a usage
+    that names a folder it does not have (``imagefolder`` with splits=train and no
+    train/)."""
+    for split, section in chosen:
+        for usage in section.usage:
+            root = usage.root.strip("/")
+            if "{" in root or root in ("", ".") or os.path.isdir(os.path.join(source, root)):
+                continue
+            present = sorted(e.name for e in os.scandir(source) if e.is_dir())[:8]
+            raise SourceNotFound(
+                f"split {split!r} of recipe {recipe.name!r} loads {root}/ of the source, but "
+                f"{source} has no folder {root}/ (its folders: {', '.join(present) or 'none'}); "
+                "check --source, or choose the splits it has (--param splits=...)"
+            )

@@ -65,8 +65,9 @@ def test_timeout_exits_4_and_says_where_staging_is(daemon: Daemon, slow_url: str
 
 def test_wait_started_before_the_stage_request_waits_for_it(daemon: Daemon, tree: Path) -> None:
     """The prolog stages while the batch script already waits: the wait must not lose
-    that race. It says once that the name is not requested yet, then succeeds."""
-    waiting = start_cli(daemon, "wait", "late", "--timeout", "30")
+    that race when asked to (--await-request). It says once that the name is not
+    requested yet, then succeeds."""
+    waiting = start_cli(daemon, "wait", "late", "--timeout", "30", "--await-request", "30")
     time.sleep(1.5)  # several polls find no such name
     assert waiting.poll() is None
     assert run_cli(daemon, "stage", "late", "--step", copy_step(tree)).returncode == 0
@@ -80,9 +81,24 @@ def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
     daemon: Daemon, tree: Path
 ) -> None:
     assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
-    done = run_cli(daemon, "wait", "inta", "--timeout", "1")
+    done = run_cli(daemon, "wait", "inta", "--await-request", "1")
     assert done.returncode == EXIT_TIMEOUT, done.stderr
     assert "dataset 'inta' was never requested in 1 s (the daemon knows: inat)" in done.stderr
+
+
+def test_wait_for_a_name_nobody_requested_fails_at_once_with_did_you_mean(
+    daemon: Daemon, tree: Path
+) -> None:
+    """On 989b0ea `wait nosuch` with no --timeout waited forever."""
+    assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
+    started = time.monotonic()
+    done = run_cli(daemon, "wait", "inta")
+    assert time.monotonic() - started < 10
+    assert done.returncode == EXIT_REJECTED, done.stderr
+    assert done.stderr.strip() == (
+        "stager-client: no dataset named 'inta'; did you mean 'inat'? `stager-client ls` lists "
+        "the known ones; if its stage request is still on its way, give --await-request S"
+    )
 
 
 def test_wait_started_before_the_daemon_succeeds_once_it_is_up(daemon: Daemon, tree: Path) -> None:

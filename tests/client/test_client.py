@@ -307,7 +307,7 @@ def test_contract_promised_to_the_trainer(daemon: Daemon, tree: Path, monkeypatc
         said: list[str] = []
         with pytest.raises(NeverRequested, match=r"'nope' was never requested in 1 s \(the "
                            r"daemon knows: imgs\)") as never:  # fmt: skip
-            c.wait("nope", timeout=1, on_not_requested=said.append)
+            c.wait("nope", timeout=1, on_not_requested=said.append, await_request=None)
         assert isinstance(never.value, WaitTimeout) and never.value.name == "nope"
         assert said == ["dataset 'nope' has not been requested yet; waiting for its stage request"]
 

@@ -57,7 +57,13 @@ def test_unknown_ops_are_refused_with_the_table_names(daemon: Daemon) -> None:
         )
     assert response.status_code == 422
     message = response.json()["error"]["message"]
-    assert "unknown op 'toy'" in message and ", ".join(table.load().names) in message
+    assert "unknown op 'toy'" in message and ", ".join(table.load().public_names) in message
+    # The daemon's own ops (a fan-out's adoption) are no choice a request has.
+    internal = [op for op in table.load().names if table.load()[op].internal]
+    assert internal and not any(f"'{op}'" in message or f" {op}," in message for op in internal)
+    with daemon.client() as client:
+        listed = {op["name"] for op in client.get("/v1/recipes").json()["ops"]}
+    assert listed == set(table.load().public_names)
 
 
 def test_extract_and_unpack_honour_sha256_through_a_real_staging(

@@ -51,7 +51,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     daemon = Daemon(
         cache_dir=root / "cache",
         args=["--allowed-root", str(root / "sandbox")],
-        extra_env={"STAGER_STALL_TIMEOUT_S": "3", "STAGER_CANCEL_GRACE_S": "1"},
+        extra_env={"STAGER_STALL_TIMEOUT": "3", "STAGER_CANCEL_GRACE": "1"},
     )
     daemon.start()
     try:

@@ -54,3 +54,30 @@ def test_a_users_own_daemon_publishes_read_only_and_restages_what_they_change(
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_a_file_the_user_may_not_read_is_named_by_its_path(
+    users: tuple[User, User],
+    interpreter_for_users: str,
+    shared_tmp: Path,
+) -> None:
+    """On 989b0ea the sentence named the file by its basename (`f2 is not readable`),
+    as the copy's workers open it relative to its folder."""
+    alice, _ = users
+    src = write_tree(shared_tmp / "src", n_files=6)
+    for path in [shared_tmp, *shared_tmp.rglob("*")]:
+        os.chown(path, alice.uid, alice.gid)
+    secret = sorted(p for p in src.rglob("*") if p.is_file() and p.parent != src)[0]
+    os.chown(secret, 0, 0)
+    os.chmod(secret, 0o600)
+    daemon = Daemon(cache_dir=shared_tmp / "cache", user=alice)
+    daemon.start()
+    try:
+        with daemon.client() as client:
+            client.post("/v1/datasets", json=copy_body("ds", src))
+            status = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        assert status["state"] == "failed", status
+        assert status["error"]["message"].startswith(f"{secret} is not readable"), status
+    finally:
+        daemon.stop()
+        daemon.cleanup()

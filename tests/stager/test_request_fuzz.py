@@ -55,7 +55,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbox]:
     archive = (root / "tree.tar.gz").read_bytes()
     daemon = Daemon(
         cache_dir=root / "cache",
-        extra_env={"STAGER_STALL_TIMEOUT_S": "5", "STAGER_CANCEL_GRACE_S": "1"},
+        extra_env={"STAGER_STALL_TIMEOUT": "5", "STAGER_CANCEL_GRACE": "1"},
     )
     with serve_files(Behaviour(files={"/t.tar.gz": archive})) as url:
         daemon.start()

@@ -37,7 +37,7 @@ def wait_for_step(daemon: Daemon, name: str, step: str) -> None:
 
 
 def test_cancel_ends_a_staging_stuck_in_a_system_call(daemon_factory) -> None:
-    daemon: Daemon = daemon_factory(env={"STAGER_CANCEL_GRACE_S": "1"})
+    daemon: Daemon = daemon_factory(env={"STAGER_CANCEL_GRACE": "1"})
     hold = threading.Event()
     with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url:
         before = children(daemon)
@@ -60,7 +60,7 @@ def test_cancel_ends_a_staging_stuck_in_a_system_call(daemon_factory) -> None:
 def test_a_staging_that_makes_no_progress_fails_naming_its_step(daemon_factory) -> None:
     # Long enough for the staging process to start on a loaded machine (before its
     # first step, a stall would be reported "in its start").
-    daemon: Daemon = daemon_factory(env={"STAGER_STALL_TIMEOUT_S": "4"})
+    daemon: Daemon = daemon_factory(env={"STAGER_STALL_TIMEOUT": "4"})
     hold = threading.Event()
     with serve_files(Behaviour(files={"/blob": BLOB}, hold=hold)) as url, daemon.client() as c:
         body = {"name": "hung", "steps": [{"op": "fetch", "url": f"{url}/blob", "dst": "b"}]}

@@ -1,0 +1,135 @@
+"""The first hour, scripted: `make demo`, then a researcher's steps from README.md,
+then an admin's, each output checked, as a newcomer would run them on this machine
+(the admin's install is tests/deploy/test_install.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+class Shell:
+    """Runs commands as a person's shell would: the venv's programs on PATH, the
+    daemon's places in the environment, nothing else of the test's."""
+
+    def __init__(self, home: Path, run: Path) -> None:
+        self.env = {
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+            "HOME": str(home),
+            "STAGER_RUNTIME_DIR": str(run),
+            "STAGER_CACHE_DIR": str(home / "cache"),
+            "STAGER_MIN_FREE_BYTES": "0",
+            "STAGER_URL": f"unix://{run}/stager.sock",
+        }
+
+    def __call__(self, *argv: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(argv, env={**self.env, **env}, capture_output=True, text=True,
+                              timeout=300, cwd=REPO)  # fmt: skip
+        assert "Traceback" not in done.stderr, done.stderr
+        if ok:
+            assert done.returncode == 0, f"{argv}: {done.stderr[-2000:]}"
+        return done
+
+
+@pytest.fixture
+def places(tmp_path: Path):
+    run = Path(tempfile.mkdtemp(prefix="stg-"))  # short: a socket's path is limited
+    yield tmp_path, run
+    subprocess.run([str(BIN / "stager"), "stop"], env={"STAGER_RUNTIME_DIR": str(run),
+                   "PATH": os.environ["PATH"]}, capture_output=True, timeout=60)  # fmt: skip
+    shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_the_first_hour(places) -> None:
+    home, run = places
+    sh = Shell(home, run)
+
+    # ---- make demo: the whole job on this machine, the accuracy shown ----------------
+    work = home / "demo"
+    demo = sh("make", "demo", f"DEMO_ARGS=--work-dir {work}")
+    assert re.search(r"training      : epoch 0: train loss [\d.]+, val top-1 [\d.]+%", demo.stdout)
+    assert "cache         : miss - staged now" in demo.stdout
+    assert not (work / "run" / "stager.sock").exists()  # the demo stopped its daemon
+    shared = work / "shared" / "inat"
+
+    # ---- a researcher: README's job-script pattern ------------------------------------
+    assert "stager started" in sh("stager", "serve", "--detach").stdout
+    job = home / "job"
+    data = sh("stager-client", "stage", "inat", "--recipe", "inat2021", "--source", str(shared),
+              "--link", str(job / "inat"), "--wait", "--timeout", "600").stdout.strip()  # fmt: skip
+    assert Path(data).is_dir() and (job / "inat").resolve() == Path(data)
+    status = sh("stager-client", "status", "inat").stdout
+    assert f"inat: ready at {data}" in status
+    assert f"usage: torchvision.datasets.INaturalist(root='{data}', version='2021_train')" in status
+    assert "inat2021:" in sh("stager-client", "recipes").stdout
+    assert "split 2021_valid: needs val.tar.gz" in sh("stager", "recipes").stdout
+    # Raw steps, as README shows them.
+    imgs = home / "imgs"
+    (imgs / "cls").mkdir(parents=True)
+    (imgs / "cls" / "a.jpg").write_bytes(b"jpeg")
+    with tarfile.open(home / "imgs.tar.gz", "w:gz") as archive:
+        archive.add(imgs, arcname="imgs")
+    extract = json.dumps({"op": "extract", "src": str(home / "imgs.tar.gz")})
+    rename = json.dumps({"op": "rename", "src": "imgs", "dst": "train"})
+    staged = sh("stager-client", "stage", "imgs", "--wait", "--step", extract, "--step", rename)
+    assert (Path(staged.stdout.strip()) / "train" / "cls" / "a.jpg").read_bytes() == b"jpeg"
+    waited = sh("stager-client", "wait", "inat", "imgs", "--timeout", "3600").stdout.split()
+    assert waited[0] == data and len(waited) == 2
+    listed = sh("stager-client", "ls").stdout
+    assert "inat: ready at" in listed and "imgs: ready at" in listed
+    # The same request again: a cache hit.
+    again = sh("stager-client", "stage", "inat", "--recipe", "inat2021", "--source", str(shared),
+               "--wait").stdout.strip()  # fmt: skip
+    assert again == data
+    assert "this request was a cache hit" in sh("stager-client", "status", "inat").stdout
+    # README's Python.
+    code = (
+        "from client import StagerClient\n"
+        "with StagerClient() as stager:\n"
+        "    print(stager.wait('imgs', timeout=3600).path)\n"
+    )
+    assert sh(sys.executable, "-c", code).stdout.strip() == staged.stdout.strip()
+    # A typo is caught with the fix, in the client's own terms.
+    typo = sh("stager-client", "status", "inta", ok=False)
+    assert typo.returncode == 3
+    assert "did you mean 'inat'? `stager-client ls` lists the known ones" in typo.stderr
+    assert "freed" in sh("stager", "gc").stdout
+    assert "stager stopped" in sh("stager", "stop").stdout
+    assert not (run / "stager.sock").exists()
+
+    # ---- an admin: settings by the environment, the API's document, metrics, the log ---
+    admin = {"STAGER_CAPACITY_BYTES": "10G", "STAGER_ALLOWED_ROOTS": f"{shared},{home / 'ok'}"}
+    assert "STAGER_CAPACITY_BYTES" in sh("stager", "serve", "--help").stdout
+    sh("stager", "serve", "--detach", **admin)
+    outside = sh("stager-client", "stage", "x", "--step", extract, ok=False)
+    assert outside.returncode == 3 and "STAGER_ALLOWED_ROOTS" in outside.stderr, outside.stderr
+    transport = httpx.HTTPTransport(uds=str(run / "stager.sock"))
+    with httpx.Client(transport=transport, base_url="http://stager") as http:
+        assert http.get("/openapi.json").json()["info"]["title"] == "stager"
+        assert "swagger-ui-bundle.js" in http.get("/docs").text
+        metrics = http.get("/metrics").text
+    assert "stager_cache_capacity_bytes 1e+10" in metrics
+    assert 'stager_datasets{state="ready"} 2.0' in metrics
+    sh("stager", "stop")
+    log = run / "stager.log"
+    assert oct(log.stat().st_mode & 0o777) == "0o600"
+    text = log.read_text()
+    assert re.search(r"^\d{4}-\d\d-\d\dT[\d:.]+[+-]\d\d:\d\d INFO stager: stager .* starting", text,
+                     re.M)  # fmt: skip
+    assert "(limit 9.3 GiB)" in text
+    assert (run / "stager.log.1").exists()  # the researcher's run, kept by the rotation
+    assert "dataset 'inat' of" in (run / "stager.log.1").read_text()

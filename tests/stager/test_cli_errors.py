@@ -1,0 +1,138 @@
+"""Every start-up failure of ``stager`` is one sentence naming the setting and the
+fix, with the exit code docs/settings.md gives, and no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from stager.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def places(tmp_path: Path) -> dict[str, str]:
+    run = Path(tempfile.mkdtemp(prefix="stg-"))  # short: a socket's path is limited
+    yield {"STAGER_RUNTIME_DIR": str(run), "STAGER_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-m", "stager", "stop"], env={**os.environ, **{
+        "STAGER_RUNTIME_DIR": str(run)}}, capture_output=True, timeout=60)  # fmt: skip
+    subprocess.run(["rm", "-rf", str(run)], check=False)
+
+
+def stager(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("STAGER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "stager", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def one_sentence(done: subprocess.CompletedProcess[str], code: int, *parts: str) -> str:
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("stager: warning")]
+    assert len(lines) == 1, done.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("detach", [[], ["--detach"]])
+def test_an_unusable_cache_or_runtime_folder(places: dict[str, str], detach: list[str]) -> None:
+    """On 989b0ea both printed ~20 traceback lines ending in FileNotFoundError."""
+    one_sentence(
+        stager(places, "serve", *detach, "--cache-dir", "/proc/nope"),
+        EXIT_FAILED,
+        "--cache-dir /proc/nope cannot be used: No such file or directory",
+        "--cache-dir (STAGER_CACHE_DIR) a folder this user can create and write",
+    )
+    one_sentence(
+        stager(places, "serve", *detach, "--runtime-dir", "/proc/x"),
+        EXIT_FAILED,
+        "--runtime-dir /proc/x cannot be used",
+        "STAGER_RUNTIME_DIR",
+    )
+    one_sentence(
+        stager({**places, "STAGER_CACHE_DIR": "/proc/nope"}, "serve", *detach),
+        EXIT_FAILED,
+        "--cache-dir /proc/nope cannot be used",
+    )
+
+
+def test_bad_values_name_the_flag_or_the_variable(places: dict[str, str]) -> None:
+    one_sentence(
+        stager(places, "serve", "--capacity-bytes", "10X"),
+        EXIT_USAGE,
+        "--capacity-bytes: '10X' is not a size",
+    )
+    one_sentence(
+        stager({**places, "STAGER_MAX_WORKERS": "many"}, "serve"),
+        EXIT_USAGE,
+        "STAGER_MAX_WORKERS 'many'",
+    )
+    one_sentence(
+        stager({**places, "STAGER_LOG_FORMAT": "xml"}, "serve"), EXIT_USAGE, "STAGER_LOG_FORMAT"
+    )
+    one_sentence(
+        stager(places, "serve", "--host", "0.0.0.0", "--no-token"),
+        EXIT_USAGE,
+        "only loopback addresses may use --no-token",
+    )
+    missing = Path(places["STAGER_CACHE_DIR"]) / "no-recipes"
+    one_sentence(stager(places, "recipes", "--recipe-dirs", str(missing)), EXIT_FAILED,
+                 f"recipe folder {missing}")  # fmt: skip
+
+
+def test_an_address_in_use_and_a_socket_path_too_long(places: dict[str, str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        one_sentence(
+            stager(places, "serve", "--host", "127.0.0.1", "--port", port),
+            EXIT_FAILED,
+            f"cannot listen on 127.0.0.1:{port}",
+            "choose another --port (STAGER_PORT)",
+        )
+    one_sentence(
+        stager(places, "serve", "--socket", "/tmp/" + "s" * 120),
+        EXIT_FAILED,
+        "longer than the 107 a Unix socket may have",
+    )
+
+
+def test_the_list_variable_of_the_issue_starts_and_stop_leaves_no_socket(
+    places: dict[str, str],
+) -> None:
+    """On 989b0ea STAGER_ALLOWED_ROOTS=/data failed with pydantic's SettingsError, and
+    `stager stop` left the socket behind."""
+    env = {**places, "STAGER_ALLOWED_ROOTS": "/data,/home"}
+    started = stager(env, "serve", "--detach")
+    assert started.returncode == EXIT_OK, started.stderr
+    log = Path(places["STAGER_RUNTIME_DIR"]) / "stager.log"
+    assert oct(log.stat().st_mode & 0o777) == "0o600"
+    stopped = stager(env, "stop", "--json")
+    assert stopped.returncode == EXIT_OK, stopped.stderr
+    assert json.loads(stopped.stdout)["stopped"] is True
+    assert not (Path(places["STAGER_RUNTIME_DIR"]) / "stager.sock").exists()
+    again = stager(env, "stop", "--json")
+    assert json.loads(again.stdout) == {
+        "stopped": False,
+        "pid": None,
+        "runtime_dir": places["STAGER_RUNTIME_DIR"],
+    }
+    gc = stager(env, "gc", "--json")
+    assert gc.returncode == EXIT_FAILED
+    assert "stager serve --detach" in json.loads(gc.stdout)["error"]["message"]
