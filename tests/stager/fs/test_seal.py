@@ -193,15 +193,28 @@ def test_a_swapped_top_folder_is_found(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
-def test_a_private_copys_top_is_its_owners_alone_and_watched_too(tmp_path: Path) -> None:
-    final, sealed = published(tmp_path)
+@pytest.mark.skipif(os.geteuid() != 0, reason="a private top is made for another user by root")
+def test_a_private_copys_top_is_its_users_alone_to_read_and_nobodys_to_change(
+    shared_tmp: Path,
+) -> None:
+    """The top stays the service's (so root never deletes a tree its user could write),
+    with an ACL that lets its user in and nobody else; any change to it is seen."""
+    final, sealed = published(shared_tmp)
+    os.chmod(final.parent, 0o755)
     seal.protect_top(final, owner=65534)
     st = final.stat()
-    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o500)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o550)
     assert seal.check_seal(final, sealed, owner=65534) is None
     assert seal.check_seal(final, sealed) is not None  # not shared: a shared top is 0555
-    os.chmod(final, 0o700)  # its owner may do this (and then add files): it is seen
-    assert "owner or mode" in (seal.check_seal(final, sealed, owner=65534) or "")
+    assert seal.check_seal(final, sealed, owner=65533) is not None  # another user's ACL
+    as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    other = ["setpriv", "--reuid=65533", "--regid=65533", "--clear-groups"]
+    assert subprocess.run([*as_user, "ls", str(final)], capture_output=True).returncode == 0
+    assert subprocess.run([*other, "ls", str(final)], capture_output=True).returncode != 0
+    chmod = subprocess.run([*as_user, "chmod", "0700", str(final)], capture_output=True)
+    assert chmod.returncode != 0  # not theirs to change
+    os.chmod(final, 0o750)  # root can: it is seen
+    assert "owner, mode or ACL" in (seal.check_seal(final, sealed, owner=65534) or "")
 
 
 @pytest.mark.parametrize("op", ["copy", "extract"])
