@@ -484,39 +484,58 @@ class Engine:
                     pass
 
     async def delete(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
-        """Cancel if staging, evict if ready, forget the name if already finished (only
-        the name, when another name, any user's, shows the same data)."""
+        """Cancel if staging, evict if ready, forget the name if already finished. A name
+        with a lease is refused (409) while its data is staging or ready: the lease is a
+        job's promise that it stays. When other names (any user's) show the same data,
+        only this name goes: data stays while any of its names holds it. The answer's
+        ``outcome`` says what happened to the name and to the data."""
         reg = self._reg
         dropped: Entry | None = None
         async with self._admission:
             handle = self._handle(name, caller, owner)
             entry = reg.entries[handle.key]
-            holders = sorted({x.holder for x in reg.leases.values() if x.key == entry.key})
-            shared = any(h.key == entry.key and h.id != handle.id for h in reg.handles.values())
-            if shared or not (entry.active or entry.state == State.READY):
+            live = entry.active or entry.state == State.READY
+            holders = sorted({x.holder for x in reg.leases.values() if x.handle_id == handle.id})
+            if holders and live:
+                raise Conflict(
+                    f"dataset {name!r} is leased by {', '.join(holders)}, so it stays (the name "
+                    f"and its data); release it first (stager-client release {name}) or wait "
+                    "for those jobs to end"
+                )
+            others = sum(
+                1 for h in reg.handles.values() if h.key == entry.key and h.id != handle.id
+            )
+            if others or not live:
                 view = self._view(handle)
                 await reg.forget(handle)
+                if not live:
+                    view.outcome = f"removed the name {name!r} ({entry.state.value} already)"
+                else:
+                    view.outcome = (
+                        f"removed the name {name!r}; its data stays ({entry.state.value}): "
+                        f"{others} other name(s) on this node use it"
+                    )
                 return view
-            if holders:
-                raise Conflict(
-                    f"dataset {name!r} is leased by {', '.join(holders)}; release it first "
-                    f"(stager-client release {name}) or wait for those jobs to end"
-                )
             if entry.state == State.QUEUED:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
                 self.admission.queue.discard(entry.key, owner_of(entry))
                 dropped = entry
+                outcome = f"cancelled {name!r} before it started; nothing was staged"
             elif entry.state == State.STAGING:
                 entry.cancel.set()
+                outcome = f"cancelled the staging of {name!r}; its partial data is deleted"
             else:
                 await reg.evict(entry, "on request (stager-client cancel)")
+                outcome = f"evicted {name!r}: its data is deleted from this node's cache"
         if dropped is not None:
             await self._drop_claimed(dropped)  # its owner deletes it: outside the lock
         await reg.links_removed(entry)
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
             grace = self.settings.cancel_grace_s + 2.0
             await self.wait(name, max(grace, self.settings.shutdown_timeout_s), caller, owner)
-        return self._view(handle)
+        view = self._view(handle)
+        view.outcome = outcome
+        return view
 
     # ---- leases ----------------------------------------------------------------------
 

@@ -325,6 +325,11 @@ class DatasetPublic(BaseModel):
     origin: Origin | None = None  # how this node's copy arrived
     created_at: datetime
     updated_at: datetime
+    outcome: str | None = Field(
+        None,
+        description="what a DELETE did, in a sentence: to the name, and to the data (which "
+        "stays while another name uses it)",
+    )
 
 
 class DatasetsPublic(BaseModel):

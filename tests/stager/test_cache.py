@@ -158,6 +158,36 @@ def test_delete_of_a_leased_dataset_is_refused_naming_the_holders(
         assert client.delete("/v1/datasets/ds").json()["state"] == "evicted"
 
 
+def test_a_lease_holds_the_data_whatever_other_names_share_it(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """``n1`` and ``n2`` show one entry; ``n2`` is leased. Cancelling ``n2`` is refused
+    (the name and its lease stay), cancelling ``n1`` removes only that name and says so,
+    and the data stays ready for ``n2``; gc --all leaves it too. Once released, ``n2``'s
+    cancel evicts it."""
+    src = write_tree(tmp_path / "src", n_files=5)
+    with daemon.client() as client:
+        first = ready(client, copy_body("n1", src))
+        second = ready(client, copy_body("n2", src, lease={"holder": "me"}))
+        assert first["key"] == second["key"]
+        refused = client.delete("/v1/datasets/n2")
+        assert refused.status_code == 409, refused.text
+        assert "leased by me" in refused.json()["error"]["message"]
+        assert client.get("/v1/datasets/n2").json()["leases"][0]["holder"] == "me"
+        gone = client.delete("/v1/datasets/n1").json()
+        assert gone["outcome"] == (
+            "removed the name 'n1'; its data stays (ready): 1 other name(s) on this node use it"
+        )
+        assert client.get("/v1/datasets/n1").status_code == 404
+        client.post("/v1/gc", json={"all": True})
+        status = client.get("/v1/datasets/n2").json()
+        assert status["state"] == "ready" and digest(Path(status["path"])) == digest(src)
+        client.delete("/v1/leases", params={"holder": "me"})
+        evicted = client.delete("/v1/datasets/n2").json()
+        assert evicted["state"] == "evicted" and "evicted 'n2'" in evicted["outcome"]
+        assert not Path(status["path"]).exists()
+
+
 def test_a_request_larger_than_the_capacity_fails_fast_naming_the_sizes(
     daemon_factory, tmp_path: Path
 ) -> None:
