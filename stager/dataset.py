@@ -25,6 +25,7 @@ from stager.errors import StagerError
 from stager.fs.credentials import Reader
 from stager.fs.seal import Seal
 from stager.progress import Progress
+from stager.redact import redact_text
 from stager.schemas import (
     DatasetPublic,
     ErrorInfo,
@@ -168,6 +169,12 @@ def _staged_for_another(entry: Entry, handle: Handle) -> bool:
     return entry.reader is not None and entry.reader.uid != handle.owner
 
 
+def _redacted(error: ErrorInfo | None) -> ErrorInfo | None:
+    if error is None:
+        return None
+    return ErrorInfo(type=error.type, message=redact_text(error.message))
+
+
 def public_view(
     handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
@@ -181,7 +188,9 @@ def public_view(
         path=str(data_dir / entry.key),
         link=handle.link,
         progress=entry.progress.snapshot(),
-        error=entry.error,
+        # A failed download's sentence names its URL: never its token (stager.redact).
+        error=entry.error
+        and ErrorInfo(type=entry.error.type, message=redact_text(entry.error.message)),
         usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
         leases=leases,
         size_bytes=entry.size_bytes,

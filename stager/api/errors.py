@@ -14,13 +14,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stager.errors import StagerError
+from stager.redact import redact_text
 from stager.suggest import did_you_mean
 
 log = logging.getLogger("stager.api")
 
 
 def error_response(status: int, type_: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"type": type_, "message": message}})
+    """The one way an error leaves the API; a URL's secrets never do (stager.redact)."""
+    content = {"error": {"type": type_, "message": redact_text(message)}}
+    return JSONResponse(status_code=status, content=content)
 
 
 def describe_validation_error(
