@@ -25,18 +25,42 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from stager import cache, preflight
 from stager.blocking import run_io
+from stager.dataset import Entry
 from stager.errors import TooManyRequests
-
-if TYPE_CHECKING:
-    from stager.fanout.room import Held
-    from stager.lifecycle import Registry
-    from stager.settings import Settings
+from stager.leases import Lease
+from stager.settings import Settings
 
 log = logging.getLogger("stager.admission")
+
+
+@dataclass(frozen=True)
+class Held:
+    """What admission must not count as free or evict, from the fan-out room: room
+    promised to transfers and not written yet, and the keys of datasets being packed to
+    be sent."""
+
+    unwritten_bytes: int
+    exporting: set[str]
+    reserved_by: dict[int, int]  # the bytes each user's transfers hold, for their quota
+
+
+class _Trash(Protocol):
+    freeing_bytes: int
+
+
+class Books(Protocol):
+    """What admission reads and does of the registry (stager.lifecycle.Registry)."""
+
+    entries: dict[str, Entry]
+    leases: dict[str, Lease]
+    trash: _Trash
+
+    async def evict(self, entry: Entry, why: str = ...) -> None: ...
 
 
 class FairQueue:
@@ -120,13 +144,13 @@ class Admission:
         multi = settings.multi_user
         self.queue = FairQueue(settings.stagings_per_user() if multi else None)
         self.max_queued = settings.max_queued_per_user if multi else None
-        self._registry: Registry | None = None
+        self._registry: Books | None = None
         self._held: Callable[[], Awaitable[Held]] | None = None
         self._exporting: Callable[[], set[str]] = set
 
     def bind(
         self,
-        registry: Registry,
+        registry: Books,
         held: Callable[[], Awaitable[Held]],
         exporting: Callable[[], set[str]],
     ) -> None:
@@ -135,7 +159,7 @@ class Admission:
         self._registry, self._held, self._exporting = registry, held, exporting
 
     @property
-    def _reg(self) -> Registry:
+    def _reg(self) -> Books:
         assert self._registry is not None, "admission is not bound to a registry yet"
         return self._registry
 

@@ -8,6 +8,7 @@ that fails here gets a 4xx with a sentence naming the bad input; nothing is stag
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,7 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from stager import recipes
+import httpx
+
+from stager import downloads, recipes
 from stager.errors import BadRequest, UnsafePath
 from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import path_readable_by_everyone
@@ -50,12 +53,36 @@ def look(
     if recipe is not None:
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
-    found = {
-        "fingerprint": sources_fingerprint(steps, deep),
-        "shareable": settings.multi_user and shareable(steps, settings),
-    }
+    fingerprint = sources_fingerprint(steps, deep)
+    shared = settings.multi_user and shareable(steps, settings)
+    if shared:
+        versions = download_versions(steps)
+        shared = versions is not None
+        if versions:
+            fingerprint = hashlib.sha256("\n".join([fingerprint, *versions]).encode()).hexdigest()
+            fingerprint = fingerprint[:24]
     check_link(link, settings)
-    return found
+    return {"fingerprint": fingerprint, "shareable": shared}
+
+
+def download_versions(steps: list[Any]) -> list[str] | None:
+    """For a staging to be shared: each download's version, asked of its server now
+    (stager.downloads), part of the cache key; None when one may not be shared (its URL
+    names this node, or it is neither pinned by a sha256 nor versioned by its server)."""
+    versions = []
+    for step in steps:
+        url = getattr(step, "url", None)
+        if url is None:
+            continue
+        if downloads.names_this_node(httpx.URL(url).host):
+            return None
+        if getattr(step, "sha256", None):
+            continue  # the digest is the version
+        version = downloads.validator(url)
+        if version is None:
+            return None
+        versions.append(f"{url}\0{version}")
+    return versions
 
 
 def check_steps(dumped_steps: list[dict[str, Any]], verify: str, settings: Settings) -> int:

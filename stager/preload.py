@@ -21,7 +21,7 @@ import multiprocessing.sharedctypes  # noqa: F401
 import multiprocessing.synchronize  # noqa: F401
 from importlib import import_module
 
-from stager import worker  # noqa: F401 - a staging process's entry points
+from stager import downloads, worker  # noqa: F401 - worker: a staging process's entry points
 from stager.archive import split_tar
 from stager.ops import fetch, table
 from stager.rights import agent, pool  # noqa: F401 - a user process's
@@ -30,4 +30,5 @@ for module in pool.USER_SIDE_MODULES:  # what a user process runs: never importe
     import_module(module)
 table.load(())  # the key every job without site ops asks for
 fetch.warm_up()
+downloads.warm_up()
 split_tar.gnu_tar()

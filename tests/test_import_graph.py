@@ -157,8 +157,12 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.vouch",
                 "stager.redact",
                 "stager.suggest",
+                "stager.downloads",
+                "stager.rights.become",
             },
         ),
+        # Processes that became a user, and the wire between root and them.
+        ("rights", {"stager.rights"}),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
@@ -172,7 +176,19 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
         # One staging: its process (a download overlapped with its extraction), the
         # doorway to it, its tree published.
-        ("staging", {"stager.worker", "stager.overlap", "stager.blocking", "stager.publish"}),
+        (
+            "staging",
+            {
+                "stager.worker",
+                "stager.overlap",
+                "stager.blocking",
+                "stager.publish",
+                "stager.processes",
+                "stager.preload",
+            },
+        ),
+        # Room on the disk and slots for stagings, for the engine and the fan-out alike.
+        ("admission", {"stager.admission"}),
         ("fanout", {"stager.fanout"}),
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from stager import vouch
-from stager.admission import Admission
+from stager.admission import Admission, Held
 from stager.blocking import run_io
 from stager.dataset import Entry, State
 from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
@@ -157,16 +157,6 @@ class Arrival:
     origin: dict[str, Any]
     estimate: int | None = None
     delivery: str | None = None  # the key of the caller's delivery it brought
-
-
-@dataclass(frozen=True)
-class Held:
-    """What admission must not count as free or evict: room promised to transfers and
-    not written yet, and the keys of datasets being packed to be sent."""
-
-    unwritten_bytes: int
-    exporting: set[str]
-    reserved_by: dict[int, int]  # the bytes each user's transfers hold, for their quota
 
 
 class FanoutRoom:

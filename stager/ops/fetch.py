@@ -35,8 +35,18 @@ from urllib.parse import unquote, urlsplit
 import httpx
 from pydantic import AfterValidator, Field
 
-from stager.errors import BadRequest, FetchFailed, StagerError, VerifyFailed, from_os_error
+from stager import downloads
+from stager.errors import (
+    BadRequest,
+    FetchFailed,
+    NotPublic,
+    StagerError,
+    VerifyFailed,
+    from_os_error,
+)
+from stager.fs.credentials import source_reader
 from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
+from stager.redact import redact_url
 
 MAX_ATTEMPTS = 6  # consecutive failed attempts that brought no new bytes
 BACKOFF_S = 0.5  # first retry delay, doubled each time, capped at BACKOFF_MAX_S
@@ -282,6 +292,7 @@ class _Download:
             if self.validator:
                 headers["If-Range"] = self.validator
         with self.client.stream("GET", self.url, headers=headers) as response:
+            _not_this_node_if_shared(response, self.url)
             if response.status_code == 416:
                 return self._unsatisfiable(response, offset)
             self._raise_for_status(response)
@@ -377,6 +388,21 @@ class _Download:
         if position > self.counted:
             self.ctx.progress.advance(position - self.counted)
             self.counted = position
+
+
+def _not_this_node_if_shared(response: httpx.Response, url: str) -> None:
+    """A download every user is to share must not come from this node (see
+    stager.downloads): its name may have resolved elsewhere when it was asked for."""
+    reader = source_reader()
+    if reader is None or not reader.public:
+        return
+    stream = response.extensions.get("network_stream")
+    peer = stream.get_extra_info("server_addr") if stream is not None else None
+    if peer and downloads.is_this_node(str(peer[0])):
+        raise NotPublic(
+            f"{redact_url(url)} was served by this node itself ({peer[0]}), so this download "
+            "cannot be shared by every user; it is staged again for the asking user alone"
+        )
 
 
 def _content_range(value: str | None) -> tuple[int | None, int | None]:

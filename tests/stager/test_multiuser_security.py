@@ -9,6 +9,7 @@ are intact afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
+from tests.offnode import OffNode, can_make_namespaces, off_node_server
 from tests.trees import digest, make_tar, write_tree
 from tests.users import GROUP, PREFIX, User
 
@@ -526,16 +528,80 @@ def fetch(name: str, url: str) -> dict:
     return {"name": name, "steps": [{"op": "fetch", "url": url, "dst": "data.bin"}]}
 
 
+@pytest.fixture
+def off_node(shared_tmp: Path) -> Iterator[OffNode]:
+    """A web server in a network namespace of its own: not this node."""
+    why = can_make_namespaces()
+    if why:
+        pytest.skip(why)
+    root = shared_tmp / "web"
+    root.mkdir()
+    (root / "data.bin").write_bytes(b"public bytes " * 1000)
+    with off_node_server(root) as server:
+        yield server
+
+
 def test_a_download_without_credentials_is_fetched_once_for_everyone(
+    service: Daemon, users: tuple[User, User], off_node: OffNode
+) -> None:
+    """From a server off this node that names the file's version (ETag, Last-Modified):
+    one download, and bob's request (its version asked for again) is a hit; once the
+    file changes, the next request is a miss and gets the new bytes."""
+    alice, bob = users
+    url = f"{off_node.url}/data.bin"
+    first = ready(alice, service, fetch("pub", url))
+    code, second = stage(bob, service, fetch("pub", url))
+    assert code == 200 and second["origin"]["hit"] is True, second
+    assert second["key"] == first["key"] and off_node.gets("/data.bin") == 1
+    assert (Path(second["path"]) / "data.bin").read_bytes() == b"public bytes " * 1000
+    (off_node.root / "data.bin").write_bytes(b"new version " * 1000)
+    os.utime(off_node.root / "data.bin", (2_000_000_000, 2_000_000_000))
+    third = ready(bob, service, fetch("pub", url))
+    assert third["key"] != first["key"] and off_node.gets("/data.bin") == 2
+    assert (Path(third["path"]) / "data.bin").read_bytes() == b"new version " * 1000
+    healthy(service, alice)
+
+
+def test_a_download_from_this_node_is_never_shared(
     service: Daemon, users: tuple[User, User], web: tuple[Behaviour, str]
 ) -> None:
+    """alice serves her own bytes on a loopback port and stages the URL; bob, later
+    serving the real file on that port, gets his own download, not her bytes."""
     alice, bob = users
     behaviour, base = web
-    first = ready(alice, service, fetch("pub", f"{base}/data.bin"))
-    code, second = stage(bob, service, fetch("pub", f"{base}/data.bin"))
-    assert code == 200 and second["origin"]["hit"] is True
-    assert second["key"] == first["key"] and behaviour.requests == 1
-    assert (Path(second["path"]) / "data.bin").read_bytes() == behaviour.files["/data.bin"]
+    behaviour.files["/data.bin"] = b"alice's planted bytes"
+    planted = ready(alice, service, fetch("pub", f"{base}/data.bin"))
+    behaviour.files["/data.bin"] = b"the real file"
+    real = ready(bob, service, fetch("pub", f"{base}/data.bin"))
+    assert real["key"] != planted["key"] and real["origin"]["hit"] is False
+    assert (Path(real["path"]) / "data.bin").read_bytes() == b"the real file"
+    healthy(service, alice)
+
+
+def test_an_unversioned_download_is_shared_only_when_its_sha256_is_pinned(
+    service: Daemon, users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """A server that names no version (no ETag, no Last-Modified) cannot be revalidated:
+    each user downloads their own, unless the request pins the file's sha256."""
+    why = can_make_namespaces()
+    if why:
+        pytest.skip(why)
+    alice, bob = users
+    root = shared_tmp / "web-plain"
+    root.mkdir()
+    body = b"unversioned " * 500
+    (root / "data.bin").write_bytes(body)
+    with off_node_server(root, versioned=False) as server:
+        url = f"{server.url}/data.bin"
+        first = ready(alice, service, fetch("plain", url))
+        second = ready(bob, service, fetch("plain", url))
+        assert second["key"] != first["key"] and server.gets("/data.bin") == 2
+        pinned = fetch("pinned", url)
+        pinned["steps"][0]["sha256"] = hashlib.sha256(body).hexdigest()
+        third = ready(alice, service, pinned)
+        code, fourth = stage(bob, service, pinned)
+        assert code == 200 and fourth["key"] == third["key"], fourth
+        assert server.gets("/data.bin") == 3
     healthy(service, alice)
 
 
