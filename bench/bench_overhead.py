@@ -58,7 +58,7 @@ TRACE_POINTS = [
     ),
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
     ("stager/engine.py", "        attempt = await reg.start(entry)\n", "+attempt-started"),
-    ("stager/blocking.py", "    child = _take_spare(job)\n", "job-built"),
+    ("stager/blocking.py", "    child = processes.take_spare(job)\n", "job-built"),
     ("stager/worker.py", "        job = jobs.recv()\n", "+spare-given"),  # a spare's job
     ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
     ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
