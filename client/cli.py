@@ -547,7 +547,7 @@ async def cmd_cancel(client: AsyncStagerClient, args: argparse.Namespace) -> int
     if args.json:
         _print_json(status)
     else:
-        print(f"{status.name}: {status.outcome or status.state}")
+        print(status.outcome or f"{status.name}: {status.state}")
     return EXIT_OK
 
 

@@ -37,10 +37,13 @@ async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
 
 @dataclass(frozen=True)
 class Limits:
-    """How long a staging process may take to act on a cancel, and to show no progress."""
+    """How long a staging process may take to act on a cancel, and to show no progress;
+    and the most bytes it may leave in its tree (its user's quota less what they hold
+    already; None: no limit)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
+    write_bytes: int | None = None
 
 
 async def run_staging(
@@ -78,6 +81,8 @@ async def run_staging(
                 child_cancel.set()
                 cancelled_at = now
             progress.mirror(counters)
+            if limits.write_bytes is not None and progress.bytes_written > limits.write_bytes:
+                raise errors.QuotaExceeded(_over_quota(progress, limits.write_bytes))
             if (seen := counters.read()) != last:
                 last, moved_at = seen, now
             if receiver.poll():
@@ -117,6 +122,15 @@ def _died(process: Any) -> errors.StagingProcessDied:
     return errors.StagingProcessDied(
         f"the staging process died with exit code {process.exitcode}; "
         "see the daemon log, then stage again"
+    )
+
+
+def _over_quota(progress: Progress, limit: int) -> str:
+    return (
+        f"staging stopped after writing {progress.bytes_written} bytes: with the data you "
+        f"hold already, that passes your quota on this node (room left: {max(limit, 0)} bytes); "
+        "free some (stager-client ls, then cancel what you no longer need) or ask the admin "
+        "for a larger --user-quota"
     )
 
 

@@ -690,6 +690,7 @@ class Engine:
     async def _stage(self, entry: Entry) -> None:
         reg = self._reg
         attempt = await reg.start(entry)
+        room_left = await self._room_left(entry)
         job = StageJob(
             steps=self.ops.dump_steps(entry.steps),
             op_modules=tuple(self.settings.op_modules),
@@ -701,8 +702,11 @@ class Engine:
             reader=entry.reader,
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
+            write_bytes=room_left,
         )
-        limits = Limits(self.settings.cancel_grace_s, self.settings.stall_timeout_s)
+        # The staging stops itself at its room's end; the daemon checks too (a slack of
+        # what one poll of its counters may see written past it).
+        limits = Limits(self.settings.cancel_grace_s, self.settings.stall_timeout_s, room_left)
         future = asyncio.ensure_future(
             run_staging(job, self.processes, entry.progress, entry.cancel, limits)
         )
@@ -738,6 +742,18 @@ class Engine:
             self._running.discard(future)
             # For the next staging, now that this one's outcome is told.
             self.processes.prepare_spare()
+
+    async def _room_left(self, entry: Entry) -> int | None:
+        """The most bytes a staging of ``entry`` may write: for a user's own data, their
+        quota less what their other data and their transfers hold (what it writes is
+        counted as it writes, not estimated); None for shared data or no quota."""
+        owner = cache.private_owner(entry)
+        if owner is None or not self.settings.user_quota_bytes:
+            return None
+        held = await self.fanout.held()
+        others = [e for e in self.entries() if cache.private_owner(e) == owner and e is not entry]
+        used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
+        return self.settings.user_quota_bytes - used
 
     async def _stage_privately(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on

@@ -34,7 +34,7 @@ from stager.archive.growing import DownloadFailed, Growth, StartOver
 from stager.errors import Cancelled, StagerError
 from stager.ops.base import CancelSignal, OpContext
 from stager.ops.table import OpTable
-from stager.progress import ProgressSink
+from stager.progress import ProgressSink, report_written
 
 
 def run_pair(
@@ -166,6 +166,9 @@ class _CountedTwice:
 
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
         self._sink.advance(nbytes, files)
+
+    def wrote(self, nbytes: int) -> None:
+        report_written(self._sink, nbytes)
 
 
 class _NoTotals(_CountedTwice):

@@ -65,8 +65,18 @@ class ProgressSink(Protocol):
         """Count work done."""
 
 
+def report_written(sink: ProgressSink, nbytes: int) -> None:
+    """Count bytes an op has just left in the tree (files written, links made), where
+    the sink keeps that count (a staging process's, stager.progress.WorkerCounters):
+    the node service stops a staging whose user's bytes reach their quota by it."""
+    wrote = getattr(sink, "wrote", None)
+    if wrote is not None and nbytes > 0:
+        wrote(nbytes)
+
+
 # Slots of the shared counters.
-_STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL = range(6)
+_STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL, _WRITTEN = range(7)
+_SLOTS = 7
 
 
 class SharedCounters:
@@ -74,7 +84,7 @@ class SharedCounters:
     process, read by the daemon. Picklable into the staging process."""
 
     def __init__(self, context: Any = None) -> None:
-        self._array = (context or multiprocessing).Array("q", 6)
+        self._array = (context or multiprocessing).Array("q", _SLOTS)
 
     def write(self, values: list[int]) -> None:
         with self._array.get_lock():
@@ -93,7 +103,8 @@ class WorkerCounters:
         self._shared = shared
         self._clock = clock
         self._lock = threading.Lock()
-        self._values = [0] * 6
+        self._values = [0] * _SLOTS
+        self._written_limit: tuple[int, Callable[[int], Exception]] | None = None
         self._published_at = 0.0
 
     def start_step(self, index: int) -> None:
@@ -108,6 +119,20 @@ class WorkerCounters:
                 self._values[_FILES_TOTAL] += files
                 self._values[_HAS_FILES_TOTAL] = 1
             self._maybe_publish()
+
+    def wrote(self, nbytes: int) -> None:
+        """Bytes left in the tree (see :func:`report_written`); past the limit set by
+        :meth:`limit_written`, the error it makes is raised here, in the op that wrote."""
+        with self._lock:
+            self._values[_WRITTEN] += nbytes
+            written = self._values[_WRITTEN]
+            self._maybe_publish()
+        if self._written_limit is not None and written > self._written_limit[0]:
+            raise self._written_limit[1](written)
+
+    def limit_written(self, limit: int | None, error: Callable[[int], Exception]) -> None:
+        """Stop the staging once it has left more than ``limit`` bytes in its tree."""
+        self._written_limit = None if limit is None else (limit, error)
 
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
         with self._lock:
@@ -153,6 +178,9 @@ class Progress:
         self.bytes_total = 0
         self.files_done = 0
         self.files_total: int | None = None
+        # What the staging has left in its tree so far (at least): bytes done for a copy
+        # or a download, the files' bytes for an extraction (report_written).
+        self.bytes_written = 0
 
     def add_total(self, nbytes: int = 0, files: int = 0) -> None:
         with self._lock:
@@ -178,6 +206,7 @@ class Progress:
             self.files_total = values[_FILES_TOTAL] if values[_HAS_FILES_TOTAL] else None
             changed = values[_BYTES_DONE] != self.bytes_done
             self.bytes_done, self.files_done = values[_BYTES_DONE], values[_FILES_DONE]
+            self.bytes_written = values[_WRITTEN]
             if changed or not self._samples:
                 self._sample()
 

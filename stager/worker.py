@@ -32,7 +32,7 @@ from typing import Any
 from stager import overlap
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
-from stager.errors import Cancelled, StagerError
+from stager.errors import Cancelled, QuotaExceeded, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_listed, seal_tree
 from stager.ops import table
@@ -61,6 +61,9 @@ class StageJob:
     reader: Reader | None = None
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
+    # The most bytes the staging may leave in its tree: its user's quota less what they
+    # hold already (None: no limit). Counted as written, never estimated.
+    write_bytes: int | None = None
 
 
 # How often the cancel event and the parent are looked at, at most. Ops ask between
@@ -197,6 +200,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
+    progress.limit_written(job.write_bytes, _over_quota)
     ctx = OpContext(
         root=attempt.tree,
         progress=progress,
@@ -241,6 +245,14 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
     if fresh and made is not None and _sealed_by_listing(ops, steps, paired, ctx):
         return seal_listed(attempt.tree, made)
     return seal_tree(attempt.tree, job.workers)
+
+
+def _over_quota(written: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"staging stopped after writing {written} bytes, which with the data you hold "
+        "already passes your quota on this node; free some (stager-client ls, then cancel "
+        "what you no longer need) or ask the admin for a larger --user-quota"
+    )
 
 
 def _sealed_by_listing(ops: table.OpTable, steps: list[Any], paired: bool, ctx: OpContext) -> bool:

@@ -54,6 +54,7 @@ from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
 from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
+from stager.progress import report_written
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
 SPLIT_MIN_BYTES = 64 << 20
@@ -262,6 +263,7 @@ def _read_headers(
                 chunk.append((window_start + held_to, end - window_start - held_to))
                 held_from = held_to = len(window)
             head.made += size
+            report_written(ctx.progress, size)
             chunk_files += 1
             chunk_bytes += end - offset
             if chunk_files == CHUNK_FILES or chunk_bytes >= CHUNK_BYTES:

@@ -61,7 +61,7 @@ from stager.errors import UnsafeArchiveMember, VerifyFailed
 from stager.fs.fastcopy import READ_CHUNK, copy_range
 from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import sum_sizes
-from stager.progress import ProgressSink
+from stager.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -426,8 +426,18 @@ class ArchiveWriter:
         # Bounds memory held by queued batches (compressed archives pass bytes).
         self._slots = threading.BoundedSemaphore(2 * ctx.workers + 2)
         # Bytes of the files and symlinks this writer left, as ``sum_sizes`` counts them.
-        self.made = 0
+        self._made = 0
         os.makedirs(root, exist_ok=True)
+
+    @property
+    def made(self) -> int:
+        return self._made
+
+    @made.setter
+    def made(self, value: int) -> None:
+        # What grows the tree is reported as it is written (a user's quota counts it).
+        report_written(self._ctx.progress, value - self._made)
+        self._made = value
 
     def adopt_folders(self, folders: set[str], mtimes: dict[str, float]) -> None:
         """Folders made for this archive before this writer (real folders, by relative

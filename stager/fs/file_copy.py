@@ -38,7 +38,7 @@ from stager.fs.credentials import access, check_public, source_reader
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.seal import FILE_MODE
 from stager.fs.sources import Roots, open_source, refuse_special
-from stager.progress import ProgressSink
+from stager.progress import ProgressSink, report_written
 from stager.rights.gateway import DIRECT
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
@@ -71,7 +71,12 @@ def copy_file(path_fd: int, source: str, target: str, ctx: CopyContext, roots: R
         if _is_complete(dfd, name, st.st_size, st.st_mtime_ns):
             ctx.progress.advance(st.st_size, 1)
             return st.st_size
-        job = FileCopier(ctx.verify, ctx.progress.advance, ctx.check_cancelled, made.append)
+
+        def count(nbytes: int) -> None:
+            made.append(nbytes)
+            report_written(ctx.progress, nbytes)
+
+        job = FileCopier(ctx.verify, ctx.progress.advance, ctx.check_cancelled, count)
         # Opened by name again: a retry must see what the name holds now.
         job.copy_checked(lambda: open_source(source, roots), source, dfd, name, again=True)
     finally:

@@ -34,7 +34,7 @@ from typing import Any
 from stager.children import die_with_parent
 from stager.errors import Cancelled
 from stager.fs.sources import Folder, Visitor, walk
-from stager.progress import ProgressSink
+from stager.progress import ProgressSink, report_written
 
 _CONTEXT = multiprocessing.get_context("fork")
 # A few large files are worth the workers too: copying them is memory bandwidth,
@@ -131,7 +131,7 @@ class Workers:
         self._pool: ProcessPoolExecutor | None = None
         self._pending: dict[Future[Any], Callable[[], None] | None] = {}
         self._tally = _CONTEXT.RawArray("q", 1 + 3 * (processes + 1))
-        self._forwarded = [0, 0]
+        self._forwarded = [0, 0, 0]
         self._cancel = cancel
         self._paused_gc: Any = None
         _umask = os.umask(0o22)
@@ -215,10 +215,12 @@ class Workers:
         tally = self._tally
         nbytes = sum(tally[1::3])
         files = sum(tally[2::3])
-        before_bytes, before_files = self._forwarded
-        if nbytes != before_bytes or files != before_files:
-            self._forwarded = [nbytes, files]
+        made = sum(tally[3::3])
+        before_bytes, before_files, before_made = self._forwarded
+        if nbytes != before_bytes or files != before_files or made != before_made:
+            self._forwarded = [nbytes, files, made]
             self._progress.advance(nbytes - before_bytes, files - before_files)
+            report_written(self._progress, made - before_made)
 
     def close(self, failed: bool) -> None:
         """Stop the workers: at once (queued chunks dropped) when the op failed."""

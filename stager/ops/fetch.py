@@ -46,6 +46,7 @@ from stager.errors import (
 )
 from stager.fs.credentials import source_reader
 from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
+from stager.progress import report_written
 from stager.redact import redact_url
 
 MAX_ATTEMPTS = 6  # consecutive failed attempts that brought no new bytes
@@ -387,6 +388,7 @@ class _Download:
     def _advance(self, position: int) -> None:
         if position > self.counted:
             self.ctx.progress.advance(position - self.counted)
+            report_written(self.ctx.progress, position - self.counted)
             self.counted = position
 
 

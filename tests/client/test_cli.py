@@ -302,7 +302,9 @@ def test_lease_on_stage_and_release(daemon: Daemon, tree: Path) -> None:
     released = run_cli(daemon, "release", "l", "--holder", "job-7", "--json")
     leases = TypeAdapter(list[LeasePublic]).validate_json(released.stdout)
     assert [x.holder for x in leases] == ["job-7"]
-    assert run_cli(daemon, "cancel", "l").stdout.strip() == "l: evicted"
+    assert run_cli(daemon, "cancel", "l").stdout.strip() == (
+        "evicted 'l': its data is deleted from this node's cache"
+    )
 
 
 def test_tcp_with_the_token_file(daemon_factory, tree: Path) -> None:
