@@ -21,6 +21,11 @@ _PR_SET_PDEATHSIG = 1
 # job (stager.blocking) is called otherwise, so that nobody takes it for a staging.
 STAGE_NAME = "stager-stage"
 SPARE_NAME = "stager-spare"
+# Processes that became a user (stager.rights): a staging's gateway to its sources, and
+# a user process doing a request's checks.
+GATE_NAME = "stager-gate"
+USER_NAME = "stager-user"
+WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.processes)
 
 
 def name_process(name: str) -> None:

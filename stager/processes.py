@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import anyio.to_thread
 
-from stager.children import die_with
+from stager.children import WALKER_NAME, die_with, name_process
 from stager.progress import SharedCounters
 from stager.rights.become import Identity
 from stager.rights.pool import UserProcesses
@@ -101,7 +101,7 @@ class Processes:
         # The walker dies with the daemon, whatever ends the daemon (its parent is the
         # fork server, which outlives us by a moment).
         self._walker = ProcessPoolExecutor(
-            1, mp_context=self.context, initializer=die_with, initargs=(os.getpid(),)
+            1, mp_context=self.context, initializer=_walker_starts, initargs=(os.getpid(),)
         )
         self._walker.submit(os.getpid).result()  # started now, not at the first hit
 
@@ -220,6 +220,11 @@ class Processes:
     def _keep(self, future: asyncio.Future[Any]) -> None:
         self._background.add(future)
         future.add_done_callback(self._background.discard)
+
+
+def _walker_starts(daemon_pid: int) -> None:
+    die_with(daemon_pid)
+    name_process(WALKER_NAME)
 
 
 def reap(process: Any, grace_s: float) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stager.children import SPARE_NAME
+from stager.children import SPARE_NAME, USER_NAME, WALKER_NAME
 
 
 def parents() -> dict[int, list[int]]:
@@ -41,7 +41,7 @@ def descendants(pid: int) -> list[int]:
 def staging_processes(daemon_pid: int) -> list[int]:
     """A daemon's staging processes: what its multiprocessing fork server forked
     (daemon -> fork server -> staging; not the resource tracker), less a spare waiting
-    for its job (stager.blocking), once it has named itself."""
+    for its job, the walker and user processes (stager.processes), once named."""
     found = []
     for child in children_of(daemon_pid):
         try:
@@ -54,7 +54,13 @@ def staging_processes(daemon_pid: int) -> list[int]:
 
 
 def is_spare(pid: int) -> bool:
+    """A process the fork server keeps that is no staging (a spare, the walker, a user
+    process)."""
+    return comm(pid) in (SPARE_NAME, WALKER_NAME, USER_NAME)
+
+
+def comm(pid: int) -> str | None:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip() == SPARE_NAME
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
-        return False
+        return None

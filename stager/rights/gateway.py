@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+from stager.children import GATE_NAME, name_process
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
@@ -219,6 +220,7 @@ def start(identity: Identity) -> Gateway:
         code = 1
         try:
             close_fds_except({theirs.fileno()})
+            name_process(GATE_NAME)
             become(identity)
             # Credentials changed: the kernel cleared the parent-death signal; set it now.
             _set_parent_death_signal()

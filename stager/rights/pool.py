@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio.to_thread
 
+from stager.children import USER_NAME, name_process
 from stager.errors import StagerError
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
@@ -63,6 +64,7 @@ def _agent_main(identity: Identity, sock: socket.socket) -> None:
     code = 1
     try:
         close_fds_except({sock.fileno()})
+        name_process(USER_NAME)
         become(identity)
         agent.serve(sock)
         code = 0
