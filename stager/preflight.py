@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from stager import downloads, recipes
-from stager.errors import BadRequest, UnsafePath
+from stager.errors import BadRequest, SourceUnreadable, UnsafePath
 from stager.fingerprint import sources_fingerprint
 from stager.fs.credentials import path_readable_by_everyone
 from stager.fs.seal import check_acls
@@ -34,6 +34,12 @@ def _request_paths() -> Iterator[None]:
     """The one place a system call's error on a request's path becomes a 400."""
     try:
         yield
+    except PermissionError as exc:
+        where = exc.filename or "a path of the request"
+        raise SourceUnreadable(
+            f"{where} is not readable by the user who asked (the kernel refused); fix its "
+            "permissions, or stage it as a user who may read it"
+        ) from exc
     except OSError as exc:
         where = exc.filename or "a path of the request"
         raise BadRequest(f"{where}: {exc.strerror}; check that path in the request") from exc
@@ -53,8 +59,9 @@ def look(
     if recipe is not None:
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
-    fingerprint = sources_fingerprint(steps, deep)
-    shared = settings.multi_user and shareable(steps, settings)
+    with _request_paths():
+        fingerprint = sources_fingerprint(steps, deep)
+        shared = settings.multi_user and shareable(steps, settings)
     if shared:
         versions = download_versions(steps)
         shared = versions is not None

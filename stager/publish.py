@@ -9,7 +9,9 @@ happens to the process afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import shutil
 import uuid
@@ -20,12 +22,15 @@ from typing import Any
 import anyio.to_thread
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
+from stager.errors import StagerError
 from stager.fs.deletion import delete_tree as delete_tree
 from stager.fs.seal import open_up_top
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
 # this prefix until they are deleted; a daemon that stops first deletes them at start.
 DISCARDED_PREFIX = "discarded-"
+
+log = logging.getLogger("stager.publish")
 
 
 @dataclass(frozen=True)
@@ -134,10 +139,14 @@ def empty_own_folder(path: Path) -> None:
         return
     for name in entries:
         inner = os.path.join(path, name)
-        if os.path.isdir(inner) and not os.path.islink(inner):
-            shutil.rmtree(inner, onerror=open_up)
-        else:
-            os.unlink(inner)
+        # The user may change what a name is while this runs: whatever it is at the
+        # moment of each call is what goes (never followed), and a name gone already
+        # is fine.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            if os.path.isdir(inner) and not os.path.islink(inner):
+                shutil.rmtree(inner, onerror=open_up)
+            else:
+                os.unlink(inner)
 
 
 def remove_emptied(path: Path) -> bool:
@@ -159,10 +168,14 @@ async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None
     """A delivery's folder, gone: emptied by its owner's process, then removed by the
     service (the passage it sits in is the service's). Tried twice, in case the user
     wrote into it in between; what still stays is left for the next start."""
-    for _ in range(2):
-        await as_user(owner, empty_own_folder, folder)
-        if await anyio.to_thread.run_sync(remove_emptied, folder):
-            return
+    for _ in range(3):
+        try:
+            await as_user(owner, empty_own_folder, folder)
+            if await anyio.to_thread.run_sync(remove_emptied, folder):
+                return
+        except (OSError, StagerError) as exc:  # a race the user runs against it
+            log.warning("could not remove delivery %s yet: %s", folder, exc)
+    log.warning("delivery %s is refilled as it is deleted; left for the next start", folder)
 
 
 def remove_link(link: Path, target: Path) -> None:

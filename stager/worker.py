@@ -114,7 +114,6 @@ def stage_in_child(
     ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
     if not watching:
         _die_with_daemon(daemon_pid)
-    name_process(STAGE_NAME)
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
     os.nice(job.nice)
     if hasattr(os, "SCHED_BATCH"):  # batch threads never preempt the daemon's (Linux)
@@ -124,6 +123,7 @@ def stage_in_child(
         read_sources_as(job.reader)
         if job.reader is not None and os.geteuid() == 0 and not job.reader.identity.is_root:
             drop_capabilities()  # it acts for a user: root's powers stay out of its reach
+        name_process(STAGE_NAME)  # what ps shows from here on holds no more than it needs
         conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
     except Cancelled:
         conn.send(("cancelled", None))

@@ -1,0 +1,360 @@
+"""The node service against users who attack it: real users (tests/users.py) racing
+every deletion and check, planting links and FIFOs, and reading what is not theirs.
+
+Each attack targets a root-only canary: a 0700 folder of root's with files in it.
+Whatever the race does, every canary stays intact, and no answer differs by whether
+a canary exists. Every process that opens a user's path is checked too: it holds no
+capability, and it is the user (or ``nobody``).
+
+The races are real: a user's process keeps exchanging a folder and a link to the
+canary (``renameat2(RENAME_EXCHANGE)``) while the service deletes, evicts, adopts or
+checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
+from stager.rights.become import effective_capabilities
+from stager.schemas import END_NAME, delivered_name
+from tests.daemon import Daemon
+from tests.processes import comm, descendants
+from tests.trees import make_tar, write_tree
+from tests.users import User
+
+CANARY_FILES = 20
+
+# A user's swap loop: exchange two names for ``seconds`` (each exchange is atomic, so at
+# any instant one of them is the real folder and the other the link to the canary).
+SWAP = textwrap.dedent(
+    """
+    import ctypes, os, sys, time
+    libc = ctypes.CDLL(None, use_errno=True)
+    a, b, seconds = os.fsencode(sys.argv[1]), os.fsencode(sys.argv[2]), float(sys.argv[3])
+    deadline, swaps = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        if libc.renameat2(-100, a, -100, b, 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
+            swaps += 1
+    print(swaps)
+    """
+)
+
+
+@pytest.fixture
+def service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
+    daemon = Daemon(cache_dir=shared_tmp / "cache", args=["--multi-user"])
+    daemon.runtime_dir.chmod(0o755)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+@pytest.fixture
+def canary(shared_tmp: Path) -> Iterator[Path]:
+    """A folder only root may enter, with files only root may read."""
+    folder = shared_tmp / "root-only"
+    folder.mkdir(mode=0o700)
+    for i in range(CANARY_FILES):
+        (folder / f"canary-{i:02d}").write_bytes(f"root's canary {i}".encode())
+        os.chmod(folder / f"canary-{i:02d}", 0o600)
+    yield folder
+
+
+def intact(canary: Path) -> None:
+    found = sorted(p.name for p in canary.iterdir())
+    assert found == [f"canary-{i:02d}" for i in range(CANARY_FILES)], found
+    for i in range(CANARY_FILES):
+        assert (canary / f"canary-{i:02d}").read_bytes() == f"root's canary {i}".encode()
+
+
+@pytest.fixture
+def home(users: tuple[User, User], shared_tmp: Path) -> Path:
+    """alice's folder, hers and 0755."""
+    alice, _ = users
+    folder = shared_tmp / "alice-home"
+    folder.mkdir(mode=0o755)
+    os.chown(folder, alice.uid, alice.gid)
+    return folder
+
+
+def as_user(user: User, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    done = user.run(list(argv), timeout=timeout)
+    return done
+
+
+@contextmanager
+def swapping(user: User, interpreter: str, a: Path, b: Path, seconds: float) -> Iterator[None]:
+    """``user`` exchanges ``a`` and ``b`` in a loop while the block runs."""
+    command = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups"]
+    loop = subprocess.Popen(
+        [*command, interpreter, "-c", SWAP, str(a), str(b), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(0.2)  # under way
+        yield
+    finally:
+        loop.wait(seconds + 30)
+
+
+def request(user: User, service: Daemon, method: str, path: str, body: object = None):
+    return user.curl(service.socket, method, path, body)
+
+
+def wait(user: User, service: Daemon, name: str) -> dict:
+    code, status = request(user, service, "GET", f"/v1/datasets/{name}/wait?timeout=60")
+    assert code == 200, status
+    return status
+
+
+# ---- deletions: root never walks a tree a user can write -----------------------------
+
+
+def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
+    service: Daemon,
+    users: tuple[User, User],
+    home: Path,
+    canary: Path,
+    interpreter_for_users: str,
+) -> None:
+    """alice's private copy is readable by her and not hers: she cannot open its top up,
+    plant a link to the canary in it, or swap its folders while it is deleted."""
+    alice, _ = users
+    src = home / "mine"
+    as_user(alice, "mkdir", "-p", str(src / "a"), str(src / "b"))
+    for i in range(30):
+        as_user(alice, "sh", "-c", f"echo {i} > {src}/a/f{i}; echo {i} > {src}/b/g{i}")
+    as_user(alice, "chmod", "-R", "go-rwx", str(src))
+    code, _ = request(alice, service, "POST", "/v1/datasets", copy("mine", src))
+    assert code in (200, 202)
+    top = Path(wait(alice, service, "mine")["path"])
+    assert top.stat().st_uid == 0  # the service's, with her ACL
+    assert as_user(alice, "ls", str(top / "a")).returncode == 0  # she reads it
+    assert as_user(alice, "chmod", "0700", str(top)).returncode != 0
+    assert as_user(alice, "ln", "-s", str(canary), str(top / "link")).returncode != 0
+    with swapping(alice, interpreter_for_users, top / "a", top / "b", 2.0):
+        code, answer = request(alice, service, "DELETE", "/v1/datasets/mine")
+    assert code == 200 and answer["state"] == "evicted", answer
+    intact(canary)
+
+
+def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
+    service: Daemon,
+    users: tuple[User, User],
+    home: Path,
+    canary: Path,
+    interpreter_for_users: str,
+) -> None:
+    """alice's delivery folder is hers to write: while the service deletes it (after a
+    failed adoption, and on a release), she keeps exchanging a folder in it with a link
+    to the canary. The deletion runs as her: it may delete her files, never root's."""
+    alice, _ = users
+    src = home / "src"
+    as_user(alice, "mkdir", str(src))
+    as_user(alice, "sh", "-c", f"echo data > {src}/file")
+    body = copy("adopted", src)
+    code, probed = request(alice, service, "POST", "/v1/datasets/probe", body)
+    assert code == 200, probed
+    for label in ("failed-adoption", "released"):
+        code, reserved = request(
+            alice, service, "POST", "/v1/incoming", {"label": label, "bytes": 1 << 20}
+        )
+        assert code == 200, reserved
+        folder = Path(reserved["path"])
+        as_user(
+            alice, "sh", "-c", f"mkdir {folder}/real && cd {folder}/real && seq 1 300 | xargs touch"
+        )
+        as_user(alice, "ln", "-s", str(canary), str(folder / "link"))
+        with swapping(alice, interpreter_for_users, folder / "real", folder / "link", 2.0):
+            if label == "failed-adoption":
+                adopt = {
+                    "incoming": label,
+                    "origin_node": "elsewhere",
+                    "origin_key": probed["key"],
+                    "bundle_bytes": 1000,
+                }
+                code, answer = request(
+                    alice, service, "POST", "/v1/datasets", {**body, "adopt": adopt}
+                )
+                assert code == 202, answer
+                end = json.dumps({"abort": "the sender gave up"})
+                as_user(alice, "sh", "-c", f"echo '{end}' > {folder}/{END_NAME}")
+                assert wait(alice, service, "adopted")["state"] == "failed"
+            else:
+                code, _ = request(alice, service, "DELETE", f"/v1/incoming/{label}")
+                assert code == 200
+        intact(canary)
+        assert not folder.exists()
+
+
+def copy(name: str, src: Path, **extra: object) -> dict:
+    return {"name": name, "steps": [{"op": "copy", "src": str(src)}], **extra}
+
+
+# ---- reading: only what the kernel lets the user read ------------------------------------
+
+
+def test_another_users_working_folder_is_not_reachable_through_proc(
+    service: Daemon, users: tuple[User, User], home: Path, canary: Path
+) -> None:
+    """alice's process sits in a folder under her 0700 folder, root's in the canary: bob
+    names their ``/proc/<pid>/cwd``, which a root thread with switched fsuid could follow."""
+    alice, bob = users
+    private = home / "private" / "work"
+    as_user(alice, "mkdir", "-p", str(private))
+    as_user(alice, "sh", "-c", f"echo notes > {private}/notes.txt")
+    as_user(alice, "chmod", "0700", str(home / "private"))
+    command = ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups"]
+    sitting = [
+        subprocess.Popen([*command, "sleep", "60"], cwd=private),
+        subprocess.Popen(["sleep", "60"], cwd=canary),
+    ]
+    try:
+        targets = [
+            f"/proc/{sitting[0].pid}/cwd/notes.txt",
+            f"/proc/{sitting[1].pid}/cwd/canary-00",
+            f"/proc/{sitting[1].pid}/cwd",
+        ]
+        for i, target in enumerate(targets):
+            code, answer = request(
+                bob, service, "POST", "/v1/datasets", copy(f"p{i}", Path(target))
+            )
+            if code in (200, 202):
+                status = wait(bob, service, f"p{i}")
+                assert status["state"] == "failed", status
+            else:
+                assert code == 403, answer
+        assert not list((service.cache_dir / "data").iterdir())
+    finally:
+        for process in sitting:
+            process.kill()
+            process.wait()
+    intact(canary)
+
+
+def test_a_delivery_is_checked_with_its_users_rights_and_says_nothing_of_roots_files(
+    service: Daemon,
+    users: tuple[User, User],
+    home: Path,
+    canary: Path,
+    shared_tmp: Path,
+) -> None:
+    """bob plants, where his broadcast copy should be, a link to a root-only file with
+    its size and sha256 guessed right, then a link to a file that does not exist: both
+    answers are the same (nothing is confirmed, nothing probed). A FIFO planted there
+    fails the staging at once instead of hanging a worker."""
+    _, bob = users
+    tree = write_tree(shared_tmp / "bobs-tree", n_files=3)
+    archive = make_tar(tree, shared_tmp / "bobs.tar")
+    os.chown(archive, bob.uid, bob.gid)
+    body = {"name": "adopted", "steps": [{"op": "extract", "src": str(archive)}]}
+    code, probed = request(bob, service, "POST", "/v1/datasets/probe", body)
+    assert code == 200, probed
+    target = canary / "canary-03"
+    guess = [target.stat().st_size, hashlib.sha256(target.read_bytes()).hexdigest()]
+    answers = []
+    for label, plant in (("exists", target), ("missing", canary / "no-such-file"), ("fifo", None)):
+        code, reserved = request(
+            bob, service, "POST", "/v1/incoming", {"label": label, "bytes": 1 << 20}
+        )
+        assert code == 200, reserved
+        copy_path = Path(reserved["path"]) / delivered_name(str(archive))
+        if plant is None:
+            assert as_user(bob, "mkfifo", str(copy_path)).returncode == 0
+        else:
+            assert as_user(bob, "ln", "-s", str(plant), str(copy_path)).returncode == 0
+        adopt = {
+            "incoming": label,
+            "origin_node": "elsewhere",
+            "origin_key": probed["key"],
+            "sources": {str(archive): guess},
+        }
+        started = time.monotonic()
+        code, answer = request(bob, service, "POST", "/v1/datasets", {**body, "adopt": adopt})
+        if code in (200, 202):
+            answer = wait(bob, service, "adopted")
+            assert answer["state"] == "failed", answer
+            answer = answer["error"]
+        else:
+            answer = answer["error"]
+        assert time.monotonic() - started < 30
+        answer["message"] = answer["message"].replace(f"/{label}/", "/LABEL/")
+        answers.append((label, answer))
+        request(bob, service, "DELETE", "/v1/datasets/adopted")
+    (_, exists), (_, missing), (_, fifo) = answers
+    assert exists == missing, answers
+    assert "FIFO" in fifo["message"] or fifo["type"] in ("source_unreadable", "special_source")
+    intact(canary)
+
+
+# ---- the processes that act for users ---------------------------------------------------
+
+
+def test_every_process_that_opens_a_users_path_is_that_user_with_no_capability(
+    service: Daemon, users: tuple[User, User], home: Path, shared_tmp: Path
+) -> None:
+    """During a staging of alice's own data (20,000 files: long enough to be seen) the
+    staging process holds no capability, its gateway is alice with her groups, and the
+    user process that checked the request is alice too."""
+    alice, _ = users
+    src = home / "big"
+    as_user(alice, "sh", "-c", f"mkdir {src} && cd {src} && seq 1 20000 | xargs touch")
+    as_user(alice, "chmod", "-R", "go-rwx", str(src))
+    code, answer = request(alice, service, "POST", "/v1/datasets", copy("big", src))
+    assert code in (200, 202), answer
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not {GATE_NAME, USER_NAME} <= set(seen):
+        for pid in descendants(service.process.pid):
+            name = comm(pid)
+            if name not in (GATE_NAME, USER_NAME, STAGE_NAME):
+                continue
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                caps = effective_capabilities(pid)
+            except OSError:
+                continue
+            uid = int(status.split("Uid:")[1].split()[0])
+            groups = tuple(int(g) for g in status.split("Groups:")[1].split("\n")[0].split())
+            seen.setdefault(name, set()).add((uid, caps, *groups))
+        time.sleep(0.01)
+    wait(alice, service, "big")
+    assert {GATE_NAME, USER_NAME} <= set(seen), seen
+    for name in (GATE_NAME, USER_NAME):
+        for uid, caps, *groups in seen[name]:
+            assert (uid, caps) == (alice.uid, 0), (name, seen)
+            assert set(groups) <= set(os.getgrouplist(alice.name, alice.gid)) | {alice.gid}
+    for _uid, caps, *_ in seen.get(STAGE_NAME, set()):
+        assert caps == 0, seen  # root's uid for the cache, none of root's powers
+
+
+def test_secrets_at_rest_are_the_services_alone(service: Daemon, users: tuple[User, User]) -> None:
+    alice, bob = users
+    url = "http://user:hunter2@127.0.0.1:9/secret.bin?token=abc123"
+    body = {"name": "dl", "steps": [{"op": "fetch", "url": url, "dst": "x"}]}
+    code, _ = request(alice, service, "POST", "/v1/datasets", body)
+    assert code in (200, 202)
+    status = wait(alice, service, "dl")
+    assert status["state"] == "failed"
+    assert "hunter2" not in str(status) and "abc123" not in str(status)
+    db = service.cache_dir / "state.db"
+    for path in [db, *db.parent.glob("state.db-*")]:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        assert as_user(bob, "cat", str(path)).returncode != 0
+    assert "hunter2" not in service.log() and "abc123" not in service.log()
