@@ -13,6 +13,7 @@ checks.
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
 import os
@@ -30,9 +31,10 @@ from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
 from stager.rights.become import effective_capabilities
 from stager.schemas import END_NAME, delivered_name
 from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
 from tests.processes import comm, descendants
 from tests.trees import make_tar, write_tree
-from tests.users import User
+from tests.users import GROUP, User
 
 CANARY_FILES = 20
 
@@ -358,3 +360,145 @@ def test_secrets_at_rest_are_the_services_alone(service: Daemon, users: tuple[Us
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
         assert as_user(bob, "cat", str(path)).returncode != 0
     assert "hunter2" not in service.log() and "abc123" not in service.log()
+
+
+# ---- who the caller is: the kernel's word at connect time ---------------------------------
+
+
+def test_a_dropped_group_is_dropped_for_the_service_too(
+    service: Daemon, users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """alice is in GROUP in the group database; a process of hers that dropped it
+    (``setpriv --clear-groups``) reads nothing through the service that the group
+    alone would let her read."""
+    alice, _ = users
+    folder = shared_tmp / "lab"
+    folder.mkdir(mode=0o755)
+    secret = folder / "group-only.bin"
+    secret.write_bytes(b"the lab's data")
+    os.chown(secret, 0, grp.getgrnam(GROUP).gr_gid)
+    os.chmod(secret, 0o640)
+    cleared = ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--clear-groups"]
+    body = json.dumps(copy("lab", secret))
+    done = subprocess.run(
+        [
+            *cleared,
+            "curl",
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+            str(service.socket),
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "--data",
+            body,
+            "http://stager/v1/datasets",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    answer, _, code = done.stdout.rpartition("\n")
+    assert code == "403", answer
+    code, answer = request(alice, service, "POST", "/v1/datasets", copy("lab", secret))
+    assert code in (200, 202), answer  # with the group, as her login gives it
+    assert wait(alice, service, "lab")["state"] == "ready"
+
+
+# ---- the quota counts what is written -------------------------------------------------------
+
+
+@pytest.fixture
+def quota_service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
+    daemon = Daemon(
+        cache_dir=shared_tmp / "cache-quota", args=["--multi-user", "--user-quota", "4M"]
+    )
+    daemon.runtime_dir.chmod(0o755)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_staging_stops_once_its_users_bytes_reach_the_quota(
+    quota_service: Daemon, users: tuple[User, User], home: Path
+) -> None:
+    """A tiny .tar.xz (estimated at a fraction of what it holds) and a download whose size
+    nobody knows beforehand both stop at alice's quota, failing with a sentence; what
+    they wrote is deleted."""
+    alice, _ = users
+    bomb = home / "bomb.tar.xz"
+    as_user(alice, "sh", "-c", f"cd {home} && head -c 40000000 /dev/zero > zeros && "
+            f"tar -cJf {bomb} zeros && rm zeros && chmod 0600 {bomb}")  # fmt: skip
+    assert bomb.stat().st_size < 100_000
+    body = {"name": "bomb", "steps": [{"op": "extract", "src": str(bomb)}]}
+    code, answer = request(alice, quota_service, "POST", "/v1/datasets", body)
+    assert code in (200, 202), answer
+    failed = wait(alice, quota_service, "bomb")
+    assert failed["state"] == "failed" and failed["error"]["type"] == "quota_exceeded", failed
+    assert "quota" in failed["error"]["message"]
+    behaviour = Behaviour(files={"/big.bin?part=1": b"x" * 30_000_000})
+    with serve_files(behaviour) as base:
+        body = {
+            "name": "dl",
+            "steps": [{"op": "fetch", "url": f"{base}/big.bin?part=1", "dst": "b"}],
+        }
+        code, answer = request(alice, quota_service, "POST", "/v1/datasets", body)
+        assert code in (200, 202), answer
+        failed = wait(alice, quota_service, "dl")
+    assert failed["state"] == "failed" and failed["error"]["type"] == "quota_exceeded", failed
+    assert behaviour.sent < 30_000_000  # stopped on the way
+    partial = quota_service.cache_dir / "partial"
+    deadline = time.monotonic() + 10
+    while any(p.name != "trash" for p in partial.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in partial.iterdir() if not p.name.startswith("discarded-")]
+
+
+# ---- one user cannot take the node -----------------------------------------------------------
+
+
+def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
+    users: tuple[User, User], shared_tmp: Path, home: Path
+) -> None:
+    """alice fills her slot with a slow download and queues as many more as she may: her
+    next request is refused (429), and bob's one-file staging still runs at once (she
+    may run only all slots but one)."""
+    alice, bob = users
+    daemon = Daemon(
+        cache_dir=shared_tmp / "cache-fair",
+        args=["--multi-user", "--max-workers", "2", "--max-queued-per-user", "4"],
+    )
+    daemon.runtime_dir.chmod(0o755)
+    daemon.start()
+    behaviour = Behaviour(
+        files={f"/slow-{i}.bin?x": b"s" * 400_000 for i in range(6)}, bytes_per_s=20_000
+    )
+    try:
+        with serve_files(behaviour) as base:
+            for i in range(5):  # one running, four queued
+                url = f"{base}/slow-{i}.bin?x"
+                body = {"name": f"slow{i}", "steps": [{"op": "fetch", "url": url, "dst": "s"}]}
+                code, answer = request(alice, daemon, "POST", "/v1/datasets", body)
+                assert code == 202, answer
+            url = f"{base}/slow-5.bin?x"
+            body = {"name": "slow5", "steps": [{"op": "fetch", "url": url, "dst": "s"}]}
+            code, answer = request(alice, daemon, "POST", "/v1/datasets", body)
+            assert code == 429 and answer["error"]["type"] == "too_many_requests", answer
+            src = shared_tmp / "bobs-file"
+            src.write_bytes(b"bob's one file")
+            started = time.monotonic()
+            code, answer = request(bob, daemon, "POST", "/v1/datasets", copy("one", src))
+            assert code in (200, 202), answer
+            assert wait(bob, daemon, "one")["state"] == "ready"
+            assert time.monotonic() - started < 5  # not after alice's (each takes 20 s)
+            for i in range(5):
+                request(alice, daemon, "DELETE", f"/v1/datasets/slow{i}")
+    finally:
+        daemon.stop()
+        daemon.cleanup()
