@@ -1,6 +1,9 @@
 """Deleting a tree stager owns (an evicted dataset, a failed attempt's data, an
 archive a step used up): at ``rm -rf`` speed or better, without holding the
-daemon, and stoppable.
+daemon, and stoppable. Only trees no user may write come here (in the node service
+a user's own folder, a delivery, is emptied by the user's own process:
+stager.publish.empty_own_folder); even so, each piece is reached from a folder held
+open, never through a link.
 
 Deleting a million files is a million ``unlinkat`` calls in the kernel whoever
 makes them; what differs is the work around them and how many cores make them.
@@ -24,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from stager.fs.sources import Folder, Visitor, open_top_unconfined, walk
+from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_top_unconfined, walk
 
 RM = shutil.which("rm")
 # A folder with more entries than this is not split further (and its listing is
@@ -57,51 +60,60 @@ def delete_tree(path: Path | str, stop: StopFlag | threading.Event) -> bool:
         if stop.is_set():
             return False
         pieces = _split(top)
+        if RM is not None and len(pieces) >= SPLIT_MIN_PIECES:
+            if not _delete_with_rm(top.fd, pieces, stop):
+                return False
     finally:
         os.close(top.fd)
-    if RM is not None and len(pieces) >= SPLIT_MIN_PIECES:
-        if not _delete_with_rm(pieces, stop):
-            return False
     # What is left: the folders above the pieces, or everything when not split, or
     # whatever rm could not remove (a read-only folder as a non-root user).
     return _delete_here(path, stop)
 
 
 def _split(top: Folder) -> list[str]:
-    """The tree's pieces for parallel deletion: the entries of its top folders, going
-    down through levels with few folders (``train/``, ``val/``), up to three."""
+    """The tree's pieces for parallel deletion, relative to its top: the entries of its
+    top folders, going down through levels with few folders (``train/``, ``val/``), up
+    to three, each listed through the folder above it, never through a link."""
     pieces: list[str] = []
-    frontier = [top.path]
+    frontier = ["."]
     for _ in range(3):
         below: list[str] = []
         for folder in frontier:
-            entries = _small_listing(folder)
+            entries = _small_listing(top.fd, folder)
             if entries is None:
                 return []  # too many to split: deleted whole
             for name, is_dir in entries:
-                (below if is_dir else pieces).append(f"{folder}/{name}")
+                (below if is_dir else pieces).append(os.path.normpath(f"{folder}/{name}"))
         if len(below) >= SPLIT_MIN_PIECES or not below:
             return pieces + below
         frontier = below
     return pieces + frontier
 
 
-def _small_listing(folder: str) -> list[tuple[str, bool]] | None:
+def _small_listing(top: int, folder: str) -> list[tuple[str, bool]] | None:
+    fd = os.open(folder, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=top)
     out = []
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if len(out) >= SPLIT_MAX_ENTRIES:
-                return None
-            out.append((entry.name, entry.is_dir(follow_symlinks=False)))
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if len(out) >= SPLIT_MAX_ENTRIES:
+                    return None
+                out.append((entry.name, entry.is_dir(follow_symlinks=False)))
+    finally:
+        os.close(fd)
     return out
 
 
-def _delete_with_rm(pieces: list[str], stop: StopFlag | threading.Event) -> bool:
-    """One ``rm -rf`` per core over interleaved shares of ``pieces``; False if stopped."""
+def _delete_with_rm(top: int, pieces: list[str], stop: StopFlag | threading.Event) -> bool:
+    """One ``rm -rf`` per core over interleaved shares of ``pieces`` (relative to the
+    folder ``top`` holds open: each rm works in that very folder, whatever its path
+    names meanwhile); False if stopped."""
     cores = max(1, min(len(os.sched_getaffinity(0)), 4))
     processes = [
         subprocess.Popen(
             [str(RM), "-rf", "--one-file-system", "--", *pieces[i::cores]],
+            cwd=f"/proc/self/fd/{top}",  # in the child: the descriptor it inherits
+            pass_fds=(top,),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,  # a failure shows as what is left, deleted here
