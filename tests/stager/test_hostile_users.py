@@ -38,13 +38,16 @@ from tests.users import GROUP, User
 
 CANARY_FILES = 20
 
-# A user's swap loop: exchange two names for ``seconds`` (each exchange is atomic, so at
-# any instant one of them is the real folder and the other the link to the canary).
+# A user's swap loop: from inside ``folder`` (its working folder, which stays its own
+# however the folder is renamed meanwhile), exchange two names for ``seconds``. Each
+# exchange is atomic, so at any instant one of them is the real folder and the other the
+# link to the canary.
 SWAP = textwrap.dedent(
     """
     import ctypes, os, sys, time
     libc = ctypes.CDLL(None, use_errno=True)
-    a, b, seconds = os.fsencode(sys.argv[1]), os.fsencode(sys.argv[2]), float(sys.argv[3])
+    os.chdir(sys.argv[1])
+    a, b, seconds = os.fsencode(sys.argv[2]), os.fsencode(sys.argv[3]), float(sys.argv[4])
     deadline, swaps = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
         if libc.renameat2(-100, a, -100, b, 2) == 0:  # AT_FDCWD, RENAME_EXCHANGE
@@ -100,11 +103,14 @@ def as_user(user: User, *argv: str, timeout: float = 60) -> subprocess.Completed
 
 
 @contextmanager
-def swapping(user: User, interpreter: str, a: Path, b: Path, seconds: float) -> Iterator[None]:
-    """``user`` exchanges ``a`` and ``b`` in a loop while the block runs."""
+def swapping(
+    user: User, interpreter: str, folder: Path, a: str, b: str, seconds: float
+) -> Iterator[None]:
+    """``user`` exchanges ``folder``'s entries ``a`` and ``b`` in a loop, from inside
+    it, while the block runs."""
     command = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups"]
     loop = subprocess.Popen(
-        [*command, interpreter, "-c", SWAP, str(a), str(b), str(seconds)],
+        [*command, interpreter, "-c", SWAP, str(folder), a, b, str(seconds)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -128,6 +134,16 @@ def wait(user: User, service: Daemon, name: str) -> dict:
 # ---- deletions: root never walks a tree a user can write -----------------------------
 
 
+def bait(user: User, folder: Path, canary: Path) -> None:
+    """What a swap needs to reach the canary through root's delete: a folder ``real``
+    holding files named as the canary's are, many entries beside it (so that the delete
+    splits the tree into pieces), and ``link``, a link to the canary."""
+    names = " ".join(f"canary-{i:02d}" for i in range(CANARY_FILES))
+    as_user(user, "sh", "-c", f"mkdir -p {folder}/real && cd {folder}/real && touch {names}")
+    as_user(user, "sh", "-c", f"cd {folder} && seq -f 'pad-%g' 1 40 | xargs touch")
+    as_user(user, "ln", "-s", str(canary), str(folder / "link"))
+
+
 def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
     service: Daemon,
     users: tuple[User, User],
@@ -135,25 +151,29 @@ def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
     canary: Path,
     interpreter_for_users: str,
 ) -> None:
-    """alice's private copy is readable by her and not hers: she cannot open its top up,
-    plant a link to the canary in it, or swap its folders while it is deleted."""
+    """alice's private copy: she tries to open its top up and bait it (a link to the
+    canary beside a folder she swaps it with, from inside) while the service evicts it.
+    Her copy is readable by her and not hers: the bait cannot be laid, and the canary
+    stays whole."""
     alice, _ = users
     src = home / "mine"
-    as_user(alice, "mkdir", "-p", str(src / "a"), str(src / "b"))
-    for i in range(30):
-        as_user(alice, "sh", "-c", f"echo {i} > {src}/a/f{i}; echo {i} > {src}/b/g{i}")
+    as_user(alice, "mkdir", "-p", str(src))
+    names = " ".join(f"canary-{i:02d}" for i in range(CANARY_FILES))
+    as_user(alice, "sh", "-c", f"mkdir {src}/real && cd {src}/real && touch {names}")
+    as_user(alice, "sh", "-c", f"cd {src} && seq -f 'pad-%g' 1 40 | xargs touch")
     as_user(alice, "chmod", "-R", "go-rwx", str(src))
     code, _ = request(alice, service, "POST", "/v1/datasets", copy("mine", src))
     assert code in (200, 202)
     top = Path(wait(alice, service, "mine")["path"])
-    assert top.stat().st_uid == 0  # the service's, with her ACL
-    assert as_user(alice, "ls", str(top / "a")).returncode == 0  # she reads it
-    assert as_user(alice, "chmod", "0700", str(top)).returncode != 0
-    assert as_user(alice, "ln", "-s", str(canary), str(top / "link")).returncode != 0
-    with swapping(alice, interpreter_for_users, top / "a", top / "b", 2.0):
+    opened = as_user(alice, "chmod", "0700", str(top)).returncode == 0
+    planted = as_user(alice, "ln", "-s", str(canary), str(top / "link")).returncode == 0
+    with swapping(alice, interpreter_for_users, top, "real", "link", 3.0):
         code, answer = request(alice, service, "DELETE", "/v1/datasets/mine")
-    assert code == 200 and answer["state"] == "evicted", answer
+        time.sleep(1.0)  # the delete runs in the background
     intact(canary)
+    assert code == 200 and answer["state"] == "evicted", answer
+    assert not opened and not planted  # the service's, with her ACL: hers to read only
+    assert top.stat().st_uid == 0 if top.exists() else True
 
 
 def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
@@ -179,11 +199,8 @@ def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
         )
         assert code == 200, reserved
         folder = Path(reserved["path"])
-        as_user(
-            alice, "sh", "-c", f"mkdir {folder}/real && cd {folder}/real && seq 1 300 | xargs touch"
-        )
-        as_user(alice, "ln", "-s", str(canary), str(folder / "link"))
-        with swapping(alice, interpreter_for_users, folder / "real", folder / "link", 2.0):
+        bait(alice, folder, canary)
+        with swapping(alice, interpreter_for_users, folder, "real", "link", 3.0):
             if label == "failed-adoption":
                 adopt = {
                     "incoming": label,
@@ -201,8 +218,8 @@ def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
             else:
                 code, _ = request(alice, service, "DELETE", f"/v1/incoming/{label}")
                 assert code == 200
+            time.sleep(1.0)
         intact(canary)
-        assert not folder.exists()
 
 
 def copy(name: str, src: Path, **extra: object) -> dict:
