@@ -19,9 +19,11 @@ from typing import Any, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager import errors
+from stager.download_rate import DownloadRateFloor
 from stager.fs.seal import Seal
 from stager.processes import Processes, reap
 from stager.progress import Progress
+from stager.settings import Settings
 from stager.worker import StageJob, stage_in_child
 
 log = logging.getLogger("stager.staging")
@@ -39,11 +41,24 @@ async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
 class Limits:
     """How long a staging process may take to act on a cancel, and to show no progress;
     and the most bytes it may leave in its tree (its user's quota less what they hold
-    already; None: no limit)."""
+    already; None: no limit); how slowly its downloads may bring bytes
+    (stager.download_rate)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
     write_bytes: int | None = None
+    min_download_bytes_per_s: int = 0  # 0: no limit
+    download_rate_window_s: float = 60.0
+
+    @classmethod
+    def of(cls, settings: Settings, write_bytes: int | None = None) -> Limits:
+        return cls(
+            settings.cancel_grace_s,
+            settings.stall_timeout_s,
+            write_bytes,
+            settings.min_download_rate,
+            settings.download_rate_window_s,
+        )
 
 
 async def run_staging(
@@ -59,8 +74,9 @@ async def run_staging(
     ``cancel`` is forwarded to the child, which stops at its next unit of work. A
     child that has not stopped ``cancel_grace_s`` later, or whose counters have not
     moved for ``stall_timeout_s``, is stuck in a system call (a hung network
-    filesystem, a source that never answers) and is ended: no staging holds a
-    worker slot forever, and a cancel takes seconds.
+    filesystem, a source that never answers) and is ended, as is one whose download
+    brings bytes below the rate floor: no staging holds a worker slot forever, and a
+    cancel takes seconds.
     """
     child = processes.take_spare(job)
     if child is None:
@@ -69,6 +85,9 @@ async def run_staging(
     loop = asyncio.get_running_loop()
     cancelled_at: float | None = None
     last, moved_at = counters.read(), loop.time()
+    floor = DownloadRateFloor(
+        job.steps, limits.min_download_bytes_per_s, limits.download_rate_window_s
+    )
     message = None
     # The outcome is awaited on the pipe itself, not polled for: a small staging ends
     # a few milliseconds after it starts, and a poll interval would be its whole cost.
@@ -100,6 +119,8 @@ async def run_staging(
                 raise errors.Cancelled("staging was cancelled (its process was ended)")
             elif limits.stall_timeout_s and now - moved_at > limits.stall_timeout_s:
                 raise errors.StagingStalled(_stalled(job, progress, limits.stall_timeout_s))
+            elif slow := floor.check(now, progress.step_index, progress.bytes_done):
+                raise errors.StagingStalled(slow)
             else:
                 try:
                     await asyncio.wait_for(answered.wait(), poll_s)

@@ -706,7 +706,7 @@ class Engine:
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
         # what one poll of its counters may see written past it).
-        limits = Limits(self.settings.cancel_grace_s, self.settings.stall_timeout_s, room_left)
+        limits = Limits.of(self.settings, room_left)
         future = asyncio.ensure_future(
             run_staging(job, self.processes, entry.progress, entry.cancel, limits)
         )

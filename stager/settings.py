@@ -238,6 +238,23 @@ class Settings(BaseSettings):
         help="seconds: fail a staging whose progress has not moved this long, e.g. on a hung "
         "network filesystem (0: never)",
     )
+    # A download bringing fewer bytes than this a second, over any window once its bytes
+    # have begun to arrive, is stalled and fails (stager.download_rate): a server
+    # trickling bytes keeps a staging's counters moving, so the stall timeout never fires.
+    min_download_rate: Size = setting(
+        10 * 1024,
+        ge=0,
+        default_text="10KiB",
+        help="bytes a second, e.g. 10KiB: fail a download slower than this over "
+        "--download-rate-window once its bytes have begun to arrive, as a server trickling "
+        "bytes would hold a staging slot for ever (0: no minimum)",
+    )
+    download_rate_window_s: float = setting(
+        60.0,
+        gt=0,
+        flag="download-rate-window",
+        help="seconds over which a download's rate is measured against --min-download-rate",
+    )
     # A staging that has not stopped this long after a cancel (or a stop) is ended.
     cancel_grace_s: float = setting(
         3.0,

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class Behaviour:
     files: dict[str, bytes] = field(default_factory=dict)
     bytes_per_s: float | None = None  # throttle every response body
+    piece: int = 16 * 1024  # bytes written at a time (a trickle: small pieces, often)
     drop_after: int | None = None  # cut the first full response after this many bytes
     hold: threading.Event | None = None  # bodies wait until this is set (a stalled server)
     ignore_ranges: bool = False  # answer every request 200 with the whole body
@@ -65,7 +66,7 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
             self._send_body(body[start:], drop=not header and behaviour.drop_after)
 
         def _send_body(self, data: bytes, drop: int | None) -> None:
-            chunk = 16 * 1024
+            chunk = behaviour.piece
             sent = 0
             while sent < len(data):
                 if drop and sent >= drop:

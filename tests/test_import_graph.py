@@ -185,6 +185,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.publish",
                 "stager.processes",
                 "stager.preload",
+                "stager.download_rate",
             },
         ),
         # Room on the disk and slots for stagings, for the engine and the fan-out alike.

@@ -318,11 +318,14 @@ class _Download:
 
     def _receive(self, response: httpx.Response, offset: int, total: int | None) -> bool:
         position = offset
-        self._advance(position)
         with open(self.part, "ab" if offset else "wb") as out:
             if self.watch is not None:
                 self.watch.writing(offset)
             self._hash_up_to(offset)
+            # The kept bytes are counted once hashed, which may take minutes: a
+            # download's rate is judged from its first counted bytes on (see
+            # stager.download_rate), so the hash's silence is not taken for slowness.
+            self._advance(position)
             # No chunk_size: httpx would buffer up to it, and a cut connection
             # would lose everything buffered instead of leaving it in the .part.
             for chunk in response.iter_raw():
