@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
+import logging
 import os
 import secrets
 import signal
@@ -20,13 +22,12 @@ from types import FrameType
 
 import httpx
 import uvicorn
-from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from stager import logs, startup
+from stager import connections, logs, startup
 from stager.app import create_app
-from stager.identity import SCOPE_KEY, Caller
 from stager.settings import Settings
+
+log = logging.getLogger("stager.server")
 
 
 class ServeError(Exception):
@@ -137,9 +138,13 @@ def serve(settings: Settings) -> None:
             sock.unlink()  # stale socket of a daemon that died
         config_args.update(uds=str(sock))
     app = create_app(settings, token=token)
+    caps, notes = connections.caps_for(settings, connections.raise_descriptor_limit())
+    gate = connections.Gate(caps, settings.header_timeout_s)
     config = uvicorn.Config(
         app,
-        http=PeerHTTPProtocol,
+        http=functools.partial(connections.PeerHTTPProtocol, gate=gate),  # type: ignore[arg-type]
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
+        backlog=gate.caps.backlog,
         log_level=settings.log_level,
         log_config=logs.config(settings),
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
@@ -148,12 +153,14 @@ def serve(settings: Settings) -> None:
     )
     settings.pid_path.write_text(f"{os.getpid()}\n")
     logs.started(settings)  # after uvicorn.Config: it set the log up
+    for note in notes:  # caps lowered to fit the file descriptors
+        log.warning("%s", note)
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the
     # previous handler; make that handler a clean exit so the status is 0, as job
     # prologues and systemd expect from a graceful stop.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        _Server(config, on_exit=app.state.engine.request_stop).run()
+        _Server(config, on_exit=app.state.engine.request_stop, gate=gate).run()
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
@@ -161,33 +168,20 @@ def serve(settings: Settings) -> None:
                 settings.socket_path.unlink(missing_ok=True)  # no stale socket after a stop
 
 
-class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol, telling each request on a Unix socket connection who is
-    at its other end, as the kernel saw it connect (SO_PEERCRED): read once per
-    connection, put in every request's scope under ``identity.SCOPE_KEY``. Headers
-    and bodies never enter into it."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        sock = transport.get_extra_info("socket")
-        if sock is None or sock.family != socket.AF_UNIX:
-            return  # TCP: no peer credentials (per-user mode's bearer token applies)
-        caller = Caller.of_socket(sock)
-        app = self.app
-
-        async def with_caller(scope: Scope, receive: Receive, send: Send) -> None:
-            scope[SCOPE_KEY] = caller
-            await app(scope, receive, send)
-
-        self.app = with_caller
-
-
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the engine the moment a stop signal arrives."""
+    """uvicorn's server, telling the engine the moment a stop signal arrives, and
+    logging accepts that fail for want of descriptors once per burst."""
 
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_exit: Callable[[], None], gate: connections.Gate
+    ) -> None:
         super().__init__(config)
         self._on_exit = on_exit
+        self._gate = gate
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        connections.quiet_accept_errors(asyncio.get_running_loop(), self._gate.log)
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

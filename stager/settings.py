@@ -287,6 +287,37 @@ class Settings(BaseSettings):
         "and log shippers' parsers (docs/logging.md)",
     )
 
+    # ---- connections (stager.connections): each holds a file descriptor until it closes ----
+    max_connections: int = setting(
+        1024,
+        ge=1,
+        help="connections open at once, every user's together (past it: 503); in the node "
+        "service root's are not counted, so the epilog and admins always get in; lowered to "
+        "fit the daemon's file descriptors, whose soft limit is raised to the hard one",
+    )
+    max_connections_per_user: int = setting(
+        64, ge=1, help="node service: connections one user may hold at once (past it: 503)"
+    )
+    connection_reserve: int = setting(
+        128,
+        ge=0,
+        help="node service: the last this many places of --max-connections go only to users "
+        "who hold fewer than 4 connections, so that users holding many cannot take them all",
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        gt=0,
+        flag="header-timeout",
+        help="seconds a request's head may take to arrive, from connecting or from its first "
+        "byte; past it the connection is answered 408 and closed",
+    )
+    keep_alive_timeout_s: float = setting(
+        5.0,
+        gt=0,
+        flag="keep-alive-timeout",
+        help="seconds a connection may stay idle between requests before it is closed",
+    )
+
     # ---- the node service ----
     max_stagings_per_user: int = setting(
         0,

@@ -199,6 +199,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
             {
                 "stager.app",
                 "stager.server",
+                "stager.connections",
                 "stager.cli",
                 "stager.__main__",
                 "stager.startup",

@@ -20,10 +20,14 @@ from stager.suggest import did_you_mean
 log = logging.getLogger("stager.api")
 
 
+def error_content(type_: str, message: str) -> dict[str, dict[str, str]]:
+    """The body of every error the daemon answers, with a URL's secrets masked."""
+    return {"error": {"type": type_, "message": redact_text(message)}}
+
+
 def error_response(status: int, type_: str, message: str) -> JSONResponse:
     """The one way an error leaves the API; a URL's secrets never do (stager.redact)."""
-    content = {"error": {"type": type_, "message": redact_text(message)}}
-    return JSONResponse(status_code=status, content=content)
+    return JSONResponse(status_code=status, content=error_content(type_, message))
 
 
 def describe_validation_error(

@@ -1,0 +1,97 @@
+"""Half-sent requests, as a hostile user sends them: connections to a Unix socket,
+each sending a request's head without its end, held open.
+
+A script, standard library only, so that a test or a benchmark can run it as
+another user (``setpriv``)::
+
+    python tests/flood.py SOCKET N HOLD_S [--reopen]
+
+It sends N half-sent requests, then holds what the server leaves open for HOLD_S
+seconds, reading whatever it answers. With ``--reopen`` a connection the server
+ends (refused, timed out) is opened again at once, for as long as it holds: a
+sustained flood. Prints one JSON line: ``sent`` (connections that sent a half
+request), ``refused`` (answered 503), ``timed_out`` (answered 408), ``closed``
+(ended with no answer), ``open`` (still open at the end), ``connect_errors`` and
+the first answer of each status (``answers``). A connection refused as it is
+accepted may fail to send its half request (the server has closed it): its answer
+is read all the same.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import sys
+import time
+
+HALF_REQUEST = b"GET /v1/whoami HTTP/1.1\r\nHost: stager\r\n"  # no blank line: never ends
+
+
+class Flood:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.selector = selectors.DefaultSelector()
+        self.counts = {"sent": 0, "refused": 0, "timed_out": 0, "closed": 0, "connect_errors": 0}
+        self.answers: dict[str, str] = {}
+
+    def open_one(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)  # blocking: waits while the listening queue is full
+        except OSError:
+            self.counts["connect_errors"] += 1
+            sock.close()
+            return
+        self.counts["sent"] += 1
+        sock.setblocking(False)
+        try:
+            sock.sendall(HALF_REQUEST)
+        except OSError:
+            # Refused as it was accepted: closed by now, its answer left to read.
+            self.end(sock)
+            return
+        self.selector.register(sock, selectors.EVENT_READ)
+
+    def end(self, sock: socket.socket) -> None:
+        """Read what the server answered on ``sock``, which it has ended; close it."""
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        status = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else None
+        kind = {"503": "refused", "408": "timed_out"}.get(status or "", "closed")
+        self.counts[kind] += 1
+        if status is not None:
+            self.answers.setdefault(status, data.decode(errors="replace"))
+        sock.close()
+
+    def read(self, timeout: float) -> int:
+        """Read what the server answered; the number of connections it ended."""
+        ready = self.selector.select(timeout)
+        for key, _ in ready:
+            self.selector.unregister(key.fileobj)
+            self.end(key.fileobj)  # type: ignore[arg-type]
+        return len(ready)
+
+    def run(self, n: int, hold_s: float, reopen: bool) -> dict[str, object]:
+        for i in range(n):
+            self.open_one()
+            if i % 64 == 63:
+                self.read(0)  # close what was refused, so our own descriptors last
+        deadline = time.monotonic() + hold_s
+        while (left := deadline - time.monotonic()) > 0:
+            ended = self.read(min(left, 0.05))
+            for _ in range(ended if reopen else 0):
+                self.open_one()
+        self.read(0)
+        return {**self.counts, "open": len(self.selector.get_map()), "answers": self.answers}
+
+
+def main(argv: list[str]) -> None:
+    path, n, hold_s = argv[0], int(argv[1]), float(argv[2])
+    print(json.dumps(Flood(path).run(n, hold_s, reopen="--reopen" in argv)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

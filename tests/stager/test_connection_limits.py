@@ -1,0 +1,111 @@
+"""Every connection is bounded, in a daemon of one user as in the node service: the
+time its request's head may take, its idle time between requests and the number
+open at once, each a setting. Real daemons, real sockets:
+requests are written by hand where a client library would not misbehave enough.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.daemon import Daemon
+from tests.flood import Flood
+
+HEAD = b"GET /v1/datasets HTTP/1.1\r\nHost: stager\r\n"
+
+
+@pytest.fixture
+def bounded(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory(
+        env={
+            "STAGER_HEADER_TIMEOUT": "1",
+            "STAGER_KEEP_ALIVE_TIMEOUT": "1",
+            "STAGER_MAX_CONNECTIONS": "20",
+        }
+    )
+
+
+def connect(daemon: Daemon, timeout: float = 6.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(str(daemon.socket))
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the daemon sends until it closes the connection, and when it did
+    (seconds from now); fails when it keeps it open past the socket's timeout."""
+    t0, data = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pytest.fail(f"the daemon kept the connection open; it sent {data!r}")
+    except ConnectionResetError:
+        pass  # closed with some of what we sent unread: what it sent came first
+    return data, time.monotonic() - t0
+
+
+def answer(data: bytes) -> tuple[int, dict]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def test_a_half_sent_request_is_answered_408_and_closed_after_the_header_timeout(
+    bounded: Daemon,
+) -> None:
+    with connect(bounded) as half, connect(bounded) as silent:
+        half.sendall(HEAD)  # no blank line: the head never ends
+        data, took = read_until_closed(half)
+        status, body = answer(data)
+        assert status == 408 and body["error"]["type"] == "header_timeout", body
+        assert "--header-timeout" in body["error"]["message"]
+        assert took < 3, took
+        _, took = read_until_closed(silent)  # connected, sent nothing
+        assert took < 2, took
+
+
+def test_a_head_sent_slowly_within_the_timeout_is_answered(bounded: Daemon) -> None:
+    with connect(bounded) as sock:
+        for piece in (HEAD[:10], HEAD[10:30], HEAD[30:] + b"Connection: close\r\n\r\n"):
+            sock.sendall(piece)
+            time.sleep(0.25)
+        status, body = answer(read_until_closed(sock)[0])
+    assert status == 200 and body["count"] == 0, body
+
+
+def test_an_idle_kept_alive_connection_and_a_half_sent_second_request_are_closed(
+    bounded: Daemon,
+) -> None:
+    with connect(bounded) as idle, connect(bounded) as second:
+        for sock in (idle, second):
+            sock.sendall(HEAD + b"\r\n")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        second.sendall(HEAD)  # the next request's head, never finished
+        _, took = read_until_closed(idle)
+        assert took < 3, f"an idle connection lived {took:.1f} s past its answer"
+        status, _ = answer(read_until_closed(second)[0])
+        assert status == 408
+
+
+def test_connections_past_the_cap_are_refused_at_once_and_the_daemon_still_answers(
+    bounded: Daemon,
+) -> None:
+    flood = Flood(str(bounded.socket))
+    report = flood.run(200, hold_s=0.5, reopen=False)
+    assert report["open"] == 20 and report["refused"] == 180, report
+    _, body = answer(report["answers"]["503"].encode())
+    assert body["error"]["type"] == "too_many_connections"
+    assert "--max-connections 20" in body["error"]["message"], body
+    # Its 20 connections time out (1 s), and the daemon answers again.
+    time.sleep(1.5)
+    with bounded.client(timeout=5) as client:
+        assert client.get("/v1/datasets").status_code == 200
+    log = bounded.log(limit=None)
+    assert log.count("refused a connection") == 1, log
+    assert "Traceback" not in log
