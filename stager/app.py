@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
 from stager import __version__, cache
-from stager.api import errors
+from stager.api import body_limit, errors
 from stager.api.auth import BearerTokenMiddleware
 from stager.api.routes import cache as cache_routes
 from stager.api.routes import datasets, health, recipes, whoami
@@ -59,6 +59,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     errors.install(app, engine.ops.public_names)
+    body_limit.install(app, settings.max_body_bytes)
     app.include_router(datasets.stage_router(engine.ops))
     app.include_router(fanout_router(engine.ops))  # before /v1/datasets/{name} routes
     app.include_router(datasets.router)

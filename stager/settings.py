@@ -317,6 +317,12 @@ class Settings(BaseSettings):
         flag="keep-alive-timeout",
         help="seconds a connection may stay idle between requests before it is closed",
     )
+    max_body_bytes: Size = setting(
+        1 << 20,
+        ge=0,
+        default_text="1MiB",
+        help="largest request body, e.g. 1M; a larger one is answered 413 without being read",
+    )
 
     # ---- the node service ----
     max_stagings_per_user: int = setting(

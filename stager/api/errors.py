@@ -25,9 +25,11 @@ def error_content(type_: str, message: str) -> dict[str, dict[str, str]]:
     return {"error": {"type": type_, "message": redact_text(message)}}
 
 
-def error_response(status: int, type_: str, message: str) -> JSONResponse:
+def error_response(
+    status: int, type_: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
     """The one way an error leaves the API; a URL's secrets never do (stager.redact)."""
-    return JSONResponse(status_code=status, content=error_content(type_, message))
+    return JSONResponse(status_code=status, content=error_content(type_, message), headers=headers)
 
 
 def describe_validation_error(

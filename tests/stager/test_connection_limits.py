@@ -1,6 +1,6 @@
 """Every connection is bounded, in a daemon of one user as in the node service: the
-time its request's head may take, its idle time between requests and the number
-open at once, each a setting. Real daemons, real sockets:
+time its request's head may take, its idle time between requests, the number open
+at once, and its request body's size, each a setting. Real daemons, real sockets:
 requests are written by hand where a client library would not misbehave enough.
 """
 
@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +27,7 @@ def bounded(daemon_factory: Callable[..., Daemon]) -> Daemon:
             "STAGER_HEADER_TIMEOUT": "1",
             "STAGER_KEEP_ALIVE_TIMEOUT": "1",
             "STAGER_MAX_CONNECTIONS": "20",
+            "STAGER_MAX_BODY_BYTES": str(64 * 1024),
         }
     )
 
@@ -109,3 +111,58 @@ def test_connections_past_the_cap_are_refused_at_once_and_the_daemon_still_answe
     log = bounded.log(limit=None)
     assert log.count("refused a connection") == 1, log
     assert "Traceback" not in log
+
+
+def vm_kib(daemon: Daemon, field: str) -> int:
+    assert daemon.process is not None
+    for line in Path(f"/proc/{daemon.process.pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in the daemon's status")
+
+
+def test_a_body_announced_over_the_limit_is_refused_before_a_byte_is_read(
+    bounded: Daemon,
+) -> None:
+    for method, path in (("POST", "/v1/datasets"), ("GET", "/v1/datasets")):
+        with connect(bounded) as sock:
+            sock.sendall(
+                f"{method} {path} HTTP/1.1\r\nHost: stager\r\ncontent-type: application/json\r\n"
+                "content-length: 400000000\r\n\r\n{".encode()
+            )
+            data, took = read_until_closed(sock)
+        status, body = answer(data)
+        assert status == 413, body
+        assert body["error"]["type"] == "body_too_large"
+        assert "400000000 bytes" in body["error"]["message"]
+        assert "--max-body-bytes" in body["error"]["message"]
+        assert took < 1, took
+
+
+def test_a_chunked_body_is_refused_once_past_the_limit_and_memory_stays_flat(
+    bounded: Daemon,
+) -> None:
+    before = vm_kib(bounded, "VmHWM")
+    chunk = b'"' + b"x" * (1 << 20) + b'",'  # 1 MiB strings in a JSON list
+    sent = 0
+    with connect(bounded) as sock:
+        sock.sendall(
+            b"POST /v1/datasets HTTP/1.1\r\nHost: stager\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n[\r\n" % 1
+        )
+        try:
+            for _ in range(200):  # 200 MiB, if the daemon read it all
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it answered and closed: the rest is never sent
+        data, _ = read_until_closed(sock)
+    status, body = answer(data)
+    assert status == 413 and body["error"]["type"] == "body_too_large", body
+    assert "over the daemon's limit of 65536 bytes" in body["error"]["message"]
+    assert sent < 64 << 20, f"the daemon read {sent} bytes of a body over its limit"
+    grew = vm_kib(bounded, "VmHWM") - before
+    assert grew < 32 * 1024, f"the daemon's peak memory grew {grew} KiB"
+    with bounded.client(timeout=5) as client:  # a request under the limit is served
+        response = client.post("/v1/datasets", json={"name": "x", "steps": []})
+        assert response.status_code == 422, response.text
