@@ -55,6 +55,8 @@ class Daemon:
     process: subprocess.Popen | None = None
     # Run as this user (a tests.users.User: uid and gid) instead of the test's own.
     user: Any = None
+    # Run under this command (e.g. ``prlimit --nofile=256:256 --``).
+    wrapper: list[str] = field(default_factory=list)
 
     @property
     def socket(self) -> Path:
@@ -93,6 +95,7 @@ class Daemon:
             os.chown(self.runtime_dir, self.user.uid, self.user.gid)
             user = [f"--reuid={self.user.uid}", f"--regid={self.user.gid}", "--init-groups"]
             argv = ["setpriv", *user, "--", *argv]
+        argv = [*self.wrapper, *argv]
         self.process = subprocess.Popen(
             argv,
             env=self.env,

@@ -7,9 +7,11 @@ another user (``setpriv``)::
     python tests/flood.py SOCKET N HOLD_S [--reopen]
 
 It sends N half-sent requests, then holds what the server leaves open for HOLD_S
-seconds, reading whatever it answers. With ``--reopen`` a connection the server
+seconds (and on until no answer has come for half a second), reading whatever it
+answers. With ``--reopen`` a connection the server
 ends (refused, timed out) is opened again at once, for as long as it holds: a
-sustained flood. Prints one JSON line: ``sent`` (connections that sent a half
+sustained flood. Prints a JSON line once it has sent them all, and another at the
+end (``phase``: ``sent``, ``held``): ``sent`` (connections that sent a half
 request), ``refused`` (answered 503), ``timed_out`` (answered 408), ``closed``
 (ended with no answer), ``open`` (still open at the end), ``connect_errors`` and
 the first answer of each status (``answers``). A connection refused as it is
@@ -25,6 +27,7 @@ import socket
 import sys
 import time
 
+QUIET_S = 0.5  # the end of a hold: this long without an answer
 HALF_REQUEST = b"GET /v1/whoami HTTP/1.1\r\nHost: stager\r\n"  # no blank line: never ends
 
 
@@ -34,6 +37,7 @@ class Flood:
         self.selector = selectors.DefaultSelector()
         self.counts = {"sent": 0, "refused": 0, "timed_out": 0, "closed": 0, "connect_errors": 0}
         self.answers: dict[str, str] = {}
+        self.progress = False  # print a JSON line when all are sent, and at the end
 
     def open_one(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,18 +83,35 @@ class Flood:
             self.open_one()
             if i % 64 == 63:
                 self.read(0)  # close what was refused, so our own descriptors last
+        self.read(0)
+        self.report("sent")
         deadline = time.monotonic() + hold_s
-        while (left := deadline - time.monotonic()) > 0:
-            ended = self.read(min(left, 0.05))
+        last_answer = time.monotonic()
+        while True:
+            now = time.monotonic()
+            # Without --reopen, hold on until answers have stopped coming: a loaded
+            # server may still be refusing the last of them.
+            if now >= deadline and (reopen or now - last_answer >= QUIET_S):
+                break
+            if ended := self.read(0.05):
+                last_answer = time.monotonic()
             for _ in range(ended if reopen else 0):
                 self.open_one()
         self.read(0)
-        return {**self.counts, "open": len(self.selector.get_map()), "answers": self.answers}
+        return self.report("held")
+
+    def report(self, phase: str) -> dict[str, object]:
+        counts = {**self.counts, "open": len(self.selector.get_map()), "answers": self.answers}
+        if self.progress:
+            print(json.dumps({"phase": phase, **counts}), flush=True)
+        return counts
 
 
 def main(argv: list[str]) -> None:
     path, n, hold_s = argv[0], int(argv[1]), float(argv[2])
-    print(json.dumps(Flood(path).run(n, hold_s, reopen="--reopen" in argv)), flush=True)
+    flood = Flood(path)
+    flood.progress = True
+    flood.run(n, hold_s, reopen="--reopen" in argv)
 
 
 if __name__ == "__main__":

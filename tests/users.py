@@ -39,17 +39,36 @@ class User:
         self, argv: Sequence[str], timeout: float = 60, **kwargs: object
     ) -> subprocess.CompletedProcess[str]:
         """``argv`` as this user: uid, gid and supplementary groups, a clean HOME."""
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": f"/tmp/{self.name}"}
-        env.update(kwargs.pop("env", {}))  # type: ignore[arg-type]
-        command = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups"]
+        env = self._env(kwargs.pop("env", {}))  # type: ignore[arg-type]
         return subprocess.run(
-            [*command, "--", *argv],
+            self._as_me(argv),
             capture_output=True,
             text=True,
             timeout=timeout,
             env=env,
             **kwargs,  # type: ignore[arg-type]
         )
+
+    def popen(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
+        """``argv`` started as this user (as ``run``), its output piped."""
+        env = self._env(kwargs.pop("env", {}))  # type: ignore[arg-type]
+        return subprocess.Popen(
+            self._as_me(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            **kwargs,  # type: ignore[call-overload]
+        )
+
+    def _as_me(self, argv: Sequence[str]) -> list[str]:
+        command = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups"]
+        return [*command, "--", *argv]
+
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": f"/tmp/{self.name}"}
+        env.update(extra)
+        return env
 
     def curl(
         self, socket: Path, method: str, path: str, body: object = None, headers: Sequence[str] = ()
