@@ -100,6 +100,12 @@ def _decode(response: httpx.Response, adapter: Callable[[bytes], Model], url: st
                 status_code=response.status_code,
             ) from exc
     error = _error_sentence(response)
+    if response.status_code == 503 and error is not None:
+        # Refused as it connected, before a request was read (the daemon's connection
+        # caps): nothing reached it, so any call may be retried. Its sentence is
+        # "problem; fix".
+        problem, _, fix = error[1].rpartition("; ")
+        raise DaemonUnavailable(problem or fix, url=url, fix=fix if problem else "retry")
     if response.status_code == 503 or (error is None and response.status_code >= 500):
         # Not the API's own error: the server broke the request off, as uvicorn does with
         # requests still open when a stopping daemon's graceful-shutdown time runs out.

@@ -214,6 +214,23 @@ def test_wait_retries_a_request_broken_off_by_a_stopping_daemon() -> None:
         client(lambda r: httpx.Response(500, text="Internal Server Error")).status("d")
 
 
+def test_a_connection_refused_by_the_daemons_caps_is_retried_and_told_in_its_words() -> None:
+    sentence = (
+        "uid 1001 holds 64 connections to the stager service, the most one user may "
+        "(--max-connections-per-user 64); close some, then retry"
+    )
+    refusal = {"error": {"type": "too_many_connections", "message": sentence}}
+    busy = httpx.Response(503, json=refusal)
+    answers = [busy, busy, httpx.Response(200, json=status(state="ready", path="/p"))]
+    fake = FakeTime()
+    assert client(lambda r: answers.pop(0), fake).wait("d").path == "/p"
+    assert fake.sleeps == [0.05, 0.1]
+    with pytest.raises(DaemonUnavailable) as info:
+        client(lambda r: busy).status("d")
+    assert type(info.value) is DaemonUnavailable  # not ConnectionLost: it never reached it
+    assert str(info.value) == sentence
+
+
 def test_wait_gives_up_on_a_gone_daemon_after_retry_for() -> None:
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
