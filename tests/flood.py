@@ -4,14 +4,17 @@ each sending a request's head without its end, held open.
 A script, standard library only, so that a test or a benchmark can run it as
 another user (``setpriv``)::
 
-    python tests/flood.py SOCKET N HOLD_S [--reopen]
+    python tests/flood.py SOCKET N HOLD_S [--keep | --reopen]
 
 It sends N half-sent requests, then holds what the server leaves open for HOLD_S
 seconds (and on until no answer has come for half a second), reading whatever it
-answers. With ``--reopen`` a connection the server
-ends (refused, timed out) is opened again at once, for as long as it holds: a
-sustained flood. Prints a JSON line once it has sent them all, and another at the
-end (``phase``: ``sent``, ``held``): ``sent`` (connections that sent a half
+answers. With ``--keep`` a connection the server held and then ended (a header
+timeout) is opened again at once: it holds as many as the server lets it. With
+``--reopen`` every connection the server ends is opened again at once, refused ones
+too: a storm of connections, as fast as the server refuses them.
+
+Prints a JSON line once it has sent them all, and another at the end (``phase``:
+``sent``, ``held``): ``sent`` (connections that sent a half
 request), ``refused`` (answered 503), ``timed_out`` (answered 408), ``closed``
 (ended with no answer), ``open`` (still open at the end), ``connect_errors`` and
 the first answer of each status (``answers``). A connection refused as it is
@@ -40,7 +43,11 @@ class Flood:
         self.progress = False  # print a JSON line when all are sent, and at the end
 
     def open_one(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:  # out of descriptors of our own
+            self.counts["connect_errors"] += 1
+            return
         try:
             sock.connect(self.path)  # blocking: waits while the listening queue is full
         except OSError:
@@ -78,7 +85,8 @@ class Flood:
             self.end(key.fileobj)  # type: ignore[arg-type]
         return len(ready)
 
-    def run(self, n: int, hold_s: float, reopen: bool) -> dict[str, object]:
+    def run(self, n: int, hold_s: float, reopen: str = "") -> dict[str, object]:
+        """``reopen``: "" (never), "held" (what the server held, then ended), "all"."""
         for i in range(n):
             self.open_one()
             if i % 64 == 63:
@@ -89,13 +97,15 @@ class Flood:
         last_answer = time.monotonic()
         while True:
             now = time.monotonic()
-            # Without --reopen, hold on until answers have stopped coming: a loaded
+            # Unless it reopens, it holds on until answers have stopped coming: a loaded
             # server may still be refusing the last of them.
             if now >= deadline and (reopen or now - last_answer >= QUIET_S):
                 break
+            refused = self.counts["refused"]
             if ended := self.read(0.05):
                 last_answer = time.monotonic()
-            for _ in range(ended if reopen else 0):
+            held_then_ended = ended - (self.counts["refused"] - refused)
+            for _ in range({"all": ended, "held": held_then_ended}.get(reopen, 0)):
                 self.open_one()
         self.read(0)
         return self.report("held")
@@ -111,7 +121,8 @@ def main(argv: list[str]) -> None:
     path, n, hold_s = argv[0], int(argv[1]), float(argv[2])
     flood = Flood(path)
     flood.progress = True
-    flood.run(n, hold_s, reopen="--reopen" in argv)
+    reopen = "all" if "--reopen" in argv else "held" if "--keep" in argv else ""
+    flood.run(n, hold_s, reopen)
 
 
 if __name__ == "__main__":

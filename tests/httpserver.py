@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -83,10 +84,18 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        """Quiet about a client that went away mid-body (a cancelled or failed
+        download: what the tests do on purpose); anything else is printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 @contextmanager
 def serve_files(behaviour: Behaviour) -> Iterator[str]:
     """Serve ``behaviour.files`` on 127.0.0.1; yields the base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(behaviour))
+    server = _Server(("127.0.0.1", 0), _handler(behaviour))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

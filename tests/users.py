@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,14 @@ def users() -> Iterator[tuple[User, User]]:
         pytest.skip("creating users needs root")
     if shutil.which("useradd") is None or shutil.which("setpriv") is None:
         pytest.skip("needs useradd and setpriv (Debian: passwd, util-linux)")
+    with made_users() as made:
+        yield made
+
+
+@contextmanager
+def made_users() -> Iterator[tuple[User, User]]:
+    """alice (in the group ``stager-t-group``) and bob (not), made now if they do not
+    exist, and removed at the end if they were made (root, useradd and setpriv)."""
     made_group = False
     try:
         grp.getgrnam(GROUP)
@@ -155,9 +164,16 @@ def _exists(name: str) -> bool:
 
 @pytest.fixture(scope="session")
 def interpreter_for_users() -> Iterator[str]:
-    """This test run's Python, usable by every user: the folders above it (here under
-    root's 0700 home) get search permission for others until the session ends, and
-    get their modes back then."""
+    """This test run's Python, usable by every user (``usable_by_everyone``)."""
+    with usable_by_everyone():
+        yield sys.executable
+
+
+@contextmanager
+def usable_by_everyone() -> Iterator[None]:
+    """This Python and the working folder, usable by every user: the folders above
+    them (here under root's 0700 home) get search permission for others until the end,
+    and get their modes back then."""
     changed: list[tuple[Path, int]] = []
     for path in [Path(sys.executable), Path(os.path.realpath(sys.executable)), Path.cwd()]:
         for folder in [*reversed(path.parents)]:
@@ -166,7 +182,7 @@ def interpreter_for_users() -> Iterator[str]:
                 changed.append((folder, mode))
                 folder.chmod(mode | stat.S_IXOTH)
     try:
-        yield sys.executable
+        yield
     finally:
         for folder, mode in reversed(changed):
             folder.chmod(mode)

@@ -95,7 +95,7 @@ def test_connections_past_the_cap_are_refused_at_once_and_the_daemon_still_answe
     bounded: Daemon,
 ) -> None:
     flood = Flood(str(bounded.socket))
-    report = flood.run(200, hold_s=0.5, reopen=False)
+    report = flood.run(200, hold_s=0.5)
     assert report["open"] == 20 and report["refused"] == 180, report
     _, body = answer(report["answers"]["503"].encode())
     assert body["error"]["type"] == "too_many_connections"
