@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from stager.settings import env_name
 from tests.daemon import Daemon
 from tests.users import User
 
@@ -30,7 +31,7 @@ def node_service(
     started: list[Daemon] = []
 
     def start(descriptors: int = 1024, **caps: int) -> Daemon:
-        env = {f"STAGER_{name.upper()}": str(value) for name, value in caps.items()}
+        env = {env_name(name): str(value) for name, value in caps.items()}
         cache_dir = shared_tmp / f"cache{len(started)}"
         daemon = Daemon(cache_dir=cache_dir, args=["--multi-user"], extra_env=env)
         daemon.wrapper = ["prlimit", f"--nofile={descriptors}:{descriptors}", "--"]
