@@ -119,24 +119,41 @@ class BurstLog:
         self._log = logger
         self._every_s = every_s
         self._counts: dict[Hashable, int] = {}
+        self._sentences: dict[Hashable, str] = {}
 
     def event(self, key: Hashable, sentence: str) -> None:
         if key in self._counts:
             self._counts[key] += 1
             return
         self._log.warning("%s", sentence)
-        self._counts[key] = 0
-        self._close_later(key, sentence)
+        self._counts[key], self._sentences[key] = 0, sentence
+        self._close_later(key)
 
-    def _close_later(self, key: Hashable, sentence: str) -> None:
-        asyncio.get_running_loop().call_later(self._every_s, self._close, key, sentence)
+    def _close_later(self, key: Hashable) -> None:
+        asyncio.get_running_loop().call_later(self._every_s, self._close, key)
 
-    def _close(self, key: Hashable, sentence: str) -> None:
-        count = self._counts.pop(key, 0)
-        if count:
-            self._log.warning("%d more in the last %g s like: %s", count, self._every_s, sentence)
+    def _close(self, key: Hashable) -> None:
+        if key not in self._counts:
+            return  # told by flush()
+        if self._tell(key):
             self._counts[key] = 0  # still going: the next line in another window
-            self._close_later(key, sentence)
+            self._close_later(key)
+        else:
+            del self._counts[key], self._sentences[key]
+
+    def _tell(self, key: Hashable) -> bool:
+        count = self._counts[key]
+        if count:
+            sentence = self._sentences[key]
+            self._log.warning("%d more like this since the last line: %s", count, sentence)
+        return bool(count)
+
+    def flush(self) -> None:
+        """Tell the bursts still counting (at the daemon's stop)."""
+        for key in list(self._counts):
+            self._tell(key)
+        self._counts.clear()
+        self._sentences.clear()
 
 
 class Refusal(NamedTuple):

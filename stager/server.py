@@ -183,6 +183,10 @@ class _Server(uvicorn.Server):
         connections.quiet_accept_errors(asyncio.get_running_loop(), self._gate.log)
         await super().startup(sockets)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        self._gate.log.flush()  # the count of a burst still going
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self._on_exit()

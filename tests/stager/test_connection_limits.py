@@ -107,6 +107,8 @@ def test_connections_past_the_cap_are_refused_at_once_and_the_daemon_still_answe
     log = bounded.log(limit=None)
     assert log.count("refused a connection") == 1, log
     assert "Traceback" not in log
+    bounded.stop()  # the count of the burst is told, at the latest when the daemon stops
+    assert "179 more like this since the last line: refused a connection" in bounded.log()
 
 
 def vm_kib(daemon: Daemon, field: str) -> int:
