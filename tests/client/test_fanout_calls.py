@@ -65,7 +65,18 @@ def test_fanout_calls_use_the_clients_transport_timeouts_and_error_translation()
 
 # What a user calls, the same on both clients (awaited on the async one); anything else
 # public on them is plumbing that belongs beside the code that needs it (as FanoutCalls).
-USER_API = {"status", "list", "submit", "stage", "wait", "cancel", "lease", "release", "whoami"}
+USER_API = {
+    "status",
+    "list",
+    "submit",
+    "stage",
+    "wait",
+    "cancel",
+    "lease",
+    "release",
+    "whoami",
+    "recipes",
+}
 
 
 def public_methods(cls: type) -> set[str]:
