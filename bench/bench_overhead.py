@@ -25,6 +25,13 @@ times ``tar -xf --no-same-owner --no-same-permissions`` (what a user's tar does)
 when run as root, and both ratios are printed.
 
     python bench/bench_overhead.py --tar-files 200000 --runs 3 [--trace]
+
+``--copy-files N`` times a copy of a tree of N files of 512 B (in folders of 1,000)
+through the daemon, POST to ready, against ``cp -r`` of the same tree on the same disk,
+alternating (each staging copies to a destination of its own: a miss); with
+``--trace``, where its time goes. Put the scratch on tmpfs with ``TMPDIR=/dev/shm``.
+
+    TMPDIR=/dev/shm python bench/bench_overhead.py --copy-files 200000 --runs 3 --trace
 """
 
 from __future__ import annotations
@@ -133,6 +140,50 @@ def make_tar(folder: Path, files: int) -> Path:
     return archive
 
 
+def make_tree(folder: Path, files: int) -> Path:
+    """``files`` files of 512 B in folders of 1,000."""
+    tree = folder / "tree"
+    for i in range(files):
+        path = tree / f"d{i // 1000:04d}" / f"f{i:07d}"
+        if i % 1000 == 0:
+            path.parent.mkdir(parents=True)
+        path.write_bytes(os.urandom(512))
+    return tree
+
+
+def timed_cp(tree: Path, out: Path) -> float:
+    """Seconds of a ``cp -r`` of ``tree`` to a fresh ``out`` (removed after)."""
+    shutil.rmtree(out, ignore_errors=True)
+    os.sync()
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(tree), str(out)], check=True)
+    took = time.perf_counter() - start
+    shutil.rmtree(out)
+    return took
+
+
+def copy_against_daemon(
+    daemon: Daemon, tree: Path, out: Path, runs: int
+) -> tuple[list[float], list[float]]:
+    """(cp -r seconds, daemon POST-to-ready seconds) of each round, alternating, after a
+    first staging that starts the fork server."""
+    one_file_stagings(daemon, tree.parent, 0)
+    by_cp, by_daemon = [], []
+    with daemon.client(timeout=600) as client:
+        for i in range(runs):
+            by_cp.append(timed_cp(tree, out))
+            os.sync()
+            start = time.perf_counter()
+            body = {"name": f"c{i}", "steps": [{"op": "copy", "src": str(tree), "dst": f"r{i}"}]}
+            client.post("/v1/datasets", json=body)
+            status = client.get(f"/v1/datasets/c{i}/wait", params={"timeout": 600}).json()
+            by_daemon.append(time.perf_counter() - start)
+            if status["state"] != "ready":
+                raise SystemExit(f"staging c{i} ended {status['state']}: {status['error']}")
+            client.delete(f"/v1/datasets/c{i}")
+    return by_cp, by_daemon
+
+
 # What a user's tar does as root: no owner, no exact mode per file.
 AS_A_USER = ("--no-same-owner", "--no-same-permissions")
 
@@ -201,6 +252,9 @@ def main() -> None:
         "--tar-files", type=int, default=0, help="time an extraction of a tar of N files instead"
     )
     parser.add_argument(
+        "--copy-files", type=int, default=0, help="time a copy of a tree of N files instead"
+    )
+    parser.add_argument(
         "--staging-nice",
         type=int,
         default=None,
@@ -223,7 +277,11 @@ def main() -> None:
         daemon = Daemon(cache_dir=scratch_dir / "cache", extra_env=env)
         daemon.start()
         try:
-            if args.tar_files:
+            if args.copy_files:
+                tree = make_tree(source, args.copy_files)
+                by_cp, by_daemon = copy_against_daemon(daemon, tree, scratch_dir / "out", args.runs)
+                log = daemon.log(limit=None)
+            elif args.tar_files:
                 archive = make_tar(source, args.tar_files)
                 by_tar, by_user_tar, by_daemon = tar_against_daemon(
                     daemon, archive, scratch_dir / "out", args.runs
@@ -234,6 +292,18 @@ def main() -> None:
                 log = daemon.log(limit=None)
         finally:
             daemon.stop()
+        if args.copy_files:
+            ratios = [d / c for c, d in zip(by_cp, by_daemon, strict=True)]
+            print(
+                f"{args.copy_files} files: cp -r median {statistics.median(by_cp):.2f} s, "
+                f"the daemon's copy, POST to ready, {statistics.median(by_daemon):.2f} s; "
+                f"pairwise ratio median {statistics.median(ratios):.2f} "
+                f"({', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+            if args.trace:
+                for name, values in phases(log).items():
+                    print(f"  {name:34s} {statistics.median(values):9.2f} ms")
+            return
         if args.tar_files:
             ratios = [d / t for t, d in zip(by_tar, by_daemon, strict=True)]
             print(

@@ -677,13 +677,19 @@ class Engine:
                 entry = self._reg.entries.get(key)
                 if entry is None or entry.state != State.QUEUED or self._stopping:
                     continue
+                # A task of its own, which a stop waits for whole: the outcome of a
+                # staging the stop interrupts is recorded before the daemon exits.
+                staging = asyncio.ensure_future(self._stage(entry))
+                self._running.add(staging)
                 try:
-                    await self._stage(entry)
+                    await staging
                 except Exception:
                     # The state store failed under us (disk full, database locked): this
                     # entry is lost to this run, but the worker must live on for the queue.
                     log.exception("could not record the outcome of staging %s", entry.key)
                     await self._reg.fail_unrecorded(entry, STATE_STORE_FAILED)
+                finally:
+                    self._running.discard(staging)
             finally:
                 self.admission.queue.finished(owner)
 
@@ -710,7 +716,6 @@ class Engine:
         future = asyncio.ensure_future(
             run_staging(job, self.processes, entry.progress, entry.cancel, limits)
         )
-        self._running.add(future)
         try:
             try:
                 seal = await future
@@ -739,7 +744,6 @@ class Engine:
         else:
             await reg.publish(entry, seal)
         finally:
-            self._running.discard(future)
             # For the next staging, now that this one's outcome is told.
             self.processes.prepare_spare()
 
