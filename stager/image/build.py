@@ -16,10 +16,9 @@ components, ``into`` a folder, and ``renames`` in order, as a recipe's rename st
 would move them after an extraction. Every file is 0444 and every folder 0555,
 whatever the archive says; the image itself is left 0444.
 
-What differs from an extraction, on purpose: a member under one of the archive's
-own symlinks to a folder is refused (GNU tar writes it through the link; an image
-keeps one name per entry and is never written through a link), and a file's
-holes are written out as zeros (EROFS's flat layout has none).
+What differs from an extraction, on purpose: a file's holes are written out as
+zeros (EROFS's flat layout has none), and a folder that only implicit parents made
+gets the image's own time (GNU tar gives it the time of extraction).
 
 The image is written as ``OUTPUT.partial`` beside ``OUTPUT``, synced, and renamed
 into place: nothing half-built ever carries the final name.
@@ -30,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import posixpath
 import stat
 import tarfile
 import time
@@ -47,6 +47,7 @@ from stager.image.erofs import ErofsWriter, ImageConflict
 from stager.progress import ProgressSink
 
 _HEADER_READAHEAD = 16384
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 # GNU tar's member types beyond tarfile's (as stager.archive.tar_reader treats them).
 _VOLUME_LABEL, _MULTIVOLUME, _DUMPDIR = b"V", b"M", b"D"
 _NOT_FILES = frozenset(
@@ -119,11 +120,14 @@ def build_image(source: str, output: str, options: BuildOptions | None = None) -
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     writer = ErofsWriter(fd, output + ".spill", options.build_time)
     try:
-        if os.path.isdir(source):
-            _TreeSource(source, writer, options).run()
-        else:
-            _TarSource(source, writer, options, output).run()
-        size = writer.finish()
+        try:
+            if os.path.isdir(source):
+                _TreeSource(source, writer, options).run()
+            else:
+                _TarSource(source, writer, options, output).run()
+            size = writer.finish()
+        except ImageConflict as exc:  # found at the end, when the folders are written
+            raise refused(source, exc.path, exc.why) from exc
         os.fchmod(fd, 0o444)
         os.fsync(fd)
         os.rename(partial, output)
@@ -154,30 +158,44 @@ def _split(rel: str) -> tuple[str, str]:
 
 
 class _Placer:
-    """Names into folders of the image, refusing what lies under an archive's symlink."""
+    """Names into folders of the image. A member under one of the archive's own
+    symlinks goes where GNU tar puts it, through the link, resolved here by the
+    archive's names (a link whose target is absolute or climbs with ``..`` is not
+    followed: GNU tar does not write through it either)."""
 
     def __init__(self, writer: ErofsWriter, label: str) -> None:
         self.writer = writer
         self.label = label
-        self.symlinks: set[str] = set()  # few: kept to refuse members placed under one
+        self.symlinks: dict[str, str] = {}  # few: kept to place members under them
 
     def parent(self, rel: str, member: str) -> tuple[int, str]:
         parent, name = _split(rel)
         if self.symlinks and not self.writer.is_folder(parent):
-            self.refuse_under_link(parent, member)
+            parent = self.through_links(parent, member)
         return self.writer.folder(parent), name
 
-    def refuse_under_link(self, folder: str, member: str) -> None:
-        path = folder
-        while path:
-            if path in self.symlinks:
-                raise refused(
+    def through_links(self, folder: str, member: str) -> str:
+        parts, done, hops = folder.split("/") if folder else [], "", 0
+        while parts:
+            here = f"{done}/{parts[0]}" if done else parts[0]
+            target = self.symlinks.get(here)
+            if target is None:
+                done, parts = here, parts[1:]
+                continue
+            if target.startswith("/") or ".." in target.split("/"):
+                raise unsafe(
                     self.label,
                     member,
-                    f"lies under the archive's symlink {path!r}, which an image does not "
-                    "write through",
+                    f"written through the archive's symlink {here!r}, whose target "
+                    f"{target!r} may lead outside; GNU tar does not write through it either",
                 )
-            path = _split(path)[0]
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                raise refused(self.label, member, "lies under too many levels of symlinks")
+            resolved = posixpath.normpath(posixpath.join(done, target)).removeprefix("./")
+            parts = [p for p in resolved.split("/") if p not in ("", ".")] + parts[1:]
+            done = ""
+        return done
 
 
 class _TarSource:
@@ -250,7 +268,11 @@ class _TarSource:
         try:
             if member.isdir() or member.type == _DUMPDIR:
                 if self.place.symlinks:
-                    self.place.refuse_under_link(rel, member.name)
+                    self.place.symlinks.pop(rel, None)  # a folder replaces a symlink
+                    head, name = _split(rel)
+                    if not writer.is_folder(head):
+                        head = self.place.through_links(head, member.name)
+                    rel = f"{head}/{name}" if head else name
                 writer.folder(rel, mtime)
             elif member.isreg() or member.type not in _NOT_FILES:
                 parent, name = self.place.parent(rel, member.name)
@@ -261,7 +283,7 @@ class _TarSource:
                 )
                 parent, name = self.place.parent(rel, member.name)
                 writer.symlink(parent, name, member.linkname, mtime)
-                self.place.symlinks.add(rel)
+                self.place.symlinks[rel] = member.linkname
             elif member.islnk():
                 self._hardlink(member, rel)
             else:
@@ -363,6 +385,9 @@ class _TreeSource(sources.Visitor):
         self.writer = writer
         self.options = options
         self.judge_root = self.path
+        # Files with more than one name, by inode: later names become hard links, as
+        # in the tree (only these are kept: few in a dataset).
+        self.linked: dict[tuple[int, int], tuple[int, str]] = {}
 
     def run(self) -> None:
         top = sources.open_top(self.path, ())
@@ -387,7 +412,13 @@ class _TreeSource(sources.Visitor):
                 raise sources.refuse_special(folder.join(entry.name), st.st_mode)
             parent, name = _split(self._rel(folder, entry.name))
             number = self.writer.folder(parent)
-            self.writer.file_range(number, name, st.st_size, _mtime(st.st_mtime), fd, 0)
+            first = self.linked.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+            if first is not None:
+                self.writer.hardlink(number, name, *first, folder.join(entry.name))
+            else:
+                self.writer.file_range(number, name, st.st_size, _mtime(st.st_mtime), fd, 0)
+                if st.st_nlink > 1:
+                    self.linked[(st.st_dev, st.st_ino)] = (number, name)
         finally:
             os.close(fd)
         self.options.progress.advance(st.st_size, 1)
@@ -401,4 +432,5 @@ class _TreeSource(sources.Visitor):
         parent, name = _split(rel)
         st = entry.stat(follow_symlinks=False)
         self.writer.symlink(self.writer.folder(parent), name, target, _mtime(st.st_mtime))
+        self.options.progress.advance(0, 1)
         return None

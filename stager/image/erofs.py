@@ -90,6 +90,8 @@ class _Folder:
     children: dict[bytes, int] = field(default_factory=dict)  # child folders by name
     nid: int = 0
     ino: int = 1
+    explicit: bool = False  # named by a member of its own, not only as a parent
+    filled: bool = False  # some member was placed in it
 
 
 # Reads ``n`` bytes of a file's content, in order (a compressed stream's member).
@@ -142,7 +144,7 @@ class ErofsWriter:
             if mtime is not None:
                 self._seq += 1
                 entry = self._folders[known]
-                entry.mtime, entry.seq = mtime, self._seq
+                entry.mtime, entry.seq, entry.explicit = mtime, self._seq, True
             return known
         head, _, name = path.rpartition("/")
         parent = self.folder(head)
@@ -150,9 +152,12 @@ class ErofsWriter:
         number = len(self._folders)
         when = self.build_time if mtime is None else mtime
         self._inodes += 1
-        made = _Folder(parent, os.fsencode(name), self._seq, when, ino=self._inodes)
+        made = _Folder(
+            parent, os.fsencode(name), self._seq, when, ino=self._inodes, explicit=mtime is not None
+        )
         self._folders.append(made)
         self._folders[parent].children[made.name] = number
+        self._folders[parent].filled = True
         self._folder_ids[path] = number
         return number
 
@@ -197,6 +202,7 @@ class ErofsWriter:
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
         """A second name for the file ``target`` holds at this point of the stream
         (resolved at the end, when every file's nid is known)."""
+        self._folders[parent].filled = True
         self._seq += 1
         row = (parent, os.fsencode(name), self._seq, target_parent, os.fsencode(target), label)
         self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
@@ -276,6 +282,7 @@ class ErofsWriter:
             os.pwrite(self._fd, self._meta, self._meta_blk * BLOCK)
 
     def _entry(self, parent: int, name: str, kind: int, nid: int) -> None:
+        self._folders[parent].filled = True
         self._seq += 1
         self._pending.append((parent, os.fsencode(name), self._seq, nid, kind))
         if len(self._pending) >= _SPILL_BATCH:
@@ -389,16 +396,22 @@ class ErofsWriter:
         self, entries: Iterator[tuple[bytes, int, int, int]], folder: _Folder
     ) -> Iterator[tuple[bytes, int, int, int]]:
         """One entry per name: the last to arrive, as GNU tar leaves a name given twice
-        (sorted by name, then arrival). A folder that other members filled cannot be
-        replaced by a file, in GNU tar either."""
+        (sorted by name, then arrival). As in GNU tar, a folder that other members
+        filled is not replaced by a file, and a file is not made a folder by a member
+        under it (a folder member replaces it)."""
         held: tuple[bytes, int, int, int] | None = None
         for entry in entries:
             if held is not None and held[0] != entry[0]:
                 yield held
             elif held is not None and held[3] == FT_DIR and entry[3] != FT_DIR:
-                if self._folders[folder.children[held[0]]].children:
+                if self._folders[folder.children[held[0]]].filled:
                     path = self._path(folder.children[held[0]])
                     raise ImageConflict(path, "replaces a folder that other members filled")
+            elif held is not None and entry[3] == FT_DIR and held[3] != FT_DIR:
+                child = folder.children[entry[0]]
+                if not self._folders[child].explicit:  # a member under what is a file
+                    path = self._path(child)
+                    raise ImageConflict(path, f"needs the folder {path!r}, a file")
             held = entry
         if held is not None:
             yield held
