@@ -93,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     except StagerError as exc:
         print(f"stager: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
+    except OSError as exc:  # the output's disk or folder: name the path and the cause
+        print(f"stager: {exc.filename or args.image_command}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _build(args: argparse.Namespace) -> int:
