@@ -2,11 +2,13 @@
 
 Two ways, by who is asking:
 
-* **The kernel** (root: the node service). EROFS is mounted straight from the image
-  file, with no loop device (Linux 6.12 and later mount a regular file): ``mount(2)``
-  is called directly, because util-linux's ``mount`` (2.38, Debian 12) sets up a loop
-  device for any regular file it is given. Older kernels refuse a file
-  (``ENOTBLK``), and then util-linux mounts it through a loop device. Always
+* **The kernel** (root: the node service), through a read-only loop device by
+  default (util-linux's ``mount -o loop``, which frees the device at the unmount).
+  EROFS can also be mounted straight from the file (``backing="file"``: Linux 6.12
+  and later; ``mount(2)`` is called directly, as util-linux 2.38 would set up a loop
+  device for any regular file): it reads the same when warm but, on this kernel
+  (6.18), 2.5-3x slower with a cold page cache, reading the file without the loop
+  device's read-ahead (docs/image-mode.md has the figures). Always
   ``ro,nosuid,nodev``: a filesystem image is read by the kernel's own parser, so
   the service mounts only images it built itself or that the admin trusts
   (docs/image-mode.md), and nothing in one can be set-id or a device.
@@ -84,11 +86,12 @@ def tool(name: str) -> str:
     return found
 
 
-def mount_kernel(image: str, target: str) -> Mounted:
-    """Mount ``image`` read-only at ``target`` in the kernel (root only)."""
+def mount_kernel(image: str, target: str, backing: str = "loop") -> Mounted:
+    """Mount ``image`` read-only at ``target`` in the kernel (root only), through a
+    loop device or (``backing="file"``, EROFS only) from the file itself."""
     image, target = os.path.abspath(image), os.path.abspath(target)
     fstype = image_format(image)
-    if fstype == "erofs":
+    if fstype == "erofs" and backing == "file":
         try:
             _mount_syscall(image, target, fstype)
         except OSError as exc:

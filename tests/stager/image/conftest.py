@@ -21,17 +21,17 @@ def _unmount_all(targets: list[Path]) -> None:
 
 
 @pytest.fixture
-def kernel_mount(tmp_path: Path) -> Iterator[Callable[[Path], Path]]:
-    """``mount(image) -> mount point``, read-only in the kernel."""
+def kernel_mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``mount(image, backing="loop") -> mount point``, read-only in the kernel."""
     if os.geteuid() != 0:
         pytest.skip("kernel mounts need root; these tests run as root in CI")
     mounted: list[Path] = []
 
-    def mount(image: Path) -> Path:
+    def mount(image: Path, backing: str = "loop") -> Path:
         target = tmp_path / f"mnt{len(mounted)}"
         target.mkdir()
         try:
-            image_mount.mount_kernel(str(image), str(target))
+            image_mount.mount_kernel(str(image), str(target), backing)
         except image_mount.MountError as exc:
             cause = exc.__cause__
             if isinstance(cause, OSError) and cause.errno in (errno.ENODEV, errno.EPERM):

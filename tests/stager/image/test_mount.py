@@ -25,17 +25,26 @@ def image(tmp_path: Path) -> Path:
     return built
 
 
-def test_a_kernel_mount_is_read_only_nosuid_nodev_from_the_file(
-    image: Path, kernel_mount, tmp_path: Path
-) -> None:
-    mounted = kernel_mount(image)
+def _loops_of(image: Path) -> list[str]:
+    listed = subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True)
+    return listed.stdout.split()
+
+
+@pytest.mark.parametrize("backing", ["loop", "file"])
+def test_a_kernel_mount_is_read_only_nosuid_nodev(image: Path, kernel_mount, backing: str) -> None:
+    mounted = kernel_mount(image, backing=backing)
     found = image_mount.mounted_at(str(mounted))
     assert found is not None and found.fstype == "erofs"
     assert {"ro", "nosuid", "nodev"} <= set(found.options.split(","))
-    assert found.source == str(image)  # the file itself: no loop device
+    if backing == "file":
+        assert found.source == str(image)  # the file itself: no loop device
+    else:
+        assert found.source.startswith("/dev/loop") and _loops_of(image)
     assert (mounted / "a.txt").read_bytes() == b"alpha\n"
     with pytest.raises(OSError, match="Read-only"):
         os.chmod(mounted / "a.txt", 0o666)
+    image_mount.unmount(str(mounted))
+    assert not _loops_of(image), "the unmount frees the loop device"
 
 
 def test_unmount_takes_it_down_and_refuses_while_in_use(image: Path, kernel_mount) -> None:
