@@ -144,9 +144,8 @@ def build_image(source: str, output: str, options: BuildOptions | None = None) -
         raise
     finally:
         os.close(fd)
-    folders = len(writer._folders)  # noqa: SLF001 - the writer's own count
     elapsed = time.monotonic() - started
-    return Built(output, size, writer.files, folders, writer.data_bytes, elapsed)
+    return Built(output, size, writer.files, writer.folders, writer.data_bytes, elapsed)
 
 
 def _sync_folder(path: str) -> None:

@@ -164,6 +164,10 @@ class ErofsWriter:
     def is_folder(self, path: str) -> bool:
         return path in self._folder_ids
 
+    @property
+    def folders(self) -> int:
+        return len(self._folders)
+
     # -- files --------------------------------------------------------------
 
     def file_range(
@@ -276,6 +280,13 @@ class ErofsWriter:
         self._meta[at : at + len(record)] = record
         self._meta_used = at + (-(-len(record) // _SLOT) * _SLOT)
         return (self._meta_blk * BLOCK + at) // _SLOT
+
+    def write_block(self, data: bytes) -> int:
+        """One block at the end of the image; its number."""
+        blk = self._next_blk
+        self._next_blk += 1
+        os.pwrite(self._fd, data, blk * BLOCK)
+        return blk
 
     def _flush_meta(self) -> None:
         if self._meta_blk >= 0:
@@ -475,9 +486,7 @@ class _DirPacker:
             _DIRENT.pack_into(block, index * _DIRENT.size, nid, offset, kind, 0)
             block[offset : offset + len(name)] = name
             offset += len(name)
-        blk = self._writer._next_blk
-        self._writer._next_blk += 1
-        os.pwrite(self._writer._fd, bytes(block).ljust(BLOCK, b"\0"), blk * BLOCK)
+        blk = self._writer.write_block(bytes(block).ljust(BLOCK, b"\0"))
         if not self._blocks:
             self._first = blk
         self._blocks += 1

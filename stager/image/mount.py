@@ -12,8 +12,8 @@ Two ways, by who is asking:
   ``ro,nosuid,nodev``: a filesystem image is read by the kernel's own parser, so
   the service mounts only images it built itself or that the admin trusts
   (docs/image-mode.md), and nothing in one can be set-id or a device.
-* **FUSE** (any user: per-user mode). EROFS by ``erofsfuse`` (erofs-utils built
-  with FUSE: Debian 13's ``erofsfuse`` package; Debian 12 has none), squashfs by
+* **FUSE** (any user: per-user mode). EROFS by ``erofsfuse`` (the package of that
+  name in Debian 13 and Ubuntu 24.04; Debian 12 has none), squashfs by
   ``squashfuse_ll`` (Debian's ``squashfuse``); unmounted by ``fusermount3 -u``
   (``fuse3``). The daemon runs as the user, who owns the mount.
 
@@ -41,7 +41,7 @@ SQUASHFS_MAGIC = b"hsqs"  # at byte 0
 
 # Which Debian package brings each tool, for the sentence that says it is missing.
 PACKAGES = {
-    "erofsfuse": "erofsfuse (Debian 13; Debian 12 has no FUSE reader of EROFS)",
+    "erofsfuse": "erofsfuse (Debian 13, Ubuntu 24.04; Debian 12 has no FUSE reader of EROFS)",
     "squashfuse_ll": "squashfuse",
     "fusermount3": "fuse3",
     "mount": "mount",
