@@ -225,7 +225,9 @@ class _TarSource:
             self.options.progress.add_total(length, 0)
             with translate(self.path):
                 self._read(Archive(fd, 0, length, fmt, self.path))
+                self.writer.wait_copies()
         finally:
+            self.writer.stop_copies()  # before the close: no copy reads a reused descriptor
             os.close(fd)
 
     def _read(self, archive: Archive) -> None:
@@ -310,7 +312,8 @@ class _TarSource:
         elif stream is None:
             require_inside(archive, member, member.size)
             offset = archive.base + member.offset_data
-            self.writer.file_range(parent, name, member.size, mtime, archive.fd, offset)
+            size, fd = member.size, archive.fd
+            self.writer.file_range(parent, name, size, mtime, fd, offset, stays_open=True)
         else:
             stream.seek(member.offset_data)
             self.writer.file_stream(parent, name, member.size, mtime, stream.read)
