@@ -118,6 +118,7 @@ class ErofsWriter:
         self._inodes = 1  # the root
         self._pending: list[tuple[int, bytes, int, int, int]] = []
         self._spill_path = spill
+        self._remove_spill()  # a crashed build's: scratch, never resumed
         self._db = sqlite3.connect(spill, isolation_level=None)
         # A scratch table: nothing to recover after a crash, so no journal, no syncs;
         # a 16 MiB cache, and SQLite's sort spills to temporary files past it.
@@ -361,11 +362,14 @@ class ErofsWriter:
         if self._db is not None:
             self._db.close()
             self._db = None  # type: ignore[assignment]
-            for suffix in ("", "-journal", "-wal", "-shm"):
-                try:
-                    os.unlink(self._spill_path + suffix)
-                except FileNotFoundError:
-                    pass
+            self._remove_spill()
+
+    def _remove_spill(self) -> None:
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            try:
+                os.unlink(self._spill_path + suffix)
+            except FileNotFoundError:
+                pass
 
     def _link_hardlinks(self) -> None:
         links = self._db.execute("SELECT count(*) FROM h").fetchone()[0]

@@ -3,11 +3,13 @@ byte by byte against GNU tar's extraction of the same archive."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
 import stat
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -242,3 +244,34 @@ def test_the_same_archive_makes_the_same_image(tmp_path: Path) -> None:
     again = tmp_path / "again.erofs"
     build_image(str(archive), str(again))
     assert first.read_bytes() == again.read_bytes()
+
+
+def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(tmp_path: Path) -> None:
+    """kill -9 during a build leaves OUTPUT.partial and the spill; neither is the image,
+    and the next build starts over past them."""
+    archive = make_small_tar_for_test(tmp_path / "many.tar", 60_000)
+    image = tmp_path / "many.erofs"
+    script = (
+        "import sys; from stager.image.build import build_image; "
+        "build_image(sys.argv[1], sys.argv[2])"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(archive), str(image)])
+    deadline = time.monotonic() + 60
+    while not Path(str(image) + ".spill").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # mid-way: 60,000 members take a second or more
+    child.kill()
+    child.wait()
+    assert not image.exists(), "a killed build never carries the image's name"
+    built = build_image(str(archive), str(image))
+    assert built.files == 60_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.erofs", "many.tar"]
+
+
+def make_small_tar_for_test(path: Path, files: int) -> Path:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for i in range(files):
+            info = tarfile.TarInfo(f"c{i % 10}/f{i:06d}")
+            info.size = 100
+            tar.addfile(info, io.BytesIO(bytes([i % 256]) * 100))
+    return path
