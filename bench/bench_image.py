@@ -1,7 +1,7 @@
 """Benchmark: image mode against the one-file copies and the extracted tree it replaces.
 
     python -m bench.bench_image [--work-dir /var/tmp/stager-bench-image] [--repeat 3]
-                                [--small-files 1000000] [--skip-read] [--skip-evict]
+                                [--small-files 1000000] [--sections ready,read-20k,...]
 
 Ready time: an EROFS image built from a ``.tar`` (and a ``.tar.gz``) by
 ``stager.image.build`` in this process, as a staging process would run it, against
@@ -58,9 +58,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--small-files", type=int, default=1_000_000, help="512-byte files of the large case"
     )
-    parser.add_argument("--skip-read", action="store_true", help="no read-speed section")
-    parser.add_argument("--skip-evict", action="store_true", help="no eviction section")
-    parser.add_argument("--skip-memory", action="store_true", help="no peak-memory section")
+    parser.add_argument(
+        "--sections",
+        default="ready,read-20k,read-small,evict,memory",
+        help="which sections to run, comma-separated (default: all)",
+    )
     parser.add_argument(
         "--fuse-max-files",
         type=int,
