@@ -347,15 +347,18 @@ def main(args: argparse.Namespace) -> int:
     tree = make_tree(work / "tree20k" / "data")
     archives = make_archives(tree, work / "archives")
     small = make_small_tar(work / f"small-{args.small_files}.tar", args.small_files)
-    ready_section(work, archives, small, args.repeat)
-    if not args.skip_read:
+    sections = set(args.sections.split(","))
+    if "ready" in sections:
+        ready_section(work, archives, small, args.repeat)
+    if "read-20k" in sections:
         read_section(work, "20,000 files of 4-100 KB", archives["tar"], "data", args.repeat, True)
+    if "read-small" in sections:
         with_fuse = args.small_files <= args.fuse_max_files
         label = f"{_count(small)} files of 512 B"
         read_section(work, label, small, "data", args.repeat, with_fuse)
-    if not args.skip_evict:
+    if "evict" in sections:
         evict_section(work, small, args.repeat)
-    if not args.skip_memory:
+    if "memory" in sections:
         memory_section(work, small)
     print(f"\nload after: {os.getloadavg()}")
     return 0
