@@ -225,9 +225,7 @@ class _TarSource:
             self.options.progress.add_total(length, 0)
             with translate(self.path):
                 self._read(Archive(fd, 0, length, fmt, self.path))
-                self.writer.wait_copies()
         finally:
-            self.writer.stop_copies()  # before the close: no copy reads a reused descriptor
             os.close(fd)
 
     def _read(self, archive: Archive) -> None:
@@ -312,8 +310,7 @@ class _TarSource:
         elif stream is None:
             require_inside(archive, member, member.size)
             offset = archive.base + member.offset_data
-            size, fd = member.size, archive.fd
-            self.writer.file_range(parent, name, size, mtime, fd, offset, stays_open=True)
+            self.writer.file_range(parent, name, member.size, mtime, archive.fd, offset)
         else:
             stream.seek(member.offset_data)
             self.writer.file_stream(parent, name, member.size, mtime, stream.read)

@@ -33,14 +33,11 @@ tar appended to with ``tar -r``) ends as GNU tar leaves it: the last one wins.
 
 from __future__ import annotations
 
-import errno
 import os
 import sqlite3
 import stat
 import struct
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from stager.fs.fastcopy import copy_range
@@ -136,7 +133,6 @@ class ErofsWriter:
         self._db.execute("BEGIN")
         self.files = 0
         self.data_bytes = 0
-        self._copier = _Copier(fd)
         os.ftruncate(fd, 0)
 
     # -- folders ------------------------------------------------------------
@@ -169,16 +165,6 @@ class ErofsWriter:
     def is_folder(self, path: str) -> bool:
         return path in self._folder_ids
 
-    def wait_copies(self) -> None:
-        """Until every queued copy is done (raising the first error): the caller may
-        then close the descriptors it gave ``file_range`` with ``stays_open``."""
-        self._copier.wait()
-
-    def stop_copies(self) -> None:
-        """Drop queued copies and wait for running ones (on a failure): nothing reads
-        the caller's descriptors after this."""
-        self._copier.close()
-
     @property
     def folders(self) -> int:
         return len(self._folders)
@@ -186,25 +172,12 @@ class ErofsWriter:
     # -- files --------------------------------------------------------------
 
     def file_range(
-        self,
-        parent: int,
-        name: str,
-        size: int,
-        mtime: int,
-        src_fd: int,
-        offset: int,
-        stays_open: bool = False,
+        self, parent: int, name: str, size: int, mtime: int, src_fd: int, offset: int
     ) -> None:
         """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``
-        (a plain tar, or a file of a tree): whole blocks are copied in the kernel, on
-        the copying thread if the caller keeps ``src_fd`` open until ``finish``."""
+        (a plain tar, or a file of a tree): whole blocks are copied in the kernel."""
         whole = size - size % BLOCK
-        if stays_open and whole:
-            blk = self._next_blk
-            self._next_blk += whole // BLOCK
-            self._copier.add(src_fd, offset, blk * BLOCK, whole)
-        else:
-            blk = self._data(whole, lambda: self._copy(src_fd, offset, whole))
+        blk = self._data(whole, lambda: self._copy(src_fd, offset, whole))
         tail = os.pread(src_fd, size - whole, offset + whole) if size > whole else b""
         if len(tail) != size - whole:
             raise EOFError(f"the source ended inside {name!r}")
@@ -336,7 +309,6 @@ class ErofsWriter:
     def finish(self) -> int:
         """Write the folders, the hard links' counts and the superblock; the image's
         size in bytes."""
-        self._copier.wait()
         self._spill()
         self._meta_used = BLOCK  # nothing more goes into the last metadata block
         self._flush_meta()
@@ -357,8 +329,7 @@ class ErofsWriter:
         return size
 
     def close(self) -> None:
-        """Stop the copying thread and drop the spill (after ``finish``, or on failure)."""
-        self._copier.close()
+        """Drop the spill (after ``finish``, or on failure)."""
         if self._db is not None:
             self._db.close()
             self._db = None  # type: ignore[assignment]
@@ -491,67 +462,6 @@ def _merge_sorted(
             at += 1
         yield row
     yield from others[at:]
-
-
-class _Copier:
-    """Files' whole blocks copied on a thread of their own while the caller reads the
-    next headers: ``copy_file_range`` releases the GIL, so the kernel's copying and the
-    Python per member overlap (two cores). Each copy has its own offsets in both files,
-    so it shares no file position with the writer; copies go in batches (one task per
-    batch) and at most a few batches wait, which bounds what is queued."""
-
-    _BATCH_BYTES = 16 << 20
-    _BATCH_FILES = 256
-    _IN_FLIGHT = 4
-
-    def __init__(self, dst_fd: int) -> None:
-        self._dst = dst_fd
-        self._pool: ThreadPoolExecutor | None = None
-        self._batch: list[tuple[int, int, int, int]] = []
-        self._bytes = 0
-        self._running: deque[Future[None]] = deque()
-
-    def add(self, src_fd: int, src_offset: int, dst_offset: int, nbytes: int) -> None:
-        self._batch.append((src_fd, src_offset, dst_offset, nbytes))
-        self._bytes += nbytes
-        if self._bytes >= self._BATCH_BYTES or len(self._batch) >= self._BATCH_FILES:
-            self._submit()
-
-    def _submit(self) -> None:
-        if not self._batch:
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="image-copy")
-        self._running.append(self._pool.submit(_copy_batch, self._dst, self._batch))
-        self._batch, self._bytes = [], 0
-        while self._running and (len(self._running) > self._IN_FLIGHT or self._running[0].done()):
-            self._running.popleft().result()  # raises a copy's error here
-
-    def wait(self) -> None:
-        """Until every copy is done; raises the first error."""
-        self._submit()
-        while self._running:
-            self._running.popleft().result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-
-
-def _copy_batch(dst: int, jobs: list[tuple[int, int, int, int]]) -> None:
-    for src, src_offset, dst_offset, nbytes in jobs:
-        while nbytes:
-            try:
-                done = os.copy_file_range(src, dst, nbytes, src_offset, dst_offset)
-            except OSError as exc:  # a filesystem pair that cannot: through memory
-                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                data = os.pread(src, min(nbytes, 1 << 20), src_offset)
-                done = os.pwrite(dst, data, dst_offset) if data else 0
-            if not done:
-                raise EOFError(f"the source ended {nbytes} bytes short of a member's end")
-            src_offset, dst_offset, nbytes = src_offset + done, dst_offset + done, nbytes - done
 
 
 class _DirPacker:
