@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-multinode test lint bench bench-fanout clean slurm-up slurm-down
+.PHONY: venv demo demo-multinode test lint bench bench-fanout clean slurm-up slurm-down image-tools
 
 venv: $(STAMP)
 
@@ -28,14 +28,19 @@ demo: $(STAMP)
 demo-multinode: $(STAMP)
 	$(BIN)/python deploy/demo/multinode.py
 
-test: $(STAMP)
+test: $(STAMP) image-tools
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# Image mode's Debian packages (FUSE readers, squashfs-tools, erofs-utils), as root.
+image-tools:
+	deploy/image/packages.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check stager client trainer tests bench deploy
 	$(BIN)/ruff format --check stager client trainer tests bench deploy
 	shellcheck deploy/install.sh deploy/slurm/*.sh deploy/slurm/local-cluster/*.sh
 	shellcheck -x deploy/slurm/multinode/*.sh
+	shellcheck -x deploy/image/*.sh
 
 # A real one-node SLURM cluster on this (Debian) machine, wired with deploy/slurm's
 # prolog and epilog; needs root. The SLURM test brings it up by itself.
@@ -54,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_client.py
 	$(BIN)/python -m bench.bench_recipes
 	$(BIN)/python bench/input_pipeline.py
+	$(BIN)/python -m bench.bench_image
 
 # Multi-node fan-out on the 4-node test cluster (root): 200 MB, N = 1, 2, 4.
 bench-fanout: $(STAMP)

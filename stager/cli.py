@@ -1,4 +1,4 @@
-"""``stager``: run and stop the node's staging daemon.
+"""``stager``: run and stop the node's staging daemon; build and mount images.
 
 Thin: parse flags into ``Settings`` and call ``stager.server``. The flags of
 ``serve`` (and the location flags of ``stop`` and ``gc``) are derived from the
@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from stager import __version__
 from stager.completion import add_completion, print_completion
+from stager.image import command as image_command
 from stager.settings import Settings, cli_flags, describe_error, environment_warnings
 
 EXIT_OK = 0
@@ -33,6 +34,7 @@ examples:
   stager serve --capacity-bytes 800G --allowed-roots /network/datasets,/home
   stager stop
   stager serve --multi-user              # as root: the node service for every user
+  stager image build train.tar -o train.erofs   # a read-only image, no daemon needed
 
 Every flag can also be set as STAGER_<FLAG> in the environment (e.g.
 STAGER_CACHE_DIR=/local/scratch/stager, STAGER_USER_QUOTA=200G); flags win over the
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_settings(recipes, "recipes")
     recipes.add_argument("--json", action="store_true", help="print JSON, as GET /v1/recipes")
+    image_command.add_parser(commands)
     add_completion(commands, parser)
     return parser
 
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "completion":
         return print_completion(args)
+    if args.command == "image":  # no daemon, no settings
+        return image_command.run(args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:

@@ -165,6 +165,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("rights", {"stager.rights"}),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
+        ("image", {"stager.image"}),  # an image built from a tar or a tree; its mounts
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
         # The daemon's books: entries, leases, their store, the eviction policy, and the
         # log line of each state change.

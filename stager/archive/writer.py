@@ -147,6 +147,36 @@ def refused(archive: str, member: str, why: str) -> UnsafeArchiveMember:
     )
 
 
+def clean_name(archive: str, name: str, strip: int, label: str | None = None) -> str | None:
+    """A member's safe relative path after stripping ``strip`` leading components, or
+    None to skip it (stripped away, or the archive's own top); raises for a name that
+    would leave the destination (absolute, a drive, ``..``, a NUL byte). ``label``
+    names the member in the error (a link: "name -> target")."""
+    if not strip:
+        short = name[2:] if name[:2] == "./" else name
+        # The common name needs none of the work below: relative, no empty, "." or
+        # ".." component (none starts with a dot), no drive letter.
+        if short and short[0] not in "/\\." and "/." not in short and "//" not in short:
+            if short[1:2] != ":" and short[-1] != "/" and "\0" not in short:
+                return short
+    label = label if label is not None else name
+    if "\0" in name:
+        raise unsafe(archive, label, NUL_IN_NAME)
+    if name.startswith("/") or name.startswith("\\") or _has_drive(name):
+        raise unsafe(archive, label, "absolute path")
+    parts = [p for p in name.split("/") if p]
+    if strip:
+        if len(parts) <= strip:
+            return None
+        parts = parts[strip:]
+    parts = [p for p in parts if p != "."]
+    if ".." in parts:
+        raise unsafe(archive, label, "'..' component leads outside the destination")
+    if not parts:
+        return None
+    return "/".join(parts)
+
+
 def file_mode(mode: int | None) -> int:
     """Every file is created as a published tree keeps it: 0444, whatever the member
     says (no set-id bit, no write bit, no exec bit: data), so sealing the tree has no
@@ -449,29 +479,7 @@ class ArchiveWriter:
 
     def clean_name(self, name: str, strip: int, label: str | None = None) -> str | None:
         """The member's safe relative path after stripping, or None to skip it."""
-        if not strip:
-            short = name[2:] if name[:2] == "./" else name
-            # The common name needs none of the work below: relative, no empty, "." or
-            # ".." component (none starts with a dot), no drive letter.
-            if short and short[0] not in "/\\." and "/." not in short and "//" not in short:
-                if short[1:2] != ":" and short[-1] != "/" and "\0" not in short:
-                    return short
-        label = label if label is not None else name
-        if "\0" in name:
-            raise unsafe(self.archive, label, NUL_IN_NAME)
-        if name.startswith("/") or name.startswith("\\") or _has_drive(name):
-            raise unsafe(self.archive, label, "absolute path")
-        parts = [p for p in name.split("/") if p]
-        if strip:
-            if len(parts) <= strip:
-                return None
-            parts = parts[strip:]
-        parts = [p for p in parts if p != "."]
-        if ".." in parts:
-            raise unsafe(self.archive, label, "'..' component leads outside the destination")
-        if not parts:
-            return None
-        return "/".join(parts)
+        return clean_name(self.archive, name, strip, label)
 
     def _place(self, rel: str, label: str) -> str:
         """Where a member named ``rel`` goes: its folder made, resolved through the

@@ -1,0 +1,440 @@
+"""One read-only image of a dataset, built from its source in one pass.
+
+A tar stream (plain, gz, bz2, xz, zst) is read once, front to back, and each member
+goes straight into the image (:mod:`stager.image.erofs`): no tree of files is written
+on the way. A plain tar's file data is copied into the image in the kernel
+(``copy_file_range``); a compressed one's is decompressed as it arrives, with the
+decompressors extraction uses (:func:`stager.archive.formats.open_decompressed`). A
+tree source is packed from a streaming walk of it (:func:`stager.fs.sources.walk`).
+
+Members are judged by the rules of extraction, with its own code: names by
+:func:`stager.archive.writer.clean_name` (no absolute path, no ``..``, no NUL),
+links by :func:`stager.archive.job.judge_link` (``tarfile``'s data filter: no link
+that leads outside the dataset), device files and FIFOs refused, hard links only to
+a file an earlier member wrote. Then the request's names apply: ``strip``
+components, ``into`` a folder, and ``renames`` in order, as a recipe's rename steps
+would move them after an extraction. Every file is 0444 and every folder 0555,
+whatever the archive says; the image itself is left 0444.
+
+What differs from an extraction, on purpose: a file's holes are written out as
+zeros (EROFS's flat layout has none), and a folder that only implicit parents made
+gets the image's own time (GNU tar gives it the time of extraction).
+
+The image is written as ``OUTPUT.partial`` beside ``OUTPUT``, synced, and renamed
+into place: nothing half-built ever carries the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import stat
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from stager.archive import tar_members
+from stager.archive.formats import STREAM_CHUNK, StreamReader, open_decompressed, resolve_format
+from stager.archive.job import Archive, judge_link, translate
+from stager.archive.tar_reader import require_inside
+from stager.archive.writer import clean_name, refused, unsafe
+from stager.errors import UnknownFormat
+from stager.fs import sources
+from stager.image.erofs import ErofsWriter, ImageConflict
+from stager.progress import ProgressSink
+
+_HEADER_READAHEAD = 16384
+_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+# GNU tar's member types beyond tarfile's (as stager.archive.tar_reader treats them).
+_VOLUME_LABEL, _MULTIVOLUME, _DUMPDIR = b"V", b"M", b"D"
+_NOT_FILES = frozenset(
+    (
+        tarfile.DIRTYPE,
+        tarfile.SYMTYPE,
+        tarfile.LNKTYPE,
+        tarfile.CHRTYPE,
+        tarfile.BLKTYPE,
+        tarfile.FIFOTYPE,
+        _DUMPDIR,
+    )
+)
+
+
+@dataclass(frozen=True)
+class Names:
+    """Where a member's clean name lands in the image: ``strip`` leading components
+    dropped, put ``into`` a folder, then each ``(old, new)`` of ``renames`` applied in
+    order to the name and everything under it (a recipe's rename steps)."""
+
+    strip: int = 0
+    into: str = ""
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def place(self, rel: str) -> str:
+        if self.into:
+            rel = f"{self.into}/{rel}"
+        for old, new in self.renames:
+            if rel == old:
+                rel = new
+            elif rel.startswith(old) and rel[len(old)] == "/":
+                rel = new + rel[len(old) :]
+        return rel
+
+
+@dataclass
+class Built:
+    """What a build made."""
+
+    path: str
+    size: int  # of the image, in bytes
+    files: int  # files, symlinks and hard links
+    folders: int
+    data_bytes: int  # of file content
+    seconds: float
+
+
+class _NoProgress:
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        pass
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        pass
+
+
+@dataclass
+class BuildOptions:
+    names: Names = field(default_factory=Names)
+    progress: ProgressSink = field(default_factory=_NoProgress)
+    check: Callable[[], None] = lambda: None  # called per member (cancel)
+    build_time: int = 0  # the image's own time stamp (0: reproducible images)
+    # fsync the image before its rename: a staging publishes only what is on the disk
+    # (a benchmark turns it off to compare with a plain cp).
+    sync: bool = True
+
+
+def build_image(source: str, output: str, options: BuildOptions | None = None) -> Built:
+    """Build the image ``output`` from ``source`` (a tar, compressed or not, or a folder)."""
+    options = options or BuildOptions()
+    started = time.monotonic()
+    partial = output + ".partial"
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    writer = ErofsWriter(fd, output + ".spill", options.build_time)
+    try:
+        try:
+            if os.path.isdir(source):
+                _TreeSource(source, writer, options).run()
+            else:
+                _TarSource(source, writer, options, output).run()
+            size = writer.finish()
+        except ImageConflict as exc:  # found at the end, when the folders are written
+            raise refused(source, exc.path, exc.why) from exc
+        os.fchmod(fd, 0o444)
+        if options.sync:
+            os.fsync(fd)
+        os.rename(partial, output)
+        if options.sync:
+            _sync_folder(os.path.dirname(os.path.abspath(output)))
+    except BaseException:
+        writer.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        raise
+    finally:
+        os.close(fd)
+    elapsed = time.monotonic() - started
+    return Built(output, size, writer.files, writer.folders, writer.data_bytes, elapsed)
+
+
+def _sync_folder(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _split(rel: str) -> tuple[str, str]:
+    parent, _, name = rel.rpartition("/")
+    return parent, name
+
+
+class _Placer:
+    """Names into folders of the image. A member under one of the archive's own
+    symlinks goes where GNU tar puts it, through the link, resolved here by the
+    archive's names (a link whose target is absolute or climbs with ``..`` is not
+    followed: GNU tar does not write through it either)."""
+
+    def __init__(self, writer: ErofsWriter, label: str) -> None:
+        self.writer = writer
+        self.label = label
+        self.symlinks: dict[str, str] = {}  # few: kept to place members under them
+
+    def parent(self, rel: str, member: str) -> tuple[int, str]:
+        parent, name = _split(rel)
+        if self.symlinks and not self.writer.is_folder(parent):
+            parent = self.through_links(parent, member)
+        return self.writer.folder(parent), name
+
+    def through_links(self, folder: str, member: str) -> str:
+        parts, done, hops = folder.split("/") if folder else [], "", 0
+        while parts:
+            here = f"{done}/{parts[0]}" if done else parts[0]
+            target = self.symlinks.get(here)
+            if target is None:
+                done, parts = here, parts[1:]
+                continue
+            if target.startswith("/") or ".." in target.split("/"):
+                raise unsafe(
+                    self.label,
+                    member,
+                    f"written through the archive's symlink {here!r}, whose target "
+                    f"{target!r} may lead outside; GNU tar does not write through it either",
+                )
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                raise refused(self.label, member, "lies under too many levels of symlinks")
+            resolved = posixpath.normpath(posixpath.join(done, target)).removeprefix("./")
+            parts = [p for p in resolved.split("/") if p not in ("", ".")] + parts[1:]
+            done = ""
+        return done
+
+
+class _TarSource:
+    def __init__(self, path: str, writer: ErofsWriter, options: BuildOptions, output: str) -> None:
+        self.path = path
+        self.writer = writer
+        self.options = options
+        self.place = _Placer(writer, path)
+        # Links are judged as if the image were extracted here: a path never made, so
+        # that the data filter resolves their targets by the names alone.
+        self.judge_root = os.path.abspath(output) + ".links"
+
+    def run(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            length = os.fstat(fd).st_size
+            fmt = resolve_format(self.path, "auto", os.pread(fd, tarfile.BLOCKSIZE, 0))
+            if fmt == "zip":
+                raise UnknownFormat(
+                    f"archive {self.path} is a zip; an image is built from a tar (plain, gz, "
+                    "bz2, xz or zst) or a folder; extract it or re-pack it as a tar"
+                )
+            self.options.progress.add_total(length, 0)
+            with translate(self.path):
+                self._read(Archive(fd, 0, length, fmt, self.path))
+        finally:
+            os.close(fd)
+
+    def _read(self, archive: Archive) -> None:
+        raw = archive.reader()
+        stream: StreamReader | None = None
+        if archive.fmt != "tar":
+            buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
+            stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
+        with stream if stream is not None else contextlib.nullcontext():
+            headers = stream or io.BufferedReader(raw, _HEADER_READAHEAD)  # type: ignore[arg-type]
+            blocks = tar_members.Blocks(archive.fd, 0, archive.length) if stream is None else None
+            progress, consumed = self.options.progress, 0
+            with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
+                for member, next_header in self._members(tar, headers, blocks):
+                    self._member(archive, stream, member)
+                    now = stream.compressed_pos() if stream is not None else next_header
+                    progress.advance(now - consumed, 1)
+                    consumed = now
+            if stream is not None:
+                stream.drain()  # lets the decompressor check its trailer
+            progress.advance(max(0, archive.length - consumed), 0)
+
+    def _members(
+        self, tar: tarfile.TarFile, headers: io.RawIOBase, blocks: tar_members.Blocks | None
+    ) -> Iterator[tuple[tarfile.TarInfo, int]]:
+        return tar_members.members(tar, headers, self.options.check, blocks)  # type: ignore[arg-type]
+
+    def _member(
+        self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
+    ) -> None:
+        if member.type == _MULTIVOLUME:
+            raise UnknownFormat(
+                f"archive {self.path} is a later volume of a multi-volume archive (tar -M); "
+                "join the volumes into one archive"
+            )
+        if member.type == _VOLUME_LABEL:
+            return
+        names = self.options.names
+        rel = clean_name(self.path, member.name, names.strip)
+        if rel is None:
+            return
+        rel = names.place(rel)
+        writer, mtime = self.writer, _mtime(member.mtime)
+        try:
+            if member.isdir() or member.type == _DUMPDIR:
+                if self.place.symlinks:
+                    self.place.symlinks.pop(rel, None)  # a folder replaces a symlink
+                    head, name = _split(rel)
+                    if not writer.is_folder(head):
+                        head = self.place.through_links(head, member.name)
+                    rel = f"{head}/{name}" if head else name
+                writer.folder(rel, mtime)
+            elif member.isreg() or member.type not in _NOT_FILES:
+                parent, name = self.place.parent(rel, member.name)
+                self._file(archive, stream, member, parent, name, mtime)
+            elif member.issym():
+                judge_link(
+                    member.replace(name=rel, deep=False), self.judge_root, self.path, member.name
+                )
+                parent, name = self.place.parent(rel, member.name)
+                writer.symlink(parent, name, member.linkname, mtime)
+                self.place.symlinks[rel] = member.linkname
+            elif member.islnk():
+                self._hardlink(member, rel)
+            else:
+                raise unsafe(self.path, member.name, "a device file or FIFO")
+        except ImageConflict as exc:
+            raise refused(self.path, member.name, exc.why) from exc
+
+    def _file(
+        self,
+        archive: Archive,
+        stream: StreamReader | None,
+        member: tarfile.TarInfo,
+        parent: int,
+        name: str,
+        mtime: int,
+    ) -> None:
+        if member.sparse is not None:
+            read = _sparse_reader(archive, stream, member)
+            self.writer.file_stream(parent, name, member.size, mtime, read)
+        elif stream is None:
+            require_inside(archive, member, member.size)
+            offset = archive.base + member.offset_data
+            self.writer.file_range(parent, name, member.size, mtime, archive.fd, offset)
+        else:
+            stream.seek(member.offset_data)
+            self.writer.file_stream(parent, name, member.size, mtime, stream.read)
+
+    def _hardlink(self, member: tarfile.TarInfo, rel: str) -> None:
+        names = self.options.names
+        label = f"{member.name} -> {member.linkname}"
+        target = clean_name(self.path, member.linkname, names.strip, label)
+        if target is None:
+            return
+        target = names.place(target)
+        link = member.replace(name=rel, linkname=target, deep=False)
+        judge_link(link, self.judge_root, self.path, member.name)
+        target_folder, target_name = _split(target)
+        if not self.writer.is_folder(target_folder):
+            raise ImageConflict(
+                rel, f"is a hard link to {target!r}, which no earlier member wrote as a file"
+            )
+        parent, name = self.place.parent(rel, member.name)
+        folder = self.writer.folder(target_folder)
+        self.writer.hardlink(parent, name, folder, target_name, member.name)
+
+
+def _mtime(value: float) -> int:
+    return max(0, int(value))
+
+
+def _sparse_reader(
+    archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
+) -> Callable[[int], bytes]:
+    """A reader of a sparse member's whole content: its data regions, zeros between."""
+    regions = [(position, length) for position, length in member.sparse if length]
+    stored = sum(length for _, length in regions)
+    if stream is None:
+        require_inside(archive, member, stored)
+    else:
+        stream.seek(member.offset_data)
+    data_at = archive.base + member.offset_data
+    state = {"pos": 0, "region": 0, "in_region": 0, "stored": 0}
+
+    def read(count: int) -> bytes:
+        out = bytearray()
+        while count and state["pos"] < member.size:
+            index = state["region"]
+            if index < len(regions) and state["pos"] >= regions[index][0]:
+                position, length = regions[index]
+                take = min(count, length - state["in_region"])
+                if stream is None:
+                    piece = os.pread(archive.fd, take, data_at + state["stored"])
+                else:
+                    piece = stream.read(take)
+                if len(piece) != take:
+                    raise EOFError(f"archive ended inside member {member.name!r}")
+                state["in_region"] += take
+                state["stored"] += take
+                if state["in_region"] == length:
+                    state["region"], state["in_region"] = index + 1, 0
+            else:
+                next_data = regions[index][0] if index < len(regions) else member.size
+                take = min(count, next_data - state["pos"])
+                piece = bytes(take)
+            out += piece
+            state["pos"] += take
+            count -= take
+        return bytes(out)
+
+    return read
+
+
+class _TreeSource(sources.Visitor):
+    """A folder packed from a streaming walk of it: files, folders and links, never a
+    list of the tree's files."""
+
+    def __init__(self, path: str, writer: ErofsWriter, options: BuildOptions) -> None:
+        self.path = os.path.abspath(path)
+        self.writer = writer
+        self.options = options
+        self.judge_root = self.path
+        # Files with more than one name, by inode: later names become hard links, as
+        # in the tree (only these are kept: few in a dataset).
+        self.linked: dict[tuple[int, int], tuple[int, str]] = {}
+
+    def run(self) -> None:
+        top = sources.open_top(self.path, ())
+        try:
+            sources.walk(top, self, check=self.options.check)
+        finally:
+            os.close(top.fd)
+
+    def _rel(self, folder: sources.Folder, name: str) -> str:
+        return self.options.names.place(folder.child_rel(name))
+
+    def subdir(self, folder: sources.Folder, entry: os.DirEntry[str]) -> sources.Folder | None:
+        child = sources.open_child(folder, entry.name)
+        self.writer.folder(self._rel(folder, entry.name), _mtime(child.st.st_mtime))
+        return child
+
+    def file(self, folder: sources.Folder, entry: os.DirEntry[str]) -> None:
+        fd = os.open(entry.name, sources.READ_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # swapped since the listing
+                raise sources.refuse_special(folder.join(entry.name), st.st_mode)
+            parent, name = _split(self._rel(folder, entry.name))
+            number = self.writer.folder(parent)
+            first = self.linked.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+            if first is not None:
+                self.writer.hardlink(number, name, *first, folder.join(entry.name))
+            else:
+                self.writer.file_range(number, name, st.st_size, _mtime(st.st_mtime), fd, 0)
+                if st.st_nlink > 1:
+                    self.linked[(st.st_dev, st.st_ino)] = (number, name)
+        finally:
+            os.close(fd)
+        self.options.progress.advance(st.st_size, 1)
+
+    def link(self, folder: sources.Folder, entry: os.DirEntry[str]) -> sources.Folder | None:
+        target = os.readlink(entry.name, dir_fd=folder.fd)
+        rel = self._rel(folder, entry.name)
+        member = tarfile.TarInfo(rel)
+        member.type, member.linkname = tarfile.SYMTYPE, target
+        judge_link(member, self.judge_root, self.path, folder.join(entry.name))
+        parent, name = _split(rel)
+        st = entry.stat(follow_symlinks=False)
+        self.writer.symlink(self.writer.folder(parent), name, target, _mtime(st.st_mtime))
+        self.options.progress.advance(0, 1)
+        return None

@@ -1,0 +1,503 @@
+"""An EROFS image written in one pass: each file as it arrives, the folders at the end.
+
+Debian 12's ``mkfs.erofs`` (erofs-utils 1.5) builds only from a tree of files, which
+is what image mode exists to avoid writing, and holds every inode in memory (1 GB of
+RSS at 200,000 files). This writer takes files one at a time, from a tar stream or a
+walk, and writes the uncompressed EROFS format that Linux mounts since 5.4 (docs:
+the kernel's ``Documentation/filesystems/erofs.rst``; the layout is its
+``erofs_fs.h``):
+
+* 4 KiB blocks. Block 0 holds the superblock (at byte 1024) and the root folder's
+  inode at byte 1152: the superblock names the root by a 16-bit nid, so it must sit
+  near the start, and it is written last, into its reserved slot.
+* ``meta_blkaddr`` is 0, so a nid (an inode's byte offset / 32) can address any
+  32-byte slot of the image. Metadata blocks and data blocks are therefore mixed in
+  arrival order: a file's whole 4 KiB blocks go at the end of the image, then its
+  64-byte inode into the current metadata block, followed by the file's last partial
+  block inline ("tail packing"), so a 512-byte file costs 576 bytes, not a block.
+  An inode and its inline tail never cross a block boundary (the kernel refuses it).
+* Extended (64-byte) inodes only: they carry each file's mtime, as an extraction
+  keeps it. Files are 0444, folders 0555, symlinks 0777, all owned by root: the image
+  is read-only by construction and nothing in it is anyone's to change.
+* Folders are written at the end: their inodes in one run of slots, then their
+  entry blocks, each block's entries sorted by name bytes across the whole folder
+  (the kernel's lookup is a binary search), "." and ".." included.
+
+Memory stays flat whatever the file count: what a folder lists is not kept. Each
+entry (its folder's number, name, nid, kind, arrival order) is appended to an
+SQLite table in a spill file beside the image, and SQLite sorts it at the end with a
+bounded cache. What is kept per folder (its name, parent, mtime, child folders) is
+in memory: thousands of folders, not millions of files. A name that comes twice (a
+tar appended to with ``tar -r``) ends as GNU tar leaves it: the last one wins.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from stager.fs.fastcopy import copy_range
+
+BLOCK = 4096
+_BLKSZBITS = 12
+_MAGIC = 0xE0F5E1E2
+_SUPER_OFFSET = 1024
+_ROOT_OFFSET = 1152  # right after the 128-byte superblock, 32-byte aligned
+ROOT_NID = _ROOT_OFFSET // 32
+_INODE = 64  # extended inode
+_SLOT = 32  # inodes sit on 32-byte slots: nid = offset // 32
+
+# erofs_fs.h: the data layouts of an uncompressed inode, and the file types of entries.
+_FLAT_PLAIN, _FLAT_INLINE = 0, 2
+FT_REG, FT_DIR, FT_SYMLINK = 1, 2, 7
+
+FILE_MODE = stat.S_IFREG | 0o444
+DIR_MODE = stat.S_IFDIR | 0o555
+LINK_MODE = stat.S_IFLNK | 0o777
+
+# struct erofs_super_block (128 bytes) and struct erofs_inode_extended (64 bytes).
+_SUPER = struct.Struct("<IIIBBHQQIIII16s16sIHHHBBIQB23s")
+_EXTENDED = struct.Struct("<HHHHQIIIIQII16s")
+_DIRENT = struct.Struct("<QHBB")  # nid, nameoff, file_type, reserved
+_NLINK_AT = 44  # i_nlink's offset in an extended inode
+assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
+
+# Entries go to the spill in batches: executemany's cost is per call.
+_SPILL_BATCH = 4096
+# Tails up to this size start a new metadata block when the current one is full; larger
+# ones get a data block of their own (a new metadata block would waste up to its size).
+_INLINE_NEW_BLOCK = BLOCK // 2
+
+
+class ImageConflict(Exception):
+    """Two members the image cannot hold both of; the builder words it for its source."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(why)
+        self.path, self.why = path, why
+
+
+@dataclass(slots=True)
+class _Folder:
+    parent: int
+    name: bytes
+    seq: int  # arrival order of its last explicit member (or of its first child)
+    mtime: int
+    children: dict[bytes, int] = field(default_factory=dict)  # child folders by name
+    nid: int = 0
+    ino: int = 1
+    explicit: bool = False  # named by a member of its own, not only as a parent
+    filled: bool = False  # some member was placed in it
+
+
+# Reads ``n`` bytes of a file's content, in order (a compressed stream's member).
+Reader = Callable[[int], bytes]
+
+
+class ErofsWriter:
+    """One image being written to ``fd``; ``spill`` is a path for the entry table (on
+    the same disk as the image, deleted by ``finish`` or ``close``)."""
+
+    def __init__(self, fd: int, spill: str, build_time: int = 0) -> None:
+        self._fd = fd
+        self.build_time = build_time
+        self._folders: list[_Folder] = [_Folder(0, b"", 0, build_time)]
+        self._folder_ids: dict[str, int] = {"": 0}
+        self._next_blk = 1  # block 0: superblock and root inode
+        self._meta = bytearray(BLOCK)
+        self._meta_blk = -1  # no metadata block open yet
+        self._meta_used = BLOCK
+        self._seq = 0
+        self._inodes = 1  # the root
+        self._pending: list[tuple[int, bytes, int, int, int]] = []
+        self._spill_path = spill
+        self._remove_spill()  # a crashed build's: scratch, never resumed
+        self._db = sqlite3.connect(spill, isolation_level=None)
+        # A scratch table: nothing to recover after a crash, so no journal, no syncs;
+        # a 16 MiB cache, and SQLite's sort spills to temporary files past it.
+        for pragma in (
+            "journal_mode=OFF",
+            "synchronous=OFF",
+            "cache_size=-16384",
+            "temp_store=FILE",
+        ):
+            self._db.execute(f"PRAGMA {pragma}")
+        self._db.execute("CREATE TABLE e (parent INT, name BLOB, seq INT, nid INT, type INT)")
+        self._db.execute(
+            "CREATE TABLE h (parent INT, name BLOB, seq INT, tparent INT, tname BLOB, label TEXT)"
+        )
+        self._db.execute("BEGIN")
+        self.files = 0
+        self.data_bytes = 0
+        os.ftruncate(fd, 0)
+
+    # -- folders ------------------------------------------------------------
+
+    def folder(self, path: str, mtime: int | None = None) -> int:
+        """The folder at ``path`` (relative, "/"-separated, already clean), made with its
+        parents if new; an explicit folder member passes its ``mtime``."""
+        known = self._folder_ids.get(path)
+        if known is not None:
+            if mtime is not None:
+                self._seq += 1
+                entry = self._folders[known]
+                entry.mtime, entry.seq, entry.explicit = mtime, self._seq, True
+            return known
+        head, _, name = path.rpartition("/")
+        parent = self.folder(head)
+        self._seq += 1
+        number = len(self._folders)
+        when = self.build_time if mtime is None else mtime
+        self._inodes += 1
+        made = _Folder(
+            parent, os.fsencode(name), self._seq, when, ino=self._inodes, explicit=mtime is not None
+        )
+        self._folders.append(made)
+        self._folders[parent].children[made.name] = number
+        self._folders[parent].filled = True
+        self._folder_ids[path] = number
+        return number
+
+    def is_folder(self, path: str) -> bool:
+        return path in self._folder_ids
+
+    @property
+    def folders(self) -> int:
+        return len(self._folders)
+
+    # -- files --------------------------------------------------------------
+
+    def file_range(
+        self, parent: int, name: str, size: int, mtime: int, src_fd: int, offset: int
+    ) -> None:
+        """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``
+        (a plain tar, or a file of a tree): whole blocks are copied in the kernel."""
+        whole = size - size % BLOCK
+        blk = self._data(whole, lambda: self._copy(src_fd, offset, whole))
+        tail = os.pread(src_fd, size - whole, offset + whole) if size > whole else b""
+        if len(tail) != size - whole:
+            raise EOFError(f"the source ended inside {name!r}")
+        self._entry(parent, name, FT_REG, self._inode(FILE_MODE, size, mtime, blk, tail))
+        self.files += 1
+        self.data_bytes += size
+
+    def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
+        """A regular file whose ``size`` bytes come from ``read`` (a decompressed tar)."""
+        whole = size - size % BLOCK
+        blk = self._data(whole, lambda: self._write_stream(read, whole, name))
+        tail = read(size - whole) if size > whole else b""
+        if len(tail) != size - whole:
+            raise EOFError(f"the source ended inside {name!r}")
+        self._entry(parent, name, FT_REG, self._inode(FILE_MODE, size, mtime, blk, tail))
+        self.files += 1
+        self.data_bytes += size
+
+    def symlink(self, parent: int, name: str, target: str, mtime: int) -> None:
+        data = os.fsencode(target)
+        whole = len(data) - len(data) % BLOCK
+        blk = self._data(whole, lambda: self._write_at(data[:whole]))
+        nid = self._inode(LINK_MODE, len(data), mtime, blk, data[whole:])
+        self._entry(parent, name, FT_SYMLINK, nid)
+        self.files += 1
+
+    def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
+        """A second name for the file ``target`` holds at this point of the stream
+        (resolved at the end, when every file's nid is known)."""
+        self._folders[parent].filled = True
+        self._seq += 1
+        row = (parent, os.fsencode(name), self._seq, target_parent, os.fsencode(target), label)
+        self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
+        self.files += 1
+
+    # -- blocks ---------------------------------------------------------------
+
+    def _data(self, nbytes: int, write: Callable[[], None]) -> int:
+        """Whole blocks at the end of the image, filled by ``write`` at the file's
+        position; their first block's number (0 for none)."""
+        if not nbytes:
+            return 0
+        blk = self._next_blk
+        self._next_blk += nbytes // BLOCK
+        os.lseek(self._fd, blk * BLOCK, os.SEEK_SET)
+        write()
+        return blk
+
+    def _copy(self, src_fd: int, offset: int, nbytes: int) -> None:
+        copy_range(src_fd, self._fd, offset, nbytes)
+
+    def _write_stream(self, read: Reader, nbytes: int, name: str) -> None:
+        while nbytes:
+            data = read(min(nbytes, 4 << 20))
+            if not data:
+                raise EOFError(f"the source ended inside {name!r}")
+            self._write_at(data)
+            nbytes -= len(data)
+
+    def _write_at(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def _inode(self, mode: int, size: int, mtime: int, blk: int, tail: bytes) -> int:
+        """Write an inode (and its tail inline, or in a block of its own); its nid."""
+        layout = _FLAT_PLAIN
+        if tail:
+            room = _INODE + len(tail)
+            if room <= BLOCK - self._meta_used or (
+                len(tail) <= _INLINE_NEW_BLOCK and self._open_meta()
+            ):
+                layout = _FLAT_INLINE
+            else:  # the tail in a block of its own, right after the file's whole blocks
+                tail_blk = self._data(BLOCK, lambda: self._write_at(tail.ljust(BLOCK, b"\0")))
+                blk = blk or tail_blk
+                tail = b""
+        self._inodes += 1
+        inode = self._pack_inode(layout, mode, size, blk, mtime, 1, self._inodes)
+        return self._put_meta(inode + tail)
+
+    def _pack_inode(
+        self, layout: int, mode: int, size: int, blk: int, mtime: int, nlink: int, ino: int
+    ) -> bytes:
+        fmt = (layout << 1) | 1  # bit 0: the extended inode
+        return _EXTENDED.pack(fmt, 0, mode, 0, size, blk, ino, 0, 0, mtime, 0, nlink, b"")
+
+    def _open_meta(self) -> bool:
+        """Close the current metadata block and open the next; True."""
+        self._flush_meta()
+        self._meta_blk = self._next_blk
+        self._next_blk += 1
+        self._meta[:] = bytes(BLOCK)
+        self._meta_used = 0
+        return True
+
+    def _put_meta(self, record: bytes) -> int:
+        if self._meta_used + len(record) > BLOCK:
+            self._open_meta()
+        at = self._meta_used
+        self._meta[at : at + len(record)] = record
+        self._meta_used = at + (-(-len(record) // _SLOT) * _SLOT)
+        return (self._meta_blk * BLOCK + at) // _SLOT
+
+    def write_block(self, data: bytes) -> int:
+        """One block at the end of the image; its number."""
+        blk = self._next_blk
+        self._next_blk += 1
+        os.pwrite(self._fd, data, blk * BLOCK)
+        return blk
+
+    def _flush_meta(self) -> None:
+        if self._meta_blk >= 0:
+            os.pwrite(self._fd, self._meta, self._meta_blk * BLOCK)
+
+    def _entry(self, parent: int, name: str, kind: int, nid: int) -> None:
+        self._folders[parent].filled = True
+        self._seq += 1
+        self._pending.append((parent, os.fsencode(name), self._seq, nid, kind))
+        if len(self._pending) >= _SPILL_BATCH:
+            self._spill()
+
+    def _spill(self) -> None:
+        self._db.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", self._pending)
+        self._pending.clear()
+
+    # -- the end ----------------------------------------------------------------
+
+    def finish(self) -> int:
+        """Write the folders, the hard links' counts and the superblock; the image's
+        size in bytes."""
+        self._spill()
+        self._meta_used = BLOCK  # nothing more goes into the last metadata block
+        self._flush_meta()
+        self._link_hardlinks()
+        self._place_folder_inodes()
+        rows = self._db.execute(
+            "SELECT parent, name, seq, nid, type FROM e ORDER BY parent, name, seq"
+        )
+        rows_iter = iter(rows)
+        pending = next(rows_iter, None)
+        for number, entry in enumerate(self._folders):
+            pending = self._write_folder(number, entry, rows_iter, pending)
+        self._db.execute("COMMIT")
+        self._write_super()
+        size = self._next_blk * BLOCK
+        os.ftruncate(self._fd, size)
+        self.close()
+        return size
+
+    def close(self) -> None:
+        """Drop the spill (after ``finish``, or on failure)."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None  # type: ignore[assignment]
+            self._remove_spill()
+
+    def _remove_spill(self) -> None:
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            try:
+                os.unlink(self._spill_path + suffix)
+            except FileNotFoundError:
+                pass
+
+    def _link_hardlinks(self) -> None:
+        links = self._db.execute("SELECT count(*) FROM h").fetchone()[0]
+        if not links:
+            return
+        self._db.execute("CREATE INDEX e_name ON e (parent, name, seq)")
+        counts: dict[int, int] = {}
+        added = []
+        for parent, name, seq, tparent, tname, label in self._db.execute("SELECT * FROM h"):
+            found = self._db.execute(
+                "SELECT nid, type FROM e WHERE parent = ? AND name = ? AND seq < ? "
+                "ORDER BY seq DESC LIMIT 1",
+                (tparent, tname, seq),
+            ).fetchone()
+            if found is None or found[1] != FT_REG:
+                what = "no earlier member wrote as a file" if found is None else "not a file"
+                raise ImageConflict(label, f"is a hard link to {os.fsdecode(tname)!r}, {what}")
+            counts[found[0]] = counts.get(found[0], 1) + 1
+            added.append((parent, name, seq, found[0], FT_REG))
+        self._db.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", added)
+        for nid, count in counts.items():
+            os.pwrite(self._fd, struct.pack("<I", count), nid * _SLOT + _NLINK_AT)
+
+    def _place_folder_inodes(self) -> None:
+        """One run of inode slots for every folder but the root (whose slot is fixed)."""
+        self._folders[0].nid = ROOT_NID
+        slots = len(self._folders) - 1
+        first = self._next_blk
+        self._next_blk += -(-slots * _INODE // BLOCK)
+        for number in range(1, len(self._folders)):
+            self._folders[number].nid = (first * BLOCK + (number - 1) * _INODE) // _SLOT
+
+    def _write_folder(
+        self,
+        number: int,
+        entry: _Folder,
+        rows: Iterator[tuple[int, bytes, int, int, int]],
+        pending: tuple[int, bytes, int, int, int] | None,
+    ) -> tuple[int, bytes, int, int, int] | None:
+        """Entry blocks of one folder from the sorted rows (its own at their head);
+        returns the first row of the next folder."""
+
+        def own() -> Iterator[tuple[bytes, int, int, int]]:
+            nonlocal pending
+            while pending is not None and pending[0] == number:
+                yield pending[1], pending[2], pending[3], pending[4]
+                pending = next(rows, None)
+
+        parent_nid = self._folders[entry.parent].nid if number else ROOT_NID
+        dots = [(b".", 0, entry.nid, FT_DIR), (b"..", 0, parent_nid, FT_DIR)]
+        subfolders = sorted(
+            (name, self._folders[child].seq, self._folders[child].nid, FT_DIR, child)
+            for name, child in entry.children.items()
+        )
+        merged = _merge_sorted(own(), [(n, s, nid, t) for n, s, nid, t, _ in subfolders], dots)
+        subdirs = 0
+        packer = _DirPacker(self)
+        for name, _seq, nid, kind in self._last_of_each(merged, entry):
+            packer.add(name, nid, kind)
+            subdirs += kind == FT_DIR and name not in (b".", b"..")
+        blk, size = packer.done()
+        nlink = 2 + subdirs
+        inode = self._pack_inode(_FLAT_PLAIN, DIR_MODE, size, blk, entry.mtime, nlink, entry.ino)
+        os.pwrite(self._fd, inode, entry.nid * _SLOT)
+        return pending
+
+    def _last_of_each(
+        self, entries: Iterator[tuple[bytes, int, int, int]], folder: _Folder
+    ) -> Iterator[tuple[bytes, int, int, int]]:
+        """One entry per name: the last to arrive, as GNU tar leaves a name given twice
+        (sorted by name, then arrival). As in GNU tar, a folder that other members
+        filled is not replaced by a file, and a file is not made a folder by a member
+        under it (a folder member replaces it)."""
+        held: tuple[bytes, int, int, int] | None = None
+        for entry in entries:
+            if held is not None and held[0] != entry[0]:
+                yield held
+            elif held is not None and held[3] == FT_DIR and entry[3] != FT_DIR:
+                if self._folders[folder.children[held[0]]].filled:
+                    path = self._path(folder.children[held[0]])
+                    raise ImageConflict(path, "replaces a folder that other members filled")
+            elif held is not None and entry[3] == FT_DIR and held[3] != FT_DIR:
+                child = folder.children[entry[0]]
+                if not self._folders[child].explicit:  # a member under what is a file
+                    path = self._path(child)
+                    raise ImageConflict(path, f"needs the folder {path!r}, a file")
+            held = entry
+        if held is not None:
+            yield held
+
+    def _path(self, number: int) -> str:
+        parts = []
+        while number:
+            parts.append(os.fsdecode(self._folders[number].name))
+            number = self._folders[number].parent
+        return "/".join(reversed(parts))
+
+    def _write_super(self) -> None:
+        sb = _SUPER.pack(
+            _MAGIC, 0, 0, _BLKSZBITS, 0, ROOT_NID, self._inodes, self.build_time, 0,
+            self._next_blk, 0, 0, bytes(16), b"stager".ljust(16, b"\0"), 0, 0, 0, 0, 0, 0,
+            0, 0, 0, b"",
+        )  # fmt: skip
+        os.pwrite(self._fd, sb, _SUPER_OFFSET)
+
+
+def _merge_sorted(
+    files: Iterator[tuple[bytes, int, int, int]],
+    folders: list[tuple[bytes, int, int, int]],
+    dots: list[tuple[bytes, int, int, int]],
+) -> Iterator[tuple[bytes, int, int, int]]:
+    """The folder's entries in name order (then arrival order): its files as SQLite
+    sorted them, merged with its child folders and "." and ".." (few, sorted here)."""
+    others = sorted(folders + dots)
+    at = 0
+    for row in files:
+        while at < len(others) and others[at][:2] <= row[:2]:
+            yield others[at]
+            at += 1
+        yield row
+    yield from others[at:]
+
+
+class _DirPacker:
+    """A folder's entries packed into blocks as they come (sorted), each block its
+    dirents then its names; written to the end of the image as each fills."""
+
+    def __init__(self, writer: ErofsWriter) -> None:
+        self._writer = writer
+        self._entries: list[tuple[bytes, int, int]] = []
+        self._used = 0
+        self._first = 0
+        self._blocks = 0
+
+    def add(self, name: bytes, nid: int, kind: int) -> None:
+        need = _DIRENT.size + len(name)
+        if self._used + need > BLOCK:
+            self._emit(BLOCK)
+        self._entries.append((name, nid, kind))
+        self._used += need
+
+    def _emit(self, length: int) -> None:
+        names_at = _DIRENT.size * len(self._entries)
+        block = bytearray(length)
+        offset = names_at
+        for index, (name, nid, kind) in enumerate(self._entries):
+            _DIRENT.pack_into(block, index * _DIRENT.size, nid, offset, kind, 0)
+            block[offset : offset + len(name)] = name
+            offset += len(name)
+        blk = self._writer.write_block(bytes(block).ljust(BLOCK, b"\0"))
+        if not self._blocks:
+            self._first = blk
+        self._blocks += 1
+        self._entries, self._used = [], 0
+
+    def done(self) -> tuple[int, int]:
+        """(first block, the folder's size in bytes)."""
+        last = self._used
+        self._emit(last)
+        return self._first, (self._blocks - 1) * BLOCK + last
