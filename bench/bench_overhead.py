@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -167,21 +168,44 @@ def copy_against_daemon(
 ) -> tuple[list[float], list[float]]:
     """(cp -r seconds, daemon POST-to-ready seconds) of each round, alternating, after a
     first staging that starts the fork server."""
-    one_file_stagings(daemon, tree.parent, 0)
-    by_cp, by_daemon = [], []
+    by_cp: list[float] = []
+
+    def baseline() -> None:
+        by_cp.append(timed_cp(tree, out))
+
+    def body(i: int) -> dict:  # a destination of its own: a miss
+        return {"name": f"c{i}", "steps": [{"op": "copy", "src": str(tree), "dst": f"r{i}"}]}
+
+    by_daemon = rounds_against_daemon(daemon, runs, baseline, body, tree.parent)
+    return by_cp, by_daemon
+
+
+def rounds_against_daemon(
+    daemon: Daemon,
+    runs: int,
+    baseline: Callable[[], None],
+    body: Callable[[int], dict],
+    scratch: Path,
+) -> list[float]:
+    """Daemon POST-to-ready seconds of ``body(i)`` each round, after ``baseline()``
+    (which times itself), after a first staging (of a file in ``scratch``) that starts
+    the fork server."""
+    one_file_stagings(daemon, scratch, 0)
+    by_daemon = []
     with daemon.client(timeout=600) as client:
         for i in range(runs):
-            by_cp.append(timed_cp(tree, out))
+            baseline()
+            request = body(i)
             os.sync()
             start = time.perf_counter()
-            body = {"name": f"c{i}", "steps": [{"op": "copy", "src": str(tree), "dst": f"r{i}"}]}
-            client.post("/v1/datasets", json=body)
-            status = client.get(f"/v1/datasets/c{i}/wait", params={"timeout": 600}).json()
+            client.post("/v1/datasets", json=request)
+            name = request["name"]
+            status = client.get(f"/v1/datasets/{name}/wait", params={"timeout": 600}).json()
             by_daemon.append(time.perf_counter() - start)
             if status["state"] != "ready":
-                raise SystemExit(f"staging c{i} ended {status['state']}: {status['error']}")
-            client.delete(f"/v1/datasets/c{i}")
-    return by_cp, by_daemon
+                raise SystemExit(f"staging {name} ended {status['state']}: {status['error']}")
+            client.delete(f"/v1/datasets/{name}")
+    return by_daemon
 
 
 # What a user's tar does as root: no owner, no exact mode per file.
@@ -205,24 +229,20 @@ def tar_against_daemon(
 ) -> tuple[list[float], list[float], list[float]]:
     """(tar -xf seconds, the same as a user's tar as root, daemon POST-to-ready seconds)
     of each round, alternating, after a first staging that starts the fork server."""
-    one_file_stagings(daemon, archive.parent, 0)
-    by_tar, by_user_tar, by_daemon = [], [], []
-    with daemon.client(timeout=600) as client:
-        for i in range(runs):
-            by_tar.append(timed_tar(archive, out))
-            if os.geteuid() == 0:
-                by_user_tar.append(timed_tar(archive, out, AS_A_USER))
-            link = archive.with_name(f"run-{i}.tar")
-            os.link(archive, link)
-            os.sync()
-            start = time.perf_counter()
-            body = {"name": f"x{i}", "steps": [{"op": "extract", "src": str(link)}]}
-            client.post("/v1/datasets", json=body)
-            status = client.get(f"/v1/datasets/x{i}/wait", params={"timeout": 600}).json()
-            by_daemon.append(time.perf_counter() - start)
-            if status["state"] != "ready":
-                raise SystemExit(f"staging x{i} ended {status['state']}: {status['error']}")
-            client.delete(f"/v1/datasets/x{i}")
+    by_tar: list[float] = []
+    by_user_tar: list[float] = []
+
+    def baseline() -> None:
+        by_tar.append(timed_tar(archive, out))
+        if os.geteuid() == 0:
+            by_user_tar.append(timed_tar(archive, out, AS_A_USER))
+
+    def body(i: int) -> dict:  # a hard link of its own: a miss
+        link = archive.with_name(f"run-{i}.tar")
+        os.link(archive, link)
+        return {"name": f"x{i}", "steps": [{"op": "extract", "src": str(link)}]}
+
+    by_daemon = rounds_against_daemon(daemon, runs, baseline, body, archive.parent)
     return by_tar, by_user_tar, by_daemon
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +158,20 @@ class Daemon:
         if self.process and self.process.poll() is None:
             self.kill()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+@contextmanager
+def node_service(cache_dir: Path, *args: str, **env: str) -> Iterator[Daemon]:
+    """A node service (``stager serve --multi-user``, as root) for the block: its
+    socket's folder reachable by every user, stopped and removed after."""
+    daemon = Daemon(cache_dir=cache_dir, args=["--multi-user", *args], extra_env=env)
+    daemon.runtime_dir.chmod(0o755)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.cleanup()
 
 
 def stage(client: httpx.Client, body: dict) -> httpx.Response:

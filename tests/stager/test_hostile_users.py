@@ -30,7 +30,7 @@ import pytest
 from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
 from stager.rights.become import effective_capabilities
 from stager.schemas import END_NAME, delivered_name
-from tests.daemon import Daemon
+from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import comm, descendants
 from tests.trees import make_tar, write_tree
@@ -59,14 +59,8 @@ SWAP = textwrap.dedent(
 
 @pytest.fixture
 def service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
-    daemon = Daemon(cache_dir=shared_tmp / "cache", args=["--multi-user"])
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
-    try:
+    with node_service(shared_tmp / "cache") as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        daemon.cleanup()
 
 
 @pytest.fixture
@@ -430,16 +424,8 @@ def test_a_dropped_group_is_dropped_for_the_service_too(
 
 @pytest.fixture
 def quota_service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
-    daemon = Daemon(
-        cache_dir=shared_tmp / "cache-quota", args=["--multi-user", "--user-quota", "4M"]
-    )
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
-    try:
+    with node_service(shared_tmp / "cache-quota", "--user-quota", "4M") as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        daemon.cleanup()
 
 
 def test_a_staging_stops_once_its_users_bytes_reach_the_quota(
@@ -487,16 +473,11 @@ def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
     next request is refused (429), and bob's one-file staging still runs at once (she
     may run only all slots but one)."""
     alice, bob = users
-    daemon = Daemon(
-        cache_dir=shared_tmp / "cache-fair",
-        args=["--multi-user", "--max-workers", "2", "--max-queued-per-user", "4"],
-    )
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
     behaviour = Behaviour(
         files={f"/slow-{i}.bin?x": b"s" * 400_000 for i in range(6)}, bytes_per_s=20_000
     )
-    try:
+    limits = ("--max-workers", "2", "--max-queued-per-user", "4")
+    with node_service(shared_tmp / "cache-fair", *limits) as daemon:
         with serve_files(behaviour) as base:
             for i in range(5):  # one running, four queued
                 url = f"{base}/slow-{i}.bin?x"
@@ -516,6 +497,3 @@ def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
             assert time.monotonic() - started < 5  # not after alice's (each takes 20 s)
             for i in range(5):
                 request(alice, daemon, "DELETE", f"/v1/datasets/slow{i}")
-    finally:
-        daemon.stop()
-        daemon.cleanup()

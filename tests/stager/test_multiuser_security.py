@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon
+from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
 from tests.offnode import OffNode, can_make_namespaces, off_node_server
 from tests.trees import digest, make_tar, write_tree
@@ -31,14 +31,8 @@ SECRET = b"alice's secret bytes"
 
 @pytest.fixture
 def service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
-    daemon = Daemon(cache_dir=shared_tmp / "cache", args=["--multi-user"])
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
-    try:
+    with node_service(shared_tmp / "cache") as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        daemon.cleanup()
 
 
 @pytest.fixture
@@ -414,12 +408,7 @@ def test_bob_past_his_quota_is_refused_and_alice_keeps_her_data(
     shared_tmp: Path,
 ) -> None:
     alice, bob = users
-    daemon = Daemon(
-        cache_dir=shared_tmp / "cache-quota", args=["--multi-user", "--user-quota", "200000"]
-    )
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
-    try:
+    with node_service(shared_tmp / "cache-quota", "--user-quota", "200000") as daemon:
         mine = homes[0] / "mine"
         write_tree(mine, n_files=5, max_size=20_000)
         for path in [mine, *mine.rglob("*")]:
@@ -435,9 +424,6 @@ def test_bob_past_his_quota_is_refused_and_alice_keeps_her_data(
         assert code == 422 and answer["error"]["type"] == "quota_exceeded", answer
         code, status = alice.curl(daemon.socket, "GET", "/v1/datasets/mine")
         assert status["state"] == "ready" and Path(kept["path"]).is_dir()
-    finally:
-        daemon.stop()
-        daemon.cleanup()
 
 
 # ---- who is asking, and how the service may be reached ---------------------------------
