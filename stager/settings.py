@@ -399,9 +399,11 @@ class Settings(BaseSettings):
 
     @property
     def private_dir(self) -> Path:
-        """Where the daemon keeps what is its alone (pid, log, token): the runtime folder
-        itself per user (0700); in the node service, whose socket everyone must reach,
-        a folder of its own in it (0700), its log and state never readable by users."""
+        """Where the daemon keeps what is its alone (log, token): the runtime folder itself
+        per user (0700); in the node service, whose socket everyone must reach, a folder of
+        its own in it (0700), its log never readable by users. The pid file stays beside
+        the socket in both (it is no secret), where ``stager stop`` finds it whatever
+        mode it is told."""
         return self.runtime_dir / "private" if self.multi_user else self.runtime_dir
 
     @property
@@ -410,7 +412,7 @@ class Settings(BaseSettings):
 
     @property
     def pid_path(self) -> Path:
-        return self.private_dir / "stager.pid"
+        return self.runtime_dir / "stager.pid"
 
     @property
     def log_path(self) -> Path:
