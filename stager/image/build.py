@@ -20,6 +20,11 @@ What differs from an extraction, on purpose: a file's holes are written out as
 zeros (EROFS's flat layout has none), and a folder that only implicit parents made
 gets the image's own time (GNU tar gives it the time of extraction).
 
+One image may take several inputs (:func:`build_from`): a staging's archives, each
+with its own names, and the small tree of what its other steps made. With ``nested``,
+archives inside a plain tar (ImageNet's 1,000 class tars) are read in place from
+their byte range, each into the folder named after it, as extraction does.
+
 The image is written as ``OUTPUT.partial`` beside ``OUTPUT``, synced, and renamed
 into place: nothing half-built ever carries the final name.
 """
@@ -37,14 +42,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
-from stager.archive.formats import STREAM_CHUNK, StreamReader, open_decompressed, resolve_format
-from stager.archive.job import Archive, judge_link, translate
+from stager.archive.formats import (
+    STREAM_CHUNK,
+    StreamReader,
+    open_decompressed,
+    resolve_format,
+    sniff,
+)
+from stager.archive.job import Archive, judge_link, nested_suffix, translate
 from stager.archive.tar_reader import require_inside
 from stager.archive.writer import clean_name, refused, unsafe
 from stager.errors import UnknownFormat
 from stager.fs import sources
+from stager.fs.credentials import access
 from stager.image.erofs import ErofsWriter, ImageConflict
-from stager.progress import ProgressSink
+from stager.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
@@ -84,6 +96,34 @@ class Names:
         return rel
 
 
+@dataclass(frozen=True)
+class TarInput:
+    """An archive to read into the image: ``path`` names it (and is opened unless
+    ``fd``, a descriptor opened already, e.g. through a staging's gateway, is given;
+    the caller closes it), its members placed by ``names``; ``nested``: archives
+    inside a plain tar are read too, each into the folder of its name."""
+
+    path: str
+    names: Names = field(default_factory=Names)
+    fd: int | None = None
+    nested: bool = False
+    format: str = "auto"
+
+
+@dataclass(frozen=True)
+class TreeInput:
+    """A folder to pack into the image. ``owned``: a tree stager made itself (an
+    attempt's), walked with this process's rights and never through a link; else a
+    source, opened as whoever reads sources here (:mod:`stager.fs.credentials`)."""
+
+    path: str
+    names: Names = field(default_factory=Names)
+    owned: bool = False
+
+
+Input = TarInput | TreeInput
+
+
 @dataclass
 class Built:
     """What a build made."""
@@ -113,25 +153,49 @@ class BuildOptions:
     # fsync the image before its rename: a staging publishes only what is on the disk
     # (a benchmark turns it off to compare with a plain cp).
     sync: bool = True
+    # The image file's mode: 0444, or 0400 for data only its user may read through the
+    # mount (the node service's private copies: the file itself is root's alone).
+    mode: int = 0o444
+    # The image's top folder owned by this uid, mode 0500 (None: root's, 0555): a
+    # private copy's mount that only its user may enter, read-only all the same.
+    top_owner: int | None = None
 
 
 def build_image(source: str, output: str, options: BuildOptions | None = None) -> Built:
     """Build the image ``output`` from ``source`` (a tar, compressed or not, or a folder)."""
     options = options or BuildOptions()
+    if os.path.isdir(source):
+        return build_from([TreeInput(source, options.names)], output, options)
+    return build_from([TarInput(source, options.names)], output, options)
+
+
+def build_from(inputs: list[Input], output: str, options: BuildOptions | None = None) -> Built:
+    """Build the image ``output`` from ``inputs``, in order (a name given twice: the
+    last one wins, as in a tar appended to)."""
+    options = options or BuildOptions()
     started = time.monotonic()
     partial = output + ".partial"
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    writer = ErofsWriter(fd, output + ".spill", options.build_time)
+    top = (options.top_owner, 0o500) if options.top_owner is not None else (0, 0o555)
+    writer = ErofsWriter(
+        fd, output + ".spill", options.build_time, top_owner=top[0], top_mode=top[1]
+    )
+    label = inputs[0].path if inputs else output
     try:
         try:
-            if os.path.isdir(source):
-                _TreeSource(source, writer, options).run()
-            else:
-                _TarSource(source, writer, options, output).run()
+            starting = getattr(options.progress, "starting", None)
+            for source in inputs:
+                label = source.path
+                if starting is not None:
+                    starting(source.path)
+                if isinstance(source, TreeInput):
+                    _TreeSource(source, writer, options).run()
+                else:
+                    _TarSource(source, writer, options, output).run()
             size = writer.finish()
         except ImageConflict as exc:  # found at the end, when the folders are written
-            raise refused(source, exc.path, exc.why) from exc
-        os.fchmod(fd, 0o444)
+            raise refused(label, exc.path, exc.why) from exc
+        os.fchmod(fd, options.mode)
         if options.sync:
             os.fsync(fd)
         os.rename(partial, output)
@@ -203,20 +267,36 @@ class _Placer:
 
 
 class _TarSource:
-    def __init__(self, path: str, writer: ErofsWriter, options: BuildOptions, output: str) -> None:
-        self.path = path
+    def __init__(
+        self,
+        source: TarInput,
+        writer: ErofsWriter,
+        options: BuildOptions,
+        output: str,
+        place: _Placer | None = None,
+        inner: bool = False,
+    ) -> None:
+        self.source = source
+        self.path = source.path
+        self.names = source.names
         self.writer = writer
         self.options = options
-        self.place = _Placer(writer, path)
+        self.output = output
+        self.place = place or _Placer(writer, source.path)
+        # An archive inside another: its bytes are counted by the outer one's progress.
+        self.inner = inner
         # Links are judged as if the image were extracted here: a path never made, so
         # that the data filter resolves their targets by the names alone.
         self.judge_root = os.path.abspath(output) + ".links"
 
     def run(self) -> None:
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self.source.fd
+        if fd is None:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             length = os.fstat(fd).st_size
-            fmt = resolve_format(self.path, "auto", os.pread(fd, tarfile.BLOCKSIZE, 0))
+            head = os.pread(fd, tarfile.BLOCKSIZE, 0)
+            fmt = resolve_format(self.path, self.source.format, head)
             if fmt == "zip":
                 raise UnknownFormat(
                     f"archive {self.path} is a zip; an image is built from a tar (plain, gz, "
@@ -226,7 +306,8 @@ class _TarSource:
             with translate(self.path):
                 self._read(Archive(fd, 0, length, fmt, self.path))
         finally:
-            os.close(fd)
+            if self.source.fd is None:
+                os.close(fd)
 
     def _read(self, archive: Archive) -> None:
         raw = archive.reader()
@@ -236,17 +317,25 @@ class _TarSource:
             stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
         with stream if stream is not None else contextlib.nullcontext():
             headers = stream or io.BufferedReader(raw, _HEADER_READAHEAD)  # type: ignore[arg-type]
-            blocks = tar_members.Blocks(archive.fd, 0, archive.length) if stream is None else None
+            blocks = (
+                tar_members.Blocks(archive.fd, archive.base, archive.length)
+                if stream is None
+                else None
+            )
             progress, consumed = self.options.progress, 0
             with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
                 for member, next_header in self._members(tar, headers, blocks):
                     self._member(archive, stream, member)
+                    if self.inner:
+                        progress.advance(0, 1)
+                        continue
                     now = stream.compressed_pos() if stream is not None else next_header
                     progress.advance(now - consumed, 1)
                     consumed = now
             if stream is not None:
                 stream.drain()  # lets the decompressor check its trailer
-            progress.advance(max(0, archive.length - consumed), 0)
+            if not self.inner:
+                progress.advance(max(0, archive.length - consumed), 0)
 
     def _members(
         self, tar: tarfile.TarFile, headers: io.RawIOBase, blocks: tar_members.Blocks | None
@@ -263,12 +352,15 @@ class _TarSource:
             )
         if member.type == _VOLUME_LABEL:
             return
-        names = self.options.names
-        rel = clean_name(self.path, member.name, names.strip)
-        if rel is None:
+        names = self.names
+        clean = clean_name(self.path, member.name, names.strip)
+        if clean is None:
             return
-        rel = names.place(rel)
+        rel = names.place(clean)
         writer, mtime = self.writer, _mtime(member.mtime)
+        if self.source.nested and stream is None and member.isreg():
+            if self._inner(archive, member, clean):
+                return
         try:
             if member.isdir() or member.type == _DUMPDIR:
                 if self.place.symlinks:
@@ -314,9 +406,33 @@ class _TarSource:
         else:
             stream.seek(member.offset_data)
             self.writer.file_stream(parent, name, member.size, mtime, stream.read)
+        report_written(self.options.progress, member.size)
+
+    def _inner(self, archive: Archive, member: tarfile.TarInfo, clean: str) -> bool:
+        """An archive member of a plain tar read in place into the folder of its name
+        (``n01440764.tar`` -> ``n01440764/``), as extraction's ``nested`` does; False
+        when it is not an archive after all (then it is a file like any other)."""
+        suffix = nested_suffix(clean)
+        if suffix is None:
+            return False
+        require_inside(archive, member, member.size)
+        base = archive.base + member.offset_data
+        fmt = sniff(os.pread(archive.fd, tarfile.BLOCKSIZE, base)) if member.size else None
+        if fmt is None or fmt == "zip":
+            return False
+        folder = clean[: -len(suffix)]
+        into = f"{self.names.into}/{folder}" if self.names.into else folder
+        names = Names(0, into, self.names.renames)
+        label = f"{self.path}:{clean}"
+        inner = TarInput(label, names, archive.fd, nested=False)
+        self.writer.folder(self.names.place(folder), _mtime(member.mtime))
+        reader = _TarSource(inner, self.writer, self.options, self.output, self.place, inner=True)
+        with translate(label):
+            reader._read(Archive(archive.fd, base, member.size, fmt, label))
+        return True
 
     def _hardlink(self, member: tarfile.TarInfo, rel: str) -> None:
-        names = self.options.names
+        names = self.names
         label = f"{member.name} -> {member.linkname}"
         target = clean_name(self.path, member.linkname, names.strip, label)
         if target is None:
@@ -384,8 +500,9 @@ class _TreeSource(sources.Visitor):
     """A folder packed from a streaming walk of it: files, folders and links, never a
     list of the tree's files."""
 
-    def __init__(self, path: str, writer: ErofsWriter, options: BuildOptions) -> None:
-        self.path = os.path.abspath(path)
+    def __init__(self, source: TreeInput, writer: ErofsWriter, options: BuildOptions) -> None:
+        self.path = os.path.abspath(source.path)
+        self.source = source
         self.writer = writer
         self.options = options
         self.judge_root = self.path
@@ -394,14 +511,17 @@ class _TreeSource(sources.Visitor):
         self.linked: dict[tuple[int, int], tuple[int, str]] = {}
 
     def run(self) -> None:
-        top = sources.open_top(self.path, ())
+        if self.source.owned:
+            top = sources.open_top_unconfined(self.path)
+        else:
+            top = sources.open_top(self.path, sources.Roots())
         try:
             sources.walk(top, self, check=self.options.check)
         finally:
             os.close(top.fd)
 
     def _rel(self, folder: sources.Folder, name: str) -> str:
-        return self.options.names.place(folder.child_rel(name))
+        return self.source.names.place(folder.child_rel(name))
 
     def subdir(self, folder: sources.Folder, entry: os.DirEntry[str]) -> sources.Folder | None:
         child = sources.open_child(folder, entry.name)
@@ -409,7 +529,11 @@ class _TreeSource(sources.Visitor):
         return child
 
     def file(self, folder: sources.Folder, entry: os.DirEntry[str]) -> None:
-        fd = os.open(entry.name, sources.READ_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
+        flags = sources.READ_FLAGS | os.O_NOFOLLOW
+        if folder.source:
+            fd = access().open(entry.name, flags, dir_fd=folder.fd)
+        else:
+            fd = os.open(entry.name, flags, dir_fd=folder.fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # swapped since the listing
@@ -421,6 +545,7 @@ class _TreeSource(sources.Visitor):
                 self.writer.hardlink(number, name, *first, folder.join(entry.name))
             else:
                 self.writer.file_range(number, name, st.st_size, _mtime(st.st_mtime), fd, 0)
+                report_written(self.options.progress, st.st_size)
                 if st.st_nlink > 1:
                     self.linked[(st.st_dev, st.st_ino)] = (number, name)
         finally:
@@ -428,7 +553,10 @@ class _TreeSource(sources.Visitor):
         self.options.progress.advance(st.st_size, 1)
 
     def link(self, folder: sources.Folder, entry: os.DirEntry[str]) -> sources.Folder | None:
-        target = os.readlink(entry.name, dir_fd=folder.fd)
+        if folder.source:
+            target = access().readlink(entry.name, dir_fd=folder.fd)
+        else:
+            target = os.readlink(entry.name, dir_fd=folder.fd)
         rel = self._rel(folder, entry.name)
         member = tarfile.TarInfo(rel)
         member.type, member.linkname = tarfile.SYMTYPE, target

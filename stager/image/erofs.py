@@ -102,9 +102,14 @@ class ErofsWriter:
     """One image being written to ``fd``; ``spill`` is a path for the entry table (on
     the same disk as the image, deleted by ``finish`` or ``close``)."""
 
-    def __init__(self, fd: int, spill: str, build_time: int = 0) -> None:
+    def __init__(
+        self, fd: int, spill: str, build_time: int = 0, top_owner: int = 0, top_mode: int = 0o555
+    ) -> None:
         self._fd = fd
         self.build_time = build_time
+        # The top folder's owner and mode: a private copy's is its user's, 0500 (the
+        # image is read-only all the same: nobody can change its mode or entries).
+        self._top = (top_owner, stat.S_IFDIR | top_mode)
         self._folders: list[_Folder] = [_Folder(0, b"", 0, build_time)]
         self._folder_ids: dict[str, int] = {"": 0}
         self._next_blk = 1  # block 0: superblock and root inode
@@ -260,10 +265,18 @@ class ErofsWriter:
         return self._put_meta(inode + tail)
 
     def _pack_inode(
-        self, layout: int, mode: int, size: int, blk: int, mtime: int, nlink: int, ino: int
+        self,
+        layout: int,
+        mode: int,
+        size: int,
+        blk: int,
+        mtime: int,
+        nlink: int,
+        ino: int,
+        uid: int = 0,
     ) -> bytes:
         fmt = (layout << 1) | 1  # bit 0: the extended inode
-        return _EXTENDED.pack(fmt, 0, mode, 0, size, blk, ino, 0, 0, mtime, 0, nlink, b"")
+        return _EXTENDED.pack(fmt, 0, mode, 0, size, blk, ino, uid, 0, mtime, 0, nlink, b"")
 
     def _open_meta(self) -> bool:
         """Close the current metadata block and open the next; True."""
@@ -403,7 +416,8 @@ class ErofsWriter:
             subdirs += kind == FT_DIR and name not in (b".", b"..")
         blk, size = packer.done()
         nlink = 2 + subdirs
-        inode = self._pack_inode(_FLAT_PLAIN, DIR_MODE, size, blk, entry.mtime, nlink, entry.ino)
+        uid, mode = self._top if number == 0 else (0, DIR_MODE)
+        inode = self._pack_inode(_FLAT_PLAIN, mode, size, blk, entry.mtime, nlink, entry.ino, uid)
         os.pwrite(self._fd, inode, entry.nid * _SLOT)
         return pending
 

@@ -29,7 +29,7 @@ class ImageChanged(StagerError):
 
 @dataclass(frozen=True)
 class ImageIdentity:
-    sha256: str
+    sha256: str  # "" until measured (an image the service built is hashed when sent)
     size: int
     device: int
     inode: int
@@ -52,6 +52,22 @@ class ImageIdentity:
         if _stamps(before) != _stamps(after):
             raise ImageChanged(f"{path} changed while it was hashed; build or copy it again")
         return cls(digest.hexdigest(), *_stamps(after))
+
+    @classmethod
+    def stamp(cls, path: str, sha256: str = "") -> ImageIdentity:
+        """The stamps of ``path`` (never through a link), with a hash known already or
+        none: a file the service itself just wrote needs no second read."""
+        return cls(sha256, *_stamps(os.lstat(path)))
+
+    def to_dict(self) -> dict[str, int | str]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int | str]) -> ImageIdentity:
+        return cls(**data)  # type: ignore[arg-type]
+
+    def same_file(self, device: int, inode: int) -> bool:
+        return (self.device, self.inode) == (device, inode)
 
     def check(self, path: str) -> None:
         """Raise unless ``path`` is still the file measured (one ``lstat``)."""

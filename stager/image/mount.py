@@ -26,14 +26,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
+import struct
 import subprocess
 from dataclasses import dataclass
 
 from stager.errors import StagerError
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+MNT_DETACH = 2
+# linux/loop.h: LOOP_GET_STATUS64 fills struct loop_info64, whose first two fields are
+# the device and inode of the file behind the loop device.
+_LOOP_GET_STATUS64 = 0x4C05
+_LOOP_INFO64_SIZE = 232
 _FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
 _OPTIONS = "ro,nosuid,nodev"
 EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
@@ -41,7 +48,7 @@ SQUASHFS_MAGIC = b"hsqs"  # at byte 0
 
 # Which Debian package brings each tool, for the sentence that says it is missing.
 PACKAGES = {
-    "erofsfuse": "erofsfuse (Debian 13, Ubuntu 24.04; Debian 12 has no FUSE reader of EROFS)",
+    "erofsfuse": "erofsfuse, Debian 13 or Ubuntu 24.04; Debian 12 has no FUSE reader of EROFS",
     "squashfuse_ll": "squashfuse",
     "fusermount3": "fuse3",
     "mount": "mount",
@@ -116,6 +123,37 @@ def _mount_command(image: str, target: str, fstype: str) -> None:
     _run(command, image, target)
 
 
+_FUSE_READERS = {"erofs": "erofsfuse", "squashfs": "squashfuse_ll"}
+
+
+def why_not_fuse(fmt: str | None) -> str | None:
+    """None when this process (a user's) can mount an image of ``fmt`` with FUSE (None:
+    of either format); else the sentence that says what is missing. The daemon's own
+    rights over its own mount, not a user's path: looked at, not tried."""
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return (
+            "this daemon runs as a user, who mounts images with FUSE, and /dev/fuse is not "
+            "open to it here (the admin can make it 0666, or use the node service)"
+        )
+    if _which("fusermount3") is None:
+        return (
+            "this daemon runs as a user, who mounts images with FUSE, and fusermount3 is "
+            "not installed (Debian package fuse3)"
+        )
+    wanted = [fmt] if fmt else list(_FUSE_READERS)
+    if all(_which(_FUSE_READERS[f]) is None for f in wanted):
+        missing = " or ".join(f"{_FUSE_READERS[f]} ({PACKAGES[_FUSE_READERS[f]]})" for f in wanted)
+        return (
+            f"this daemon runs as a user, who mounts images with FUSE, and no FUSE reader of "
+            f"{' or '.join(wanted)} images is installed: {missing}"
+        )
+    return None
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
+
+
 def mount_fuse(image: str, target: str) -> Mounted:
     """Mount ``image`` read-only at ``target`` with FUSE, as the calling user."""
     image, target = os.path.abspath(image), os.path.abspath(target)
@@ -129,25 +167,77 @@ def mount_fuse(image: str, target: str) -> Mounted:
     return _require_mounted(image, target)
 
 
-def unmount(target: str) -> None:
+class MountBusy(MountError):
+    """A mount that processes still read from: it is not taken down."""
+
+    type = "mount_busy"
+
+
+def unmount(target: str, lazy: bool = False) -> None:
     """Unmount whatever is mounted at ``target`` (a kernel or a FUSE mount); nothing
-    if nothing is. A mount in use fails, naming the target: its readers go first."""
+    if nothing is. A mount in use fails (MountBusy), naming the target: its readers go
+    first; unless ``lazy``: then it leaves the tree of mounts at once, and the kernel
+    lets its readers finish before it lets go of the image (``umount -l``)."""
     target = os.path.abspath(target)
     found = mounted_at(target)
     if found is None:
         return
     if found.fstype.startswith("fuse") and os.geteuid() != 0:
-        _run([tool("fusermount3"), "-u", target], found.source, target)
+        command = [tool("fusermount3"), "-u", *(["-z"] if lazy else []), target]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip()
+            if "busy" in said:
+                raise MountBusy(_busy(target))
+            raise MountError(f"could not unmount {target}: {said or done.returncode}")
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.umount2(target.encode(), 0) != 0:
+    if libc.umount2(target.encode(), MNT_DETACH if lazy else 0) != 0:
         code = ctypes.get_errno()
         if code == errno.EBUSY:
-            raise MountError(
-                f"the image mounted at {target} is in use; stop the processes reading it "
-                "(fuser -vm " + target + ") and unmount again"
-            )
+            raise MountBusy(_busy(target))
+        if code == errno.EINVAL and mounted_at(target) is None:
+            return  # taken down meanwhile
         raise MountError(f"could not unmount {target}: {os.strerror(code)}")
+
+
+def _busy(target: str) -> str:
+    return (
+        f"the image mounted at {target} is in use; stop the processes reading it "
+        f"(fuser -vm {target}) and unmount again"
+    )
+
+
+def backing_file(mount: Mounted) -> tuple[int, int] | None:
+    """The device and inode of the image file behind a kernel mount, asked of the
+    kernel itself (the loop device's status, or the file a file-backed EROFS mount
+    names); None when it cannot tell (a FUSE mount, a block device that is not a loop)."""
+    if mount.source.startswith("/dev/loop"):
+        try:
+            fd = os.open(mount.source, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            info = fcntl.ioctl(fd, _LOOP_GET_STATUS64, bytes(_LOOP_INFO64_SIZE))
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        device, inode = struct.unpack_from("<QQ", info)
+        return device, inode
+    if mount.fstype == "erofs" and mount.source.startswith("/"):
+        try:
+            st = os.stat(mount.source)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+    return None
+
+
+def mounts_under(folder: str) -> list[Mounted]:
+    """Every mount whose mount point lies below ``folder`` (deepest last)."""
+    top = os.path.abspath(folder).rstrip("/") + "/"
+    return [m for m in mounts() if m.target.startswith(top)]
 
 
 def mounted_at(target: str) -> Mounted | None:

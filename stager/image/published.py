@@ -1,0 +1,183 @@
+"""An image dataset under ``data/``: its file, its mount, and what a hit or a restart
+checks of them.
+
+A ready image dataset is two names: the image file ``data/<key>.erofs`` (or
+``.sqfs``), the service's (0444, or 0400 for a private copy: its user reads it through
+the mount only), and the folder ``data/<key>`` with the image mounted on it read-only
+(``nosuid,nodev``). :mod:`stager.lifecycle` decides when each function here runs (all
+of them block: the daemon calls them through ``run_io``); every step is one of
+:class:`stager.durable.Durable`.
+
+What is mounted where is always asked of the kernel (``/proc/self/mountinfo``, and
+the loop device's own status for the file behind it), never remembered: a restarted
+service finds the mounts it left, a mount of another file at a dataset's path (an
+image deleted or replaced under its mount) is told apart from the dataset's own, and
+after a reboot a published image is simply not mounted yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stager.image import mount as image_mount
+from stager.image.identity import ImageChanged, ImageIdentity
+
+log = logging.getLogger("stager.image")
+
+SUFFIXES = {"erofs": ".erofs", "squashfs": ".sqfs"}
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    """What the registry keeps of a published image (stored with its entry)."""
+
+    format: str  # "erofs" or "squashfs"
+    mount: str  # "kernel" (root) or "fuse" (a user's daemon)
+    identity: ImageIdentity
+    files: int = 0
+    folders: int = 0
+    data_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "identity": self.identity.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ImageRecord:
+        return cls(**{**data, "identity": ImageIdentity.from_dict(data["identity"])})
+
+
+def image_file(data_dir: Path, key: str, fmt: str) -> Path:
+    return data_dir / f"{key}{SUFFIXES[fmt]}"
+
+
+def image_of(data_dir: Path, key: str) -> Path | None:
+    """The published image file of ``key``, whatever its format; None if there is none."""
+    for suffix in SUFFIXES.values():
+        path = data_dir / f"{key}{suffix}"
+        if os.path.lexists(path):
+            return path
+    return None
+
+
+def format_of(file: Path) -> str:
+    """An image file's format, by the suffix the service gave it."""
+    return next(fmt for fmt, suffix in SUFFIXES.items() if file.name.endswith(suffix))
+
+
+def key_of(name: str) -> str:
+    """The key an entry of ``data/`` belongs to (an image file's name less its suffix)."""
+    for suffix in SUFFIXES.values():
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def mount_kind() -> str:
+    """How this daemon mounts: the kernel as root, FUSE as a user."""
+    return "kernel" if os.geteuid() == 0 else "fuse"
+
+
+def publish_image(made: Path, final: Path) -> None:
+    """The commit point of an image: the attempt's complete image renamed to its
+    place under ``data/``, the rename made durable."""
+    os.rename(made, final)
+    _sync_folder(final.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mount_image(file: Path, target: Path, kind: str, backing: str = "loop") -> None:
+    """Mount ``file`` read-only at ``target`` (made if missing); nothing if it is
+    mounted there already. Whatever else is mounted there (a stale mount of a deleted
+    image) is taken down first."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(target, 0o555)
+    found = image_mount.mounted_at(str(target))
+    if found is not None:
+        if _is_of(found, file):
+            return
+        take_down(target)
+    if kind == "kernel":
+        image_mount.mount_kernel(str(file), str(target), backing)
+    else:
+        image_mount.mount_fuse(str(file), str(target))
+
+
+def _is_of(found: image_mount.Mounted, file: Path) -> bool:
+    """Whether the mount ``found`` is of ``file`` itself (not an earlier file of that
+    name, deleted or replaced since)."""
+    behind = image_mount.backing_file(found)
+    if behind is None:
+        # A FUSE mount (a user's daemon): its server holds the file it was given,
+        # which no kernel status names; its user's own, like the cache.
+        return found.fstype.startswith("fuse") and os.path.exists(file)
+    try:
+        st = os.lstat(file)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == behind
+
+
+def check(file: Path, target: Path, record: ImageRecord) -> str | None:
+    """What a hit checks, without a walk: None when ``file`` is still the image
+    published (one ``lstat``) and it is mounted at ``target``; "unmounted" when only
+    the mount is missing (it may be mounted again); else a sentence naming what
+    changed."""
+    try:
+        record.identity.check(str(file))
+    except ImageChanged as exc:
+        return exc.message
+    found = image_mount.mounted_at(str(target))
+    if found is None:
+        return "unmounted"
+    if not _is_of(found, file):
+        return f"{target} is mounted from another file than its image {file}"
+    return None
+
+
+def take_down(target: Path) -> bool:
+    """Unmount whatever is mounted at ``target``; True if it was in use and left
+    lazily (``umount -l``): nobody holds a lease on it (eviction never takes a leased
+    dataset), so a reader that opened its files without one reads on, the same bytes,
+    until it closes them, and the kernel then lets go of the image."""
+    try:
+        image_mount.unmount(str(target))
+        return False
+    except image_mount.MountBusy:
+        log.warning("%s is in use by a process that holds no lease; unmounted lazily", target)
+        image_mount.unmount(str(target), lazy=True)
+        return True
+
+
+def delete_image(file: Path | None, target: Path | None) -> None:
+    """The image file and its (empty) mount point, gone; what is already gone is fine."""
+    if file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file)
+    if target is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(target)
+    _sync_folder((file or target).parent)  # type: ignore[union-attr]
+
+
+def stray_mounts(data_dir: Path, kept: dict[str, Path]) -> list[Path]:
+    """Mount points under ``data_dir`` that no ready image holds: not ``data/<key>`` of a
+    key in ``kept`` (key -> its image file), or mounted from another file than it."""
+    strays = []
+    for found in image_mount.mounts_under(str(data_dir)):
+        target = Path(found.target)
+        file = kept.get(target.name) if target.parent == data_dir else None
+        if file is None or not _is_of(found, file):
+            strays.append(target)
+    return strays
