@@ -21,6 +21,7 @@ import anyio.to_thread
 from stager import errors
 from stager.download_rate import DownloadRateFloor
 from stager.fs.seal import Seal
+from stager.imaging import ImageMade
 from stager.processes import Processes, reap
 from stager.progress import Progress
 from stager.settings import Settings
@@ -68,8 +69,9 @@ async def run_staging(
     cancel: threading.Event,
     limits: Limits = Limits(),  # noqa: B008 - frozen
     poll_s: float = 0.1,
-) -> Seal:
-    """Stage ``job`` in a child process; return its tree's seal or raise its error.
+) -> Seal | ImageMade:
+    """Stage ``job`` in a child process; return its tree's seal (its image, in image
+    mode) or raise its error.
 
     ``cancel`` is forwarded to the child, which stops at its next unit of work. A
     child that has not stopped ``cancel_grace_s`` later, or whose counters have not
@@ -164,11 +166,12 @@ def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
     )
 
 
-def _outcome(message: tuple[str, Any]) -> Seal:
-    """The seal of the child's tree, or its error re-raised in the daemon."""
+def _outcome(message: tuple[str, Any]) -> Seal | ImageMade:
+    """The seal of the child's tree (or, in image mode, its image), or its error
+    re-raised in the daemon."""
     kind, payload = message
     if kind == "ok":
-        return Seal.from_dict(payload)
+        return ImageMade.from_dict(payload) if "image" in payload else Seal.from_dict(payload)
     if kind == "cancelled":
         raise errors.Cancelled("staging was cancelled")
     if kind == "error":

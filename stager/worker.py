@@ -29,12 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stager import overlap
+from stager import imaging, overlap
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, QuotaExceeded, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_listed, seal_tree
+from stager.image.published import image_of
+from stager.imaging import ImageJob, ImageMade, ImageStaging
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
@@ -64,6 +66,8 @@ class StageJob:
     # The most bytes the staging may leave in its tree: its user's quota less what they
     # hold already (None: no limit). Counted as written, never estimated.
     write_bytes: int | None = None
+    # Image mode (stager.imaging): the steps made into one read-only image; None: a tree.
+    image: ImageJob | None = None
 
 
 # How often the cancel event and the parent are looked at, at most. Ops ask between
@@ -185,18 +189,26 @@ def _die_with_daemon(daemon_pid: int) -> None:
     die_with_parent()
 
 
-def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> Seal:
-    """Run the steps this attempt has not finished; seal the tree (read-only, measured)."""
+def _stage(
+    job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
+) -> Seal | ImageMade:
+    """Run the steps this attempt has not finished; seal the tree (read-only, measured),
+    or (image mode) make the image of it."""
     attempt, crash = job.attempt, CrashPoints(job.crash_after, daemon_pid=daemon_pid)
     ops = table.load(job.op_modules)
     steps = ops.validate_steps(job.steps)
     done = attempt.steps_done()
-    if done == len(steps) and not attempt.tree.is_dir():
+    if job.image is not None:
+        published = image_of(job.final.parent, job.final.name)
+        built = imaging.attempt_image(attempt).exists()
+        if not built and published is not None and done == len(steps):
+            return imaging.published_made(published)  # published before the daemon died
+    elif done == len(steps) and not attempt.tree.is_dir():
         return seal_tree(job.final, job.workers)  # published just before the daemon died
     fresh = not attempt.tree.is_dir()
-    made: int | None = None  # what the last op run returned (see _sealed_by_listing)
-    paired = False
-    if fresh:
+    if fresh and job.image is not None and imaging.attempt_image(attempt).exists():
+        fresh = False  # built, its tree dropped: published next
+    elif fresh:
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
@@ -209,12 +221,52 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         verify=job.verify,
         allowed_roots=job.allowed_roots,
     )
+    if job.image is not None:
+        run = functools.partial(_run_steps, ops, steps, ctx, attempt, crash, progress, done)
+        staging = ImageStaging(ops, steps, attempt, ctx, progress, crash, job.image, run)
+        return staging.run()
+    made, paired = _run_steps(ops, steps, ctx, attempt, crash, progress, done)
+    ctx.check_cancelled()
+    if fresh and made is not None and _sealed_by_listing(ops, steps, paired, ctx):
+        return seal_listed(attempt.tree, made)
+    return seal_tree(attempt.tree, job.workers)
+
+
+def _run_steps(
+    ops: table.OpTable,
+    steps: list[Any],
+    ctx: OpContext,
+    attempt: Attempt,
+    crash: CrashPoints,
+    progress: WorkerCounters,
+    done: int,
+    kinds: list[str] | None = None,
+    at_turn: Any = None,
+) -> tuple[Any, bool]:
+    """Run the steps after the first ``done``, writing the marker after each; returns
+    what the last op run returned and whether it ran paired with the one before.
+    ``kinds`` (image mode, stager.imaging) says which steps run as ops (``TREE``): the
+    others are the image's to make, their ops not run; ``at_turn(index)`` is called at
+    each such step's turn, done or not (it takes the step's input out of the tree)."""
+    made: Any = None  # what the last op run returned (see _sealed_by_listing)
+    paired = False
+
+    def runs(index: int) -> bool:
+        return kinds is None or kinds[index - 1] == imaging.TREE
+
     for index, step in enumerate(steps, start=1):
+        if not runs(index):
+            at_turn(index)
+            if index > done:
+                write_atomically(attempt.marker, str(index))
+                crash.reached(Durable.STEP_DONE)
+            continue
         if index > done:
             ctx.check_cancelled()
             progress.start_step(index)
             following = steps[index] if index < len(steps) else None
-            if following is not None and ops.overlaps(step, following, ctx):
+            pairs = following is not None and runs(index + 1)
+            if pairs and ops.overlaps(step, following, ctx):
                 # A download and the extraction of it, at once (stager.overlap): both
                 # steps are done together (one marker says so), the next turn only
                 # removes what it used up.
@@ -241,10 +293,7 @@ def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
         if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
             with contextlib.suppress(OSError):  # not empty: something else is kept there
                 os.rmdir(folder)  # a folder it alone was downloaded into
-    ctx.check_cancelled()
-    if fresh and made is not None and _sealed_by_listing(ops, steps, paired, ctx):
-        return seal_listed(attempt.tree, made)
-    return seal_tree(attempt.tree, job.workers)
+    return made, paired
 
 
 def _over_quota(written: int) -> QuotaExceeded:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Protocol
@@ -132,3 +133,20 @@ def make_dir(path: str) -> None:
             return
         os.unlink(path)
         os.mkdir(path)
+
+
+@dataclass(frozen=True)
+class ImageStream:
+    """What a step makes, as an archive that image mode reads straight into the image
+    (stager.imaging) instead of writing its files: ``src`` (absolute: a source; relative:
+    an earlier step's output, used up unless ``keep``), its members with ``strip``
+    leading components dropped, under ``dst``; ``nested``: the archives inside it too.
+    ``before`` runs first, in the staging (an md5 check of the archive)."""
+
+    src: str
+    dst: str = "."
+    strip: int = 0
+    nested: bool = False
+    format: str = "auto"
+    keep: bool = False
+    before: Callable[[OpContext], None] | None = None

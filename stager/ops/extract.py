@@ -40,6 +40,7 @@ from stager.fs.seal import KnownTree
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import (
     CheckContext,
+    ImageStream,
     OpContext,
     RelativePath,
     StepParams,
@@ -109,6 +110,16 @@ def as_fetch_then_extract(step: ExtractStep) -> list[dict[str, Any]] | None:
     archive = f"{DOWNLOADS}/{url_file_name(step.src)}"
     fetched = {"op": "fetch", "url": step.src, "dst": archive, "sha256": step.sha256}
     return [fetched, {**step.model_dump(), "src": archive, "sha256": None}]
+
+
+def as_image_stream(step: ExtractStep) -> ImageStream | None:
+    """Image mode reads the archive straight into the image (not a zip: its directory is
+    at its end, and the image builder reads tars)."""
+    if step.format == "zip" or archive_suffix(step.src) == ".zip" or _is_url(step.src):
+        return None
+    return ImageStream(
+        step.src, step.dst, step.strip_components, step.nested, step.format, step.keep
+    )
 
 
 def check(step: ExtractStep, ctx: CheckContext) -> int:

@@ -34,6 +34,11 @@ def check(step: RenameStep, ctx: CheckContext) -> int:
     return 0
 
 
+def moves(step: RenameStep) -> tuple[str, str]:
+    """The name it moves, for image mode (the image's names are moved instead)."""
+    return _norm(step.src), _norm(step.dst)
+
+
 def run(step: RenameStep, ctx: OpContext) -> None:
     check(step, ctx.check_context)
     ctx.check_cancelled()

@@ -32,13 +32,14 @@ from stager.ops import (
     copy,
     extract,
     fetch,
+    image,
     imagenet_devkit,
     imagenet_val,
     rename,
     symlink,
     unpack,
 )
-from stager.ops.base import CheckContext, OpContext, StepParams
+from stager.ops.base import CheckContext, ImageStream, OpContext, StepParams
 from stager.schemas import VERIFY_LEVELS, DatasetCreate
 from stager.settings import Settings
 
@@ -113,6 +114,13 @@ class Op:
     # The daemon's own: built by the daemon from a request (a fan-out's adoption), never
     # given in a request's steps, whose checks it skips (its folder is the service's).
     internal: bool = False
+    # Image mode (stager.imaging): what the step makes, as an archive read straight into
+    # the image, or None (the step runs as an op, its output packed with the rest);
+    # ``moves``: the (old, new) name a step only renames, applied to the image's names;
+    # ``prebuilt_image``: the step is a prebuilt image file, staged as it is.
+    image_stream: Callable[[Any], ImageStream | None] = lambda step: None
+    moves: Callable[[Any], tuple[str, str] | None] = lambda step: None
+    prebuilt_image: bool = False
 
     @property
     def summary(self) -> str:
@@ -134,6 +142,9 @@ def _row(
     follows: Follows | None = None,
     expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None,
     internal: bool = False,
+    image_stream: Callable[[Any], ImageStream | None] = lambda step: None,
+    moves: Callable[[Any], tuple[str, str] | None] = lambda step: None,
+    prebuilt_image: bool = False,
 ) -> Op:
     verify = frozenset(verify) or NOTHING_TO_VERIFY
     return Op(
@@ -152,6 +163,9 @@ def _row(
         follows,
         expands,
         internal,
+        image_stream,
+        moves,
+        prebuilt_image,
     )
 
 
@@ -175,8 +189,9 @@ BUILTIN = (
         read_only_files=True,
         follows=Follows(extract.reads_growing, extract.run_growing),
         expands=extract.as_fetch_then_extract,
+        image_stream=extract.as_image_stream,
     ),
-    _row("rename", rename, rename.RenameStep),
+    _row("rename", rename, rename.RenameStep, moves=rename.moves),
     # sha256 of a download is checked against the digest its step names.
     _row(
         "fetch",
@@ -194,7 +209,10 @@ BUILTIN = (
         verify=EVERY_LEVEL,
         links_to_source=lambda step: step.mode == "symlink",
         keeps_source_name=True,
+        image_stream=unpack.as_image_stream,
     ),
+    # A prebuilt image, copied and checked by its sha256, mounted as it is.
+    _row("image", image, image.ImageStep, prebuilt_image=True),
     _row("imagenet_devkit", imagenet_devkit, imagenet_devkit.ImagenetDevkitStep),
     _row("imagenet_val", imagenet_val, imagenet_val.ImagenetValStep),
     # A multi-node job's broadcast copies (docs/multinode.md): checked by sha256 always.

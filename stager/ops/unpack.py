@@ -28,13 +28,14 @@ from typing import Literal
 
 from pydantic import Field
 
-from stager.archive.formats import ArchiveFormat
+from stager.archive.formats import ArchiveFormat, archive_suffix
 from stager.errors import BadRequest, VerifyFailed, from_os_error
 from stager.fs.sources import open_source, require_source
 from stager.ops import copy, extract, symlink
 from stager.ops.base import (
     AbsoluteSource,
     CheckContext,
+    ImageStream,
     OpContext,
     RelativePath,
     StepParams,
@@ -99,6 +100,19 @@ def run(step: UnpackStep, ctx: OpContext) -> None:
     if step.verify_md5:
         _verify_md5(step, archive, ctx)
     extract.run(_extract(step, archive), ctx)
+
+
+def as_image_stream(step: UnpackStep) -> ImageStream | None:
+    """Image mode reads an archive read straight from its source (``direct``) into the
+    image; a folder, a local copy or a link is made as a tree and packed."""
+    if step.mode != "direct" or step.format == "zip" or os.path.isdir(step.src):
+        return None
+    if archive_suffix(step.src) == ".zip":
+        return None
+    before = (lambda ctx: _verify_md5(step, step.src, ctx)) if step.verify_md5 else None
+    return ImageStream(
+        step.src, step.dst, step.strip_components, step.nested, step.format, before=before
+    )
 
 
 def _keep(step: UnpackStep) -> str:

@@ -1,0 +1,384 @@
+"""Image mode in the staging process: a request's steps made into one read-only image.
+
+The image holds the tree the steps would have left (docs/image-mode.md), made with as
+little of that tree on the disk as the steps allow (:func:`plan`):
+
+- A step whose op reads an archive into the dataset (an ``extract``, an ``unpack``
+  straight from its source: the op table's ``image_stream``) is *streamed*: its archive
+  is read once, each member written into the image under the name it would have had,
+  with no file of it made on the way; archives inside a plain tar (``nested``,
+  ImageNet's class tars) are read in place.
+- A step that only renames (``moves``) moves the image's names instead: the names of
+  every archive streamed before it, and of the tree below.
+- Any other step (a copy, a download, the ImageNet devkit's ``meta.bin``, the val
+  sort) runs as an op into the attempt's tree, as a tree staging would; that tree is
+  packed into the image first, then each streamed archive in step order.
+
+A streamed step stays one only while no later step that runs as an op touches its
+folder (the val sort reads the val images: that archive is extracted), and renames
+are names only when no op runs after them; otherwise the step runs as an op. A
+request no step of which streams (a copy of a folder) is staged as a tree and packed
+from a walk of it. Either way the tree goes once the image is built.
+
+A prebuilt image (the ``image`` op, ``prebuilt_image``) is copied and checked by its
+sha256 (:mod:`stager.ops.image`).
+
+The image is built as ``image.erofs.partial`` in the attempt's folder and renamed to
+``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``), with what the
+build counted beside it; the daemon publishes and mounts it
+(:meth:`stager.lifecycle.Registry.publish`). A staging resumed after a crash runs the
+steps its marker has not counted and builds again unless the image is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stager.durable import CrashPoints, Durable
+from stager.errors import BadRequest, StagingError
+from stager.fs.sources import open_source
+from stager.image.build import BuildOptions, Input, Names, TarInput, TreeInput, build_from
+from stager.ops import table
+from stager.ops.base import ImageStream, OpContext
+from stager.ops.image import ImageStep, copy_verified
+from stager.progress import WorkerCounters
+from stager.publish import Attempt, delete_tree, write_atomically
+
+IMAGE_NAME = "image.erofs"
+BUILT_NAME = "image.json"  # what the build counted, written before the image's rename
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """How a staging's image is made: ``top_owner`` the uid of a private copy's user
+    (the image's top folder theirs, 0500; the file 0400) or None (root's, 0555; 0444);
+    ``trusted`` the folders prebuilt images must lie in (the node service), None: any."""
+
+    top_owner: int | None = None
+    trusted: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ImageMade:
+    """The outcome of an image staging: the image at ``path`` (in the attempt's folder,
+    or already published) and what is known of it."""
+
+    path: str
+    format: str = "erofs"
+    size: int = 0
+    files: int = 0
+    folders: int = 0
+    data_bytes: int = 0
+    sha256: str = ""  # of a prebuilt image (checked); "" for one built here
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"image": asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ImageMade:
+        return cls(**data["image"])
+
+
+def attempt_image(attempt: Attempt) -> Path:
+    return attempt.root / IMAGE_NAME
+
+
+# ---- the plan ------------------------------------------------------------------------
+
+
+TREE, STREAM, NAME = "tree", "stream", "name"
+
+
+@dataclass
+class Plan:
+    """What each step is in image mode (``TREE``: run as an op; ``STREAM``: read into the
+    image; ``NAME``: a rename of the image's names), with the streams and moves."""
+
+    kinds: list[str]
+    streams: dict[int, ImageStream] = field(default_factory=dict)
+    moves: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def names_after(self, index: int) -> tuple[tuple[str, str], ...]:
+        return tuple(move for i, move in sorted(self.moves.items()) if i > index)
+
+
+def plan(ops: table.OpTable, steps: list[Any], sniff: Callable[[str], str | None]) -> Plan:
+    """Which steps stream, which rename names, which run as ops (see the module's
+    docstring). ``sniff`` says the format of an absolute source ("zip", "tar", "gz"...)."""
+    kinds, streams, moves = [], {}, {}
+    for index, step in enumerate(steps, start=1):
+        op = ops.op_of(step)
+        stream = op.image_stream(step)
+        if (move := op.moves(step)) is not None:
+            kinds.append(NAME)
+            moves[index] = move
+        elif stream is not None and _streamable(stream, sniff):
+            kinds.append(STREAM)
+            streams[index] = stream
+        else:
+            kinds.append(TREE)
+    result = Plan(kinds, streams, moves)
+    while _demote(result, steps):
+        pass
+    return result
+
+
+def _streamable(stream: ImageStream, sniff: Callable[[str], str | None]) -> bool:
+    if not stream.src.startswith("/"):
+        return not stream.nested  # an earlier step's file: looked at when it is there
+    fmt = sniff(stream.src) if stream.format == "auto" else stream.format
+    if fmt in (None, "zip"):
+        return False
+    return fmt == "tar" or not stream.nested  # nested archives are read from a plain tar
+
+
+def _demote(plan: Plan, steps: list[Any]) -> bool:
+    """One step made an op where the rules say it must be; True if one was."""
+    last_op = max((i for i, k in enumerate(plan.kinds, 1) if k == TREE), default=0)
+    for index, kind in enumerate(plan.kinds, start=1):
+        if kind == NAME and index < last_op:
+            plan.kinds[index - 1] = TREE  # an op after it reads the tree renamed
+            del plan.moves[index]
+            return True
+        if kind == STREAM:
+            stream = plan.streams[index]
+            later = [steps[j - 1] for j, k in enumerate(plan.kinds, 1) if j > index and k == TREE]
+            earlier = [
+                plan.streams[j].dst if k == STREAM else plan.moves[j][1]
+                for j, k in enumerate(plan.kinds, 1)
+                if j < index and k in (STREAM, NAME)
+            ]
+            relative_src = not stream.src.startswith("/")
+            if any(_overlaps(stream.dst, path) for s in later for path in _touched(s)) or (
+                relative_src and any(_overlaps(stream.src, path) for path in earlier)
+            ):
+                plan.kinds[index - 1] = TREE
+                del plan.streams[index]
+                return True
+    return False
+
+
+def _touched(step: Any) -> list[str]:
+    """The dataset's paths an op reads or writes: its ``dst`` and a relative ``src``
+    (no ``dst``: the whole dataset)."""
+    paths = []
+    for name in ("dst", "src"):
+        value = getattr(step, name, None)
+        if isinstance(value, str) and not value.startswith("/") and "://" not in value:
+            paths.append(value)
+    return paths if hasattr(step, "dst") else ["."]
+
+
+def _norm(path: str) -> str:
+    path = posixpath.normpath(path or ".")
+    return "" if path == "." else path.strip("/")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a, b = _norm(a), _norm(b)
+    return not a or not b or a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+# ---- the staging -----------------------------------------------------------------------
+
+
+@dataclass
+class ImageStaging:
+    """One image staging, in the staging process (called by stager.worker)."""
+
+    ops: table.OpTable
+    steps: list[Any]
+    attempt: Attempt
+    ctx: OpContext
+    progress: WorkerCounters
+    crash: CrashPoints
+    image: ImageJob
+    run_steps: Callable[[list[str], Callable[[int], None]], Any]
+
+    def run(self) -> ImageMade:
+        made = attempt_image(self.attempt)
+        if made.exists():
+            return _made_before(self.attempt)  # built before a crash: published next
+        if len(self.steps) == 1 and self.ops.op_of(self.steps[0]).prebuilt_image:
+            return self._prebuilt(self.steps[0], made)
+        the_plan = plan(self.ops, self.steps, _sniffer(self.ctx))
+        read_from: dict[int, str] = {}
+
+        def at_turn(index: int) -> None:
+            if the_plan.kinds[index - 1] == STREAM:
+                read_from[index] = self._take_input(index, the_plan.streams[index])
+
+        self.run_steps(the_plan.kinds, at_turn)
+        inputs: list[Input] = []
+        if any(self.attempt.tree.iterdir()):
+            names = Names(renames=the_plan.names_after(0))
+            inputs.append(TreeInput(str(self.attempt.tree), names, owned=True))
+        opened: list[int] = []
+        try:
+            for index, stream in sorted(the_plan.streams.items()):
+                inputs.append(self._stream_input(index, stream, read_from, the_plan, opened))
+            built = self._build(inputs, made, the_plan)
+        finally:
+            for fd in opened:
+                os.close(fd)
+        return built
+
+    # -- inputs --
+
+    def _take_input(self, index: int, stream: ImageStream) -> str:
+        """Where a streamed step's archive is read from; an earlier step's output that it
+        uses up is moved out of the tree first (so it is not packed), at its turn."""
+        if stream.src.startswith("/"):
+            return stream.src
+        inside = self.ctx.destination(stream.src)
+        if stream.keep:
+            return str(inside)
+        aside = self.attempt.set_aside(index)
+        if os.path.lexists(inside):
+            if os.path.lexists(aside):
+                delete_tree(aside, threading.Event())
+            os.rename(inside, aside)
+            self.crash.reached(Durable.INPUT_USED_UP)
+            if (folder := inside.parent) != self.ctx.destination("."):
+                with contextlib.suppress(OSError):  # not empty: something else is there
+                    os.rmdir(folder)
+        if not aside.exists():
+            raise StagingError(
+                f"{stream.src!r} is not in the dataset; a relative src names a file an "
+                "earlier step wrote (a fetch), so put that step first"
+            )
+        return str(aside)
+
+    def _stream_input(
+        self,
+        index: int,
+        stream: ImageStream,
+        read_from: dict[int, str],
+        the_plan: Plan,
+        opened: list[int],
+    ) -> TarInput:
+        if stream.before is not None:
+            self.progress.start_step(index)
+            stream.before(self.ctx)
+        if stream.src.startswith("/"):  # a source: opened as whoever reads sources here
+            fd = open_source(stream.src, self.ctx.allowed_roots)
+        else:  # an earlier step's output, in the attempt's folder (the service's own)
+            fd = os.open(read_from[index], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        opened.append(fd)
+        names = Names(stream.strip, _norm(stream.dst), the_plan.names_after(index))
+        return TarInput(stream.src, names, fd, stream.nested, stream.format)
+
+    # -- the build --
+
+    def _build(self, inputs: list[Input], made: Path, the_plan: Plan) -> ImageMade:
+        streamed = sorted(the_plan.streams)
+        private = self.image.top_owner is not None
+        sink = _StepProgress(self.progress, inputs, streamed, len(self.steps))
+        options = BuildOptions(
+            progress=sink,
+            check=self.ctx.check_cancelled,
+            mode=0o400 if private else 0o444,
+            top_owner=self.image.top_owner,
+        )
+        built = build_from(inputs, str(made) + ".building", options)
+        self.progress.start_step(len(self.steps))
+        self.progress.flush()
+        result = ImageMade(
+            str(made), "erofs", built.size, built.files, built.folders, built.data_bytes
+        )
+        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
+        os.rename(str(made) + ".building", made)
+        self.crash.reached(Durable.IMAGE_BUILT)
+        self._drop_tree()
+        return result
+
+    def _prebuilt(self, step: ImageStep, made: Path) -> ImageMade:
+        if self.image.top_owner is not None:
+            raise StagingError(
+                f"image {step.src} may be read only by some users, and a prebuilt image "
+                "cannot be mounted for one user alone (its top folder is what it is); make "
+                "it readable by every user (it is then shared), or stage its source"
+            )
+        self.progress.start_step(1)
+        copied = copy_verified(
+            step, self.ctx, made.with_name(IMAGE_NAME + ".copied"), self.image.trusted
+        )
+        result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
+        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
+        os.rename(made.with_name(IMAGE_NAME + ".copied"), made)
+        self.crash.reached(Durable.IMAGE_BUILT)
+        write_atomically(self.attempt.marker, str(len(self.steps)))
+        self.progress.flush()
+        return result
+
+    def _drop_tree(self) -> None:
+        """The tree the image was packed from, out of the way in one rename: deleted with
+        the attempt's folder once the image is published."""
+        if self.attempt.tree.is_dir():
+            os.rename(self.attempt.tree, self.attempt.root / "packed-tree")
+
+
+def _made_before(attempt: Attempt) -> ImageMade:
+    made = attempt_image(attempt)
+    try:
+        return ImageMade.from_dict(json.loads((attempt.root / BUILT_NAME).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ImageMade(str(made), size=made.stat().st_size)
+
+
+def published_made(final: Path) -> ImageMade:
+    """An image published before the daemon died (the staging has nothing to do)."""
+    return ImageMade(str(final), size=final.stat().st_size)
+
+
+def _sniffer(ctx: OpContext) -> Callable[[str], str | None]:
+    from stager.archive.formats import sniff
+
+    def look(src: str) -> str | None:
+        try:
+            fd = open_source(src, ctx.allowed_roots)
+        except (OSError, StagingError, BadRequest):
+            return None  # the op's own run says why, when it runs as one
+        try:
+            return sniff(os.pread(fd, 512, 0))
+        finally:
+            os.close(fd)
+
+    return look
+
+
+class _StepProgress:
+    """The build's progress, told as the step whose archive (or tree) is being read."""
+
+    def __init__(
+        self, progress: WorkerCounters, inputs: list[Input], streamed: list[int], steps: int
+    ) -> None:
+        self._progress = progress
+        # The side tree (if any) counts as the last step; streams as their own.
+        self._order = ([steps] if len(inputs) > len(streamed) else []) + streamed
+        self._labels = [source.path for source in inputs]
+        self._at = -1
+        self._label = None
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        self._progress.add_total(nbytes, files)
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        self._progress.advance(nbytes, files)
+
+    def wrote(self, nbytes: int) -> None:
+        self._progress.wrote(nbytes)
+
+    def starting(self, label: str) -> None:
+        """The build opens its next input."""
+        self._at += 1
+        if self._at < len(self._order):
+            self._progress.start_step(self._order[self._at])

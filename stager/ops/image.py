@@ -1,0 +1,207 @@
+"""The ``image`` op: a prebuilt image file (EROFS or squashfs), staged as it is.
+
+An admin builds an image once next to the dataset (``stager image build SRC -o
+imagenet.erofs``, no daemon needed); a request whose one step names it copies the
+file into the staging (``copy_file_range``), hashes the copy as it is written, checks
+the hash against the step's ``sha256`` and mounts it: nothing is unpacked. Only in
+image mode (the request's ``image``, which such a step implies): :mod:`stager.imaging`
+runs it; ``run`` alone refuses.
+
+The node service mounts in the kernel only images it built itself or images the admin
+trusts (docs/image-mode.md): a filesystem image is parsed by the kernel, and a user's
+own image file is not trusted. So there a prebuilt image must lie under one of
+``--trusted-image-dirs``, in folders and a file only root may write, and its step
+must pin its sha256; the staging checks where the descriptor it opened (as the user)
+really lies, and the hash of the bytes it will mount.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+
+from stager.errors import BadRequest, UntrustedImage, VerifyFailed
+from stager.fs.fastcopy import copy_chunk
+from stager.fs.sources import fd_path, open_source, require_source, within
+from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+
+EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
+SQUASHFS_MAGIC = b"hsqs"  # at byte 0
+_CHUNK = 8 << 20
+
+
+class ImageStep(StepParams):
+    """Stage a prebuilt image file (EROFS or squashfs) as it is: copied, checked against
+    ``sha256``, mounted read-only at the dataset's path; nothing is unpacked. The
+    request becomes an image dataset. The node service takes only images under the
+    admin's trusted folders, with ``sha256`` pinned."""
+
+    src: AbsoluteSource
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
+
+
+def image_format(head: bytes) -> str | None:
+    """ "erofs" or "squashfs" from an image's first 1028 bytes; None for neither."""
+    if head[1024:1028] == EROFS_MAGIC:
+        return "erofs"
+    if head[:4] == SQUASHFS_MAGIC:
+        return "squashfs"
+    return None
+
+
+def check(step: ImageStep, ctx: CheckContext) -> int:
+    """The file is readable by the caller and is an image; its size is the estimate."""
+    require_source(step.src, "image")
+    fd = open_source(step.src, ctx.allowed_roots)
+    try:
+        head, size = os.pread(fd, 1028, 0), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if image_format(head) is None:
+        raise BadRequest(
+            f"{step.src} is neither an EROFS nor a squashfs image; build one with "
+            "stager image build, or stage the archive or folder it was made from"
+        )
+    return size
+
+
+def run(step: ImageStep, ctx: OpContext) -> None:
+    raise BadRequest(
+        f"step 'image' ({step.src}) stages an image dataset: ask with \"image\": true "
+        "(stager-client stage --as-image)"
+    )
+
+
+def trusted_lexically(src: str, trusted: list[Path]) -> bool:
+    """Whether ``src`` names a path under one of ``trusted`` by its words alone (the
+    request's check; the staging checks the file it opened)."""
+    return any(within(os.path.normpath(src), os.path.normpath(str(top))) for top in trusted)
+
+
+@dataclass(frozen=True)
+class Copied:
+    format: str
+    size: int
+    sha256: str
+
+
+def copy_verified(
+    step: ImageStep, ctx: OpContext, output: Path, trusted: tuple[str, ...] | None
+) -> Copied:
+    """Copy the image to ``output`` (made 0444), hashing what was written; refused when
+    the hash is not the pinned one, or (``trusted``: the node service) when the file
+    opened does not lie in a trusted folder that only root may write."""
+    fd = open_source(step.src, ctx.allowed_roots)
+    try:
+        st = os.fstat(fd)
+        if trusted is not None:
+            _require_trusted(step, fd, st, trusted)
+        fmt = image_format(os.pread(fd, 1028, 0))
+        if fmt is None:
+            raise BadRequest(f"{step.src} is neither an EROFS nor a squashfs image")
+        ctx.progress.add_total(st.st_size, 1)
+        partial = output.with_name(output.name + ".partial")
+        out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            digest = _copy_and_hash(fd, out, st.st_size, ctx)
+            os.fchmod(out, 0o444)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    if step.sha256 is not None and digest != step.sha256.lower():
+        os.unlink(partial)
+        raise VerifyFailed(
+            f"image {step.src} has sha256 {digest}, not the {step.sha256} the request pins; "
+            "it is not mounted: publish the right image or pin its new hash"
+        )
+    os.rename(partial, output)
+    ctx.progress.advance(0, 1)
+    return Copied(fmt, st.st_size, digest)
+
+
+def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext) -> str:
+    """Copy in the kernel, chunk by chunk, while a thread hashes each chunk written (read
+    back from the page cache): the two overlap, and what is hashed is what is mounted."""
+    digest = hashlib.sha256()
+    done = threading.Semaphore(0)
+    copied: list[tuple[int, int]] = []
+    failed: list[BaseException] = []
+
+    def hash_chunks() -> None:
+        try:
+            while True:
+                done.acquire()
+                offset, length = copied.pop(0)
+                if length < 0:
+                    return
+                digest.update(os.pread(dst, length, offset))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the copying thread
+            failed.append(exc)
+
+    hasher = threading.Thread(target=hash_chunks, name="image-hash")
+    hasher.start()
+    offset = 0
+    try:
+        while offset < size:
+            ctx.check_cancelled()
+            moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
+            if moved == 0:
+                raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
+            copied.append((offset, moved))
+            done.release()
+            offset += moved
+            ctx.progress.advance(moved, 0)
+    finally:
+        copied.append((0, -1))
+        done.release()
+        hasher.join()
+    if failed:
+        raise failed[0]
+    return digest.hexdigest()
+
+
+def _require_trusted(
+    step: ImageStep, fd: int, st: os.stat_result, trusted: tuple[str, ...]
+) -> None:
+    """The opened file lies under a trusted folder, and it and every folder from that
+    one down to it are root's and writable by nobody else: what is there, the admin put
+    there."""
+    if step.sha256 is None:
+        raise UntrustedImage(
+            f"image {step.src} has no sha256 in the request; the node service mounts a "
+            'prebuilt image only with its sha256 pinned: add "sha256" to the step'
+        )
+    real = fd_path(fd)
+    tops = [os.path.realpath(top) for top in trusted]
+    top = next((t for t in tops if within(real, t)), None)
+    if top is None:
+        raise UntrustedImage(
+            f"image {step.src} lies at {real}, outside the folders the admin trusts "
+            f"({', '.join(tops) or 'none set'}); the node service mounts only images it "
+            "built or that lie there: stage its source archive instead, or ask the admin "
+            "to publish it under STAGER_TRUSTED_IMAGE_DIRS"
+        )
+    if not _roots_alone(st):
+        raise UntrustedImage(f"image {real} may be written by others than root; not mounted")
+    folder = os.path.dirname(real)
+    while within(folder, top):
+        if not _roots_alone(os.stat(folder)):
+            raise UntrustedImage(
+                f"folder {folder} above image {real} may be written by others than root; "
+                "the image is not mounted"
+            )
+        if folder == top:
+            break
+        folder = os.path.dirname(folder)
+
+
+def _roots_alone(st: os.stat_result) -> bool:
+    return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
