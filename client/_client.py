@@ -268,12 +268,17 @@ def stage_body(
     verify: str | None = None,
     fingerprint: str | None = None,
     lease: Mapping[str, Any] | BaseModel | None = None,
+    image: bool | None = None,
+    image_fallback: bool | None = None,
 ) -> dict[str, Any]:
     """A ``POST /v1/datasets`` body with only what was given, so the daemon's defaults
-    apply; validation is left to the daemon, whose sentences name the field at fault."""
+    apply; validation is left to the daemon, whose sentences name the field at fault.
+    ``image``: stage it as one read-only image (``image_fallback``: or a tree where the
+    daemon cannot mount one)."""
     body: dict[str, Any] = {"name": name}
     given = {"recipe": recipe, "source": source, "link": link, "verify": verify}
     given["fingerprint"] = fingerprint
+    given["image"], given["image_fallback"] = image, image_fallback
     body.update({k: v for k, v in given.items() if v is not None})
     if params:
         body["params"] = dict(params)

@@ -224,6 +224,20 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
     sub.add_argument("--link", metavar="PATH", help="absolute symlink to the staged root")
     sub.add_argument("--verify", choices=["size", "sha256", "none"])
     sub.add_argument("--fingerprint", choices=["cheap", "deep"])
+    sub.add_argument(
+        "--as-image",
+        action="store_true",
+        default=None,
+        help="stage the dataset as one read-only image mounted at its path: ready sooner and "
+        "evicted at once for many small files (docs/image-mode.md)",
+    )
+    sub.add_argument(
+        "--image-fallback",
+        action="store_true",
+        default=None,
+        help="with --as-image: where this daemon cannot mount an image, stage a tree instead "
+        "of failing (the answer says so)",
+    )
     leasing = sub.add_mutually_exclusive_group()
     leasing.add_argument(
         "--lease",
@@ -345,6 +359,8 @@ def request_from(args: argparse.Namespace) -> dict[str, Any]:
         verify=args.verify,
         fingerprint=args.fingerprint,
         lease=lease,
+        image=args.as_image,
+        image_fallback=args.image_fallback,
     )
     merged = {**body, **given}
     if not merged.get("recipe") and not merged.get("steps"):
@@ -445,6 +461,8 @@ async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
     if args.peers == "slurm":
         return await stage_on_peers(client, args)
     status = await client.submit(request_from(args))
+    if status.notice:
+        _say(args, status.notice)  # e.g. a tree staged where an image was asked for
     if args.wait:
         status = (await wait_all(client, [status.name], args))[0]
     if args.json:

@@ -24,11 +24,13 @@ from typing import Any
 from stager.errors import StagerError
 from stager.fs.credentials import Reader
 from stager.fs.seal import Seal
+from stager.image.published import ImageRecord
 from stager.progress import Progress
 from stager.redact import redact_text
 from stager.schemas import (
     DatasetPublic,
     ErrorInfo,
+    ImagePublic,
     LeasePublic,
     Origin,
     State,
@@ -85,6 +87,8 @@ class Entry:
     estimate_bytes: int = 0
     # What the published tree must still be (stager.fs.seal); a hit checks it.
     seal: Seal | None = None
+    # An image dataset's published image (stager.image.published); a hit checks it.
+    image: ImageRecord | None = None
     # Whose rights its sources are read with (node service only; None: the daemon's).
     reader: Reader | None = None
     created_at: datetime = field(default_factory=now)
@@ -107,6 +111,11 @@ class Entry:
     @property
     def active(self) -> bool:
         return self.state in (State.QUEUED, State.STAGING)
+
+    @property
+    def wants_image(self) -> bool:
+        """Staged as one read-only image (its request's ``image``), not as a tree."""
+        return bool(self.spec.get("image"))
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,21 @@ def _redacted(error: ErrorInfo | None) -> ErrorInfo | None:
     return ErrorInfo(type=error.type, message=redact_text(error.message))
 
 
+def _image(entry: Entry, data_dir: Path) -> ImagePublic | None:
+    record = entry.image
+    if record is None:
+        return None
+    suffix = ".sqfs" if record.format == "squashfs" else ".erofs"
+    return ImagePublic(
+        file=str(data_dir / f"{entry.key}{suffix}"),
+        format=record.format,  # type: ignore[arg-type]
+        mount=record.mount,  # type: ignore[arg-type]
+        size_bytes=record.identity.size,
+        files=record.files,
+        sha256=record.identity.sha256 or None,
+    )
+
+
 def public_view(
     handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
@@ -195,6 +219,7 @@ def public_view(
         leases=leases,
         size_bytes=entry.size_bytes,
         origin=public_origin(entry, handle.hit, of_another=_staged_for_another(entry, handle)),
+        image=_image(entry, data_dir) if entry.state == State.READY else None,
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )

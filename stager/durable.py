@@ -1,6 +1,6 @@
 """Every durable step of an entry's life, in order, and a way to crash right after one.
 
-:mod:`stager.lifecycle` makes these changes (the staging process makes three of
+:mod:`stager.lifecycle` makes these changes (the staging process makes four of
 them). The crash-consistency tests iterate ``Durable``, so a new durable step
 added here is tested without anyone remembering to.
 
@@ -37,9 +37,12 @@ class Durable(StrEnum):
     ATTEMPT_CREATED = "attempt-created"  # fs: partial/<key>.<attempt>/tree (staging process)
     STEP_DONE = "step-done"  # fs: steps-done marker, once per step (staging process)
     INPUT_USED_UP = "input-used-up"  # fs: an extracted intermediate archive set aside (ditto)
+    IMAGE_BUILT = "image-built"  # fs: partial/<key>.<attempt>/image.erofs complete (ditto)
     DELIVERY_REMOVED = "delivery-removed"  # fs: a broadcast copy it adopted, removed
     # ... and publishes it (``Registry.publish``).
     PUBLISHED = "published"  # fs: tree renamed to data/<key>, the folder fsynced
+    IMAGE_PUBLISHED = "image-published"  # fs: image renamed to data/<key>.erofs, fsynced
+    MOUNTED = "mounted"  # mount: the image mounted read-only at data/<key>
     LINKED = "linked"  # fs: each name's link points at data/<key>
     READY = "ready"  # store: ready
     ATTEMPT_REMOVED = "attempt-removed"  # fs: the attempt's folder (its marker) removed
@@ -49,6 +52,8 @@ class Durable(StrEnum):
     # Ready data leaves the cache.
     EVICTED = "evicted"  # store: evicted
     UNLINKED = "unlinked"  # fs: links to it removed
+    UNMOUNTED = "unmounted"  # mount: data/<key> unmounted (an image)
+    IMAGE_DELETED = "image-deleted"  # fs: data/<key>.erofs and its mount point removed
     DATA_DISCARDED = "data-discarded"  # fs: data/<key> renamed aside
     # Names and leases end.
     RELEASED = "released"  # store: a lease removed
@@ -57,7 +62,7 @@ class Durable(StrEnum):
 
 # Reached in the staging process rather than the daemon (see stager.worker).
 STAGING_PROCESS_POINTS = frozenset(
-    {Durable.ATTEMPT_CREATED, Durable.STEP_DONE, Durable.INPUT_USED_UP}
+    {Durable.ATTEMPT_CREATED, Durable.STEP_DONE, Durable.INPUT_USED_UP, Durable.IMAGE_BUILT}
 )
 
 

@@ -34,13 +34,16 @@ from stager.dataset import (
 )
 from stager.durable import CrashPoints
 from stager.errors import (
+    BadRequest,
     Cancelled,
     Conflict,
     Forbidden,
+    ImageUnavailable,
     InsufficientSpace,
     NotFound,
     NotPublic,
     StagerError,
+    UntrustedImage,
     from_os_error,
 )
 from stager.fanout.room import FanoutRoom
@@ -48,9 +51,13 @@ from stager.fs.credentials import Reader, reader_of
 from stager.fs.seal import check_seal
 from stager.fs.watch import TreeWatch
 from stager.identity import Caller
+from stager.image import mount as image_mount
+from stager.image import published as image_published
+from stager.imaging import ImageJob
 from stager.leases import Lease
 from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
 from stager.metrics import Metrics
+from stager.ops import image as image_op
 from stager.ops import table
 from stager.processes import Processes
 from stager.schemas import (
@@ -91,6 +98,10 @@ class Resolved:
     key: str
     shared_key: str
     reader: Reader | None
+    # What the request is given other than it asked (a tree for an image), in a sentence.
+    notice: str | None = None
+    # The spec it is staged by (``image`` as decided: asked, implied or fallen back).
+    spec: dict[str, Any] | None = None
 
 
 class Engine:
@@ -215,6 +226,7 @@ class Engine:
         else:
             expansion = recipes.Expansion(steps=request.steps)
         expansion.steps = self.ops.expand(expansion.steps)  # e.g. an extract of a URL
+        request, notice = self._image_mode(request, expansion.steps, caller)
         spec = request.spec()
         request_key = spec_key(spec)
         if naming:  # early, before paying for a fingerprint
@@ -234,7 +246,73 @@ class Engine:
         key = shared_key = spec_key({"spec": spec, "sources": fingerprint})
         if reader is not None:
             key, reader = self._scope(key, reader, found["shareable"] is True, request.adopt)
-        return Resolved(expansion, request_key, key, shared_key, reader)
+        return Resolved(expansion, request_key, key, shared_key, reader, notice, spec)
+
+    def _image_mode(
+        self, request: DatasetCreate, steps: list[Any], caller: Caller
+    ) -> tuple[DatasetCreate, str | None]:
+        """The request as it is staged: an image (asked, or implied by a prebuilt image
+        step) or a tree; with the sentence saying why a tree where an image was asked
+        (``image_fallback``). Refuses what no image can hold or this node cannot mount."""
+        prebuilt = [s for s in steps if self.ops.op_of(s).prebuilt_image]
+        if prebuilt and not request.image:
+            request = request.model_copy(update={"image": True})
+        if not request.image:
+            return request, None
+        if prebuilt and len(steps) > 1:
+            raise BadRequest(
+                "an 'image' step stages a prebuilt image as it is, alone; give it as the "
+                "request's only step"
+            )
+        for index, step in enumerate(steps, start=1):
+            if self.ops.op_of(step).links_to_source(step):
+                raise BadRequest(
+                    f"step {index} ({step.op}) leaves links to its source, which an image "
+                    "cannot hold (they would lead outside it); use mode 'direct' or 'copy', "
+                    "or stage a tree (leave out image)"
+                )
+        if request.verify == "sha256" and not prebuilt:
+            raise BadRequest(
+                "verify 'sha256' reads every staged file back, which an image does not "
+                "(the kernel reads it through its mount); use verify 'size' with an image, "
+                "or stage a tree"
+            )
+        if prebuilt and self.settings.multi_user:
+            self._require_trusted(prebuilt[0])
+        why_not = self._image_support(prebuilt[0] if prebuilt else None)
+        if why_not is None:
+            return request, None
+        if request.image_fallback and not prebuilt:
+            notice = f"{why_not}; staged as a tree instead (image_fallback)"
+            return request.model_copy(update={"image": False}), notice
+        raise ImageUnavailable(
+            f"{why_not}; stage a tree (leave out image), or allow one with image_fallback "
+            "(stager-client stage --as-image --image-fallback)"
+        )
+
+    def _require_trusted(self, step: Any) -> None:
+        """The node service mounts a prebuilt image only from the admin's trusted folders
+        with its sha256 pinned (the staging checks the file it opens)."""
+        trusted = self.settings.trusted_image_dirs
+        if step.sha256 is None:
+            raise UntrustedImage(
+                f"image {step.src} has no sha256 in the request; the node service mounts a "
+                'prebuilt image only with its sha256 pinned: add "sha256" to the step'
+            )
+        if not image_op.trusted_lexically(step.src, trusted):
+            shown = ", ".join(str(t) for t in trusted) or "none are set"
+            raise UntrustedImage(
+                f"image {step.src} is not under a folder the admin trusts ({shown}); the "
+                "node service mounts in the kernel only images it built or that the admin "
+                "published there: stage the archive or folder it was made from instead"
+            )
+
+    def _image_support(self, prebuilt: Any | None) -> str | None:
+        """None when this daemon can mount the image a request makes; else why not."""
+        if self.registry is not None and self._reg.mount_kind == "kernel":
+            return None
+        fmt = None if prebuilt is not None else "erofs"
+        return image_mount.why_not_fuse(fmt)
 
     def _reader(self, caller: Caller) -> Reader | None:
         """Whose rights a request's sources are read with: in the node service the
@@ -332,7 +410,7 @@ class Engine:
                 await self.admission.make_room(
                     estimate, key, None if reader is None or reader.public else caller.uid
                 )
-                entry = entry or Entry(key=key, spec=request.spec(), steps=[], verify="")
+                entry = entry or Entry(key=key, spec=resolved.spec or {}, steps=[], verify="")
                 # Asked for again: this request's steps (an adoption's, or the source's).
                 ask = Ask(
                     steps=arrival.steps,
@@ -368,11 +446,16 @@ class Engine:
         if request.link and not linked and entry.state == State.READY:
             await reg.link(request.link, caller, entry)  # it became ready meanwhile
         await self.fanout.admitted(arrival, entry)
-        return self._view(handle), entry.state == State.READY
+        view = self._view(handle)
+        view.notice = resolved.notice
+        return view, entry.state == State.READY
 
     async def _drop_if_changed(self, entry: Entry) -> None:
         """A ready tree changed since its publish is never served as it is: it is
         evicted, leased or not, and the request stages it again (stager.fs.seal)."""
+        if entry.image is not None:
+            await self._drop_if_image_changed(entry)
+            return
         final = self._reg.final(entry)
         if await run_io(self._watch.clean, entry.key, final):
             return  # checked whole, and no change reported since (stager.fs.watch)
@@ -395,6 +478,31 @@ class Engine:
             await self._reg.evict(
                 entry, f"changed since it was published ({changed}); staged again"
             )
+
+    async def _drop_if_image_changed(self, entry: Entry) -> None:
+        """A hit on an image checks its file's identity (one ``lstat``) and its mount, no
+        walk: an image found unmounted is mounted again; a changed one is evicted and
+        staged again, as a changed tree is."""
+        reg = self._reg
+        file = reg.image_file(entry)
+        assert entry.image is not None and file is not None
+        changed = await run_io(image_published.check, file, reg.final(entry), entry.image)
+        if changed == "unmounted":
+            async with self._admission:
+                if entry.state != State.READY:
+                    return
+                try:
+                    await reg.mount_again(entry)
+                    return
+                except (OSError, StagerError) as exc:
+                    changed = f"its image could not be mounted again: {exc}"
+        if changed is None:
+            return
+        async with self._admission:
+            if entry.state != State.READY:
+                return
+            self.metrics.requests.labels(outcome="changed").inc()
+            await reg.evict(entry, f"changed since it was published ({changed}); staged again")
 
     def _check_name(self, name: str, owner: int, request_key: str) -> None:
         handle = self._reg.handles.get((owner, name))
@@ -709,6 +817,7 @@ class Engine:
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
             write_bytes=room_left,
+            image=self._image_job(entry),
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
         # what one poll of its counters may see written past it).
@@ -742,10 +851,20 @@ class Engine:
             message = f"internal error while staging: {exc!r}; see the daemon log"
             await reg.end(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
         else:
-            await reg.publish(entry, seal)
+            try:
+                await reg.publish(entry, seal)
+            except StagerError as exc:  # an image that could not be mounted
+                await reg.end(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
         finally:
             # For the next staging, now that this one's outcome is told.
             self.processes.prepare_spare()
+
+    def _image_job(self, entry: Entry) -> ImageJob | None:
+        """How a staging's image is made (image mode), or None (a tree)."""
+        if not entry.wants_image:
+            return None
+        trusted = tuple(str(d) for d in self.settings.trusted_image_dirs)
+        return ImageJob(cache.private_owner(entry), trusted if self.settings.multi_user else None)
 
     async def _room_left(self, entry: Entry) -> int | None:
         """The most bytes a staging of ``entry`` may write: for a user's own data, their

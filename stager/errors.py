@@ -13,11 +13,13 @@ reaches the API, and one sentence that names the input at fault and the fix.
     │   ├── UnknownRecipe           recipe name not known
     │   └── MissingExtra (422)      a step needs an optional package (torch, scipy)
     ├── Forbidden (403)             another user's datasets or leases (root excepted)
+    │   └── UntrustedImage          a prebuilt image outside the admin's trusted folders
     ├── NotFound (404)              no dataset by that name
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
     │   └── QuotaExceeded           a user's own data past their --user-quota
     ├── TooManyRequests (429)       a user's queue on the node service is full
+    ├── ImageUnavailable (422)      an image cannot be mounted by this daemon
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
@@ -95,6 +97,21 @@ class Forbidden(StagerError):
 
     type = "forbidden"
     status = 403
+
+
+class UntrustedImage(Forbidden):
+    """A prebuilt image the node service will not mount in the kernel: not under a
+    folder the admin trusts, or without the sha256 that pins it."""
+
+    type = "untrusted_image"
+
+
+class ImageUnavailable(StagerError):
+    """This daemon cannot mount an image (no FUSE reader of its format for a user's
+    daemon), and the request did not allow a tree instead."""
+
+    type = "image_unavailable"
+    status = 422
 
 
 class NotFound(StagerError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -40,6 +41,9 @@ from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagerError
 from stager.fs.seal import Seal, protect_top, seal_tree
+from stager.image import published as images
+from stager.image.identity import ImageIdentity
+from stager.imaging import ImageMade, attempt_image
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -132,6 +136,8 @@ class Registry:
         self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
         self._unlinking: dict[str, list[asyncio.Future[None]]] = {}  # links of evicted keys
         self.events = StateLog(lambda key: [h for h in self.handles.values() if h.key == key])
+        # How images are mounted here: the kernel as root, FUSE as a user.
+        self.mount_kind = images.mount_kind()
 
     # ---- paths ---------------------------------------------------------------
 
@@ -141,6 +147,13 @@ class Registry:
     def attempt(self, entry: Entry) -> Attempt:
         assert entry.attempt is not None
         return Attempt(self.settings.partial_dir / f"{entry.key}.{entry.attempt}")
+
+    def image_file(self, entry: Entry) -> Path | None:
+        """A published image's file (``data/<key>.erofs``), as its record says or, before
+        it has one (a restart), as the folder holds it."""
+        if entry.image is not None:
+            return images.image_file(self.settings.data_dir, entry.key, entry.image.format)
+        return images.image_of(self.settings.data_dir, entry.key)
 
     # ---- persistence -----------------------------------------------------------
 
@@ -180,8 +193,17 @@ class Registry:
                 # The daemon died between the commit point and the store's "ready".
                 if entry.state == State.QUEUED:
                     entry.move(State.STAGING)
+                if entry.wants_image:
+                    file = self.image_file(entry)
+                    assert file is not None
+                    made = ImageMade(str(file), images.format_of(file))
+                    await self._publish_or_fail(entry, made)
+                    continue
                 # Sealed again on this process alone (workers=1: no fork from the daemon).
                 await self.publish(entry, await run_io(seal_tree, self.final(entry), 1))
+                continue
+            if entry.state == State.READY and entry.image is not None:
+                await self._mount_again(entry)  # after a reboot, or a crash mid-way
                 continue
             if entry.active and _feeds_a_fan_out(entry):
                 await self._end_fed_fan_out(entry)
@@ -197,9 +219,14 @@ class Registry:
             elif entry.state == State.READY and not await run_io(self.final(entry).is_dir):
                 entry.move(State.EVICTED)
                 await self._save(entry, Durable.EVICTED)
+        await self._take_down_strays()
         for orphan in await run_io(self._orphans):
             if orphan.name.startswith(DISCARDED_PREFIX):
                 self.trash.delete_later(orphan)
+            elif orphan.parent == self.settings.data_dir and images.key_of(orphan.name) != (
+                orphan.name
+            ):
+                await run_io(images.delete_image, orphan, None)
             else:
                 await self.trash.discard(orphan)
         return to_stage
@@ -208,7 +235,41 @@ class Registry:
         """Whether this entry's attempt got past its commit point (see ``publish``)."""
         attempt = self.attempt(entry)
         done = attempt.steps_done() == len(entry.steps)
+        if entry.wants_image:
+            return (
+                done and not attempt_image(attempt).exists() and self.image_file(entry) is not None
+            )
         return done and not attempt.tree.exists() and self.final(entry).is_dir()
+
+    async def _mount_again(self, entry: Entry) -> None:
+        """A ready image not mounted (a reboot), or mounted from another file: mounted
+        again if its file is still the one published, else evicted (never a mount over
+        a deleted or changed image)."""
+        file, target = self.image_file(entry), self.final(entry)
+        assert entry.image is not None and file is not None
+        state = await run_io(images.check, file, target, entry.image)
+        if state is None:
+            return
+        if state == "unmounted":
+            try:
+                await self._mount(entry, file)
+                return
+            except StagerError as exc:
+                state = exc.message
+        log.warning("image of %s not mounted again: %s", entry.key, state)
+        await self.evict(entry, f"its image could not be mounted again ({state})")
+
+    async def _take_down_strays(self) -> None:
+        """Mounts under ``data/`` that no ready image holds (a crash between an eviction's
+        unmount and its delete, a failed publish, an image deleted under its mount)."""
+        kept = {
+            e.key: file
+            for e in self.entries.values()
+            if e.state == State.READY and e.image is not None and (file := self.image_file(e))
+        }
+        for target in await run_io(images.stray_mounts, self.settings.data_dir, kept):
+            log.warning("unmounting %s: no ready image dataset is mounted there", target)
+            await run_io(images.take_down, target)
 
     def _orphans(self) -> list[Path]:
         """What no entry owns: attempts of ended entries, evicted trees whose deletion a
@@ -216,12 +277,14 @@ class Registry:
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
         kept = {k for k, e in self.entries.items() if e.active or e.state == State.READY}
-        found = []
-        for folder, owned in (
-            (self.settings.partial_dir, attempts),
-            (self.settings.data_dir, kept),
-        ):
-            found += [child for child in folder.iterdir() if child.name not in owned]
+        found = [c for c in self.settings.partial_dir.iterdir() if c.name not in attempts]
+        # data/<key> and an image's data/<key>.erofs; a mount point still mounted (busy
+        # at its unmount) is left for the next start.
+        found += [
+            child
+            for child in self.settings.data_dir.iterdir()
+            if images.key_of(child.name) not in kept and not os.path.ismount(child)
+        ]
         return found
 
     # ---- a request arrives -------------------------------------------------------
@@ -309,7 +372,7 @@ class Registry:
         self.events.staging(entry, resumed)
         return self.attempt(entry)
 
-    async def publish(self, entry: Entry, seal: Seal) -> None:
+    async def publish(self, entry: Entry, seal: Seal | ImageMade) -> None:
         """STAGING -> READY: what happens when a staging is published, in order.
 
         1. The attempt's complete tree is renamed to ``data/<key>``: the commit point;
@@ -321,6 +384,9 @@ class Registry:
         4. The attempt's folder, now holding its marker and any input the staging set
            aside (an extracted download), is removed.
         """
+        if isinstance(seal, ImageMade):
+            await self._publish_image(entry, seal)
+            return
         attempt, final = self.attempt(entry), self.final(entry)
         if await run_io(attempt.tree.is_dir):
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
@@ -335,6 +401,70 @@ class Registry:
         await self._save(entry, Durable.READY)
         self.metrics.ready_after(self.events.ready(entry))
         await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
+
+    async def _publish_image(self, entry: Entry, made: ImageMade) -> None:
+        """STAGING -> READY for an image dataset, in order:
+
+        1. The attempt's image is renamed to ``data/<key>.erofs``: the commit point (as a
+           tree's rename is; already done if the daemon died right after it).
+        2. It is mounted read-only at ``data/<key>`` (asked of the kernel again after a
+           crash: a mount already there of this very file is kept).
+        3. Every name's link, the store's "ready", the attempt's folder removed (in the
+           background: it may hold the tree the image was packed from).
+
+        A mount that fails takes the image away again and raises: the staging fails.
+        """
+        attempt = self.attempt(entry)
+        file = images.image_file(self.settings.data_dir, entry.key, made.format)
+        if await run_io(os.path.exists, made.path) and Path(made.path) != file:
+            await self._durable(
+                Durable.IMAGE_PUBLISHED, images.publish_image, Path(made.path), file
+            )
+        identity = await run_io(ImageIdentity.stamp, str(file), made.sha256)
+        record = images.ImageRecord(
+            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes
+        )
+        entry.image = record
+        try:
+            await self._mount(entry, file)
+        except (OSError, StagerError):
+            entry.image = None
+            await run_io(images.take_down, self.final(entry))
+            await run_io(images.delete_image, file, self.final(entry))
+            raise
+        await asyncio.gather(*(self._link(h, self.final(entry)) for h in self._handles_of(entry)))
+        self._crash.reached(Durable.LINKED)
+        entry.size_bytes, entry.seal = identity.size, None
+        entry.move(State.READY)
+        self.metrics.staged_bytes.inc(identity.size)
+        self._count_arrival(entry)
+        await self._save(entry, Durable.READY)
+        self.metrics.ready_after(self.events.ready(entry))
+        if await self.trash.discard(attempt.root):
+            self._crash.reached(Durable.ATTEMPT_REMOVED)
+
+    async def _publish_or_fail(self, entry: Entry, made: ImageMade) -> None:
+        """A restart's publish of an image published before the crash: a mount that
+        fails now fails the entry, with the sentence why."""
+        try:
+            await self._publish_image(entry, made)
+        except (OSError, StagerError) as exc:
+            message = exc.message if isinstance(exc, StagerError) else str(exc)
+            await self.end(entry, State.FAILED, ErrorInfo(type="mount_failed", message=message))
+
+    async def _mount(self, entry: Entry, file: Path) -> None:
+        """Mount ``file`` at ``data/<key>`` (durable step MOUNTED)."""
+        backing = self.settings.image_backing
+        target = self.final(entry)
+        await self._durable(
+            Durable.MOUNTED, images.mount_image, file, target, self.mount_kind, backing
+        )
+
+    async def mount_again(self, entry: Entry) -> None:
+        """A hit found a ready image unmounted (by an admin, or lost): mounted again."""
+        file = self.image_file(entry)
+        assert file is not None
+        await self._mount(entry, file)
 
     def _count_arrival(self, entry: Entry) -> None:
         how = (entry.origin or {}).get("how", "staged")
@@ -426,10 +556,22 @@ class Registry:
             for task in unlinks:
                 task.add_done_callback(lambda _t, key=entry.key: self._unlinked(key))
         self._crash.reached(Durable.UNLINKED)
-        if await self.trash.discard(final, entry.size_bytes):
+        if entry.wants_image:
+            await self._remove_image(entry)
+        elif await self.trash.discard(final, entry.size_bytes):
             self._crash.reached(Durable.DATA_DISCARDED)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
+
+    async def _remove_image(self, entry: Entry) -> None:
+        """An evicted image: unmounted (lazily if a process without a lease still reads
+        it: stager.image.published.take_down), then its file and mount point deleted.
+        One file: no tree to move aside and delete in the background."""
+        final, file = self.final(entry), self.image_file(entry)
+        await run_io(images.take_down, final)
+        self._crash.reached(Durable.UNMOUNTED)
+        await run_io(images.delete_image, file, final)
+        self._crash.reached(Durable.IMAGE_DELETED)
 
     # ---- links -------------------------------------------------------------------------
 

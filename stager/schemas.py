@@ -271,6 +271,13 @@ class DatasetCreate(BaseModel):
     lease: LeaseCreate | None = None
     # Stage from what another node of a SLURM job broadcast here (docs/multinode.md).
     adopt: Adopt | None = None
+    # Image mode (docs/image-mode.md): the dataset as one read-only image mounted at its
+    # path; an image and a tree of the same data are two entries. A step ``image`` (a
+    # prebuilt image file) implies it.
+    image: bool = False
+    # Where this daemon cannot mount an image (a user's daemon with no FUSE reader of
+    # it), stage a tree instead of failing; the answer's ``notice`` says so.
+    image_fallback: bool = False
 
     @model_validator(mode="after")
     def _recipe_or_steps(self) -> DatasetCreate:
@@ -283,8 +290,13 @@ class DatasetCreate(BaseModel):
     def spec(self) -> dict[str, Any]:
         """What identifies the content: everything but the handle, the link, the lease,
         and where the bytes come from (a node adopting a broadcast copy keys it as the
-        node that staged it from the source)."""
-        return self.model_dump(mode="json", exclude={"name", "link", "lease", "adopt"})
+        node that staged it from the source). ``image`` only when asked for, so a
+        tree's key is what it was before image mode; ``image_fallback`` never: a tree
+        given instead is keyed as the tree it is."""
+        exclude = {"name", "link", "lease", "adopt", "image_fallback"}
+        if not self.image:
+            exclude.add("image")
+        return self.model_dump(mode="json", exclude=exclude)
 
 
 class ErrorInfo(BaseModel):
@@ -307,6 +319,18 @@ class TorchvisionUsage(BaseModel):
     code: str | None = None  # a ready-to-paste Python line, filled in by the daemon
 
 
+class ImagePublic(BaseModel):
+    """An image dataset's image (docs/image-mode.md): one read-only file under the
+    cache, mounted at the dataset's ``path``."""
+
+    file: str
+    format: Literal["erofs", "squashfs"]
+    mount: Literal["kernel", "fuse"]
+    size_bytes: int = 0
+    files: int = 0  # files, links and hard links in it (0: not counted)
+    sha256: str | None = None  # known once measured (prebuilt, or sent by a fan-out)
+
+
 class DatasetPublic(BaseModel):
     name: str
     # None from a daemon older than per-user names.
@@ -323,12 +347,20 @@ class DatasetPublic(BaseModel):
     leases: list[LeasePublic] = Field(default_factory=list)
     size_bytes: int = 0  # on the node-local disk, once ready
     origin: Origin | None = None  # how this node's copy arrived
+    image: ImagePublic | None = Field(
+        None, description="set for an image dataset once ready: its file, format and mount"
+    )
     created_at: datetime
     updated_at: datetime
     outcome: str | None = Field(
         None,
         description="what a DELETE did, in a sentence: to the name, and to the data (which "
         "stays while another name uses it)",
+    )
+    notice: str | None = Field(
+        None,
+        description="what a stage request was given other than it asked, in a sentence "
+        "(an image asked for, a tree staged because this daemon cannot mount one)",
     )
 
 

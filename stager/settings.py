@@ -201,6 +201,21 @@ class Settings(BaseSettings):
         default_text="none",
         help="also read recipe files (*.toml) from these folders (docs/recipes.md)",
     )
+    # Image mode (docs/image-mode.md): the node service mounts in the kernel only images
+    # it built, or prebuilt ones under these folders (root's alone) with a pinned sha256.
+    trusted_image_dirs: CommaList(Path) = setting(
+        factory=list,
+        aliases=("--trusted-image-dir",),
+        default_text="none",
+        help="node service: folders of prebuilt images (stager image build) that requests "
+        "may stage with their sha256 pinned; the folders and images must be writable by "
+        "root alone (a user's own image file is never mounted in the kernel)",
+    )
+    image_backing: Literal["loop", "file"] = setting(
+        "loop",
+        help="how the kernel mounts an image: through a read-only loop device (reads ahead: "
+        "faster with a cold page cache), or EROFS straight from the file (Linux 6.12+)",
+    )
     # Modules that add ops to the op table (each defines OPS; see stager.ops.table).
     op_modules: CommaList(str) = setting(
         factory=list, cli=(), default_text="none", help="Python modules that add ops (OPS)"

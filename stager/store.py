@@ -19,6 +19,7 @@ from typing import Any
 from stager.dataset import Entry, Handle
 from stager.fs.credentials import Reader
 from stager.fs.seal import Seal
+from stager.image.published import ImageRecord
 from stager.leases import Lease
 from stager.ops.table import OpTable
 from stager.progress import Progress
@@ -90,6 +91,7 @@ class Store:
             ("entries", "origin", "TEXT"),
             ("entries", "seal", "TEXT"),
             ("entries", "reader", "TEXT"),
+            ("entries", "image", "TEXT"),
             ("handles", "hit", "INTEGER NOT NULL DEFAULT 0"),
         ):
             columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
@@ -161,6 +163,7 @@ class Store:
                 "origin": json.dumps(entry.origin) if entry.origin else None,
                 "seal": json.dumps(entry.seal.to_dict()) if entry.seal else None,
                 "reader": json.dumps(asdict(entry.reader)) if entry.reader else None,
+                "image": json.dumps(entry.image.to_dict()) if entry.image else None,
             },
         )
 
@@ -224,6 +227,7 @@ class Store:
             origin=json.loads(row["origin"]) if row.get("origin") else None,
             seal=Seal.from_dict(json.loads(row["seal"])) if row.get("seal") else None,
             reader=_reader(row.get("reader")),
+            image=ImageRecord.from_dict(json.loads(row["image"])) if row.get("image") else None,
         )
 
 
