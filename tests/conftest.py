@@ -7,22 +7,27 @@ from pathlib import Path
 
 import pytest
 
+from tests import mounts
 from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
 from tests.users import interpreter_for_users, users  # noqa: F401 (fixtures)
+
+_MOUNTS_BEFORE: set[str] = set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Every process the tests start inherits the mark: `pytest_sessionfinish` finds
     # the daemons of this run, and only those.
     mark_session()
+    _MOUNTS_BEFORE.update(mounts.snapshot())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a daemon it started is still running (slurmctld, slurmd,
-    munged, stager serve): tests stop what they start."""
-    left = leftovers()
+    munged, stager serve), or an image it mounted (or its loop device) is still
+    there: tests stop what they start."""
+    left = leftovers() + sorted(_mounts_left())
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -34,6 +39,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     else:
         print("\n".join(lines))
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _mounts_left(grace_s: float = 2.0) -> set[str]:
+    """Image mounts and loop devices this run made and left (a lazily unmounted image's
+    loop device goes when its last reader closes: a moment's grace)."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = mounts.snapshot() - _MOUNTS_BEFORE
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -154,9 +154,13 @@ class Daemon:
         except OSError:
             return ""
 
-    def cleanup(self) -> None:
+    def cleanup(self, unmount: bool = True) -> None:
+        """Kill it if running; take down the image mounts it left (unless ``unmount`` is
+        False: a crash test's next daemon must find them)."""
         if self.process and self.process.poll() is None:
             self.kill()
+        if unmount:
+            unmount_under(self.cache_dir)  # image datasets a killed daemon left mounted
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
@@ -172,6 +176,18 @@ def node_service(cache_dir: Path, *args: str, **env: str) -> Iterator[Daemon]:
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def unmount_under(folder: Path) -> None:
+    """Take down every mount below ``folder`` (deepest first; lazily: a test's reader may
+    still be closing), so that a test that killed a daemon leaves no mount behind."""
+    from stager.image.mount import mounts_under
+
+    for found in reversed(mounts_under(str(folder))):
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", found.target], capture_output=True)
+        else:
+            subprocess.run(["fusermount3", "-u", "-z", found.target], capture_output=True)
 
 
 def stage(client: httpx.Client, body: dict) -> httpx.Response:

@@ -175,12 +175,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
-        # One staging: its process (a download overlapped with its extraction), the
-        # doorway to it, its tree published.
+        # One staging: its process (a download overlapped with its extraction; image
+        # mode's plan and build), the doorway to it, its tree published.
         (
             "staging",
             {
                 "stager.worker",
+                "stager.imaging",
                 "stager.overlap",
                 "stager.blocking",
                 "stager.publish",

@@ -16,6 +16,7 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ import httpx
 import pytest
 
 from stager.durable import Durable
+from stager.image import mount as image_mount
 from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.counts import tally
 from tests.daemon import Daemon
@@ -66,6 +68,13 @@ class World:
             }
         if which == "other":  # the same name, another request
             return {"name": "ds", "steps": [{"op": "copy", "src": str(self.trees["b"])}]}
+        if which == "img":  # an archive staged as one image, mounted (docs/image-mode.md)
+            steps = [
+                {"op": "extract", "src": str(self.tmp / "t.tar")},
+                {"op": "rename", "src": "t", "dst": "train"},
+            ]
+            link = str((links or self.tmp / "links") / "img")
+            return {"name": "img", "steps": steps, "image": True, "link": link}
         # A staging that fails in its staging process: it adopts a broadcast copy of
         # "ds" that does not match its manifest (and the delivery is removed).
         return {"name": "bad", "steps": self.body("ds")["steps"], "adopt": self.adopt}
@@ -73,6 +82,8 @@ class World:
     def expected(self, which: str) -> dict[str, str]:
         if which == "other":
             return digest(self.trees["b"])
+        if which == "img":
+            return {f"train/{k}": v for k, v in digest(self.trees["t"]).items()}
         found = {f"a/{k}": v for k, v in digest(self.trees["a"]).items()}
         found.update({f"train/{k}": v for k, v in digest(self.trees["t"]).items()})
         return found
@@ -133,6 +144,11 @@ def script(client: httpx.Client, world: World, links: Path | None = None) -> Non
     wait(client, "ds")
     client.delete("/v1/datasets/ds/leases", params={"holder": "job-1"}).raise_for_status()
     client.delete("/v1/datasets/ds").raise_for_status()  # evict
+    # An image: built, published, mounted; a hit; evicted (unmounted, deleted).
+    post(client, world.body("img", links))
+    wait(client, "img")
+    post(client, world.body("img", links))
+    client.delete("/v1/datasets/img").raise_for_status()
     # sbcast's part: the delivery lands in a reservation
     nbytes = sum(f.stat().st_size for f in world.delivery.iterdir())
     reserved = client.post("/v1/incoming", json={"label": "bad", "bytes": nbytes})
@@ -212,6 +228,21 @@ class Checker:
             assert status["error"]["message"], status
         return status
 
+    def mounts_are_sound(self, client: httpx.Client) -> None:
+        """Every mount under data/ is of its own published image, data/<key>.erofs (no
+        orphan mount, no mount over a deleted image), and every ready image dataset is
+        mounted (an entry no name shows, staged after a crash, may be mounted too)."""
+        data = self.daemon.cache_dir / "data"
+        found = {Path(m.target).name: m for m in image_mount.mounts_under(str(data))}
+        for key, mount in found.items():
+            file = data / f"{key}.erofs"
+            assert file.exists(), f"{mount.target} is mounted, and its image is gone"
+            st = file.stat()
+            assert image_mount.backing_file(mount) == (st.st_dev, st.st_ino), mount
+        for status in client.get("/v1/datasets").json()["data"]:
+            if status["state"] == "ready" and status["image"]:
+                assert status["key"] in found, f"ready image {status['name']} is not mounted"
+
     def no_leftovers(self, client: httpx.Client) -> None:
         """Once nothing is active, no attempt folder is left in partial/ (deletes of
         discarded ones run in the background: give them a moment)."""
@@ -265,7 +296,7 @@ def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
                 pass
         assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
     finally:
-        crashing.cleanup()
+        crashing.cleanup(unmount=False)  # what it left mounted, the next daemon finds
 
     daemon = Daemon(cache_dir=cache)
     try:
@@ -274,7 +305,17 @@ def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
             # After the restart alone.
             check.settle(client, "ds", "ds")
             check.settle(client, "bad", "bad")
+            check.settle(client, "img", "img")
+            check.mounts_are_sound(client)
             check.no_leftovers(client)
+            # The image: DELETE, the same POST (ready, mounted), DELETE (unmounted).
+            client.delete("/v1/datasets/img")
+            post(client, world.body("img", links))
+            status = check.settle(client, "img", "img")
+            assert status is not None and status["state"] == "ready", status
+            check.mounts_are_sound(client)
+            client.delete("/v1/datasets/img").raise_for_status()
+            check.mounts_are_sound(client)
             # DELETE, then the same POST: ready and equal to its source.
             client.delete("/v1/datasets/ds/leases")
             client.delete("/v1/datasets/ds")

@@ -1,0 +1,41 @@
+"""The suite's guard against image mounts and loop devices left behind: what a test
+run mounted (an image dataset's ``erofs``, ``squashfs`` or FUSE mount) or attached
+(a loop device behind a kernel mount) and did not take down fails the run, as a
+daemon left running does (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stager.image.mount import mounts
+
+IMAGE_TYPES = ("erofs", "squashfs", "fuse.squashfuse", "fuse.squashfuse_ll", "fuse.erofsfuse")
+# Only what this machine's tests make: their folders are under /tmp (pytest's base, the
+# shared folders, the daemons' runtime folders).
+WATCHED = "/tmp/"
+
+
+def image_mounts() -> set[str]:
+    """Mount points of image file systems under the watched folder."""
+    return {
+        f"{m.fstype} mount at {m.target}"
+        for m in mounts()
+        if m.fstype in IMAGE_TYPES and m.target.startswith(WATCHED)
+    }
+
+
+def loop_devices() -> set[str]:
+    """Loop devices attached to a file under the watched folder."""
+    found = set()
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            file = backing.read_text().strip()
+        except OSError:
+            continue  # detached meanwhile
+        if file.startswith(WATCHED):
+            found.add(f"loop device {backing.parts[3]} on {file}")
+    return found
+
+
+def snapshot() -> set[str]:
+    return image_mounts() | loop_devices()
