@@ -102,7 +102,8 @@ def mount_image(file: Path, target: Path, kind: str, backing: str = "loop") -> N
     mounted there already. Whatever else is mounted there (a stale mount of a deleted
     image) is taken down first."""
     with contextlib.suppress(FileExistsError):
-        os.mkdir(target, 0o555)
+        # fusermount3 mounts only where its user may write; the kernel anywhere.
+        os.mkdir(target, 0o555 if kind == "kernel" else 0o755)
     found = image_mount.mounted_at(str(target))
     if found is not None:
         if _is_of(found, file):
