@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.slurm_cluster import MARK_VAR, REPO
 
 CONFTEST = """
@@ -47,6 +49,20 @@ def test_first(tmp_path):
 def test_second(tmp_path):
     assert not FIRST[0].exists(), "a passed test's tmp_path outlived it"
 """
+LEAVES_A_MOUNT = """
+import os
+from stager.image.build import build_image
+from stager.image.mount import mount_kernel
+
+def test_mounts_an_image_and_forgets_it(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a").write_text("a")
+    build_image(str(tmp_path / "src"), str(tmp_path / "x.erofs"))
+    (tmp_path / "m").mkdir()
+    mount_kernel(str(tmp_path / "x.erofs"), str(tmp_path / "m"))
+    with open(os.environ["LEAK_MOUNT"], "w") as f:
+        f.write(str(tmp_path / "m"))
+"""
 NEEDS_THE_CLUSTER = """
 def test_on_the_cluster(local_cluster):
     pass
@@ -80,6 +96,19 @@ def test_a_daemon_left_running_fails_the_run(tmp_path):
     finally:
         if pidfile.exists():
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a kernel mount needs root")
+def test_an_image_mount_left_behind_fails_the_run(tmp_path):
+    record = tmp_path / "leaked-mount"
+    done = _inner_pytest(tmp_path / "run", LEAVES_A_MOUNT, LEAK_MOUNT=str(record))
+    try:
+        assert "1 passed" in done.stdout, done.stdout[-2000:]
+        assert done.returncode == 1, done.stdout[-2000:]  # the test passed, the run did not
+        assert "erofs mount at" in done.stdout and "loop device" in done.stdout
+    finally:
+        if record.exists():
+            subprocess.run(["umount", record.read_text()], check=False)
 
 
 def test_missing_cluster_skips_locally_and_fails_under_ci(tmp_path):

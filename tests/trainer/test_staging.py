@@ -10,6 +10,7 @@ asserted two class relationships and could not fail.)
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import tarfile
 import time
@@ -55,6 +56,26 @@ def test_stager_wait_builds_the_dataset_from_the_staged_usage(tmp_path, daemon):
     assert "torchvision.datasets.ImageFolder(root/train)" in done.stderr
     assert "train=12 val=6 classes=3" in done.stderr
     assert "HTTP Request" not in done.stderr  # httpx's INFO lines stay out of the log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an image dataset is mounted by the kernel")
+def test_the_trainer_trains_on_an_image_dataset(tmp_path, daemon):
+    """The same run on a dataset staged as one read-only image (docs/image-mode.md):
+    torchvision reads it through the mount, by the same names."""
+    source = make_imagefolder(tmp_path / "src", "train", per_class=4)
+    make_imagefolder(source, "val", per_class=2)
+    archive = tmp_path / "src.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source, arcname=".")
+    with daemon.client() as client:
+        body = {"name": "imgs", "recipe": "imagefolder", "source": str(archive),
+                "params": {"splits": ["train", "val"]}, "image": True}  # fmt: skip
+        staged = stage_ready(client, body)
+    assert staged.image is not None and os.path.ismount(staged.path)
+    done = run_trainer(_args(tmp_path / "out"), env=trainer_env(STAGER_URL=daemon.url))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"dataset 'imgs' ready at {staged.path}" in done.stderr
+    assert "train=12 val=6 classes=3" in done.stderr
 
 
 def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
