@@ -120,6 +120,14 @@ class Blocks:
             self._data, self._start, at = os.pread(self._fd, count, self._base + offset), offset, 0
         return self._data[at : at + BLOCK]
 
+    def peek(self, offset: int, count: int) -> bytes | None:
+        """The ``count`` bytes at ``offset`` of the archive if the window read for the
+        headers holds them (a small member's data follows its header), else None."""
+        at = offset - self._start
+        if at < 0 or at + count > len(self._data):
+            return None
+        return self._data[at : at + count]
+
 
 def _read_block(headers: BinaryIO, offset: int) -> bytes:
     headers.seek(offset)

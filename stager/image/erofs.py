@@ -177,13 +177,22 @@ class ErofsWriter:
     # -- files --------------------------------------------------------------
 
     def file_range(
-        self, parent: int, name: str, size: int, mtime: int, src_fd: int, offset: int
+        self,
+        parent: int,
+        name: str,
+        size: int,
+        mtime: int,
+        src_fd: int,
+        offset: int,
+        tail: bytes | None = None,
     ) -> None:
         """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``
-        (a plain tar, or a file of a tree): whole blocks are copied in the kernel."""
+        (a plain tar, or a file of a tree): whole blocks are copied in the kernel. Its
+        last partial block is read unless the caller has it already (``tail``)."""
         whole = size - size % BLOCK
-        blk = self._data(whole, lambda: self._copy(src_fd, offset, whole))
-        tail = os.pread(src_fd, size - whole, offset + whole) if size > whole else b""
+        blk = self._data(whole, lambda: self._copy(src_fd, offset, whole)) if whole else 0
+        if tail is None:
+            tail = os.pread(src_fd, size - whole, offset + whole) if size > whole else b""
         if len(tail) != size - whole:
             raise EOFError(f"the source ended inside {name!r}")
         self._entry(parent, name, FT_REG, self._inode(FILE_MODE, size, mtime, blk, tail))
