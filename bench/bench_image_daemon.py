@@ -146,8 +146,14 @@ def ready_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: i
             False,
         ),
         (
-            "prebuilt image of the 20k files vs cp of the image",
+            "prebuilt image of the 20k files, sha256 pinned, vs cp of the image",
             {"op": "image", "src": str(prebuilt), "sha256": sha},
+            ["cp", str(prebuilt)],
+            False,
+        ),
+        (
+            "the same, no sha256 (a user's own daemon) vs cp of the image",
+            {"op": "image", "src": str(prebuilt)},
             ["cp", str(prebuilt)],
             False,
         ),

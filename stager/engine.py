@@ -119,8 +119,10 @@ class Engine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
-        # Published trees known unchanged since their last full check, without a walk.
+        # Published trees known unchanged since their last full check, without a walk;
+        # published images' mounts, checked at a hit without reading the mount table.
         self._watch = TreeWatch()
+        self._mounts = image_published.MountChecks()
         # Every process the daemon starts (stager.processes), and who acts for a user.
         self.processes = Processes(separate_users=settings.multi_user)
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
@@ -486,7 +488,7 @@ class Engine:
         reg = self._reg
         file = reg.image_file(entry)
         assert entry.image is not None and file is not None
-        changed = await run_io(image_published.check, file, reg.final(entry), entry.image)
+        changed = await run_io(self._mounts.check, file, reg.final(entry), entry.image)
         if changed == "unmounted":
             async with self._admission:
                 if entry.state != State.READY:

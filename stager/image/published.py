@@ -130,21 +130,57 @@ def _is_of(found: image_mount.Mounted, file: Path) -> bool:
     return (st.st_dev, st.st_ino) == behind
 
 
+class MountChecks:
+    """What a hit checks, without a walk (:meth:`check`), made cheap for the hits after
+    the first: the mount's device and its loop device, once found in the mount table,
+    are kept by key, and a later hit asks the kernel only for the file's stamps, the
+    device of what is at the mount point and the file behind that loop device (three
+    system calls, ~15 us), where reading the mount table costs ~100 us."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[int, str]] = {}  # key -> (st_dev at the top, loop)
+
+    def forget(self, key: str) -> None:
+        self._known.pop(key, None)
+
+    def check(self, file: Path, target: Path, record: ImageRecord) -> str | None:
+        """None when ``file`` is still the image published (one ``lstat``) and it is
+        mounted at ``target``; "unmounted" when only the mount is missing (it may be
+        mounted again); else a sentence naming what changed."""
+        try:
+            record.identity.check(str(file))
+        except ImageChanged as exc:
+            self.forget(target.name)
+            return exc.message
+        known = self._known.get(target.name)
+        if known is not None and self._still(target, known, record):
+            return None
+        self.forget(target.name)
+        found = image_mount.mounted_at(str(target))
+        if found is None:
+            return "unmounted"
+        if not _is_of(found, file):
+            return f"{target} is mounted from another file than its image {file}"
+        if found.source.startswith("/dev/loop"):
+            with contextlib.suppress(OSError):
+                self._known[target.name] = (os.stat(target).st_dev, found.source)
+        return None
+
+    @staticmethod
+    def _still(target: Path, known: tuple[int, str], record: ImageRecord) -> bool:
+        device, loop = known
+        try:
+            if os.stat(target).st_dev != device:
+                return False
+        except OSError:
+            return False
+        behind = image_mount.backing_file(image_mount.Mounted(str(target), "", loop, ""))
+        return behind is not None and record.identity.same_file(*behind)
+
+
 def check(file: Path, target: Path, record: ImageRecord) -> str | None:
-    """What a hit checks, without a walk: None when ``file`` is still the image
-    published (one ``lstat``) and it is mounted at ``target``; "unmounted" when only
-    the mount is missing (it may be mounted again); else a sentence naming what
-    changed."""
-    try:
-        record.identity.check(str(file))
-    except ImageChanged as exc:
-        return exc.message
-    found = image_mount.mounted_at(str(target))
-    if found is None:
-        return "unmounted"
-    if not _is_of(found, file):
-        return f"{target} is mounted from another file than its image {file}"
-    return None
+    """:meth:`MountChecks.check` with nothing known yet (a restart's check)."""
+    return MountChecks().check(file, target, record)
 
 
 def take_down(target: Path) -> bool:
