@@ -855,8 +855,9 @@ class Engine:
         else:
             try:
                 await reg.publish(entry, seal)
-            except StagerError as exc:  # an image that could not be mounted
-                await reg.end(entry, State.FAILED, ErrorInfo(**exc.to_dict()))
+            except (StagerError, OSError) as exc:  # an image that could not be mounted
+                error = exc if isinstance(exc, StagerError) else from_os_error(exc, "mounting")
+                await reg.end(entry, State.FAILED, ErrorInfo(**error.to_dict()))
         finally:
             # For the next staging, now that this one's outcome is told.
             self.processes.prepare_spare()

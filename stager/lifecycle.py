@@ -300,6 +300,7 @@ class Registry:
             entry.move(State.QUEUED)
         self.entries[entry.key] = entry
         entry.attempt = None
+        entry.image = None  # an earlier publish's: the new attempt's image replaces it
         entry.last_used_at = now()
         entry.progress = Progress(step_names=entry.step_names)
         await self._save(entry, Durable.QUEUED)
