@@ -265,7 +265,7 @@ def wait_for(probe, expect_none: bool, timeout: float = 10):  # noqa: ANN001, AN
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(1200)  # ~2 min on 2 quiet cores; each of ~27 runs is two daemon starts
+@pytest.mark.timeout(1200)  # ~2.5 min on 2 cores; each of ~44 runs is two daemon starts
 def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
     def one(point: str) -> str | None:
         try:
