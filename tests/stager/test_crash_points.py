@@ -16,7 +16,6 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

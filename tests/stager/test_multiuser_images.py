@@ -14,7 +14,7 @@ import pytest
 
 from stager.image import mount as image_mount
 from stager.image.build import build_image
-from tests.daemon import Daemon
+from tests.daemon import Daemon, node_service
 from tests.trees import make_tar, write_tree
 from tests.users import User
 
@@ -29,15 +29,8 @@ def trusted(shared_tmp: Path) -> Path:
 
 @pytest.fixture
 def service(users: tuple[User, User], shared_tmp: Path, trusted: Path) -> Iterator[Daemon]:
-    env = {"STAGER_TRUSTED_IMAGE_DIRS": str(trusted)}
-    daemon = Daemon(cache_dir=shared_tmp / "cache", args=["--multi-user"], extra_env=env)
-    daemon.runtime_dir.chmod(0o755)
-    daemon.start()
-    try:
+    with node_service(shared_tmp / "cache", STAGER_TRUSTED_IMAGE_DIRS=str(trusted)) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        daemon.cleanup()
 
 
 @pytest.fixture
