@@ -54,21 +54,28 @@ def _api(cluster: Cluster) -> httpx.Client:
     return httpx.Client(transport=transport, base_url="http://stager", timeout=10)
 
 
-def _wait(job: str, done, what: str, timeout: float = TIMEOUT_S) -> dict[str, str]:
+def _wait(job: str, done, what: str, output: Path, timeout: float = TIMEOUT_S) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = job_info(job)
         if done(info):
             return info
         time.sleep(0.5)
-    pytest.fail(f"job {job}: {what} did not happen within {timeout}s: {job_info(job)}")
+    info = job_info(job)
+    text = output.read_text(errors="replace") if output.exists() else "(no output yet)"
+    steps = subprocess.run(["squeue", "--steps", "--jobs", job], capture_output=True, text=True)
+    pytest.fail(
+        f"job {job}: {what} did not happen within {timeout}s: state {info.get('JobState')}, "
+        f"restarts {info.get('Restarts')}, run time {info.get('RunTime')}\n"
+        f"steps:\n{steps.stdout}{steps.stderr}\njob output (last 4000 characters):\n{text[-4000:]}"
+    )
 
 
 def _final(out: Path) -> dict:
     return checkpoint.load(checkpoint.latest(out / "checkpoints"))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_usr1_warning_checkpoints_requeues_resumes_and_matches_an_uninterrupted_run(
     local_cluster: Cluster, tmp_path: Path, submitted: list[str]
 ) -> None:
@@ -122,9 +129,10 @@ def test_usr1_warning_checkpoints_requeues_resumes_and_matches_an_uninterrupted_
             running = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
             return info.get("Restarts") == "1" and info.get("JobState") not in running
 
-        info = _wait(job, finished, "requeue and the second run")
+        # Both runs share the 2 cores meanwhile: the second may take a few minutes.
+        info = _wait(job, finished, "requeue and the second run", output, timeout=2 * TIMEOUT_S)
     finally:
-        done = finish(ranks)
+        done = finish(ranks, timeout=2 * TIMEOUT_S)
     assert [r.returncode for r in done] == [0, 0], done[0].stderr[-3000:]
     text = output.read_text(errors="replace")
     assert info.get("JobState") == "COMPLETED" and info.get("Restarts") == "1", (info, text)
