@@ -393,15 +393,21 @@ class Registry:
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
         # Again after a crash: it changes nothing then.
         await run_io(protect_top, final, private_owner(entry))
+        await self._made_ready(entry, seal.nbytes, seal)
+        await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
+
+    async def _made_ready(self, entry: Entry, size: int, seal: Seal | None) -> None:
+        """A published dataset's last steps, tree or image: every name's link, then the
+        store's "ready" (steps 2 and 3 of :meth:`publish`)."""
+        final = self.final(entry)
         await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
         self._crash.reached(Durable.LINKED)
-        entry.size_bytes, entry.seal = seal.nbytes, seal
+        entry.size_bytes, entry.seal = size, seal
         entry.move(State.READY)
-        self.metrics.staged_bytes.inc(seal.nbytes)
+        self.metrics.staged_bytes.inc(size)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
         self.metrics.ready_after(self.events.ready(entry))
-        await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
 
     async def _publish_image(self, entry: Entry, made: ImageMade) -> None:
         """STAGING -> READY for an image dataset, in order:
@@ -433,14 +439,7 @@ class Registry:
             await run_io(images.take_down, self.final(entry))
             await run_io(images.delete_image, file, self.final(entry))
             raise
-        await asyncio.gather(*(self._link(h, self.final(entry)) for h in self._handles_of(entry)))
-        self._crash.reached(Durable.LINKED)
-        entry.size_bytes, entry.seal = identity.size, None
-        entry.move(State.READY)
-        self.metrics.staged_bytes.inc(identity.size)
-        self._count_arrival(entry)
-        await self._save(entry, Durable.READY)
-        self.metrics.ready_after(self.events.ready(entry))
+        await self._made_ready(entry, identity.size, None)
         if await self.trash.discard(attempt.root):
             self._crash.reached(Durable.ATTEMPT_REMOVED)
 

@@ -24,6 +24,7 @@ import anyio.to_thread
 # Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.errors import StagerError
 from stager.fs.deletion import delete_tree as delete_tree
+from stager.fs.durable_names import rename_durably
 from stager.fs.seal import open_up_top
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
@@ -62,13 +63,9 @@ class Attempt:
 
 
 def publish(tree: Path, final: Path) -> None:
-    os.rename(tree, final)
-    # Make the rename itself durable before the state store says "ready".
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The attempt's tree renamed to its final place, durably: before the state store
+    says "ready"."""
+    rename_durably(tree, final)
 
 
 def write_atomically(path: Path, text: str) -> None:

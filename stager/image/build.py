@@ -55,6 +55,7 @@ from stager.archive.writer import clean_name, refused, unsafe
 from stager.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
+from stager.fs.durable_names import sync_folder
 from stager.image.erofs import BLOCK, ErofsWriter, ImageConflict
 from stager.progress import ProgressSink, report_written
 
@@ -200,7 +201,7 @@ def build_from(inputs: list[Input], output: str, options: BuildOptions | None = 
             os.fsync(fd)
         os.rename(partial, output)
         if options.sync:
-            _sync_folder(os.path.dirname(os.path.abspath(output)))
+            sync_folder(os.path.dirname(os.path.abspath(output)))
     except BaseException:
         writer.close()
         with contextlib.suppress(FileNotFoundError):
@@ -210,14 +211,6 @@ def build_from(inputs: list[Input], output: str, options: BuildOptions | None = 
         os.close(fd)
     elapsed = time.monotonic() - started
     return Built(output, size, writer.files, writer.folders, writer.data_bytes, elapsed)
-
-
-def _sync_folder(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _split(rel: str) -> tuple[str, str]:

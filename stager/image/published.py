@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stager.fs.durable_names import rename_durably, sync_folder
 from stager.image import mount as image_mount
 from stager.image.identity import ImageChanged, ImageIdentity
 
@@ -85,16 +86,7 @@ def mount_kind() -> str:
 def publish_image(made: Path, final: Path) -> None:
     """The commit point of an image: the attempt's complete image renamed to its
     place under ``data/``, the rename made durable."""
-    os.rename(made, final)
-    _sync_folder(final.parent)
-
-
-def _sync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    rename_durably(made, final)
 
 
 def mount_image(file: Path, target: Path, kind: str, backing: str = "loop") -> None:
@@ -205,7 +197,7 @@ def delete_image(file: Path | None, target: Path | None) -> None:
     if target is not None:
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(target)
-    _sync_folder((file or target).parent)  # type: ignore[union-attr]
+    sync_folder((file or target).parent)  # type: ignore[union-attr]
 
 
 def stray_mounts(data_dir: Path, kept: dict[str, Path]) -> list[Path]:
