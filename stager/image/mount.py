@@ -93,12 +93,18 @@ def tool(name: str) -> str:
     return found
 
 
-def mount_kernel(image: str, target: str, backing: str = "loop") -> Mounted:
+def mount_kernel(
+    image: str, target: str, backing: str = "loop", device: str | None = None
+) -> Mounted:
     """Mount ``image`` read-only at ``target`` in the kernel (root only), through a
-    loop device or (``backing="file"``, EROFS only) from the file itself."""
+    loop device or (``backing="file"``, EROFS only) from the file itself. An index
+    image (:mod:`stager.image.index`) names its blob as ``device``: always from the
+    files (the kernel opens a file as an extra device only for a file-backed mount)."""
     image, target = os.path.abspath(image), os.path.abspath(target)
     fstype = image_format(image)
-    if fstype == "erofs" and backing == "file":
+    if device is not None:
+        _mount_indexed(image, target, os.path.abspath(device))
+    elif fstype == "erofs" and backing == "file":
         try:
             _mount_syscall(image, target, fstype)
         except OSError as exc:
@@ -110,9 +116,33 @@ def mount_kernel(image: str, target: str, backing: str = "loop") -> Mounted:
     return _require_mounted(image, target)
 
 
-def _mount_syscall(image: str, target: str, fstype: str) -> None:
+def _mount_indexed(image: str, target: str, device: str) -> None:
+    if "," in device:  # the option string's separator: the kernel would split the path
+        raise MountError(f"the blob {device} has a comma in its path; move it to one without")
+    try:
+        _mount_syscall(image, target, "erofs", f"device={device}")
+    except OSError as exc:
+        if exc.errno in (errno.ENOTBLK, errno.EINVAL) and not _fileio_erofs():
+            raise MountError(
+                f"{image} is an index image, mounted with its blob {device} from the files, "
+                "which needs Linux 6.12 or later; build an ordinary image on this kernel"
+            ) from exc
+        raise _mount_failed(image, target, exc) from exc
+
+
+def _fileio_erofs() -> bool:
+    """Whether this kernel mounts EROFS from a file (6.12+), by its version."""
+    release = os.uname().release.split(".")
+    try:
+        return (int(release[0]), int(release[1].split("-")[0])) >= (6, 12)
+    except (ValueError, IndexError):
+        return True
+
+
+def _mount_syscall(image: str, target: str, fstype: str, data: str | None = None) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    rc = libc.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, None)
+    options = data.encode() if data is not None else None
+    rc = libc.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, options)
     if rc != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), image)
