@@ -12,6 +12,7 @@ import pytest
 
 from stager.archive.formats import sniff
 from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
+from stager.image import mount as image_mount
 from stager.image.build import BuildOptions
 from stager.image.index import SourceChanged, build_indexed
 from tests import tar_corpus
@@ -143,3 +144,45 @@ def test_a_source_changed_meanwhile_fails_and_leaves_nothing(tmp_path: Path) -> 
     with pytest.raises(SourceChanged, match="changed while it was copied"):
         _indexed(archive, tmp_path, options)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "src"]
+
+
+def _loops_over(*paths: Path) -> list[str]:
+    """The loop devices whose backing file is one of ``paths``."""
+    wanted = {str(p) for p in paths}
+    found = []
+    for entry in Path("/sys/block").glob("loop*"):
+        backing = entry / "loop" / "backing_file"
+        if backing.exists() and backing.read_text().strip() in wanted:
+            found.append(entry.name)
+    return found
+
+
+def test_through_loop_devices_as_a_kernel_before_6_12_would(tmp_path: Path, kernel_mount) -> None:
+    """The image and its blob each behind a read-only loop device (the kernel opens an
+    extra device as a file only when the image is mounted from its file); both loop
+    devices are freed by the kernel at the unmount."""
+    tree = _odd_tree(tmp_path / "src")
+    archive = tmp_path / "a.tar"
+    tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
+    image, blob = _indexed(archive, tmp_path)
+    mounted = kernel_mount(image, "loop", blob)
+    assert len(_loops_over(image, blob)) == 2
+    assert image_mount.mounted_at(str(mounted)).source.startswith("/dev/loop")  # type: ignore[union-attr]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    tar_corpus.gnu_tar("--no-same-owner", "-xf", archive, "-C", reference)
+    assert tar_corpus.snapshot(mounted) == tar_corpus.snapshot(reference)
+    image_mount.unmount(str(mounted))
+    assert _loops_over(image, blob) == []
+
+
+def test_a_blob_path_with_a_comma_is_refused_before_the_kernel_sees_it(
+    tmp_path: Path, kernel_mount
+) -> None:
+    tree = tar_corpus.basic_tree(tmp_path / "src")
+    archive = tmp_path / "a.tar"
+    tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
+    image, blob = tmp_path / "a.erofs", tmp_path / "a,b.blob"
+    build_indexed(str(archive), str(blob), str(image))
+    with pytest.raises(image_mount.MountError, match="comma"):
+        kernel_mount(image, "file", blob)
