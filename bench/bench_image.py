@@ -292,8 +292,9 @@ def read_section(
             for how in ("loop", "file"):
                 at = stack.enter_context(mounted(image, work / f"mnt-erofs-{how}", how))
                 roots[f"kernel erofs ({how})"] = at / top
-            at = stack.enter_context(mounted(index, work / "mnt-index", "file", blob))
-            roots["kernel erofs index (file, device=blob)"] = at / top
+            for how in ("file", "loop"):
+                at = stack.enter_context(mounted(index, work / f"mnt-index-{how}", how, blob))
+                roots[f"kernel erofs index + blob ({how})"] = at / top
             if fuse:
                 fused = stack.enter_context(mounted(squashfs, work / "mnt-sqfs", "fuse"))
                 roots["FUSE squashfuse_ll"] = fused / top
