@@ -422,8 +422,9 @@ class Registry:
                 Durable.IMAGE_PUBLISHED, images.publish_image, Path(made.path), file
             )
         identity = await run_io(ImageIdentity.stamp, str(file), made.sha256)
+        blob = await run_io(images.blob_identity, file)
         record = images.ImageRecord(
-            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes
+            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes, blob
         )
         entry.image = record
         try:
@@ -435,9 +436,10 @@ class Registry:
             raise
         await asyncio.gather(*(self._link(h, self.final(entry)) for h in self._handles_of(entry)))
         self._crash.reached(Durable.LINKED)
-        entry.size_bytes, entry.seal = identity.size, None
+        size = identity.size + (blob.size if blob is not None else 0)
+        entry.size_bytes, entry.seal = size, None
         entry.move(State.READY)
-        self.metrics.staged_bytes.inc(identity.size)
+        self.metrics.staged_bytes.inc(size)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
         self.metrics.ready_after(self.events.ready(entry))

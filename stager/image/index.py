@@ -61,13 +61,18 @@ def _identity(fd: int) -> tuple[int, ...]:
 
 
 def build_indexed(
-    source: str, blob: str, output: str, options: BuildOptions | None = None
+    source: str,
+    blob: str,
+    output: str,
+    options: BuildOptions | None = None,
+    fd: int | None = None,
 ) -> Indexed:
     """Copy the plain tar ``source`` to ``blob`` and build the index image ``output``
     of it, at once; both synced (unless ``options.sync`` is off), the blob renamed into
-    place before the image, the image last: its name says both are whole."""
+    place before the image, the image last: its name says both are whole. ``fd``: the
+    source opened already (a staging's, through its gateway; the caller closes it)."""
     options = options or BuildOptions()
-    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
     try:
         before = _identity(src)
         size = before[2]
@@ -76,7 +81,7 @@ def build_indexed(
                 f"archive {source} is not a plain tar; an index image keeps a plain tar's "
                 "content in place: build an ordinary image of a compressed one"
             )
-        copy = _Copy(src, blob + ".partial", size, options.sync)
+        copy = _Copy(src, blob + ".partial", size, options.sync, options.mode)
         copy.start()
         try:
             tag = os.path.basename(blob).encode()
@@ -95,7 +100,8 @@ def build_indexed(
         if options.sync:
             sync_folder(os.path.dirname(os.path.abspath(blob)))
     finally:
-        os.close(src)
+        if fd is None:
+            os.close(src)
     return Indexed(built, blob, size, copy.seconds)
 
 
@@ -120,9 +126,10 @@ class _Copy(threading.Thread):
     """The blob's copy, in the kernel (``copy_file_range`` releases the GIL while it
     runs), synced: the other core's work while this one reads headers."""
 
-    def __init__(self, src: int, path: str, size: int, sync: bool) -> None:
+    def __init__(self, src: int, path: str, size: int, sync: bool, mode: int) -> None:
         super().__init__(name="blob-copy", daemon=True)
         self._src, self._path, self._size, self._sync = src, path, size, sync
+        self._mode = mode  # the image's: 0444, or 0400 for a private copy
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.seconds = 0.0
@@ -130,7 +137,8 @@ class _Copy(threading.Thread):
     def run(self) -> None:
         started = time.monotonic()
         try:
-            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o444)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            fd = os.open(self._path, flags, self._mode)
             try:
                 offset = 0
                 while offset < self._size and not self.stop.is_set():
