@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from stager.archive.formats import sniff
-from stager.errors import UnknownFormat
+from stager.errors import UnknownFormat, VerifyFailed
 from stager.fs.fastcopy import copy_chunk
 from stager.image.build import BuildOptions, Built, TarInput, build_from, sync_folder
 from stager.image.erofs import Blob
@@ -51,8 +51,9 @@ class Indexed:
     copy_seconds: float  # the blob's copy, synced, from the start
 
 
-class SourceChanged(Exception):
-    """The source tar changed while it was copied and indexed."""
+class SourceChanged(VerifyFailed):
+    """The source tar changed while it was copied and indexed (as an extraction's
+    source that moves: stager.ops.extract)."""
 
 
 def _identity(fd: int) -> tuple[int, ...]:
