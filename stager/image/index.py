@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from stager.archive.formats import sniff
+from stager.archive.formats import resolve_format
 from stager.errors import UnknownFormat, VerifyFailed
 from stager.fs.fastcopy import copy_chunk
 from stager.image.build import BuildOptions, Built, TarInput, build_from, sync_folder
@@ -77,7 +77,7 @@ def build_indexed(
     try:
         before = _identity(src)
         size = before[2]
-        if sniff(os.pread(src, 512, 0)) != "tar":
+        if resolve_format(source, "auto", os.pread(src, 512, 0)) != "tar":
             raise UnknownFormat(
                 f"archive {source} is not a plain tar; an index image keeps a plain tar's "
                 "content in place: build an ordinary image of a compressed one"
