@@ -186,3 +186,17 @@ def test_a_blob_path_with_a_comma_is_refused_before_the_kernel_sees_it(
     build_indexed(str(archive), str(blob), str(image))
     with pytest.raises(image_mount.MountError, match="comma"):
         kernel_mount(image, "file", blob)
+
+
+def test_a_private_copy_s_blob_is_as_closed_as_its_image(tmp_path: Path, kernel_mount) -> None:
+    """The node service's private copy: image and blob 0400 (root's; the user reads
+    through the mount only), the top folder the user's, 0500."""
+    tree = tar_corpus.basic_tree(tmp_path / "src")
+    archive = tmp_path / "a.tar"
+    tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
+    options = BuildOptions(mode=0o400, top_owner=4321)
+    image, blob = _indexed(archive, tmp_path, options)
+    assert (image.stat().st_mode & 0o777, blob.stat().st_mode & 0o777) == (0o400, 0o400)
+    mounted = kernel_mount(image, "file", blob)
+    top = mounted.stat()
+    assert (top.st_uid, top.st_mode & 0o777) == (4321, 0o500)
