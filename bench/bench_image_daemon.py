@@ -13,7 +13,8 @@
   alternate (A B A B ...), medians and the pairwise ratios are printed.
 - **index**: the same from the plain ``.tar`` inputs on a second daemon with
   ``STAGER_IMAGE_INDEX`` (and file-backed mounts): an index image and its blob
-  (:mod:`stager.image.index`), alternated with the ordinary daemon's image and ``cp``.
+  (:mod:`stager.image.index`), alternated with the ordinary daemon's image and ``cp``;
+  and the ``DELETE`` of each (unmount, delete the image and the blob).
 - **evict**: ``DELETE`` of a ready ``--small-files``-file image dataset (unmount and
   delete one file), the request's round trip.
 - **hit**: the round trip of a request that hits (``POST``, 200 ready), for the image
@@ -250,9 +251,16 @@ def index_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: i
             (f"{inputs['count']} files of 512 B, .tar", inputs["small"]),
         ):
             body = {"name": "b", "steps": [extract(tar)], "image": True}
+            evictions: list[float] = []
+
+            def indexed(body: dict = body, evictions: list[float] = evictions) -> float:
+                elapsed, _ = indexer.ready(body)
+                evictions.append(indexer.delete(body["name"]))  # image and blob
+                return elapsed
+
             times = alternate(
                 {
-                    "index": staged(indexer, body),
+                    "index": indexed,
                     "image": staged(stager, body),
                     "cp": copied(["cp", str(tar)], copy),
                 },
@@ -260,6 +268,10 @@ def index_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: i
             )
             print(row(f"{label}: index image vs cp", times, "index", "cp"))
             print(row(f"{label}: ordinary image vs cp", times, "image", "cp"))
+            print(
+                f"| {label}: DELETE of the index image and its blob | "
+                f"{statistics.median(evictions):.3f} s (median of {len(evictions)}) | | |"
+            )
             sys.stdout.flush()
     finally:
         indexer.close()
