@@ -31,11 +31,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from stager.archive.formats import resolve_format
 from stager.errors import UnknownFormat, VerifyFailed
@@ -87,12 +89,13 @@ def build_indexed(
             )
         copy = _Copy(src, blob + ".partial", size, options.sync, options.mode)
         copy.start()
+        follow = _Following(copy, options, size)
         try:
             tag = os.path.basename(blob).encode()
             built = build_from(
                 [TarInput(source, options.names, fd=src)],
                 output,
-                options,
+                dataclasses.replace(options, progress=follow, check=follow.check),
                 blob=Blob(src, size, tag),
                 before_publish=lambda: _publish_blob(copy, blob, src, before, source),
             )
@@ -138,9 +141,41 @@ def _writeback_starter() -> Callable[[int, int, int], None] | None:
 
 _WRITEBACK = _writeback_starter()
 
-# The copy's step: small enough that a failed build stops it soon, large enough that
-# the system calls cost nothing (1 GB: 16 of them).
-_CHUNK = 64 << 20
+# The copy's step: small enough that the headers are never far behind it (and that a
+# failed build stops it soon), large enough that the system calls cost nothing (1 GB:
+# 128 of them).
+_CHUNK = 8 << 20
+# How far past the next header the copy must be before it is read: the header reader's
+# window (stager.archive.tar_members.Blocks) and a block more.
+_AHEAD = (64 << 10) + 512
+
+
+class _Following:
+    """The header reader kept behind the copy. Before each header (the build's
+    ``check``) it waits until the copy is past that header and the window read with it
+    (the position is what ``advance`` has counted), so every header is read from the
+    page cache the copy has just filled: a source not in the page cache is read from
+    the disk once, in one stream, not twice at two places. Everything else goes to the
+    build's own progress sink."""
+
+    def __init__(self, copy: _Copy, options: BuildOptions, size: int) -> None:
+        self._copy, self._progress, self._check = copy, options.progress, options.check
+        self._size = size
+        self._at = 0  # the next header's offset
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._progress, name)
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        self._progress.add_total(nbytes, files)
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        self._at += nbytes
+        self._progress.advance(nbytes, files)
+
+    def check(self) -> None:
+        self._copy.wait_past(min(self._size, self._at + _AHEAD))
+        self._check()
 
 
 class _Copy(threading.Thread):
@@ -154,6 +189,20 @@ class _Copy(threading.Thread):
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.seconds = 0.0
+        self._copied = 0
+        self._done = False
+        self._moved = threading.Condition()
+
+    def wait_past(self, offset: int) -> None:
+        """Until the copy has passed ``offset`` of the source, or ended (either way)."""
+        with self._moved:
+            while self._copied < offset and not self._done:
+                self._moved.wait()
+
+    def _advanced(self, copied: int, done: bool = False) -> None:
+        with self._moved:
+            self._copied, self._done = copied, done
+            self._moved.notify_all()
 
     def run(self) -> None:
         started = time.monotonic()
@@ -171,10 +220,13 @@ class _Copy(threading.Thread):
                         # writes while the next chunk is copied.
                         _WRITEBACK(fd, offset, done)
                     offset += done
+                    self._advanced(offset)
                 if self._sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
         except BaseException as exc:  # handed to the builder's thread, raised there
             self.error = exc
+        finally:
+            self._advanced(self._copied, done=True)  # a waiting reader goes on, and sees why
         self.seconds = time.monotonic() - started
