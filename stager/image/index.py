@@ -162,6 +162,9 @@ class _Following:
         self._copy, self._progress, self._check = copy, options.progress, options.check
         self._size = size
         self._at = 0  # the next header's offset
+        # Looked up per member (stager.progress.report_written): an attribute, not a
+        # failed lookup through __getattr__ each time.
+        self.wrote = getattr(self._progress, "wrote", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._progress, name)
@@ -174,7 +177,11 @@ class _Following:
         self._progress.advance(nbytes, files)
 
     def check(self) -> None:
-        self._copy.wait_past(min(self._size, self._at + _AHEAD))
+        copy = self._copy
+        # Two attribute reads, no lock, in the common case (the copy ahead, or done):
+        # a million members make this the builder's hottest line.
+        if not copy.done and copy.copied < self._at + _AHEAD:
+            copy.wait_past(min(self._size, self._at + _AHEAD))
         self._check()
 
 
@@ -189,19 +196,19 @@ class _Copy(threading.Thread):
         self.error: BaseException | None = None
         self.stop = threading.Event()
         self.seconds = 0.0
-        self._copied = 0
-        self._done = False
+        self.copied = 0  # bytes of the source copied so far: only grows
+        self.done = False  # the copy has ended, whole or not
         self._moved = threading.Condition()
 
     def wait_past(self, offset: int) -> None:
         """Until the copy has passed ``offset`` of the source, or ended (either way)."""
         with self._moved:
-            while self._copied < offset and not self._done:
+            while self.copied < offset and not self.done:
                 self._moved.wait()
 
     def _advanced(self, copied: int, done: bool = False) -> None:
         with self._moved:
-            self._copied, self._done = copied, done
+            self.copied, self.done = copied, done
             self._moved.notify_all()
 
     def run(self) -> None:
@@ -228,5 +235,5 @@ class _Copy(threading.Thread):
         except BaseException as exc:  # handed to the builder's thread, raised there
             self.error = exc
         finally:
-            self._advanced(self._copied, done=True)  # a waiting reader goes on, and sees why
+            self._advanced(self.copied, done=True)  # a waiting reader goes on, and sees why
         self.seconds = time.monotonic() - started
