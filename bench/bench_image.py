@@ -18,6 +18,12 @@ dropped before each run: root only). FUSE too where its tools are installed:
 ``squashfuse_ll`` over a squashfs that ``sqfstar -no-duplicates`` built (Debian
 12 has no FUSE reader of EROFS).
 
+Index images (``--sections index``, :mod:`stager.image.index`): the ``.tar`` copied
+whole as the blob while an image of its metadata is built, against ``cp`` and
+against the ordinary image, all three alternated, fsync'd or not; and the index
+image's reads (its mount with the blob as ``device=``, warm and cold) in the read
+sections.
+
 Eviction: a mounted million-file image unmounted and deleted, against ``rm -rf``
 of its tree once. Peak memory: the build's RSS (a ``stager image build`` process) at
 20,000 and at ``--small-files`` files.
@@ -44,6 +50,7 @@ from bench.datagen import make_archives, make_small_tar, make_tree
 from bench.timing import spread
 from stager.image import mount
 from stager.image.build import BuildOptions, build_image
+from stager.image.index import build_indexed
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -60,7 +67,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--sections",
-        default="ready,read-20k,read-small,evict,memory",
+        default="ready,index,read-20k,read-small,evict,memory",
         help="which sections to run, comma-separated (default: all)",
     )
     parser.add_argument(
@@ -108,6 +115,17 @@ def timed_build(source: Path, output: Path, sync: bool) -> Callable[[], float]:
         output.unlink(missing_ok=True)
         start = time.perf_counter()
         build_image(str(source), str(output), BuildOptions(sync=sync))
+        return time.perf_counter() - start
+
+    return run
+
+
+def timed_indexed(source: Path, blob: Path, output: Path, sync: bool) -> Callable[[], float]:
+    def run() -> float:
+        output.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+        start = time.perf_counter()
+        build_indexed(str(source), str(blob), str(output), BuildOptions(sync=sync))
         return time.perf_counter() - start
 
     return run
@@ -163,6 +181,37 @@ def ready_section(work: Path, archives: dict[str, Path], small: Path, repeat: in
     copy.unlink(missing_ok=True)
 
 
+def index_section(work: Path, archives: dict[str, Path], small: Path, repeat: int) -> None:
+    print("\n## Ready time: index image (blob copied + metadata image) vs cp, same disk\n")
+    print("| case | candidate | baseline | ratio (median; pairwise range) |")
+    print("|---|---:|---:|---:|")
+    out, blob, copy = work / "index.erofs", work / "index.blob", work / "copy.bin"
+    image = work / "bench.erofs"
+    for label, source in (
+        ("20k files 4-100 KB, .tar", archives["tar"]),
+        (f"{_count(small)} files of 512 B, .tar", small),
+    ):
+        for sync in (False, True):
+            times = alternate(
+                {
+                    "index": timed_indexed(source, blob, out, sync),
+                    "image": timed_build(source, image, sync),
+                    "cp": timed_command(["cp", str(source)], copy, sync),
+                },
+                repeat,
+            )
+            durable = " (durable: fsync)" if sync else ""
+            print(row(f"{label}: index vs cp{durable}", times, "index", "cp"))
+            print(row(f"{label}: image vs cp{durable}", times, "image", "cp"))
+            sys.stdout.flush()
+        print(
+            f"| {label}: index image's own size | {out.stat().st_size:,} B | "
+            f"blob {blob.stat().st_size:,} B | |"
+        )
+    for path in (out, blob, copy, image):
+        path.unlink(missing_ok=True)
+
+
 def _count(small: Path) -> str:
     return f"{int(small.with_name(small.name + '.complete').read_text().split(',')[0]):,}"
 
@@ -199,13 +248,17 @@ def drop_caches() -> None:
 
 
 @contextlib.contextmanager
-def mounted(image: Path, target: Path, how: str = "loop") -> Iterator[Path]:
-    """Mounted by the kernel (``how``: "loop" or "file") or by FUSE ("fuse")."""
+def mounted(
+    image: Path, target: Path, how: str = "loop", device: Path | None = None
+) -> Iterator[Path]:
+    """Mounted by the kernel (``how``: "loop" or "file"; an index image with its blob
+    as ``device``) or by FUSE ("fuse")."""
     target.mkdir(parents=True, exist_ok=True)
     if how == "fuse":
         mount.mount_fuse(str(image), str(target))
     else:
-        mount.mount_kernel(str(image), str(target), backing=how)
+        blob = str(device) if device is not None else None
+        mount.mount_kernel(str(image), str(target), backing=how, device=blob)
     try:
         yield target
     finally:
@@ -222,6 +275,8 @@ def read_section(
     subprocess.run(["tar", "-xf", str(archive), "-C", str(tree)], check=True)
     image = work / "read.erofs"
     build_image(str(archive), str(image))
+    index, blob = work / "read-index.erofs", work / "read-index.blob"
+    build_indexed(str(archive), str(blob), str(index))
     squashfs = work / "read.sqfs"
     tools = shutil.which("sqfstar") and shutil.which("squashfuse_ll")
     fuse = with_fuse and tools and os.path.exists("/dev/fuse")
@@ -237,6 +292,9 @@ def read_section(
             for how in ("loop", "file"):
                 at = stack.enter_context(mounted(image, work / f"mnt-erofs-{how}", how))
                 roots[f"kernel erofs ({how})"] = at / top
+            for how in ("file", "loop"):
+                at = stack.enter_context(mounted(index, work / f"mnt-index-{how}", how, blob))
+                roots[f"kernel erofs index + blob ({how})"] = at / top
             if fuse:
                 fused = stack.enter_context(mounted(squashfs, work / "mnt-sqfs", "fuse"))
                 roots["FUSE squashfuse_ll"] = fused / top
@@ -266,8 +324,8 @@ def read_section(
         print("\n(vs tree: the tree's time / this reader's; above 1 is faster than the tree)")
     finally:
         shutil.rmtree(tree, ignore_errors=True)
-        image.unlink(missing_ok=True)
-        squashfs.unlink(missing_ok=True)
+        for path in (image, index, blob, squashfs):
+            path.unlink(missing_ok=True)
 
 
 # -- eviction and memory -----------------------------------------------------------------
@@ -350,6 +408,8 @@ def main(args: argparse.Namespace) -> int:
     sections = set(args.sections.split(","))
     if "ready" in sections:
         ready_section(work, archives, small, args.repeat)
+    if "index" in sections:
+        index_section(work, archives, small, args.repeat)
     if "read-20k" in sections:
         read_section(work, "20,000 files of 4-100 KB", archives["tar"], "data", args.repeat, True)
     if "read-small" in sections:

@@ -11,6 +11,10 @@
   of 512 B from a ``.tar``, and a prebuilt image of the 20,000 (a step ``image``)
   against ``cp`` of that image. The dataset is evicted (DELETE) between runs; runs
   alternate (A B A B ...), medians and the pairwise ratios are printed.
+- **index**: the same from the plain ``.tar`` inputs on a second daemon with
+  ``STAGER_IMAGE_INDEX`` (and file-backed mounts): an index image and its blob
+  (:mod:`stager.image.index`), alternated with the ordinary daemon's image and ``cp``;
+  and the ``DELETE`` of each (unmount, delete the image and the blob).
 - **evict**: ``DELETE`` of a ready ``--small-files``-file image dataset (unmount and
   delete one file), the request's round trip.
 - **hit**: the round trip of a request that hits (``POST``, 200 ready), for the image
@@ -62,9 +66,10 @@ def load() -> str:
 class Stager:
     """A real daemon with its cache under the work folder."""
 
-    def __init__(self, work: Path) -> None:
-        shutil.rmtree(work / "cache", ignore_errors=True)
-        self.daemon = Daemon(cache_dir=work / "cache", extra_env={"STAGER_LOG_LEVEL": "warning"})
+    def __init__(self, work: Path, cache: str = "cache", env: dict[str, str] | None = None) -> None:
+        shutil.rmtree(work / cache, ignore_errors=True)
+        env = {"STAGER_LOG_LEVEL": "warning", **(env or {})}
+        self.daemon = Daemon(cache_dir=work / cache, extra_env=env)
         self.daemon.start()
 
     def ready(self, body: dict) -> tuple[float, dict]:
@@ -233,6 +238,46 @@ def trainer_section(work: Path, repeat: int, workers: int) -> None:
     print(f"\nimage / tree: {img / tree:.3f}")
 
 
+def index_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: int) -> None:
+    print(f"\n## Index images through the daemon (durable), load {load()}\n")
+    print("| case | candidate | baseline | ratio (median; pairwise range) |")
+    print("|---|---:|---:|---:|")
+    env = {"STAGER_IMAGE_INDEX": "true", "STAGER_IMAGE_BACKING": "file"}
+    indexer = Stager(work, "cache-index", env)
+    copy = work / "copy.bin"
+    try:
+        for label, tar in (
+            ("20k files 4-100 KB, .tar", inputs["tar"]),
+            (f"{inputs['count']} files of 512 B, .tar", inputs["small"]),
+        ):
+            body = {"name": "b", "steps": [extract(tar)], "image": True}
+            evictions: list[float] = []
+
+            def indexed(body: dict = body, evictions: list[float] = evictions) -> float:
+                elapsed, _ = indexer.ready(body)
+                evictions.append(indexer.delete(body["name"]))  # image and blob
+                return elapsed
+
+            times = alternate(
+                {
+                    "index": indexed,
+                    "image": staged(stager, body),
+                    "cp": copied(["cp", str(tar)], copy),
+                },
+                repeat,
+            )
+            print(row(f"{label}: index image vs cp", times, "index", "cp"))
+            print(row(f"{label}: ordinary image vs cp", times, "image", "cp"))
+            print(
+                f"| {label}: DELETE of the index image and its blob | "
+                f"{statistics.median(evictions):.3f} s (median of {len(evictions)}) | | |"
+            )
+            sys.stdout.flush()
+    finally:
+        indexer.close()
+        copy.unlink(missing_ok=True)
+
+
 def main(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("bench_image_daemon: kernel mounts need root", file=sys.stderr)
@@ -254,6 +299,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if "ready" in sections:
             ready_section(work, stager, inputs, args.repeat)
+        if "index" in sections:
+            index_section(work, stager, inputs, args.repeat)
         if "evict" in sections:
             evict_section(stager, small, count, args.repeat)
         if "hit" in sections:

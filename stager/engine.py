@@ -867,7 +867,11 @@ class Engine:
         if not entry.wants_image:
             return None
         trusted = tuple(str(d) for d in self.settings.trusted_image_dirs)
-        return ImageJob(cache.private_owner(entry), trusted if self.settings.multi_user else None)
+        # An index image's blob is a second device: the kernel's mounts only.
+        index = self.settings.image_index and image_published.mount_kind() == "kernel"
+        return ImageJob(
+            cache.private_owner(entry), trusted if self.settings.multi_user else None, index
+        )
 
     async def _room_left(self, entry: Entry) -> int | None:
         """The most bytes a staging of ``entry`` may write: for a user's own data, their

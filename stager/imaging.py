@@ -46,6 +46,8 @@ from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagingError
 from stager.fs.sources import open_source
 from stager.image.build import BuildOptions, Input, Names, TarInput, TreeInput, build_from
+from stager.image.index import build_indexed
+from stager.image.published import BLOB_SUFFIX
 from stager.ops import table
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
@@ -64,6 +66,7 @@ class ImageJob:
 
     top_owner: int | None = None
     trusted: tuple[str, ...] | None = None
+    index: bool = False  # one plain tar and nothing else: an index image and its blob
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,8 @@ class ImageStaging:
         try:
             for index, stream in sorted(the_plan.streams.items()):
                 inputs.append(self._stream_input(index, stream, read_from, the_plan, opened))
+            if self._indexable(inputs):
+                return self._build(inputs, made, the_plan, indexed=True)
             built = self._build(inputs, made, the_plan)
         finally:
             for fd in opened:
@@ -278,7 +283,21 @@ class ImageStaging:
 
     # -- the build --
 
-    def _build(self, inputs: list[Input], made: Path, the_plan: Plan) -> ImageMade:
+    def _indexable(self, inputs: list[Input]) -> bool:
+        """Whether the image is an index image: asked for, and its one input a plain
+        tar read in one piece (no tree beside it, no archives inside it)."""
+        if not self.image.index or len(inputs) != 1:
+            return False
+        source = inputs[0]
+        if not isinstance(source, TarInput) or source.nested or source.fd is None:
+            return False
+        from stager.archive.formats import sniff  # as _sniffer does
+
+        return sniff(os.pread(source.fd, 512, 0)) == "tar"
+
+    def _build(
+        self, inputs: list[Input], made: Path, the_plan: Plan, indexed: bool = False
+    ) -> ImageMade:
         streamed = sorted(the_plan.streams)
         private = self.image.top_owner is not None
         sink = _StepProgress(self.progress, inputs, streamed, len(self.steps))
@@ -288,7 +307,16 @@ class ImageStaging:
             mode=0o400 if private else 0o444,
             top_owner=self.image.top_owner,
         )
-        built = build_from(inputs, str(made) + ".building", options)
+        if indexed:  # the blob is written as image.erofs.blob, before the image
+            source = inputs[0]
+            assert isinstance(source, TarInput)
+            options.names = source.names
+            blob = str(made) + BLOB_SUFFIX
+            building = str(made) + ".building"
+            built = build_indexed(source.path, blob, building, options, source.fd).image
+            built.size += os.path.getsize(blob)
+        else:
+            built = build_from(inputs, str(made) + ".building", options)
         self.progress.start_step(len(self.steps))
         self.progress.flush()
         result = ImageMade(

@@ -428,8 +428,9 @@ class Registry:
                 Durable.IMAGE_PUBLISHED, images.publish_image, Path(made.path), file
             )
         identity = await run_io(ImageIdentity.stamp, str(file), made.sha256)
+        blob = await run_io(images.blob_identity, file)
         record = images.ImageRecord(
-            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes
+            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes, blob
         )
         entry.image = record
         try:
@@ -439,7 +440,8 @@ class Registry:
             await run_io(images.take_down, self.final(entry))
             await run_io(images.delete_image, file, self.final(entry))
             raise
-        await self._made_ready(entry, identity.size, None)
+        size = identity.size + (blob.size if blob is not None else 0)
+        await self._made_ready(entry, size, None)
         if await self.trash.discard(attempt.root):
             self._crash.reached(Durable.ATTEMPT_REMOVED)
 

@@ -216,6 +216,12 @@ class Settings(BaseSettings):
         help="how the kernel mounts an image: through a read-only loop device (reads ahead: "
         "faster with a cold page cache), or EROFS straight from the file (Linux 6.12+)",
     )
+    image_index: bool = setting(
+        False,
+        help="node service: an image staged from one plain .tar is an index image: the tar "
+        "copied whole beside it and its files read from there (issue 31: ready in about "
+        "the time of cp); needs Linux 6.12+ with image-backing file, or loop devices",
+    )
     # Modules that add ops to the op table (each defines OPS; see stager.ops.table).
     op_modules: CommaList(str) = setting(
         factory=list, cli=(), default_text="none", help="Python modules that add ops (OPS)"

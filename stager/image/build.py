@@ -56,7 +56,7 @@ from stager.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
-from stager.image.erofs import BLOCK, ErofsWriter, ImageConflict
+from stager.image.erofs import Blob, ErofsWriter, ImageConflict
 from stager.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
@@ -170,16 +170,24 @@ def build_image(source: str, output: str, options: BuildOptions | None = None) -
     return build_from([TarInput(source, options.names)], output, options)
 
 
-def build_from(inputs: list[Input], output: str, options: BuildOptions | None = None) -> Built:
+def build_from(
+    inputs: list[Input],
+    output: str,
+    options: BuildOptions | None = None,
+    blob: Blob | None = None,
+    before_publish: Callable[[], None] = lambda: None,
+) -> Built:
     """Build the image ``output`` from ``inputs``, in order (a name given twice: the
-    last one wins, as in a tar appended to)."""
+    last one wins, as in a tar appended to). With ``blob``, an index image: the files
+    of the input read from ``blob.fd`` stay there (:class:`stager.image.erofs.Blob`);
+    ``before_publish`` runs once the image is whole, before its rename (the blob's)."""
     options = options or BuildOptions()
     started = time.monotonic()
     partial = output + ".partial"
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     top = (options.top_owner, 0o500) if options.top_owner is not None else (0, 0o555)
     writer = ErofsWriter(
-        fd, output + ".spill", options.build_time, top_owner=top[0], top_mode=top[1]
+        fd, output + ".spill", options.build_time, top_owner=top[0], top_mode=top[1], blob=blob
     )
     label = inputs[0].path if inputs else output
     try:
@@ -199,6 +207,7 @@ def build_from(inputs: list[Input], output: str, options: BuildOptions | None = 
         os.fchmod(fd, options.mode)
         if options.sync:
             os.fsync(fd)
+        before_publish()
         os.rename(partial, output)
         if options.sync:
             sync_folder(os.path.dirname(os.path.abspath(output)))
@@ -406,8 +415,8 @@ class _TarSource:
             offset = archive.base + member.offset_data
             # A small member's data sits in the window its header was read from: no
             # system call for it (a million 512-byte files: a million preads saved).
-            size = member.size
-            tail = self._blocks.peek(member.offset_data + size - size % BLOCK, size % BLOCK)
+            size, block = member.size, self.writer.block
+            tail = self._blocks.peek(member.offset_data + size - size % block, size % block)
             self.writer.file_range(parent, name, size, mtime, archive.fd, offset, tail)
         else:
             stream.seek(member.offset_data)

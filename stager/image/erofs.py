@@ -44,10 +44,16 @@ from stager.fs.fastcopy import copy_range
 
 BLOCK = 4096
 _BLKSZBITS = 12
+SMALL_BLKSZBITS = 9  # a tar's own block: what an index image is counted in
 _MAGIC = 0xE0F5E1E2
 _SUPER_OFFSET = 1024
 _ROOT_OFFSET = 1152  # right after the 128-byte superblock, 32-byte aligned
 ROOT_NID = _ROOT_OFFSET // 32
+# The device table (one 128-byte slot, for an index image's blob) right after the root's
+# inode: in the superblock's block at any block size from 512 bytes.
+_DEVT_SLOTOFF = 10
+_DEVT_SLOT = struct.Struct("<64sII56s")  # tag, blocks, mapped_blkaddr, reserved
+_FEATURE_DEVICE_TABLE = 0x8  # feature_incompat
 _INODE = 64  # extended inode
 _SLOT = 32  # inodes sit on 32-byte slots: nid = offset // 32
 
@@ -68,9 +74,27 @@ assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
 
 # Entries go to the spill in batches: executemany's cost is per call.
 _SPILL_BATCH = 4096
-# Tails up to this size start a new metadata block when the current one is full; larger
-# ones get a data block of their own (a new metadata block would waste up to its size).
-_INLINE_NEW_BLOCK = BLOCK // 2
+
+
+@dataclass(frozen=True)
+class Blob:
+    """The file an index image's files are read from (a plain tar): the image holds
+    only metadata, and each file's inode points at its content's blocks in the blob,
+    mounted as the image's extra device (``device=``). The blob's blocks are mapped to
+    the top of EROFS's 32-bit block space, so their address is known before the
+    image's own size is: 2 TiB in all, at 512-byte blocks."""
+
+    fd: int  # what the builder reads members from: file_range calls with it are mapped
+    size: int
+    tag: bytes = b"blob"  # the device slot's tag (the kernel reads it only without device=)
+
+    def mapped_blkaddr(self, block: int) -> int:
+        blocks = -(-self.size // block)
+        # Kept on a 4 KiB boundary, so a page of a file maps to a page's span of the blob.
+        mapped = ((1 << 32) - blocks) & ~(4096 // block - 1)
+        if mapped <= 0:
+            raise ValueError(f"a blob of {self.size} bytes is past an index image's 2 TiB")
+        return mapped
 
 
 class ImageConflict(Exception):
@@ -103,19 +127,30 @@ class ErofsWriter:
     the same disk as the image, deleted by ``finish`` or ``close``)."""
 
     def __init__(
-        self, fd: int, spill: str, build_time: int = 0, top_owner: int = 0, top_mode: int = 0o555
+        self,
+        fd: int,
+        spill: str,
+        build_time: int = 0,
+        top_owner: int = 0,
+        top_mode: int = 0o555,
+        blob: Blob | None = None,
     ) -> None:
         self._fd = fd
+        self._blob = blob
+        self._blkszbits = SMALL_BLKSZBITS if blob is not None else _BLKSZBITS
+        self.block = 1 << self._blkszbits
+        self._mapped = blob.mapped_blkaddr(self.block) if blob is not None else 0
         self.build_time = build_time
         # The top folder's owner and mode: a private copy's is its user's, 0500 (the
         # image is read-only all the same: nobody can change its mode or entries).
         self._top = (top_owner, stat.S_IFDIR | top_mode)
         self._folders: list[_Folder] = [_Folder(0, b"", 0, build_time)]
         self._folder_ids: dict[str, int] = {"": 0}
-        self._next_blk = 1  # block 0: superblock and root inode
-        self._meta = bytearray(BLOCK)
+        # The blocks up to the device table's end hold the superblock and the root inode.
+        self._next_blk = -(-(_DEVT_SLOTOFF + 1) * _DEVT_SLOT.size // self.block)
+        self._meta = bytearray(self.block)
         self._meta_blk = -1  # no metadata block open yet
-        self._meta_used = BLOCK
+        self._meta_used = self.block
         self._seq = 0
         self._inodes = 1  # the root
         self._pending: list[tuple[int, bytes, int, int, int]] = []
@@ -188,8 +223,17 @@ class ErofsWriter:
     ) -> None:
         """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``
         (a plain tar, or a file of a tree): whole blocks are copied in the kernel. Its
-        last partial block is read unless the caller has it already (``tail``)."""
-        whole = size - size % BLOCK
+        last partial block is read unless the caller has it already (``tail``).
+
+        In an index image, content that starts on a block of the blob is not copied:
+        the inode points at it there."""
+        if self._blob is not None and src_fd == self._blob.fd and offset % self.block == 0:
+            blk = self._mapped + offset // self.block if size else 0
+            self._entry(parent, name, FT_REG, self._inode(FILE_MODE, size, mtime, blk, b""))
+            self.files += 1
+            self.data_bytes += size
+            return
+        whole = size - size % self.block
         blk = self._data(whole, lambda: self._copy(src_fd, offset, whole)) if whole else 0
         if tail is None:
             tail = os.pread(src_fd, size - whole, offset + whole) if size > whole else b""
@@ -201,7 +245,7 @@ class ErofsWriter:
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
         """A regular file whose ``size`` bytes come from ``read`` (a decompressed tar)."""
-        whole = size - size % BLOCK
+        whole = size - size % self.block
         blk = self._data(whole, lambda: self._write_stream(read, whole, name))
         tail = read(size - whole) if size > whole else b""
         if len(tail) != size - whole:
@@ -212,7 +256,7 @@ class ErofsWriter:
 
     def symlink(self, parent: int, name: str, target: str, mtime: int) -> None:
         data = os.fsencode(target)
-        whole = len(data) - len(data) % BLOCK
+        whole = len(data) - len(data) % self.block
         blk = self._data(whole, lambda: self._write_at(data[:whole]))
         nid = self._inode(LINK_MODE, len(data), mtime, blk, data[whole:])
         self._entry(parent, name, FT_SYMLINK, nid)
@@ -235,8 +279,8 @@ class ErofsWriter:
         if not nbytes:
             return 0
         blk = self._next_blk
-        self._next_blk += nbytes // BLOCK
-        os.lseek(self._fd, blk * BLOCK, os.SEEK_SET)
+        self._next_blk += nbytes // self.block
+        os.lseek(self._fd, blk * self.block, os.SEEK_SET)
         write()
         return blk
 
@@ -261,12 +305,14 @@ class ErofsWriter:
         layout = _FLAT_PLAIN
         if tail:
             room = _INODE + len(tail)
-            if room <= BLOCK - self._meta_used or (
-                len(tail) <= _INLINE_NEW_BLOCK and self._open_meta()
+            if room <= self.block - self._meta_used or (
+                len(tail) <= self.block // 2 and self._open_meta()
             ):
                 layout = _FLAT_INLINE
             else:  # the tail in a block of its own, right after the file's whole blocks
-                tail_blk = self._data(BLOCK, lambda: self._write_at(tail.ljust(BLOCK, b"\0")))
+                tail_blk = self._data(
+                    self.block, lambda: self._write_at(tail.ljust(self.block, b"\0"))
+                )
                 blk = blk or tail_blk
                 tail = b""
         self._inodes += 1
@@ -292,28 +338,28 @@ class ErofsWriter:
         self._flush_meta()
         self._meta_blk = self._next_blk
         self._next_blk += 1
-        self._meta[:] = bytes(BLOCK)
+        self._meta[:] = bytes(self.block)
         self._meta_used = 0
         return True
 
     def _put_meta(self, record: bytes) -> int:
-        if self._meta_used + len(record) > BLOCK:
+        if self._meta_used + len(record) > self.block:
             self._open_meta()
         at = self._meta_used
         self._meta[at : at + len(record)] = record
         self._meta_used = at + (-(-len(record) // _SLOT) * _SLOT)
-        return (self._meta_blk * BLOCK + at) // _SLOT
+        return (self._meta_blk * self.block + at) // _SLOT
 
     def write_block(self, data: bytes) -> int:
         """One block at the end of the image; its number."""
         blk = self._next_blk
         self._next_blk += 1
-        os.pwrite(self._fd, data, blk * BLOCK)
+        os.pwrite(self._fd, data, blk * self.block)
         return blk
 
     def _flush_meta(self) -> None:
         if self._meta_blk >= 0:
-            os.pwrite(self._fd, self._meta, self._meta_blk * BLOCK)
+            os.pwrite(self._fd, self._meta, self._meta_blk * self.block)
 
     def _entry(self, parent: int, name: str, kind: int, nid: int) -> None:
         self._folders[parent].filled = True
@@ -332,7 +378,7 @@ class ErofsWriter:
         """Write the folders, the hard links' counts and the superblock; the image's
         size in bytes."""
         self._spill()
-        self._meta_used = BLOCK  # nothing more goes into the last metadata block
+        self._meta_used = self.block  # nothing more goes into the last metadata block
         self._flush_meta()
         self._link_hardlinks()
         self._place_folder_inodes()
@@ -345,7 +391,7 @@ class ErofsWriter:
             pending = self._write_folder(number, entry, rows_iter, pending)
         self._db.execute("COMMIT")
         self._write_super()
-        size = self._next_blk * BLOCK
+        size = self._next_blk * self.block
         os.ftruncate(self._fd, size)
         self.close()
         return size
@@ -391,9 +437,9 @@ class ErofsWriter:
         self._folders[0].nid = ROOT_NID
         slots = len(self._folders) - 1
         first = self._next_blk
-        self._next_blk += -(-slots * _INODE // BLOCK)
+        self._next_blk += -(-slots * _INODE // self.block)
         for number in range(1, len(self._folders)):
-            self._folders[number].nid = (first * BLOCK + (number - 1) * _INODE) // _SLOT
+            self._folders[number].nid = (first * self.block + (number - 1) * _INODE) // _SLOT
 
     def _write_folder(
         self,
@@ -462,12 +508,19 @@ class ErofsWriter:
         return "/".join(reversed(parts))
 
     def _write_super(self) -> None:
+        if self._next_blk > self._mapped and self._blob is not None:
+            raise ImageConflict("", "the index outgrew the space before its blob's blocks")
+        features, devices = (_FEATURE_DEVICE_TABLE, 1) if self._blob is not None else (0, 0)
         sb = _SUPER.pack(
-            _MAGIC, 0, 0, _BLKSZBITS, 0, ROOT_NID, self._inodes, self.build_time, 0,
-            self._next_blk, 0, 0, bytes(16), b"stager".ljust(16, b"\0"), 0, 0, 0, 0, 0, 0,
-            0, 0, 0, b"",
+            _MAGIC, 0, 0, self._blkszbits, 0, ROOT_NID, self._inodes, self.build_time, 0,
+            self._next_blk, 0, 0, bytes(16), b"stager".ljust(16, b"\0"), features, 0,
+            devices, _DEVT_SLOTOFF if devices else 0, 0, 0, 0, 0, 0, b"",
         )  # fmt: skip
         os.pwrite(self._fd, sb, _SUPER_OFFSET)
+        if self._blob is not None:
+            blocks = -(-self._blob.size // self.block)
+            slot = _DEVT_SLOT.pack(self._blob.tag[:63], blocks, self._mapped, b"")
+            os.pwrite(self._fd, slot, _DEVT_SLOTOFF * _DEVT_SLOT.size)
 
 
 def _merge_sorted(
@@ -500,8 +553,8 @@ class _DirPacker:
 
     def add(self, name: bytes, nid: int, kind: int) -> None:
         need = _DIRENT.size + len(name)
-        if self._used + need > BLOCK:
-            self._emit(BLOCK)
+        if self._used + need > self._writer.block:
+            self._emit(self._writer.block)
         self._entries.append((name, nid, kind))
         self._used += need
 
@@ -513,7 +566,7 @@ class _DirPacker:
             _DIRENT.pack_into(block, index * _DIRENT.size, nid, offset, kind, 0)
             block[offset : offset + len(name)] = name
             offset += len(name)
-        blk = self._writer.write_block(bytes(block).ljust(BLOCK, b"\0"))
+        blk = self._writer.write_block(bytes(block).ljust(self._writer.block, b"\0"))
         if not self._blocks:
             self._first = blk
         self._blocks += 1
@@ -523,4 +576,4 @@ class _DirPacker:
         """(first block, the folder's size in bytes)."""
         last = self._used
         self._emit(last)
-        return self._first, (self._blocks - 1) * BLOCK + last
+        return self._first, (self._blocks - 1) * self._writer.block + last

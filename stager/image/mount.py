@@ -23,6 +23,7 @@ a restarted service sees the mounts it left.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -31,6 +32,7 @@ import os
 import shutil
 import struct
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stager.errors import StagerError
@@ -41,6 +43,15 @@ MNT_DETACH = 2
 # the device and inode of the file behind the loop device.
 _LOOP_GET_STATUS64 = 0x4C05
 _LOOP_INFO64_SIZE = 232
+# A loop device set up here (an index image's two): LOOP_CTL_GET_FREE on
+# /dev/loop-control, then LOOP_CONFIGURE with struct loop_config (the backing file's
+# descriptor, a block size, a loop_info64 whose lo_flags sit at byte 52 of it, 64
+# reserved bytes). Read-only, and autoclear: the kernel frees it when its last user
+# (the mount) lets go.
+_LOOP_CTL_GET_FREE = 0x4C82
+_LOOP_CONFIGURE = 0x4C0A
+_LO_FLAGS_READ_ONLY, _LO_FLAGS_AUTOCLEAR = 1, 4
+_LOOP_CONFIG_SIZE = 8 + _LOOP_INFO64_SIZE + 64
 _FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
 _OPTIONS = "ro,nosuid,nodev"
 EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
@@ -93,12 +104,19 @@ def tool(name: str) -> str:
     return found
 
 
-def mount_kernel(image: str, target: str, backing: str = "loop") -> Mounted:
+def mount_kernel(
+    image: str, target: str, backing: str = "loop", device: str | None = None
+) -> Mounted:
     """Mount ``image`` read-only at ``target`` in the kernel (root only), through a
-    loop device or (``backing="file"``, EROFS only) from the file itself."""
+    loop device or (``backing="file"``, EROFS only) from the file itself. An index
+    image (:mod:`stager.image.index`) names its blob as ``device``: from the files
+    (``backing="file"``), or both through loop devices (the kernel opens the extra
+    device as a file only when the image is mounted from its file)."""
     image, target = os.path.abspath(image), os.path.abspath(target)
     fstype = image_format(image)
-    if fstype == "erofs" and backing == "file":
+    if device is not None:
+        _mount_indexed(image, target, os.path.abspath(device), backing)
+    elif fstype == "erofs" and backing == "file":
         try:
             _mount_syscall(image, target, fstype)
         except OSError as exc:
@@ -110,9 +128,71 @@ def mount_kernel(image: str, target: str, backing: str = "loop") -> Mounted:
     return _require_mounted(image, target)
 
 
-def _mount_syscall(image: str, target: str, fstype: str) -> None:
+def _mount_indexed(image: str, target: str, device: str, backing: str) -> None:
+    if "," in device:  # the option string's separator: the kernel would split the path
+        raise MountError(f"the blob {device} has a comma in its path; move it to one without")
+    try:
+        if backing == "file":
+            _mount_syscall(image, target, "erofs", f"device={device}")
+            return
+        with _loop_device(image) as image_loop, _loop_device(device) as blob_loop:
+            _mount_syscall(image_loop, target, "erofs", f"device={blob_loop}")
+    except OSError as exc:
+        if exc.errno in (errno.ENOTBLK, errno.EINVAL) and not _fileio_erofs():
+            raise MountError(
+                f"{image} is an index image, mounted with its blob {device} from the files, "
+                "which needs Linux 6.12 or later; mount both through loop devices (backing "
+                '"loop") on this kernel'
+            ) from exc
+        raise _mount_failed(image, target, exc) from exc
+
+
+@contextlib.contextmanager
+def _loop_device(path: str) -> Iterator[str]:
+    """A read-only, autoclear loop device over ``path``, held open until the block ends
+    (by then the mount holds it, or nobody does and the kernel frees it)."""
+    for _ in range(8):  # another process may take the free device first
+        control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            number = fcntl.ioctl(control, _LOOP_CTL_GET_FREE)
+        finally:
+            os.close(control)
+        loop = os.open(f"/dev/loop{number}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            backing = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                config = bytearray(_LOOP_CONFIG_SIZE)
+                struct.pack_into("<I", config, 0, backing)
+                struct.pack_into("<I", config, 8 + 52, _LO_FLAGS_READ_ONLY | _LO_FLAGS_AUTOCLEAR)
+                fcntl.ioctl(loop, _LOOP_CONFIGURE, bytes(config))
+            finally:
+                os.close(backing)
+        except OSError as exc:
+            os.close(loop)
+            if exc.errno == errno.EBUSY:
+                continue
+            raise
+        try:
+            yield f"/dev/loop{number}"
+        finally:
+            os.close(loop)
+        return
+    raise OSError(errno.EBUSY, "no free loop device stayed free", path)
+
+
+def _fileio_erofs() -> bool:
+    """Whether this kernel mounts EROFS from a file (6.12+), by its version."""
+    release = os.uname().release.split(".")
+    try:
+        return (int(release[0]), int(release[1].split("-")[0])) >= (6, 12)
+    except (ValueError, IndexError):
+        return True
+
+
+def _mount_syscall(image: str, target: str, fstype: str, data: str | None = None) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    rc = libc.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, None)
+    options = data.encode() if data is not None else None
+    rc = libc.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, options)
     if rc != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), image)

@@ -4,7 +4,10 @@ checks of them.
 A ready image dataset is two names: the image file ``data/<key>.erofs`` (or
 ``.sqfs``), the service's (0444, or 0400 for a private copy: its user reads it through
 the mount only), and the folder ``data/<key>`` with the image mounted on it read-only
-(``nosuid,nodev``). :mod:`stager.lifecycle` decides when each function here runs (all
+(``nosuid,nodev``). An index image (:mod:`stager.image.index`) has a third: its blob,
+``data/<key>.erofs.blob`` (the tar its files are read from), mounted as the image's
+extra device, published before the image and deleted after it, its identity checked
+at a hit as the image's is. :mod:`stager.lifecycle` decides when each function here runs (all
 of them block: the daemon calls them through ``run_io``); every step is one of
 :class:`stager.durable.Durable`.
 
@@ -31,6 +34,7 @@ from stager.image.identity import ImageChanged, ImageIdentity
 log = logging.getLogger("stager.image")
 
 SUFFIXES = {"erofs": ".erofs", "squashfs": ".sqfs"}
+BLOB_SUFFIX = ".blob"  # after the image's own: data/<key>.erofs.blob
 
 
 @dataclass(frozen=True)
@@ -43,17 +47,39 @@ class ImageRecord:
     files: int = 0
     folders: int = 0
     data_bytes: int = 0
+    blob: ImageIdentity | None = None  # an index image's blob
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "identity": self.identity.to_dict()}
+        blob = self.blob.to_dict() if self.blob is not None else None
+        return {**self.__dict__, "identity": self.identity.to_dict(), "blob": blob}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ImageRecord:
-        return cls(**{**data, "identity": ImageIdentity.from_dict(data["identity"])})
+        blob = data.get("blob")
+        return cls(
+            **{
+                **data,
+                "identity": ImageIdentity.from_dict(data["identity"]),
+                "blob": ImageIdentity.from_dict(blob) if blob is not None else None,
+            }
+        )
 
 
 def image_file(data_dir: Path, key: str, fmt: str) -> Path:
     return data_dir / f"{key}{SUFFIXES[fmt]}"
+
+
+def blob_of(image: Path) -> Path:
+    """Where an index image's blob lies: beside it, named after it."""
+    return image.with_name(image.name + BLOB_SUFFIX)
+
+
+def blob_identity(image: Path) -> ImageIdentity | None:
+    """The stamps of an index image's blob; None for an image without one."""
+    try:
+        return ImageIdentity.stamp(str(blob_of(image)))
+    except FileNotFoundError:
+        return None
 
 
 def image_of(data_dir: Path, key: str) -> Path | None:
@@ -71,10 +97,12 @@ def format_of(file: Path) -> str:
 
 
 def key_of(name: str) -> str:
-    """The key an entry of ``data/`` belongs to (an image file's name less its suffix)."""
+    """The key an entry of ``data/`` belongs to (an image file's name less its suffix, a
+    blob's less both)."""
     for suffix in SUFFIXES.values():
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
+        for ending in (suffix + BLOB_SUFFIX, suffix):
+            if name.endswith(ending):
+                return name[: -len(ending)]
     return name
 
 
@@ -85,7 +113,11 @@ def mount_kind() -> str:
 
 def publish_image(made: Path, final: Path) -> None:
     """The commit point of an image: the attempt's complete image renamed to its
-    place under ``data/``, the rename made durable."""
+    place under ``data/``, the rename made durable. An index image's blob goes first
+    (already there after a crash between the two: the image's name is the commit; one
+    folder, so the journal keeps the two renames in their order)."""
+    if os.path.lexists(blob_of(made)):
+        os.rename(blob_of(made), blob_of(final))
     rename_durably(made, final)
 
 
@@ -101,7 +133,11 @@ def mount_image(file: Path, target: Path, kind: str, backing: str = "loop") -> N
         if _is_of(found, file):
             return
         take_down(target)
-    if kind == "kernel":
+    blob = blob_of(file)
+    if kind == "kernel" and os.path.lexists(blob):
+        # The kernel opens the blob as a file only when the image is one too.
+        image_mount.mount_kernel(str(file), str(target), backing, device=str(blob))
+    elif kind == "kernel":
         image_mount.mount_kernel(str(file), str(target), backing)
     else:
         image_mount.mount_fuse(str(file), str(target))
@@ -141,6 +177,8 @@ class MountChecks:
         mounted again); else a sentence naming what changed."""
         try:
             record.identity.check(str(file))
+            if record.blob is not None:
+                record.blob.check(str(blob_of(file)))
         except ImageChanged as exc:
             self.forget(target.name)
             return exc.message
@@ -190,10 +228,12 @@ def take_down(target: Path) -> bool:
 
 
 def delete_image(file: Path | None, target: Path | None) -> None:
-    """The image file and its (empty) mount point, gone; what is already gone is fine."""
+    """The image file (and an index image's blob, after it) and its (empty) mount point,
+    gone; what is already gone is fine."""
     if file is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(file)
+        for path in (file, blob_of(file)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     if target is not None:
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(target)

@@ -285,3 +285,47 @@ def test_an_image_dataset_adopted_from_another_node_is_mounted_there(
         assert adopted["key"] == staged["key"] and adopted["origin"]["how"] == "broadcast"
         assert adopted["image"] is not None and mounted(adopted["path"]) is not None
         assert digest(Path(adopted["path"]) / "train") == digest(tree)
+
+
+def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, unmounts: None
+) -> None:
+    """``image_index``: the tar copied whole as ``data/<key>.erofs.blob``, the image its
+    metadata only, mounted with the blob as its extra device; a hit checks both files, a
+    restart and a reboot mount them again, an eviction deletes both."""
+    tree = write_tree(tmp_path / "t", n_files=24, seed=4)
+    archive = make_tar(tree, tmp_path / "t.tar")
+    env = {"STAGER_IMAGE_INDEX": "true", "STAGER_IMAGE_BACKING": "file"}
+    daemon = daemon_factory(env=env)
+    data = daemon.cache_dir / "data"
+    with daemon.client() as client:
+        status = ready(client, image_body(archive))
+        file = Path(status["image"]["file"])
+        blob = file.with_name(file.name + ".blob")
+        assert blob.read_bytes() == archive.read_bytes()
+        assert blob.stat().st_mode & 0o777 == 0o444
+        assert file.stat().st_size < archive.stat().st_size // 4  # metadata only
+        assert status["size_bytes"] == file.stat().st_size + blob.stat().st_size
+        assert sorted(p.name for p in data.iterdir()) == sorted(
+            [status["key"], file.name, blob.name]
+        )
+        assert digest(Path(status["path"]) / "train") == digest(tree)
+        again = client.post("/v1/datasets", json=image_body(archive))
+        assert again.status_code == 200 and again.json()["origin"]["hit"] is True
+    daemon.kill()
+    daemon.stop()
+    image_mount.unmount(status["path"])  # a reboot
+    daemon.start()
+    with daemon.client() as client:
+        assert client.get("/v1/datasets/ds").json()["state"] == "ready"
+        assert digest(Path(status["path"]) / "train") == digest(tree)
+        # A changed blob (its ctime moves) is caught by the next hit: staged again.
+        os.chmod(blob, 0o444)
+        again = client.post("/v1/datasets", json=image_body(archive))
+        assert again.status_code == 202, again.text
+        status = client.get("/v1/datasets/ds/wait", params={"timeout": TIMEOUT}).json()
+        assert status["state"] == "ready" and digest(Path(status["path"]) / "train") == digest(tree)
+        gone = client.delete("/v1/datasets/ds")
+        assert gone.status_code == 200, gone.text
+    assert mounted(status["path"]) is None
+    assert list(data.iterdir()) == []

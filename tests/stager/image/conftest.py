@@ -22,16 +22,18 @@ def _unmount_all(targets: list[Path]) -> None:
 
 @pytest.fixture
 def kernel_mount(tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """``mount(image, backing="loop") -> mount point``, read-only in the kernel."""
+    """``mount(image, backing="loop", device=None) -> mount point``, read-only in the
+    kernel (``device``: an index image's blob)."""
     if os.geteuid() != 0:
         pytest.skip("kernel mounts need root; these tests run as root in CI")
     mounted: list[Path] = []
 
-    def mount(image: Path, backing: str = "loop") -> Path:
+    def mount(image: Path, backing: str = "loop", device: Path | None = None) -> Path:
         target = tmp_path / f"mnt{len(mounted)}"
         target.mkdir()
         try:
-            image_mount.mount_kernel(str(image), str(target), backing)
+            blob = str(device) if device is not None else None
+            image_mount.mount_kernel(str(image), str(target), backing, device=blob)
         except image_mount.MountError as exc:
             cause = exc.__cause__
             if isinstance(cause, OSError) and cause.errno in (errno.ENODEV, errno.EPERM):

@@ -1,0 +1,240 @@
+"""An index image: a plain tar copied once, whole, and an image of its metadata only.
+
+Building an ordinary image of a plain tar copies every member's content into it, a
+system call or two per member (20,000 files of 4-100 KB: 2.2x a ``cp`` of the tar).
+An index image leaves the content where it is. The tar is copied to the cache as
+one file, the *blob*, in the kernel (``copy_file_range``: ``cp``'s speed), and the
+image holds the folders, names and inodes only, each file's inode pointing at its
+content's blocks in the blob. EROFS allows this since Linux 6.4 (512-byte blocks,
+a tar's own; erofs-utils 1.7 makes the same with ``mkfs.erofs --tar=i``): the blob
+is mounted as the image's extra device, and the device table maps its blocks into
+the image's block space (:class:`stager.image.erofs.Blob`).
+
+The image is built while the copy runs, from the source's headers (two cores: the
+copy is the kernel's, the headers Python's). The source must not change meanwhile:
+its identity (device, inode, size, times) is taken before and checked after both,
+and a change fails the build, as a copy's would.
+
+Mounting needs a file-backed EROFS mount (Linux 6.12): the kernel opens the extra
+device as a file only when the image itself is a file; behind a loop device it
+wants a block device (a second loop device) for the blob too
+(:func:`stager.image.mount.mount_kernel`).
+
+What the image holds is what :mod:`stager.image.build` makes of the same tar (the
+same member rules and names); what differs: members whose content does not start on
+a 512-byte block of the blob (none in a tar; the sparse members' data, which has
+holes) are copied into the image, which is then larger, nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stager.archive.formats import resolve_format
+from stager.errors import UnknownFormat, VerifyFailed
+from stager.fs.durable_names import sync_folder
+from stager.fs.fastcopy import copy_chunk
+from stager.image.build import BuildOptions, Built, TarInput, build_from
+from stager.image.erofs import Blob
+
+
+@dataclass
+class Indexed:
+    """What an indexed build made: the image (``image.path``) and its blob."""
+
+    image: Built
+    blob: str
+    blob_bytes: int
+    copy_seconds: float  # the blob's copy, synced, from the start
+
+
+class SourceChanged(VerifyFailed):
+    """The source tar changed while it was copied and indexed (as an extraction's
+    source that moves: stager.ops.extract)."""
+
+
+def _identity(fd: int) -> tuple[int, ...]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def build_indexed(
+    source: str,
+    blob: str,
+    output: str,
+    options: BuildOptions | None = None,
+    fd: int | None = None,
+) -> Indexed:
+    """Copy the plain tar ``source`` to ``blob`` and build the index image ``output``
+    of it, at once; both synced (unless ``options.sync`` is off), the blob renamed into
+    place before the image, the image last: its name says both are whole. ``fd``: the
+    source opened already (a staging's, through its gateway; the caller closes it)."""
+    options = options or BuildOptions()
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
+    try:
+        before = _identity(src)
+        size = before[2]
+        if resolve_format(source, "auto", os.pread(src, 512, 0)) != "tar":
+            raise UnknownFormat(
+                f"archive {source} is not a plain tar; an index image keeps a plain tar's "
+                "content in place: build an ordinary image of a compressed one"
+            )
+        copy = _Copy(src, blob + ".partial", size, options.sync, options.mode)
+        copy.start()
+        follow = _Following(copy, options, size)
+        try:
+            tag = os.path.basename(blob).encode()
+            built = build_from(
+                [TarInput(source, options.names, fd=src)],
+                output,
+                dataclasses.replace(options, progress=follow, check=follow.check),
+                blob=Blob(src, size, tag),
+                before_publish=lambda: _publish_blob(copy, blob, src, before, source),
+            )
+        finally:
+            copy.stop.set()  # a failed build stops the copy at its next chunk
+            copy.join()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(blob + ".partial")
+        if options.sync:
+            sync_folder(os.path.dirname(os.path.abspath(blob)))
+    finally:
+        if fd is None:
+            os.close(src)
+    return Indexed(built, blob, size, copy.seconds)
+
+
+def _publish_blob(copy: _Copy, blob: str, src: int, before: tuple[int, ...], source: str) -> None:
+    copy.join()
+    if copy.error is not None:
+        raise copy.error
+    if _identity(src) != before:
+        raise SourceChanged(
+            f"archive {source} changed while it was copied into the cache; stage it again "
+            "once nothing writes to it"
+        )
+    os.rename(blob + ".partial", blob)
+
+
+def _writeback_starter() -> Callable[[int, int, int], None] | None:
+    """sync_file_range(fd, offset, count, SYNC_FILE_RANGE_WRITE), or None where libc
+    has none (it starts writeback and returns; the fsync at the end still decides)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    call = getattr(libc, "sync_file_range", None)
+    if call is None:
+        return None
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def start(fd: int, offset: int, count: int) -> None:
+        call(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure leaves it to fsync
+
+    return start
+
+
+_WRITEBACK = _writeback_starter()
+
+# The copy's step: small enough that the headers are never far behind it (and that a
+# failed build stops it soon), large enough that the system calls cost nothing (1 GB:
+# 128 of them).
+_CHUNK = 8 << 20
+# How far past the next header the copy must be before it is read: the header reader's
+# window (stager.archive.tar_members.Blocks) and a block more.
+_AHEAD = (64 << 10) + 512
+
+
+class _Following:
+    """The header reader kept behind the copy. Before each header (the build's
+    ``check``) it waits until the copy is past that header and the window read with it
+    (the position is what ``advance`` has counted), so every header is read from the
+    page cache the copy has just filled: a source not in the page cache is read from
+    the disk once, in one stream, not twice at two places. Everything else goes to the
+    build's own progress sink."""
+
+    def __init__(self, copy: _Copy, options: BuildOptions, size: int) -> None:
+        self._copy, self._progress, self._check = copy, options.progress, options.check
+        self._size = size
+        self._at = 0  # the next header's offset
+        # Looked up per member (stager.progress.report_written): an attribute, not a
+        # failed lookup through __getattr__ each time.
+        self.wrote = getattr(self._progress, "wrote", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._progress, name)
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        self._progress.add_total(nbytes, files)
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        self._at += nbytes
+        self._progress.advance(nbytes, files)
+
+    def check(self) -> None:
+        copy = self._copy
+        # Two attribute reads, no lock, in the common case (the copy ahead, or done):
+        # a million members make this the builder's hottest line.
+        if not copy.done and copy.copied < self._at + _AHEAD:
+            copy.wait_past(min(self._size, self._at + _AHEAD))
+        self._check()
+
+
+class _Copy(threading.Thread):
+    """The blob's copy, in the kernel (``copy_file_range`` releases the GIL while it
+    runs), synced: the other core's work while this one reads headers."""
+
+    def __init__(self, src: int, path: str, size: int, sync: bool, mode: int) -> None:
+        super().__init__(name="blob-copy", daemon=True)
+        self._src, self._path, self._size, self._sync = src, path, size, sync
+        self._mode = mode  # the image's: 0444, or 0400 for a private copy
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.seconds = 0.0
+        self.copied = 0  # bytes of the source copied so far: only grows
+        self.done = False  # the copy has ended, whole or not
+        self._moved = threading.Condition()
+
+    def wait_past(self, offset: int) -> None:
+        """Until the copy has passed ``offset`` of the source, or ended (either way)."""
+        with self._moved:
+            while self.copied < offset and not self.done:
+                self._moved.wait()
+
+    def _advanced(self, copied: int, done: bool = False) -> None:
+        with self._moved:
+            self.copied, self.done = copied, done
+            self._moved.notify_all()
+
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            fd = os.open(self._path, flags, self._mode)
+            try:
+                offset = 0
+                while offset < self._size and not self.stop.is_set():
+                    done = copy_chunk(self._src, fd, offset, min(_CHUNK, self._size - offset))
+                    if done == 0:
+                        raise EOFError(f"the source ended at byte {offset} of {self._size}")
+                    if self._sync and _WRITEBACK is not None:
+                        # Start this chunk's writeback now, not at the fsync: the disk
+                        # writes while the next chunk is copied.
+                        _WRITEBACK(fd, offset, done)
+                    offset += done
+                    self._advanced(offset)
+                if self._sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:  # handed to the builder's thread, raised there
+            self.error = exc
+        finally:
+            self._advanced(self.copied, done=True)  # a waiting reader goes on, and sees why
+        self.seconds = time.monotonic() - started
