@@ -19,7 +19,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,8 @@ TIMEOUT = 30
 # Every use of an entry is written, so the script's cache hit reaches Durable.TOUCHED
 # (a daemon normally writes one entry's recency at most every 30 s).
 EVERY_WRITE = {"STAGER_RECENCY_PERSIST_S": "0"}
+# The image request as an index image (docs/image-mode.md): the tar kept whole as its blob.
+INDEX_IMAGES = {"STAGER_IMAGE_INDEX": "true", "STAGER_IMAGE_BACKING": "file"}
 
 
 @dataclass
@@ -143,11 +145,7 @@ def script(client: httpx.Client, world: World, links: Path | None = None) -> Non
     wait(client, "ds")
     client.delete("/v1/datasets/ds/leases", params={"holder": "job-1"}).raise_for_status()
     client.delete("/v1/datasets/ds").raise_for_status()  # evict
-    # An image: built, published, mounted; a hit; evicted (unmounted, deleted).
-    post(client, world.body("img", links))
-    wait(client, "img")
-    post(client, world.body("img", links))
-    client.delete("/v1/datasets/img").raise_for_status()
+    image_script(client, world, links)
     # sbcast's part: the delivery lands in a reservation
     nbytes = sum(f.stat().st_size for f in world.delivery.iterdir())
     reserved = client.post("/v1/incoming", json={"label": "bad", "bytes": nbytes})
@@ -157,6 +155,14 @@ def script(client: httpx.Client, world: World, links: Path | None = None) -> Non
     post(client, world.body("bad"))
     wait(client, "bad")
     client.delete("/v1/datasets/bad").raise_for_status()  # forget the name
+
+
+def image_script(client: httpx.Client, world: World, links: Path | None = None) -> None:
+    """An image: built, published, mounted; a hit; evicted (unmounted, deleted)."""
+    post(client, world.body("img", links))
+    wait(client, "img")
+    post(client, world.body("img", links))
+    client.delete("/v1/datasets/img").raise_for_status()
 
 
 def post(client: httpx.Client, body: dict) -> httpx.Response:
@@ -169,12 +175,15 @@ def wait(client: httpx.Client, name: str) -> dict:
     return client.get(f"/v1/datasets/{name}/wait", params={"timeout": TIMEOUT}).json()
 
 
-def traced_points(world: World, cache: Path) -> list[str]:
-    """Every durable step the script passes through, in order, with ``#N`` repeats."""
-    daemon = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "trace", **EVERY_WRITE})
+def traced_points(
+    world: World, cache: Path, run: Callable = script, env: dict[str, str] | None = None
+) -> list[str]:
+    """Every durable step ``run`` passes through, in order, with ``#N`` repeats."""
+    env = {"STAGER_CRASH_AFTER": "trace", **EVERY_WRITE, **(env or {})}
+    daemon = Daemon(cache_dir=cache, extra_env=env)
     try:
         with daemon.start().client() as client:
-            script(client, world)
+            run(client, world)
         daemon_pid = daemon.process.pid
         daemon.stop()
         log = daemon.log(limit=None)
@@ -209,8 +218,9 @@ def test_the_script_reaches_every_durable_step(points: list[str]) -> None:
 class Checker:
     """Looks at everything a daemon says after a crash, and at what is on disk."""
 
-    def __init__(self, daemon: Daemon, world: World) -> None:
+    def __init__(self, daemon: Daemon, world: World, blobs: bool = False) -> None:
         self.daemon, self.world = daemon, world
+        self.blobs = blobs  # every image an index image, its blob beside it
 
     def settle(self, client: httpx.Client, name: str, which: str) -> dict | None:
         """Wait for ``name`` to end; a ready one must hold exactly ``which``'s content."""
@@ -238,6 +248,8 @@ class Checker:
             assert file.exists(), f"{mount.target} is mounted, and its image is gone"
             st = file.stat()
             assert image_mount.backing_file(mount) == (st.st_dev, st.st_ino), mount
+            if self.blobs:  # what the next boot mounts it with
+                assert (data / f"{key}.erofs.blob").is_file(), f"{mount.target}: no blob"
         for status in client.get("/v1/datasets").json()["data"]:
             if status["state"] == "ready" and status["image"]:
                 assert status["key"] in found, f"ready image {status['name']} is not mounted"
@@ -264,18 +276,27 @@ def wait_for(probe, expect_none: bool, timeout: float = 10):  # noqa: ANN001, AN
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(1200)  # ~2.5 min on 2 cores; each of ~44 runs is two daemon starts
-def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
+def crashes_at(
+    world: World, points: list[str], root: Path, run: Callable = script, env: dict | None = None
+) -> list[str]:
+    """What went wrong after a crash at each of ``points`` (nothing: an empty list)."""
+
     def one(point: str) -> str | None:
+        cache_root = root / point.replace("#", "-").replace("@", "-")
         try:
-            crash_and_follow_up(world, point, tmp_path / point.replace("#", "-").replace("@", "-"))
+            crash_and_follow_up(world, point, cache_root, run, env)
         except (AssertionError, subprocess.TimeoutExpired) as exc:
             return f"{point}: {exc}"
         return None
 
     # Two at a time: each run is its own daemons on its own cache, mostly waiting.
     with ThreadPoolExecutor(2) as pool:
-        failures = [failure for failure in pool.map(one, points) if failure]
+        return [failure for failure in pool.map(one, points) if failure]
+
+
+@pytest.mark.timeout(1200)  # ~2.5 min on 2 cores; each of ~44 runs is two daemon starts
+def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
+    failures = crashes_at(world, points, tmp_path)
     assert not failures, "\n".join(failures)
     kinds = len({point.split("#")[0] for point in points})
     tally(
@@ -284,22 +305,53 @@ def test_crash_after_every_durable_step(world: World, points: list[str], tmp_pat
     )
 
 
-def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
+@pytest.mark.timeout(600)
+def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path: Path) -> None:
+    """The image request as an index image (its tar published as a blob beside it, then
+    the image: two renames, one commit) killed after each of its durable steps."""
+    daemon = Daemon(cache_dir=tmp_path / "probe", extra_env=INDEX_IMAGES)
+    try:
+        with daemon.start().client() as client:
+            post(client, world.body("img", tmp_path / "probe-links"))
+            key = wait(client, "img")["key"]
+            blob = daemon.cache_dir / "data" / f"{key}.erofs.blob"
+            assert blob.is_file(), "the image request did not become an index image"
+            client.delete("/v1/datasets/img").raise_for_status()
+    finally:
+        daemon.cleanup()
+    points = traced_points(world, tmp_path / "traced", image_script, INDEX_IMAGES)
+    assert any(p.startswith("image-published") for p in points), points
+    failures = crashes_at(world, points, tmp_path / "runs", image_script, INDEX_IMAGES)
+    assert not failures, "\n".join(failures)
+
+
+def crash_and_follow_up(
+    world: World,
+    point: str,
+    cache_root: Path,
+    run: Callable = script,
+    env: dict[str, str] | None = None,
+) -> None:
+    """``run`` killed right after ``point``; then a fresh daemon on the same cache and
+    every follow-up (the image's alone when ``run`` is the image's script)."""
     cache, links = cache_root / "cache", cache_root / "links"
-    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point, **EVERY_WRITE})
+    env = env or {}
+    crashing = Daemon(
+        cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point, **EVERY_WRITE, **env}
+    )
     try:
         with crashing.start().client() as client:
             try:
-                script(client, world, links)
+                run(client, world, links)
             except (httpx.TransportError, httpx.HTTPStatusError, ValueError):
                 pass
         assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
     finally:
         crashing.cleanup(unmount=False)  # what it left mounted, the next daemon finds
 
-    daemon = Daemon(cache_dir=cache)
+    daemon = Daemon(cache_dir=cache, extra_env=env)
     try:
-        check = Checker(daemon, world)
+        check = Checker(daemon, world, blobs=env.get("STAGER_IMAGE_INDEX") == "true")
         with daemon.start().client() as client:
             # After the restart alone.
             check.settle(client, "ds", "ds")
@@ -315,6 +367,8 @@ def crash_and_follow_up(world: World, point: str, cache_root: Path) -> None:
             check.mounts_are_sound(client)
             client.delete("/v1/datasets/img").raise_for_status()
             check.mounts_are_sound(client)
+            if run is image_script:
+                return
             # DELETE, then the same POST: ready and equal to its source.
             client.delete("/v1/datasets/ds/leases")
             client.delete("/v1/datasets/ds")
