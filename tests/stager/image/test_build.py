@@ -47,17 +47,24 @@ def _fsck(image: Path) -> None:
         assert done.returncode == 0, done.stderr or done.stdout
 
 
+def built_alone(name: str, work: Path) -> tuple[tar_corpus.Case, list[Path]]:
+    """The corpus case ``name`` and its archive, built in ``work``; skipped where its
+    tools are missing or it is more than one archive (an image is built from one)."""
+    case = CASES[name]
+    if missing := tar_corpus.missing_tools(case):
+        pytest.skip(f"needs {missing}")
+    work.mkdir()
+    archives = case.build(work)
+    if len(archives) != 1:
+        pytest.skip("extracted from several archives in turn; an image is built from one")
+    return case, archives
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_corpus_reads_back_as_gnu_tar_extracts_it(
     name: str, tmp_path: Path, kernel_mount: Mount
 ) -> None:
-    case = CASES[name]
-    if missing := tar_corpus.missing_tools(case):
-        pytest.skip(f"needs {missing}")
-    (tmp_path / "work").mkdir()
-    archives = case.build(tmp_path / "work")
-    if len(archives) != 1:
-        pytest.skip("extracted from several archives in turn; an image is built from one")
+    case, archives = built_alone(name, tmp_path / "work")
     reference = tmp_path / "reference"
     started = int(time.time())
     failed = tar_corpus.reference_extract(case, archives, reference)

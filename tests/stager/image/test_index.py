@@ -16,7 +16,7 @@ from stager.image import mount as image_mount
 from stager.image.build import BuildOptions
 from stager.image.index import SourceChanged, build_indexed
 from tests import tar_corpus
-from tests.stager.image.test_build import CASES, _odd_tree
+from tests.stager.image.test_build import CASES, _odd_tree, built_alone
 
 
 def _indexed(archive: Path, tmp: Path, options: BuildOptions | None = None) -> tuple[Path, Path]:
@@ -34,13 +34,7 @@ def _plain(archive: Path) -> bool:
 def test_the_corpus_reads_back_as_gnu_tar_extracts_it(
     name: str, tmp_path: Path, kernel_mount
 ) -> None:
-    case = CASES[name]
-    if missing := tar_corpus.missing_tools(case):
-        pytest.skip(f"needs {missing}")
-    (tmp_path / "work").mkdir()
-    archives = case.build(tmp_path / "work")
-    if len(archives) != 1:
-        pytest.skip("extracted from several archives in turn; an image is built from one")
+    case, archives = built_alone(name, tmp_path / "work")
     out = tmp_path / "out"
     out.mkdir()
     if not _plain(archives[0]):
