@@ -11,7 +11,7 @@ from tests import mounts
 from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
-from tests.users import interpreter_for_users, users  # noqa: F401 (fixtures)
+from tests.users import User, interpreter_for_users, users  # noqa: F401 (fixtures)
 
 _MOUNTS_BEFORE: set[str] = set()
 
@@ -163,3 +163,13 @@ def shared_tmp() -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def alice_home(users: tuple[User, User], shared_tmp: Path) -> Path:  # noqa: F811 (the fixture)
+    """alice's folder in ``shared_tmp``, hers and 0755."""
+    alice, _ = users
+    folder = shared_tmp / "alice-home"
+    folder.mkdir(mode=0o755)
+    os.chown(folder, alice.uid, alice.gid)
+    return folder

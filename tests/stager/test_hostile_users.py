@@ -81,16 +81,6 @@ def intact(canary: Path) -> None:
         assert (canary / f"canary-{i:02d}").read_bytes() == f"root's canary {i}".encode()
 
 
-@pytest.fixture
-def home(users: tuple[User, User], shared_tmp: Path) -> Path:
-    """alice's folder, hers and 0755."""
-    alice, _ = users
-    folder = shared_tmp / "alice-home"
-    folder.mkdir(mode=0o755)
-    os.chown(folder, alice.uid, alice.gid)
-    return folder
-
-
 def as_user(user: User, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     done = user.run(list(argv), timeout=timeout)
     return done
@@ -141,7 +131,7 @@ def bait(user: User, folder: Path, canary: Path) -> None:
 def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
     service: Daemon,
     users: tuple[User, User],
-    home: Path,
+    alice_home: Path,
     canary: Path,
     interpreter_for_users: str,
 ) -> None:
@@ -150,7 +140,7 @@ def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
     Her copy is readable by her and not hers: the bait cannot be laid, and the canary
     stays whole."""
     alice, _ = users
-    src = home / "mine"
+    src = alice_home / "mine"
     as_user(alice, "mkdir", "-p", str(src))
     names = " ".join(f"canary-{i:02d}" for i in range(CANARY_FILES))
     as_user(alice, "sh", "-c", f"mkdir {src}/real && cd {src}/real && touch {names}")
@@ -173,7 +163,7 @@ def test_a_private_copy_cannot_be_turned_against_root_at_its_deletion(
 def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
     service: Daemon,
     users: tuple[User, User],
-    home: Path,
+    alice_home: Path,
     canary: Path,
     interpreter_for_users: str,
 ) -> None:
@@ -181,7 +171,7 @@ def test_a_delivery_swapped_for_a_link_loses_only_its_users_files(
     failed adoption, and on a release), she keeps exchanging a folder in it with a link
     to the canary. The deletion runs as her: it may delete her files, never root's."""
     alice, _ = users
-    src = home / "src"
+    src = alice_home / "src"
     as_user(alice, "mkdir", str(src))
     as_user(alice, "sh", "-c", f"echo data > {src}/file")
     body = copy("adopted", src)
@@ -224,15 +214,15 @@ def copy(name: str, src: Path, **extra: object) -> dict:
 
 
 def test_another_users_working_folder_is_not_reachable_through_proc(
-    service: Daemon, users: tuple[User, User], home: Path, canary: Path
+    service: Daemon, users: tuple[User, User], alice_home: Path, canary: Path
 ) -> None:
     """alice's process sits in a folder under her 0700 folder, root's in the canary: bob
     names their ``/proc/<pid>/cwd``, which a root thread with switched fsuid could follow."""
     alice, bob = users
-    private = home / "private" / "work"
+    private = alice_home / "private" / "work"
     as_user(alice, "mkdir", "-p", str(private))
     as_user(alice, "sh", "-c", f"echo notes > {private}/notes.txt")
-    as_user(alice, "chmod", "0700", str(home / "private"))
+    as_user(alice, "chmod", "0700", str(alice_home / "private"))
     command = ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups"]
     sitting = [
         subprocess.Popen([*command, "sleep", "60"], cwd=private),
@@ -264,7 +254,7 @@ def test_another_users_working_folder_is_not_reachable_through_proc(
 def test_a_delivery_is_checked_with_its_users_rights_and_says_nothing_of_roots_files(
     service: Daemon,
     users: tuple[User, User],
-    home: Path,
+    alice_home: Path,
     canary: Path,
     shared_tmp: Path,
 ) -> None:
@@ -320,13 +310,13 @@ def test_a_delivery_is_checked_with_its_users_rights_and_says_nothing_of_roots_f
 
 
 def test_every_process_that_opens_a_users_path_is_that_user_with_no_capability(
-    service: Daemon, users: tuple[User, User], home: Path, shared_tmp: Path
+    service: Daemon, users: tuple[User, User], alice_home: Path, shared_tmp: Path
 ) -> None:
     """During a staging of alice's own data (20,000 files: long enough to be seen) the
     staging process holds no capability, its gateway is alice with her groups, and the
     user process that checked the request is alice too."""
     alice, _ = users
-    src = home / "big"
+    src = alice_home / "big"
     as_user(alice, "sh", "-c", f"mkdir {src} && cd {src} && seq 1 20000 | xargs touch")
     as_user(alice, "chmod", "-R", "go-rwx", str(src))
     code, answer = request(alice, service, "POST", "/v1/datasets", copy("big", src))
@@ -429,14 +419,14 @@ def quota_service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon
 
 
 def test_a_staging_stops_once_its_users_bytes_reach_the_quota(
-    quota_service: Daemon, users: tuple[User, User], home: Path
+    quota_service: Daemon, users: tuple[User, User], alice_home: Path
 ) -> None:
     """A tiny .tar.xz (estimated at a fraction of what it holds) and a download whose size
     nobody knows beforehand both stop at alice's quota, failing with a sentence; what
     they wrote is deleted."""
     alice, _ = users
-    bomb = home / "bomb.tar.xz"
-    as_user(alice, "sh", "-c", f"cd {home} && head -c 40000000 /dev/zero > zeros && "
+    bomb = alice_home / "bomb.tar.xz"
+    as_user(alice, "sh", "-c", f"cd {alice_home} && head -c 40000000 /dev/zero > zeros && "
             f"tar -cJf {bomb} zeros && rm zeros && chmod 0600 {bomb}")  # fmt: skip
     assert bomb.stat().st_size < 100_000
     body = {"name": "bomb", "steps": [{"op": "extract", "src": str(bomb)}]}
@@ -467,7 +457,7 @@ def test_a_staging_stops_once_its_users_bytes_reach_the_quota(
 
 
 def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
-    users: tuple[User, User], shared_tmp: Path, home: Path
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
 ) -> None:
     """alice fills her slot with a slow download and queues as many more as she may: her
     next request is refused (429), and bob's one-file staging still runs at once (she

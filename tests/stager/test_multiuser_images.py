@@ -33,15 +33,6 @@ def service(users: tuple[User, User], shared_tmp: Path, trusted: Path) -> Iterat
         yield daemon
 
 
-@pytest.fixture
-def home(users: tuple[User, User], shared_tmp: Path) -> Path:
-    alice, _ = users
-    folder = shared_tmp / "alice-home"
-    folder.mkdir(mode=0o755)
-    os.chown(folder, alice.uid, alice.gid)
-    return folder
-
-
 def own(path: Path, user: User, mode: int) -> None:
     for found in [path, *path.rglob("*")]:
         os.chown(found, user.uid, user.gid, follow_symlinks=False)
@@ -59,11 +50,11 @@ def image_request(archive: Path, name: str = "imgs") -> dict:
 
 
 def test_a_private_image_is_entered_by_its_user_alone(
-    users: tuple[User, User], service: Daemon, home: Path
+    users: tuple[User, User], service: Daemon, alice_home: Path
 ) -> None:
     alice, bob = users
-    tree = write_tree(home / "mine", n_files=6, seed=1)
-    archive = make_tar(tree, home / "mine.tar")
+    tree = write_tree(alice_home / "mine", n_files=6, seed=1)
+    archive = make_tar(tree, alice_home / "mine.tar")
     own(tree, alice, 0o600)
     own(archive, alice, 0o600)  # only alice may read it: her copy is private
     code, status = stage(alice, service, image_request(archive))
@@ -89,11 +80,11 @@ def test_a_private_image_is_entered_by_its_user_alone(
 
 
 def test_a_shared_image_is_one_copy_every_user_reads(
-    users: tuple[User, User], service: Daemon, home: Path
+    users: tuple[User, User], service: Daemon, alice_home: Path
 ) -> None:
     alice, bob = users
-    tree = write_tree(home / "public", n_files=6, seed=2)
-    archive = make_tar(tree, home / "public.tar")
+    tree = write_tree(alice_home / "public", n_files=6, seed=2)
+    archive = make_tar(tree, alice_home / "public.tar")
     own(tree, alice, 0o644)
     own(archive, alice, 0o644)
     code, mine = stage(alice, service, image_request(archive))
@@ -109,12 +100,12 @@ def test_a_shared_image_is_one_copy_every_user_reads(
 
 
 def test_a_users_own_image_file_is_never_mounted_in_the_kernel(
-    users: tuple[User, User], service: Daemon, home: Path, trusted: Path
+    users: tuple[User, User], service: Daemon, alice_home: Path, trusted: Path
 ) -> None:
     alice, bob = users
-    tree = write_tree(home / "src", n_files=4, seed=3)
+    tree = write_tree(alice_home / "src", n_files=4, seed=3)
     own(tree, alice, 0o644)
-    image = home / "mine.erofs"
+    image = alice_home / "mine.erofs"
     build_image(str(tree), str(image))
     os.chown(image, alice.uid, alice.gid)
     sha = hashlib.sha256(image.read_bytes()).hexdigest()
