@@ -29,13 +29,10 @@ holes) are copied into the image, which is then larger, nothing more.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +40,7 @@ from stager.archive.formats import resolve_format
 from stager.errors import UnknownFormat, VerifyFailed
 from stager.fs.durable_names import sync_folder
 from stager.fs.fastcopy import copy_chunk
+from stager.fs.writeback import start_writeback
 from stager.image.build import BuildOptions, Built, TarInput, build_from
 from stager.image.erofs import Blob
 
@@ -125,23 +123,6 @@ def _publish_blob(copy: _Copy, blob: str, src: int, before: tuple[int, ...], sou
     os.rename(blob + ".partial", blob)
 
 
-def _writeback_starter() -> Callable[[int, int, int], None] | None:
-    """sync_file_range(fd, offset, count, SYNC_FILE_RANGE_WRITE), or None where libc
-    has none (it starts writeback and returns; the fsync at the end still decides)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    call = getattr(libc, "sync_file_range", None)
-    if call is None:
-        return None
-    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-
-    def start(fd: int, offset: int, count: int) -> None:
-        call(fd, offset, count, 2)  # SYNC_FILE_RANGE_WRITE; a failure leaves it to fsync
-
-    return start
-
-
-_WRITEBACK = _writeback_starter()
-
 # The copy's step: small enough that the headers are never far behind it (and that a
 # failed build stops it soon), large enough that the system calls cost nothing (1 GB:
 # 128 of them).
@@ -223,10 +204,8 @@ class _Copy(threading.Thread):
                     done = copy_chunk(self._src, fd, offset, min(_CHUNK, self._size - offset))
                     if done == 0:
                         raise EOFError(f"the source ended at byte {offset} of {self._size}")
-                    if self._sync and _WRITEBACK is not None:
-                        # Start this chunk's writeback now, not at the fsync: the disk
-                        # writes while the next chunk is copied.
-                        _WRITEBACK(fd, offset, done)
+                    if self._sync:
+                        start_writeback(fd, offset, done)
                     offset += done
                     self._advanced(offset)
                 if self._sync:

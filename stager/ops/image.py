@@ -18,7 +18,9 @@ really lies, and the hash of the bytes it will mount.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
+import queue
 import stat
 import threading
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pydantic import Field
 from stager.errors import BadRequest, UntrustedImage, VerifyFailed
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import fd_path, open_source, require_source, within
+from stager.fs.writeback import start_writeback
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 
 EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
@@ -109,11 +112,10 @@ def copy_verified(
         partial = output.with_name(output.name + ".partial")
         out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            # Hashed only against a pin: sha256 runs at ~1.7 GB/s here, slower than the
-            # kernel copies, and without a pin there is nothing to check it against.
+            os.fchmod(out, 0o444)  # before the fsync, which makes the mode durable too
+            # Hashed only against a pin: without one there is nothing to check it
+            # against, and sha256 (~1.8 GB/s here) is the copy's slowest part.
             digest = _copy_and_hash(fd, out, st.st_size, ctx, hashed=step.sha256 is not None)
-            os.fchmod(out, 0o444)
-            os.fsync(out)
         finally:
             os.close(out)
     finally:
@@ -130,37 +132,12 @@ def copy_verified(
 
 
 def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext, hashed: bool = True) -> str:
-    """Copy in the kernel, chunk by chunk, while a thread hashes each chunk written (read
-    back from the page cache): the two overlap, and what is hashed is what is mounted.
-    Not ``hashed``: the copy alone, and "" for its sha256 (not measured)."""
-    if not hashed:
-        offset = 0
-        while offset < size:
-            ctx.check_cancelled()
-            moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
-            if moved == 0:
-                raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
-            offset += moved
-            ctx.progress.advance(moved, 0)
-        return ""
-    digest = hashlib.sha256()
-    done = threading.Semaphore(0)
-    copied: list[tuple[int, int]] = []
-    failed: list[BaseException] = []
-
-    def hash_chunks() -> None:
-        try:
-            while True:
-                done.acquire()
-                offset, length = copied.pop(0)
-                if length < 0:
-                    return
-                digest.update(os.pread(dst, length, offset))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the copying thread
-            failed.append(exc)
-
-    hasher = threading.Thread(target=hash_chunks, name="image-hash")
-    hasher.start()
+    """Copy in the kernel, chunk by chunk, each chunk's writeback started as soon as it
+    is copied, then fsync, while a thread hashes each chunk written, read from the page
+    cache through a mapping of the copy (no second copy of the bytes): the copy, the
+    disk's writes and the hash overlap, and what is hashed is what is mounted. Not
+    ``hashed``: the durable copy alone, and "" for its sha256 (not measured)."""
+    hasher = _ChunkHasher(dst) if hashed else None
     offset = 0
     try:
         while offset < size:
@@ -168,17 +145,61 @@ def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext, hashed: bool =
             moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
             if moved == 0:
                 raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
-            copied.append((offset, moved))
-            done.release()
+            start_writeback(dst, offset, moved)
+            if hasher is not None:
+                hasher.written(offset, moved)
             offset += moved
             ctx.progress.advance(moved, 0)
-    finally:
-        copied.append((0, -1))
-        done.release()
-        hasher.join()
-    if failed:
-        raise failed[0]
-    return digest.hexdigest()
+        os.fsync(dst)  # while the hash, slower than the copy, goes on
+    except BaseException:
+        if hasher is not None:
+            hasher.finish(quiet=True)  # the copy's failure is the one to tell
+        raise
+    if hasher is None:
+        return ""
+    hasher.finish()
+    return hasher.hexdigest()
+
+
+class _ChunkHasher(threading.Thread):
+    """sha256 of a file's chunks in the order they are written, on a thread of its own
+    (hashlib releases the GIL for large updates), each read through a read-only mapping
+    of the range, from the page cache the copy has just filled."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__(name="image-hash")
+        self._fd = fd
+        self._digest = hashlib.sha256()
+        self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self.start()
+
+    def written(self, offset: int, length: int) -> None:
+        self._ranges.put((offset, length))
+
+    def finish(self, quiet: bool = False) -> None:
+        """Wait until every chunk written is hashed; raise what the hashing raised
+        (unless ``quiet``)."""
+        self._ranges.put(None)
+        self.join()
+        if self._error is not None and not quiet:
+            raise self._error
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+    def run(self) -> None:
+        try:
+            while (chunk := self._ranges.get()) is not None:
+                offset, length = chunk
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping's offset
+                with mmap.mmap(
+                    self._fd, offset + length - start, prot=mmap.PROT_READ, offset=start
+                ) as mapped:
+                    with memoryview(mapped) as view:
+                        self._digest.update(view[offset - start :])
+        except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the copy's thread
+            self._error = exc
 
 
 def _require_trusted(
