@@ -42,16 +42,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stager import overlap
+from stager.archive.growing import GrowingFile
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagingError
 from stager.fs.sources import open_source
-from stager.image.build import BuildOptions, Input, Names, TarInput, TreeInput, build_from
+from stager.image.build import (
+    BuildOptions,
+    Built,
+    Input,
+    Names,
+    TarInput,
+    TreeInput,
+    build_from,
+)
 from stager.image.index import build_indexed
 from stager.image.published import BLOB_SUFFIX
 from stager.ops import table
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
-from stager.progress import WorkerCounters
+from stager.progress import ProgressSink, WorkerCounters, report_written
 from stager.publish import Attempt, delete_tree, write_atomically
 
 IMAGE_NAME = "image.erofs"
@@ -213,6 +223,8 @@ class ImageStaging:
         if len(self.steps) == 1 and self.ops.op_of(self.steps[0]).prebuilt_image:
             return self._prebuilt(self.steps[0], made)
         the_plan = plan(self.ops, self.steps, _sniffer(self.ctx))
+        if self._downloads_its_archive(the_plan):
+            return self._build_while_downloading(the_plan, made)
         read_from: dict[int, str] = {}
 
         def at_turn(index: int) -> None:
@@ -281,6 +293,46 @@ class ImageStaging:
         names = Names(stream.strip, _norm(stream.dst), the_plan.names_after(index))
         return TarInput(stream.src, names, fd, stream.nested, stream.format)
 
+    # -- an archive built from as it downloads --
+
+    def _downloads_its_archive(self, the_plan: Plan) -> bool:
+        """Whether the request is a download and the streamed extract of what it
+        downloads (an extract of a URL; renames after it are names), neither done yet:
+        then the image is built from the download as it arrives."""
+        kinds = the_plan.kinds
+        if len(kinds) < 2 or kinds[:2] != [TREE, STREAM] or set(kinds[2:]) - {NAME}:
+            return False
+        fetch, extract = self.steps[0], self.steps[1]
+        return (
+            self.attempt.steps_done() == 0
+            and not the_plan.streams[2].keep
+            and self.ops.overlaps(fetch, extract, self.ctx)
+        )
+
+    def _build_while_downloading(self, the_plan: Plan, made: Path) -> ImageMade:
+        """The download runs as its op does alone (its ``.part``, resume, sha256, the
+        rename), while the image is built from its file as it grows
+        (:func:`stager.overlap.follow_download`; built again from the first byte if the
+        download starts over). The image takes its final name only once the download
+        is complete and checked: bytes that fail their sha256 are never published."""
+        stream = the_plan.streams[2]
+        names = Names(stream.strip, _norm(stream.dst), the_plan.names_after(2))
+        self.progress.start_step(1)
+
+        def build(ctx: OpContext, reader: GrowingFile) -> tuple[bool, Built]:
+            source = TarInput(
+                stream.src, names, reader.fileno(), format=stream.format, growing=reader
+            )
+            return True, self._build_only([source], made, the_plan, ctx.progress, steps=False)
+
+        _, built = overlap.follow_download(
+            self.ops, self.steps[0], self.ctx, lambda: self.progress.start_step(2), build
+        )
+        assert built is not None
+        result = self._built(built, made)
+        write_atomically(self.attempt.marker, str(len(self.steps)))
+        return result
+
     # -- the build --
 
     def _indexable(self, inputs: list[Input]) -> bool:
@@ -298,9 +350,23 @@ class ImageStaging:
     def _build(
         self, inputs: list[Input], made: Path, the_plan: Plan, indexed: bool = False
     ) -> ImageMade:
+        built = self._build_only(inputs, made, the_plan, self.progress, indexed=indexed)
+        return self._built(built, made)
+
+    def _build_only(
+        self,
+        inputs: list[Input],
+        made: Path,
+        the_plan: Plan,
+        counts: ProgressSink,
+        indexed: bool = False,
+        steps: bool = True,
+    ) -> Built:
+        """Build the image as ``made`` + ``.building``; ``counts`` takes the bytes and
+        files read; ``steps``: the progress shows each input's step as it is read."""
         streamed = sorted(the_plan.streams)
         private = self.image.top_owner is not None
-        sink = _StepProgress(self.progress, inputs, streamed, len(self.steps))
+        sink = _StepProgress(self.progress, inputs, streamed, len(self.steps), counts, steps)
         options = BuildOptions(
             progress=sink,
             check=self.ctx.check_cancelled,
@@ -317,6 +383,11 @@ class ImageStaging:
             built.size += os.path.getsize(blob)
         else:
             built = build_from(inputs, str(made) + ".building", options)
+        return built
+
+    def _built(self, built: Built, made: Path) -> ImageMade:
+        """The image built as ``made`` + ``.building`` takes its name (``IMAGE_BUILT``),
+        what it counted written beside it first."""
         self.progress.start_step(len(self.steps))
         self.progress.flush()
         result = ImageMade(
@@ -387,9 +458,15 @@ class _StepProgress:
     """The build's progress, told as the step whose archive (or tree) is being read."""
 
     def __init__(
-        self, progress: WorkerCounters, inputs: list[Input], streamed: list[int], steps: int
+        self,
+        progress: WorkerCounters,
+        inputs: list[Input],
+        streamed: list[int],
+        steps: int,
+        counts: ProgressSink,
+        show_steps: bool = True,
     ) -> None:
-        self._progress = progress
+        self._progress, self._counts, self._show_steps = progress, counts, show_steps
         # The side tree (if any) counts as the last step; streams as their own.
         self._order = ([steps] if len(inputs) > len(streamed) else []) + streamed
         self._labels = [source.path for source in inputs]
@@ -397,16 +474,16 @@ class _StepProgress:
         self._label = None
 
     def add_total(self, nbytes: int = 0, files: int = 0) -> None:
-        self._progress.add_total(nbytes, files)
+        self._counts.add_total(nbytes, files)
 
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
-        self._progress.advance(nbytes, files)
+        self._counts.advance(nbytes, files)
 
     def wrote(self, nbytes: int) -> None:
-        self._progress.wrote(nbytes)
+        report_written(self._counts, nbytes)
 
     def starting(self, label: str) -> None:
         """The build opens its next input."""
         self._at += 1
-        if self._at < len(self._order):
+        if self._show_steps and self._at < len(self._order):
             self._progress.start_step(self._order[self._at])

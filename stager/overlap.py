@@ -6,7 +6,9 @@ pair, the download runs in a thread exactly as the op does alone (its ``.part``
 file, resume by Range, the sha256 of the whole file, the rename when complete),
 while the extraction reads that file as it grows
 (:mod:`stager.archive.growing`). Which steps pair up, the op table says (its
-``grows`` and ``follows`` columns); this module runs a pair.
+``grows`` and ``follows`` columns); this module runs a pair. The same download
+with another reader of its growing file (``follow_download``) builds an image
+dataset as its archive arrives (:mod:`stager.imaging`).
 
 - Resume: a staging restarted after a crash runs the pair again; the download
   resumes from its ``.part``, and the extraction, safe to re-run into the same
@@ -28,13 +30,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
-from stager.archive.growing import DownloadFailed, Growth, StartOver
+from stager.archive.growing import DownloadFailed, GrowingFile, Growth, StartOver
 from stager.errors import Cancelled, StagerError
 from stager.ops.base import CancelSignal, OpContext
 from stager.ops.table import OpTable
 from stager.progress import ProgressSink, report_written
+
+T = TypeVar("T")
 
 
 def run_pair(
@@ -43,13 +47,37 @@ def run_pair(
     """Run ``step`` (its op ``grows`` a file) and ``following`` (its op ``follows`` it)
     at once; ``downloaded`` is called when the download is complete. Returns what the
     following op's ``run`` returns (the bytes an extraction left, when it counted them)."""
-    first, second = ops.op_of(step), ops.op_of(following)
-    assert first.grows is not None and second.follows is not None
-    part, final = first.grows.files(step, ctx)
+    second = ops.op_of(following)
+    assert second.follows is not None
+    follows = second.follows.run
+    read, made = follow_download(
+        ops, step, ctx, downloaded, lambda c, reader: follows(following, c, reader)
+    )
+    if read:
+        return made
+    # A zip: read now that the download is complete.
+    return second.run(following, replace(ctx, progress=_NoTotals(ctx.progress)))
+
+
+def follow_download(
+    ops: OpTable,
+    step: Any,
+    ctx: OpContext,
+    downloaded: Callable[[], None],
+    read: Callable[[OpContext, GrowingFile], tuple[bool, T]],
+) -> tuple[bool, T | None]:
+    """Run the download ``step`` (its op ``grows`` a file) in a thread while ``read``
+    reads its file as it grows (it may be called again, from the first byte, when the
+    download starts over). Returns what ``read`` returned once the download is
+    complete and what it read is the finished file; (False, None) when ``read`` said
+    it needs the whole file (then the download is complete on return)."""
+    grows = ops.op_of(step).grows
+    assert grows is not None
+    part, final = grows.files(step, ctx)
     growth = Growth(part, final, ctx.cancel)
     stop = threading.Event()
     download = _Download(
-        lambda: first.grows.run(  # type: ignore[union-attr]
+        lambda: grows.run(
             step,
             replace(ctx, progress=_CountedTwice(ctx.progress), cancel=_Either(ctx.cancel, stop)),
             growth,
@@ -59,35 +87,32 @@ def run_pair(
     )
     download.start()
     try:
-        read, made = _follow(second.follows.run, following, ctx, growth, download)
+        done, made = _follow(read, ctx, growth, download)
     except BaseException:
         stop.set()
         download.join()
         download.raise_failure(stopped=True)  # the cause, when the download failed first
         raise
-    if read:
-        return made
-    # A zip: read now that the download is complete.
-    download.join()
-    download.raise_failure()
-    return second.run(following, replace(ctx, progress=_NoTotals(ctx.progress)))
+    if not done:
+        download.join()
+        download.raise_failure()
+    return done, made
 
 
 def _follow(
-    run: Callable[[Any, OpContext, Any], tuple[bool, int | None]],
-    step: Any,
+    read_file: Callable[[OpContext, GrowingFile], tuple[bool, T]],
     ctx: OpContext,
     growth: Growth,
     download: _Download,
-) -> tuple[bool, int | None]:
-    """Run the extraction on the growing file until it reads the finished one; returns
-    what its ``run`` returns (read False: it needs the whole file)."""
+) -> tuple[bool, T | None]:
+    """Run the reader on the growing file until it reads the finished one; returns
+    what it returns (read False: it needs the whole file)."""
     tally = _Tally(ctx.progress)
     follow_ctx = replace(ctx, progress=tally)
     while True:
         reader = growth.open()
         try:
-            read, made = run(step, follow_ctx, reader)
+            read, made = read_file(follow_ctx, reader)
             if not read:
                 return False, None
             download.join()

@@ -109,6 +109,9 @@ class TarInput:
     fd: int | None = None
     nested: bool = False
     format: str = "auto"
+    # A download still arriving (stager.archive.growing): read once, front to back, as
+    # a stream whatever its format, each read waiting for its bytes; ``fd`` is its file.
+    growing: io.RawIOBase | None = None
 
 
 @dataclass(frozen=True)
@@ -303,9 +306,12 @@ class _TarSource:
         fd = self.source.fd
         if fd is None:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        growing = self.source.growing
         try:
-            length = os.fstat(fd).st_size
-            head = os.pread(fd, tarfile.BLOCKSIZE, 0)
+            # A growing file's size is not its length yet: the download's own progress
+            # counts its bytes (stager.overlap).
+            length = os.fstat(fd).st_size if growing is None else 0
+            head = os.pread(fd, tarfile.BLOCKSIZE, 0) if growing is None else growing.head(512)
             fmt = resolve_format(self.path, self.source.format, head)
             if fmt == "zip":
                 raise UnknownFormat(
@@ -314,7 +320,7 @@ class _TarSource:
                 )
             self.options.progress.add_total(length, 0)
             with translate(self.path):
-                self._read(Archive(fd, 0, length, fmt, self.path))
+                self._read(Archive(fd, 0, length, fmt, self.path, growing=growing))
         finally:
             if self.source.fd is None:
                 os.close(fd)
@@ -322,7 +328,10 @@ class _TarSource:
     def _read(self, archive: Archive) -> None:
         raw = archive.reader()
         stream: StreamReader | None = None
-        if archive.fmt != "tar":
+        if archive.growing is not None:  # read once, in order: its reads wait for the bytes
+            arriving = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
+            stream = StreamReader(arriving, raw, arriving=True)  # type: ignore[arg-type]
+        elif archive.fmt != "tar":
             buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
             stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
         with stream if stream is not None else contextlib.nullcontext():
@@ -346,7 +355,8 @@ class _TarSource:
             if stream is not None:
                 stream.drain()  # lets the decompressor check its trailer
             if not self.inner:
-                progress.advance(max(0, archive.length - consumed), 0)
+                length = archive.length if archive.growing is None else raw.tell()
+                progress.advance(max(0, length - consumed), 0)
 
     def _members(
         self, tar: tarfile.TarFile, headers: io.RawIOBase, blocks: tar_members.Blocks | None

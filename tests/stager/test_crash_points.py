@@ -15,6 +15,7 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -52,6 +53,7 @@ class World:
     trees: dict[str, Path]
     delivery: Path  # "ds" as another node would broadcast it, damaged on the way
     adopt: dict
+    image_from_url: bool = False  # "img" extracts the tar from its URL: built as it downloads
 
     def body(self, which: str, links: Path | None = None) -> dict:
         if which == "ds":  # copy, fetch, extract what was fetched, rename
@@ -70,8 +72,9 @@ class World:
         if which == "other":  # the same name, another request
             return {"name": "ds", "steps": [{"op": "copy", "src": str(self.trees["b"])}]}
         if which == "img":  # an archive staged as one image, mounted (docs/image-mode.md)
+            src = f"{self.base_url}/t.tar" if self.image_from_url else str(self.tmp / "t.tar")
             steps = [
-                {"op": "extract", "src": str(self.tmp / "t.tar")},
+                {"op": "extract", "src": src},
                 {"op": "rename", "src": "t", "dst": "train"},
             ]
             link = str((links or self.tmp / "links") / "img")
@@ -322,6 +325,22 @@ def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path
     points = traced_points(world, tmp_path / "traced", image_script, INDEX_IMAGES)
     assert any(p.startswith("image-published") for p in points), points
     failures = crashes_at(world, points, tmp_path / "runs", image_script, INDEX_IMAGES)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.timeout(600)
+def test_crash_after_every_durable_step_of_an_image_built_as_it_downloads(
+    world: World, tmp_path: Path
+) -> None:
+    """The image request as the extract of a URL, its image built while the tar
+    downloads (the image takes its name only once the download is checked), killed
+    after each of its durable steps."""
+    from_url = dataclasses.replace(world, image_from_url=True)
+    points = traced_points(from_url, tmp_path / "traced", image_script)
+    assert any(p.startswith("image-built") for p in points), points
+    # Built from the download as it arrived: no step ran alone first (no marker of one).
+    assert not any(p.startswith("step-done") for p in points), points
+    failures = crashes_at(from_url, points, tmp_path / "runs", image_script)
     assert not failures, "\n".join(failures)
 
 
