@@ -1,7 +1,8 @@
 """Benchmark: image datasets through a real daemon, against what a user would run instead.
 
     python -m bench.bench_image_daemon [--work-dir /var/tmp/stager-bench-image]
-        [--repeat 3] [--small-files 1000000] [--sections ready,prebuilt,evict,hit,trainer]
+        [--repeat 3] [--small-files 1000000] [--url-rate 50e6]
+        [--sections ready,prebuilt,url,evict,hit,trainer]
 
 - **ready**: request to ready (``POST /v1/datasets`` with ``"image": true``, then
   ``GET .../wait``) on a real daemon whose cache is on the work folder's disk, against
@@ -12,6 +13,9 @@
   alternate (A B A B ...), medians and the pairwise ratios are printed.
 - **prebuilt**: a prebuilt image of the 20,000 (a step ``image``), its sha256 pinned
   and not, against ``cp`` of that image (made durable), alternated the same way.
+- **url**: the 20,000 files' ``.tar.gz`` served over HTTP (a local server, throttled
+  to ``--url-rate`` bytes/s): an image dataset of its URL, built as it downloads,
+  against ``curl -o`` of the archive (made durable), alternated the same way.
 - **index**: the same from the plain ``.tar`` inputs on a second daemon with
   ``STAGER_IMAGE_INDEX`` (and file-backed mounts): an index image and its blob
   (:mod:`stager.image.index`), alternated with the ordinary daemon's image and ``cp``;
@@ -56,7 +60,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--small-files", type=int, default=1_000_000)
     parser.add_argument("--hits", type=int, default=200, help="hit requests timed per kind")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader processes")
-    parser.add_argument("--sections", default="ready,prebuilt,evict,hit,trainer")
+    parser.add_argument("--sections", default="ready,prebuilt,url,evict,hit,trainer")
+    parser.add_argument(
+        "--url-rate", type=float, default=50e6, help="the url section's server, bytes/s"
+    )
     return parser
 
 
@@ -167,6 +174,28 @@ def prebuilt_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat
         ),
     )
     _timed_cases("A prebuilt image through the daemon (durable)", work, stager, cases, repeat)
+
+
+def url_section(
+    work: Path, stager: Stager, inputs: dict[str, Path], repeat: int, rate: float
+) -> None:
+    """The 20k files' .tar.gz served over HTTP at ``rate`` bytes/s: an image dataset of
+    its URL (built as it downloads) against ``curl -o`` of it (made durable)."""
+    from tests.httpserver import Behaviour, serve_files
+
+    archive = inputs["tar.gz"]
+    behaviour = Behaviour(files={"/a.tar.gz": archive.read_bytes()}, bytes_per_s=rate)
+    with serve_files(behaviour) as base:
+        url = f"{base}/a.tar.gz"
+        cases = (
+            (
+                f"20k files 4-100 KB, .tar.gz over HTTP at {rate / 1e6:.0f} MB/s vs curl -o",
+                {"op": "extract", "src": url},
+                ["curl", "-sS", url, "-o"],
+                False,
+            ),
+        )
+        _timed_cases("An image of a URL through the daemon (durable)", work, stager, cases, repeat)
 
 
 def _timed_cases(
@@ -319,6 +348,8 @@ def main(args: argparse.Namespace) -> int:
             ready_section(work, stager, inputs, args.repeat)
         if "prebuilt" in sections:
             prebuilt_section(work, stager, inputs, args.repeat)
+        if "url" in sections:
+            url_section(work, stager, inputs, args.repeat, args.url_rate)
         if "index" in sections:
             index_section(work, stager, inputs, args.repeat)
         if "evict" in sections:
