@@ -21,6 +21,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +112,14 @@ def copy_verified(
         try:
             # Hashed only against a pin: sha256 runs at ~1.7 GB/s here, slower than the
             # kernel copies, and without a pin there is nothing to check it against.
-            digest = _copy_and_hash(fd, out, st.st_size, ctx, hashed=step.sha256 is not None)
+            digest = copy_and_hash(
+                fd,
+                out,
+                st.st_size,
+                ctx.check_cancelled,
+                lambda n: ctx.progress.advance(n, 0),
+                hashed=step.sha256 is not None,
+            )
             os.fchmod(out, 0o444)
             os.fsync(out)
         finally:
@@ -129,19 +137,28 @@ def copy_verified(
     return Copied(fmt, st.st_size, digest)
 
 
-def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext, hashed: bool = True) -> str:
-    """Copy in the kernel, chunk by chunk, while a thread hashes each chunk written (read
-    back from the page cache): the two overlap, and what is hashed is what is mounted.
-    Not ``hashed``: the copy alone, and "" for its sha256 (not measured)."""
+def copy_and_hash(
+    src: int,
+    dst: int,
+    size: int,
+    check: Callable[[], None],
+    advance: Callable[[int], None],
+    hashed: bool = True,
+) -> str:
+    """Copy ``size`` bytes in the kernel, chunk by chunk, while a thread hashes each chunk
+    written (read back from ``dst``, opened read-write, in the page cache): the two
+    overlap, and what is hashed is what the copy holds (what is mounted, or sent). Not
+    ``hashed``: the copy alone, and "" for its sha256 (not measured). ``check`` runs
+    before each chunk (it raises to stop), ``advance`` after, with its bytes."""
     if not hashed:
         offset = 0
         while offset < size:
-            ctx.check_cancelled()
+            check()
             moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
             if moved == 0:
                 raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
             offset += moved
-            ctx.progress.advance(moved, 0)
+            advance(moved)
         return ""
     digest = hashlib.sha256()
     done = threading.Semaphore(0)
@@ -164,14 +181,14 @@ def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext, hashed: bool =
     offset = 0
     try:
         while offset < size:
-            ctx.check_cancelled()
+            check()
             moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
             if moved == 0:
                 raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
             copied.append((offset, moved))
             done.release()
             offset += moved
-            ctx.progress.advance(moved, 0)
+            advance(moved)
     finally:
         copied.append((0, -1))
         done.release()
