@@ -26,6 +26,7 @@ from client.fanout.slurm import Broadcast, Job, sbcast
 from stager.manifest_format import file_digest
 from stager.schemas import (
     END_NAME,
+    IMAGE_DELIVERY_NAME,
     MANIFEST_NAME,
     READY_SUFFIX,
     Adopt,
@@ -247,12 +248,18 @@ class Node:
         on its nodes, packing part i+1 while part i travels; then the manifest. One
         ``sent`` event per part and one for the manifest (with its sha256). An sbcast
         that fails (``failed``: some node may lack that part) does not stop the others:
-        each receiver checks its own copy. A part that cannot be packed does (``error``)."""
+        each receiver checks its own copy. A part that cannot be packed does (``error``).
+        An image dataset's export is one file, sent alone (one ``sent``, no manifest)."""
         label, dest, step = str(message["label"]), str(message["dest"]), str(message["step"])
         how = Broadcast(bool(message["compress"]), int(message["fanout"]))
         exported = self.exported
         if exported is None or exported.id != label or self.send_file is None:
             self.emit(self._event("sent", error=f"export {label!r} was not packed here"))
+            return
+        if exported.image is not None:  # an image dataset: its one file, no manifest
+            target = f"{dest}/{IMAGE_DELIVERY_NAME}"
+            failed = await self._send(str(exported.path), target, step, how)
+            self.emit(self._event("sent", index=0, bytes=exported.bytes, failed=failed))
             return
         name = str(self.body["name"])
         while True:
