@@ -25,7 +25,8 @@ dataset: nothing should leave the storage).
 
     sudo .venv/bin/python bench/bench_fanout.py                 # 200 MB, 200 Mbit/s, N=1,2,4
     sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
-    ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
+    ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree; an
+                          # image dataset at N=4, its image file vs its tree in parts
     ... --nodes 1 --kinds tree --no-references   # only the 1-node tree staging
     ... --kinds url-file url-extract --no-references   # the two HTTP shapes
     ... --kinds image --nodes 1 4 --no-references   # an image dataset, N=1 against N=4
@@ -203,6 +204,8 @@ def main() -> int:
                 ("tar.gz", max(args.nodes), "prepared"),
                 ("tar.gz", max(args.nodes), "sources"),
             ]
+        if args.compare_modes and "image" in args.kinds:  # the image file against its tree
+            plan += [("image", max(args.nodes), "prepared")]
         for run in range(args.runs):
             for kind, nodes, broadcast in plan:
                 source = tree if kind in ("tree", "image") else archive

@@ -159,6 +159,9 @@ class ExportCreate(BaseModel):
     # With part 0: about how many bytes of file data each part holds (32 MiB).
     part_bytes: int | None = Field(default=None, ge=1 << 16, le=MAX_BYTES)
     early: bool = False
+    # A ready image dataset goes as its image file (one part, ``image``) unless ``tree``
+    # asks for its tree in parts with a manifest (each receiver then builds its image).
+    tree: bool = False
 
 
 class ImageSent(BaseModel):

@@ -120,7 +120,8 @@ class Node:
             self._sending_early = asyncio.create_task(self.send_early(message))
         elif action == "export":
             label, part = str(message["label"]), int(message.get("part", 0))
-            self.emit(await self.export(label, message.get("part_bytes"), part))
+            tree = bool(message.get("tree"))
+            self.emit(await self.export(label, message.get("part_bytes"), part, tree))
         elif action == "send":
             await self.send(message)
         elif action == "drop-export":
@@ -190,13 +191,14 @@ class Node:
         )
 
     async def export(
-        self, label: str, part_bytes: int | None = None, part: int = 0
+        self, label: str, part_bytes: int | None = None, part: int = 0, tree: bool = False
     ) -> dict[str, Any]:
         """Plan the parts and pack the first (``part``: after the early ones); the others
-        are packed as they are sent."""
+        are packed as they are sent. A ready image dataset: its image file, one part,
+        unless ``tree``."""
         try:
             name = str(self.body["name"])
-            self.exported = await self.calls.export(name, label, part, part_bytes)
+            self.exported = await self.calls.export(name, label, part, part_bytes, tree=tree)
         except StagerError as exc:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
         return self._event("exported", **self.exported.model_dump(mode="json"))

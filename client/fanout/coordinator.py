@@ -139,6 +139,11 @@ class Fanout:
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _sends_image(self) -> bool:
+        """An image dataset goes as its image file, unless ``--broadcast prepared`` asks
+        for its tree in parts (each receiver then builds its own image)."""
+        return wants_image(self.body) and self.broadcast != "prepared"
+
     def _label(self) -> str:
         """Names the delivery folder on every receiver and the export on the sender (a
         new one for each source chosen anew)."""
@@ -197,7 +202,7 @@ class Fanout:
         sink_start = asyncio.create_task(self._sink(receivers))
         label = self._label()
         first: dict[str, Any] = {}
-        if source not in holders and not wants_image(self.body):
+        if source not in holders and not self._sends_image():
             # An image dataset goes as its one image file, made at the end of the staging:
             # nothing to send while it stages.
             # It stages from the storage: what it finishes is sent while it goes on.
@@ -307,7 +312,8 @@ class Fanout:
         receivers' daemons extract part i-1 meanwhile."""
         label = self._label()
         first_part = early.parts if early is not None else 0
-        await agents.tell({"do": "export", "to": [source], "label": label, "part": first_part})
+        await agents.tell({"do": "export", "to": [source], "label": label, "part": first_part,
+                           "tree": self.broadcast == "prepared"})  # fmt: skip
         exported = (await agents.collect("exported", [source])).get(source, {})
         self._mark("export")
         if exported.get("error") or not exported:

@@ -301,7 +301,7 @@ class FanoutRoom:
         that tree, plans the parts and is admitted for them; the others come in order,
         each packed while the one before is on its way."""
         owner = self._owner(caller)
-        if not request.early and sent_whole(entry):
+        if request.part == 0 and not request.early and not request.tree and sent_whole(entry):
             return await self._export_image(entry, request, owner, ready)
         if request.early:
             answer = await self._export_early(entry, request, owner, staging_tree)

@@ -173,6 +173,25 @@ def test_a_delivery_that_is_not_the_sent_image_is_never_mounted(
         assert digest(Path(staged["path"]) / "train") == digest(tree)
 
 
+def test_an_image_dataset_asked_for_as_a_tree_goes_in_parts_and_the_receiver_builds_it(
+    two: tuple[Daemon, Daemon], source: tuple[Path, Path]
+) -> None:
+    """``--broadcast prepared``: the image dataset's tree, in parts with a manifest; the
+    receiver checks the tree and builds its own image of it."""
+    from tests.stager.test_fanout_api import send_bundle
+
+    tree, archive = source
+    node1, node2 = two
+    body = image_body(archive)
+    with node1.client() as one, node2.client() as other:
+        staged = ready(one, body)
+        adopted = send_bundle(one, other, body, "job43-ds", tree=True)
+        assert adopted["state"] == "ready", adopted["error"]
+        assert adopted["key"] == staged["key"] and adopted["origin"]["how"] == "broadcast"
+        assert image_mount.mounted_at(adopted["path"]) is not None
+        assert digest(Path(adopted["path"]) / "train") == digest(tree)
+
+
 def test_an_index_image_goes_as_a_tree_in_parts(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:
