@@ -9,6 +9,9 @@ same tree. Each run is a real ``sbatch -N<n>`` job that runs one
 all nodes; every run starts from empty caches. Bytes are counted on the storage
 side (its sftp-server's log; its link's counter for the wire total).
 
+``image``: the tree staged as an image dataset (``--as-image``): the source node builds
+one EROFS image of it and sends that one file with one sbcast (docs/multinode.md).
+
 Two more shapes read the .tar.gz over HTTP from the storage (a ``http.server`` in the
 storage's own network namespace, behind the same rate-limited link; its bytes counted
 on that link, the wire column): ``url-file``, one large file fetched as it is
@@ -22,9 +25,11 @@ dataset: nothing should leave the storage).
 
     sudo .venv/bin/python bench/bench_fanout.py                 # 200 MB, 200 Mbit/s, N=1,2,4
     sudo .venv/bin/python bench/bench_fanout.py --mb 20 --runs 1 --nodes 1 4   # quick look
-    ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree
+    ... --compare-modes   # the .tar.gz at N=4, sources broadcast vs prepared tree; an
+                          # image dataset at N=4, its image file vs its tree in parts
     ... --nodes 1 --kinds tree --no-references   # only the 1-node tree staging
     ... --kinds url-file url-extract --no-references   # the two HTTP shapes
+    ... --kinds image --nodes 1 4 --no-references   # an image dataset, N=1 against N=4
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.multinode import Cluster, fresh_copy, leftovers  # noqa: E402
 
 FILE_BYTES = 100_000
-KINDS = ("tree", "tar.gz", "url-file", "url-extract")
+KINDS = ("tree", "tar.gz", "url-file", "url-extract", "image")
 HTTP_PORT = 8080  # inside the storage's own network namespace: no clash possible
 
 
@@ -79,6 +84,8 @@ def what(kind: str, source: str) -> str:
         step = {"op": "fetch", "url": source, "dst": Path(source).name}
     elif kind == "url-extract":
         step = {"op": "extract", "src": source}
+    elif kind == "image":  # the tree as an image dataset: sent as one file
+        return f"--recipe imagefolder --source {source} --as-image"
     else:
         return f"--recipe imagefolder --source {source}"
     return f"--step {shlex.quote(json.dumps(step))}"
@@ -184,6 +191,7 @@ def main() -> int:
         tree, archive = make_data(cluster.storage_dir, args.mb * 1_000_000)
         sizes = {"tree": source_bytes(tree), "tar.gz": source_bytes(archive)}
         sizes["url-file"] = sizes["url-extract"] = sizes["tar.gz"]
+        sizes["image"] = sizes["tree"]
         print(f"tree: {sizes['tree'] / 1e6:.0f} MB in {len(list(tree.rglob('*.jpg')))} files; "
               f"tar.gz: {sizes['tar.gz'] / 1e6:.0f} MB", flush=True)  # fmt: skip
         results: dict[tuple[str, int, str], list] = {}
@@ -196,9 +204,11 @@ def main() -> int:
                 ("tar.gz", max(args.nodes), "prepared"),
                 ("tar.gz", max(args.nodes), "sources"),
             ]
+        if args.compare_modes and "image" in args.kinds:  # the image file against its tree
+            plan += [("image", max(args.nodes), "prepared")]
         for run in range(args.runs):
             for kind, nodes, broadcast in plan:
-                source = tree if kind == "tree" else archive
+                source = tree if kind in ("tree", "image") else archive
                 report, moved = measure(cluster, kind, source, nodes, broadcast, run, http)
                 results.setdefault((kind, nodes, broadcast), []).append((report, moved))
                 read = moved.wire if kind.startswith("url-") else moved.content

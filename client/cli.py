@@ -260,9 +260,10 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         "--broadcast",
         choices=["auto", "prepared", "sources"],
         default="auto",
-        help="with --peers slurm, what is sent to the other nodes: the prepared tree (auto), "
-        "or the request's source files (archives) for every node to stage from "
-        "(see docs/multinode.md)",
+        help="with --peers slurm, what is sent to the other nodes: the prepared tree, or an "
+        "image dataset's image file (auto); the prepared tree even for an image dataset "
+        "(prepared); or the request's source files (archives) for every node to stage "
+        "from (sources) (see docs/multinode.md)",
     )
     _add_wait_flags(sub)
     _add_json(sub, "print the final status as JSON")

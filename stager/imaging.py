@@ -21,7 +21,8 @@ request no step of which streams (a copy of a folder) is staged as a tree and pa
 from a walk of it. Either way the tree goes once the image is built.
 
 A prebuilt image (the ``image`` op, ``prebuilt_image``) is copied and checked by its
-sha256 (:mod:`stager.ops.image`).
+sha256 (:mod:`stager.ops.image`); so is an image another node sent whole
+(``adopt_image``, :mod:`stager.ops.adopt_image`).
 
 The image is built as ``image.erofs.partial`` in the attempt's folder and renamed to
 ``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``), with what the
@@ -58,7 +59,8 @@ from stager.image.build import (
 )
 from stager.image.index import build_indexed
 from stager.image.published import BLOB_SUFFIX
-from stager.ops import table
+from stager.ops import adopt_image, table
+from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
 from stager.progress import ProgressSink, WorkerCounters, report_written
@@ -220,6 +222,8 @@ class ImageStaging:
         made = attempt_image(self.attempt)
         if made.exists():
             return _made_before(self.attempt)  # built before a crash: published next
+        if len(self.steps) == 1 and isinstance(self.steps[0], AdoptImageStep):
+            return self._adopted(self.steps[0], made)
         if len(self.steps) == 1 and self.ops.op_of(self.steps[0]).prebuilt_image:
             return self._prebuilt(self.steps[0], made)
         the_plan = plan(self.ops, self.steps, _sniffer(self.ctx))
@@ -409,6 +413,23 @@ class ImageStaging:
         self.progress.start_step(1)
         copied = copy_verified(
             step, self.ctx, made.with_name(IMAGE_NAME + ".copied"), self.image.trusted
+        )
+        result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
+        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
+        os.rename(made.with_name(IMAGE_NAME + ".copied"), made)
+        self.crash.reached(Durable.IMAGE_BUILT)
+        write_atomically(self.attempt.marker, str(len(self.steps)))
+        self.progress.flush()
+        return result
+
+    def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
+        """Another node's image, sent whole: copied and checked (stager.ops.adopt_image).
+        A private copy's too: the source node's service built it for the same user's key
+        (its top folder theirs), and its hash is that service's word."""
+        self.progress.start_step(1)
+        mode = 0o400 if self.image.top_owner is not None else 0o444
+        copied = adopt_image.copy_checked(
+            step, self.ctx, made.with_name(IMAGE_NAME + ".copied"), mode
         )
         result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
         write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))

@@ -159,6 +159,22 @@ class ExportCreate(BaseModel):
     # With part 0: about how many bytes of file data each part holds (32 MiB).
     part_bytes: int | None = Field(default=None, ge=1 << 16, le=MAX_BYTES)
     early: bool = False
+    # A ready image dataset goes as its image file (one part, ``image``) unless ``tree``
+    # asks for its tree in parts with a manifest (each receiver then builds its image).
+    tree: bool = False
+
+
+class ImageSent(BaseModel):
+    """An image dataset's file as the source node sends it (docs/multinode.md): its size
+    and sha256, measured by that node's service from the very bytes sbcast reads, its
+    format, and (node service) that service's credential for them (stager.vouch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: ByteCount
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    format: Literal["erofs", "squashfs"] = "erofs"
+    credential: str | None = Field(default=None, max_length=4096)
 
 
 class ExportPublic(BaseModel):
@@ -182,6 +198,9 @@ class ExportPublic(BaseModel):
     manifest_credential: str | None = None
     more: bool = False
     retry_after_s: float = 0.0
+    # A ready image dataset is sent as one file (``path``, the only part), no manifest:
+    # its size and sha256, measured by this node's service from the bytes at ``path``.
+    image: ImageSent | None = None
 
 
 class IncomingCreate(BaseModel):
@@ -211,8 +230,10 @@ class Adopt(BaseModel):
     parts that may still be arriving (``bundle_bytes``: its file data; see
     ``stager.ops.adopt`` for the files that say a part is whole and that the last one
     came), or the request's own source files (``sources``: source path -> (size,
-    sha256) of the copy, named ``delivered_name(path)`` in the folder). The entry
-    keeps the request's cache key, which must equal ``origin_key``."""
+    sha256) of the copy, named ``delivered_name(path)`` in the folder), or an image
+    dataset's image file, whole (``image``: its size and sha256 as the source node's
+    service measured them, delivered as ``IMAGE_DELIVERY_NAME``). The entry keeps the
+    request's cache key, which must equal ``origin_key``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -222,6 +243,8 @@ class Adopt(BaseModel):
     job: str | None = None
     bundle_bytes: ByteCount | None = None
     sources: dict[str, tuple[ByteCount, str]] | None = None
+    # An image dataset's one file, delivered whole as ``IMAGE_DELIVERY_NAME``.
+    image: ImageSent | None = None
     # The origin node's service vouches for the prepared tree's manifest (its export
     # said ``vouched``): the end file will carry its credential. Only then may a node
     # service share the adopted copy with every user; else it stays the asker's own.
@@ -229,8 +252,9 @@ class Adopt(BaseModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> Adopt:
-        if (self.bundle_bytes is None) == (self.sources is None):
-            raise ValueError("give either 'bundle_bytes' (a prepared tree) or 'sources'")
+        given = [self.bundle_bytes, self.sources, self.image]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("give one of 'bundle_bytes' (a prepared tree), 'sources' or 'image'")
         return self
 
 
@@ -238,6 +262,8 @@ class Adopt(BaseModel):
 # file exists; the end file ({"parts": n, "manifest_sha256": ...} or {"abort": why})
 # says that no more come.
 MANIFEST_NAME = "manifest.json"
+# An image dataset's delivery folder holds one file, this one.
+IMAGE_DELIVERY_NAME = "image.img"
 END_NAME = "end.json"
 READY_SUFFIX = ".ok"
 

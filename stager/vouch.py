@@ -29,6 +29,9 @@ from stager.errors import VerifyFailed
 
 TTL_S = 900  # from the last part packed to the adoption checking it
 WHAT = "stager fan-out manifest"
+# An image dataset's file, sent whole (docs/multinode.md): the same credential over the
+# image's sha256, under another name, so that one never passes for the other.
+IMAGE = "stager fan-out image"
 # unmunge's STATUS values that still vouch for the payload (munge.h: EMUNGE_SUCCESS,
 # EMUNGE_CRED_REPLAYED).
 VOUCHING = {0, 17}
@@ -45,10 +48,13 @@ def _socket_args(socket: Path | str | None) -> list[str]:
     return ["--socket", str(socket)] if socket is not None else []
 
 
-def vouch(key: str, manifest_sha256: str, socket: Path | str | None) -> str | None:
-    """A credential of this process's uid for the manifest of entry ``key``; None when
-    munged cannot make one (the receivers then keep their copies private)."""
-    payload = json.dumps({"what": WHAT, "key": key, "manifest_sha256": manifest_sha256})
+def vouch(
+    key: str, manifest_sha256: str, socket: Path | str | None, what: str = WHAT
+) -> str | None:
+    """A credential of this process's uid for the manifest (``what``: or the image) of
+    entry ``key``; None when munged cannot make one (the receivers then keep their
+    copies private, and refuse an image)."""
+    payload = json.dumps({"what": what, "key": key, "manifest_sha256": manifest_sha256})
     try:
         done = subprocess.run(
             ["munge", *_socket_args(socket), "--ttl", str(TTL_S), "--string", payload],
@@ -62,10 +68,15 @@ def vouch(key: str, manifest_sha256: str, socket: Path | str | None) -> str | No
 
 
 def check(
-    credential: object, uid: int, key: str, manifest_sha256: str, socket: Path | str | None
+    credential: object,
+    uid: int,
+    key: str,
+    manifest_sha256: str,
+    socket: Path | str | None,
+    what: str = WHAT,
 ) -> None:
-    """Raise unless ``credential`` is munged's, made by ``uid``, for the manifest of
-    ``key`` whose sha256 is ``manifest_sha256``."""
+    """Raise unless ``credential`` is munged's, made by ``uid``, for the manifest (or
+    ``what`` else) of ``key`` whose sha256 is ``manifest_sha256``."""
     if not isinstance(credential, str) or not credential.strip():
         raise VerifyFailed(
             "the broadcast copy's manifest came without the source node's credential, so it "
@@ -99,7 +110,7 @@ def check(
         payload = json.loads(payload_text)
     except ValueError as exc:
         raise VerifyFailed("the manifest's credential holds no stager payload") from exc
-    if not isinstance(payload, dict) or payload.get("what") != WHAT:
+    if not isinstance(payload, dict) or payload.get("what") != what:
         raise VerifyFailed("the manifest's credential vouches for something else")
     if (payload.get("key"), payload.get("manifest_sha256")) != (key, manifest_sha256):
         raise VerifyFailed(

@@ -26,6 +26,7 @@ from client.fanout.slurm import Broadcast, Job, sbcast
 from stager.manifest_format import file_digest
 from stager.schemas import (
     END_NAME,
+    IMAGE_DELIVERY_NAME,
     MANIFEST_NAME,
     READY_SUFFIX,
     Adopt,
@@ -119,7 +120,8 @@ class Node:
             self._sending_early = asyncio.create_task(self.send_early(message))
         elif action == "export":
             label, part = str(message["label"]), int(message.get("part", 0))
-            self.emit(await self.export(label, message.get("part_bytes"), part))
+            tree = bool(message.get("tree"))
+            self.emit(await self.export(label, message.get("part_bytes"), part, tree))
         elif action == "send":
             await self.send(message)
         elif action == "drop-export":
@@ -189,13 +191,14 @@ class Node:
         )
 
     async def export(
-        self, label: str, part_bytes: int | None = None, part: int = 0
+        self, label: str, part_bytes: int | None = None, part: int = 0, tree: bool = False
     ) -> dict[str, Any]:
         """Plan the parts and pack the first (``part``: after the early ones); the others
-        are packed as they are sent."""
+        are packed as they are sent. A ready image dataset: its image file, one part,
+        unless ``tree``."""
         try:
             name = str(self.body["name"])
-            self.exported = await self.calls.export(name, label, part, part_bytes)
+            self.exported = await self.calls.export(name, label, part, part_bytes, tree=tree)
         except StagerError as exc:
             return self._event("exported", error=f"packing {self.body['name']!r}: {exc.message}")
         return self._event("exported", **self.exported.model_dump(mode="json"))
@@ -247,12 +250,18 @@ class Node:
         on its nodes, packing part i+1 while part i travels; then the manifest. One
         ``sent`` event per part and one for the manifest (with its sha256). An sbcast
         that fails (``failed``: some node may lack that part) does not stop the others:
-        each receiver checks its own copy. A part that cannot be packed does (``error``)."""
+        each receiver checks its own copy. A part that cannot be packed does (``error``).
+        An image dataset's export is one file, sent alone (one ``sent``, no manifest)."""
         label, dest, step = str(message["label"]), str(message["dest"]), str(message["step"])
         how = Broadcast(bool(message["compress"]), int(message["fanout"]))
         exported = self.exported
         if exported is None or exported.id != label or self.send_file is None:
             self.emit(self._event("sent", error=f"export {label!r} was not packed here"))
+            return
+        if exported.image is not None:  # an image dataset: its one file, no manifest
+            target = f"{dest}/{IMAGE_DELIVERY_NAME}"
+            failed = await self._send(str(exported.path), target, step, how)
+            self.emit(self._event("sent", index=0, bytes=exported.bytes, failed=failed))
             return
         name = str(self.body["name"])
         while True:

@@ -38,15 +38,19 @@ class FanoutCalls:
         part: int = 0,
         part_bytes: int | None = None,
         early: bool = False,
+        tree: bool = False,
     ) -> ExportPublic:
         """Pack part ``part`` of ready dataset ``name`` for sbcast (part 0 plans them all,
         in parts of about ``part_bytes``; the last comes with the manifest); parts are
-        asked for in order. ``early``: of the files it finished while still staging."""
+        asked for in order. ``early``: of the files it finished while still staging. A
+        ready image dataset is one part, its image file, unless ``tree``."""
         body: dict[str, Any] = {"label": label, "part": part}
         if part_bytes is not None:
             body["part_bytes"] = part_bytes
         if early:
             body["early"] = True
+        if tree:
+            body["tree"] = True
         return await self._call(
             "POST",
             f"/v1/datasets/{_q(name)}/export",

@@ -31,7 +31,7 @@ from client.fanout.slurm import (
     sbcast,
     sink_argv,
 )
-from stager.schemas import Adopt, delivered_name
+from stager.schemas import Adopt, ImageSent, delivered_name
 
 Say = Callable[[str], None]
 
@@ -139,6 +139,11 @@ class Fanout:
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _sends_image(self) -> bool:
+        """An image dataset goes as its image file, unless ``--broadcast prepared`` asks
+        for its tree in parts (each receiver then builds its own image)."""
+        return wants_image(self.body) and self.broadcast != "prepared"
+
     def _label(self) -> str:
         """Names the delivery folder on every receiver and the export on the sender (a
         new one for each source chosen anew)."""
@@ -155,6 +160,7 @@ class Fanout:
             seconds=event.get("seconds"),
             fallback=event.get("fallback"),
             error=f"{error} ({step})" if error else None,
+            image=self.report.mode == "image" and event.get("how") == "broadcast",
         )
         self.report.nodes[node] = result
         return result
@@ -196,7 +202,9 @@ class Fanout:
         sink_start = asyncio.create_task(self._sink(receivers))
         label = self._label()
         first: dict[str, Any] = {}
-        if source not in holders:
+        if source not in holders and not self._sends_image():
+            # An image dataset goes as its one image file, made at the end of the staging:
+            # nothing to send while it stages.
             # It stages from the storage: what it finishes is sent while it goes on.
             await agents.tell({"do": "early", "to": [source], "label": label})
             first = (await agents.collect("early", [source])).get(source) or {}
@@ -304,11 +312,15 @@ class Fanout:
         receivers' daemons extract part i-1 meanwhile."""
         label = self._label()
         first_part = early.parts if early is not None else 0
-        await agents.tell({"do": "export", "to": [source], "label": label, "part": first_part})
+        await agents.tell({"do": "export", "to": [source], "label": label, "part": first_part,
+                           "tree": self.broadcast == "prepared"})  # fmt: skip
         exported = (await agents.collect("exported", [source])).get(source, {})
         self._mark("export")
         if exported.get("error") or not exported:
             raise FanoutError(f"packing on {source} failed ({exported.get('error', 'no answer')})")
+        if exported.get("image"):
+            await self._image_to(agents, sink, source, receivers, exported)
+            return
         if early is None:
             nbytes = int(exported["total_bytes"])
             early = Early(await self._reserve(agents, receivers, nbytes),
@@ -318,6 +330,40 @@ class Fanout:
         end = await self._send_parts(agents, sink, source, label, early, exported)
         await agents.tell({"do": "end", "to": receivers, **end})
         self._mark("sbcast")
+
+    async def _image_to(
+        self,
+        agents: Agents,
+        sink: Sink,
+        source: str,
+        receivers: list[str],
+        exported: dict[str, Any],
+    ) -> None:
+        """An image dataset, as one file: the source node sbcasts its copy of the image
+        (its service hashed it as it copied it), then the receivers adopt it, each
+        checking its copy's size and sha256 against that service's (never mounting one
+        that differs). Without compression: an image of JPEGs does not compress."""
+        self.report.mode = "image"
+        nbytes = int(exported["bytes"])
+        how = self.report.broadcast = broadcast_for(len(receivers), nbytes, False)
+        dest = await self._reserve(agents, receivers, nbytes)
+        await agents.tell({"do": "send", "to": [source], "label": self._label(), "dest": dest,
+                           "step": sink.step_id, "compress": how.compress,
+                           "fanout": how.fanout})  # fmt: skip
+        sent = (await agents.collect("sent", [source])).get(source)
+        if sent is None or sent.get("error"):
+            why = sent.get("error") if sent else f"{source}'s task ended"
+            raise FanoutError(f"the broadcast of the image from {source} stopped ({why})")
+        if sent.get("failed"):  # some nodes may hold it all the same: each checks its own
+            self.say(f"the sbcast of the image from {source} failed ({sent['failed']}); "
+                     "receivers check")  # fmt: skip
+        self.report.sent_bytes += nbytes
+        self._mark("sbcast")
+        image = ImageSent.model_validate(exported["image"])
+        adopt = Adopt(incoming=self._label(), origin_node=source, origin_key=str(exported["key"]),
+                      job=self.job.job_id, image=image,
+                      vouched=image.credential is not None)  # fmt: skip
+        await agents.tell({"do": "adopt", "to": receivers, "adopt": adopt.model_dump()})
 
     async def _send_parts(
         self,
@@ -388,6 +434,15 @@ class Fanout:
             sources={path: tuple(entry) for path, entry in hashed["files"].items()},
         )
         await agents.tell({"do": "adopt", "to": lacking, "adopt": adopt.model_dump()})
+
+
+def wants_image(body: Mapping[str, Any]) -> bool:
+    """Whether a request stages an image dataset: asked for, or implied by a prebuilt
+    image step (as the daemon decides)."""
+    steps = body.get("steps") or []
+    return bool(body.get("image")) or any(
+        isinstance(s, dict) and s.get("op") == "image" for s in steps
+    )
 
 
 @dataclass

@@ -17,9 +17,12 @@ interpreter) is paid once per node, at the beginning, all nodes at once.
     send-early   sbcast the files the staging finished, in parts,    sent (one a part,
                  as it goes                                          then early_done)
     export       pack the first part of the ready dataset that       exported
-                 early parts did not carry (and plan the others)
+                 early parts did not carry (and plan the others);
+                 a ready image dataset: a copy of its image file,
+                 with its size and sha256 (``image``)
     send         sbcast every part, each packed while the one        sent (one a part,
-                 before travels, then the manifest                   then the manifest's)
+                 before travels, then the manifest; an image         then the manifest's;
+                 dataset's export: its one image file                an image: one)
     drop-export  delete the packed parts once sent                   -
     reserve      room in the cache for a delivery; the folder        reserved
                  sbcast writes into

@@ -17,13 +17,13 @@ class NodeResult:
     seconds: float | None = None
     fallback: str | None = None  # why a broadcast copy was not used
     error: str | None = None
+    image: bool = False  # the broadcast copy was an image file, sent whole
 
     def line(self) -> str:
         if self.error:
             return f"{self.node}: FAILED: {self.error}"
-        what = {"hit": "cache hit", "staged": "staged from the source"}.get(
-            self.how or "", "broadcast copy adopted"
-        )
+        adopted = "broadcast image adopted" if self.image else "broadcast copy adopted"
+        what = {"hit": "cache hit", "staged": "staged from the source"}.get(self.how or "", adopted)
         took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
         note = f" (fallback: {self.fallback})" if self.fallback else ""
         return f"{self.node}: {what}{took}{note} -> {self.path}"
@@ -34,7 +34,7 @@ class Report:
     name: str
     key: str | None = None
     source: str | None = None
-    mode: str = "none"  # bundle | sources | none (nothing to send)
+    mode: str = "none"  # bundle | sources | image (one file) | none (nothing to send)
     sent_bytes: int = 0
     early_parts: int = 0  # parts sent while the source node was still staging
     early_bytes: int = 0  # and their bytes (the rest went once it was ready)
@@ -54,9 +54,11 @@ class Report:
         text = f"{self.name!r} on {nodes} node{'s' * (nodes != 1)} in {self.seconds:.1f} s"
         if self.mode == "none":
             return text
-        sent = f"{self.sent_bytes / 1e6:.1f} MB"
+        sent = _size(self.sent_bytes)
         how = f" ({' '.join(self.broadcast.flags())})" if self.broadcast else ""
-        what = "the prepared tree" if self.mode == "bundle" else "the source files"
+        what = {"bundle": "the prepared tree", "image": "the image"}.get(
+            self.mode, "the source files"
+        )
         early = (
             f", {self.early_bytes / 1e6:.1f} MB in {self.early_parts} parts while it staged"
             if self.early_parts
@@ -80,3 +82,7 @@ class Report:
             "timeline": self.timeline,
             "nodes": {n: vars(r) for n, r in sorted(self.nodes.items())},
         }
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"

@@ -1,12 +1,15 @@
 """What a node stages when it adopts a broadcast copy instead of reading the source.
 
-Two shapes of delivery (see ``stager.schemas.Adopt``), two step lists:
+Three shapes of delivery (see ``stager.schemas.Adopt``), three step lists:
 
 - the prepared tree, in parts: one ``adopt`` step (extract each part through the
   hardened extraction as it arrives, then check every path, size and sha256
   against the manifest);
 - the request's own source files: one ``check_delivered`` step (each copy's size and
-  sha256), then the request's steps with each ``src`` pointed at its copy.
+  sha256), then the request's steps with each ``src`` pointed at its copy;
+- an image dataset's one file: one ``adopt_image`` step (copied, checked against the
+  size and sha256 the source node's service measured, and vouched for in the node
+  service, then mounted as the image).
 
 The entry keeps the request's own cache key: the data is what the source node
 staged from the same sources, so a later request on this node is a cache hit.
@@ -20,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from stager.ops.adopt import AdoptStep
+from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.check_delivered import CheckDeliveredStep
 from stager.ops.table import OpTable
-from stager.schemas import Adopt, SourceFile, delivered_name
+from stager.schemas import IMAGE_DELIVERY_NAME, Adopt, SourceFile, delivered_name
 
 
 def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
@@ -63,13 +67,24 @@ def steps_for(
     adopt: Adopt, folder: Path, steps: list[Any], table: OpTable, vouch: Vouch | None = None
 ) -> list[Any]:
     """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources;
-    with ``vouch``, a prepared tree whose manifest must be vouched for."""
+    with ``vouch``, a prepared tree whose manifest, or an image whose sha256, must be
+    vouched for."""
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
     vouching = {}
     if vouch is not None:
         socket = str(vouch.socket) if vouch.socket is not None else None
         vouching = {"vouch_uid": vouch.uid, "vouch_key": vouch.key, "munge_socket": socket}
+    if adopt.image is not None:
+        image = AdoptImageStep(
+            src=str(folder / IMAGE_DELIVERY_NAME),
+            size=adopt.image.size,
+            sha256=adopt.image.sha256,
+            origin_node=adopt.origin_node,
+            credential=adopt.image.credential,
+            **vouching,
+        )
+        return table.validate_steps([{"op": "adopt_image", **image.model_dump()}])
     step = AdoptStep(
         folder=str(folder),
         origin_node=adopt.origin_node,

@@ -43,6 +43,7 @@ from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_e
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
+from stager.fanout.image_export import export_image
 from stager.fanout.packing import (
     ExportPlan,
     Transfer,
@@ -57,6 +58,7 @@ from stager.fanout.packing import (
 )
 from stager.fs.credentials import Reader
 from stager.identity import Caller
+from stager.image.published import image_file
 from stager.manifest_format import Manifest
 from stager.ops import table
 from stager.ops.base import CheckContext
@@ -65,6 +67,7 @@ from stager.schemas import (
     DatasetCreate,
     ExportCreate,
     ExportPublic,
+    ImageSent,
     IncomingCreate,
     SourceFile,
     TransferPublic,
@@ -212,7 +215,9 @@ class FanoutRoom:
                 "request; stage from the source instead"
             )
         vouch = None
-        if reader is not None and reader.vouched:  # shared: the origin's service vouches
+        # Shared, or an image (parsed by the kernel, whoever's it is): the origin node's
+        # service vouches, not the job.
+        if reader is not None and (reader.vouched or adopt.image is not None):
             vouch = adoption.Vouch(os.geteuid(), key, self.settings.munge_socket)
         adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch)
         roots = self._roots(adopting=True)
@@ -296,6 +301,8 @@ class FanoutRoom:
         that tree, plans the parts and is admitted for them; the others come in order,
         each packed while the one before is on its way."""
         owner = self._owner(caller)
+        if request.part == 0 and not request.early and not request.tree and sent_whole(entry):
+            return await self._export_image(entry, request, owner, ready)
         if request.early:
             answer = await self._export_early(entry, request, owner, staging_tree)
         else:
@@ -306,6 +313,43 @@ class FanoutRoom:
                 vouch.vouch, entry.key, answer.manifest_sha256, self.settings.munge_socket
             )
         return answer
+
+    async def _export_image(
+        self, entry: Entry, request: ExportCreate, owner: Caller | None, ready: ReadyTree
+    ) -> ExportPublic:
+        """A ready image dataset, sent as one file: a copy of its image, hashed as it is
+        written (stager.fanout.image_export); in the node service vouched for (stager.vouch)
+        whoever's it is, since the receivers' kernels will parse it."""
+        await ready(entry)  # ready, and unchanged since its publish
+        assert entry.image is not None
+        key, label = transfer_key(owner, request.label), request.label
+        if self.exports.find(key) is not None:
+            await self._drop_export(key)  # asked again from the start: a re-run step
+        size = entry.image.identity.size
+        async with self._admission:
+            await self._admit(size, entry.key, self._quota_owner(owner))
+            self._planning.append(entry.key)  # never evicted while it is copied
+            transfer = self.exports.add(key, label, size, EXPORT_TTL_S, owner)
+        file = image_file(self.settings.data_dir, entry.key, entry.image.format)
+        private = entry.reader is not None and not entry.reader.public
+        try:
+            await run_io(make_folder, transfer)
+            path, size, sha256 = await run_io(
+                export_image, file, entry.image.identity, transfer, private
+            )
+        except OSError as exc:
+            raise from_os_error(exc, f"copying image {file} to send it") from exc
+        finally:
+            self._planning.remove(entry.key)
+        credential = None
+        if self.settings.multi_user and vouch.available():
+            socket = self.settings.munge_socket
+            credential = await run_io(vouch.vouch, entry.key, sha256, socket, vouch.IMAGE)
+        sent = ImageSent(size=size, sha256=sha256, format=entry.image.format,
+                         credential=credential)  # fmt: skip
+        return ExportPublic(id=label, key=entry.key, part=0, parts=1, path=str(path),
+                            bytes=size, total_bytes=size, data_bytes=size, image=sent,
+                            vouched=credential is not None)  # fmt: skip
 
     def _vouches_for(self, entry: Entry) -> bool:
         """Whether this service vouches for the manifest of ``entry`` (stager.vouch): the
@@ -524,6 +568,14 @@ class FanoutRoom:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+
+
+def sent_whole(entry: Entry) -> bool:
+    """Whether ``entry`` goes to other nodes as its one image file: a ready image
+    dataset, but not an index image (its blob, the source's whole tar, is a second file:
+    it goes as a tree does, in parts with a manifest, and each receiver builds its own
+    image; docs/multinode.md says why)."""
+    return entry.state == State.READY and entry.image is not None and entry.image.blob is None
 
 
 def check_adoption(

@@ -23,6 +23,7 @@ import os
 import queue
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +116,14 @@ def copy_verified(
             os.fchmod(out, 0o444)  # before the fsync, which makes the mode durable too
             # Hashed only against a pin: without one there is nothing to check it
             # against, and sha256 (~1.8 GB/s here) is the copy's slowest part.
-            digest = _copy_and_hash(fd, out, st.st_size, ctx, hashed=step.sha256 is not None)
+            digest = copy_and_hash(
+                fd,
+                out,
+                st.st_size,
+                ctx.check_cancelled,
+                lambda n: ctx.progress.advance(n, 0),
+                hashed=step.sha256 is not None,
+            )
         finally:
             os.close(out)
     finally:
@@ -131,26 +139,39 @@ def copy_verified(
     return Copied(fmt, st.st_size, digest)
 
 
-def _copy_and_hash(src: int, dst: int, size: int, ctx: OpContext, hashed: bool = True) -> str:
-    """Copy in the kernel, chunk by chunk, each chunk's writeback started as soon as it
-    is copied, then fsync, while a thread hashes each chunk written, read from the page
-    cache through a mapping of the copy (no second copy of the bytes): the copy, the
-    disk's writes and the hash overlap, and what is hashed is what is mounted. Not
-    ``hashed``: the durable copy alone, and "" for its sha256 (not measured)."""
+def copy_and_hash(
+    src: int,
+    dst: int,
+    size: int,
+    check: Callable[[], None],
+    advance: Callable[[int], None],
+    hashed: bool = True,
+    durable: bool = True,
+) -> str:
+    """Copy ``size`` bytes in the kernel, chunk by chunk, while a thread hashes each chunk
+    written, read from the page cache through a mapping of the copy (``dst``, opened
+    read-write; no second copy of the bytes): the two overlap, and what is hashed is
+    what the copy holds (what is mounted, or sent). ``durable``: each chunk's writeback
+    starts as soon as it is copied and the copy is fsynced while the hash, slower,
+    goes on. Not ``hashed``: the copy alone, and "" for its sha256 (not measured).
+    ``check`` runs before each chunk (it raises to stop), ``advance`` after, with its
+    bytes."""
     hasher = _ChunkHasher(dst) if hashed else None
     offset = 0
     try:
         while offset < size:
-            ctx.check_cancelled()
+            check()
             moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
             if moved == 0:
                 raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
-            start_writeback(dst, offset, moved)
+            if durable:
+                start_writeback(dst, offset, moved)
             if hasher is not None:
                 hasher.written(offset, moved)
             offset += moved
-            ctx.progress.advance(moved, 0)
-        os.fsync(dst)  # while the hash, slower than the copy, goes on
+            advance(moved)
+        if durable:
+            os.fsync(dst)  # while the hash, slower than the copy, goes on
     except BaseException:
         if hasher is not None:
             hasher.finish(quiet=True)  # the copy's failure is the one to tell

@@ -28,6 +28,7 @@ from stager.archive.growing import GrowingFile, Growth
 from stager.errors import BadRequest
 from stager.ops import (
     adopt,
+    adopt_image,
     check_delivered,
     copy,
     extract,
@@ -223,6 +224,15 @@ BUILTIN = (
         check_delivered.CheckDeliveredStep,
         shareable=False,
         internal=True,
+    ),
+    # An image dataset broadcast as one file: copied, checked by its (vouched) sha256.
+    _row(
+        "adopt_image",
+        adopt_image,
+        adopt_image.AdoptImageStep,
+        shareable=False,
+        internal=True,
+        prebuilt_image=True,
     ),
 )
 

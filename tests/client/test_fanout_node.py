@@ -377,3 +377,82 @@ def test_receivers_give_up_a_failed_source_and_take_the_data_from_a_new_one(
     with nodes[2].client() as third:
         assert metric(third, "stager_source_read_bytes_total") == 0  # never read the source
     assert list((nodes[2].cache_dir / "incoming").iterdir()) == []
+
+
+def image_body(archive: Path) -> dict[str, Any]:
+    return {"name": "ds", "steps": [{"op": "extract", "src": str(archive)}], "image": True}
+
+
+async def send_image(sender: Agent, receiver: Agent) -> dict[str, Any]:
+    """The driver's part for an image dataset (client/fanout/coordinator.py's _image_to):
+    the sender exports its image as one file, the receiver reserves room for it, the
+    sender sends it, and then the receiver adopts it. The export's answer."""
+    await sender.tell(do="export", label="job5-ds")
+    exported = await sender.event("exported")
+    assert "error" not in exported and exported["image"] is not None, exported
+    assert exported["parts"] == 1 and exported["manifest"] is None
+    await receiver.tell(do="reserve", label="job5-ds", bytes=exported["bytes"])
+    folder = (await receiver.event("reserved"))["path"]
+    await sender.tell(do="send", label="job5-ds", dest=folder, step="1.1", compress=False,
+                      fanout=1)  # fmt: skip
+    sent = await sender.event("sent")
+    assert sent["index"] == 0 and sent["bytes"] == exported["bytes"] and not sent.get("error")
+    adopt = {"incoming": "job5-ds", "origin_node": sender.node, "origin_key": exported["key"],
+             "job": "5", "image": exported["image"]}  # fmt: skip
+    await receiver.tell(do="adopt", adopt=adopt)
+    await sender.tell(do="drop-export", label="job5-ds")
+    return exported
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root")
+@pytest.mark.parametrize("case", ["copy", "damaged"])
+def test_an_image_dataset_goes_as_one_file_and_a_damaged_one_is_staged_from_the_source(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, case: str
+) -> None:
+    from stager.image import mount as image_mount
+    from stager.schemas import IMAGE_DELIVERY_NAME
+    from tests.daemon import unmount_under
+    from tests.trees import make_tar
+
+    src = write_tree(tmp_path / "src", n_files=30)
+    archive = make_tar(src, tmp_path / "src.tar.gz")
+    node1 = daemon_factory(cache_dir=tmp_path / "node1")
+    node2 = daemon_factory(cache_dir=tmp_path / "node2")
+    sent_to: list[str] = []
+
+    async def send_file(path: str, dest: str, step: str, how: Broadcast) -> None:
+        sent_to.append(dest)
+        await copy_file()(path, dest, step, how)
+        if case == "damaged":
+            flip_a_byte(Path(dest))
+
+    async def job() -> tuple[dict[str, Any], dict[str, Any]]:
+        sender = Agent(node1, "node1", image_body(archive), send_file)
+        receiver = Agent(node2, "node2", image_body(archive))
+        await sender.event("probe"), await receiver.event("probe")
+        await sender.tell(do="stage", to=["node1"])
+        assert "error" not in await sender.event("staged")
+        await send_image(sender, receiver)
+        return await sender.finish(), await receiver.finish()
+
+    try:
+        sent, received = asyncio.run(job())
+        assert [Path(d).name for d in sent_to] == [IMAGE_DELIVERY_NAME]  # one file, one sbcast
+        assert received.get("error") is None, received
+        assert received["key"] == sent["key"]
+        assert image_mount.mounted_at(received["path"]) is not None
+        assert digest(Path(received["path"]) / "src") == digest(src)
+        with node2.client() as other:
+            read = metric(other, "stager_source_read_bytes_total")
+        if case == "copy":
+            assert received["how"] == "broadcast" and received["fallback"] is None
+            assert read == 0
+        else:
+            assert received["how"] == "staged" and read > 0
+            assert "node1" in received["fallback"] and IMAGE_DELIVERY_NAME in received["fallback"]
+        assert list((node2.cache_dir / "incoming").iterdir()) == []
+        assert list((node1.cache_dir / "outgoing").iterdir()) == []
+    finally:
+        node1.stop()
+        node2.stop()
+        unmount_under(tmp_path)

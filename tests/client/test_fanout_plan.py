@@ -75,3 +75,19 @@ def test_status_says_how_the_copy_arrived() -> None:
         "; broadcast from mn2, job 42; this request was a cache hit"
     )
     assert describe_origin(status(broadcast, State.STAGING)) == ""
+
+
+def test_an_image_sent_whole_is_said_so_in_the_headline_the_lines_and_the_json() -> None:
+    from client.fanout.report import NodeResult, Report
+    from client.fanout.slurm import Broadcast
+
+    report = Report(name="inat", source="mn2", mode="image", sent_bytes=1_000_000_000)
+    report.broadcast = Broadcast(False, 3)
+    report.nodes["mn1"] = NodeResult("mn1", how="broadcast", path="/c/d", seconds=2.0, image=True)
+    report.seconds = 4.0
+    headline = report.headline()
+    assert "mn2 sent the image (1.0 GB) with sbcast" in headline, headline
+    assert "--compress=none" in headline
+    assert report.nodes["mn1"].line() == "mn1: broadcast image adopted in 2.0 s -> /c/d"
+    as_json = report.as_json()
+    assert as_json["mode"] == "image" and as_json["nodes"]["mn1"]["image"] is True

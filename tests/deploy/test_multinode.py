@@ -138,6 +138,30 @@ def test_a_4_node_job_reads_the_storage_once_and_every_node_gets_the_same_data(
     assert node_digests(cluster, paths.pop()) == dict.fromkeys(cluster.nodes, expected)
 
 
+def test_an_image_dataset_goes_to_every_node_as_one_file(
+    cluster: Cluster, data: dict[str, Path]
+) -> None:
+    """``--as-image``: the source node builds the image, sends that one file with one
+    sbcast, and every other node checks it by its sha256 and mounts it."""
+    source = fresh_copy(data["tree"], "image")
+    job, report, moved = run_stage(cluster, "image", cluster.shared(source), extra=("--as-image",))
+    assert job.ok, job.output
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    assert moved.content <= 1.05 * size, (moved, size, report)
+    assert report["mode"] == "image" and report["early_parts"] == 0, report
+    assert report["compress"] is False
+    hows = sorted(r["how"] for r in report["nodes"].values())
+    assert hows == ["broadcast"] * 3 + ["staged"], report
+    assert sum(r["image"] for r in report["nodes"].values()) == 3, report
+    paths = {r["path"] for r in report["nodes"].values()}
+    assert len(paths) == 1
+    path = paths.pop()
+    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(data["tree"]))
+    for index in range(1, NODES + 1):  # a read-only EROFS mount on every node
+        mount = cluster.on_node(index, f"findmnt -n -o FSTYPE,OPTIONS {path}").split()
+        assert mount[0] == "erofs" and "ro" in mount[1].split(","), mount
+
+
 def test_on_a_slow_link_parts_go_out_while_the_source_node_stages(
     cluster: Cluster, data: dict[str, Path]
 ) -> None:

@@ -69,3 +69,37 @@ def test_alices_fan_out_is_shared_and_bobs_job_then_reads_nothing(
     for index in range(1, NODES + 1):
         assert cluster.on_node(index, "ls -d /tmp/stager-[0-9]* 2>/dev/null || true").strip() == ""
     assert Path(path).parts[:3] == ("/", "tmp", "stager-node")
+
+
+def test_alices_image_dataset_goes_as_one_vouched_file_and_bob_hits_it(
+    cluster: Cluster, users: tuple[User, User], interpreter_for_users: str
+) -> None:
+    """An image dataset through node services: one file sbcast as alice, its sha256
+    vouched for by the source node's service (the cluster's munged), mounted shared on
+    every node, so bob's job of the same data hits everywhere."""
+    alice, bob = users
+    tree = write_tree(cluster.storage_dir / "public-image", n_files=120, max_size=80_000)
+    for path in [tree, *tree.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    source = cluster.shared(tree)
+    reports = {}
+    for user, name in ((alice, "img-alice"), (bob, "img-bob")):
+        before = cluster.storage()
+        job = cluster.sbatch(stage_script(name, source, "--as-image"), nodes=NODES, name=name,
+                             extra=as_user(user))  # fmt: skip
+        moved = cluster.storage() - before
+        assert job.ok, job.output
+        reports[name] = report = json.loads((cluster.jobs_dir / f"{name}.json").read_text())
+        hows = sorted(r["how"] for r in report["nodes"].values())
+        if user is alice:
+            assert report["mode"] == "image", report
+            assert hows == ["broadcast"] * 3 + ["staged"], report
+        else:
+            assert moved.content == 0, (moved, report)
+            assert hows == ["hit"] * NODES, report
+    paths = {r["path"] for rep in reports.values() for r in rep["nodes"].values()}
+    assert len(paths) == 1, reports
+    path = paths.pop()
+    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(tree))
+    for index in range(1, NODES + 1):
+        assert cluster.on_node(index, f"findmnt -n -o FSTYPE {path}").strip() == "erofs"

@@ -30,7 +30,7 @@ import pytest
 
 from stager.durable import Durable
 from stager.image import mount as image_mount
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
+from stager.schemas import END_NAME, IMAGE_DELIVERY_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.counts import tally
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
@@ -344,6 +344,50 @@ def test_crash_after_every_durable_step_of_an_image_built_as_it_downloads(
     assert not failures, "\n".join(failures)
 
 
+def sent_image(world: World, cache: Path, delivery: Path) -> dict:
+    """The image request staged on another daemon (another node) and exported as a
+    fan-out sends an image dataset, whole, kept at ``delivery``; the ``adopt`` field of
+    a request for it (reserved under the label "imgd")."""
+    sender = Daemon(cache_dir=cache)
+    try:
+        with sender.start().client() as client:
+            post(client, world.body("img", cache.parent / "sender-links"))
+            assert wait(client, "img")["state"] == "ready"
+            exported = client.post("/v1/datasets/img/export", json={"label": "imgd"}).json()
+            shutil.copy(exported["path"], delivery)
+    finally:
+        sender.cleanup()
+    assert exported["image"] is not None, exported
+    return {"incoming": "imgd", "origin_node": "node2", "origin_key": exported["key"],
+            "image": exported["image"]}  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_path: Path) -> None:
+    """The image request adopting another node's image, sent whole (docs/multinode.md):
+    the delivery copied, checked by its sha256 and published as any image, killed after
+    each of its durable steps; a hit and an eviction after it."""
+    delivery = tmp_path / "delivered.img"
+    adopt = sent_image(world, tmp_path / "sender", delivery)
+
+    def adopted_image_script(client: httpx.Client, world: World, links: Path | None = None) -> None:
+        size = delivery.stat().st_size
+        reserved = client.post("/v1/incoming", json={"label": "imgd", "bytes": size})
+        reserved.raise_for_status()
+        shutil.copy(delivery, Path(reserved.json()["path"]) / IMAGE_DELIVERY_NAME)
+        post(client, {**world.body("img", links), "adopt": adopt})
+        assert wait(client, "img")["origin"]["how"] == "broadcast"
+        post(client, world.body("img", links))  # a hit
+        client.delete("/v1/datasets/img").raise_for_status()
+
+    points = traced_points(world, tmp_path / "traced", adopted_image_script)
+    assert any(p.startswith("image-built") for p in points), points
+    assert any(p.startswith("delivery-removed") for p in points), points
+    failures = crashes_at(world, points, tmp_path / "runs", adopted_image_script)
+    assert not failures, "\n".join(failures)
+    tally(f"crash points of an adopted image: killed after each of {len(points)} durable steps")
+
+
 def crash_and_follow_up(
     world: World,
     point: str,
@@ -352,7 +396,7 @@ def crash_and_follow_up(
     env: dict[str, str] | None = None,
 ) -> None:
     """``run`` killed right after ``point``; then a fresh daemon on the same cache and
-    every follow-up (the image's alone when ``run`` is the image's script)."""
+    every follow-up (the image's alone when ``run`` is one of the image's scripts)."""
     cache, links = cache_root / "cache", cache_root / "links"
     env = env or {}
     crashing = Daemon(
@@ -386,7 +430,7 @@ def crash_and_follow_up(
             check.mounts_are_sound(client)
             client.delete("/v1/datasets/img").raise_for_status()
             check.mounts_are_sound(client)
-            if run is image_script:
+            if run is not script:  # an image's script: the image's follow-ups alone
                 return
             # DELETE, then the same POST: ready and equal to its source.
             client.delete("/v1/datasets/ds/leases")

@@ -41,13 +41,19 @@ def two(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> tuple[Daemon, 
 
 
 def send_bundle(
-    sender: httpx.Client, receiver: httpx.Client, body: dict, label: str, corrupt: bool = False
+    sender: httpx.Client,
+    receiver: httpx.Client,
+    body: dict,
+    label: str,
+    corrupt: bool = False,
+    tree: bool = False,
 ) -> dict:
     """What the job's tasks do, with a file copy for sbcast: export part 0, reserve on
     the receiver, ask it to adopt, then send every part (announcing each one whole)
     and the manifest, and write the end file. Returns the receiver's final status."""
     name = body["name"]
-    first = sender.post(f"/v1/datasets/{name}/export", json={"label": label, "part_bytes": 1 << 16})
+    ask = {"label": label, "part_bytes": 1 << 16, **({"tree": True} if tree else {})}
+    first = sender.post(f"/v1/datasets/{name}/export", json=ask)
     assert first.status_code == 200, first.text
     exported = first.json()
     assert exported["parts"] > 2  # small parts: the order and the waiting are exercised

@@ -264,29 +264,6 @@ def test_the_client_stages_and_waits_on_an_image(
     assert mounted(str(link.resolve())) is not None
 
 
-def test_an_image_dataset_adopted_from_another_node_is_mounted_there(
-    daemon_factory: Callable[..., Daemon], source: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """A fan-out of an image dataset, with two daemons standing for two nodes (the
-    one-file way is not built: the sender's mount is sent in parts with a manifest as
-    a tree's is, and the receiver builds its own image from the checked copy)."""
-    from tests.stager.test_fanout_api import send_bundle
-
-    tree, archive = source
-    one, other = (
-        daemon_factory(cache_dir=tmp_path / "node1"),
-        daemon_factory(cache_dir=tmp_path / "node2"),
-    )
-    body = image_body(archive)
-    with one.client() as sender, other.client() as receiver:
-        staged = ready(sender, body)
-        adopted = send_bundle(sender, receiver, body, "job42-img")
-        assert adopted["state"] == "ready", adopted["error"]
-        assert adopted["key"] == staged["key"] and adopted["origin"]["how"] == "broadcast"
-        assert adopted["image"] is not None and mounted(adopted["path"]) is not None
-        assert digest(Path(adopted["path"]) / "train") == digest(tree)
-
-
 def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
     daemon_factory: Callable[..., Daemon], tmp_path: Path, unmounts: None
 ) -> None:

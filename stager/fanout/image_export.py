@@ -1,0 +1,72 @@
+"""An image dataset sent whole (docs/multinode.md): the source node's copy of its image
+file, in the export's folder, for one ``sbcast``. Blocking; run off the event loop by
+:mod:`stager.fanout.room`.
+
+Why a copy, and not the published file itself or a hard link to it: sbcast runs as the
+job's user, and a private image's file is root's and 0400 (nobody reads its bytes but
+through the mount); a hard link would share the published file's inode, so handing it
+over (chown, chmod) or even linking it (the link count) would change the ctime that
+every hit checks. The copy is made by the service in its own folder (``outgoing/``,
+where nobody else may create anything), and its sha256 is computed from the copy as it
+is written (read back from the page cache by a second thread, as a prebuilt image's
+copy is hashed): the hash is that of the very bytes sbcast reads. A shared image's copy
+stays the service's (0444: nobody can change it, everybody may read it, as the image
+itself); a private one's is handed to its user (0400), like a packed part: they can only
+spoil their own delivery, which the receivers' check against the service's hash refuses.
+
+The published file is opened once and checked against the image's recorded stamps
+(size, device, inode, times) before and after the copy: what is sent is the image the
+entry published, unchanged (a changed image is never sent, as it is never served).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stager.fanout.packing import Transfer, hand_over
+from stager.image.identity import ImageChanged, ImageIdentity
+from stager.ops.image import copy_and_hash
+from stager.schemas import IMAGE_DELIVERY_NAME
+
+EXPORT_NAME = IMAGE_DELIVERY_NAME  # sent under the name it has on the receivers
+
+
+def export_image(
+    image: Path, identity: ImageIdentity, transfer: Transfer, private: bool
+) -> tuple[Path, int, str]:
+    """Copy ``image`` (published with ``identity``) into ``transfer``'s folder; the copy's
+    path, size and sha256."""
+    out_path = transfer.path / EXPORT_NAME
+    partial = transfer.path / (EXPORT_NAME + ".partial")
+    fd = os.open(image, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _require_same(fd, identity, image)
+        out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            # No fsync: the copy lives only until it is sent, and a daemon that starts
+            # again deletes every export an earlier run left.
+            sha256 = copy_and_hash(
+                fd, out, identity.size, lambda: None, lambda n: None, durable=False
+            )
+            os.fchmod(out, 0o400 if private else 0o444)
+        finally:
+            os.close(out)
+        _require_same(fd, identity, image)
+    finally:
+        os.close(fd)
+    os.rename(partial, out_path)
+    if private:
+        hand_over(out_path, transfer)  # the owner's 0400, as a packed part
+    return out_path, identity.size, sha256
+
+
+def _require_same(fd: int, identity: ImageIdentity, image: Path) -> None:
+    st = os.fstat(fd)
+    now = (st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    if now != (identity.size, identity.device, identity.inode, identity.mtime_ns,
+               identity.ctime_ns):  # fmt: skip
+        raise ImageChanged(
+            f"image {image} changed since it was published; it is not sent (the next "
+            "request stages it again)"
+        )

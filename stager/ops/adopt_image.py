@@ -1,0 +1,127 @@
+"""The ``adopt_image`` op: an image dataset that another node sent here as one file.
+
+A multi-node job of an image dataset (docs/multinode.md) sends the source node's image
+file whole, with one ``sbcast``, into this node's delivery folder; the source node's
+service measured its size and sha256 from the very bytes sbcast read. The delivery
+folder is the job's user's to write (sbcast writes as them), so the delivered file is
+never mounted as it lies: the staging copies it into its own folder (root's, in the node
+service) while a thread hashes the copy, and only a copy whose size and sha256 are the
+source node's is published and mounted (:mod:`stager.imaging`). What is hashed is what
+the kernel parses: a user who swaps or rewrites the delivery before, during or after the
+copy changes nothing that is mounted.
+
+In the node service the hash itself must come from the source node's service, not from
+the job that carried it (a user could send an image of their own making with its own
+hash): the step carries that service's MUNGE credential over the entry's key and the
+image's sha256 (:mod:`stager.vouch`), checked before a byte is copied. The step is the
+daemon's own (``internal``), built from a request's ``adopt``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+
+from stager import vouch
+from stager.errors import BadRequest, VerifyFailed
+from stager.fs.sources import open_source, require_source
+from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+from stager.ops.image import copy_and_hash, image_format
+from stager.schemas import ByteCount
+
+
+class AdoptImageStep(StepParams):
+    """Stage an image file another node broadcast here: copied, checked against the size
+    and sha256 that node measured (and, in the node service, vouched for), mounted."""
+
+    src: AbsoluteSource  # the delivered file
+    size: ByteCount
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    origin_node: str = Field(min_length=1, max_length=200)  # for messages
+    credential: str | None = Field(default=None, max_length=4096)
+    # Set by a node service: the hash must come with a credential of this uid's (its
+    # own) for entry ``vouch_key``.
+    vouch_uid: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    vouch_key: str | None = Field(default=None, max_length=64)
+    munge_socket: str | None = Field(default=None, max_length=4096)
+
+
+def check(step: AdoptImageStep, ctx: CheckContext) -> int:
+    require_source(step.src, "delivered image")
+    return step.size
+
+
+def run(step: AdoptImageStep, ctx: OpContext) -> None:
+    raise BadRequest(
+        f"step 'adopt_image' ({step.src}) stages an image dataset; the request must ask "
+        'for an image ("image": true), as the source node\'s did'
+    )
+
+
+@dataclass(frozen=True)
+class Adopted:
+    format: str
+    size: int
+    sha256: str
+
+
+def copy_checked(step: AdoptImageStep, ctx: OpContext, output: Path, mode: int) -> Adopted:
+    """Copy the delivery to ``output`` (made ``mode``), hashing the copy; refused, with
+    ``output`` never made, unless the copy has the size and sha256 that the source node
+    measured (vouched for, when ``vouch_uid`` is set)."""
+    if step.vouch_uid is not None:
+        _require_vouched(step)
+    fd = open_source(step.src, ctx.allowed_roots)  # as the user whose job delivered it
+    partial = output.with_name(output.name + ".partial")
+    try:
+        size = os.fstat(fd).st_size
+        if size != step.size:
+            raise VerifyFailed(
+                f"the image {step.src} broadcast from {step.origin_node} has {size} bytes, not "
+                f"the {step.size} that node sent (cut short or replaced); it is not mounted, "
+                "and this node stages from the source"
+            )
+        ctx.progress.add_total(size, 1)
+        out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            digest = copy_and_hash(
+                fd, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
+            )
+            # What the copy holds, not what the delivery held a moment ago.
+            fmt = image_format(os.pread(out, 1028, 0)) if digest == step.sha256 else None
+            os.fchmod(out, mode)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+    if digest != step.sha256 or fmt is None:
+        os.unlink(partial)
+        what = f"sha256 {digest}, not {step.sha256}" if digest != step.sha256 else "no image"
+        raise VerifyFailed(
+            f"the image {step.src} broadcast from {step.origin_node} holds {what} (damaged "
+            "or replaced on its way); it is not mounted, and this node stages from the source"
+        )
+    os.rename(partial, output)
+    ctx.progress.advance(0, 1)
+    return Adopted(fmt, size, digest)
+
+
+def _require_vouched(step: AdoptImageStep) -> None:
+    if not step.credential:
+        raise VerifyFailed(
+            f"the image broadcast from {step.origin_node} came without that node's service's "
+            "credential for its sha256 (munge), so the kernel may not parse it here; this "
+            "node stages from the source"
+        )
+    vouch.check(
+        step.credential,
+        step.vouch_uid or 0,
+        step.vouch_key or "",
+        step.sha256,
+        step.munge_socket,
+        vouch.IMAGE,
+    )
