@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import random
 import signal
@@ -198,7 +199,7 @@ def worker_init(worker_id: int) -> None:
 def _stop_workers() -> None:
     """Kill loader workers still alive when the trainer exits.
 
-    A run that ends with an error can leave a persistent loader that was never
+    A run that ends (with an error or not) can leave a persistent loader that was never
     shut down; multiprocessing's exit handler would then SIGTERM its workers,
     which ignore SIGTERM (`worker_init`), and wait for them forever. At exit
     they have nothing left to do. torch's SIGCHLD handler would report the kill as
@@ -211,6 +212,12 @@ def _stop_workers() -> None:
         if child.daemon:  # loader workers; the trainer starts no other daemonic children
             child.kill()
             child.join(timeout=5)
+    # Then the forkserver they came from (`loader_context`), stopped and reaped now rather
+    # than left to see the rank's exit on its own. `_stop` is what CPython's own tests
+    # stop it with; a Python without it leaves the forkserver to end by itself.
+    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def default_workers(
@@ -242,6 +249,41 @@ def collate(
     )
 
 
+# Signals that stop training (trainer.preempt): they are the training process's alone.
+_PREEMPT_SIGNALS = {signal.SIGTERM, signal.SIGUSR1}
+
+
+def loader_context() -> multiprocessing.context.BaseContext:
+    """Where loader workers start: a forkserver, never a fork of the training process.
+
+    By the time a loader starts its workers the training process has threads (the
+    queue feeders of the other loader's workers), and a fork taken while another
+    thread creates or ends its Python thread state leaves the child blocked forever in
+    CPython's after-fork code, holding a lock no thread will release (CPython
+    gh-112275; Python 3.11.7 has it): the rank waits for that worker, the other ranks
+    wait in their all-reduce, and the job hangs. The forkserver is a process of one
+    thread; workers fork from it with torch, torchvision and the datasets imported
+    already, and take the dataset pickled (once: the workers are persistent).
+
+    The forkserver starts here with the preemption signals ignored, which it and the
+    workers it forks keep (an ignored signal stays ignored across fork and execve):
+    SLURM signals every process of a step, and the signal would otherwise kill the
+    forkserver, or a worker before its ``worker_init``. Meanwhile the training process
+    holds them blocked, so one that comes is kept pending (a blocked signal is never
+    discarded as ignored) and reaches its own handler once that is back."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torchvision", "trainer.data", "trainer.datasets"])
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _PREEMPT_SIGNALS)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _PREEMPT_SIGNALS}
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return context
+
+
 def make_loader(
     dataset: Dataset,
     sampler: Sampler,
@@ -254,7 +296,11 @@ def make_loader(
     extra: dict[str, Any] = {}
     if num_workers > 0:
         # persistent: worker start-up (fork + dataset copy) is paid once, not per epoch.
-        extra = {"persistent_workers": True, "prefetch_factor": prefetch_factor}
+        extra = {
+            "persistent_workers": True,
+            "prefetch_factor": prefetch_factor,
+            "multiprocessing_context": loader_context(),
+        }
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -156,3 +156,55 @@ def test_exit_with_a_live_loader_worker_stops_it_quietly():
     )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.strip() == "stopping with the loader's worker alive", done.stderr
+
+
+LOADER_WORKERS_PROBE = """
+import os, signal, torch
+from trainer import data
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        deaf = all(signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGUSR1, signal.SIGTERM))
+        return torch.tensor([os.getppid(), int(deaf)]), 0, i
+
+def loader():
+    return data.make_loader(Probe(), range(4), 2, 1, pin_memory=False, drop_last=False)
+
+if __name__ == "__main__":
+    first = loader()
+    (parent, deaf), _ = next(iter(first))[0].tolist()
+    print("worker's parent is the trainer:", parent == os.getpid())
+    print("preemption signals ignored in the worker:", bool(deaf))
+    mine = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print("blocked in the trainer:", signal.SIGUSR1 in mine or signal.SIGTERM in mine)
+    print("the trainer's handlers:", signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):  # as SLURM signals every process
+        os.kill(parent, sig)
+    print("a second loader after the signals:", len(list(loader())), "batches")
+    print("the first loader's second epoch:", len(list(first)), "batches")
+"""
+
+
+def test_loader_workers_start_from_a_single_threaded_forkserver_deaf_to_preemption(tmp_path):
+    """Workers are never forked from the training process (a fork taken while another
+    thread creates or ends its thread state hangs the child: CPython gh-112275), and
+    the forkserver and its workers ignore SLURM's preemption signals, which the
+    training process still gets (its handlers, the default here, and its mask as
+    they were)."""
+    script = tmp_path / "probe.py"  # a file: the forkserver imports it to find Probe
+    script.write_text(LOADER_WORKERS_PROBE)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "worker's parent is the trainer: False",
+        "preemption signals ignored in the worker: True",
+        "blocked in the trainer: False",
+        "the trainer's handlers: True",
+        "a second loader after the signals: 2 batches",
+        "the first loader's second epoch: 2 batches",
+    ], done.stdout + done.stderr
