@@ -212,9 +212,9 @@ class Settings(BaseSettings):
         "root alone (a user's own image file is never mounted in the kernel)",
     )
     image_backing: Literal["loop", "file"] = setting(
-        "loop",
-        help="how the kernel mounts an image: through a read-only loop device (reads ahead: "
-        "faster with a cold page cache), or EROFS straight from the file (Linux 6.12+)",
+        "file",
+        help="how the kernel mounts an image: EROFS straight from the file (Linux 6.12+; an "
+        "older kernel gets a loop device), or through a read-only loop device",
     )
     image_index: bool = setting(
         False,
