@@ -411,16 +411,9 @@ class ImageStaging:
                 "it readable by every user (it is then shared), or stage its source"
             )
         self.progress.start_step(1)
-        copied = copy_verified(
-            step, self.ctx, made.with_name(IMAGE_NAME + ".copied"), self.image.trusted
-        )
-        result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
-        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
-        os.rename(made.with_name(IMAGE_NAME + ".copied"), made)
-        self.crash.reached(Durable.IMAGE_BUILT)
-        write_atomically(self.attempt.marker, str(len(self.steps)))
-        self.progress.flush()
-        return result
+        copy = made.with_name(IMAGE_NAME + ".copied")
+        copied = copy_verified(step, self.ctx, copy, self.image.trusted)
+        return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
         """Another node's image, sent whole: copied and checked (stager.ops.adopt_image).
@@ -428,12 +421,17 @@ class ImageStaging:
         (its top folder theirs), and its hash is that service's word."""
         self.progress.start_step(1)
         mode = 0o400 if self.image.top_owner is not None else 0o444
-        copied = adopt_image.copy_checked(
-            step, self.ctx, made.with_name(IMAGE_NAME + ".copied"), mode
-        )
-        result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
+        copy = made.with_name(IMAGE_NAME + ".copied")
+        copied = adopt_image.copy_checked(step, self.ctx, copy, mode)
+        return self._copied(copy, made, copied.format, copied.size, copied.sha256)
+
+    def _copied(self, copy: Path, made: Path, fmt: str, size: int, sha256: str) -> ImageMade:
+        """An image copied whole and checked (prebuilt, or another node's) takes its name
+        (``IMAGE_BUILT``), what is known of it written beside it first; every step is
+        then done."""
+        result = ImageMade(str(made), fmt, size, sha256=sha256)
         write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
-        os.rename(made.with_name(IMAGE_NAME + ".copied"), made)
+        os.rename(copy, made)
         self.crash.reached(Durable.IMAGE_BUILT)
         write_atomically(self.attempt.marker, str(len(self.steps)))
         self.progress.flush()

@@ -36,13 +36,29 @@ def as_user(user: User) -> list[str]:
     return [f"--uid={user.uid}", f"--gid={user.gid}"]
 
 
+def public_tree(cluster: Cluster, name: str) -> Path:
+    """A tree on the shared storage that every user may read."""
+    tree = write_tree(cluster.storage_dir / name, n_files=120, max_size=80_000)
+    for path in [tree, *tree.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return tree
+
+
+def one_shared_copy(cluster: Cluster, reports: dict, tree: Path) -> str:
+    """The one path every job's report names on every node (one shared copy, the same key
+    everywhere), holding ``tree``'s bytes on every node."""
+    paths = {r["path"] for rep in reports.values() for r in rep["nodes"].values()}
+    assert len(paths) == 1, reports
+    path = paths.pop()
+    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(tree))
+    return path
+
+
 def test_alices_fan_out_is_shared_and_bobs_job_then_reads_nothing(
     cluster: Cluster, users: tuple[User, User], interpreter_for_users: str
 ) -> None:
     alice, bob = users
-    tree = write_tree(cluster.storage_dir / "public-imgs", n_files=120, max_size=80_000)
-    for path in [tree, *tree.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    tree = public_tree(cluster, "public-imgs")
     size = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
     source = cluster.shared(tree)
     reports = {}
@@ -60,11 +76,7 @@ def test_alices_fan_out_is_shared_and_bobs_job_then_reads_nothing(
         else:
             assert moved.content == 0, (moved, report)
             assert hows == ["hit"] * NODES, report
-    # One shared copy per node, the same key everywhere, and every node's bytes right.
-    paths = {r["path"] for rep in reports.values() for r in rep["nodes"].values()}
-    assert len(paths) == 1, reports
-    path = paths.pop()
-    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(tree))
+    path = one_shared_copy(cluster, reports, tree)
     # The node service, not a per-user daemon, served both users: no user's own cache.
     for index in range(1, NODES + 1):
         assert cluster.on_node(index, "ls -d /tmp/stager-[0-9]* 2>/dev/null || true").strip() == ""
@@ -78,9 +90,7 @@ def test_alices_image_dataset_goes_as_one_vouched_file_and_bob_hits_it(
     vouched for by the source node's service (the cluster's munged), mounted shared on
     every node, so bob's job of the same data hits everywhere."""
     alice, bob = users
-    tree = write_tree(cluster.storage_dir / "public-image", n_files=120, max_size=80_000)
-    for path in [tree, *tree.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    tree = public_tree(cluster, "public-image")
     source = cluster.shared(tree)
     reports = {}
     for user, name in ((alice, "img-alice"), (bob, "img-bob")):
@@ -97,9 +107,6 @@ def test_alices_image_dataset_goes_as_one_vouched_file_and_bob_hits_it(
         else:
             assert moved.content == 0, (moved, report)
             assert hows == ["hit"] * NODES, report
-    paths = {r["path"] for rep in reports.values() for r in rep["nodes"].values()}
-    assert len(paths) == 1, reports
-    path = paths.pop()
-    assert node_digests(cluster, path) == dict.fromkeys(cluster.nodes, local_digest(tree))
+    path = one_shared_copy(cluster, reports, tree)
     for index in range(1, NODES + 1):
         assert cluster.on_node(index, f"findmnt -n -o FSTYPE {path}").strip() == "erofs"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,15 @@ import pytest
 
 from stager.image import mount as image_mount
 from tests.daemon import Daemon, stage, stage_ready, unmount_under
-from tests.stager.test_overlap import corpus, gnu_tar, http, serve, server, snapshot, write_source
+from tests.stager.test_overlap import (
+    corpus,
+    first_sight,
+    http,
+    serve,
+    serve_slow_archive,
+    server,
+    snapshot,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root")
 __all__ = ["corpus", "http", "server"]  # the fixtures, shared with test_overlap
@@ -73,34 +80,13 @@ def test_the_image_is_built_while_the_archive_still_downloads(
     daemon: Daemon, http, tmp_path: Path
 ) -> None:
     behaviour, url = http
-    # Incompressible data, so the archive is as large as the tree: ~24 MB at 12 MB/s.
-    source = write_source(tmp_path / "slow", n_files=400, big=0)
-    for i in range(8):
-        (source / f"part_{i}.bin").write_bytes(os.urandom(2_700_000))
-    data = gnu_tar(source, tmp_path / "slow.tar.gz", "-z").read_bytes()
-    behaviour.files = {"/pub/slow.tar.gz": data}
-    behaviour.bytes_per_s = 12e6
-    seen: list[tuple[int, int]] = []  # (bytes the server had sent, bytes of image written)
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set() and not seen:
-            if (written := building(daemon)) > 1 << 20:
-                seen.append((behaviour.sent, written))
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
+    source, data = serve_slow_archive(behaviour, tmp_path)
+    with first_sight(behaviour, lambda: building(daemon) > 1 << 20) as sent:
         with daemon.client() as client:
             status = stage_ready(client, url_image(f"{url}/pub/slow.tar.gz"), TIMEOUT)
-    finally:
-        stop.set()
-        watcher.join()
-    assert seen, "no image was written while the archive downloaded"
-    sent_then, _ = seen[0]
-    assert sent_then < 0.75 * len(data), (
-        f"the image grew past 1 MiB only after {sent_then} of {len(data)} bytes were sent"
+    assert sent, "no image was written while the archive downloaded"
+    assert sent[0] < 0.75 * len(data), (
+        f"the image grew past 1 MiB only after {sent[0]} of {len(data)} bytes were sent"
     )
     mounted = Path(status.path) / source.name
     assert (mounted / "part_7.bin").read_bytes() == (source / "part_7.bin").read_bytes()

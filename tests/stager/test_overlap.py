@@ -14,7 +14,8 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -190,38 +191,54 @@ def test_the_overlapped_pair_gives_exactly_the_tree_gnu_tar_gives(
     assert snap.bytes_done == snap.bytes_total == 2 * len(data)
 
 
-def test_files_appear_in_the_tree_before_the_download_ends(
-    http, ctx: OpContext, tmp_path: Path
-) -> None:
-    behaviour, url = http
-    # Incompressible data, so the archive is as large as the tree: ~24 MB at 12 MB/s.
+def serve_slow_archive(behaviour: Behaviour, tmp_path: Path) -> tuple[Path, bytes]:
+    """Serve ``/pub/slow.tar.gz`` at 12 MB/s: incompressible data, so the archive is as
+    large as its tree (~24 MB, ~2 s). Its source folder and its bytes."""
     source = write_source(tmp_path / "slow", n_files=400, big=0)
     for i in range(8):
         (source / f"part_{i}.bin").write_bytes(os.urandom(2_700_000))
     data = gnu_tar(source, tmp_path / "slow.tar.gz", "-z").read_bytes()
     behaviour.files = {"/pub/slow.tar.gz": data}
     behaviour.bytes_per_s = 12e6
-    first: list[tuple[int, int]] = []  # (bytes the server had sent, files in the tree)
+    return source, data
+
+
+@contextmanager
+def first_sight(behaviour: Behaviour, probe: Callable[[], int]) -> Iterator[list[int]]:
+    """While the block runs, watch ``probe`` (how much of the result exists) and keep
+    how many bytes the server had sent when it first said something (empty: never)."""
+    sent: list[int] = []
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set() and not first:
-            found = sum(1 for p in ctx.root.rglob("*") if p.is_file() and "dl" not in p.parts)
-            if found:
-                first.append((behaviour.sent, found))
+        while not stop.is_set() and not sent:
+            if probe():
+                sent.append(behaviour.sent)
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        run_pair(pair(f"{url}/pub/slow.tar.gz", "slow.tar.gz"), ctx)
+        yield sent
     finally:
         stop.set()
         watcher.join()
-    assert first, "no file appeared while the pair ran"
-    sent_then, _ = first[0]
-    assert sent_then < 0.75 * len(data), (
-        f"the first file appeared after {sent_then} of {len(data)} bytes were sent"
+
+
+def test_files_appear_in_the_tree_before_the_download_ends(
+    http, ctx: OpContext, tmp_path: Path
+) -> None:
+    behaviour, url = http
+    _, data = serve_slow_archive(behaviour, tmp_path)
+
+    def files() -> int:
+        return sum(1 for p in ctx.root.rglob("*") if p.is_file() and "dl" not in p.parts)
+
+    with first_sight(behaviour, files) as sent:
+        run_pair(pair(f"{url}/pub/slow.tar.gz", "slow.tar.gz"), ctx)
+    assert sent, "no file appeared while the pair ran"
+    assert sent[0] < 0.75 * len(data), (
+        f"the first file appeared after {sent[0]} of {len(data)} bytes were sent"
     )
     assert (ctx.root / "data" / "part_7.bin").stat().st_size == 2_700_000
 
