@@ -322,10 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {pipe:13s} {us:8.1f} us  {1e6 / us:7.0f} img/s per core")
 
     rates: dict[str, list[float]] = {name: [] for name in PIPELINES}
-    for _ in range(args.repeats):  # interleaved: a noisy neighbour slows every pipeline alike
-        for name, make in PIPELINES.items():
-            rate = end_to_end(make, root, args.images, args.batch_size, args.workers, args.crop)
-            rates[name].append(rate)
+    try:
+        for _ in range(args.repeats):  # interleaved: a noisy neighbour slows every one alike
+            for name, make in PIPELINES.items():
+                rate = end_to_end(make, root, args.images, args.batch_size, args.workers, args.crop)
+                rates[name].append(rate)
+    finally:
+        data.stop_loader_server()  # the trainer's loaders' forkserver: this run started it
     med = {name: statistics.median(r) for name, r in rates.items()}
     print(f"\nend to end, {args.workers} workers on {cpus} CPUs:")
     for name, r in rates.items():

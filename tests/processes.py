@@ -3,6 +3,7 @@ job step starts (staged work in its own process, nothing outliving its parent)."
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from stager.children import SPARE_NAME, USER_NAME, WALKER_NAME
@@ -25,6 +26,13 @@ def parents() -> dict[int, list[int]]:
 
 def children_of(pid: int) -> list[int]:
     return parents().get(pid, [])
+
+
+def children_since(before: list[int]) -> list[int]:
+    """This process's children now that were not among ``before``: what a test started
+    and left, not the helpers earlier tests started in the same process (the
+    forkserver and resource tracker of a loader made in-process live until it exits)."""
+    return [pid for pid in children_of(os.getpid()) if pid not in before]
 
 
 def descendants(pid: int) -> list[int]:

@@ -212,9 +212,14 @@ def _stop_workers() -> None:
         if child.daemon:  # loader workers; the trainer starts no other daemonic children
             child.kill()
             child.join(timeout=5)
-    # Then the forkserver they came from (`loader_context`), stopped and reaped now rather
-    # than left to see the rank's exit on its own. `_stop` is what CPython's own tests
-    # stop it with; a Python without it leaves the forkserver to end by itself.
+    stop_loader_server()  # then the forkserver they came from
+
+
+def stop_loader_server() -> None:
+    """Stop and reap the loaders' forkserver (`loader_context`) now, rather than leave it
+    to see its process's exit on its own: at the trainer's exit, or after a loader made
+    in another program (a benchmark, a test). `_stop` is what CPython's own tests stop it
+    with; a Python without it leaves the forkserver to end by itself."""
     stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from stager.archive import split_tar
-from tests.processes import children_of
+from tests.processes import children_of, children_since
 from tests.stager.archive import test_split_tar
 from tests.stager.archive.test_split_tar import (
     BLOCK,
@@ -142,10 +142,11 @@ def test_a_tar_that_cannot_start_leaves_no_other_running(
         return started[-1]
 
     monkeypatch.setattr(split_tar.subprocess, "Popen", popen)
+    before = children_of(os.getpid())
     try:
         with pytest.raises(BlockingIOError):
             extract(archive, tmp_path / "dest")
-        assert children_of(os.getpid()) == []
+        assert children_since(before) == []
     finally:
         for proc in started:  # what the test started, stopped whatever the outcome
             proc.kill()
