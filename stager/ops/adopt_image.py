@@ -29,7 +29,7 @@ from stager import vouch
 from stager.errors import BadRequest, VerifyFailed
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.ops.image import copy_and_hash, image_format
+from stager.ops.image import copy_durably
 from stager.schemas import ByteCount
 
 
@@ -85,17 +85,8 @@ def copy_checked(step: AdoptImageStep, ctx: OpContext, output: Path, mode: int) 
                 "and this node stages from the source"
             )
         ctx.progress.add_total(size, 1)
-        out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            digest = copy_and_hash(
-                fd, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
-            )
-            # What the copy holds, not what the delivery held a moment ago.
-            fmt = image_format(os.pread(out, 1028, 0)) if digest == step.sha256 else None
-            os.fchmod(out, mode)
-            os.fsync(out)
-        finally:
-            os.close(out)
+        # The format is what the copy holds, not what the delivery held a moment ago.
+        digest, fmt = copy_durably(fd, partial, size, ctx, mode)
     finally:
         os.close(fd)
     if digest != step.sha256 or fmt is None:

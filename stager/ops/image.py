@@ -111,21 +111,9 @@ def copy_verified(
             raise BadRequest(f"{step.src} is neither an EROFS nor a squashfs image")
         ctx.progress.add_total(st.st_size, 1)
         partial = output.with_name(output.name + ".partial")
-        out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            os.fchmod(out, 0o444)  # before the fsync, which makes the mode durable too
-            # Hashed only against a pin: without one there is nothing to check it
-            # against, and sha256 (~1.8 GB/s here) is the copy's slowest part.
-            digest = copy_and_hash(
-                fd,
-                out,
-                st.st_size,
-                ctx.check_cancelled,
-                lambda n: ctx.progress.advance(n, 0),
-                hashed=step.sha256 is not None,
-            )
-        finally:
-            os.close(out)
+        # Hashed only against a pin: without one there is nothing to check it against,
+        # and sha256 (~1.8 GB/s here) is the copy's slowest part.
+        digest, _ = copy_durably(fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None)
     finally:
         os.close(fd)
     if step.sha256 is not None and digest != step.sha256.lower():
@@ -137,6 +125,24 @@ def copy_verified(
     os.rename(partial, output)
     ctx.progress.advance(0, 1)
     return Copied(fmt, st.st_size, digest)
+
+
+def copy_durably(
+    src: int, partial: Path, size: int, ctx: OpContext, mode: int, hashed: bool = True
+) -> tuple[str, str | None]:
+    """Copy ``size`` bytes of ``src`` into ``partial``, made ``mode`` (before the fsync,
+    which makes the mode durable too) and synced, hashing the copy (``hashed``); its
+    sha256 ("" unhashed) and the format the copy's own first bytes say (None: no image).
+    The caller renames or removes ``partial``."""
+    out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(out, mode)
+        digest = copy_and_hash(
+            src, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0), hashed
+        )
+        return digest, image_format(os.pread(out, 1028, 0))
+    finally:
+        os.close(out)
 
 
 def copy_and_hash(
