@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,24 @@ def public_tree(cluster: Cluster, name: str) -> Path:
     return tree
 
 
+def alice_then_bob(
+    cluster: Cluster, users: tuple[User, User], source: str, prefix: str, *flags: str
+) -> dict[str, tuple[dict, Any, list[str]]]:
+    """Alice's job, then bob's, each staging ``source`` on every node as that user: each
+    job's report, the bytes that left the storage while it ran, and how each node got
+    the data."""
+    runs = {}
+    for user, name in zip(users, (f"{prefix}-alice", f"{prefix}-bob"), strict=True):
+        before = cluster.storage()
+        job = cluster.sbatch(stage_script(name, source, *flags), nodes=NODES, name=name,
+                             extra=as_user(user))  # fmt: skip
+        moved = cluster.storage() - before
+        assert job.ok, job.output
+        report = json.loads((cluster.jobs_dir / f"{name}.json").read_text())
+        runs[name] = (report, moved, sorted(r["how"] for r in report["nodes"].values()))
+    return runs
+
+
 def one_shared_copy(cluster: Cluster, reports: dict, tree: Path) -> str:
     """The one path every job's report names on every node (one shared copy, the same key
     everywhere), holding ``tree``'s bytes on every node."""
@@ -57,25 +76,16 @@ def one_shared_copy(cluster: Cluster, reports: dict, tree: Path) -> str:
 def test_alices_fan_out_is_shared_and_bobs_job_then_reads_nothing(
     cluster: Cluster, users: tuple[User, User], interpreter_for_users: str
 ) -> None:
-    alice, bob = users
     tree = public_tree(cluster, "public-imgs")
     size = sum(p.stat().st_size for p in tree.rglob("*") if p.is_file())
     source = cluster.shared(tree)
-    reports = {}
-    for user, name in ((alice, "mu-alice"), (bob, "mu-bob")):
-        before = cluster.storage()
-        job = cluster.sbatch(stage_script(name, source), nodes=NODES, name=name,
-                             extra=as_user(user))  # fmt: skip
-        moved = cluster.storage() - before
-        assert job.ok, job.output
-        reports[name] = report = json.loads((cluster.jobs_dir / f"{name}.json").read_text())
-        hows = sorted(r["how"] for r in report["nodes"].values())
-        if user is alice:
-            assert moved.content <= 1.05 * size, (moved, size, report)
-            assert hows == ["broadcast"] * 3 + ["staged"], report
-        else:
-            assert moved.content == 0, (moved, report)
-            assert hows == ["hit"] * NODES, report
+    runs = alice_then_bob(cluster, users, source, "mu")
+    (report, moved, hows), (bob_report, bob_moved, bob_hows) = runs.values()
+    assert moved.content <= 1.05 * size, (moved, size, report)
+    assert hows == ["broadcast"] * 3 + ["staged"], report
+    assert bob_moved.content == 0, (bob_moved, bob_report)
+    assert bob_hows == ["hit"] * NODES, bob_report
+    reports = {name: run[0] for name, run in runs.items()}
     path = one_shared_copy(cluster, reports, tree)
     # The node service, not a per-user daemon, served both users: no user's own cache.
     for index in range(1, NODES + 1):
@@ -89,24 +99,15 @@ def test_alices_image_dataset_goes_as_one_vouched_file_and_bob_hits_it(
     """An image dataset through node services: one file sbcast as alice, its sha256
     vouched for by the source node's service (the cluster's munged), mounted shared on
     every node, so bob's job of the same data hits everywhere."""
-    alice, bob = users
     tree = public_tree(cluster, "public-image")
     source = cluster.shared(tree)
-    reports = {}
-    for user, name in ((alice, "img-alice"), (bob, "img-bob")):
-        before = cluster.storage()
-        job = cluster.sbatch(stage_script(name, source, "--as-image"), nodes=NODES, name=name,
-                             extra=as_user(user))  # fmt: skip
-        moved = cluster.storage() - before
-        assert job.ok, job.output
-        reports[name] = report = json.loads((cluster.jobs_dir / f"{name}.json").read_text())
-        hows = sorted(r["how"] for r in report["nodes"].values())
-        if user is alice:
-            assert report["mode"] == "image", report
-            assert hows == ["broadcast"] * 3 + ["staged"], report
-        else:
-            assert moved.content == 0, (moved, report)
-            assert hows == ["hit"] * NODES, report
+    runs = alice_then_bob(cluster, users, source, "img", "--as-image")
+    (report, _, hows), (bob_report, bob_moved, bob_hows) = runs.values()
+    assert report["mode"] == "image", report
+    assert hows == ["broadcast"] * 3 + ["staged"], report
+    assert bob_moved.content == 0, (bob_moved, bob_report)
+    assert bob_hows == ["hit"] * NODES, bob_report
+    reports = {name: run[0] for name, run in runs.items()}
     path = one_shared_copy(cluster, reports, tree)
     for index in range(1, NODES + 1):
         assert cluster.on_node(index, f"findmnt -n -o FSTYPE {path}").strip() == "erofs"
