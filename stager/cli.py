@@ -18,7 +18,7 @@ import sys
 
 from pydantic import ValidationError
 
-from stager import __version__
+from stager import __version__, prestart
 from stager.completion import add_completion, print_completion
 from stager.image import command as image_command
 from stager.settings import Settings, cli_flags, describe_error, environment_warnings
@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Settings) -> int:
+    if args.command == "serve" and not args.detach:
+        # Its imports go on beside the app's, which the next line starts (stager.prestart);
+        # if the daemon cannot start, it ends with it.
+        prestart.start_fork_server()
     from stager import server  # uvicorn and the app load only for commands that need them
     from stager.startup import StartError
 

@@ -19,7 +19,7 @@ that failed (~70 MB). So the protocol uvicorn runs for each connection
   users holding many cannot take them all. Root is refused only at the descriptors'
   ceiling (the epilog and admins must reach the service): half the daemon's
   ``RLIMIT_NOFILE``, whose soft limit is raised to the hard one at start
-  (:func:`raise_descriptor_limit`); the caps are lowered to stay under it
+  (stager.prestart); the caps are lowered to stay under it
   (:func:`caps_for`).
 - **Refusals** are answered as the connection is accepted, before anything is read:
   503 in the API's error shape, one sentence naming the limit, and the connection is
@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 import socket
 from collections import Counter
 from collections.abc import Hashable
@@ -70,15 +69,6 @@ class Caps:
     # before any of them is counted here: a quarter of the descriptors at most.
     backlog: int = 2048
     multi_user: bool = False
-
-
-def raise_descriptor_limit() -> int:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        soft = hard
-    return soft
 
 
 def caps_for(settings: Settings, descriptors: int) -> tuple[Caps, list[str]]:

@@ -27,7 +27,6 @@ import functools
 import json
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.forkserver
 import os
 import threading
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager.children import WALKER_NAME, die_with, name_process
+from stager.prestart import start_fork_server
 from stager.progress import SharedCounters
 from stager.rights.become import Identity
 from stager.rights.pool import UserProcesses
@@ -45,8 +45,6 @@ from stager.worker import stage_when_sent
 
 P = ParamSpec("P")
 T = TypeVar("T")
-
-PRELOAD = "stager.preload"
 
 
 class Child(NamedTuple):
@@ -77,7 +75,6 @@ class Processes:
     ) -> None:
         self.separate_users = separate_users  # the node service: act for users as them
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload([PRELOAD])
         self.users = UserProcesses(self.context, users_per_user, users_idle_s, users_timeout_s)
         self._walker: ProcessPoolExecutor | None = None
         self._spare: _Spare | None = None
@@ -97,7 +94,7 @@ class Processes:
         self.prepare_spare()
 
     def _start(self) -> None:
-        multiprocessing.forkserver.ensure_running()
+        start_fork_server()  # started already where ``stager serve`` began (stager.prestart)
         # The walker dies with the daemon, whatever ends the daemon (its parent is the
         # fork server, which outlives us by a moment).
         self._walker = ProcessPoolExecutor(

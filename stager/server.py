@@ -23,7 +23,7 @@ from types import FrameType
 import httpx
 import uvicorn
 
-from stager import connections, logs, startup
+from stager import connections, logs, prestart, startup
 from stager.app import create_app
 from stager.settings import Settings
 
@@ -138,7 +138,7 @@ def serve(settings: Settings) -> None:
             sock.unlink()  # stale socket of a daemon that died
         config_args.update(uds=str(sock))
     app = create_app(settings, token=token)
-    caps, notes = connections.caps_for(settings, connections.raise_descriptor_limit())
+    caps, notes = connections.caps_for(settings, prestart.raise_descriptor_limit())
     gate = connections.Gate(caps, settings.header_timeout_s)
     config = uvicorn.Config(
         app,

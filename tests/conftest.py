@@ -54,10 +54,30 @@ def _mounts_left(grace_s: float = 2.0) -> set[str]:
         time.sleep(0.1)
 
 
+# The daemons a test started, for its failure's report.
+_DAEMONS = pytest.StashKey[list[Daemon]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """A failed test's report ends with what each daemon it started said, and whether
+    that daemon still runs: a failure seen once in a full run can be read afterwards."""
+    report: pytest.TestReport = yield
+    if report.failed and report.when == "call":
+        for number, daemon in enumerate(item.stash.get(_DAEMONS, []), 1):
+            code = daemon.process.poll() if daemon.process else "never started"
+            title = f"daemon {number} ({daemon.url}, exit code {code})"
+            report.sections.append((title, daemon.log(limit=20_000)))
+    return report
+
+
 @pytest.fixture
-def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+def daemon_factory(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Daemon]]:
     """Start real ``stager serve`` processes; all are killed at the end of the test."""
     started: list[Daemon] = []
+    request.node.stash[_DAEMONS] = started
 
     def start(
         args: list[str] | None = None,

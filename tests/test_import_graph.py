@@ -159,6 +159,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.suggest",
                 "stager.downloads",
                 "stager.rights.become",
+                "stager.prestart",
             },
         ),
         # Processes that became a user, and the wire between root and them.
