@@ -369,7 +369,7 @@ def test_a_staging_that_fed_a_fan_out_is_not_resumed_from_the_source_on_its_own(
     """Its peers may hold the data by now: a restarted daemon leaves it to the next
     request (which a fan-out sources from a holder) instead of reading the source
     again by itself. A staging nobody fed from resumes as before."""
-    blob = os.urandom(2 << 20)
+    blob = os.urandom(1 << 20)
     behaviour = Behaviour(files={"/fed": blob, "/alone": blob}, bytes_per_s=500_000)
     daemon = daemon_factory(cache_dir=tmp_path / "node")
     with serve_files(behaviour) as url:

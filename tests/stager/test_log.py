@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.daemon import Daemon, stage, stage_ready
+from tests.httpserver import Behaviour, serve_files
 from tests.trees import write_tree
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
@@ -22,11 +23,11 @@ def test_one_timestamped_line_per_state_change_naming_the_dataset(
     daemon = daemon_factory()
     src = write_tree(tmp_path / "src", n_files=5, max_size=2000)
     me = getpass.getuser()
-    with daemon.client() as client:
+    with daemon.client() as client, serve_files(Behaviour()) as base:
         ready = stage_ready(client, {"name": "imgs", "steps": [{"op": "copy", "src": str(src)}]})
-        # A download whose URL carries a password fails: the reason is logged, the
-        # password never.
-        url = "http://alice:s3cret@127.0.0.1:9/data.tar?X-Amz-Signature=abc"
+        # A download whose URL carries a password fails (404, not retried): the reason
+        # is logged, the password never.
+        url = f"{base.replace('//', '//alice:s3cret@')}/data.tar?X-Amz-Signature=abc"
         body = {"name": "priv", "steps": [{"op": "fetch", "url": url, "dst": "d.tar"}]}
         assert stage(client, body).status_code in (200, 202)
         client.get("/v1/datasets/priv/wait", params={"timeout": 30})
@@ -68,9 +69,7 @@ def test_the_json_format_is_one_object_a_line_with_the_state_changes_fields(
 def test_a_stop_mid_staging_logs_interrupted_then_resumed(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    from tests.httpserver import Behaviour, serve_files
-
-    behaviour = Behaviour(files={"/big.bin": b"x" * 600_000}, bytes_per_s=100_000)
+    behaviour = Behaviour(files={"/big.bin": b"x" * 300_000}, bytes_per_s=100_000)
     daemon = daemon_factory(env={"STAGER_SHUTDOWN_TIMEOUT": "1"})
     with serve_files(behaviour) as base:
         body = {"name": "slow", "steps": [{"op": "fetch", "url": f"{base}/big.bin", "dst": "b"}]}
