@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import Field
 
 from stager import vouch
-from stager.errors import BadRequest, VerifyFailed
+from stager.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.ops.image import copy_durably
@@ -50,7 +50,13 @@ class AdoptImageStep(StepParams):
 
 
 def check(step: AdoptImageStep, ctx: CheckContext) -> int:
-    require_source(step.src, "delivered image")
+    try:
+        require_source(step.src, "delivered image")
+    except SourceNotFound:  # the daemon wrote the path: what failed is the sbcast
+        raise SourceNotFound(
+            f"the image broadcast from {step.origin_node} did not reach this node "
+            f"({step.src} does not exist: its sbcast failed); this node stages from the source"
+        ) from None
     return step.size
 
 

@@ -173,6 +173,30 @@ def test_a_delivery_that_is_not_the_sent_image_is_never_mounted(
         assert digest(Path(staged["path"]) / "train") == digest(tree)
 
 
+def test_a_delivery_that_never_arrived_is_said_to_be_the_sbcasts_from_its_node(
+    two: tuple[Daemon, Daemon], source: tuple[Path, Path]
+) -> None:
+    """An sbcast that failed outright leaves no file: the refusal names the node the
+    image was to come from and the sbcast, not the path as if the user had typed it."""
+    _, archive = source
+    node1, node2 = two
+    body = image_body(archive)
+    with node1.client() as one, node2.client() as other:
+        ready(one, body)
+        exported = one.post("/v1/datasets/ds/export", json={"label": "j8-ds"}).json()
+        reserved = other.post("/v1/incoming", json={"label": "j8-ds", "bytes": exported["bytes"]})
+        assert reserved.status_code == 200, reserved.text
+        adopt = {"incoming": "j8-ds", "origin_node": "node1", "origin_key": exported["key"],
+                 "job": "8", "image": exported["image"]}  # fmt: skip
+        refused = other.post("/v1/datasets", json={**body, "adopt": adopt})
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert "from node1 did not reach this node" in message, message
+        assert IMAGE_DELIVERY_NAME in message and "sbcast" in message, message
+        assert "check the path in the request" not in message
+        assert image_mount.mounts_under(str(node2.cache_dir)) == []
+
+
 def test_an_image_dataset_asked_for_as_a_tree_goes_in_parts_and_the_receiver_builds_it(
     two: tuple[Daemon, Daemon], source: tuple[Path, Path]
 ) -> None:
