@@ -365,6 +365,7 @@ class Engine:
             size_bytes=entry.size_bytes if entry else 0,
             origin=public_origin(entry),
             source_files=await self.fanout.source_files(expansion.steps, caller),
+            image=bool(resolved.spec.get("image")),
         )
 
     async def submit(self, request: DatasetCreate, caller: Caller) -> tuple[DatasetPublic, bool]:

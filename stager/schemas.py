@@ -144,6 +144,9 @@ class ProbeResult(BaseModel):
     # Every source of the request when each one is a plain file (archives): they can
     # be broadcast as they are and staged from on every node. Empty otherwise.
     source_files: list[SourceFile] = Field(default_factory=list)
+    # Whether this node stages the request as one image (asked for, or implied by a
+    # prebuilt image step, and mountable here; a tree with ``image_fallback`` where not).
+    image: bool = False
 
 
 class ExportCreate(BaseModel):

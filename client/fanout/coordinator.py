@@ -61,6 +61,7 @@ class Fanout:
         self.report = Report(name=str(body["name"]))
         self._started = time.monotonic()
         self._round = 0  # sources chosen anew after one failed
+        self._image = False  # the source node stages an image dataset (its probe says)
 
     def _mark(self, phase: str) -> None:
         self.report.timeline[phase] = round(time.monotonic() - self._started, 3)
@@ -128,6 +129,8 @@ class Fanout:
         holders = [n for n in usable if probes[n].get("state") == "ready"]
         lacking = [n for n in usable if n not in holders]
         source = self.report.source = source_node(key, usable, holders, self.job.this_node)
+        # The nodes agree on the key, and so on whether it is an image (the key says).
+        self._image = bool(probes[source].get("image"))
         if not lacking:
             await agents.tell({"do": "stage", "to": usable})
         elif sends_sources(self.broadcast, holders, probes[source].get("source_files", [])):
@@ -142,7 +145,7 @@ class Fanout:
     def _sends_image(self) -> bool:
         """An image dataset goes as its image file, unless ``--broadcast prepared`` asks
         for its tree in parts (each receiver then builds its own image)."""
-        return wants_image(self.body) and self.broadcast != "prepared"
+        return self._image and self.broadcast != "prepared"
 
     def _label(self) -> str:
         """Names the delivery folder on every receiver and the export on the sender (a
@@ -434,15 +437,6 @@ class Fanout:
             sources={path: tuple(entry) for path, entry in hashed["files"].items()},
         )
         await agents.tell({"do": "adopt", "to": lacking, "adopt": adopt.model_dump()})
-
-
-def wants_image(body: Mapping[str, Any]) -> bool:
-    """Whether a request stages an image dataset: asked for, or implied by a prebuilt
-    image step (as the daemon decides)."""
-    steps = body.get("steps") or []
-    return bool(body.get("image")) or any(
-        isinstance(s, dict) and s.get("op") == "image" for s in steps
-    )
 
 
 @dataclass

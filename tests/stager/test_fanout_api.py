@@ -100,7 +100,10 @@ def test_probe_reports_the_key_and_the_copy_and_changes_nothing(
     node1, node2 = two
     with node1.client() as one, node2.client() as other:
         probed = one.post("/v1/datasets/probe", json=body).json()
-        assert probed["state"] is None
+        assert probed["state"] is None and probed["image"] is False
+        # What the node stages it as: an image where asked for and mountable (root here).
+        as_image = one.post("/v1/datasets/probe", json={**body, "image": True}).json()
+        assert as_image["image"] is True and as_image["key"] != probed["key"]
         assert probed["source_files"] == [{"path": str(archive), "size": archive.stat().st_size}]
         assert one.get("/v1/datasets").json()["count"] == 0  # no name, no entry
         staged = ready(one, body)

@@ -69,11 +69,15 @@ def test_an_image_no_fuse_reader_can_mount_is_refused_or_staged_as_a_tree(
         error = refused.json()["error"]
         assert error["type"] == "image_unavailable"
         assert "erofsfuse" in error["message"] and "image_fallback" in error["message"]
+        # The probe a fan-out plans by says the same: a tree (so its parts go early).
+        probed = client.post("/v1/datasets/probe", json={**body, "image_fallback": True})
+        assert probed.status_code == 200 and probed.json()["image"] is False, probed.text
         given = client.post("/v1/datasets", json={**body, "image_fallback": True})
         assert given.status_code in (200, 202), given.text
         assert "staged as a tree instead" in given.json()["notice"]
         status = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
         assert status["state"] == "ready" and status["image"] is None
+        assert status["key"] == probed.json()["key"]
         assert digest(Path(status["path"]) / "t") == digest(tree)
         # The tree given is the tree's own entry: a plain request for it is a hit.
         del body["image"]
