@@ -416,13 +416,13 @@ class ImageStaging:
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
-        """Another node's image, sent whole: copied and checked (stager.ops.adopt_image).
+        """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image).
         A private copy's too: the source node's service built it for the same user's key
         (its top folder theirs), and its hash is that service's word."""
         self.progress.start_step(1)
         mode = 0o400 if self.image.top_owner is not None else 0o444
         copy = made.with_name(IMAGE_NAME + ".copied")
-        copied = adopt_image.copy_checked(step, self.ctx, copy, mode)
+        copied = adopt_image.take_delivery(step, self.ctx, copy, mode)
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _copied(self, copy: Path, made: Path, fmt: str, size: int, sha256: str) -> ImageMade:

@@ -64,11 +64,17 @@ class Vouch:
 
 
 def steps_for(
-    adopt: Adopt, folder: Path, steps: list[Any], table: OpTable, vouch: Vouch | None = None
+    adopt: Adopt,
+    folder: Path,
+    steps: list[Any],
+    table: OpTable,
+    vouch: Vouch | None = None,
+    own_delivery: bool = False,
 ) -> list[Any]:
     """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources;
     with ``vouch``, a prepared tree whose manifest, or an image whose sha256, must be
-    vouched for."""
+    vouched for. ``own_delivery``: the delivery was written by the one user this daemon
+    serves (a per-user daemon), so an image may be taken in where it lies."""
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
     vouching = {}
@@ -82,6 +88,7 @@ def steps_for(
             sha256=adopt.image.sha256,
             origin_node=adopt.origin_node,
             credential=adopt.image.credential,
+            in_place=own_delivery,
             **vouching,
         )
         return table.validate_steps([{"op": "adopt_image", **image.model_dump()}])

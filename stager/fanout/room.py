@@ -219,7 +219,8 @@ class FanoutRoom:
         # service vouches, not the job.
         if reader is not None and (reader.vouched or adopt.image is not None):
             vouch = adoption.Vouch(os.geteuid(), key, self.settings.munge_socket)
-        adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch)
+        own = not self.settings.multi_user
+        adopting = adoption.steps_for(adopt, delivery.path, steps, self.ops, vouch, own)
         roots = self._roots(adopting=True)
         dumped = self.ops.dump_steps(adopting)
         estimate = int(

@@ -3,12 +3,14 @@
 A multi-node job of an image dataset (docs/multinode.md) sends the source node's image
 file whole, with one ``sbcast``, into this node's delivery folder; the source node's
 service measured its size and sha256 from the very bytes sbcast read. The delivery
-folder is the job's user's to write (sbcast writes as them), so the delivered file is
-never mounted as it lies: the staging copies it into its own folder (root's, in the node
-service) while a thread hashes the copy, and only a copy whose size and sha256 are the
+folder is the job's user's to write (sbcast writes as them), so in the node service the
+delivered file is never mounted as it lies: the staging copies it into its own folder
+(root's) while a thread hashes the copy, and only a copy whose size and sha256 are the
 source node's is published and mounted (:mod:`stager.imaging`). What is hashed is what
 the kernel parses: a user who swaps or rewrites the delivery before, during or after the
-copy changes nothing that is mounted.
+copy changes nothing that is mounted. A per-user daemon serves the one user who wrote
+the delivery, so there it is hashed where it lies and renamed in (``in_place``): the
+same check, without a second copy of the image.
 
 In the node service the hash itself must come from the source node's service, not from
 the job that carried it (a user could send an image of their own making with its own
@@ -29,7 +31,7 @@ from stager import vouch
 from stager.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.ops.image import copy_durably
+from stager.ops.image import copy_durably, hash_in_place, image_format
 from stager.schemas import ByteCount
 
 
@@ -47,6 +49,9 @@ class AdoptImageStep(StepParams):
     vouch_uid: int | None = Field(default=None, ge=0, le=2**32 - 1)
     vouch_key: str | None = Field(default=None, max_length=64)
     munge_socket: str | None = Field(default=None, max_length=4096)
+    # Set by a per-user daemon: the delivery is written by the one user it serves, so
+    # it is hashed where it lies and renamed in, not copied.
+    in_place: bool = False
 
 
 def check(step: AdoptImageStep, ctx: CheckContext) -> int:
@@ -74,37 +79,86 @@ class Adopted:
     sha256: str
 
 
-def copy_checked(step: AdoptImageStep, ctx: OpContext, output: Path, mode: int) -> Adopted:
-    """Copy the delivery to ``output`` (made ``mode``), hashing the copy; refused, with
-    ``output`` never made, unless the copy has the size and sha256 that the source node
-    measured (vouched for, when ``vouch_uid`` is set)."""
+def take_delivery(step: AdoptImageStep, ctx: OpContext, output: Path, mode: int) -> Adopted:
+    """The delivery as ``output`` (made ``mode``, synced): copied and the copy hashed,
+    or (``in_place``, on the same filesystem) hashed where it lies and renamed. Refused,
+    with ``output`` never made, unless what ``output`` holds has the size and sha256
+    that the source node measured (vouched for, when ``vouch_uid`` is set)."""
     if step.vouch_uid is not None:
         _require_vouched(step)
     fd = open_source(step.src, ctx.allowed_roots)  # as the user whose job delivered it
-    partial = output.with_name(output.name + ".partial")
     try:
-        size = os.fstat(fd).st_size
-        if size != step.size:
-            raise VerifyFailed(
-                f"the image {step.src} broadcast from {step.origin_node} has {size} bytes, not "
-                f"the {step.size} that node sent (cut short or replaced); it is not mounted, "
-                "and this node stages from the source"
-            )
-        ctx.progress.add_total(size, 1)
-        # The format is what the copy holds, not what the delivery held a moment ago.
-        digest, fmt = copy_durably(fd, partial, size, ctx, mode)
+        st = os.fstat(fd)
+        _require_size(step, st.st_size)
+        ctx.progress.add_total(st.st_size, 1)
+        # Never where a service vouches: there the delivery is another user's to write.
+        in_place = step.in_place and step.vouch_uid is None
+        if in_place and st.st_dev == os.stat(output.parent).st_dev:
+            adopted = _renamed_in(step, fd, st, ctx, output, mode)
+        else:
+            adopted = _copied_in(step, fd, st.st_size, ctx, output, mode)
     finally:
         os.close(fd)
-    if digest != step.sha256 or fmt is None:
+    ctx.progress.advance(0, 1)
+    return adopted
+
+
+def _copied_in(
+    step: AdoptImageStep, fd: int, size: int, ctx: OpContext, output: Path, mode: int
+) -> Adopted:
+    """Copied out of the delivery folder, the copy hashed: what is checked is what the
+    kernel parses, whatever becomes of the delivery meanwhile."""
+    partial = output.with_name(output.name + ".partial")
+    # The format is what the copy holds, not what the delivery held a moment ago.
+    digest, fmt = copy_durably(fd, partial, size, ctx, mode)
+    try:
+        _require_image(step, digest, fmt)
+    except VerifyFailed:
         os.unlink(partial)
+        raise
+    os.rename(partial, output)
+    return Adopted(fmt or "", size, digest)
+
+
+def _renamed_in(
+    step: AdoptImageStep, fd: int, st: os.stat_result, ctx: OpContext, output: Path, mode: int
+) -> Adopted:
+    """Hashed where it lies, synced and renamed to ``output``: a per-user daemon's own
+    user wrote it (and may write anything it serves), so a copy would guard nothing.
+    The rename is by path: the file it moved must be the one hashed."""
+    check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
+    digest = hash_in_place(fd, st.st_size, check, advance)
+    fmt = image_format(os.pread(fd, 1028, 0))
+    _require_image(step, digest, fmt)
+    os.fchmod(fd, mode)
+    os.fsync(fd)
+    os.rename(step.src, output)
+    moved = os.stat(output)
+    if (moved.st_dev, moved.st_ino, moved.st_size) != (st.st_dev, st.st_ino, st.st_size):
+        os.unlink(output)
+        raise VerifyFailed(
+            f"the image {step.src} broadcast from {step.origin_node} was replaced while it "
+            "was checked; it is not mounted, and this node stages from the source"
+        )
+    return Adopted(fmt or "", st.st_size, digest)
+
+
+def _require_size(step: AdoptImageStep, size: int) -> None:
+    if size != step.size:
+        raise VerifyFailed(
+            f"the image {step.src} broadcast from {step.origin_node} has {size} bytes, not "
+            f"the {step.size} that node sent (cut short or replaced); it is not mounted, "
+            "and this node stages from the source"
+        )
+
+
+def _require_image(step: AdoptImageStep, digest: str, fmt: str | None) -> None:
+    if digest != step.sha256 or fmt is None:
         what = f"sha256 {digest}, not {step.sha256}" if digest != step.sha256 else "no image"
         raise VerifyFailed(
             f"the image {step.src} broadcast from {step.origin_node} holds {what} (damaged "
             "or replaced on its way); it is not mounted, and this node stages from the source"
         )
-    os.rename(partial, output)
-    ctx.progress.advance(0, 1)
-    return Adopted(fmt, size, digest)
 
 
 def _require_vouched(step: AdoptImageStep) -> None:

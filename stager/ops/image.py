@@ -218,15 +218,40 @@ class _ChunkHasher(threading.Thread):
     def run(self) -> None:
         try:
             while (chunk := self._ranges.get()) is not None:
-                offset, length = chunk
-                start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping's offset
-                with mmap.mmap(
-                    self._fd, offset + length - start, prot=mmap.PROT_READ, offset=start
-                ) as mapped:
-                    with memoryview(mapped) as view:
-                        self._digest.update(view[offset - start :])
+                _hash_range(self._digest, self._fd, *chunk)
         except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the copy's thread
             self._error = exc
+
+
+def hash_in_place(
+    fd: int, size: int, check: Callable[[], None], advance: Callable[[int], None]
+) -> str:
+    """sha256 of the first ``size`` bytes of ``fd``, read chunk by chunk (``check``
+    before each, ``advance`` after, with its bytes). Read, not mapped: a file that
+    another process cuts short meanwhile ends the hash with VerifyFailed, where a
+    mapping would kill the process (SIGBUS)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK)
+    offset = 0
+    while offset < size:
+        check()
+        with memoryview(buffer)[: min(_CHUNK, size - offset)] as chunk:
+            got = os.preadv(fd, [chunk], offset)
+            if got == 0:
+                raise VerifyFailed(f"the image was cut short while it was hashed, at {offset}")
+            digest.update(chunk[:got])
+        offset += got
+        advance(got)
+    return digest.hexdigest()
+
+
+def _hash_range(digest: hashlib._Hash, fd: int, offset: int, length: int) -> None:
+    """Add ``length`` bytes of ``fd`` from ``offset`` to ``digest``, through a mapping of
+    the range (no copy of the bytes out of the page cache)."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping's offset
+    with mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ, offset=start) as mapped:
+        with memoryview(mapped) as view:
+            digest.update(view[offset - start :])
 
 
 def _require_trusted(

@@ -65,11 +65,12 @@ Damage = Callable[[Path], None]
 
 def send_image(
     sender: httpx.Client, receiver: httpx.Client, body: dict, label: str,
-    damage: Damage | None = None,
+    damage: Damage | None = None, delivered: list[os.stat_result] | None = None,
 ) -> tuple[dict, dict]:  # fmt: skip
     """What the job's tasks do, with a file copy for sbcast: export (one file, hashed by
     the source's service), reserve on the receiver, send the file, ask the receiver to
-    adopt it. The export's answer and the receiver's final status."""
+    adopt it. The export's answer and the receiver's final status (``delivered`` gets
+    the delivered file's stat)."""
     answer = sender.post(f"/v1/datasets/{body['name']}/export", json={"label": label})
     assert answer.status_code == 200, answer.text
     exported = answer.json()
@@ -79,6 +80,8 @@ def send_image(
     shutil.copyfile(exported["path"], folder / IMAGE_DELIVERY_NAME)
     if damage is not None:
         damage(folder / IMAGE_DELIVERY_NAME)
+    if delivered is not None:
+        delivered.append((folder / IMAGE_DELIVERY_NAME).stat())
     adopt = {"incoming": label, "origin_node": "node1", "origin_key": exported["key"],
              "job": "42", "image": exported["image"]}  # fmt: skip
     response = receiver.post("/v1/datasets", json={**body, "adopt": adopt})
@@ -106,7 +109,8 @@ def test_an_image_dataset_is_sent_as_one_file_and_mounted_under_the_same_key(
                                    "format": "erofs", "credential": None}  # fmt: skip
         assert one.delete("/v1/exports/job42-ds").status_code == 200
 
-        exported, adopted = send_image(one, other, body, "job42-ds")
+        delivered: list[os.stat_result] = []
+        exported, adopted = send_image(one, other, body, "job42-ds", delivered=delivered)
         assert adopted["state"] == "ready", adopted["error"]
         assert adopted["key"] == staged["key"] == exported["key"]
         assert adopted["origin"]["how"] == "broadcast" and adopted["origin"]["node"] == "node1"
@@ -117,6 +121,9 @@ def test_an_image_dataset_is_sent_as_one_file_and_mounted_under_the_same_key(
         received = Path(adopted["image"]["file"])
         assert received.read_bytes() == image_file.read_bytes()
         assert received.stat().st_mode & 0o777 == 0o444
+        # A per-user daemon's own user wrote the delivery: hashed there and renamed in,
+        # not copied (the node service copies it: test_multiuser_image_fanout.py).
+        assert received.stat().st_ino == delivered[0].st_ino
         assert list((node2.cache_dir / "incoming").iterdir()) == []
         assert list((node1.cache_dir / "outgoing").iterdir()) == []
         assert metric(other, "stager_source_read_bytes_total") == 0

@@ -72,10 +72,13 @@ def test_a_vouched_image_is_mounted_shared_and_bob_hits_it(
     # The copy alice's sbcast reads: the service's, which nobody else may change.
     assert (sent.stat().st_uid, sent.stat().st_mode & 0o777) == (0, 0o444)
     assert exported["vouched"] is True and exported["image"]["credential"]
-    deliver(alice, node2, "j1-ds", sent)
+    delivery = deliver(alice, node2, "j1-ds", sent).stat()
     adopted = adopt(alice, node2, body, "j1-ds", staged["key"], exported["image"])
     assert adopted["state"] == "ready", adopted
     assert adopted["key"] == staged["key"]  # the shared key: every user's
+    # Mounted from the service's own copy, never from the file alice's job wrote.
+    mounted = Path(adopted["image"]["file"]).stat()
+    assert mounted.st_ino != delivery.st_ino and mounted.st_uid == 0
     assert image_mount.mounted_at(adopted["path"]) is not None
     assert digest(Path(adopted["path"]) / "imgs") == digest(tree)
     code, hit = bob.curl(node2.socket, "POST", "/v1/datasets", body)
