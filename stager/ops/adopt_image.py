@@ -133,7 +133,7 @@ def _renamed_in(
     os.fchmod(fd, mode)
     os.fsync(fd)
     os.rename(step.src, output)
-    moved = os.stat(output)
+    moved = os.lstat(output)  # what the name held: a link to the hashed file is not it
     if (moved.st_dev, moved.st_ino, moved.st_size) != (st.st_dev, st.st_ino, st.st_size):
         os.unlink(output)
         raise VerifyFailed(

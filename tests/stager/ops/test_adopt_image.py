@@ -105,6 +105,27 @@ def test_a_delivery_swapped_while_it_is_hashed_is_never_taken_in(tmp_path: Path)
     assert list(attempt.iterdir()) == []
 
 
+def test_a_delivery_swapped_for_a_link_to_the_file_hashed_is_never_taken_in(
+    tmp_path: Path,
+) -> None:
+    """The hash reads the very file, and the link leads to it: but what would be renamed
+    in is the link, whose target its writer may change later."""
+    path = delivered(tmp_path / "incoming")
+    step = step_for(path, True)
+    kept = tmp_path / "elsewhere" / "kept.img"
+
+    def swap() -> None:
+        kept.parent.mkdir()
+        os.rename(path, kept)
+        os.symlink(kept, path)
+
+    attempt = tmp_path / "attempt"
+    with pytest.raises(VerifyFailed, match="was replaced while it was checked"):
+        take(step, attempt, OnFirstCheck(swap))
+    assert list(attempt.iterdir()) == []
+    assert kept.read_bytes()[1024:1028] == image.EROFS_MAGIC  # left as it was
+
+
 def test_a_delivery_cut_short_while_it_is_hashed_is_refused(tmp_path: Path) -> None:
     path = delivered(tmp_path / "incoming")
     step = step_for(path, True)
