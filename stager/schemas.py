@@ -146,7 +146,8 @@ class ProbeResult(BaseModel):
     source_files: list[SourceFile] = Field(default_factory=list)
     # Whether this node stages the request as one image (asked for, or implied by a
     # prebuilt image step, and mountable here; a tree with ``image_fallback`` where not).
-    image: bool = False
+    # None: a daemon from before this field (the client then goes by the request).
+    image: bool | None = None
 
 
 class ExportCreate(BaseModel):

@@ -18,7 +18,13 @@ from typing import Any
 from client._client import AsyncStagerClient
 from client.errors import FanoutError, StagerError
 from client.fanout.agent import Node
-from client.fanout.policy import broadcast_for, compressed_name, sends_sources, source_node
+from client.fanout.policy import (
+    broadcast_for,
+    compressed_name,
+    goes_as_image,
+    sends_sources,
+    source_node,
+)
 from client.fanout.protocol import Agents
 from client.fanout.report import NodeResult, Report
 from client.fanout.slurm import (
@@ -130,7 +136,7 @@ class Fanout:
         lacking = [n for n in usable if n not in holders]
         source = self.report.source = source_node(key, usable, holders, self.job.this_node)
         # The nodes agree on the key, and so on whether it is an image (the key says).
-        self._image = bool(probes[source].get("image"))
+        self._image = goes_as_image(probes[source], self.body)
         if not lacking:
             await agents.tell({"do": "stage", "to": usable})
         elif sends_sources(self.broadcast, holders, probes[source].get("source_files", [])):

@@ -4,7 +4,7 @@ tree, and how sbcast sends each file."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from client.fanout.slurm import Broadcast
@@ -28,6 +28,20 @@ def source_node(key: str, nodes: Sequence[str], holders: Sequence[str], this_nod
         return sorted(holders)[0]
     ordered = sorted(nodes)
     return ordered[int(key[:15], 16) % len(ordered)]
+
+
+def goes_as_image(probe: Mapping[str, Any], body: Mapping[str, Any]) -> bool:
+    """Whether the source node stages the request as one image, which then travels as
+    one file: that node's probe says (an image refused there may be a tree, through
+    ``image_fallback``). A daemon from before the probe said it (``image`` absent):
+    the request says, as that daemon's export would."""
+    said = probe.get("image")
+    if said is not None:
+        return bool(said)
+    steps = body.get("steps") or []
+    return bool(body.get("image")) or any(
+        isinstance(step, Mapping) and step.get("op") == "image" for step in steps
+    )
 
 
 def sends_sources(broadcast: str, holders: Sequence[str], files: Sequence[Any]) -> bool:

@@ -21,9 +21,12 @@ daemon's own (``internal``), built from a request's ``adopt``.
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import Field
 
@@ -33,6 +36,8 @@ from stager.fs.sources import open_source, require_source
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.ops.image import copy_durably, hash_in_place, image_format
 from stager.schemas import ByteCount
+
+Read = TypeVar("Read")
 
 
 class AdoptImageStep(StepParams):
@@ -109,12 +114,12 @@ def _copied_in(
     """Copied out of the delivery folder, the copy hashed: what is checked is what the
     kernel parses, whatever becomes of the delivery meanwhile."""
     partial = output.with_name(output.name + ".partial")
-    # The format is what the copy holds, not what the delivery held a moment ago.
-    digest, fmt = copy_durably(fd, partial, size, ctx, mode)
     try:
+        # The format is what the copy holds, not what the delivery held a moment ago.
+        digest, fmt = _told(step, lambda: copy_durably(fd, partial, size, ctx, mode))
         _require_image(step, digest, fmt)
-    except VerifyFailed:
-        os.unlink(partial)
+    except BaseException:
+        partial.unlink(missing_ok=True)
         raise
     os.rename(partial, output)
     return Adopted(fmt or "", size, digest)
@@ -123,16 +128,28 @@ def _copied_in(
 def _renamed_in(
     step: AdoptImageStep, fd: int, st: os.stat_result, ctx: OpContext, output: Path, mode: int
 ) -> Adopted:
-    """Hashed where it lies, synced and renamed to ``output``: a per-user daemon's own
-    user wrote it (and may write anything it serves), so a copy would guard nothing.
-    The rename is by path: the file it moved must be the one hashed."""
+    """Hashed where it lies, renamed to ``output``, then made ``mode`` and synced: a
+    per-user daemon's own user wrote it (and may write anything it serves), so a copy
+    would guard nothing. Only a file nothing wrote while it was hashed, with no other
+    name, is taken; the rename is by path, so what the name held must be that file.
+    On another filesystem after all (a bind mount of the same disk), it is copied."""
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
-    digest = hash_in_place(fd, st.st_size, check, advance)
+    digest = _told(step, lambda: hash_in_place(fd, st.st_size, check, advance))
     fmt = image_format(os.pread(fd, 1028, 0))
+    after = os.fstat(fd)
+    if _stamps(after) != _stamps(st) or after.st_nlink != 1:
+        raise VerifyFailed(
+            f"the image {step.src} broadcast from {step.origin_node} was written to, or "
+            "given another name, while it was checked; it is not mounted, and this node "
+            "stages from the source"
+        )
     _require_image(step, digest, fmt)
-    os.fchmod(fd, mode)
-    os.fsync(fd)
-    os.rename(step.src, output)
+    try:
+        os.rename(step.src, output)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        return _copied_in(step, fd, st.st_size, ctx, output, mode)
     moved = os.lstat(output)  # what the name held: a link to the hashed file is not it
     if (moved.st_dev, moved.st_ino, moved.st_size) != (st.st_dev, st.st_ino, st.st_size):
         os.unlink(output)
@@ -140,7 +157,25 @@ def _renamed_in(
             f"the image {step.src} broadcast from {step.origin_node} was replaced while it "
             "was checked; it is not mounted, and this node stages from the source"
         )
+    os.fchmod(fd, mode)  # only now: a refused swap leaves what it reached as it was
+    os.fsync(fd)
     return Adopted(fmt or "", st.st_size, digest)
+
+
+def _stamps(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _told(step: AdoptImageStep, read: Callable[[], Read]) -> Read:
+    """``read()``, a delivery cut short while it is read being said to be this node's
+    delivery from its node, with what happens next."""
+    try:
+        return read()
+    except VerifyFailed as exc:
+        raise VerifyFailed(
+            f"the image {step.src} broadcast from {step.origin_node} {exc.message}; it is "
+            "not mounted, and this node stages from the source"
+        ) from exc
 
 
 def _require_size(step: AdoptImageStep, size: int) -> None:

@@ -113,7 +113,11 @@ def copy_verified(
         partial = output.with_name(output.name + ".partial")
         # Hashed only against a pin: without one there is nothing to check it against,
         # and sha256 (~1.8 GB/s here) is the copy's slowest part.
-        digest, _ = copy_durably(fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None)
+        try:
+            digest, _ = copy_durably(fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None)
+        except VerifyFailed as exc:  # it changed as it was read: say which image
+            partial.unlink(missing_ok=True)
+            raise VerifyFailed(f"image {step.src} {exc.message}; it is not mounted") from exc
     finally:
         os.close(fd)
     if step.sha256 is not None and digest != step.sha256.lower():
@@ -169,7 +173,7 @@ def copy_and_hash(
             check()
             moved = copy_chunk(src, dst, offset, min(_CHUNK, size - offset))
             if moved == 0:
-                raise VerifyFailed(f"the image was cut short while it was copied, at {offset}")
+                raise VerifyFailed(f"was cut short at byte {offset} while it was copied")
             if durable:
                 start_writeback(dst, offset, moved)
             if hasher is not None:
@@ -238,7 +242,7 @@ def hash_in_place(
         with memoryview(buffer)[: min(_CHUNK, size - offset)] as chunk:
             got = os.preadv(fd, [chunk], offset)
             if got == 0:
-                raise VerifyFailed(f"the image was cut short while it was hashed, at {offset}")
+                raise VerifyFailed(f"was cut short at byte {offset} while it was hashed")
             digest.update(chunk[:got])
         offset += got
         advance(got)

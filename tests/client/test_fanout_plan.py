@@ -9,8 +9,14 @@ from collections import Counter
 from datetime import UTC, datetime
 
 from client._progress import describe_origin
-from client.fanout.policy import BLOCK_BYTES, broadcast_for, fanout_for, source_node
-from stager.schemas import DatasetPublic, Origin, State
+from client.fanout.policy import (
+    BLOCK_BYTES,
+    broadcast_for,
+    fanout_for,
+    goes_as_image,
+    source_node,
+)
+from stager.schemas import DatasetPublic, Origin, ProbeResult, State
 
 NODES = ["mn1", "mn2", "mn3", "mn4"]
 
@@ -31,6 +37,24 @@ def test_without_holders_the_key_picks_and_spreads_datasets_over_the_nodes() -> 
     assert picks == [source_node(key(i), shuffled, [], "mn2") for i in range(400)]
     counts = Counter(picks)
     assert set(counts) == set(NODES) and min(counts.values()) > 60
+
+
+def test_the_source_nodes_probe_says_whether_the_dataset_goes_as_its_image() -> None:
+    """The probe's word wins over the request (an image refused there is a tree); a
+    probe from a daemon that predates the word falls back to the request."""
+    asked = {"name": "d", "steps": [{"op": "extract", "src": "/s.tar"}], "image": True}
+    prebuilt = {"name": "d", "steps": [{"op": "image", "src": "/i.erofs"}]}
+    tree = {"name": "d", "steps": [{"op": "extract", "src": "/s.tar"}]}
+
+    def probe(**fields: object) -> dict:
+        return ProbeResult(key=key(1), **fields).model_dump(mode="json")
+
+    assert goes_as_image(probe(image=False), asked) is False  # image_fallback's tree
+    assert goes_as_image(probe(image=True), tree) is True
+    old_daemon = {"key": key(1), "state": None}  # no "image" in its answer
+    for body, expected in ((asked, True), (prebuilt, True), (tree, False)):
+        assert goes_as_image(probe(), body) is expected
+        assert goes_as_image(old_daemon, body) is expected
 
 
 def test_sbcast_fans_out_flat_to_few_nodes_and_as_a_tree_to_many() -> None:

@@ -4,6 +4,7 @@ very bytes with the source node's size and sha256 become the staging's image."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
@@ -40,18 +41,23 @@ def step_for(path: Path, in_place: bool, **changes: object) -> AdoptImageStep:
     return AdoptImageStep(**fields)
 
 
-class OnFirstCheck:
-    """A cancel signal that is never set, and runs ``then`` at the first check (between
-    the size check and the first chunk's hash)."""
+class OnCheck:
+    """A cancel signal that is never set, and runs ``then`` at check number ``at``
+    (checks come before each chunk: the first between the size check and the first
+    chunk, the second once one chunk was hashed or copied)."""
 
-    def __init__(self, then) -> None:  # noqa: ANN001
-        self.then, self.done = then, False
+    def __init__(self, then, at: int = 1) -> None:  # noqa: ANN001
+        self.then, self.at, self.calls = then, at, 0
 
     def is_set(self) -> bool:
-        if not self.done:
-            self.done = True
+        self.calls += 1
+        if self.calls == self.at:
             self.then()
         return False
+
+
+def OnFirstCheck(then) -> OnCheck:  # noqa: ANN001, N802 - reads as the signal it makes
+    return OnCheck(then, 1)
 
 
 def take(step: AdoptImageStep, attempt: Path, cancel: object | None = None) -> Path:
@@ -91,48 +97,128 @@ def test_a_vouched_image_is_copied_even_if_asked_in_place(
     assert output.stat().st_ino != path.stat().st_ino
 
 
-def test_a_delivery_swapped_while_it_is_hashed_is_never_taken_in(tmp_path: Path) -> None:
-    path = delivered(tmp_path / "incoming")
-    step = step_for(path, True)
-    other = delivered(tmp_path / "elsewhere")  # same size, other bytes, same filesystem
+SWAPS = {
+    # the name now leads to another file of the same size
+    "another file": lambda path, aside: os.rename(delivered(aside), path),
+    # the name is a link to the very file hashed, moved aside: its writer may change
+    # the link's target once it is taken in
+    "a link to it": lambda path, aside: (
+        aside.mkdir(),
+        os.rename(path, aside / "kept.img"),
+        os.symlink(aside / "kept.img", path),
+    ),
+}
 
-    def swap() -> None:
-        os.rename(other, path)  # the name now leads to another file; the hash reads the fd
 
-    attempt = tmp_path / "attempt"
-    with pytest.raises(VerifyFailed, match="was replaced while it was checked"):
-        take(step, attempt, OnFirstCheck(swap))
-    assert list(attempt.iterdir()) == []
-
-
-def test_a_delivery_swapped_for_a_link_to_the_file_hashed_is_never_taken_in(
-    tmp_path: Path,
+@pytest.mark.parametrize("swap", SWAPS)
+@pytest.mark.parametrize("when", ["while it is hashed", "after it was hashed"])
+def test_a_delivery_swapped_is_never_taken_in_and_nothing_is_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str, when: str
 ) -> None:
-    """The hash reads the very file, and the link leads to it: but what would be renamed
-    in is the link, whose target its writer may change later."""
+    """Swapped as it is hashed, the hashed file's stamps move (its name went, or its
+    ctime); swapped after that check and before the rename (the last moment), what the
+    rename moved is not that file. Either way nothing is taken in, and the file the
+    descriptor reached is not even made read-only."""
     path = delivered(tmp_path / "incoming")
     step = step_for(path, True)
-    kept = tmp_path / "elsewhere" / "kept.img"
+    hashed, aside = path.stat(), tmp_path / "elsewhere"
 
-    def swap() -> None:
-        kept.parent.mkdir()
-        os.rename(path, kept)
-        os.symlink(kept, path)
+    def do_swap() -> None:
+        SWAPS[swap](path, aside)
 
+    cancel = None
+    if when == "while it is hashed":
+        cancel = OnFirstCheck(do_swap)
+    else:
+        check = adopt_image._require_image
+
+        def swap_then_check(*args: object) -> None:
+            do_swap()
+            check(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(adopt_image, "_require_image", swap_then_check)
     attempt = tmp_path / "attempt"
-    with pytest.raises(VerifyFailed, match="was replaced while it was checked"):
-        take(step, attempt, OnFirstCheck(swap))
+    refusal = "was replaced while it was checked|written to, or given another name"
+    with pytest.raises(VerifyFailed, match=refusal):
+        take(step, attempt, cancel)
     assert list(attempt.iterdir()) == []
-    assert kept.read_bytes()[1024:1028] == image.EROFS_MAGIC  # left as it was
+    for file in aside.rglob("*"):  # the delivery, where the swap left it
+        if file.stat().st_ino == hashed.st_ino:
+            assert file.stat().st_mode == hashed.st_mode
+            assert hashlib.sha256(file.read_bytes()).hexdigest() == step.sha256
 
 
-def test_a_delivery_cut_short_while_it_is_hashed_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_delivery_cut_short_while_it_is_read_is_refused_naming_it(
+    tmp_path: Path, in_place: bool
+) -> None:
     path = delivered(tmp_path / "incoming")
-    step = step_for(path, True)
+    step = step_for(path, in_place)
     attempt = tmp_path / "attempt"
-    with pytest.raises(VerifyFailed, match="cut short while it was hashed"):
+    with pytest.raises(VerifyFailed) as refused:
         take(step, attempt, OnFirstCheck(lambda: os.truncate(path, 4096)))
-    assert list(attempt.iterdir()) == []
+    said = refused.value.message
+    assert f"the image {path} broadcast from node1 was cut short at byte" in said
+    assert said.endswith("this node stages from the source")
+    assert list(attempt.iterdir()) == []  # no partial copy left either
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_bytes_rewritten_after_they_were_hashed_never_pass_for_the_sha256(
+    tmp_path: Path, in_place: bool
+) -> None:
+    """The first chunk is rewritten once it was read: taken in place, the file is no
+    longer what was hashed (refused); copied, the copy holds what was hashed (kept,
+    and it is the delivery's bytes as they were)."""
+    path = delivered(tmp_path / "incoming")
+    step = step_for(path, in_place)
+    data = path.read_bytes()
+
+    def rewrite() -> None:
+        with open(path, "r+b") as f:
+            f.seek(8192)
+            f.write(b"spoiled!")
+
+    attempt = tmp_path / "attempt"
+    if in_place:
+        with pytest.raises(VerifyFailed, match="written to, or given another name"):
+            take(step, attempt, OnCheck(rewrite, at=2))
+        assert list(attempt.iterdir()) == []
+    else:
+        output = take(step, attempt, OnCheck(rewrite, at=2))
+        assert hashlib.sha256(output.read_bytes()).hexdigest() == step.sha256
+        assert output.read_bytes() == data
+
+
+def test_a_delivery_with_another_name_is_copied_by_nobody_but_refused(tmp_path: Path) -> None:
+    """A second name (a hard link) lets its holder write the file after it was taken
+    in: a delivery with one is not renamed in."""
+    path = delivered(tmp_path / "incoming")
+    os.link(path, tmp_path / "other-name")
+    attempt = tmp_path / "attempt"
+    with pytest.raises(VerifyFailed, match="given another name"):
+        take(step_for(path, True), attempt)
+    assert list(attempt.iterdir()) == [] and path.exists()
+
+
+def test_a_rename_that_crosses_filesystems_falls_back_to_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two bind mounts of one disk share a device number, yet a rename from one to the
+    other fails (EXDEV): the delivery is then copied and the copy hashed."""
+    path = delivered(tmp_path / "incoming")
+    step = step_for(path, True)
+    rename = os.rename
+
+    def across(src: object, dst: object, **kwargs: object) -> None:
+        if str(src) == str(path):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        rename(src, dst, **kwargs)
+
+    monkeypatch.setattr(adopt_image.os, "rename", across)
+    output = take(step, tmp_path / "attempt")
+    assert output.stat().st_ino != path.stat().st_ino
+    assert hashlib.sha256(output.read_bytes()).hexdigest() == step.sha256
 
 
 @pytest.mark.parametrize("in_place", [True, False])
