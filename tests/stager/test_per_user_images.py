@@ -35,7 +35,9 @@ def fuse_for_users() -> Iterator[None]:
 
 
 @pytest.fixture
-def alices_daemon(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
+def alices_daemon(
+    users: tuple[User, User], shared_tmp: Path, interpreter_for_users: str
+) -> Iterator[Daemon]:
     alice, _ = users
     for path in [shared_tmp, *shared_tmp.rglob("*")]:
         os.chown(path, alice.uid, alice.gid)
