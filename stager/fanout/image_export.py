@@ -24,10 +24,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stager.errors import VerifyFailed
 from stager.fanout.packing import Transfer, hand_over
 from stager.image.identity import ImageChanged, ImageIdentity
-from stager.ops.image import copy_and_hash
+from stager.ops.image import copy_and_hash, said_of
 from stager.schemas import IMAGE_DELIVERY_NAME
 
 EXPORT_NAME = IMAGE_DELIVERY_NAME  # sent under the name it has on the receivers
@@ -47,12 +46,10 @@ def export_image(
         try:
             # No fsync: the copy lives only until it is sent, and a daemon that starts
             # again deletes every export an earlier run left.
-            try:
+            with said_of(f"image {image}", "it is not sent"):
                 sha256 = copy_and_hash(
                     fd, out, identity.size, lambda: None, lambda n: None, durable=False
                 )
-            except VerifyFailed as exc:
-                raise VerifyFailed(f"image {image} {exc.message}; it is not sent") from exc
             os.fchmod(out, 0o400 if private else 0o444)
         finally:
             os.close(out)

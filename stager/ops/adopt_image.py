@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from pydantic import Field
 
@@ -34,10 +32,11 @@ from stager import vouch
 from stager.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.ops.image import copy_durably, hash_in_place, image_format
+from stager.ops.image import copy_durably, hash_in_place, image_format, said_of
 from stager.schemas import ByteCount
 
-Read = TypeVar("Read")
+# What a refused delivery leads to, at the end of each refusal's sentence.
+NOT_MOUNTED = "it is not mounted, and this node stages from the source"
 
 
 class AdoptImageStep(StepParams):
@@ -116,7 +115,8 @@ def _copied_in(
     partial = output.with_name(output.name + ".partial")
     try:
         # The format is what the copy holds, not what the delivery held a moment ago.
-        digest, fmt = _told(step, lambda: copy_durably(fd, partial, size, ctx, mode))
+        with said_of(_delivery(step), NOT_MOUNTED):
+            digest, fmt = copy_durably(fd, partial, size, ctx, mode)
         _require_image(step, digest, fmt)
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -134,14 +134,14 @@ def _renamed_in(
     name, is taken; the rename is by path, so what the name held must be that file.
     On another filesystem after all (a bind mount of the same disk), it is copied."""
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
-    digest = _told(step, lambda: hash_in_place(fd, st.st_size, check, advance))
+    with said_of(_delivery(step), NOT_MOUNTED):
+        digest = hash_in_place(fd, st.st_size, check, advance)
     fmt = image_format(os.pread(fd, 1028, 0))
     after = os.fstat(fd)
     if _stamps(after) != _stamps(st) or after.st_nlink != 1:
         raise VerifyFailed(
-            f"the image {step.src} broadcast from {step.origin_node} was written to, or "
-            "given another name, while it was checked; it is not mounted, and this node "
-            "stages from the source"
+            f"{_delivery(step)} was written to, or given another name, while it was "
+            f"checked; {NOT_MOUNTED}"
         )
     _require_image(step, digest, fmt)
     try:
@@ -153,37 +153,27 @@ def _renamed_in(
     moved = os.lstat(output)  # what the name held: a link to the hashed file is not it
     if (moved.st_dev, moved.st_ino, moved.st_size) != (st.st_dev, st.st_ino, st.st_size):
         os.unlink(output)
-        raise VerifyFailed(
-            f"the image {step.src} broadcast from {step.origin_node} was replaced while it "
-            "was checked; it is not mounted, and this node stages from the source"
-        )
+        raise VerifyFailed(f"{_delivery(step)} was replaced while it was checked; {NOT_MOUNTED}")
     os.fchmod(fd, mode)  # only now: a refused swap leaves what it reached as it was
     os.fsync(fd)
     return Adopted(fmt or "", st.st_size, digest)
 
 
-def _stamps(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def _stamps(st: os.stat_result) -> tuple[int, int, int]:
+    """What any write, rename or chmod of a file moves (its descriptor's inode is fixed)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _told(step: AdoptImageStep, read: Callable[[], Read]) -> Read:
-    """``read()``, a delivery cut short while it is read being said to be this node's
-    delivery from its node, with what happens next."""
-    try:
-        return read()
-    except VerifyFailed as exc:
-        raise VerifyFailed(
-            f"the image {step.src} broadcast from {step.origin_node} {exc.message}; it is "
-            "not mounted, and this node stages from the source"
-        ) from exc
+def _delivery(step: AdoptImageStep) -> str:
+    """The delivery, as each refusal names it."""
+    return f"the image {step.src} broadcast from {step.origin_node}"
 
 
 def _require_size(step: AdoptImageStep, size: int) -> None:
     if size != step.size:
         raise VerifyFailed(
-            f"the image {step.src} broadcast from {step.origin_node} has {size} bytes, not "
-            f"the {step.size} that node sent (cut short or replaced); it is not mounted, "
-            "and this node stages from the source"
+            f"{_delivery(step)} has {size} bytes, not the {step.size} that node sent (cut "
+            f"short or replaced); {NOT_MOUNTED}"
         )
 
 
@@ -191,8 +181,7 @@ def _require_image(step: AdoptImageStep, digest: str, fmt: str | None) -> None:
     if digest != step.sha256 or fmt is None:
         what = f"sha256 {digest}, not {step.sha256}" if digest != step.sha256 else "no image"
         raise VerifyFailed(
-            f"the image {step.src} broadcast from {step.origin_node} holds {what} (damaged "
-            "or replaced on its way); it is not mounted, and this node stages from the source"
+            f"{_delivery(step)} holds {what} (damaged or replaced on its way); {NOT_MOUNTED}"
         )
 
 

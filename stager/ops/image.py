@@ -23,7 +23,8 @@ import os
 import queue
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,10 +115,13 @@ def copy_verified(
         # Hashed only against a pin: without one there is nothing to check it against,
         # and sha256 (~1.8 GB/s here) is the copy's slowest part.
         try:
-            digest, _ = copy_durably(fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None)
-        except VerifyFailed as exc:  # it changed as it was read: say which image
+            with said_of(f"image {step.src}", "it is not mounted"):
+                digest, _ = copy_durably(
+                    fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None
+                )
+        except VerifyFailed:  # it changed as it was read
             partial.unlink(missing_ok=True)
-            raise VerifyFailed(f"image {step.src} {exc.message}; it is not mounted") from exc
+            raise
     finally:
         os.close(fd)
     if step.sha256 is not None and digest != step.sha256.lower():
@@ -129,6 +133,16 @@ def copy_verified(
     os.rename(partial, output)
     ctx.progress.advance(0, 1)
     return Copied(fmt, st.st_size, digest)
+
+
+@contextmanager
+def said_of(subject: str, outcome: str) -> Iterator[None]:
+    """A read cut short in the block (:func:`copy_and_hash`, :func:`hash_in_place`: their
+    VerifyFailed says what happened, not to what) said of ``subject``, then ``outcome``."""
+    try:
+        yield
+    except VerifyFailed as exc:
+        raise VerifyFailed(f"{subject} {exc.message}; {outcome}") from exc
 
 
 def copy_durably(

@@ -56,10 +56,6 @@ class OnCheck:
         return False
 
 
-def OnFirstCheck(then) -> OnCheck:  # noqa: ANN001, N802 - reads as the signal it makes
-    return OnCheck(then, 1)
-
-
 def take(step: AdoptImageStep, attempt: Path, cancel: object | None = None) -> Path:
     attempt.mkdir(exist_ok=True)
     ctx = OpContext(root=attempt, progress=Progress())
@@ -128,7 +124,7 @@ def test_a_delivery_swapped_is_never_taken_in_and_nothing_is_changed(
 
     cancel = None
     if when == "while it is hashed":
-        cancel = OnFirstCheck(do_swap)
+        cancel = OnCheck(do_swap)
     else:
         check = adopt_image._require_image
 
@@ -156,7 +152,7 @@ def test_a_delivery_cut_short_while_it_is_read_is_refused_naming_it(
     step = step_for(path, in_place)
     attempt = tmp_path / "attempt"
     with pytest.raises(VerifyFailed) as refused:
-        take(step, attempt, OnFirstCheck(lambda: os.truncate(path, 4096)))
+        take(step, attempt, OnCheck(lambda: os.truncate(path, 4096)))
     said = refused.value.message
     assert f"the image {path} broadcast from node1 was cut short at byte" in said
     assert said.endswith("this node stages from the source")
