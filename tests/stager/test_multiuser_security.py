@@ -84,10 +84,18 @@ def copy(name: str, src: Path, **extra: object) -> dict:
 
 
 def holds_secret(root: Path) -> bool:
-    """Whether any file under ``root`` (links not followed) holds alice's secret."""
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink() and SECRET in path.read_bytes():
-            return True
+    """Whether any file under ``root`` (links not followed) holds alice's secret. The
+    daemon deletes discarded attempts under partial/ in the background, so a folder or
+    file may go while it is walked: os.walk skips a folder gone, and a file gone is
+    read as nothing."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder, name)
+            try:
+                if stat.S_ISREG(path.lstat().st_mode) and SECRET in path.read_bytes():
+                    return True
+            except (FileNotFoundError, NotADirectoryError):
+                continue
     return False
 
 
