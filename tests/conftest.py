@@ -23,10 +23,37 @@ def pytest_configure(config: pytest.Config) -> None:
     _MOUNTS_BEFORE.update(mounts.snapshot())
 
 
+# What changes the machine itself, for every test at once: its users, the mode of
+# root's home (interpreter_for_users), the local SLURM cluster and its munge, the
+# installed package, a nested test run. Under pytest-xdist (`make test` runs two
+# workers, --dist loadgroup) the modules that use these all go to one worker, one
+# test at a time; every other module goes whole to one worker (its module fixtures
+# are made once, and a test may read what an earlier one of its module recorded).
+_MACHINE_FIXTURES = frozenset(("users", "interpreter_for_users", "local_cluster", "munge_socket"))
+_MACHINE_FILES = frozenset(("test_first_hour.py", "test_install.py", "test_suite_guards.py"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    machine = {
+        item.path
+        for item in items
+        if set(getattr(item, "fixturenames", ())) & _MACHINE_FIXTURES
+        or item.path.name in _MACHINE_FILES
+    }
+    for item in items:
+        group = "machine" if item.path in machine else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a daemon it started is still running (slurmctld, slurmd,
     munged, stager serve), or an image it mounted (or its loop device) is still
-    there: tests stop what they start."""
+    there: tests stop what they start. Under pytest-xdist the controller checks, once
+    every worker has ended (a worker would see the other's daemons still at work)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["summary_lines"] = _summary_lines()  # for the controller
+        return
     left = leftovers() + sorted(_mounts_left())
     if not left:
         return
@@ -164,10 +191,21 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
     DISK.note(item.config, item.nodeid)
 
 
+# The summary lines of each pytest-xdist worker, sent to the controller as it ends.
+_WORKER_LINES: list[str] = []
+
+
+def _summary_lines() -> list[str]:
+    return [line for line in [*session_lines(), DISK.line()] if line]
+
+
+def pytest_testnodedown(node, error) -> None:  # a pytest-xdist hook, in the controller
+    _WORKER_LINES.extend(node.workeroutput.get("summary_lines", []))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    for line in [*session_lines(), DISK.line()]:
-        if line:
-            terminalreporter.write_line(line)
+    for line in [*_WORKER_LINES, *_summary_lines()]:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -5,14 +5,16 @@ daemon left running does (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from stager.image.mount import mounts
 
 IMAGE_TYPES = ("erofs", "squashfs", "fuse.squashfuse", "fuse.squashfuse_ll", "fuse.erofsfuse")
 # Only what this machine's tests make: their folders are under /tmp (pytest's base, the
-# shared folders, the daemons' runtime folders).
-WATCHED = "/tmp/"
+# shared folders, the daemons' runtime folders). A run nested in a test (the guard's own
+# tests) watches its own folder, not what the outer run's other worker mounts meanwhile.
+WATCHED = os.environ.get("STAGER_TESTS_WATCHED", "/tmp/")
 
 
 def image_mounts() -> set[str]:

@@ -2,7 +2,9 @@
 the run, under ``CI=true`` a SLURM test that cannot get its cluster fails
 instead of skipping (a skip there would report an untested promise as green), and
 a passed test's temporary folder does not outlive it (the suite's disk use is its
-largest test's, not the sum: a CI machine with little free disk filled up)."""
+largest test's, not the sum: a CI machine with little free disk filled up), and
+under `make test`'s two pytest-xdist workers the tests that change the machine all
+run on one (pytest 9.2 made pytest-xdist 3.8 ignore its groups, silently)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.slurm_cluster import MARK_VAR, REPO
 CONFTEST = """
 import tests.slurm_cluster as slurm_cluster
 from tests.conftest import local_cluster, pytest_configure, pytest_sessionfinish
+from tests.conftest import pytest_collection_modifyitems
 
 slurm_cluster.LEFTOVER_GRACE_S = 1.0
 slurm_cluster.LOCAL_CLUSTER = __import__("pathlib").Path(__file__).parent / "cluster"
@@ -68,6 +71,26 @@ def test_on_the_cluster(local_cluster):
     pass
 """
 
+CHANGES_THE_MACHINE = """
+import os, time, pytest
+
+@pytest.fixture
+def users():  # stands for the real fixture: its name is what groups the test
+    return None
+
+@pytest.mark.parametrize("n", range(4))
+def test_changes_the_machine(users, n):
+    time.sleep(0.2)
+    with open(os.environ["WORKERS_SEEN"], "a") as seen:
+        seen.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+PLAIN = """
+import time
+
+def test_plain():
+    time.sleep(0.2)
+"""
+
 
 def _inner_pytest(tmp_path: Path, test: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     tmp_path.mkdir(exist_ok=True)
@@ -78,7 +101,7 @@ def _inner_pytest(tmp_path: Path, test: str, *args: str, **env: str) -> subproce
     (cluster / "up.sh").write_text("echo 'slurmctld: cannot start' >&2; exit 3\n")
     (cluster / "down.sh").write_text("exit 0\n")
     environ = {k: v for k, v in os.environ.items() if k not in (MARK_VAR, "CI")}
-    environ.update(PYTHONPATH=str(REPO), **env)
+    environ.update(PYTHONPATH=str(REPO), STAGER_TESTS_WATCHED=f"{tmp_path}/", **env)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "base"), *args, str(tmp_path)],
@@ -123,3 +146,19 @@ def test_missing_cluster_skips_locally_and_fails_under_ci(tmp_path):
 def test_a_passed_tests_tmp_path_is_deleted_under_the_projects_settings(tmp_path):
     done = _inner_pytest(tmp_path, WRITES_TWO_TMP_PATHS, "-c", str(REPO / "pyproject.toml"))
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-2000:]
+
+
+def test_under_two_workers_the_tests_that_change_the_machine_run_on_one(tmp_path):
+    """`make test`'s grouping (pytest-xdist's loadgroup) holds: tests of two modules
+    that use a machine fixture all run on one worker, whatever else is spread."""
+    run, seen = tmp_path / "run", tmp_path / "workers-seen"
+    run.mkdir()
+    (run / "test_changes_it_too.py").write_text(CHANGES_THE_MACHINE)
+    for number in range(3):
+        (run / f"test_plain_{number}.py").write_text(PLAIN)
+    done = _inner_pytest(
+        run, CHANGES_THE_MACHINE, "-n", "2", "--dist", "loadgroup", WORKERS_SEEN=str(seen)
+    )
+    assert done.returncode == 0 and "11 passed" in done.stdout, done.stdout[-2000:]
+    workers = seen.read_text().split()
+    assert len(workers) == 8 and len(set(workers)) == 1, workers

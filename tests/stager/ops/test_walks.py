@@ -103,8 +103,14 @@ def make_special(kind: str, path: Path) -> Path:
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "socket":
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.bind(str(path))
+        # Bound through its folder's descriptor: a deep path can be past AF_UNIX's 107
+        # bytes (pytest-xdist's temporary folders are longer than pytest's).
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(f"/proc/self/fd/{folder}/{path.name}")
+        finally:
+            os.close(folder)
     elif kind == "chr":
         os.mknod(path, stat.S_IFCHR | 0o644, os.makedev(1, 5))  # /dev/zero's numbers
     else:
