@@ -28,7 +28,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # installed package, a nested test run. Under pytest-xdist (`make test` runs two
 # workers, --dist loadgroup) the modules that use these all go to one worker, one
 # test at a time; every other module goes whole to one worker (its module fixtures
-# are made once, and a test may read what an earlier one of its module recorded).
+# are made once, and a test may read what an earlier one of its module recorded),
+# unless its tests name groups of their own (minutes-long tests, run side by side).
 _MACHINE_FIXTURES = frozenset(("users", "interpreter_for_users", "local_cluster", "munge_socket"))
 _MACHINE_FILES = frozenset(("test_first_hour.py", "test_install.py", "test_suite_guards.py"))
 
@@ -42,8 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         or item.path.name in _MACHINE_FILES
     }
     for item in items:
-        group = "machine" if item.path in machine else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+        if item.path in machine:
+            assert item.get_closest_marker("xdist_group") is None, f"{item.nodeid}: machine's"
+            item.add_marker(pytest.mark.xdist_group("machine"))
+        elif item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -199,8 +203,9 @@ def _summary_lines() -> list[str]:
     return [line for line in [*session_lines(), DISK.line()] if line]
 
 
-def pytest_testnodedown(node, error) -> None:  # a pytest-xdist hook, in the controller
-    _WORKER_LINES.extend(node.workeroutput.get("summary_lines", []))
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's, called in its controller
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 (xdist's own types)
+    _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("summary_lines", []))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

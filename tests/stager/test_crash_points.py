@@ -212,6 +212,9 @@ def points(world: World) -> list[str]:
     return traced_points(world, world.tmp / "traced-cache")
 
 
+# Under make test's two workers each crash test is a unit of its own (minutes each),
+# the traced script's two together (they share its points).
+@pytest.mark.xdist_group("crash-points-traced")
 def test_the_script_reaches_every_durable_step(points: list[str]) -> None:
     reached = {p.split("#")[0] for p in points}
     assert len(points) == len(set(points))
@@ -297,6 +300,7 @@ def crashes_at(
         return [failure for failure in pool.map(one, points) if failure]
 
 
+@pytest.mark.xdist_group("crash-points-traced")
 @pytest.mark.timeout(1200)  # ~2.5 min on 2 cores; each of ~44 runs is two daemon starts
 def test_crash_after_every_durable_step(world: World, points: list[str], tmp_path: Path) -> None:
     failures = crashes_at(world, points, tmp_path)
@@ -308,6 +312,7 @@ def test_crash_after_every_durable_step(world: World, points: list[str], tmp_pat
     )
 
 
+@pytest.mark.xdist_group("crash-points-index")
 @pytest.mark.timeout(600)
 def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path: Path) -> None:
     """The image request as an index image (its tar published as a blob beside it, then
@@ -328,6 +333,7 @@ def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.xdist_group("crash-points-download")
 @pytest.mark.timeout(600)
 def test_crash_after_every_durable_step_of_an_image_built_as_it_downloads(
     world: World, tmp_path: Path
@@ -362,6 +368,7 @@ def sent_image(world: World, cache: Path, delivery: Path) -> dict:
             "image": exported["image"]}  # fmt: skip
 
 
+@pytest.mark.xdist_group("crash-points-adopted")
 @pytest.mark.timeout(600)
 def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_path: Path) -> None:
     """The image request adopting another node's image, sent whole (docs/multinode.md):
