@@ -29,12 +29,13 @@ demo-multinode: $(STAMP)
 	$(BIN)/python deploy/demo/multinode.py
 
 # Two pytest-xdist workers (TEST_WORKERS=0: one process), each module whole on one of
-# them, the tests that change the machine itself (users, the SLURM cluster) all on one
-# (tests/conftest.py).
+# them, the tests that change the machine itself (users, the SLURM cluster) all on one,
+# the slow groups first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 test: $(STAMP) image-tools
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 # Image mode's Debian packages (FUSE readers, squashfs-tools, erofs-utils), as root.
 image-tools:

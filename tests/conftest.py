@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,12 +43,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if set(getattr(item, "fixturenames", ())) & _MACHINE_FIXTURES
         or item.path.name in _MACHINE_FILES
     }
+    group_of = {}
     for item in items:
         if item.path in machine:
             assert item.get_closest_marker("xdist_group") is None, f"{item.nodeid}: machine's"
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+        group_of[item] = item.get_closest_marker("xdist_group").args[0]
+    # The groups that hold slow tests go first, the most first, and `make test` keeps
+    # that order (--no-loadscope-reorder: xdist would put the groups of few tests, the
+    # minutes-long ones, last), so that the many short ones even out the end.
+    slow = Counter(group_of[item] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[group_of[item]])
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
