@@ -36,6 +36,8 @@ from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
 
+pytestmark = pytest.mark.slow  # five tests of about a minute or more each, on 2 cores
+
 TIMEOUT = 30
 # Every use of an entry is written, so the script's cache hit reaches Durable.TOUCHED
 # (a daemon normally writes one entry's recency at most every 30 s).
