@@ -36,7 +36,7 @@ from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
 
-pytestmark = pytest.mark.slow  # five tests of about a minute or more each, on 2 cores
+pytestmark = pytest.mark.slow  # four crash tests of about a minute or more each, on 2 cores
 
 TIMEOUT = 30
 # Every use of an entry is written, so the script's cache hit reaches Durable.TOUCHED
