@@ -46,7 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     group_of = {}
     for item in items:
         if item.path in machine:
-            assert item.get_closest_marker("xdist_group") is None, f"{item.nodeid}: machine's"
+            assert item.get_closest_marker("xdist_group") is None, (
+                f"{item.nodeid} names an xdist group of its own, but its module changes the "
+                "machine: its tests must all run in the group 'machine'"
+            )
             item.add_marker(pytest.mark.xdist_group("machine"))
         elif item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))

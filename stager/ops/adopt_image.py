@@ -113,13 +113,13 @@ def _copied_in(
     """Copied out of the delivery folder, the copy hashed: what is checked is what the
     kernel parses, whatever becomes of the delivery meanwhile."""
     partial = output.with_name(output.name + ".partial")
+    # The format is what the copy holds, not what the delivery held a moment ago.
+    with said_of(_delivery(step), NOT_MOUNTED):
+        digest, fmt = copy_durably(fd, partial, size, ctx, mode)
     try:
-        # The format is what the copy holds, not what the delivery held a moment ago.
-        with said_of(_delivery(step), NOT_MOUNTED):
-            digest, fmt = copy_durably(fd, partial, size, ctx, mode)
         _require_image(step, digest, fmt)
-    except BaseException:
-        partial.unlink(missing_ok=True)
+    except VerifyFailed:
+        partial.unlink()
         raise
     os.rename(partial, output)
     return Adopted(fmt or "", size, digest)

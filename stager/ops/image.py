@@ -114,14 +114,8 @@ def copy_verified(
         partial = output.with_name(output.name + ".partial")
         # Hashed only against a pin: without one there is nothing to check it against,
         # and sha256 (~1.8 GB/s here) is the copy's slowest part.
-        try:
-            with said_of(f"image {step.src}", "it is not mounted"):
-                digest, _ = copy_durably(
-                    fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None
-                )
-        except VerifyFailed:  # it changed as it was read
-            partial.unlink(missing_ok=True)
-            raise
+        with said_of(f"image {step.src}", "it is not mounted"):
+            digest, _ = copy_durably(fd, partial, st.st_size, ctx, 0o444, step.sha256 is not None)
     finally:
         os.close(fd)
     if step.sha256 is not None and digest != step.sha256.lower():
@@ -151,7 +145,7 @@ def copy_durably(
     """Copy ``size`` bytes of ``src`` into ``partial``, made ``mode`` (before the fsync,
     which makes the mode durable too) and synced, hashing the copy (``hashed``); its
     sha256 ("" unhashed) and the format the copy's own first bytes say (None: no image).
-    The caller renames or removes ``partial``."""
+    A copy that fails leaves no ``partial``; once done, the caller renames or removes it."""
     out = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.fchmod(out, mode)
@@ -159,6 +153,9 @@ def copy_durably(
             src, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0), hashed
         )
         return digest, image_format(os.pread(out, 1028, 0))
+    except BaseException:  # cut short, changed as it was read, cancelled, disk full
+        partial.unlink(missing_ok=True)
+        raise
     finally:
         os.close(out)
 
