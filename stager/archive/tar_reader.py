@@ -91,8 +91,20 @@ def read_tar(
 
 
 # Member types of GNU tar's beyond tarfile's; anything else unknown is a regular file, as
-# POSIX asks and GNU tar does ("Unknown file type, extracted as normal file").
-_VOLUME_LABEL, _MULTIVOLUME, _DUMPDIR, _OLD_NAMES = b"V", b"M", b"D", b"N"
+# POSIX asks and GNU tar does ("Unknown file type, extracted as normal file"). The image
+# builder (stager.image.build) reads members by the same rules.
+VOLUME_LABEL, MULTIVOLUME, DUMPDIR, _OLD_NAMES = b"V", b"M", b"D", b"N"
+NOT_FILES = frozenset(
+    (
+        tarfile.DIRTYPE,
+        tarfile.SYMTYPE,
+        tarfile.LNKTYPE,
+        tarfile.CHRTYPE,
+        tarfile.BLKTYPE,
+        tarfile.FIFOTYPE,
+        DUMPDIR,
+    )
+)
 
 
 def _tar_member(
@@ -106,7 +118,7 @@ def _tar_member(
     share: int,
     start_inner: StartInner | None,
 ) -> None:
-    if member.type == _MULTIVOLUME:
+    if member.type == MULTIVOLUME:
         raise UnknownFormat(
             f"archive {archive.label} is a later volume of a multi-volume archive (tar -M): "
             f"its member {member.name!r} starts in another volume; stager extracts whole "
@@ -118,11 +130,11 @@ def _tar_member(
             f"archive {archive.label} holds an obsolete GNU 'names' member {member.name!r}; "
             "re-create the archive with a current tar"
         )
-    rel = None if member.type == _VOLUME_LABEL else writer.clean_name(member.name, strip)
+    rel = None if member.type == VOLUME_LABEL else writer.clean_name(member.name, strip)
     if rel is None:  # stripped away, the archive's own folder, or a volume label
         job.ctx.progress.advance(share, 0)
         return
-    if member.isreg() or member.type not in _NOT_FILES:
+    if member.isreg() or member.type not in NOT_FILES:
         if start_inner is not None and nested_suffix(rel):
             if stream is None and start_inner(archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
@@ -141,7 +153,7 @@ def _tar_member(
             job.note_written_inner(writer.root, rel, archive)
         return
     job.ctx.progress.advance(share, 0)
-    if member.isdir() or member.type == _DUMPDIR:  # a dumpdir's data lists its entries
+    if member.isdir() or member.type == DUMPDIR:  # a dumpdir's data lists its entries
         writer.directory(rel, member.mtime, member.name)
     elif member.issym():
         judge_link(member.replace(name=rel, deep=False), writer.root, archive.label, member.name)
@@ -154,19 +166,6 @@ def _tar_member(
             writer.hardlink(rel, target)
     else:
         raise unsafe(archive.label, member.name, "a device file or FIFO")
-
-
-_NOT_FILES = frozenset(
-    (
-        tarfile.DIRTYPE,
-        tarfile.SYMTYPE,
-        tarfile.LNKTYPE,
-        tarfile.CHRTYPE,
-        tarfile.BLKTYPE,
-        tarfile.FIFOTYPE,
-        _DUMPDIR,
-    )
-)
 
 
 def _tar_payload(

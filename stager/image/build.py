@@ -50,7 +50,7 @@ from stager.archive.formats import (
     sniff,
 )
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
-from stager.archive.tar_reader import require_inside
+from stager.archive.tar_reader import DUMPDIR, MULTIVOLUME, NOT_FILES, VOLUME_LABEL, require_inside
 from stager.archive.writer import clean_name, refused, unsafe
 from stager.errors import UnknownFormat
 from stager.fs import sources
@@ -61,19 +61,6 @@ from stager.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
-# GNU tar's member types beyond tarfile's (as stager.archive.tar_reader treats them).
-_VOLUME_LABEL, _MULTIVOLUME, _DUMPDIR = b"V", b"M", b"D"
-_NOT_FILES = frozenset(
-    (
-        tarfile.DIRTYPE,
-        tarfile.SYMTYPE,
-        tarfile.LNKTYPE,
-        tarfile.CHRTYPE,
-        tarfile.BLKTYPE,
-        tarfile.FIFOTYPE,
-        _DUMPDIR,
-    )
-)
 
 
 @dataclass(frozen=True)
@@ -366,12 +353,12 @@ class _TarSource:
     def _member(
         self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
     ) -> None:
-        if member.type == _MULTIVOLUME:
+        if member.type == MULTIVOLUME:
             raise UnknownFormat(
                 f"archive {self.path} is a later volume of a multi-volume archive (tar -M); "
                 "join the volumes into one archive"
             )
-        if member.type == _VOLUME_LABEL:
+        if member.type == VOLUME_LABEL:
             return
         names = self.names
         clean = clean_name(self.path, member.name, names.strip)
@@ -383,7 +370,7 @@ class _TarSource:
             if self._inner(archive, member, clean):
                 return
         try:
-            if member.isdir() or member.type == _DUMPDIR:
+            if member.isdir() or member.type == DUMPDIR:
                 if self.place.symlinks:
                     self.place.symlinks.pop(rel, None)  # a folder replaces a symlink
                     head, name = _split(rel)
@@ -391,7 +378,7 @@ class _TarSource:
                         head = self.place.through_links(head, member.name)
                     rel = f"{head}/{name}" if head else name
                 writer.folder(rel, mtime)
-            elif member.isreg() or member.type not in _NOT_FILES:
+            elif member.isreg() or member.type not in NOT_FILES:
                 parent, name = self.place.parent(rel, member.name)
                 self._file(archive, stream, member, parent, name, mtime)
             elif member.issym():
