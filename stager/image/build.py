@@ -177,7 +177,13 @@ def build_from(
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     top = (options.top_owner, 0o500) if options.top_owner is not None else (0, 0o555)
     writer = ErofsWriter(
-        fd, output + ".spill", options.build_time, top_owner=top[0], top_mode=top[1], blob=blob
+        fd,
+        output + ".spill",
+        options.build_time,
+        top_owner=top[0],
+        top_mode=top[1],
+        blob=blob,
+        early_writeback=options.sync,
     )
     label = inputs[0].path if inputs else output
     try:

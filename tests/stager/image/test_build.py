@@ -19,7 +19,8 @@ import pytest
 
 from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
 from stager.image.build import BuildOptions, Names, build_image
-from stager.image.erofs import BLOCK
+from stager.image import erofs
+from stager.image.erofs import BLOCK, ErofsWriter
 from stager.progress import Progress
 from tests import tar_corpus
 
@@ -273,6 +274,67 @@ def test_a_build_killed_midway_leaves_nothing_that_stops_the_next(tmp_path: Path
     built = build_image(str(archive), str(image))
     assert built.files == 60_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["many.erofs", "many.tar"]
+
+
+def test_a_durable_build_starts_its_writeback_as_it_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable build (``sync``, as every staging's) starts the writeback of each
+    stretch of data it wrote, in order and without a gap, so that its fsync finds
+    little left; a build that does not fsync leaves writeback to the kernel."""
+    started: list[tuple[int, int]] = []
+    monkeypatch.setattr(erofs, "start_writeback", lambda fd, at, n: started.append((at, n)))
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for i in range(12):
+        (tree / f"f{i}.bin").write_bytes(os.urandom(4 << 20))
+    archive = tmp_path / "big.tar"
+    tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
+
+    build_image(str(archive), str(tmp_path / "durable.erofs"), BuildOptions(sync=True))
+    assert len(started) >= 2, started
+    assert started[0][0] == 0
+    assert all(at + n == after for (at, n), (after, _) in zip(started, started[1:])), started
+    assert all(n >= erofs._WRITEBACK_STEP for _, n in started)
+    assert sum(n for _, n in started) > 48 * 2**20 - erofs._WRITEBACK_STEP
+
+    started.clear()
+    build_image(str(archive), str(tmp_path / "plain.erofs"), BuildOptions(sync=False))
+    assert started == []
+
+
+def test_an_image_file_is_truncated_only_when_it_holds_something(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On ext4 a truncate to 0, even of an empty file, makes its close wait for all its
+    writeback: a new image file is not truncated; one with old bytes in it is, and the
+    image written into it is the same."""
+    cuts: list[int] = []
+    real_ftruncate = os.ftruncate
+
+    def ftruncate(fd: int, length: int) -> None:
+        cuts.append(length)
+        real_ftruncate(fd, length)
+
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+
+    def image_in(path: Path) -> bytes:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            writer = ErofsWriter(fd, str(path) + ".spill")
+            data = io.BytesIO(b"hello\n" * 1000)
+            writer.file_stream(writer.folder("d"), "a.txt", 6000, 0, data.read)
+            writer.finish()
+        finally:
+            os.close(fd)
+        return path.read_bytes()
+
+    fresh = image_in(tmp_path / "fresh.erofs")
+    assert 0 not in cuts
+    used = tmp_path / "used.erofs"
+    used.write_bytes(os.urandom(1 << 20))
+    assert image_in(used) == fresh
+    assert cuts.count(0) == 1
 
 
 def make_small_tar_for_test(path: Path, files: int) -> Path:
