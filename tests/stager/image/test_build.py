@@ -4,6 +4,7 @@ byte by byte against GNU tar's extraction of the same archive."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import shutil
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
-from stager.image.build import BuildOptions, Names, build_image
 from stager.image import erofs
+from stager.image.build import BuildOptions, Names, build_image
 from stager.image.erofs import BLOCK, ErofsWriter
 from stager.progress import Progress
 from tests import tar_corpus
@@ -294,7 +295,7 @@ def test_a_durable_build_starts_its_writeback_as_it_goes(
     build_image(str(archive), str(tmp_path / "durable.erofs"), BuildOptions(sync=True))
     assert len(started) >= 2, started
     assert started[0][0] == 0
-    assert all(at + n == after for (at, n), (after, _) in zip(started, started[1:])), started
+    assert all(at + n == after for (at, n), (after, _) in itertools.pairwise(started)), started
     assert all(n >= erofs._WRITEBACK_STEP for _, n in started)
     assert sum(n for _, n in started) > 48 * 2**20 - erofs._WRITEBACK_STEP
 
