@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import ctypes
 import os
 import select
 import signal
 from pathlib import Path
+
+from stager.libc import LIBC
 
 _PR_SET_PDEATHSIG = 1
 
@@ -35,11 +36,9 @@ def name_process(name: str) -> None:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent (thread) dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not glibc Linux: callers keep their own parent checks
+    prctl = getattr(LIBC, "prctl", None)
+    if prctl is not None:  # not Linux: callers keep their own parent checks
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def die_with(pid: int) -> None:

@@ -143,7 +143,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     (floor, frozenset(names))
     for floor, names in (
         ("wire", WIRE | WIRE_STANDS_ON),
-        # Leaves every floor may use: they import nothing of stager.
+        # The C library, for the system calls ``os`` lacks: it imports nothing of stager.
+        ("libc", {"stager.libc"}),
+        # Leaves every floor may use: they import nothing of stager but its libc.
         (
             "ground",
             {

@@ -10,15 +10,15 @@ fsync finds little left. It promises nothing: the fsync at the end still decides
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
+
+from stager.libc import LIBC
 
 _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _starter() -> Callable[[int, int, int], object] | None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    call = getattr(libc, "sync_file_range", None)
+    call = getattr(LIBC, "sync_file_range", None)
     if call is None:
         return None
     call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -36,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stager.errors import StagerError
+from stager.libc import LIBC
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
@@ -190,9 +190,8 @@ def _fileio_erofs() -> bool:
 
 
 def _mount_syscall(image: str, target: str, fstype: str, data: str | None = None) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     options = data.encode() if data is not None else None
-    rc = libc.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, options)
+    rc = LIBC.mount(image.encode(), target.encode(), fstype.encode(), _FLAGS, options)
     if rc != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), image)
@@ -271,8 +270,7 @@ def unmount(target: str, lazy: bool = False) -> None:
                 raise MountBusy(_busy(target))
             raise MountError(f"could not unmount {target}: {said or done.returncode}")
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.umount2(target.encode(), MNT_DETACH if lazy else 0) != 0:
+    if LIBC.umount2(target.encode(), MNT_DETACH if lazy else 0) != 0:
         code = ctypes.get_errno()
         if code == errno.EBUSY:
             raise MountBusy(_busy(target))

@@ -24,9 +24,10 @@ import os
 import pwd
 from dataclasses import dataclass
 
+from stager.libc import LIBC
+
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ def become(identity: Identity) -> None:
     os.setresgid(identity.gid, identity.gid, identity.gid)
     os.setgroups(list(identity.groups))
     os.setresuid(identity.uid, identity.uid, identity.uid)
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise BecomeError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
-    _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     held = effective_capabilities()
     if (
         os.getresuid() != (identity.uid,) * 3
@@ -108,13 +109,13 @@ def drop_capabilities() -> None:
     ``CAP_SETPCAP``), so that a program it runs (GNU tar) cannot regain them."""
     last = int(open("/proc/sys/kernel/cap_last_cap").read())
     for cap in range(last + 1):
-        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        if LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             raise BecomeError(ctypes.get_errno(), f"could not drop capability {cap}")
     header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
-    if _libc.capset(ctypes.byref(header), data) != 0:
+    if LIBC.capset(ctypes.byref(header), data) != 0:
         raise BecomeError(ctypes.get_errno(), "capset failed")
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise BecomeError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
     if effective_capabilities():
         raise BecomeError("capabilities are still held after dropping them")

@@ -16,20 +16,16 @@ each open a channel of their own to it on first use.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from stager.children import GATE_NAME, name_process
+from stager.children import GATE_NAME, die_with_parent, name_process
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
-
-_PR_SET_PDEATHSIG = 1
 
 
 class ListedEntry:
@@ -223,7 +219,7 @@ def start(identity: Identity) -> Gateway:
             name_process(GATE_NAME)
             become(identity)
             # Credentials changed: the kernel cleared the parent-death signal; set it now.
-            _set_parent_death_signal()
+            die_with_parent()
             if os.getppid() == parent:
                 agent.serve(theirs)
                 code = 0
@@ -231,8 +227,3 @@ def start(identity: Identity) -> Gateway:
             os._exit(code)
     theirs.close()
     return Gateway(mine, pid)
-
-
-def _set_parent_death_signal() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
