@@ -279,3 +279,33 @@ def test_the_ops_package_holds_only_the_table_the_base_and_ops():
         f"stager/ops/ holds {sorted(found - allowed)}, which define no op of the table; "
         "shared machinery goes to a room named for its concept (stager/fs/, stager/archive/)"
     )
+
+
+def c_library_loads(source: str) -> list[int]:
+    """The lines where ``source`` loads a C library itself (``CDLL``, ``find_library``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+            if name in ("CDLL", "find_library", "LoadLibrary"):
+                found.append(node.lineno)
+    return found
+
+
+def test_only_stager_libc_loads_the_c_library():
+    """Every system call ``os`` lacks goes through stager.libc's one handle:
+    ``find_library`` runs ``ldconfig -p`` in a subprocess at each call, and a file
+    name (``libc.so.6``) holds only where glibc does."""
+    loads = [
+        f"{path.relative_to(REPO)}:{line}"
+        for package in ("stager", "client", "trainer")
+        for path in modules(REPO / package).values()
+        for line in c_library_loads(path.read_text())
+    ]
+    assert [where.split(":")[0] for where in loads] == ["stager/libc.py"], loads
+
+
+def test_a_c_library_loaded_elsewhere_is_found():
+    source = "import ctypes, ctypes.util\nlibc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
+    assert c_library_loads(source) == [2, 2]
+    assert c_library_loads("from ctypes import CDLL\nCDLL(None)\n") == [2]
