@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Settings) -> int:
     if args.command == "serve" and not args.detach:
+        if not settings.host and (refusal := prestart.already_serving(settings.socket_path)):
+            print(f"stager: {refusal}", file=sys.stderr)
+            return EXIT_FAILED
         # Its imports go on beside the app's, which the next line starts (stager.prestart);
         # if the daemon cannot start, it ends with it.
         prestart.start_fork_server()

@@ -1,4 +1,6 @@
-"""What ``stager serve`` does before it imports the app, so that its start overlaps.
+"""What ``stager serve`` does before it imports the app: start its fork server, so that
+its start overlaps; and before that, refuse at once to be a second daemon on a socket
+one already answers on.
 
 A daemon is ready only once its fork server (multiprocessing's, stager.processes) has
 imported :mod:`stager.preload` (~0.35 s: every op, the HTTP stack) and forked the
@@ -17,7 +19,9 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import resource
+import socket
 from multiprocessing.context import ForkServerContext
+from pathlib import Path
 
 # The fork server's preload: imported there and nowhere else.
 PRELOAD = "stager.preload"
@@ -40,3 +44,21 @@ def start_fork_server() -> ForkServerContext:
     context.set_forkserver_preload([PRELOAD])
     multiprocessing.forkserver.ensure_running()
     return context
+
+
+def socket_answers(path: Path) -> bool:
+    """Whether a daemon listens on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def already_serving(path: Path) -> str | None:
+    """The refusal of a second daemon on the socket ``path``, if one answers there:
+    said before the fork server or the app is loaded, so that it comes at once."""
+    if socket_answers(path):
+        return f"a daemon already listens on {path}; run `stager stop` first"
+    return None

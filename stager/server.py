@@ -85,15 +85,6 @@ def resolve_token(settings: Settings) -> str | None:
     return token
 
 
-def socket_answers(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(str(path))
-        except OSError:
-            return False
-    return True
-
-
 def read_pid(settings: Settings) -> int | None:
     try:
         pid = int(settings.pid_path.read_text().strip())
@@ -133,8 +124,8 @@ def serve(settings: Settings) -> None:
     else:
         sock = settings.socket_path
         if sock.exists():
-            if socket_answers(sock):
-                raise ServeError(f"a daemon already listens on {sock}; run `stager stop` first")
+            if (refusal := prestart.already_serving(sock)) is not None:
+                raise ServeError(refusal)  # one that started since `stager serve` looked
             sock.unlink()  # stale socket of a daemon that died
         config_args.update(uds=str(sock))
     app = create_app(settings, token=token)
@@ -164,7 +155,7 @@ def serve(settings: Settings) -> None:
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
-            if not settings.host and not socket_answers(settings.socket_path):
+            if not settings.host and not prestart.socket_answers(settings.socket_path):
                 settings.socket_path.unlink(missing_ok=True)  # no stale socket after a stop
 
 
@@ -269,7 +260,7 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
 def _remove_stale_socket(settings: Settings) -> None:
     """A socket nobody answers on (a daemon killed before it could remove it) goes."""
     if not settings.host and settings.socket_path.is_socket():
-        if not socket_answers(settings.socket_path):
+        if not prestart.socket_answers(settings.socket_path):
             settings.socket_path.unlink(missing_ok=True)
 
 

@@ -136,3 +136,28 @@ def test_the_list_variable_of_the_issue_starts_and_stop_leaves_no_socket(
     gc = stager(env, "gc", "--json")
     assert gc.returncode == EXIT_FAILED
     assert "stager serve --detach" in json.loads(gc.stdout)["error"]["message"]
+
+
+def test_a_second_daemon_on_the_socket_is_refused_before_it_loads_anything(
+    places: dict[str, str],
+) -> None:
+    """`stager serve` where a daemon already answers: one sentence naming the socket and
+    `stager stop`, the first daemon untouched; and said before the app or the fork
+    server is loaded (neither uvicorn nor stager.preload is imported), so the refusal
+    is quick and no process of it outlives it holding the caller's output."""
+    started = stager(places, "serve", "--detach")
+    assert started.returncode == EXIT_OK, started.stderr
+    sock = Path(places["STAGER_RUNTIME_DIR"]) / "stager.sock"
+    one_sentence(
+        stager(places, "serve"),
+        EXIT_FAILED,
+        f"a daemon already listens on {sock}",
+        "run `stager stop` first",
+    )
+    imports = stager({**places, "PYTHONPROFILEIMPORTTIME": "1"}, "serve")
+    assert imports.returncode == EXIT_FAILED, imports.stderr
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in imports.stderr.splitlines()}
+    assert "stager.cli" in loaded, imports.stderr[-2000:]
+    assert not {"uvicorn", "stager.app", "stager.preload"} & loaded
+    again = stager(places, "serve", "--detach")  # the first one still answers
+    assert again.returncode == EXIT_OK and "already running" in again.stdout, again.stdout
