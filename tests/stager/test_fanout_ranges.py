@@ -151,8 +151,8 @@ def sent_in_ranges(plan: ExportPlan) -> int:
 
 def unsent_bound(size: int, went_early: int) -> int:
     """The most the final parts may hold of a ``size``-byte file of which ``went_early``
-    bytes went in ranges: the rest, and two parts' slack for the headers and the
-    manifest's part. Relative to what went, not to the file: how far the sender falls
+    bytes went in ranges: the rest, and two parts' slack for the parts' tar headers and
+    the tree's folders. Relative to what went, not to the file: how far the sender falls
     behind the writer depends on the machine's load; whether it sends a part again
     does not."""
     return size - went_early + 2 * PART_BYTES
