@@ -56,7 +56,7 @@ from stager.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
-from stager.image.erofs import Blob, ErofsWriter, ImageConflict
+from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves
 from stager.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
@@ -198,6 +198,8 @@ def build_from(
                 else:
                     _TarSource(source, writer, options, output).run()
             size = writer.finish()
+        except LinkLeaves as exc:  # the image's links judged at the end, by its final names
+            raise unsafe(label, exc.path, exc.why) from exc
         except ImageConflict as exc:  # found at the end, when the folders are written
             raise refused(label, exc.path, exc.why) from exc
         os.fchmod(fd, options.mode)
@@ -392,7 +394,7 @@ class _TarSource:
                     member.replace(name=rel, deep=False), self.judge_root, self.path, member.name
                 )
                 parent, name = self.place.parent(rel, member.name)
-                writer.symlink(parent, name, member.linkname, mtime)
+                writer.symlink(parent, name, member.linkname, mtime, member.name)
                 self.place.symlinks[rel] = member.linkname
             elif member.islnk():
                 self._hardlink(member, rel)
@@ -578,9 +580,11 @@ class _TreeSource(sources.Visitor):
         rel = self._rel(folder, entry.name)
         member = tarfile.TarInfo(rel)
         member.type, member.linkname = tarfile.SYMTYPE, target
-        judge_link(member, self.judge_root, self.path, folder.join(entry.name))
+        with translate(self.path):  # its refusal in the words of an archive's
+            judge_link(member, self.judge_root, self.path, folder.join(entry.name))
         parent, name = _split(rel)
         st = entry.stat(follow_symlinks=False)
-        self.writer.symlink(self.writer.folder(parent), name, target, _mtime(st.st_mtime))
+        number = self.writer.folder(parent)
+        self.writer.symlink(number, name, target, _mtime(st.st_mtime), folder.join(entry.name))
         self.options.progress.advance(0, 1)
         return None

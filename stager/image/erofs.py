@@ -75,6 +75,12 @@ assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
 
 # Entries go to the spill in batches: executemany's cost is per call.
 _SPILL_BATCH = 4096
+# What the kernel takes: a name of at most 255 bytes, a link target shorter than a page
+# (a longer one is cut at 4095 bytes when it is read: other words than those judged).
+NAME_MAX = 255
+LINK_MAX = 4095
+# Symlinks followed in one lookup before the kernel gives up (ELOOP).
+_LINK_HOPS = 40
 # How much data a durable build writes before it starts that part's writeback.
 _WRITEBACK_STEP = 16 << 20
 
@@ -106,6 +112,11 @@ class ImageConflict(Exception):
     def __init__(self, path: str, why: str) -> None:
         super().__init__(why)
         self.path, self.why = path, why
+
+
+class LinkLeaves(ImageConflict):
+    """A symlink that, read through the mounted image as the kernel resolves it,
+    leads outside the image."""
 
 
 @dataclass(slots=True)
@@ -178,6 +189,8 @@ class ErofsWriter:
         self._db.execute(
             "CREATE TABLE h (parent INT, name BLOB, seq INT, tparent INT, tname BLOB, label TEXT)"
         )
+        self._db.execute("CREATE TABLE l (nid INT PRIMARY KEY, target BLOB, label TEXT)")
+        self._symlinks = 0
         self._db.execute("BEGIN")
         self.files = 0
         self.data_bytes = 0
@@ -200,6 +213,8 @@ class ErofsWriter:
                 entry.mtime, entry.seq, entry.explicit = mtime, self._seq, True
             return known
         head, _, name = path.rpartition("/")
+        if len(os.fsencode(name)) > NAME_MAX:
+            raise ImageConflict(path, _name_too_long(os.fsencode(name)))
         parent = self.folder(head)
         self._seq += 1
         number = len(self._folders)
@@ -266,12 +281,19 @@ class ErofsWriter:
         self.files += 1
         self.data_bytes += size
 
-    def symlink(self, parent: int, name: str, target: str, mtime: int) -> None:
+    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
+        """A symlink; whether it stays inside the image is judged at the end, against the
+        image's final names (``label`` names it then)."""
         data = os.fsencode(target)
+        if len(data) > LINK_MAX:
+            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
+                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
         whole = len(data) - len(data) % self.block
         blk = self._data(whole, lambda: self._write_at(data[:whole]))
         nid = self._inode(LINK_MODE, len(data), mtime, blk, data[whole:])
         self._entry(parent, name, FT_SYMLINK, nid)
+        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (nid, data, label or name))
+        self._symlinks += 1
         self.files += 1
 
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
@@ -279,7 +301,8 @@ class ErofsWriter:
         (resolved at the end, when every file's nid is known)."""
         self._folders[parent].filled = True
         self._seq += 1
-        row = (parent, os.fsencode(name), self._seq, target_parent, os.fsencode(target), label)
+        encoded = self._named(parent, name)
+        row = (parent, encoded, self._seq, target_parent, os.fsencode(target), label)
         self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
         self.files += 1
 
@@ -381,9 +404,17 @@ class ErofsWriter:
     def _entry(self, parent: int, name: str, kind: int, nid: int) -> None:
         self._folders[parent].filled = True
         self._seq += 1
-        self._pending.append((parent, os.fsencode(name), self._seq, nid, kind))
+        self._pending.append((parent, self._named(parent, name), self._seq, nid, kind))
         if len(self._pending) >= _SPILL_BATCH:
             self._spill()
+
+    def _named(self, parent: int, name: str) -> bytes:
+        """``name`` as the image holds it; refused past the kernel's NAME_MAX."""
+        encoded = os.fsencode(name)
+        if len(encoded) > NAME_MAX:
+            folder = self._path(parent)
+            raise ImageConflict(f"{folder}/{name}" if folder else name, _name_too_long(encoded))
+        return encoded
 
     def _spill(self) -> None:
         self._db.executemany("INSERT INTO e VALUES (?, ?, ?, ?, ?)", self._pending)
@@ -398,6 +429,8 @@ class ErofsWriter:
         self._meta_used = self.block  # nothing more goes into the last metadata block
         self._flush_meta()
         self._link_hardlinks()
+        if self._symlinks:
+            _LinkJudge(self).judge_all()
         self._place_folder_inodes()
         rows = self._db.execute(
             "SELECT parent, name, seq, nid, type FROM e ORDER BY parent, name, seq"
@@ -427,11 +460,14 @@ class ErofsWriter:
             except FileNotFoundError:
                 pass
 
+    def _index_names(self) -> None:
+        self._db.execute("CREATE INDEX IF NOT EXISTS e_name ON e (parent, name, seq)")
+
     def _link_hardlinks(self) -> None:
         links = self._db.execute("SELECT count(*) FROM h").fetchone()[0]
         if not links:
             return
-        self._db.execute("CREATE INDEX e_name ON e (parent, name, seq)")
+        self._index_names()
         counts: dict[int, int] = {}
         added = []
         for parent, name, seq, tparent, tname, label in self._db.execute("SELECT * FROM h"):
@@ -538,6 +574,104 @@ class ErofsWriter:
             blocks = -(-self._blob.size // self.block)
             slot = _DEVT_SLOT.pack(self._blob.tag[:63], blocks, self._mapped, b"")
             os.pwrite(self._fd, slot, _DEVT_SLOTOFF * _DEVT_SLOT.size)
+
+
+def _name_too_long(name: bytes) -> str:
+    return f"has a name of {len(name)} bytes; a file system allows at most {NAME_MAX}"
+
+
+class _LinkJudge:
+    """Every symlink of a finished image resolved as the kernel will resolve it in the
+    mounted image: component by component from the link's folder, through the image's
+    own final names (the last of a name given twice, renames applied) and its other
+    symlinks, ``..`` to the physical parent. A link is refused if that walk ever climbs
+    above the image's top, which at a mount point leads into the folder around it.
+
+    Judging each link where it arrives, by its words, is not enough: ``a -> .`` makes
+    ``a/a/../..`` climb out although its words stay inside, and a later member can
+    replace a folder that an earlier link was judged through. A walk that ends at a
+    file, at a missing name, or in a loop (ELOOP) stays inside: the image never changes.
+    """
+
+    def __init__(self, writer: ErofsWriter) -> None:
+        self._writer = writer
+        self._db = writer._db
+        writer._index_names()
+        self._found: dict[tuple[int, bytes], tuple[int, int] | None] = {}
+
+    def judge_all(self) -> None:
+        rows = self._db.execute(
+            "SELECT e.parent, e.name, e.nid, l.target, l.label FROM l JOIN e ON e.nid = l.nid"
+        ).fetchall()
+        for parent, name, nid, target, label in rows:
+            if self._entry(parent, name) != (FT_SYMLINK, nid):
+                continue  # a later member of that name replaced it
+            try:
+                self._walk(parent, target, [0])
+            except _Climbs:
+                raise LinkLeaves(label, f"is a symlink to {os.fsdecode(target)!r}, which leads "
+                                 "outside the dataset once the image's own links on its way "
+                                 "are followed, as the kernel follows them") from None  # fmt: skip
+
+    def _entry(self, folder: int, name: bytes) -> tuple[int, int] | None:
+        """What ``name`` in ``folder`` is in the image: (FT_DIR, folder number) or
+        (kind, nid) of its last member; None if the image has no such name."""
+        key = (folder, name)
+        if key in self._found:
+            return self._found[key]
+        row = self._db.execute(
+            "SELECT nid, type, seq FROM e WHERE parent = ? AND name = ? ORDER BY seq DESC LIMIT 1",
+            key,
+        ).fetchone()
+        folders = self._writer._folders
+        child = folders[folder].children.get(name)
+        if child is not None and (row is None or folders[child].seq > row[2]):
+            found: tuple[int, int] | None = (FT_DIR, child)
+        else:
+            found = None if row is None else (row[1], row[0])
+        if len(self._found) >= 1 << 16:
+            self._found.clear()  # bounded: a million links resolve in turn
+        self._found[key] = found
+        return found
+
+    def _target(self, nid: int) -> bytes:
+        return self._db.execute("SELECT target FROM l WHERE nid = ?", (nid,)).fetchone()[0]
+
+    def _walk(self, folder: int, target: bytes, hops: list[int]) -> int | None:
+        """The folder ``target`` leads to from ``folder`` (None: a file, nothing, or a
+        loop); raises _Climbs where it leaves the top, or is absolute."""
+        if target.startswith(b"/"):
+            raise _Climbs
+        here = folder
+        for part in target.split(b"/"):
+            if part in (b"", b"."):
+                continue
+            if part == b"..":
+                if here == 0:
+                    raise _Climbs
+                here = self._writer._folders[here].parent
+                continue
+            found = self._entry(here, part)
+            if found is None:
+                return None
+            kind, number = found
+            if kind == FT_DIR:
+                here = number
+            elif kind == FT_SYMLINK:
+                hops[0] += 1
+                if hops[0] > _LINK_HOPS:
+                    return None
+                reached = self._walk(here, self._target(number), hops)
+                if reached is None:
+                    return None
+                here = reached
+            else:
+                return None
+        return here
+
+
+class _Climbs(Exception):
+    """A walk that left the image's top."""
 
 
 def _merge_sorted(
