@@ -402,6 +402,21 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _trusted_images_apart(self) -> Settings:
+        """A trusted image folder must not overlap the cache: the service writes users'
+        data there as files of root's own, which would pass for images an admin put."""
+        cache = os.path.realpath(self.cache_dir)
+        for folder in self.trusted_image_dirs:
+            real = os.path.realpath(folder)
+            if os.path.commonpath([real, cache]) in (real, cache):
+                raise ValueError(
+                    f"trusted image folder {folder} overlaps the cache folder {self.cache_dir}: "
+                    "the service writes users' staged files there as root's, which would pass "
+                    "for an admin's images; publish prebuilt images in a folder outside the cache"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _token_rules(self) -> Settings:
         if self.host and self.no_token and not is_loopback(self.host):
             raise ValueError(

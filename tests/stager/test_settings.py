@@ -178,3 +178,26 @@ def test_every_flag_and_variable_pair_the_docs_write_agrees_with_the_fields() ->
             if flag in by_flag and by_flag[flag] != env:
                 wrong.append(f"{doc.name}: {flag} is {by_flag[flag]}, not {env}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "trusted",
+    ["{cache}", "{cache}/data", "{cache}/..", "{link}"],
+    ids=["the-cache", "inside-it", "around-it", "a-link-to-it"],
+)
+def test_a_trusted_image_folder_that_overlaps_the_cache_is_refused(
+    trusted: str, tmp_path: Path
+) -> None:
+    """The service writes users' staged files in the cache as root's: a trusted folder
+    there would pass them for an admin's images and mount them in the kernel."""
+    cache = tmp_path / "cache"
+    (cache / "data").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(cache / "data")
+    folder = trusted.format(cache=cache, link=tmp_path / "link")
+    env = {"STAGER_CACHE_DIR": str(cache), "STAGER_TRUSTED_IMAGE_DIRS": folder}
+    with pytest.raises(ValidationError) as caught:
+        from_env(env)
+    message = describe_error(caught.value, {})
+    assert f"trusted image folder {folder} overlaps the cache folder" in message, message
+    assert "outside the cache" in message
+    from_env({**env, "STAGER_TRUSTED_IMAGE_DIRS": str(tmp_path / "images")})  # apart: fine
