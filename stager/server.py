@@ -59,6 +59,7 @@ def prepare_runtime_dir(settings: Settings) -> None:
         raise startup.unusable_folder("runtime_dir", folder, exc) from exc
     if folder.stat().st_uid != os.getuid():
         raise ServeError(f"{folder} belongs to another user; set STAGER_RUNTIME_DIR to your own")
+    startup.require_held("runtime_dir", folder)
     # Per user: only this user may reach the socket, which is the whole access control
     # for it. The node service: everyone may connect, and the kernel says who did; what
     # is the service's alone (pid, log) sits in a folder nobody else may enter.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
+import stat
 from contextlib import closing
 from pathlib import Path
 
@@ -42,12 +43,41 @@ def unusable_folder(name: str, path: Path, exc: OSError) -> StartError:
     )
 
 
+def require_held(name: str, folder: Path) -> None:
+    """Nobody but this user and root can replace ``folder`` or anything above it.
+
+    The daemon uses its folders by name for as long as it runs; a folder above them that
+    another user owns, or may write without the sticky bit (which keeps others from
+    moving what they do not own), lets that user rename the cache away and put a folder
+    of their own in its place (the default cache is under /tmp, where anyone may make
+    ``stager-UID`` first)."""
+    uid = os.getuid()
+    real = Path(os.path.realpath(folder))
+    for current in (real, *real.parents):
+        try:
+            st = os.lstat(current)
+        except OSError as exc:
+            raise unusable_folder(name, folder, exc) from exc
+        if st.st_uid not in (uid, 0):
+            why = f"{current} belongs to another user (uid {st.st_uid})"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            why = f"others may write {current}, so they may move what it holds"
+        else:
+            continue
+        raise StartError(
+            f"--{flag_name(name)} {folder} cannot be used: {why}; give {setting(name)} a "
+            "folder that only this user and root can change, from / down"
+        )
+
+
 def check_cache(settings: Settings) -> None:
-    """The cache's folders exist (made if not) and its state database opens."""
+    """The cache's folders exist (made if not), nobody else can replace them, and its
+    state database opens."""
     try:
         preflight.ensure_dirs(settings)
     except OSError as exc:
         raise unusable_folder("cache_dir", settings.cache_dir, exc) from exc
+    require_held("cache_dir", settings.cache_dir)
     try:
         with closing(sqlite3.connect(settings.db_path, timeout=5)) as db:
             db.execute("PRAGMA schema_version").fetchone()

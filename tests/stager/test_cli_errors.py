@@ -71,6 +71,42 @@ def test_an_unusable_cache_or_runtime_folder(places: dict[str, str], detach: lis
     )
 
 
+@pytest.mark.parametrize("setting", ["cache", "runtime"])
+def test_a_folder_that_another_user_can_replace_is_refused(
+    setting: str, places: dict[str, str], tmp_path: Path
+) -> None:
+    """Anyone may make /tmp/stager-UID before its user does, then rename the cache away
+    and put their own in its place: a folder above the cache or the runtime folder that
+    another user owns, or may write without the sticky bit, stops the daemon's start."""
+    if os.geteuid() != 0:
+        pytest.skip("making a folder another user's needs root")
+    name = "STAGER_CACHE_DIR" if setting == "cache" else "STAGER_RUNTIME_DIR"
+    flag = "--cache-dir" if setting == "cache" else "--runtime-dir"
+    theirs = Path(tempfile.mkdtemp(prefix="stg-", dir="/tmp"))  # short: the socket's path
+    try:
+        os.chown(theirs, 65534, 65534)  # nobody's, as another user's /tmp/stager-UID
+        one_sentence(
+            stager({**places, name: str(theirs / "sub")}, "serve"),
+            EXIT_FAILED,
+            f"{flag} {theirs}/sub cannot be used: {theirs} belongs to another user",
+            "a folder that only this user and root can change",
+        )
+        os.chown(theirs, 0, 0)
+        theirs.chmod(0o777)  # everyone's, with no sticky bit
+        one_sentence(
+            stager({**places, name: str(theirs / "sub")}, "serve"),
+            EXIT_FAILED,
+            f"others may write {theirs}, so they may move what it holds",
+        )
+        theirs.chmod(0o1777)  # as /tmp: others cannot move what is not theirs
+        started = stager({**places, name: str(theirs / "sub")}, "serve", "--detach")
+        assert started.returncode == EXIT_OK, started.stderr
+        env = {**places, name: str(theirs / "sub")}
+        assert stager(env, "stop").returncode == EXIT_OK
+    finally:
+        subprocess.run(["rm", "-rf", str(theirs)], check=False)
+
+
 def test_bad_values_name_the_flag_or_the_variable(places: dict[str, str]) -> None:
     one_sentence(
         stager(places, "serve", "--capacity-bytes", "10X"),
