@@ -25,7 +25,7 @@ from stager.imaging import ImageMade
 from stager.processes import Processes, reap
 from stager.progress import Progress
 from stager.settings import Settings
-from stager.worker import StageJob, stage_in_child
+from stager.worker import StageJob, past_bound, stage_in_child
 
 log = logging.getLogger("stager.staging")
 
@@ -48,15 +48,19 @@ class Limits:
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
     write_bytes: int | None = None
+    write_bound: str = "quota"  # what sets write_bytes (stager.worker.past_bound)
     min_download_bytes_per_s: int = 0  # 0: no limit
     download_rate_window_s: float = 60.0
 
     @classmethod
-    def of(cls, settings: Settings, write_bytes: int | None = None) -> Limits:
+    def of(
+        cls, settings: Settings, write_bytes: int | None = None, write_bound: str = "quota"
+    ) -> Limits:
         return cls(
             settings.cancel_grace_s,
             settings.stall_timeout_s,
             write_bytes,
+            write_bound,
             settings.min_download_rate,
             settings.download_rate_window_s,
         )
@@ -103,7 +107,7 @@ async def run_staging(
                 cancelled_at = now
             progress.mirror(counters)
             if limits.write_bytes is not None and progress.bytes_written > limits.write_bytes:
-                raise errors.QuotaExceeded(_over_quota(progress, limits.write_bytes))
+                raise past_bound(limits.write_bound, progress.bytes_written)
             if (seen := counters.read()) != last:
                 last, moved_at = seen, now
             if receiver.poll():
@@ -145,15 +149,6 @@ def _died(process: Any) -> errors.StagingProcessDied:
     return errors.StagingProcessDied(
         f"the staging process died with exit code {process.exitcode}; "
         "see the daemon log, then stage again"
-    )
-
-
-def _over_quota(progress: Progress, limit: int) -> str:
-    return (
-        f"staging stopped after writing {progress.bytes_written} bytes: with the data you "
-        f"hold already, that passes your quota on this node (room left: {max(limit, 0)} bytes); "
-        "free some (stager-client ls, then cancel what you no longer need) or ask the admin "
-        "for a larger --user-quota"
     )
 
 

@@ -807,7 +807,7 @@ class Engine:
     async def _stage(self, entry: Entry) -> None:
         reg = self._reg
         attempt = await reg.start(entry)
-        room_left = await self._room_left(entry)
+        room_left, bound = await self._room_left(entry)
         job = StageJob(
             steps=self.ops.dump_steps(entry.steps),
             op_modules=tuple(self.settings.op_modules),
@@ -820,11 +820,12 @@ class Engine:
             nice=self.settings.staging_nice,
             crash_after=self._crash.for_staging_process(),
             write_bytes=room_left,
+            write_bound=bound,
             image=self._image_job(entry),
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
         # what one poll of its counters may see written past it).
-        limits = Limits.of(self.settings, room_left)
+        limits = Limits.of(self.settings, room_left, bound)
         future = asyncio.ensure_future(
             run_staging(job, self.processes, entry.progress, entry.cancel, limits)
         )
@@ -874,17 +875,29 @@ class Engine:
             cache.private_owner(entry), trusted if self.settings.multi_user else None, index
         )
 
-    async def _room_left(self, entry: Entry) -> int | None:
-        """The most bytes a staging of ``entry`` may write: for a user's own data, their
-        quota less what their other data and their transfers hold (what it writes is
-        counted as it writes, not estimated); None for shared data or no quota."""
-        owner = cache.private_owner(entry)
-        if owner is None or not self.settings.user_quota_bytes:
-            return None
+    async def _room_left(self, entry: Entry) -> tuple[int | None, str]:
+        """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
+        it: for a user's own data, their quota less what their other data and their
+        transfers hold ("quota"); and whatever its data, the room the disk has above its
+        floor now, less what transfers were promised ("disk": a source that makes far
+        more than its size said, shared or not, stops there, not at a full disk). What
+        it writes is counted as it writes, not estimated."""
         held = await self.fanout.held()
-        others = [e for e in self.entries() if cache.private_owner(e) == owner and e is not entry]
-        used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
-        return self.settings.user_quota_bytes - used
+        limits: list[tuple[int, str]] = []
+        owner = cache.private_owner(entry)
+        if owner is not None and self.settings.user_quota_bytes:
+            others = [
+                e for e in self.entries() if cache.private_owner(e) == owner and e is not entry
+            ]
+            used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
+            limits.append((self.settings.user_quota_bytes - used, "quota"))
+        if self.settings.min_free_bytes:  # no floor: the disk's own end is the limit
+            free = await run_io(preflight.free_bytes, self.settings)
+            room = free + self._reg.trash.freeing_bytes - held.unwritten_bytes
+            limits.append((room - self.settings.min_free_bytes, "disk"))
+        if not limits:
+            return None, "quota"
+        return min(limits)
 
     async def _stage_privately(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on

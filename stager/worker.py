@@ -32,7 +32,7 @@ from typing import Any
 from stager import imaging, overlap
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
-from stager.errors import Cancelled, QuotaExceeded, StagerError
+from stager.errors import Cancelled, InsufficientSpace, QuotaExceeded, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.fs.seal import Seal, seal_listed, seal_tree
 from stager.image.published import image_of
@@ -63,9 +63,11 @@ class StageJob:
     reader: Reader | None = None
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
-    # The most bytes the staging may leave in its tree: its user's quota less what they
-    # hold already (None: no limit). Counted as written, never estimated.
+    # The most bytes the staging may leave in its tree (None: no limit), and what sets it
+    # (WriteBound: its user's quota, or the disk's floor). Counted as written, never
+    # estimated.
     write_bytes: int | None = None
+    write_bound: str = "quota"
     # Image mode (stager.imaging): the steps made into one read-only image; None: a tree.
     image: ImageJob | None = None
 
@@ -212,7 +214,7 @@ def _stage(
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
-    progress.limit_written(job.write_bytes, _over_quota)
+    progress.limit_written(job.write_bytes, functools.partial(past_bound, job.write_bound))
     ctx = OpContext(
         root=attempt.tree,
         progress=progress,
@@ -296,11 +298,20 @@ def _run_steps(
     return made, paired
 
 
-def _over_quota(written: int) -> QuotaExceeded:
-    return QuotaExceeded(
-        f"staging stopped after writing {written} bytes, which with the data you hold "
-        "already passes your quota on this node; free some (stager-client ls, then cancel "
-        "what you no longer need) or ask the admin for a larger --user-quota"
+def past_bound(bound: str, written: int) -> InsufficientSpace:
+    """A staging stopped once it had written ``written`` bytes, past what ``bound`` lets
+    it: its user's quota ("quota"), or the room its disk had above the floor ("disk")."""
+    if bound == "quota":
+        return QuotaExceeded(
+            f"staging stopped after writing {written} bytes, which with the data you hold "
+            "already passes your quota on this node; free some (stager-client ls, then "
+            "cancel what you no longer need) or ask the admin for a larger --user-quota"
+        )
+    return InsufficientSpace(
+        f"staging stopped after writing {written} bytes, all the room the cache's disk had "
+        "above its floor (--min-free-bytes) when it started: its sources make far more "
+        "than their size said (a sparse file, or an archive that decompresses to much "
+        "more than it holds); stage less at once, or free room on the disk"
     )
 
 

@@ -10,10 +10,12 @@ tree source is packed from a streaming walk of it (:func:`stager.fs.sources.walk
 Members are judged by the rules of extraction, with its own code: names by
 :func:`stager.archive.writer.clean_name` (no absolute path, no ``..``, no NUL),
 links by :func:`stager.archive.job.judge_link` (``tarfile``'s data filter: no link
-that leads outside the dataset), device files and FIFOs refused, hard links only to
-a file an earlier member wrote. Then the request's names apply: ``strip``
-components, ``into`` a folder, and ``renames`` in order, as a recipe's rename steps
-would move them after an extraction. Every file is 0444 and every folder 0555,
+that leads outside the dataset by its words) as they arrive and, once the image is
+whole, as the kernel will resolve them through the image's own names and links
+(:mod:`stager.image.erofs`), device files and FIFOs refused, hard links only to a
+file an earlier member wrote, names within the kernel's limits. Then the request's
+names apply: ``strip`` components, ``into`` a folder, and ``renames`` in order, as a
+recipe's rename steps would move them after an extraction. Every file is 0444 and every folder 0555,
 whatever the archive says; the image itself is left 0444.
 
 What differs from an extraction, on purpose: a file's holes are written out as
@@ -413,8 +415,11 @@ class _TarSource:
         mtime: int,
     ) -> None:
         if member.sparse is not None:
-            read = _sparse_reader(archive, stream, member)
+            # Its holes are written out as zeros: counted as they are written, so that a
+            # staging's bound stops a small archive that makes a huge file part way.
+            read = _counted(_sparse_reader(archive, stream, member), self.options.progress)
             self.writer.file_stream(parent, name, member.size, mtime, read)
+            return
         elif stream is None:
             require_inside(archive, member, member.size)
             offset = archive.base + member.offset_data
@@ -425,7 +430,9 @@ class _TarSource:
             self.writer.file_range(parent, name, size, mtime, archive.fd, offset, tail)
         else:
             stream.seek(member.offset_data)
-            self.writer.file_stream(parent, name, member.size, mtime, stream.read)
+            read = _counted(stream.read, self.options.progress)  # decompressed as it comes
+            self.writer.file_stream(parent, name, member.size, mtime, read)
+            return
         report_written(self.options.progress, member.size)
 
     def _inner(self, archive: Archive, member: tarfile.TarInfo, clean: str) -> bool:
@@ -472,6 +479,17 @@ class _TarSource:
 
 def _mtime(value: float) -> int:
     return max(0, int(value))
+
+
+def _counted(read: Callable[[int], bytes], progress: ProgressSink) -> Callable[[int], bytes]:
+    """``read``, each piece it gives counted as written (it goes into the image)."""
+
+    def counted(count: int) -> bytes:
+        piece = read(count)
+        report_written(progress, len(piece))
+        return piece
+
+    return counted
 
 
 def _sparse_reader(

@@ -287,9 +287,11 @@ def _busy(target: str) -> str:
 
 
 def backing_file(mount: Mounted) -> tuple[int, int] | None:
-    """The device and inode of the image file behind a kernel mount, asked of the
-    kernel itself (the loop device's status, or the file a file-backed EROFS mount
-    names); None when it cannot tell (a FUSE mount, a block device that is not a loop)."""
+    """The device and inode of the image file behind a kernel mount: asked of the
+    kernel for a loop device (its status); for a file-backed EROFS mount, those of the
+    file at the path the mount table names (the kernel shows no more: a file renamed
+    over that path after the mount is not told apart; only root writes the cache's
+    data/). None when it cannot tell (a FUSE mount, a block device that is not a loop)."""
     if mount.source.startswith("/dev/loop"):
         try:
             fd = os.open(mount.source, os.O_RDONLY | os.O_CLOEXEC)

@@ -246,6 +246,64 @@ def test_enospc_mid_staging_fails_cleanly_and_keeps_other_entries(
     assert digest(Path(kept["path"])) == digest(small)
 
 
+def _sparse_tar(folder: Path) -> Path:
+    """A tar of a few KiB (GNU tar -S) holding a 1 GiB file that is all hole but its
+    first bytes: an image writes that hole out as zeros."""
+    folder.mkdir()
+    with open(folder / "huge.bin", "wb") as out:
+        out.write(b"x" * 4096)
+        out.truncate(1 << 30)
+    archive = folder.parent / "sparse.tar"
+    subprocess.run(["tar", "-S", "-cf", str(archive), "-C", str(folder), "huge.bin"], check=True)
+    return archive
+
+
+def _bomb_tar_gz(folder: Path) -> Path:
+    """A .tar.gz of 200 files of 1 MiB of zeros (~200 KiB) whose gzip trailer says it
+    holds one byte more than its own size: the estimate passes, the staging writes 200 MiB."""
+    folder.mkdir()
+    for number in range(200):
+        (folder / f"z{number:03d}").write_bytes(bytes(1 << 20))
+    archive = folder.parent / "bomb.tar.gz"
+    subprocess.run(["tar", "-czf", str(archive), "-C", str(folder), "."], check=True)
+    data = bytearray(archive.read_bytes())
+    data[-4:] = (len(data) + 1).to_bytes(4, "little")
+    archive.write_bytes(bytes(data))
+    return archive
+
+
+def test_a_source_that_makes_far_more_than_its_size_stops_at_the_disks_floor(
+    daemon_factory, tmp_path: Path, tmpfs: Callable[[str], Path]
+) -> None:
+    """Admission lets a staging in by its estimate; a sparse member an image writes out,
+    or an archive whose trailer lies, then writes far more. The staging stops once it has
+    written the room the disk had above its floor, shared data or not (no quota applies),
+    not at a full disk, and what other entries hold stays."""
+    disk = tmpfs("64m")
+    daemon = daemon_factory(cache_dir=disk / "cache", env={"STAGER_MIN_FREE_BYTES": "32M"})
+    small = write_tree(tmp_path / "small", n_files=10)
+    sources = {
+        "image": {"steps": [{"op": "extract", "src": str(_sparse_tar(tmp_path / "s"))}],
+                  "image": True},
+        "tree": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path / "b"))}]},
+    }  # fmt: skip
+    with daemon.client() as client:
+        kept = ready(client, copy_body("kept", small))
+        for name, body in sources.items():
+            response = client.post("/v1/datasets", json={"name": name, **body})
+            assert response.status_code == 202, response.text
+            status = client.get(f"/v1/datasets/{name}/wait", params={"timeout": 60}).json()
+            assert status["state"] == "failed", status
+            error = status["error"]
+            assert error["type"] == "insufficient_space", error
+            assert "all the room the cache's disk had above its floor" in error["message"]
+            written = int(re.search(r"after writing (\d+) bytes", error["message"])[1])
+            assert 8 << 20 < written < 48 << 20, error  # about the 32 MiB of room, not 64
+        wait_until_empty(daemon.cache_dir / "partial")
+        assert client.get("/v1/datasets/kept").json()["state"] == "ready"
+    assert digest(Path(kept["path"])) == digest(small)
+
+
 def test_stager_gc_command_evicts_every_unleased_dataset_with_all(
     daemon: Daemon, tmp_path: Path
 ) -> None:
