@@ -39,7 +39,13 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        try:
+            await engine.start()
+        except BaseException:
+            # What it started ends with it (user processes, the walker): the process
+            # exits instead of waiting on a child that will not end by itself.
+            await engine.stop()
+            raise
         try:
             yield
         finally:

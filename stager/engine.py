@@ -124,7 +124,9 @@ class Engine:
         self._watch = TreeWatch()
         self._mounts = image_published.MountChecks()
         # Every process the daemon starts (stager.processes), and who acts for a user.
-        self.processes = Processes(separate_users=settings.multi_user)
+        self.processes = Processes(
+            separate_users=settings.multi_user, users_timeout_s=settings.user_process_timeout_s
+        )
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
         self.fanout = FanoutRoom(settings, self.ops, self.admission, self.as_user)
 
@@ -161,6 +163,7 @@ class Engine:
             self._spawn(self._worker(), f"worker-{i}")
         self._spawn(self._flush_progress(), "progress-flusher")
         self._spawn(self._sweep(), "cache-sweeper")
+        self._spawn(self._sweep_transfers(), "transfer-sweeper")
         self.started = True
 
     def request_stop(self) -> None:
@@ -739,20 +742,33 @@ class Engine:
                 dropped += 1
         return dropped
 
+    async def _sweep_transfers(self) -> None:
+        """Now and then: transfers past their time or their room, removed as their owners
+        (a loop of its own: an owner whose process does not answer delays only this)."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                for gone in await self.fanout.expire():
+                    log.info("removed expired %s", gone)
+            except (OSError, StagerError) as exc:
+                log.error("transfer sweep failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the sweep must outlive any one round's bug
+                log.exception("transfer sweep failed; it runs again in the next round")
+
     async def _sweep(self) -> None:
         """Now and then: drop leases of ended jobs, and shrink back under the capacity."""
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:
                 await self._drop_dead_leases()
-                for gone in await self.fanout.expire():
-                    log.info("removed expired %s", gone)
                 async with self._admission:
                     await self.admission.make_room(0, "")
             except InsufficientSpace:
                 pass  # over the limit with everything leased: nothing more can go now
             except (OSError, StagerError) as exc:
                 log.error("cache sweep failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the sweep must outlive any one round's bug
+                log.exception("cache sweep failed; it runs again in the next round")
 
     def _handle(self, name: str, caller: Caller, owner: int | None = None) -> Handle:
         """The caller's handle ``name``; root may name another user's with ``owner``."""

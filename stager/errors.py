@@ -21,6 +21,9 @@ reaches the API, and one sentence that names the input at fault and the fix.
     ├── TooManyRequests (429)       a user's queue on the node service is full
     ├── ImageUnavailable (422)      an image cannot be mounted by this daemon
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
+    ├── UserProcessUnanswered       the process acting as a user gave no answer
+    │   ├── UserProcessTimeout (504)  past --user-process-timeout (a hung source?)
+    │   └── UserProcessFailed (503)   it ended, or broke the protocol, first
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
         ├── UnsafeArchiveMember     member would land outside its destination
@@ -162,6 +165,25 @@ class StagingIOError(StagingError):
 
 class StagingProcessDied(StagingError):
     type = "internal_error"
+
+
+class UserProcessUnanswered(StagerError):
+    """A process that became a user gave no answer to a call (stager.rights.pool): what
+    else the daemon would ask that user's processes now is left for later."""
+
+    status = 503
+
+
+class UserProcessTimeout(UserProcessUnanswered):
+    type = "timeout"
+    status = 504
+
+
+class UserProcessFailed(UserProcessUnanswered):
+    """It ended, or broke the protocol, before it answered (its user may have killed it:
+    it is theirs)."""
+
+    type = "user_process_failed"
 
 
 class StagingStalled(StagingError):

@@ -22,7 +22,7 @@ from typing import Any
 import anyio.to_thread
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
-from stager.errors import StagerError
+from stager.errors import StagerError, UserProcessUnanswered
 from stager.fs.deletion import delete_tree as delete_tree
 from stager.fs.durable_names import rename_durably
 from stager.fs.seal import open_up_top
@@ -170,6 +170,8 @@ async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None
             await as_user(owner, empty_own_folder, folder)
             if await anyio.to_thread.run_sync(remove_emptied, folder):
                 return
+        except UserProcessUnanswered:
+            raise  # their process is stopped or gone: the caller moves on to other owners
         except (OSError, StagerError) as exc:  # a race the user runs against it
             log.warning("could not remove delivery %s yet: %s", folder, exc)
     log.warning("delivery %s is refilled as it is deleted; left for the next start", folder)

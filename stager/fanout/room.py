@@ -39,7 +39,14 @@ from stager import vouch
 from stager.admission import Admission, Held
 from stager.blocking import run_io
 from stager.dataset import Entry, State
-from stager.errors import BadRequest, Conflict, NotFound, StagerError, from_os_error
+from stager.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    StagerError,
+    UserProcessUnanswered,
+    from_os_error,
+)
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
@@ -143,6 +150,10 @@ class Transfers:
         transfer = self.get(key)
         del self._live[key]
         return transfer
+
+    def keep(self, key: str, transfer: Transfer) -> None:
+        """Back on the books: one taken off (expired) that could not be removed yet."""
+        self._live.setdefault(key, transfer)
 
     def expired(self) -> dict[str, Transfer]:
         """Unclaimed transfers past their time, taken off the books, by key."""
@@ -390,11 +401,20 @@ class FanoutRoom:
         for transfer in exports.values():
             await run_io(remove_folder, transfer.path)
         deliveries = self.deliveries.expired()
+        # An owner whose process gives no answer (stopped, killed) is asked nothing more
+        # this round: each call to it waits its whole timeout, and others' must not.
+        unanswered: set[int | None] = set()
         for key, transfer in list(self.deliveries.items()):
+            if transfer.owner in unanswered:
+                continue
             try:
                 transfer.written = int(
                     await self._as_user(transfer.owner, folder_bytes, transfer.path)
                 )
+            except UserProcessUnanswered as exc:
+                unanswered.add(transfer.owner)
+                log.warning("could not measure delivery %s: %s", transfer.path, exc)
+                continue
             except (OSError, StagerError) as exc:
                 transfer.written = transfer.nbytes + 1  # unmeasurable: treated as overgrown
                 log.warning("could not measure delivery %s: %s", transfer.path, exc)
@@ -406,21 +426,35 @@ class FanoutRoom:
                     transfer.nbytes,
                 )
                 deliveries[key] = self.deliveries.pop(key)
-        for transfer in deliveries.values():
-            await self._remove_delivery(transfer)
-        return [t.path for t in [*exports.values(), *deliveries.values()]]
+        removed = []
+        for key, transfer in deliveries.items():
+            if transfer.owner not in unanswered:
+                try:
+                    await self._remove_delivery(transfer)
+                    removed.append(transfer.path)
+                    continue
+                except UserProcessUnanswered as exc:
+                    unanswered.add(transfer.owner)
+                    log.warning("could not remove delivery %s: %s", transfer.path, exc)
+            self.deliveries.keep(key, transfer)  # still booked: tried again next round
+        return [*(t.path for t in exports.values()), *removed]
 
     async def clear_deliveries(self) -> None:
         """At start: deliveries an earlier run left (nobody will adopt them now), each
-        deleted by its owner (the passage ``incoming/<uid>/`` names them)."""
+        deleted by its owner (the passage ``incoming/<uid>/`` names them). An owner
+        whose process gives no answer keeps theirs until the next start."""
         root = self.settings.incoming_dir
         for folder in await run_io(lambda: sorted(root.iterdir())):
             if not self.settings.multi_user:
                 await run_io(remove_folder, folder)
                 continue
             uid = int(folder.name) if folder.name.isdigit() else None
-            for label in await run_io(lambda f=folder: sorted(f.iterdir())):
-                await remove_delivery(self._as_user, uid, label)
+            try:
+                for label in await run_io(lambda f=folder: sorted(f.iterdir())):
+                    await remove_delivery(self._as_user, uid, label)
+            except UserProcessUnanswered as exc:
+                log.warning("deliveries of uid %s left for the next start: %s", uid, exc)
+                continue
             with contextlib.suppress(OSError):  # not empty: left for the next start
                 await run_io(folder.rmdir)
 

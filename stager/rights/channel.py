@@ -32,19 +32,28 @@ def pair() -> tuple[socket.socket, socket.socket]:
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def send(sock: socket.socket, payload: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
-    """One message: ``payload`` and ``fds`` (sent, not closed: the caller still holds them)."""
+def packets(payload: bytes, fds: list[int] | tuple[int, ...] = ()) -> list[tuple[bytes, list[int]]]:
+    """One message as its packets: each its flag and bytes, and the descriptors it carries."""
     pieces = [payload[i : i + PACKET] for i in range(0, len(payload), PACKET)] or [b""]
     fd_groups = [list(fds[i : i + MAX_FDS]) for i in range(0, len(fds), MAX_FDS)]
     count = max(len(pieces), len(fd_groups))
-    for index in range(count):
-        flag = _LAST if index == count - 1 else _MORE
-        piece = pieces[index] if index < len(pieces) else b""
-        group = fd_groups[index] if index < len(fd_groups) else []
+    return [
+        (
+            (_LAST if index == count - 1 else _MORE)
+            + (pieces[index] if index < len(pieces) else b""),
+            fd_groups[index] if index < len(fd_groups) else [],
+        )
+        for index in range(count)
+    ]
+
+
+def send(sock: socket.socket, payload: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
+    """One message: ``payload`` and ``fds`` (sent, not closed: the caller still holds them)."""
+    for packet, group in packets(payload, fds):
         if group:
-            socket.send_fds(sock, [flag + piece], group)
+            socket.send_fds(sock, [packet], group)
         else:
-            sock.sendall(flag + piece)
+            sock.sendall(packet)
 
 
 class Closed(EOFError):
@@ -80,7 +89,11 @@ def recv_packet(sock: socket.socket) -> tuple[bytes, list[int], bool]:
 
 
 def send_request(sock: socket.socket, request: Any, fds: list[int] | tuple[int, ...] = ()) -> None:
-    send(sock, pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL), fds)
+    send(sock, encode_request(request), fds)
+
+
+def encode_request(request: Any) -> bytes:
+    return pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def recv_request(sock: socket.socket) -> tuple[Any, list[int]]:

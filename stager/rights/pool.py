@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 import anyio.to_thread
 
 from stager.children import USER_NAME, name_process
-from stager.errors import StagerError
+from stager.errors import StagerError, UserProcessFailed, UserProcessTimeout
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
@@ -42,11 +43,6 @@ USER_SIDE_MODULES = (
     "stager.fanout.packing",
     "stager.fanout.room",
 )
-
-
-class UserProcessTimeout(StagerError):
-    type = "timeout"
-    status = 504
 
 
 @dataclass
@@ -82,6 +78,7 @@ class UserProcesses:
         self.timeout_s = timeout_s
         self._idle: dict[Identity, list[_Agent]] = {}
         self._busy: dict[Identity, int] = {}
+        self._live: set[int] = set()  # every user process's pid, idle or busy, until ended
         self._freed = asyncio.Condition()
         self._closed = False
 
@@ -97,6 +94,7 @@ class UserProcesses:
             payload = await asyncio.wait_for(
                 self._exchange(worker, ("call", fn, args, kwargs)), self.timeout_s
             )
+            answer = channel.decode_answer(payload)
             healthy = True
         except TimeoutError:
             raise UserProcessTimeout(
@@ -104,13 +102,30 @@ class UserProcesses:
                 f"{self.timeout_s:g} s (a source on a hung filesystem?); check the source "
                 "and ask again"
             ) from None
+        except (channel.Closed, OSError, ValueError) as exc:  # ended, or sent no JSON
+            log.warning("user process of uid %d failed: %r", identity.uid, exc)
+            raise UserProcessFailed(
+                f"the process doing this request's work as uid {identity.uid} ended before "
+                "it answered; ask again"
+            ) from None
         finally:
             await self._give_back(worker, healthy)
-        return channel.result(channel.decode_answer(payload))
+        try:
+            return channel.result(answer)
+        except channel.AgentFailed as exc:
+            log.error("user process of uid %d: %s", identity.uid, exc)
+            raise UserProcessFailed(
+                f"the process doing this request's work as uid {identity.uid} failed; the "
+                "daemon log says why"
+            ) from None
 
     async def _exchange(self, worker: _Agent, request: tuple[Any, ...]) -> bytes:
-        channel.send_request(worker.sock, request)
+        # Sent without blocking the loop, within the call's deadline: a process its user
+        # stopped (SIGSTOP) reads nothing, and a request past the socket's buffer would
+        # otherwise hold the whole daemon in sendall until they let it go on.
         loop = asyncio.get_running_loop()
+        for packet, _ in channel.packets(channel.encode_request(request)):
+            await loop.sock_sendall(worker.sock, packet)
         parts: list[bytes] = []
         while True:
             ready = loop.create_future()
@@ -163,7 +178,8 @@ class UserProcesses:
             process.start()
         finally:
             theirs.close()
-        mine.setblocking(True)
+        mine.setblocking(False)  # the loop waits for it (_exchange)
+        self._live.add(process.pid)
         return _Agent(identity, process, mine)
 
     async def _give_back(self, worker: _Agent, healthy: bool) -> None:
@@ -193,6 +209,7 @@ class UserProcesses:
             worker.sock.close()
         with contextlib.suppress(OSError):
             worker.process.kill()
+        self._live.discard(worker.process.pid)
         asyncio.get_running_loop().run_in_executor(None, worker.process.join, 5.0)
 
     def pids(self) -> list[int]:
@@ -211,7 +228,12 @@ class UserProcesses:
             with contextlib.suppress(OSError):
                 worker.sock.close()
         for worker in workers:
+            self._live.discard(worker.process.pid)
             await anyio.to_thread.run_sync(_end, worker.process)
+        for pid in self._live:  # busy ones (their user may have stopped them): ended now
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self._live.clear()
 
 
 def _end(process: Any) -> None:

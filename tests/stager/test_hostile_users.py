@@ -13,10 +13,12 @@ checks.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import hashlib
 import json
 import os
+import signal
 import stat
 import subprocess
 import textwrap
@@ -488,3 +490,110 @@ def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
             assert time.monotonic() - started < 5  # not after alice's (each takes 20 s)
             for i in range(5):
                 request(alice, daemon, "DELETE", f"/v1/datasets/slow{i}")
+
+
+def test_a_user_who_stops_their_own_process_stalls_nobody_else(
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
+) -> None:
+    """alice stops (SIGSTOP) the process that does her requests' work as her, then sends
+    a request larger than the socket's buffer to it: the daemon waits for that process
+    without blocking, so bob is answered at once, and alice's request fails at the
+    deadline with a sentence."""
+    alice, bob = users
+    (alice_home / "one").write_bytes(b"alice's file")
+    with node_service(shared_tmp / "cache-stop", STAGER_USER_PROCESS_TIMEOUT_S="6") as daemon:
+        code, answer = request(
+            alice, daemon, "POST", "/v1/datasets", copy("one", alice_home / "one")
+        )
+        assert code in (200, 202), answer  # her user process stays, idle, for the next
+        theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
+        alices = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == alice.uid]
+        assert alices, theirs
+        deep = "/".join(["x" * 250] * 12)  # 3 KB, as long as a path may be
+        steps = [{"op": "copy", "src": f"/{deep}/{i}", "dst": f"d{i}"} for i in range(180)]
+        body = alice_home / "big.json"
+        body.write_text(json.dumps({"name": "big", "steps": steps}))  # ~550 KB
+        for pid in alices:
+            os.kill(pid, signal.SIGSTOP)
+        argv = [
+            "curl",
+            "-s",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+            str(daemon.socket),
+        ]
+        argv += ["-H", "content-type: application/json", "--data-binary", f"@{body}"]
+        big = subprocess.Popen(
+            ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups",
+             *argv, "-X", "POST", "http://stager/v1/datasets"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)  # her request is with her stopped process
+            started = time.monotonic()
+            health = ["curl", "-s", "--max-time", "4", "-o", "/dev/null", "-w", "%{http_code}"]
+            done = bob.run([*health, "--unix-socket", str(daemon.socket), "http://stager/healthz"])
+            assert done.stdout == "200", done
+            assert time.monotonic() - started < 3
+            out, _ = big.communicate(timeout=30)
+            text, _, status = out.rpartition("\n")
+            assert status == "504" and "took longer than 6 s" in text, out
+        finally:
+            for pid in alices:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            big.kill()
+
+
+def test_a_user_process_killed_mid_call_fails_that_call_alone(
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
+) -> None:
+    """alice's process dies (she may kill it: it is hers) while the daemon waits for its
+    answer: her request fails with a sentence (not an internal error), and the daemon
+    goes on serving her next request and bob's."""
+    alice, bob = users
+    (alice_home / "one").write_bytes(b"alice's file")
+    with node_service(shared_tmp / "cache-killed") as daemon:
+        code, answer = request(
+            alice, daemon, "POST", "/v1/datasets", copy("one", alice_home / "one")
+        )
+        assert code in (200, 202), answer
+        theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
+        alices = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == alice.uid]
+        for pid in alices:
+            os.kill(pid, signal.SIGSTOP)  # her next request waits on it, then it dies
+        argv = [
+            "curl",
+            "-s",
+            "-o",
+            "-",
+            "-w",
+            "\n%{http_code}",
+            "--unix-socket",
+            str(daemon.socket),
+        ]
+        body = json.dumps(copy("two", alice_home / "one"))
+        waiting = subprocess.Popen(
+            ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups", *argv,
+             "-H", "content-type: application/json", "--data", body, "-X", "POST",
+             "http://stager/v1/datasets"], stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(1.0)
+        for pid in alices:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = waiting.communicate(timeout=30)
+        text, _, status = out.rpartition("\n")
+        assert status == "503" and "ended before it answered; ask again" in text, out
+        code, answer = request(
+            alice, daemon, "POST", "/v1/datasets", copy("two", alice_home / "one")
+        )
+        assert code in (200, 202), answer
+        assert wait(alice, daemon, "two")["state"] == "ready"
+        src = shared_tmp / "bobs-file"
+        src.write_bytes(b"bob's one file")
+        code, answer = request(bob, daemon, "POST", "/v1/datasets", copy("bobs", src))
+        assert code in (200, 202), answer
+        assert wait(bob, daemon, "bobs")["state"] == "ready"
