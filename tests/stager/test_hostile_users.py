@@ -492,6 +492,31 @@ def test_one_users_queue_neither_starves_another_nor_grows_past_its_limit(
                 request(alice, daemon, "DELETE", f"/v1/datasets/slow{i}")
 
 
+def stopped_user_processes(user: User, daemon: Daemon, home: Path) -> list[int]:
+    """``user``'s processes of the service, stopped (SIGSTOP) after a first request of
+    theirs left them idle, waiting for the next."""
+    (home / "one").write_bytes(b"a file of theirs")
+    code, answer = request(user, daemon, "POST", "/v1/datasets", copy("one", home / "one"))
+    assert code in (200, 202), answer
+    theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
+    mine = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == user.uid]
+    assert mine, theirs
+    for pid in mine:
+        os.kill(pid, signal.SIGSTOP)
+    return mine
+
+
+def posting(user: User, daemon: Daemon, data: list[str]) -> subprocess.Popen[str]:
+    """A POST /v1/datasets of ``user``'s under way (curl's ``data`` arguments); its
+    output ends with the status code on a line of its own."""
+    argv = ["curl", "-s", "-o", "-", "-w", "\n%{http_code}", "--unix-socket", str(daemon.socket)]
+    argv += ["-H", "content-type: application/json", *data, "-X", "POST"]
+    command = ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--init-groups"]
+    return subprocess.Popen(
+        [*command, *argv, "http://stager/v1/datasets"], stdout=subprocess.PIPE, text=True
+    )
+
+
 def test_a_user_who_stops_their_own_process_stalls_nobody_else(
     users: tuple[User, User], shared_tmp: Path, alice_home: Path
 ) -> None:
@@ -500,37 +525,13 @@ def test_a_user_who_stops_their_own_process_stalls_nobody_else(
     without blocking, so bob is answered at once, and alice's request fails at the
     deadline with a sentence."""
     alice, bob = users
-    (alice_home / "one").write_bytes(b"alice's file")
     with node_service(shared_tmp / "cache-stop", STAGER_USER_PROCESS_TIMEOUT_S="6") as daemon:
-        code, answer = request(
-            alice, daemon, "POST", "/v1/datasets", copy("one", alice_home / "one")
-        )
-        assert code in (200, 202), answer  # her user process stays, idle, for the next
-        theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
-        alices = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == alice.uid]
-        assert alices, theirs
+        alices = stopped_user_processes(alice, daemon, alice_home)
         deep = "/".join(["x" * 250] * 12)  # 3 KB, as long as a path may be
         steps = [{"op": "copy", "src": f"/{deep}/{i}", "dst": f"d{i}"} for i in range(180)]
         body = alice_home / "big.json"
         body.write_text(json.dumps({"name": "big", "steps": steps}))  # ~550 KB
-        for pid in alices:
-            os.kill(pid, signal.SIGSTOP)
-        argv = [
-            "curl",
-            "-s",
-            "-o",
-            "-",
-            "-w",
-            "\n%{http_code}",
-            "--unix-socket",
-            str(daemon.socket),
-        ]
-        argv += ["-H", "content-type: application/json", "--data-binary", f"@{body}"]
-        big = subprocess.Popen(
-            ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups",
-             *argv, "-X", "POST", "http://stager/v1/datasets"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        big = posting(alice, daemon, ["--data-binary", f"@{body}"])
         try:
             time.sleep(1.0)  # her request is with her stopped process
             started = time.monotonic()
@@ -555,33 +556,10 @@ def test_a_user_process_killed_mid_call_fails_that_call_alone(
     answer: her request fails with a sentence (not an internal error), and the daemon
     goes on serving her next request and bob's."""
     alice, bob = users
-    (alice_home / "one").write_bytes(b"alice's file")
     with node_service(shared_tmp / "cache-killed") as daemon:
-        code, answer = request(
-            alice, daemon, "POST", "/v1/datasets", copy("one", alice_home / "one")
-        )
-        assert code in (200, 202), answer
-        theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
-        alices = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == alice.uid]
-        for pid in alices:
-            os.kill(pid, signal.SIGSTOP)  # her next request waits on it, then it dies
-        argv = [
-            "curl",
-            "-s",
-            "-o",
-            "-",
-            "-w",
-            "\n%{http_code}",
-            "--unix-socket",
-            str(daemon.socket),
-        ]
-        body = json.dumps(copy("two", alice_home / "one"))
-        waiting = subprocess.Popen(
-            ["setpriv", f"--reuid={alice.uid}", f"--regid={alice.gid}", "--init-groups", *argv,
-             "-H", "content-type: application/json", "--data", body, "-X", "POST",
-             "http://stager/v1/datasets"], stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        time.sleep(1.0)
+        alices = stopped_user_processes(alice, daemon, alice_home)
+        waiting = posting(alice, daemon, ["--data", json.dumps(copy("two", alice_home / "one"))])
+        time.sleep(1.0)  # her request waits on her stopped process, which then dies
         for pid in alices:
             os.kill(pid, signal.SIGKILL)
         out, _ = waiting.communicate(timeout=30)
