@@ -250,7 +250,8 @@ class Engine:
         fingerprint = str(found["fingerprint"])
         key = shared_key = spec_key({"spec": spec, "sources": fingerprint})
         if reader is not None:
-            key, reader = self._scope(key, reader, found["shareable"] is True, request.adopt)
+            shared, cluster_wide = found["shareable"] is True, found["cluster_wide"] is True
+            key, reader = self._scope(key, reader, shared, request.adopt, cluster_wide)
         return Resolved(expansion, request_key, key, shared_key, reader, notice, spec)
 
     def _image_mode(
@@ -325,15 +326,17 @@ class Engine:
         return reader_of(caller) if self.settings.multi_user else None
 
     def _scope(
-        self, key: str, reader: Reader, shared: bool, adopt: Adopt | None
+        self, key: str, reader: Reader, shared: bool, adopt: Adopt | None, cluster_wide: bool
     ) -> tuple[str, Reader]:
         """Shared by every user (the key alone) when every source is readable by
         everyone, as the staging then checks file by file; else the caller's own copy.
         A shared staging of this key that met a file not everyone may read has failed
         with ``not_public``: until the sources change (and the key with them), it is
         staged privately. A broadcast copy is shared only when the origin node's
-        service vouches for its manifest (stager.vouch); the job's own copies of the
-        source files, hashed by the job, never are."""
+        service vouches for its manifest (stager.vouch), and only when every source lies
+        where each node holds the same files (``cluster_wide``: the key, made of paths,
+        sizes and times, is then the same data on both nodes); the job's own copies of
+        the source files, hashed by the job, never are."""
         earlier = self._reg.entries.get(key)
         found_private = (
             earlier is not None
@@ -353,7 +356,7 @@ class Engine:
         if shared and not found_private and not adopting:
             if adopt is None:
                 return key, replace(reader, public=True)
-            if adopt.vouched and adopt.sources is None:
+            if adopt.vouched and adopt.sources is None and cluster_wide:
                 return key, replace(reader, public=True, vouched=True)
         return private_key(key, reader.uid), reader
 

@@ -21,9 +21,10 @@ import httpx
 from stager import downloads, recipes
 from stager.errors import BadRequest, SourceUnreadable, UnsafePath
 from stager.fingerprint import sources_fingerprint
+from stager.fs import mounts
 from stager.fs.credentials import path_readable_by_everyone
 from stager.fs.seal import check_acls
-from stager.fs.sources import Roots
+from stager.fs.sources import Roots, within
 from stager.ops import table
 from stager.ops.base import CheckContext
 from stager.settings import Settings
@@ -69,7 +70,26 @@ def look(
             fingerprint = hashlib.sha256("\n".join([fingerprint, *versions]).encode()).hexdigest()
             fingerprint = fingerprint[:24]
     check_link(link, settings)
-    return {"fingerprint": fingerprint, "shareable": shared}
+    return {
+        "fingerprint": fingerprint,
+        "shareable": shared,
+        "cluster_wide": shared and on_cluster_storage(steps, settings),
+    }
+
+
+def on_cluster_storage(steps: list[Any], settings: Settings) -> bool:
+    """Whether every source path of ``steps`` holds the same files on every node: on a
+    network filesystem, or under one of the admin's ``cluster_storage_dirs``. A path
+    only this node has (its /tmp, its local disk) may hold other bytes elsewhere under
+    the same name, size and time, so another node's word for its key is not taken."""
+    tops = [os.path.realpath(top) for top in settings.cluster_storage_dirs]
+    for source in (getattr(step, "src", None) for step in steps):
+        if not _absolute(source):
+            continue
+        real = os.path.realpath(source)
+        if not (mounts.on_network(real) or any(within(real, top) for top in tops)):
+            return False
+    return True
 
 
 def download_versions(steps: list[Any]) -> list[str] | None:

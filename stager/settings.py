@@ -201,6 +201,17 @@ class Settings(BaseSettings):
         default_text="none",
         help="also read recipe files (*.toml) from these folders (docs/recipes.md)",
     )
+    # Multi-node fan-out (docs/multinode.md): a dataset's key is the same on every node,
+    # from its sources' paths, sizes and times; only where those paths hold the same
+    # files on every node may one node's vouched copy stand for another node's staging.
+    cluster_storage_dirs: CommaList(Path) = setting(
+        factory=list,
+        aliases=("--cluster-storage-dir",),
+        default_text="network filesystems only",
+        help="node service: folders that hold the same files on every node, besides "
+        "network filesystems (found by their type): a fan-out's vouched copy of a dataset "
+        "read from there is shared between users; from anywhere else, it stays its user's",
+    )
     # Image mode (docs/image-mode.md): the node service mounts in the kernel only images
     # it built, or prebuilt ones under these folders (root's alone) with a pinned sha256.
     trusted_image_dirs: CommaList(Path) = setting(

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from stager.archive import tar_members
+from stager.archive.writer import PATH_MAX
 from stager.errors import VerifyFailed
 from stager.fs.file_copy import remove
 from stager.fs.manifest import Digests, folder_of, open_listed
@@ -435,8 +436,9 @@ def _relative(name: str, label: str) -> str:
         or posixpath.normpath(name) != name
         or name == "."
         or ".." in name.split("/")
+        or len(os.fsencode(name)) > PATH_MAX
     ):
-        raise VerifyFailed(f"{label} has a range of a path no sender writes: {name!r}")
+        raise VerifyFailed(f"{label} has a range of a path no sender writes: {name[:200]!r}")
     return name
 
 

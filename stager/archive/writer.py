@@ -79,6 +79,8 @@ _SMALL = 64 << 10
 _WINDOW = 4 << 20
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 GNU_FAILS_TOO = "GNU tar fails here too"
+# The longest path, in bytes, a member may be given (PATH_MAX less its NUL).
+PATH_MAX = 4095
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +159,7 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
         # The common name needs none of the work below: relative, no empty, "." or
         # ".." component (none starts with a dot), no drive letter.
         if short and short[0] not in "/\\." and "/." not in short and "//" not in short:
-            if short[1:2] != ":" and short[-1] != "/" and "\0" not in short:
+            if short[1:2] != ":" and short[-1] != "/" and "\0" not in short and len(short) < 1024:
                 return short
     label = label if label is not None else name
     if "\0" in name:
@@ -174,7 +176,16 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
         raise unsafe(archive, label, "'..' component leads outside the destination")
     if not parts:
         return None
-    return "/".join(parts)
+    clean = "/".join(parts)
+    if len(os.fsencode(clean)) > PATH_MAX:
+        shown = label if len(label) <= 100 else f"{label[:60]}...{label[-20:]}"
+        raise unsafe(
+            archive,
+            shown,
+            f"a path of {len(os.fsencode(clean))} bytes, past the {PATH_MAX} a "
+            "path may have: nothing could open it by its name, nor delete it",
+        )
+    return clean
 
 
 def file_mode(mode: int | None) -> int:

@@ -169,15 +169,30 @@ def _there(path: Path, flags: int = os.O_NOFOLLOW) -> bool:
     return True
 
 
-def _read(path: Path, ctx: OpContext) -> bytes:
-    """A file of the delivery, read as the user whose job delivered it."""
+# The most a delivery's small files may hold: they are read whole, in memory, by a
+# process of root's, and the job that wrote them is the user's (a sparse end.json of
+# 3 GB took 6 GB of memory). A manifest names every file (~100 bytes each).
+END_LIMIT = 64 << 10
+MANIFEST_LIMIT = 1 << 30
+
+
+def _read(path: Path, ctx: OpContext, limit: int) -> bytes:
+    """A file of the delivery, read as the user whose job delivered it; refused past
+    ``limit`` bytes (by its size, and by what a read finds if it grew meanwhile)."""
     with open(open_source(str(path), ctx.allowed_roots), "rb") as file:
-        return file.read()
+        size = os.fstat(file.fileno()).st_size
+        data = file.read(limit + 1) if size <= limit else b""
+        if size > limit or len(data) > limit:
+            raise VerifyFailed(
+                f"{path} holds {max(size, len(data))} bytes, more than such a file may "
+                f"({limit}); this node stages from the source"
+            )
+        return data
 
 
 def _end(folder: Path, ctx: OpContext) -> dict[str, Any] | None:
     try:
-        end = json.loads(_read(folder / END_NAME, ctx))
+        end = json.loads(_read(folder / END_NAME, ctx, END_LIMIT))
     except FileNotFoundError:
         return None
     except ValueError as exc:  # written by a rename: whole, or not there
@@ -192,7 +207,7 @@ def _manifest(
 ) -> manifest_format.Manifest:
     path = folder / MANIFEST_NAME
     try:
-        data = _read(path, ctx)
+        data = _read(path, ctx, MANIFEST_LIMIT)
     except FileNotFoundError as exc:
         raise VerifyFailed(
             f"the manifest from {step.origin_node} did not arrive ({path}); "

@@ -39,10 +39,13 @@ def munge_socket() -> Iterator[Path]:
 
 
 def node_service(cache: Path, munge_socket: Path, *args: str, **env: str) -> Daemon:
+    """A node service of the two-node test; the datasets' folder beside its cache holds
+    the same files for both (``cluster_storage_dirs``), as a network filesystem would."""
+    storage = {"STAGER_CLUSTER_STORAGE_DIRS": str(cache.parent / "datasets")}
     daemon = Daemon(
         cache_dir=cache,
         args=["--multi-user", *args],
-        extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket), **env},
+        extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket), **storage, **env},
     )
     daemon.runtime_dir.chmod(0o755)
     return daemon.start()
@@ -163,6 +166,30 @@ def test_an_unvouched_broadcast_stays_the_users_own(
     assert adopted["key"] != staged["key"]  # alice's own copy
     code, mine = bob.curl(nodes[1].socket, "POST", "/v1/datasets", copy(source))
     assert code == 202 and mine["key"] == staged["key"]  # not alice's copy: his own staging
+
+
+def test_a_vouched_broadcast_of_sources_only_this_node_has_stays_the_users_own(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path, source: Path
+) -> None:
+    """Sources outside storage every node shares (a node's own /tmp, its local disk) may
+    hold other bytes on another node under the same paths, sizes and times, which is
+    all a key says: the other node's vouched copy is taken as alice's own, and bob's
+    request on that node is a staging of his, not a hit on her copy."""
+    alice, bob = users
+    started = []
+    try:
+        for name in ("local1", "local2"):
+            started.append(
+                node_service(shared_tmp / name, munge_socket, STAGER_CLUSTER_STORAGE_DIRS="")
+            )
+        staged, adopted = broadcast((started[0], started[1]), alice, source, "j6-ds", True)
+        assert adopted["key"] != staged["key"]  # alice's own copy
+        code, mine = bob.curl(started[1].socket, "POST", "/v1/datasets", copy(source))
+        assert code == 202 and mine["key"] == staged["key"], mine  # his own staging
+    finally:
+        for daemon in started:
+            daemon.stop()
+            daemon.cleanup()
 
 
 def forged_credential(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import tarfile
 import threading
@@ -173,6 +174,25 @@ def test_an_aborted_broadcast_fails_with_its_reason(tmp_path: Path) -> None:
         ok.unlink()
     with pytest.raises(VerifyFailed, match="from mn1 did not complete .sbcast: mn3 timed out"):
         run_adopt(step, tmp_path / "dest")
+
+
+@pytest.mark.parametrize("name", [END_NAME, MANIFEST_NAME])
+def test_a_delivered_end_or_manifest_past_its_limit_is_refused_unread(
+    name: str, tmp_path: Path
+) -> None:
+    """The job writes them, the staging process reads them whole: a sparse one claiming
+    far more bytes than such a file may hold is refused by its size, not read into
+    memory (a 3 GB end.json took 6 GB before)."""
+    tree = write_tree(tmp_path / "tree", n_files=5)
+    step = deliver(tree, tmp_path / "in")
+    limit = adopt.END_LIMIT if name == END_NAME else adopt.MANIFEST_LIMIT
+    with open(tmp_path / "in" / name, "r+b") as file:
+        file.truncate(limit + 1)  # a hole: nothing on the disk
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(VerifyFailed, match=f"holds {limit + 1} bytes, more than such a file may"):
+        run_adopt(step, tmp_path / "dest")
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    assert grown_kib < 64 << 10, grown_kib  # nowhere near the file's size
 
 
 def test_a_part_that_never_comes_fails_and_a_cancel_stops_the_wait(

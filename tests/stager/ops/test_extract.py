@@ -504,3 +504,33 @@ def test_what_a_member_replaces_is_taken_off_the_count(tmp_path: Path) -> None:
     made = extract.run(ExtractStep(src=str(archive)), OpContext(root=dest, progress=Progress()))
     assert (dest / "x").read_bytes() == b"abc"
     assert made == sum_sizes(str(dest)) - before == 3 - 5 - len("sub")
+
+
+@pytest.mark.parametrize("depth", [100, 3000])
+def test_a_member_whose_path_is_longer_than_a_path_may_be_is_refused(
+    depth: int, tmp_path: Path
+) -> None:
+    """A pax name of ``depth`` folders and past 4095 bytes: no tool could open or delete
+    it by its name (a 100,000-folder one was left undeletable in the cache), so it is
+    refused before anything is made, in a tree and in an image alike."""
+    name = "/".join(["d" * (4200 // depth + 1)] * depth) + "/f"
+    archive = tmp_path / "deep.tar"
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(UnsafeArchiveMember, match="past the 4095 a path may have"):
+        run_extract(archive, tmp_path / "out")
+    assert not any((tmp_path / "out").rglob("f"))
+    from stager.image.build import build_image
+
+    with pytest.raises(UnsafeArchiveMember, match="past the 4095 a path may have"):
+        build_image(str(archive), str(tmp_path / "out.erofs"))
+
+
+def test_a_range_of_a_path_longer_than_a_path_may_be_is_refused() -> None:
+    from stager.archive import ranges
+
+    with pytest.raises(VerifyFailed, match="a range of a path no sender writes"):
+        ranges._relative("a/" * 100_000 + "x", "part 0")
+    assert ranges._relative("a/" * 2000 + "x", "part 0")  # 4001 bytes: a path may be
