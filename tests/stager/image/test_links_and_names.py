@@ -129,7 +129,7 @@ def test_a_link_longer_than_the_kernel_reads_is_refused(tmp_path: Path) -> None:
         build_image(str(archive), str(tmp_path / "out.erofs"))
 
 
-@pytest.mark.parametrize("length", [256, 300, 5000])
+@pytest.mark.parametrize("length", [256, 300, 4000])  # past 4095: the path is refused
 def test_a_name_longer_than_a_file_system_allows_is_refused(length: int, tmp_path: Path) -> None:
     for kind, archive in [
         ("file", _file_tar(tmp_path / f"f{length}.tar", "d/" + "A" * length)),
