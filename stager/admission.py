@@ -189,6 +189,13 @@ class Admission:
 
     # ---- room ------------------------------------------------------------------------------
 
+    async def free_bytes(self, held: Held) -> int:
+        """What the cache's disk holds free for new data now: trees being deleted count as
+        free already (or every request during a large deletion would evict more than it
+        needs), room promised to deliveries and exports and not written yet does not."""
+        free = await run_io(preflight.free_bytes, self.settings)
+        return free + self._reg.trash.freeing_bytes - held.unwritten_bytes
+
     async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
         """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
         entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
@@ -208,16 +215,12 @@ class Admission:
                 self.settings.user_quota_bytes,
             ):
                 await self._reg.evict(victim, f"to keep uid {owner} within --user-quota")
-        # Trees being deleted will be free space in a moment; count them as free now, or
-        # every request during a large deletion would evict more than it needs.
-        free = await run_io(preflight.free_bytes, self.settings) + self._reg.trash.freeing_bytes
         plan = cache.plan_admission(
             needed=estimate,
             entries=list(self._reg.entries.values()),
             protected=protected,
             capacity_bytes=self.settings.capacity_bytes,
-            # Room promised to deliveries and exports that is not written yet is not free.
-            free_bytes=free - held.unwritten_bytes,
+            free_bytes=await self.free_bytes(held),
             min_free_bytes=self.settings.min_free_bytes,
         )
         for victim in plan:

@@ -25,7 +25,7 @@ from stager.imaging import ImageMade
 from stager.processes import Processes, reap
 from stager.progress import Progress
 from stager.settings import Settings
-from stager.worker import StageJob, past_bound, stage_in_child
+from stager.worker import StageJob, WriteBound, past_bound, stage_in_child
 
 log = logging.getLogger("stager.staging")
 
@@ -48,13 +48,13 @@ class Limits:
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
     write_bytes: int | None = None
-    write_bound: str = "quota"  # what sets write_bytes (stager.worker.past_bound)
+    write_bound: WriteBound = "quota"  # what sets write_bytes
     min_download_bytes_per_s: int = 0  # 0: no limit
     download_rate_window_s: float = 60.0
 
     @classmethod
     def of(
-        cls, settings: Settings, write_bytes: int | None = None, write_bound: str = "quota"
+        cls, settings: Settings, write_bytes: int | None = None, write_bound: WriteBound = "quota"
     ) -> Limits:
         return cls(
             settings.cancel_grace_s,

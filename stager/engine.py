@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -77,7 +77,7 @@ from stager.schemas import (
 from stager.settings import Settings
 from stager.store import Store
 from stager.suggest import did_you_mean
-from stager.worker import StageJob
+from stager.worker import StageJob, WriteBound
 
 log = logging.getLogger("stager.engine")
 
@@ -246,6 +246,7 @@ class Engine:
             request.fingerprint == "deep",
             request.link if naming else None,
             recipe,
+            request.adopt is not None and request.adopt.vouched,
         )
         fingerprint = str(found["fingerprint"])
         key = shared_key = spec_key({"spec": spec, "sources": fingerprint})
@@ -748,30 +749,37 @@ class Engine:
     async def _sweep_transfers(self) -> None:
         """Now and then: transfers past their time or their room, removed as their owners
         (a loop of its own: an owner whose process does not answer delays only this)."""
-        while True:
-            await asyncio.sleep(self.settings.sweep_interval_s)
-            try:
-                for gone in await self.fanout.expire():
-                    log.info("removed expired %s", gone)
-            except (OSError, StagerError) as exc:
-                log.error("transfer sweep failed: %s", exc)
-            except Exception:  # noqa: BLE001 - the sweep must outlive any one round's bug
-                log.exception("transfer sweep failed; it runs again in the next round")
+
+        async def expire() -> None:
+            for gone in await self.fanout.expire():
+                log.info("removed expired %s", gone)
+
+        await self._every_sweep("transfer sweep", expire)
 
     async def _sweep(self) -> None:
         """Now and then: drop leases of ended jobs, and shrink back under the capacity."""
-        while True:
-            await asyncio.sleep(self.settings.sweep_interval_s)
+
+        async def shrink() -> None:
+            await self._drop_dead_leases()
             try:
-                await self._drop_dead_leases()
                 async with self._admission:
                     await self.admission.make_room(0, "")
             except InsufficientSpace:
                 pass  # over the limit with everything leased: nothing more can go now
+
+        await self._every_sweep("cache sweep", shrink)
+
+    async def _every_sweep(self, what: str, sweep: Callable[[], Awaitable[None]]) -> None:
+        """``sweep`` every ``sweep_interval_s``, for the daemon's life: a round that fails
+        is logged, and the next one runs all the same."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                await sweep()
             except (OSError, StagerError) as exc:
-                log.error("cache sweep failed: %s", exc)
+                log.error("%s failed: %s", what, exc)
             except Exception:  # noqa: BLE001 - the sweep must outlive any one round's bug
-                log.exception("cache sweep failed; it runs again in the next round")
+                log.exception("%s failed; it runs again in the next round", what)
 
     def _handle(self, name: str, caller: Caller, owner: int | None = None) -> Handle:
         """The caller's handle ``name``; root may name another user's with ``owner``."""
@@ -894,7 +902,7 @@ class Engine:
             cache.private_owner(entry), trusted if self.settings.multi_user else None, index
         )
 
-    async def _room_left(self, entry: Entry) -> tuple[int | None, str]:
+    async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
         """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
         it: for a user's own data, their quota less what their other data and their
         transfers hold ("quota"); and whatever its data, the room the disk has above its
@@ -902,7 +910,7 @@ class Engine:
         more than its size said, shared or not, stops there, not at a full disk). What
         it writes is counted as it writes, not estimated."""
         held = await self.fanout.held()
-        limits: list[tuple[int, str]] = []
+        limits: list[tuple[int, WriteBound]] = []
         owner = cache.private_owner(entry)
         if owner is not None and self.settings.user_quota_bytes:
             others = [
@@ -911,9 +919,8 @@ class Engine:
             used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
             limits.append((self.settings.user_quota_bytes - used, "quota"))
         if self.settings.min_free_bytes:  # no floor: the disk's own end is the limit
-            free = await run_io(preflight.free_bytes, self.settings)
-            room = free + self._reg.trash.freeing_bytes - held.unwritten_bytes
-            limits.append((room - self.settings.min_free_bytes, "disk"))
+            room = await self.admission.free_bytes(held) - self.settings.min_free_bytes
+            limits.append((room, "disk"))
         if not limits:
             return None, "quota"
         return min(limits)

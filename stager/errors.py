@@ -22,7 +22,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
     ├── ImageUnavailable (422)      an image cannot be mounted by this daemon
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
     ├── UserProcessUnanswered       the process acting as a user gave no answer
-    │   ├── UserProcessTimeout (504)  past --user-process-timeout (a hung source?)
+    │   ├── UserProcessTimeout (504)  past STAGER_USER_PROCESS_TIMEOUT_S (a hung source?)
     │   └── UserProcessFailed (503)   it ended, or broke the protocol, first
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive

@@ -52,11 +52,14 @@ def look(
     deep: bool,
     link: str | None,
     recipe: tuple[str, dict[str, Any], str | None] | None = None,
+    vouched: bool = False,
 ) -> dict[str, Any]:
     """What the daemon must know of a request's paths, found as the caller: the recipe's
     release files are there (``recipe``: its name, params and source), the sources'
-    fingerprint, whether every user may share the staging (node service), and that the
-    link can be made. Steps travel as JSON data (``dumped_steps``), typed here again."""
+    fingerprint, whether every user may share the staging (node service), for the
+    adoption of a ``vouched`` copy whether its sources are the same on every node, and
+    that the link can be made. Steps travel as JSON data (``dumped_steps``), typed here
+    again."""
     if recipe is not None:
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
@@ -73,7 +76,7 @@ def look(
     return {
         "fingerprint": fingerprint,
         "shareable": shared,
-        "cluster_wide": shared and on_cluster_storage(steps, settings),
+        "cluster_wide": shared and vouched and on_cluster_storage(steps, settings),
     }
 
 

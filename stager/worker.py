@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from stager import imaging, overlap
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
@@ -42,6 +42,9 @@ from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, write_atomically
 from stager.rights.become import drop_capabilities
+
+# What sets a staging's written-bytes limit (past_bound words each).
+WriteBound = Literal["quota", "disk"]
 
 
 @dataclass
@@ -64,10 +67,10 @@ class StageJob:
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
     # The most bytes the staging may leave in its tree (None: no limit), and what sets it
-    # (WriteBound: its user's quota, or the disk's floor). Counted as written, never
+    # (its user's quota, or the disk's room above its floor). Counted as written, never
     # estimated.
     write_bytes: int | None = None
-    write_bound: str = "quota"
+    write_bound: WriteBound = "quota"
     # Image mode (stager.imaging): the steps made into one read-only image; None: a tree.
     image: ImageJob | None = None
 
@@ -298,7 +301,7 @@ def _run_steps(
     return made, paired
 
 
-def past_bound(bound: str, written: int) -> InsufficientSpace:
+def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:
     """A staging stopped once it had written ``written`` bytes, past what ``bound`` lets
     it: its user's quota ("quota"), or the room its disk had above the floor ("disk")."""
     if bound == "quota":

@@ -177,13 +177,13 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
     if not parts:
         return None
     clean = "/".join(parts)
-    if len(os.fsencode(clean)) > PATH_MAX:
+    if (nbytes := len(os.fsencode(clean))) > PATH_MAX:
         shown = label if len(label) <= 100 else f"{label[:60]}...{label[-20:]}"
         raise unsafe(
             archive,
             shown,
-            f"a path of {len(os.fsencode(clean))} bytes, past the {PATH_MAX} a "
-            "path may have: nothing could open it by its name, nor delete it",
+            f"a path of {nbytes} bytes, past the {PATH_MAX} a path may have: nothing "
+            "could open it by its name, nor delete it",
         )
     return clean
 

@@ -15,8 +15,8 @@ whole, as the kernel will resolve them through the image's own names and links
 (:mod:`stager.image.erofs`), device files and FIFOs refused, hard links only to a
 file an earlier member wrote, names within the kernel's limits. Then the request's
 names apply: ``strip`` components, ``into`` a folder, and ``renames`` in order, as a
-recipe's rename steps would move them after an extraction. Every file is 0444 and every folder 0555,
-whatever the archive says; the image itself is left 0444.
+recipe's rename steps would move them after an extraction. Every file is 0444 and
+every folder 0555, whatever the archive says; the image itself is left 0444.
 
 What differs from an extraction, on purpose: a file's holes are written out as
 zeros (EROFS's flat layout has none), and a folder that only implicit parents made

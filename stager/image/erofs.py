@@ -213,15 +213,14 @@ class ErofsWriter:
                 entry.mtime, entry.seq, entry.explicit = mtime, self._seq, True
             return known
         head, _, name = path.rpartition("/")
-        if len(os.fsencode(name)) > NAME_MAX:
-            raise ImageConflict(path, _name_too_long(os.fsencode(name)))
         parent = self.folder(head)
+        encoded = self._named(parent, name)
         self._seq += 1
         number = len(self._folders)
         when = self.build_time if mtime is None else mtime
         self._inodes += 1
         made = _Folder(
-            parent, os.fsencode(name), self._seq, when, ino=self._inodes, explicit=mtime is not None
+            parent, encoded, self._seq, when, ino=self._inodes, explicit=mtime is not None
         )
         self._folders.append(made)
         self._folders[parent].children[made.name] = number
@@ -600,9 +599,9 @@ class _LinkJudge:
         self._found: dict[tuple[int, bytes], tuple[int, int] | None] = {}
 
     def judge_all(self) -> None:
-        rows = self._db.execute(
+        rows = self._db.execute(  # read as it goes: a million links are not held at once
             "SELECT e.parent, e.name, e.nid, l.target, l.label FROM l JOIN e ON e.nid = l.nid"
-        ).fetchall()
+        )
         for parent, name, nid, target, label in rows:
             if self._entry(parent, name) != (FT_SYMLINK, nid):
                 continue  # a later member of that name replaced it
