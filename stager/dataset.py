@@ -81,7 +81,7 @@ class Entry:
     # How the data arrives: {"how": "staged" | "broadcast", "node": ..., "job": ...}.
     origin: dict[str, Any] | None = None
     # A broadcast delivery this staging reads (its folder goes when the staging ends);
-    # not persisted: a restart deletes deliveries, and the staging then fails cleanly.
+    # not persisted: a restart deletes deliveries, and ends the adoption (lifecycle.DELIVERY_LOST).
     delivery: str | None = None
     size_bytes: int = 0
     estimate_bytes: int = 0

@@ -78,6 +78,12 @@ FED_A_FAN_OUT = ErrorInfo(
     "resumed from the source on its own (other nodes may hold the data by now); ask again: "
     "stager-client stage --peers slurm sources from a node that holds it",
 )
+DELIVERY_LOST = ErrorInfo(
+    type="interrupted",
+    message="the daemon stopped while this staging adopted a delivery from another node, "
+    "and a restart deletes deliveries (nobody can finish sending one to a new daemon); "
+    "ask again: the request stages from its sources, or a fan-out sends it again",
+)
 
 
 class Trash:
@@ -205,8 +211,8 @@ class Registry:
             if entry.state == State.READY and entry.image is not None:
                 await self._mount_again(entry)  # after a reboot, or a crash mid-way
                 continue
-            if entry.active and _feeds_a_fan_out(entry):
-                await self._end_fed_fan_out(entry)
+            if entry.active and _not_resumable(entry) is not None:
+                await self._end_unresumable(entry)
                 continue
             if entry.state == State.STAGING:
                 entry.move(State.QUEUED)  # interrupted: the same attempt resumes
@@ -513,9 +519,10 @@ class Registry:
 
     async def interrupt(self, entry: Entry) -> None:
         """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start;
-        unless it fed a fan-out (``note_feeding``): then it ends, left to the next request."""
-        if _feeds_a_fan_out(entry):
-            await self._end_fed_fan_out(entry)
+        unless it fed a fan-out (``note_feeding``) or adopted a delivery: then it ends,
+        left to the next request (``_not_resumable``)."""
+        if _not_resumable(entry) is not None:
+            await self._end_unresumable(entry)
             return
         entry.move(State.QUEUED)
         await self._save(entry, Durable.QUEUED)
@@ -529,8 +536,8 @@ class Registry:
             entry.origin = {**(entry.origin or {}), "feeds": True}
             await self._save(entry, Durable.TOUCHED)
 
-    async def _end_fed_fan_out(self, entry: Entry) -> None:
-        entry.move(State.FAILED, FED_A_FAN_OUT)
+    async def _end_unresumable(self, entry: Entry) -> None:
+        entry.move(State.FAILED, _not_resumable(entry))
         await self._save(entry, Durable.ENDED)
         self.events.ended(entry)
 
@@ -632,3 +639,14 @@ def state_counts(entries: list[Entry]) -> dict[str, int]:
 
 def _feeds_a_fan_out(entry: Entry) -> bool:
     return bool((entry.origin or {}).get("feeds"))
+
+
+def _not_resumable(entry: Entry) -> ErrorInfo | None:
+    """Why a staging the daemon stopped cannot resume at its next start (None: it can).
+    Ended at once, not queued to fail later: a request that joined a doomed resumption
+    would share its failure, where after the end it starts afresh."""
+    if _feeds_a_fan_out(entry):
+        return FED_A_FAN_OUT
+    if (entry.origin or {}).get("how") == "broadcast":
+        return DELIVERY_LOST
+    return None

@@ -23,7 +23,14 @@ from typing import Any
 from stager.archive import tar_members
 from stager.archive.formats import STREAM_CHUNK, StreamReader, open_decompressed
 from stager.archive.job import Archive, ExtractJob, judge_link, nested_suffix
-from stager.archive.writer import ArchiveWriter, Payload, SparseRanges, file_mode, unsafe
+from stager.archive.writer import (
+    ArchiveWriter,
+    Payload,
+    SparseRanges,
+    Wrote,
+    file_mode,
+    unsafe,
+)
 from stager.errors import UnknownFormat
 
 # Members of compressed tars larger than this are written by the main thread
@@ -208,23 +215,23 @@ def _sparse_payload(
         return SparseRanges(archive.fd, offset, regions, member.size)
     stream.seek(member.offset_data)
 
-    def copy(fd: int, digest: Any) -> None:
+    def copy(fd: int, digest: Any, wrote: Wrote) -> None:
         for position, length in regions:
             os.lseek(fd, position, os.SEEK_SET)
-            _stream_into(stream, fd, length, digest)
+            _stream_into(stream, fd, length, digest, wrote)
         os.ftruncate(fd, member.size)
 
     return copy
 
 
 def _copier(stream: StreamReader, size: int):  # noqa: ANN202 - a Payload callable
-    def copy(fd: int, digest: Any) -> None:
-        _stream_into(stream, fd, size, digest)
+    def copy(fd: int, digest: Any, wrote: Wrote) -> None:
+        _stream_into(stream, fd, size, digest, wrote)
 
     return copy
 
 
-def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any) -> None:
+def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any, wrote: Wrote) -> None:
     left = size
     while left > 0:
         data = stream.read(min(left, STREAM_CHUNK))
@@ -236,3 +243,4 @@ def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any) -> None:
         if digest is not None:
             digest.update(data)
         left -= len(data)
+        wrote(len(data))

@@ -34,7 +34,10 @@ The writer also counts the bytes it leaves (``made``: each file and symlink by i
 ``lstat`` size, as :func:`stager.fs.sizes.sum_sizes` counts a tree), so a fresh
 tree need not be measured again: a name is only ever created new (``O_EXCL``, a
 symlink, a link), never written into, so its size is fixed when it is made; what
-a new entry replaces is measured as it is removed and taken off again.
+a new entry replaces is measured as it is removed and taken off again. The count
+is reported as it grows (a staging's write bound stops it there): per batch, and for
+a member streamed from a compressed archive per chunk, since its header may claim
+far more than the room left.
 
 With ``verify`` (the request's ``verify: sha256``) every file is read back
 after it is written and its SHA-256 compared with that of the member's bytes as
@@ -103,8 +106,15 @@ class HardLink:
 
 # A file's content: bytes already in memory, a byte range of a file descriptor
 # (copied in the kernel), a sparse map over one, or a callable writing into the open
-# destination fd (and updating the digest it is given, if any).
-Payload = bytes | tuple[int, int, int] | SparseRanges | Callable[[int, Any], None]
+# destination fd (updating the digest it is given, if any, and telling its third
+# argument each chunk's bytes as they land: a stream's member may be far larger than
+# the archive, and a staging's write bound must stop it mid-way, not after it).
+Wrote = Callable[[int], None]
+Payload = bytes | tuple[int, int, int] | SparseRanges | Callable[[int, Any, Wrote], None]
+
+
+def _uncounted(nbytes: int) -> None:
+    """Chunks of a file written on the pool: counted with their batch."""
 
 
 @dataclass(slots=True)
@@ -288,14 +298,15 @@ def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str |
     return replaced
 
 
-def write_file(job: _FileJob, verify: str | None = None) -> int:
-    """Write one file or hard link; returns the bytes it left less those it replaced."""
+def write_file(job: _FileJob, verify: str | None = None, wrote: Wrote = _uncounted) -> int:
+    """Write one file or hard link; returns the bytes it left less those it replaced.
+    A callable payload tells ``wrote`` each chunk as it lands (those bytes included)."""
     if isinstance(job.payload, HardLink):
         return _hard_link(job.path, job.payload, verify)
     fd, replaced = _create(job.path, job.mode)
     try:
         digest = hashlib.sha256() if verify else None
-        size = _write_payload(fd, job.payload, digest)
+        size = _write_payload(fd, job.payload, digest, wrote)
         os.utime(fd, (job.mtime, job.mtime))
     finally:
         os.close(fd)
@@ -332,7 +343,7 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _write_payload(fd: int, payload: Payload, digest: Any) -> int:
+def _write_payload(fd: int, payload: Payload, digest: Any, wrote: Wrote) -> int:
     """Write ``payload`` into the new file ``fd``; returns the file's size."""
     if isinstance(payload, bytes):
         _write_all(fd, payload)
@@ -356,7 +367,7 @@ def _write_payload(fd: int, payload: Payload, digest: Any) -> int:
                 offset += length
         os.ftruncate(fd, payload.size)  # trailing hole; GNU tar leaves holes as holes
         return payload.size
-    payload(fd, digest)
+    payload(fd, digest, wrote)
     return os.fstat(fd).st_size  # a stream's copier (a large member): one call is nothing
 
 
@@ -603,7 +614,15 @@ class ArchiveWriter:
         self._claim(rel, rel, same_batch=not inline)
         job = _FileJob(self._path(rel), mode, mtime, payload)
         if inline:
-            self.made += write_file(job, self._verify)
+            streamed = 0
+
+            def wrote(nbytes: int) -> None:  # counted as it lands: the bound stops it mid-way
+                nonlocal streamed
+                streamed += nbytes
+                self.made += nbytes
+
+            left = write_file(job, self._verify, wrote)
+            self.made += left - streamed
             self._ctx.progress.advance(archive_bytes, 1)
         else:
             self._add(rel, job, archive_bytes, len(payload) if isinstance(payload, bytes) else 0)

@@ -18,7 +18,7 @@ from typing import Any
 
 from stager.archive.formats import STREAM_CHUNK
 from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
-from stager.archive.writer import ArchiveWriter, file_mode, unsafe
+from stager.archive.writer import ArchiveWriter, Wrote, file_mode, unsafe
 from stager.errors import UnknownFormat
 
 _ZIP_UTF8 = 0x800
@@ -96,7 +96,7 @@ def _zip_member(
 
 
 def _zip_copier(zf: zipfile.ZipFile, info: zipfile.ZipInfo):  # noqa: ANN202 - a Payload callable
-    def copy(fd: int, digest: Any) -> None:
+    def copy(fd: int, digest: Any, wrote: Wrote) -> None:
         # ZipFile allows concurrent readers; each inflates on its own thread.
         with zf.open(info) as src:
             while data := src.read(STREAM_CHUNK):
@@ -105,5 +105,6 @@ def _zip_copier(zf: zipfile.ZipFile, info: zipfile.ZipInfo):  # noqa: ANN202 - a
                     view = view[os.write(fd, view) :]
                 if digest is not None:
                     digest.update(data)
+                wrote(len(data))
 
     return copy

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
+import tarfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -258,25 +260,44 @@ def _sparse_tar(folder: Path) -> Path:
     return archive
 
 
-def _bomb_tar_gz(folder: Path) -> Path:
-    """A .tar.gz of 200 files of 1 MiB of zeros (~200 KiB) whose gzip trailer says it
-    holds one byte more than its own size: the estimate passes, the staging writes 200 MiB."""
-    folder.mkdir()
-    for number in range(200):
-        (folder / f"z{number:03d}").write_bytes(bytes(1 << 20))
-    archive = folder.parent / "bomb.tar.gz"
-    subprocess.run(["tar", "-czf", str(archive), "-C", str(folder), "."], check=True)
+def _bomb_tar_gz(folder: Path, files: int, size: int) -> Path:
+    """A .tar.gz of ``files`` files of ``size`` bytes of zeros (a few hundred KiB for
+    200 MiB) whose gzip trailer says it holds one byte more than its own size: the
+    estimate passes, the staging writes it all."""
+    archive = folder.parent / f"bomb-{files}.tar.gz"
+    with tarfile.open(archive, "w:gz", compresslevel=1) as tar:
+        for number in range(files):
+            member = tarfile.TarInfo(f"z{number:03d}")
+            member.size = size
+            tar.addfile(member, _Zeros(size))
     data = bytearray(archive.read_bytes())
     data[-4:] = (len(data) + 1).to_bytes(4, "little")
     archive.write_bytes(bytes(data))
     return archive
 
 
+class _Zeros(io.RawIOBase):
+    """``size`` zero bytes, read without holding them."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 - a writable buffer
+        count = min(len(buffer), self.left)
+        buffer[:count] = bytes(count)
+        self.left -= count
+        return count
+
+    def readable(self) -> bool:
+        return True
+
+
 def test_a_source_that_makes_far_more_than_its_size_stops_at_the_disks_floor(
     daemon_factory, tmp_path: Path, tmpfs: Callable[[str], Path]
 ) -> None:
     """Admission lets a staging in by its estimate; a sparse member an image writes out,
-    or an archive whose trailer lies, then writes far more. The staging stops once it has
+    or an archive whose trailer lies (its bytes in many files, or in one member far
+    larger than the room), then writes far more. The staging stops once it has
     written the room the disk had above its floor, shared data or not (no quota applies),
     not at a full disk, and what other entries hold stays."""
     disk = tmpfs("64m")
@@ -285,7 +306,9 @@ def test_a_source_that_makes_far_more_than_its_size_stops_at_the_disks_floor(
     sources = {
         "image": {"steps": [{"op": "extract", "src": str(_sparse_tar(tmp_path / "s"))}],
                   "image": True},
-        "tree": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path / "b"))}]},
+        # Many files: each counted once written; one: counted as its chunks land.
+        "files": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path, 200, 1 << 20))}]},
+        "one": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path, 1, 200 << 20))}]},
     }  # fmt: skip
     with daemon.client() as client:
         kept = ready(client, copy_body("kept", small))

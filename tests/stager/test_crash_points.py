@@ -15,6 +15,7 @@ step that the script does not reach fails ``test_the_script_reaches_every_durabl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -370,14 +371,9 @@ def sent_image(world: World, cache: Path, delivery: Path) -> dict:
             "image": exported["image"]}  # fmt: skip
 
 
-@pytest.mark.xdist_group("crash-points-adopted")
-@pytest.mark.timeout(600)
-def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_path: Path) -> None:
-    """The image request adopting another node's image, sent whole (docs/multinode.md):
-    the delivery copied, checked by its sha256 and published as any image, killed after
-    each of its durable steps; a hit and an eviction after it."""
-    delivery = tmp_path / "delivered.img"
-    adopt = sent_image(world, tmp_path / "sender", delivery)
+def adopting(delivery: Path, adopt: dict) -> Callable:
+    """The script of a request that adopts ``delivery`` (reserved, copied in, adopted),
+    then asks again (a hit) and deletes it."""
 
     def adopted_image_script(client: httpx.Client, world: World, links: Path | None = None) -> None:
         size = delivery.stat().st_size
@@ -389,12 +385,57 @@ def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_pa
         post(client, world.body("img", links))  # a hit
         client.delete("/v1/datasets/img").raise_for_status()
 
-    points = traced_points(world, tmp_path / "traced", adopted_image_script)
+    return adopted_image_script
+
+
+@pytest.mark.xdist_group("crash-points-adopted")
+@pytest.mark.timeout(600)
+def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_path: Path) -> None:
+    """The image request adopting another node's image, sent whole (docs/multinode.md):
+    the delivery copied, checked by its sha256 and published as any image, killed after
+    each of its durable steps; a hit and an eviction after it."""
+    delivery = tmp_path / "delivered.img"
+    script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
+    points = traced_points(world, tmp_path / "traced", script)
     assert any(p.startswith("image-built") for p in points), points
     assert any(p.startswith("delivery-removed") for p in points), points
-    failures = crashes_at(world, points, tmp_path / "runs", adopted_image_script)
+    failures = crashes_at(world, points, tmp_path / "runs", script)
     assert not failures, "\n".join(failures)
     tally(f"crash points of an adopted image: killed after each of {len(points)} durable steps")
+
+
+@pytest.mark.xdist_group("crash-points-adopted")
+@pytest.mark.parametrize("point", ["named#1", "attempt-created#1@1"])
+def test_an_adoption_cut_by_a_crash_ends_at_the_restart(
+    world: World, tmp_path: Path, point: str
+) -> None:
+    """A restart deletes deliveries, so an adoption it cut cannot resume: it is ended as
+    the daemon starts, with a sentence, and the same request asked right away stages
+    from its source. (Resumed, it failed later on a missing file, and a request that
+    joined it meanwhile shared that failure.)"""
+    delivery = tmp_path / "delivered.img"
+    script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
+    cache, links = tmp_path / "cache", tmp_path / "links"
+    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
+    try:
+        with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
+            script(client, world, links)
+        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
+    finally:
+        crashing.cleanup(unmount=False)
+    daemon = Daemon(cache_dir=cache)
+    try:
+        with daemon.start().client() as client:
+            status = client.get("/v1/datasets/img").json()
+            assert status["state"] == "failed", f"{status}"
+            assert status["error"]["type"] == "interrupted", f"{status}"
+            assert "delivery" in status["error"]["message"], f"{status}"
+            post(client, world.body("img", links))
+            status = Checker(daemon, world).settle(client, "img", "img")
+            assert status is not None and status["state"] == "ready", f"{status}"
+            assert status["origin"]["how"] == "staged", f"{status}"
+    finally:
+        daemon.cleanup()
 
 
 def crash_and_follow_up(
@@ -435,7 +476,7 @@ def crash_and_follow_up(
             client.delete("/v1/datasets/img")
             post(client, world.body("img", links))
             status = check.settle(client, "img", "img")
-            assert status is not None and status["state"] == "ready", status
+            assert status is not None and status["state"] == "ready", f"{status}"
             check.mounts_are_sound(client)
             client.delete("/v1/datasets/img").raise_for_status()
             check.mounts_are_sound(client)
@@ -447,7 +488,7 @@ def crash_and_follow_up(
             check.settle(client, "ds", "ds")
             post(client, world.body("ds", links))
             status = check.settle(client, "ds", "ds")
-            assert status is not None and status["state"] == "ready", status
+            assert status is not None and status["state"] == "ready", f"{status}"
             # The same POST again: a hit.
             assert post(client, world.body("ds", links)).status_code == 200
             # Another request under the same name, after a DELETE.
@@ -455,7 +496,7 @@ def crash_and_follow_up(
             client.delete("/v1/datasets/ds").raise_for_status()
             post(client, world.body("other"))
             status = check.settle(client, "ds", "other")
-            assert status is not None and status["state"] == "ready", status
+            assert status is not None and status["state"] == "ready", f"{status}"
             check.no_leftovers(client)
     finally:
         daemon.cleanup()
