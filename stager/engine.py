@@ -905,13 +905,17 @@ class Engine:
     async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
         """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
         it: for a user's own data, their quota less what their other data and their
-        transfers hold ("quota"); and whatever its data, the room the disk has above its
-        floor now, less what transfers were promised ("disk": a source that makes far
-        more than its size said, shared or not, stops there, not at a full disk). What
-        it writes is counted as it writes, not estimated."""
+        transfers hold ("quota"), and so for an adoption of their delivery, shared or
+        not: what it writes is theirs until its manifest is checked at its end (parts
+        can hold far more than the job declared); and whatever its data, the room the
+        disk has above its floor now, less what transfers were promised ("disk": a
+        source that makes far more than its size said, shared or not, stops there, not
+        at a full disk). What it writes is counted as it writes, not estimated."""
         held = await self.fanout.held()
         limits: list[tuple[int, WriteBound]] = []
         owner = cache.private_owner(entry)
+        if owner is None:
+            owner = self.fanout.delivery_owner(entry)
         if owner is not None and self.settings.user_quota_bytes:
             others = [
                 e for e in self.entries() if cache.private_owner(e) == owner and e is not entry

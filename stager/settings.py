@@ -257,7 +257,8 @@ class Settings(BaseSettings):
         flag="user-quota",
         default_text="0: no limit",
         help="node service: bytes of data only its user may read that one user may hold, "
-        "e.g. 200G; data every user may read is shared and counts against nobody",
+        "e.g. 200G; data every user may read is shared and counts against nobody (an "
+        "adoption of another node's copy counts against its asker until it is checked)",
     )
 
     # ---- timings ----
