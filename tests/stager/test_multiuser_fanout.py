@@ -12,6 +12,7 @@ each other poisons nothing; without that, the copy is the user's own.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -197,15 +198,24 @@ def test_a_vouched_adoption_writes_within_its_askers_quota_until_it_is_checked(
 ) -> None:
     """A vouched adoption is shared once its manifest is checked, at its end; its parts
     are the job's until then and may hold far more than it declared (here a sparse
-    member of 64 MiB in a part of a few KiB). What it writes counts against the asking
-    user's quota, as their own staging's would, so it stops there, not at the disk's
-    floor, which would make room by evicting other users' data."""
+    member of 64 MiB in a part of a few KiB). It may write what it declared (shared
+    data, larger than alice's quota here), and past that only her quota's room, so it
+    stops there, not at the disk's floor, which would make room by evicting other
+    users' data."""
     alice, _ = users
     started = []
     try:
         started.append(node_service(shared_tmp / "q1", munge_socket))
         started.append(node_service(shared_tmp / "q2", munge_socket, "--user-quota", "8M"))
         node1, node2 = started
+        shared = public_tree(shared_tmp / "datasets" / "large")  # on storage both share
+        for number in range(3):  # and 12 MiB, larger than her quota
+            (shared / f"{number}.bin").write_bytes(os.urandom(4 << 20))
+            (shared / f"{number}.bin").chmod(0o644)
+        staged, adopted = broadcast((node1, node2), alice, shared, "j4-ds", vouched=True)
+        assert adopted["key"] == staged["key"]  # shared, past her quota: it counts for nobody
+        for node in started:
+            call(alice, node, "DELETE", "/v1/datasets/ds")
         staged = ready(alice, node1, copy(source))
         exported = export(alice, node1, "j5-ds")
         folder = reserve(alice, node2, "j5-ds")
