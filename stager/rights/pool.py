@@ -77,7 +77,7 @@ class UserProcesses:
         self.idle_s = idle_s
         self.timeout_s = timeout_s
         self._idle: dict[Identity, list[_Agent]] = {}
-        self._busy: dict[Identity, int] = {}
+        self._busy: dict[int, int] = {}  # by uid
         self._live: set[int] = set()  # every user process's pid, idle or busy, until ended
         self._freed = asyncio.Condition()
         self._closed = False
@@ -146,26 +146,25 @@ class UserProcesses:
             while True:
                 if self._closed:
                     raise StagerError("the daemon is stopping")
-                idle = self._idle.get(identity)
-                if idle:
-                    worker = idle.pop()
-                    if worker.expiry is not None:
-                        worker.expiry.cancel()
-                    self._busy[identity] = self._busy.get(identity, 0) + 1
-                    if worker.process.is_alive():
-                        return worker
-                    self._busy[identity] -= 1
-                    self._discard(worker)
-                    continue
-                if self._busy.get(identity, 0) < self.per_user:
-                    self._busy[identity] = self._busy.get(identity, 0) + 1
+                # Counted per uid: the same user under another group (sg, newgrp) is
+                # another identity, and must not get another share of processes.
+                if self._busy.get(identity.uid, 0) < self.per_user:
+                    self._busy[identity.uid] = self._busy.get(identity.uid, 0) + 1
+                    idle = self._idle.get(identity, [])
+                    while idle:
+                        worker = idle.pop()
+                        if worker.expiry is not None:
+                            worker.expiry.cancel()
+                        if worker.process.is_alive():
+                            return worker
+                        self._discard(worker)
                     break
                 await self._freed.wait()
         try:
             return await anyio.to_thread.run_sync(self._start, identity)
         except BaseException:
             async with self._freed:
-                self._busy[identity] -= 1
+                self._busy[identity.uid] -= 1
                 self._freed.notify_all()
             raise
 
@@ -184,7 +183,7 @@ class UserProcesses:
 
     async def _give_back(self, worker: _Agent, healthy: bool) -> None:
         async with self._freed:
-            self._busy[worker.identity] -= 1
+            self._busy[worker.identity.uid] -= 1
             if healthy and not self._closed:
                 loop = asyncio.get_running_loop()
                 worker.idle_since = loop.time()

@@ -13,6 +13,7 @@ checks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import grp
 import hashlib
@@ -30,7 +31,9 @@ from pathlib import Path
 import pytest
 
 from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
-from stager.rights.become import effective_capabilities
+from stager.fanout.packing import folder_bytes
+from stager.processes import Processes
+from stager.rights.become import Identity, effective_capabilities
 from stager.schemas import END_NAME, delivered_name
 from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
@@ -575,3 +578,45 @@ def test_a_user_process_killed_mid_call_fails_that_call_alone(
         code, answer = request(bob, daemon, "POST", "/v1/datasets", copy("bobs", src))
         assert code in (200, 202), answer
         assert wait(bob, daemon, "bobs")["state"] == "ready"
+
+
+def test_a_users_share_of_processes_is_counted_per_uid_whatever_the_group(
+    users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """The same user under another primary group (``sg``, ``newgrp``) is another
+    identity to the kernel; their processes still share one user's allowance: with
+    alice's one process held (stopped mid-call), her request under another group waits
+    for it instead of getting a process of its own, and bob is served meanwhile."""
+    alice, bob = users
+    folder = shared_tmp / "counted"
+    folder.mkdir(mode=0o777, exist_ok=True)
+    folder.chmod(0o777)
+
+    async def scenario() -> None:
+        processes = Processes(separate_users=True, users_per_user=1, users_timeout_s=30)
+        await processes.start()
+        pool = processes.users
+        hers, other_group = Identity(alice.uid, alice.gid), Identity(alice.uid, bob.gid)
+        try:
+            await pool.call(hers, folder_bytes, folder)  # her process, idle now
+            pids = [p for p in descendants(os.getpid()) if comm(p) == USER_NAME]
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            held = asyncio.ensure_future(pool.call(hers, folder_bytes, folder))
+            await asyncio.sleep(0.5)
+            again = asyncio.ensure_future(pool.call(other_group, folder_bytes, folder))
+            assert (
+                await asyncio.wait_for(
+                    pool.call(Identity(bob.uid, bob.gid), folder_bytes, folder), 10
+                )
+                == 0
+            )
+            await asyncio.sleep(1)
+            assert not again.done(), "alice under another group got a process of her own"
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            assert await asyncio.wait_for(asyncio.gather(held, again), 10) == [0, 0]
+        finally:
+            await processes.close()
+
+    asyncio.run(scenario())
