@@ -748,11 +748,11 @@ class Engine:
 
     async def _sweep_transfers(self) -> None:
         """Now and then: transfers past their time or their room, removed as their owners
-        (a loop of its own: an owner whose process does not answer delays only this)."""
+        (a loop of its own, each owner's sweep a task of its own: an owner whose process
+        does not answer delays only their own deliveries' sweep)."""
 
         async def expire() -> None:
-            for gone in await self.fanout.expire():
-                log.info("removed expired %s", gone)
+            await self.fanout.expire(self._spawn)
 
         await self._every_sweep("transfer sweep", expire)
 

@@ -26,6 +26,7 @@ blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -185,6 +186,7 @@ class FanoutRoom:
         self.deliveries = Transfers(settings.incoming_dir, "delivery")
         self.exports = Transfers(settings.outgoing_dir, "export")
         self.plans: dict[str, ExportPlan] = {}  # exports under way, by label
+        self._sweeping: set[int | None] = set()  # owners whose deliveries a sweep holds
         self._planning: list[str] = []  # keys of exports being listed (part 0)
 
     # ---- the engine's hooks ------------------------------------------------------------
@@ -396,72 +398,104 @@ class FanoutRoom:
         transfer = self.exports.renew(key, EXPORT_TTL_S)
         return await self._locked(plan, key, pack_export_part, plan, transfer)
 
-    async def expire(self) -> list[Path]:
+    async def expire(self, spawn: Callable[[Awaitable[None], str], None]) -> None:
         """Reservations and exports past their time (a job that died), and deliveries
         grown past what was reserved for them: removed. Called by the sweep, outside
-        the admission lock: each delivery is measured and removed as its owner."""
+        the admission lock. Each owner's deliveries are measured and removed as that
+        owner, in a task of its own (``spawn``): one whose process gives no answer waits
+        its whole timeout, and is left out of the rounds that start meanwhile, while
+        everyone else's deliveries are swept on."""
         exports = self.exports.expired()
         for key in exports:
             self.plans.pop(key, None)
         for transfer in exports.values():
             await run_io(remove_folder, transfer.path)
-        deliveries = self.deliveries.expired()
-        # An owner whose process gives no answer (stopped, killed) is asked nothing more
-        # this round: each call to it waits its whole timeout, and others' must not.
-        unanswered: set[int | None] = set()
+            log.info("removed expired %s", transfer.path)
+        owners: dict[int | None, tuple[list[tuple[str, Transfer]], dict[str, Transfer]]] = {}
+        for key, transfer in self.deliveries.expired().items():  # off the books first
+            owners.setdefault(transfer.owner, ([], {}))[1][key] = transfer
         for key, transfer in list(self.deliveries.items()):
-            if transfer.owner in unanswered:
+            owners.setdefault(transfer.owner, ([], {}))[0].append((key, transfer))
+        for owner, (booked, ended) in owners.items():
+            if owner in self._sweeping:  # its last round still waits on its process
+                for key, transfer in ended.items():
+                    self.deliveries.keep(key, transfer)
                 continue
+            self._sweeping.add(owner)
+            spawn(self._sweep_owner(owner, booked, ended), f"delivery sweep of uid {owner}")
+
+    async def _sweep_owner(
+        self, owner: int | None, booked: list[tuple[str, Transfer]], ended: dict[str, Transfer]
+    ) -> None:
+        """One owner's deliveries: ``booked`` measured, and those grown past their room
+        removed with ``ended`` (expired). An owner whose process gives no answer
+        (stopped, killed) is asked nothing more this round: what is left stays booked,
+        tried again in a later one."""
+        try:
+            answered = True
             try:
-                transfer.written = int(
-                    await self._as_user(transfer.owner, folder_bytes, transfer.path)
-                )
+                for key, transfer in booked:
+                    if await self._overgrown(transfer):
+                        ended[key] = self.deliveries.pop(key)
             except UserProcessUnanswered as exc:
-                unanswered.add(transfer.owner)
-                log.warning("could not measure delivery %s: %s", transfer.path, exc)
-                continue
-            except (OSError, StagerError) as exc:
-                transfer.written = transfer.nbytes + 1  # unmeasurable: treated as overgrown
-                log.warning("could not measure delivery %s: %s", transfer.path, exc)
-            if transfer.written > transfer.nbytes and not transfer.claimed:
-                log.warning(
-                    "ending delivery %s: it holds %d bytes, past the %d reserved",
-                    transfer.path,
-                    transfer.written,
-                    transfer.nbytes,
-                )
-                deliveries[key] = self.deliveries.pop(key)
-        removed = []
-        for key, transfer in deliveries.items():
-            if transfer.owner not in unanswered:
-                try:
-                    await self._remove_delivery(transfer)
-                    removed.append(transfer.path)
-                    continue
-                except UserProcessUnanswered as exc:
-                    unanswered.add(transfer.owner)
-                    log.warning("could not remove delivery %s: %s", transfer.path, exc)
-            self.deliveries.keep(key, transfer)  # still booked: tried again next round
-        return [*(t.path for t in exports.values()), *removed]
+                answered = False
+                log.warning("could not measure a delivery of uid %s: %s", owner, exc)
+            for key, transfer in ended.items():
+                if answered:
+                    try:
+                        await self._remove_delivery(transfer)
+                        log.info("removed expired %s", transfer.path)
+                        continue
+                    except UserProcessUnanswered as exc:
+                        answered = False
+                        log.warning("could not remove delivery %s: %s", transfer.path, exc)
+                self.deliveries.keep(key, transfer)
+        except Exception:  # a task of its own: said here, and the next round tries again
+            log.exception("the sweep of uid %s's deliveries failed", owner)
+        finally:
+            self._sweeping.discard(owner)
+
+    async def _overgrown(self, transfer: Transfer) -> bool:
+        """Whether a delivery holds more than was reserved for it (measured as its owner;
+        one that cannot be measured counts as grown), and no staging reads it."""
+        try:
+            transfer.written = int(await self._as_user(transfer.owner, folder_bytes, transfer.path))
+        except UserProcessUnanswered:
+            raise
+        except (OSError, StagerError) as exc:
+            transfer.written = transfer.nbytes + 1
+            log.warning("could not measure delivery %s: %s", transfer.path, exc)
+        if transfer.written <= transfer.nbytes or transfer.claimed:
+            return False
+        log.warning(
+            "ending delivery %s: it holds %d bytes, past the %d reserved",
+            transfer.path,
+            transfer.written,
+            transfer.nbytes,
+        )
+        return True
 
     async def clear_deliveries(self) -> None:
         """At start: deliveries an earlier run left (nobody will adopt them now), each
-        deleted by its owner (the passage ``incoming/<uid>/`` names them). An owner
-        whose process gives no answer keeps theirs until the next start."""
-        root = self.settings.incoming_dir
-        for folder in await run_io(lambda: sorted(root.iterdir())):
-            if not self.settings.multi_user:
-                await run_io(remove_folder, folder)
-                continue
-            uid = int(folder.name) if folder.name.isdigit() else None
-            try:
-                for label in await run_io(lambda f=folder: sorted(f.iterdir())):
-                    await remove_delivery(self._as_user, uid, label)
-            except UserProcessUnanswered as exc:
-                log.warning("deliveries of uid %s left for the next start: %s", uid, exc)
-                continue
-            with contextlib.suppress(OSError):  # not empty: left for the next start
-                await run_io(folder.rmdir)
+        deleted by its owner (the passage ``incoming/<uid>/`` names them), every owner's
+        at once. An owner whose process gives no answer keeps theirs until the next
+        start."""
+        folders = await run_io(lambda: sorted(self.settings.incoming_dir.iterdir()))
+        await asyncio.gather(*(self._clear_owner(folder) for folder in folders))
+
+    async def _clear_owner(self, folder: Path) -> None:
+        if not self.settings.multi_user:
+            await run_io(remove_folder, folder)
+            return
+        uid = int(folder.name) if folder.name.isdigit() else None
+        try:
+            for label in await run_io(lambda: sorted(folder.iterdir())):
+                await remove_delivery(self._as_user, uid, label)
+        except UserProcessUnanswered as exc:
+            log.warning("deliveries of uid %s left for the next start: %s", uid, exc)
+            return
+        with contextlib.suppress(OSError):  # not empty: left for the next start
+            await run_io(folder.rmdir)
 
     async def _remove_delivery(self, transfer: Transfer) -> None:
         if self.settings.multi_user:

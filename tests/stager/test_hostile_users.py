@@ -552,6 +552,46 @@ def test_a_user_who_stops_their_own_process_stalls_nobody_else(
             big.kill()
 
 
+def test_a_user_who_stops_their_own_process_holds_back_nobody_elses_sweep(
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
+) -> None:
+    """The transfer sweep measures each delivery as its owner: with alice's process
+    stopped, her delivery's measure waits its whole timeout (20 s here), and bob's
+    delivery, grown past its reservation, is ended at the sweep's next round all the
+    same, each owner's deliveries swept beside the others'."""
+    alice, bob = users
+    env = {"STAGER_USER_PROCESS_TIMEOUT_S": "20", "STAGER_SWEEP_INTERVAL_S": "0.3"}
+    with node_service(shared_tmp / "cache-sweep", **env) as daemon:
+        alices = stopped_user_processes(alice, daemon, alice_home)
+        try:
+            code, answer = request(
+                alice, daemon, "POST", "/v1/incoming", {"label": "a", "bytes": 1}
+            )
+            assert code == 200, answer
+            # The sweep asks as her (another process of hers, maybe): stop that one too.
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:
+                for pid in descendants(daemon.process.pid):
+                    if pid not in alices and comm(pid) == USER_NAME:
+                        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                            if os.stat(f"/proc/{pid}").st_uid == alice.uid:
+                                os.kill(pid, signal.SIGSTOP)
+                                alices.append(pid)
+                time.sleep(0.02)
+            code, answer = request(bob, daemon, "POST", "/v1/incoming", {"label": "b", "bytes": 1})
+            assert code == 200, answer
+            grown = Path(answer["path"])
+            assert bob.run(["dd", "if=/dev/zero", f"of={grown / 'extra'}", "bs=1000", "count=50"])
+            deadline = time.monotonic() + 8
+            while grown.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not grown.exists(), "bob's grown delivery waited for alice's process"
+        finally:
+            for pid in alices:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+
 def test_a_user_process_killed_mid_call_fails_that_call_alone(
     users: tuple[User, User], shared_tmp: Path, alice_home: Path
 ) -> None:
