@@ -36,8 +36,10 @@ tree need not be measured again: a name is only ever created new (``O_EXCL``, a
 symlink, a link), never written into, so its size is fixed when it is made; what
 a new entry replaces is measured as it is removed and taken off again. The count
 is reported as it grows (a staging's write bound stops it there): per batch, and for
-a member streamed from a compressed archive per chunk, since its header may claim
-far more than the room left.
+a member streamed from a compressed tar or a zip per chunk as it lands (on the
+reading thread, or a pool thread), since its header may claim far more than the room
+left. What a member replaces is never taken off what was reported: removing a name
+frees nothing while a hard link holds its file, so the bound counts writes alone.
 
 With ``verify`` (the request's ``verify: sha256``) every file is read back
 after it is written and its SHA-256 compared with that of the member's bytes as
@@ -56,7 +58,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -208,22 +210,32 @@ def file_mode(mode: int | None) -> int:
 # -- on the pool: one batch of files -------------------------------------------------
 
 
-def write_files(jobs: list[_RangeJob | _FileJob], verify: str | None) -> tuple[int, int]:
+def write_files(
+    jobs: list[_RangeJob | _FileJob], verify: str | None, wrote: Wrote = _uncounted
+) -> tuple[int, int, int]:
     """One batch, in order, on a pool thread or process (or inline); returns its file
-    count and the bytes it left (made less replaced, see the module's docstring).
-    ``verify`` is the archive's label when files are read back."""
+    count, the bytes it left (made less replaced, see the module's docstring), and
+    those of them told to ``wrote`` as they landed (streamed members' chunks: on a
+    thread, a counter of the staging's own; a process has none). ``verify`` is the
+    archive's label when files are read back."""
     window = _Window(jobs)
     folder = _Folder()
-    made = 0
+    made = streamed = 0
+
+    def counted(nbytes: int) -> None:
+        nonlocal streamed
+        streamed += nbytes
+        wrote(nbytes)
+
     try:
         for job in jobs:
             if job.__class__ is tuple:
                 made += job[5] - _write_range(job, window, folder, verify)  # type: ignore[arg-type,index,operator]
             else:
-                made += write_file(job, verify)  # type: ignore[arg-type]
+                made += write_file(job, verify, counted)  # type: ignore[arg-type]
     finally:
         folder.close()
-    return len(jobs), made
+    return len(jobs), made, streamed if wrote is not _uncounted else 0
 
 
 class _Folder:
@@ -473,7 +485,7 @@ class ArchiveWriter:
         self._symlinks: dict[str, tuple[str, float]] = {}
         self._batch = _Batch(seq=0)
         # Batches handed to the pool and not yet reaped, and the names they write.
-        self._pending: dict[int, tuple[Future[tuple[int, int]], list[str]]] = {}
+        self._pending: dict[int, tuple[Future[tuple[int, int, int]], list[str]]] = {}
         self._in_flight: dict[str, int] = {}  # name -> seq of the batch writing it
         # Bounds memory held by queued batches (compressed archives pass bytes).
         self._slots = threading.BoundedSemaphore(2 * ctx.workers + 2)
@@ -484,6 +496,16 @@ class ArchiveWriter:
     @property
     def made(self) -> int:
         return self._made
+
+    def _report(self, nbytes: int) -> None:
+        """A streamed member's chunk, as it lands (any thread): the staging's write
+        bound stops a member far larger than the room mid-way, not after it."""
+        report_written(self._ctx.progress, nbytes)
+
+    def _counted(self, made: int, streamed: int) -> None:
+        """A batch's ``made`` bytes, of which ``streamed`` were reported already."""
+        self._made += streamed
+        self.made += made - streamed
 
     @made.setter
     def made(self, value: int) -> None:
@@ -614,15 +636,8 @@ class ArchiveWriter:
         self._claim(rel, rel, same_batch=not inline)
         job = _FileJob(self._path(rel), mode, mtime, payload)
         if inline:
-            streamed = 0
-
-            def wrote(nbytes: int) -> None:  # counted as it lands: the bound stops it mid-way
-                nonlocal streamed
-                streamed += nbytes
-                self.made += nbytes
-
-            left = write_file(job, self._verify, wrote)
-            self.made += left - streamed
+            _, made, streamed = write_files([job], self._verify, self._report)
+            self._counted(made, streamed)
             self._ctx.progress.advance(archive_bytes, 1)
         else:
             self._add(rel, job, archive_bytes, len(payload) if isinstance(payload, bytes) else 0)
@@ -665,18 +680,20 @@ class ArchiveWriter:
             for name in batch.names:
                 if self._in_flight.get(name) == batch.seq:
                     del self._in_flight[name]
-            files, made = write_files(batch.jobs, self._verify)
-            self.made += made
+            files, made, streamed = write_files(batch.jobs, self._verify, self._report)
+            self._counted(made, streamed)
             self._ctx.progress.advance(batch.share, files)
             return
         self._slots.acquire()
-        future = self._pool.submit(write_files, batch.jobs, self._verify)
+        # A thread reports a streamed member's chunks as they land (a process cannot).
+        wrote = self._report if isinstance(self._pool, ThreadPoolExecutor) else _uncounted
+        future = self._pool.submit(write_files, batch.jobs, self._verify, wrote)
         future.add_done_callback(functools.partial(self._batch_done, batch.share))
         self._pending[batch.seq] = (future, batch.names)
         if len(self._pending) > 16:
             self._reap(wait=False)
 
-    def _batch_done(self, share: int, future: Future[tuple[int, int]]) -> None:
+    def _batch_done(self, share: int, future: Future[tuple[int, int, int]]) -> None:
         self._slots.release()
         if not future.cancelled() and future.exception() is None:
             self._ctx.progress.advance(share, future.result()[0])
@@ -694,7 +711,8 @@ class ArchiveWriter:
             if not (future.done() or (wait and (upto is None or seq <= upto))):
                 continue
             # Re-raises a worker's error here, on the caller's thread.
-            self.made += future.result()[1]
+            _, made, streamed = future.result()
+            self._counted(made, streamed)
             del self._pending[seq]
             for name in names:
                 if self._in_flight.get(name) == seq:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import tarfile
 import time
+import zipfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -276,6 +277,17 @@ def _bomb_tar_gz(folder: Path, files: int, size: int) -> Path:
     return archive
 
 
+def _bomb_zip(folder: Path, size: int) -> Path:
+    """A zip of a few hundred KiB holding one member of ``size`` bytes of zeros: its
+    estimate is the archive's size (a zip's members are mostly stored)."""
+    archive = folder / "bomb.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
+        with zf.open("z000", "w", force_zip64=True) as member:
+            for _ in range(size >> 20):
+                member.write(bytes(1 << 20))
+    return archive
+
+
 class _Zeros(io.RawIOBase):
     """``size`` zero bytes, read without holding them."""
 
@@ -296,10 +308,10 @@ def test_a_source_that_makes_far_more_than_its_size_stops_at_the_disks_floor(
     daemon_factory, tmp_path: Path, tmpfs: Callable[[str], Path]
 ) -> None:
     """Admission lets a staging in by its estimate; a sparse member an image writes out,
-    or an archive whose trailer lies (its bytes in many files, or in one member far
-    larger than the room), then writes far more. The staging stops once it has
-    written the room the disk had above its floor, shared data or not (no quota applies),
-    not at a full disk, and what other entries hold stays."""
+    an archive whose trailer lies (its bytes in many files, or in one member far larger
+    than the room), or a zip of one such member, then writes far more. The staging
+    stops once it has written the room the disk had above its floor, shared data or
+    not (no quota applies), not at a full disk, and what other entries hold stays."""
     disk = tmpfs("64m")
     daemon = daemon_factory(cache_dir=disk / "cache", env={"STAGER_MIN_FREE_BYTES": "32M"})
     small = write_tree(tmp_path / "small", n_files=10)
@@ -309,6 +321,7 @@ def test_a_source_that_makes_far_more_than_its_size_stops_at_the_disks_floor(
         # Many files: each counted once written; one: counted as its chunks land.
         "files": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path, 200, 1 << 20))}]},
         "one": {"steps": [{"op": "extract", "src": str(_bomb_tar_gz(tmp_path, 1, 200 << 20))}]},
+        "zip": {"steps": [{"op": "extract", "src": str(_bomb_zip(tmp_path, 200 << 20))}]},
     }  # fmt: skip
     with daemon.client() as client:
         kept = ready(client, copy_body("kept", small))
