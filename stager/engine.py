@@ -905,25 +905,19 @@ class Engine:
     async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
         """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
         it: for a user's own data, their quota less what their other data and their
-        transfers hold ("quota"); for a shared adoption of a user's delivery, what it
-        declared (admitted as shared data) and past that their quota's room ("declared":
-        its parts are the job's until its manifest is checked at its end, and may hold
-        far more than declared); and whatever its data, the room the disk has above its
+        transfers hold ("quota"); and whatever its data, the room the disk has above its
         floor now, less what transfers were promised ("disk": a source that makes far
         more than its size said, shared or not, stops there, not at a full disk). What
         it writes is counted as it writes, not estimated."""
         held = await self.fanout.held()
         limits: list[tuple[int, WriteBound]] = []
-        owner, declared = cache.private_owner(entry), 0
-        bound: WriteBound = "quota"
-        if owner is None and (owner := self.fanout.delivery_owner(entry)) is not None:
-            declared, bound = entry.estimate_bytes, "declared"
+        owner = cache.private_owner(entry)
         if owner is not None and self.settings.user_quota_bytes:
             others = [
                 e for e in self.entries() if cache.private_owner(e) == owner and e is not entry
             ]
             used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
-            limits.append((declared + self.settings.user_quota_bytes - used, bound))
+            limits.append((self.settings.user_quota_bytes - used, "quota"))
         if self.settings.min_free_bytes:  # no floor: the disk's own end is the limit
             room = await self.admission.free_bytes(held) - self.settings.min_free_bytes
             limits.append((room, "disk"))

@@ -257,9 +257,7 @@ class Settings(BaseSettings):
         flag="user-quota",
         default_text="0: no limit",
         help="node service: bytes of data only its user may read that one user may hold, "
-        "e.g. 200G; data every user may read is shared and counts against nobody (an "
-        "adoption of another node's copy may write past what it declared only within its "
-        "asker's quota)",
+        "e.g. 200G; data every user may read is shared and counts against nobody",
     )
 
     # ---- timings ----

@@ -44,7 +44,7 @@ from stager.publish import Attempt, delete_tree, write_atomically
 from stager.rights.become import drop_capabilities
 
 # What sets a staging's written-bytes limit (past_bound words each).
-WriteBound = Literal["quota", "declared", "disk"]
+WriteBound = Literal["quota", "disk"]
 
 
 @dataclass
@@ -303,14 +303,7 @@ def _run_steps(
 
 def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:
     """A staging stopped once it had written ``written`` bytes, past what ``bound`` lets
-    it: its user's quota ("quota"), what an adoption declared and its asker's quota
-    ("declared"), or the room its disk had above the floor ("disk")."""
-    if bound == "declared":
-        return QuotaExceeded(
-            f"adoption stopped after writing {written} bytes, more than its delivery "
-            "declared and the room your quota on this node leaves: the parts delivered "
-            "hold more than the data they were sent for; stage from the source instead"
-        )
+    it: its user's quota ("quota"), or the room its disk had above the floor ("disk")."""
     if bound == "quota":
         return QuotaExceeded(
             f"staging stopped after writing {written} bytes, which with the data you hold "

@@ -283,11 +283,6 @@ class FanoutRoom:
         both take it from here."""
         return self._roots(adopting=entry.delivery is not None)
 
-    def delivery_owner(self, entry: Entry) -> int | None:
-        """Whose delivery the staging of ``entry`` reads (None: none, or the daemon's own)."""
-        transfer = self.deliveries.find(entry.delivery) if entry.delivery is not None else None
-        return transfer.owner if transfer is not None else None
-
     def staging_ends(self, entry: Entry) -> Path | None:
         """The folder of the delivery the staging of ``entry`` read, which has ended:
         read once, it goes (the registry removes it), whatever the outcome."""

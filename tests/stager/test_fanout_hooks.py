@@ -18,7 +18,6 @@ HOOKS = {
     "admitted",  # the request decided: its delivery claimed or released
     "staging_starts",  # where an adopting staging may read
     "staging_ends",  # the delivery it read, to be removed
-    "delivery_owner",  # whose delivery a staging reads (its write bound)
     "export",  # the next part of a dataset to send
     "source_files",  # a probe: what could be broadcast as it is
     "expire",  # the sweep: transfers past their time
