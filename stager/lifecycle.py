@@ -211,8 +211,7 @@ class Registry:
             if entry.state == State.READY and entry.image is not None:
                 await self._mount_again(entry)  # after a reboot, or a crash mid-way
                 continue
-            if entry.active and _not_resumable(entry) is not None:
-                await self._end_unresumable(entry)
+            if entry.active and await self._ended_unresumable(entry):
                 continue
             if entry.state == State.STAGING:
                 entry.move(State.QUEUED)  # interrupted: the same attempt resumes
@@ -520,9 +519,8 @@ class Registry:
     async def interrupt(self, entry: Entry) -> None:
         """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start;
         unless it fed a fan-out (``note_feeding``) or adopted a delivery: then it ends,
-        left to the next request (``_not_resumable``)."""
-        if _not_resumable(entry) is not None:
-            await self._end_unresumable(entry)
+        left to the next request (``_ended_unresumable``)."""
+        if await self._ended_unresumable(entry):
             return
         entry.move(State.QUEUED)
         await self._save(entry, Durable.QUEUED)
@@ -536,10 +534,28 @@ class Registry:
             entry.origin = {**(entry.origin or {}), "feeds": True}
             await self._save(entry, Durable.TOUCHED)
 
-    async def _end_unresumable(self, entry: Entry) -> None:
-        entry.move(State.FAILED, _not_resumable(entry))
+    async def _ended_unresumable(self, entry: Entry) -> bool:
+        """Whether a staging the daemon stopped was ended here, since it cannot resume
+        at the next start. Ended at once, not queued to fail later: a request that
+        joined a doomed resumption would share its failure, where after the end it
+        starts afresh. One that fed a fan-out is not resumed (its peers may hold the
+        data by now); an adoption whose steps are not all done cannot be (a restart
+        deletes deliveries), and one whose steps are done resumes to its publish."""
+        if _feeds_a_fan_out(entry):
+            why = FED_A_FAN_OUT
+        elif (entry.origin or {}).get("how") == "broadcast" and not await run_io(
+            self._steps_done, entry
+        ):
+            why = DELIVERY_LOST
+        else:
+            return False
+        entry.move(State.FAILED, why)
         await self._save(entry, Durable.ENDED)
         self.events.ended(entry)
+        return True
+
+    def _steps_done(self, entry: Entry) -> bool:
+        return entry.attempt is not None and self.attempt(entry).steps_done() == len(entry.steps)
 
     async def fail_unrecorded(self, entry: Entry, error: ErrorInfo) -> None:
         """The store itself failed: waiters must not hang on the entry; a restart retries it."""
@@ -639,14 +655,3 @@ def state_counts(entries: list[Entry]) -> dict[str, int]:
 
 def _feeds_a_fan_out(entry: Entry) -> bool:
     return bool((entry.origin or {}).get("feeds"))
-
-
-def _not_resumable(entry: Entry) -> ErrorInfo | None:
-    """Why a staging the daemon stopped cannot resume at its next start (None: it can).
-    Ended at once, not queued to fail later: a request that joined a doomed resumption
-    would share its failure, where after the end it starts afresh."""
-    if _feeds_a_fan_out(entry):
-        return FED_A_FAN_OUT
-    if (entry.origin or {}).get("how") == "broadcast":
-        return DELIVERY_LOST
-    return None

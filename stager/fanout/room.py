@@ -426,11 +426,14 @@ class FanoutRoom:
         removed with ``ended`` (expired). An owner whose process gives no answer
         (stopped, killed) is asked nothing more this round: what is left stays booked,
         tried again in a later one."""
+        removed: set[str] = set()
         try:
             answered = True
             try:
                 for key, transfer in booked:
-                    if await self._overgrown(transfer):
+                    # Released by its job meanwhile (then gone, and measured as grown):
+                    # no longer the sweep's.
+                    if await self._overgrown(transfer) and self.deliveries.find(key) is transfer:
                         ended[key] = self.deliveries.pop(key)
             except UserProcessUnanswered as exc:
                 answered = False
@@ -439,15 +442,18 @@ class FanoutRoom:
                 if answered:
                     try:
                         await self._remove_delivery(transfer)
+                        removed.add(key)
                         log.info("removed expired %s", transfer.path)
                         continue
                     except UserProcessUnanswered as exc:
                         answered = False
                         log.warning("could not remove delivery %s: %s", transfer.path, exc)
-                self.deliveries.keep(key, transfer)
         except Exception:  # a task of its own: said here, and the next round tries again
             log.exception("the sweep of uid %s's deliveries failed", owner)
         finally:
+            for key, transfer in ended.items():
+                if key not in removed:  # still booked: tried again in a later round
+                    self.deliveries.keep(key, transfer)
             self._sweeping.discard(owner)
 
     async def _overgrown(self, transfer: Transfer) -> bool:
@@ -476,7 +482,10 @@ class FanoutRoom:
         at once. An owner whose process gives no answer keeps theirs until the next
         start."""
         folders = await run_io(lambda: sorted(self.settings.incoming_dir.iterdir()))
-        await asyncio.gather(*(self._clear_owner(folder) for folder in folders))
+        cleared = [self._clear_owner(folder) for folder in folders]
+        for outcome in await asyncio.gather(*cleared, return_exceptions=True):
+            if isinstance(outcome, BaseException):  # raised once every owner's is done
+                raise outcome
 
     async def _clear_owner(self, folder: Path) -> None:
         if not self.settings.multi_user:

@@ -108,37 +108,47 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def damaged_broadcast(world: World) -> dict:
+    """The ``adopt`` field of a request for a broadcast of "ds" kept in
+    ``world.delivery`` with a byte of file data flipped in its middle part (reserved
+    under the label "bad")."""
+    return broadcast_of_ds(world, world.tmp / "sender", world.delivery, "bad", damaged=True)
+
+
+def broadcast_of_ds(
+    world: World, sender_cache: Path, delivery: Path, label: str, damaged: bool
+) -> dict:
     """Stage "ds" on another daemon (another node), pack it in parts as a fan-out does,
-    keep what a receiver gets in ``world.delivery`` (every part announced whole, the
-    manifest, the end file) with a byte of file data flipped in the middle part; the
-    ``adopt`` field of a request for that delivery (reserved under the label "bad")."""
-    sender = Daemon(cache_dir=world.tmp / "sender")
-    world.delivery.mkdir()
+    keep what a receiver gets in ``delivery`` (every part announced whole, the
+    manifest, the end file), ``damaged`` or not; the ``adopt`` field of a request for
+    that delivery (reserved under ``label``)."""
+    sender = Daemon(cache_dir=sender_cache)
+    delivery.mkdir()
     try:
         with sender.start().client() as client:
-            post(client, world.body("ds", world.tmp / "sender-links"))
+            post(client, world.body("ds", sender_cache.parent / "sender-links"))
             assert wait(client, "ds")["state"] == "ready"
-            ask = {"label": "bad", "part_bytes": 1 << 16}
+            ask = {"label": label, "part_bytes": 1 << 16}
             while True:
                 exported = client.post("/v1/datasets/ds/export", json=ask).json()
-                part = world.delivery / part_name(exported["part"])
+                part = delivery / part_name(exported["part"])
                 shutil.copy(exported["path"], part)
-                (world.delivery / (part_name(exported["part"]) + READY_SUFFIX)).touch()
+                (delivery / (part_name(exported["part"]) + READY_SUFFIX)).touch()
                 if exported["manifest"]:
                     break
-                ask = {"label": "bad", "part": exported["part"] + 1}
-            shutil.copy(exported["manifest"], world.delivery / MANIFEST_NAME)
+                ask = {"label": label, "part": exported["part"] + 1}
+            shutil.copy(exported["manifest"], delivery / MANIFEST_NAME)
     finally:
         sender.cleanup()
     assert exported["parts"] > 1, exported
     end = {"parts": exported["parts"], "manifest_sha256": exported["manifest_sha256"]}
-    (world.delivery / END_NAME).write_text(json.dumps(end))
-    middle = world.delivery / part_name(exported["parts"] // 2)
-    data = bytearray(middle.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # inside some file's data
-    middle.write_bytes(bytes(data))
+    (delivery / END_NAME).write_text(json.dumps(end))
+    if damaged:
+        middle = delivery / part_name(exported["parts"] // 2)
+        data = bytearray(middle.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # inside some file's data
+        middle.write_bytes(bytes(data))
     return {
-        "incoming": "bad",
+        "incoming": label,
         "origin_node": "node2",
         "origin_key": exported["key"],
         "bundle_bytes": exported["data_bytes"],
@@ -405,14 +415,17 @@ def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_pa
 
 
 @pytest.mark.xdist_group("crash-points-adopted")
-@pytest.mark.parametrize("point", ["named#1", "attempt-created#1@1"])
-def test_an_adoption_cut_by_a_crash_ends_at_the_restart(
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("point", ["named#1", "attempt-created#1@1", "image-built#1@1"])
+def test_an_adoption_cut_before_its_steps_are_done_ends_at_the_restart(
     world: World, tmp_path: Path, point: str
 ) -> None:
-    """A restart deletes deliveries, so an adoption it cut cannot resume: it is ended as
-    the daemon starts, with a sentence, and the same request asked right away stages
-    from its source. (Resumed, it failed later on a missing file, and a request that
-    joined it meanwhile shared that failure.)"""
+    """A restart deletes deliveries, so an adoption it cut before its steps were done
+    (an image's adoption writes no step marker: its one step is its build) cannot resume: it is
+    ended as the daemon starts, with a sentence, and the same request asked right away
+    stages from its source. (Resumed, it failed later on a missing file, and a request
+    that joined it meanwhile shared that failure.) One cut after its steps resumes to
+    its publish (``test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish``)."""
     delivery = tmp_path / "delivered.img"
     script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
     cache, links = tmp_path / "cache", tmp_path / "links"
@@ -426,14 +439,49 @@ def test_an_adoption_cut_by_a_crash_ends_at_the_restart(
     daemon = Daemon(cache_dir=cache)
     try:
         with daemon.start().client() as client:
+            check = Checker(daemon, world)
             status = client.get("/v1/datasets/img").json()
             assert status["state"] == "failed", f"{status}"
             assert status["error"]["type"] == "interrupted", f"{status}"
             assert "delivery" in status["error"]["message"], f"{status}"
             post(client, world.body("img", links))
-            status = Checker(daemon, world).settle(client, "img", "img")
+            status = check.settle(client, "img", "img")
             assert status is not None and status["state"] == "ready", f"{status}"
             assert status["origin"]["how"] == "staged", f"{status}"
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.xdist_group("crash-points-adopted")
+def test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish(
+    world: World, tmp_path: Path
+) -> None:
+    """An adoption killed once its one step is done (the tree checked against its
+    manifest, the step's marker written) needs its delivery no more: the restart
+    resumes it to its publish, ready and equal to its source, adopted."""
+    delivery = tmp_path / "whole"
+    adopt = broadcast_of_ds(world, tmp_path / "sender", delivery, "good", damaged=False)
+    body = {"name": "good", "steps": world.body("ds")["steps"], "adopt": adopt}
+    cache = tmp_path / "cache"
+    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "step-done#1@1"})
+    try:
+        with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
+            nbytes = sum(f.stat().st_size for f in delivery.iterdir())
+            reserved = client.post("/v1/incoming", json={"label": "good", "bytes": nbytes})
+            reserved.raise_for_status()
+            for delivered in delivery.iterdir():
+                shutil.copy(delivered, reserved.json()["path"])
+            post(client, body)
+            wait(client, "good")
+        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
+    finally:
+        crashing.cleanup(unmount=False)
+    daemon = Daemon(cache_dir=cache)
+    try:
+        with daemon.start().client() as client:
+            status = Checker(daemon, world).settle(client, "good", "ds")
+            assert status is not None and status["state"] == "ready", f"{status}"
+            assert status["origin"]["how"] == "broadcast", f"{status}"
     finally:
         daemon.cleanup()
 
