@@ -896,10 +896,16 @@ class Engine:
         if not entry.wants_image:
             return None
         trusted = tuple(str(d) for d in self.settings.trusted_image_dirs)
-        # An index image's blob is a second device: the kernel's mounts only.
-        index = self.settings.image_index and image_published.mount_kind() == "kernel"
+        # An index image's blob is a second device, and an embedded one's 512-byte
+        # blocks are read by the kernel alone (Linux 6.4+; Debian 12's erofsfuse cannot).
+        kernel = image_published.mount_kind() == "kernel"
+        index = self.settings.image_index and kernel
+        embed = not index and kernel and image_published.small_blocks_mount()
         return ImageJob(
-            cache.private_owner(entry), trusted if self.settings.multi_user else None, index
+            cache.private_owner(entry),
+            trusted if self.settings.multi_user else None,
+            index,
+            embed,
         )
 
     async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:

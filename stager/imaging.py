@@ -79,6 +79,9 @@ class ImageJob:
     top_owner: int | None = None
     trusted: tuple[str, ...] | None = None
     index: bool = False  # one plain tar and nothing else: an index image and its blob
+    # One plain tar and nothing else, not as an index image: the tar copied into the
+    # image whole, the metadata after it (stager.image.index, embedded): cp's speed.
+    embed: bool = False
 
 
 @dataclass(frozen=True)
@@ -340,9 +343,10 @@ class ImageStaging:
     # -- the build --
 
     def _indexable(self, inputs: list[Input]) -> bool:
-        """Whether the image is an index image: asked for, and its one input a plain
-        tar read in one piece (no tree beside it, no archives inside it)."""
-        if not self.image.index or len(inputs) != 1:
+        """Whether the image is an index image, its blob apart or embedded: asked for,
+        and its one input a plain tar read in one piece (no tree beside it, no archives
+        inside it)."""
+        if not (self.image.index or self.image.embed) or len(inputs) != 1:
             return False
         source = inputs[0]
         if not isinstance(source, TarInput) or source.nested or source.fd is None:
@@ -377,14 +381,15 @@ class ImageStaging:
             mode=0o400 if private else 0o444,
             top_owner=self.image.top_owner,
         )
-        if indexed:  # the blob is written as image.erofs.blob, before the image
+        if indexed:  # a blob apart is written as image.erofs.blob, before the image
             source = inputs[0]
             assert isinstance(source, TarInput)
             options.names = source.names
-            blob = str(made) + BLOB_SUFFIX
+            blob = str(made) + BLOB_SUFFIX if self.image.index else None
             building = str(made) + ".building"
             built = build_indexed(source.path, blob, building, options, source.fd).image
-            built.size += os.path.getsize(blob)
+            if blob is not None:
+                built.size += os.path.getsize(blob)
         else:
             built = build_from(inputs, str(made) + ".building", options)
         return built

@@ -168,11 +168,14 @@ def build_from(
     options: BuildOptions | None = None,
     blob: Blob | None = None,
     before_publish: Callable[[], None] = lambda: None,
+    opened: Callable[[str], None] = lambda partial: None,
 ) -> Built:
     """Build the image ``output`` from ``inputs``, in order (a name given twice: the
     last one wins, as in a tar appended to). With ``blob``, an index image: the files
     of the input read from ``blob.fd`` stay there (:class:`stager.image.erofs.Blob`);
-    ``before_publish`` runs once the image is whole, before its rename (the blob's)."""
+    ``opened`` is told the image's partial file once it is open (an embedded blob's
+    copy goes into it), and ``before_publish`` runs once the image is whole, before
+    its fsync and its rename (the blob's rename, or the end of its copy)."""
     options = options or BuildOptions()
     started = time.monotonic()
     partial = output + ".partial"
@@ -189,6 +192,7 @@ def build_from(
     )
     label = inputs[0].path if inputs else output
     try:
+        opened(partial)
         try:
             starting = getattr(options.progress, "starting", None)
             for source in inputs:
@@ -204,10 +208,10 @@ def build_from(
             raise unsafe(label, exc.path, exc.why) from exc
         except ImageConflict as exc:  # found at the end, when the folders are written
             raise refused(label, exc.path, exc.why) from exc
+        before_publish()
         os.fchmod(fd, options.mode)
         if options.sync:
             os.fsync(fd)
-        before_publish()
         os.rename(partial, output)
         if options.sync:
             sync_folder(os.path.dirname(os.path.abspath(output)))

@@ -85,20 +85,35 @@ _LINK_HOPS = 40
 _WRITEBACK_STEP = 16 << 20
 
 
+# Where an embedded blob's copy starts in its image: the first 4 KiB page after the
+# superblock's, so a page of a file maps to a page's span of the tar, as a blob's does.
+EMBEDDED_AT = 4096
+
+
 @dataclass(frozen=True)
 class Blob:
     """The file an index image's files are read from (a plain tar): the image holds
     only metadata, and each file's inode points at its content's blocks in the blob,
     mounted as the image's extra device (``device=``). The blob's blocks are mapped to
     the top of EROFS's 32-bit block space, so their address is known before the
-    image's own size is: 2 TiB in all, at 512-byte blocks."""
+    image's own size is: 2 TiB in all, at 512-byte blocks.
+
+    ``embedded``: the blob is copied into the image itself, at ``EMBEDDED_AT``, and the
+    metadata follows it: one file, mounted as any image (no extra device), at the
+    copy's speed all the same."""
 
     fd: int  # what the builder reads members from: file_range calls with it are mapped
     size: int
     tag: bytes = b"blob"  # the device slot's tag (the kernel reads it only without device=)
+    embedded: bool = False
+
+    def blocks(self, block: int) -> int:
+        return -(-self.size // block)
 
     def mapped_blkaddr(self, block: int) -> int:
-        blocks = -(-self.size // block)
+        if self.embedded:
+            return EMBEDDED_AT // block
+        blocks = self.blocks(block)
         # Kept on a 4 KiB boundary, so a page of a file maps to a page's span of the blob.
         mapped = ((1 << 32) - blocks) & ~(4096 // block - 1)
         if mapped <= 0:
@@ -165,8 +180,11 @@ class ErofsWriter:
         self._top = (top_owner, stat.S_IFDIR | top_mode)
         self._folders: list[_Folder] = [_Folder(0, b"", 0, build_time)]
         self._folder_ids: dict[str, int] = {"": 0}
-        # The blocks up to the device table's end hold the superblock and the root inode.
+        # The blocks up to the device table's end hold the superblock and the root inode;
+        # an embedded blob's copy comes next, then everything else.
         self._next_blk = -(-(_DEVT_SLOTOFF + 1) * _DEVT_SLOT.size // self.block)
+        if blob is not None and blob.embedded:
+            self._next_blk = self._mapped + blob.blocks(self.block)
         self._meta = bytearray(self.block)
         self._meta_blk = -1  # no metadata block open yet
         self._meta_used = self.block
@@ -560,17 +578,21 @@ class ErofsWriter:
         return "/".join(reversed(parts))
 
     def _write_super(self) -> None:
-        if self._next_blk > self._mapped and self._blob is not None:
+        device = self._blob is not None and not self._blob.embedded
+        if device and self._next_blk > self._mapped:
             raise ImageConflict("", "the index outgrew the space before its blob's blocks")
-        features, devices = (_FEATURE_DEVICE_TABLE, 1) if self._blob is not None else (0, 0)
+        if self._next_blk >= 1 << 32:
+            raise ImageConflict("", "the image is past EROFS's 2**32 blocks")
+        features, devices = (_FEATURE_DEVICE_TABLE, 1) if device else (0, 0)
         sb = _SUPER.pack(
             _MAGIC, 0, 0, self._blkszbits, 0, ROOT_NID, self._inodes, self.build_time, 0,
             self._next_blk, 0, 0, bytes(16), b"stager".ljust(16, b"\0"), features, 0,
             devices, _DEVT_SLOTOFF if devices else 0, 0, 0, 0, 0, 0, b"",
         )  # fmt: skip
         os.pwrite(self._fd, sb, _SUPER_OFFSET)
-        if self._blob is not None:
-            blocks = -(-self._blob.size // self.block)
+        if device:
+            assert self._blob is not None
+            blocks = self._blob.blocks(self.block)
             slot = _DEVT_SLOT.pack(self._blob.tag[:63], blocks, self._mapped, b"")
             os.pwrite(self._fd, slot, _DEVT_SLOTOFF * _DEVT_SLOT.size)
 

@@ -24,6 +24,13 @@ What the image holds is what :mod:`stager.image.build` makes of the same tar (th
 same member rules and names); what differs: members whose content does not start on
 a 512-byte block of the blob (none in a tar; the sparse members' data, which has
 holes) are copied into the image, which is then larger, nothing more.
+
+An *embedded* index image (``blob=None``) is one file: the tar is copied into the
+image itself, at 4 KiB (:data:`stager.image.erofs.EMBEDDED_AT`), on the copy's
+thread and into its own descriptor of the image file, while the metadata is written
+after it. It mounts as any image (the kernel's 512-byte blocks, Linux 6.4+; not
+through Debian 12's ``erofsfuse``), is sent and checked as one file, and holds the
+tar's headers besides the content (512 bytes a member).
 """
 
 from __future__ import annotations
@@ -42,15 +49,16 @@ from stager.fs.durable_names import sync_folder
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.writeback import start_writeback
 from stager.image.build import BuildOptions, Built, TarInput, build_from
-from stager.image.erofs import Blob
+from stager.image.erofs import EMBEDDED_AT, Blob
 
 
 @dataclass
 class Indexed:
-    """What an indexed build made: the image (``image.path``) and its blob."""
+    """What an indexed build made: the image (``image.path``) and its blob (None:
+    embedded in the image)."""
 
     image: Built
-    blob: str
+    blob: str | None
     blob_bytes: int
     copy_seconds: float  # the blob's copy, synced, from the start
 
@@ -67,15 +75,16 @@ def _identity(fd: int) -> tuple[int, ...]:
 
 def build_indexed(
     source: str,
-    blob: str,
+    blob: str | None,
     output: str,
     options: BuildOptions | None = None,
     fd: int | None = None,
 ) -> Indexed:
-    """Copy the plain tar ``source`` to ``blob`` and build the index image ``output``
-    of it, at once; both synced (unless ``options.sync`` is off), the blob renamed into
-    place before the image, the image last: its name says both are whole. ``fd``: the
-    source opened already (a staging's, through its gateway; the caller closes it)."""
+    """Copy the plain tar ``source`` to ``blob`` (None: into the image, embedded) and
+    build the index image ``output`` of it, at once; both synced (unless
+    ``options.sync`` is off), the blob renamed into place before the image, the image
+    last: its name says both are whole. ``fd``: the source opened already (a
+    staging's, through its gateway; the caller closes it)."""
     options = options or BuildOptions()
     src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
     try:
@@ -86,24 +95,41 @@ def build_indexed(
                 f"archive {source} is not a plain tar; an index image keeps a plain tar's "
                 "content in place: build an ordinary image of a compressed one"
             )
-        copy = _Copy(src, blob + ".partial", size, options.sync, options.mode)
-        copy.start()
+        if blob is None:  # into the image's partial file, once the build has opened it
+            copy = _Copy(src, "", size, options.sync, options.mode, at=EMBEDDED_AT)
+        else:
+            copy = _Copy(src, blob + ".partial", size, options.sync, options.mode)
+            copy.start()
         follow = _Following(copy, options, size)
+
+        def opened(partial: str) -> None:
+            if blob is None:
+                copy.path = partial
+                copy.start()
+
+        def before_publish() -> None:
+            _copied_whole(copy, src, before, source)
+            if blob is not None:
+                os.rename(blob + ".partial", blob)
+
         try:
-            tag = os.path.basename(blob).encode()
+            tag = os.path.basename(blob or output).encode()
             built = build_from(
                 [TarInput(source, options.names, fd=src)],
                 output,
                 dataclasses.replace(options, progress=follow, check=follow.check),
-                blob=Blob(src, size, tag),
-                before_publish=lambda: _publish_blob(copy, blob, src, before, source),
+                blob=Blob(src, size, tag, embedded=blob is None),
+                before_publish=before_publish,
+                opened=opened,
             )
         finally:
             copy.stop.set()  # a failed build stops the copy at its next chunk
-            copy.join()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(blob + ".partial")
-        if options.sync:
+            if copy.ident is not None:  # started (an embedded one only once opened)
+                copy.join()
+            if blob is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(blob + ".partial")
+        if options.sync and blob is not None:
             sync_folder(os.path.dirname(os.path.abspath(blob)))
     finally:
         if fd is None:
@@ -111,7 +137,8 @@ def build_indexed(
     return Indexed(built, blob, size, copy.seconds)
 
 
-def _publish_blob(copy: _Copy, blob: str, src: int, before: tuple[int, ...], source: str) -> None:
+def _copied_whole(copy: _Copy, src: int, before: tuple[int, ...], source: str) -> None:
+    """The copy ended whole, from a source that did not change meanwhile."""
     copy.join()
     if copy.error is not None:
         raise copy.error
@@ -120,7 +147,6 @@ def _publish_blob(copy: _Copy, blob: str, src: int, before: tuple[int, ...], sou
             f"archive {source} changed while it was copied into the cache; stage it again "
             "once nothing writes to it"
         )
-    os.rename(blob + ".partial", blob)
 
 
 # The copy's step: small enough that the headers are never far behind it (and that a
@@ -171,9 +197,15 @@ class _Copy(threading.Thread):
     """The blob's copy, in the kernel (``copy_file_range`` releases the GIL while it
     runs), synced: the other core's work while this one reads headers."""
 
-    def __init__(self, src: int, path: str, size: int, sync: bool, mode: int) -> None:
+    def __init__(
+        self, src: int, path: str, size: int, sync: bool, mode: int, at: int | None = None
+    ) -> None:
+        """``at``: copied into the existing file ``path`` from that offset on (an
+        embedded blob: the image's own file, whose fsync is the build's), else a new
+        file of its own, synced here."""
         super().__init__(name="blob-copy", daemon=True)
-        self._src, self._path, self._size, self._sync = src, path, size, sync
+        self.path, self._src, self._size, self._sync = path, src, size, sync
+        self._at = at
         self._mode = mode  # the image's: 0444, or 0400 for a private copy
         self.error: BaseException | None = None
         self.stop = threading.Event()
@@ -196,19 +228,24 @@ class _Copy(threading.Thread):
     def run(self) -> None:
         started = time.monotonic()
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-            fd = os.open(self._path, flags, self._mode)
+            if self._at is None:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                fd = os.open(self.path, flags, self._mode)
+            else:  # a descriptor of its own: the image's writer moves its own position
+                fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            base = self._at or 0
             try:
+                os.lseek(fd, base, os.SEEK_SET)
                 offset = 0
                 while offset < self._size and not self.stop.is_set():
                     done = copy_chunk(self._src, fd, offset, min(_CHUNK, self._size - offset))
                     if done == 0:
                         raise EOFError(f"the source ended at byte {offset} of {self._size}")
                     if self._sync:
-                        start_writeback(fd, offset, done)
+                        start_writeback(fd, base + offset, done)
                     offset += done
                     self._advanced(offset)
-                if self._sync:
+                if self._sync and self._at is None:
                     os.fsync(fd)
             finally:
                 os.close(fd)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,13 @@ def key_of(name: str) -> str:
 def mount_kind() -> str:
     """How this daemon mounts: the kernel as root, FUSE as a user."""
     return "kernel" if os.geteuid() == 0 else "fuse"
+
+
+def small_blocks_mount() -> bool:
+    """Whether this kernel mounts EROFS images of 512-byte blocks (Linux 6.4+): an
+    index image, or one with its tar embedded (stager.image.index)."""
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return found is not None and (int(found[1]), int(found[2])) >= (6, 4)
 
 
 def publish_image(made: Path, final: Path) -> None:

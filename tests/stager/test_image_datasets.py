@@ -17,6 +17,7 @@ import pytest
 
 from stager.image import mount as image_mount
 from stager.image.build import build_image
+from stager.image.erofs import EMBEDDED_AT
 from tests.daemon import Daemon, unmount_under
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
@@ -302,6 +303,42 @@ def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
         assert again.status_code == 202, again.text
         status = client.get("/v1/datasets/ds/wait", params={"timeout": TIMEOUT}).json()
         assert status["state"] == "ready" and digest(Path(status["path"]) / "train") == digest(tree)
+        gone = client.delete("/v1/datasets/ds")
+        assert gone.status_code == 200, gone.text
+    assert mounted(status["path"]) is None
+    assert list(data.iterdir()) == []
+
+
+def test_a_plain_tar_staged_as_an_image_carries_the_tar_inside_one_file(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, unmounts: None
+) -> None:
+    """By default a staging whose one input is a plain tar copies the tar into the image
+    whole (cp's speed) and writes only the metadata after it: one file, 512-byte blocks,
+    mounted as any image; a hit, a reboot and an eviction treat it as any image."""
+    tree = write_tree(tmp_path / "t", n_files=24, seed=5)
+    archive = make_tar(tree, tmp_path / "t.tar")
+    daemon = daemon_factory()
+    data = daemon.cache_dir / "data"
+    with daemon.client() as client:
+        status = ready(client, image_body(archive))
+        file = Path(status["image"]["file"])
+        with open(file, "rb") as image:
+            image.seek(EMBEDDED_AT)
+            assert image.read(archive.stat().st_size) == archive.read_bytes()
+        assert sorted(p.name for p in data.iterdir()) == sorted([status["key"], file.name])
+        assert status["size_bytes"] == file.stat().st_size
+        assert digest(Path(status["path"]) / "train") == digest(tree)
+        progress = status["progress"]
+        assert progress["bytes_done"] == progress["bytes_total"] == archive.stat().st_size
+        again = client.post("/v1/datasets", json=image_body(archive))
+        assert again.status_code == 200 and again.json()["origin"]["hit"] is True
+    daemon.kill()
+    daemon.stop()
+    image_mount.unmount(status["path"])  # a reboot
+    daemon.start()
+    with daemon.client() as client:
+        assert client.get("/v1/datasets/ds").json()["state"] == "ready"
+        assert digest(Path(status["path"]) / "train") == digest(tree)
         gone = client.delete("/v1/datasets/ds")
         assert gone.status_code == 200, gone.text
     assert mounted(status["path"]) is None

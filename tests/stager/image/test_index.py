@@ -1,6 +1,7 @@
 """Index images (a plain tar kept whole as the blob, an image of its metadata only)
 built from real archives, mounted by the kernel with the blob as the extra device, and
-read back entry by entry and byte by byte against GNU tar's extraction."""
+read back entry by entry and byte by byte against GNU tar's extraction; and the same
+with the tar embedded in the image (one file, mounted as any image): ``layout``."""
 
 from __future__ import annotations
 
@@ -14,15 +15,35 @@ from stager.archive.formats import sniff
 from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
 from stager.image import mount as image_mount
 from stager.image.build import BuildOptions
+from stager.image.erofs import EMBEDDED_AT
 from stager.image.index import SourceChanged, build_indexed
 from tests import tar_corpus
 from tests.stager.image.test_build import CASES, _odd_tree, built_alone
 
 
-def _indexed(archive: Path, tmp: Path, options: BuildOptions | None = None) -> tuple[Path, Path]:
+@pytest.fixture(params=["blob", "embedded"])
+def layout(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _indexed(
+    archive: Path, tmp: Path, options: BuildOptions | None = None, layout: str = "blob"
+) -> tuple[Path, Path | None]:
     image, blob = tmp / f"{archive.name}.erofs", tmp / f"{archive.name}.blob"
-    build_indexed(str(archive), str(blob), str(image), options)
-    return image, blob
+    embedded = layout == "embedded"
+    build_indexed(str(archive), None if embedded else str(blob), str(image), options)
+    return image, None if embedded else blob
+
+
+def _holds_the_tar(image: Path, blob: Path | None, archive: Path) -> None:
+    """The tar's bytes, whole: the blob, or the embedded copy in the image."""
+    data = archive.read_bytes()
+    if blob is not None:
+        assert blob.read_bytes() == data
+    else:
+        with open(image, "rb") as held:
+            held.seek(EMBEDDED_AT)
+            assert held.read(len(data)) == data
 
 
 def _plain(archive: Path) -> bool:
@@ -32,14 +53,14 @@ def _plain(archive: Path) -> bool:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_corpus_reads_back_as_gnu_tar_extracts_it(
-    name: str, tmp_path: Path, kernel_mount
+    name: str, tmp_path: Path, kernel_mount, layout: str
 ) -> None:
     case, archives = built_alone(name, tmp_path / "work")
     out = tmp_path / "out"
     out.mkdir()
     if not _plain(archives[0]):
         with pytest.raises(UnknownFormat, match="not a plain tar"):
-            _indexed(archives[0], out)
+            _indexed(archives[0], out, layout=layout)
         assert not list(out.iterdir())
         return
     reference = tmp_path / "reference"
@@ -49,12 +70,12 @@ def test_the_corpus_reads_back_as_gnu_tar_extracts_it(
         assert failed is not None
         errors = (UnsafeArchiveMember, UnknownFormat, CorruptArchive)
         with pytest.raises(errors, match=case.refusal):
-            _indexed(archives[0], out)
+            _indexed(archives[0], out, layout=layout)
         assert not list(out.iterdir()), "a refused build leaves neither image nor blob"
         return
     assert failed is None, failed
-    image, blob = _indexed(archives[0], out)
-    assert blob.read_bytes() == archives[0].read_bytes()
+    image, blob = _indexed(archives[0], out, layout=layout)
+    _holds_the_tar(image, blob, archives[0])
     mounted = kernel_mount(image, "file", blob)
     found, expected = tar_corpus.snapshot(mounted), tar_corpus.snapshot(reference)
     for rel, entry in expected.items():
@@ -64,7 +85,9 @@ def test_the_corpus_reads_back_as_gnu_tar_extracts_it(
 
 
 @pytest.mark.parametrize("fmt", ["gnu", "posix", "ustar"])
-def test_generated_trees_read_back_byte_for_byte(fmt: str, tmp_path: Path, kernel_mount) -> None:
+def test_generated_trees_read_back_byte_for_byte(
+    fmt: str, tmp_path: Path, kernel_mount, layout: str
+) -> None:
     tree = tmp_path / "src"
     if fmt == "ustar":  # ustar holds no long names
         tar_corpus.basic_tree(tree)
@@ -75,14 +98,17 @@ def test_generated_trees_read_back_byte_for_byte(fmt: str, tmp_path: Path, kerne
     reference = tmp_path / "reference"
     reference.mkdir()
     tar_corpus.gnu_tar("--no-same-owner", "-xf", archive, "-C", reference)
-    image, blob = _indexed(archive, tmp_path)
-    mounted = kernel_mount(image, "file", blob)
+    image, blob = _indexed(archive, tmp_path, layout=layout)
+    mounted = kernel_mount(image, "loop" if blob is None else "file", blob)
     assert tar_corpus.snapshot(mounted) == tar_corpus.snapshot(reference)
     # Metadata only: the content stays in the blob (a sparse member's would not).
-    assert os.path.getsize(image) < os.path.getsize(archive) // 4
+    size = os.path.getsize(image) - (
+        0 if blob is not None else EMBEDDED_AT + archive.stat().st_size
+    )
+    assert size < os.path.getsize(archive) // 4
 
 
-def test_edge_sizes_and_names_map_to_the_blob(tmp_path: Path, kernel_mount) -> None:
+def test_edge_sizes_and_names_map_to_the_blob(tmp_path: Path, kernel_mount, layout: str) -> None:
     write = tar_corpus._write  # noqa: SLF001 - the corpus's own writer
     tree = tmp_path / "src"
     for size in (0, 1, 511, 512, 513, 4095, 4096, 4097, 3 * 4096, 1_000_001):
@@ -93,7 +119,7 @@ def test_edge_sizes_and_names_map_to_the_blob(tmp_path: Path, kernel_mount) -> N
     tar_corpus._settle_dirs(tree)  # noqa: SLF001
     archive = tmp_path / "edges.tar"
     tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
-    image, blob = _indexed(archive, tmp_path)
+    image, blob = _indexed(archive, tmp_path, layout=layout)
     mounted = kernel_mount(image, "file", blob)
     assert tar_corpus.snapshot(mounted) == tar_corpus.snapshot(tree)
 
@@ -106,14 +132,14 @@ def test_a_compressed_tar_is_refused_with_what_to_do(tmp_path: Path) -> None:
         _indexed(archive, tmp_path / "src")
 
 
-def test_a_truncated_archive_fails_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_truncated_archive_fails_and_leaves_nothing(tmp_path: Path, layout: str) -> None:
     tree = tar_corpus.basic_tree(tmp_path / "src")
     archive = tmp_path / "cut.tar"
     tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
     with open(archive, "r+b") as cut:
         cut.truncate(os.path.getsize(archive) // 2)
     with pytest.raises(Exception, match="cut short|ended|corrupt"):
-        _indexed(archive, tmp_path)
+        _indexed(archive, tmp_path, layout=layout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.tar", "src"]
 
 
@@ -130,13 +156,13 @@ class _Toucher:
         os.utime(self.archive, (1, 1))
 
 
-def test_a_source_changed_meanwhile_fails_and_leaves_nothing(tmp_path: Path) -> None:
+def test_a_source_changed_meanwhile_fails_and_leaves_nothing(tmp_path: Path, layout: str) -> None:
     tree = tar_corpus.basic_tree(tmp_path / "src")
     archive = tmp_path / "a.tar"
     tar_corpus.gnu_tar("-cf", archive, "-C", tree, ".")
     options = BuildOptions(progress=_Toucher(archive))  # type: ignore[arg-type]
     with pytest.raises(SourceChanged, match="changed while it was copied"):
-        _indexed(archive, tmp_path, options)
+        _indexed(archive, tmp_path, options, layout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.tar", "src"]
 
 
