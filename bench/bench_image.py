@@ -277,6 +277,8 @@ def read_section(
     build_image(str(archive), str(image))
     index, blob = work / "read-index.erofs", work / "read-index.blob"
     build_indexed(str(archive), str(blob), str(index))
+    embedded = work / "read-embedded.erofs"  # the daemon's image of a plain tar
+    build_indexed(str(archive), None, str(embedded))
     squashfs = work / "read.sqfs"
     tools = shutil.which("sqfstar") and shutil.which("squashfuse_ll")
     fuse = with_fuse and tools and os.path.exists("/dev/fuse")
@@ -295,6 +297,8 @@ def read_section(
             for how in ("file", "loop"):
                 at = stack.enter_context(mounted(index, work / f"mnt-index-{how}", how, blob))
                 roots[f"kernel erofs index + blob ({how})"] = at / top
+            at = stack.enter_context(mounted(embedded, work / "mnt-embedded", "file"))
+            roots["kernel erofs, tar embedded (file)"] = at / top
             if fuse:
                 fused = stack.enter_context(mounted(squashfs, work / "mnt-sqfs", "fuse"))
                 roots["FUSE squashfuse_ll"] = fused / top
@@ -324,7 +328,7 @@ def read_section(
         print("\n(vs tree: the tree's time / this reader's; above 1 is faster than the tree)")
     finally:
         shutil.rmtree(tree, ignore_errors=True)
-        for path in (image, index, blob, squashfs):
+        for path in (image, index, blob, embedded, squashfs):
             path.unlink(missing_ok=True)
 
 
