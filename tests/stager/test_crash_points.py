@@ -429,13 +429,7 @@ def test_an_adoption_cut_before_its_steps_are_done_ends_at_the_restart(
     delivery = tmp_path / "delivered.img"
     script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
     cache, links = tmp_path / "cache", tmp_path / "links"
-    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
-    try:
-        with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
-            script(client, world, links)
-        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
-    finally:
-        crashing.cleanup(unmount=False)
+    crashed_at(point, cache, lambda client: script(client, world, links))
     daemon = Daemon(cache_dir=cache)
     try:
         with daemon.start().client() as client:
@@ -463,19 +457,17 @@ def test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish(
     adopt = broadcast_of_ds(world, tmp_path / "sender", delivery, "good", damaged=False)
     body = {"name": "good", "steps": world.body("ds")["steps"], "adopt": adopt}
     cache = tmp_path / "cache"
-    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": "step-done#1@1"})
-    try:
-        with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
-            nbytes = sum(f.stat().st_size for f in delivery.iterdir())
-            reserved = client.post("/v1/incoming", json={"label": "good", "bytes": nbytes})
-            reserved.raise_for_status()
-            for delivered in delivery.iterdir():
-                shutil.copy(delivered, reserved.json()["path"])
-            post(client, body)
-            wait(client, "good")
-        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
-    finally:
-        crashing.cleanup(unmount=False)
+
+    def adopt(client: httpx.Client) -> None:
+        nbytes = sum(f.stat().st_size for f in delivery.iterdir())
+        reserved = client.post("/v1/incoming", json={"label": "good", "bytes": nbytes})
+        reserved.raise_for_status()
+        for delivered in delivery.iterdir():
+            shutil.copy(delivered, reserved.json()["path"])
+        post(client, body)
+        wait(client, "good")
+
+    crashed_at("step-done#1@1", cache, adopt)
     daemon = Daemon(cache_dir=cache)
     try:
         with daemon.start().client() as client:
@@ -484,6 +476,18 @@ def test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish(
             assert status["origin"]["how"] == "broadcast", f"{status}"
     finally:
         daemon.cleanup()
+
+
+def crashed_at(point: str, cache: Path, run: Callable[[httpx.Client], None]) -> None:
+    """``run`` against a daemon on ``cache`` that dies (kill -9) right after ``point``;
+    what it left mounted stays, for the next daemon to find."""
+    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
+    try:
+        with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
+            run(client)
+        assert crashing.process.wait(timeout=TIMEOUT) == -9, "the daemon did not crash"
+    finally:
+        crashing.cleanup(unmount=False)
 
 
 def crash_and_follow_up(

@@ -290,13 +290,8 @@ def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
         assert digest(Path(status["path"]) / "train") == digest(tree)
         again = client.post("/v1/datasets", json=image_body(archive))
         assert again.status_code == 200 and again.json()["origin"]["hit"] is True
-    daemon.kill()
-    daemon.stop()
-    image_mount.unmount(status["path"])  # a reboot
-    daemon.start()
+    rebooted(daemon, status, tree)
     with daemon.client() as client:
-        assert client.get("/v1/datasets/ds").json()["state"] == "ready"
-        assert digest(Path(status["path"]) / "train") == digest(tree)
         # A changed blob (its ctime moves) is caught by the next hit: staged again.
         os.chmod(blob, 0o444)
         again = client.post("/v1/datasets", json=image_body(archive))
@@ -332,14 +327,21 @@ def test_a_plain_tar_staged_as_an_image_carries_the_tar_inside_one_file(
         assert progress["bytes_done"] == progress["bytes_total"] == archive.stat().st_size
         again = client.post("/v1/datasets", json=image_body(archive))
         assert again.status_code == 200 and again.json()["origin"]["hit"] is True
-    daemon.kill()
-    daemon.stop()
-    image_mount.unmount(status["path"])  # a reboot
-    daemon.start()
+    rebooted(daemon, status, tree)
     with daemon.client() as client:
-        assert client.get("/v1/datasets/ds").json()["state"] == "ready"
-        assert digest(Path(status["path"]) / "train") == digest(tree)
         gone = client.delete("/v1/datasets/ds")
         assert gone.status_code == 200, gone.text
     assert mounted(status["path"]) is None
     assert list(data.iterdir()) == []
+
+
+def rebooted(daemon: Daemon, status: dict, tree: Path) -> None:
+    """``daemon`` killed and its dataset's mount gone, as after a reboot; started again,
+    it has mounted the ready image again."""
+    daemon.kill()
+    daemon.stop()
+    image_mount.unmount(status["path"])
+    daemon.start()
+    with daemon.client() as client:
+        assert client.get(f"/v1/datasets/{status['name']}").json()["state"] == "ready"
+    assert digest(Path(status["path"]) / "train") == digest(tree)
