@@ -750,11 +750,7 @@ class Engine:
         """Now and then: transfers past their time or their room, removed as their owners
         (a loop of its own, each owner's sweep a task of its own: an owner whose process
         does not answer delays only their own deliveries' sweep)."""
-
-        async def expire() -> None:
-            await self.fanout.expire(self._spawn)
-
-        await self._every_sweep("transfer sweep", expire)
+        await self._every_sweep("transfer sweep", partial(self.fanout.expire, self._spawn))
 
     async def _sweep(self) -> None:
         """Now and then: drop leases of ended jobs, and shrink back under the capacity."""

@@ -227,15 +227,16 @@ def write_files(
         streamed += nbytes
         wrote(nbytes)
 
+    each = _uncounted if wrote is _uncounted else counted
     try:
         for job in jobs:
             if job.__class__ is tuple:
                 made += job[5] - _write_range(job, window, folder, verify)  # type: ignore[arg-type,index,operator]
             else:
-                made += write_file(job, verify, counted)  # type: ignore[arg-type]
+                made += write_file(job, verify, each)  # type: ignore[arg-type]
     finally:
         folder.close()
-    return len(jobs), made, streamed if wrote is not _uncounted else 0
+    return len(jobs), made, streamed
 
 
 class _Folder:

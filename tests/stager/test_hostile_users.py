@@ -501,12 +501,21 @@ def stopped_user_processes(user: User, daemon: Daemon, home: Path) -> list[int]:
     (home / "one").write_bytes(b"a file of theirs")
     code, answer = request(user, daemon, "POST", "/v1/datasets", copy("one", home / "one"))
     assert code in (200, 202), answer
-    theirs = [p for p in descendants(daemon.process.pid) if comm(p) == USER_NAME]
-    mine = [p for p in theirs if os.stat(f"/proc/{p}").st_uid == user.uid]
-    assert mine, theirs
+    mine = user_processes(user, daemon)
+    assert mine, "no process of theirs"
     for pid in mine:
         os.kill(pid, signal.SIGSTOP)
     return mine
+
+
+def user_processes(user: User, daemon: Daemon) -> list[int]:
+    """The service's processes that act as ``user`` now."""
+    found = []
+    for pid in descendants(daemon.process.pid):
+        with contextlib.suppress(FileNotFoundError):  # ended meanwhile
+            if comm(pid) == USER_NAME and os.stat(f"/proc/{pid}").st_uid == user.uid:
+                found.append(pid)
+    return found
 
 
 def posting(user: User, daemon: Daemon, data: list[str]) -> subprocess.Popen[str]:
@@ -571,17 +580,16 @@ def test_a_user_who_stops_their_own_process_holds_back_nobody_elses_sweep(
             # The sweep asks as her (another process of hers, maybe): stop that one too.
             deadline = time.monotonic() + 1.5
             while time.monotonic() < deadline:
-                for pid in descendants(daemon.process.pid):
-                    if pid not in alices and comm(pid) == USER_NAME:
-                        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                            if os.stat(f"/proc/{pid}").st_uid == alice.uid:
-                                os.kill(pid, signal.SIGSTOP)
-                                alices.append(pid)
+                for pid in set(user_processes(alice, daemon)) - set(alices):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                        alices.append(pid)
                 time.sleep(0.02)
             code, answer = request(bob, daemon, "POST", "/v1/incoming", {"label": "b", "bytes": 1})
             assert code == 200, answer
             grown = Path(answer["path"])
-            assert bob.run(["dd", "if=/dev/zero", f"of={grown / 'extra'}", "bs=1000", "count=50"])
+            dd = ["dd", "if=/dev/zero", f"of={grown / 'extra'}", "bs=1000", "count=50"]
+            assert bob.run(dd).returncode == 0
             deadline = time.monotonic() + 8
             while grown.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)

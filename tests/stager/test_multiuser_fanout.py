@@ -299,7 +299,8 @@ def test_a_users_reservations_count_against_their_quota(
         # What a user writes past a reservation ends it at the next sweep (measured as
         # them: the folder is theirs), and frees their quota again.
         tiny = Path(call(bob, node, "POST", "/v1/incoming", {"label": "t", "bytes": 1})["path"])
-        assert bob.run(["dd", "if=/dev/zero", f"of={tiny / 'extra'}", "bs=1000", "count=500"])
+        dd = ["dd", "if=/dev/zero", f"of={tiny / 'extra'}", "bs=1000", "count=500"]
+        assert bob.run(dd).returncode == 0
         deadline = time.monotonic() + 10
         while tiny.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
