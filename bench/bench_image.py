@@ -19,10 +19,13 @@ dropped before each run: root only). FUSE too where its tools are installed:
 12 has no FUSE reader of EROFS).
 
 Index images (``--sections index``, :mod:`stager.image.index`): the ``.tar`` copied
-whole as the blob while an image of its metadata is built, against ``cp`` and
-against the ordinary image, all three alternated, fsync'd or not; and the index
-image's reads (its mount with the blob as ``device=``, warm and cold) in the read
-sections.
+whole, as the blob beside the image or into the image itself (embedded, a plain tar's
+default), while an image of its metadata is built, against ``cp`` and against the
+ordinary image, all alternated, fsync'd or not; and the index image's reads (its
+mount with the blob as ``device=``, warm and cold) in the read sections. With
+``--reference-mkfs CMD`` (an erofs-utils 1.7+ ``mkfs.erofs``, which Debian 12 lacks),
+its ``--tar=i`` (the same index, written in C, the tar left where it is: no copy) is
+timed beside them.
 
 Eviction: a mounted million-file image unmounted and deleted, against ``rm -rf``
 of its tree once. Peak memory: the build's RSS (a ``stager image build`` process) at
@@ -38,6 +41,7 @@ import argparse
 import contextlib
 import os
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -76,6 +80,13 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=200_000,
         help="read through FUSE only in cases of at most this many files: squashfuse_ll "
         "reads a small file by decompressing its whole fragment block, minutes a pass at 1M",
+    )
+    parser.add_argument(
+        "--reference-mkfs",
+        default="",
+        help="the index section times this erofs-utils 1.7+ mkfs.erofs command's --tar=i "
+        "beside stager's (a command line: e.g. a newer release's binary run through its "
+        "own loader)",
     )
     return parser
 
@@ -120,20 +131,26 @@ def timed_build(source: Path, output: Path, sync: bool) -> Callable[[], float]:
     return run
 
 
-def timed_indexed(source: Path, blob: Path, output: Path, sync: bool) -> Callable[[], float]:
+def timed_indexed(source: Path, blob: Path | None, output: Path, sync: bool) -> Callable[[], float]:
+    """The index image of ``source``, its blob at ``blob`` (None: embedded in it)."""
+
     def run() -> float:
         output.unlink(missing_ok=True)
-        blob.unlink(missing_ok=True)
+        if blob is not None:
+            blob.unlink(missing_ok=True)
         start = time.perf_counter()
-        build_indexed(str(source), str(blob), str(output), BuildOptions(sync=sync))
+        into = str(blob) if blob is not None else None
+        build_indexed(str(source), into, str(output), BuildOptions(sync=sync))
         return time.perf_counter() - start
 
     return run
 
 
 def timed_command(
-    argv: list[str], output: Path, sync: bool, stdout: bool = False
+    argv: list[str], output: Path, sync: bool, stdout: bool = False, tail: tuple[str, ...] = ()
 ) -> Callable[[], float]:
+    """``argv OUTPUT *tail`` (or ``argv > OUTPUT``), timed."""
+
     def run() -> float:
         output.unlink(missing_ok=True)
         start = time.perf_counter()
@@ -141,7 +158,7 @@ def timed_command(
             with open(output, "wb") as out:
                 subprocess.run(argv, stdout=out, check=True)
         else:
-            subprocess.run([*argv, str(output)], check=True)
+            subprocess.run([*argv, str(output), *tail], check=True)
         if sync:
             _fsync_path(output)
         return time.perf_counter() - start
@@ -181,34 +198,44 @@ def ready_section(work: Path, archives: dict[str, Path], small: Path, repeat: in
     copy.unlink(missing_ok=True)
 
 
-def index_section(work: Path, archives: dict[str, Path], small: Path, repeat: int) -> None:
-    print("\n## Ready time: index image (blob copied + metadata image) vs cp, same disk\n")
+def index_section(
+    work: Path, archives: dict[str, Path], small: Path, repeat: int, reference: str
+) -> None:
+    print("\n## Ready time: index image (tar copied + metadata image) vs cp, same disk\n")
     print("| case | candidate | baseline | ratio (median; pairwise range) |")
     print("|---|---:|---:|---:|")
     out, blob, copy = work / "index.erofs", work / "index.blob", work / "copy.bin"
-    image = work / "bench.erofs"
+    image, embedded, made = work / "bench.erofs", work / "embedded.erofs", work / "mkfs.erofs"
     for label, source in (
         ("20k files 4-100 KB, .tar", archives["tar"]),
         (f"{_count(small)} files of 512 B, .tar", small),
     ):
         for sync in (False, True):
-            times = alternate(
-                {
-                    "index": timed_indexed(source, blob, out, sync),
-                    "image": timed_build(source, image, sync),
-                    "cp": timed_command(["cp", str(source)], copy, sync),
-                },
-                repeat,
-            )
+            candidates = {
+                "embedded": timed_indexed(source, None, embedded, sync),
+                "index": timed_indexed(source, blob, out, sync),
+                "image": timed_build(source, image, sync),
+                "cp": timed_command(["cp", str(source)], copy, sync),
+            }
+            if reference:  # mkfs.erofs OUTPUT TAR: the output first
+                argv = [*shlex.split(reference), "--quiet", "--tar=i"]
+                candidates["mkfs"] = timed_command(argv, made, sync, tail=(str(source),))
+            times = alternate(candidates, repeat)
             durable = " (durable: fsync)" if sync else ""
-            print(row(f"{label}: index vs cp{durable}", times, "index", "cp"))
-            print(row(f"{label}: image vs cp{durable}", times, "image", "cp"))
+            for name, what in (
+                ("embedded", "the tar embedded"),
+                ("index", "index, blob apart"),
+                ("image", "ordinary image"),
+                ("mkfs", "mkfs.erofs --tar=i (no copy)"),
+            ):
+                if name in times:
+                    print(row(f"{label}: {what} vs cp{durable}", times, name, "cp"))
             sys.stdout.flush()
         print(
             f"| {label}: index image's own size | {out.stat().st_size:,} B | "
             f"blob {blob.stat().st_size:,} B | |"
         )
-    for path in (out, blob, copy, image):
+    for path in (out, blob, copy, image, embedded, made):
         path.unlink(missing_ok=True)
 
 
@@ -413,7 +440,7 @@ def main(args: argparse.Namespace) -> int:
     if "ready" in sections:
         ready_section(work, archives, small, args.repeat)
     if "index" in sections:
-        index_section(work, archives, small, args.repeat)
+        index_section(work, archives, small, args.repeat, args.reference_mkfs)
     if "read-20k" in sections:
         read_section(work, "20,000 files of 4-100 KB", archives["tar"], "data", args.repeat, True)
     if "read-small" in sections:
