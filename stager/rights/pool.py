@@ -185,21 +185,38 @@ class UserProcesses:
         async with self._freed:
             self._busy[worker.identity.uid] -= 1
             if healthy and not self._closed:
-                loop = asyncio.get_running_loop()
-                worker.idle_since = loop.time()
-                worker.expiry = loop.call_later(self.idle_s, self._expire, worker)
-                self._idle.setdefault(worker.identity, []).append(worker)
+                self._keep_idle(worker)
             else:
                 self._discard(worker)
             self._freed.notify_all()
 
+    def _keep_idle(self, worker: _Agent) -> None:
+        """Keep ``worker`` for its identity's next call, for ``idle_s``. A user keeps as
+        many idle processes as they may run, under whatever groups: the same user under
+        another group (sg, newgrp) is another identity, whose processes would otherwise
+        pile up; the longest idle of theirs goes first."""
+        uid = worker.identity.uid
+        theirs = [w for identity, idle in self._idle.items() if identity.uid == uid for w in idle]
+        theirs.sort(key=lambda w: w.idle_since)
+        for oldest in theirs[: max(0, len(theirs) - self.per_user + 1)]:
+            self._drop_idle(oldest)
+        loop = asyncio.get_running_loop()
+        worker.idle_since = loop.time()
+        worker.expiry = loop.call_later(self.idle_s, self._expire, worker)
+        self._idle.setdefault(worker.identity, []).append(worker)
+
     def _expire(self, worker: _Agent) -> None:
-        idle = self._idle.get(worker.identity, [])
-        if worker in idle:
-            idle.remove(worker)
-            if not idle:
-                self._idle.pop(worker.identity, None)
-            self._discard(worker)
+        if worker in self._idle.get(worker.identity, []):
+            self._drop_idle(worker)
+
+    def _drop_idle(self, worker: _Agent) -> None:
+        idle = self._idle[worker.identity]
+        idle.remove(worker)
+        if not idle:
+            del self._idle[worker.identity]
+        if worker.expiry is not None:
+            worker.expiry.cancel()
+        self._discard(worker)
 
     def _discard(self, worker: _Agent) -> None:
         """Close the channel (the process exits at its next read) and end the process:

@@ -668,3 +668,45 @@ def test_a_users_share_of_processes_is_counted_per_uid_whatever_the_group(
             await processes.close()
 
     asyncio.run(scenario())
+
+
+def test_a_user_under_many_groups_keeps_no_more_idle_processes_than_one_share(
+    users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """Idle processes are kept per identity, for their next call; a user who calls under
+    one group after another (sg, newgrp) keeps at most their share of them (the most
+    recent), not a share per group, and another user's are not touched."""
+    alice, bob = users
+    folder = shared_tmp / "idle-share"
+    folder.mkdir(mode=0o777, exist_ok=True)
+    folder.chmod(0o777)
+
+    def ids(pid: int, field: str) -> int:  # the real id, from /proc/PID/status
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+        raise AssertionError(f"no {field} for {pid}")
+
+    def idle_of(uid: int) -> list[int]:
+        mine = [p for p in descendants(os.getpid()) if comm(p) == USER_NAME]
+        return [p for p in mine if ids(p, "Uid") == uid]
+
+    async def scenario() -> None:
+        processes = Processes(separate_users=True, users_per_user=2, users_idle_s=60)
+        await processes.start()
+        pool = processes.users
+        try:
+            await pool.call(Identity(bob.uid, bob.gid), folder_bytes, folder)
+            for gid in (alice.gid, bob.gid, 0, alice.gid + 1000):
+                await pool.call(Identity(alice.uid, gid), folder_bytes, folder)
+            await asyncio.sleep(0.5)  # what was dropped has been killed
+            kept = [pid for pid in pool.pids() if pid in idle_of(alice.uid)]
+            assert len(idle_of(alice.uid)) == 2, f"alice keeps {idle_of(alice.uid)}"
+            assert len(kept) == 2
+            gids = sorted(ids(pid, "Gid") for pid in kept)
+            assert gids == sorted((0, alice.gid + 1000)), f"not her latest groups: {gids}"
+            assert len(idle_of(bob.uid)) == 1, "bob's idle process went with alice's"
+        finally:
+            await processes.close()
+
+    asyncio.run(scenario())
