@@ -124,6 +124,7 @@ def check_steps(dumped_steps: list[dict[str, Any]], verify: str, settings: Setti
             # A relative src is inside the dataset (an earlier step's output), not a source.
             if isinstance(src, str) and src.startswith("/"):
                 check_allowed_root(src, settings)
+                check_not_around_cache(src, settings)
         ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
         return table.for_settings(settings).check(steps, ctx)
 
@@ -154,6 +155,21 @@ def check_allowed_root(source: str, settings: Settings) -> None:
         f"source {source} is outside the allowed source roots ({listed}); "
         "stage from one of them or ask the admin to add it to STAGER_ALLOWED_ROOTS"
     )
+
+
+def check_not_around_cache(source: str, settings: Settings) -> None:
+    """A source that holds the cache would be copied into itself, each pass deeper,
+    until a path is too long (as ``cp -r dir dir/sub`` would, had cp no check): refused
+    here, as GNU cp refuses to copy a folder into itself. Paths resolved, so a link to
+    such a folder is refused too."""
+    cache = settings.cache_dir.resolve()
+    real = Path(os.path.realpath(source))
+    if real == cache or real in cache.parents:
+        raise BadRequest(
+            f"source {source} holds the cache folder {cache}: staging it would copy the "
+            "cache into itself; stage a folder that does not hold the cache, or put the "
+            "cache elsewhere (STAGER_CACHE_DIR)"
+        )
 
 
 def check_link(link: str | None, settings: Settings) -> None:

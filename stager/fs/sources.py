@@ -100,6 +100,21 @@ def within(real: str | None, top: str) -> bool:
     return real is not None and (real == top or real.startswith(top.rstrip("/") + "/"))
 
 
+def refuse_holding(real: str, written: str, shown: str) -> None:
+    """A source folder at or above where a step writes (``written``: in the cache, or
+    in the dataset's own tree) would be copied into itself, a level deeper at each
+    pass, until a path is too long; refused, as ``cp -r`` refuses to copy a folder into
+    itself. ``real`` is the folder's real path (the walk's top, or where a link led),
+    ``shown`` names it."""
+    if within(written, real):
+        raise UnsafePath(
+            f"source {shown} holds {written}, where this step writes: staging it would "
+            "copy it into itself, a level deeper at each pass; stage a folder that does "
+            "not hold it (or fix the link that leads to one), or put the cache elsewhere "
+            "(STAGER_CACHE_DIR)"
+        )
+
+
 def fd_path(fd: int) -> str:
     """The kernel's current name for what ``fd`` opened, every link resolved."""
     real = os.readlink(f"/proc/self/fd/{fd}")

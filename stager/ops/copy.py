@@ -56,6 +56,7 @@ from stager.fs.sources import (
     open_child,
     open_path,
     open_top,
+    refuse_holding,
     refuse_special,
     require_source,
     within,
@@ -276,6 +277,11 @@ class _TreeCopy(Visitor):
         os.makedirs(self.dst, exist_ok=True)
         top = open_top(self.src, self.roots)
         self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
+        try:
+            refuse_holding(self.top_real, os.path.realpath(self.dst), self.src)
+        except BaseException:
+            os.close(top.fd)
+            raise
         self.workers = self._workers(mounts.on_network(self.top_real))
         try:
             self._enter(top, self.dst, "")
@@ -343,6 +349,7 @@ class _TreeCopy(Visitor):
             inner = os.path.relpath(str(target.real), self.top_real)
             _place_link(os.path.relpath(inner, out.rel or "."), where)
         elif stat.S_ISDIR(target.st.st_mode):
+            refuse_holding(str(target.real), os.path.realpath(self.dst), shown)
             child = enter_outside(target, shown, self.open_ids)
             if child is None:
                 make_dir(where)  # a cycle of links: walked once already

@@ -39,11 +39,13 @@ from stager.fs.sources import (
     Folder,
     Roots,
     Visitor,
+    fd_path,
     follow,
     leads_to_special,
     open_child,
     open_path,
     open_top,
+    refuse_holding,
     refuse_special,
     require_source,
     walk,
@@ -210,6 +212,7 @@ class _TreeLink(Visitor):
         top.path = self.source  # links name the user's path, not what it resolves to today
         self.dsts[top.fd] = self.dst_root
         try:
+            refuse_holding(fd_path(top.fd), os.path.realpath(self.dst_root), self.source)
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
             os.close(top.fd)

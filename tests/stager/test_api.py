@@ -241,6 +241,66 @@ def test_unreadable_source_and_existing_link_target_are_refused(
         assert response.status_code == 400 and "inside the cache" in response.text
 
 
+@pytest.mark.parametrize("kind", ["copy", "symlink", "image", "recipe", "the cache", "a link"])
+def test_a_source_that_holds_the_cache_is_refused_naming_it(
+    daemon: Daemon, tmp_path: Path, kind: str
+) -> None:
+    """A copy of a folder that holds the cache copied the cache into itself, deeper at
+    each pass, until an io_error named a path of 4,000 bytes: now a 400 before anything
+    is queued, naming the cache and the fix, whatever the op, a recipe's source, the
+    cache itself or a link to such a folder."""
+    write_tree(tmp_path / "data" / "cls", n_files=2)
+    src = daemon.cache_dir if kind == "the cache" else tmp_path
+    if kind == "a link":
+        src = tmp_path / "to-the-top"
+        src.symlink_to(tmp_path)
+    body: dict = {"name": "x", "steps": [{"op": "copy", "src": str(src)}]}
+    if kind == "symlink":
+        body["steps"] = [{"op": "symlink", "src": str(src)}]
+    elif kind == "image":
+        body["image"] = True
+    elif kind == "recipe":
+        body = {"name": "x", "recipe": "imagefolder", "source": str(src)}
+    with daemon.client() as client:
+        response = stage(client, body)
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert f"source {src} holds the cache folder {daemon.cache_dir.resolve()}" in message
+        assert "STAGER_CACHE_DIR" in message
+        assert client.get("/v1/datasets").json()["count"] == 0
+        # Beside the cache, not above it: staged.
+        ok = stage(client, {"name": "y", "steps": [{"op": "copy", "src": str(tmp_path / "data")}]})
+        assert ok.status_code in (200, 202), ok.text
+        ready = client.get("/v1/datasets/y/wait", params={"timeout": 30}).json()
+        assert ready["state"] == "ready", ready
+
+
+@pytest.mark.parametrize("kind", ["a link inside the source", "a copy into its own folder"])
+def test_a_step_that_would_copy_into_itself_fails_naming_the_source(
+    daemon: Daemon, tmp_path: Path, kind: str
+) -> None:
+    """What the request's check cannot see without walking the tree: a link deep in the
+    source that leads above the cache (followed, as a link out of the tree is), or an
+    earlier step's output copied into a folder of itself. The staging fails with the
+    sentence at the folder that holds where it writes, and nothing is ready."""
+    source = write_tree(tmp_path / "data" / "cls", n_files=2).parent
+    steps: list[dict] = [{"op": "copy", "src": str(source), "dst": "a"}]
+    if kind == "a link inside the source":
+        (source / "cls" / "up").symlink_to(tmp_path)
+        held = f"source {source}/cls/up holds"
+    else:
+        steps.append({"op": "copy", "src": "a", "dst": "a/again"})
+        held = "holds"
+    with daemon.client() as client:
+        response = stage(client, {"name": "x", "steps": steps})
+        assert response.status_code in (200, 202), response.text
+        status = client.get("/v1/datasets/x/wait", params={"timeout": 30}).json()
+    assert status["state"] == "failed", status
+    message = status["error"]["message"]
+    assert held in message and "where this step writes" in message, message
+    assert "copy it into itself" in message and len(message) < 1000, message
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file; permissions cannot fail")
 def test_unreadable_source_is_a_403(daemon: Daemon, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
