@@ -195,12 +195,13 @@ def build_from(
         opened(partial)
         try:
             starting = getattr(options.progress, "starting", None)
+            own = _own_files(fd, output)
             for source in inputs:
                 label = source.path
                 if starting is not None:
                     starting(source.path)
                 if isinstance(source, TreeInput):
-                    _TreeSource(source, writer, options).run()
+                    _TreeSource(source, writer, options, own).run()
                 else:
                     _TarSource(source, writer, options, output).run()
             size = writer.finish()
@@ -224,6 +225,19 @@ def build_from(
         os.close(fd)
     elapsed = time.monotonic() - started
     return Built(output, size, writer.files, writer.folders, writer.data_bytes, elapsed)
+
+
+def _own_files(fd: int, output: str) -> frozenset[tuple[int, int]]:
+    """The files a build makes beside its output (the partial image, open as ``fd``;
+    the spill), and an older image of the same name: a folder that holds the output
+    must not be packed with them (``mksquashfs`` leaves its output out the same way)."""
+    st = os.fstat(fd)
+    own = {(st.st_dev, st.st_ino)}
+    for path in (output + ".spill", output):
+        with contextlib.suppress(FileNotFoundError):
+            found = os.stat(path, follow_symlinks=False)
+            own.add((found.st_dev, found.st_ino))
+    return frozenset(own)
 
 
 def _split(rel: str) -> tuple[str, str]:
@@ -542,11 +556,18 @@ class _TreeSource(sources.Visitor):
     """A folder packed from a streaming walk of it: files, folders and links, never a
     list of the tree's files."""
 
-    def __init__(self, source: TreeInput, writer: ErofsWriter, options: BuildOptions) -> None:
+    def __init__(
+        self,
+        source: TreeInput,
+        writer: ErofsWriter,
+        options: BuildOptions,
+        own: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
         self.path = os.path.abspath(source.path)
         self.source = source
         self.writer = writer
         self.options = options
+        self.own = own  # the build's own files, left out (:func:`_own_files`)
         self.judge_root = self.path
         # Files with more than one name, by inode: later names become hard links, as
         # in the tree (only these are kept: few in a dataset).
@@ -580,6 +601,8 @@ class _TreeSource(sources.Visitor):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # swapped since the listing
                 raise sources.refuse_special(folder.join(entry.name), st.st_mode)
+            if (st.st_dev, st.st_ino) in self.own:
+                return
             parent, name = _split(self._rel(folder, entry.name))
             number = self.writer.folder(parent)
             first = self.linked.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None

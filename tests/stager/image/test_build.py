@@ -169,6 +169,30 @@ def test_a_tree_is_packed_from_its_listing(tmp_path: Path, kernel_mount: Mount) 
     assert tar_corpus.snapshot(mounted) == tar_corpus.snapshot(tree)
 
 
+def test_an_image_written_inside_the_folder_it_packs_leaves_itself_out(
+    tmp_path: Path, kernel_mount: Mount
+) -> None:
+    """``stager image build DIR -o DIR/x.erofs`` packed its own partial image and its
+    spill (5 files for 3); built again, it would pack the first image too. The build's
+    own files are left out by identity, as mksquashfs leaves its output out, whatever
+    the path that names them; the image holds exactly the tree."""
+    tree = tmp_path / "src"
+    for i in range(3):
+        (tree / "d").mkdir(parents=True, exist_ok=True)
+        (tree / "d" / f"{i}.txt").write_text(str(i))
+    (tmp_path / "alias").symlink_to(tree)  # the output named through a link
+    for output, files, replaced in (
+        (tree / "x.erofs", 3, ""),
+        (tree / "x.erofs", 3, "x.erofs"),  # the older image of that name: replaced
+        (tmp_path / "alias" / "d" / "y.erofs", 4, ""),  # x.erofs is data now
+    ):
+        expected = tar_corpus.snapshot(tree)
+        expected.pop(replaced, None)
+        built = build_image(str(tree), str(output))
+        assert built.files == files, f"{output}: {built.files} files"
+        assert tar_corpus.snapshot(kernel_mount(output)) == expected
+
+
 def test_every_file_is_read_only_and_roots_whatever_the_archive_says(
     tmp_path: Path, kernel_mount: Mount
 ) -> None:
