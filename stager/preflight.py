@@ -64,6 +64,9 @@ def look(
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
     with _request_paths():
+        for source in (getattr(step, "src", None) for step in steps):
+            if isinstance(source, str) and _absolute(source):  # before a deep fingerprint
+                check_not_around_cache(source, settings)  # walks the cache
         fingerprint = sources_fingerprint(steps, deep)
         shared = settings.multi_user and shareable(steps, settings)
     if shared:
@@ -124,7 +127,6 @@ def check_steps(dumped_steps: list[dict[str, Any]], verify: str, settings: Setti
             # A relative src is inside the dataset (an earlier step's output), not a source.
             if isinstance(src, str) and src.startswith("/"):
                 check_allowed_root(src, settings)
-                check_not_around_cache(src, settings)
         ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
         return table.for_settings(settings).check(steps, ctx)
 

@@ -241,7 +241,9 @@ def test_unreadable_source_and_existing_link_target_are_refused(
         assert response.status_code == 400 and "inside the cache" in response.text
 
 
-@pytest.mark.parametrize("kind", ["copy", "symlink", "image", "recipe", "the cache", "a link"])
+@pytest.mark.parametrize(
+    "kind", ["copy", "deep fingerprint", "symlink", "image", "recipe", "the cache", "a link"]
+)
 def test_a_source_that_holds_the_cache_is_refused_naming_it(
     daemon: Daemon, tmp_path: Path, kind: str
 ) -> None:
@@ -259,6 +261,8 @@ def test_a_source_that_holds_the_cache_is_refused_naming_it(
         body["steps"] = [{"op": "symlink", "src": str(src)}]
     elif kind == "image":
         body["image"] = True
+    elif kind == "deep fingerprint":  # refused before it walks the cache
+        body["fingerprint"] = "deep"
     elif kind == "recipe":
         body = {"name": "x", "recipe": "imagefolder", "source": str(src)}
     with daemon.client() as client:
