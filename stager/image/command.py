@@ -30,7 +30,9 @@ examples:
 
 The image is EROFS (docs/image-mode.md says why): every file 0444, every folder 0555,
 owned by root, names checked as an extraction checks them. It is written as
-FILE.partial and renamed when complete.
+FILE.partial and renamed when complete: the output names a file in an existing
+folder, never the source itself; a folder packed with its output inside leaves the
+image's own files out.
 """
 
 
@@ -105,6 +107,10 @@ def _build(args: argparse.Namespace) -> int:
     if not os.path.exists(source):
         print(f"stager: source {source} does not exist; check the path", file=sys.stderr)
         return EXIT_USAGE
+    wrong = _bad_output(source, str(args.output))
+    if wrong is not None:
+        print(f"stager: {wrong}", file=sys.stderr)
+        return EXIT_USAGE
     renames = []
     for pair in args.rename:
         old, sep, new = pair.partition("=")
@@ -126,6 +132,27 @@ def _build(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return EXIT_OK
+
+
+def _bad_output(source: str, output: str) -> str | None:
+    """What is wrong with ``output`` as the image file to write from ``source``: the image
+    is renamed onto it at the end, so it must not be a folder, nor the source itself
+    (the archive would be replaced by its image), and its folder must exist."""
+    if os.path.isdir(output):
+        example = f"{output.rstrip('/')}/NAME.erofs"
+        return f"output {output} is a folder; name the image file to write, e.g. {example}"
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        return (
+            f"the folder of output {output} ({folder}) does not exist; create it, or "
+            "choose another output"
+        )
+    if os.path.exists(output) and os.path.samefile(source, output):
+        return (
+            f"output {output} is the source itself: the image would replace it; choose "
+            "another file name for the image"
+        )
+    return None
 
 
 def _mount(args: argparse.Namespace) -> int:

@@ -48,6 +48,34 @@ def test_a_bad_source_or_rename_is_a_usage_error(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "is not OLD=NEW" in bad.stderr
 
 
+def test_an_output_that_is_a_folder_the_source_or_nowhere_is_a_usage_error(
+    tmp_path: Path,
+) -> None:
+    """The image is renamed onto the output at the end: built onto its own source tar
+    (through any name of it) it replaced the archive with its image; onto a folder, or
+    into a folder that does not exist, it failed after the whole build naming a
+    ``.partial`` path. Each is refused first, the source left as it was."""
+    tree = tar_corpus.basic_tree(tmp_path / "src" / "train")
+    archive = tmp_path / "train.tar"
+    tar_corpus.gnu_tar("-cf", archive, "-C", tree.parent, "train")
+    before = archive.read_bytes()
+    (tmp_path / "same.tar").hardlink_to(archive)
+    cases = [
+        (archive, archive, "is the source itself"),
+        (archive, tmp_path / "same.tar", "is the source itself"),
+        (archive, tmp_path / "out", "is a folder"),
+        (tree, tree, "is a folder"),
+        (archive, tmp_path / "none" / "x.erofs", "does not exist"),
+    ]
+    (tmp_path / "out").mkdir()
+    for source, output, words in cases:
+        done = _stager("build", str(source), "-o", str(output))
+        assert done.returncode == 2 and words in done.stderr, (output, done.stderr)
+        assert f"output {output}" in done.stderr and "Traceback" not in done.stderr
+        assert archive.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "same.tar", "src", "train.tar"]
+
+
 def test_an_unsafe_archive_fails_with_one_sentence(tmp_path: Path) -> None:
     archive = tmp_path / "evil.tar"
     tar_corpus.gnu_tar("-cf", archive, "-C", "/", "--absolute-names", "/etc/hostname")
