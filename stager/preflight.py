@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 
@@ -65,8 +65,8 @@ def look(
     steps = table.for_settings(settings).validate_steps(dumped_steps)
     with _request_paths():
         for source in (getattr(step, "src", None) for step in steps):
-            if isinstance(source, str) and _absolute(source):  # before a deep fingerprint
-                check_not_around_cache(source, settings)  # walks the cache
+            if _absolute(source):  # before a deep fingerprint would walk the cache
+                check_not_around_cache(source, settings)
         fingerprint = sources_fingerprint(steps, deep)
         shared = settings.multi_user and shareable(steps, settings)
     if shared:
@@ -142,7 +142,7 @@ def shareable(steps: list[Any], settings: Settings) -> bool:
     return all(path_readable_by_everyone(s) for s in sources)
 
 
-def _absolute(src: object) -> bool:
+def _absolute(src: object) -> TypeGuard[str]:
     return isinstance(src, str) and src.startswith("/")
 
 
@@ -165,8 +165,7 @@ def check_not_around_cache(source: str, settings: Settings) -> None:
     here, as GNU cp refuses to copy a folder into itself. Paths resolved, so a link to
     such a folder is refused too."""
     cache = settings.cache_dir.resolve()
-    real = Path(os.path.realpath(source))
-    if real == cache or real in cache.parents:
+    if within(str(cache), os.path.realpath(source)):
         raise BadRequest(
             f"source {source} holds the cache folder {cache}: staging it would copy the "
             "cache into itself; stage a folder that does not hold the cache, or put the "

@@ -178,12 +178,12 @@ def build_from(
     its fsync and its rename (the blob's rename, or the end of its copy)."""
     options = options or BuildOptions()
     started = time.monotonic()
-    partial = output + ".partial"
+    partial, spill = output + ".partial", output + ".spill"
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     top = (options.top_owner, 0o500) if options.top_owner is not None else (0, 0o555)
     writer = ErofsWriter(
         fd,
-        output + ".spill",
+        spill,
         options.build_time,
         top_owner=top[0],
         top_mode=top[1],
@@ -195,7 +195,7 @@ def build_from(
         opened(partial)
         try:
             starting = getattr(options.progress, "starting", None)
-            own = _own_files(fd, output)
+            own = _own_files(fd, spill, output)
             for source in inputs:
                 label = source.path
                 if starting is not None:
@@ -227,13 +227,13 @@ def build_from(
     return Built(output, size, writer.files, writer.folders, writer.data_bytes, elapsed)
 
 
-def _own_files(fd: int, output: str) -> frozenset[tuple[int, int]]:
+def _own_files(fd: int, spill: str, output: str) -> frozenset[tuple[int, int]]:
     """The files a build makes beside its output (the partial image, open as ``fd``;
-    the spill), and an older image of the same name: a folder that holds the output
+    the ``spill``), and an older image of the same name: a folder that holds the output
     must not be packed with them (``mksquashfs`` leaves its output out the same way)."""
     st = os.fstat(fd)
     own = {(st.st_dev, st.st_ino)}
-    for path in (output + ".spill", output):
+    for path in (spill, output):
         with contextlib.suppress(FileNotFoundError):
             found = os.stat(path, follow_symlinks=False)
             own.add((found.st_dev, found.st_ino))

@@ -266,6 +266,7 @@ class _TreeCopy(Visitor):
         self.outs: dict[int, _Out] = {}  # by folder descriptor: the folders being walked
         self.open_ids: set[tuple[int, int]] = set()
         self.top_real = ""
+        self.dst_real = ""  # where it writes, resolved: no source folder may hold it
         self.workers: forked.Workers  # once the source is open: run()
         self.batch_files = BATCH_FILES
         # The chunk being filled: its groups, the folders they belong to, its size.
@@ -275,15 +276,12 @@ class _TreeCopy(Visitor):
 
     def run(self) -> int:
         os.makedirs(self.dst, exist_ok=True)
+        self.dst_real = os.path.realpath(self.dst)
         top = open_top(self.src, self.roots)
-        self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
         try:
-            refuse_holding(self.top_real, os.path.realpath(self.dst), self.src)
-        except BaseException:
-            os.close(top.fd)
-            raise
-        self.workers = self._workers(mounts.on_network(self.top_real))
-        try:
+            self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
+            refuse_holding(self.top_real, self.dst_real, self.src)
+            self.workers = self._workers(mounts.on_network(self.top_real))
             self._enter(top, self.dst, "")
             self.workers.walk(top, self, self.policy, flush=self._submit)
         finally:
@@ -349,7 +347,7 @@ class _TreeCopy(Visitor):
             inner = os.path.relpath(str(target.real), self.top_real)
             _place_link(os.path.relpath(inner, out.rel or "."), where)
         elif stat.S_ISDIR(target.st.st_mode):
-            refuse_holding(str(target.real), os.path.realpath(self.dst), shown)
+            refuse_holding(str(target.real), self.dst_real, shown)
             child = enter_outside(target, shown, self.open_ids)
             if child is None:
                 make_dir(where)  # a cycle of links: walked once already

@@ -700,8 +700,9 @@ def test_a_user_under_many_groups_keeps_no_more_idle_processes_than_one_share(
             for gid in (alice.gid, bob.gid, 0, alice.gid + 1000):
                 await pool.call(Identity(alice.uid, gid), folder_bytes, folder)
             await asyncio.sleep(0.5)  # what was dropped has been killed
-            kept = [pid for pid in pool.pids() if pid in idle_of(alice.uid)]
-            assert len(idle_of(alice.uid)) == 2, f"alice keeps {idle_of(alice.uid)}"
+            hers = idle_of(alice.uid)
+            kept = [pid for pid in pool.pids() if pid in hers]
+            assert len(hers) == 2, f"alice keeps {hers}"
             assert len(kept) == 2
             gids = sorted(ids(pid, "Gid") for pid in kept)
             assert gids == sorted((0, alice.gid + 1000)), f"not her latest groups: {gids}"
