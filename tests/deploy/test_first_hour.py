@@ -35,9 +35,11 @@ class Shell:
             "STAGER_URL": f"unix://{run}/stager.sock",
         }
 
-    def __call__(self, *argv: str, ok: bool = True, **env: str) -> subprocess.CompletedProcess:
+    def __call__(
+        self, *argv: str, ok: bool = True, cwd: Path = REPO, **env: str
+    ) -> subprocess.CompletedProcess:
         done = subprocess.run(argv, env={**self.env, **env}, capture_output=True, text=True,
-                              timeout=300, cwd=REPO)  # fmt: skip
+                              timeout=300, cwd=cwd)  # fmt: skip
         assert "Traceback" not in done.stderr, done.stderr
         if ok:
             assert done.returncode == 0, f"{argv}: {done.stderr[-2000:]}"
@@ -133,3 +135,43 @@ def test_the_first_hour(places) -> None:
     assert "(limit 9.3 GiB)" in text
     assert (run / "stager.log.1").exists()  # the researcher's run, kept by the rotation
     assert "dataset 'inat' of" in (run / "stager.log.1").read_text()
+
+
+def a_small_archive(home: Path, name: str) -> str:
+    """A --step that extracts a new one-file archive: staging it needs the fork server."""
+    (home / name).mkdir()
+    (home / name / "a.jpg").write_bytes(b"jpeg")
+    with tarfile.open(home / f"{name}.tar.gz", "w:gz") as archive:
+        archive.add(home / name, arcname="imgs")
+    return json.dumps({"op": "extract", "src": str(home / f"{name}.tar.gz")})
+
+
+def test_the_daemon_starts_in_a_folder_holding_modules_named_as_its_own(places) -> None:
+    """The parent of a clone holds stager/; a user's folder may hold anything. The
+    daemon started there (--detach, or in the foreground, with its fork server) must
+    read none of it: each decoy fails its import."""
+    home, run = places
+    sh = Shell(home, run)
+    folder = home / "src"
+    for name in ("stager", "multiprocessing", "uvicorn", "fastapi"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(f"raise ImportError('the decoy {name}')\n")
+    started = sh("stager", "serve", "--detach", cwd=folder)
+    assert "stager started" in started.stdout
+    step = a_small_archive(home, "one")
+    staged = sh("stager-client", "stage", "one", "--wait", "--step", step, cwd=folder)
+    assert (Path(staged.stdout.strip()) / "imgs" / "a.jpg").read_bytes() == b"jpeg"
+    sh("stager", "stop", cwd=folder)
+
+    foreground = subprocess.Popen(
+        [str(BIN / "stager"), "serve"], env=sh.env, cwd=folder, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        step = a_small_archive(home, "two")
+        staged = sh("stager-client", "stage", "two", "--wait", "--step", step, cwd=folder)
+        assert (Path(staged.stdout.strip()) / "imgs" / "a.jpg").read_bytes() == b"jpeg"
+    finally:
+        foreground.terminate()
+        out, _ = foreground.communicate(timeout=60)
+    assert "decoy" not in out, out
