@@ -114,6 +114,7 @@ def test_the_first_hour(places) -> None:
     assert not (run / "stager.sock").exists()
 
     # ---- an admin: settings by the environment, the API's document, metrics, the log ---
+    (home / "ok").mkdir()
     admin = {"STAGER_CAPACITY_BYTES": "10G", "STAGER_ALLOWED_ROOTS": f"{shared},{home / 'ok'}"}
     assert "STAGER_CAPACITY_BYTES" in sh("stager", "serve", "--help").stdout
     sh("stager", "serve", "--detach", **admin)
@@ -175,3 +176,26 @@ def test_the_daemon_starts_in_a_folder_holding_modules_named_as_its_own(places) 
         foreground.terminate()
         out, _ = foreground.communicate(timeout=60)
     assert "decoy" not in out, out
+
+
+def test_a_relative_cache_folder_or_an_allowed_root_that_is_not_there_is_refused(places) -> None:
+    """Both were taken silently: the first named another folder for a daemon started
+    elsewhere, the second refused every source, and only at the first request."""
+    home, run = places
+    sh = Shell(home, run)
+    relative = sh("stager", "serve", "--detach", "--cache-dir", "cache", ok=False, cwd=home)
+    assert relative.returncode == 2
+    assert relative.stderr == (
+        f"stager: --cache-dir: cache is a relative path; give an absolute one (e.g. {home}/cache)\n"
+    )
+    by_env = sh("stager", "serve", "--detach", ok=False, STAGER_CACHE_DIR="cache")
+    assert by_env.returncode == 2 and "STAGER_CACHE_DIR" in by_env.stderr
+    nowhere = sh("stager", "serve", "--detach", ok=False,
+                 STAGER_ALLOWED_ROOTS=f"{home},{home / 'nope'}")  # fmt: skip
+    assert nowhere.returncode == 2
+    assert f"STAGER_ALLOWED_ROOTS '{home},{home}/nope': {home}/nope is not a folder" in (
+        nowhere.stderr
+    )
+    flag = sh("stager", "serve", "--detach", "--allowed-root", "data", ok=False)
+    assert flag.returncode == 2 and "--allowed-roots: data is a relative path" in flag.stderr
+    assert not (run / "stager.sock").exists()
