@@ -199,3 +199,28 @@ def test_a_relative_cache_folder_or_an_allowed_root_that_is_not_there_is_refused
     flag = sh("stager", "serve", "--detach", "--allowed-root", "data", ok=False)
     assert flag.returncode == 2 and "--allowed-roots: data is a relative path" in flag.stderr
     assert not (run / "stager.sock").exists()
+
+
+def test_the_trainer_without_torch_answers_help_and_names_the_fix(tmp_path: Path) -> None:
+    """The node service's venv has stager and not the `train` extra: --help answered, a
+    run one sentence, no traceback. A venv of the bare interpreter, this checkout in it."""
+    venv = tmp_path / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (site / "checkout.pth").write_text(f"{REPO}\n")
+    python = str(venv / "bin" / "python")
+    assert subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 1
+
+    def train(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([python, "-m", "trainer", *argv], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120)  # fmt: skip
+
+    for argv in (["--help"], ["find-lr", "--help"], ["shard", "--help"]):
+        shown = train(*argv)
+        assert shown.returncode == 0 and shown.stdout.startswith("usage: stager-train"), shown
+    for argv in (["--dataset", "fake"], ["exit-status", "--output-dir", str(tmp_path)]):
+        run = train(*argv)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert run.stderr.count("\n") == 1 and "pip install 'stager[train]'" in run.stderr
+        assert f"the trainer needs torch, which {python} cannot import" in run.stderr
