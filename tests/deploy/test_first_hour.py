@@ -224,3 +224,34 @@ def test_the_trainer_without_torch_answers_help_and_names_the_fix(tmp_path: Path
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
         assert run.stderr.count("\n") == 1 and "pip install 'stager[train]'" in run.stderr
         assert f"the trainer needs torch, which {python} cannot import" in run.stderr
+
+
+def test_stop_without_a_folder_names_the_daemon_that_runs_elsewhere(places) -> None:
+    """`stager serve --runtime-dir X` then a plain `stager stop` said no daemon runs and
+    exited 0: it names the one that runs, with the flag that stops it, and fails."""
+    home, run = places
+    sh = Shell(home, run)
+    elsewhere = Path(tempfile.mkdtemp(prefix="stg-"))
+    try:
+        sh("stager", "serve", "--detach", "--runtime-dir", str(elsewhere))
+        plain = {**sh.env, "XDG_RUNTIME_DIR": str(home)}  # its default folder: an empty one
+        del plain["STAGER_RUNTIME_DIR"]
+        stop = subprocess.run([str(BIN / "stager"), "stop"], env=plain, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert stop.returncode == 1, stop
+        assert stop.stderr.startswith(
+            f"stager: no stager daemon runs for the runtime folder {home}/stager-{os.getuid()};"
+        )
+        assert (
+            f"yours runs on {elsewhere}/stager.sock (pid "
+            f"{(elsewhere / 'stager.pid').read_text().strip()}): stop it with "
+            f"`stager stop --runtime-dir {elsewhere}`" in stop.stderr
+        )
+        assert "stager stopped" in sh("stager", "stop", "--runtime-dir", str(elsewhere)).stdout
+        # A folder named, and nothing runs there: nothing to do, as before.
+        again = sh("stager", "stop", "--runtime-dir", str(elsewhere))
+        assert again.stdout == f"no stager daemon running for {elsewhere}\n"
+    finally:
+        subprocess.run([str(BIN / "stager"), "stop", "--runtime-dir", str(elsewhere)],
+                       capture_output=True, timeout=60)  # fmt: skip
+        shutil.rmtree(elsewhere, ignore_errors=True)
