@@ -255,3 +255,20 @@ def test_stop_without_a_folder_names_the_daemon_that_runs_elsewhere(places) -> N
         subprocess.run([str(BIN / "stager"), "stop", "--runtime-dir", str(elsewhere)],
                        capture_output=True, timeout=60)  # fmt: skip
         shutil.rmtree(elsewhere, ignore_errors=True)
+
+
+def test_the_readmes_way_to_reclaim_a_cache_by_hand_frees_it(places) -> None:
+    """deploy/slurm/README.md said to delete <cache>/data by hand: sealed trees refuse a
+    user's rm, and image mounts any rm. The command it names now is run as written."""
+    home, run = places
+    sh = Shell(home, run)
+    readme = (REPO / "deploy" / "slurm" / "README.md").read_text()
+    (command,) = re.findall(r"^    (stager gc --all --runtime-dir \S+)", readme, re.M)
+    assert "<cache>/data" not in readme
+    sh("stager", "serve", "--detach", "--runtime-dir", str(run))
+    staged = sh("stager-client", "stage", "one", "--wait", "--step", a_small_archive(home, "one"))
+    assert Path(staged.stdout.strip()).is_dir()
+    argv = command.replace("/tmp/stager-$UID", str(run)).split()
+    assert sh(*argv).stdout.startswith("evicted 1 dataset(s), freed ")
+    assert not Path(staged.stdout.strip()).exists()
+    assert sh("stager-client", "ls").stdout == "one: evicted\n"
