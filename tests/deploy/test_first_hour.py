@@ -272,3 +272,19 @@ def test_the_readmes_way_to_reclaim_a_cache_by_hand_frees_it(places) -> None:
     assert sh(*argv).stdout.startswith("evicted 1 dataset(s), freed ")
     assert not Path(staged.stdout.strip()).exists()
     assert sh("stager-client", "ls").stdout == "one: evicted\n"
+
+
+def test_the_docs_name_one_install_path() -> None:
+    """They named /opt/stager/.venv and /opt/stager/venv: the one deploy/install.sh
+    makes, everywhere."""
+    install = (REPO / "deploy" / "install.sh").read_text()
+    assert "PREFIX=/opt/stager\n" in install and "VENV=$PREFIX/venv\n" in install
+    texts = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "deploy").rglob("*")]
+    named = {}
+    for path in texts:
+        if path.is_file() and path.suffix not in (".png", ".gz", ".tar"):
+            for venv in re.findall(
+                r"/opt/stager/([^/\s`'\")]*venv)", path.read_text(errors="replace")
+            ):
+                named.setdefault(venv, []).append(str(path.relative_to(REPO)))
+    assert set(named) == {"venv"}, named
