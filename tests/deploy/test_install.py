@@ -24,6 +24,7 @@ from tests.users import User
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "deploy" / "install.sh"
+SLURM = REPO / "deploy" / "slurm"
 SYSTEMD = REPO / "deploy" / "systemd"
 DEBIAN_PYTHON = Path("/usr/bin/python3.11")
 
@@ -223,5 +224,52 @@ def test_an_interpreter_users_cannot_run_is_passed_over_refused_and_replaced(
         assert "it is Python 3.10.12, and stager needs 3.11 or newer" in too_old.stderr
         assert "--python PATH" in install("--help").stdout
         assert "PYTHON=PATH" in install("--help").stdout
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_a_stager_users_cannot_execute_ends_the_job_with_exit_5_and_a_sentence(
+    tmp_path: Path, reachable: Path, users: tuple[User, User]
+) -> None:
+    """What an install on a root-only interpreter left: the prolog logged "could not
+    start the daemon", and the job's client exited 126 with "Permission denied". The
+    prolog says why, and job.sh ends with stager-client's exit 5 and a sentence."""
+    alice, _ = users
+    hidden = Path(tempfile.mkdtemp(prefix="stg-root-only-"))  # 0700, as root's home
+    try:
+        (hidden / "python3.11").symlink_to(os.path.realpath(sys._base_executable))
+        bin_dir = reachable / "bin"
+        bin_dir.mkdir()
+        for tool in ("stager", "stager-client", "stager-train"):
+            (bin_dir / tool).write_text(f"#!{hidden}/python3.11\nprint('ran')\n")
+            (bin_dir / tool).chmod(0o755)
+        shutil.copytree(SLURM, reachable / "slurm", ignore=shutil.ignore_patterns("local-*"))
+        state = reachable / "node"
+        config = reachable / "slurm.env"
+        config.write_text(
+            f"STAGER_BIN_DIR={bin_dir}\nSTAGER_SLURM_RUNTIME_DIR={state}/rt-%U\n"
+            f"STAGER_SLURM_CACHE_DIR={state}/cache-%U\nSTAGER_SLURM_TMPDIR={state}/job-%j\n"
+            f"STAGER_NODE_SOCKET=\nSTAGER_SLURM_LOG={state}/log\n"
+            f"STAGER_SLURM_STATE_DIR={state}/state\n"
+        )
+        slurmd = {"PATH": os.environ["PATH"], "STAGER_SLURM_CONFIG": str(config),
+                  "SLURM_JOB_ID": "7", "SLURM_JOB_USER": alice.name,
+                  "SLURM_JOB_UID": str(alice.uid), "SLURM_JOB_GID": str(alice.gid)}  # fmt: skip
+        prolog = subprocess.run(["bash", str(reachable / "slurm" / "prolog.sh")], env=slurmd,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert prolog.returncode == 0, prolog.stderr
+        assert (
+            f"not starting the daemon: {alice.name} cannot execute {bin_dir}/stager: its "
+            f"interpreter {hidden}/python3.11 is in a folder users cannot enter; reinstall "
+            "stager with deploy/install.sh" in (state / "log").read_text()
+        )
+        job = alice.run(["bash", str(reachable / "slurm" / "job.sh")], cwd="/", env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+            "SLURM_TMPDIR": f"{state}/job-7", "OUTPUT_DIR": f"/tmp/{alice.name}/out"})  # fmt: skip
+        assert job.returncode == 5, job
+        assert (
+            f"error: {alice.name} cannot execute {bin_dir}/stager (its interpreter: "
+            f"{hidden}/python3.11): a folder above it is closed to users" in job.stderr
+        )
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
