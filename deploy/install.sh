@@ -3,6 +3,7 @@
 #
 #   deploy/install.sh                      # /opt/stager, the unit enabled and started
 #   deploy/install.sh --prefix /sw/stager  # elsewhere
+#   deploy/install.sh --python /usr/local/bin/python3.12   # this interpreter
 #
 # 1. the Debian packages it needs, when missing (python3.11 and its venv, munge for
 #    multi-node jobs, curl and util-linux for the SLURM scripts);
@@ -14,7 +15,13 @@
 #    enabled and started where systemd runs; restarted on an upgrade, which stagings
 #    under way survive (they resume). Without systemd it says how to start it.
 #
-# Run it again to upgrade: the venv is reused and stager replaced in it. Idempotent.
+# The interpreter (--python PATH, or PYTHON=PATH in the environment): every user runs
+# the venv's programs, so it must be one every user can execute; it is tried as the
+# user nobody. Default: python3.11 on PATH if users can run it, else Debian's
+# /usr/bin/python3.11. One users cannot run, or older than stager supports, is refused.
+#
+# Run it again to upgrade: the venv is reused and stager replaced in it; it is built
+# afresh when its interpreter is another than the one chosen now. Idempotent.
 # Options for tests and packagers: --etc DIR, --unit-dir DIR, --no-packages,
 # --no-systemd.
 set -euo pipefail
@@ -26,16 +33,17 @@ ETC=/etc/stager
 UNIT_DIR=/etc/systemd/system
 PACKAGES=1
 SYSTEMD=1
-PYTHON=${PYTHON:-python3.11}
+PYTHON=${PYTHON:-}
 
 usage() {
-    sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 
 while (($#)); do
     case $1 in
     --prefix) PREFIX=$2; shift 2 ;;
+    --python) PYTHON=$2; shift 2 ;;
     --etc) ETC=$2; shift 2 ;;
     --unit-dir) UNIT_DIR=$2; shift 2 ;;
     --no-packages) PACKAGES=0; shift ;;
@@ -50,22 +58,124 @@ say() { printf 'install.sh: %s\n' "$*"; }
 if ((PACKAGES)); then
     # shellcheck source=slurm/packages.sh
     source "$HERE/slurm/packages.sh"
-    apt_install_missing "$PYTHON curl setpriv munged" \
-        python3.11 python3.11-venv curl util-linux munge
+    tools="curl setpriv munged"
+    [[ -n $PYTHON ]] || tools+=" /usr/bin/python3.11"
+    apt_install_missing "$tools" python3.11 python3.11-venv curl util-linux munge
 fi
 
+# The oldest Python stager supports: pyproject.toml's requires-python (">=3.11").
+MIN_PYTHON=$(sed -n 's/^requires-python *= *">=\([0-9.]*\)".*/\1/p' "$REPO/pyproject.toml")
+MIN_PYTHON=${MIN_PYTHON:-3.11}
+
+# "$@" as any user of the node may run it: the user nobody, no groups, a bare
+# environment, from / (as root; otherwise as whoever runs this script).
+as_a_user() {
+    local -a bare=(env -i PATH=/usr/bin:/bin HOME=/ LANG=C.UTF-8)
+    if ((EUID != 0)); then
+        (cd / && "${bare[@]}" "$@")
+    elif command -v setpriv >/dev/null; then
+        (cd / && setpriv --reuid="$(id -u nobody)" --regid="$(id -g nobody)" --clear-groups \
+            -- "${bare[@]}" "$@")
+    else
+        (cd / && runuser -u nobody -- "${bare[@]}" "$@")
+    fi
+}
+
+version_at_least() { # $1 >= $2, both X.Y[.Z]
+    [[ $(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n 1) == "$2" ]]
+}
+
+# Whether the interpreter $1 can be the venv's: users can run it and it is new enough.
+# Sets CHOSEN (its sys.executable, the path the venv links to) and CHOSEN_VERSION, or
+# WHY it cannot.
+usable() {
+    local path answer version executable
+    if ! path=$(command -v "$1"); then
+        WHY="there is no such program"
+        return 1
+    fi
+    path=$(cd "$(dirname "$path")" && pwd)/$(basename "$path")
+    if ! answer=$(as_a_user "$path" -c \
+        'import sys; print("%d.%d.%d" % sys.version_info[:3], sys.executable)' 2>&1); then
+        WHY="users cannot run it (as nobody: ${answer//$'\n'/ | })"
+        return 1
+    fi
+    read -r version executable <<<"${answer##*$'\n'}"
+    if [[ ! $version =~ ^[0-9]+\.[0-9]+\.[0-9]+$ || $executable != /* ]]; then
+        WHY="it does not answer as a Python interpreter does (${answer//$'\n'/ | })"
+        return 1
+    fi
+    if ! version_at_least "$version" "$MIN_PYTHON"; then
+        WHY="it is Python $version, and stager needs $MIN_PYTHON or newer"
+        return 1
+    fi
+    CHOSEN=$executable
+    CHOSEN_VERSION=$version
+}
+
+CHOSEN=
+if [[ -n $PYTHON ]]; then
+    if ! usable "$PYTHON"; then
+        echo "install.sh: refusing the interpreter $PYTHON (--python or PYTHON=): $WHY;" \
+            "give one every user can execute, outside root's home (e.g. /usr/bin/python3.11)" >&2
+        exit 2
+    fi
+else
+    on_path=$(command -v python3.11 || true)
+    for candidate in $on_path /usr/bin/python3.11; do
+        if usable "$candidate"; then
+            break
+        fi
+        say "not using $candidate: $WHY"
+    done
+    if [[ -z $CHOSEN ]]; then
+        echo "install.sh: no Python $MIN_PYTHON or newer that every user can execute;" \
+            "install Debian's (apt-get install python3.11 python3.11-venv) or give one" \
+            "with --python PATH" >&2
+        exit 2
+    fi
+fi
+say "using the interpreter $CHOSEN (Python $CHOSEN_VERSION), which every user can run"
+
+# The interpreter the venv runs: bin/python's links, followed while they stay in bin/.
+venv_interpreter() {
+    local link=$VENV/bin/python target
+    while [[ -L $link ]]; do
+        target=$(readlink "$link")
+        if [[ $target == /* ]]; then
+            printf '%s\n' "$target"
+            return
+        fi
+        link=$VENV/bin/$target
+    done
+    printf '%s\n' "$link"
+}
+
 VENV=$PREFIX/venv
-if [[ -x $VENV/bin/python ]]; then
+if [[ -x $VENV/bin/python && $(venv_interpreter) == "$CHOSEN" ]]; then
     say "upgrading stager in $VENV (was $("$VENV/bin/stager" --version 2>/dev/null || echo unknown))"
 else
-    say "creating $VENV"
+    if [[ -e $VENV ]]; then
+        # Another interpreter (or a broken venv): a venv cannot change its interpreter
+        # in place, so it is made afresh; a running service keeps its open files.
+        say "rebuilding $VENV: it runs $(venv_interpreter), not $CHOSEN"
+        rm -rf "$VENV"
+    else
+        say "creating $VENV"
+    fi
     mkdir -p "$PREFIX"
-    "$PYTHON" -m venv "$VENV"
+    "$CHOSEN" -m venv "$VENV"
     "$VENV/bin/pip" install --progress-bar on --upgrade pip
 fi
 # Not editable: the service must not depend on this checkout staying where it is.
 "$VENV/bin/pip" install --progress-bar on --upgrade "$REPO"
 say "installed $("$VENV/bin/stager" --version)"
+# What users run must run as a user: a prefix in a folder they cannot enter would not.
+if ! answer=$(as_a_user "$VENV/bin/stager-client" --version 2>&1); then
+    echo "install.sh: users cannot run $VENV/bin/stager-client (as nobody:" \
+        "${answer//$'\n'/ | }); install into a prefix every user can enter (--prefix)" >&2
+    exit 1
+fi
 
 rm -rf "$PREFIX/docs"
 cp -r "$REPO/docs" "$PREFIX/docs"
@@ -97,6 +207,13 @@ if ((SYSTEMD)) && [[ -d /run/systemd/system ]]; then
         say "started stager.service; its log: journalctl -u stager"
     fi
 else
-    start=$(sed -n 's/^ExecStart=//p' "$UNIT_DIR/stager.service")
-    say "systemd does not run here: start the service with: $start"
+    # The unit's own start, as systemd makes it: its Environment= lines, then its
+    # EnvironmentFile= over them (when it exists), then ExecStart.
+    unit=$UNIT_DIR/stager.service
+    environment=$(sed -n 's/^Environment=//p' "$unit" | tr '\n' ' ')
+    env_file=$(sed -n 's/^EnvironmentFile=-\{0,1\}//p' "$unit")
+    start=$(sed -n 's/^ExecStart=//p' "$unit")
+    say "systemd does not run here: start the service as its unit does, with:"
+    printf "  env %ssh -c 'set -a; if [ -r %s ]; then . %s; fi; exec %s'\n" \
+        "$environment" "$env_file" "$env_file" "$start"
 fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pydantic import ValidationError
@@ -170,6 +171,8 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
         elif args.command == "stop":
             pid = server.read_pid(settings)
             stopped = server.stop(settings)
+            if not stopped and (elsewhere := _daemons_elsewhere(settings)):
+                raise server.ServeError(elsewhere)
             _print_stop(settings, pid if stopped else None, args.json)
     except (server.ServeError, StartError) as exc:
         if getattr(args, "json", False):
@@ -188,6 +191,40 @@ def _print_gc(result: dict, as_json: bool) -> None:
     print(
         f"evicted {len(result['evicted'])} dataset(s), freed {format_size(result['freed_bytes'])}, "
         f"dropped {result['leases_dropped']} lease(s)"
+    )
+
+
+def _daemons_elsewhere(settings: Settings) -> str | None:
+    """When no daemon runs in the runtime folder ``stop`` looked in, and the user named
+    no folder, the sentence naming the daemons that do run: the user's own elsewhere
+    (started with --runtime-dir), and the node service."""
+    if {"runtime_dir", "socket"} & settings.model_fields_set:
+        return None  # a folder was chosen, and nothing runs there: that is the answer
+    from stager import daemons
+
+    uid = os.getuid()
+    found = []
+    for daemon in daemons.running(exclude=os.getpid()):
+        if settings.socket_path in daemon.sockets:
+            continue
+        at = f"on {', '.join(map(str, daemon.sockets))} " if daemon.sockets else ""
+        if daemon.uid == uid:
+            sockets = [s for s in daemon.sockets if s.name == "stager.sock"]
+            how = (
+                f"`stager stop --runtime-dir {sockets[0].parent}`"
+                if sockets
+                else f"`kill {daemon.pid}` (a graceful stop)"
+            )
+            found.append(f"yours runs {at}(pid {daemon.pid}): stop it with {how}")
+        elif "--multi-user" in daemon.argv:
+            found.append(
+                f"the node service runs (pid {daemon.pid}, uid {daemon.uid}), serving every "
+                "user: its admin stops it (`systemctl stop stager`)"
+            )
+    if not found:
+        return None
+    return f"no stager daemon runs for the runtime folder {settings.runtime_dir}; " + "; ".join(
+        found
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import resource
 import socket
 from multiprocessing.context import ForkServerContext
@@ -42,7 +43,18 @@ def start_fork_server() -> ForkServerContext:
     raise_descriptor_limit()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([PRELOAD])
-    multiprocessing.forkserver.ensure_running()
+    # The server starts as `python -c ...`, which reads modules from the current folder
+    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
+    # PYTHONSAFEPATH keeps that folder out, for the server only.
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
     return context
 
 

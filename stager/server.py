@@ -216,7 +216,9 @@ def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> i
     try:
         with open(os.devnull, "rb") as devnull:
             process = subprocess.Popen(
-                [sys.executable, "-m", "stager", "serve", *serve_argv],
+                # -P: `-m` would put the current folder first on sys.path, and a folder
+                # named stager there (a clone's parent) would be imported for the daemon.
+                [sys.executable, "-P", "-m", "stager", "serve", *serve_argv],
                 stdin=devnull,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -400,7 +400,21 @@ class Settings(BaseSettings):
     @field_validator("cache_dir", "runtime_dir")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
-        return value.expanduser().absolute()
+        return _absolute_folder(value)
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _existing_roots(cls, value: list[Path]) -> list[Path]:
+        """A root that is not there confines to nothing: every source would be refused,
+        and only at the first request, so it is said at start."""
+        roots = [_absolute_folder(root) for root in value]
+        for root in roots:
+            if not root.is_dir():
+                raise ValueError(
+                    f"{root} is not a folder here (or this user cannot reach it); name the "
+                    "folders that hold the sources, or leave the setting out to allow any"
+                )
+        return roots
 
     @model_validator(mode="after")
     def _node_service_places(self) -> Settings:
@@ -491,6 +505,18 @@ class Settings(BaseSettings):
     @property
     def partial_dir(self) -> Path:
         return self.cache_dir / "partial"  # entries being staged; never reported ready
+
+
+def _absolute_folder(value: Path) -> Path:
+    """``value`` with ``~`` expanded; a relative one is refused, as it would name another
+    folder for the daemon (started elsewhere, or by the prolog from /) than for the
+    person who typed it."""
+    value = value.expanduser()
+    if not value.is_absolute():
+        raise ValueError(
+            f"{value} is a relative path; give an absolute one (e.g. {Path.cwd() / value})"
+        )
+    return value
 
 
 def is_loopback(host: str) -> bool:

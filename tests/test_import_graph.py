@@ -162,6 +162,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.downloads",
                 "stager.rights.become",
                 "stager.prestart",
+                "stager.daemons",
             },
         ),
         # Processes that became a user, and the wire between root and them.

@@ -16,13 +16,27 @@ import logging
 import os
 import sys
 
-from trainer.data import BAD_IMAGES
-from trainer.datasets import DATASETS
-from trainer.exit_status import RUN_ID_ENV, error_sentence
-from trainer.optim import SCHEDULES
-from trainer.preempt import EXIT_PREEMPTED
-from trainer.presets import PRESETS
-from trainer.transforms import AUTO_AUGMENT
+# The trainer's modules need the `train` extra (torch, torchvision, ...), which the node
+# service's venv has not: there, --help still answers (without the lists those modules
+# give), and a run says the one thing to do instead of a traceback.
+try:
+    from trainer.data import BAD_IMAGES
+    from trainer.datasets import DATASETS
+    from trainer.exit_status import RUN_ID_ENV, error_sentence
+    from trainer.optim import SCHEDULES
+    from trainer.preempt import EXIT_PREEMPTED
+    from trainer.presets import PRESETS
+    from trainer.transforms import AUTO_AUGMENT
+
+    MISSING: str | None = None
+except ModuleNotFoundError as exc:
+    if (exc.name or "trainer").partition(".")[0] in ("trainer", "stager", "client"):
+        raise  # one of ours: a real bug, with its traceback
+    MISSING = exc.name
+    BAD_IMAGES = DATASETS = AUTO_AUGMENT = None  # type: ignore[assignment]
+    SCHEDULES, PRESETS = (), {}  # type: ignore[assignment]
+    RUN_ID_ENV, EXIT_PREEMPTED = "STAGER_TRAIN_RUN_ID", 75  # trainer.exit_status's, .preempt's
+    error_sentence = str  # type: ignore[assignment]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -260,7 +274,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--lr-scheduler",
         "--sched",
         dest="lr_scheduler",
-        choices=(*SCHEDULES, *SCHEDULE_ALIASES),
+        choices=(*SCHEDULES, *SCHEDULE_ALIASES) if SCHEDULES else None,
         default="cosineannealinglr",
         help="LR schedule after warmup, as a function of samples seen (so it survives "
         "a change of world size or batch size on resume)",
@@ -430,7 +444,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"stager-train {_version()}")
     p.add_argument(
         "--recipe",
-        choices=sorted(PRESETS),
+        choices=sorted(PRESETS) or None,
         default=None,
         help="set the flags of a published recipe (explicit flags still win): "
         "resnet50-torchvision-v2 is torchvision's 80.8%% ResNet-50 (see docs/trainer.md)",
@@ -516,6 +530,8 @@ def get_shard_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    if MISSING is not None and command != "completion":
+        return _without_train_extra(command, argv)
     if command == "train":
         args = parse_train_args(argv)
         from trainer.train import main as run_command
@@ -544,3 +560,17 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("trainer").debug("failed", exc_info=True)
         print(f"stager-train {command}: error: {error_sentence(exc)}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _without_train_extra(command: str, argv: list[str]) -> int:
+    """--help and --version answered; anything else, the sentence naming the fix."""
+    parse = {"train": parse_train_args, "find-lr": get_find_lr_parser().parse_args,
+             "shard": get_shard_parser().parse_args}.get(command)  # fmt: skip
+    if parse is not None and {"-h", "--help", "--version"} & set(argv):
+        parse(argv)  # prints and exits 0
+    print(
+        f"stager-train {command}: error: the trainer needs {MISSING}, which {sys.executable} "
+        "cannot import; install the trainer's packages there: pip install 'stager[train]'",
+        file=sys.stderr,
+    )
+    return EXIT_ERROR

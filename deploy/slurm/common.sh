@@ -100,6 +100,24 @@ as_job_user() {
     fi
 }
 
+# Why the job's user cannot execute the program $1, or nothing when they can. A script
+# whose interpreter lies in a folder users cannot enter (a Python in root's home) fails
+# with the shell's 126 and "Permission denied", naming neither.
+why_user_cannot_run() {
+    local program=$1 first interpreter
+    if ! as_job_user test -x "$program"; then
+        printf '%s cannot execute %s (its mode, or a folder above it)\n' "$JOB_USER" "$program"
+        return 0
+    fi
+    IFS= read -r first <"$program" || return 0
+    [[ $first == '#!'* ]] || return 0
+    read -r interpreter _ <<<"${first#\#!}"
+    if ! as_job_user test -x "$interpreter"; then
+        printf '%s cannot execute %s: its interpreter %s is in a folder users cannot enter; reinstall stager with deploy/install.sh, which picks an interpreter every user can run\n' \
+            "$JOB_USER" "$program" "$interpreter"
+    fi
+}
+
 # A folder owned by the job's user; parents are made as root with default modes.
 # Refuses a folder another user owns: they could read the socket or the data.
 make_user_dir() {

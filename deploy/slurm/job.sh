@@ -84,11 +84,26 @@ if [[ -n ${STAGER_VENV:-} ]]; then
     # shellcheck source=/dev/null
     source "$STAGER_VENV/bin/activate"
 fi
+# Exit 5, as stager-client does when it cannot reach a daemon: stager cannot serve this
+# job. A program whose interpreter users cannot execute (a Python in root's home) would
+# otherwise fail with the shell's 126 and a bare "Permission denied".
 for tool in stager stager-client stager-train; do
-    if ! command -v "$tool" >/dev/null; then
+    if ! path=$(command -v "$tool"); then
         echo "error: $tool is not on PATH; activate the environment stager is installed in," \
             "or set STAGER_VENV" >&2
         exit 2
+    fi
+    interpreter=
+    IFS= read -r first <"$path" 2>/dev/null || first=
+    if [[ $first == '#!'* ]]; then
+        read -r interpreter _ <<<"${first#\#!}"
+    fi
+    if [[ ! -x $path || (-n $interpreter && ! -x $interpreter) ]]; then
+        what=$path${interpreter:+ (its interpreter: $interpreter)}
+        echo "error: $(id -un) cannot execute $what: a folder above it is closed to users;" \
+            "ask your admins to reinstall stager with deploy/install.sh, which picks an" \
+            "interpreter every user can run" >&2
+        exit 5
     fi
 done
 

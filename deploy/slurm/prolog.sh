@@ -45,6 +45,12 @@ start_daemon() {
         log "no stager executable (STAGER_BIN_DIR=${STAGER_BIN_DIR:-unset}); set STAGER_BIN_DIR in $STAGER_SLURM_CONFIG"
         return 0
     fi
+    local why
+    why=$(why_user_cannot_run "$stager")
+    if [[ -n $why ]]; then
+        log "not starting the daemon: $why"
+        return 0
+    fi
     make_user_dir "$RUNTIME_DIR" 0700
     make_user_dir "$CACHE_DIR" 0700
     local -a serve_args

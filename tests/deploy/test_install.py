@@ -7,20 +7,26 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from stager.settings import Settings, env_name
+from tests.users import User
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "deploy" / "install.sh"
+SLURM = REPO / "deploy" / "slurm"
 SYSTEMD = REPO / "deploy" / "systemd"
+DEBIAN_PYTHON = Path("/usr/bin/python3.11")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the node service runs as root")
 
@@ -51,6 +57,29 @@ def environment_of(unit: Path, drop_ins: list[Path]) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A folder every user may enter (pytest's own are under a 0700 folder of root's):
+    users run what is installed there."""
+    folder = Path(tempfile.mkdtemp(prefix="stg-install-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def install(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env})  # fmt: skip
+
+
+def start_line(stdout: str) -> str:
+    """The command install.sh prints for a node without systemd (the line after its
+    sentence)."""
+    lines = stdout.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if "systemd does not run here" in line]
+    return lines[at + 1].strip()
+
+
 def test_every_variable_the_unit_its_example_and_drop_in_set_is_a_setting() -> None:
     known = {env_name(n) for n in Settings.model_fields}
     drop_in = SYSTEMD / "stager.service.d" / "local-disk.conf"
@@ -66,14 +95,17 @@ def test_every_variable_the_unit_its_example_and_drop_in_set_is_a_setting() -> N
 
 
 @pytest.mark.slow
-def test_install_then_start_as_the_unit_does_then_upgrade_in_place(tmp_path: Path) -> None:
-    prefix, etc, units = tmp_path / "opt", tmp_path / "etc", tmp_path / "units"
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_install_then_start_as_the_unit_does_then_upgrade_in_place(
+    tmp_path: Path, reachable: Path
+) -> None:
+    prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
     args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units), "--no-systemd"]
-    first = subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True,
-                           timeout=600)  # fmt: skip
+    args += ["--python", str(DEBIAN_PYTHON)]
+    first = install(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"install.sh: creating {prefix}/venv" in first.stdout
-    assert "systemd does not run here: start the service with:" in first.stdout
+    assert f"install.sh: using the interpreter {DEBIAN_PYTHON} (Python 3." in first.stdout
     unit = units / "stager.service"
     (exec_start,) = unit_lines(unit, "ExecStart")
     assert exec_start == f"{prefix}/venv/bin/stager serve --multi-user"
@@ -92,6 +124,40 @@ def test_install_then_start_as_the_unit_does_then_upgrade_in_place(tmp_path: Pat
     env = {"PATH": os.environ["PATH"], **environment_of(unit, [drop_in])}
     service = subprocess.Popen(shlex.split(exec_start), env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out = served(service, run, prefix)
+    assert '"level": "INFO"' in out and "stager 0.1.0 starting" in out
+
+    (etc / "stager.env").write_text("STAGER_MAX_WORKERS=3\n")  # the admin's own
+    again = install(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"install.sh: upgrading stager in {prefix}/venv (was stager 0.1.0)" in again.stdout
+    assert (etc / "stager.env").read_text() == "STAGER_MAX_WORKERS=3\n"  # never overwritten
+    version = subprocess.run(
+        [str(prefix / "venv" / "bin" / "stager"), "--version"], capture_output=True, text=True
+    )
+    assert version.stdout.strip() == "stager 0.1.0"
+
+    # Without systemd, the printed line starts the service as the unit does: the unit's
+    # environment, the site's stager.env over it, the same command.
+    run = Path(tempfile.mkdtemp(prefix="stg-"))
+    (etc / "stager.env").write_text(
+        f"STAGER_RUNTIME_DIR={run}\nSTAGER_CACHE_DIR={tmp_path / 'cache2'}\n"
+        "STAGER_LOG_FORMAT=json\n"
+    )
+    line = start_line(again.stdout)
+    assert line.startswith("env STAGER_RUNTIME_DIR=/run/stager STAGER_CACHE_DIR=/var/cache/stager")
+    service = subprocess.Popen(
+        ["bash", "-c", line], env={"PATH": os.environ["PATH"]}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out = served(service, run, prefix)
+    assert '"level": "INFO"' in out  # the site's file was read
+    assert (tmp_path / "cache2" / "state.db").exists()
+
+
+def served(service: subprocess.Popen[str], run: Path, prefix: Path) -> str:
+    """Waits for the service ``service`` to answer on ``run``'s socket as the node
+    service, stops it, and returns its output."""
     try:
         socket = run / "stager.sock"
         deadline = time.monotonic() + 30
@@ -110,15 +176,100 @@ def test_install_then_start_as_the_unit_does_then_upgrade_in_place(tmp_path: Pat
         out, _ = service.communicate(timeout=30)
         subprocess.run(["rm", "-rf", str(run)], check=False)
     assert service.returncode == 0, out
-    assert '"level": "INFO"' in out and "stager 0.1.0 starting" in out
+    return out
 
-    (etc / "stager.env").write_text("STAGER_MAX_WORKERS=3\n")  # the admin's own
-    again = subprocess.run(["bash", str(INSTALL), *args], capture_output=True, text=True,
-                           timeout=600)  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"install.sh: upgrading stager in {prefix}/venv (was stager 0.1.0)" in again.stdout
-    assert (etc / "stager.env").read_text() == "STAGER_MAX_WORKERS=3\n"  # never overwritten
-    version = subprocess.run(
-        [str(prefix / "venv" / "bin" / "stager"), "--version"], capture_output=True, text=True
-    )
-    assert version.stdout.strip() == "stager 0.1.0"
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_an_interpreter_users_cannot_run_is_passed_over_refused_and_replaced(
+    tmp_path: Path, reachable: Path, users: tuple[User, User]
+) -> None:
+    """As on machines whose python3.11 is root's own (pyenv in root's 0700 home): the
+    install must not give users a venv whose interpreter they cannot execute."""
+    alice, _ = users
+    hidden = Path(tempfile.mkdtemp(prefix="stg-root-only-"))  # 0700, as root's home
+    (hidden / "python3.11").symlink_to(os.path.realpath(sys._base_executable))
+    prefix = reachable / "opt"
+    args = ["--prefix", str(prefix), "--etc", str(tmp_path / "etc"), "--no-packages",
+            "--unit-dir", str(tmp_path / "units"), "--no-systemd"]  # fmt: skip
+    path = f"{hidden}{os.pathsep}{os.environ['PATH']}"
+    try:
+        # What the old install.sh made: a venv on the PATH's interpreter.
+        subprocess.run([str(hidden / "python3.11"), "-m", "venv", "--without-pip",
+                        str(prefix / "venv")], check=True)  # fmt: skip
+        done = install(*args, PATH=path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert f"not using {hidden}/python3.11: users cannot run it" in done.stdout
+        assert f"using the interpreter {DEBIAN_PYTHON} (Python 3.11." in done.stdout
+        assert (
+            f"rebuilding {prefix}/venv: it runs {hidden}/python3.11, not {DEBIAN_PYTHON}"
+            in done.stdout
+        )
+        client = str(prefix / "venv" / "bin" / "stager-client")
+        version = alice.run([client, "--version"])
+        assert version.returncode == 0 and version.stdout.startswith("stager-client "), version
+        # No daemon: the documented exit and sentence, not the shell's 126.
+        nowhere = alice.run([client, "--url", "unix:///nonexistent/stager.sock", "ls"])
+        assert nowhere.returncode == 5 and "no stager daemon answers" in nowhere.stderr
+
+        refused = install(*args, "--python", str(hidden / "python3.11"), PATH=path)
+        assert refused.returncode == 2
+        assert f"refusing the interpreter {hidden}/python3.11 (--python or PYTHON=): users " \
+            "cannot run it" in refused.stderr  # fmt: skip
+        old = reachable / "python3.10"
+        old.write_text("#!/bin/sh\necho 3.10.12 /usr/bin/python3.10\n")
+        old.chmod(0o755)
+        too_old = install(*args, PYTHON=str(old))
+        assert too_old.returncode == 2
+        assert "it is Python 3.10.12, and stager needs 3.11 or newer" in too_old.stderr
+        assert "--python PATH" in install("--help").stdout
+        assert "PYTHON=PATH" in install("--help").stdout
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
+
+
+def test_a_stager_users_cannot_execute_ends_the_job_with_exit_5_and_a_sentence(
+    tmp_path: Path, reachable: Path, users: tuple[User, User]
+) -> None:
+    """What an install on a root-only interpreter left: the prolog logged "could not
+    start the daemon", and the job's client exited 126 with "Permission denied". The
+    prolog says why, and job.sh ends with stager-client's exit 5 and a sentence."""
+    alice, _ = users
+    hidden = Path(tempfile.mkdtemp(prefix="stg-root-only-"))  # 0700, as root's home
+    try:
+        (hidden / "python3.11").symlink_to(os.path.realpath(sys._base_executable))
+        bin_dir = reachable / "bin"
+        bin_dir.mkdir()
+        for tool in ("stager", "stager-client", "stager-train"):
+            (bin_dir / tool).write_text(f"#!{hidden}/python3.11\nprint('ran')\n")
+            (bin_dir / tool).chmod(0o755)
+        shutil.copytree(SLURM, reachable / "slurm", ignore=shutil.ignore_patterns("local-*"))
+        state = reachable / "node"
+        config = reachable / "slurm.env"
+        config.write_text(
+            f"STAGER_BIN_DIR={bin_dir}\nSTAGER_SLURM_RUNTIME_DIR={state}/rt-%U\n"
+            f"STAGER_SLURM_CACHE_DIR={state}/cache-%U\nSTAGER_SLURM_TMPDIR={state}/job-%j\n"
+            f"STAGER_NODE_SOCKET=\nSTAGER_SLURM_LOG={state}/log\n"
+            f"STAGER_SLURM_STATE_DIR={state}/state\n"
+        )
+        slurmd = {"PATH": os.environ["PATH"], "STAGER_SLURM_CONFIG": str(config),
+                  "SLURM_JOB_ID": "7", "SLURM_JOB_USER": alice.name,
+                  "SLURM_JOB_UID": str(alice.uid), "SLURM_JOB_GID": str(alice.gid)}  # fmt: skip
+        prolog = subprocess.run(["bash", str(reachable / "slurm" / "prolog.sh")], env=slurmd,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert prolog.returncode == 0, prolog.stderr
+        assert (
+            f"not starting the daemon: {alice.name} cannot execute {bin_dir}/stager: its "
+            f"interpreter {hidden}/python3.11 is in a folder users cannot enter; reinstall "
+            "stager with deploy/install.sh" in (state / "log").read_text()
+        )
+        job = alice.run(["bash", str(reachable / "slurm" / "job.sh")], cwd="/", env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "7",
+            "SLURM_TMPDIR": f"{state}/job-7", "OUTPUT_DIR": f"/tmp/{alice.name}/out"})  # fmt: skip
+        assert job.returncode == 5, job
+        assert (
+            f"error: {alice.name} cannot execute {bin_dir}/stager (its interpreter: "
+            f"{hidden}/python3.11): a folder above it is closed to users" in job.stderr
+        )
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)

@@ -48,7 +48,8 @@ def sample(name: str) -> tuple[str, object]:
     if is_size(name):
         return "12G", 12_000_000_000
     if is_list(name):
-        return "/a,/b" if "roots" in name or "dirs" in name else "x.y,z", None
+        # Folders that exist: an allowed root that does not is refused.
+        return "/usr,/etc" if "roots" in name or "dirs" in name else "x.y,z", None
     if field.annotation is int:
         return "3", 3
     if field.annotation is float:
@@ -112,17 +113,17 @@ def test_a_near_miss_of_a_settings_name_is_warned_about() -> None:
 
 
 def test_lists_take_commas_and_json_still_works() -> None:
-    assert from_env({"STAGER_ALLOWED_ROOTS": "/data"}).allowed_roots == [Path("/data")]
-    assert from_env({"STAGER_ALLOWED_ROOTS": "/data, /home"}).allowed_roots == [
-        Path("/data"),
-        Path("/home"),
+    assert from_env({"STAGER_ALLOWED_ROOTS": "/usr"}).allowed_roots == [Path("/usr")]
+    assert from_env({"STAGER_ALLOWED_ROOTS": "/usr, /etc"}).allowed_roots == [
+        Path("/usr"),
+        Path("/etc"),
     ]
     assert from_env({"STAGER_OP_MODULES": '["a.b", "c"]'}).op_modules == ["a.b", "c"]
     args = cli.build_parser().parse_args(
-        ["serve", "--allowed-root", "/a,/b", "--allowed-roots", "/c"]
+        ["serve", "--allowed-root", "/usr,/etc", "--allowed-roots", "/var"]
     )
     assert from_env({}, **cli.given_flags(args)).allowed_roots == [
-        Path(p) for p in "/a /b /c".split()
+        Path(p) for p in "/usr /etc /var".split()
     ]
 
 
