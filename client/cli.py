@@ -39,9 +39,13 @@ from client.errors import (
     WaitTimeout,
 )
 from client.hints import in_user_terms
-from stager import __version__
-from stager.completion import add_completion, print_completion
-from stager.recipe_listing import format_listing
+from stager.cli_common import (
+    SuggestingParser,
+    __version__,
+    add_completion,
+    format_listing,
+    print_completion,
+)
 from stager.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
 
 EXIT_OK = 0  # every dataset asked for is ready (or the command did what it said)
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="no progress and no messages; only errors and results",
     )
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="stager-client",
         description="Stage datasets onto this node through the stager daemon, and wait for them.",
         epilog=EPILOG,
