@@ -50,9 +50,10 @@ def test_every_error_path_of_every_command(daemon: Daemon, tree: Path, tmp_path:
     (no_train / "cats" / "a.jpg").write_bytes(b"x")
 
     # status, cancel, release, wait: a name nobody staged, with the close one offered.
-    for command in ("status", "cancel", "release", "wait"):
+    # (wait: after its grace for the stage request, a short one here)
+    for command in ("status", "cancel", "release", "wait --await-request 0.5"):
         checked(
-            run_cli(daemon, command, "mycpy"),
+            run_cli(daemon, *command.split(), "mycpy"),
             EXIT_REJECTED,
             "no dataset named 'mycpy'; did you mean 'mycopy'? `stager-client ls` lists the "
             "known ones",
@@ -162,7 +163,7 @@ def test_ctrl_c_during_wait_says_the_staging_goes_on_and_how_to_cancel(
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         "stager-client: interrupted; the daemon goes on staging slow (if it was requested): "
-        "`stager-client wait slow` waits again, `stager-client cancel NAME` stops one"
+        "`stager-client wait slow` waits again, `stager-client cancel slow` stops it"
     )
     with daemon.client() as http:
         assert http.get("/v1/datasets/slow").json()["state"] in ("queued", "staging", "ready")

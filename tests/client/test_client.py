@@ -174,15 +174,18 @@ def test_wait_timeout_uses_chunks_no_longer_than_what_is_left() -> None:
 
 
 def test_wait_reports_progress_at_the_interval() -> None:
-    seen = []
-    answers = iter([status(), status(state="ready", path="/p")])
+    """The first status at once (a display shows it without waiting a poll), then one
+    at least every interval."""
+    seen, polls = [], []
+    answers = iter([status(), status(), status(state="ready", path="/p")])
 
     def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.params["timeout"] == "0.5"
+        polls.append(request.url.params["timeout"])
         return httpx.Response(200, json=next(answers))
 
     client(handler).wait("d", on_status=seen.append, interval=0.5)
-    assert [s.state for s in seen] == ["staging", "ready"]
+    assert [s.state for s in seen] == ["staging", "staging", "ready"]
+    assert polls == ["0.0", "0.5", "0.5"]
 
 
 def test_wait_retries_a_daemon_that_is_not_up_yet_then_a_restart() -> None:
