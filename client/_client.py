@@ -193,7 +193,7 @@ class _NotRequestedYet:
 
     def pause(self, say: Callable[[str], None] | None) -> float | None:
         """Seconds to sleep before asking again, or None once the grace or the caller's
-        timeout has passed (`failure` says which)."""
+        timeout has passed (`grace_ended` says which)."""
         now = self.clock()
         if self.since is None:
             self.since = now
@@ -272,7 +272,7 @@ class Backoff:
     ) -> None:
         self.budget = budget
         self.clock = clock
-        self.say = say  # told once per streak, at its start: nobody sits before silence
+        self.say = say  # told at each streak's start: a wait never sits silent
         self.reset()
 
     def reset(self) -> None:
@@ -291,7 +291,7 @@ class Backoff:
             spent = now - self._since
             raise (exc.after_retries(spent) if spent > 0 else exc) from exc
         if starts and self.say is not None:
-            self.say(f"{exc.problem}; retrying for up to {limit - now:.0f} s")
+            self.say(f"{exc.problem}; retrying for up to {limit - now:.3g} s")
         pause = min(self._next, limit - now)
         self._next = min(self._next * 2, self.cap_s)
         return pause

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import select
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -156,9 +156,14 @@ def test_ctrl_c_during_wait_says_the_staging_goes_on_and_how_to_cancel(
     daemon: Daemon, slow_url: str
 ) -> None:
     waiting = start_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url), "--wait")
-    time.sleep(1.5)
+    # Interrupted once it waits (its first status line), not while Python still imports
+    # it on a busy machine.
+    assert waiting.stderr is not None
+    assert select.select([waiting.stderr], [], [], 30)[0], "stage --wait said nothing"
+    first = waiting.stderr.readline()
     waiting.send_signal(signal.SIGINT)
     _, err = waiting.communicate(timeout=15)
+    err = first + err
     assert waiting.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
