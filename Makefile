@@ -11,12 +11,21 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 # The first build downloads and installs torch and the rest (a few minutes): pip shows
-# each package as it goes, so a newcomer sees it move.
+# each package as it goes, but its bar is silent off a terminal (a log, CI) for the
+# minute torch takes, so a line every $(HEARTBEAT_S) s says the build is still moving.
+HEARTBEAT_S ?= 15
 $(STAMP): pyproject.toml constraints.txt
 	@echo "== installing stager and its packages into $(VENV) (first time only; a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --progress-bar on --upgrade pip
-	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[train,test]'
+	@start=$$(date +%s); \
+	(while sleep $(HEARTBEAT_S); do \
+		echo "== still installing: $$(( $$(date +%s) - start )) s, $$(du -sm $(VENV) | cut -f1) MB in $(VENV)"; \
+	done) & beat=$$!; \
+	trap 'kill $$beat 2>/dev/null' EXIT; \
+	run() { echo "$$*"; "$$@"; }; \
+	set -e; \
+	run $(BIN)/pip install --progress-bar on --upgrade pip; \
+	run $(BIN)/pip install --progress-bar on -c constraints.txt -e '.[train,test]'
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 

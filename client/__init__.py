@@ -11,6 +11,7 @@ Importing this package loads httpx and pydantic only (the wire models come from
 from __future__ import annotations
 
 from client._client import (
+    DEFAULT_AWAIT_REQUEST_S,
     DEFAULT_RETRY_FOR_S,
     DEFAULT_TIMEOUT_S,
     AsyncStagerClient,
@@ -47,6 +48,7 @@ from stager.schemas import (
 )
 
 __all__ = [
+    "DEFAULT_AWAIT_REQUEST_S",
     "DEFAULT_RETRY_FOR_S",
     "DEFAULT_TIMEOUT_S",
     "AsyncStagerClient",

@@ -47,6 +47,9 @@ StatusCallback = Callable[[DatasetPublic], None]
 
 DEFAULT_TIMEOUT_S = 10.0  # plain requests; the daemon answers status in milliseconds
 DEFAULT_RETRY_FOR_S = 30.0  # how long wait/stage keep trying an unreachable daemon
+# How long a wait gives a name the daemon does not know to be requested, from the
+# daemon's first answer: in a job the wait may start before the stage request lands.
+DEFAULT_AWAIT_REQUEST_S = 60.0
 LONG_POLL_MAX_S = 60.0  # one long-poll; short enough to notice a hung daemon
 READ_MARGIN_S = 10.0  # a long-poll's read timeout is its length plus this
 
@@ -169,11 +172,11 @@ def _timed_out(status: DatasetPublic, timeout: float) -> WaitTimeout:
 
 
 class _NotRequestedYet:
-    """A wait that began before the stage request (the prolog stages while the batch
-    script already waits), when its caller says so (``await_request``): keep waiting,
-    say so once, and at the end name the datasets the daemon does know, so a typo
-    shows. Without ``await_request`` a name the daemon does not know fails at once:
-    nobody waits forever on a typo."""
+    """A wait that began before its stage request (a rank waits while another rank asks;
+    the prolog stages while the batch script already waits): keep asking for ``grace``
+    seconds from the daemon's first "no such name" (so a daemon still starting does not
+    eat into it; None: as long as the caller's timeout), say so once, then fail as an
+    unknown name does, with the daemon's sentence: a typo still ends."""
 
     pause_s = 0.5
 
@@ -182,31 +185,62 @@ class _NotRequestedYet:
         name: str,
         deadline: float | None,
         clock: Callable[[], float],
-        await_request: float | None = 0.0,
+        grace: float | None = DEFAULT_AWAIT_REQUEST_S,
     ) -> None:
-        self.name, self.clock = name, clock
-        self.await_request = await_request
-        if await_request is not None:
-            until = clock() + await_request
-            deadline = until if deadline is None else min(deadline, until)
-        self.deadline = deadline
+        self.name, self.deadline, self.clock, self.grace = name, deadline, clock, grace
+        self.since: float | None = None  # the daemon's first "no such name"
         self.said = False
 
     def pause(self, say: Callable[[str], None] | None) -> float | None:
-        """Seconds to sleep before asking again, or None once the deadline has passed."""
+        """Seconds to sleep before asking again, or None once the grace or the caller's
+        timeout has passed (`grace_ended` says which)."""
+        now = self.clock()
+        if self.since is None:
+            self.since = now
+        if self.grace == 0:
+            return None
         if not self.said and say is not None:
-            say(f"dataset {self.name!r} has not been requested yet; waiting for its stage request")
+            up_to = "" if self.grace is None else f"up to {self.grace:g} s "
+            say(
+                f"dataset {self.name!r} has not been requested yet; "
+                f"waiting {up_to}for its stage request"
+            )
         self.said = True
-        if self.deadline is None:
+        end = self._end()
+        if end is None:
             return self.pause_s
-        left = self.deadline - self.clock()
+        left = end - now
         return min(self.pause_s, left) if left > 0 else None
+
+    def _end(self) -> float | None:
+        ends = [x for x in (self.deadline, self._grace_end()) if x is not None]
+        return min(ends, default=None)
+
+    def _grace_end(self) -> float | None:
+        return None if self.grace is None or self.since is None else self.since + self.grace
+
+    @property
+    def grace_ended(self) -> bool:
+        """The grace ran out before the caller's timeout: the name is unknown, not late."""
+        grace_end = self._grace_end()
+        return grace_end is not None and (self.deadline is None or grace_end < self.deadline)
+
+    def unknown(self, exc: DatasetNotFound) -> DatasetNotFound:
+        """The daemon's own "no dataset named" sentence, saying how long it waited."""
+        if not self.grace:
+            return exc
+        error = DatasetNotFound(
+            f"{exc.message}; no stage request for it came in {self.grace:g} s",
+            type=exc.type,
+            status_code=exc.status_code,
+        )
+        error.waited = self.grace
+        return error
 
     def timed_out(self, timeout: float | None, known: list[DatasetPublic]) -> NeverRequested:
         names = ", ".join(sorted(s.name for s in known)) or "none"
-        waited = min((x for x in (timeout, self.await_request) if x is not None), default=0.0)
         return NeverRequested(
-            f"dataset {self.name!r} was never requested in {waited:g} s (the daemon "
+            f"dataset {self.name!r} was never requested in {timeout or 0.0:g} s (the daemon "
             f"knows: {names}); check the name, and that the job's stage request ran",
             name=self.name,
         )
@@ -230,9 +264,15 @@ class Backoff:
     first_s = 0.05
     cap_s = 0.5  # a daemon coming up is noticed within half a second
 
-    def __init__(self, budget: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        budget: float,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         self.budget = budget
         self.clock = clock
+        self.say = say  # told at each streak's start: a wait never sits silent
         self.reset()
 
     def reset(self) -> None:
@@ -241,7 +281,8 @@ class Backoff:
 
     def delay(self, exc: DaemonUnavailable, deadline: float | None = None) -> float:
         now = self.clock()
-        if self._since is None:
+        starts = self._since is None
+        if starts:
             self._since = now
         limit = self._since + self.budget
         if deadline is not None:
@@ -249,6 +290,8 @@ class Backoff:
         if now >= limit:
             spent = now - self._since
             raise (exc.after_retries(spent) if spent > 0 else exc) from exc
+        if starts and self.say is not None:
+            self.say(f"{exc.problem}; retrying for up to {limit - now:.3g} s")
         pause = min(self._next, limit - now)
         self._next = min(self._next * 2, self.cap_s)
         return pause
@@ -324,10 +367,12 @@ class _Base:
         timeout: float,
         retry_for: float,
         env: Mapping[str, str] | None,
+        on_retry: Callable[[str], None] | None,
     ) -> None:
         self.endpoint = discover(url, token, env)
         self.timeout = timeout
         self.retry_for = retry_for
+        self.on_retry = on_retry
 
     @property
     def url(self) -> str:
@@ -346,6 +391,8 @@ class StagerClient(_Base):
 
     ``StagerClient()`` finds the daemon from ``STAGER_URL`` or the default socket.
     ``transport`` replaces the network (``httpx.MockTransport`` in tests).
+    ``on_retry`` is told, once a streak, that the daemon does not answer and for how
+    long ``wait`` and ``submit`` keep trying.
     """
 
     def __init__(
@@ -358,9 +405,10 @@ class StagerClient(_Base):
         retry_for: float = DEFAULT_RETRY_FOR_S,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_retry: Callable[[str], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(url, token, timeout, retry_for, env)
+        super().__init__(url, token, timeout, retry_for, env, on_retry)
         self._clock = clock
         self._sleep = sleep
         self._http = httpx.Client(
@@ -413,7 +461,7 @@ class StagerClient(_Base):
         """POST a full request body (a ``DatasetCreate`` or its JSON form); retried while
         the daemon is unreachable, which is safe because staging is idempotent by name+spec."""
         payload = _plain(body)
-        backoff = Backoff(self.retry_for, self._clock)
+        backoff = Backoff(self.retry_for, self._clock, self.on_retry)
         while True:
             try:
                 return self._call(
@@ -434,26 +482,28 @@ class StagerClient(_Base):
         on_status: StatusCallback | None = None,
         interval: float | None = None,
         on_not_requested: Callable[[str], None] | None = None,
-        await_request: float | None = 0.0,
+        await_request: float | None = DEFAULT_AWAIT_REQUEST_S,
     ) -> DatasetPublic:
         """Block until ``name`` is ready and return its status (``.path``).
 
         Long-polls the daemon, so it returns within milliseconds of the dataset
         becoming ready. ``timeout=None`` waits forever. ``on_status`` gets every
         status seen, at least every ``interval`` seconds (for progress displays).
-        A name the daemon does not know raises `DatasetNotFound` at once, unless
-        ``await_request`` gives seconds (None: as long as ``timeout``) to wait for its
-        stage request, which may still be on its way; ``on_not_requested`` then gets
-        one sentence saying so.
+        A name the daemon does not know may be requested within ``await_request``
+        seconds of the daemon's first answer (its stage request may still be on its way;
+        None: as long as ``timeout``, 0: fail at once); ``on_not_requested`` gets one
+        sentence saying the wait is waiting for it. After that it raises
+        `DatasetNotFound` with the daemon's sentence.
         Raises `StagingFailed`, `WaitTimeout` (`NeverRequested`), `DatasetNotFound` or
         `DaemonUnavailable`.
         """
         start = self._clock()
         deadline = None if timeout is None else start + timeout
-        backoff = Backoff(self.retry_for, self._clock)
+        backoff = Backoff(self.retry_for, self._clock, self.on_retry)
         unknown = _NotRequestedYet(name, deadline, self._clock, await_request)
+        seen = on_status is None  # a display shows the first status at once, not a poll later
         while True:
-            poll = _poll_length(deadline, self._clock(), interval)
+            poll = _poll_length(deadline, self._clock(), interval) if seen else 0.0
             try:
                 status = self._call(
                     "GET",
@@ -466,14 +516,15 @@ class StagerClient(_Base):
             except DaemonUnavailable as exc:
                 self._sleep(backoff.delay(exc, deadline))
                 continue
-            except DatasetNotFound:
-                if unknown.await_request == 0:
-                    raise
+            except DatasetNotFound as exc:
                 if (pause := unknown.pause(on_not_requested)) is None:
+                    if unknown.grace_ended:
+                        raise unknown.unknown(exc) from None
                     raise unknown.timed_out(timeout, self.list()) from None
                 self._sleep(pause)
                 continue
             backoff.reset()
+            seen = True
             if on_status is not None:
                 on_status(status)
             if outcome(status) is not None:
@@ -522,8 +573,9 @@ class AsyncStagerClient(_Base):
         retry_for: float = DEFAULT_RETRY_FOR_S,
         env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_retry: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(url, token, timeout, retry_for, env)
+        super().__init__(url, token, timeout, retry_for, env, on_retry)
         self._clock = clock
         self._http = httpx.AsyncClient(
             transport=transport or self.endpoint.async_transport(), **self._http_args()
@@ -569,7 +621,7 @@ class AsyncStagerClient(_Base):
 
     async def submit(self, body: Mapping[str, Any] | BaseModel) -> DatasetPublic:
         payload = _plain(body)
-        backoff = Backoff(self.retry_for, self._clock)
+        backoff = Backoff(self.retry_for, self._clock, self.on_retry)
         while True:
             try:
                 return await self._call(
@@ -589,14 +641,15 @@ class AsyncStagerClient(_Base):
         on_status: StatusCallback | None = None,
         interval: float | None = None,
         on_not_requested: Callable[[str], None] | None = None,
-        await_request: float | None = 0.0,
+        await_request: float | None = DEFAULT_AWAIT_REQUEST_S,
     ) -> DatasetPublic:
         """See `StagerClient.wait`."""
         deadline = None if timeout is None else self._clock() + timeout
-        backoff = Backoff(self.retry_for, self._clock)
+        backoff = Backoff(self.retry_for, self._clock, self.on_retry)
         unknown = _NotRequestedYet(name, deadline, self._clock, await_request)
+        seen = on_status is None  # a display shows the first status at once, not a poll later
         while True:
-            poll = _poll_length(deadline, self._clock(), interval)
+            poll = _poll_length(deadline, self._clock(), interval) if seen else 0.0
             try:
                 status = await self._call(
                     "GET",
@@ -609,14 +662,15 @@ class AsyncStagerClient(_Base):
             except DaemonUnavailable as exc:
                 await asyncio.sleep(backoff.delay(exc, deadline))
                 continue
-            except DatasetNotFound:
-                if unknown.await_request == 0:
-                    raise
+            except DatasetNotFound as exc:
                 if (pause := unknown.pause(on_not_requested)) is None:
+                    if unknown.grace_ended:
+                        raise unknown.unknown(exc) from None
                     raise unknown.timed_out(timeout, await self.list()) from None
                 await asyncio.sleep(pause)
                 continue
             backoff.reset()
+            seen = True
             if on_status is not None:
                 on_status(status)
             if outcome(status) is not None:

@@ -58,7 +58,9 @@ def describe_step(p: ProgressPublic) -> str:
 def summary(status: DatasetPublic) -> str:
     """One line saying where a dataset is; the same words in every mode."""
     if status.state == State.READY:
-        return f"{status.name}: ready at {status.path} ({decimal(status.size_bytes)})"
+        return (
+            f"{status.name}: ready at {status.path} ({decimal(status.size_bytes)}{_kind(status)})"
+        )
     if status.state.terminal:
         reason = f": {status.error.message}" if status.error else ""
         return f"{status.name}: {status.state}{reason}"
@@ -67,6 +69,15 @@ def summary(status: DatasetPublic) -> str:
         return f"{status.name}: queued"
     parts = [describe_step(p), describe_bytes(p), describe_files(p), describe_rate(p)]
     return f"{status.name}: staging {', '.join(x for x in parts if x)}, {describe_eta(p)}"
+
+
+def _kind(status: DatasetPublic) -> str:
+    """An image dataset is read-only and goes with its mount: say so where its path is."""
+    image = status.image
+    if image is None:
+        return ""
+    by = "the kernel" if image.mount == "kernel" else "FUSE"
+    return f"; a read-only {image.format} image mounted by {by}"
 
 
 def describe_origin(status: DatasetPublic) -> str:

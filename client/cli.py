@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from client._client import AsyncStagerClient, stage_body
+from client._client import DEFAULT_AWAIT_REQUEST_S, AsyncStagerClient, stage_body
 from client._progress import (
     BarDisplay,
     Display,
@@ -39,9 +39,13 @@ from client.errors import (
     WaitTimeout,
 )
 from client.hints import in_user_terms
-from stager import __version__
-from stager.completion import add_completion, print_completion
-from stager.recipe_listing import format_listing
+from stager.cli_common import (
+    SuggestingParser,
+    __version__,
+    add_completion,
+    format_listing,
+    print_completion,
+)
 from stager.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
 
 EXIT_OK = 0  # every dataset asked for is ready (or the command did what it said)
@@ -109,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="no progress and no messages; only errors and results",
     )
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="stager-client",
         description="Stage datasets onto this node through the stager daemon, and wait for them.",
         epilog=EPILOG,
@@ -281,11 +285,12 @@ def _add_wait(commands: Any, common: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--await-request",
         type=_seconds,
-        default=0.0,
+        default=DEFAULT_AWAIT_REQUEST_S,
         metavar="S",
-        help="a NAME the daemon does not know yet may be requested within S seconds (its "
-        "stage request is still on its way, e.g. from another job step); default 0: an "
-        "unknown NAME fails at once (exit 3)",
+        help="a NAME the daemon does not know yet may be requested within S seconds of the "
+        "daemon's first answer (its stage request may still be on its way, e.g. from "
+        f"another rank or job step; default {DEFAULT_AWAIT_REQUEST_S:g}); then it fails "
+        "(exit 3); 0: at once",
     )
     _add_wait_flags(sub)
     _add_json(sub, "print the final statuses as the API's DatasetsPublic JSON")
@@ -439,7 +444,8 @@ async def wait_all(
                 on_status=display.update,
                 interval=interval,
                 on_not_requested=lambda sentence: _say(args, sentence),
-                await_request=getattr(args, "await_request", 0.0),
+                # `stage --wait` has just made its name known
+                await_request=getattr(args, "await_request", DEFAULT_AWAIT_REQUEST_S),
             )
         )
         for name in names
@@ -601,7 +607,11 @@ def describe(exc: StagerError, args: argparse.Namespace | None = None) -> str:
         return in_user_terms(f"dataset {exc.name!r} {exc.status.state}: {exc}")
     sentence = in_user_terms(str(exc))
     if isinstance(exc, DatasetNotFound) and args is not None and args.command == "wait":
-        sentence += "; if its stage request is still on its way, give --await-request S"
+        sentence += (
+            " (--await-request S waits longer)"
+            if exc.waited
+            else "; if its stage request is still on its way, give --await-request S"
+        )
     return sentence
 
 
@@ -613,10 +623,11 @@ def interrupted(args: argparse.Namespace) -> str:
     if args.command not in ("stage", "wait") or not names:
         return "stager-client: interrupted"
     shown = " ".join(names)
+    cancel = " or ".join(f"`stager-client cancel {name}`" for name in names)
     return (
         f"stager-client: interrupted; the daemon goes on staging {shown} (if it was "
         f"requested): `stager-client wait {shown}` waits again, "
-        f"`stager-client cancel NAME` stops one"
+        f"{cancel} stops {'it' if len(names) == 1 else 'one'}"
     )
 
 
@@ -629,7 +640,9 @@ def _report(args: argparse.Namespace, exc: StagerError) -> int:
 
 
 async def _run(args: argparse.Namespace, run: Callable[..., Awaitable[int]]) -> int:
-    async with AsyncStagerClient(args.url, retry_for=getattr(args, "retry_for", 0.0)) as client:
+    retry_for = getattr(args, "retry_for", 0.0)
+    on_retry = _sayer(args) if retry_for else None  # say at once what a retry waits for
+    async with AsyncStagerClient(args.url, retry_for=retry_for, on_retry=on_retry) as client:
         return await run(client, args)
 
 

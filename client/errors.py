@@ -89,7 +89,8 @@ class Unauthorized(RequestRejected):
 
 
 class DatasetNotFound(RequestRejected):
-    pass
+    # Seconds a wait gave the name's stage request before raising this (0: not a wait's).
+    waited: float = 0.0
 
 
 class Conflict(RequestRejected):

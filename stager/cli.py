@@ -20,7 +20,7 @@ import sys
 from pydantic import ValidationError
 
 from stager import __version__, prestart
-from stager.completion import add_completion, print_completion
+from stager.cli_common import SuggestingParser, add_completion, print_completion
 from stager.image import command as image_command
 from stager.settings import Settings, cli_flags, describe_error, environment_warnings
 
@@ -50,7 +50,7 @@ COMMAND_ONLY = {"command", "detach", "all", "json", "shell"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="stager",
         description="Per-node dataset staging and caching daemon for deep-learning jobs.",
         epilog=EPILOG,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -23,22 +24,34 @@ import pytest
 from tests.imports import loaded_modules
 
 REPO = Path(__file__).resolve().parents[1]
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+# The sentence of docs/architecture.md that states the rule, from its start to its test.
+RULE = re.compile(
+    r"The client\s+imports nothing of the daemon but the wire layer:(.*?)"
+    r"`tests/test_import_graph\.py`\s+checks",
+    re.S,
+)
 
-# The wire layer: all the client may import of `stager`. The HTTP API's models, the
-# manifest a fan-out checks a broadcast copy against (standard library only), and the
-# package itself (its version; it imports nothing).
-# recipe_listing: the recipes as text, printed alike by `stager` and `stager-client`;
-# completion: the shell completion all three commands print.
-WIRE = {
-    "stager",
-    "stager.schemas",
-    "stager.manifest_format",
-    "stager.recipe_listing",
-    "stager.completion",
-}
-# ProgressPublic, a wire model, is defined with the rest of the progress channel, so
-# the wire layer stands on stager/progress.py, which imports nothing of stager.
-WIRE_STANDS_ON = {"stager.progress"}
+
+def wire_layer(text: str) -> set[str]:
+    """The modules the documented rule names (``stager/x.py`` -> ``stager.x``): all the
+    client and the trainer may import of ``stager``. Read from the doc, so the rule and
+    its test cannot drift apart (a module let in here is one the doc names)."""
+    rule = RULE.search(text)
+    assert rule, "docs/architecture.md no longer states the client's import rule"
+    return {
+        path.removesuffix(".py").replace("/", ".")
+        for path in re.findall(r"`(stager/[\w/]+\.py)`", rule.group(1))
+    }
+
+
+WIRE = wire_layer(ARCHITECTURE.read_text())
+# What the wire layer itself stands on: ProgressPublic, a wire model, is defined with the
+# rest of the progress channel (stager/progress.py, which imports nothing of stager), and
+# the command lines' "did you mean" is the daemon's own (stager/suggest.py, difflib).
+WIRE_STANDS_ON = {"stager.progress", "stager.suggest"}
+# The package itself: imported with any of its modules, it holds only the version.
+ROOT = "stager"
 
 
 def modules(package: Path) -> dict[str, Path]:
@@ -100,16 +113,37 @@ def in_stager(name: str) -> bool:
     return name == "stager" or name.startswith("stager.")
 
 
-def test_the_client_imports_nothing_of_stager_but_the_wire_layer():
+def stray_imports(package: Path, wire: Collection[str]) -> list[str]:
+    """Every import of ``stager`` by a module of ``package`` that is not of ``wire``."""
     stager = modules(REPO / "stager")
-    assert WIRE <= set(stager), "a module named in WIRE is gone; update WIRE"
-    found = sorted(
+    return sorted(
         f"{name} imports {target}"
-        for name, path in modules(REPO / "client").items()
+        for name, path in modules(package).items()
         for target in imported(path, stager)
-        if in_stager(target) and target not in WIRE
+        if in_stager(target) and target not in wire
     )
-    assert not found, f"the client may import only {sorted(WIRE)} of stager: {found}"
+
+
+@pytest.mark.parametrize("package", ["client", "trainer"])
+def test_the_client_and_trainer_import_nothing_of_stager_but_the_wire_layer(package):
+    assert WIRE <= set(modules(REPO / "stager")), "docs/architecture.md names a module that is gone"
+    found = stray_imports(REPO / package, WIRE)
+    assert not found, (
+        f"{package}/ may import only {sorted(WIRE)} of stager (docs/architecture.md, "
+        f"the client's import rule): {found}"
+    )
+
+
+def test_the_rule_is_read_from_the_doc_and_a_stray_import_is_found(tmp_path):
+    assert WIRE == {"stager.schemas", "stager.manifest_format", "stager.cli_common"}
+    pkg = tmp_path / "client"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from stager.schemas import DatasetPublic\n")
+    (pkg / "late.py").write_text("def f():\n    from stager import __version__, engine\n")
+    assert stray_imports(pkg, WIRE) == [
+        "client.late imports stager",
+        "client.late imports stager.engine",
+    ]
 
 
 def test_the_wire_layer_stands_on_nothing_else_of_stager():
@@ -131,7 +165,7 @@ def test_the_manifest_format_needs_only_the_standard_library():
 def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
     loaded = loaded_modules(*(m for m in modules(REPO / "client") if not m.endswith("__main__")))
     assert "client.fanout.agent" in loaded
-    beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON)
+    beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT})
     assert not beyond, f"importing the client loads {beyond}"
 
 
@@ -142,7 +176,7 @@ def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     (floor, frozenset(names))
     for floor, names in (
-        ("wire", WIRE | WIRE_STANDS_ON),
+        ("wire", WIRE | WIRE_STANDS_ON | {ROOT}),
         # The C library, for the system calls ``os`` lacks: it imports nothing of stager.
         ("libc", {"stager.libc"}),
         # Leaves every floor may use: they import nothing of stager but its libc.
@@ -158,7 +192,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.slurm",
                 "stager.vouch",
                 "stager.redact",
-                "stager.suggest",
                 "stager.downloads",
                 "stager.rights.become",
                 "stager.prestart",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,17 @@ def training_size() -> tuple[int, int, int]:
     cores = len(os.sched_getaffinity(0))
     processes = 2 if cores >= 2 else 1
     return processes, max(12, STEPS_PER_CORE * cores), max(1, cores // processes)
+
+
+def cpu_model() -> str:
+    """The CPU's name: PyTorch picks its kernels by the CPU, so the accuracy's last
+    digits differ from one CPU to another (README's spread)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else (platform.machine() or "an unknown CPU")
 
 
 def banner(step: str) -> None:
@@ -170,6 +182,8 @@ def main() -> int:
     print(f"job's link    : {link} -> {os.readlink(link)}")
     print(f"training out  : {job / 'train'}")
     print(f"training      : {_epoch_summary(job / 'train' / 'epochs.csv')}")
+    # The same figure on every run of one machine; another CPU rounds differently (README).
+    print(f"on            : {len(os.sched_getaffinity(0))} cores of {cpu_model()}")
     if outcome.get("hit"):
         print("cache         : HIT - the dataset was already staged on this node; nothing copied")
     else:

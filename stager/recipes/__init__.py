@@ -18,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from stager.cli_common import format_listing
 from stager.errors import BadRequest, SourceNotFound, UnknownRecipe
 from stager.ops import table
-from stager.recipe_listing import format_listing
 from stager.recipes.model import (
     RecipeFile,
     RecipeFileError,

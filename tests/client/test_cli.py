@@ -80,8 +80,9 @@ def test_wait_started_before_the_stage_request_waits_for_it(daemon: Daemon, tree
 def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
     daemon: Daemon, tree: Path
 ) -> None:
+    """A --timeout shorter than the grace for the stage request ends the wait: exit 4."""
     assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
-    done = run_cli(daemon, "wait", "inta", "--await-request", "1")
+    done = run_cli(daemon, "wait", "inta", "--timeout", "1")
     assert done.returncode == EXIT_TIMEOUT, done.stderr
     assert "dataset 'inta' was never requested in 1 s (the daemon knows: inat)" in done.stderr
 
@@ -89,10 +90,11 @@ def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
 def test_wait_for_a_name_nobody_requested_fails_at_once_with_did_you_mean(
     daemon: Daemon, tree: Path
 ) -> None:
-    """On 989b0ea `wait nosuch` with no --timeout waited forever."""
+    """On 989b0ea `wait nosuch` with no --timeout waited forever; --await-request 0 gives
+    its stage request no time at all."""
     assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
     started = time.monotonic()
-    done = run_cli(daemon, "wait", "inta")
+    done = run_cli(daemon, "wait", "inta", "--await-request", "0")
     assert time.monotonic() - started < 10
     assert done.returncode == EXIT_REJECTED, done.stderr
     assert done.stderr.strip() == (
@@ -330,3 +332,51 @@ def test_inside_a_slurm_job_stage_leases_for_the_job_unless_told_not_to(
     assert bare.returncode == EXIT_OK, bare.stderr
     status = DatasetPublic.model_validate_json(run_cli(daemon, "status", "k", "--json").stdout)
     assert status.leases == []
+
+
+def test_a_wait_started_before_the_daemon_and_its_stage_request_gets_ready(
+    tmp_path: Path, tree: Path
+) -> None:
+    """A rank waits while another rank asks, in a job whose daemon is still starting:
+    with no flag, the wait gives the request its default grace (60 s from the daemon's
+    first answer). Before, it exited 3 at the daemon's first answer."""
+    daemon = Daemon(cache_dir=tmp_path / "cache")
+    waiting = start_cli(daemon, "wait", "early", "--timeout", "120")
+    try:
+        time.sleep(1.0)  # it retries a daemon that is not there
+        daemon.start()
+        time.sleep(2.0)  # the daemon answers: no dataset named 'early', several times
+        assert waiting.poll() is None, waiting.communicate()[1]
+        stage(daemon, "early", copy_step(tree))
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+        daemon.cleanup()
+    assert waiting.returncode == EXIT_OK, err
+    assert digest(Path(out.strip())) == digest(tree)
+    assert "dataset 'early' has not been requested yet; waiting up to 60 s" in err
+
+
+def test_a_wait_for_a_name_never_asked_for_exits_3_after_its_grace(tmp_path: Path) -> None:
+    """The grace counts from the daemon's first answer (a daemon still starting does not
+    use it up), then the wait fails as an unknown name does: exit 3, the daemon's
+    sentence. Before, --await-request counted from the start and ended in exit 4."""
+    daemon = Daemon(cache_dir=tmp_path / "cache")
+    waiting = start_cli(daemon, "wait", "nosuch", "--await-request", "2")
+    try:
+        time.sleep(3.0)  # longer than the grace, with no daemon yet
+        daemon.start()
+        up = time.monotonic()
+        _, err = waiting.communicate(timeout=60)
+        waited = time.monotonic() - up
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+        daemon.cleanup()
+    assert waiting.returncode == EXIT_REJECTED, err
+    assert waited >= 1.5, f"the grace ended {waited:.1f} s after the daemon came up"
+    assert err.strip().splitlines()[-1] == (
+        "stager-client: no dataset named 'nosuch'; `stager-client ls` lists the known ones; "
+        "no stage request for it came in 2 s (--await-request S waits longer)"
+    )

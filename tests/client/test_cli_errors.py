@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import select
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -50,9 +50,10 @@ def test_every_error_path_of_every_command(daemon: Daemon, tree: Path, tmp_path:
     (no_train / "cats" / "a.jpg").write_bytes(b"x")
 
     # status, cancel, release, wait: a name nobody staged, with the close one offered.
-    for command in ("status", "cancel", "release", "wait"):
+    # (wait: after its grace for the stage request, a short one here)
+    for command in ("status", "cancel", "release", "wait --await-request 0.5"):
         checked(
-            run_cli(daemon, command, "mycpy"),
+            run_cli(daemon, *command.split(), "mycpy"),
             EXIT_REJECTED,
             "no dataset named 'mycpy'; did you mean 'mycopy'? `stager-client ls` lists the "
             "known ones",
@@ -155,14 +156,19 @@ def test_ctrl_c_during_wait_says_the_staging_goes_on_and_how_to_cancel(
     daemon: Daemon, slow_url: str
 ) -> None:
     waiting = start_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url), "--wait")
-    time.sleep(1.5)
+    # Interrupted once it waits (its first status line), not while Python still imports
+    # it on a busy machine.
+    assert waiting.stderr is not None
+    assert select.select([waiting.stderr], [], [], 30)[0], "stage --wait said nothing"
+    first = waiting.stderr.readline()
     waiting.send_signal(signal.SIGINT)
     _, err = waiting.communicate(timeout=15)
+    err = first + err
     assert waiting.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         "stager-client: interrupted; the daemon goes on staging slow (if it was requested): "
-        "`stager-client wait slow` waits again, `stager-client cancel NAME` stops one"
+        "`stager-client wait slow` waits again, `stager-client cancel slow` stops it"
     )
     with daemon.client() as http:
         assert http.get("/v1/datasets/slow").json()["state"] in ("queued", "staging", "ready")

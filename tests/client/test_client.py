@@ -174,15 +174,18 @@ def test_wait_timeout_uses_chunks_no_longer_than_what_is_left() -> None:
 
 
 def test_wait_reports_progress_at_the_interval() -> None:
-    seen = []
-    answers = iter([status(), status(state="ready", path="/p")])
+    """The first status at once (a display shows it without waiting a poll), then one
+    at least every interval."""
+    seen, polls = [], []
+    answers = iter([status(), status(), status(state="ready", path="/p")])
 
     def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.params["timeout"] == "0.5"
+        polls.append(request.url.params["timeout"])
         return httpx.Response(200, json=next(answers))
 
     client(handler).wait("d", on_status=seen.append, interval=0.5)
-    assert [s.state for s in seen] == ["staging", "ready"]
+    assert [s.state for s in seen] == ["staging", "staging", "ready"]
+    assert polls == ["0.0", "0.5", "0.5"]
 
 
 def test_wait_retries_a_daemon_that_is_not_up_yet_then_a_restart() -> None:
@@ -240,6 +243,43 @@ def test_wait_gives_up_on_a_gone_daemon_after_retry_for() -> None:
         client(refuse, fake, retry_for=3).wait("d")
     assert "did not come back after 3.0 s of retries" in str(info.value)
     assert sum(fake.sleeps) == pytest.approx(3.0) and max(fake.sleeps) == 0.5
+
+
+def test_a_wait_gives_an_unknown_name_its_grace_from_the_daemons_first_answer() -> None:
+    """10 s with no daemon, then 'no such name' until the grace (60 s by default) ends:
+    DatasetNotFound with the daemon's sentence, 60 s after its first answer, not 50. The
+    caller is told once of each: the silent daemon, the name not requested yet."""
+    fake, said = FakeTime(), []
+    not_found = {"error": {"type": "not_found", "message": "no dataset named 'x'"}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if fake.now < 10:
+            raise httpx.ConnectError("[Errno 2] No such file or directory", request=request)
+        return httpx.Response(404, json=not_found)
+
+    c = client(handler, fake, on_retry=said.append)
+    with pytest.raises(DatasetNotFound) as info:
+        c.wait("x", on_not_requested=said.append)
+    assert str(info.value) == "no dataset named 'x'; no stage request for it came in 60 s"
+    assert info.value.waited == 60
+    assert 70 <= fake.now < 71
+    assert said == [
+        "no stager daemon answers at unix:///nowhere.sock ([Errno 2] No such file or "
+        "directory); retrying for up to 30 s",
+        "dataset 'x' has not been requested yet; waiting up to 60 s for its stage request",
+    ]
+
+
+def test_a_wait_whose_request_lands_in_the_grace_returns_ready() -> None:
+    fake = FakeTime()
+    not_found = {"error": {"type": "not_found", "message": "no dataset named 'x'"}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if fake.now < 20:
+            return httpx.Response(404, json=not_found)
+        return httpx.Response(200, json=status("x", "ready", path="/p"))
+
+    assert client(handler, fake).wait("x").path == "/p"
 
 
 def test_wait_with_retry_for_zero_fails_at_once() -> None:
