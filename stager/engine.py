@@ -730,19 +730,24 @@ class Engine:
 
     async def gc(self, request: GcRequest, caller: Caller) -> GcResult:
         """Drop dead leases; evict unnamed (superseded) entries, or every unleased one
-        (in the node service only root may: other users' data is not the caller's)."""
+        (in the node service only root may: other users' data is not the caller's). In
+        the node service a user's gc touches only their own: their dead leases, their
+        own private copies that no name shows; shared entries belong to nobody, and are
+        root's to collect (and the cache's to evict for room)."""
         if request.all and self.settings.multi_user and not caller.is_root:
             raise Forbidden(
                 "only root may evict every unleased dataset of the node service; "
                 "DELETE your own datasets instead"
             )
-        dropped = await self._drop_dead_leases()
+        mine = self.settings.multi_user and not caller.is_root
+        dropped = await self._drop_dead_leases(caller.uid if mine else None)
         async with self._admission:
             named = {h.key for h in self._reg.handles.values()}
             victims = [
                 e
                 for e in cache.evictable(self.entries(), self.admission.protected())
-                if request.all or e.key not in named
+                if (request.all or e.key not in named)
+                and (not mine or cache.private_owner(e) == caller.uid)
             ]
             why = "by gc --all" if request.all else "by gc: no name refers to it any more"
             for victim in victims:
@@ -753,8 +758,9 @@ class Engine:
             leases_dropped=dropped,
         )
 
-    async def _drop_dead_leases(self) -> int:
-        leases = list(self._reg.leases.values())
+    async def _drop_dead_leases(self, owner: int | None = None) -> int:
+        """Drop leases past their time or their job (``owner``: that user's alone)."""
+        leases = [x for x in self._reg.leases.values() if owner is None or x.owner == owner]
         # SLURM is asked once per job, not per lease, and about every job at once: one
         # slow answer must not hold a sweep for minutes.
         jobs = sorted({x.slurm_job_id for x in leases if x.slurm_job_id is not None})

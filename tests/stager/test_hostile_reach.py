@@ -161,3 +161,63 @@ def test_a_cancelled_name_stays_cancelled_whatever_another_name_asks(
         code, answer = request(alice, service, "DELETE", "/v1/datasets/rb")
         assert code == 200 and answer["state"] == "cancelled", answer
         until_no_attempt(service)
+
+
+# ---- reach: what a user cannot list through the API, they cannot learn otherwise ---------------
+
+
+def stage_ready(user: User, service: Daemon, body: dict) -> dict:
+    code, answer = request(user, service, "POST", "/v1/datasets", body)
+    assert code in (200, 202), answer
+    ready = wait(user, service, body["name"])
+    assert ready["state"] == "ready", ready
+    return ready
+
+
+def test_the_caches_folders_mounts_and_gc_tell_a_user_nothing_of_anothers_data(
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
+) -> None:
+    """alice holds private copies (one no name shows any more, superseded by a newer
+    version of her file) and a superseded shared one. bob can list neither data/ (it was
+    0755, in a cache made by an earlier release) nor anything under the cache, finds no
+    key of hers in the mounts, and his gc evicts nothing of hers and names none of her
+    keys (it evicted them all and returned their keys). alice's gc takes her own
+    superseded copy alone; the shared one is root's to collect."""
+    alice, bob = users
+    secret = alice_home / "secret"
+    alice.run(["sh", "-c", f"mkdir -m 0700 {secret} && echo v1 > {secret}/notes"])
+    public = shared_tmp / "public"
+    public.mkdir(mode=0o755)
+    (public / "f").write_bytes(b"v1")
+    (public / "f").chmod(0o644)
+    cache = shared_tmp / "cache"
+    (cache / "data").mkdir(parents=True)
+    (cache / "data").chmod(0o755)  # as an earlier release left it
+    with node_service(cache) as service:
+        old = stage_ready(alice, service, copy("p", secret))["key"]
+        alice.run(["sh", "-c", f"echo version-two > {secret}/notes"])
+        new = stage_ready(alice, service, copy("p", secret))["key"]
+        shared_old = stage_ready(alice, service, copy("s", public))["key"]
+        (public / "f").write_bytes(b"version two")
+        shared_new = stage_ready(alice, service, copy("s", public))["key"]
+        assert len({old, new, shared_old, shared_new}) == 4
+        keys = (old, new)
+
+        assert (cache / "data").stat().st_mode & 0o777 == 0o711
+        listing = bob.run(["ls", "-a", str(cache / "data")])
+        assert listing.returncode != 0 and not any(k in listing.stdout for k in keys)
+        found = bob.run(["find", str(cache)])
+        assert not any(k in found.stdout + found.stderr for k in keys), found.stdout
+        mounts = bob.run(["cat", "/proc/mounts", "/proc/self/mountinfo"])
+        assert not any(k in mounts.stdout for k in keys)
+
+        code, answer = request(bob, service, "POST", "/v1/gc", {})
+        assert code == 200 and answer["evicted"] == [] and answer["freed_bytes"] == 0, answer
+        assert (cache / "data" / old).is_dir() and (cache / "data" / shared_old).is_dir()
+
+        code, answer = request(alice, service, "POST", "/v1/gc", {})
+        assert code == 200 and answer["evicted"] == [old], answer  # her own, alone
+        assert (cache / "data" / shared_old).is_dir()
+        assert status(alice, service, "p")["state"] == "ready"
+        code, answer = request(bob, service, "POST", "/v1/gc", {"all": True})
+        assert code == 403, answer
