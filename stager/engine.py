@@ -982,7 +982,7 @@ class Engine:
         the file: then that one fails naming it)."""
         reg = self._reg
         async with self._admission:
-            for handle in [h for h in reg.handles.values() if h.key == shared.key]:
+            for handle in self._wanting(shared):  # a name its owner ended wants nothing
                 owner = Caller.of_uid(handle.owner)
                 key = private_key(shared.key, owner.uid)
                 entry = reg.entries.get(key)
