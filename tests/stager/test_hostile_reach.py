@@ -7,6 +7,7 @@ Each test is an attack that worked on the service of an earlier release (f55a66a
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,3 +222,37 @@ def test_the_caches_folders_mounts_and_gc_tell_a_user_nothing_of_anothers_data(
         assert status(alice, service, "p")["state"] == "ready"
         code, answer = request(bob, service, "POST", "/v1/gc", {"all": True})
         assert code == 403, answer
+
+
+def test_a_name_that_joins_a_staging_being_cancelled_is_not_cancelled_with_it(
+    users: tuple[User, User], shared_tmp: Path
+) -> None:
+    """alice cancels ``ra`` while its download hangs (the staging takes its grace to
+    stop) and asks for ``rb``, the same steps, meanwhile: ``rb`` joined a staging about
+    to end cancelled, which it never asked for. The staging goes on for ``rb`` (it ended
+    cancelled), and ``ra`` stays cancelled."""
+    alice, _ = users
+    hold = threading.Event()
+    behaviour = Behaviour(files={"/held.bin?x": b"h" * 1000}, hold=hold)
+    with (
+        serve_files(behaviour) as base,
+        node_service(shared_tmp / "cache", "--cancel-grace", "4") as service,
+    ):
+        url = f"{base}/held.bin?x"
+        assert request(alice, service, "POST", "/v1/datasets", fetch("ra", url))[0] == 202
+        until_state(alice, service, "ra", "staging")
+        deadline = time.monotonic() + 10
+        while behaviour.requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the download hangs in the server
+        argv = ["curl", "-s", "--unix-socket", str(service.socket), "-X", "DELETE"]
+        cancelling = alice.popen([*argv, "http://stager/v1/datasets/ra"])
+        try:
+            time.sleep(0.5)
+            code, answer = request(alice, service, "POST", "/v1/datasets", fetch("rb", url))
+            assert code == 202 and answer["state"] == "staging", answer  # joined the cancel
+        finally:
+            cancelling.wait(30)
+        hold.set()
+        done = wait(alice, service, "rb")
+        assert done["state"] == "ready", done
+        assert status(alice, service, "ra")["state"] == "cancelled"
