@@ -11,9 +11,12 @@ fan-out room alike:
   being staged, or being packed to be sent: never evicted.
 - **Slots** (:class:`FairQueue`): queued stagings wait per user and are served
   round-robin between users, so one user's hundred queued stagings delay another's
-  one by at most one staging per slot. In the node service each user runs at most
-  ``max_stagings_per_user`` at once (so that slots are always left for others) and
-  queues at most ``max_queued_per_user``; a request past that is refused (429).
+  one by at most one staging per slot. A staging several users asked for (a join)
+  waits in the turn of each of them and runs in the first of those turns to come,
+  so a join never runs later than the joiner's own staging would have. In the node
+  service each user runs at most ``max_stagings_per_user`` at once (so that slots
+  are always left for others) and queues at most ``max_queued_per_user``; a request
+  past that is refused (429).
 
 Reservations held by transfers come from the fan-out room (``held``): room promised
 and not written yet is not free, and counts against its user's quota.
@@ -66,11 +69,17 @@ class Books(Protocol):
 class FairQueue:
     """Stagings waiting for a slot, per user, served round-robin between users.
 
-    ``running_cap``: the most stagings one user runs at once (None: no cap)."""
+    A staging waits in the turn of every user who asked for it (its askers: the first,
+    and each user who joined it while it was queued), and runs in the first of their
+    turns that comes while that user is under the cap. It is charged to that user, as
+    their own staging would have been: the turn it took was theirs, and it gave them
+    what they asked for. ``running_cap``: the most stagings one user runs at once (None:
+    no cap)."""
 
     def __init__(self, running_cap: int | None = None) -> None:
         self.running_cap = running_cap
         self._queued: dict[int, deque[str]] = {}
+        self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
         self._running: dict[int, int] = {}
         # Set on every change that may let a waiting worker go. Everything here runs on
@@ -78,19 +87,27 @@ class FairQueue:
         self._changed = asyncio.Event()
 
     def put(self, key: str, owner: int) -> None:
+        """``owner`` asks for ``key`` (queued anew, or joined): it waits in their turn
+        too. Asking twice changes nothing."""
+        askers = self._askers.setdefault(key, set())
+        if owner in askers:
+            return
+        askers.add(owner)
         if owner not in self._queued:
             self._queued[owner] = deque()
             self._turn.append(owner)
         self._queued[owner].append(key)
         self._wake()
 
-    def discard(self, key: str, owner: int) -> None:
-        """A queued staging cancelled before it ran."""
-        queued = self._queued.get(owner)
-        if queued is not None and key in queued:
-            queued.remove(key)
-            if not queued:
-                self._forget(owner)
+    def discard(self, key: str, owner: int | None = None) -> None:
+        """``owner`` no longer asks for a queued staging (None: nobody does, it was
+        cancelled before it ran)."""
+        askers = self._askers.get(key, set())
+        for asker in list(askers) if owner is None else [owner]:
+            askers.discard(asker)
+            self._withdraw(key, asker)
+        if not askers:
+            self._askers.pop(key, None)
 
     def queued_by(self, owner: int) -> int:
         return len(self._queued.get(owner, ()))
@@ -99,27 +116,28 @@ class FairQueue:
         return self._running.get(owner, 0)
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queued.values())
+        return len(self._askers)
 
     async def get(self) -> tuple[str, int]:
-        """The next staging to run and its user: the first user in turn who has one
-        queued and is under the cap; that user goes to the back of the turn."""
+        """The next staging to run and the user it is charged to: the first user in
+        turn who has one queued and is under the cap; that user goes to the back of the
+        turn, and the staging leaves every other asker's turn."""
         while True:
             for _ in range(len(self._turn)):
                 owner = self._turn[0]
                 self._turn.rotate(-1)
                 if self.running_cap is not None and self.running_by(owner) >= self.running_cap:
                     continue
-                key = self._queued[owner].popleft()
-                if not self._queued[owner]:
-                    self._forget(owner)
+                key = self._queued[owner][0]
+                for asker in self._askers.pop(key, {owner}):
+                    self._withdraw(key, asker)
                 self._running[owner] = self.running_by(owner) + 1
                 return key, owner
             self._changed.clear()
             await self._changed.wait()
 
     def finished(self, owner: int) -> None:
-        """A staging of ``owner``'s has ended: their slot is free."""
+        """A staging charged to ``owner`` has ended: their slot is free."""
         left = self.running_by(owner) - 1
         if left > 0:
             self._running[owner] = left
@@ -127,9 +145,13 @@ class FairQueue:
             self._running.pop(owner, None)
         self._wake()
 
-    def _forget(self, owner: int) -> None:
-        del self._queued[owner]
-        self._turn.remove(owner)
+    def _withdraw(self, key: str, owner: int) -> None:
+        queued = self._queued.get(owner)
+        if queued is not None and key in queued:
+            queued.remove(key)
+            if not queued:
+                del self._queued[owner]
+                self._turn.remove(owner)
 
     def _wake(self) -> None:
         self._changed.set()

@@ -37,6 +37,8 @@ from stager.schemas import (
     TorchvisionUsage,
 )
 
+CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
+
 ALLOWED = {
     State.QUEUED: {State.STAGING, State.CANCELLED, State.FAILED},
     State.STAGING: {State.READY, State.FAILED, State.CANCELLED, State.QUEUED},
@@ -146,6 +148,10 @@ class Handle:
     link: str | None = None
     created_at: datetime = field(default_factory=now)
     hit: bool = False  # the latest request for this name found the data already cached
+    # Its owner ended it (cancelled while queued or staging, or evicted): the name shows
+    # that end whatever becomes of its entry, which another name may stage again, and
+    # wants nothing of it any more. Its owner's next request for it clears it.
+    ended: State | None = None
 
     @property
     def id(self) -> tuple[int, str]:
@@ -202,6 +208,8 @@ def _image(entry: Entry, data_dir: Path) -> ImagePublic | None:
 def public_view(
     handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
+    if handle.ended is not None and entry.state != handle.ended:
+        return _ended_view(handle, entry, data_dir, leases)
     # The path is where the data will be once ready; it does not exist before the
     # atomic publish, so nobody can read a half-staged tree through it.
     return DatasetPublic(
@@ -221,5 +229,26 @@ def public_view(
         origin=public_origin(entry, handle.hit, of_another=_staged_for_another(entry, handle)),
         image=_image(entry, data_dir) if entry.state == State.READY else None,
         created_at=min(handle.created_at, entry.created_at),
+        updated_at=entry.updated_at,
+    )
+
+
+def _ended_view(
+    handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
+) -> DatasetPublic:
+    """A name its owner ended: that end, whatever another name has made of its entry
+    since (staged it again, or is staging it)."""
+    assert handle.ended is not None
+    return DatasetPublic(
+        name=handle.name,
+        owner=handle.owner,
+        key=entry.key,
+        state=handle.ended,
+        path=str(data_dir / entry.key),
+        link=handle.link,
+        progress=Progress(step_names=entry.step_names).snapshot(),
+        error=CANCELLED_BY_REQUEST if handle.ended == State.CANCELLED else None,
+        leases=leases,
+        created_at=handle.created_at,
         updated_at=entry.updated_at,
     )

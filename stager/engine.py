@@ -24,6 +24,7 @@ from stager import cache, preflight, recipes, slurm
 from stager.admission import Admission, owner_of
 from stager.blocking import Limits, run_io, run_staging
 from stager.dataset import (
+    CANCELLED_BY_REQUEST,
     Ask,
     Entry,
     Handle,
@@ -55,7 +56,7 @@ from stager.image import mount as image_mount
 from stager.image import published as image_published
 from stager.imaging import ImageJob
 from stager.leases import Lease
-from stager.lifecycle import CANCELLED_BY_REQUEST, Registry, Trash
+from stager.lifecycle import Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import image as image_op
 from stager.ops import table
@@ -149,7 +150,7 @@ class Engine:
         )
         self.admission.bind(self.registry, self.fanout.held, lambda: self.fanout.exporting)
         for entry in await self._reg.load():
-            self.admission.queue.put(entry.key, owner_of(entry))
+            self._queue(entry)
         # Deliveries and exports of an earlier run: nobody will adopt or send them now.
         await self.fanout.clear_deliveries()
         for leftover in await run_io(lambda: list(self.settings.outgoing_dir.iterdir())):
@@ -437,6 +438,8 @@ class Engine:
                 self.metrics.requests.labels(outcome="miss").inc()
             else:
                 outcome = "join" if entry.active else "hit"
+                if entry.state == State.QUEUED and reader is not None:
+                    self.admission.queue.put(key, caller.uid)  # it waits in their turn too
                 self.metrics.requests.labels(outcome=outcome).inc()
                 if outcome == "hit":
                     self.metrics.arrivals.labels(how="hit").inc()
@@ -444,7 +447,11 @@ class Engine:
                 await reg.touch(entry)
             hit = entry.state == State.READY
             handle = reg.handles.get((caller.uid, request.name))
-            if handle is None or (handle.key, handle.link) != (key, request.link):
+            if (
+                handle is None
+                or handle.ended is not None
+                or (handle.key, handle.link) != (key, request.link)
+            ):
                 handle = Handle(
                     request.name, key, resolved.request_key, caller.uid, request.link, hit=hit
                 )
@@ -516,7 +523,7 @@ class Engine:
 
     def _check_name(self, name: str, owner: int, request_key: str) -> None:
         handle = self._reg.handles.get((owner, name))
-        if handle is None or handle.spec_key == request_key:
+        if handle is None or handle.ended is not None or handle.spec_key == request_key:
             return
         other = self._reg.entries[handle.key]
         if other.active or other.state == State.READY:
@@ -566,20 +573,26 @@ class Engine:
     ) -> DatasetPublic:
         """Long-poll: return once the dataset is terminal or ``timeout`` has passed."""
         handle = self._handle(name, caller, owner)
+        with self.metrics.waiting.track_inprogress():
+            await self._until(
+                lambda: handle.ended is None and self._reg.entries[handle.key].active, timeout
+            )
+        return self._view(handle)
+
+    async def _until(self, going: Callable[[], bool], timeout: float) -> None:
+        """Wait while ``going()`` holds, ``timeout`` seconds at most (or until a stop)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         changed = self._reg.changed
-        with self.metrics.waiting.track_inprogress():
-            async with changed:
-                while self._reg.entries[handle.key].active and not self._stopping:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    try:
-                        await asyncio.wait_for(changed.wait(), remaining)
-                    except TimeoutError:
-                        break
-        return self._view(handle)
+        async with changed:
+            while going() and not self._stopping:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except TimeoutError:
+                    break
 
     async def watch(
         self, name: str, caller: Caller, owner: int | None = None, interval: float = 0.5
@@ -604,15 +617,17 @@ class Engine:
     async def delete(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
         """Cancel if staging, evict if ready, forget the name if already finished. A name
         with a lease is refused (409) while its data is staging or ready: the lease is a
-        job's promise that it stays. When other names (any user's) show the same data,
-        only this name goes: data stays while any of its names holds it. The answer's
-        ``outcome`` says what happened to the name and to the data."""
+        job's promise that it stays. When other live names (any user's) show the same
+        data, only this name goes: data stays while any of its names holds it. A name
+        cancelled alone stays, ended: another name staging the same data later never
+        revives it, nor counts it as wanting that data. The answer's ``outcome`` says
+        what happened to the name and to the data."""
         reg = self._reg
         dropped: Entry | None = None
         async with self._admission:
             handle = self._handle(name, caller, owner)
             entry = reg.entries[handle.key]
-            live = entry.active or entry.state == State.READY
+            live = handle.ended is None and (entry.active or entry.state == State.READY)
             holders = sorted({x.holder for x in reg.leases.values() if x.handle_id == handle.id})
             if holders and live:
                 raise Conflict(
@@ -620,23 +635,26 @@ class Engine:
                     f"and its data); release it first (stager-client release {name}) or wait "
                     "for those jobs to end"
                 )
-            others = sum(
-                1 for h in reg.handles.values() if h.key == entry.key and h.id != handle.id
-            )
+            wanting = [h for h in self._wanting(entry) if h.id != handle.id]
+            others = len(wanting)
             if others or not live:
                 view = self._view(handle)
                 await reg.forget(handle)
+                if live and not any(h.owner == handle.owner for h in wanting):
+                    self.admission.queue.discard(entry.key, handle.owner)  # not in their turn
                 if not live:
-                    view.outcome = f"removed the name {name!r} ({entry.state.value} already)"
+                    ended = handle.ended or entry.state
+                    view.outcome = f"removed the name {name!r} ({ended.value} already)"
                 else:
                     view.outcome = (
                         f"removed the name {name!r}; its data stays ({entry.state.value}): "
                         f"{others} other name(s) on this node use it"
                     )
                 return view
+            await reg.end_name(handle, State.CANCELLED if entry.active else State.EVICTED)
             if entry.state == State.QUEUED:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
-                self.admission.queue.discard(entry.key, owner_of(entry))
+                self.admission.queue.discard(entry.key)
                 dropped = entry
                 outcome = f"cancelled {name!r} before it started; nothing was staged"
             elif entry.state == State.STAGING:
@@ -650,7 +668,8 @@ class Engine:
         await reg.links_removed(entry)
         if entry.state == State.STAGING:  # outside the lock: its process may take a moment
             grace = self.settings.cancel_grace_s + 2.0
-            await self.wait(name, max(grace, self.settings.shutdown_timeout_s), caller, owner)
+            timeout = max(grace, self.settings.shutdown_timeout_s)
+            await self._until(lambda: entry.state == State.STAGING, timeout)
         view = self._view(handle)
         view.outcome = outcome
         return view
@@ -661,6 +680,11 @@ class Engine:
         self, name: str, request: LeaseCreate, caller: Caller, owner: int | None = None
     ) -> LeasePublic:
         handle = self._handle(name, caller, owner)
+        if handle.ended is not None:
+            raise Conflict(
+                f"dataset {name!r} was {handle.ended.value} by its owner; stage it again "
+                "before leasing it"
+            )
         async with self._admission:
             lease = await self._reg.lease(handle, request)
         return lease.public()
@@ -706,19 +730,24 @@ class Engine:
 
     async def gc(self, request: GcRequest, caller: Caller) -> GcResult:
         """Drop dead leases; evict unnamed (superseded) entries, or every unleased one
-        (in the node service only root may: other users' data is not the caller's)."""
+        (in the node service only root may: other users' data is not the caller's). In
+        the node service a user's gc touches only their own: their dead leases, their
+        own private copies that no name shows; shared entries belong to nobody, and are
+        root's to collect (and the cache's to evict for room)."""
         if request.all and self.settings.multi_user and not caller.is_root:
             raise Forbidden(
                 "only root may evict every unleased dataset of the node service; "
                 "DELETE your own datasets instead"
             )
-        dropped = await self._drop_dead_leases()
+        mine = self.settings.multi_user and not caller.is_root
+        dropped = await self._drop_dead_leases(caller.uid if mine else None)
         async with self._admission:
             named = {h.key for h in self._reg.handles.values()}
             victims = [
                 e
                 for e in cache.evictable(self.entries(), self.admission.protected())
-                if request.all or e.key not in named
+                if (request.all or e.key not in named)
+                and (not mine or cache.private_owner(e) == caller.uid)
             ]
             why = "by gc --all" if request.all else "by gc: no name refers to it any more"
             for victim in victims:
@@ -729,8 +758,9 @@ class Engine:
             leases_dropped=dropped,
         )
 
-    async def _drop_dead_leases(self) -> int:
-        leases = list(self._reg.leases.values())
+    async def _drop_dead_leases(self, owner: int | None = None) -> int:
+        """Drop leases past their time or their job (``owner``: that user's alone)."""
+        leases = [x for x in self._reg.leases.values() if owner is None or x.owner == owner]
         # SLURM is asked once per job, not per lease, and about every job at once: one
         # slow answer must not hold a sweep for minutes.
         jobs = sorted({x.slurm_job_id for x in leases if x.slurm_job_id is not None})
@@ -865,6 +895,11 @@ class Engine:
         except Cancelled:
             if self._stopping:
                 await reg.interrupt(entry)  # resumed when the daemon starts again
+            elif self._wanting(entry):
+                # Another name joined while the cancel was under way: it never asked for
+                # the cancel, so the staging goes on for it (resumed, as after a stop).
+                await reg.interrupt(entry)
+                self._queue(entry)
             else:
                 await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
         except StagerError as exc:
@@ -886,6 +921,20 @@ class Engine:
         finally:
             # For the next staging, now that this one's outcome is told.
             self.processes.prepare_spare()
+
+    def _wanting(self, entry: Entry) -> list[Handle]:
+        """The names that want ``entry``: every name on it that its owner has not ended."""
+        return [h for h in self._reg.handles.values() if h.key == entry.key and h.ended is None]
+
+    def _queue(self, entry: Entry) -> None:
+        """A queued entry waits in the turn of the user it is read as and of each user
+        whose name wants it (node service: each of them asked for it)."""
+        if entry.state != State.QUEUED:
+            return
+        self.admission.queue.put(entry.key, owner_of(entry))
+        if self.settings.multi_user:
+            for handle in self._wanting(entry):
+                self.admission.queue.put(entry.key, handle.owner)
 
     def _image_job(self, entry: Entry) -> ImageJob | None:
         """How a staging's image is made (image mode), or None (a tree)."""
@@ -933,7 +982,7 @@ class Engine:
         the file: then that one fails naming it)."""
         reg = self._reg
         async with self._admission:
-            for handle in [h for h in reg.handles.values() if h.key == shared.key]:
+            for handle in self._wanting(shared):  # a name its owner ended wants nothing
                 owner = Caller.of_uid(handle.owner)
                 key = private_key(shared.key, owner.uid)
                 entry = reg.entries.get(key)

@@ -70,8 +70,6 @@ AsUser = Callable[..., Awaitable[Any]]  # (uid, fn, *args) -> fn's JSON result
 # filesystem of the user's own).
 LINK_TIMEOUT_S = 5.0
 
-
-CANCELLED_BY_REQUEST = ErrorInfo(type="cancelled", message="staging was cancelled by a request")
 FED_A_FAN_OUT = ErrorInfo(
     type="interrupted",
     message="the daemon stopped while this staging fed a multi-node fan-out, so it is not "
@@ -342,6 +340,12 @@ class Registry:
         """Whether the latest request for this name found its data already cached."""
         handle.hit = hit
         await self._durable(Durable.NAMED, self._store.save_handle, handle)
+
+    async def end_name(self, handle: Handle, ended: State) -> None:
+        """Its owner ended the name (a cancel): it shows ``ended`` from now on."""
+        handle.ended = ended
+        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        await self.notify()
 
     async def forget(self, handle: Handle) -> None:
         for lease in [x for x in self.leases.values() if x.handle_id == handle.id]:

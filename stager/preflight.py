@@ -226,9 +226,11 @@ def ensure_dirs(settings: Settings) -> None:
     # says who may enter it (stager.fs.seal), and their transfers under incoming/ and
     # outgoing/, in <uid>/<label> folders (stager.fanout.packing: a delivery's theirs,
     # an export's the service's with files handed to them); partial/ is the service's.
-    for shown in (settings.cache_dir, settings.data_dir):
-        os.chmod(shown, 0o755)
-    for passage in (settings.incoming_dir, settings.outgoing_dir):
+    # data/ is searchable, not listable: a user reaches the paths the API gave them, and
+    # learns nothing of what else is staged (whose, how large, since when). Set at every
+    # start: a cache made by an earlier release (0755) is closed too.
+    os.chmod(settings.cache_dir, 0o755)
+    for passage in (settings.data_dir, settings.incoming_dir, settings.outgoing_dir):
         os.chmod(passage, 0o711)  # searchable, not listable: nobody sees others' labels
     os.chmod(settings.partial_dir, 0o700)
     check_acls(settings.partial_dir)  # private copies' tops need them (stager.fs.seal)

@@ -93,6 +93,7 @@ class Store:
             ("entries", "reader", "TEXT"),
             ("entries", "image", "TEXT"),
             ("handles", "hit", "INTEGER NOT NULL DEFAULT 0"),
+            ("handles", "ended", "TEXT"),
         ):
             columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:
@@ -176,7 +177,9 @@ class Store:
         self._delete("entries", "key", key)
 
     def save_handle(self, handle: Handle) -> None:
-        self._upsert("handles", {**handle.__dict__, "created_at": handle.created_at.isoformat()})
+        row = {**handle.__dict__, "created_at": handle.created_at.isoformat()}
+        row["ended"] = handle.ended.value if handle.ended is not None else None
+        self._upsert("handles", row)
 
     def delete_handle(self, owner: int, name: str) -> None:
         with self._lock:
@@ -240,7 +243,8 @@ def _reader(text: str | None) -> Reader | None:
 
 def _handle(row: dict[str, Any]) -> Handle:
     created = datetime.fromisoformat(row["created_at"])
-    return Handle(**{**row, "created_at": created, "hit": bool(row.get("hit"))})
+    ended = State(row["ended"]) if row.get("ended") else None
+    return Handle(**{**row, "created_at": created, "hit": bool(row.get("hit")), "ended": ended})
 
 
 def _lease(row: dict[str, Any]) -> Lease:

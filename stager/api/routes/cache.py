@@ -12,7 +12,8 @@ router = APIRouter(prefix="/v1", tags=["cache"])
 
 @router.post("/gc", response_model=GcResult)
 async def gc(engine: EngineDep, caller: CallerDep, request: GcRequest | None = None) -> GcResult:
-    """Evict superseded entries (or, with ``all``, every unleased ready one)."""
+    """Evict superseded entries (or, with ``all``, every unleased ready one: root's in
+    the node service, where a user's gc touches only their own private copies)."""
     return await engine.gc(request or GcRequest(), caller)
 
 
