@@ -1,0 +1,48 @@
+"""What to do this interval: the prefetch set diffed against the last interval's.
+
+- start: a prefetch that is new (a job came within the horizon, or its plan moved
+  here);
+- cancel: a prefetch no longer wanted, with why (the job ended or was cancelled,
+  started on other nodes, its plan moved, it left the horizon);
+- kept: a prefetch whose job started on that node: the job now uses it, so it is
+  neither cancelled nor tracked any more.
+A job with both starts and cancels is re-targeted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stager.plan.planning import Plan, Prefetch
+
+
+@dataclass
+class Changes:
+    start: list[Prefetch] = field(default_factory=list)
+    cancel: list[tuple[Prefetch, str]] = field(default_factory=list)
+    used: list[Prefetch] = field(default_factory=list)
+
+    @property
+    def retargeted(self) -> set[str]:
+        return {p.job_id for p in self.start} & {p.job_id for p, _ in self.cancel}
+
+
+def diff(previous: frozenset[Prefetch], plan: Plan) -> Changes:
+    changes = Changes(start=sorted(plan.prefetches - previous))
+    for gone in sorted(previous - plan.prefetches):
+        job = plan.jobs.get(gone.job_id)
+        if job is None:
+            changes.cancel.append((gone, f"job {gone.job_id} ended or was cancelled"))
+        elif job.state != "PENDING":
+            if gone.node in job.nodes:
+                changes.used.append(gone)
+            else:
+                where = ",".join(job.nodes) or "other nodes"
+                changes.cancel.append((gone, f"job {gone.job_id} started on {where}"))
+        elif job.sched_nodes and gone.node not in job.sched_nodes:
+            moved = ",".join(job.sched_nodes)
+            changes.cancel.append((gone, f"job {gone.job_id}'s plan moved to {moved}"))
+        else:
+            why = "is no longer planned within the horizon"
+            changes.cancel.append((gone, f"job {gone.job_id} {why}"))
+    return changes
