@@ -86,9 +86,8 @@ class Declaration:
 def declared_lines(script: str) -> Iterator[tuple[int, str]]:
     """(line number, words) of each ``#STAGER`` line of the script's top comment block."""
     for number, line in enumerate(script.splitlines(), start=1):
-        stripped = line.strip()
-        if stripped and not stripped.startswith("#"):
-            return  # the first command: #SBATCH stops here too
+        if line.strip() and not line.startswith("#"):
+            return  # the first command: #SBATCH stops here too (as does job_submit.lua)
         if line == MARK or line.startswith((MARK + " ", MARK + "\t")):
             yield number, line[len(MARK) :].strip()
 
