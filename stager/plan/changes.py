@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stager.plan.hostlist import HostlistError
 from stager.plan.planning import Plan, Prefetch
+from stager.plan.squeue import QueuedJob
 
 
 @dataclass
@@ -34,15 +36,22 @@ def diff(previous: frozenset[Prefetch], plan: Plan) -> Changes:
         if job is None:
             changes.cancel.append((gone, f"job {gone.job_id} ended or was cancelled"))
         elif job.state != "PENDING":
-            if gone.node in job.nodes:
+            if gone.node in _nodes(job, "nodes"):
                 changes.used.append(gone)
             else:
-                where = ",".join(job.nodes) or "other nodes"
+                where = ",".join(_nodes(job, "nodes")) or "other nodes"
                 changes.cancel.append((gone, f"job {gone.job_id} started on {where}"))
-        elif job.sched_nodes and gone.node not in job.sched_nodes:
-            moved = ",".join(job.sched_nodes)
+        elif (planned := _nodes(job, "sched_nodes")) and gone.node not in planned:
+            moved = ",".join(planned)
             changes.cancel.append((gone, f"job {gone.job_id}'s plan moved to {moved}"))
         else:
             why = "is no longer planned within the horizon"
             changes.cancel.append((gone, f"job {gone.job_id} {why}"))
     return changes
+
+
+def _nodes(job: QueuedJob, which: str) -> tuple[str, ...]:
+    try:
+        return getattr(job, which)
+    except (ValueError, HostlistError):  # unreadable: as if elsewhere, so it is cancelled
+        return ()

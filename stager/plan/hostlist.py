@@ -8,6 +8,7 @@ tests/stager/plan/test_hostlist.py checks it against the real scontrol.
 
 from __future__ import annotations
 
+import functools
 import re
 
 # Slurm's words for "none yet".
@@ -21,17 +22,20 @@ class HostlistError(ValueError):
     pass
 
 
-def expand(text: str) -> list[str]:
+@functools.lru_cache(maxsize=65536)  # a cluster's queue repeats its hostlists
+def expand(text: str) -> tuple[str, ...]:
     """Every host of ``text``, in order, duplicates kept as Slurm keeps them."""
     text = text.strip()
     if text in EMPTY:
-        return []
+        return ()
+    if "[" not in text and "]" not in text:  # most lists: plain names
+        return tuple(item for item in text.split(",") if item)
     hosts: list[str] = []
     for item in _split_top(text):
         hosts.extend(_expand_one(item, text))
         if len(hosts) > MAX_HOSTS:
             raise HostlistError(f"hostlist {text[:80]!r} names more than {MAX_HOSTS} hosts")
-    return hosts
+    return tuple(hosts)
 
 
 def _split_top(text: str) -> list[str]:

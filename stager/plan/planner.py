@@ -30,9 +30,10 @@ class Planner:
         self.clock = clock
         self.declarations = Declarations()
         self.previous: frozenset[planning.Prefetch] = frozenset()
+        self.lines: dict[str, squeue.QueuedJob] = {}  # the last interval's, as read
 
     def interval(self) -> Interval:
-        jobs, problems = squeue.parse(self.source.read())
+        jobs, problems = squeue.parse(self.source.read(), self.lines)
         now = self.clock()
         plan = planning.compute(jobs, now, self.horizon_s, self.declarations)
         found = changes.diff(self.previous, plan)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from stager.plan.declared import Declarations, Wanted
+from stager.plan.hostlist import HostlistError
 from stager.plan.squeue import QueuedJob
 
 
@@ -56,7 +57,10 @@ def compute(
         by_id[job.job_id] = job
         if job.state != "PENDING":
             continue  # running: it stages itself; `changes` reads where it went
-        reason = _reason(job, now, horizon)
+        try:
+            reason = _reason(job, horizon)
+        except (ValueError, HostlistError) as exc:  # read only now: see QueuedJob
+            reason = f"squeue printed what the planner cannot read: {exc}"
         wanted: tuple[Wanted, ...] = ()
         if reason is None:
             # Parsed only for jobs that get this far: the cost stays with the horizon.
@@ -73,7 +77,7 @@ def compute(
     return Plan(frozenset(prefetches), planned, skipped, by_id)
 
 
-def _reason(job: QueuedJob, now: datetime, horizon: datetime) -> str | None:
+def _reason(job: QueuedJob, horizon: datetime) -> str | None:
     if job.uid == 0:
         return "root's job (prefetches run as the job's user; root's never do)"
     if job.admin_comment is None:
@@ -81,16 +85,7 @@ def _reason(job: QueuedJob, now: datetime, horizon: datetime) -> str | None:
     if job.start is None:
         return "no planned start yet"
     if job.start > horizon:
-        return f"starts beyond the horizon (in {_span(job.start - now)})"
+        return "starts beyond the horizon"  # (the report prints the start)
     if not job.sched_nodes:
         return "no planned nodes yet (Slurm plans them at its next backfill cycle)"
     return None
-
-
-def _span(delta: timedelta) -> str:
-    seconds = int(delta.total_seconds())
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 60:
-        return f"{seconds // 60} min"
-    return f"{seconds} s"

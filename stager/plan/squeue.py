@@ -12,6 +12,7 @@ the line is split from the left, so a ``|`` in it could not move the fields befo
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,16 +41,38 @@ class SqueueError(RuntimeError):
     """squeue could not be run, or printed what the planner cannot read."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: its __init__ would cost a third of a line's parse
 class QueuedJob:
+    """One squeue line. The start and the hostlists are read when first asked for:
+    most of a large queue is skipped before anything needs them (root's jobs, jobs
+    that declare nothing), and reading them is most of a line's cost."""
+
     job_id: str
     uid: int
     gid: int
     state: str
-    start: datetime | None  # controller's local time, as squeue prints it
-    sched_nodes: tuple[str, ...]
-    nodes: tuple[str, ...]
+    start_text: str
+    sched_text: str
+    nodes_text: str
     admin_comment: str | None
+
+    @functools.cached_property
+    def start(self) -> datetime | None:
+        """Planned start while PENDING; controller's local time, as squeue prints it."""
+        text = self.start_text.strip()
+        return None if text in NO_TIME else datetime.fromisoformat(text)
+
+    @functools.cached_property
+    def sched_nodes(self) -> tuple[str, ...]:
+        return hostlist.expand(self.sched_text)
+
+    @functools.cached_property
+    def nodes(self) -> tuple[str, ...]:
+        return hostlist.expand(self.nodes_text)
+
+    def check(self) -> None:
+        """Read every field now: raises ValueError / HostlistError naming the bad one."""
+        _ = self.start, self.sched_nodes, self.nodes
 
 
 def command(squeue: str = "squeue") -> list[str]:
@@ -57,35 +80,41 @@ def command(squeue: str = "squeue") -> list[str]:
     return [squeue, "--all", "--noheader", f"--states={STATES}", "-O", FORMAT]
 
 
-def parse(text: str) -> tuple[list[QueuedJob], list[str]]:
-    """The jobs, and a sentence for each line that could not be read (skipped)."""
+def parse(
+    text: str, known: dict[str, QueuedJob] | None = None
+) -> tuple[list[QueuedJob], list[str]]:
+    """The jobs, and a sentence for each line that could not be read (skipped).
+    ``known``: the last interval's lines, reused as read (most lines do not change);
+    it is refilled with this interval's."""
     jobs, problems = [], []
+    last = dict(known or {})
+    if known is not None:
+        known.clear()
     for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            jobs.append(parse_line(line))
-        except (ValueError, hostlist.HostlistError) as exc:
-            problems.append(f"squeue line {number}: {exc}")
+        job = last.get(line)
+        if job is None:
+            if not line.strip():
+                continue
+            try:
+                job = parse_line(line)
+            except (ValueError, hostlist.HostlistError) as exc:
+                problems.append(f"squeue line {number}: {exc}")
+                continue
+        jobs.append(job)
+        if known is not None:
+            known[line] = job
     return jobs, problems
 
 
 def parse_line(line: str) -> QueuedJob:
-    parts = line.rstrip("\n").split("|", len(FIELDS) - 1)
+    # ":|" prints no padding: the fields need no strip.
+    parts = line.split("|", len(FIELDS) - 1)
     if len(parts) != len(FIELDS):
         raise ValueError(f"{len(parts)} fields where {len(FIELDS)} were asked for: {line!r}")
     job_id, uid, gid, state, start, sched, nodes, comment = parts
-    comment = comment.removesuffix("|")  # the last field's own separator
-    return QueuedJob(
-        job_id=job_id.strip(),
-        uid=int(uid),
-        gid=int(gid),
-        state=state.strip(),
-        start=None if start.strip() in NO_TIME else datetime.fromisoformat(start.strip()),
-        sched_nodes=tuple(hostlist.expand(sched)),
-        nodes=tuple(hostlist.expand(nodes)),
-        admin_comment=None if comment in NO_TEXT else comment,
-    )
+    comment = comment[:-1] if comment.endswith("|") else comment  # its own separator
+    comment = None if comment in NO_TEXT else comment
+    return QueuedJob(job_id, int(uid), int(gid), state, start, sched, nodes, comment)
 
 
 class Squeue:

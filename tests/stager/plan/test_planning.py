@@ -36,9 +36,17 @@ def test_a_line_with_slurms_odd_values_parses() -> None:
 
 
 def test_an_unreadable_line_is_named_and_the_others_are_read() -> None:
-    jobs, problems = squeue.parse(row("1") + "\nnot|a|line\n" + row("2", sched="n[1-"))
+    jobs, problems = squeue.parse(row("1") + "\nnot|a|line\n" + row("2", uid="x"))  # type: ignore[arg-type]
     assert [job.job_id for job in jobs] == ["1"]
     assert problems[0].startswith("squeue line 2:") and "squeue line 3" in problems[1]
+
+
+@pytest.mark.parametrize(("field", "value"), [("sched", "n[1-"), ("start", "tomorrow")])
+def test_a_field_read_late_that_is_unreadable_skips_its_job_saying_so(field, value) -> None:
+    """Starts and hostlists are read only for jobs that get that far (QueuedJob)."""
+    plan = plan_of(row("1", declared=[INAT], **{field: value}), row("2", declared=[INAT]))
+    assert {p.job_id for p in plan.prefetches} == {"2"}
+    assert "cannot read" in plan.skipped[0].reason and value in plan.skipped[0].reason
 
 
 def test_a_pipe_or_newline_in_a_declaration_cannot_move_the_fields() -> None:
