@@ -5,17 +5,20 @@ datasets, and why it skips root's job and a job that declares nothing."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from stager.plan import squeue
 from stager.plan.declared import lines
 from tests.slurm_cluster import Cluster
+from tests.trees import digest, write_tree
 from tests.users import User
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -117,3 +120,24 @@ def test_job_submit_lua_never_fails_a_submission(jobs: list[str], users: tuple[U
     assert found[ids["bare"]].admin_comment is None
     assert found[ids["late"]].admin_comment is None  # after the first command, as #SBATCH
     assert found[ids["binary"]].uid == alice.uid
+
+
+def test_from_script_in_a_job_reads_the_batch_script_slurm_stored(
+    jobs: list[str], tmp_path: Path
+) -> None:
+    """Without SCRIPT, `stage --from-script` reads the job's script as slurmctld stored it
+    at submit (`scontrol write batch_script`), what the planner pre-staged from."""
+    source = write_tree(tmp_path / "source", n_files=5, max_size=2000)
+    step = json.dumps({"op": "copy", "src": str(source)})
+    body = (
+        f"#!/bin/bash\n#STAGER tiny --step '{step}' --link {tmp_path}/linked\n"
+        f"{sys.executable} -m client.cli stage --from-script --wait --timeout 60\n"
+    )
+    argv = ["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}",
+            f"--output={tmp_path}/job-%j.out", "--time=5"]  # fmt: skip
+    done = subprocess.run(argv, input=body, capture_output=True, text=True, timeout=180)
+    jobs.append(done.stdout.strip().split(";")[0])
+    output = next(tmp_path.glob("job-*.out")).read_text()
+    assert done.returncode == 0, output
+    assert digest(tmp_path / "linked") == digest(source)
+    assert Path(output.strip().splitlines()[-1]).resolve() == (tmp_path / "linked").resolve()
