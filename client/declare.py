@@ -85,7 +85,9 @@ class Declaration:
 
 def declared_lines(script: str) -> Iterator[tuple[int, str]]:
     """(line number, words) of each ``#STAGER`` line of the script's top comment block."""
-    for number, line in enumerate(script.splitlines(), start=1):
+    # Lines end at "\n" only, as for sbatch and job_submit.lua (splitlines would also
+    # end them at "\r", "\f", "\x1c"...: a line the lua reads whole).
+    for number, line in enumerate(script.split("\n"), start=1):
         if line.strip() and not line.startswith("#"):
             return  # the first command: #SBATCH stops here too (as does job_submit.lua)
         if line == MARK or line.startswith((MARK + " ", MARK + "\t")):
