@@ -8,7 +8,7 @@ within the horizon; every other job gets the reason it was not.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from stager.plan.declared import Declarations, Wanted
@@ -24,7 +24,7 @@ class Prefetch:
     node: str
     uid: int
     gid: int
-    wanted: Wanted = field(compare=True)
+    wanted: Wanted
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pwd
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ from stager.plan.planning import Prefetch
 from stager.plan.squeue import QueuedJob
 
 
+@functools.lru_cache(maxsize=4096)  # one look-up per user: NSS may be LDAP
 def user(uid: int) -> str:
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
