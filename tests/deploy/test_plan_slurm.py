@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,9 +129,11 @@ def test_from_script_in_a_job_reads_the_batch_script_slurm_stored(
     """Without SCRIPT, `stage --from-script` reads the job's script as slurmctld stored it
     at submit (`scontrol write batch_script`), what the planner pre-staged from."""
     source = write_tree(tmp_path / "source", n_files=5, max_size=2000)
+    # A name of its own: root's daemon and its cache outlive a test session.
     step = json.dumps({"op": "copy", "src": str(source)})
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
     body = (
-        f"#!/bin/bash\n#STAGER tiny --step '{step}' --link {tmp_path}/linked\n"
+        f"#!/bin/bash\n#STAGER {name} --step '{step}' --link {tmp_path}/linked\n"
         f"{sys.executable} -m client.cli stage --from-script --wait --timeout 60\n"
     )
     argv = ["sbatch", "--parsable", "--wait", f"--chdir={tmp_path}",
