@@ -4,8 +4,11 @@
   here);
 - cancel: a prefetch no longer wanted, with why (the job ended or was cancelled,
   started on other nodes, its plan moved, it left the horizon);
-- kept: a prefetch whose job started on that node: the job now uses it, so it is
-  neither cancelled nor tracked any more.
+- used: a prefetch whose job started on that node: the job now uses it, so it is
+  neither cancelled nor tracked any more;
+- held: a prefetch whose job is still pending but has no plan for now (no planned
+  start or nodes: after a slurmctld restart, until its next backfill cycle): kept
+  and still tracked, not cancelled to be started again a cycle later.
 A job with both starts and cancels is re-targeted.
 """
 
@@ -23,6 +26,7 @@ class Changes:
     start: list[Prefetch] = field(default_factory=list)
     cancel: list[tuple[Prefetch, str]] = field(default_factory=list)
     used: list[Prefetch] = field(default_factory=list)
+    held: list[Prefetch] = field(default_factory=list)
 
     @property
     def retargeted(self) -> set[str]:
@@ -41,6 +45,8 @@ def diff(previous: frozenset[Prefetch], plan: Plan) -> Changes:
             else:
                 where = ",".join(_nodes(job, "nodes")) or "other nodes"
                 changes.cancel.append((gone, f"job {gone.job_id} started on {where}"))
+        elif _plan_unknown(job):
+            changes.held.append(gone)
         elif (planned := _nodes(job, "sched_nodes")) and gone.node not in planned:
             moved = ",".join(planned)
             changes.cancel.append((gone, f"job {gone.job_id}'s plan moved to {moved}"))
@@ -55,3 +61,10 @@ def _nodes(job: QueuedJob, which: str) -> tuple[str, ...]:
         return getattr(job, which)
     except (ValueError, HostlistError):  # unreadable: as if elsewhere, so it is cancelled
         return ()
+
+
+def _plan_unknown(job: QueuedJob) -> bool:
+    try:
+        return job.start is None or not job.sched_nodes
+    except (ValueError, HostlistError):
+        return False  # unreadable is not unknown: cancelled, as any other doubt

@@ -37,5 +37,5 @@ class Planner:
         now = self.clock()
         plan = planning.compute(jobs, now, self.horizon_s, self.declarations)
         found = changes.diff(self.previous, plan)
-        self.previous = plan.prefetches
+        self.previous = plan.prefetches | frozenset(found.held)
         return Interval(plan, found, problems, now)

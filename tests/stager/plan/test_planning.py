@@ -133,3 +133,22 @@ def test_the_same_declaration_planned_twice_is_the_same_prefetch() -> None:
     again = planner.interval()
     assert not again.changes.start and not again.changes.cancel
     assert planner.source.calls == 2  # one squeue call per interval
+
+
+def test_a_plan_gone_for_a_cycle_holds_its_prefetches_and_does_not_restart_them() -> None:
+    """After a slurmctld restart, SchedNodes and the start are empty until the next
+    backfill cycle: nothing is cancelled, and nothing is started again after."""
+    planned = row("1", declared=[INAT], sched="node1")
+    source = RecordedSqueue(planned)
+    planner = Planner(source, HORIZON_S, clock=lambda: NOW)
+    assert len(planner.interval().changes.start) == 1
+    for unknown in (
+        row("1", declared=[INAT], sched="(null)"),
+        row("1", declared=[INAT], start="N/A"),
+    ):
+        source.text = unknown
+        gap = planner.interval().changes
+        assert not gap.cancel and [p.node for p in gap.held] == ["node1"]
+    source.text = planned
+    again = planner.interval().changes
+    assert not again.start and not again.cancel
