@@ -31,8 +31,9 @@ FIELDS = (
     "admin_comment",  # last: see the module's note
 )
 FORMAT = ",".join(f"{field}:|" for field in FIELDS)
-# Pending jobs are planned; running ones tell where a pending one started.
-STATES = "PENDING,CONFIGURING,RUNNING"
+# Pending jobs are planned; the others tell where a pending one started (a job that
+# started on its prefetched node, even one already completing, used it).
+STATES = "PENDING,CONFIGURING,RUNNING,SUSPENDED,COMPLETING"
 NO_TIME = frozenset({"N/A", "Unknown", "None", "(null)", ""})
 NO_TEXT = frozenset({"", "(null)"})
 
