@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from client import declare
 from client._client import DEFAULT_AWAIT_REQUEST_S, AsyncStagerClient, stage_body
 from client._progress import (
     BarDisplay,
@@ -188,7 +189,7 @@ def _add_wait_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
+def _add_stage(commands: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     sub = commands.add_parser(
         "stage",
         parents=[common],
@@ -269,9 +270,29 @@ def _add_stage(commands: Any, common: argparse.ArgumentParser) -> None:
         "(prepared); or the request's source files (archives) for every node to stage "
         "from (sources) (see docs/multinode.md)",
     )
+    sub.add_argument(
+        "--from-script",
+        nargs="?",
+        const="",
+        metavar="SCRIPT",
+        help="stage every dataset the job script declares on its #STAGER lines (each line "
+        "takes this command's NAME and flags, e.g. `#STAGER inat --recipe inat2021 --source "
+        "/net/inat`), as each line's own `stage` would, with this command line's --wait, "
+        "--peers, --timeout, ...; SCRIPT defaults to this SLURM job's batch script (`scontrol "
+        "write batch_script`), what the planner pre-staged from (docs/prestaging.md)",
+    )
     _add_wait_flags(sub)
     _add_json(sub, "print the final status as JSON")
     sub.set_defaults(run=cmd_stage)
+    return sub
+
+
+def stage_parser() -> argparse.ArgumentParser:
+    """The stage subcommand's parser alone, raising `declare.BadDeclaration` instead of
+    exiting: #STAGER lines are read with it (client/declare.py)."""
+    holder = declare.DeclarationParser(prog="stager-client", add_help=False)
+    commands = holder.add_subparsers(parser_class=declare.DeclarationParser)
+    return _add_stage(commands, argparse.ArgumentParser(add_help=False))
 
 
 def _add_wait(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -465,6 +486,8 @@ async def wait_all(
 
 
 async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    if args.from_script is not None:
+        return await stage_declared(client, args)
     if args.peers == "slurm":
         return await stage_on_peers(client, args)
     status = await client.submit(request_from(args))
@@ -478,6 +501,37 @@ async def cmd_stage(client: AsyncStagerClient, args: argparse.Namespace) -> int:
         print(status.path)
     else:
         _say(args, f"{summary(status)}; `stager-client wait {status.name}` blocks until ready")
+    return EXIT_OK
+
+
+async def stage_declared(client: AsyncStagerClient, args: argparse.Namespace) -> int:
+    """--from-script: each #STAGER line as its own `stage`; paths (or JSON) in line order."""
+    try:
+        runs = declare.invocations(args, stage_parser())
+    except declare.BadDeclaration as exc:
+        raise UsageError(str(exc)) from exc
+    if args.peers == "slurm":  # one fan-out per dataset, each reading the storage once
+        for run in runs:
+            if (code := await stage_on_peers(client, run)) != EXIT_OK:
+                return code
+        return EXIT_OK
+    bodies = []  # every line checked before the first is sent
+    for run in runs:
+        try:
+            bodies.append(request_from(run))
+        except UsageError as exc:  # e.g. a --step that is not JSON
+            raise UsageError(f"{run.declared_at}: {exc}") from exc
+    statuses = [await client.submit(body) for body in bodies]
+    if args.wait:
+        statuses = await wait_all(client, [status.name for status in statuses], args)
+    if args.json:
+        _print_json(DatasetsPublic(data=statuses, count=len(statuses)))
+        return EXIT_OK
+    for status in statuses:
+        if status.state == "ready" and status.path:
+            print(status.path)
+        else:
+            _say(args, f"{summary(status)}; `stager-client wait {status.name}` blocks until ready")
     return EXIT_OK
 
 

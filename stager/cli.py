@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from stager import __version__, prestart
 from stager.cli_common import SuggestingParser, add_completion, print_completion
 from stager.image import command as image_command
+from stager.plan import command as plan_command
 from stager.settings import Settings, cli_flags, describe_error, environment_warnings
 
 EXIT_OK = 0
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(recipes, "recipes")
     recipes.add_argument("--json", action="store_true", help="print JSON, as GET /v1/recipes")
     image_command.add_parser(commands)
+    plan_command.add_parser(commands)
     add_completion(commands, parser)
     return parser
 
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return print_completion(args)
     if args.command == "image":  # no daemon, no settings
         return image_command.run(args)
+    if args.command == "plan":  # controller side: no daemon
+        return plan_command.run(args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:

@@ -379,6 +379,15 @@ class Settings(BaseSettings):
     munge_socket: Path | None = setting(
         cli=(), default_text="munge's own", help="munged's socket (node service, fan-out)"
     )
+    # ---- the planner (stager plan, controller side; docs/prestaging.md) ----
+    plan_horizon_s: float = setting(
+        1800.0,
+        gt=0,
+        cli=("plan",),
+        flag="plan-horizon",
+        help="planner: pre-stage a pending job's data when Slurm plans its start within "
+        "this many seconds",
+    )
     # For the crash-consistency tests only: die right after this durable step
     # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
     crash_after: str | None = setting(cli=(), help="tests only: die after this durable step")

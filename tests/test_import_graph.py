@@ -233,6 +233,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),
         ("api", {"stager.api"}),
+        # The pre-staging planner: controller side, a client of the node services.
+        ("plan", {"stager.plan"}),
         (
             "app",
             {

@@ -120,6 +120,9 @@ configure() {
     install -d -m 0755 /var/lib/slurm/slurmd /var/lib/slurm/slurmctld /var/log/slurm
     write_if_changed "$SLURM_CONF_DIR/slurm.conf" "$(render_slurm_conf)"
     write_if_changed "$SLURM_CONF_DIR/cgroup.conf" "$(<"$HERE/cgroup.conf.in")"
+    write_if_changed "$SLURM_CONF_DIR/job_submit.lua" \
+        "$(printf -- '-- %s from deploy/slurm/job_submit.lua; edits are lost.\n' "$MARK")
+$(<"$SLURM_DIR/job_submit.lua")"
     # The stager file is read by every prolog run: a change needs no restart.
     local before=$CHANGED
     write_if_changed "$STAGER_CONF" "$(render_stager_env)"

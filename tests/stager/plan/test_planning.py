@@ -1,0 +1,154 @@
+"""The planner's core on synthetic squeue output: parsing Slurm's odd values, which
+jobs are planned (and why the others are not), and the diff between intervals."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from stager.plan import squeue
+from stager.plan.changes import diff
+from stager.plan.declared import Declarations, encode, lines
+from stager.plan.planner import Planner
+from stager.plan.planning import compute
+from stager.plan.squeue import RecordedSqueue
+from tests.stager.plan.queue import INAT, NOW, row
+
+HORIZON_S = 1800.0
+
+
+def plan_of(*rows: str):
+    jobs, problems = squeue.parse("\n".join(rows))
+    assert not problems
+    return compute(jobs, NOW, HORIZON_S, Declarations())
+
+
+def test_a_line_with_slurms_odd_values_parses() -> None:
+    jobs, problems = squeue.parse(
+        row("7", start="N/A", sched="(null)", declared=None)
+        + "\n"
+        + row("8_3", state="RUNNING", sched="(null)", nodes="gpu[01-02,5]")
+    )
+    assert not problems
+    assert jobs[0].start is None and jobs[0].sched_nodes == () and jobs[0].admin_comment is None
+    assert jobs[1].job_id == "8_3" and jobs[1].nodes == ("gpu01", "gpu02", "gpu5")
+
+
+def test_an_unreadable_line_is_named_and_the_others_are_read() -> None:
+    jobs, problems = squeue.parse(row("1") + "\nnot|a|line\n" + row("2", uid="x"))  # type: ignore[arg-type]
+    assert [job.job_id for job in jobs] == ["1"]
+    assert problems[0].startswith("squeue line 2:") and "squeue line 3" in problems[1]
+
+
+@pytest.mark.parametrize(("field", "value"), [("sched", "n[1-"), ("start", "tomorrow")])
+def test_a_field_read_late_that_is_unreadable_skips_its_job_saying_so(field, value) -> None:
+    """Starts and hostlists are read only for jobs that get that far (QueuedJob)."""
+    plan = plan_of(row("1", declared=[INAT], **{field: value}), row("2", declared=[INAT]))
+    assert {p.job_id for p in plan.prefetches} == {"2"}
+    assert "cannot read" in plan.skipped[0].reason and value in plan.skipped[0].reason
+
+
+def test_a_pipe_or_newline_in_a_declaration_cannot_move_the_fields() -> None:
+    """The user writes the declaration; uid, gid and nodes must stay Slurm's."""
+    hostile = ['x --step \'{"op": "copy", "src": "/a|0|0|PENDING|\\nroot"}\'']
+    jobs, _ = squeue.parse(row("9", uid=1001, declared=hostile))
+    assert len(jobs) == 1 and jobs[0].uid == 1001 and jobs[0].gid == 1001
+    assert lines(jobs[0].admin_comment) == hostile
+
+
+def test_encoding_round_trips_every_character_the_lua_escapes() -> None:
+    words = ["a %41 ; | \t \x01 \x7f b", "c"]
+    assert lines(encode(words)) == words
+    assert "|" not in encode(words) and "\n" not in encode(words + ["d\ne"])
+
+
+def test_jobs_in_the_horizon_with_nodes_are_planned_on_each_node_as_their_user() -> None:
+    plan = plan_of(row("10", uid=1001, gid=2000, declared=[INAT]))
+    assert {(p.node, p.uid, p.gid, p.job_id, p.wanted.name) for p in plan.prefetches} == {
+        ("node1", 1001, 2000, "10", "inat"),
+        ("node2", 1001, 2000, "10", "inat"),
+    }
+    assert plan.prefetches and not plan.skipped
+
+
+@pytest.mark.parametrize(
+    ("job", "reason"),
+    [
+        (row("1", uid=0, declared=[INAT]), "root's job"),
+        (row("2"), "declares nothing"),
+        (row("3", start="N/A", declared=[INAT]), "no planned start"),
+        (row("4", start=NOW + timedelta(hours=3), declared=[INAT]), "beyond the horizon"),
+        (row("5", sched="(null)", declared=[INAT]), "no planned nodes"),
+        (row("6", declared=["inat --recipe r --wait"]), "line 1: --wait says how to stage"),
+        (row("7", declared=["Bad --recipe r"]), "must start with the dataset's NAME"),
+        (row("8", declared=["x --step 'not json'"]), "is not valid JSON"),
+    ],
+)
+def test_every_job_not_planned_says_why(job: str, reason: str) -> None:
+    plan = plan_of(job)
+    assert not plan.prefetches
+    assert len(plan.skipped) == 1 and reason in plan.skipped[0].reason
+
+
+def test_running_jobs_are_not_planned() -> None:
+    plan = plan_of(row("1", state="RUNNING", nodes="node1", declared=[INAT]))
+    assert not plan.prefetches and not plan.skipped and "1" in plan.jobs
+
+
+def test_the_diff_starts_new_retargets_moved_and_cancels_gone_jobs() -> None:
+    first = plan_of(
+        row("1", declared=[INAT], sched="node1"),
+        row("2", declared=[INAT], sched="node2"),
+        row("3", declared=[INAT], sched="node3"),
+        row("4", declared=[INAT], sched="node4"),
+        row("5", declared=[INAT], sched="node5"),
+    )
+    assert len(diff(frozenset(), first).start) == 5
+    second = plan_of(
+        row("1", declared=[INAT], sched="node1"),  # unchanged
+        row("2", declared=[INAT], sched="node9"),  # plan moved
+        row("3", state="RUNNING", sched="(null)", nodes="node3", declared=[INAT]),  # as planned
+        row("4", state="RUNNING", sched="(null)", nodes="node8", declared=[INAT]),  # elsewhere
+        row("5", declared=[INAT], sched="node5", start=NOW + timedelta(hours=5)),  # later
+        # job 6 was never there; job ... gone: see below
+    )
+    changes = diff(first.prefetches, second)
+    assert [(p.job_id, p.node) for p in changes.start] == [("2", "node9")]
+    cancels = {(p.job_id, p.node): why for p, why in changes.cancel}
+    assert cancels.keys() == {("2", "node2"), ("4", "node4"), ("5", "node5")}
+    assert "moved to node9" in cancels[("2", "node2")]
+    assert "started on node8" in cancels[("4", "node4")]
+    assert "no longer planned" in cancels[("5", "node5")]
+    assert [(p.job_id, p.node) for p in changes.used] == [("3", "node3")]
+    assert changes.retargeted == {"2"}
+    gone = diff(second.prefetches, plan_of())
+    assert {p.job_id for p, why in gone.cancel if "ended or was cancelled" in why} == {"1", "2"}
+
+
+def test_the_same_declaration_planned_twice_is_the_same_prefetch() -> None:
+    """Nothing is restarted between intervals when nothing changed."""
+    planner = Planner(RecordedSqueue(row("1", declared=[INAT])), HORIZON_S, clock=lambda: NOW)
+    assert len(planner.interval().changes.start) == 2
+    again = planner.interval()
+    assert not again.changes.start and not again.changes.cancel
+    assert planner.source.calls == 2  # one squeue call per interval
+
+
+def test_a_plan_gone_for_a_cycle_holds_its_prefetches_and_does_not_restart_them() -> None:
+    """After a slurmctld restart, SchedNodes and the start are empty until the next
+    backfill cycle: nothing is cancelled, and nothing is started again after."""
+    planned = row("1", declared=[INAT], sched="node1")
+    source = RecordedSqueue(planned)
+    planner = Planner(source, HORIZON_S, clock=lambda: NOW)
+    assert len(planner.interval().changes.start) == 1
+    for unknown in (
+        row("1", declared=[INAT], sched="(null)"),
+        row("1", declared=[INAT], start="N/A"),
+    ):
+        source.text = unknown
+        gap = planner.interval().changes
+        assert not gap.cancel and [p.node for p in gap.held] == ["node1"]
+    source.text = planned
+    again = planner.interval().changes
+    assert not again.start and not again.cancel
