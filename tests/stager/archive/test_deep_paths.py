@@ -77,15 +77,3 @@ def test_a_member_at_the_depth_limit_is_written_by_loops(tmp_path: Path, gz: boo
     leaf = tmp_path / "tree" / "/".join(["d"] * MAX_DEPTH)
     assert leaf.is_file()
     assert built.folders == MAX_DEPTH  # the top and the MAX_DEPTH - 1 above the leaf
-
-
-def test_a_tree_deeper_than_the_stack_packs_into_an_image(tmp_path: Path) -> None:
-    """A tree source's depth is its own (no member names): the image's folders are made
-    by a loop whatever it is."""
-    top = tmp_path / "top"
-    folder = top.joinpath(*["d"] * 600)
-    folder.mkdir(parents=True)
-    (folder / "leaf").write_bytes(b"x")
-    with shallow_stack():
-        built = build_image(str(top), str(tmp_path / "tree.erofs"))
-    assert built.folders == 601 and built.files == 1
