@@ -175,6 +175,10 @@ def _outcome(message: tuple[str, Any]) -> Seal | ImageMade:
     if kind == "oserror":
         number, strerror, filename = payload
         raise OSError(number, strerror, filename)
+    # A bug: its traceback is the admin's (the log), never the client's, which gets a
+    # sentence (a traceback shows the daemon's code and paths, and helps no user).
+    log.error("internal error in the staging process:\n%s", payload)
     raise errors.StagingProcessDied(
-        f"internal error in the staging process; see the daemon log:\n{payload}"
+        "internal error in the staging process (a bug; its traceback is in the daemon's "
+        "log); stage again, and tell the admin if it happens again"
     )

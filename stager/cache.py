@@ -39,6 +39,14 @@ def used_bytes(entries: Iterable[Entry]) -> int:
     return total
 
 
+def inodes_held(entry: Entry) -> int:
+    """Inodes an entry holds on the cache's disk: a ready tree its seal's entries, an
+    image its file, a staging what it has made so far."""
+    if entry.state == State.READY:
+        return entry.seal.entries if entry.seal is not None else 1
+    return entry.progress.inodes_made if entry.active else 0
+
+
 def pending_bytes(entries: Iterable[Entry]) -> int:
     """Bytes that stagings under way have still to write: already admitted, but not yet
     missing from the disk's free space. Estimated from each one's progress fraction."""

@@ -861,6 +861,7 @@ class Engine:
         reg = self._reg
         attempt = await reg.start(entry)
         room_left, bound = await self._room_left(entry)
+        inodes_left, inode_bound = await self._inodes_left(entry)
         job = StageJob(
             steps=self.ops.dump_steps(entry.steps),
             op_modules=tuple(self.settings.op_modules),
@@ -874,6 +875,8 @@ class Engine:
             crash_after=self._crash.for_staging_process(),
             write_bytes=room_left,
             write_bound=bound,
+            write_inodes=inodes_left,
+            inode_bound=inode_bound,
             image=self._image_job(entry),
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
@@ -972,6 +975,28 @@ class Engine:
         if self.settings.min_free_bytes:  # no floor: the disk's own end is the limit
             room = await self.admission.free_bytes(held) - self.settings.min_free_bytes
             limits.append((room, "disk"))
+        if not limits:
+            return None, "quota"
+        return min(limits)
+
+    async def _inodes_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
+        """The most inodes a staging of ``entry`` may make (None: no limit), and what
+        sets it, as :meth:`_room_left` for bytes: its user's inode quota less what their
+        other data holds (a tree its seal's entries, an image one, a staging what it made
+        so far), and the disk's free inodes above its floor."""
+        limits: list[tuple[int, WriteBound]] = []
+        owner = cache.private_owner(entry)
+        if owner is not None and self.settings.user_inode_quota:
+            used = sum(
+                cache.inodes_held(e)
+                for e in self.entries()
+                if cache.private_owner(e) == owner and e is not entry
+            )
+            limits.append((self.settings.user_inode_quota - used, "quota"))
+        if self.settings.min_free_inodes:
+            free = await run_io(preflight.free_inodes, self.settings)
+            if free is not None:
+                limits.append((free - self.settings.min_free_inodes, "disk"))
         if not limits:
             return None, "quota"
         return min(limits)

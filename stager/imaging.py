@@ -503,8 +503,8 @@ class _StepProgress:
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
         self._counts.advance(nbytes, files)
 
-    def wrote(self, nbytes: int) -> None:
-        report_written(self._counts, nbytes)
+    def wrote(self, nbytes: int, inodes: int = 0) -> None:
+        report_written(self._counts, nbytes, inodes)
 
     def starting(self, label: str) -> None:
         """The build opens its next input."""

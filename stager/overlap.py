@@ -192,8 +192,8 @@ class _CountedTwice:
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
         self._sink.advance(nbytes, files)
 
-    def wrote(self, nbytes: int) -> None:
-        report_written(self._sink, nbytes)
+    def wrote(self, nbytes: int, inodes: int = 0) -> None:
+        report_written(self._sink, nbytes, inodes)
 
 
 class _NoTotals(_CountedTwice):

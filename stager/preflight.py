@@ -210,6 +210,13 @@ def free_bytes(settings: Settings) -> int:
     return shutil.disk_usage(settings.cache_dir).free
 
 
+def free_inodes(settings: Settings) -> int | None:
+    """Inodes the cache's disk has free for an unprivileged writer; None where it keeps
+    no count (btrfs, some network filesystems report 0 of 0)."""
+    st = os.statvfs(settings.cache_dir)
+    return st.f_favail if st.f_files else None
+
+
 def ensure_dirs(settings: Settings) -> None:
     for folder in (
         settings.cache_dir,

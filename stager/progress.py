@@ -65,18 +65,21 @@ class ProgressSink(Protocol):
         """Count work done."""
 
 
-def report_written(sink: ProgressSink, nbytes: int) -> None:
-    """Count bytes an op has just left in the tree (files written, links made), where
-    the sink keeps that count (a staging process's, stager.progress.WorkerCounters):
-    the node service stops a staging whose user's bytes reach their quota by it."""
+def report_written(sink: ProgressSink, nbytes: int, inodes: int = 0) -> None:
+    """Count bytes and inodes an op has just left on the disk (files written, links and
+    folders made, their entries, an image's metadata: see stager.fs.sizes.FOLDER_BYTES),
+    where the sink keeps that count (a staging process's, stager.progress.WorkerCounters):
+    the node service stops a staging whose user's bytes or inodes reach their quota, or
+    the disk's floor, by it."""
     wrote = getattr(sink, "wrote", None)
-    if wrote is not None and nbytes > 0:
-        wrote(nbytes)
+    if wrote is not None and (nbytes > 0 or inodes > 0):
+        wrote(nbytes, inodes)
 
 
 # Slots of the shared counters.
-_STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL, _WRITTEN = range(7)
-_SLOTS = 7
+(_STEP, _BYTES_TOTAL, _FILES_TOTAL, _BYTES_DONE, _FILES_DONE, _HAS_FILES_TOTAL, _WRITTEN,
+ _INODES) = range(8)  # fmt: skip
+_SLOTS = 8
 
 
 class SharedCounters:
@@ -105,6 +108,7 @@ class WorkerCounters:
         self._lock = threading.Lock()
         self._values = [0] * _SLOTS
         self._written_limit: tuple[int, Callable[[int], Exception]] | None = None
+        self._inode_limit: tuple[int, Callable[[int], Exception]] | None = None
         self._published_at = 0.0
 
     def start_step(self, index: int) -> None:
@@ -120,19 +124,31 @@ class WorkerCounters:
                 self._values[_HAS_FILES_TOTAL] = 1
             self._maybe_publish()
 
-    def wrote(self, nbytes: int) -> None:
-        """Bytes left in the tree (see :func:`report_written`); past the limit set by
-        :meth:`limit_written`, the error it makes is raised here, in the op that wrote."""
+    def wrote(self, nbytes: int, inodes: int = 0) -> None:
+        """Bytes and inodes left on the disk (see :func:`report_written`); past a limit
+        set by :meth:`limit_written`, the error it makes is raised here, in the op that
+        wrote."""
         with self._lock:
             self._values[_WRITTEN] += nbytes
-            written = self._values[_WRITTEN]
+            self._values[_INODES] += inodes
+            written, made = self._values[_WRITTEN], self._values[_INODES]
             self._maybe_publish()
         if self._written_limit is not None and written > self._written_limit[0]:
             raise self._written_limit[1](written)
+        if self._inode_limit is not None and made > self._inode_limit[0]:
+            raise self._inode_limit[1](made)
 
-    def limit_written(self, limit: int | None, error: Callable[[int], Exception]) -> None:
-        """Stop the staging once it has left more than ``limit`` bytes in its tree."""
+    def limit_written(
+        self,
+        limit: int | None,
+        error: Callable[[int], Exception],
+        inodes: int | None = None,
+        inode_error: Callable[[int], Exception] | None = None,
+    ) -> None:
+        """Stop the staging once it has left more than ``limit`` bytes, or made more
+        than ``inodes`` inodes (None: no limit)."""
         self._written_limit = None if limit is None else (limit, error)
+        self._inode_limit = None if inodes is None or inode_error is None else (inodes, inode_error)
 
     def advance(self, nbytes: int = 0, files: int = 0) -> None:
         with self._lock:
@@ -181,6 +197,7 @@ class Progress:
         # What the staging has left in its tree so far (at least): bytes done for a copy
         # or a download, the files' bytes for an extraction (report_written).
         self.bytes_written = 0
+        self.inodes_made = 0  # and the inodes it made (folders, files, links)
 
     def add_total(self, nbytes: int = 0, files: int = 0) -> None:
         with self._lock:
@@ -206,7 +223,7 @@ class Progress:
             self.files_total = values[_FILES_TOTAL] if values[_HAS_FILES_TOTAL] else None
             changed = values[_BYTES_DONE] != self.bytes_done
             self.bytes_done, self.files_done = values[_BYTES_DONE], values[_FILES_DONE]
-            self.bytes_written = values[_WRITTEN]
+            self.bytes_written, self.inodes_made = values[_WRITTEN], values[_INODES]
             if changed or not self._samples:
                 self._sample()
 

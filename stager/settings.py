@@ -259,6 +259,23 @@ class Settings(BaseSettings):
         help="node service: bytes of data only its user may read that one user may hold, "
         "e.g. 200G; data every user may read is shared and counts against nobody",
     )
+    # Inodes (folders, files, links: an archive of empty ones costs names, not bytes),
+    # counted as a staging makes them (stager.progress.report_written), as bytes are.
+    user_inode_quota: int = setting(
+        0,
+        ge=0,
+        le=2**62,
+        default_text="0: no limit",
+        help="node service: files, folders and links of data only its user may read that "
+        "one user may hold, e.g. 5000000 (an image counts as one)",
+    )
+    min_free_inodes: int = setting(
+        100_000,
+        ge=0,
+        le=2**62,
+        help="free inodes to keep on the cache disk (a disk that reports none, as btrfs "
+        "does, has no floor)",
+    )
 
     # ---- timings ----
     # A staging whose counters have not moved this long is stuck (a hung source) and

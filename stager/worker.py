@@ -71,6 +71,10 @@ class StageJob:
     # estimated.
     write_bytes: int | None = None
     write_bound: WriteBound = "quota"
+    # The most inodes it may make (folders, files, links; None: no limit), and what sets
+    # it: its user's --user-inode-quota, or the disk's free inodes above --min-free-inodes.
+    write_inodes: int | None = None
+    inode_bound: WriteBound = "quota"
     # Image mode (stager.imaging): the steps made into one read-only image; None: a tree.
     image: ImageJob | None = None
 
@@ -217,7 +221,12 @@ def _stage(
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
-    progress.limit_written(job.write_bytes, functools.partial(past_bound, job.write_bound))
+    progress.limit_written(
+        job.write_bytes,
+        functools.partial(past_bound, job.write_bound),
+        job.write_inodes,
+        functools.partial(past_inode_bound, job.inode_bound),
+    )
     ctx = OpContext(
         root=attempt.tree,
         progress=progress,
@@ -315,6 +324,25 @@ def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:
         "above its floor (--min-free-bytes) when it started: its sources make far more "
         "than their size said (a sparse file, or an archive that decompresses to much "
         "more than it holds); stage less at once, or free room on the disk"
+    )
+
+
+def past_inode_bound(bound: WriteBound, made: int) -> InsufficientSpace:
+    """A staging stopped once it had made ``made`` inodes (folders, files, links), past
+    what ``bound`` lets it: its user's inode quota, or the disk's free inodes above its
+    inode floor."""
+    if bound == "quota":
+        return QuotaExceeded(
+            f"staging stopped after making {made} files and folders, which with the data "
+            "you hold already passes your inode quota on this node (--user-inode-quota); "
+            "free some (stager-client ls, then cancel what you no longer need), stage "
+            "fewer files (an image: --as-image), or ask the admin for a larger quota"
+        )
+    return InsufficientSpace(
+        f"staging stopped after making {made} files and folders, all the inodes the "
+        "cache's disk had free above its floor (--min-free-inodes) when it started: its "
+        "sources make far more names than their size said (an archive of empty files or "
+        "folders); stage fewer files at once, or free inodes on the disk"
     )
 
 

@@ -54,7 +54,8 @@ from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
 from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
-from stager.progress import report_written
+from stager.fs.sizes import ENTRY_BYTES, FOLDER_BYTES, entry_bytes
+from stager.progress import ProgressSink, report_written
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
 SPLIT_MIN_BYTES = 64 << 20
@@ -227,7 +228,7 @@ def _read_headers(
                 rel = None if posix_prefix else _top_folder(block)
             if rel is None or offset + _BLOCK > length:  # cut short: the writer's error
                 break
-            if not _make_folders(dest, _text(rel), folders):
+            if not _make_folders(dest, _text(rel), folders, ctx.progress):
                 break
             if rel:
                 mtimes[_text(rel)] = int(fields[1], 8)
@@ -246,7 +247,7 @@ def _read_headers(
                 break
             folder = named[1].rpartition(b"/")[0]
             if folder != parent:
-                if not _make_folders(dest, _text(folder), folders):
+                if not _make_folders(dest, _text(folder), folders, ctx.progress):
                     break
                 parent = folder
                 if chunk_files >= FOLDER_CHUNK_FILES:  # the folder's files to one tar
@@ -263,7 +264,7 @@ def _read_headers(
                 chunk.append((window_start + held_to, end - window_start - held_to))
                 held_from = held_to = len(window)
             head.made += size
-            report_written(ctx.progress, size)
+            report_written(ctx.progress, size + ENTRY_BYTES + len(named[1]), 1)  # and its name
             chunk_files += 1
             chunk_bytes += end - offset
             if chunk_files == CHUNK_FILES or chunk_bytes >= CHUNK_BYTES:
@@ -295,21 +296,24 @@ def _text(name: bytes) -> str:
     return os.fsdecode(name)  # as tarfile (its encoding: the file system's) and the writer
 
 
-def _make_folders(dest: str, rel: str, folders: set[str]) -> bool:
-    """``rel`` and its parents as real folders; False where a component is something
-    else (a file a tar wrote: the ordered writer decides what follows)."""
-    if rel in folders:
-        return True
-    parent = rel.rpartition("/")[0]
-    if parent not in folders and not _make_folders(dest, parent, folders):
-        return False
-    path = os.path.join(dest, rel)
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        if not os.path.isdir(path) or os.path.islink(path):
-            return False
-    folders.add(rel)
+def _make_folders(dest: str, rel: str, folders: set[str], progress: ProgressSink) -> bool:
+    """``rel`` and its parents as real folders, each charged as it is made (see
+    stager.fs.sizes.FOLDER_BYTES); False where a component is something else (a file a
+    tar wrote: the ordered writer decides what follows). A loop up to the nearest folder
+    made, then down: a ustar name (256 bytes at most) is shallow, but no stack grows."""
+    missing = []
+    while rel not in folders:
+        missing.append(rel)
+        rel = rel.rpartition("/")[0]
+    for here in reversed(missing):
+        report_written(progress, FOLDER_BYTES + entry_bytes(here), 1)
+        path = os.path.join(dest, here)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not os.path.isdir(path) or os.path.islink(path):
+                return False
+        folders.add(here)
     return True
 
 

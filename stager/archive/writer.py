@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from stager.errors import UnsafeArchiveMember, VerifyFailed
 from stager.fs.fastcopy import READ_CHUNK, copy_range
 from stager.fs.seal import FILE_MODE
-from stager.fs.sizes import sum_sizes
+from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
 from stager.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -86,6 +86,17 @@ _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 GNU_FAILS_TOO = "GNU tar fails here too"
 # The longest path, in bytes, a member may be given (PATH_MAX less its NUL).
 PATH_MAX = 4095
+# The most components a member's path may have. No dataset comes near it (ImageNet's
+# are 2 deep); a path of 4095 bytes may have 2,048, and every walk over a tree that deep
+# pays for its depth (the kernel's path lookups, a recursive rmtree's frames). A name of
+# under 1,024 bytes (clean_name's fast path) cannot pass it.
+MAX_DEPTH = 512
+# The most bytes of folder and link names one archive's writer keeps (each name's
+# path and ``_HELD_OVERHEAD`` for the objects holding it): 400,000 folders of short
+# names, 100,000 of 500-byte paths; what keeps the staging process's memory bounded whatever
+# the archive's depth and count (a folder also counts against the inode quota).
+HELD_NAMES_BYTES = 64 << 20
+_HELD_OVERHEAD = 120
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +151,10 @@ class _Batch:
     names: list[str] = field(default_factory=list)
     share: int = 0  # archive bytes the batch accounts for, for progress
     nbytes: int = 0
+    # What its names cost beyond their content (stager.fs.sizes.entry_bytes), and its
+    # new inodes (a hard link makes none): charged as the batch is handed out.
+    charge: int = 0
+    inodes: int = 0
 
 
 # Only a pax header carries one; GNU tar cuts the name there and writes another file.
@@ -190,14 +205,33 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
         return None
     clean = "/".join(parts)
     if (nbytes := len(os.fsencode(clean))) > PATH_MAX:
-        shown = label if len(label) <= 100 else f"{label[:60]}...{label[-20:]}"
         raise unsafe(
             archive,
-            shown,
+            shown_name(label),
             f"a path of {nbytes} bytes, past the {PATH_MAX} a path may have: nothing "
             "could open it by its name, nor delete it",
         )
+    if len(parts) > MAX_DEPTH:
+        raise unsafe(
+            archive,
+            shown_name(label),
+            f"a path {len(parts)} folders deep, past the {MAX_DEPTH} a member may have",
+        )
     return clean
+
+
+def shown_name(name: str) -> str:
+    """A member's name as an error shows it: a long one by its ends."""
+    return name if len(name) <= 100 else f"{name[:60]}...{name[-20:]}"
+
+
+def too_many_names(archive: str, member: str) -> UnsafeArchiveMember:
+    return UnsafeArchiveMember(
+        f"archive {archive} cannot be extracted: at member {shown_name(member)!r} its folders "
+        f"and links pass the {HELD_NAMES_BYTES >> 20} MiB of names one staging keeps "
+        "track of (too many folders, or folders too deep); split it into smaller archives, "
+        "or re-create it with fewer folders"
+    )
 
 
 def file_mode(mode: int | None) -> int:
@@ -492,6 +526,7 @@ class ArchiveWriter:
         self._slots = threading.BoundedSemaphore(2 * ctx.workers + 2)
         # Bytes of the files and symlinks this writer left, as ``sum_sizes`` counts them.
         self._made = 0
+        self._held = 0  # bytes of folder and link names kept (HELD_NAMES_BYTES)
         os.makedirs(root, exist_ok=True)
 
     @property
@@ -516,9 +551,19 @@ class ArchiveWriter:
 
     def adopt_folders(self, folders: set[str], mtimes: dict[str, float]) -> None:
         """Folders made for this archive before this writer (real folders, by relative
-        path), and the mtimes ``finish`` gives them."""
+        path, their cost charged by whoever made them), and the mtimes ``finish`` gives
+        them."""
+        for rel in folders:
+            self._hold(rel, rel)
         self._dirs |= folders
         self._dir_mtimes.update(mtimes)
+
+    def _hold(self, name: str, member: str) -> None:
+        """Count a name this writer keeps (a folder's, a link's) against the bound on
+        what it may keep."""
+        self._held += len(name) + _HELD_OVERHEAD
+        if self._held > HELD_NAMES_BYTES:
+            raise too_many_names(self.archive, member)
 
     # -- names ------------------------------------------------------------
 
@@ -535,31 +580,53 @@ class ArchiveWriter:
         parent = self._real_dir(parent, label, create=True)
         return f"{parent}/{name}" if parent else name
 
-    def _real_dir(self, rel: str, label: str, create: bool, hops: int = 0) -> str:
+    def _real_dir(self, rel: str, label: str, create: bool) -> str:
+        """The real folder ``rel`` names, its components made where ``create`` (those
+        of a symlink's target must be folders already), walked through the archive's
+        own symlinks. A loop, not a recursion: its cost grows with the depth, its stack
+        does not (clean_name bounds the depth all the same)."""
         if rel in self._dirs:
             return rel
-        head, _, tail = rel.rpartition("/")
-        head = self._real_dir(head, label, create, hops) if head else ""
-        here = f"{head}/{tail}" if head else tail
-        if here in self._symlinks:
-            target = self._symlinks[here][0]
-            if not self._through_links:
-                raise unsafe(self.archive, label, f"written through the archive's symlink {here!r}")
-            if target.startswith("/") or ".." in target.split("/"):
-                raise unsafe(
-                    self.archive,
-                    label,
-                    f"written through the archive's symlink {here!r}, whose target "
-                    f"{target!r} may lead outside; GNU tar does not write through it either",
-                )
-            if hops >= _MAX_LINK_HOPS:
-                raise refused(self.archive, label, "lies under too many levels of symlinks")
-            resolved = posixpath.normpath(posixpath.join(head, target)).removeprefix("./")
-            return self._real_dir("" if resolved == "." else resolved, label, False, hops + 1)
-        if not create:
-            raise refused(self.archive, label, f"needs the folder {here!r}, which is not one")
-        self._make_dir(here, label)
-        return here
+        # The nearest folder known to be real (mostly the parent), then down from it.
+        end = len(rel)
+        while end > 0 and rel[:end] not in self._dirs:
+            end = rel.rfind("/", 0, end)
+        head = rel[:end] if end > 0 else ""
+        rest = rel[end + 1 :] if end > 0 else rel
+        todo = [(part, create) for part in reversed(rest.split("/"))]  # next one last
+        hops = 0
+        while todo:
+            tail, may_create = todo.pop()
+            here = f"{head}/{tail}" if head else tail
+            if here in self._dirs:
+                head = here
+                continue
+            if here in self._symlinks:
+                target = self._symlinks[here][0]
+                if not self._through_links:
+                    raise unsafe(
+                        self.archive, label, f"written through the archive's symlink {here!r}"
+                    )
+                if target.startswith("/") or ".." in target.split("/"):
+                    raise unsafe(
+                        self.archive,
+                        label,
+                        f"written through the archive's symlink {here!r}, whose target "
+                        f"{target!r} may lead outside; GNU tar does not write through it either",
+                    )
+                hops += 1
+                if hops > _MAX_LINK_HOPS:
+                    raise refused(self.archive, label, "lies under too many levels of symlinks")
+                resolved = posixpath.normpath(posixpath.join(head, target)).removeprefix("./")
+                head = ""
+                if resolved != ".":
+                    todo += [(part, False) for part in reversed(resolved.split("/"))]
+                continue
+            if not may_create:
+                raise refused(self.archive, label, f"needs the folder {here!r}, which is not one")
+            self._make_dir(here, label)
+            head = here
+        return head
 
     def _make_dir(self, rel: str, label: str, replace_file: bool = False) -> None:
         """``rel`` as a real directory. A leftover symlink is replaced; a file only for
@@ -569,6 +636,9 @@ class ArchiveWriter:
                 raise refused(self.archive, label, f"needs the folder {rel!r}, a file")
             self._wait_for(rel)
         path = self._path(rel)
+        self._hold(rel, label)
+        # Charged before it is made: an archive of nothing but folders stops at its bound.
+        report_written(self._ctx.progress, FOLDER_BYTES + entry_bytes(rel), 1)
         try:
             os.mkdir(path)
         except FileExistsError:
@@ -637,6 +707,7 @@ class ArchiveWriter:
         self._claim(rel, rel, same_batch=not inline)
         job = _FileJob(self._path(rel), mode, mtime, payload)
         if inline:
+            report_written(self._ctx.progress, entry_bytes(rel), 1)
             _, made, streamed = write_files([job], self._verify, self._report)
             self._counted(made, streamed)
             self._ctx.progress.advance(archive_bytes, 1)
@@ -658,6 +729,8 @@ class ArchiveWriter:
         batch.names.append(rel)
         self._in_flight[rel] = batch.seq
         batch.share += share
+        batch.charge += entry_bytes(rel)
+        batch.inodes += 1
         if len(batch.jobs) >= _BATCH_FILES:
             self._submit()
         return rel
@@ -669,6 +742,8 @@ class ArchiveWriter:
         self._in_flight[rel] = batch.seq
         batch.share += share
         batch.nbytes += nbytes
+        batch.charge += entry_bytes(rel)
+        batch.inodes += not isinstance(job.payload, HardLink)
         if len(batch.jobs) >= _BATCH_FILES or batch.nbytes >= self._batch_bytes:
             self._submit()
 
@@ -677,6 +752,9 @@ class ArchiveWriter:
         if not batch.jobs:
             return
         self._batch = _Batch(seq=batch.seq + 1)
+        # Its names charged before they are made (an archive of empty files or hard
+        # links costs entries and inodes, not bytes); past a bound, the error is here.
+        report_written(self._ctx.progress, batch.charge, batch.inodes)
         if self._pool is None:  # no pool: write now, on this thread
             for name in batch.names:
                 if self._in_flight.get(name) == batch.seq:
@@ -725,6 +803,9 @@ class ArchiveWriter:
         rel = self._place(rel, rel)
         if rel in self._dirs:
             self._replace_dir(rel, rel)
+        # Made at the end, kept until then: its name and inode charged now.
+        self._hold(rel + target, rel)
+        report_written(self._ctx.progress, entry_bytes(rel), 1)
         self._symlinks.pop(rel, None)  # re-added last: a later copy wins
         self._symlinks[rel] = (target, mtime)
 

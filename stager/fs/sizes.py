@@ -30,6 +30,20 @@ from stager.fs.sources import (
     within,
 )
 
+# What a staging's write bound charges for a name beyond its content, as it makes it
+# (stager.progress.report_written): a folder takes a block of its own on a disk
+# filesystem (ext4, xfs: 4 KiB at least; tmpfs counts its inode instead, see the inode
+# floor), and every name an entry in its folder's blocks (ext4: 8 bytes and the name,
+# rounded up to 4), charged here as ``ENTRY_BYTES`` and the name's whole relative path:
+# never less than the disk uses, and it pays for the path the staging keeps in memory.
+FOLDER_BYTES = 4096
+ENTRY_BYTES = 12
+
+
+def entry_bytes(rel: str) -> int:
+    """The charge for one new name at the relative path ``rel`` (its folder's entry)."""
+    return ENTRY_BYTES + len(rel)
+
 
 class _Sizes(Visitor):
     """Sums every entry as itself (a link by its length)."""

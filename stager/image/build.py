@@ -53,12 +53,12 @@ from stager.archive.formats import (
 )
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
 from stager.archive.tar_reader import DUMPDIR, MULTIVOLUME, NOT_FILES, VOLUME_LABEL, require_inside
-from stager.archive.writer import clean_name, refused, unsafe
+from stager.archive.writer import clean_name, refused, too_many_names, unsafe
 from stager.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
-from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves
+from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves, TooManyNames
 from stager.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
@@ -189,6 +189,7 @@ def build_from(
         top_mode=top[1],
         blob=blob,
         early_writeback=options.sync,
+        charge=lambda nbytes: report_written(options.progress, nbytes),
     )
     label = inputs[0].path if inputs else output
     try:
@@ -207,6 +208,8 @@ def build_from(
             size = writer.finish()
         except LinkLeaves as exc:  # the image's links judged at the end, by its final names
             raise unsafe(label, exc.path, exc.why) from exc
+        except TooManyNames as exc:  # a tree's folders (an archive's: by its member)
+            raise too_many_names(label, exc.path) from exc
         except ImageConflict as exc:  # found at the end, when the folders are written
             raise refused(label, exc.path, exc.why) from exc
         before_publish()
@@ -420,6 +423,8 @@ class _TarSource:
                 self._hardlink(member, rel)
             else:
                 raise unsafe(self.path, member.name, "a device file or FIFO")
+        except TooManyNames as exc:
+            raise too_many_names(self.path, member.name) from exc
         except ImageConflict as exc:
             raise refused(self.path, member.name, exc.why) from exc
 

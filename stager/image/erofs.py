@@ -75,6 +75,16 @@ assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
 
 # Entries go to the spill in batches: executemany's cost is per call.
 _SPILL_BATCH = 4096
+# What a build charges for each name as it adds it, beyond content (see ``charge``): its
+# entry in its folder's blocks (12 bytes and the name) and its row in the spill; a
+# folder's inode and block, a file's inode, are charged as they are made.
+_ENTRY_CHARGE = 12 + 48
+_CHARGE_EVERY = 64 << 10  # charges are told in sums this large (one call per few files)
+# The most bytes of folder paths (and ``_FOLDER_OVERHEAD`` each, for the objects that
+# hold it) one build keeps in memory: 150,000 folders of short names, or fewer deep ones;
+# what bounds the building process's memory whatever the source's depth and count.
+HELD_NAMES_BYTES = 64 << 20
+_FOLDER_OVERHEAD = 400
 # What the kernel takes: a name of at most 255 bytes, a link target shorter than a page
 # (a longer one is cut at 4095 bytes when it is read: other words than those judged).
 NAME_MAX = 255
@@ -129,6 +139,10 @@ class ImageConflict(Exception):
         self.path, self.why = path, why
 
 
+class TooManyNames(ImageConflict):
+    """The image's folders passed the names one build may keep (``HELD_NAMES_BYTES``)."""
+
+
 class LinkLeaves(ImageConflict):
     """A symlink that, read through the mounted image as the kernel resolves it,
     leads outside the image."""
@@ -164,8 +178,15 @@ class ErofsWriter:
         top_mode: int = 0o555,
         blob: Blob | None = None,
         early_writeback: bool = False,
+        charge: Callable[[int], None] | None = None,
     ) -> None:
+        """``charge`` is told the bytes of metadata the image will hold (folders, inodes,
+        entries) as each is added, before it is written: a staging's write bound counts
+        them as it counts content (stager.progress.report_written)."""
         self._fd = fd
+        self._charge = charge
+        self._uncharged = 0
+        self._held = 0  # bytes of folder paths kept (HELD_NAMES_BYTES)
         self._blob = blob
         # A durable build starts its data's writeback as it goes (stager.fs.writeback),
         # so that the fsync before the image is published finds little left to write.
@@ -222,7 +243,8 @@ class ErofsWriter:
 
     def folder(self, path: str, mtime: int | None = None) -> int:
         """The folder at ``path`` (relative, "/"-separated, already clean), made with its
-        parents if new; an explicit folder member passes its ``mtime``."""
+        parents if new; an explicit folder member passes its ``mtime``. A loop up to the
+        nearest folder known, then down: no stack grows with the depth."""
         known = self._folder_ids.get(path)
         if known is not None:
             if mtime is not None:
@@ -230,9 +252,24 @@ class ErofsWriter:
                 entry = self._folders[known]
                 entry.mtime, entry.seq, entry.explicit = mtime, self._seq, True
             return known
-        head, _, name = path.rpartition("/")
-        parent = self.folder(head)
-        encoded = self._named(parent, name)
+        missing = [path]
+        while (known := self._folder_ids.get(head := missing[-1].rpartition("/")[0])) is None:
+            missing.append(head)
+        parent = known
+        for here in reversed(missing):
+            parent = self._new_folder(parent, here, mtime if here is path else None)
+        return parent
+
+    def _new_folder(self, parent: int, path: str, mtime: int | None) -> int:
+        encoded = self._named(parent, path.rpartition("/")[2])
+        self._held += len(path) + _FOLDER_OVERHEAD
+        if self._held > HELD_NAMES_BYTES:
+            raise TooManyNames(
+                path,
+                f"passes the {HELD_NAMES_BYTES >> 20} MiB of folder names one image build "
+                "keeps track of (too many folders, or folders too deep)",
+            )
+        self._charged(self.block + _INODE + _ENTRY_CHARGE + len(encoded))
         self._seq += 1
         number = len(self._folders)
         when = self.build_time if mtime is None else mtime
@@ -245,6 +282,17 @@ class ErofsWriter:
         self._folders[parent].filled = True
         self._folder_ids[path] = number
         return number
+
+    def _charged(self, nbytes: int) -> None:
+        self._uncharged += nbytes
+        if self._uncharged >= _CHARGE_EVERY:
+            self.charge_now()
+
+    def charge_now(self) -> None:
+        """Tell ``charge`` what was added since it was last told."""
+        if self._charge is not None and self._uncharged:
+            self._charge(self._uncharged)
+        self._uncharged = 0
 
     def is_folder(self, path: str) -> bool:
         return path in self._folder_ids
@@ -319,6 +367,7 @@ class ErofsWriter:
         self._folders[parent].filled = True
         self._seq += 1
         encoded = self._named(parent, name)
+        self._charged(2 * _ENTRY_CHARGE + len(encoded) + len(target) + len(label))
         row = (parent, encoded, self._seq, target_parent, os.fsencode(target), label)
         self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
         self.files += 1
@@ -373,6 +422,7 @@ class ErofsWriter:
                 blk = blk or tail_blk
                 tail = b""
         self._inodes += 1
+        self._charged(_INODE)
         inode = self._pack_inode(layout, mode, size, blk, mtime, 1, self._inodes)
         return self._put_meta(inode + tail)
 
@@ -421,7 +471,9 @@ class ErofsWriter:
     def _entry(self, parent: int, name: str, kind: int, nid: int) -> None:
         self._folders[parent].filled = True
         self._seq += 1
-        self._pending.append((parent, self._named(parent, name), self._seq, nid, kind))
+        encoded = self._named(parent, name)
+        self._charged(_ENTRY_CHARGE + len(encoded))
+        self._pending.append((parent, encoded, self._seq, nid, kind))
         if len(self._pending) >= _SPILL_BATCH:
             self._spill()
 
@@ -442,6 +494,7 @@ class ErofsWriter:
     def finish(self) -> int:
         """Write the folders, the hard links' counts and the superblock; the image's
         size in bytes."""
+        self.charge_now()
         self._spill()
         self._meta_used = self.block  # nothing more goes into the last metadata block
         self._flush_meta()
