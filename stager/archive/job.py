@@ -170,22 +170,26 @@ def judge_link(rel: str, target: str, hard: bool, root: str, archive: str, label
     The rule of tarfile's data filter (Python 3.12), written here so that every
     interpreter judges alike: ``tarfile.data_filter`` is not in Python before 3.11.4
     (Debian 12 has 3.11.2). A hard link's target is relative to ``root``, a symlink's
-    to its own folder; both are resolved as they stand on disk now (``realpath``).
+    to its own folder; both are resolved as they stand on disk now (``realpath``), and
+    so is the link's own folder.
     """
     if "\0" in target:
         raise unsafe(archive, label, NUL_IN_NAME)
     top = os.path.realpath(root)
-    place = os.path.realpath(os.path.join(top, rel))
+    # The link's own place: its folder as it resolves, and its name, which it replaces.
+    head, name = os.path.split(rel)
+    place = os.path.join(os.path.realpath(os.path.join(top, head)), name)
     if not _within(place, top):
-        raise unsafe(archive, label, f"it would be extracted to {place!r}, outside the destination")
+        raise unsafe(archive, label, f"{rel!r} would be made at {place!r}, {OUTSIDE}")
     if os.path.isabs(target):
-        raise unsafe(archive, label, f"a link to an absolute path, {target!r}")
-    base = top if hard else os.path.join(top, os.path.dirname(rel))
+        raise unsafe(archive, label, f"{rel!r} is a link to an absolute path")
+    base = top if hard else os.path.join(top, head)
     resolved = os.path.realpath(os.path.join(base, target))
     if not _within(resolved, top):
-        raise unsafe(
-            archive, label, f"it would link to {resolved!r}, which is outside the destination"
-        )
+        raise unsafe(archive, label, f"{rel!r} would link to {resolved!r}, {OUTSIDE}")
+
+
+OUTSIDE = "which is outside the destination"
 
 
 def _within(path: str, top: str) -> bool:
