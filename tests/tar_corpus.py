@@ -12,9 +12,9 @@ contiguous files); and the same members compressed, and zips with duplicate name
 is compared with what the reference extractor (GNU tar, or unzip for zips) leaves:
 :func:`snapshot` describes a tree member by member.
 
-Modes are compared after stager's documented policy (tarfile's data filter: no
-setuid/setgid/sticky, no group/other write; directories keep the default mode),
-ownership not at all (stager writes as the daemon's user).
+Modes are compared after stager's documented policy
+(:func:`stager.archive.writer.file_mode`: every file is 0444; directories keep the
+default mode), ownership not at all (stager writes as the daemon's user).
 """
 
 from __future__ import annotations

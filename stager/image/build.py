@@ -314,7 +314,7 @@ class _TarSource:
         # An archive inside another: its bytes are counted by the outer one's progress.
         self.inner = inner
         # Links are judged as if the image were extracted here: a path never made, so
-        # that the data filter resolves their targets by the names alone.
+        # that judge_link resolves their targets by the names alone.
         self.judge_root = os.path.abspath(output) + ".links"
 
     def run(self) -> None:
