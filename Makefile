@@ -35,14 +35,6 @@ TEST_WORKERS ?= 2
 
 PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-# The whole suite, then the archive, extraction, image and API suites again under
-# Debian 12's own interpreter (test-debian); a failure of either fails the run, and
-# the second runs whatever the first said.
-test: $(STAMP) image-tools
-	status=0; $(BIN)/python $(PYTEST) $(PYTEST_ARGS) || status=$$?; \
-	$(MAKE) --no-print-directory test-debian || status=1; \
-	exit $$status
-
 # Debian 12's python3.11 is 3.11.2, what deploy/install.sh installs with; the default
 # interpreter may be newer (3.11.4 added to tarfile what stager once relied on). These
 # suites need no torch: their venv has stager and its test packages only.
@@ -77,13 +69,24 @@ $(DEBIAN_STAMP): pyproject.toml constraints.txt
 	touch $(DEBIAN_STAMP)
 
 ifeq ($(strip $(DEBIAN_PYTHON)),)
-test-debian:
-	@echo "== DEBIAN_PYTHON is empty: the suites under Debian 12's interpreter are left out"
+DEBIAN_NEEDS :=
+DEBIAN_RUN := echo "== DEBIAN_PYTHON is empty: the suites under Debian 12's interpreter are left out"
 else
-test-debian: $(DEBIAN_STAMP) image-tools
-	@echo "== $(DEBIAN_TESTS) under $$($(DEBIAN_VENV)/bin/python -V) ($(DEBIAN_PYTHON))"
+DEBIAN_NEEDS := $(DEBIAN_STAMP)
+DEBIAN_RUN := echo "== again under $(DEBIAN_PYTHON): $(DEBIAN_TESTS)" && \
 	$(DEBIAN_VENV)/bin/python $(PYTEST) $(DEBIAN_TESTS)
 endif
+
+test-debian: image-tools $(DEBIAN_NEEDS)
+	$(DEBIAN_RUN)
+
+# The whole suite, then the archive, extraction, image and API suites again under
+# Debian 12's own interpreter (test-debian); a failure of either fails the run, and
+# the second runs whatever the first said.
+test: $(STAMP) image-tools $(DEBIAN_NEEDS)
+	status=0; $(BIN)/python $(PYTEST) $(PYTEST_ARGS) || status=$$?; \
+	$(DEBIAN_RUN) || status=1; \
+	exit $$status
 
 # Image mode's Debian packages (FUSE readers, squashfs-tools, erofs-utils), as root.
 image-tools:
