@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-multinode test lint bench bench-fanout clean slurm-up slurm-down image-tools
+.PHONY: venv demo demo-multinode test test-debian lint bench bench-fanout clean slurm-up slurm-down image-tools
 
 venv: $(STAMP)
 
@@ -42,9 +42,60 @@ demo-multinode: $(STAMP)
 # the slow groups first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-test: $(STAMP) image-tools
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
-		$(PYTEST_ARGS)
+PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# Debian 12's python3.11 is 3.11.2, what deploy/install.sh installs with; the default
+# interpreter may be newer (3.11.4 added to tarfile what stager once relied on). These
+# suites need no torch: their venv has stager and its test packages only.
+# DEBIAN_PYTHON= (empty) leaves this run out, on a machine that is not Debian 12.
+DEBIAN_PYTHON ?= /usr/bin/python3.11
+DEBIAN_VENV ?= .venv-debian
+DEBIAN_STAMP := $(DEBIAN_VENV)/.installed
+# Chosen to be short (a few minutes): the tar corpus against GNU tar on every pool, link
+# judging, header reading, hostile archives, image building from tars and trees, and
+# the API through a real daemon (tars with links, images, refusals as sentences).
+DEBIAN_TESTS := tests/stager/archive/test_links.py tests/stager/archive/test_tar_members.py \
+	tests/stager/archive/test_split_tar_review.py tests/stager/ops/test_archive_compat.py \
+	tests/stager/ops/test_malicious_archives.py tests/stager/image/test_build.py \
+	tests/stager/image/test_links_and_names.py tests/stager/test_api.py \
+	tests/stager/test_image_datasets.py
+
+# A bare Debian 12 may lack the interpreter or its venv module (ensurepip): as root
+# they are installed (fresh machines have empty package lists: updated on a failure).
+DEBIAN_APT := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	python3.11 python3.11-venv
+
+$(DEBIAN_STAMP): pyproject.toml constraints.txt
+	@if ! $(DEBIAN_PYTHON) -c 'import ensurepip' 2>/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "== installing python3.11 python3.11-venv"; \
+		$(DEBIAN_APT) || { apt-get update -qq && $(DEBIAN_APT); }; fi
+	@$(DEBIAN_PYTHON) -c 'import ensurepip' 2>/dev/null || { echo "make: $(DEBIAN_PYTHON)" \
+		"cannot make a venv: install Debian's python3.11 and python3.11-venv" \
+		"(apt-get install python3.11-venv), or leave this run out with DEBIAN_PYTHON="; exit 1; }
+	@echo "== installing stager and its test packages into $(DEBIAN_VENV) ($(DEBIAN_PYTHON))"
+	test -x $(DEBIAN_VENV)/bin/python || $(DEBIAN_PYTHON) -m venv $(DEBIAN_VENV)
+	$(DEBIAN_VENV)/bin/pip install --progress-bar on -c constraints.txt -e '.[test]'
+	touch $(DEBIAN_STAMP)
+
+ifeq ($(strip $(DEBIAN_PYTHON)),)
+DEBIAN_NEEDS :=
+DEBIAN_RUN := echo "== DEBIAN_PYTHON is empty: the suites under Debian 12's interpreter are left out"
+else
+DEBIAN_NEEDS := $(DEBIAN_STAMP)
+DEBIAN_RUN := echo "== again under $(DEBIAN_PYTHON): $(DEBIAN_TESTS)" && \
+	$(DEBIAN_VENV)/bin/python $(PYTEST) $(DEBIAN_TESTS)
+endif
+
+test-debian: image-tools $(DEBIAN_NEEDS)
+	$(DEBIAN_RUN)
+
+# The whole suite, then the archive, extraction, image and API suites again under
+# Debian 12's own interpreter (test-debian); a failure of either fails the run, and
+# the second runs whatever the first said.
+test: $(STAMP) image-tools $(DEBIAN_NEEDS)
+	status=0; $(BIN)/python $(PYTEST) $(PYTEST_ARGS) || status=$$?; \
+	$(DEBIAN_RUN) || status=1; \
+	exit $$status
 
 # Image mode's Debian packages (FUSE readers, squashfs-tools, erofs-utils), as root.
 image-tools:
@@ -81,4 +132,4 @@ bench-fanout: $(STAMP)
 	$(BIN)/python bench/bench_fanout.py --compare-modes
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(DEBIAN_VENV) build *.egg-info

@@ -142,7 +142,7 @@ async def run_staging(
             # It has answered and is exiting; waiting for that would hold up the publish.
             processes.reap_later(process, limits.cancel_grace_s)
     progress.mirror(counters)
-    return _outcome(message)
+    return _outcome(message, job.final.name)
 
 
 def _died(process: Any) -> errors.StagingProcessDied:
@@ -161,9 +161,10 @@ def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
     )
 
 
-def _outcome(message: tuple[str, Any]) -> Seal | ImageMade:
+def _outcome(message: tuple[str, Any], name: str) -> Seal | ImageMade:
     """The seal of the child's tree (or, in image mode, its image), or its error
-    re-raised in the daemon."""
+    re-raised in the daemon. A bug's traceback goes to the daemon log only: what the
+    client is told is one sentence (it may hold paths and code no user should see)."""
     kind, payload = message
     if kind == "ok":
         return ImageMade.from_dict(payload) if "image" in payload else Seal.from_dict(payload)
@@ -175,10 +176,12 @@ def _outcome(message: tuple[str, Any]) -> Seal | ImageMade:
     if kind == "oserror":
         number, strerror, filename = payload
         raise OSError(number, strerror, filename)
-    # A bug: its traceback is the admin's (the log), never the client's, which gets a
-    # sentence (a traceback shows the daemon's code and paths, and helps no user).
-    log.error("internal error in the staging process:\n%s", payload)
-    raise errors.StagingProcessDied(
-        "internal error in the staging process (a bug; its traceback is in the daemon's "
-        "log); stage again, and tell the admin if it happens again"
-    )
+    log.error("internal error in the staging process of %s:\n%s", name, payload)
+    raise errors.StagingProcessDied(INTERNAL)
+
+
+# What a client is told of a bug in a staging, wherever it struck (stager.engine too).
+INTERNAL = (
+    "internal error while staging (a bug in stager); the daemon log has the details; "
+    "stage again, and report it with the log if it happens again"
+)

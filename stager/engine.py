@@ -22,7 +22,7 @@ from typing import Any
 
 from stager import cache, preflight, recipes, slurm
 from stager.admission import Admission, owner_of
-from stager.blocking import Limits, run_io, run_staging
+from stager.blocking import INTERNAL, Limits, run_io, run_staging
 from stager.dataset import (
     CANCELLED_BY_REQUEST,
     Ask,
@@ -910,11 +910,10 @@ class Engine:
         except OSError as exc:
             error = from_os_error(exc, "staging")
             await reg.end(entry, State.FAILED, ErrorInfo(**error.to_dict()))
-        except Exception as exc:
+        except Exception:
             # A bug must fail this dataset loudly, not wedge it in STAGING.
             log.exception("internal error while staging %s", entry.key)
-            message = f"internal error while staging: {exc!r}; see the daemon log"
-            await reg.end(entry, State.FAILED, ErrorInfo(type="internal_error", message=message))
+            await reg.end(entry, State.FAILED, ErrorInfo(type="internal_error", message=INTERNAL))
         else:
             try:
                 await reg.publish(entry, seal)

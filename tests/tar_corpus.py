@@ -4,21 +4,24 @@ A corpus of real archives for the compatibility test: GNU tar in every format it
 writes (v7, oldgnu, gnu, ustar, posix), incremental dumps, updates and appends
 (the same member twice), sparse files in every sparse format, volume labels,
 multi-volume sets, long names and link targets, hard links, numbers too large for
-octal fields; Python's tarfile (pax global headers); hand-built headers for what
-no writer here produces on demand (base-256 sizes, unknown types, contiguous
-files); and the same members compressed, and zips with duplicate names. Each case
+octal fields; Python's tarfile (pax global headers); CPython's own test archives
+(``tests/data/cpython-*.tar.xz``: ``testtar.tar``, where old ustar, v7, GNU, pax,
+sparse and vendor headers meet in one file, and ``recursion.tar``); hand-built
+headers for what no writer here produces on demand (base-256 sizes, unknown types,
+contiguous files); and the same members compressed, and zips with duplicate names. Each case
 is compared with what the reference extractor (GNU tar, or unzip for zips) leaves:
 :func:`snapshot` describes a tree member by member.
 
-Modes are compared after stager's documented policy (tarfile's data filter: no
-setuid/setgid/sticky, no group/other write; directories keep the default mode),
-ownership not at all (stager writes as the daemon's user).
+Modes are compared after stager's documented policy
+(:func:`stager.archive.writer.file_mode`: every file is 0444; directories keep the
+default mode), ownership not at all (stager writes as the daemon's user).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import lzma
 import os
 import shutil
 import stat
@@ -420,6 +423,36 @@ def _members(*members: tuple[str, bytes | None, str]) -> Callable[[Path], list[P
     return build
 
 
+DATA = Path(__file__).parent / "data"
+
+
+def _without_special(raw: bytes) -> bytes:
+    """The archive ``raw`` less its device and FIFO members, every other header (long
+    names, pax records, sparse maps) byte for byte: stager refuses those members, and GNU
+    tar as root would make them."""
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        members, end = tar.getmembers(), tar.offset
+    spans = zip(members, [m.offset for m in members[1:]] + [end], strict=True)
+    kept = [raw[m.offset : stop] for m, stop in spans if not (m.ischr() or m.isblk() or m.isfifo())]
+    return b"".join(kept) + raw[end:]
+
+
+def _cpython(
+    name: str, compress: bool = False, whole: bool = False
+) -> Callable[[Path], list[Path]]:
+    """One of CPython's test archives (from its ``Lib/test``), its special members left
+    out unless ``whole``; xz-compressed again with ``compress`` (then read as a stream)."""
+
+    def build(work: Path) -> list[Path]:
+        raw = lzma.decompress((DATA / f"cpython-{name}.tar.xz").read_bytes())
+        raw = raw if whole else _without_special(raw)
+        archive = work / (f"{name}.tar.xz" if compress else f"{name}.tar")
+        archive.write_bytes(lzma.compress(raw) if compress else raw)
+        return [archive]
+
+    return build
+
+
 def _zip_duplicates(work: Path) -> list[Path]:
     archive = work / "a.zip"
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
@@ -488,6 +521,9 @@ CASES: dict[str, Case] = {
     "hard-link-to-a-later-member": Case(
         _members(("early", None, "late"), ("late", b"x", "")), refusal="GNU tar fails here too"
     ),
+    "cpython-testtar": Case(_cpython("testtar")),
+    "cpython-testtar-xz": Case(_cpython("testtar", compress=True)),
+    "cpython-recursion": Case(_cpython("recursion", whole=True), refusal="truncated or corrupt"),
     "zip-duplicates": Case(_zip_duplicates, reference="unzip", needs=("unzip",)),
     "zip-info-zip": Case(_zip_of_tree, reference="unzip", needs=("zip", "unzip")),
 }

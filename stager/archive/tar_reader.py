@@ -163,13 +163,12 @@ def _tar_member(
     if member.isdir() or member.type == DUMPDIR:  # a dumpdir's data lists its entries
         writer.directory(rel, member.mtime, member.name)
     elif member.issym():
-        judge_link(member.replace(name=rel, deep=False), writer.root, archive.label, member.name)
+        judge_link(rel, member.linkname, False, writer.root, archive.label, member.name)
         writer.symlink(rel, member.linkname, member.mtime)
     elif member.islnk():
         target = writer.clean_name(member.linkname, strip, f"{member.name} -> {member.linkname}")
         if target is not None:
-            link = member.replace(name=rel, linkname=target, deep=False)
-            judge_link(link, writer.root, archive.label, member.name)
+            judge_link(rel, target, True, writer.root, archive.label, member.name)
             writer.hardlink(rel, target)
     else:
         raise unsafe(archive.label, member.name, "a device file or FIFO")

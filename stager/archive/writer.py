@@ -12,7 +12,7 @@ Why files never land outside the destination, whatever the member order:
   GNU tar itself creates at once (relative, no ``..``): nothing is ever written
   through a link on disk. Every symlink is re-resolved once all exist, which
   catches chains that only escape together;
-* links are judged by ``tarfile.data_filter`` (by the caller), and a hard link's
+* links are judged by :func:`stager.archive.job.judge_link` (by the caller), and a hard link's
   target must be a regular file reached through directories made here.
 
 Members that name the same path again (``tar -u``/``-r`` appends, replaced

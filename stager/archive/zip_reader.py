@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tarfile
 import time
 import zipfile
 from typing import Any
@@ -81,10 +80,9 @@ def _zip_member(
         writer.directory(rel, mtime, info.filename)
     elif stat.S_ISLNK(unix_mode):
         job.ctx.progress.advance(share, 0)
-        link = tarfile.TarInfo(rel)
-        link.type, link.linkname = tarfile.SYMTYPE, zf.read(info).decode("utf-8", "surrogateescape")
-        judge_link(link, writer.root, archive.label, info.filename)
-        writer.symlink(rel, link.linkname, mtime)
+        target = zf.read(info).decode("utf-8", "surrogateescape")
+        judge_link(rel, target, False, writer.root, archive.label, info.filename)
+        writer.symlink(rel, target, mtime)
     elif stat.S_IFMT(unix_mode) not in (0, stat.S_IFREG):
         # Many writers store permission bits only (no type): those are files.
         raise unsafe(archive.label, info.filename, "a device file, FIFO or socket")

@@ -9,7 +9,7 @@ tree source is packed from a streaming walk of it (:func:`stager.fs.sources.walk
 
 Members are judged by the rules of extraction, with its own code: names by
 :func:`stager.archive.writer.clean_name` (no absolute path, no ``..``, no NUL),
-links by :func:`stager.archive.job.judge_link` (``tarfile``'s data filter: no link
+links by :func:`stager.archive.job.judge_link` (the rule of ``tarfile``'s data filter: no link
 that leads outside the dataset by its words) as they arrive and, once the image is
 whole, as the kernel will resolve them through the image's own names and links
 (:mod:`stager.image.erofs`), device files and FIFOs refused, hard links only to a
@@ -317,7 +317,7 @@ class _TarSource:
         # An archive inside another: its bytes are counted by the outer one's progress.
         self.inner = inner
         # Links are judged as if the image were extracted here: a path never made, so
-        # that the data filter resolves their targets by the names alone.
+        # that judge_link resolves their targets by the names alone.
         self.judge_root = os.path.abspath(output) + ".links"
 
     def run(self) -> None:
@@ -413,9 +413,7 @@ class _TarSource:
                 parent, name = self.place.parent(rel, member.name)
                 self._file(archive, stream, member, parent, name, mtime)
             elif member.issym():
-                judge_link(
-                    member.replace(name=rel, deep=False), self.judge_root, self.path, member.name
-                )
+                judge_link(rel, member.linkname, False, self.judge_root, self.path, member.name)
                 parent, name = self.place.parent(rel, member.name)
                 writer.symlink(parent, name, member.linkname, mtime, member.name)
                 self.place.symlinks[rel] = member.linkname
@@ -488,8 +486,7 @@ class _TarSource:
         if target is None:
             return
         target = names.place(target)
-        link = member.replace(name=rel, linkname=target, deep=False)
-        judge_link(link, self.judge_root, self.path, member.name)
+        judge_link(rel, target, True, self.judge_root, self.path, member.name)
         target_folder, target_name = _split(target)
         if not self.writer.is_folder(target_folder):
             raise ImageConflict(
@@ -628,10 +625,7 @@ class _TreeSource(sources.Visitor):
         else:
             target = os.readlink(entry.name, dir_fd=folder.fd)
         rel = self._rel(folder, entry.name)
-        member = tarfile.TarInfo(rel)
-        member.type, member.linkname = tarfile.SYMTYPE, target
-        with translate(self.path):  # its refusal in the words of an archive's
-            judge_link(member, self.judge_root, self.path, folder.join(entry.name))
+        judge_link(rel, target, False, self.judge_root, self.path, folder.join(entry.name))
         parent, name = _split(rel)
         st = entry.stat(follow_symlinks=False)
         number = self.writer.folder(parent)

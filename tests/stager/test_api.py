@@ -365,6 +365,49 @@ def test_malicious_archive_through_the_daemon_writes_nothing_outside(
     assert not [p for p in created if p.name == "escaped.txt"]
 
 
+def test_links_outside_links_and_a_gzip_that_holds_no_tar_are_answered_with_sentences(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """What broke on Debian 12's Python 3.11.2 (the links were judged by tarfile's data
+    filter, added in 3.11.4): a GNU tar with symbolic and hard links stages; a link out is
+    refused as an unsafe member; a gzip of a JPEG named .tar.gz is refused with a sentence,
+    not an HTTP 500 or a traceback, on whichever interpreter runs the daemon."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.txt").write_text("content")
+    os.link(src / "d" / "f.txt", src / "hard.txt")
+    os.symlink("d/f.txt", src / "soft.txt")
+    linked = tmp_path / "linked.tar"
+    subprocess.run(["tar", "-cf", str(linked), "-C", str(src), "."], check=True)
+    out = tmp_path / "out.tar"
+    os.symlink("../../../etc/passwd", src / "d" / "out")
+    subprocess.run(["tar", "-cf", str(out), "-C", str(src), "d"], check=True)
+    jpeg = tmp_path / "photo.tar.gz"
+    image = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + os.urandom(4000) + b"\xff\xd9"
+    subprocess.run(["gzip", "-c"], input=image, stdout=jpeg.open("wb"), check=True)
+    with daemon.client() as client:
+        ready = stage_ready(
+            client, {"name": "links", "steps": [{"op": "extract", "src": str(linked)}]}
+        )
+        assert Path(ready.path, "hard.txt").read_text() == "content"
+        assert os.readlink(Path(ready.path, "soft.txt")) == "d/f.txt"
+        stage(client, {"name": "out", "steps": [{"op": "extract", "src": str(out)}]})
+        refused = client.get("/v1/datasets/out/wait", params={"timeout": 20}).json()
+        response = stage(client, {"name": "jpeg", "steps": [{"op": "extract", "src": str(jpeg)}]})
+        if response.status_code == 202:  # refused when staged, not when asked
+            jpeg_error = client.get("/v1/datasets/jpeg/wait", params={"timeout": 20}).json()
+            jpeg_error = jpeg_error["error"]
+        else:
+            jpeg_error = response.json()["error"]
+    assert refused["state"] == "failed" and refused["error"]["type"] == "unsafe_member", refused
+    assert "'d/out' would link to" in refused["error"]["message"], refused
+    assert response.status_code < 500, response.text
+    assert jpeg_error["type"] == "corrupt_archive", jpeg_error
+    assert str(jpeg) in jpeg_error["message"] and "not a tar" in jpeg_error["message"], jpeg_error
+    for error in (refused["error"], jpeg_error):
+        assert "Traceback" not in error["message"] and "\n" not in error["message"], error
+
+
 def test_health_ready_metrics_and_openapi(daemon: Daemon, tmp_path: Path) -> None:
     src = write_tree(tmp_path / "src", n_files=3)
     with daemon.client() as client:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stager.ops import table
 from tests.daemon import Daemon, stage_ready
+from tests.stager import toy_op
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +49,27 @@ def test_a_toy_op_from_a_module_appears_everywhere_and_stages(daemon_factory) ->
             "verify 'sha256' is not carried out by step 1 (toy)"
             in refused.json()["error"]["message"]
         )
+
+
+def test_a_bug_in_a_staging_tells_the_client_a_sentence_and_the_log_its_traceback(
+    daemon_factory,
+) -> None:
+    """An op that raises what no op should (a bug): the dataset fails as an internal
+    error in one sentence, and the traceback, with the paths and code it names, goes to
+    the daemon log only."""
+    daemon: Daemon = daemon_factory(env={"STAGER_OP_MODULES": '["tests.stager.toy_op"]'})
+    steps = [{"op": "toy", "dst": "x.txt", "text": toy_op.BUG}]
+    with daemon.client() as client:
+        assert client.post("/v1/datasets", json={"name": "bug", "steps": steps}).is_success
+        status = client.get("/v1/datasets/bug/wait", params={"timeout": 30}).json()
+    assert status["state"] == "failed", status
+    error = status["error"]
+    assert error["type"] == "internal_error", error
+    assert error["message"].startswith("internal error while staging"), error
+    for leak in ("Traceback", 'File "', "/home/alice/secret", "ZeroDivisionError", "\n"):
+        assert leak not in error["message"], (leak, error["message"])
+    log = daemon.log(limit=None)
+    assert "Traceback" in log and "/home/alice/secret" in log and "toy_op.py" in log, log
 
 
 def test_unknown_ops_are_refused_with_the_table_names(daemon: Daemon) -> None:

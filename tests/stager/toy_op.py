@@ -23,7 +23,13 @@ def check(step: ToyStep, ctx: CheckContext) -> int:
     return len(step.text.encode())
 
 
+# A bug in an op, on demand: what the client and the daemon log say of it is tested.
+BUG = "raise a bug"
+
+
 def run(step: ToyStep, ctx: OpContext) -> None:
+    if step.text == BUG:
+        raise ZeroDivisionError("a bug in an op, with a secret path /home/alice/secret")
     target = ctx.destination(step.dst)
     target.parent.mkdir(parents=True, exist_ok=True)
     data = step.text.encode()
