@@ -400,20 +400,23 @@ def _read_request_file(path: str) -> dict[str, Any]:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise UsageError(f"--request {path}: {exc.strerror}") from exc
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--request {path} is not valid JSON ({exc})") from exc
+    body = _json(text, f"--request {path}")
     if not isinstance(body, dict):
         raise UsageError(f"--request {path} must hold a JSON object (a POST /v1/datasets body)")
     return body
 
 
-def _parse_step(text: str) -> dict[str, Any]:
+def _json(text: str, what: str) -> Any:
     try:
-        step = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"--step {text!r} is not valid JSON ({exc})") from exc
+        raise UsageError(f"{what} is not valid JSON ({exc})") from exc
+    except RecursionError:  # json's decoder recurses once per nested [ or {
+        raise UsageError(f"{what} is nested too deep to be a request; write it flat") from None
+
+
+def _parse_step(text: str) -> dict[str, Any]:
+    step = _json(text, f"--step {text!r}")
     if not isinstance(step, dict):
         raise UsageError(f'--step {text!r} must be a JSON object like {{"op": "copy", ...}}')
     return step
@@ -427,6 +430,8 @@ def _parse_param(text: str) -> tuple[str, Any]:
         return key, json.loads(raw)
     except json.JSONDecodeError:
         return key, raw  # a bare word like `2021_train` is meant as a string
+    except RecursionError:
+        raise UsageError(f"--param {key}: its value is nested too deep to be a parameter") from None
 
 
 # ---- commands ---------------------------------------------------------------------------

@@ -87,11 +87,17 @@ def declared_lines(script: str) -> Iterator[tuple[int, str]]:
     """(line number, words) of each ``#STAGER`` line of the script's top comment block."""
     # Lines end at "\n" only, as for sbatch and job_submit.lua (splitlines would also
     # end them at "\r", "\f", "\x1c"...: a line the lua reads whole).
+    # Blanks are ASCII spaces and tabs only, as the lua reads them: str.strip() would
+    # also take "\x1c" or "\xa0" for blank, and the two readers would disagree on
+    # where the comment block ends.
     for number, line in enumerate(script.split("\n"), start=1):
-        if line.strip() and not line.startswith("#"):
+        if line.strip(BLANKS) and not line.startswith("#"):
             return  # the first command: #SBATCH stops here too (as does job_submit.lua)
         if line == MARK or line.startswith((MARK + " ", MARK + "\t")):
-            yield number, line[len(MARK) :].strip()
+            yield number, line[len(MARK) :].strip(BLANKS)
+
+
+BLANKS = " \t"
 
 
 def parse_line(
@@ -236,7 +242,8 @@ def read_script(path: str) -> tuple[str, str]:
     slurmctld stored it at submit (what the planner read)."""
     if path:
         try:
-            return path, Path(path).read_text()
+            # As the planner decodes it (stager.plan.declared): UTF-8, any byte kept.
+            return path, Path(path).read_text(encoding="utf-8", errors="surrogateescape")
         except (OSError, UnicodeDecodeError) as exc:
             raise BadDeclaration(
                 f"--from-script {path}: {exc}; give a readable job script"
@@ -249,7 +256,15 @@ def read_script(path: str) -> tuple[str, str]:
         )
     command = ["scontrol", "write", "batch_script", job_id, "-"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            encoding="utf-8",
+            errors="surrogateescape",
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BadDeclaration(
             f"`{' '.join(command)}` failed ({exc}); give the script's path: --from-script job.sh"

@@ -21,22 +21,60 @@ local MARK = "stager1:"
 local MAX_LINES = 32
 local MAX_BYTES = 4096
 
+-- "%", ";", "|", control bytes and every byte past ASCII, as %XX: the value is one
+-- ASCII line of squeue's output whatever the script holds.
 local function escape(text)
-	return (text:gsub("[%%;|%c]", function(c)
+	return (text:gsub("[%%;|%c\128-\255]", function(c)
 		return string.format("%%%02X", c:byte())
 	end))
 end
 
--- The declaration lines of a script, escaped; nil when it has none.
+local SPACE, TAB = 32, 9
+
+-- The line without its trailing spaces and tabs. A loop, not a pattern: "(.-)%s*$"
+-- backtracks once per space of a run, quadratic in a line the user writes, and this
+-- runs inside slurmctld.
+local function trim_end(line)
+	local last = #line
+	while last > 0 do
+		local byte = line:byte(last)
+		if byte ~= SPACE and byte ~= TAB then
+			break
+		end
+		last = last - 1
+	end
+	return line:sub(1, last)
+end
+
+-- The words of a "#STAGER" line (nil for any other line). Blanks are ASCII spaces and
+-- tabs only, as stager-client reads the line (client/declare.py).
+local function stager_words(line)
+	if line:sub(1, 7) ~= "#STAGER" then
+		return nil
+	end
+	local gap = line:byte(8)
+	if gap ~= SPACE and gap ~= TAB then
+		return nil
+	end
+	local first = 9
+	while line:byte(first) == SPACE or line:byte(first) == TAB do
+		first = first + 1
+	end
+	return trim_end(line:sub(first))
+end
+
+-- The declaration lines of a script, escaped; nil when it has none. Linear in the
+-- script: every pattern below matches in one pass.
 local function declarations(script)
 	local found, size = {}, 0
 	for line in script:gmatch("[^\n]*") do
 		-- Only the comment block at the top counts, as for #SBATCH: stop at the first
 		-- line that is neither blank nor a comment (stager-client's parser does the same).
-		if not line:match("^%s*$") and not line:match("^#") then
+		if line:sub(1, 1) ~= "#" and not line:find("^[ \t]*$") then
 			break
 		end
-		local words = line:match("^#STAGER%s+(.-)%s*$")
+		-- Past the bound a line cannot be kept anyway: not even looked at.
+		local words = #line <= MAX_BYTES and stager_words(line)
 		if words and words ~= "" then
 			local item = escape(words)
 			size = size + #item + 1
@@ -45,6 +83,8 @@ local function declarations(script)
 				break
 			end
 			found[#found + 1] = item
+		elseif #line > MAX_BYTES then
+			slurm.log_info("stager: a comment line of over %d bytes in a job script is not read for #STAGER", MAX_BYTES)
 		end
 	end
 	if #found == 0 then

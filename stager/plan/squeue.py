@@ -91,7 +91,8 @@ def parse(
     last = dict(known or {})
     if known is not None:
         known.clear()
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: splitlines would also cut a job's comment at U+2028 or \x1c.
+    for number, line in enumerate(text.split("\n"), start=1):
         job = last.get(line)
         if job is None:
             if not line.strip():
@@ -131,7 +132,14 @@ class Squeue:
         self.calls += 1
         try:
             done = subprocess.run(
-                self.argv, capture_output=True, text=True, timeout=self.timeout_s, check=False
+                self.argv,
+                capture_output=True,
+                text=True,
+                # One job's bytes that are not UTF-8 must not stop every job's interval.
+                encoding="utf-8",
+                errors="surrogateescape",
+                timeout=self.timeout_s,
+                check=False,
             )
         except FileNotFoundError as exc:
             raise SqueueError(

@@ -153,3 +153,19 @@ def test_from_script_usage_errors_exit_2_naming_the_fix(
     assert says.replace("BAD", str(tmp_path / "BAD")) in done.stderr
     with StagerClient(daemon.url) as client:
         assert client.list() == []  # nothing was requested
+
+
+def test_blanks_are_ascii_spaces_and_tabs_as_job_submit_lua_reads_them() -> None:
+    """A line of "\\x1c" or "\\xa0" is a command to the lua (it ends the comment block):
+    the job's own reader must agree, or it stages what was never pre-staged."""
+    for odd in ("\x1c", "\xa0", "\x85"):
+        assert list(declare.declared_lines(f"#!/bin/bash\n{odd}\n#STAGER b --recipe r\n")) == []
+    found = list(declare.declared_lines("#!/bin/bash\n \t\n#STAGER\tb --recipe r \t\n"))
+    assert found == [(3, "b --recipe r")]
+
+
+def test_a_step_nested_past_jsons_recursion_is_a_usage_error() -> None:
+    deep = "[" * 5000
+    done = run_cli(None, "stage", "x", "--step", deep, env={"STAGER_URL": "unix:///none.sock"})
+    assert done.returncode == EXIT_USAGE and "nested too deep" in done.stderr
+    assert "Traceback" not in done.stderr

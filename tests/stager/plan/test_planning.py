@@ -152,3 +152,30 @@ def test_a_plan_gone_for_a_cycle_holds_its_prefetches_and_does_not_restart_them(
     source.text = planned
     again = planner.interval().changes
     assert not again.start and not again.cancel
+
+
+def test_one_jobs_declaration_that_breaks_the_parser_skips_that_job_only() -> None:
+    """A user writes the lines: a --step nested past json's recursion, or bytes that are
+    not UTF-8 in squeue's output, cost that job its pre-staging, not the interval."""
+    deep = "x --step '" + "[" * 5000 + "'"
+    plan = plan_of(row("1", declared=[deep]), row("2", declared=[INAT]))
+    assert {p.job_id for p in plan.prefetches} == {"2"}
+    assert [s.job.job_id for s in plan.skipped] == ["1"]
+    assert "nested too deep" in plan.skipped[0].reason
+    raw = (
+        row("3", declared=[INAT]) + "\n"
+    ).encode() + b"4|1001|1001|PENDING|N/A|node1||stager1:x \xff|\n"
+    jobs, problems = squeue.parse(raw.decode("utf-8", "surrogateescape"))  # as Squeue.read
+    assert [job.job_id for job in jobs] == ["3", "4"] and not problems
+    plan = compute(jobs, NOW, HORIZON_S, Declarations())
+    assert {p.job_id for p in plan.prefetches} == {"3"}
+
+
+def test_a_declaration_past_ascii_comes_back_as_the_scripts_own_text() -> None:
+    """job_submit.lua escapes every byte past ASCII: the planner reads the script's
+    UTF-8 back, as the job's own client reads it, so the keys agree."""
+    words = ["naïve --recipe r --source /data/日本"]
+    assert encode(words).isascii() and lines(encode(words)) == words
+    assert "\u2028" not in encode(["a\u2028b"])  # splitlines would cut a line there
+    jobs, _ = squeue.parse(row("5", declared=["a --recipe r --source /s\u2028x"]))
+    assert lines(jobs[0].admin_comment or "") == ["a --recipe r --source /s\u2028x"]
