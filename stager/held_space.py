@@ -15,7 +15,8 @@ in use after its names are gone:
   ``/proc/self/mountinfo``, so that cannot tell).
 * **A deleted tree with files still open** (or mapped): the files' blocks stay in
   use until they are closed. Found by their ``/proc/<pid>/fd`` and ``map_files``
-  links, which name the deleted path and stat the open inode.
+  links, which name the path (the trash's, once the tree is moved aside to be
+  deleted) and stat the open inode; looked for as soon as the tree is moved aside.
 
 Each is a :class:`Record`, charged to its owner (``None``: a shared dataset, counted
 in the cache's use only) until :meth:`HeldSpace.sweep`, run in the periodic sweep,
@@ -79,40 +80,81 @@ def held_open(path: Path) -> bool:
         os.close(fd)
 
 
-def open_deleted_under(folder: Path) -> dict[tuple[int, int], tuple[int, str]]:
-    """The files once under ``folder``, deleted, that a process still holds open or
-    mapped: (device, inode) -> (bytes they hold, the path they had). Every process's
-    open files are read (root's node service reads all; a user's daemon, its user's)."""
+Open = dict[tuple[int, int], tuple[int, str, int]]  # (dev, inode) -> (bytes, path, uid)
+
+
+def open_under(folder: Path) -> Open:
+    """The files under ``folder`` (a tree being deleted), or once under it and deleted,
+    that a process holds open or mapped: (device, inode) -> (bytes they hold, their
+    path, the uid of a process that holds them). Every process's open files are read
+    (root's node service reads all; a user's daemon, its user's)."""
     prefix = str(folder).rstrip("/") + "/"
-    found: dict[tuple[int, int], tuple[int, str]] = {}
+    found: Open = {}
     for pid in _pids():
-        for link, path in _deleted_links(pid, prefix):
+        for link, path in _links_under(pid, prefix):
             with contextlib.suppress(OSError):  # closed or gone meanwhile
                 st = os.stat(link)
-                if st.st_nlink == 0:
-                    found[(st.st_dev, st.st_ino)] = (st.st_blocks * 512, path)
+                found[(st.st_dev, st.st_ino)] = (st.st_blocks * 512, path, _uid(pid))
     return found
+
+
+def holder_of(device: int) -> int | None:
+    """A user (not root, not this daemon's) with a process on the file system
+    ``device`` (a lazily unmounted image's): its working or root folder, an open file
+    or a mapping there; the lowest uid if several; None if only root's are."""
+    found = set()
+    for pid in _pids():
+        if _on_device(f"/proc/{pid}", device):
+            found.add(_uid(pid))
+    users = found - {0, os.geteuid(), -1}
+    return min(users) if users else None
+
+
+def _on_device(proc: str, device: int) -> bool:
+    links = [f"{proc}/cwd", f"{proc}/root"]
+    with contextlib.suppress(OSError):
+        links += [f"{proc}/fd/{fd}" for fd in os.listdir(f"{proc}/fd")]
+    for link in links:
+        with contextlib.suppress(OSError):
+            if os.stat(link).st_dev == device:
+                return True
+    with contextlib.suppress(OSError), open(f"{proc}/maps", encoding="utf-8") as lines:
+        for line in lines:
+            parts = line.split(maxsplit=5)
+            if len(parts) >= 5 and parts[4] != "0":
+                major, minor = (int(n, 16) for n in parts[3].split(":"))
+                if os.makedev(major, minor) == device:
+                    return True
+    return False
+
+
+def _uid(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
 
 
 def _pids() -> list[str]:
     return [name for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _deleted_links(pid: str, prefix: str) -> Iterable[tuple[str, str]]:
-    """``/proc/<pid>`` links to deleted files once under ``prefix``: open descriptors,
-    and mappings (a file mapped and closed is held too)."""
+def _links_under(pid: str, prefix: str) -> Iterable[tuple[str, str]]:
+    """``/proc/<pid>`` links to files under ``prefix`` (the kernel names a deleted one
+    by its last path): open descriptors, and mappings (a file mapped and closed is
+    held too)."""
     fds = f"/proc/{pid}/fd"
     with contextlib.suppress(OSError):
         for name in os.listdir(fds):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"{fds}/{name}")
-                if target.startswith(prefix) and target.endswith(" (deleted)"):
+                if target.startswith(prefix):
                     yield f"{fds}/{name}", target.removesuffix(" (deleted)")
     maps = f"/proc/{pid}/maps"
     with contextlib.suppress(OSError), open(maps, encoding="utf-8", errors="replace") as lines:
         for line in lines:
             parts = line.rstrip("\n").split(maxsplit=5)
-            if len(parts) == 6 and parts[5].startswith(prefix) and parts[5].endswith(" (deleted)"):
+            if len(parts) == 6 and parts[5].startswith(prefix):
                 yield f"/proc/{pid}/map_files/{parts[0]}", parts[5].removesuffix(" (deleted)")
 
 
@@ -136,9 +178,15 @@ class HeldSpace:
 
     # ---- what goes on them (blocking: through run_io) -----------------------------------
 
-    def keep_image(self, key: str, owner: int | None, nbytes: int, files: list[Path]) -> None:
+    def keep_image(
+        self, key: str, owner: int | None, nbytes: int, files: list[Path], device: int | None
+    ) -> None:
         """A lazily unmounted image's files (image, blob), moved aside and charged to
-        ``owner`` until nothing holds them open."""
+        ``owner`` until nothing holds them open. A shared image's (``owner`` None) is
+        charged to a user whose process holds its mount (``device``: its file system's),
+        so that no user can hold space counted against nobody."""
+        if owner is None and device is not None:
+            owner = holder_of(device)
         stem = f"{HELD_PREFIX}{SHARED if owner is None else owner}-{key}-{uuid.uuid4().hex[:8]}"
         kept = []
         for file in files:
@@ -160,20 +208,31 @@ class HeldSpace:
             )
 
     def watch_tree(self, key: str, owner: int | None, folder: Path) -> None:
-        """A deleted tree (``folder``, its place while it was deleted): its files still
-        open, charged to ``owner`` until they are closed."""
-        self._watch(key, owner, folder, open_deleted_under(folder))
+        """An evicted tree, moved aside to ``folder`` to be deleted: its files open now
+        (looked for before the delete, so that no request admitted meanwhile misses
+        them), charged to ``owner`` until they are closed (and deleted)."""
+        self._watch(key, owner, folder, open_under(folder))
 
     def _watch(
         self,
         key: str,
         owner: int | None,
         folder: Path,
-        open_now: dict[tuple[int, int], tuple[int, str]],
+        open_now: Open,
     ) -> None:
+        """A record of ``open_now``, less the files another record has already; a shared
+        tree's is charged to the user whose processes hold the most of it."""
+        known = {inode for r in self.records for inode in r.inodes}
+        open_now = {k: v for k, v in open_now.items() if k not in known}
         if not open_now:
             return
-        nbytes = sum(n for n, _ in open_now.values())
+        nbytes = sum(n for n, _, _ in open_now.values())
+        if owner is None:
+            by_uid: dict[int, int] = {}
+            for n, _, uid in open_now.values():
+                if uid not in (0, -1, os.geteuid()):
+                    by_uid[uid] = by_uid.get(uid, 0) + n
+            owner = max(by_uid, key=lambda uid: by_uid[uid]) if by_uid else None
         self.records.append(Record(key, owner, nbytes, folder=folder, inodes=set(open_now)))
         log.warning(
             "%s: %d bytes still held by %d open files of its deleted tree, on uid %s's "
@@ -191,9 +250,7 @@ class HeldSpace:
         for record in list(self.records):
             if record.folder is not None:
                 still = {
-                    k: n
-                    for k, (n, _) in open_deleted_under(record.folder).items()
-                    if k in record.inodes
+                    k: n for k, (n, _, _) in open_under(record.folder).items() if k in record.inodes
                 }
                 record.inodes, record.nbytes = set(still), sum(still.values())
                 if still:
@@ -223,12 +280,12 @@ class HeldSpace:
             owner = None if who == SHARED else int(who)
             nbytes = sum(f.stat().st_size for f in files)
             self.records.append(Record(key, owner, nbytes, files=tuple(files)))
-        trees: dict[str, dict[tuple[int, int], tuple[int, str]]] = {}
+        trees: dict[str, Open] = {}
         top = len(str(self.folder).rstrip("/")) + 1
-        for inode, (nbytes, path) in open_deleted_under(self.folder).items():
-            name = path[top:].split("/", 1)[0]
+        for inode, held in open_under(self.folder).items():
+            name = held[1][top:].split("/", 1)[0]
             if name.startswith(DISCARDED_PREFIX):
-                trees.setdefault(name, {})[inode] = (nbytes, path)
+                trees.setdefault(name, {})[inode] = held
         for name, open_now in trees.items():
             key = name[len(DISCARDED_PREFIX) :].rsplit("-", 1)[0]
             self._watch(key, owner_of(key), self.folder / name, open_now)

@@ -106,19 +106,19 @@ class Trash:
         the delete stay on that owner's books."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
-            self.delete_later(moved, nbytes, dataset)
+            if dataset is not None:
+                await run_io(self.held.watch_tree, *dataset, moved)
+            self.delete_later(moved, nbytes)
         return moved is not None
 
-    def delete_later(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> None:
+    def delete_later(self, path: Path, nbytes: int = 0) -> None:
         self.freeing_bytes += nbytes
-        self._spawn(self._delete(path, nbytes, dataset), f"delete-{path.name}")
+        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
 
-    async def _delete(self, path: Path, nbytes: int, dataset: Dataset | None) -> None:
+    async def _delete(self, path: Path, nbytes: int) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
             await run_io(delete_tree, path, self.halt)
-            if dataset is not None:
-                await run_io(self.held.watch_tree, *dataset, path)
         except OSError as exc:
             log.error("could not delete %s: %s", path, exc)
         finally:
@@ -249,8 +249,7 @@ class Registry:
         for orphan in await run_io(self._orphans):
             key = images.key_of(orphan.name)
             if orphan.name.startswith(DISCARDED_PREFIX):
-                key = orphan.name[len(DISCARDED_PREFIX) :].rsplit("-", 1)[0]
-                self.trash.delete_later(orphan, dataset=(key, self._owner_of(key)))
+                self.trash.delete_later(orphan)  # its open files: found by recover
             elif orphan.parent == self.settings.data_dir and key != orphan.name:
                 if orphan.name.endswith(images.BLOB_SUFFIX):
                     # Goes with its image; alone, it is deleted.
@@ -631,23 +630,28 @@ class Registry:
         image's file is kept instead, on its owner's books, until its readers let go
         (stager.held_space): unlinked, its blocks would stay in use, counted nowhere."""
         final, file = self.final(entry), self.image_file(entry)
+        owner = private_owner(entry)
+        # A shared image's held space is charged to whoever holds its mount, found by
+        # the mount's file system (gone from the mount table once detached).
+        device = await run_io(_device_of, final) if owner is None else None
         lazily = await run_io(images.take_down, final)
         self._crash.reached(Durable.UNMOUNTED)
         if lazily and file is not None:
-            owner = private_owner(entry)
-            await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file)
+            await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file, device)
             file = None
         await run_io(images.delete_image, file, final)
         self._crash.reached(Durable.IMAGE_DELETED)
 
-    def _retire_image(self, key: str, owner: int | None, nbytes: int, file: Path) -> None:
+    def _retire_image(
+        self, key: str, owner: int | None, nbytes: int, file: Path, device: int | None = None
+    ) -> None:
         """An unmounted image's file: kept on ``owner``'s books while anything still
         holds it open (a lazily unmounted mount), else deleted."""
         if held_open(file):
             blob = images.blob_of(file)
             if not nbytes:
                 nbytes = sum(p.stat().st_size for p in (file, blob) if p.exists())
-            self.held.keep_image(key, owner, nbytes, [file, blob])
+            self.held.keep_image(key, owner, nbytes, [file, blob], device)
         else:
             images.delete_image(file, None)
 
@@ -697,6 +701,13 @@ class Registry:
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """A registry of a daemon that acts for nobody else (per-user mode, tests)."""
     return await run_io(fn, *args)
+
+
+def _device_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
 
 
 def state_counts(entries: list[Entry]) -> dict[str, int]:

@@ -29,9 +29,10 @@ QUOTA = 5 * MIB  # two 2 MiB datasets held, and a third refused
 SWEEP_S = 0.3
 
 
-def private_tar(user: User, folder: Path, name: str, nbytes: int) -> Path:
+def private_tar(user: User, folder: Path, name: str, nbytes: int, private: bool = True) -> Path:
     """A tar of ``nbytes`` of random bytes (no compression shrinks it), only ``user``
-    may read: what they stage is their own copy, on their quota."""
+    may read: what they stage is their own copy, on their quota (or, not ``private``,
+    every user may: shared, on nobody's quota)."""
     import tarfile
 
     data = folder / f"{name}-data"
@@ -42,7 +43,7 @@ def private_tar(user: User, folder: Path, name: str, nbytes: int) -> Path:
         tar.add(data, arcname=name)
     for path in (data, data / "blob.bin", archive):
         os.chown(path, user.uid, user.gid)
-        path.chmod(0o700 if path.is_dir() else 0o600)
+        path.chmod((0o700 if path.is_dir() else 0o600) | (0 if private else 0o055))
     return archive
 
 
@@ -144,23 +145,28 @@ def admitted_within(user: User, service: Daemon, request: dict, seconds: float) 
     return staged(user, service, request)
 
 
+@pytest.mark.parametrize("whose", ["private", "shared"])
 def test_images_alice_holds_after_deleting_them_stay_on_her_books(
-    users: tuple[User, User], homes: tuple[Path, Path], service: Daemon
+    users: tuple[User, User], homes: tuple[Path, Path], service: Daemon, whose: str
 ) -> None:
+    """Her own images, or shared ones (on nobody's quota while ready): what she holds
+    of them once deleted is charged to her, and stays so across a restart."""
     alice, bob = users
     kept = staged(bob, service, body("kept", private_tar(bob, homes[1], "kept", MIB), False))
     with holders() as started:
         for i in range(2):
             name = f"img{i}"
-            status = staged(
-                alice, service, body(name, private_tar(alice, homes[0], name, 2 * MIB), True)
-            )
+            archive = private_tar(alice, homes[0], name, 2 * MIB, whose == "private")
+            status = staged(alice, service, body(name, archive, True))
             inside = Path(status["path"]) / name
             hold(alice, started, f"cd {inside} && exec sleep 600", inside)
             delete(alice, service, name)
             # Lazily unmounted: gone from the mount table at once, held all the same.
             assert image_mount.mounted_at(status["path"]) is None
         third = body("img2", private_tar(alice, homes[0], "img2", 2 * MIB), True)
+        refused_as_held(alice, service, third)
+        service.stop()  # a restart finds what is held again
+        service.start()
         refused_as_held(alice, service, third)
         # bob's data stays, and his staging that fits goes on.
         more = staged(bob, service, body("more", private_tar(bob, homes[1], "more", MIB), False))
