@@ -102,8 +102,8 @@ class Trash:
 
     async def discard(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> bool:
         """Move ``path`` aside and delete it later; False if it was not there.
-        ``dataset``: the key and owner of an evicted tree, whose files still open after
-        the delete stay on that owner's books."""
+        ``dataset``: the key and owner of an evicted tree, whose files open now stay on
+        that owner's books until they are closed."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
             if dataset is not None:

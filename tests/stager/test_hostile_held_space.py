@@ -20,6 +20,7 @@ from subprocess import Popen
 
 import pytest
 
+from stager.held_space import HeldSpace
 from stager.image import mount as image_mount
 from tests.daemon import Daemon, node_service
 from tests.users import User
@@ -201,3 +202,50 @@ def test_a_deleted_tree_whose_files_alice_keeps_open_stays_on_her_books(
         refused_as_held(alice, service, third)
         staged(bob, service, body("bobs", private_tar(bob, homes[1], "bobs", MIB), False))
     admitted_within(alice, service, third, seconds=10)
+
+
+# ---- the books themselves, without a service -----------------------------------------
+
+
+def test_open_files_of_a_deleted_tree_are_held_until_closed_and_found_again(
+    tmp_path: Path,
+) -> None:
+    import shutil
+    import subprocess
+
+    folder = tmp_path / "discarded-k1-0123abcd"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "f").write_bytes(os.urandom(64 * 1024))
+    (folder / "sub" / "closed").write_bytes(os.urandom(64 * 1024))
+    holder = subprocess.Popen(["sh", "-c", f"exec 3< {folder}/sub/f && exec sleep 60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(f"/proc/{holder.pid}/fd/3"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        books = HeldSpace(tmp_path)
+        books.watch_tree("k1", 1234, folder)
+        assert 64 * 1024 <= books.bytes_of(1234) < 128 * 1024  # the open file alone
+        shutil.rmtree(folder)
+        assert books.sweep() == [] and books.bytes_of(1234) >= 64 * 1024
+        again = HeldSpace(tmp_path)  # a restart: the owner is the entry's
+        again.recover(lambda key: 99 if key == "k1" else None)
+        assert again.bytes_of(99) >= 64 * 1024
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert [r.key for r in books.sweep()] == ["k1"] and books.total_bytes == 0
+
+
+def test_a_held_image_is_found_again_by_its_name_and_deleted_once_nothing_holds_it(
+    tmp_path: Path,
+) -> None:
+    image = tmp_path / "held-1234-somekey-0123abcd.erofs"
+    image.write_bytes(b"i" * 1000)
+    Path(f"{image}.blob").write_bytes(b"b" * 24)
+    books = HeldSpace(tmp_path)
+    books.recover(lambda key: None)
+    assert [(r.key, r.owner, r.nbytes) for r in books.records] == [("somekey", 1234, 1024)]
+    with open(image, "rb"):  # held open: a write lease is refused
+        assert books.sweep() == [] and image.exists()
+    assert len(books.sweep()) == 1 and list(tmp_path.iterdir()) == []
