@@ -31,6 +31,7 @@ import errno
 import fcntl
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -168,7 +169,14 @@ class HeldSpace:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        # Replaced whole, never changed in place: the event loop reads it while the
+        # threads that look at /proc (through run_io) add and drop records.
         self.records: list[Record] = []
+        self._lock = threading.Lock()
+
+    def _add(self, record: Record) -> None:
+        with self._lock:
+            self.records = [*self.records, record]
 
     # ---- the books -------------------------------------------------------------------
 
@@ -201,7 +209,7 @@ class HeldSpace:
             kept.append(moved)
         if kept:
             sync_folder(self.folder)
-            self.records.append(Record(key, owner, nbytes, files=tuple(kept)))
+            self._add(Record(key, owner, nbytes, files=tuple(kept)))
             log.warning(
                 "%s: %d bytes still held by a lazily unmounted image, on uid %s's books "
                 "until its readers let go",
@@ -212,8 +220,9 @@ class HeldSpace:
 
     def watch_tree(self, key: str, owner: int | None, folder: Path) -> None:
         """An evicted tree, moved aside to ``folder`` to be deleted: its files open now
-        (looked for before the delete, so that no request admitted meanwhile misses
-        them), charged to ``owner`` until they are closed (and deleted)."""
+        (looked for before the delete starts, so that what the delete cannot free is on
+        the books before the space it frees), charged to ``owner`` until they are
+        closed (and deleted)."""
         self._watch(key, owner, folder, open_under(folder))
 
     def _watch(
@@ -236,7 +245,7 @@ class HeldSpace:
                 if uid not in (0, -1, os.geteuid()):
                     by_uid[uid] = by_uid.get(uid, 0) + n
             owner = max(by_uid, key=lambda uid: by_uid[uid]) if by_uid else None
-        self.records.append(Record(key, owner, nbytes, folder=folder, inodes=set(open_now)))
+        self._add(Record(key, owner, nbytes, folder=folder, inodes=set(open_now)))
         log.warning(
             "%s: %d bytes still held by %d open files of its deleted tree, on uid %s's "
             "books until they are closed",
@@ -250,7 +259,7 @@ class HeldSpace:
         """Drop the records whose space is free now (their images' files deleted);
         returns them. Run in the periodic sweep."""
         freed = []
-        for record in list(self.records):
+        for record in self.records:
             if record.folder is not None:
                 still = {
                     k: n for k, (n, _, _) in open_under(record.folder).items() if k in record.inodes
@@ -264,9 +273,11 @@ class HeldSpace:
                 for file in reversed(record.files):  # the blob after its image
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(file)
-            self.records.remove(record)
             freed.append(record)
             log.info("%s: the space its eviction left held is free now", record.key)
+        gone = {id(r) for r in freed}
+        with self._lock:
+            self.records = [r for r in self.records if id(r) not in gone]
         return freed
 
     def recover(self, owner_of: Callable[[str], int | None]) -> None:
@@ -282,7 +293,7 @@ class HeldSpace:
             key = rest.rsplit("-", 1)[0]
             owner = None if who == SHARED else int(who)
             nbytes = sum(f.stat().st_size for f in files)
-            self.records.append(Record(key, owner, nbytes, files=tuple(files)))
+            self._add(Record(key, owner, nbytes, files=tuple(files)))
         trees: dict[str, Open] = {}
         top = len(str(self.folder).rstrip("/")) + 1
         for inode, held in open_under(self.folder).items():

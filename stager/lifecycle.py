@@ -106,18 +106,20 @@ class Trash:
         that owner's books until they are closed."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
-            if dataset is not None:
-                await run_io(self.held.watch_tree, *dataset, moved)
-            self.delete_later(moved, nbytes)
+            self.delete_later(moved, nbytes, dataset)
         return moved is not None
 
-    def delete_later(self, path: Path, nbytes: int = 0) -> None:
+    def delete_later(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> None:
         self.freeing_bytes += nbytes
-        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
+        self._spawn(self._delete(path, nbytes, dataset), f"delete-{path.name}")
 
-    async def _delete(self, path: Path, nbytes: int) -> None:
+    async def _delete(self, path: Path, nbytes: int, dataset: Dataset | None) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
+            if dataset is not None:
+                # Off the admission lock: how long reading every process's open files
+                # takes is up to the users who open them.
+                await run_io(self.held.watch_tree, *dataset, path)
             await run_io(delete_tree, path, self.halt)
         except OSError as exc:
             log.error("could not delete %s: %s", path, exc)
