@@ -102,26 +102,30 @@ def open_under(folder: Path) -> Open:
     return found
 
 
-def holder_of(device: int) -> int | None:
+def holder_of(device: int, files: bool = True) -> int | None:
     """A user (not root, not this daemon's) with a process on the file system
-    ``device`` (a lazily unmounted image's): its working or root folder, an open file
-    or a mapping there; the lowest uid if several; None if only root's are."""
+    ``device`` (a lazily unmounted image's): its working or root folder, or (``files``)
+    an open file or a mapping there; the lowest uid if several; None if only root's
+    are. Without ``files``, two system calls a process: cheap whatever users do."""
     found = set()
     for pid in _pids():
-        if _on_device(f"/proc/{pid}", device):
+        if _on_device(f"/proc/{pid}", device, files):
             found.add(_uid(pid))
     users = found - {0, os.geteuid(), -1}
     return min(users) if users else None
 
 
-def _on_device(proc: str, device: int) -> bool:
+def _on_device(proc: str, device: int, files: bool) -> bool:
     links = [f"{proc}/cwd", f"{proc}/root"]
-    with contextlib.suppress(OSError):
-        links += [f"{proc}/fd/{fd}" for fd in os.listdir(f"{proc}/fd")]
+    if files:
+        with contextlib.suppress(OSError):
+            links += [f"{proc}/fd/{fd}" for fd in os.listdir(f"{proc}/fd")]
     for link in links:
         with contextlib.suppress(OSError):
             if os.stat(link).st_dev == device:
                 return True
+    if not files:
+        return False
     with contextlib.suppress(OSError), open(f"{proc}/maps", encoding="utf-8") as lines:
         for line in lines:
             parts = line.split(maxsplit=5)
@@ -190,14 +194,11 @@ class HeldSpace:
     # ---- what goes on them (blocking: through run_io) -----------------------------------
 
     def keep_image(
-        self, key: str, owner: int | None, nbytes: int, files: list[Path], device: int | None
-    ) -> None:
+        self, key: str, owner: int | None, nbytes: int, files: list[Path]
+    ) -> Record | None:
         """A lazily unmounted image's files (image, blob), moved aside and charged to
-        ``owner`` until nothing holds them open. A shared image's (``owner`` None) is
-        charged to a user whose process holds its mount (``device``: its file system's),
-        so that no user can hold space counted against nobody."""
-        if owner is None and device is not None:
-            owner = holder_of(device)
+        ``owner`` until nothing holds them open (a shared image's: see
+        :meth:`charge_holder`); its record, or None if no file was there."""
         stem = f"{HELD_PREFIX}{SHARED if owner is None else owner}-{key}-{uuid.uuid4().hex[:8]}"
         kept = []
         for file in files:
@@ -207,16 +208,36 @@ class HeldSpace:
             moved = self.folder / (stem + file.name[len(key) :])
             os.rename(file, moved)
             kept.append(moved)
-        if kept:
-            sync_folder(self.folder)
-            self._add(Record(key, owner, nbytes, files=tuple(kept)))
-            log.warning(
-                "%s: %d bytes still held by a lazily unmounted image, on uid %s's books "
-                "until its readers let go",
-                key,
-                nbytes,
-                SHARED if owner is None else owner,
-            )
+        if not kept:
+            return None
+        sync_folder(self.folder)
+        record = Record(key, owner, nbytes, files=tuple(kept))
+        self._add(record)
+        log.warning(
+            "%s: %d bytes still held by a lazily unmounted image, on uid %s's books "
+            "until its readers let go",
+            key,
+            nbytes,
+            SHARED if owner is None else owner,
+        )
+        return record
+
+    def charge_holder(self, record: Record, device: int) -> None:
+        """A shared image's held space, charged to a user whose process holds its mount
+        (``device``: its file system's), so that no user holds space counted against
+        nobody; its files renamed to say so (a restart charges them again)."""
+        owner = holder_of(device)
+        if owner is None:
+            return
+        renamed = []
+        for file in record.files:
+            name = file.name.replace(f"{HELD_PREFIX}{SHARED}-", f"{HELD_PREFIX}{owner}-", 1)
+            with contextlib.suppress(FileNotFoundError):  # freed meanwhile
+                os.rename(file, file.with_name(name))
+            renamed.append(file.with_name(name))
+        sync_folder(self.folder)
+        record.files, record.owner = tuple(renamed), owner
+        log.warning("%s: its held space is on uid %d's books", record.key, owner)
 
     def watch_tree(self, key: str, owner: int | None, folder: Path) -> None:
         """An evicted tree, moved aside to ``folder`` to be deleted: its files open now

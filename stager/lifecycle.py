@@ -41,7 +41,8 @@ from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagerError
 from stager.fs.seal import Seal, protect_top, seal_tree
-from stager.held_space import HeldSpace, held_open
+from stager.held_space import HeldSpace, held_open, holder_of
+from stager.held_space import Record as Held
 from stager.image import published as images
 from stager.image.identity import ImageIdentity
 from stager.imaging import ImageMade, attempt_image
@@ -99,6 +100,10 @@ class Trash:
         self.halt = threading.Event()  # the daemon is stopping: deletes give up
         self.freeing_bytes = 0  # counted as free space by admission meanwhile
         self.held = HeldSpace(trash_dir)
+
+    def spawn_io(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on a thread, in the background."""
+        self._spawn(run_io(fn, *args), fn.__name__)
 
     async def discard(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> bool:
         """Move ``path`` aside and delete it later; False if it was not there.
@@ -639,23 +644,28 @@ class Registry:
         lazily = await run_io(images.take_down, final)
         self._crash.reached(Durable.UNMOUNTED)
         if lazily and file is not None:
-            await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file, device)
+            if owner is None and device is not None:
+                # Whose process holds it: one sitting in it, found at once.
+                owner = await run_io(holder_of, device, False)
+            kept = await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file)
+            if kept is not None and owner is None and device is not None:
+                # One holding a file of it: off the admission lock, as reading every
+                # process's open files takes as long as users make it.
+                self.trash.spawn_io(self.held.charge_holder, kept, device)
             file = None
         await run_io(images.delete_image, file, final)
         self._crash.reached(Durable.IMAGE_DELETED)
 
-    def _retire_image(
-        self, key: str, owner: int | None, nbytes: int, file: Path, device: int | None = None
-    ) -> None:
+    def _retire_image(self, key: str, owner: int | None, nbytes: int, file: Path) -> Held | None:
         """An unmounted image's file: kept on ``owner``'s books while anything still
-        holds it open (a lazily unmounted mount), else deleted."""
-        if held_open(file):
-            blob = images.blob_of(file)
-            if not nbytes:
-                nbytes = sum(p.stat().st_size for p in (file, blob) if p.exists())
-            self.held.keep_image(key, owner, nbytes, [file, blob], device)
-        else:
+        holds it open (a lazily unmounted mount; its record returned), else deleted."""
+        if not held_open(file):
             images.delete_image(file, None)
+            return None
+        blob = images.blob_of(file)
+        if not nbytes:
+            nbytes = sum(p.stat().st_size for p in (file, blob) if p.exists())
+        return self.held.keep_image(key, owner, nbytes, [file, blob])
 
     # ---- links -------------------------------------------------------------------------
 
