@@ -19,7 +19,10 @@ fan-out room alike:
   past that is refused (429).
 
 Reservations held by transfers come from the fan-out room (``held``): room promised
-and not written yet is not free, and counts against its user's quota.
+and not written yet is not free, and counts against its user's quota. Space evicted
+datasets still hold (a lazily unmounted image, a deleted tree's open files:
+stager.held_space) counts against its user's quota until it is freed, and is never
+room that eviction can make.
 """
 
 from __future__ import annotations
@@ -56,12 +59,24 @@ class _Trash(Protocol):
     freeing_bytes: int
 
 
+class _HeldSpace(Protocol):
+    """Space evicted datasets still hold (stager.held_space.HeldSpace)."""
+
+    def bytes_of(self, owner: int) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+
 class Books(Protocol):
     """What admission reads and does of the registry (stager.lifecycle.Registry)."""
 
     entries: dict[str, Entry]
     leases: dict[str, Lease]
     trash: _Trash
+
+    @property
+    def held(self) -> _HeldSpace: ...
 
     async def evict(self, entry: Entry, why: str = ...) -> None: ...
 
@@ -235,6 +250,7 @@ class Admission:
                 entries,
                 protected,
                 self.settings.user_quota_bytes,
+                still_held=self._reg.held.bytes_of(owner),
             ):
                 await self._reg.evict(victim, f"to keep uid {owner} within --user-quota")
         plan = cache.plan_admission(
@@ -244,6 +260,7 @@ class Admission:
             capacity_bytes=self.settings.capacity_bytes,
             free_bytes=await self.free_bytes(held),
             min_free_bytes=self.settings.min_free_bytes,
+            still_held=self._reg.held.total_bytes,
         )
         for victim in plan:
             why = f"to make room for {key}" if key else "to bring the cache back under its limits"

@@ -73,23 +73,39 @@ def private_owner(entry: Entry) -> int | None:
 
 
 def plan_quota(
-    needed: int, owner: int, entries: list[Entry], protected: set[str], quota_bytes: int
+    needed: int,
+    owner: int,
+    entries: list[Entry],
+    protected: set[str],
+    quota_bytes: int,
+    still_held: int = 0,
 ) -> list[Entry]:
     """The owner's own entries to evict so that ``needed`` more private bytes stay within
-    their quota (shared entries count against nobody's); raises if they cannot."""
+    their quota (shared entries count against nobody's); raises if they cannot.
+    ``still_held``: what the owner's evicted datasets still hold (stager.held_space),
+    counted and never freed by an eviction."""
     own = [e for e in entries if private_owner(e) == owner]
-    must_free = used_bytes(own) + needed - quota_bytes
+    must_free = used_bytes(own) + still_held + needed - quota_bytes
     if must_free <= 0:
         return []
     plan, freed = _oldest_first(evictable(own, protected), must_free)
     if freed < must_free:
+        held = (
+            f"; {human(still_held)} more is still held by your processes in datasets that "
+            "were deleted (a shell or program whose folder is in a deleted image dataset, "
+            "or that keeps a deleted dataset's file open; lsof +L1 lists open deleted "
+            "files): it is freed, and leaves your quota, once they leave those folders "
+            "and close those files"
+            if still_held
+            else ""
+        )
         raise QuotaExceeded(
             f"this needs about {human(needed)} of your own (data not everyone may read, and "
             f"the room your fan-out transfers hold, count against your quota of "
             f"{human(quota_bytes)}), and you hold "
             f"{human(used_bytes(own))} of which evicting your unleased datasets frees only "
-            f"{human(freed)}; release your leases, delete datasets you no longer need, or "
-            "ask the admin for a larger --user-quota"
+            f"{human(freed)}{held}; release your leases, delete datasets you no longer need, "
+            "or ask the admin for a larger --user-quota"
         )
     return plan
 
@@ -101,8 +117,12 @@ def plan_admission(
     capacity_bytes: int,
     free_bytes: int,
     min_free_bytes: int,
+    still_held: int = 0,
 ) -> list[Entry]:
-    """Entries to evict so that ``needed`` more bytes fit; raises if they cannot."""
+    """Entries to evict so that ``needed`` more bytes fit; raises if they cannot.
+    ``still_held``: what evicted datasets still hold, missing from ``free_bytes`` and
+    never freed by an eviction; each is on its owner's quota, not on the capacity (or
+    one user's open files would evict others' data), and is named in the refusal."""
     over_capacity = max(0, used_bytes(entries) + needed - capacity_bytes) if capacity_bytes else 0
     over_disk = max(0, needed + pending_bytes(entries) + min_free_bytes - free_bytes)
     must_free = max(over_capacity, over_disk)
@@ -112,6 +132,7 @@ def plan_admission(
     if freed < must_free:
         raise InsufficientSpace(
             _refusal(needed, entries, protected, capacity_bytes, free_bytes, min_free_bytes, freed)
+            + _held(still_held)
         )
     return plan
 
@@ -126,6 +147,15 @@ def _oldest_first(candidates: list[Entry], must_free: int) -> tuple[list[Entry],
         plan.append(entry)
         freed += entry.size_bytes
     return plan, freed
+
+
+def _held(still_held: int) -> str:
+    if not still_held:
+        return ""
+    return (
+        f" ({human(still_held)} of the disk is still held by processes in datasets that were "
+        "deleted, and is freed when they leave them)"
+    )
 
 
 def _refusal(

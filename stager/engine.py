@@ -783,10 +783,12 @@ class Engine:
         await self._every_sweep("transfer sweep", partial(self.fanout.expire, self._spawn))
 
     async def _sweep(self) -> None:
-        """Now and then: drop leases of ended jobs, and shrink back under the capacity."""
+        """Now and then: drop leases of ended jobs, take space evicted datasets held and
+        let go of off their owners' books, and shrink back under the capacity."""
 
         async def shrink() -> None:
             await self._drop_dead_leases()
+            await self._reg.sweep_held()
             try:
                 async with self._admission:
                     await self.admission.make_room(0, "")
@@ -969,7 +971,11 @@ class Engine:
             others = [
                 e for e in self.entries() if cache.private_owner(e) == owner and e is not entry
             ]
-            used = cache.used_bytes(others) + held.reserved_by.get(owner, 0)
+            used = (
+                cache.used_bytes(others)
+                + held.reserved_by.get(owner, 0)
+                + self._reg.held.bytes_of(owner)
+            )
             limits.append((self.settings.user_quota_bytes - used, "quota"))
         if self.settings.min_free_bytes:  # no floor: the disk's own end is the limit
             room = await self.admission.free_bytes(held) - self.settings.min_free_bytes

@@ -41,6 +41,8 @@ from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagerError
 from stager.fs.seal import Seal, protect_top, seal_tree
+from stager.held_space import HeldSpace, held_open, holder_of
+from stager.held_space import Record as Held
 from stager.image import published as images
 from stager.image.identity import ImageIdentity
 from stager.imaging import ImageMade, attempt_image
@@ -65,6 +67,7 @@ from stager.store import Store
 log = logging.getLogger("stager.lifecycle")
 
 AsUser = Callable[..., Awaitable[Any]]  # (uid, fn, *args) -> fn's JSON result
+Dataset = tuple[str, "int | None"]  # an evicted dataset's key and private owner
 # A name's link is the owner's convenience: making it may not hold the publish, which
 # everyone sharing the entry waits on, longer than this (a link in a folder on a hung
 # filesystem of the user's own).
@@ -86,28 +89,40 @@ DELIVERY_LOST = ErrorInfo(
 
 class Trash:
     """Folders moved aside (one rename, the commit point) and deleted in the background:
-    a million-file delete must never hold a request or the daemon's exit."""
+    a million-file delete must never hold a request or the daemon's exit. What a deleted
+    dataset's open files still hold goes on ``held`` (stager.held_space)."""
 
     def __init__(self, trash_dir: Path, spawn: Callable[[Any, str], None]) -> None:
         self.trash_dir = trash_dir
         self._spawn = spawn
         self.halt = threading.Event()  # the daemon is stopping: deletes give up
         self.freeing_bytes = 0  # counted as free space by admission meanwhile
+        self.held = HeldSpace(trash_dir)
 
-    async def discard(self, path: Path, nbytes: int = 0) -> bool:
-        """Move ``path`` aside and delete it later; False if it was not there."""
+    def spawn_io(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` on a thread, in the background."""
+        self._spawn(run_io(fn, *args), fn.__name__)
+
+    async def discard(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> bool:
+        """Move ``path`` aside and delete it later; False if it was not there.
+        ``dataset``: the key and owner of an evicted tree, whose files open now stay on
+        that owner's books until they are closed."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
-            self.delete_later(moved, nbytes)
+            self.delete_later(moved, nbytes, dataset)
         return moved is not None
 
-    def delete_later(self, path: Path, nbytes: int = 0) -> None:
+    def delete_later(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> None:
         self.freeing_bytes += nbytes
-        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
+        self._spawn(self._delete(path, nbytes, dataset), f"delete-{path.name}")
 
-    async def _delete(self, path: Path, nbytes: int) -> None:
+    async def _delete(self, path: Path, nbytes: int, dataset: Dataset | None) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
+            if dataset is not None:
+                # Off the admission lock: how long reading every process's open files
+                # takes is up to the users who open them.
+                await run_io(self.held.watch_tree, *dataset, path)
             await run_io(delete_tree, path, self.halt)
         except OSError as exc:
             log.error("could not delete %s: %s", path, exc)
@@ -142,6 +157,17 @@ class Registry:
         self.events = StateLog(lambda key: [h for h in self.handles.values() if h.key == key])
         # How images are mounted here: the kernel as root, FUSE as a user.
         self.mount_kind = images.mount_kind()
+
+    @property
+    def held(self) -> HeldSpace:
+        """Space evicted datasets still hold (lazy unmounts, open deleted files), by owner."""
+        return self.trash.held
+
+    async def sweep_held(self) -> None:
+        """The periodic sweep's look at space still held: what is free now leaves the
+        books (and a held image's file goes)."""
+        if self.held.records:
+            await run_io(self.held.sweep)
 
     # ---- paths ---------------------------------------------------------------
 
@@ -223,16 +249,28 @@ class Registry:
                 entry.move(State.EVICTED)
                 await self._save(entry, Durable.EVICTED)
         await self._take_down_strays()
+        # Space an earlier run's evictions left held (found again, never stored).
+        await run_io(self.held.recover, self._owner_of)
         for orphan in await run_io(self._orphans):
+            key = images.key_of(orphan.name)
             if orphan.name.startswith(DISCARDED_PREFIX):
-                self.trash.delete_later(orphan)
-            elif orphan.parent == self.settings.data_dir and images.key_of(orphan.name) != (
-                orphan.name
-            ):
-                await run_io(images.delete_image, orphan, None)
+                self.trash.delete_later(orphan)  # its open files: found by recover
+            elif orphan.parent == self.settings.data_dir and key != orphan.name:
+                if orphan.name.endswith(images.BLOB_SUFFIX):
+                    # Goes with its image; alone, it is deleted.
+                    image = orphan.with_name(orphan.name.removesuffix(images.BLOB_SUFFIX))
+                    if not await run_io(os.path.lexists, image):
+                        await run_io(images.delete_image, orphan, None)
+                    continue
+                # Perhaps one a crash left between its lazy unmount and its keeping.
+                await run_io(self._retire_image, key, self._owner_of(key), 0, orphan)
             else:
                 await self.trash.discard(orphan)
         return to_stage
+
+    def _owner_of(self, key: str) -> int | None:
+        entry = self.entries.get(key)
+        return private_owner(entry) if entry is not None else None
 
     def _published(self, entry: Entry) -> bool:
         """Whether this entry's attempt got past its commit point (see ``publish``)."""
@@ -280,7 +318,11 @@ class Registry:
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
         kept = {k for k, e in self.entries.items() if e.active or e.state == State.READY}
-        found = [c for c in self.settings.partial_dir.iterdir() if c.name not in attempts]
+        found = [
+            c
+            for c in self.settings.partial_dir.iterdir()
+            if c.name not in attempts and not self.held.is_held_image(c.name)
+        ]
         # data/<key> and an image's data/<key>.erofs; a mount point still mounted (busy
         # at its unmount) is left for the next start.
         found += [
@@ -587,7 +629,7 @@ class Registry:
         self._crash.reached(Durable.UNLINKED)
         if entry.wants_image:
             await self._remove_image(entry)
-        elif await self.trash.discard(final, entry.size_bytes):
+        elif await self.trash.discard(final, entry.size_bytes, (entry.key, private_owner(entry))):
             self._crash.reached(Durable.DATA_DISCARDED)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
@@ -595,12 +637,39 @@ class Registry:
     async def _remove_image(self, entry: Entry) -> None:
         """An evicted image: unmounted (lazily if a process without a lease still reads
         it: stager.image.published.take_down), then its file and mount point deleted.
-        One file: no tree to move aside and delete in the background."""
+        One file: no tree to move aside and delete in the background. A lazily unmounted
+        image's file is kept instead, on its owner's books, until its readers let go
+        (stager.held_space): unlinked, its blocks would stay in use, counted nowhere."""
         final, file = self.final(entry), self.image_file(entry)
-        await run_io(images.take_down, final)
+        owner = private_owner(entry)
+        # A shared image's held space is charged to whoever holds its mount, found by
+        # the mount's file system (gone from the mount table once detached).
+        device = await run_io(_device_of, final) if owner is None else None
+        lazily = await run_io(images.take_down, final)
         self._crash.reached(Durable.UNMOUNTED)
+        if lazily and file is not None:
+            if owner is None and device is not None:
+                # Whose process holds it: one sitting in it, found at once.
+                owner = await run_io(holder_of, device, False)
+            kept = await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file)
+            if kept is not None and owner is None and device is not None:
+                # One holding a file of it: off the admission lock, as reading every
+                # process's open files takes as long as users make it.
+                self.trash.spawn_io(self.held.charge_holder, kept, device)
+            file = None
         await run_io(images.delete_image, file, final)
         self._crash.reached(Durable.IMAGE_DELETED)
+
+    def _retire_image(self, key: str, owner: int | None, nbytes: int, file: Path) -> Held | None:
+        """An unmounted image's file: kept on ``owner``'s books while anything still
+        holds it open (a lazily unmounted mount; its record returned), else deleted."""
+        if not held_open(file):
+            images.delete_image(file, None)
+            return None
+        blob = images.blob_of(file)
+        if not nbytes:
+            nbytes = sum(p.stat().st_size for p in (file, blob) if p.exists())
+        return self.held.keep_image(key, owner, nbytes, [file, blob])
 
     # ---- links -------------------------------------------------------------------------
 
@@ -648,6 +717,13 @@ class Registry:
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """A registry of a daemon that acts for nobody else (per-user mode, tests)."""
     return await run_io(fn, *args)
+
+
+def _device_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None
 
 
 def state_counts(entries: list[Entry]) -> dict[str, int]:

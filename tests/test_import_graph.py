@@ -230,7 +230,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         # Room on the disk and slots for stagings, for the engine and the fan-out alike.
         ("admission", {"stager.admission"}),
         ("fanout", {"stager.fanout"}),
-        ("lifecycle", {"stager.lifecycle"}),
+        # The life of entries, and the space evicted ones still hold.
+        ("lifecycle", {"stager.lifecycle", "stager.held_space"}),
         ("engine", {"stager.engine"}),
         ("api", {"stager.api"}),
         # The pre-staging planner: controller side, a client of the node services.
