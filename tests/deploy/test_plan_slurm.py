@@ -114,7 +114,20 @@ def test_job_submit_lua_never_fails_a_submission(jobs: list[str], users: tuple[U
         "late": "#!/bin/bash\necho\n#STAGER late --recipe r --source /s\n",
     }
     ids = {name: submit(alice, text, jobs, "--hold") for name, text in odd.items()}
+    # A run of spaces inside a line: the lua's reading must stay linear, since it runs
+    # inside slurmctld (a backtracking pattern took 7.4 s for 32k spaces, 2 h for 1 MB).
+    for name, line in {
+        "long": "#STAGER x" + " " * 60_000 + "y --recipe r --source /s",
+        "spaced": "#STAGER e" + " " * 1500 + "--recipe r --source /s" + " " * 2000,
+    }.items():
+        began = time.monotonic()
+        ids[name] = submit(alice, f"#!/bin/bash\n{line}\necho\n", jobs, "--hold")
+        assert time.monotonic() - began < 5, f"sbatch took {time.monotonic() - began:.1f} s"
     found = queue()
+    assert found[ids["long"]].admin_comment is None  # past the bound: not read
+    assert lines(found[ids["spaced"]].admin_comment or "") == [
+        "e" + " " * 1500 + "--recipe r --source /s"
+    ]
     many = lines(found[ids["many"]].admin_comment or "")
     assert many == [f"d{i} --recipe r --source /s{i}" for i in range(32)]  # bounded
     assert lines(found[ids["spaces"]].admin_comment or "") == ["c --recipe r --source /s"]
