@@ -232,6 +232,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("fanout", {"stager.fanout"}),
         ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),
+        # Prefetches: the planner's orders, proven, made into the engine's own requests.
+        ("prefetch", {"stager.prefetch"}),
         ("api", {"stager.api"}),
         # The pre-staging planner: controller side, a client of the node services.
         ("plan", {"stager.plan"}),
