@@ -93,9 +93,16 @@ class Prefetches:
             raise Forbidden("only the node service (stager serve --multi-user) takes prefetches")
         async with self._lock:
             await self._load()
+        # Outside the lock: a flood of bad credentials (one unmunge each) must not hold
+        # up the planner's orders. Claiming a credential is one step on the event loop.
+        try:
             order = await verify(header, body, self.settings, self.seen)
-            await self._save()  # the credential is spent before anything is done
             user = job_user(order)
+        except StagerError:
+            self.metrics.prefetches.labels(outcome="refused").inc()
+            raise
+        async with self._lock:
+            await self._save()  # the credential is spent before anything is done
             await self._expire()
             if order.action == "cancel":
                 done = await self._cancel(order, user)
@@ -121,6 +128,7 @@ class Prefetches:
             request = engine.ops.request_model().model_validate(body)
         except ValueError as exc:
             raise BadRequest(f"the prefetch's request is not a stage request: {exc}") from exc
+        started = time.time()
         token = PREFETCHING.set(True)
         try:
             view, ready = await engine.submit(request, user)
@@ -146,7 +154,7 @@ class Prefetches:
             name=name,
             key=view.key,
             bytes=size,
-            started_at=time.time(),
+            started_at=started,
         )
         self.book.prefetches[(order.job, dataset)] = prefetch
         self.metrics.prefetches.labels(outcome="started").inc()
@@ -171,6 +179,8 @@ class Prefetches:
             prefetch.bytes = entry.size_bytes
         elif entry is not None and entry.active:
             prefetch.bytes = entry.progress.snapshot().bytes_done
+        else:
+            prefetch.bytes = 0  # failed or gone: nothing of it is on the disk
         prefetch.state = outcome
         self.metrics.prefetches.labels(outcome=outcome).inc()
         self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
