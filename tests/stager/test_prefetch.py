@@ -4,6 +4,7 @@ job's user may read, yields to users' requests, and stays within its budgets."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 
 from client._progress import describe_origin
 from stager import vouch
+from stager.admission import PREFETCHING, FairQueue
 from stager.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
@@ -257,3 +259,42 @@ def test_a_prefetch_survives_a_restart_and_its_credentials_stay_spent(
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_a_prefetch_unused_past_its_expiry_is_dropped_as_wasted(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    alice, _ = users
+    daemon = start_service(shared_tmp / "cache", munge_socket, STAGER_PREFETCH_EXPIRE_S="2")
+    try:
+        src = private_tree(alice, shared_tmp / "e")
+        request = {"name": "old", "steps": [{"op": "copy", "src": str(src)}]}
+        assert prefetch(daemon, munge_socket, order(alice, 80, request))[0] == 200
+        wait(alice, daemon, "prefetch-80-old")
+        time.sleep(2.5)
+        # Any order sweeps (as the service's own sweep does every minute).
+        code, answer = prefetch(daemon, munge_socket, order(alice, 81, action="cancel"))
+        assert code == 200 and answer["data"] == [], answer
+        assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+        assert metric(daemon, "stager_prefetch_bytes_total", '{outcome="wasted"}') == 5 * 4096
+        code, _ = alice.curl(daemon.socket, "GET", "/v1/datasets/prefetch-80-old")
+        assert code == 404
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_the_fair_queue_serves_prefetches_last_until_a_request_asks_for_them() -> None:
+    async def scenario() -> list[str]:
+        queue = FairQueue()
+        token = PREFETCHING.set(True)
+        queue.put("pre-a", 1)
+        queue.put("pre-b", 1)
+        PREFETCHING.reset(token)
+        queue.put("own", 2)
+        queue.put("pre-b", 2)  # user 2's own request for the data of a prefetch
+        return [(await queue.get())[0] for _ in range(3)]
+
+    # pre-b, asked for by a request now, runs in the first turn of its askers (user 1's,
+    # as any join does); pre-a, a prefetch only, after every request.
+    assert asyncio.run(scenario()) == ["pre-b", "own", "pre-a"]
