@@ -88,7 +88,8 @@ class Seen:
 
 
 def signed_by_slurm(settings: Settings) -> set[int]:
-    """The uids whose credentials may order prefetches: root and SlurmUser."""
+    """The uids whose credentials may order prefetches: root and SlurmUser. Blocking (the
+    user database may be LDAP's): call it through stager.blocking."""
     allowed = {0}
     try:
         allowed.add(pwd.getpwnam(settings.slurm_user).pw_uid)
@@ -129,7 +130,7 @@ async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen
     if decoded.status != 0:
         raise NotAuthorized(f"the prefetch's credential does not decode here ({decoded.why})")
     maker = decoded.meta.get("UID", "")
-    if not maker.isdigit() or int(maker) not in signed_by_slurm(settings):
+    if not maker.isdigit() or int(maker) not in await run_io(signed_by_slurm, settings):
         raise NotAuthorized(
             f"the prefetch's credential was made by uid {maker}, not by root or SlurmUser "
             f"({settings.slurm_user}); users cannot order prefetches"
@@ -172,7 +173,8 @@ async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen
 def job_user(order: PrefetchOrder) -> Caller:
     """The job's user as Slurm gives a job its identity: the uid, the job's gid, and the
     supplementary groups of the group database (os.getgrouplist). Refuses root (a
-    prefetch never runs as root) and a gid that is not one of the user's groups."""
+    prefetch never runs as root) and a gid that is not one of the user's groups.
+    Blocking (the group database may be LDAP's): call it through stager.blocking."""
     if order.uid == 0:
         raise Forbidden("a prefetch never stages as root; root's jobs are not pre-staged")
     try:

@@ -97,7 +97,7 @@ class Prefetches:
         # up the planner's orders. Claiming a credential is one step on the event loop.
         try:
             order = await verify(header, body, self.settings, self.seen)
-            user = job_user(order)
+            user = await run_io(job_user, order)
         except StagerError:
             self.metrics.prefetches.labels(outcome="refused").inc()
             raise
