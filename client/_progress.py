@@ -91,6 +91,8 @@ def describe_origin(status: DatasetPublic) -> str:
         text = f"broadcast from {origin.node or 'another node'}{job}"
     else:
         text = f"staged here from the source{job}"
+    if status.prestaged_for_job is not None:
+        text += f"; pre-staged for job {status.prestaged_for_job}"
     return f"; {text}" + ("; this request was a cache hit" if origin.hit else "")
 
 

@@ -16,7 +16,9 @@ fan-out room alike:
   so a join never runs later than the joiner's own staging would have. In the node
   service each user runs at most ``max_stagings_per_user`` at once (so that slots
   are always left for others) and queues at most ``max_queued_per_user``; a request
-  past that is refused (429).
+  past that is refused (429). A prefetch (a staging for a job not started yet,
+  stager.prefetch) is **low**: it runs only when no other staging is queued, and
+  stops being low as soon as any request not a prefetch asks for it.
 
 Reservations held by transfers come from the fan-out room (``held``): room promised
 and not written yet is not free, and counts against its user's quota. Space evicted
@@ -31,6 +33,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +45,11 @@ from stager.leases import Lease
 from stager.settings import Settings
 
 log = logging.getLogger("stager.admission")
+
+# Set by the prefetch service around its engine.submit: the stagings it queues are low.
+# A context variable rather than a parameter through the engine: only the fair queue
+# reads it, and the engine's request path stays the very one a user's request takes.
+PREFETCHING: ContextVar[bool] = ContextVar("stager_prefetching", default=False)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,7 @@ class FairQueue:
         self._queued: dict[int, deque[str]] = {}
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
+        self._low: set[str] = set()  # queued keys only prefetches asked for
         self._running: dict[int, int] = {}
         # Set on every change that may let a waiting worker go. Everything here runs on
         # the event loop, so nothing changes between a worker's look and its wait.
@@ -103,7 +112,13 @@ class FairQueue:
 
     def put(self, key: str, owner: int) -> None:
         """``owner`` asks for ``key`` (queued anew, or joined): it waits in their turn
-        too. Asking twice changes nothing."""
+        too. Asking twice changes nothing, except that a request that is not a prefetch
+        makes the staging no longer low."""
+        low = PREFETCHING.get()
+        if key not in self._askers and low:
+            self._low.add(key)
+        elif not low:
+            self._low.discard(key)
         askers = self._askers.setdefault(key, set())
         if owner in askers:
             return
@@ -123,6 +138,7 @@ class FairQueue:
             self._withdraw(key, asker)
         if not askers:
             self._askers.pop(key, None)
+            self._low.discard(key)
 
     def queued_by(self, owner: int) -> int:
         return len(self._queued.get(owner, ()))
@@ -136,20 +152,31 @@ class FairQueue:
     async def get(self) -> tuple[str, int]:
         """The next staging to run and the user it is charged to: the first user in
         turn who has one queued and is under the cap; that user goes to the back of the
-        turn, and the staging leaves every other asker's turn."""
+        turn, and the staging leaves every other asker's turn. Low stagings (prefetches)
+        only when no user under the cap has another queued."""
         while True:
-            for _ in range(len(self._turn)):
-                owner = self._turn[0]
-                self._turn.rotate(-1)
-                if self.running_cap is not None and self.running_by(owner) >= self.running_cap:
-                    continue
-                key = self._queued[owner][0]
+            chosen = self._next(low=False) or self._next(low=True)
+            if chosen is not None:
+                i, owner, key = chosen
+                self._turn.rotate(-(i + 1))  # it, and those passed over, to the back
                 for asker in self._askers.pop(key, {owner}):
                     self._withdraw(key, asker)
+                self._low.discard(key)
                 self._running[owner] = self.running_by(owner) + 1
                 return key, owner
             self._changed.clear()
             await self._changed.wait()
+
+    def _next(self, low: bool) -> tuple[int, int, str] | None:
+        """The first user in turn under the cap with a staging queued (``low``: a low one
+        too), as (their place in turn, uid, key)."""
+        for i, owner in enumerate(self._turn):
+            if self.running_cap is not None and self.running_by(owner) >= self.running_cap:
+                continue
+            key = next((k for k in self._queued[owner] if low or k not in self._low), None)
+            if key is not None:
+                return i, owner, key
+        return None
 
     def finished(self, owner: int) -> None:
         """A staging charged to ``owner`` has ended: their slot is free."""

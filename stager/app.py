@@ -13,11 +13,12 @@ from stager import __version__, cache
 from stager.api import body_limit, errors
 from stager.api.auth import BearerTokenMiddleware
 from stager.api.routes import cache as cache_routes
-from stager.api.routes import datasets, health, recipes, whoami
+from stager.api.routes import datasets, health, prefetches, recipes, whoami
 from stager.api.routes.fanout import fanout_router
 from stager.engine import Engine
 from stager.lifecycle import state_counts
 from stager.metrics import Metrics
+from stager.prefetch.service import Prefetches
 from stager.settings import Settings
 
 
@@ -31,6 +32,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
+    prefetched = Prefetches(engine, settings, metrics)
     metrics.watch_states(
         lambda: state_counts(engine.entries()),
         lambda: cache.used_bytes(engine.entries()),
@@ -46,9 +48,11 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
             # exits instead of waiting on a child that will not end by itself.
             await engine.stop()
             raise
+        await prefetched.start()
         try:
             yield
         finally:
+            await prefetched.stop()
             await engine.stop()
 
     # /docs with Swagger UI's scripts served by the daemon itself: compute nodes often
@@ -64,6 +68,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.prefetches = prefetched
     errors.install(app, engine.ops.public_names)
     body_limit.install(app, settings.max_body_bytes)
     app.include_router(datasets.stage_router(engine.ops))
@@ -73,6 +78,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.include_router(cache_routes.router)
     app.include_router(health.router)
     app.include_router(whoami.router)
+    app.include_router(prefetches.router)
     if token:
         app.add_middleware(BearerTokenMiddleware, token=token)
     return app

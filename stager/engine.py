@@ -130,6 +130,8 @@ class Engine:
         )
         # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
         self.fanout = FanoutRoom(settings, self.ops, self.admission, self.as_user)
+        # The job a user's data was pre-staged for (stager.prefetch sets it), for status.
+        self.prestaged: Callable[[int, str], int | None] = lambda uid, key: None
 
     @property
     def _reg(self) -> Registry:
@@ -829,7 +831,9 @@ class Engine:
     def _view(self, handle: Handle) -> DatasetPublic:
         reg = self._reg
         leases = [x.public() for x in reg.leases.values() if x.handle_id == handle.id]
-        return public_view(handle, reg.entries[handle.key], self.settings.data_dir, leases)
+        view = public_view(handle, reg.entries[handle.key], self.settings.data_dir, leases)
+        view.prestaged_for_job = self.prestaged(handle.owner, handle.key)
+        return view
 
     def entries(self) -> list[Entry]:
         return list(self._reg.entries.values()) if self.registry else []

@@ -142,6 +142,26 @@ class Metrics:
             "Requests long-polling for a dataset to finish (jobs blocked on this node)",
             registry=self.registry,
         )
+        # Pre-staging (stager.prefetch): started, used by their job, wasted (cancelled or
+        # expired unused), refused (a bad credential, a budget); the bytes of each.
+        self.prefetches = Counter(
+            "stager_prefetches",
+            "Prefetches for jobs not started yet, by outcome: started, used, wasted, refused",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.prefetch_bytes = Counter(
+            "stager_prefetch_bytes",
+            "Bytes of prefetches by outcome: started (estimated), used, wasted",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.prefetch_hidden_seconds = Counter(
+            "stager_prefetch_hidden_seconds",
+            "Staging seconds hidden in the queue: a prefetch's staging time, when its job's "
+            "own request then found the data ready",
+            registry=self.registry,
+        )
 
         # Every outcome's series exists from the start, at 0, so that its first event is a
         # rise a rate sees (a series born at 1 has no rate until it rises again).
@@ -151,6 +171,10 @@ class Metrics:
             self.arrivals.labels(how=how)
         for kind in failure_types():
             self.failures.labels(type=kind)
+        for outcome in ("started", "used", "wasted", "refused"):
+            self.prefetches.labels(outcome=outcome)
+            if outcome != "refused":
+                self.prefetch_bytes.labels(outcome=outcome)
 
     def watch_states(
         self,

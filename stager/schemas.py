@@ -392,6 +392,9 @@ class DatasetPublic(BaseModel):
         description="what a stage request was given other than it asked, in a sentence "
         "(an image asked for, a tree staged because this daemon cannot mount one)",
     )
+    prestaged_for_job: int | None = Field(
+        None, description="the Slurm job this data was pre-staged for on this node, if any"
+    )
 
 
 class DatasetsPublic(BaseModel):

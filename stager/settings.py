@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import re
+import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -396,6 +397,46 @@ class Settings(BaseSettings):
     munge_socket: Path | None = setting(
         cli=(), default_text="munge's own", help="munged's socket (node service, fan-out)"
     )
+    # ---- prefetches: the node side of pre-staging (stager.prefetch, docs/prestaging.md) ----
+    slurm_user: str = setting(
+        "root",
+        cli=(),
+        help="node service: the user (SlurmUser) whose MUNGE credentials may order "
+        "prefetches, besides root",
+    )
+    node_name: str | None = setting(
+        cli=(),
+        default_text="the host name's first label",
+        help="node service: this node's name as Slurm knows it, which a prefetch must name",
+    )
+    prefetch_credential_ttl_s: int = setting(
+        300,
+        ge=1,
+        le=3600,
+        cli=(),
+        help="node service: the longest time to live a prefetch's MUNGE credential may have",
+    )
+    prefetch_user_budget_bytes: Size = setting(
+        256 * 2**30,
+        ge=0,
+        le=2**62,
+        cli=(),
+        help="node service: bytes one user may have prefetched for jobs not started yet",
+    )
+    prefetch_node_budget_bytes: Size = setting(
+        1024 * 2**30,
+        ge=0,
+        le=2**62,
+        cli=(),
+        help="node service: bytes prefetched for jobs not started yet, all users together",
+    )
+    prefetch_expire_s: float = setting(
+        6 * 3600.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds a prefetch its job has not used is kept; then it is "
+        "dropped and its bytes counted as wasted",
+    )
     # ---- the planner (stager plan, controller side; docs/prestaging.md) ----
     plan_horizon_s: float = setting(
         1800.0,
@@ -511,6 +552,15 @@ class Settings(BaseSettings):
         if self.host:
             return f"http://{self.host}:{self.port}"
         return f"unix://{self.socket_path}"
+
+    def this_node(self) -> str:
+        """This node's name, as a prefetch must name it."""
+        return self.node_name or socket.gethostname().split(".")[0]
+
+    @property
+    def prefetch_path(self) -> Path:
+        """The prefetches and the credentials already used (stager.prefetch)."""
+        return self.cache_dir / "prefetches.json"
 
     @property
     def db_path(self) -> Path:

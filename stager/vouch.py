@@ -23,6 +23,7 @@ import functools
 import json
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import VerifyFailed
@@ -55,9 +56,15 @@ def vouch(
     entry ``key``; None when munged cannot make one (the receivers then keep their
     copies private, and refuse an image)."""
     payload = json.dumps({"what": what, "key": key, "manifest_sha256": manifest_sha256})
+    return encode(payload, socket, TTL_S)
+
+
+def encode(payload: str, socket: Path | str | None, ttl_s: int) -> str | None:
+    """A credential of this process's uid over ``payload``, valid ``ttl_s`` seconds; None
+    when munged cannot make one."""
     try:
         done = subprocess.run(
-            ["munge", *_socket_args(socket), "--ttl", str(TTL_S), "--string", payload],
+            ["munge", *_socket_args(socket), "--ttl", str(ttl_s), "--string", payload],
             capture_output=True,
             text=True,
             timeout=30,
@@ -65,6 +72,42 @@ def vouch(
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What munged says of a credential: its STATUS (munge.h's number, -1 when unknown),
+    the metadata asked for, and the payload as text."""
+
+    status: int
+    meta: dict[str, str]
+    payload: str
+    why: str  # unmunge's sentence when status is not 0
+
+
+def decode(
+    credential: str, socket: Path | str | None, what: str, keys: str = "STATUS,UID"
+) -> Decoded:
+    """Decode ``credential`` with this node's munged; ``what`` names it in errors."""
+    try:
+        done = subprocess.run(
+            ["unmunge", *_socket_args(socket), "--numeric", "--keys", keys],
+            input=credential,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VerifyFailed(f"cannot check {what} with unmunge ({exc})") from exc
+    meta_text, _, payload_text = done.stdout.partition("\n\n")
+    meta = dict(
+        (name.strip(), value.strip())
+        for name, _, value in (line.partition(":") for line in meta_text.splitlines())
+    )
+    status = meta.get("STATUS", "")
+    code = int(status) if status.isdigit() else -1
+    why = done.stderr.strip() or f"status {status or 'unknown'}"
+    return Decoded(status=code, meta=meta, payload=payload_text, why=why)
 
 
 def check(
@@ -82,25 +125,10 @@ def check(
             "the broadcast copy's manifest came without the source node's credential, so it "
             "cannot be shared with every user; this node stages from the source"
         )
-    try:
-        done = subprocess.run(
-            ["unmunge", *_socket_args(socket), "--numeric", "--keys", "STATUS,UID"],
-            input=credential,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise VerifyFailed(f"cannot check the manifest's credential with unmunge ({exc})") from exc
-    meta_text, _, payload_text = done.stdout.partition("\n\n")
-    meta = dict(
-        (name.strip(), value.strip())
-        for name, _, value in (line.partition(":") for line in meta_text.splitlines())
-    )
-    status, maker = meta.get("STATUS", ""), meta.get("UID", "")
-    if not status.isdigit() or int(status) not in VOUCHING:
-        why = done.stderr.strip() or f"status {status or 'unknown'}"
-        raise VerifyFailed(f"the manifest's credential does not decode here ({why})")
+    decoded = decode(credential, socket, "the manifest's credential")
+    status, maker, payload_text = decoded.status, decoded.meta.get("UID", ""), decoded.payload
+    if status not in VOUCHING:
+        raise VerifyFailed(f"the manifest's credential does not decode here ({decoded.why})")
     if maker != str(uid):
         raise VerifyFailed(
             f"the manifest's credential was made by uid {maker}, not by the node service "

@@ -233,6 +233,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         # The life of entries, and the space evicted ones still hold.
         ("lifecycle", {"stager.lifecycle", "stager.held_space"}),
         ("engine", {"stager.engine"}),
+        # Prefetches: the planner's orders, proven, made into the engine's own requests.
+        ("prefetch", {"stager.prefetch"}),
         ("api", {"stager.api"}),
         # The pre-staging planner: controller side, a client of the node services.
         ("plan", {"stager.plan"}),

@@ -5,7 +5,7 @@ the op table (its steps are the ops' own models, so ``/docs`` shows each op), an
 FastAPI reads that class from the handler's annotation at run time.
 """
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 from sse_starlette import EventSourceResponse
 
 from stager.api.deps import CallerDep, EngineDep, OwnerQuery
@@ -34,7 +34,11 @@ def stage_router(ops: OpTable) -> APIRouter:
 
     @stage_routes.post("", response_model=DatasetPublic, status_code=status.HTTP_202_ACCEPTED)
     async def stage(
-        request: DatasetCreate, engine: EngineDep, caller: CallerDep, response: Response
+        request: DatasetCreate,
+        engine: EngineDep,
+        caller: CallerDep,
+        response: Response,
+        http: Request,
     ) -> DatasetPublic:
         """Stage a dataset, or join the staging of an identical request.
 
@@ -42,6 +46,7 @@ def stage_router(ops: OpTable) -> APIRouter:
         taken by a different request.
         """
         view, ready = await engine.submit(request, caller)
+        await http.app.state.prefetches.requested(caller, view)  # a job using its prefetch
         if ready:
             response.status_code = status.HTTP_200_OK
         return view

@@ -1,0 +1,300 @@
+"""Prefetches on a real node service, ordered with a real munged's credentials of root,
+staged as real users (tests/users.py): a prefetch is its job's hit, reads only what the
+job's user may read, yields to users' requests, and stays within its budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client._progress import describe_origin
+from stager import vouch
+from stager.admission import PREFETCHING, FairQueue
+from stager.schemas import DatasetPublic
+from tests.daemon import Daemon
+from tests.httpserver import Behaviour, serve_files
+from tests.munge import private_munged
+from tests.users import User
+
+NODE = "node1"
+
+
+@pytest.fixture(scope="module")
+def munge_socket() -> Iterator[Path]:
+    with private_munged() as socket:
+        yield socket
+
+
+def start_service(cache: Path, munge_socket: Path, *args: str, **env: str) -> Daemon:
+    daemon = Daemon(
+        cache_dir=cache,
+        args=["--multi-user", *args],
+        extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket), "STAGER_NODE_NAME": NODE, **env},
+    )
+    daemon.runtime_dir.chmod(0o755)
+    return daemon.start()
+
+
+@pytest.fixture
+def service(users: tuple[User, User], shared_tmp: Path, munge_socket: Path) -> Iterator[Daemon]:
+    daemon = start_service(shared_tmp / "cache", munge_socket)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def signed(body: dict, munge_socket: Path, by: User | None = None, ttl: int = 60) -> tuple:
+    """The order's bytes and its Authorization header, the credential made by root (or
+    by ``by``, a user) over the body's sha256."""
+    raw = json.dumps(body).encode()
+    payload = json.dumps({"what": "stager prefetch", "sha256": hashlib.sha256(raw).hexdigest()})
+    if by is None:
+        credential = vouch.encode(payload, munge_socket, ttl)
+    else:
+        argv = ["munge", "--socket", str(munge_socket), "--ttl", str(ttl), "--string", payload]
+        credential = by.run(argv).stdout.strip()
+    assert credential
+    return raw, f"Munge {credential}"
+
+
+def order(user: User, job: int, request: dict | None = None, action: str = "stage") -> dict:
+    body = {"action": action, "job": job, "uid": user.uid, "gid": user.gid, "node": NODE}
+    return body | ({"request": request} if request is not None else {})
+
+
+def send(service: Daemon, raw: bytes, header: str) -> tuple[int, dict]:
+    with service.client() as client:
+        answer = client.post("/v1/prefetches", content=raw, headers={"authorization": header})
+    return answer.status_code, answer.json()
+
+
+def prefetch(service: Daemon, munge_socket: Path, body: dict) -> tuple[int, dict]:
+    return send(service, *signed(body, munge_socket))
+
+
+def private_tree(owner: User, root: Path, n_files: int = 5) -> Path:
+    """A folder only ``owner`` may read."""
+    root.mkdir(mode=0o700)
+    for i in range(n_files):
+        (root / f"f{i}.bin").write_bytes(os.urandom(4096))
+    for path in [root, *root.iterdir()]:
+        os.chown(path, owner.uid, owner.gid)
+    return root
+
+
+def wait(user: User, service: Daemon, name: str) -> dict:
+    code, status = user.curl(service.socket, "GET", f"/v1/datasets/{name}/wait?timeout=60")
+    assert code == 200, status
+    return status
+
+
+def metric(service: Daemon, name: str, label: str = "") -> float:
+    with service.client() as client:
+        text = client.get("/metrics").text
+    found = re.search(rf"^{re.escape(name)}{re.escape(label)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_prefetch_as_alice_is_her_jobs_hit_with_the_same_key(
+    service: Daemon, munge_socket: Path, users: tuple[User, User], shared_tmp: Path
+) -> None:
+    alice, _ = users
+    src = private_tree(alice, shared_tmp / "alice-data")
+    request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
+    code, answer = prefetch(service, munge_socket, order(alice, 42, request))
+    assert code == 200, answer
+    [done] = answer["data"]
+    assert (done["state"], done["uid"], done["name"]) == ("active", alice.uid, "prefetch-42-mine")
+    fetched = wait(alice, service, "prefetch-42-mine")
+    assert fetched["state"] == "ready" and fetched["owner"] == alice.uid
+
+    # The job's own request at its start: the same key, a hit, and said so.
+    code, own = alice.curl(service.socket, "POST", "/v1/datasets", request)
+    assert code == 200, own
+    assert own["key"] == done["key"] == fetched["key"]
+    assert own["origin"]["hit"] is True
+    code, status = alice.curl(service.socket, "GET", "/v1/datasets/mine")
+    assert status["prestaged_for_job"] == 42
+    assert "pre-staged for job 42" in describe_origin(DatasetPublic.model_validate(status))
+    # Used: the prefetch's own name went, the data stays under alice's.
+    code, _ = alice.curl(service.socket, "GET", "/v1/datasets/prefetch-42-mine")
+    assert code == 404
+    assert metric(service, "stager_prefetches_total", '{outcome="used"}') == 1
+    assert metric(service, "stager_prefetch_hidden_seconds_total") > 0
+    assert metric(service, "stager_prefetch_bytes_total", '{outcome="used"}') > 0
+
+
+def test_a_prefetch_reads_only_what_the_jobs_user_may_read(
+    service: Daemon, munge_socket: Path, users: tuple[User, User], shared_tmp: Path
+) -> None:
+    alice, bob = users
+    src = private_tree(bob, shared_tmp / "bobs-data")  # bob's alone (and root's)
+    request = {"name": "theirs", "steps": [{"op": "copy", "src": str(src)}]}
+    code, answer = prefetch(service, munge_socket, order(alice, 43, request))
+    assert code in (400, 403), answer  # refused as alice's own request is
+    _, own = alice.curl(service.socket, "POST", "/v1/datasets", request)
+    assert own["error"]["type"] == answer["error"]["type"]
+    code, _ = alice.curl(service.socket, "GET", "/v1/datasets/prefetch-43-theirs")
+    assert code == 404
+    assert not (service.cache_dir / "data").exists() or not any(
+        p.name.endswith(".bin") for p in (service.cache_dir / "data").rglob("*")
+    )
+
+
+def test_a_user_request_overtakes_queued_prefetches(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """One slot, held by a stalled download: a prefetch queued first, alice's own
+    request after; when the slot frees, alice's request runs first."""
+    alice, bob = users
+    hold = threading.Event()
+    files = {f"/{n}.bin": os.urandom(1024) for n in ("slow", "a", "b")}
+    with serve_files(Behaviour(files=files, hold=hold)) as base:
+        daemon = start_service(shared_tmp / "cache", munge_socket, "--max-workers", "1")
+        try:
+
+            def fetch(name: str, file: str) -> dict:
+                return {
+                    "name": name,
+                    "steps": [{"op": "fetch", "url": f"{base}/{file}", "dst": "x"}],
+                }
+
+            code, _ = bob.curl(daemon.socket, "POST", "/v1/datasets", fetch("slow", "slow.bin"))
+            assert code == 202
+            code, answer = prefetch(daemon, munge_socket, order(bob, 7, fetch("later", "b.bin")))
+            assert code == 200, answer
+            code, _ = alice.curl(daemon.socket, "POST", "/v1/datasets", fetch("now", "a.bin"))
+            assert code == 202
+            hold.set()
+            now = wait(alice, daemon, "now")
+            assert now["state"] == "ready", now["error"]
+            _, queued = bob.curl(daemon.socket, "GET", "/v1/datasets/prefetch-7-later")
+            assert queued["state"] in ("queued", "staging")  # behind alice's
+            assert wait(bob, daemon, "prefetch-7-later")["state"] == "ready"
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
+
+
+def test_budgets_refuse_with_a_sentence_and_a_cancel_counts_the_waste(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    alice, _ = users
+    daemon = start_service(
+        shared_tmp / "cache", munge_socket, STAGER_PREFETCH_USER_BUDGET_BYTES="50000"
+    )
+    try:
+        first = {
+            "name": "one",
+            "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "d1"))}],
+        }
+        second = {
+            "name": "two",
+            "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "d2", 10))}],
+        }
+        code, answer = prefetch(daemon, munge_socket, order(alice, 50, first))
+        assert code == 200, answer
+        wait(alice, daemon, "prefetch-50-one")
+        code, answer = prefetch(daemon, munge_socket, order(alice, 51, second))
+        assert code == 429, answer
+        assert "budget" in answer["error"]["message"]
+        assert "STAGER_PREFETCH_USER_BUDGET_BYTES" in answer["error"]["message"]
+        code, _ = alice.curl(daemon.socket, "GET", "/v1/datasets/prefetch-51-two")
+        assert code == 404
+
+        # The planner re-targets job 50: cancelled, unused, counted as wasted.
+        code, answer = prefetch(daemon, munge_socket, order(alice, 50, action="cancel"))
+        assert code == 200, answer
+        assert [p["state"] for p in answer["data"]] == ["wasted"]
+        assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+        assert metric(daemon, "stager_prefetch_bytes_total", '{outcome="wasted"}') == 5 * 4096
+        code, _ = alice.curl(daemon.socket, "GET", "/v1/datasets/prefetch-50-one")
+        assert code == 404
+        # Its bytes are no longer in the budget: the second fits now.
+        code, answer = prefetch(daemon, munge_socket, order(alice, 51, second))
+        assert code == 200, answer
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_prefetch_survives_a_restart_and_its_credentials_stay_spent(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    alice, _ = users
+    daemon = start_service(shared_tmp / "cache", munge_socket)
+    try:
+        request = {
+            "name": "kept",
+            "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "k"))}],
+        }
+        raw, header = signed(order(alice, 60, request), munge_socket)
+        code, answer = send(daemon, raw, header)
+        assert code == 200, answer
+        wait(alice, daemon, "prefetch-60-kept")
+        daemon.restart()
+        # munged's own replay cache still knows it; the service's record must too, when
+        # munged restarts: checked by decoding the record rather than munged's answer.
+        saved = json.loads((daemon.cache_dir / "prefetches.json").read_text())
+        digest = hashlib.sha256(header.partition(" ")[2].encode()).hexdigest()
+        assert digest in saved["seen"]
+        code, answer = send(daemon, raw, header)
+        assert code == 401, answer
+        _, own = alice.curl(daemon.socket, "POST", "/v1/datasets", request)
+        assert own["prestaged_for_job"] == 60
+        assert own["origin"]["hit"] is True
+        time.sleep(0)
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_prefetch_unused_past_its_expiry_is_dropped_as_wasted(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    alice, _ = users
+    daemon = start_service(shared_tmp / "cache", munge_socket, STAGER_PREFETCH_EXPIRE_S="2")
+    try:
+        src = private_tree(alice, shared_tmp / "e")
+        request = {"name": "old", "steps": [{"op": "copy", "src": str(src)}]}
+        assert prefetch(daemon, munge_socket, order(alice, 80, request))[0] == 200
+        wait(alice, daemon, "prefetch-80-old")
+        time.sleep(2.5)
+        # Any order sweeps (as the service's own sweep does every minute).
+        code, answer = prefetch(daemon, munge_socket, order(alice, 81, action="cancel"))
+        assert code == 200 and answer["data"] == [], answer
+        assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+        assert metric(daemon, "stager_prefetch_bytes_total", '{outcome="wasted"}') == 5 * 4096
+        code, _ = alice.curl(daemon.socket, "GET", "/v1/datasets/prefetch-80-old")
+        assert code == 404
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_the_fair_queue_serves_prefetches_last_until_a_request_asks_for_them() -> None:
+    async def scenario() -> list[str]:
+        queue = FairQueue()
+        token = PREFETCHING.set(True)
+        queue.put("pre-a", 1)
+        queue.put("pre-b", 1)
+        PREFETCHING.reset(token)
+        queue.put("own", 2)
+        queue.put("pre-b", 2)  # user 2's own request for the data of a prefetch
+        return [(await queue.get())[0] for _ in range(3)]
+
+    # pre-b, asked for by a request now, runs in the first turn of its askers (user 1's,
+    # as any join does); pre-a, a prefetch only, after every request.
+    assert asyncio.run(scenario()) == ["pre-b", "own", "pre-a"]
