@@ -109,15 +109,67 @@ usable() {
         WHY="it is Python $version, and stager needs $MIN_PYTHON or newer"
         return 1
     fi
+    if ! trusted "$path" "$executable"; then
+        return 1
+    fi
     CHOSEN=$executable
     CHOSEN_VERSION=$version
+}
+
+# Whether the interpreter $1 (run as $2) is root's alone, as sshd's StrictModes asks of
+# a key: the root daemon runs it, so whoever can write it, its standard library or a
+# folder above either could run code as root. Checked: the paths it is named by and its
+# real path, its prefix, libdir and standard library (all of its files), and every
+# folder from / down to each. Sets WHY to the first that fails and how to fix it.
+trusted() {
+    local paths place found
+    if ! paths=$(as_a_user "$1" -I -c 'import os, sys, sysconfig
+print(os.path.realpath(sys.executable)); print(sys.base_prefix)
+print(sysconfig.get_config_var("LIBDIR") or sys.base_prefix)
+print(sysconfig.get_paths()["stdlib"]); print(sysconfig.get_paths()["platstdlib"])' 2>&1); then
+        WHY="it does not say where its files are (${paths//$'\n'/ | })"
+        return 1
+    fi
+    local -a places=("$1" "$2")
+    mapfile -t -O 2 places <<<"$paths"
+    for place in "${places[@]}"; do
+        while true; do
+            if ! root_only "$place"; then
+                WHY="$place can be written by another than root ($(stat -c '%U:%G %A' -- "$place"));"
+                WHY+=" make it and the folders above it root's and writable by root alone"
+                WHY+=" (chown root:root, chmod go-w), or give another interpreter"
+                return 1
+            fi
+            [[ $place == / || $place != /* ]] && break
+            place=$(dirname "$place")
+        done
+    done
+    for place in "${places[@]:5}"; do # the standard library's files
+        found=$(find "$place" -xdev \( -name site-packages -o -name dist-packages \) -prune \
+            -o ! -type l \( ! -uid 0 ! -uid "$EUID" -o -perm /022 \) -print -quit 2>&1)
+        if [[ -n $found ]]; then
+            WHY="${found%%$'\n'*} can be written by another than root; make $place root's"
+            WHY+=" and writable by root alone (chown -R root:root, chmod -R go-w)"
+            return 1
+        fi
+    done
+}
+
+# Whether $1 (not followed, if a link) is root's (or this script's user's) and
+# writable by its owner alone; a link's own mode means nothing.
+root_only() {
+    local owner mode
+    [[ -e $1 || -L $1 ]] || return 0 # absent: its folder, checked next, says who may make it
+    read -r owner mode < <(stat -c '%u %a' -- "$1") || return 1
+    ((owner == 0 || owner == EUID)) || return 1
+    [[ -L $1 ]] || ((!(8#$mode & 8#022)))
 }
 
 CHOSEN=
 if [[ -n $PYTHON ]]; then
     if ! usable "$PYTHON"; then
         echo "install.sh: refusing the interpreter $PYTHON (--python or PYTHON=): $WHY;" \
-            "give one every user can execute, outside root's home (e.g. /usr/bin/python3.11)" >&2
+            "give one every user can execute and only root can write (e.g. /usr/bin/python3.11)" >&2
         exit 2
     fi
 else
@@ -154,21 +206,37 @@ venv_interpreter() {
 VENV=$PREFIX/venv
 if [[ -x $VENV/bin/python && $(venv_interpreter) == "$CHOSEN" ]]; then
     say "upgrading stager in $VENV (was $("$VENV/bin/stager" --version 2>/dev/null || echo unknown))"
+    # Not editable: the service must not depend on this checkout staying where it is.
+    "$VENV/bin/pip" install --progress-bar on --upgrade "$REPO"
 else
+    # Another interpreter (or a broken venv): a venv cannot change its interpreter in
+    # place, so it is made afresh. The old one waits aside until the new one is whole
+    # (a venv's scripts name their folder, so the new one is built where it will stay):
+    # a failed build (pip offline) puts it back. A running service keeps its open files.
+    rm -rf "$VENV.old"
     if [[ -e $VENV ]]; then
-        # Another interpreter (or a broken venv): a venv cannot change its interpreter
-        # in place, so it is made afresh; a running service keeps its open files.
         say "rebuilding $VENV: it runs $(venv_interpreter), not $CHOSEN"
-        rm -rf "$VENV"
+        mv "$VENV" "$VENV.old"
     else
         say "creating $VENV"
     fi
     mkdir -p "$PREFIX"
-    "$CHOSEN" -m venv "$VENV"
-    "$VENV/bin/pip" install --progress-bar on --upgrade pip
+    if ! { "$CHOSEN" -m venv "$VENV" &&
+        "$VENV/bin/pip" install --progress-bar on --upgrade pip &&
+        "$VENV/bin/pip" install --progress-bar on --upgrade "$REPO"; }; then
+        rm -rf "$VENV"
+        if [[ -e $VENV.old ]]; then
+            mv "$VENV.old" "$VENV"
+            echo "install.sh: building the new venv failed (see above); $VENV is the one" \
+                "it was, unchanged; fix the cause (pip's index?) and run this again" >&2
+        else
+            echo "install.sh: building $VENV failed (see above); fix the cause and run this" \
+                "again" >&2
+        fi
+        exit 1
+    fi
+    rm -rf "$VENV.old"
 fi
-# Not editable: the service must not depend on this checkout staying where it is.
-"$VENV/bin/pip" install --progress-bar on --upgrade "$REPO"
 say "installed $("$VENV/bin/stager" --version)"
 # What users run must run as a user: a prefix in a folder they cannot enter would not.
 if ! answer=$(as_a_user "$VENV/bin/stager-client" --version 2>&1); then

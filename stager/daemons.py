@@ -12,6 +12,7 @@ service, root's) only its command line is known.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +38,27 @@ def running(exclude: int | None = None) -> list[Daemon]:
     for entry in PROC.iterdir():
         if not entry.name.isdigit() or int(entry.name) == exclude:
             continue
-        try:
-            argv = tuple((entry / "cmdline").read_bytes().decode(errors="replace").split("\0"))
-            uid = entry.stat().st_uid
-        except OSError:
-            continue  # gone meanwhile
-        if is_daemon(argv[:-1] if argv and argv[-1] == "" else argv):
-            sockets = _sockets_of(entry, listening)
-            found.append(Daemon(int(entry.name), uid, tuple(a for a in argv if a), sockets))
+        daemon = _daemon_at(entry, listening)
+        if daemon is not None:
+            found.append(daemon)
     return sorted(found, key=lambda d: d.pid)
+
+
+def daemon(pid: int) -> Daemon | None:
+    """The stager daemon whose pid is ``pid``, or None if that process is none."""
+    return _daemon_at(PROC / str(pid), _listening_unix_sockets())
+
+
+def _daemon_at(entry: Path, listening: dict[str, list[Path]]) -> Daemon | None:
+    try:
+        argv = tuple((entry / "cmdline").read_bytes().decode(errors="replace").split("\0"))
+        uid = entry.stat().st_uid
+    except OSError:
+        return None  # gone meanwhile
+    if not is_daemon(argv[:-1] if argv and argv[-1] == "" else argv):
+        return None
+    sockets = _sockets_of(entry, listening, uid)
+    return Daemon(int(entry.name), uid, tuple(a for a in argv if a), sockets)
 
 
 def is_daemon(argv: tuple[str, ...]) -> bool:
@@ -58,28 +71,52 @@ def is_daemon(argv: tuple[str, ...]) -> bool:
     return False
 
 
-def _listening_unix_sockets() -> dict[str, Path]:
-    """Socket inode -> path of every listening Unix socket with a path."""
-    found: dict[str, Path] = {}
+def _listening_unix_sockets() -> dict[str, list[Path]]:
+    """Socket inode -> the paths claimed for it, of every listening Unix socket with a
+    path.
+
+    Any user writes lines into this table: the kernel prints a socket's path raw, so a
+    path holding a newline ends its line and begins one of the binder's choosing (any
+    inode, any path). So a line that does not parse is dropped, and a path here is only
+    a claim, which ``_sockets_of`` checks on the disk."""
     try:
-        lines = (PROC / "net" / "unix").read_text().splitlines()[1:]
+        lines = (PROC / "net" / "unix").read_text(errors="replace").splitlines()[1:]
     except OSError:
-        return found
+        return {}
+    seen: dict[str, list[Path]] = {}
     for line in lines:
-        fields = line.split()
-        # Num RefCount Protocol Flags Type St Inode [Path]; flag 0x10000: listening
-        if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and fields[7].startswith("/"):
-            found[fields[6]] = Path(fields[7])
-    return found
+        # Num: RefCount Protocol Flags Type St Inode [Path]; flag 0x10000: listening
+        fields = line.split(None, 7)
+        if len(fields) != 8 or not fields[0].endswith(":") or not fields[6].isdigit():
+            continue
+        try:
+            flags = int(fields[3], 16)
+        except ValueError:
+            continue
+        if flags & 0x10000 and fields[7].startswith("/"):
+            seen.setdefault(fields[6], []).append(Path(fields[7]))
+    return seen
 
 
-def _sockets_of(entry: Path, listening: dict[str, Path]) -> tuple[Path, ...]:
+def _sockets_of(entry: Path, listening: dict[str, list[Path]], uid: int) -> tuple[Path, ...]:
+    """The sockets the process ``entry`` (of user ``uid``) listens on: the paths claimed
+    for its descriptors that the disk confirms, a socket that ``uid`` owns in a folder
+    ``uid`` owns (a forged line names a path of the forger's, which is not)."""
     sockets = []
     try:
         for fd in (entry / "fd").iterdir():
             target = os.readlink(fd)
-            if target.startswith("socket:[") and target[8:-1] in listening:
-                sockets.append(listening[target[8:-1]])
+            if target.startswith("socket:["):
+                claimed = listening.get(target[8:-1], [])
+                sockets += [path for path in claimed if _owned_socket(path, uid)]
     except OSError:
         pass  # another user's process: its descriptors are not ours to read
     return tuple(sorted(set(sockets)))
+
+
+def _owned_socket(path: Path, uid: int) -> bool:
+    try:
+        sock, folder = os.lstat(path), os.stat(path.parent)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(sock.st_mode) and sock.st_uid == uid and folder.st_uid == uid

@@ -682,12 +682,14 @@ class Engine:
         self, name: str, request: LeaseCreate, caller: Caller, owner: int | None = None
     ) -> LeasePublic:
         handle = self._handle(name, caller, owner)
-        if handle.ended is not None:
-            raise Conflict(
-                f"dataset {name!r} was {handle.ended.value} by its owner; stage it again "
-                "before leasing it"
-            )
         async with self._admission:
+            # Under the lock: a cancel that lands between a look and the lease would
+            # leave a lease pinning a cancelled name's entry.
+            if handle.ended is not None:
+                raise Conflict(
+                    f"dataset {name!r} was {handle.ended.value} by its owner; stage it again "
+                    "before leasing it"
+                )
             lease = await self._reg.lease(handle, request)
         return lease.public()
 
@@ -744,7 +746,8 @@ class Engine:
         mine = self.settings.multi_user and not caller.is_root
         dropped = await self._drop_dead_leases(caller.uid if mine else None)
         async with self._admission:
-            named = {h.key for h in self._reg.handles.values()}
+            # Only live names keep an entry: one that only ended names show is superseded.
+            named = {h.key for h in self._reg.handles.values() if h.ended is None}
             victims = [
                 e
                 for e in cache.evictable(self.entries(), self.admission.protected())
@@ -935,14 +938,15 @@ class Engine:
         return [h for h in self._reg.handles.values() if h.key == entry.key and h.ended is None]
 
     def _queue(self, entry: Entry) -> None:
-        """A queued entry waits in the turn of the user it is read as and of each user
-        whose name wants it (node service: each of them asked for it)."""
+        """A queued entry waits in the turn of each user whose name wants it (node
+        service: each of them asked for it), and is charged to one of them: never to a
+        user who ended their name (the first asker, if they cancelled). With no live
+        name (or one user's daemon), in the turn of the user it is read as."""
         if entry.state != State.QUEUED:
             return
-        self.admission.queue.put(entry.key, owner_of(entry))
-        if self.settings.multi_user:
-            for handle in self._wanting(entry):
-                self.admission.queue.put(entry.key, handle.owner)
+        wanting = {h.owner for h in self._wanting(entry)} if self.settings.multi_user else set()
+        for owner in sorted(wanting) or [owner_of(entry)]:
+            self.admission.queue.put(entry.key, owner)
 
     def _image_job(self, entry: Entry) -> ImageJob | None:
         """How a staging's image is made (image mode), or None (a tree)."""

@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -248,6 +249,7 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
     if pid is None:
         _remove_stale_socket(settings)
         return False
+    _check_signallable(settings, pid)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and pid_alive(pid):
@@ -258,6 +260,38 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
         settings.pid_path.unlink()
     _remove_stale_socket(settings)
     return True
+
+
+def _check_signallable(settings: Settings, pid: int) -> None:
+    """Before ``stop`` signals ``pid``: that the pid file is the folder owner's, of the
+    caller (or the caller is root), and that ``pid`` is that user's ``stager serve``
+    listening in this folder. Whoever can write the folder names the pid, and the
+    caller may be root, told of the folder by another user (stop's own hint, read from
+    a table any user can write lines into)."""
+    from stager import daemons
+
+    path, caller = settings.pid_path, os.getuid()
+    try:
+        record, folder = os.lstat(path), os.stat(path.parent)
+    except OSError as exc:
+        raise ServeError(f"cannot check the pid file {path}: {exc}") from exc
+    owner = record.st_uid
+    why = None
+    if not stat.S_ISREG(record.st_mode) or owner != folder.st_uid:
+        why = f"it is not a file of {path.parent}'s owner (uid {folder.st_uid})"
+    elif caller not in (0, owner):
+        why = f"it is uid {owner}'s, not yours"
+    else:
+        found = daemons.daemon(pid)
+        if found is None or found.uid != owner:
+            why = f"pid {pid} is not a stager daemon of uid {owner}"
+        elif not settings.host and settings.socket_path not in found.sockets:
+            why = f"pid {pid} does not listen on {settings.socket_path}"
+    if why is not None:
+        raise ServeError(
+            f"not signalling pid {pid}, named by {path}: {why}; stop that daemon by its "
+            "owner's own `stager stop`, or remove the stale pid file"
+        )
 
 
 def _remove_stale_socket(settings: Settings) -> None:

@@ -273,3 +273,50 @@ def test_a_stager_users_cannot_execute_ends_the_job_with_exit_5_and_a_sentence(
         )
     finally:
         shutil.rmtree(hidden, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_an_interpreter_others_can_write_is_refused(reachable: Path) -> None:
+    """The root daemon runs the venv's interpreter: one in a folder a group may write
+    (a group-writable /usr/local or conda install) would run that group's code as root."""
+    shared = reachable / "conda" / "bin"
+    shared.mkdir(parents=True)
+    shared.chmod(0o775)  # group-writable, as a shared install often is
+    (shared / "python3.11").symlink_to(DEBIAN_PYTHON)
+    refused = install("--prefix", str(reachable / "opt"), "--no-packages", "--no-systemd",
+                      "--python", str(shared / "python3.11"))  # fmt: skip
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert (
+        f"refusing the interpreter {shared}/python3.11 (--python or PYTHON=): {shared} can be "
+        "written by another than root (root:root drwxrwxr-x); make it and the folders above "
+        "it root's and writable by root alone" in refused.stderr
+    )
+    assert not (reachable / "opt" / "venv").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_a_rebuild_whose_pip_fails_leaves_the_old_venv_working(
+    tmp_path: Path, reachable: Path
+) -> None:
+    """The venv is rebuilt for another interpreter, and pip cannot reach its index: the
+    service's old venv stays, whole (it was deleted first)."""
+    venv = reachable / "opt" / "venv"
+    other = os.path.realpath(sys._base_executable)
+    assert other != str(DEBIAN_PYTHON)
+    subprocess.run([other, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "bin" / "stager").write_text("#!/bin/sh\necho stager 0.0.1\n")
+    (venv / "bin" / "stager").chmod(0o755)
+    offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+    failed = install("--prefix", str(reachable / "opt"), "--etc", str(tmp_path / "etc"),
+                     "--unit-dir", str(tmp_path / "units"), "--no-packages", "--no-systemd",
+                     "--python", str(DEBIAN_PYTHON), **offline)  # fmt: skip
+    assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+    assert f"rebuilding {venv}: it runs {other}, not {DEBIAN_PYTHON}" in failed.stdout
+    version = subprocess.run([str(venv / "bin" / "stager"), "--version"], capture_output=True,
+                             text=True)  # fmt: skip
+    assert version.stdout.strip() == "stager 0.0.1"
+    assert os.readlink(venv / "bin" / "python").endswith(os.path.basename(other))
+    assert not (reachable / "opt" / "venv.old").exists()
+    assert f"building the new venv failed (see above); {venv} is the one it was" in failed.stderr

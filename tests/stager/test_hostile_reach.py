@@ -256,3 +256,39 @@ def test_a_name_that_joins_a_staging_being_cancelled_is_not_cancelled_with_it(
         done = wait(alice, service, "rb")
         assert done["state"] == "ready", done
         assert status(alice, service, "ra")["state"] == "cancelled"
+
+
+# ---- ended names: never charged, never keeping data --------------------------------------------
+
+
+def test_data_only_a_cancelled_name_shows_is_collected_as_superseded(
+    users: tuple[User, User], shared_tmp: Path, alice_home: Path
+) -> None:
+    """alice cancels ``ra`` while it waits for her slot; ``rb`` stages the same copy, then
+    a newer version of it: only the cancelled ``ra`` still shows the first copy, which
+    her gc kept for good."""
+    alice, _ = users
+    secret = alice_home / "secret"
+    alice.run(["sh", "-c", f"mkdir -m 0700 {secret} && echo v1 > {secret}/notes"])
+    hold = threading.Event()
+    behaviour = Behaviour(files={"/held.bin?x": b"h" * 1000}, hold=hold)
+    with (
+        serve_files(behaviour) as base,
+        node_service(shared_tmp / "cache", "--max-workers", "2") as service,
+    ):
+        blocker = fetch("blocker", f"{base}/held.bin?x")
+        assert request(alice, service, "POST", "/v1/datasets", blocker)[0] == 202
+        until_state(alice, service, "blocker", "staging")  # her one slot
+        code, answer = request(alice, service, "POST", "/v1/datasets", copy("ra", secret))
+        assert code == 202 and answer["state"] == "queued", answer
+        code, answer = request(alice, service, "DELETE", "/v1/datasets/ra")
+        assert code == 200 and answer["state"] == "cancelled", answer
+        hold.set()
+        assert wait(alice, service, "blocker")["state"] == "ready"
+        old = stage_ready(alice, service, copy("rb", secret))["key"]
+        assert status(alice, service, "ra")["key"] == old
+        alice.run(["sh", "-c", f"echo version-two > {secret}/notes"])
+        new = stage_ready(alice, service, copy("rb", secret))["key"]
+        assert new != old and status(alice, service, "ra")["state"] == "cancelled"
+        code, answer = request(alice, service, "POST", "/v1/gc", {})
+        assert code == 200 and answer["evicted"] == [old], answer
