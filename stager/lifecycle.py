@@ -93,19 +93,21 @@ class Trash:
         self._spawn = spawn
         self.halt = threading.Event()  # the daemon is stopping: deletes give up
         self.freeing_bytes = 0  # counted as free space by admission meanwhile
+        self.freeing_inodes = 0  # and its inodes as free inodes
 
-    async def discard(self, path: Path, nbytes: int = 0) -> bool:
+    async def discard(self, path: Path, nbytes: int = 0, inodes: int = 0) -> bool:
         """Move ``path`` aside and delete it later; False if it was not there."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
-            self.delete_later(moved, nbytes)
+            self.delete_later(moved, nbytes, inodes)
         return moved is not None
 
-    def delete_later(self, path: Path, nbytes: int = 0) -> None:
+    def delete_later(self, path: Path, nbytes: int = 0, inodes: int = 0) -> None:
         self.freeing_bytes += nbytes
-        self._spawn(self._delete(path, nbytes), f"delete-{path.name}")
+        self.freeing_inodes += inodes
+        self._spawn(self._delete(path, nbytes, inodes), f"delete-{path.name}")
 
-    async def _delete(self, path: Path, nbytes: int) -> None:
+    async def _delete(self, path: Path, nbytes: int, inodes: int = 0) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
             await run_io(delete_tree, path, self.halt)
@@ -113,6 +115,7 @@ class Trash:
             log.error("could not delete %s: %s", path, exc)
         finally:
             self.freeing_bytes -= nbytes
+            self.freeing_inodes -= inodes
 
 
 class Registry:
@@ -587,7 +590,9 @@ class Registry:
         self._crash.reached(Durable.UNLINKED)
         if entry.wants_image:
             await self._remove_image(entry)
-        elif await self.trash.discard(final, entry.size_bytes):
+        elif await self.trash.discard(
+            final, entry.size_bytes, entry.seal.entries if entry.seal else 0
+        ):
             self._crash.reached(Durable.DATA_DISCARDED)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
