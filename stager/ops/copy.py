@@ -30,6 +30,7 @@ Why it looks like this (the per-file costs are in docs/performance.md):
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import stat
 import time
@@ -383,7 +384,8 @@ class _TreeCopy(Visitor):
     def _close_group(self, folder: Folder, out: _Out) -> None:
         """Move the folder's files found so far into the chunk being filled."""
         if out.items:
-            self.charge.names(out.rel, len(out.items), sum(len(item[1]) for item in out.items))
+            names = sum(map(len, map(_NAME, out.items)))  # in C: no Python step per file
+            self.charge.names(out.rel, len(out.items), names)
             ident = (folder.st.st_dev, folder.st.st_ino)
             self._add_group((folder.path, ident, out.dst, out.items), out)
             out.items = []
@@ -426,6 +428,9 @@ class _TreeCopy(Visitor):
             return
         os.chmod(out.dst, stat.S_IMODE(out.st.st_mode) | stat.S_IRWXU)
         os.utime(out.dst, ns=(out.st.st_atime_ns, out.st.st_mtime_ns))
+
+
+_NAME = operator.itemgetter(1)  # an item's name in its destination folder
 
 
 def _join(rel: str, name: str) -> str:
