@@ -1009,18 +1009,25 @@ class Engine:
         """The daemon's check, at each look at a staging's counters, of the inode bounds
         it shares with the other stagings under way: each was given its room when it
         started, counting only what the others had made by then, so together they could
-        pass it. Stopped here once, with the others' count as it is now: its user's
-        entries past their inode quota, or the inodes made by every staging since this
-        one started past the disk's room above its floor (``disk_room``) then."""
+        pass it. Each counts, as they are now, the stagings that started before it (and
+        every entry not being staged), not those that started after it: once they pass
+        a bound together, the last to start is stopped, and only it. The bounds: its
+        user's inode quota (her own entries), and the disk's room above its inode floor
+        when it started (``disk_room``: what every entry made since)."""
         quota = self.settings.user_inode_quota
         owner = cache.private_owner(entry)
         mine = quota if owner is not None and quota else None
         if mine is None and disk_room is None:
             return None
-        start = sum(cache.inodes_held(e) for e in self.entries())
+        before = {e.key for e in self.entries() if e.active and e is not entry}
+
+        def counted() -> list[Entry]:
+            return [e for e in self.entries() if not e.active or e is entry or e.key in before]
+
+        start = sum(cache.inodes_held(e) for e in counted())
 
         def check() -> None:
-            entries = self.entries()
+            entries = counted()
             if mine is not None:
                 own = sum(cache.inodes_held(e) for e in entries if cache.private_owner(e) == owner)
                 if own > mine:
