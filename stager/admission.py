@@ -65,6 +65,7 @@ class Held:
 
 class _Trash(Protocol):
     freeing_bytes: int
+    freeing_inodes: int
 
 
 class _HeldSpace(Protocol):
@@ -260,6 +261,37 @@ class Admission:
         free = await run_io(preflight.free_bytes, self.settings)
         return free + self._reg.trash.freeing_bytes - held.unwritten_bytes
 
+    async def free_inodes(self) -> int | None:
+        """The cache disk's free inodes, those of trees being deleted counted free
+        already (as :meth:`free_bytes`); None where the disk keeps no count."""
+        free = await run_io(preflight.free_inodes, self.settings)
+        return None if free is None else free + self._reg.trash.freeing_inodes
+
+    async def _make_inode_room(self, key: str, owner: int | None, protected: set[str]) -> None:
+        """Evict unleased LRU entries so that a new staging has ``ADMIT_INODES`` inodes
+        under its user's inode quota (their own entries) and above the disk's inode floor
+        (any), as :meth:`make_room` does for bytes."""
+        settings, need = self.settings, cache.ADMIT_INODES
+        entries = list(self._reg.entries.values())
+        quota = settings.user_inode_quota
+        if owner is not None and quota:
+            own = [e for e in entries if cache.private_owner(e) == owner]
+            must_free = sum(cache.inodes_held(e) for e in own) + need - quota
+            if must_free > 0:
+                for victim in cache.plan_inodes(must_free, cache.evictable(own, protected)):
+                    await self._reg.evict(victim, f"to keep uid {owner} within --user-inode-quota")
+        if settings.min_free_inodes:
+            free = await self.free_inodes()
+            if free is None:
+                return
+            must_free = settings.min_free_inodes + need - free
+            if must_free > 0:
+                candidates = cache.evictable(self._reg.entries.values(), protected)
+                for victim in cache.plan_inodes(must_free, candidates):
+                    await self._reg.evict(
+                        victim, f"to keep inodes above --min-free-inodes for {key}"
+                    )
+
     async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
         """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
         entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
@@ -292,6 +324,8 @@ class Admission:
         for victim in plan:
             why = f"to make room for {key}" if key else "to bring the cache back under its limits"
             await self._reg.evict(victim, why)
+        if key:  # a staging (a transfer's room is bytes only)
+            await self._make_inode_room(key, owner, protected)
 
 
 def owner_of(entry: Any) -> int:

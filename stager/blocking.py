@@ -25,7 +25,7 @@ from stager.imaging import ImageMade
 from stager.processes import Processes, reap
 from stager.progress import Progress
 from stager.settings import Settings
-from stager.worker import StageJob, WriteBound, past_bound, stage_in_child
+from stager.worker import StageJob, WriteBound, past_bound, past_inode_bound, stage_in_child
 
 log = logging.getLogger("stager.staging")
 
@@ -41,9 +41,11 @@ async def run_io(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
 @dataclass(frozen=True)
 class Limits:
     """How long a staging process may take to act on a cancel, and to show no progress;
-    and the most bytes it may leave in its tree (its user's quota less what they hold
-    already; None: no limit); how slowly its downloads may bring bytes
-    (stager.download_rate)."""
+    and the most bytes it may leave in its tree and inodes it may make (its user's quota
+    less what they hold already, or the disk's room above its floor; None: no limit);
+    how slowly its downloads may bring bytes (stager.download_rate); and ``shared``, a
+    check of what every staging under way has made together, raising once they pass a
+    bound they share (stager.engine: a user's inode quota, the disk's inode floor)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
@@ -51,10 +53,19 @@ class Limits:
     write_bound: WriteBound = "quota"  # what sets write_bytes
     min_download_bytes_per_s: int = 0  # 0: no limit
     download_rate_window_s: float = 60.0
+    write_inodes: int | None = None
+    inode_bound: WriteBound = "quota"  # what sets write_inodes
+    shared: Callable[[], None] | None = None
 
     @classmethod
     def of(
-        cls, settings: Settings, write_bytes: int | None = None, write_bound: WriteBound = "quota"
+        cls,
+        settings: Settings,
+        write_bytes: int | None = None,
+        write_bound: WriteBound = "quota",
+        write_inodes: int | None = None,
+        inode_bound: WriteBound = "quota",
+        shared: Callable[[], None] | None = None,
     ) -> Limits:
         return cls(
             settings.cancel_grace_s,
@@ -63,6 +74,9 @@ class Limits:
             write_bound,
             settings.min_download_rate,
             settings.download_rate_window_s,
+            write_inodes,
+            inode_bound,
+            shared,
         )
 
 
@@ -106,8 +120,7 @@ async def run_staging(
                 child_cancel.set()
                 cancelled_at = now
             progress.mirror(counters)
-            if limits.write_bytes is not None and progress.bytes_written > limits.write_bytes:
-                raise past_bound(limits.write_bound, progress.bytes_written)
+            _check_bounds(progress, limits)
             if (seen := counters.read()) != last:
                 last, moved_at = seen, now
             if receiver.poll():
@@ -142,7 +155,20 @@ async def run_staging(
             # It has answered and is exiting; waiting for that would hold up the publish.
             processes.reap_later(process, limits.cancel_grace_s)
     progress.mirror(counters)
-    return _outcome(message, job.final.name)
+    outcome = _outcome(message, job.final.name)
+    _check_bounds(progress, limits)  # what the last look did not see (its final counts)
+    return outcome
+
+
+def _check_bounds(progress: Progress, limits: Limits) -> None:
+    """Raise once what the staging has written or made is past its bounds, or with the
+    other stagings under way past those they share (:attr:`Limits.shared`)."""
+    if limits.write_bytes is not None and progress.bytes_written > limits.write_bytes:
+        raise past_bound(limits.write_bound, progress.bytes_written)
+    if limits.write_inodes is not None and progress.inodes_made > limits.write_inodes:
+        raise past_inode_bound(limits.inode_bound, progress.inodes_made)
+    if limits.shared is not None:
+        limits.shared()
 
 
 def _died(process: Any) -> errors.StagingProcessDied:

@@ -47,6 +47,27 @@ def inodes_held(entry: Entry) -> int:
     return entry.progress.inodes_made if entry.active else 0
 
 
+# The inodes admission makes room for above a user's inode quota or the disk's inode
+# floor, before a staging starts: how many it will make is not known until it runs (an
+# archive's members are not listed before it is read), so each is given this much, and
+# one that makes more is stopped at its bound (stager.worker.past_inode_bound).
+ADMIT_INODES = 1024
+
+
+def plan_inodes(must_free: int, candidates: list[Entry]) -> list[Entry]:
+    """The least recently used of ``candidates`` (:func:`evictable`) whose inodes
+    (:func:`inodes_held`) add up to ``must_free``; none when they cannot: a staging with
+    less room than it asked for is stopped at its bound, and evicting others for it
+    would lose their data for nothing."""
+    plan, freed = [], 0
+    for entry in candidates:
+        if freed >= must_free:
+            break
+        plan.append(entry)
+        freed += inodes_held(entry)
+    return plan if freed >= must_free else []
+
+
 def pending_bytes(entries: Iterable[Entry]) -> int:
     """Bytes that stagings under way have still to write: already admitted, but not yet
     missing from the disk's free space. Estimated from each one's progress fraction."""

@@ -78,7 +78,7 @@ from stager.schemas import (
 from stager.settings import Settings
 from stager.store import Store
 from stager.suggest import did_you_mean
-from stager.worker import StageJob, WriteBound
+from stager.worker import StageJob, WriteBound, past_inode_bound
 
 log = logging.getLogger("stager.engine")
 
@@ -870,7 +870,7 @@ class Engine:
         reg = self._reg
         attempt = await reg.start(entry)
         room_left, bound = await self._room_left(entry)
-        inodes_left, inode_bound = await self._inodes_left(entry)
+        inodes_left, inode_bound, disk_inodes = await self._inodes_left(entry)
         job = StageJob(
             steps=self.ops.dump_steps(entry.steps),
             op_modules=tuple(self.settings.op_modules),
@@ -890,7 +890,8 @@ class Engine:
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
         # what one poll of its counters may see written past it).
-        limits = Limits.of(self.settings, room_left, bound)
+        shared = self._inodes_shared(entry, disk_inodes)
+        limits = Limits.of(self.settings, room_left, bound, inodes_left, inode_bound, shared)
         future = asyncio.ensure_future(
             run_staging(job, self.processes, entry.progress, entry.cancel, limits)
         )
@@ -992,11 +993,12 @@ class Engine:
             return None, "quota"
         return min(limits)
 
-    async def _inodes_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
+    async def _inodes_left(self, entry: Entry) -> tuple[int | None, WriteBound, int | None]:
         """The most inodes a staging of ``entry`` may make (None: no limit), and what
         sets it, as :meth:`_room_left` for bytes: its user's inode quota less what their
         other data holds (a tree its seal's entries, an image one, a staging what it made
-        so far), and the disk's free inodes above its floor."""
+        so far), and the disk's free inodes above its floor (also returned alone, None
+        without a floor: :meth:`_inodes_shared`)."""
         limits: list[tuple[int, WriteBound]] = []
         owner = cache.private_owner(entry)
         if owner is not None and self.settings.user_inode_quota:
@@ -1006,13 +1008,49 @@ class Engine:
                 if cache.private_owner(e) == owner and e is not entry
             )
             limits.append((self.settings.user_inode_quota - used, "quota"))
+        disk = None
         if self.settings.min_free_inodes:
-            free = await run_io(preflight.free_inodes, self.settings)
+            free = await self.admission.free_inodes()
             if free is not None:
-                limits.append((free - self.settings.min_free_inodes, "disk"))
+                disk = free - self.settings.min_free_inodes
+                limits.append((disk, "disk"))
         if not limits:
-            return None, "quota"
-        return min(limits)
+            return None, "quota", disk
+        left, bound = min(limits)
+        return left, bound, disk
+
+    def _inodes_shared(self, entry: Entry, disk_room: int | None) -> Callable[[], None] | None:
+        """The daemon's check, at each look at a staging's counters, of the inode bounds
+        it shares with the other stagings under way: each was given its room when it
+        started, counting only what the others had made by then, so together they could
+        pass it. Each counts, as they are now, the stagings that started before it (and
+        every entry not being staged), not those that started after it: once they pass
+        a bound together, the last to start is stopped, and only it. The bounds: its
+        user's inode quota (her own entries), and the disk's room above its inode floor
+        when it started (``disk_room``: what every entry made since)."""
+        quota = self.settings.user_inode_quota
+        owner = cache.private_owner(entry)
+        mine = quota if owner is not None and quota else None
+        if mine is None and disk_room is None:
+            return None
+        before = {e.key for e in self.entries() if e.active and e is not entry}
+
+        def counted() -> list[Entry]:
+            return [e for e in self.entries() if not e.active or e is entry or e.key in before]
+
+        start = sum(cache.inodes_held(e) for e in counted())
+
+        def check() -> None:
+            entries = counted()
+            if mine is not None:
+                own = sum(cache.inodes_held(e) for e in entries if cache.private_owner(e) == owner)
+                if own > mine:
+                    raise past_inode_bound("quota", entry.progress.inodes_made)
+            if disk_room is not None:
+                if sum(cache.inodes_held(e) for e in entries) - start > disk_room:
+                    raise past_inode_bound("disk", entry.progress.inodes_made)
+
+        return check
 
     async def _stage_privately(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on

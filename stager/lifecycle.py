@@ -97,26 +97,34 @@ class Trash:
         self._spawn = spawn
         self.halt = threading.Event()  # the daemon is stopping: deletes give up
         self.freeing_bytes = 0  # counted as free space by admission meanwhile
+        self.freeing_inodes = 0  # and its inodes as free inodes
         self.held = HeldSpace(trash_dir)
 
     def spawn_io(self, fn: Callable[..., Any], *args: Any) -> None:
         """``fn(*args)`` on a thread, in the background."""
         self._spawn(run_io(fn, *args), fn.__name__)
 
-    async def discard(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> bool:
+    async def discard(
+        self, path: Path, nbytes: int = 0, dataset: Dataset | None = None, inodes: int = 0
+    ) -> bool:
         """Move ``path`` aside and delete it later; False if it was not there.
         ``dataset``: the key and owner of an evicted tree, whose files open now stay on
         that owner's books until they are closed."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
-            self.delete_later(moved, nbytes, dataset)
+            self.delete_later(moved, nbytes, dataset, inodes)
         return moved is not None
 
-    def delete_later(self, path: Path, nbytes: int = 0, dataset: Dataset | None = None) -> None:
+    def delete_later(
+        self, path: Path, nbytes: int = 0, dataset: Dataset | None = None, inodes: int = 0
+    ) -> None:
         self.freeing_bytes += nbytes
-        self._spawn(self._delete(path, nbytes, dataset), f"delete-{path.name}")
+        self.freeing_inodes += inodes
+        self._spawn(self._delete(path, nbytes, dataset, inodes), f"delete-{path.name}")
 
-    async def _delete(self, path: Path, nbytes: int, dataset: Dataset | None) -> None:
+    async def _delete(
+        self, path: Path, nbytes: int, dataset: Dataset | None, inodes: int = 0
+    ) -> None:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
             if dataset is not None:
@@ -128,6 +136,7 @@ class Trash:
             log.error("could not delete %s: %s", path, exc)
         finally:
             self.freeing_bytes -= nbytes
+            self.freeing_inodes -= inodes
 
 
 class Registry:
@@ -629,7 +638,12 @@ class Registry:
         self._crash.reached(Durable.UNLINKED)
         if entry.wants_image:
             await self._remove_image(entry)
-        elif await self.trash.discard(final, entry.size_bytes, (entry.key, private_owner(entry))):
+        elif await self.trash.discard(
+            final,
+            entry.size_bytes,
+            (entry.key, private_owner(entry)),
+            entry.seal.entries if entry.seal else 0,
+        ):
             self._crash.reached(Durable.DATA_DISCARDED)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
+from stager.archive.writer import _HELD_OVERHEAD, HELD_NAMES_BYTES
 from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
 from stager.fs.sizes import ENTRY_BYTES, FOLDER_BYTES, entry_bytes
@@ -128,6 +129,10 @@ class Head:
     folder_bytes: int = 0  # of folder headers, counted as progress here
     folders: set[str] = field(default_factory=set)
     folder_mtimes: dict[str, float] = field(default_factory=dict)
+    # Bytes of the folder names kept above, bounded as the writer bounds what it keeps
+    # (HELD_NAMES_BYTES): past it the head stops, and the writer, taking the folders
+    # over, refuses the archive with its sentence.
+    held: int = 0
 
 
 @functools.cache
@@ -228,7 +233,7 @@ def _read_headers(
                 rel = None if posix_prefix else _top_folder(block)
             if rel is None or offset + _BLOCK > length:  # cut short: the writer's error
                 break
-            if not _make_folders(dest, _text(rel), folders, ctx.progress):
+            if not _make_folders(dest, _text(rel), head, ctx.progress):
                 break
             if rel:
                 mtimes[_text(rel)] = int(fields[1], 8)
@@ -247,7 +252,7 @@ def _read_headers(
                 break
             folder = named[1].rpartition(b"/")[0]
             if folder != parent:
-                if not _make_folders(dest, _text(folder), folders, ctx.progress):
+                if not _make_folders(dest, _text(folder), head, ctx.progress):
                     break
                 parent = folder
                 if chunk_files >= FOLDER_CHUNK_FILES:  # the folder's files to one tar
@@ -296,16 +301,23 @@ def _text(name: bytes) -> str:
     return os.fsdecode(name)  # as tarfile (its encoding: the file system's) and the writer
 
 
-def _make_folders(dest: str, rel: str, folders: set[str], progress: ProgressSink) -> bool:
+def _make_folders(dest: str, rel: str, head: Head, progress: ProgressSink) -> bool:
     """``rel`` and its parents as real folders, each charged as it is made (see
-    stager.fs.sizes.FOLDER_BYTES); False where a component is something else (a file a
-    tar wrote: the ordered writer decides what follows). A loop up to the nearest folder
-    made, then down: a ustar name (256 bytes at most) is shallow, but no stack grows."""
+    stager.fs.sizes.FOLDER_BYTES) and its name kept in ``head``; False where a component
+    is something else (a file a tar wrote), or where keeping its name would pass
+    HELD_NAMES_BYTES: the ordered writer decides what follows. A loop up to the nearest
+    folder made, then down: a ustar name (256 bytes at most) is shallow, but no stack
+    grows."""
+    folders = head.folders
     missing = []
     while rel not in folders:
         missing.append(rel)
         rel = rel.rpartition("/")[0]
     for here in reversed(missing):
+        cost = len(here) + _HELD_OVERHEAD
+        if head.held + cost > HELD_NAMES_BYTES:
+            return False
+        head.held += cost
         report_written(progress, FOLDER_BYTES + entry_bytes(here), 1)
         path = os.path.join(dest, here)
         try:

@@ -29,6 +29,7 @@ from stager.fs.sources import (
     walk,
     within,
 )
+from stager.progress import ProgressSink, report_written
 
 # What a staging's write bound charges for a name beyond its content, as it makes it
 # (stager.progress.report_written): a folder takes a block of its own on a disk
@@ -43,6 +44,39 @@ ENTRY_BYTES = 12
 def entry_bytes(rel: str) -> int:
     """The charge for one new name at the relative path ``rel`` (its folder's entry)."""
     return ENTRY_BYTES + len(rel)
+
+
+class NameCharge:
+    """The names a tree walker (copy, symlink tree) makes, charged to a staging's bounds
+    a batch at a time (stager.progress.report_written): a call to the counter per name
+    would cost a million-file copy a lock and a limit check per file. Charged as names
+    are handed out, before they are made, so a bound stops the walk before it passes."""
+
+    EVERY = 256  # names: at most this many are made before they are charged
+
+    def __init__(self, sink: ProgressSink) -> None:
+        self.sink = sink
+        self.nbytes = self.inodes = 0
+
+    def folder(self, rel: str) -> None:
+        """A folder made at ``rel``: its block, its entry, its inode."""
+        self.nbytes += FOLDER_BYTES + entry_bytes(rel)
+        self.inodes += 1
+        if self.inodes >= self.EVERY:
+            self.flush()
+
+    def names(self, rel: str, count: int, chars: int) -> None:
+        """``count`` files or links made in the folder ``rel``, their names ``chars``
+        characters together."""
+        self.nbytes += count * (ENTRY_BYTES + len(rel) + 1) + chars
+        self.inodes += count
+        if self.inodes >= self.EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        nbytes, inodes = self.nbytes, self.inodes
+        self.nbytes = self.inodes = 0
+        report_written(self.sink, nbytes, inodes)
 
 
 class _Sizes(Visitor):

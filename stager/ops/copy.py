@@ -30,6 +30,7 @@ Why it looks like this (the per-file costs are in docs/performance.md):
 from __future__ import annotations
 
 import errno
+import operator
 import os
 import stat
 import time
@@ -45,7 +46,7 @@ from stager.errors import (
 from stager.fs import forked, mounts
 from stager.fs.credentials import access
 from stager.fs.file_copy import FileCopier, Stopped, copy_file, remove
-from stager.fs.sizes import copy_estimate
+from stager.fs.sizes import NameCharge, copy_estimate
 from stager.fs.sources import (
     Folder,
     Roots,
@@ -273,6 +274,7 @@ class _TreeCopy(Visitor):
         self.groups: list[Group] = []
         self.group_outs: list[_Out] = []
         self.files = self.nbytes = 0
+        self.charge = NameCharge(ctx.progress)  # the folders, files and links it makes
 
     def run(self) -> int:
         os.makedirs(self.dst, exist_ok=True)
@@ -300,6 +302,8 @@ class _TreeCopy(Visitor):
         return forked.Workers(processes, ctx.progress, after, ctx.cancel)
 
     def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
+        if rel:
+            self.charge.folder(rel)
         make_dir(dst)
         self.outs[folder.fd] = _Out(dst, rel, folder.st)
         self.open_ids.add((folder.st.st_dev, folder.st.st_ino))
@@ -340,6 +344,8 @@ class _TreeCopy(Visitor):
         where = f"{out.dst}/{name}"
         if leads_to_special(target, shown, self.policy):
             return None  # left out
+        if target.st is None or within(target.real, self.top_real):
+            self.charge.names(out.rel, 1, len(name))  # a link: a file's name is charged below
         if target.st is None:
             _place_link(target.text, where)  # dangling, but confined: kept as it is
         elif within(target.real, self.top_real):
@@ -350,6 +356,7 @@ class _TreeCopy(Visitor):
             refuse_holding(str(target.real), self.dst_real, shown)
             child = enter_outside(target, shown, self.open_ids)
             if child is None:
+                self.charge.folder(_join(out.rel, name))
                 make_dir(where)  # a cycle of links: walked once already
                 return None
             return self._enter(child, where, _join(out.rel, name))
@@ -360,6 +367,7 @@ class _TreeCopy(Visitor):
                     st.st_ctime_ns, st.st_ino, st.st_mode & 0o7777)  # fmt: skip
             self.nbytes += st.st_size
             self._close_group(folder, out)
+            self.charge.names(out.rel, 1, len(name))
             self._add_group((None, None, out.dst, [item]), out)
         return None
 
@@ -376,6 +384,8 @@ class _TreeCopy(Visitor):
     def _close_group(self, folder: Folder, out: _Out) -> None:
         """Move the folder's files found so far into the chunk being filled."""
         if out.items:
+            names = sum(map(len, map(_NAME, out.items)))  # in C: no Python step per file
+            self.charge.names(out.rel, len(out.items), names)
             ident = (folder.st.st_dev, folder.st.st_ino)
             self._add_group((folder.path, ident, out.dst, out.items), out)
             out.items = []
@@ -389,6 +399,7 @@ class _TreeCopy(Visitor):
             self._submit()
 
     def _submit(self) -> None:
+        self.charge.flush()
         if not self.groups:
             return
         groups, outs, files, nbytes = self.groups, self.group_outs, self.files, self.nbytes
@@ -417,6 +428,9 @@ class _TreeCopy(Visitor):
             return
         os.chmod(out.dst, stat.S_IMODE(out.st.st_mode) | stat.S_IRWXU)
         os.utime(out.dst, ns=(out.st.st_atime_ns, out.st.st_mtime_ns))
+
+
+_NAME = operator.itemgetter(1)  # an item's name in its destination folder
 
 
 def _join(rel: str, name: str) -> str:

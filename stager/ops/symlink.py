@@ -35,6 +35,7 @@ from typing import Literal
 
 from stager.errors import BadRequest, StagerError, from_os_error
 from stager.fs import forked
+from stager.fs.sizes import NameCharge
 from stager.fs.sources import (
     Folder,
     Roots,
@@ -202,6 +203,7 @@ class _TreeLink(Visitor):
         self.pending: dict[int, list[str]] = {}  # by folder descriptor: names to link
         self.groups: list[tuple[str, str, list[str]]] = []  # the chunk being filled
         self.files = 0
+        self.charge = NameCharge(ctx.progress)  # the folders and links it makes
         self.workers = forked.Workers(
             forked.cores(ctx.workers), ctx.progress, PARALLEL_AFTER_FILES, ctx.cancel
         )
@@ -230,6 +232,7 @@ class _TreeLink(Visitor):
     def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
         # Real folders, so later steps can rename or add entries inside the dataset.
         dst = f"{self.dsts[folder.fd]}/{entry.name}"
+        self.charge.folder(self._rel(dst))
         make_dir(dst)  # before its files are queued
         child = open_child(folder, entry.name)
         self.dsts[child.fd] = dst
@@ -249,12 +252,18 @@ class _TreeLink(Visitor):
     def _close_group(self, folder: Folder) -> None:
         names = self.pending.pop(folder.fd, None)
         if names:
-            self.groups.append((folder.path, self.dsts[folder.fd], names))
+            dst = self.dsts[folder.fd]
+            self.charge.names(self._rel(dst), len(names), len("".join(names)))
+            self.groups.append((folder.path, dst, names))
             self.files += len(names)
             if self.files >= BATCH:
                 self._submit()
 
+    def _rel(self, dst: str) -> str:
+        return dst[len(self.dst_root) + 1 :]
+
     def _submit(self) -> None:
+        self.charge.flush()
         if self.groups:
             groups, files = self.groups, self.files
             self.groups, self.files = [], 0

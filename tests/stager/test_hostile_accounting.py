@@ -24,6 +24,7 @@ import pytest
 from stager.archive.writer import MAX_DEPTH
 from stager.children import SPARE_NAME, STAGE_NAME
 from tests.daemon import Daemon, node_service
+from tests.httpserver import Behaviour, serve_files
 from tests.processes import comm, descendants
 from tests.users import User
 
@@ -37,6 +38,10 @@ def request(user: User, service: Daemon, method: str, path: str, body: object = 
 def stage_and_wait(user: User, service: Daemon, name: str, body: dict, timeout: int = 120) -> dict:
     code, answer = request(user, service, "POST", "/v1/datasets", {"name": name, **body})
     assert code in (200, 202), answer
+    return wait_end(user, service, name, timeout)
+
+
+def wait_end(user: User, service: Daemon, name: str, timeout: int = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:  # in waits shorter than a user's command may take (tests/users.py)
         code, status = request(user, service, "GET", f"/v1/datasets/{name}/wait?timeout=30")
@@ -318,3 +323,113 @@ def test_a_path_deeper_than_the_limit_is_refused_with_a_sentence(
         failed_with(status, "unsafe_member", f"past the {MAX_DEPTH}", "c0000/d/d")
         status = stage_and_wait(alice, service, "within", extract(within, image))
         assert status["state"] == "ready", status
+
+
+# ---- copies and link trees count their folders and names too ----------------------------
+
+
+def her_tree(sources: Path, user: User, name: str, folders: int, files: int) -> Path:
+    """A tree of ``user``'s own (0700: her stagings of it are private): ``folders``
+    folders of ``files`` empty files each."""
+    top = sources / name
+    top.mkdir()
+    for i in range(folders):
+        folder = top / f"d{i:04d}"
+        folder.mkdir()
+        for j in range(files):
+            (folder / f"f{j:05d}").touch()
+    subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(top)], check=True)
+    top.chmod(0o700)
+    return top
+
+
+def walked(op: str, src: Path) -> dict:
+    if op == "copy":
+        return {"steps": [{"op": "copy", "src": str(src)}]}
+    return {"steps": [{"op": "symlink", "src": str(src), "mode": "tree", "dst": "t"}]}
+
+
+WALKERS = [pytest.param("copy", id="copy"), pytest.param("symlink", id="symlink-tree")]
+
+
+@pytest.mark.parametrize("op", WALKERS)
+def test_a_copy_or_link_tree_stops_at_the_inode_and_byte_quotas(
+    users: tuple[User, User], shared_tmp: Path, sources: Path, op: str
+) -> None:
+    """A copy or a link tree of her 3,030 empty files and folders stops at alice's inode
+    quota of 1,000; one of 300 empty folders (1.2 MB of folder blocks, no content) at
+    her byte quota of 1 MB. (Before, copy and symlink counted no inode and no folder:
+    3,030 entries were counted as 0 inodes and 0 bytes, and both were ready.)"""
+    alice, _ = users
+    many = her_tree(sources, alice, "many", folders=30, files=100)
+    folders = her_tree(sources, alice, "folders", folders=300, files=0)
+    limits = ("--user-quota", "1M", "--user-inode-quota", "1000")
+    with node_service(shared_tmp / "cache-w", *limits) as service:
+        status = stage_and_wait(alice, service, "many", walked(op, many))
+        failed_with(status, "quota_exceeded", "inode quota", "--user-inode-quota")
+        status = stage_and_wait(alice, service, "folders", walked(op, folders))
+        failed_with(status, "quota_exceeded", "--user-quota")
+        cache_holds_nothing_of(service)
+
+
+def test_two_stagings_of_one_user_together_stay_within_her_inode_quota(
+    users: tuple[User, User], shared_tmp: Path, sources: Path
+) -> None:
+    """alice starts two stagings at once, each a held download and then a link tree of
+    3,030 names: each alone is within her inode quota of 5,000, both together are not.
+    Both start before either has made anything, so each was given the whole quota: one
+    fails naming the quota, and what stays is within it. (Before, each counted only
+    what the other had made when it started: both were ready, 6,000 inodes.)"""
+    alice, _ = users
+    many = her_tree(sources, alice, "many", folders=30, files=100)
+    hold = threading.Event()
+    files = {"/a.bin?x": b"a" * 1000, "/b.bin?x": b"b" * 1000}
+    limits = ("--max-workers", "3", "--user-inode-quota", "5000")
+    with serve_files(Behaviour(files=files, hold=hold)) as base:
+        with node_service(shared_tmp / "cache-2", *limits) as service:
+            for name in ("a", "b"):
+                steps = [{"op": "fetch", "url": f"{base}/{name}.bin?x", "dst": "s"}]
+                steps += walked("symlink", many)["steps"]
+                code, answer = request(
+                    alice, service, "POST", "/v1/datasets", {"name": name, "steps": steps}
+                )
+                assert code in (200, 202), answer
+            until_staging(alice, service, "a", "b")
+            hold.set()
+            ends = [wait_end(alice, service, name) for name in ("a", "b")]
+            states = sorted(end["state"] for end in ends)
+            assert states == ["failed", "ready"], ends
+            failed = next(end for end in ends if end["state"] == "failed")
+            failed_with(failed, "quota_exceeded", "inode quota")
+
+
+def until_staging(user: User, service: Daemon, *names: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [request(user, service, "GET", f"/v1/datasets/{n}")[1]["state"] for n in names]
+        if all(state == "staging" for state in states):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{names} are not all staging: {states}")
+
+
+def test_the_inode_floor_is_met_by_evicting_an_unleased_dataset(
+    users: tuple[User, User], shared_tmp: Path, sources: Path
+) -> None:
+    """bob's unleased dataset of empty files leaves the disk a few hundred inodes above
+    its floor; alice's link tree of 2,020 names is admitted by evicting it (least
+    recently used, nobody holds it), as bytes would be, and is ready. (Before, nothing
+    evicted for inodes: her staging failed at the floor until root ran gc.)"""
+    alice, bob = users
+    mine = her_tree(sources, alice, "mine", folders=20, files=100)
+    with small_disk(shared_tmp, "256m", 22_000) as disk:
+        with node_service(disk / "cache", "--min-free-inodes", "5000") as service:
+            count = os.statvfs(disk).f_favail - 5000 - 600
+            files = empty_entries(sources, count, "files")
+            status = stage_and_wait(bob, service, "old", extract(files, False))
+            assert status["state"] == "ready", status
+            assert os.statvfs(disk).f_favail - 5000 < 1000
+            status = stage_and_wait(alice, service, "mine", walked("symlink", mine))
+            assert status["state"] == "ready", status
+            code, old = request(bob, service, "GET", "/v1/datasets/old")
+            assert old["state"] == "evicted", old

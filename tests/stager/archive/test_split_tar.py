@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from stager.archive import split_tar
+from stager.archive import split_tar, writer
 from stager.archive.extractor import extract_archive
 from stager.archive.job import Archive
 from stager.archive.tar_members import BLOCK
-from stager.errors import Cancelled
+from stager.errors import Cancelled, UnsafeArchiveMember
 from stager.fs.seal import KnownTree
 from stager.fs.sizes import sum_sizes
 from stager.progress import Progress
@@ -362,6 +362,27 @@ def test_cancel_stops_an_archive_of_folders_alone(
     with pytest.raises(Cancelled):
         extract(archive, dest, Ctx(cancel_after=3))
     assert sum(1 for _ in dest.rglob("*")) < 3030  # stopped before the last folder
+
+
+def test_the_folder_names_the_head_keeps_are_bounded_from_the_first(
+    tmp_path: Path, heads: list[split_tar.Head], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder names and times the tars' part keeps are held to the writer's bound
+    (HELD_NAMES_BYTES) as it makes them, not only once the writer takes them over:
+    with a bound of about 50 names, an archive of 3,000 folders leaves the head at 50,
+    and the writer refuses the archive with its sentence. (Before, the head kept all
+    3,000 names, whatever the bound.)"""
+    bound = 50 * (len("d0/e0000") + writer._HELD_OVERHEAD)
+    monkeypatch.setattr(split_tar, "HELD_NAMES_BYTES", bound, raising=False)
+    monkeypatch.setattr(writer, "HELD_NAMES_BYTES", bound)
+    tree = tmp_path / "tree"
+    for i in range(3000):
+        (tree / f"d{i // 100}" / f"e{i:04d}").mkdir(parents=True)
+    archive = tmp_path / "a.tar"
+    gnu_tar("-cf", archive, ".", cwd=tree)
+    with pytest.raises(UnsafeArchiveMember, match="MiB of names"):
+        extract(archive, tmp_path / "dest")
+    assert heads and len(heads[0].folders) <= 50 and len(heads[0].folder_mtimes) <= 50
 
 
 def test_files_are_read_only_for_all_and_folders_keep_their_times(
