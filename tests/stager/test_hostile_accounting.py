@@ -35,13 +35,13 @@ def request(user: User, service: Daemon, method: str, path: str, body: object = 
     return user.curl(service.socket, method, path, body)
 
 
-def stage_and_wait(user: User, service: Daemon, name: str, body: dict, timeout: int = 120) -> dict:
+def stage_and_wait(user: User, service: Daemon, name: str, body: dict, timeout: int = 300) -> dict:
     code, answer = request(user, service, "POST", "/v1/datasets", {"name": name, **body})
     assert code in (200, 202), answer
     return wait_end(user, service, name, timeout)
 
 
-def wait_end(user: User, service: Daemon, name: str, timeout: int = 120) -> dict:
+def wait_end(user: User, service: Daemon, name: str, timeout: int = 300) -> dict:
     deadline = time.monotonic() + timeout
     while True:  # in waits shorter than a user's command may take (tests/users.py)
         code, status = request(user, service, "GET", f"/v1/datasets/{name}/wait?timeout=30")
