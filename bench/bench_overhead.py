@@ -82,11 +82,11 @@ TRACE_POINTS = [
     ("stager/fs/seal.py", "    return seal\n", "sealed"),  # once later stamps are later
     (
         "stager/blocking.py",
-        "    progress.mirror(counters)\n    return _outcome(message)",
+        "    progress.mirror(counters)\n    return _outcome(message, job.final.name)",
         "outcome-read",
     ),
-    ("stager/engine.py", "            await reg.publish(entry, seal)\n", "publishing"),
-    ("stager/engine.py", "            await reg.publish(entry, seal)\n", "+published"),  # after
+    ("stager/engine.py", "                await reg.publish(entry, seal)\n", "publishing"),
+    ("stager/engine.py", "                await reg.publish(entry, seal)\n", "+published"),  # after
 ]
 
 

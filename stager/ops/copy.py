@@ -87,6 +87,13 @@ class CopyStep(StepParams):
 # folder over every worker and keep progress moving.
 BATCH_FILES = 256
 BATCH_BYTES = 64 * 1024 * 1024
+# Once a tree has proved large, its chunks grow up to this many files, each at most
+# 1/CHUNKS_SEEN of the files seen so far (so the last chunk, which one worker copies
+# while the others have finished, stays a small part of the whole). Each hand-over
+# costs the walking process the pool's pickling, queueing and waking: at 256 files a
+# chunk, a third of its time on a 200,000-file tree of small files (docs/performance.md).
+LARGE_BATCH_FILES = 1024
+CHUNKS_SEEN = 16
 # Trees with fewer files are copied on the walking process: forking workers costs
 # more than it saves.
 PARALLEL_AFTER_FILES = 2_000
@@ -100,8 +107,11 @@ NETWORK_IN_FLIGHT = 8
 # file's round trips.
 NETWORK_BATCH_FILES = 32
 # How long check() may walk a source tree to estimate its size: the request waits,
-# and the staging walks the tree again anyway.
-CHECK_BUDGET_S = 0.5
+# and the staging walks the tree again anyway, counting every byte it writes against
+# the quota and the floors (the estimate only refuses early). A tenth of a second
+# walks tens of thousands of files, enough to scale up from; at 0.5 s the walk was a
+# fifth of a 200,000-file copy (docs/benchmarks.md).
+CHECK_BUDGET_S = 0.1
 
 
 # -- request time ----------------------------------------------------------------------
@@ -270,6 +280,8 @@ class _TreeCopy(Visitor):
         self.dst_real = ""  # where it writes, resolved: no source folder may hold it
         self.workers: forked.Workers  # once the source is open: run()
         self.batch_files = BATCH_FILES
+        self.network = False
+        self.seen = 0  # files handed out
         # The chunk being filled: its groups, the folders they belong to, its size.
         self.groups: list[Group] = []
         self.group_outs: list[_Out] = []
@@ -299,6 +311,7 @@ class _TreeCopy(Visitor):
         else:
             processes, after = min(NETWORK_IN_FLIGHT, ctx.workers), 0
             self.batch_files = min(self.batch_files, NETWORK_BATCH_FILES)
+            self.network = True
         return forked.Workers(processes, ctx.progress, after, ctx.cancel)
 
     def _enter(self, folder: Folder, dst: str, rel: str) -> Folder:
@@ -404,6 +417,9 @@ class _TreeCopy(Visitor):
             return
         groups, outs, files, nbytes = self.groups, self.group_outs, self.files, self.nbytes
         self.groups, self.group_outs, self.files, self.nbytes = [], [], 0, 0
+        self.seen += files
+        if self.batch_files < LARGE_BATCH_FILES and not self.network:
+            self.batch_files = min(LARGE_BATCH_FILES, max(BATCH_FILES, self.seen // CHUNKS_SEEN))
         self.ctx.progress.add_total(nbytes, files)
         self.workers.submit(
             _copy_files,

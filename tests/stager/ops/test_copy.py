@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
-from stager.fs import file_copy, mounts
+from stager.fs import file_copy, forked, mounts
 from stager.fs.sizes import sum_sizes
 from stager.ops import copy
 from stager.ops.base import CheckContext, OpContext
@@ -267,3 +267,39 @@ def test_check_past_its_budget_scales_up_what_it_walked(
     monkeypatch.setattr(copy, "CHECK_BUDGET_S", 6.5)
     assert copy.check(CopyStep(src=str(src)), CheckContext()) == 20 * 5 * 1000
     assert next(ticks) < 12  # it stopped early: 20 folders would have taken 20 looks
+
+
+def test_a_large_trees_chunks_grow_so_the_hand_overs_stay_few(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool: str
+) -> None:
+    """Each chunk handed to a worker costs the walking process the pool's pickling and
+    waking; at a fixed 256 files that was a third of its time on 200,000 small files.
+    Chunks start small (a small tree still spreads over every worker) and grow with the
+    files seen, each at most 1/CHUNKS_SEEN of them, up to LARGE_BATCH_FILES; a network
+    source's stay small (its time is round trips, spread over more processes)."""
+    src = tmp_path / "src"
+    for d in range(12):
+        (src / f"d{d:02d}").mkdir(parents=True)
+        for f in range(1000):
+            (src / f"d{d:02d}" / f"f{f:04d}").touch()
+    chunks: list[int] = []
+    submit = forked.Workers.submit
+
+    def counted(self: forked.Workers, fn: Callable[..., None], *args: object, **kw: int) -> None:
+        chunks.append(kw["files"])
+        submit(self, fn, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(forked.Workers, "submit", counted)
+    ctx = make_ctx(tmp_path / "root")
+    copy.run(CopyStep(src=str(src), dst="out"), ctx)
+    assert sum(chunks) == 12_000
+    assert len(os.listdir(tmp_path / "root" / "out" / "d11")) == 1000
+    if pool == "network":
+        assert max(chunks) <= copy.NETWORK_BATCH_FILES
+        return
+    assert chunks[0] <= copy.BATCH_FILES
+    assert max(chunks) > copy.BATCH_FILES + 1  # grown (+1: a chunk may close a folder)
+    seen = 0
+    for files in chunks:
+        assert files <= max(copy.BATCH_FILES, seen // copy.CHUNKS_SEEN) + 1
+        seen += files
