@@ -82,7 +82,7 @@ TRACE_POINTS = [
     ("stager/fs/seal.py", "    return seal\n", "sealed"),  # once later stamps are later
     (
         "stager/blocking.py",
-        "    progress.mirror(counters)\n    return _outcome(message, job.final.name)",
+        "    progress.mirror(counters)\n    outcome = _outcome(message, job.final.name)",
         "outcome-read",
     ),
     ("stager/engine.py", "                await reg.publish(entry, seal)\n", "publishing"),

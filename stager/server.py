@@ -102,10 +102,10 @@ def pid_alive(pid: int) -> bool:
         return exc.errno == errno.EPERM
     # An exited child its parent has not reaped yet is a zombie: gone for our purposes.
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return line.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def serve(settings: Settings) -> None:

@@ -87,6 +87,7 @@ def test_walks_hold_no_per_file_state(
     monkeypatch.setattr(copy, "PARALLEL_AFTER_FILES", after)
     monkeypatch.setattr(symlink, "PARALLEL_AFTER_FILES", after)
     monkeypatch.setattr(copy, "BATCH_FILES", 8)
+    monkeypatch.setattr(copy, "LARGE_BATCH_FILES", 8)  # chunks grow up to it: bounded
     monkeypatch.setattr(symlink, "BATCH", 8)
     # Once unmeasured, on a few files: imports and caches, filled at any size.
     measure(small_files(tmp_path / "src-warm", 20), tmp_path / "out-warm")
