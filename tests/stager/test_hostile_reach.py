@@ -158,7 +158,12 @@ def test_a_cancelled_name_stays_cancelled_whatever_another_name_asks(
         assert code == 200 and "its data stays" in answer["outcome"], answer
         assert request(alice, service, "GET", "/v1/datasets/ra")[0] == 404
         assert status(alice, service, "rb")["state"] == "staging"
+        # Under way: its attempt's folder is made a moment after the state says staging.
+        deadline = time.monotonic() + 15
+        while not attempts(service) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert attempts(service)
+        assert status(alice, service, "rb")["state"] == "staging"
         code, answer = request(alice, service, "DELETE", "/v1/datasets/rb")
         assert code == 200 and answer["state"] == "cancelled", answer
         until_no_attempt(service)
