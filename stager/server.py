@@ -26,6 +26,7 @@ import uvicorn
 
 from stager import connections, logs, prestart, startup
 from stager.app import create_app
+from stager.prefetch import listener
 from stager.settings import Settings
 
 log = logging.getLogger("stager.server")
@@ -36,8 +37,14 @@ class ServeError(Exception):
 
 
 def check_mode(settings: Settings) -> None:
-    """The node service's rules: root, its Unix socket only."""
+    """The node service's rules: root, its Unix socket only (and the planner's port)."""
     if not settings.multi_user:
+        if settings.prefetch_listen:
+            raise ServeError(
+                "--prefetch-listen (STAGER_PREFETCH_LISTEN) is for the node service only "
+                "(stager serve --multi-user, as root): a daemon of one user's takes no "
+                "prefetches; leave it out"
+            )
         return
     if os.geteuid() != 0:
         raise ServeError(
@@ -119,6 +126,10 @@ def serve(settings: Settings) -> None:
     prepare_runtime_dir(settings)
     startup.check_cache(settings)
     startup.check_address(settings)
+    try:
+        orders = listener.bind(settings) if settings.prefetch_listen else None
+    except listener.ListenError as exc:
+        raise ServeError(str(exc)) from exc
     token = resolve_token(settings)
     config_args: dict[str, object] = {}
     if settings.host:
@@ -153,12 +164,39 @@ def serve(settings: Settings) -> None:
     # prologues and systemd expect from a graceful stop.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        _Server(config, on_exit=app.state.engine.request_stop, gate=gate).run()
+        server = _Server(config, on_exit=app.state.engine.request_stop, gate=gate)
+        if orders is not None:
+            server.orders = (_orders_server(app.state.prefetches, settings), orders)
+        server.run()
     finally:
         if read_pid(settings) in (os.getpid(), None):
             settings.pid_path.unlink(missing_ok=True)
             if not settings.host and not prestart.socket_answers(settings.socket_path):
                 settings.socket_path.unlink(missing_ok=True)  # no stale socket after a stop
+
+
+def _orders_server(prefetches: object, settings: Settings) -> uvicorn.Server:
+    """The planner's port (stager.prefetch.listener) as a uvicorn server, not started:
+    the daemon's own server starts it on its loop once the app is up. Its connections
+    are bounded as the socket's are, with caps of their own."""
+    most = listener.MAX_CONNECTIONS
+    caps = connections.Caps(total=most, per_user=most, reserve=0, ceiling=most, backlog=most)
+    gate = connections.Gate(caps, settings.header_timeout_s)
+    config = uvicorn.Config(
+        listener.Orders(prefetches),
+        http=functools.partial(connections.PeerHTTPProtocol, gate=gate),  # type: ignore[arg-type]
+        lifespan="off",  # the app's lifespan starts and stops the Prefetches
+        timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+        access_log=settings.log_level == "debug",
+        log_config=None,  # the daemon's own server set the log up
+        server_header=False,
+        date_header=False,
+    )
+    config.load()
+    orders = uvicorn.Server(config)
+    orders.lifespan = config.lifespan_class(config)
+    return orders
 
 
 class _Server(uvicorn.Server):
@@ -171,12 +209,21 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._gate = gate
+        # The planner's port (stager.prefetch.listener): up once the app is, down first.
+        self.orders: tuple[uvicorn.Server, socket.socket] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         connections.quiet_accept_errors(asyncio.get_running_loop(), self._gate.log)
         await super().startup(sockets)
+        if self.started and self.orders is not None:
+            orders, sock = self.orders
+            await orders.startup(sockets=[sock])
+            log.info("taking the planner's prefetch orders on %s:%s", *sock.getsockname()[:2])
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.orders is not None and self.orders[0].started:
+            orders, sock = self.orders
+            await orders.shutdown(sockets=[sock])
         await super().shutdown(sockets)
         self._gate.log.flush()  # the count of a burst still going
 

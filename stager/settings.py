@@ -402,7 +402,7 @@ class Settings(BaseSettings):
         "root",
         cli=(),
         help="node service: the user (SlurmUser) whose MUNGE credentials may order "
-        "prefetches, besides root",
+        "prefetches, besides root; the planner runs as root or this user",
     )
     node_name: str | None = setting(
         cli=(),
@@ -414,7 +414,8 @@ class Settings(BaseSettings):
         ge=1,
         le=3600,
         cli=(),
-        help="node service: the longest time to live a prefetch's MUNGE credential may have",
+        help="node service: the longest time to live a prefetch's MUNGE credential may have; "
+        "the planner gives its credentials this one",
     )
     prefetch_user_budget_bytes: Size = setting(
         256 * 2**30,
@@ -429,6 +430,14 @@ class Settings(BaseSettings):
         le=2**62,
         cli=(),
         help="node service: bytes prefetched for jobs not started yet, all users together",
+    )
+    # The planner runs on the controller, which cannot reach the service's Unix socket:
+    # this TCP port takes its orders and answers nothing else (stager.prefetch.listener).
+    prefetch_listen: str | None = setting(
+        default_text="off",
+        help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
+        "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
+        "or SlurmUser), e.g. 0.0.0.0:8766",
     )
     prefetch_expire_s: float = setting(
         6 * 3600.0,
@@ -445,6 +454,30 @@ class Settings(BaseSettings):
         flag="plan-horizon",
         help="planner: pre-stage a pending job's data when Slurm plans its start within "
         "this many seconds",
+    )
+    plan_interval_s: float = setting(
+        30.0,
+        gt=0,
+        cli=("plan",),
+        flag="plan-interval",
+        help="planner: seconds between its intervals (one squeue call each); make it "
+        "slurm.conf's bf_interval (default 30), how often Slurm's plan can change",
+    )
+    plan_node_port: int = setting(
+        8766,
+        ge=1,
+        le=65535,
+        cli=("plan",),
+        help="planner: the TCP port of the node services' prefetch listener "
+        "(their STAGER_PREFETCH_LISTEN), on each node's name as the resolver finds it",
+    )
+    plan_node_addresses: CommaList(str) = setting(
+        factory=list,
+        cli=("plan",),
+        aliases=("--plan-node-address",),
+        default_text="none",
+        help="planner: NODE=HOST:PORT for nodes whose Slurm name is not their address "
+        "(a name the resolver does not know, another port)",
     )
     # For the crash-consistency tests only: die right after this durable step
     # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
@@ -482,6 +515,23 @@ class Settings(BaseSettings):
                     "folders that hold the sources, or leave the setting out to allow any"
                 )
         return roots
+
+    @field_validator("prefetch_listen")
+    @classmethod
+    def _listen_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            host_port(value)
+        return value
+
+    @field_validator("plan_node_addresses")
+    @classmethod
+    def _node_addresses(cls, value: list[str]) -> list[str]:
+        for item in value:
+            node, _, address = item.partition("=")
+            if not node.strip():
+                raise ValueError(f"{item!r} names no node; give NODE=HOST:PORT items")
+            host_port(address)
+        return value
 
     @model_validator(mode="after")
     def _node_service_places(self) -> Settings:
@@ -593,6 +643,17 @@ def _absolute_folder(value: Path) -> Path:
             f"{value} is a relative path; give an absolute one (e.g. {Path.cwd() / value})"
         )
     return value
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``ADDR:PORT`` (``[::1]:8766`` for IPv6) -> (ADDR, PORT), or a sentence why not."""
+    host, _, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{text!r} is not ADDR:PORT; give an address and a port, e.g. 0.0.0.0:8766 or [::]:8766"
+        )
+    return host, int(port)
 
 
 def is_loopback(host: str) -> bool:
