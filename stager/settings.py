@@ -528,9 +528,12 @@ class Settings(BaseSettings):
     def _node_addresses(cls, value: list[str]) -> list[str]:
         for item in value:
             node, _, address = item.partition("=")
+            try:
+                host_port(address)
+            except ValueError:
+                node = ""
             if not node.strip():
-                raise ValueError(f"{item!r} names no node; give NODE=HOST:PORT items")
-            host_port(address)
+                raise ValueError(f"{item!r} is not NODE=HOST:PORT, e.g. node1=10.0.0.1:8766")
         return value
 
     @model_validator(mode="after")

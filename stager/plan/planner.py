@@ -39,3 +39,7 @@ class Planner:
         found = changes.diff(self.previous, plan)
         self.previous = plan.prefetches | frozenset(found.held)
         return Interval(plan, found, problems, now)
+
+    def forget(self, prefetch: planning.Prefetch) -> None:
+        """``prefetch`` did not reach its node: the next interval finds it new again."""
+        self.previous = self.previous - {prefetch}

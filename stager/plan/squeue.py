@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 from stager.plan import hostlist
 
@@ -127,9 +129,11 @@ class Squeue:
         self.argv = list(argv or command())
         self.timeout_s = timeout_s
         self.calls = 0
+        self.last_s = 0.0  # the last call's time (the service's log line)
 
     def read(self) -> str:
         self.calls += 1
+        started = time.perf_counter()
         try:
             done = subprocess.run(
                 self.argv,
@@ -150,9 +154,27 @@ class Squeue:
             raise SqueueError(
                 f"squeue did not answer within {self.timeout_s:g} s; slurmctld is busy or down"
             ) from exc
+        finally:
+            self.last_s = time.perf_counter() - started
         if done.returncode != 0:
             raise SqueueError(f"squeue exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
+
+
+class SqueueFile(Squeue):
+    """squeue's output read from a file at each call (``--squeue-output``): tests, and
+    trying the planner on a recorded queue."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(argv=["(file)"])
+        self.path = path
+
+    def read(self) -> str:
+        self.calls += 1
+        try:
+            return self.path.read_text()
+        except OSError as exc:
+            raise SqueueError(f"--squeue-output {self.path}: {exc.strerror}") from exc
 
 
 class RecordedSqueue(Squeue):

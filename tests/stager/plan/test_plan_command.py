@@ -41,7 +41,8 @@ def test_dry_run_prints_each_job_planned_or_skipped_with_its_reason(tmp_path, ca
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["plan"], "only --dry-run is built so far"),
+        (["plan", "--dry-run", "--plan-interval", "0"], "plan-interval"),
+        (["plan", "--once", "--plan-node-addresses", "node1"], "NODE=HOST:PORT"),
         (["plan", "--dry-run", "--squeue-output", "/nonexistent"], "--squeue-output /nonexistent"),
         (["plan", "--dry-run", "--plan-horizon", "-5"], "plan-horizon"),
     ],

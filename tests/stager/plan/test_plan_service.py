@@ -1,0 +1,206 @@
+"""`stager plan` as a service against real node services: each a `stager serve
+--multi-user` as root with its prefetch port on 127.0.0.1 and a node name of its own,
+one real munged for all (as a cluster's), real users (tests/users.py), and squeue a
+program on PATH printing the file the test rewrites between intervals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.daemon import Daemon, free_port
+from tests.stager.plan.queue import row
+from tests.stager.test_prefetch import munge_socket, private_tree  # noqa: F401 - its munged
+from tests.users import User
+
+INTERVAL_S = 0.5
+
+
+def node_service(cache: Path, munge: Path, node: str, port: int) -> Daemon:
+    daemon = Daemon(
+        cache_dir=cache,
+        args=["--multi-user", "--prefetch-listen", f"127.0.0.1:{port}"],
+        extra_env={"STAGER_MUNGE_SOCKET": str(munge), "STAGER_NODE_NAME": node},
+    )
+    daemon.runtime_dir.chmod(0o755)
+    return daemon.start()
+
+
+class Queue:
+    """A fake ``squeue`` first on PATH: prints ``queue.txt``, counting its calls."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir()
+        self.folder = folder
+        self.text, self.calls = folder / "queue.txt", folder / "calls"
+        program = folder / "squeue"
+        program.write_text(f"#!/bin/sh\necho x >> {self.calls}\ncat {self.text}\n")
+        program.chmod(0o755)
+        self.set()
+
+    def set(self, *rows: str) -> None:
+        part = self.text.with_suffix(".part")
+        part.write_text("".join(f"{r}\n" for r in rows))
+        part.rename(self.text)
+
+    def count(self) -> int:
+        return len(self.calls.read_text().splitlines()) if self.calls.exists() else 0
+
+
+class Planner:
+    def __init__(self, queue: Queue, munge: Path, addresses: dict[str, int]) -> None:
+        self.log_path = queue.folder / "planner.log"
+        env = dict(
+            os.environ,
+            PATH=f"{queue.folder}:{os.environ['PATH']}",
+            STAGER_MUNGE_SOCKET=str(munge),
+            STAGER_PLAN_NODE_ADDRESSES=",".join(f"{n}=127.0.0.1:{p}" for n, p in addresses.items()),
+        )
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "stager", "plan", "--plan-interval", str(INTERVAL_S)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def intervals(self) -> int:
+        return self.log().count("stager plan: interval: ")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def eventually(check: Callable[[], object], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.1)
+
+
+def status(user: User, node: Daemon, name: str) -> tuple[int, dict]:
+    return user.curl(node.socket, "GET", f"/v1/datasets/{name}")
+
+
+def has(user: User, node: Daemon, name: str) -> bool:
+    code, answer = status(user, node, name)
+    return code == 200 and answer["state"] == "ready" and answer["owner"] == user.uid
+
+
+def gone(user: User, node: Daemon, name: str) -> bool:
+    return status(user, node, name)[0] == 404
+
+
+def declared(tree: Path) -> list[str]:
+    return [f"mine --step '{json.dumps({'op': 'copy', 'src': str(tree)})}'"]
+
+
+@pytest.fixture
+def nodes(shared_tmp: Path, munge_socket: Path) -> Iterator[dict[str, Daemon | int]]:  # noqa: F811
+    """node1 and node2 running; node3's port given to the planner, nobody on it yet."""
+    ports = {name: free_port() for name in ("node1", "node2", "node3")}
+    started: list[Daemon] = []
+    try:
+        for name in ("node1", "node2"):
+            started.append(node_service(shared_tmp / name, munge_socket, name, ports[name]))
+        yield {"node1": started[0], "node2": started[1], "ports": ports}  # type: ignore[dict-item]
+    finally:
+        for daemon in started:
+            daemon.stop()
+            daemon.cleanup()
+
+
+def test_the_service_stages_retargets_cancels_and_retries_a_node_that_was_down(
+    nodes: dict,
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    alice, bob = users
+    node1, node2, ports = nodes["node1"], nodes["node2"], nodes["ports"]
+    soon = datetime.now() + timedelta(minutes=5)
+    alices = declared(private_tree(alice, shared_tmp / "alice-data"))
+    bobs = declared(private_tree(bob, shared_tmp / "bob-data"))
+    job = {"uid": alice.uid, "gid": alice.gid, "start": soon, "declared": alices}
+    on_node3 = row("601", uid=bob.uid, gid=bob.gid, start=soon, sched="node3", declared=bobs)
+    queue = Queue(shared_tmp / "bin")
+    queue.set(row("600", sched="node1", **job), on_node3)
+    planner = Planner(queue, munge_socket, ports)
+    node3 = None
+    try:
+        # Staged as alice on node1, though node3 does not answer.
+        eventually(lambda: has(alice, node1, "prefetch-600-mine"), "alice's prefetch on node1")
+        eventually(lambda: "node node3: 1 order(s) not carried out" in planner.log(), "node3")
+        assert gone(alice, node2, "prefetch-600-mine")
+
+        # node3 comes up: its order is sent again, and staged as bob.
+        node3 = node_service(shared_tmp / "node3", munge_socket, "node3", ports["node3"])
+        eventually(lambda: has(bob, node3, "prefetch-601-mine"), "bob's prefetch on node3")
+
+        # The plan moves to node2: cancelled on node1 (counted as wasted), started there.
+        queue.set(row("600", sched="node2", **job), on_node3)
+        eventually(lambda: has(alice, node2, "prefetch-600-mine"), "re-targeted to node2")
+        eventually(lambda: gone(alice, node1, "prefetch-600-mine"), "cancelled on node1")
+        with node1.client() as client:
+            assert 'stager_prefetches_total{outcome="wasted"} 1.0' in client.get("/metrics").text
+
+        # The job is gone (cancelled or ended): cancelled where it was.
+        queue.set(on_node3)
+        eventually(lambda: gone(alice, node2, "prefetch-600-mine"), "cancelled on node2")
+        assert has(bob, node3, "prefetch-601-mine")
+
+        # One squeue call per interval, whatever happened in it.
+        seen = planner.intervals()
+        assert abs(queue.count() - seen) <= 1, (queue.count(), seen)
+        assert "orders sent" in planner.log() and "squeue " in planner.log()
+
+        # SIGTERM: stopped within a second, exit 0.
+        began = time.monotonic()
+        planner.process.send_signal(signal.SIGTERM)
+        assert planner.process.wait(5) == 0, planner.log()
+        assert time.monotonic() - began < 1.0
+    finally:
+        planner.stop()
+        if node3 is not None:
+            node3.stop()
+            node3.cleanup()
+
+
+def test_once_runs_one_interval_and_only_as_root_or_slurmuser(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+    interpreter_for_users: str,
+) -> None:
+    alice, _ = users
+    soon = datetime.now() + timedelta(minutes=5)
+    recorded = shared_tmp / "queue.txt"
+    inat = ["x --recipe inat2021 --source /net/inat"]
+    recorded.write_text(row("700", uid=alice.uid, start=soon, sched="node9", declared=inat) + "\n")
+    recorded.chmod(0o644)
+    argv = [sys.executable, "-m", "stager", "plan", "--once", "--squeue-output", str(recorded)]
+    port = free_port()  # nobody listens: the one order is not carried out
+    env = {"STAGER_MUNGE_SOCKET": str(munge_socket), "STAGER_PLAN_NODE_PORT": str(port)}
+    done = subprocess.run(argv, env=os.environ | env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "node node9: 1 order(s) not carried out" in done.stderr
+    assert "1 jobs seen (1 pending), 1 planned, orders sent 0, failed 1" in done.stderr
+
+    refused = alice.run(argv, env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert "runs as root or SlurmUser" in refused.stderr
+    assert "node services would refuse its credentials" in refused.stderr
