@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.daemon import Daemon
+from stager.prefetch import listener
+from tests.daemon import Daemon, free_port
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     order,
@@ -185,3 +190,127 @@ def test_a_long_lived_or_expired_credential_and_root_as_the_jobs_user_are_refuse
     code, answer = as_alice(alice, service, *signed(wrong_group, munge_socket))
     assert code == 403 and "is not a group of" in answer["error"]["message"], answer
     nothing_staged(bob, service)
+
+
+# ---- the prefetch port (--prefetch-listen): TCP, reachable by anyone on the network ----
+
+
+def raw_request(port: int, head: str, body: bytes = b"", timeout: float = 5.0) -> tuple[int, dict]:
+    """``head`` sent as is (its body, if any, only as far as ``body`` goes), and the
+    answer read until the service closes: an answer to a request whose announced body
+    was never sent proves the body was not waited for."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.fixture
+def port_service(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> Iterator[tuple[Daemon, int]]:
+    port = free_port()
+    daemon = start_service(
+        shared_tmp / "cache", munge_socket, "--prefetch-listen", f"127.0.0.1:{port}"
+    )
+    try:
+        yield daemon, port
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_the_prefetch_port_answers_nothing_but_a_proven_order(
+    port_service: tuple[Daemon, int],
+    munge_socket: Path,  # noqa: F811
+    users: tuple[User, User],
+    shared_tmp: Path,
+    bobs_data: dict,
+) -> None:
+    service, port = port_service
+    alice, bob = users
+    nothing_here = {"error": {"type": "not_found", "message": listener.NOT_HERE}}
+    huge = "content-length: 1000000000\ncontent-type: application/json\n"
+    for method, path in [
+        ("GET", "/metrics"), ("GET", "/readyz"), ("GET", "/healthz"), ("GET", "/v1/datasets"),
+        ("GET", "/v1/datasets/loot"), ("GET", "/docs"), ("GET", "/openapi.json"),
+        ("GET", "/v1/whoami"), ("GET", "/v1/prefetches"), ("PUT", "/v1/prefetches"),
+        ("DELETE", "/v1/prefetches"), ("POST", "/v1/datasets"), ("POST", "/v1/prefetches/x"),
+        ("POST", "/v1/prefetches/"), ("POST", "//v1/prefetches"),
+    ]:  # fmt: skip
+        head = f"{method} {path} HTTP/1.1\nhost: node1\n{huge}"
+        assert raw_request(port, head) == (404, nothing_here), (method, path)
+
+    # The route itself: no credential, 401 before the (never sent) body.
+    head = f"POST /v1/prefetches HTTP/1.1\nhost: node1\n{huge}"
+    code, answer = raw_request(port, head)
+    assert code == 401 and "Authorization: Munge" in answer["error"]["message"], answer
+    code, _ = raw_request(port, head.replace("\n", "\nauthorization: Bearer x\n", 1))
+    assert code == 401
+    # A credential's shape, and a body over the bound or of no stated length: unread.
+    munge = "authorization: Munge MUNGE:x\n"
+    code, answer = raw_request(port, head.replace("\n", f"\n{munge}", 1))
+    assert code == 413 and "at most 65536 bytes" in answer["error"]["message"], answer
+    chunked = f"POST /v1/prefetches HTTP/1.1\nhost: n\n{munge}transfer-encoding: chunked\n"
+    assert raw_request(port, chunked)[0] == 411
+
+    # alice's own credential: refused, as on the socket.
+    raw, header = signed(order(bob, 90, bobs_data), munge_socket, by=alice)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        answer = client.post("/v1/prefetches", content=raw, headers={"authorization": header})
+        assert answer.status_code == 401
+        assert "not by root or SlurmUser" in answer.json()["error"]["message"]
+        nothing_staged(bob, service)
+
+        # root's genuine order: carried out once; replayed, refused.
+        mine = private_tree(alice, shared_tmp / "alice-only")
+        request = {"name": "m", "steps": [{"op": "copy", "src": str(mine)}]}
+        raw, header = signed(order(alice, 91, request), munge_socket)
+        answer = client.post("/v1/prefetches", content=raw, headers={"authorization": header})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["data"][0]["name"] == "prefetch-91-m"
+        again = client.post("/v1/prefetches", content=raw, headers={"authorization": header})
+        assert again.status_code == 401 and "used already" in again.json()["error"]["message"]
+    # The socket's API is the node service's as ever.
+    code, status = alice.curl(service.socket, "GET", "/v1/datasets/prefetch-91-m")
+    assert code == 200 and status["owner"] == alice.uid, status
+
+
+def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_address(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "stager", "serve", "--prefetch-listen", f"127.0.0.1:{port}"]
+    env = os.environ | {"STAGER_RUNTIME_DIR": str(shared_tmp / "run"),
+                        "STAGER_CACHE_DIR": str(shared_tmp / "cache")}  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "is for the node service only" in done.stderr and "leave it out" in done.stderr
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        for address, says in [
+            (f"127.0.0.1:{port}", "cannot listen there (Address already in use)"),
+            ("nowhere.invalid:8766", "nowhere.invalid is not an address"),
+        ]:
+            daemon = Daemon(
+                cache_dir=shared_tmp / "node-cache",
+                args=["--multi-user", "--prefetch-listen", address],
+                extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket)},
+            )
+            try:
+                daemon.start(wait=False)
+                assert daemon.process is not None
+                assert daemon.process.wait(30) == 1, daemon.log()
+                assert says in daemon.log() and "--prefetch-listen" in daemon.log(), daemon.log()
+                assert not daemon.socket.exists()  # nothing served at all
+            finally:
+                daemon.cleanup()
