@@ -4,6 +4,7 @@
 #   deploy/install.sh                      # /opt/stager, the unit enabled and started
 #   deploy/install.sh --prefix /sw/stager  # elsewhere
 #   deploy/install.sh --python /usr/local/bin/python3.12   # this interpreter
+#   deploy/install.sh --planner            # on the controller: the pre-staging planner
 #
 # 1. the Debian packages it needs, when missing (python3.11 and its venv, munge for
 #    multi-node jobs, curl and util-linux for the SLURM scripts);
@@ -20,6 +21,11 @@
 # user nobody. Default: python3.11 on PATH if users can run it, else Debian's
 # /usr/bin/python3.11. One users cannot run, or older than stager supports, is refused.
 #
+# --planner installs the pre-staging planner (docs/prestaging.md) instead of the node
+# service: steps 1-3 alike, then /etc/stager/plan.env (from deploy/systemd/stager-plan.env,
+# never overwritten) and the unit stager-plan.service, enabled and started. For the
+# controller, or a host with Slurm's client commands and the cluster's munged.
+#
 # Run it again to upgrade: the venv is reused and stager replaced in it; it is built
 # afresh when its interpreter is another than the one chosen now. Idempotent.
 # Options for tests and packagers: --etc DIR, --unit-dir DIR, --no-packages,
@@ -34,9 +40,10 @@ UNIT_DIR=/etc/systemd/system
 PACKAGES=1
 SYSTEMD=1
 PYTHON=${PYTHON:-}
+SERVICE=stager # the unit and its env file: stager.service and stager.env, or the planner's
 
 usage() {
-    sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+    sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
     exit "${1:-0}"
 }
 
@@ -48,6 +55,7 @@ while (($#)); do
     --unit-dir) UNIT_DIR=$2; shift 2 ;;
     --no-packages) PACKAGES=0; shift ;;
     --no-systemd) SYSTEMD=0; shift ;;
+    --planner) SERVICE=stager-plan; shift ;;
     -h | --help) usage 0 ;;
     *) echo "install.sh: unknown option $1; see --help" >&2; exit 2 ;;
     esac
@@ -249,35 +257,42 @@ rm -rf "$PREFIX/docs"
 cp -r "$REPO/docs" "$PREFIX/docs"
 
 install -d -m 0755 "$ETC"
-if [[ -e $ETC/stager.env ]]; then
-    say "kept $ETC/stager.env (the example: $PREFIX/stager.env.example)"
+# The node service's settings are stager.env; the planner's plan.env (one host may have both).
+ENV_NAME=$([[ $SERVICE == stager ]] && echo stager.env || echo plan.env)
+if [[ -e $ETC/$ENV_NAME ]]; then
+    say "kept $ETC/$ENV_NAME (the example: $PREFIX/$ENV_NAME.example)"
 else
-    install -m 0644 "$HERE/systemd/stager.env" "$ETC/stager.env"
-    say "wrote $ETC/stager.env: set the cache disk and its size there"
+    install -m 0644 "$HERE/systemd/$SERVICE.env" "$ETC/$ENV_NAME"
+    if [[ $SERVICE == stager ]]; then
+        say "wrote $ETC/$ENV_NAME: set the cache disk and its size there"
+    else
+        say "wrote $ETC/$ENV_NAME: set the interval (bf_interval) and the nodes' port there"
+    fi
 fi
-install -m 0644 "$HERE/systemd/stager.env" "$PREFIX/stager.env.example"
+install -m 0644 "$HERE/systemd/$SERVICE.env" "$PREFIX/$ENV_NAME.example"
 
+UNIT=$SERVICE.service
 install -d -m 0755 "$UNIT_DIR"
 sed -e "s|/opt/stager|$PREFIX|g" -e "s|/etc/stager/|$ETC/|g" \
-    "$HERE/systemd/stager.service" >"$UNIT_DIR/stager.service.new"
-chmod 0644 "$UNIT_DIR/stager.service.new"
-mv "$UNIT_DIR/stager.service.new" "$UNIT_DIR/stager.service"
-say "wrote $UNIT_DIR/stager.service"
+    "$HERE/systemd/$UNIT" >"$UNIT_DIR/$UNIT.new"
+chmod 0644 "$UNIT_DIR/$UNIT.new"
+mv "$UNIT_DIR/$UNIT.new" "$UNIT_DIR/$UNIT"
+say "wrote $UNIT_DIR/$UNIT"
 
 if ((SYSTEMD)) && [[ -d /run/systemd/system ]]; then
     systemctl daemon-reload
-    systemctl enable stager.service
-    if systemctl is-active --quiet stager.service; then
-        systemctl restart stager.service
-        say "restarted stager.service (stagings under way resume)"
+    systemctl enable "$UNIT"
+    if systemctl is-active --quiet "$UNIT"; then
+        systemctl restart "$UNIT"
+        say "restarted $UNIT (stagings under way resume)"
     else
-        systemctl start stager.service
-        say "started stager.service; its log: journalctl -u stager"
+        systemctl start "$UNIT"
+        say "started $UNIT; its log: journalctl -u $SERVICE"
     fi
 else
     # The unit's own start, as systemd makes it: its Environment= lines, then its
     # EnvironmentFile= over them (when it exists), then ExecStart.
-    unit=$UNIT_DIR/stager.service
+    unit=$UNIT_DIR/$UNIT
     environment=$(sed -n 's/^Environment=//p' "$unit" | tr '\n' ' ')
     env_file=$(sed -n 's/^EnvironmentFile=-\{0,1\}//p' "$unit")
     start=$(sed -n 's/^ExecStart=//p' "$unit")

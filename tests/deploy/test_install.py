@@ -94,6 +94,49 @@ def test_every_variable_the_unit_its_example_and_drop_in_set_is_a_setting() -> N
     )  # fmt: skip
 
 
+def test_the_planners_unit_and_example_set_only_settings() -> None:
+    known = {env_name(n) for n in Settings.model_fields}
+    named = set(environment_of(SYSTEMD / "stager-plan.service", []))
+    named |= {line.lstrip("#").split("=", 1)[0]
+              for line in (SYSTEMD / "stager-plan.env").read_text().splitlines()
+              if line.lstrip("#").startswith("STAGER_")}  # fmt: skip
+    assert named and named <= known, sorted(named - known)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_install_planner_then_start_as_its_unit_does(tmp_path: Path, reachable: Path) -> None:
+    """--planner: the planner's unit and plan.env; started as the unit says, it plans
+    (here squeue has no cluster to ask: it says so each interval and goes on), and
+    SIGTERM stops it within a second, exit 0."""
+    prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
+    args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units), "--no-systemd"]
+    done = install(*args, "--python", str(DEBIAN_PYTHON), "--planner")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    unit = units / "stager-plan.service"
+    assert unit_lines(unit, "ExecStart") == [f"{prefix}/venv/bin/stager plan"]
+    assert unit_lines(unit, "EnvironmentFile") == [f"-{etc}/plan.env"]
+    assert env_file(etc / "plan.env") == {}  # the example: every line a comment
+    assert not (units / "stager.service").exists()  # a controller gets no node service
+    (etc / "plan.env").write_text("STAGER_PLAN_INTERVAL=1\n")
+    argv = ["sh", "-c", f"exec {start_line(done.stdout)}"]  # SIGTERM to the planner itself
+    planner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)  # fmt: skip
+    try:
+        first = planner.stdout.readline() if planner.stdout else ""
+        assert "stager plan: planning every 1 s" in first, first
+        second = planner.stdout.readline() if planner.stdout else ""
+        assert "no plan this interval" in second or "interval:" in second, second
+        began = time.monotonic()
+        planner.send_signal(signal.SIGTERM)
+        assert planner.wait(5) == 0
+        assert time.monotonic() - began < 1.0
+    finally:
+        if planner.poll() is None:
+            os.killpg(planner.pid, signal.SIGKILL)
+            planner.wait(10)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
 def test_install_then_start_as_the_unit_does_then_upgrade_in_place(
