@@ -21,7 +21,7 @@ import pytest
 from client.declare import declared_lines
 from stager.placement.names import PATTERN, feature
 from tests.daemon import Daemon, node_service
-from tests.slurm_cluster import REPO, Cluster, job_info, unavailable
+from tests.slurm_cluster import CONFIG, REPO, Cluster, job_info, read_env_file, unavailable
 from tests.trees import write_tree
 from tests.users import User
 
@@ -303,3 +303,55 @@ def test_slurmctlds_lua_names_the_same_features_as_python(
     for script in generated_scripts(25, seed=7, printable=True):
         text = script.decode()
         assert submit(alice, text, jobs).get("Prefer") == expected_prefer(text), text
+
+
+def test_a_job_declaring_data_the_node_holds_prefers_it_and_hits(
+    service: Daemon,
+    users: tuple[User, User],
+    shared_tmp: Path,
+    interpreter_for_users: str,
+    jobs: list[str],
+) -> None:
+    alice, _ = users
+    data = sources(shared_tmp, "held")
+    words = step_words("held", data["held"])
+    stage_declared(alice, service, interpreter_for_users, shared_tmp, words)
+    until(lambda: ours() == {feature(words)}, "the feature of the data the node holds")
+    out = shared_tmp / "out"
+    out.mkdir()
+    shutil.chown(out, alice.uid, alice.gid)
+    # The job's own staging reads its batch script as slurmctld stored it, as in a job.
+    script = (
+        f"#!/bin/bash\n#STAGER {words}\n"
+        # The node service under test, not the daemon the task prolog points the job at.
+        f"STAGER_URL=unix://{service.socket} {interpreter_for_users} -m client stage "
+        "--from-script --json\n"
+    )
+    argv = ["sbatch", *HOLD[:2], "--time=5", "--chdir=/", f"--output={out}/job-%j.out"]
+    done = alice.run(argv, input=script)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    jobs.append(job)
+    # Slurm 22.05 shows a job's prefer until it is allocated, not after.
+    assert job_info(job)["Prefer"] == feature(words)
+    subprocess.run(["scontrol", "release", job], check=True, capture_output=True, timeout=30)
+    try:
+        until(lambda: job_info(job).get("JobState") in ENDED, f"job {job} ended", 120)
+    finally:
+        stop_prolog_daemon(alice, interpreter_for_users)
+    info = job_info(job)
+    output = next(out.glob("job-*.out")).read_text()
+    assert info["JobState"] == "COMPLETED" and info["NodeList"] == HOST, output
+    (status,) = json.loads(output)["data"]
+    assert status["state"] == "ready" and status["origin"]["hit"] is True, status
+
+
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def stop_prolog_daemon(user: User, python: str) -> None:
+    """The per-user daemon the prolog started for the job (the job used the node
+    service, through STAGER_URL): stopped, as the epilog would with STAGER_EPILOG_STOP."""
+    pattern = read_env_file(CONFIG).get("STAGER_SLURM_RUNTIME_DIR", "/tmp/stager-%U")
+    runtime = pattern.replace("%U", str(user.uid)).replace("%u", user.name)
+    user.run([python, "-m", "stager", "stop", "--runtime-dir", runtime], cwd="/")
