@@ -130,7 +130,9 @@ def test_install_planner_then_start_as_its_unit_does(tmp_path: Path, reachable: 
         began = time.monotonic()
         planner.send_signal(signal.SIGTERM)
         assert planner.wait(5) == 0
-        assert time.monotonic() - began < 1.0
+        # well under an interval (30 s): it does not finish the interval first; the
+        # bound is loose because a loaded CI machine slows the interpreter's exit
+        assert time.monotonic() - began < 5.0
     finally:
         if planner.poll() is None:
             os.killpg(planner.pid, signal.SIGKILL)

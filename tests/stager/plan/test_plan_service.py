@@ -168,11 +168,13 @@ def test_the_service_stages_retargets_cancels_and_retries_a_node_that_was_down(
         assert abs(queue.count() - seen) <= 1, (queue.count(), seen)
         assert "orders sent" in planner.log() and "squeue " in planner.log()
 
-        # SIGTERM: stopped within a second, exit 0.
+        # SIGTERM: stopped at once, exit 0.
         began = time.monotonic()
         planner.process.send_signal(signal.SIGTERM)
         assert planner.process.wait(5) == 0, planner.log()
-        assert time.monotonic() - began < 1.0
+        # well under an interval (30 s): it does not finish the interval first; the
+        # bound is loose because a loaded CI machine slows the interpreter's exit
+        assert time.monotonic() - began < 5.0
     finally:
         planner.stop()
         if node3 is not None:
