@@ -98,10 +98,7 @@ class ImageJob:
         return attempt_image(attempt).exists()
 
     def stage(self, staging: Steps) -> ImageMade:
-        s = staging
-        return ImageStaging(
-            s.ops, s.steps, s.attempt, s.ctx, s.progress, s.crash, self, s.run
-        ).run()
+        return ImageStaging(staging, self).run()
 
 
 @dataclass(frozen=True)
