@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from stager import recipes
-from stager.kinds import imaging
 from stager.image import mount as image_mount
+from stager.kinds import imaging
 from stager.ops import table
 from stager.schemas import DatasetCreate, DatasetPublic
 from stager.settings import Settings
