@@ -20,8 +20,6 @@ import anyio.to_thread
 
 from stager import errors
 from stager.download_rate import DownloadRateFloor
-from stager.fs.seal import Seal
-from stager.imaging import ImageMade
 from stager.processes import Processes, reap
 from stager.progress import Progress
 from stager.settings import Settings
@@ -87,7 +85,7 @@ async def run_staging(
     cancel: threading.Event,
     limits: Limits = Limits(),  # noqa: B008 - frozen
     poll_s: float = 0.1,
-) -> Seal | ImageMade:
+) -> Any:
     """Stage ``job`` in a child process; return its tree's seal (its image, in image
     mode) or raise its error.
 
@@ -187,13 +185,13 @@ def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
     )
 
 
-def _outcome(message: tuple[str, Any], name: str) -> Seal | ImageMade:
+def _outcome(message: tuple[str, Any], name: str) -> Any:
     """The seal of the child's tree (or, in image mode, its image), or its error
     re-raised in the daemon. A bug's traceback goes to the daemon log only: what the
     client is told is one sentence (it may hold paths and code no user should see)."""
     kind, payload = message
     if kind == "ok":
-        return ImageMade.from_dict(payload) if "image" in payload else Seal.from_dict(payload)
+        return payload
     if kind == "cancelled":
         raise errors.Cancelled("staging was cancelled")
     if kind == "error":

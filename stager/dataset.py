@@ -114,11 +114,6 @@ class Entry:
     def active(self) -> bool:
         return self.state in (State.QUEUED, State.STAGING)
 
-    @property
-    def wants_image(self) -> bool:
-        """Staged as one read-only image (its request's ``image``), not as a tree."""
-        return bool(self.spec.get("image"))
-
 
 @dataclass(frozen=True)
 class Ask:

@@ -35,30 +35,22 @@ from stager.dataset import (
 )
 from stager.durable import CrashPoints
 from stager.errors import (
-    BadRequest,
     Cancelled,
     Conflict,
     Forbidden,
-    ImageUnavailable,
     InsufficientSpace,
     NotFound,
     NotPublic,
     StagerError,
-    UntrustedImage,
     from_os_error,
 )
 from stager.fanout.room import FanoutRoom
 from stager.fs.credentials import Reader, reader_of
-from stager.fs.seal import check_seal
-from stager.fs.watch import TreeWatch
 from stager.identity import Caller
-from stager.image import mount as image_mount
-from stager.image import published as image_published
-from stager.imaging import ImageJob
+from stager.kinds.table import Kinds
 from stager.leases import Lease
 from stager.lifecycle import Registry, Trash
 from stager.metrics import Metrics
-from stager.ops import image as image_op
 from stager.ops import table
 from stager.processes import Processes
 from stager.schemas import (
@@ -120,10 +112,8 @@ class Engine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
-        # Published trees known unchanged since their last full check, without a walk;
-        # published images' mounts, checked at a hit without reading the mount table.
-        self._watch = TreeWatch()
-        self._mounts = image_published.MountChecks()
+        # What differs between a tree and an image (stager.kinds), asked, never tested.
+        self.kinds = Kinds(settings)
         # Every process the daemon starts (stager.processes), and who acts for a user.
         self.processes = Processes(
             separate_users=settings.multi_user, users_timeout_s=settings.user_process_timeout_s
@@ -148,7 +138,7 @@ class Engine:
         trash = Trash(self.settings.partial_dir, self._spawn)
         self._crash = CrashPoints(self.settings.crash_after)
         self.registry = Registry(
-            self.settings, store, self.metrics, trash, self._crash, self.as_user
+            self.settings, store, self.metrics, trash, self._crash, self.as_user, self.kinds
         )
         self.admission.bind(self.registry, self.fanout.held, lambda: self.fanout.exporting)
         for entry in await self._reg.load():
@@ -198,7 +188,7 @@ class Engine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.processes.close()
-        self._watch.close()
+        self.kinds.close()
         if self.registry is not None:
             staging = [e for e in self._reg.entries.values() if e.active]
             await self._reg.save_progress(staging)
@@ -234,7 +224,8 @@ class Engine:
         else:
             expansion = recipes.Expansion(steps=request.steps)
         expansion.steps = self.ops.expand(expansion.steps)  # e.g. an extract of a URL
-        request, notice = self._image_mode(request, expansion.steps, caller)
+        kind = self.kinds.asked(request, expansion.steps, self.ops)
+        request, notice = kind.check(request, expansion.steps, self.ops)
         spec = request.spec()
         request_key = spec_key(spec)
         if naming:  # early, before paying for a fingerprint
@@ -257,72 +248,6 @@ class Engine:
             shared, cluster_wide = found["shareable"] is True, found["cluster_wide"] is True
             key, reader = self._scope(key, reader, shared, request.adopt, cluster_wide)
         return Resolved(expansion, request_key, key, shared_key, reader, notice, spec)
-
-    def _image_mode(
-        self, request: DatasetCreate, steps: list[Any], caller: Caller
-    ) -> tuple[DatasetCreate, str | None]:
-        """The request as it is staged: an image (asked, or implied by a prebuilt image
-        step) or a tree; with the sentence saying why a tree where an image was asked
-        (``image_fallback``). Refuses what no image can hold or this node cannot mount."""
-        prebuilt = [s for s in steps if self.ops.op_of(s).prebuilt_image]
-        if prebuilt and not request.image:
-            request = request.model_copy(update={"image": True})
-        if not request.image:
-            return request, None
-        if prebuilt and len(steps) > 1:
-            raise BadRequest(
-                "an 'image' step stages a prebuilt image as it is, alone; give it as the "
-                "request's only step"
-            )
-        for index, step in enumerate(steps, start=1):
-            if self.ops.op_of(step).links_to_source(step):
-                raise BadRequest(
-                    f"step {index} ({step.op}) leaves links to its source, which an image "
-                    "cannot hold (they would lead outside it); use mode 'direct' or 'copy', "
-                    "or stage a tree (leave out image)"
-                )
-        if request.verify == "sha256" and not prebuilt:
-            raise BadRequest(
-                "verify 'sha256' reads every staged file back, which an image does not "
-                "(the kernel reads it through its mount); use verify 'size' with an image, "
-                "or stage a tree"
-            )
-        if prebuilt and self.settings.multi_user:
-            self._require_trusted(prebuilt[0])
-        why_not = self._image_support(prebuilt[0] if prebuilt else None)
-        if why_not is None:
-            return request, None
-        if request.image_fallback and not prebuilt:
-            notice = f"{why_not}; staged as a tree instead (image_fallback)"
-            return request.model_copy(update={"image": False}), notice
-        raise ImageUnavailable(
-            f"{why_not}; stage a tree (leave out image), or allow one with image_fallback "
-            "(stager-client stage --as-image --image-fallback)"
-        )
-
-    def _require_trusted(self, step: Any) -> None:
-        """The node service mounts a prebuilt image only from the admin's trusted folders
-        with its sha256 pinned (the staging checks the file it opens)."""
-        trusted = self.settings.trusted_image_dirs
-        if step.sha256 is None:
-            raise UntrustedImage(
-                f"image {step.src} has no sha256 in the request; the node service mounts a "
-                'prebuilt image only with its sha256 pinned: add "sha256" to the step'
-            )
-        if not image_op.trusted_lexically(step.src, trusted):
-            shown = ", ".join(str(t) for t in trusted) or "none are set"
-            raise UntrustedImage(
-                f"image {step.src} is not under a folder the admin trusts ({shown}); the "
-                "node service mounts in the kernel only images it built or that the admin "
-                "published there: stage the archive or folder it was made from instead"
-            )
-
-    def _image_support(self, prebuilt: Any | None) -> str | None:
-        """None when this daemon can mount the image a request makes; else why not."""
-        if self.registry is not None and self._reg.mount_kind == "kernel":
-            return None
-        fmt = None if prebuilt is not None else "erofs"
-        return image_mount.why_not_fuse(fmt)
 
     def _reader(self, caller: Caller) -> Reader | None:
         """Whose rights a request's sources are read with: in the node service the
@@ -470,26 +395,15 @@ class Engine:
         return view, entry.state == State.READY
 
     async def _drop_if_changed(self, entry: Entry) -> None:
-        """A ready tree changed since its publish is never served as it is: it is
-        evicted, leased or not, and the request stages it again (stager.fs.seal)."""
-        if entry.image is not None:
-            await self._drop_if_image_changed(entry)
-            return
-        final = self._reg.final(entry)
-        if await run_io(self._watch.clean, entry.key, final):
-            return  # checked whole, and no change reported since (stager.fs.watch)
-        if entry.seal is None:
-            changed: str | None = f"{final} has no seal to check (published by an older stager)"
-        else:
-            token = await run_io(self._watch.arm, entry.key, final)
-            changed = await self.processes.run_in_walker(
-                check_seal, final, entry.seal, cache.private_owner(entry), self.settings.op_workers
-            )
-            if changed is None:
-                self._watch.confirm(entry.key, token)
+        """A ready dataset changed since its publish is never served as it is: it is
+        evicted, leased or not, and the request stages it again (what is checked is
+        its kind's: a tree's seal, an image's file and mount)."""
+        kind = self.kinds.of(entry)
+        changed = await kind.changed(
+            entry, self._reg, self._admission, self.processes.run_in_walker
+        )
         if changed is None:
             return
-        self._watch.forget(entry.key)
         async with self._admission:
             if entry.state != State.READY:
                 return  # another request found it first
@@ -497,31 +411,6 @@ class Engine:
             await self._reg.evict(
                 entry, f"changed since it was published ({changed}); staged again"
             )
-
-    async def _drop_if_image_changed(self, entry: Entry) -> None:
-        """A hit on an image checks its file's identity (one ``lstat``) and its mount, no
-        walk: an image found unmounted is mounted again; a changed one is evicted and
-        staged again, as a changed tree is."""
-        reg = self._reg
-        file = reg.image_file(entry)
-        assert entry.image is not None and file is not None
-        changed = await run_io(self._mounts.check, file, reg.final(entry), entry.image)
-        if changed == "unmounted":
-            async with self._admission:
-                if entry.state != State.READY:
-                    return
-                try:
-                    await reg.mount_again(entry)
-                    return
-                except (OSError, StagerError) as exc:
-                    changed = f"its image could not be mounted again: {exc}"
-        if changed is None:
-            return
-        async with self._admission:
-            if entry.state != State.READY:
-                return
-            self.metrics.requests.labels(outcome="changed").inc()
-            await reg.evict(entry, f"changed since it was published ({changed}); staged again")
 
     def _check_name(self, name: str, owner: int, request_key: str) -> None:
         handle = self._reg.handles.get((owner, name))
@@ -546,7 +435,8 @@ class Engine:
         staging = entry.state == State.STAGING and entry.attempt is not None
         tree = self._reg.attempt(entry).tree if staging else None
         ready = partial(self._ready_tree, name=name)
-        return await self.fanout.export(entry, request, caller, tree, ready)
+        whole = self.kinds.of(entry).export
+        return await self.fanout.export(entry, request, caller, tree, ready, whole)
 
     async def _ready_tree(self, entry: Entry, name: str) -> Path:
         """The published tree of ``entry`` (dataset ``name``), to be sent: only a ready
@@ -886,7 +776,7 @@ class Engine:
             write_bound=bound,
             write_inodes=inodes_left,
             inode_bound=inode_bound,
-            image=self._image_job(entry),
+            kind=self.kinds.of(entry).job(entry),
         )
         # The staging stops itself at its room's end; the daemon checks too (a slack of
         # what one poll of its counters may see written past it).
@@ -948,23 +838,6 @@ class Engine:
         wanting = {h.owner for h in self._wanting(entry)} if self.settings.multi_user else set()
         for owner in sorted(wanting) or [owner_of(entry)]:
             self.admission.queue.put(entry.key, owner)
-
-    def _image_job(self, entry: Entry) -> ImageJob | None:
-        """How a staging's image is made (image mode), or None (a tree)."""
-        if not entry.wants_image:
-            return None
-        trusted = tuple(str(d) for d in self.settings.trusted_image_dirs)
-        # An index image's blob is a second device, and an embedded one's 512-byte
-        # blocks are read by the kernel alone (Linux 6.4+; Debian 12's erofsfuse cannot).
-        kernel = image_published.mount_kind() == "kernel"
-        index = self.settings.image_index and kernel
-        embed = not index and kernel and image_published.small_blocks_mount()
-        return ImageJob(
-            cache.private_owner(entry),
-            trusted if self.settings.multi_user else None,
-            index,
-            embed,
-        )
 
     async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
         """The most bytes a staging of ``entry`` may write (None: no limit), and what sets

@@ -40,12 +40,10 @@ from stager.cache import private_owner
 from stager.dataset import Ask, Entry, Handle, now
 from stager.durable import CrashPoints, Durable
 from stager.errors import BadRequest, StagerError
-from stager.fs.seal import Seal, protect_top, seal_tree
-from stager.held_space import HeldSpace, held_open, holder_of
-from stager.held_space import Record as Held
-from stager.image import published as images
-from stager.image.identity import ImageIdentity
-from stager.imaging import ImageMade, attempt_image
+from stager.fs.seal import Seal
+from stager.held_space import HeldSpace
+from stager.kinds.base import Outcome
+from stager.kinds.table import Kinds
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -55,7 +53,6 @@ from stager.publish import (
     delete_tree,
     discard,
     make_link,
-    publish,
     remove_delivery,
     remove_link,
 )
@@ -148,15 +145,18 @@ class Registry:
         trash: Trash,
         crash: CrashPoints,
         as_user: AsUser | None = None,
+        kinds: Kinds | None = None,
     ) -> None:
         self.settings = settings
+        # What differs between a tree and an image (stager.kinds): asked, never tested.
+        self.kinds = kinds or Kinds(settings)
         # Acts with a user's rights (stager.engine.Engine.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon
         self.metrics = metrics
         self.trash = trash
         self._store = store
-        self._crash = crash
+        self.crash = crash
         self.entries: dict[str, Entry] = {}
         self.handles: dict[tuple[int, str], Handle] = {}  # by (owner uid, name)
         self.leases: dict[str, Lease] = {}
@@ -164,8 +164,6 @@ class Registry:
         self._recency_saved: dict[str, float] = {}  # key -> when touch() last wrote it
         self._unlinking: dict[str, list[asyncio.Future[None]]] = {}  # links of evicted keys
         self.events = StateLog(lambda key: [h for h in self.handles.values() if h.key == key])
-        # How images are mounted here: the kernel as root, FUSE as a user.
-        self.mount_kind = images.mount_kind()
 
     @property
     def held(self) -> HeldSpace:
@@ -187,23 +185,16 @@ class Registry:
         assert entry.attempt is not None
         return Attempt(self.settings.partial_dir / f"{entry.key}.{entry.attempt}")
 
-    def image_file(self, entry: Entry) -> Path | None:
-        """A published image's file (``data/<key>.erofs``), as its record says or, before
-        it has one (a restart), as the folder holds it."""
-        if entry.image is not None:
-            return images.image_file(self.settings.data_dir, entry.key, entry.image.format)
-        return images.image_of(self.settings.data_dir, entry.key)
-
     # ---- persistence -----------------------------------------------------------
 
-    async def _durable(self, point: Durable, write: Callable[..., Any], *args: Any) -> None:
+    async def durable(self, point: Durable, write: Callable[..., Any], *args: Any) -> None:
         """Make one change durable, then let the crash tests die right after it."""
         await run_io(write, *args)
-        self._crash.reached(point)
+        self.crash.reached(point)
 
     async def _save(self, entry: Entry, point: Durable) -> None:
         entry.updated_at = now()
-        await self._durable(point, self._store.save_entry, entry)
+        await self.durable(point, self._store.save_entry, entry)
         await self.notify()
 
     async def notify(self) -> None:
@@ -228,21 +219,8 @@ class Registry:
         self.leases = {x.id: x for x in leases if x.handle_id in self.handles}
         to_stage = []
         for entry in self.entries.values():
-            if entry.active and entry.attempt and await run_io(self._published, entry):
-                # The daemon died between the commit point and the store's "ready".
-                if entry.state == State.QUEUED:
-                    entry.move(State.STAGING)
-                if entry.wants_image:
-                    file = self.image_file(entry)
-                    assert file is not None
-                    made = ImageMade(str(file), images.format_of(file))
-                    await self._publish_or_fail(entry, made)
-                    continue
-                # Sealed again on this process alone (workers=1: no fork from the daemon).
-                await self.publish(entry, await run_io(seal_tree, self.final(entry), 1))
-                continue
-            if entry.state == State.READY and entry.image is not None:
-                await self._mount_again(entry)  # after a reboot, or a crash mid-way
+            # Published before a crash, an image to mount again: the kind's to settle.
+            if await self.kinds.of(entry).recover(entry, self):
                 continue
             if entry.active and await self._ended_unresumable(entry):
                 continue
@@ -257,69 +235,20 @@ class Registry:
             elif entry.state == State.READY and not await run_io(self.final(entry).is_dir):
                 entry.move(State.EVICTED)
                 await self._save(entry, Durable.EVICTED)
-        await self._take_down_strays()
+        for kind in self.kinds.all:
+            await kind.settle(list(self.entries.values()), self)
         # Space an earlier run's evictions left held (found again, never stored).
-        await run_io(self.held.recover, self._owner_of)
+        await run_io(self.held.recover, self.owner_of)
         for orphan in await run_io(self._orphans):
-            key = images.key_of(orphan.name)
             if orphan.name.startswith(DISCARDED_PREFIX):
                 self.trash.delete_later(orphan)  # its open files: found by recover
-            elif orphan.parent == self.settings.data_dir and key != orphan.name:
-                if orphan.name.endswith(images.BLOB_SUFFIX):
-                    # Goes with its image; alone, it is deleted.
-                    image = orphan.with_name(orphan.name.removesuffix(images.BLOB_SUFFIX))
-                    if not await run_io(os.path.lexists, image):
-                        await run_io(images.delete_image, orphan, None)
-                    continue
-                # Perhaps one a crash left between its lazy unmount and its keeping.
-                await run_io(self._retire_image, key, self._owner_of(key), 0, orphan)
-            else:
+            elif not any([await kind.claim(orphan, self) for kind in self.kinds.all]):
                 await self.trash.discard(orphan)
         return to_stage
 
-    def _owner_of(self, key: str) -> int | None:
+    def owner_of(self, key: str) -> int | None:
         entry = self.entries.get(key)
         return private_owner(entry) if entry is not None else None
-
-    def _published(self, entry: Entry) -> bool:
-        """Whether this entry's attempt got past its commit point (see ``publish``)."""
-        attempt = self.attempt(entry)
-        done = attempt.steps_done() == len(entry.steps)
-        if entry.wants_image:
-            return (
-                done and not attempt_image(attempt).exists() and self.image_file(entry) is not None
-            )
-        return done and not attempt.tree.exists() and self.final(entry).is_dir()
-
-    async def _mount_again(self, entry: Entry) -> None:
-        """A ready image not mounted (a reboot), or mounted from another file: mounted
-        again if its file is still the one published, else evicted (never a mount over
-        a deleted or changed image)."""
-        file, target = self.image_file(entry), self.final(entry)
-        assert entry.image is not None and file is not None
-        state = await run_io(images.check, file, target, entry.image)
-        if state is None:
-            return
-        if state == "unmounted":
-            try:
-                await self._mount(entry, file)
-                return
-            except StagerError as exc:
-                state = exc.message
-        log.warning("image of %s not mounted again: %s", entry.key, state)
-        await self.evict(entry, f"its image could not be mounted again ({state})")
-
-    async def _take_down_strays(self) -> None:
-        """Mounts under ``data/`` that no ready image holds (a crash between an eviction's
-        unmount and its delete, a failed publish, an image deleted under its mount)."""
-        kept = {
-            e.key: file
-            for e in self.entries.values()
-            if e.state == State.READY and e.image is not None and (file := self.image_file(e))
-        }
-        for target in await run_io(images.stray_mounts, self.settings.data_dir, kept):
-            log.warning("unmounting %s: no ready image dataset is mounted there", target)
-            await run_io(images.take_down, target)
 
     def _orphans(self) -> list[Path]:
         """What no entry owns: attempts of ended entries, evicted trees whose deletion a
@@ -332,12 +261,13 @@ class Registry:
             for c in self.settings.partial_dir.iterdir()
             if c.name not in attempts and not self.held.is_held_image(c.name)
         ]
-        # data/<key> and an image's data/<key>.erofs; a mount point still mounted (busy
-        # at its unmount) is left for the next start.
+        # data/<key> and what a kind names after it (data/<key>.erofs: a key has no
+        # dot); a mount point still mounted (busy at its unmount) is left for the next
+        # start.
         found += [
             child
             for child in self.settings.data_dir.iterdir()
-            if images.key_of(child.name) not in kept and not os.path.ismount(child)
+            if child.name.partition(".")[0] not in kept and not os.path.ismount(child)
         ]
         return found
 
@@ -371,38 +301,38 @@ class Registry:
         if saved is not None and clock - saved < self.settings.recency_persist_s:
             return
         self._recency_saved[entry.key] = clock
-        await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
+        await self.durable(Durable.TOUCHED, self._store.save_entry, entry)
 
     async def name(self, handle: Handle) -> Handle:
         self.handles[handle.id] = handle
-        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        await self.durable(Durable.NAMED, self._store.save_handle, handle)
         return handle
 
     async def repoint(self, handle: Handle, entry: Entry) -> None:
         """The name shows another entry now, and its leases pin that one."""
         handle.key = entry.key
-        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        await self.durable(Durable.NAMED, self._store.save_handle, handle)
         for lease in [x for x in self.leases.values() if x.handle_id == handle.id]:
             lease.key = entry.key
-            await self._durable(Durable.LEASED, self._store.save_lease, lease)
+            await self.durable(Durable.LEASED, self._store.save_lease, lease)
         await self.notify()
 
     async def note_hit(self, handle: Handle, hit: bool) -> None:
         """Whether the latest request for this name found its data already cached."""
         handle.hit = hit
-        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        await self.durable(Durable.NAMED, self._store.save_handle, handle)
 
     async def end_name(self, handle: Handle, ended: State) -> None:
         """Its owner ended the name (a cancel): it shows ``ended`` from now on."""
         handle.ended = ended
-        await self._durable(Durable.NAMED, self._store.save_handle, handle)
+        await self.durable(Durable.NAMED, self._store.save_handle, handle)
         await self.notify()
 
     async def forget(self, handle: Handle) -> None:
         for lease in [x for x in self.leases.values() if x.handle_id == handle.id]:
             await self.release(lease)
         del self.handles[handle.id]
-        await self._durable(Durable.FORGOTTEN, self._store.delete_handle, *handle.id)
+        await self.durable(Durable.FORGOTTEN, self._store.delete_handle, *handle.id)
 
     async def lease(self, handle: Handle, request: LeaseCreate) -> Lease:
         # One lease per holder and dataset: a re-run of the same job step renews it.
@@ -411,13 +341,13 @@ class Registry:
                 await self.release(old)
         lease = Lease.create(handle.name, handle.owner, handle.key, request)
         self.leases[lease.id] = lease
-        await self._durable(Durable.LEASED, self._store.save_lease, lease)
+        await self.durable(Durable.LEASED, self._store.save_lease, lease)
         await self.touch(self.entries[handle.key])
         return lease
 
     async def release(self, lease: Lease) -> None:
         self.leases.pop(lease.id, None)
-        await self._durable(Durable.RELEASED, self._store.delete_lease, lease.id)
+        await self.durable(Durable.RELEASED, self._store.delete_lease, lease.id)
 
     # ---- an attempt stages it ------------------------------------------------------
 
@@ -433,100 +363,24 @@ class Registry:
         self.events.staging(entry, resumed)
         return self.attempt(entry)
 
-    async def publish(self, entry: Entry, seal: Seal | ImageMade) -> None:
-        """STAGING -> READY: what happens when a staging is published, in order.
+    async def publish(self, entry: Entry, outcome: Outcome) -> None:
+        """STAGING -> READY: the staging's ``outcome`` published as its kind does
+        (stager.kinds: a tree's rename, an image's rename and mount), which ends with
+        :meth:`made_ready`; again after a crash past its commit point."""
+        await self.kinds.of(entry).publish(entry, outcome, self)
 
-        1. The attempt's complete tree is renamed to ``data/<key>``: the commit point;
-           a tree under ``data/`` is complete by construction. (Already done if the
-           daemon died right after it: then the tree is gone and ``data/<key>`` is there.)
-           Its top folder then becomes read-only like the rest (stager.fs.seal).
-        2. Every name's link points at it, so whoever step 3 wakes can use its link.
-        3. The store says ready.
-        4. The attempt's folder, now holding its marker and any input the staging set
-           aside (an extracted download), is removed.
-        """
-        if isinstance(seal, ImageMade):
-            await self._publish_image(entry, seal)
-            return
-        attempt, final = self.attempt(entry), self.final(entry)
-        if await run_io(attempt.tree.is_dir):
-            await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
-        # Again after a crash: it changes nothing then.
-        await run_io(protect_top, final, private_owner(entry))
-        await self._made_ready(entry, seal.nbytes, seal)
-        await self._durable(Durable.ATTEMPT_REMOVED, delete_tree, attempt.root, threading.Event())
-
-    async def _made_ready(self, entry: Entry, size: int, seal: Seal | None) -> None:
-        """A published dataset's last steps, tree or image: every name's link, then the
-        store's "ready" (steps 2 and 3 of :meth:`publish`)."""
+    async def made_ready(self, entry: Entry, size: int, seal: Seal | None) -> None:
+        """A published dataset's last steps, whatever its kind: every name's link, then
+        the store's "ready"."""
         final = self.final(entry)
         await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
-        self._crash.reached(Durable.LINKED)
+        self.crash.reached(Durable.LINKED)
         entry.size_bytes, entry.seal = size, seal
         entry.move(State.READY)
         self.metrics.staged_bytes.inc(size)
         self._count_arrival(entry)
         await self._save(entry, Durable.READY)
         self.metrics.ready_after(self.events.ready(entry))
-
-    async def _publish_image(self, entry: Entry, made: ImageMade) -> None:
-        """STAGING -> READY for an image dataset, in order:
-
-        1. The attempt's image is renamed to ``data/<key>.erofs``: the commit point (as a
-           tree's rename is; already done if the daemon died right after it).
-        2. It is mounted read-only at ``data/<key>`` (asked of the kernel again after a
-           crash: a mount already there of this very file is kept).
-        3. Every name's link, the store's "ready", the attempt's folder removed (in the
-           background: it may hold the tree the image was packed from).
-
-        A mount that fails takes the image away again and raises: the staging fails.
-        """
-        attempt = self.attempt(entry)
-        file = images.image_file(self.settings.data_dir, entry.key, made.format)
-        if await run_io(os.path.exists, made.path) and Path(made.path) != file:
-            await self._durable(
-                Durable.IMAGE_PUBLISHED, images.publish_image, Path(made.path), file
-            )
-        identity = await run_io(ImageIdentity.stamp, str(file), made.sha256)
-        blob = await run_io(images.blob_identity, file)
-        record = images.ImageRecord(
-            made.format, self.mount_kind, identity, made.files, made.folders, made.data_bytes, blob
-        )
-        entry.image = record
-        try:
-            await self._mount(entry, file)
-        except (OSError, StagerError):
-            entry.image = None
-            await run_io(images.take_down, self.final(entry))
-            await run_io(images.delete_image, file, self.final(entry))
-            raise
-        size = identity.size + (blob.size if blob is not None else 0)
-        await self._made_ready(entry, size, None)
-        if await self.trash.discard(attempt.root):
-            self._crash.reached(Durable.ATTEMPT_REMOVED)
-
-    async def _publish_or_fail(self, entry: Entry, made: ImageMade) -> None:
-        """A restart's publish of an image published before the crash: a mount that
-        fails now fails the entry, with the sentence why."""
-        try:
-            await self._publish_image(entry, made)
-        except (OSError, StagerError) as exc:
-            message = exc.message if isinstance(exc, StagerError) else str(exc)
-            await self.end(entry, State.FAILED, ErrorInfo(type="mount_failed", message=message))
-
-    async def _mount(self, entry: Entry, file: Path) -> None:
-        """Mount ``file`` at ``data/<key>`` (durable step MOUNTED)."""
-        backing = self.settings.image_backing
-        target = self.final(entry)
-        await self._durable(
-            Durable.MOUNTED, images.mount_image, file, target, self.mount_kind, backing
-        )
-
-    async def mount_again(self, entry: Entry) -> None:
-        """A hit found a ready image unmounted (by an admin, or lost): mounted again."""
-        file = self.image_file(entry)
-        assert file is not None
-        await self._mount(entry, file)
 
     def _count_arrival(self, entry: Entry) -> None:
         how = (entry.origin or {}).get("how", "staged")
@@ -552,7 +406,7 @@ class Registry:
         After a crash before this, the restart removes it with the rest of
         ``incoming/``."""
         await remove_delivery(self._as_user, owner, folder)
-        self._crash.reached(Durable.DELIVERY_REMOVED)
+        self.crash.reached(Durable.DELIVERY_REMOVED)
 
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
         """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.
@@ -563,7 +417,7 @@ class Registry:
         if entry.attempt is not None:
             try:
                 if await self.trash.discard(self.attempt(entry).root):
-                    self._crash.reached(Durable.ATTEMPT_DISCARDED)
+                    self.crash.reached(Durable.ATTEMPT_DISCARDED)
             except OSError as exc:
                 log.error("could not remove partial data of %s: %s", entry.key, exc)
         entry.move(state, error)
@@ -635,55 +489,10 @@ class Registry:
             self._unlinking[entry.key] = unlinks
             for task in unlinks:
                 task.add_done_callback(lambda _t, key=entry.key: self._unlinked(key))
-        self._crash.reached(Durable.UNLINKED)
-        if entry.wants_image:
-            await self._remove_image(entry)
-        elif await self.trash.discard(
-            final,
-            entry.size_bytes,
-            (entry.key, private_owner(entry)),
-            entry.seal.entries if entry.seal else 0,
-        ):
-            self._crash.reached(Durable.DATA_DISCARDED)
+        self.crash.reached(Durable.UNLINKED)
+        await self.kinds.of(entry).delete(entry, self)
         self.metrics.evictions.inc()
         self.metrics.evicted_bytes.inc(entry.size_bytes)
-
-    async def _remove_image(self, entry: Entry) -> None:
-        """An evicted image: unmounted (lazily if a process without a lease still reads
-        it: stager.image.published.take_down), then its file and mount point deleted.
-        One file: no tree to move aside and delete in the background. A lazily unmounted
-        image's file is kept instead, on its owner's books, until its readers let go
-        (stager.held_space): unlinked, its blocks would stay in use, counted nowhere."""
-        final, file = self.final(entry), self.image_file(entry)
-        owner = private_owner(entry)
-        # A shared image's held space is charged to whoever holds its mount, found by
-        # the mount's file system (gone from the mount table once detached).
-        device = await run_io(_device_of, final) if owner is None else None
-        lazily = await run_io(images.take_down, final)
-        self._crash.reached(Durable.UNMOUNTED)
-        if lazily and file is not None:
-            if owner is None and device is not None:
-                # Whose process holds it: one sitting in it, found at once.
-                owner = await run_io(holder_of, device, False)
-            kept = await run_io(self._retire_image, entry.key, owner, entry.size_bytes, file)
-            if kept is not None and owner is None and device is not None:
-                # One holding a file of it: off the admission lock, as reading every
-                # process's open files takes as long as users make it.
-                self.trash.spawn_io(self.held.charge_holder, kept, device)
-            file = None
-        await run_io(images.delete_image, file, final)
-        self._crash.reached(Durable.IMAGE_DELETED)
-
-    def _retire_image(self, key: str, owner: int | None, nbytes: int, file: Path) -> Held | None:
-        """An unmounted image's file: kept on ``owner``'s books while anything still
-        holds it open (a lazily unmounted mount; its record returned), else deleted."""
-        if not held_open(file):
-            images.delete_image(file, None)
-            return None
-        blob = images.blob_of(file)
-        if not nbytes:
-            nbytes = sum(p.stat().st_size for p in (file, blob) if p.exists())
-        return self.held.keep_image(key, owner, nbytes, [file, blob])
 
     # ---- links -------------------------------------------------------------------------
 
@@ -731,13 +540,6 @@ class Registry:
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:
     """A registry of a daemon that acts for nobody else (per-user mode, tests)."""
     return await run_io(fn, *args)
-
-
-def _device_of(path: Path) -> int | None:
-    try:
-        return os.stat(path).st_dev
-    except OSError:
-        return None
 
 
 def state_counts(entries: list[Entry]) -> dict[str, int]:

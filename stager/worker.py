@@ -25,18 +25,16 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from stager import imaging, overlap
+from stager import overlap
 from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, InsufficientSpace, QuotaExceeded, StagerError
 from stager.fs.credentials import Reader, read_sources_as
-from stager.fs.seal import Seal, seal_listed, seal_tree
-from stager.image.published import image_of
-from stager.imaging import ImageJob, ImageMade, ImageStaging
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.progress import SharedCounters, WorkerCounters
@@ -45,6 +43,20 @@ from stager.rights.become import drop_capabilities
 
 # What sets a staging's written-bytes limit (past_bound words each).
 WriteBound = Literal["quota", "disk"]
+
+
+class KindStaging(Protocol):
+    """A dataset kind's part of a staging (stager.kinds: a tree sealed, an image built),
+    picklable into the child; what ``stage`` returns is the staging's outcome."""
+
+    def published(self, final: Path, attempt: Attempt) -> Any | None:
+        """Every step done: the outcome of a publish the daemon died after, or None."""
+
+    def built(self, attempt: Attempt) -> bool:
+        """Whether the attempt made its outcome already (its tree then gone)."""
+
+    def stage(self, staging: Steps) -> Any:
+        """The steps run (``staging.run``), made into the outcome."""
 
 
 @dataclass
@@ -75,8 +87,8 @@ class StageJob:
     # it: its user's --user-inode-quota, or the disk's free inodes above --min-free-inodes.
     write_inodes: int | None = None
     inode_bound: WriteBound = "quota"
-    # Image mode (stager.imaging): the steps made into one read-only image; None: a tree.
-    image: ImageJob | None = None
+    # What the steps are made into (stager.kinds: a tree, an image).
+    kind: KindStaging | None = None
 
 
 # How often the cancel event and the parent are looked at, at most. Ops ask between
@@ -137,7 +149,7 @@ def stage_in_child(
         if job.reader is not None and os.geteuid() == 0 and not job.reader.identity.is_root:
             drop_capabilities()  # it acts for a user: root's powers stay out of its reach
         name_process(STAGE_NAME)  # what ps shows from here on holds no more than it needs
-        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid).to_dict()))
+        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid)))
     except Cancelled:
         conn.send(("cancelled", None))
     except StagerError as exc:
@@ -198,26 +210,19 @@ def _die_with_daemon(daemon_pid: int) -> None:
     die_with_parent()
 
 
-def _stage(
-    job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int
-) -> Seal | ImageMade:
-    """Run the steps this attempt has not finished; seal the tree (read-only, measured),
-    or (image mode) make the image of it."""
+def _stage(job: StageJob, counters: SharedCounters, cancel: Any, daemon_pid: int) -> Any:
+    """Run the steps this attempt has not finished, and make them what the job's kind
+    makes of them (a sealed tree, an image): its outcome."""
     attempt, crash = job.attempt, CrashPoints(job.crash_after, daemon_pid=daemon_pid)
+    kind = job.kind
+    assert kind is not None, "a staging job names its kind"
     ops = table.load(job.op_modules)
     steps = ops.validate_steps(job.steps)
     done = attempt.steps_done()
-    if job.image is not None:
-        published = image_of(job.final.parent, job.final.name)
-        built = imaging.attempt_image(attempt).exists()
-        if not built and published is not None and done == len(steps):
-            return imaging.published_made(published)  # published before the daemon died
-    elif done == len(steps) and not attempt.tree.is_dir():
-        return seal_tree(job.final, job.workers)  # published just before the daemon died
-    fresh = not attempt.tree.is_dir()
-    if fresh and job.image is not None and imaging.attempt_image(attempt).exists():
-        fresh = False  # built, its tree dropped: published next
-    elif fresh:
+    if done == len(steps) and (before := kind.published(job.final, attempt)) is not None:
+        return before
+    fresh = not attempt.tree.is_dir() and not kind.built(attempt)
+    if fresh:
         attempt.tree.mkdir(parents=True)
         crash.reached(Durable.ATTEMPT_CREATED)
     progress = WorkerCounters(counters)
@@ -235,79 +240,76 @@ def _stage(
         verify=job.verify,
         allowed_roots=job.allowed_roots,
     )
-    if job.image is not None:
-        run = functools.partial(_run_steps, ops, steps, ctx, attempt, crash, progress, done)
-        staging = ImageStaging(ops, steps, attempt, ctx, progress, crash, job.image, run)
-        return staging.run()
-    made, paired = _run_steps(ops, steps, ctx, attempt, crash, progress, done)
-    ctx.check_cancelled()
-    if fresh and made is not None and _sealed_by_listing(ops, steps, paired, ctx):
-        return seal_listed(attempt.tree, made)
-    return seal_tree(attempt.tree, job.workers)
+    return kind.stage(Steps(ops, steps, ctx, attempt, crash, progress, fresh, done))
 
 
-def _run_steps(
-    ops: table.OpTable,
-    steps: list[Any],
-    ctx: OpContext,
-    attempt: Attempt,
-    crash: CrashPoints,
-    progress: WorkerCounters,
-    done: int,
-    kinds: list[str] | None = None,
-    at_turn: Any = None,
-) -> tuple[Any, bool]:
-    """Run the steps after the first ``done``, writing the marker after each; returns
-    what the last op run returned and whether it ran paired with the one before.
-    ``kinds`` (image mode, stager.imaging) says which steps run as ops (``TREE``): the
-    others are the image's to make, their ops not run; ``at_turn(index)`` is called at
-    each such step's turn, done or not (it takes the step's input out of the tree)."""
-    made: Any = None  # what the last op run returned (see _sealed_by_listing)
-    paired = False
+@dataclass
+class Steps:
+    """A staging's steps in its process, as its kind's ``stage`` gets them; ``fresh``:
+    its tree made now, not resumed; ``done``: how many steps an earlier try did."""
 
-    def runs(index: int) -> bool:
-        return kinds is None or kinds[index - 1] == imaging.TREE
+    ops: table.OpTable
+    steps: list[Any]
+    ctx: OpContext
+    attempt: Attempt
+    crash: CrashPoints
+    progress: WorkerCounters
+    fresh: bool
+    done: int
 
-    for index, step in enumerate(steps, start=1):
-        if not runs(index):
-            at_turn(index)
+    def run(
+        self, runs: Callable[[int], bool] = lambda index: True, at_turn: Any = None
+    ) -> tuple[Any, bool]:
+        """Run the steps not done yet, writing the marker after each; returns what the
+        last op run returned and whether it ran paired with the one before. ``runs(index)``
+        says which steps run as ops (an image's kind makes the others, their ops not run:
+        stager.kinds.imaging); ``at_turn(index)`` is called at each other step's turn,
+        done or not (it takes the step's input out of the tree)."""
+        ops, steps, ctx, attempt = self.ops, self.steps, self.ctx, self.attempt
+        crash, progress, done = self.crash, self.progress, self.done
+        made: Any = None  # what the last op run returned (see stager.kinds.tree)
+        paired = False
+
+        for index, step in enumerate(steps, start=1):
+            if not runs(index):
+                at_turn(index)
+                if index > done:
+                    write_atomically(attempt.marker, str(index))
+                    crash.reached(Durable.STEP_DONE)
+                continue
             if index > done:
-                write_atomically(attempt.marker, str(index))
+                ctx.check_cancelled()
+                progress.start_step(index)
+                following = steps[index] if index < len(steps) else None
+                pairs = following is not None and runs(index + 1)
+                if pairs and ops.overlaps(step, following, ctx):
+                    # A download and the extraction of it, at once (stager.overlap): both
+                    # steps are done together (one marker says so), the next turn only
+                    # removes what it used up.
+                    after = functools.partial(progress.start_step, index + 1)
+                    made = overlap.run_pair(ops, step, following, ctx, downloaded=after)
+                    done, paired = index + 1, True
+                else:
+                    made = ops.run(step, ctx)
+                    done = index
+                progress.flush()
+                write_atomically(attempt.marker, str(done))
                 crash.reached(Durable.STEP_DONE)
-            continue
-        if index > done:
-            ctx.check_cancelled()
-            progress.start_step(index)
-            following = steps[index] if index < len(steps) else None
-            pairs = following is not None and runs(index + 1)
-            if pairs and ops.overlaps(step, following, ctx):
-                # A download and the extraction of it, at once (stager.overlap): both
-                # steps are done together (one marker says so), the next turn only
-                # removes what it used up.
-                after = functools.partial(progress.start_step, index + 1)
-                made = overlap.run_pair(ops, step, following, ctx, downloaded=after)
-                done, paired = index + 1, True
-            else:
-                made = ops.run(step, ctx)
-                done = index
-            progress.flush()
-            write_atomically(attempt.marker, str(done))
-            crash.reached(Durable.STEP_DONE)
-        # After the marker, so a crash in between finds the step done and its input
-        # still there; repeated for done steps on resume, where it may be gone already.
-        # Moved out of the tree in one rename, not deleted here: deleting a large archive
-        # takes from milliseconds to seconds, which the dataset would wait for; it goes
-        # with the attempt's folder, after the publish (stager.lifecycle).
-        if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
-            aside = attempt.set_aside(index)
-            if os.path.lexists(aside):
-                delete_tree(aside, threading.Event())
-            os.rename(used_up, aside)
-            crash.reached(Durable.INPUT_USED_UP)
-        if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
-            with contextlib.suppress(OSError):  # not empty: something else is kept there
-                os.rmdir(folder)  # a folder it alone was downloaded into
-    return made, paired
+            # After the marker, so a crash in between finds the step done and its input
+            # still there; repeated for done steps on resume, where it may be gone already.
+            # Moved out of the tree in one rename, not deleted here: deleting a large archive
+            # takes from milliseconds to seconds, which the dataset would wait for; it goes
+            # with the attempt's folder, after the publish (stager.lifecycle).
+            if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
+                aside = attempt.set_aside(index)
+                if os.path.lexists(aside):
+                    delete_tree(aside, threading.Event())
+                os.rename(used_up, aside)
+                crash.reached(Durable.INPUT_USED_UP)
+            if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
+                with contextlib.suppress(OSError):  # not empty: something else is kept there
+                    os.rmdir(folder)  # a folder it alone was downloaded into
+        return made, paired
 
 
 def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:
@@ -344,15 +346,3 @@ def past_inode_bound(bound: WriteBound, made: int) -> InsufficientSpace:
         "sources make far more names than their size said (an archive of empty files or "
         "folders); stage fewer files at once, or free inodes on the disk"
     )
-
-
-def _sealed_by_listing(ops: table.OpTable, steps: list[Any], paired: bool, ctx: OpContext) -> bool:
-    """Whether a tree made now (not resumed) holds only what its last op made, each file
-    created read-only and its bytes counted (the op's ``read_only_files``), so that a
-    listing seals it and no file is looked at (stager.fs.seal): the op is the only step,
-    or it ran as a pair with the download before it, which it used up (set aside)."""
-    if not ops.op_of(steps[-1]).read_only_files:
-        return False
-    if len(steps) == 1:
-        return True
-    return len(steps) == 2 and paired and ops.used_up(steps[1], ctx) is not None

@@ -212,13 +212,12 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
-        # One staging: its process (a download overlapped with its extraction; image
-        # mode's plan and build), the doorway to it, its tree published.
+        # One staging: its process (a download overlapped with its extraction), the
+        # doorway to it, its tree published.
         (
             "staging",
             {
                 "stager.worker",
-                "stager.imaging",
                 "stager.overlap",
                 "stager.blocking",
                 "stager.publish",
@@ -230,8 +229,11 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         # Room on the disk and slots for stagings, for the engine and the fan-out alike.
         ("admission", {"stager.admission"}),
         ("fanout", {"stager.fanout"}),
-        # The life of entries, and the space evicted ones still hold.
-        ("lifecycle", {"stager.lifecycle", "stager.held_space"}),
+        # The dataset kinds (a tree, an image: publish, hit, recovery, delete, export),
+        # and the space evicted ones still hold.
+        ("kinds", {"stager.kinds", "stager.held_space"}),
+        # The life of entries.
+        ("lifecycle", {"stager.lifecycle"}),
         ("engine", {"stager.engine"}),
         # Prefetches: the planner's orders, proven, made into the engine's own requests.
         ("prefetch", {"stager.prefetch"}),

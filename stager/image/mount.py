@@ -83,15 +83,22 @@ class Mounted:
     options: str
 
 
-def image_format(path: str) -> str:
-    """ "erofs" or "squashfs", from the image's magic bytes."""
-    with open(path, "rb") as image:
-        head = image.read(1028)
+def head_format(head: bytes) -> str | None:
+    """ "erofs" or "squashfs" from an image's first 1028 bytes; None for neither."""
     if head[1024:1028] == EROFS_MAGIC:
         return "erofs"
     if head[:4] == SQUASHFS_MAGIC:
         return "squashfs"
-    raise MountError(f"{path} is neither an EROFS nor a squashfs image; build it again")
+    return None
+
+
+def image_format(path: str) -> str:
+    """ "erofs" or "squashfs", from the image's magic bytes."""
+    with open(path, "rb") as image:
+        fmt = head_format(image.read(1028))
+    if fmt is None:
+        raise MountError(f"{path} is neither an EROFS nor a squashfs image; build it again")
+    return fmt
 
 
 def tool(name: str) -> str:

@@ -31,8 +31,9 @@ from pydantic import Field
 from stager import vouch
 from stager.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
+from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.ops.image import copy_durably, hash_in_place, image_format, said_of
+from stager.ops.image import copy_durably, hash_in_place, said_of
 from stager.schemas import ByteCount
 
 # What a refused delivery leads to, at the end of each refusal's sentence.
@@ -136,7 +137,7 @@ def _renamed_in(
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
     with said_of(_delivery(step), NOT_MOUNTED):
         digest = hash_in_place(fd, st.st_size, check, advance)
-    fmt = image_format(os.pread(fd, 1028, 0))
+    fmt = head_format(os.pread(fd, 1028, 0))
     after = os.fstat(fd)
     if _stamps(after) != _stamps(st) or after.st_nlink != 1:
         raise VerifyFailed(

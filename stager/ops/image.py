@@ -34,10 +34,9 @@ from stager.errors import BadRequest, UntrustedImage, VerifyFailed
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import fd_path, open_source, require_source, within
 from stager.fs.writeback import start_writeback
+from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 
-EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
-SQUASHFS_MAGIC = b"hsqs"  # at byte 0
 _CHUNK = 8 << 20
 
 
@@ -51,15 +50,6 @@ class ImageStep(StepParams):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
 
-def image_format(head: bytes) -> str | None:
-    """ "erofs" or "squashfs" from an image's first 1028 bytes; None for neither."""
-    if head[1024:1028] == EROFS_MAGIC:
-        return "erofs"
-    if head[:4] == SQUASHFS_MAGIC:
-        return "squashfs"
-    return None
-
-
 def check(step: ImageStep, ctx: CheckContext) -> int:
     """The file is readable by the caller and is an image; its size is the estimate."""
     require_source(step.src, "image")
@@ -68,7 +58,7 @@ def check(step: ImageStep, ctx: CheckContext) -> int:
         head, size = os.pread(fd, 1028, 0), os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if image_format(head) is None:
+    if head_format(head) is None:
         raise BadRequest(
             f"{step.src} is neither an EROFS nor a squashfs image; build one with "
             "stager image build, or stage the archive or folder it was made from"
@@ -107,7 +97,7 @@ def copy_verified(
         st = os.fstat(fd)
         if trusted is not None:
             _require_trusted(step, fd, st, trusted)
-        fmt = image_format(os.pread(fd, 1028, 0))
+        fmt = head_format(os.pread(fd, 1028, 0))
         if fmt is None:
             raise BadRequest(f"{step.src} is neither an EROFS nor a squashfs image")
         ctx.progress.add_total(st.st_size, 1)
@@ -152,7 +142,7 @@ def copy_durably(
         digest = copy_and_hash(
             src, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0), hashed
         )
-        return digest, image_format(os.pread(out, 1028, 0))
+        return digest, head_format(os.pread(out, 1028, 0))
     except BaseException:  # cut short, changed as it was read, cancelled, disk full
         partial.unlink(missing_ok=True)
         raise

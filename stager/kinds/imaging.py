@@ -27,7 +27,7 @@ sha256 (:mod:`stager.ops.image`); so is an image another node sent whole
 The image is built as ``image.erofs.partial`` in the attempt's folder and renamed to
 ``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``), with what the
 build counted beside it; the daemon publishes and mounts it
-(:meth:`stager.lifecycle.Registry.publish`). A staging resumed after a crash runs the
+(:meth:`stager.kinds.image.Image.publish`). A staging resumed after a crash runs the
 steps its marker has not counted and builds again unless the image is there.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 
 from stager import overlap
 from stager.archive.growing import GrowingFile
-from stager.durable import CrashPoints, Durable
+from stager.durable import Durable
 from stager.errors import BadRequest, StagingError
 from stager.fs.sources import open_source
 from stager.image.build import (
@@ -58,13 +58,14 @@ from stager.image.build import (
     build_from,
 )
 from stager.image.index import build_indexed
-from stager.image.published import BLOB_SUFFIX
+from stager.image.published import BLOB_SUFFIX, image_of
 from stager.ops import adopt_image, table
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
 from stager.progress import ProgressSink, WorkerCounters, report_written
 from stager.publish import Attempt, delete_tree, write_atomically
+from stager.worker import Steps
 
 IMAGE_NAME = "image.erofs"
 BUILT_NAME = "image.json"  # what the build counted, written before the image's rename
@@ -82,6 +83,22 @@ class ImageJob:
     # One plain tar and nothing else, not as an index image: the tar copied into the
     # image whole, the metadata after it (stager.image.index, embedded): cp's speed.
     embed: bool = False
+
+    # The image kind's part of a staging job (stager.worker.KindStaging).
+
+    def published(self, final: Path, attempt: Attempt) -> ImageMade | None:
+        """An image published before the daemon died (the staging has nothing to do)."""
+        published = image_of(final.parent, final.name)
+        if published is None or self.built(attempt):
+            return None
+        return ImageMade(str(published), size=published.stat().st_size)
+
+    def built(self, attempt: Attempt) -> bool:
+        """Built, its tree dropped: published next."""
+        return attempt_image(attempt).exists()
+
+    def stage(self, staging: Steps) -> ImageMade:
+        return ImageStaging(staging, self).run()
 
 
 @dataclass(frozen=True)
@@ -208,18 +225,14 @@ def _overlaps(a: str, b: str) -> bool:
 # ---- the staging -----------------------------------------------------------------------
 
 
-@dataclass
 class ImageStaging:
-    """One image staging, in the staging process (called by stager.worker)."""
+    """One image staging, in the staging process (its kind's ``stage``)."""
 
-    ops: table.OpTable
-    steps: list[Any]
-    attempt: Attempt
-    ctx: OpContext
-    progress: WorkerCounters
-    crash: CrashPoints
-    image: ImageJob
-    run_steps: Callable[[list[str], Callable[[int], None]], Any]
+    def __init__(self, staging: Steps, job: ImageJob) -> None:
+        self.ops, self.steps, self.attempt = staging.ops, staging.steps, staging.attempt
+        self.ctx, self.progress, self.crash = staging.ctx, staging.progress, staging.crash
+        # The steps that run as ops (``runs``), ``at_turn`` called at each other's turn.
+        self.job, self.run_steps = job, staging.run
 
     def run(self) -> ImageMade:
         made = attempt_image(self.attempt)
@@ -238,7 +251,7 @@ class ImageStaging:
             if the_plan.kinds[index - 1] == STREAM:
                 read_from[index] = self._take_input(index, the_plan.streams[index])
 
-        self.run_steps(the_plan.kinds, at_turn)
+        self.run_steps(lambda index: the_plan.kinds[index - 1] == TREE, at_turn)
         inputs: list[Input] = []
         if any(self.attempt.tree.iterdir()):
             names = Names(renames=the_plan.names_after(0))
@@ -346,7 +359,7 @@ class ImageStaging:
         """Whether the image is an index image, its blob apart or embedded: asked for,
         and its one input a plain tar read in one piece (no tree beside it, no archives
         inside it)."""
-        if not (self.image.index or self.image.embed) or len(inputs) != 1:
+        if not (self.job.index or self.job.embed) or len(inputs) != 1:
             return False
         source = inputs[0]
         if not isinstance(source, TarInput) or source.nested or source.fd is None:
@@ -373,19 +386,19 @@ class ImageStaging:
         """Build the image as ``made`` + ``.building``; ``counts`` takes the bytes and
         files read; ``steps``: the progress shows each input's step as it is read."""
         streamed = sorted(the_plan.streams)
-        private = self.image.top_owner is not None
+        private = self.job.top_owner is not None
         sink = _StepProgress(self.progress, inputs, streamed, len(self.steps), counts, steps)
         options = BuildOptions(
             progress=sink,
             check=self.ctx.check_cancelled,
             mode=0o400 if private else 0o444,
-            top_owner=self.image.top_owner,
+            top_owner=self.job.top_owner,
         )
         if indexed:  # a blob apart is written as image.erofs.blob, before the image
             source = inputs[0]
             assert isinstance(source, TarInput)
             options.names = source.names
-            blob = str(made) + BLOB_SUFFIX if self.image.index else None
+            blob = str(made) + BLOB_SUFFIX if self.job.index else None
             building = str(made) + ".building"
             built = build_indexed(source.path, blob, building, options, source.fd).image
             if blob is not None:
@@ -409,7 +422,7 @@ class ImageStaging:
         return result
 
     def _prebuilt(self, step: ImageStep, made: Path) -> ImageMade:
-        if self.image.top_owner is not None:
+        if self.job.top_owner is not None:
             raise StagingError(
                 f"image {step.src} may be read only by some users, and a prebuilt image "
                 "cannot be mounted for one user alone (its top folder is what it is); make "
@@ -417,7 +430,7 @@ class ImageStaging:
             )
         self.progress.start_step(1)
         copy = made.with_name(IMAGE_NAME + ".copied")
-        copied = copy_verified(step, self.ctx, copy, self.image.trusted)
+        copied = copy_verified(step, self.ctx, copy, self.job.trusted)
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
@@ -425,7 +438,7 @@ class ImageStaging:
         A private copy's too: the source node's service built it for the same user's key
         (its top folder theirs), and its hash is that service's word."""
         self.progress.start_step(1)
-        mode = 0o400 if self.image.top_owner is not None else 0o444
+        mode = 0o400 if self.job.top_owner is not None else 0o444
         copy = made.with_name(IMAGE_NAME + ".copied")
         copied = adopt_image.take_delivery(step, self.ctx, copy, mode)
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
@@ -455,11 +468,6 @@ def _made_before(attempt: Attempt) -> ImageMade:
         return ImageMade.from_dict(json.loads((attempt.root / BUILT_NAME).read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return ImageMade(str(made), size=made.stat().st_size)
-
-
-def published_made(final: Path) -> ImageMade:
-    """An image published before the daemon died (the staging has nothing to do)."""
-    return ImageMade(str(final), size=final.stat().st_size)
 
 
 def _sniffer(ctx: OpContext) -> Callable[[str], str | None]:
