@@ -7,7 +7,6 @@ child still writing there would race with the resumed staging.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import os
 import select
@@ -15,6 +14,7 @@ import signal
 from pathlib import Path
 
 from stager.libc import LIBC
+from stager.processes import bare_thread
 
 _PR_SET_PDEATHSIG = 1
 
@@ -26,7 +26,7 @@ SPARE_NAME = "stager-spare"
 # a user process doing a request's checks.
 GATE_NAME = "stager-gate"
 USER_NAME = "stager-user"
-WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.processes)
+WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.blocking)
 
 
 def name_process(name: str) -> None:
@@ -53,9 +53,7 @@ def die_with(pid: int) -> None:
     except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGKILL)  # gone already
         return
-    # A bare thread: threading.Thread.start waits until the new thread has run (1-6 ms
-    # on a busy machine), which every staging would wait before its first step.
-    _thread.start_new_thread(_die_when_exited, (fd,))
+    bare_thread(_die_when_exited, fd)  # no wait for it to run: every staging would pay it
 
 
 def _die_when_exited(pidfd: int) -> None:

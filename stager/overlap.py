@@ -36,6 +36,7 @@ from stager.archive.growing import DownloadFailed, GrowingFile, Growth, StartOve
 from stager.errors import Cancelled, StagerError
 from stager.ops.base import CancelSignal, OpContext
 from stager.ops.table import OpTable
+from stager.processes import Threaded
 from stager.progress import ProgressSink, report_written
 
 T = TypeVar("T")
@@ -134,11 +135,12 @@ def _follow(
         ctx.progress.add_total(tally.take(), 0)  # what it reads again
 
 
-class _Download(threading.Thread):
+class _Download(Threaded):
     """The download's thread: its failure is kept, and told to the readers."""
 
+    thread_name = "stager-download"
+
     def __init__(self, run: Callable[[], None], growth: Growth, downloaded: Callable[[], None]):
-        super().__init__(name="stager-download", daemon=True)
         self._run, self._growth, self._downloaded = run, growth, downloaded
         self.error: BaseException | None = None
 

@@ -22,7 +22,6 @@ import mmap
 import os
 import queue
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import fd_path, open_source, require_source, within
 from stager.fs.writeback import start_writeback
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+from stager.processes import Threaded
 
 EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
 SQUASHFS_MAGIC = b"hsqs"  # at byte 0
@@ -203,13 +203,14 @@ def copy_and_hash(
     return hasher.hexdigest()
 
 
-class _ChunkHasher(threading.Thread):
+class _ChunkHasher(Threaded):
     """sha256 of a file's chunks in the order they are written, on a thread of its own
     (hashlib releases the GIL for large updates), each read through a read-only mapping
     of the range, from the page cache the copy has just filled."""
 
+    thread_name = "image-hash"
+
     def __init__(self, fd: int) -> None:
-        super().__init__(name="image-hash")
         self._fd = fd
         self._digest = hashlib.sha256()
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
