@@ -25,11 +25,19 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager import errors
-from stager.children import WALKER_NAME, die_with, name_process
 from stager.download_rate import DownloadRateFloor
 from stager.fs.seal import Seal
 from stager.imaging import ImageMade
-from stager.processes import FORKSERVER, fork_pool, reap, start_child, start_fork_server
+from stager.processes import (
+    FORKSERVER,
+    WALKER_NAME,
+    die_with,
+    fork_pool,
+    name_process,
+    reap,
+    start_child,
+    start_fork_server,
+)
 from stager.progress import Progress, SharedCounters
 from stager.rights.become import Identity
 from stager.rights.pool import UserProcesses

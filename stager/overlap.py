@@ -142,17 +142,15 @@ class _Download(Threaded):
 
     def __init__(self, run: Callable[[], None], growth: Growth, downloaded: Callable[[], None]):
         self._run, self._growth, self._downloaded = run, growth, downloaded
-        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             self._run()
             self._downloaded()
-        except BaseException as exc:  # kept for the staging's thread to raise
-            self.error = exc
+        except BaseException:  # kept in ``error`` for the staging's thread to raise
             self._growth.end(ok=False)
-        else:
-            self._growth.end(ok=True)
+            raise
+        self._growth.end(ok=True)
 
     def raise_failure(self, stopped: bool = False) -> None:
         """Raise the download's error; when ``stopped`` (by the pair), not the Cancelled

@@ -9,22 +9,30 @@ forked workers; ``fork_child`` a bare fork (a staging's gateway); and ``thread``
 calls are not threads started here but handed to anyio's pool: stager.blocking.run_io.
 
 Which process runs with which rights, and who asks for it: stager.rights' table.
-tests/test_owner_rooms.py fails on a start anywhere else.
+tests/test_owner_rooms.py fails on a start anywhere else. And what they are called in
+``ps``, and that they never outlive the daemon: a staging (and the extraction
+processes it starts) writes into a partial folder that a restarted daemon resumes in;
+one still writing there after a kill -9 of the daemon would race with the resumed one.
 """
 
 from __future__ import annotations
 
 import _thread
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
+import signal
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing.context import BaseContext, ForkServerContext
+from pathlib import Path
 from typing import Any
 
+from stager.libc import LIBC
 from stager.prestart import raise_descriptor_limit
 
 # Staging and user processes are children of the fork server (the daemon runs threads,
@@ -38,8 +46,9 @@ Spawned = subprocess.Popen  # what ``spawn`` returns
 ThreadPool = ThreadPoolExecutor  # what ``thread_pool`` returns
 
 
-class NotRun(Exception):
-    """A command that could not be started, or did not end within its time."""
+class NotRun(OSError):
+    """A command that could not be started, or did not end within its time (an OSError,
+    as a command that cannot start always was)."""
 
     def __init__(self, sentence: str, timed_out: bool = False) -> None:
         super().__init__(sentence)
@@ -49,9 +58,8 @@ class NotRun(Exception):
 def run(
     argv: Sequence[str], timeout_s: float | None, input: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` to its end, its output as text (bytes that are not UTF-8 kept as
-    surrogates); its exit status is the caller's to judge. Raises NotRun, naming the
-    command, when it cannot start or outlives ``timeout_s``."""
+    """``argv`` run to its end, its output as text (bytes not UTF-8 kept as surrogates),
+    its exit status the caller's to judge; NotRun if it cannot start or outlives timeout_s."""
     name = os.path.basename(argv[0])
     try:
         return subprocess.run(
@@ -76,8 +84,7 @@ def spawn(
     stderr: Any = DEVNULL,
     **options: Any,
 ) -> subprocess.Popen[bytes]:
-    """Start ``argv`` beside this process (``options``: Popen's); nothing of ours on
-    its standard streams unless given."""
+    """``argv`` started beside us (``options``: Popen's), on none of our streams."""
     return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr, **options)
 
 
@@ -112,8 +119,7 @@ def start_fork_server() -> ForkServerContext:
 
 
 def start_child(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
-    """A child of the fork server running ``target(*args)``, started (blocking: a
-    request to the server, milliseconds)."""
+    """A child of the fork server running ``target(*args)`` (blocking: milliseconds)."""
     process = FORKSERVER.Process(target=target, args=args, name=name)
     process.start()
     return process
@@ -144,8 +150,7 @@ def fork_pool(
 
 
 def fork_child(main: Callable[[], int]) -> int:
-    """Fork; the child runs ``main`` and exits with its code (1 if it raised), never
-    returning here. The child's pid, in the parent."""
+    """The pid of a forked child that runs ``main`` and exits with its code (1: raised)."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -165,29 +170,78 @@ def thread(
     return started
 
 
-def bare_thread(target: Callable[..., Any], *args: Any) -> None:
-    """A thread that only ever waits: started without threading.Thread's wait until
-    it runs (1-6 ms on a busy machine, which every staging would pay at its start)."""
-    _thread.start_new_thread(target, args)
-
-
 def thread_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=prefix)
 
 
 class Threaded:
     """An object whose ``run`` goes on a thread of its own (a download beside its
-    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``."""
+    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``; what
+    ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
 
     thread_name = "stager"
+    error: BaseException | None = None
     _thread: threading.Thread | None = None
 
     def run(self) -> None:
         raise NotImplementedError
 
     def start(self) -> None:
-        self._thread = thread(self.run, name=self.thread_name)
+        self._thread = thread(self._keep_error, name=self.thread_name)
+
+    def _keep_error(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - raised by the thread that joins
+            self.error = exc
 
     def join(self) -> None:
         if self._thread is not None:  # started
             self._thread.join()
+
+
+_PR_SET_PDEATHSIG = 1
+
+# What a staging process is called in ps and top (its "comm"); a spare waiting for its
+# job (stager.blocking) is called otherwise, so that nobody takes it for a staging.
+STAGE_NAME = "stager-stage"
+SPARE_NAME = "stager-spare"
+# Processes that became a user (stager.rights): a staging's gateway to its sources, and
+# a user process doing a request's checks.
+GATE_NAME = "stager-gate"
+USER_NAME = "stager-user"
+WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.blocking)
+
+
+def name_process(name: str) -> None:
+    with contextlib.suppress(OSError):  # not Linux: the name is only for people
+        Path("/proc/self/comm").write_text(name)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (thread) dies."""
+    prctl = getattr(LIBC, "prctl", None)
+    if prctl is not None:  # not Linux: callers keep their own parent checks
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
+
+    A staging process is forked by multiprocessing's fork server, not by the daemon,
+    and the server lives on while any staging holds its pipe; so the staging watches
+    the daemon itself, through a pidfd, on a thread that only ever waits.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone already
+        return
+    # A bare thread: threading.Thread.start waits until the new thread has run (1-6 ms
+    # on a busy machine), which every staging would wait before its first step.
+    _thread.start_new_thread(_die_when_exited, (fd,))
+
+
+def _die_when_exited(pidfd: int) -> None:
+    select.select([pidfd], [], [])  # readable once the process has exited
+    os.kill(os.getpid(), signal.SIGKILL)

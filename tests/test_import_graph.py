@@ -188,7 +188,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
                 "stager.identity",
                 "stager.durable",
                 "stager.metrics",
-                "stager.children",
                 "stager.processes",
                 "stager.slurm",
                 "stager.vouch",

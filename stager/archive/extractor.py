@@ -46,10 +46,9 @@ from stager.archive.split_tar import Head
 from stager.archive.tar_reader import read_tar, require_inside
 from stager.archive.writer import BATCH_BYTES, ArchiveWriter
 from stager.archive.zip_reader import read_zip
-from stager.children import die_with_parent
 from stager.fs.forked import cores, paused_gc
 from stager.fs.seal import KnownTree
-from stager.processes import fork_pool, thread_pool
+from stager.processes import die_with_parent, fork_pool, thread_pool
 from stager.progress import Progress
 
 # Archives smaller than this extract on threads: forking workers costs ~10 ms.

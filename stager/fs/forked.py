@@ -17,7 +17,7 @@ Small trees never pay for the fork: until ``parallel_after`` files (or
 ``PARALLEL_AFTER_BYTES``) have been seen,
 :class:`Workers` runs each chunk on the calling thread. The only other thread in
 the staging process at that point waits in ``select()`` for the daemon's exit
-(:func:`stager.children.die_with`) and holds no lock, which is what keeps the
+(:func:`stager.processes.die_with`) and holds no lock, which is what keeps the
 later fork safe.
 """
 
@@ -30,10 +30,9 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from contextlib import contextmanager
 from typing import Any
 
-from stager.children import die_with_parent
 from stager.errors import Cancelled
 from stager.fs.sources import Folder, Visitor, walk
-from stager.processes import FORK, fork_pool
+from stager.processes import FORK, die_with_parent, fork_pool
 from stager.progress import ProgressSink, report_written
 
 _CONTEXT = FORK

@@ -208,7 +208,6 @@ class _Copy(Threaded):
         self.path, self._src, self._size, self._sync = path, src, size, sync
         self._at = at
         self._mode = mode  # the image's: 0444, or 0400 for a private copy
-        self.error: BaseException | None = None
         self.stop = threading.Event()
         self.seconds = 0.0
         self.copied = 0  # bytes of the source copied so far: only grows
@@ -250,7 +249,7 @@ class _Copy(Threaded):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-        except BaseException as exc:  # handed to the builder's thread, raised there
+        except BaseException as exc:  # kept before a waiting reader is woken, to see it
             self.error = exc
         finally:
             self._advanced(self.copied, done=True)  # a waiting reader goes on, and sees why

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from stager.errors import StagerError
 from stager.libc import LIBC
-from stager.processes import NotRun, run
+from stager.processes import run
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
@@ -263,10 +263,7 @@ def unmount(target: str, lazy: bool = False) -> None:
         return
     if found.fstype.startswith("fuse") and os.geteuid() != 0:
         command = [tool("fusermount3"), "-u", *(["-z"] if lazy else []), target]
-        try:
-            done = run(command, None)
-        except NotRun as exc:
-            raise MountError(f"could not unmount {target}: {exc}") from exc
+        done = run(command, None)
         if done.returncode != 0:
             said = (done.stderr or done.stdout).strip()
             if "busy" in said:
@@ -360,10 +357,7 @@ def _require_mounted(image: str, target: str) -> Mounted:
 
 
 def _run(command: list[str], image: str, target: str) -> None:
-    try:
-        done = run(command, None)
-    except NotRun as exc:
-        raise MountError(f"could not mount {image} at {target}: {exc}") from exc
+    done = run(command, None)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
         detail = said[-1] if said else f"exit status {done.returncode}"

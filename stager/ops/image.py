@@ -214,7 +214,6 @@ class _ChunkHasher(Threaded):
         self._fd = fd
         self._digest = hashlib.sha256()
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
         self.start()
 
     def written(self, offset: int, length: int) -> None:
@@ -225,18 +224,15 @@ class _ChunkHasher(Threaded):
         (unless ``quiet``)."""
         self._ranges.put(None)
         self.join()
-        if self._error is not None and not quiet:
-            raise self._error
+        if self.error is not None and not quiet:
+            raise self.error
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
-    def run(self) -> None:
-        try:
-            while (chunk := self._ranges.get()) is not None:
-                _hash_range(self._digest, self._fd, *chunk)
-        except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the copy's thread
-            self._error = exc
+    def run(self) -> None:  # an error is kept in ``error``, raised by finish
+        while (chunk := self._ranges.get()) is not None:
+            _hash_range(self._digest, self._fd, *chunk)
 
 
 def hash_in_place(

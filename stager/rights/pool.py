@@ -25,9 +25,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.children import USER_NAME, name_process
 from stager.errors import StagerError, UserProcessFailed, UserProcessTimeout
-from stager.processes import reap, start_child
+from stager.processes import USER_NAME, name_process, reap, start_child
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
