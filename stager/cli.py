@@ -19,7 +19,7 @@ import sys
 
 from pydantic import ValidationError
 
-from stager import __version__, prestart
+from stager import __version__, prestart, processes
 from stager.cli_common import SuggestingParser, add_completion, print_completion
 from stager.image import command as image_command
 from stager.plan import command as plan_command
@@ -161,7 +161,7 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
             return EXIT_FAILED
         # Its imports go on beside the app's, which the next line starts (stager.prestart);
         # if the daemon cannot start, it ends with it.
-        prestart.start_fork_server()
+        processes.start_fork_server()
     from stager import server  # uvicorn and the app load only for commands that need them
     from stager.startup import StartError
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from stager import cache, preflight, recipes, slurm
 from stager.admission import Admission, owner_of
-from stager.blocking import INTERNAL, Limits, run_io, run_staging
+from stager.blocking import INTERNAL, Limits, Processes, run_io, run_staging
 from stager.dataset import (
     CANCELLED_BY_REQUEST,
     Ask,
@@ -52,7 +52,6 @@ from stager.leases import Lease
 from stager.lifecycle import Registry, Trash
 from stager.metrics import Metrics
 from stager.ops import table
-from stager.processes import Processes
 from stager.schemas import (
     Adopt,
     DatasetCreate,
@@ -196,7 +195,7 @@ class Engine:
 
     async def as_user(self, uid_or_caller: Caller | int | None, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), its
-        result as JSON data (stager.processes.Processes.run_as). Never awaited under the
+        result as JSON data (stager.blocking.Processes.run_as). Never awaited under the
         admission lock: a user's process may take its time, and others must not wait."""
         if uid_or_caller is None or not self.settings.multi_user:
             return await self.processes.run_as(None, fn, *args)

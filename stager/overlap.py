@@ -8,7 +8,7 @@ while the extraction reads that file as it grows
 (:mod:`stager.archive.growing`). Which steps pair up, the op table says (its
 ``grows`` and ``follows`` columns); this module runs a pair. The same download
 with another reader of its growing file (``follow_download``) builds an image
-dataset as its archive arrives (:mod:`stager.imaging`).
+dataset as its archive arrives (:mod:`stager.kinds.imaging`).
 
 - Resume: a staging restarted after a crash runs the pair again; the download
   resumes from its ``.part``, and the extraction, safe to re-run into the same
@@ -36,6 +36,7 @@ from stager.archive.growing import DownloadFailed, GrowingFile, Growth, StartOve
 from stager.errors import Cancelled, StagerError
 from stager.ops.base import CancelSignal, OpContext
 from stager.ops.table import OpTable
+from stager.processes import Threaded
 from stager.progress import ProgressSink, report_written
 
 T = TypeVar("T")
@@ -134,23 +135,22 @@ def _follow(
         ctx.progress.add_total(tally.take(), 0)  # what it reads again
 
 
-class _Download(threading.Thread):
+class _Download(Threaded):
     """The download's thread: its failure is kept, and told to the readers."""
 
+    thread_name = "stager-download"
+
     def __init__(self, run: Callable[[], None], growth: Growth, downloaded: Callable[[], None]):
-        super().__init__(name="stager-download", daemon=True)
         self._run, self._growth, self._downloaded = run, growth, downloaded
-        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             self._run()
             self._downloaded()
-        except BaseException as exc:  # kept for the staging's thread to raise
-            self.error = exc
+        except BaseException:  # kept in ``error`` for the staging's thread to raise
             self._growth.end(ok=False)
-        else:
-            self._growth.end(ok=True)
+            raise
+        self._growth.end(ok=True)
 
     def raise_failure(self, stopped: bool = False) -> None:
         """Raise the download's error; when ``stopped`` (by the pair), not the Cancelled

@@ -1,7 +1,7 @@
 """Checks run when a request arrives, before anything is queued.
 
 Everything here is fast (stat calls, reading an archive header) and blocking. What
-looks at a request's paths runs as the caller (stager.processes.Processes.run_as: in
+looks at a request's paths runs as the caller (stager.blocking.Processes.run_as: in
 the node service, in a process that became them), and answers in JSON. A request
 that fails here gets a 4xx with a sentence naming the bad input; nothing is staged.
 """

@@ -2,7 +2,7 @@
 its start overlaps; and before that, refuse at once to be a second daemon on a socket
 one already answers on.
 
-A daemon is ready only once its fork server (multiprocessing's, stager.processes) has
+A daemon is ready only once its fork server (stager.processes.start_fork_server) has
 imported :mod:`stager.preload` (~0.35 s: every op, the HTTP stack) and forked the
 first process. The daemon's own imports (FastAPI, uvicorn, the routes) take as long
 again. Started here, before those imports, the fork server imports on the second
@@ -16,16 +16,9 @@ first, as the daemon's connections need (stager.connections).
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.forkserver
-import os
 import resource
 import socket
-from multiprocessing.context import ForkServerContext
 from pathlib import Path
-
-# The fork server's preload: imported there and nowhere else.
-PRELOAD = "stager.preload"
 
 
 def raise_descriptor_limit() -> int:
@@ -35,27 +28,6 @@ def raise_descriptor_limit() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
     return soft
-
-
-def start_fork_server() -> ForkServerContext:
-    """The fork server's context, its server started (once per process; it imports
-    its preload in the background and forks nothing until that is done)."""
-    raise_descriptor_limit()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([PRELOAD])
-    # The server starts as `python -c ...`, which reads modules from the current folder
-    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
-    # PYTHONSAFEPATH keeps that folder out, for the server only.
-    before = os.environ.get("PYTHONSAFEPATH")
-    os.environ["PYTHONSAFEPATH"] = "1"
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONSAFEPATH"]
-        else:
-            os.environ["PYTHONSAFEPATH"] = before
-    return context
 
 
 def socket_answers(path: Path) -> bool:

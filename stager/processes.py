@@ -1,227 +1,128 @@
-"""Every process the daemon starts, owned by one object: :class:`Processes`.
+"""Every process and thread stager starts is started here, and nowhere else.
 
-The engine creates it at its start and closes it at its stop; nothing here lives in
-a module global or starts at import. It holds:
+A small API, so that each start reads the same and the whole list is one module's:
+``run`` a command to its end (a timeout, and a sentence when it cannot run); ``spawn``
+a command that runs beside us (``rm -rf``, GNU tar, the detached daemon); ``start_child``
+a child of the fork server (a staging, a spare, a user process); ``fork_pool`` a pool of
+forked workers; ``fork_child`` a bare fork (a staging's gateway); and ``thread``,
+``bare_thread`` and ``thread_pool`` for a process's own threads. The loop's blocking
+calls are not threads started here but handed to anyio's pool: stager.blocking.run_io.
 
-- **the fork server** (multiprocessing's): a single-threaded process started with
-  :mod:`stager.preload` imported, so that everything forked from it starts in
-  milliseconds with every op loaded. The daemon itself runs threads (uvicorn, anyio),
-  which a plain fork would clone mid-state, so it never forks: it asks the server.
-- **the spare**: a staging process forked once a staging has ended, waiting for the
-  next one's job (stager.worker.stage_when_sent): a staging that finds it starts in
-  the time of a pipe write (the fork and the hand-over of its pipe and shared memory,
-  ~5 ms, as much as the rest of a one-file staging, were paid between stagings).
-- **the walker**: one long-lived process, forked at the start, for a walk that needs
-  processes of its own (the seal's check of a large tree on a hit), so that a hit
-  never waits for a process to start.
-- **the user processes** (stager.rights.pool): the processes that became a user, for
-  a request's work on that user's paths.
-
-Which of these runs with which rights: stager.rights.
+Which process runs with which rights, and who asks for it: stager.rights' table.
+tests/test_owner_rooms.py fails on a start anywhere else. And what they are called in
+``ps``, and that they never outlive the daemon: a staging (and the extraction
+processes it starts) writes into a partial folder that a restarted daemon resumes in;
+one still writing there after a kill -9 of the daemon would race with the resumed one.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import json
+import _thread
+import contextlib
 import multiprocessing
-import multiprocessing.connection
+import multiprocessing.forkserver
 import os
+import select
+import signal
+import subprocess
 import threading
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
-from typing import Any, NamedTuple, ParamSpec, TypeVar
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing.context import BaseContext, ForkServerContext
+from pathlib import Path
+from typing import Any
 
-import anyio.to_thread
+from stager.libc import LIBC
+from stager.prestart import raise_descriptor_limit
 
-from stager.children import WALKER_NAME, die_with, name_process
-from stager.prestart import start_fork_server
-from stager.progress import SharedCounters
-from stager.rights.become import Identity
-from stager.rights.pool import UserProcesses
-from stager.worker import stage_when_sent
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-class Child(NamedTuple):
-    """A staging process and what the daemon holds of it: its shared counters, its
-    cancel event, the pipe its outcome comes back on."""
-
-    process: Any
-    counters: SharedCounters
-    cancel: Any
-    outcome: multiprocessing.connection.Connection
+# Staging and user processes are children of the fork server (the daemon runs threads,
+# which a plain fork would clone mid-state); a staging's own pools fork it directly.
+FORKSERVER = multiprocessing.get_context("forkserver")
+FORK = multiprocessing.get_context("fork")
+# The fork server's preload: imported there and nowhere else.
+PRELOAD = "stager.preload"
+DEVNULL, STDOUT = subprocess.DEVNULL, subprocess.STDOUT
+Spawned = subprocess.Popen  # what ``spawn`` returns
+ThreadPool = ThreadPoolExecutor  # what ``thread_pool`` returns
 
 
-@dataclass
-class _Spare:
-    """A staging process forked before its job, waiting for it on ``jobs``."""
+class NotRun(OSError):
+    """A command that could not be started, or did not end within its time (an OSError,
+    as a command that cannot start always was)."""
 
-    child: Child
-    jobs: multiprocessing.connection.Connection
+    def __init__(self, sentence: str, timed_out: bool = False) -> None:
+        super().__init__(sentence)
+        self.timed_out = timed_out
 
 
-class Processes:
-    def __init__(
-        self,
-        separate_users: bool,
-        users_per_user: int = 2,
-        users_idle_s: float = 30.0,
-        users_timeout_s: float = 60.0,
-    ) -> None:
-        self.separate_users = separate_users  # the node service: act for users as them
-        self.context = multiprocessing.get_context("forkserver")
-        self.users = UserProcesses(self.context, users_per_user, users_idle_s, users_timeout_s)
-        self._walker: ProcessPoolExecutor | None = None
-        self._spare: _Spare | None = None
-        self._spare_lock = threading.Lock()
-        self._stopped = False
-        self._making: asyncio.Future[Any] | None = None  # the next spare's fork
-        # Spares being made and reaps under way, kept so they are not garbage-collected.
-        self._background: set[asyncio.Future[Any]] = set()
-
-    # ---- start and stop ----------------------------------------------------------------
-
-    async def start(self) -> None:
-        """The fork server and the walker, ready before the first request (an
-        interpreter's start, ~0.5 s, paid here and not by the first staging or hit), and
-        a spare for the first staging."""
-        await anyio.to_thread.run_sync(self._start)
-        self.prepare_spare()
-
-    def _start(self) -> None:
-        start_fork_server()  # started already where ``stager serve`` began (stager.prestart)
-        # The walker dies with the daemon, whatever ends the daemon (its parent is the
-        # fork server, which outlives us by a moment).
-        self._walker = ProcessPoolExecutor(
-            1, mp_context=self.context, initializer=_walker_starts, initargs=(os.getpid(),)
+def run(
+    argv: Sequence[str], timeout_s: float | None, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end, its output as text (bytes not UTF-8 kept as surrogates),
+    its exit status the caller's to judge; NotRun if it cannot start or outlives timeout_s."""
+    name = os.path.basename(argv[0])
+    try:
+        return subprocess.run(
+            list(argv),
+            input=input,
+            capture_output=True,
+            encoding="utf-8",
+            errors="surrogateescape",
+            timeout=timeout_s,
+            check=False,
         )
-        self._walker.submit(os.getpid).result()  # started now, not at the first hit
-
-    async def close(self) -> None:
-        """At the daemon's stop: the spare, told there is no job, exits; the walker and
-        the user processes end; nothing is forked after this."""
-        with self._spare_lock:
-            spare, self._spare, self._stopped = self._spare, None, True
-        if spare is not None:
-            await anyio.to_thread.run_sync(self._close_spare, spare)
-        if self._walker is not None:
-            walker, self._walker = self._walker, None
-            await anyio.to_thread.run_sync(
-                functools.partial(walker.shutdown, wait=True, cancel_futures=True)
-            )
-        await self.users.close()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-
-    # ---- acting for a user -------------------------------------------------------------
-
-    async def run_as(
-        self, who: Identity | None, fn: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        """``fn(*args, **kwargs)`` with ``who``'s rights, its result as JSON data: in the
-        node service in a process that became them (stager.rights.pool); in a per-user
-        daemon, or for root, on a thread here (the daemon is that user already)."""
-        if who is None or who.is_root or not self.separate_users:
-            result = await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
-            return json.loads(json.dumps(result))  # the same answers as a user process's
-        return await self.users.call(who, fn, *args, **kwargs)
-
-    # ---- the walker ----------------------------------------------------------------------
-
-    async def run_in_walker(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run ``fn`` (importable, its arguments picklable) in the walking process."""
-        if self._walker is None:
-            raise RuntimeError("the daemon's processes are not started (or stopped)")
-        call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._walker, call)
-
-    # ---- staging processes -------------------------------------------------------------
-
-    def fork(self, target: Callable[..., None], first: Any, name: str) -> Child:
-        """A child of the fork server running ``target(first, counters, cancel, pipe,
-        daemon pid)``: a request to the fork server, which hands the child the pipe and
-        the counters' shared memory (milliseconds; blocking)."""
-        counters = SharedCounters(self.context)
-        cancel = self.context.Event()
-        receiver, sender = self.context.Pipe(duplex=False)
-        process = self.context.Process(
-            target=target, args=(first, counters, cancel, sender, os.getpid()), name=name
-        )
-        process.start()
-        sender.close()
-        return Child(process, counters, cancel, receiver)
-
-    def take_spare(self, job: Any) -> Child | None:
-        """The spare, given ``job``; None if there is none or it died (killed, out of
-        memory): fork one then. One that dies in the instant between the look and the
-        hand-over fails its staging, as any staging process dying at its start does."""
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is None:
-            return None
-        try:
-            if not spare.child.process.is_alive():  # the fork server has reaped it
-                raise BrokenPipeError
-            spare.jobs.send(job)
-        except OSError:
-            self._close_spare_later(spare)
-            return None
-        spare.jobs.close()
-        return spare.child
-
-    def prepare_spare(self) -> None:
-        """A spare for the next staging, forked in the background: call it once a staging
-        has ended and its outcome is told (not as one starts: the fork would take the CPU
-        from the starting staging, whose process yields it to everyone)."""
-        if self._making is None or self._making.done():
-            self._making = asyncio.ensure_future(anyio.to_thread.run_sync(self._make_spare))
-            self._keep(self._making)
-
-    def _make_spare(self) -> None:
-        """Fork the next spare, unless there is one (blocking). The lock is held only to
-        look and to store it: a staging that takes the spare meanwhile (on the loop) must
-        not wait for a fork."""
-        with self._spare_lock:
-            if self._spare is not None or self._stopped:
-                return
-        jobs, sender = self.context.Pipe(duplex=False)
-        child = self.fork(stage_when_sent, jobs, name="stager-spare")
-        jobs.close()
-        spare: _Spare | None = _Spare(child, sender)
-        with self._spare_lock:
-            if not self._stopped:
-                self._spare, spare = spare, None
-        if spare is not None:  # the daemon stopped meanwhile
-            self._close_spare(spare)
-
-    def _close_spare(self, spare: _Spare) -> None:
-        """Tell the spare there is no job, and reap it (blocking)."""
-        spare.jobs.close()
-        spare.child.outcome.close()
-        reap(spare.child.process, 1.0)
-
-    def _close_spare_later(self, spare: _Spare) -> None:
-        spare.jobs.close()
-        spare.child.outcome.close()
-        self.reap_later(spare.child.process, 1.0)
-
-    def reap_later(self, process: Any, grace_s: float) -> None:
-        """Reap a child off the loop (one that answered, or a dead spare)."""
-        self._keep(asyncio.ensure_future(anyio.to_thread.run_sync(reap, process, grace_s)))
-
-    def _keep(self, future: asyncio.Future[Any]) -> None:
-        self._background.add(future)
-        future.add_done_callback(self._background.discard)
+    except subprocess.TimeoutExpired as exc:
+        raise NotRun(f"{name} did not answer within {timeout_s:g} s", timed_out=True) from exc
+    except OSError as exc:
+        raise NotRun(f"{name} could not be started: {exc.strerror or exc}") from exc
 
 
-def _walker_starts(daemon_pid: int) -> None:
-    die_with(daemon_pid)
-    name_process(WALKER_NAME)
+def spawn(
+    argv: Sequence[str],
+    stdin: Any = DEVNULL,
+    stdout: Any = DEVNULL,
+    stderr: Any = DEVNULL,
+    **options: Any,
+) -> subprocess.Popen[bytes]:
+    """``argv`` started beside us (``options``: Popen's), on none of our streams."""
+    return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr, **options)
+
+
+def exited(process: subprocess.Popen[bytes], within_s: float) -> bool:
+    """Whether a spawned process has ended, waiting at most ``within_s``."""
+    try:
+        process.wait(within_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def start_fork_server() -> ForkServerContext:
+    """The fork server's context, its server started (once per process; it imports
+    its preload in the background and forks nothing until that is done). The descriptor
+    limit is raised first: every child inherits the server's (stager.prestart)."""
+    raise_descriptor_limit()
+    FORKSERVER.set_forkserver_preload([PRELOAD])
+    # The server starts as `python -c ...`, which reads modules from the current folder
+    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
+    # PYTHONSAFEPATH keeps that folder out, for the server only.
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+    return FORKSERVER
+
+
+def start_child(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+    """A child of the fork server running ``target(*args)`` (blocking: milliseconds)."""
+    process = FORKSERVER.Process(target=target, args=args, name=name)
+    process.start()
+    return process
 
 
 def reap(process: Any, grace_s: float) -> None:
@@ -230,3 +131,117 @@ def reap(process: Any, grace_s: float) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+
+
+def fork_pool(
+    workers: int,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+    context: BaseContext = FORK,
+) -> ProcessPoolExecutor:
+    """A pool of ``workers`` processes, every one started now (the first task starts
+    them all): with fork, before this process runs a thread of its own that a fork
+    would copy mid-state (the pool's helper threads start after the forks)."""
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=initializer, initargs=initargs
+    )
+    pool.submit(int).result()
+    return pool
+
+
+def fork_child(main: Callable[[], int]) -> int:
+    """The pid of a forked child that runs ``main`` and exits with its code (1: raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = main()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def thread(
+    target: Callable[..., Any], *args: Any, name: str, daemon: bool = True
+) -> threading.Thread:
+    """``target(*args)`` on a thread of its own, started."""
+    started = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+    started.start()
+    return started
+
+
+def thread_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix=prefix)
+
+
+class Threaded:
+    """An object whose ``run`` goes on a thread of its own (a download beside its
+    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``; what
+    ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
+
+    thread_name = "stager"
+    error: BaseException | None = None
+    _thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread = thread(self._keep_error, name=self.thread_name)
+
+    def _keep_error(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - raised by the thread that joins
+            self.error = exc
+
+    def join(self) -> None:
+        if self._thread is not None:  # started
+            self._thread.join()
+
+
+_PR_SET_PDEATHSIG = 1
+
+# What a staging process is called in ps and top (its "comm"); a spare waiting for its
+# job (stager.blocking) is called otherwise, so that nobody takes it for a staging.
+STAGE_NAME = "stager-stage"
+SPARE_NAME = "stager-spare"
+# Processes that became a user (stager.rights): a staging's gateway to its sources, and
+# a user process doing a request's checks.
+GATE_NAME = "stager-gate"
+USER_NAME = "stager-user"
+WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.blocking)
+
+
+def name_process(name: str) -> None:
+    with contextlib.suppress(OSError):  # not Linux: the name is only for people
+        Path("/proc/self/comm").write_text(name)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (thread) dies."""
+    prctl = getattr(LIBC, "prctl", None)
+    if prctl is not None:  # not Linux: callers keep their own parent checks
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
+
+    A staging process is forked by multiprocessing's fork server, not by the daemon,
+    and the server lives on while any staging holds its pipe; so the staging watches
+    the daemon itself, through a pidfd, on a thread that only ever waits.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone already
+        return
+    # A bare thread: threading.Thread.start waits until the new thread has run (1-6 ms
+    # on a busy machine), which every staging would wait before its first step.
+    _thread.start_new_thread(_die_when_exited, (fd,))
+
+
+def _die_when_exited(pidfd: int) -> None:
+    select.select([pidfd], [], [])  # readable once the process has exited
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
-
 # Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.errors import StagerError, UserProcessUnanswered
 from stager.fs.deletion import delete_tree as delete_tree
@@ -168,7 +166,7 @@ async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None
     for _ in range(3):
         try:
             await as_user(owner, empty_own_folder, folder)
-            if await anyio.to_thread.run_sync(remove_emptied, folder):
+            if await as_user(None, remove_emptied, folder):  # None: as the service
                 return
         except UserProcessUnanswered:
             raise  # their process is stopped or gone: the caller moves on to other owners

@@ -14,7 +14,6 @@ import secrets
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from types import FrameType
 import httpx
 import uvicorn
 
-from stager import connections, logs, prestart, startup
+from stager import connections, logs, prestart, processes, startup
 from stager.app import create_app
 from stager.prefetch import listener
 from stager.settings import Settings
@@ -262,16 +261,14 @@ def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> i
     startup.check_cache(settings)
     log = logs.open_log_file(settings.log_path)
     try:
-        with open(os.devnull, "rb") as devnull:
-            process = subprocess.Popen(
-                # -P: `-m` would put the current folder first on sys.path, and a folder
-                # named stager there (a clone's parent) would be imported for the daemon.
-                [sys.executable, "-P", "-m", "stager", "serve", *serve_argv],
-                stdin=devnull,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survive the prologue's shell and its signals
-            )
+        process = processes.spawn(
+            # -P: `-m` would put the current folder first on sys.path, and a folder
+            # named stager there (a clone's parent) would be imported for the daemon.
+            [sys.executable, "-P", "-m", "stager", "serve", *serve_argv],
+            stdout=log,
+            stderr=processes.STDOUT,
+            start_new_session=True,  # survive the prologue's shell and its signals
+        )
     finally:
         os.close(log)
     deadline = time.monotonic() + wait_s

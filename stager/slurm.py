@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+from stager.processes import NotRun, run
 
 # Every state in which a job may still read its data.
 ALIVE_STATES = frozenset(
@@ -26,18 +25,9 @@ ALIVE_STATES = frozenset(
 
 def job_alive(job_id: str, timeout_s: float = 10.0) -> bool | None:
     """True/False when SLURM answers; None when it cannot be asked (keep the lease)."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return None
     try:
-        result = subprocess.run(
-            [scontrol, "show", "job", "--oneliner", job_id],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        result = run(["scontrol", "show", "job", "--oneliner", job_id], timeout_s)
+    except NotRun:  # not installed, or no answer
         return None
     if result.returncode != 0:
         # Purged from slurmctld's memory: long finished. Anything else: cannot tell.

@@ -22,11 +22,11 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from stager.errors import VerifyFailed
+from stager.processes import NotRun, run
 
 TTL_S = 900  # from the last part packed to the adoption checking it
 WHAT = "stager fan-out manifest"
@@ -63,13 +63,8 @@ def encode(payload: str, socket: Path | str | None, ttl_s: int) -> str | None:
     """A credential of this process's uid over ``payload``, valid ``ttl_s`` seconds; None
     when munged cannot make one."""
     try:
-        done = subprocess.run(
-            ["munge", *_socket_args(socket), "--ttl", str(ttl_s), "--string", payload],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        done = run(["munge", *_socket_args(socket), "--ttl", str(ttl_s), "--string", payload], 30)
+    except NotRun:
         return None
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
 
@@ -90,14 +85,8 @@ def decode(
 ) -> Decoded:
     """Decode ``credential`` with this node's munged; ``what`` names it in errors."""
     try:
-        done = subprocess.run(
-            ["unmunge", *_socket_args(socket), "--numeric", "--keys", keys],
-            input=credential,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = run(["unmunge", *_socket_args(socket), "--numeric", "--keys", keys], 30, credential)
+    except NotRun as exc:
         raise VerifyFailed(f"cannot check {what} with unmunge ({exc})") from exc
     meta_text, _, payload_text = done.stdout.partition("\n\n")
     meta = dict(

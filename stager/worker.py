@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from stager import overlap
-from stager.children import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.durable import CrashPoints, Durable
 from stager.errors import Cancelled, InsufficientSpace, QuotaExceeded, StagerError
 from stager.fs.credentials import Reader, read_sources_as
 from stager.ops import table
 from stager.ops.base import OpContext
+from stager.processes import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.progress import SharedCounters, WorkerCounters
 from stager.publish import Attempt, delete_tree, write_atomically
 from stager.rights.become import drop_capabilities

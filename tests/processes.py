@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stager.children import SPARE_NAME, USER_NAME, WALKER_NAME
+from stager.processes import SPARE_NAME, USER_NAME, WALKER_NAME
 
 
 def parents() -> dict[int, list[int]]:

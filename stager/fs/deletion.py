@@ -22,12 +22,12 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 from typing import Protocol
 
 from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_top_unconfined, walk
+from stager.processes import exited, spawn
 
 RM = shutil.which("rm")
 # A folder with more entries than this is not split further (and its listing is
@@ -110,25 +110,18 @@ def _delete_with_rm(top: int, pieces: list[str], stop: StopFlag | threading.Even
     names meanwhile); False if stopped."""
     cores = max(1, min(len(os.sched_getaffinity(0)), 4))
     processes = [
-        subprocess.Popen(
+        spawn(  # a failure shows as what is left, deleted here
             [str(RM), "-rf", "--one-file-system", "--", *pieces[i::cores]],
             cwd=f"/proc/self/fd/{top}",  # in the child: the descriptor it inherits
             pass_fds=(top,),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,  # a failure shows as what is left, deleted here
         )
         for i in range(cores)
     ]
     try:
         for process in processes:
-            while True:
-                try:
-                    process.wait(POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    if stop.is_set():
-                        return False
+            while not exited(process, POLL_S):
+                if stop.is_set():
+                    return False
         return True
     finally:
         for process in processes:

@@ -30,12 +30,12 @@ import fcntl
 import os
 import shutil
 import struct
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from stager.errors import StagerError
 from stager.libc import LIBC
+from stager.processes import run
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
@@ -270,7 +270,7 @@ def unmount(target: str, lazy: bool = False) -> None:
         return
     if found.fstype.startswith("fuse") and os.geteuid() != 0:
         command = [tool("fusermount3"), "-u", *(["-z"] if lazy else []), target]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = run(command, None)
         if done.returncode != 0:
             said = (done.stderr or done.stdout).strip()
             if "busy" in said:
@@ -364,7 +364,7 @@ def _require_mounted(image: str, target: str) -> Mounted:
 
 
 def _run(command: list[str], image: str, target: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = run(command, None)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
         detail = said[-1] if said else f"exit status {done.returncode}"

@@ -6,7 +6,7 @@ service measured its size and sha256 from the very bytes sbcast read. The delive
 folder is the job's user's to write (sbcast writes as them), so in the node service the
 delivered file is never mounted as it lies: the staging copies it into its own folder
 (root's) while a thread hashes the copy, and only a copy whose size and sha256 are the
-source node's is published and mounted (:mod:`stager.imaging`). What is hashed is what
+source node's is published and mounted (:mod:`stager.kinds.imaging`). What is hashed is what
 the kernel parses: a user who swaps or rewrites the delivery before, during or after the
 copy changes nothing that is mounted. A per-user daemon serves the one user who wrote
 the delivery, so there it is hashed where it lies and renamed in (``in_place``): the

@@ -138,7 +138,7 @@ def make_dir(path: str) -> None:
 @dataclass(frozen=True)
 class ImageStream:
     """What a step makes, as an archive that image mode reads straight into the image
-    (stager.imaging) instead of writing its files: ``src`` (absolute: a source; relative:
+    (stager.kinds.imaging) instead of writing its files: ``src`` (absolute: a source; relative:
     an earlier step's output, used up unless ``keep``), its members with ``strip``
     leading components dropped, under ``dst``; ``nested``: the archives inside it too.
     ``before`` runs first, in the staging (an md5 check of the archive)."""

@@ -4,7 +4,7 @@ An admin builds an image once next to the dataset (``stager image build SRC -o
 imagenet.erofs``, no daemon needed); a request whose one step names it copies the
 file into the staging (``copy_file_range``), hashes the copy as it is written, checks
 the hash against the step's ``sha256`` and mounts it: nothing is unpacked. Only in
-image mode (the request's ``image``, which such a step implies): :mod:`stager.imaging`
+image mode (the request's ``image``, which such a step implies): :mod:`stager.kinds.imaging`
 runs it; ``run`` alone refuses.
 
 The node service mounts in the kernel only images it built itself or images the admin
@@ -22,7 +22,6 @@ import mmap
 import os
 import queue
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from stager.fs.sources import fd_path, open_source, require_source, within
 from stager.fs.writeback import start_writeback
 from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
+from stager.processes import Threaded
 
 _CHUNK = 8 << 20
 
@@ -193,17 +193,17 @@ def copy_and_hash(
     return hasher.hexdigest()
 
 
-class _ChunkHasher(threading.Thread):
+class _ChunkHasher(Threaded):
     """sha256 of a file's chunks in the order they are written, on a thread of its own
     (hashlib releases the GIL for large updates), each read through a read-only mapping
     of the range, from the page cache the copy has just filled."""
 
+    thread_name = "image-hash"
+
     def __init__(self, fd: int) -> None:
-        super().__init__(name="image-hash")
         self._fd = fd
         self._digest = hashlib.sha256()
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
         self.start()
 
     def written(self, offset: int, length: int) -> None:
@@ -214,18 +214,15 @@ class _ChunkHasher(threading.Thread):
         (unless ``quiet``)."""
         self._ranges.put(None)
         self.join()
-        if self._error is not None and not quiet:
-            raise self._error
+        if self.error is not None and not quiet:
+            raise self.error
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
-    def run(self) -> None:
-        try:
-            while (chunk := self._ranges.get()) is not None:
-                _hash_range(self._digest, self._fd, *chunk)
-        except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the copy's thread
-            self._error = exc
+    def run(self) -> None:  # an error is kept in ``error``, raised by finish
+        while (chunk := self._ranges.get()) is not None:
+            _hash_range(self._digest, self._fd, *chunk)
 
 
 def hash_in_place(

@@ -13,7 +13,6 @@ the line is split from the left, so a ``|`` in it could not move the fields befo
 from __future__ import annotations
 
 import functools
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from stager.plan import hostlist
+from stager.processes import NotRun, run
 
 FIELDS = (
     "JobID",
@@ -135,24 +135,14 @@ class Squeue:
         self.calls += 1
         started = time.perf_counter()
         try:
-            done = subprocess.run(
-                self.argv,
-                capture_output=True,
-                text=True,
-                # One job's bytes that are not UTF-8 must not stop every job's interval.
-                encoding="utf-8",
-                errors="surrogateescape",
-                timeout=self.timeout_s,
-                check=False,
-            )
-        except FileNotFoundError as exc:
+            # One job's bytes that are not UTF-8 must not stop every job's interval: run
+            # keeps them as surrogates.
+            done = run(self.argv, self.timeout_s)
+        except NotRun as exc:
+            if exc.timed_out:
+                raise SqueueError(f"{exc}; slurmctld is busy or down") from exc
             raise SqueueError(
-                f"{self.argv[0]} is not installed here; run the planner on a host with "
-                f"Slurm's client commands (the controller)"
-            ) from exc
-        except subprocess.TimeoutExpired as exc:
-            raise SqueueError(
-                f"squeue did not answer within {self.timeout_s:g} s; slurmctld is busy or down"
+                f"{exc}; run the planner on a host with Slurm's client commands (the controller)"
             ) from exc
         finally:
             self.last_s = time.perf_counter() - started

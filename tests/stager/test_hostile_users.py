@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
+from stager.blocking import Processes
 from stager.fanout.packing import folder_bytes
-from stager.processes import Processes
+from stager.processes import GATE_NAME, STAGE_NAME, USER_NAME
 from stager.rights.become import Identity, effective_capabilities
 from stager.schemas import END_NAME, delivered_name
 from tests.daemon import Daemon, node_service

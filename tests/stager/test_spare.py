@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.children import SPARE_NAME, STAGE_NAME
+from stager.processes import SPARE_NAME, STAGE_NAME
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import children_of

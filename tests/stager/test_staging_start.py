@@ -11,7 +11,7 @@ from tests.imports import REPO
 
 # A process started as blocking.run_staging starts one (the fork server exits with it).
 PROBE = """
-from stager.processes import Processes
+from stager.blocking import Processes
 from stager.progress import SharedCounters
 from tests import fork_probe
 

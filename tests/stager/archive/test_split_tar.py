@@ -418,13 +418,13 @@ def test_the_folders_files_go_to_as_many_tars_as_cores(
     archive = tmp_path / "a.tar"
     gnu_tar("-cf", archive, ".", cwd=tree)
     started: list[list[str]] = []
-    real = split_tar.subprocess.Popen
+    real = split_tar.spawn
 
     def popen(args: list[str], **kwargs: Any) -> Any:
         started.append(args)
         return real(args, **kwargs)
 
-    monkeypatch.setattr(split_tar.subprocess, "Popen", popen)
+    monkeypatch.setattr(split_tar, "spawn", popen)
     extract(archive, tmp_path / "dest")
     assert len(started) == 2 and all("--keep-old-files" in args for args in started)
     assert heads[0].complete and heads[0].files == 4
