@@ -5,10 +5,10 @@ dropped; every other feature the node has (its slurm.conf ones, an admin's) is k
 from __future__ import annotations
 
 import re
-import subprocess
 
 from stager.errors import StagerError
 from stager.placement.names import PATTERN
+from stager.processes import NotRun, run
 
 TIMEOUT_S = 10.0  # slurmctld answers in milliseconds; a longer wait is a sick controller
 _FIELD = r"(?:^|\s){}=(\S*)"
@@ -20,8 +20,8 @@ class ScontrolFailed(StagerError):
 
 def _run(argv: list[str]) -> str:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = run(argv, TIMEOUT_S)
+    except NotRun as exc:
         raise ScontrolFailed(f"`{' '.join(argv)}` failed: {exc}") from exc
     if done.returncode != 0:
         raise ScontrolFailed(f"`{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")

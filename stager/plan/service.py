@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import httpx
 
 from stager import vouch
+from stager.blocking import run_io
 from stager.plan.changes import Changes
 from stager.plan.planner import Planner
 from stager.plan.planning import Prefetch
@@ -106,7 +107,7 @@ class Sender:
         async with self.at_once:
             payload = json.dumps({"what": WHAT, "sha256": hashlib.sha256(order.body).hexdigest()})
             settings = self.settings
-            credential = await asyncio.to_thread(
+            credential = await run_io(
                 vouch.encode, payload, settings.munge_socket, settings.prefetch_credential_ttl_s
             )
             if credential is None:
@@ -156,7 +157,7 @@ class Service:
     async def interval(self) -> Tally:
         """One interval; raises SqueueError when squeue could not be read."""
         started = time.perf_counter()
-        found = await asyncio.to_thread(self.planner.interval)
+        found = await run_io(self.planner.interval)
         tally = Tally(squeue_ms=self.planner.source.last_s * 1000)
         plan = found.plan
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)

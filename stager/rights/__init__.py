@@ -59,6 +59,7 @@ PROCESSES = (
     Process("mount -o loop; a FUSE reader, fusermount3 -u", "stager.image.mount", "root; the user"),
     Process("munge, unmunge: vouching for a shared export", "stager.vouch", ROOT),
     Process("scontrol show job: whether a lease's job is alive", "stager.slurm", ROOT),
+    Process("scontrol update node: this node's stg_ features", "stager.placement.scontrol", ROOT),
     Process("squeue: the planner's one call an interval", "stager.plan.squeue", "the planner's"),
     Process("stager serve --detach: the daemon, in the background", "stager.server", "its caller"),
 )
