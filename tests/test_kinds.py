@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from stager.dataset import Entry
+from stager.core.settings import Settings
 from stager.kinds import table
 from stager.kinds.base import Kind
 from stager.ops.table import BUILTIN, OpTable
-from stager.schemas import DatasetCreate
-from stager.settings import Settings
-from stager.worker import KindStaging
+from stager.staging.worker import KindStaging
+from stager.state.dataset import Entry
+from stager.wire.schemas import DatasetCreate
 
 REPO = Path(__file__).resolve().parents[1]
 STAGER = REPO / "stager"
@@ -35,15 +35,15 @@ IMAGE_NAMES = {"image", "as_image", "wants_image", "image_fallback", "prebuilt_i
 # with how many such tests it holds, so a new one there fails too.
 WIRE_TESTS = {
     # The request's own field decides its spec (a tree's key stays what it was).
-    "stager/schemas.py": 1,
+    "stager/wire/schemas.py": 1,
     # The entry's optional record, as a column: written when there, read when there.
-    "stager/store.py": 2,
+    "stager/state/store.py": 2,
     # ``adopt.image``: the delivery's shape on the wire (one image file or a tree's
     # parts), which decides how the delivery is adopted, not what kind is staged.
     "stager/fanout/adoption.py": 1,
     "stager/fanout/room.py": 1,
     # The planner's line for people: what a job's request body asks.
-    "stager/plan/report.py": 1,
+    "stager/prestage/plan/report.py": 1,
 }
 
 

@@ -1,11 +1,11 @@
 """One owner of processes, one doorway to threads: a stray start fails here.
 
-Every process and thread the daemon's code starts is started by stager/processes.py,
+Every process and thread the daemon's code starts is started by stager/core/processes.py,
 and every blocking call the event loop hands to a thread goes through
-stager/blocking.py's ``run_io`` (docs/architecture.md). The scan reads every module of
+stager/staging/blocking.py's ``run_io`` (docs/architecture.md). The scan reads every module of
 stager/ and client/ and finds each use of a way to start one; ``OWNERS`` names the one
 module allowed each way. And stager/rights/__init__.py's table lists every process the
-daemon starts: the modules that ask stager.processes for one are its rows, no more.
+daemon starts: the modules that ask stager.core.processes for one are its rows, no more.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ OS_STARTS = ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "popen"
 MP_STARTS = ("Process", "Pool", "get_context", "ensure_running", "set_start_method")
 # The one module allowed each (the client's own, beside the daemon's).
 OWNERS = {
-    PROCESS: {"stager.processes", "client.fanout.slurm", "client.declare"},
-    THREAD: {"stager.processes"},
-    LOOP: {"stager.blocking", "client.fanout.agent", "client.fanout.protocol"},
+    PROCESS: {"stager.core.processes", "client.fanout.slurm", "client.declare"},
+    THREAD: {"stager.core.processes"},
+    LOOP: {"stager.staging.blocking", "client.fanout.agent", "client.fanout.protocol"},
 }
-# The functions of stager.processes that start a process (a row of rights' table each).
+# The functions of stager.core.processes that start a process (a row of rights' table each).
 STARTERS = ("run", "spawn", "start_child", "fork_pool", "fork_child", "start_fork_server")
 
 
@@ -94,8 +94,8 @@ def strays(packages: tuple[str, ...] = ("stager", "client")) -> list[str]:
 def test_every_process_and_thread_is_started_by_its_owner() -> None:
     found = strays()
     assert not found, (
-        "start processes and threads through stager.processes, and hand the loop's "
-        "blocking calls to stager.blocking.run_io (tests/test_owner_rooms.py OWNERS):\n"
+        "start processes and threads through stager.core.processes, and hand the loop's "
+        "blocking calls to stager.staging.blocking.run_io (tests/test_owner_rooms.py OWNERS):\n"
         + "\n".join(found)
     )
 
@@ -136,14 +136,14 @@ def test_what_is_no_start_is_not_found() -> None:
 
 
 def askers() -> set[str]:
-    """The modules that call one of stager.processes' starters."""
+    """The modules that call one of stager.core.processes' starters."""
     found = set()
     for name, path in modules(REPO / "stager").items():
         tree = ast.parse(path.read_text())
         imported = {
             alias.asname or alias.name
             for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module == "stager.processes"
+            if isinstance(node, ast.ImportFrom) and node.module == "stager.core.processes"
             for alias in node.names
             if alias.name in STARTERS
         }
@@ -161,7 +161,7 @@ def test_rights_table_lists_every_process_the_daemon_starts() -> None:
 
     listed = {row.started_by for row in PROCESSES}
     asking = askers()
-    assert "stager.rights.pool" in asking and "stager.vouch" in asking
+    assert "stager.rights.pool" in asking and "stager.core.vouch" in asking
     assert listed == asking, (
         f"stager/rights/__init__.py's PROCESSES names {sorted(listed - asking)}, which "
         f"start none; and not {sorted(asking - listed)}, which do"
@@ -174,7 +174,7 @@ def test_the_scan_reads_the_owner_rooms() -> None:
     vacuously if it saw nothing)."""
     seen = {
         kind
-        for path in (REPO / "stager" / "processes.py", REPO / "stager" / "blocking.py")
+        for path in (REPO / "stager" / "core" / "processes.py", REPO / "stager" / "staging" / "blocking.py")
         for kind, _, _ in starts(Path(path).read_text())
     }
     assert seen == {PROCESS, THREAD, LOOP}

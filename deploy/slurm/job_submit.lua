@@ -12,7 +12,7 @@ one line of squeue output whatever the script holds. docs/prestaging.md.
 
 Placement: a job that declares data also gets --prefer for the node features that
 the node services keep on the nodes holding it (stg_ and 8 hex digits of FNV-1a
-32-bit over a line's words; stager/placement/names.py computes the same), joined by
+32-bit over a line's words; stager/prestage/placement/names.py computes the same), joined by
 "&". Not for root's jobs, not when the user gave --prefer, and only when slurm.conf
 beside this file says SchedulerParameters=ignore_prefer_validation: without it, a
 prefer naming a feature no node has yet would reject the submission.

@@ -18,7 +18,7 @@ written as files first, then extracted and removed once the outer archive is don
 
 What it leaves is counted as it is written (the writer's ``made``): the bytes of
 its files and symlinks, so a fresh tree is sealed without a ``stat`` of each file
-(:mod:`stager.worker`). Where an inner archive was extracted the count is not
+(:mod:`stager.staging.worker`). Where an inner archive was extracted the count is not
 kept (an inner archive writes under folders the outer one may fill or replace
 meanwhile): the extraction says None, and the tree is measured instead.
 """
@@ -46,10 +46,10 @@ from stager.archive.split_tar import Head
 from stager.archive.tar_reader import read_tar, require_inside
 from stager.archive.writer import BATCH_BYTES, ArchiveWriter
 from stager.archive.zip_reader import read_zip
+from stager.core.processes import die_with_parent, fork_pool, thread_pool
 from stager.fs.forked import cores, paused_gc
 from stager.fs.seal import KnownTree
-from stager.processes import die_with_parent, fork_pool, thread_pool
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 # Archives smaller than this extract on threads: forking workers costs ~10 ms.
 PROCESS_MIN_BYTES = 64 << 20

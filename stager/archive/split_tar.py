@@ -52,11 +52,11 @@ from dataclasses import dataclass, field
 from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
 from stager.archive.writer import _HELD_OVERHEAD, HELD_NAMES_BYTES
+from stager.core.processes import NotRun, Spawned, run, spawn
 from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
 from stager.fs.sizes import ENTRY_BYTES, FOLDER_BYTES, entry_bytes
-from stager.processes import NotRun, Spawned, run, spawn
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
 SPLIT_MIN_BYTES = 64 << 20

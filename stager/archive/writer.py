@@ -62,12 +62,12 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from stager.errors import UnsafeArchiveMember, VerifyFailed
+from stager.core.errors import UnsafeArchiveMember, VerifyFailed
+from stager.core.processes import ThreadPool
 from stager.fs.fastcopy import READ_CHUNK, copy_range
 from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
-from stager.processes import ThreadPool
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC

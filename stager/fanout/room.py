@@ -17,7 +17,7 @@ phase of a request or a staging:
 - ``held``: for admission, what the room holds (promised bytes, keys being packed);
 - ``admitted``: the request is decided; its delivery is claimed, or released unused;
 - ``staging_starts`` / ``staging_ends``: where an adopting staging may read, and the
-  claimed delivery it read, which the registry then removes (:mod:`stager.lifecycle`);
+  claimed delivery it read, which the registry then removes (:mod:`stager.engine.lifecycle`);
 - ``export``: the next part of a dataset to send.
 
 The API's reservations (``/v1/incoming``, ``/v1/exports``) come here directly. The
@@ -36,11 +36,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from stager import vouch
-from stager.admission import Admission, Held
-from stager.blocking import run_io
-from stager.dataset import Entry, State
-from stager.errors import (
+from stager.core import vouch
+from stager.core.errors import (
     BadRequest,
     Conflict,
     NotFound,
@@ -48,6 +45,9 @@ from stager.errors import (
     UserProcessUnanswered,
     from_os_error,
 )
+from stager.core.identity import Caller
+from stager.core.settings import Settings
+from stager.engine.admission import Admission, Held
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
@@ -64,12 +64,13 @@ from stager.fanout.packing import (
     remove_folder,
 )
 from stager.fs.credentials import Reader
-from stager.identity import Caller
-from stager.manifest_format import Manifest
 from stager.ops import table
 from stager.ops.base import CheckContext
-from stager.publish import remove_delivery
-from stager.schemas import (
+from stager.staging.blocking import run_io
+from stager.staging.publish import remove_delivery
+from stager.state.dataset import Entry, State
+from stager.wire.manifest_format import Manifest
+from stager.wire.schemas import (
     DatasetCreate,
     ExportCreate,
     ExportPublic,
@@ -77,7 +78,6 @@ from stager.schemas import (
     SourceFile,
     TransferPublic,
 )
-from stager.settings import Settings
 
 log = logging.getLogger("stager.fanout")
 
@@ -342,7 +342,7 @@ class FanoutRoom:
         """One file of ``entry`` sent whole (stager.kinds.base.Sender): room for its
         ``size`` booked as an export, ``copy`` run into the transfer's folder (off the
         event loop; never evicted meanwhile), and in the node service the copy's sha256
-        vouched for (stager.vouch) whoever's it is, since the receivers' kernels will
+        vouched for (stager.core.vouch) whoever's it is, since the receivers' kernels will
         parse it. The copy's path, size, sha256 and the credential."""
         key, label = transfer_key(owner, request.label), request.label
         if self.exports.find(key) is not None:
@@ -365,7 +365,7 @@ class FanoutRoom:
         return path, size, sha256, credential
 
     def _vouches_for(self, entry: Entry) -> bool:
-        """Whether this service vouches for the manifest of ``entry`` (stager.vouch): the
+        """Whether this service vouches for the manifest of ``entry`` (stager.core.vouch): the
         node service does, for an entry every user shares, where munge is installed."""
         shared = entry.reader is not None and entry.reader.public
         return self.settings.multi_user and shared and vouch.available()

@@ -2,7 +2,7 @@
 archive a step used up): at ``rm -rf`` speed or better, without holding the
 daemon, and stoppable. Only trees no user may write come here (in the node service
 a user's own folder, a delivery, is emptied by the user's own process:
-stager.publish.empty_own_folder); even so, each piece is reached from a folder held
+stager.staging.publish.empty_own_folder); even so, each piece is reached from a folder held
 open, never through a link.
 
 Deleting a million files is a million ``unlinkat`` calls in the kernel whoever
@@ -26,8 +26,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+from stager.core.processes import exited, spawn
 from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_top_unconfined, walk
-from stager.processes import exited, spawn
 
 RM = shutil.which("rm")
 # A folder with more entries than this is not split further (and its listing is

@@ -17,7 +17,7 @@ Small trees never pay for the fork: until ``parallel_after`` files (or
 ``PARALLEL_AFTER_BYTES``) have been seen,
 :class:`Workers` runs each chunk on the calling thread. The only other thread in
 the staging process at that point waits in ``select()`` for the daemon's exit
-(:func:`stager.processes.die_with`) and holds no lock, which is what keeps the
+(:func:`stager.core.processes.die_with`) and holds no lock, which is what keeps the
 later fork safe.
 """
 
@@ -30,10 +30,10 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from contextlib import contextmanager
 from typing import Any
 
-from stager.errors import Cancelled
+from stager.core.errors import Cancelled
+from stager.core.processes import FORK, die_with_parent, fork_pool
 from stager.fs.sources import Folder, Visitor, walk
-from stager.processes import FORK, die_with_parent, fork_pool
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 _CONTEXT = FORK
 # A few large files are worth the workers too: copying them is memory bandwidth,

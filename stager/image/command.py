@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stager.errors import StagerError
-from stager.processes import thread
-from stager.progress import Progress
+from stager.core.errors import StagerError
+from stager.core.processes import thread
+from stager.wire.progress import Progress
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -177,7 +177,7 @@ class _Reporter:
         self._every = 0.5 if self._tty else 10.0
         self._stopped = threading.Event()
         self._quiet = quiet
-        self._thread: Any = None  # stager.processes.thread's
+        self._thread: Any = None  # stager.core.processes.thread's
 
     def start(self) -> None:
         if not self._quiet:

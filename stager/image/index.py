@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from stager.archive.formats import resolve_format
-from stager.errors import UnknownFormat, VerifyFailed
+from stager.core.errors import UnknownFormat, VerifyFailed
+from stager.core.processes import Threaded
 from stager.fs.durable_names import sync_folder
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.writeback import start_writeback
 from stager.image.build import BuildOptions, Built, TarInput, build_from
 from stager.image.erofs import EMBEDDED_AT, Blob
-from stager.processes import Threaded
 
 
 @dataclass
@@ -170,7 +170,7 @@ class _Following:
         self._copy, self._progress, self._check = copy, options.progress, options.check
         self._size = size
         self._at = 0  # the next header's offset
-        # Looked up per member (stager.progress.report_written): an attribute, not a
+        # Looked up per member (stager.wire.progress.report_written): an attribute, not a
         # failed lookup through __getattr__ each time.
         self.wrote = getattr(self._progress, "wrote", None)
 

@@ -33,9 +33,9 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from stager.errors import StagerError
-from stager.libc import LIBC
-from stager.processes import run
+from stager.core.errors import StagerError
+from stager.core.libc import LIBC
+from stager.core.processes import run
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2

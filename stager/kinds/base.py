@@ -3,14 +3,14 @@
 A kind is what differs between datasets that the engine, the registry, the staging
 process and the fan-out room otherwise treat alike: whether a request can be staged
 so (``check``), what its staging process is told and does (``job``, a
-``stager.worker.KindStaging``), how its outcome is published (``publish``), what a hit
+``stager.staging.worker.KindStaging``), how its outcome is published (``publish``), what a hit
 checks (``changed``), what a start settles (``recover``, ``settle``, ``claim``), how it
 leaves the cache (``delete``) and how it is sent to other nodes (``export``). The
 callers never ask which kind they hold.
 
 Kinds receive the registry's and the engine's parts as the small protocols below
-(as stager.admission's ``Books``), so nothing here imports stager.lifecycle or
-stager.engine.
+(as stager.engine.admission's ``Books``), so nothing here imports stager.engine.lifecycle or
+stager.engine.scheduler.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from stager.dataset import Entry
-from stager.durable import CrashPoints, Durable
+from stager.core.durable import CrashPoints, Durable
+from stager.core.settings import Settings
+from stager.engine.held_space import HeldSpace
 from stager.fs.seal import Seal
-from stager.held_space import HeldSpace
-from stager.publish import Attempt
-from stager.schemas import DatasetCreate, ErrorInfo, ExportCreate, ExportPublic, State
-from stager.settings import Settings
+from stager.staging.publish import Attempt
+from stager.state.dataset import Entry
+from stager.wire.schemas import DatasetCreate, ErrorInfo, ExportCreate, ExportPublic, State
 
 # The staging process's outcome, as the kind's job returned it (a Seal, an ImageMade).
 Outcome = Any
@@ -49,7 +49,7 @@ class Trash(Protocol):
 
 
 class Shelf(Protocol):
-    """What a kind reads and does of the registry (stager.lifecycle.Registry)."""
+    """What a kind reads and does of the registry (stager.engine.lifecycle.Registry)."""
 
     settings: Settings
     trash: Trash
@@ -108,7 +108,7 @@ class Kind(Protocol):
 
     def job(self, entry: Entry) -> Any:
         """What the staging process runs for ``entry``: picklable, a
-        ``stager.worker.KindStaging``; its outcome is what ``publish`` takes."""
+        ``stager.staging.worker.KindStaging``; its outcome is what ``publish`` takes."""
         ...
 
     async def publish(self, entry: Entry, outcome: Outcome, shelf: Shelf) -> None:

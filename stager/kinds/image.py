@@ -15,21 +15,22 @@ import os
 from pathlib import Path
 from typing import Any
 
-from stager.blocking import run_io
-from stager.cache import private_owner
-from stager.dataset import Entry
-from stager.durable import Durable
-from stager.errors import BadRequest, ImageUnavailable, StagerError, UntrustedImage
+from stager.core.durable import Durable
+from stager.core.errors import BadRequest, ImageUnavailable, StagerError, UntrustedImage
+from stager.core.settings import Settings
+from stager.engine.held_space import Record as Held
+from stager.engine.held_space import held_open, holder_of
 from stager.fanout.image_export import export_image
-from stager.held_space import Record as Held
-from stager.held_space import held_open, holder_of
 from stager.image import mount as image_mount
 from stager.image import published as images
 from stager.image.identity import ImageIdentity
 from stager.kinds.base import Kind, ReadyTree, Sender, Shelf
 from stager.kinds.imaging import ImageJob, ImageMade, attempt_image
 from stager.ops import image as image_op
-from stager.schemas import (
+from stager.staging.blocking import run_io
+from stager.state.cache import private_owner
+from stager.state.dataset import Entry
+from stager.wire.schemas import (
     DatasetCreate,
     ErrorInfo,
     ExportCreate,
@@ -37,7 +38,6 @@ from stager.schemas import (
     ImageSent,
     State,
 )
-from stager.settings import Settings
 
 log = logging.getLogger("stager.kinds.image")
 
@@ -282,7 +282,7 @@ class Image(Kind):
         stager.image.published.take_down), then its file and mount point deleted. One
         file: no tree to move aside and delete in the background. A lazily unmounted
         image's file is kept instead, on its owner's books, until its readers let go
-        (stager.held_space): unlinked, its blocks would stay in use, counted nowhere."""
+        (stager.engine.held_space): unlinked, its blocks would stay in use, counted nowhere."""
         final, file = shelf.final(entry), self.file(entry)
         owner = private_owner(entry)
         self._mounts.forget(entry.key)
@@ -322,7 +322,7 @@ class Image(Kind):
         self, entry: Entry, request: ExportCreate, owner: Any, ready: ReadyTree, room: Sender
     ) -> ExportPublic | None:
         """Sent as one file: a copy of its image, hashed as it is written
-        (stager.fanout.image_export); in the node service vouched for (stager.vouch)
+        (stager.fanout.image_export); in the node service vouched for (stager.core.vouch)
         whoever's it is, since the receivers' kernels will parse it. Not an index image:
         its blob, the source's whole tar, is a second file: it goes as a tree does, in
         parts with a manifest, and each receiver builds its own image

@@ -43,10 +43,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stager import overlap
 from stager.archive.growing import GrowingFile
-from stager.durable import Durable
-from stager.errors import BadRequest, StagingError
+from stager.core.durable import Durable
+from stager.core.errors import BadRequest, StagingError
 from stager.fs.sources import open_source
 from stager.image.build import (
     BuildOptions,
@@ -63,9 +62,10 @@ from stager.ops import adopt_image, table
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
-from stager.progress import ProgressSink, WorkerCounters, report_written
-from stager.publish import Attempt, delete_tree, write_atomically
-from stager.worker import Steps
+from stager.staging import overlap
+from stager.staging.publish import Attempt, delete_tree, write_atomically
+from stager.staging.worker import Steps
+from stager.wire.progress import ProgressSink, WorkerCounters, report_written
 
 IMAGE_NAME = "image.erofs"
 BUILT_NAME = "image.json"  # what the build counted, written before the image's rename
@@ -84,7 +84,7 @@ class ImageJob:
     # image whole, the metadata after it (stager.image.index, embedded): cp's speed.
     embed: bool = False
 
-    # The image kind's part of a staging job (stager.worker.KindStaging).
+    # The image kind's part of a staging job (stager.staging.worker.KindStaging).
 
     def published(self, final: Path, attempt: Attempt) -> ImageMade | None:
         """An image published before the daemon died (the staging has nothing to do)."""
@@ -332,7 +332,7 @@ class ImageStaging:
     def _build_while_downloading(self, the_plan: Plan, made: Path) -> ImageMade:
         """The download runs as its op does alone (its ``.part``, resume, sha256, the
         rename), while the image is built from its file as it grows
-        (:func:`stager.overlap.follow_download`; built again from the first byte if the
+        (:func:`stager.staging.overlap.follow_download`; built again from the first byte if the
         download starts over). The image takes its final name only once the download
         is complete and checked: bytes that fail their sha256 are never published."""
         stream = the_plan.streams[2]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from stager.dataset import Entry
+from stager.core.settings import Settings
 from stager.kinds.base import Kind
 from stager.kinds.image import Image
 from stager.kinds.tree import Tree
-from stager.schemas import DatasetCreate
-from stager.settings import Settings
+from stager.state.dataset import Entry
+from stager.wire.schemas import DatasetCreate
 
 ROWS: tuple[Callable[[Settings], Kind], ...] = (Image, Tree)
 

@@ -14,22 +14,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stager.blocking import run_io
-from stager.cache import private_owner
-from stager.dataset import Entry
-from stager.durable import Durable
+from stager.core.durable import Durable
+from stager.core.settings import Settings
 from stager.fs.seal import Seal, check_seal, protect_top, seal_listed, seal_tree
 from stager.fs.watch import TreeWatch
 from stager.kinds.base import Kind, Shelf
-from stager.publish import Attempt, delete_tree, publish
-from stager.schemas import DatasetCreate, State
-from stager.settings import Settings
-from stager.worker import Steps
+from stager.staging.blocking import run_io
+from stager.staging.publish import Attempt, delete_tree, publish
+from stager.staging.worker import Steps
+from stager.state.cache import private_owner
+from stager.state.dataset import Entry
+from stager.wire.schemas import DatasetCreate, State
 
 
 @dataclass(frozen=True)
 class TreeStaging:
-    """A tree's part of a staging job (stager.worker.KindStaging): the steps' tree,
+    """A tree's part of a staging job (stager.staging.worker.KindStaging): the steps' tree,
     sealed."""
 
     workers: int

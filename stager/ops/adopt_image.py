@@ -15,7 +15,7 @@ same check, without a second copy of the image.
 In the node service the hash itself must come from the source node's service, not from
 the job that carried it (a user could send an image of their own making with its own
 hash): the step carries that service's MUNGE credential over the entry's key and the
-image's sha256 (:mod:`stager.vouch`), checked before a byte is copied. The step is the
+image's sha256 (:mod:`stager.core.vouch`), checked before a byte is copied. The step is the
 daemon's own (``internal``), built from a request's ``adopt``.
 """
 
@@ -28,13 +28,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from stager import vouch
-from stager.errors import BadRequest, SourceNotFound, VerifyFailed
+from stager.core import vouch
+from stager.core.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
 from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 from stager.ops.image import copy_durably, hash_in_place, said_of
-from stager.schemas import ByteCount
+from stager.wire.schemas import ByteCount
 
 # What a refused delivery leads to, at the end of each refusal's sentence.
 NOT_MOUNTED = "it is not mounted, and this node stages from the source"

@@ -29,13 +29,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from stager.errors import BadRequest, UntrustedImage, VerifyFailed
+from stager.core.errors import BadRequest, UntrustedImage, VerifyFailed
+from stager.core.processes import Threaded
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import fd_path, open_source, require_source, within
 from stager.fs.writeback import start_writeback
 from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.processes import Threaded
 
 _CHUNK = 8 << 20
 

@@ -28,7 +28,7 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stager.processes import thread
+from stager.core.processes import thread
 from stager.rights import channel
 
 # Entries of a folder sent per answer: a folder of a million files is sent in pieces,

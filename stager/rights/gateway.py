@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from stager.processes import GATE_NAME, die_with_parent, fork_child, name_process
+from stager.core.processes import GATE_NAME, die_with_parent, fork_child, name_process
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 

@@ -25,19 +25,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.errors import StagerError, UserProcessFailed, UserProcessTimeout
-from stager.processes import USER_NAME, name_process, reap, start_child
+from stager.core.errors import StagerError, UserProcessFailed, UserProcessTimeout
+from stager.core.processes import USER_NAME, name_process, reap, start_child
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
 log = logging.getLogger("stager.rights")
 
 # The modules whose functions the daemon runs as a user. The fork server imports them
-# (stager.preload): a process that became a user must not import anything, since the
+# (stager.staging.preload): a process that became a user must not import anything, since the
 # interpreter's own files may be unreadable to that user (a Python under root's home).
 USER_SIDE_MODULES = (
-    "stager.preflight",
-    "stager.publish",
+    "stager.request.preflight",
+    "stager.staging.publish",
     "stager.fanout.packing",
     "stager.fanout.room",
 )
@@ -74,7 +74,9 @@ class UserProcesses:
         timeout_s: float,
         off_loop: Callable[..., Awaitable[Any]],
     ) -> None:
-        self._off_loop = off_loop  # the daemon's doorway to threads (stager.blocking.run_io)
+        self._off_loop = (
+            off_loop  # the daemon's doorway to threads (stager.staging.blocking.run_io)
+        )
         self._reaping: set[asyncio.Future[Any]] = set()
         self.per_user = per_user
         self.idle_s = idle_s

@@ -140,8 +140,8 @@ def test_every_panel_answers_from_a_real_prometheus(
 
 def test_the_dashboard_names_metrics_the_daemon_exports(tmp_path: Path) -> None:
     """Every metric a panel asks for exists (a renamed metric would leave a blank panel)."""
-    from stager.app import create_app
-    from stager.settings import Settings
+    from stager.api.app import create_app
+    from stager.core.settings import Settings
 
     names = set()
     app = create_app(Settings(cache_dir=tmp_path, runtime_dir=tmp_path))

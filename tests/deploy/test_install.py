@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.settings import Settings, env_name
+from stager.core.settings import Settings, env_name
 from tests.users import User
 
 REPO = Path(__file__).resolve().parents[2]

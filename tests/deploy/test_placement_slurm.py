@@ -2,7 +2,7 @@
 feature for each declared dataset it holds ready (and drops it at eviction, restores it
 after `scontrol reconfigure`, bounds it per node and per user), and job_submit.lua
 gives a job that declares data `--prefer` for the same names (computed in Lua 5.1,
-as slurmctld runs it, and compared with stager/placement/names.py)."""
+as slurmctld runs it, and compared with stager/prestage/placement/names.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from client.declare import declared_lines
-from stager.placement.names import PATTERN, feature
+from stager.prestage.placement.names import PATTERN, feature
 from tests.daemon import Daemon, node_service
 from tests.slurm_cluster import CONFIG, REPO, Cluster, job_info, read_env_file, unavailable
 from tests.trees import write_tree

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from stager.plan import squeue
-from stager.plan.declared import lines
+from stager.prestage.plan import squeue
+from stager.prestage.plan.declared import lines
 from tests.slurm_cluster import Cluster
 from tests.trees import digest, write_tree
 from tests.users import User

@@ -1,6 +1,6 @@
 """Admission's own contract, without a daemon: the fair queue's turns, caps and low
 stagings, the queue limit's refusal, the keys that stay, and room made by evicting the
-least recently used entries nobody holds (stager/admission.py)."""
+least recently used entries nobody holds (stager/engine/admission.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.admission import PREFETCHING, Admission, FairQueue, Held
-from stager.dataset import Entry
-from stager.errors import InsufficientSpace, TooManyRequests
-from stager.leases import Lease
-from stager.schemas import State
-from stager.settings import Settings
+from stager.core.errors import InsufficientSpace, TooManyRequests
+from stager.core.settings import Settings
+from stager.engine.admission import PREFETCHING, Admission, FairQueue, Held
+from stager.state.dataset import Entry
+from stager.state.leases import Lease
+from stager.wire.schemas import State
 
 MB = 1_000_000
 

@@ -1,4 +1,4 @@
-"""The connection caps' own contract, without a daemon (stager/connections.py): the
+"""The connection caps' own contract, without a daemon (stager/api/connections.py): the
 caps lowered to fit the descriptors, and the gate's count of each user's connections
 (in all, per user, the places kept for users who hold few, root's way in).
 tests/stager/test_connection_limits.py has the daemon's, test_burst_log.py the log's."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stager.connections import FEW, ROOT, Caps, Gate, caps_for
-from stager.settings import Settings
+from stager.api.connections import FEW, ROOT, Caps, Gate, caps_for
+from stager.core.settings import Settings
 
 
 def gate(total: int, per_user: int = 100, reserve: int = 0, ceiling: int = 1000) -> Gate:

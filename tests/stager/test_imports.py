@@ -14,7 +14,13 @@ from tests.daemon import Daemon, stage_ready
 from tests.imports import among, loaded_modules
 from tests.processes import comm, descendants
 
-DAEMON = ["stager.app", "stager.engine", "stager.ops", "stager.recipes", "stager.cli"]
+DAEMON = [
+    "stager.api.app",
+    "stager.engine.scheduler",
+    "stager.ops",
+    "stager.request.recipes",
+    "stager.cli",
+]
 # Ops are imported on first use, so importing `stager.ops` alone would not catch a
 # top-level `import torch` in one of them: import every op module too.
 OPS = [f"stager.ops.{m.name}" for m in pkgutil.iter_modules(stager.ops.__path__)]

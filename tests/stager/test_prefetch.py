@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from client._progress import describe_origin
-from stager import vouch
-from stager.admission import PREFETCHING, FairQueue
-from stager.schemas import DatasetPublic
+from stager.core import vouch
+from stager.engine.admission import PREFETCHING, FairQueue
+from stager.wire.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.munge import private_munged

@@ -1,4 +1,4 @@
-"""The owner of processes and threads, its own contract (stager/processes.py): a
+"""The owner of processes and threads, its own contract (stager/core/processes.py): a
 command's end or the sentence why it has none, a bare fork's exit code, a thread's
 error kept for the thread that joins it, a forked pool started whole."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from stager.processes import FORK, NotRun, Threaded, fork_child, fork_pool, run
+from stager.core.processes import FORK, NotRun, Threaded, fork_child, fork_pool, run
 
 
 def test_a_command_runs_to_its_end_and_its_status_is_the_callers() -> None:

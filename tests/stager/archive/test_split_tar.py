@@ -25,10 +25,10 @@ from stager.archive import split_tar, writer
 from stager.archive.extractor import extract_archive
 from stager.archive.job import Archive
 from stager.archive.tar_members import BLOCK
-from stager.errors import Cancelled, UnsafeArchiveMember
+from stager.core.errors import Cancelled, UnsafeArchiveMember
 from stager.fs.seal import KnownTree
 from stager.fs.sizes import sum_sizes
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.processes import children_of, children_since
 
 MTIME = 1_600_000_000

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.image.mount import EROFS_MAGIC
 from stager.ops import adopt_image
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 SIZE = (8 << 20) * 2 + 12_345  # two whole chunks and a piece
 

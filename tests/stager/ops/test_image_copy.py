@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.image.mount import EROFS_MAGIC
 from stager.ops import image
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 
 def _prebuilt(path: Path, size: int) -> Path:

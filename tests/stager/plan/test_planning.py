@@ -7,12 +7,12 @@ from datetime import timedelta
 
 import pytest
 
-from stager.plan import squeue
-from stager.plan.changes import diff
-from stager.plan.declared import Declarations, encode, lines
-from stager.plan.planner import Planner
-from stager.plan.planning import compute
-from stager.plan.squeue import RecordedSqueue
+from stager.prestage.plan import squeue
+from stager.prestage.plan.changes import diff
+from stager.prestage.plan.declared import Declarations, encode, lines
+from stager.prestage.plan.planner import Planner
+from stager.prestage.plan.planning import compute
+from stager.prestage.plan.squeue import RecordedSqueue
 from tests.stager.plan.queue import INAT, NOW, row
 
 HORIZON_S = 1800.0

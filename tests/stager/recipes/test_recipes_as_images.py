@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from stager import recipes
+from stager.core.settings import Settings
 from stager.image import mount as image_mount
 from stager.kinds import imaging
 from stager.ops import table
-from stager.schemas import DatasetCreate, DatasetPublic
-from stager.settings import Settings
+from stager.request import recipes
+from stager.wire.schemas import DatasetCreate, DatasetPublic
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 from tests.stager.recipes.test_recipes_load import construct, load_all, only_usage
