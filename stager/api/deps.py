@@ -13,11 +13,21 @@ from stager.core.errors import StagerError
 from stager.core.identity import SCOPE_KEY, Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
+from stager.engine.names import Names
+from stager.engine.requests import Requests
 from stager.engine.scheduler import Engine
 
 
 async def get_engine(request: Request) -> Engine:
     return request.app.state.engine
+
+
+async def get_requests(request: Request) -> Requests:
+    return request.app.state.requests
+
+
+async def get_names(request: Request) -> Names:
+    return request.app.state.names
 
 
 async def get_settings(request: Request) -> Settings:
@@ -48,6 +58,8 @@ async def get_caller(request: Request) -> Caller:
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
+RequestsDep = Annotated[Requests, Depends(get_requests)]
+NamesDep = Annotated[Names, Depends(get_names)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 # root acting on another user's dataset names; anyone else may only name themselves.
 OwnerQuery = Annotated[

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager.core import errors
+from stager.core.identity import Caller
 from stager.core.processes import (
     FORKSERVER,
     WALKER_NAME,
@@ -138,6 +139,16 @@ class Processes:
             result = await run_io(fn, *args, **kwargs)
             return json.loads(json.dumps(result))  # the same answers as a user process's
         return await self.users.call(who, fn, *args, **kwargs)
+
+    async def as_user(self, who: Caller | int | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), as
+        :meth:`run_as`: the one way the engine, the registry and the fan-out room act for
+        a user. Never awaited under the admission lock: a user's process may take its
+        time, and others must not wait."""
+        if who is None or not self.separate_users:
+            return await self.run_as(None, fn, *args)
+        caller = who if isinstance(who, Caller) else Caller.of_uid(who)
+        return await self.run_as(caller.identity, fn, *args)
 
     # ---- the walker ----------------------------------------------------------------------
 

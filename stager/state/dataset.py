@@ -114,6 +114,11 @@ class Entry:
     def active(self) -> bool:
         return self.state in (State.QUEUED, State.STAGING)
 
+    @property
+    def live(self) -> bool:
+        """Queued, staging or ready: a request for it joins or hits."""
+        return self.state in (State.QUEUED, State.STAGING, State.READY)
+
 
 @dataclass(frozen=True)
 class Ask:
