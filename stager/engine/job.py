@@ -28,7 +28,7 @@ async def staging_job(
     ops: OpTable,
     registry: Registry,
     admission: Admission,
-    room: FanoutRoom,
+    fanout: FanoutRoom,
     held: Held,
 ) -> tuple[StageJob, Limits]:
     """The job of ``entry``'s staging into ``attempt``, and the limits the daemon holds
@@ -43,7 +43,7 @@ async def staging_job(
         final=registry.final(entry),
         workers=settings.op_workers,
         verify=entry.verify,
-        allowed_roots=room.staging_starts(entry)
+        allowed_roots=fanout.staging_starts(entry)
         if entry.delivery
         else tuple(settings.allowed_roots),
         reader=entry.reader,
