@@ -262,15 +262,8 @@ class Requests:
                 key = private_key(shared.key, handle.owner)
                 entry = reg.entries.get(key)
                 if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
-                    ask = Ask(
-                        steps=shared.steps,
-                        verify=shared.verify,
-                        usage=shared.usage,
-                        origin=shared.origin,
-                        estimate_bytes=shared.estimate_bytes,
-                        reader=reader_of(Caller.of_uid(handle.owner)),
-                        asked_as=handle.id,
-                    )
+                    reader = reader_of(Caller.of_uid(handle.owner))
+                    ask = Ask.again(shared, reader, handle.id)
                     entry = await engine.enqueue(entry, key, shared.spec, ask, handle.owner)
                 await reg.repoint(handle, entry)
 

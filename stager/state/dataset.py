@@ -136,6 +136,12 @@ class Ask:
     # only after its entry is queued.
     asked_as: tuple[int, str] | None = None
 
+    @classmethod
+    def again(cls, entry: Entry, reader: Reader, asked_as: tuple[int, str]) -> Ask:
+        """What ``entry`` asked, asked again for a copy read with ``reader``'s rights."""
+        return cls(entry.steps, entry.verify, entry.usage, entry.origin, None,
+                   entry.estimate_bytes, reader, asked_as)  # fmt: skip
+
 
 @dataclass
 class Handle:
