@@ -152,7 +152,7 @@ class Registry:
         self.settings = settings
         # What differs between a tree and an image (stager.kinds): asked, never tested.
         self.kinds = kinds or Kinds(settings)
-        # Acts with a user's rights (stager.engine.scheduler.Engine.as_user): their links, their
+        # Acts with a user's rights (stager.staging.blocking.Processes.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon
         self.metrics = metrics

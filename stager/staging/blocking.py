@@ -247,7 +247,7 @@ class Limits:
     less what they hold already, or the disk's room above its floor; None: no limit);
     how slowly its downloads may bring bytes (stager.staging.download_rate); and ``shared``, a
     check of what every staging under way has made together, raising once they pass a
-    bound they share (stager.engine.scheduler: a user's inode quota, the disk's inode floor)."""
+    bound they share (stager.engine.job: a user's inode quota, the disk's inode floor)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
