@@ -258,7 +258,7 @@ class Registry:
         crash or stop interrupted, deletions in progress. An active entry's data/<key>
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
-        kept = {k for k, e in self.entries.items() if e.active or e.state == State.READY}
+        kept = {k for k, e in self.entries.items() if e.live}
         found = [
             c
             for c in self.settings.partial_dir.iterdir()
