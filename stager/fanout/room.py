@@ -104,7 +104,7 @@ class Transfers:
     """The books of one kind of transfer (exports or deliveries) under one folder, each
     by its key (:func:`transfer_key`)."""
 
-    def __init__(self, root: Path, kind: str, changed: Callable[[], None]) -> None:
+    def __init__(self, root: Path, kind: str, changed: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.kind = kind  # "export" or "delivery", for messages
         self._live: dict[str, Transfer] = {}
