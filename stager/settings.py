@@ -439,6 +439,13 @@ class Settings(BaseSettings):
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
         "or SlurmUser), e.g. 0.0.0.0:8766",
     )
+    prefetch_max_running: int = setting(
+        1,
+        ge=1,
+        cli=(),
+        help="node service: the most prefetches staging at once, so that a burst of them "
+        "leaves the other slots (--max-workers) to running jobs' requests",
+    )
     prefetch_expire_s: float = setting(
         6 * 3600.0,
         gt=0,
