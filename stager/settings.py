@@ -516,6 +516,14 @@ class Settings(BaseSettings):
         help="planner: NODE=HOST:PORT for nodes whose Slurm name is not their address "
         "(a name the resolver does not know, another port)",
     )
+    plan_state_path: Path = setting(
+        Path("/var/lib/stager/plan.json"),
+        cli=("plan",),
+        flag="plan-state",
+        help="planner: the file that keeps its last plan (written after each interval that "
+        "changes it), so that a restarted planner cancels the prefetches of jobs that left "
+        "while it was down",
+    )
     # For the crash-consistency tests only: die right after this durable step
     # (a stager.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
     crash_after: str | None = setting(cli=(), help="tests only: die after this durable step")

@@ -24,10 +24,12 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from stager import vouch
+from stager.plan import state
 from stager.plan.changes import Changes
 from stager.plan.planner import Planner
 from stager.plan.planning import Prefetch
@@ -148,10 +150,32 @@ class Tally:
 
 
 class Service:
-    def __init__(self, planner: Planner, sender: Sender) -> None:
+    """``state_path``: where the last plan is kept across restarts (None: nowhere)."""
+
+    def __init__(self, planner: Planner, sender: Sender, state_path: Path | None = None) -> None:
         self.planner = planner
         self.sender = sender
         self.cancels: dict[tuple[str, str], Order] = {}  # not delivered yet: sent again
+        self.state_path = state_path
+        self._kept: tuple[frozenset[Prefetch], list[state.Cancel]] | None = None
+
+    async def _load(self) -> None:
+        if self.state_path is None:
+            return
+        previous, cancels = await asyncio.to_thread(state.load, self.state_path)
+        self.planner.previous = previous
+        for node, body, job in cancels:
+            order = Order(node, body.encode(), job, None)
+            self.cancels[order.key] = order
+        self._kept = previous, cancels
+        log.info("the last plan: %d prefetches, %d cancels to send", len(previous), len(cancels))
+
+    async def _save(self) -> None:
+        cancels = [(o.node, o.body.decode(), o.job) for o in self.cancels.values()]
+        kept = self.planner.previous, cancels
+        if self.state_path is not None and kept != self._kept:
+            await asyncio.to_thread(state.save, self.state_path, *kept)
+            self._kept = kept
 
     async def interval(self) -> Tally:
         """One interval; raises SqueueError when squeue could not be read."""
@@ -184,6 +208,7 @@ class Service:
                 self.planner.forget(order.prefetch)  # new again next interval
         for (node, why), count in sorted(failures.items()):
             log.warning("node %s: %d order(s) not carried out: %s", node, count, why)
+        await self._save()
         log.info(
             "interval: %d jobs seen (%d pending), %d planned, orders sent %d, failed %d, "
             "squeue %.0f ms, interval %.0f ms",
@@ -202,6 +227,7 @@ class Service:
             loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
         try:
+            await self._load()
             while True:
                 began = loop.time()
                 work = asyncio.ensure_future(self.interval())

@@ -157,3 +157,39 @@ def test_from_script_in_a_job_reads_the_batch_script_slurm_stored(
     assert done.returncode == 0, output
     assert digest(tmp_path / "linked") == digest(source)
     assert Path(output.strip().splitlines()[-1]).resolve() == (tmp_path / "linked").resolve()
+
+
+def test_an_array_jobs_pending_tasks_are_planned_by_their_own_job_id(
+    jobs: list[str], users: tuple[User, User]
+) -> None:
+    """squeue's JobID is the raw job id (JobArrayID would print 123_4): the pending
+    tasks' record has a plain number, planned as any job, and the task that starts next
+    starts as that very job id, so its prefetch is the one it uses."""
+    alice, _ = users
+    host = socket.gethostname().split(".")[0]
+    holder = submit(None, "#!/bin/bash\nsleep 300\n", jobs)
+    base = submit(alice, script(DECLARED[0]), jobs, "--array=1-3")
+    deadline = time.monotonic() + BACKFILL_WAIT_S
+    while time.monotonic() < deadline:
+        pending = [j for j in queue().values() if j.uid == alice.uid and j.state == "PENDING"]
+        if pending and pending[0].sched_nodes:
+            break
+        time.sleep(2)
+    [record] = pending
+    assert record.job_id.isdigit() and record.sched_nodes == (host,), record
+    out = dry_run()
+    assert f"plan: job {record.job_id} of {alice.name} (uid {alice.uid})" in out, out
+    assert "not a plain job id" not in out
+    # The next task to start keeps the record's id; the tasks still pending get another.
+    planned_id = record.job_id
+    subprocess.run(["scancel", holder], capture_output=True, timeout=60, check=True)
+    deadline = time.monotonic() + BACKFILL_WAIT_S
+    while (job := queue().get(planned_id)) is None or job.state == "PENDING":
+        assert time.monotonic() < deadline, "the array's first task never started"
+        time.sleep(1)
+    assert job.nodes == (host,)
+    named = subprocess.run(
+        ["squeue", "--noheader", "-j", planned_id, "-O", "JobArrayID"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    assert named and named[0].startswith(f"{base}_"), named
