@@ -168,7 +168,10 @@ class Service:
             order = Order(node, body.encode(), job, None)
             self.cancels[order.key] = order
         self._kept = previous, cancels
-        log.info("the last plan: %d prefetches, %d cancels to send", len(previous), len(cancels))
+        if previous or cancels:
+            log.info(
+                "the last plan: %d prefetches, %d cancels to send", len(previous), len(cancels)
+            )
 
     async def _save(self) -> None:
         cancels = [(o.node, o.body.decode(), o.job) for o in self.cancels.values()]

@@ -64,6 +64,6 @@ def save(path: Path, previous: frozenset[Prefetch], cancels: list[Cancel]) -> No
     except OSError as exc:
         log.warning(
             "%s: the plan cannot be kept (%s); a restarted planner will not cancel the "
-            "prefetches of jobs that leave meanwhile (STAGER_PLAN_STATE_PATH)",
+            "prefetches of jobs that leave meanwhile (STAGER_PLAN_STATE)",
             path, exc.strerror or exc,
         )  # fmt: skip

@@ -64,7 +64,7 @@ class Planner:
             PATH=f"{queue.folder}:{os.environ['PATH']}",
             STAGER_MUNGE_SOCKET=str(munge),
             STAGER_PLAN_NODE_ADDRESSES=",".join(f"{n}=127.0.0.1:{p}" for n, p in addresses.items()),
-            STAGER_PLAN_STATE_PATH=str(queue.folder / "plan.json"),
+            STAGER_PLAN_STATE=str(queue.folder / "plan.json"),
         )
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -198,7 +198,7 @@ def test_once_runs_one_interval_and_only_as_root_or_slurmuser(
     env = {
         "STAGER_MUNGE_SOCKET": str(munge_socket),
         "STAGER_PLAN_NODE_PORT": str(port),
-        "STAGER_PLAN_STATE_PATH": str(shared_tmp / "plan.json"),
+        "STAGER_PLAN_STATE": str(shared_tmp / "plan.json"),
     }
     done = subprocess.run(argv, env=os.environ | env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
