@@ -55,17 +55,13 @@ class Order:
         return self.job, self.node
 
 
-def orders(found: Changes) -> tuple[list[Order], list[str]]:
-    """One order per start, one cancel per job and node; and a sentence for each job
-    that cannot have one (a job id that is not a number: an array job's task)."""
+def orders(found: Changes) -> list[Order]:
+    """One order per start, one cancel per job and node (job ids are numbers: squeue's
+    JobID is the raw id, stager.plan.squeue)."""
     made: dict[tuple[str, str, str], Order] = {}
-    skipped = []
     for prefetch, action in [(p, "stage") for p in found.start] + [
         (p, "cancel") for p, _ in found.cancel
     ]:
-        if not prefetch.job_id.isdigit():
-            skipped.append(f"job {prefetch.job_id}: no order for it (not a plain job id)")
-            continue
         body = {
             "action": action,
             "job": int(prefetch.job_id),
@@ -81,7 +77,7 @@ def orders(found: Changes) -> tuple[list[Order], list[str]]:
         raw = json.dumps(body, sort_keys=True).encode()
         kept = prefetch if action == "stage" else None
         made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept))
-    return list(made.values()), sorted(set(skipped))
+    return list(made.values())
 
 
 class Sender:
@@ -188,9 +184,7 @@ class Service:
         plan = found.plan
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
         tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
-        made, skipped = orders(found.changes)
-        for sentence in skipped:
-            log.info("%s", sentence)
+        made = orders(found.changes)
         for order in made:
             if order.prefetch is None:
                 self.cancels[order.key] = order
