@@ -166,7 +166,9 @@ def test_the_manifest_format_needs_only_the_standard_library():
 def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
     loaded = loaded_modules(*(m for m in modules(REPO / "client") if not m.endswith("__main__")))
     assert "client.fanout.agent" in loaded
-    beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT, WIRE_PACKAGE})
+    beyond = sorted(
+        m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT, WIRE_PACKAGE}
+    )
     assert not beyond, f"importing the client loads {beyond}"
 
 

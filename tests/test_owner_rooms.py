@@ -174,7 +174,10 @@ def test_the_scan_reads_the_owner_rooms() -> None:
     vacuously if it saw nothing)."""
     seen = {
         kind
-        for path in (REPO / "stager" / "core" / "processes.py", REPO / "stager" / "staging" / "blocking.py")
+        for path in (
+            REPO / "stager" / "core" / "processes.py",
+            REPO / "stager" / "staging" / "blocking.py",
+        )
         for kind, _, _ in starts(Path(path).read_text())
     }
     assert seen == {PROCESS, THREAD, LOOP}

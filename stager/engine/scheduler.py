@@ -344,6 +344,7 @@ class Engine:
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with self._admission:
             self._check_name(request.name, caller.uid, resolved.request_key)  # another may have won
+            self.admission.check_prefetch(estimate)
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 self.admission.check_queue(caller.uid)
@@ -838,8 +839,9 @@ class Engine:
         if entry.state != State.QUEUED:
             return
         wanting = {h.owner for h in self._wanting(entry)} if self.settings.multi_user else set()
+        low = self.admission.prefetch_only(entry.key)  # a prefetch's stays low
         for owner in sorted(wanting) or [owner_of(entry)]:
-            self.admission.queue.put(entry.key, owner)
+            self.admission.queue.put(entry.key, owner, low)
 
     async def _room_left(self, entry: Entry) -> tuple[int | None, WriteBound]:
         """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
@@ -950,7 +952,8 @@ class Engine:
                         asked_as=handle.id,
                     )
                     await reg.queue(entry, ask)
-                    self.admission.queue.put(key, owner_of(entry))
+                    low = self.admission.is_prefetch(handle.id)
+                    self.admission.queue.put(key, owner_of(entry), low)
                 await reg.repoint(handle, entry)
 
     async def _drop_claimed(self, entry: Entry) -> None:

@@ -23,6 +23,8 @@ from stager.core.processes import NotRun, run
 from stager.prestage.plan import hostlist
 
 FIELDS = (
+    # The raw job id, a number: an array's pending tasks share one record, whose id is
+    # a plain number (JobArrayID would print 123_[4-10]); see docs/prestaging.md.
     "JobID",
     "UserID",  # numeric uid
     "GroupID",  # numeric gid
@@ -116,6 +118,8 @@ def parse_line(line: str) -> QueuedJob:
     if len(parts) != len(FIELDS):
         raise ValueError(f"{len(parts)} fields where {len(FIELDS)} were asked for: {line!r}")
     job_id, uid, gid, state, start, sched, nodes, comment = parts
+    if not job_id.isdigit():
+        raise ValueError(f"JobID {job_id!r} is not a job's raw id (a number)")
     comment = comment[:-1] if comment.endswith("|") else comment  # its own separator
     comment = None if comment in NO_TEXT else comment
     return QueuedJob(job_id, int(uid), int(gid), state, start, sched, nodes, comment)
