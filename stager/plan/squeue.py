@@ -134,21 +134,26 @@ class Squeue:
         self.timeout_s = timeout_s
         self.calls = 0
         self.last_s = 0.0  # the last call's time (the service's log line)
+        self._running: subprocess.Popen[str] | None = None
 
     def read(self) -> str:
         self.calls += 1
         started = time.perf_counter()
         try:
-            done = subprocess.run(
+            with subprocess.Popen(
                 self.argv,
-                capture_output=True,
-                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 # One job's bytes that are not UTF-8 must not stop every job's interval.
                 encoding="utf-8",
                 errors="surrogateescape",
-                timeout=self.timeout_s,
-                check=False,
-            )
+            ) as self._running:
+                try:
+                    out, err = self._running.communicate(timeout=self.timeout_s)
+                except subprocess.TimeoutExpired:
+                    self._running.kill()
+                    raise
+            done = subprocess.CompletedProcess(self.argv, self._running.returncode, out, err)
         except FileNotFoundError as exc:
             raise SqueueError(
                 f"{self.argv[0]} is not installed here; run the planner on a host with "
@@ -160,9 +165,17 @@ class Squeue:
             ) from exc
         finally:
             self.last_s = time.perf_counter() - started
+            self._running = None
         if done.returncode != 0:
             raise SqueueError(f"squeue exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
+
+    def stop(self) -> None:
+        """Kill a call under way (from another thread: the service stopping, which must
+        not wait for a slurmctld that does not answer)."""
+        running = self._running
+        if running is not None:
+            running.kill()
 
 
 class SqueueFile(Squeue):
