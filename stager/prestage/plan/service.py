@@ -231,6 +231,7 @@ class Service:
                 work = asyncio.ensure_future(self.interval())
                 await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done():
+                    self.planner.source.stop()  # its thread ends with the squeue call
                     work.cancel()
                     await asyncio.gather(work, return_exceptions=True)
                     return 0

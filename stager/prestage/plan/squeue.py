@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from stager.core.processes import NotRun, run
+from stager.core.processes import NotRun, Stoppable
 from stager.prestage.plan import hostlist
 
 FIELDS = (
@@ -134,6 +134,7 @@ class Squeue:
         self.timeout_s = timeout_s
         self.calls = 0
         self.last_s = 0.0  # the last call's time (the service's log line)
+        self._call = Stoppable()  # the call under way, for stop()
 
     def read(self) -> str:
         self.calls += 1
@@ -141,7 +142,7 @@ class Squeue:
         try:
             # One job's bytes that are not UTF-8 must not stop every job's interval: run
             # keeps them as surrogates.
-            done = run(self.argv, self.timeout_s)
+            done = self._call.run(self.argv, self.timeout_s)
         except NotRun as exc:
             if exc.timed_out:
                 raise SqueueError(f"{exc}; slurmctld is busy or down") from exc
@@ -153,6 +154,11 @@ class Squeue:
         if done.returncode != 0:
             raise SqueueError(f"squeue exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
+
+    def stop(self) -> None:
+        """Kill a call under way (from another thread: the service stopping, which must
+        not wait for a slurmctld that does not answer)."""
+        self._call.kill()
 
 
 class SqueueFile(Squeue):

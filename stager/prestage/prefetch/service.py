@@ -191,8 +191,8 @@ class Prefetches:
         user's own request) holds it."""
         engine = self.engine
         entry = self._entry(prefetch)
-        if entry is not None and entry.state == State.READY:
-            prefetch.bytes = entry.size_bytes
+        if entry is not None and entry.state in (State.READY, State.EVICTED):
+            prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
         elif entry is not None and entry.active:
             prefetch.bytes = entry.progress.snapshot().bytes_done
         else:

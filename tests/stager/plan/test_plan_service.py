@@ -243,3 +243,23 @@ def test_a_restarted_planner_cancels_what_it_ordered_for_jobs_that_left_meanwhil
         assert (queue.folder / "plan.json").stat().st_mode & 0o777 == 0o600, saved
     finally:
         planner.stop()
+
+
+def test_sigterm_stops_it_at_once_while_squeue_does_not_answer(
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """slurmctld down: squeue waits for it (9 s here, until its timeout at worst). The
+    planner still stops within a second: the call is killed, not waited for."""
+    queue = Queue(shared_tmp / "bin")
+    program = queue.folder / "squeue"
+    program.write_text(f"#!/bin/sh\necho x >> {queue.calls}\nexec sleep 60\n")
+    planner = Planner(queue, munge_socket, {})
+    try:
+        eventually(lambda: queue.count() == 1, "squeue called")
+        began = time.monotonic()
+        planner.process.send_signal(signal.SIGTERM)
+        assert planner.process.wait(5) == 0, planner.log()
+        assert time.monotonic() - began < 1.0
+    finally:
+        planner.stop()
