@@ -28,7 +28,15 @@ OWNERS = {
     LOOP: {"stager.staging.blocking", "client.fanout.agent", "client.fanout.protocol"},
 }
 # The functions of stager.core.processes that start a process (a row of rights' table each).
-STARTERS = ("run", "spawn", "start_child", "fork_pool", "fork_child", "start_fork_server")
+STARTERS = (
+    "run",
+    "spawn",
+    "start_child",
+    "fork_pool",
+    "fork_child",
+    "start_fork_server",
+    "Stoppable",
+)
 
 
 def dotted(node: ast.expr) -> str:
