@@ -390,6 +390,8 @@ def request_from(args: argparse.Namespace) -> dict[str, Any]:
         image_fallback=args.image_fallback,
     )
     merged = {**body, **given}
+    if getattr(args, "declared", None):  # a #STAGER line's words (client.declare)
+        merged["declared"] = args.declared
     if not merged.get("recipe") and not merged.get("steps"):
         raise UsageError("give --recipe with --source, one or more --step, or --request FILE")
     return merged

@@ -178,6 +178,7 @@ def planned_request(
     (a prefetch holds nothing): neither is part of the cache key."""
     args = argparse.Namespace(**vars(declaration.args))
     args.link, args.lease, args.no_lease = None, None, True
+    args.declared = declaration.words  # the node feature's name (stager.placement)
     return request_from(args)
 
 
@@ -220,6 +221,9 @@ def invocations(
         for dest in PER_RUN:
             setattr(args, dest, getattr(command, dest, None))
         args.request, args.from_script = None, None
+        # The node service names the data's node feature by the line's words, so that
+        # jobs declaring the same line prefer the nodes holding it (stager.placement).
+        args.declared = declaration.words
         args.declared_at = f"{where} line {declaration.line}"  # for errors found later
         if args.link:
             args.link = _expand_link(args.link, where, declaration.line)

@@ -18,6 +18,7 @@ from stager.api.routes.fanout import fanout_router
 from stager.engine import Engine
 from stager.lifecycle import state_counts
 from stager.metrics import Metrics
+from stager.placement.service import Placement
 from stager.prefetch.service import Prefetches
 from stager.settings import Settings
 
@@ -33,6 +34,8 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     metrics = Metrics()
     engine = Engine(settings, metrics)
     prefetched = Prefetches(engine, settings, metrics)
+    placement = Placement(engine, settings)
+    prefetched.requested_as = placement.requested  # a prefetch names its data's feature too
     metrics.watch_states(
         lambda: state_counts(engine.entries()),
         lambda: cache.used_bytes(engine.entries()),
@@ -49,9 +52,11 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
             await engine.stop()
             raise
         await prefetched.start()
+        await placement.start()
         try:
             yield
         finally:
+            await placement.stop()
             await prefetched.stop()
             await engine.stop()
 
@@ -69,6 +74,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.prefetches = prefetched
+    app.state.placement = placement
     errors.install(app, engine.ops.public_names)
     body_limit.install(app, settings.max_body_bytes)
     app.include_router(datasets.stage_router(engine.ops))

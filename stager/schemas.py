@@ -308,6 +308,10 @@ class DatasetCreate(BaseModel):
     # Where this daemon cannot mount an image (a user's daemon with no FUSE reader of
     # it), stage a tree instead of failing; the answer's ``notice`` says so.
     image_fallback: bool = False
+    # The words of the #STAGER line this request comes from (stage --from-script, the
+    # planner's prefetches): the node service names the data's node feature by them,
+    # once it has checked that they declare this very request (stager.placement).
+    declared: str | None = Field(None, max_length=4096)
 
     @model_validator(mode="after")
     def _recipe_or_steps(self) -> DatasetCreate:
@@ -319,11 +323,11 @@ class DatasetCreate(BaseModel):
 
     def spec(self) -> dict[str, Any]:
         """What identifies the content: everything but the handle, the link, the lease,
-        and where the bytes come from (a node adopting a broadcast copy keys it as the
-        node that staged it from the source). ``image`` only when asked for, so a
-        tree's key is what it was before image mode; ``image_fallback`` never: a tree
-        given instead is keyed as the tree it is."""
-        exclude = {"name", "link", "lease", "adopt", "image_fallback"}
+        the declaration's words, and where the bytes come from (a node adopting a
+        broadcast copy keys it as the node that staged it from the source). ``image``
+        only when asked for, so a tree's key is what it was before image mode;
+        ``image_fallback`` never: a tree given instead is keyed as the tree it is."""
+        exclude = {"name", "link", "lease", "adopt", "image_fallback", "declared"}
         if not self.image:
             exclude.add("image")
         return self.model_dump(mode="json", exclude=exclude)

@@ -446,6 +446,36 @@ class Settings(BaseSettings):
         help="node service: seconds a prefetch its job has not used is kept; then it is "
         "dropped and its bytes counted as wasted",
     )
+    # ---- placement: node features for the data held here (stager.placement) ----
+    slurm_node_features: bool = setting(
+        False,
+        cli=(),
+        help="node service: keep a Slurm node feature (stg_...) on this node for each "
+        "declared dataset it holds ready, which job_submit.lua makes jobs declaring it "
+        "prefer (docs/prestaging.md; needs scontrol, run as root or SlurmUser)",
+    )
+    slurm_node_features_max: int = setting(
+        16,
+        ge=0,
+        le=256,
+        cli=(),
+        help="node service: the most stg_ features kept on this node (the most recently "
+        "used datasets)",
+    )
+    slurm_node_features_per_user: int = setting(
+        4,
+        ge=1,
+        le=256,
+        cli=(),
+        help="node service: the most stg_ features one user's requests keep on this node",
+    )
+    slurm_node_features_period_s: float = setting(
+        300.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds between checks that Slurm still has this node's stg_ "
+        "features (one `scontrol show node` each; a reconfigure or restart drops them)",
+    )
     # ---- the planner (stager plan, controller side; docs/prestaging.md) ----
     plan_horizon_s: float = setting(
         1800.0,
@@ -609,6 +639,11 @@ class Settings(BaseSettings):
     def this_node(self) -> str:
         """This node's name, as a prefetch must name it."""
         return self.node_name or socket.gethostname().split(".")[0]
+
+    @property
+    def features_path(self) -> Path:
+        """The declared datasets whose node features this node keeps (stager.placement)."""
+        return self.cache_dir / "features.json"
 
     @property
     def prefetch_path(self) -> Path:

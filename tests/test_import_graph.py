@@ -238,6 +238,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("api", {"stager.api"}),
         # The pre-staging planner: controller side, a client of the node services.
         ("plan", {"stager.plan"}),
+        # Node features for the data a node holds: the node service checks a request's
+        # #STAGER words with the planner's parse of them.
+        ("placement", {"stager.placement"}),
         (
             "app",
             {

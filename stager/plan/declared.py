@@ -70,10 +70,11 @@ class Declarations:
         if found is None:
             if len(self.memo) >= MEMO_MAX:
                 self.memo.clear()
-            found = self.memo[admin_comment] = self._parse(admin_comment)
+            found = self.memo[admin_comment] = self.parse(admin_comment)
         return found
 
-    def _parse(self, admin_comment: str) -> tuple[tuple[Wanted, ...], str | None]:
+    def parse(self, admin_comment: str) -> tuple[tuple[Wanted, ...], str | None]:
+        """As ``read``, not memoized (the node service checks users' words with it)."""
         words = lines(admin_comment)
         if words is None:
             return (), "its AdminComment is not a #STAGER declaration"

@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from stager.admission import PREFETCHING
 from stager.blocking import run_io
@@ -54,6 +56,8 @@ class Prefetches:
         self._sweeper: asyncio.Task[None] | None = None
         # One order at a time: budgets and the book are decided on what came before.
         self._lock = asyncio.Lock()
+        # Told of each prefetch's request (stager.placement names its node feature).
+        self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
 
     async def start(self) -> None:
         """Load what the last run kept, tell the engine's status views of it, and expire
@@ -134,6 +138,7 @@ class Prefetches:
             view, ready = await engine.submit(request, user)
         finally:
             PREFETCHING.reset(token)
+        self.requested_as(request, user, view)
         entry = engine.registry.entries.get(view.key)
         size = view.size_bytes if ready else (entry.estimate_bytes if entry else 0)
         try:

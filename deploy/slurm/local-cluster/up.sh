@@ -24,7 +24,9 @@ STAGER_BIN_DIR=${STAGER_BIN_DIR:-$REPO/.venv/bin}
 UP_TIMEOUT=${SLURM_UP_TIMEOUT:-90}
 SLURM_CONF_DIR=/etc/slurm
 STAGER_CONF=/etc/stager/slurm.env
-PACKAGES=(slurm-wlm munge curl util-linux)
+# lua5.1: the Lua that Debian's slurm-wlm links (its job_submit/lua), for the tests
+# that run deploy/slurm/job_submit.lua outside slurmctld too.
+PACKAGES=(slurm-wlm munge curl util-linux lua5.1)
 
 say() { printf 'up.sh: %s\n' "$*"; }
 die() {
@@ -41,7 +43,7 @@ require_root() {
 source "$SLURM_DIR/packages.sh"
 
 install_packages() {
-    apt_install_missing "slurmctld slurmd sbatch scontrol munged mungekey curl setpriv" \
+    apt_install_missing "slurmctld slurmd sbatch scontrol munged mungekey curl setpriv lua5.1" \
         "${PACKAGES[@]}"
 }
 

@@ -47,6 +47,7 @@ def stage_router(ops: OpTable) -> APIRouter:
         """
         view, ready = await engine.submit(request, caller)
         await http.app.state.prefetches.requested(caller, view)  # a job using its prefetch
+        http.app.state.placement.requested(request, caller, view)  # its node feature
         if ready:
             response.status_code = status.HTTP_200_OK
         return view
