@@ -258,16 +258,27 @@ class Cluster:
     def planner(self, action: str) -> str:
         """``start``, ``stop``, ``restart`` or ``status`` the pre-staging planner
         (deploy/slurm/multinode/planner.sh; a cluster brought up with ``prestage``)."""
+        return self._script("planner.sh", action)
+
+    def node_service(self, index: int, action: str) -> None:
+        """``stop`` or ``start`` node ``index``'s node service (node-service.sh)."""
+        self._script("node-service.sh", str(index), action)
+
+    def restart_slurmctld(self) -> None:
+        """Restart slurmctld, keeping its state (slurmctld.sh)."""
+        self._script("slurmctld.sh", "restart")
+
+    def _script(self, script: str, *args: str) -> str:
         done = subprocess.run(
-            ["bash", str(SCRIPTS / "planner.sh"), action],
+            ["bash", str(SCRIPTS / script), *args],
             env=self._script_env(),
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=120,
             check=False,
         )
         if done.returncode != 0:
-            raise ClusterError(f"planner.sh {action}: {done.stderr.strip() or done.stdout}")
+            raise ClusterError(f"{script} {' '.join(args)}: {done.stderr.strip() or done.stdout}")
         return done.stdout.strip()
 
     def job(self, job_id: str) -> dict[str, str]:

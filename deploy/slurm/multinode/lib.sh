@@ -139,6 +139,27 @@ mn_close_inherited_fds() {
     done
 }
 
+# The node service of node INDEX, as an admin's systemd starts it
+# (deploy/systemd/stager.service): root, every user, its cache on the node's own disk,
+# munged for vouching. Run inside the node's namespaces (node.sh, node-service.sh).
+mn_start_node_service() {
+    local index=$1
+    (
+        if [[ ${MN_PRESTAGE:-0} == 1 ]]; then
+            # Pre-staging: the planner's orders name this node by its Slurm name (the
+            # host name is the machine's, shared by every node) and arrive on this
+            # node's address; the service tags the node with a stg_ feature per
+            # declared dataset held here.
+            STAGER_NODE_NAME=$(mn_node_name "$index")
+            STAGER_PREFETCH_LISTEN=$(mn_node_addr "$index"):$MN_PREFETCH_PORT
+            export STAGER_NODE_NAME STAGER_PREFETCH_LISTEN STAGER_SLURM_NODE_FEATURES=1
+        fi
+        # shellcheck disable=SC2086 # MN_SERVE_ARGS is a list of flags
+        "$MN_BIN_DIR/stager" serve --multi-user --runtime-dir "$MN_NODE_RUN" \
+            --cache-dir /tmp/stager-node $MN_SERVE_ARGS --detach
+    )
+}
+
 mn_spawn() {
     if [[ -n ${MN_LOCK_FD:-} ]]; then
         "$@" {MN_LOCK_FD}>&-

@@ -33,21 +33,8 @@ mount -t tmpfs -o size=1m,mode=0755,ro "hidden-storage" "$MN_STORAGE_DIR"
 sshfs -o "directport=$MN_SFTP_PORT,ro,allow_other,max_conns=4" \
     "$(mn_storage_addr):$MN_STORAGE_DIR" "$MN_SHARED"
 
-if [[ ${MN_PRESTAGE:-0} == 1 ]]; then
-    # Pre-staging: the planner's orders name this node by its Slurm name (the host name
-    # is the machine's, shared by every node) and arrive on this node's address; the
-    # service tags the node with a stg_ feature per declared dataset held here.
-    export STAGER_NODE_NAME=$name
-    STAGER_PREFETCH_LISTEN=$(mn_node_addr "$index"):$MN_PREFETCH_PORT
-    export STAGER_PREFETCH_LISTEN
-    export STAGER_SLURM_NODE_FEATURES=1
-fi
 if [[ ${MN_NODE_SERVICE:-0} == 1 ]]; then
-    # The node service, as an admin's systemd starts it (deploy/systemd/stager.service):
-    # root, every user, its cache on the node's own disk, munged for vouching.
-    # shellcheck disable=SC2086 # MN_SERVE_ARGS is a list of flags
-    "$MN_BIN_DIR/stager" serve --multi-user --runtime-dir "$MN_NODE_RUN" \
-        --cache-dir /tmp/stager-node $MN_SERVE_ARGS --detach
+    mn_start_node_service "$index"
 fi
 
 exec slurmd -f "$MN_CONF_DIR/slurm.conf" -N "$name"
