@@ -149,8 +149,9 @@ class Bench:
             words = pj.declaration(name, source).removeprefix("#STAGER ").strip()
             tag = feature(words)
             hold = pj.submit_declared(
-                cluster, self.user, f"{name}-hold", source, extra=[f"--nodelist={holder}"]
-            )
+                cluster, self.user, f"{name}-hold", source, extra=[f"--nodelist={holder}"],
+                dataset=name,
+            )  # fmt: skip
             held = pj.follow(cluster, hold, f"{name}-hold")
             if not held.ok:
                 raise SystemExit(f"staging on {holder} failed:\n{held.output}")

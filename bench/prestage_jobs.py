@@ -109,14 +109,16 @@ def cancel(cluster: Cluster, job_ids: list[str]) -> None:
 
 def submit_declared(
     cluster: Cluster, user: tuple[int, int], name: str, source: str, nodes: int = 1,
-    extra: list[str] | None = None,
+    extra: list[str] | None = None, dataset: str | None = None,
 ) -> str:  # fmt: skip
+    """The user's exclusive job ``name`` declaring ``source`` as ``dataset`` (default:
+    the job's name; two jobs declaring the same line want the same node feature)."""
     return cluster.submit(
         stage_script(cluster, name, nodes),
         nodes=nodes,
         name=name,
         extra=["--exclusive", "--time=10", *(extra or [])],
-        header=declaration(name, source),
+        header=declaration(dataset or name, source),
         runner=as_user(*user),
     )
 
