@@ -163,12 +163,14 @@ class Bench:
             job = pj.submit_declared(cluster, self.user, name, source)
             run = pj.follow(cluster, job, name)
             rows.append({"holder": holder, "ran_on": run.ran_on, "hit": run.all_hit,
-                         "seconds": run.seconds, "ok": run.ok})  # fmt: skip
+                         "seconds": run.seconds, "client": run.client_s,
+                         "ok": run.ok})  # fmt: skip
         return rows
 
     def row(self, run: pj.Run, moved: object, planned: str) -> dict:
         return {
             "seconds": run.seconds,
+            "client": run.client_s,
             "hit": run.all_hit,
             "hows": run.hows,
             "planned": run.planned,
@@ -197,7 +199,8 @@ def brief(row: dict) -> str:
     held = f", HELD {row['held']}" if row["held"] else ""
     note = f", {row['note']}" if "note" in row else ""
     return (
-        f"{row['seconds']:.2f} s start->ready, {'/'.join(row['hows'])}, planned "
+        f"{row['seconds']:.2f} s start->ready (client alone {row['client']:.2f} s), "
+        f"{'/'.join(row['hows'])}, planned "
         f"{row['planned'] or '-'}, ran on {row['ran_on']}, storage {row['storage']:.2f}x"
         f"{extra}{held}{note}"
     )

@@ -36,6 +36,7 @@ class Run:
     ran_on: str = ""
     start: float = 0.0
     ready: float = 0.0
+    client_s: float = 0.0  # a bare `stager-client --version` in the same job, for scale
     hits: list[bool] = field(default_factory=list)  # per node (1 for a 1-node job)
     hows: list[str] = field(default_factory=list)
     info: dict[str, str] = field(default_factory=dict)  # scontrol show job at its end
@@ -71,7 +72,9 @@ def stage_script(cluster: Cluster, name: str, nodes: int) -> str:
 rc=0
 stager-client stage --from-script {peers} --timeout 900 --json > {jobs}/{name}.json || rc=$?
 t1=$(date +%s.%N)
-echo "$t0 $t1 $SLURMD_NODENAME $rc" > {jobs}/{name}.times
+stager-client --version >/dev/null  # the client's own start, for scale
+t2=$(date +%s.%N)
+echo "$t0 $t1 $SLURMD_NODENAME $rc $t2" > {jobs}/{name}.times
 exit $rc
 """
 
@@ -150,8 +153,10 @@ def follow(cluster: Cluster, job_id: str, name: str, timeout: float = 900) -> Ru
     run.output = out.read_text() if out.exists() else ""
     times = cluster.jobs_dir / f"{name}.times"
     if times.exists():
-        start, ready, *_ = times.read_text().split()
+        start, ready, *rest = times.read_text().split()
         run.start, run.ready = float(start), float(ready)
+        if len(rest) == 3:
+            run.client_s = float(rest[2]) - run.ready
     answer = cluster.jobs_dir / f"{name}.json"
     text = answer.read_text() if answer.exists() else ""
     if text.strip():
