@@ -164,8 +164,8 @@ def follow(cluster: Cluster, job_id: str, name: str, timeout: float = 900) -> Ru
         if "nodes" in report:  # a fan-out's report: one entry per node
             run.hows = [r["how"] for r in report["nodes"].values()]
             run.hits = [how == "hit" for how in run.hows]
-        else:  # DatasetsPublic
-            for dataset in report["data"]:
+        else:  # DatasetsPublic; an error's JSON has none
+            for dataset in report.get("data", []):
                 origin = dataset.get("origin") or {}
                 run.hits.append(bool(origin.get("hit")))
                 run.hows.append("hit" if origin.get("hit") else origin.get("how", "?"))

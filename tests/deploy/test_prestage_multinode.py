@@ -166,14 +166,18 @@ def test_the_planned_nodes_service_stopped(
 def test_a_failing_staging(
     cluster: Cluster, users: tuple[User, User], interpreter_for_users: str, tree: Path
 ) -> None:
-    """The declared source does not exist: the prefetch fails on the node, and the job's
-    own staging fails as it would without pre-staging, naming the source."""
+    """The declared source does not exist: the prefetch fails on the node (the planner
+    logs the node's answer), and the job's own staging fails as it would without
+    pre-staging, naming the source."""
     alice = users[0]
     missing = cluster.shared(tree) + "-missing"
-    before = counts(cluster)
+    log = Path(cluster.values["MN_ROOT"]) / "log" / "planner.log"
+    refusals = log.read_text().count(f"node {PLANNED}: ")
 
     def prefetch_tried(job: str) -> None:
-        wait_for("prefetch order", prefetch_ordered(cluster, before))
+        # The node answers the order with the staging's error (its checks: no such
+        # source), which the planner logs: the prefetch was tried and failed.
+        wait_for("refused order", lambda: log.read_text().count(f"node {PLANNED}: ") > refusals)
 
     run, late = queued(cluster, declared(cluster, alice, "fails", missing), "fails", prefetch_tried)
     on_time_and_never_held(run, late)
