@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stager.image import mount as image_mount
-from tests.daemon import Daemon
+from tests.daemon import Daemon, stage_ready
 from tests.trees import digest, make_tar, write_tree
 from tests.users import User
 
@@ -59,8 +61,8 @@ def owned(path: Path, user: User) -> Path:
 def test_an_image_no_fuse_reader_can_mount_is_refused_or_staged_as_a_tree(
     users: tuple[User, User], alices_daemon: Daemon, shared_tmp: Path, fuse_for_users: None
 ) -> None:
-    if shutil.which("erofsfuse"):
-        pytest.skip("erofsfuse is installed here: the user's daemon can mount EROFS")
+    if shutil.which("erofsfuse") or shutil.which("squashfuse_ll"):
+        pytest.skip("a FUSE reader is installed here: the user's daemon builds an image")
     alice, _ = users
     tree = owned(write_tree(shared_tmp / "t", n_files=5), alice)
     archive = owned(make_tar(tree, shared_tmp / "t.tar"), alice)
@@ -117,3 +119,92 @@ def test_a_prebuilt_squashfs_is_mounted_with_fuse_as_the_user(
         assert client.delete("/v1/datasets/sq").status_code == 200
         assert image_mount.mounted_at(status["path"]) is None
         assert not Path(status["image"]["file"]).exists()
+
+
+def _files(user: User, folder: Path) -> str:
+    """Every file's sha256 under ``folder``, read as ``user`` (a FUSE mount is its
+    user's alone: root is refused)."""
+    listing = f"cd {folder} && find . -type f -print0 | sort -z | xargs -0 sha256sum"
+    done = user.run(["sh", "-c", listing])
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _fuse_mounts(cache: Path) -> list[str]:
+    return [m.target for m in image_mount.mounts_under(str(cache)) if m.fstype.startswith("fuse")]
+
+
+def _stop(daemon: Daemon) -> None:
+    """SIGTERM, which runuser passes on, then raises again on itself once the daemon
+    has stopped (its own status, -15)."""
+    assert daemon.stop() in (0, -signal.SIGTERM), daemon.log()
+    assert "Traceback" not in daemon.log(None), daemon.log()
+
+
+def _kill_9(daemon: Daemon) -> None:
+    """A kill -9 of the daemon itself, runuser's child (a SIGKILL of runuser would leave
+    it running); runuser then ends."""
+    assert daemon.process is not None
+    pid = daemon.process.pid
+    child = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    os.kill(int(child[0]), signal.SIGKILL)
+    daemon.process.wait(timeout=15)
+
+
+@pytest.mark.skipif(
+    shutil.which("erofsfuse") is not None
+    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+)
+def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
+    fuse_for_users: None, users: tuple[User, User], shared_tmp: Path, interpreter_for_users: str
+) -> None:
+    """A per-user daemon, started as a login would (runuser), stages a GNU tar as a
+    squashfs image mounted with squashfuse_ll; its files read back as ``tar -xf``
+    leaves them; an eviction, a stop, and a kill -9 then a restart leave no mount."""
+    alice, _ = users
+    tree = write_tree(shared_tmp / "src" / "t", n_files=60, max_size=300_000)
+    (tree / "deep" / ("d" * 120)).mkdir(parents=True)  # a long name: GNU tar's own record
+    (tree / "deep" / ("d" * 120) / ("n" * 130)).write_bytes(b"long")
+    os.symlink("../class_0/img_0000.jpg", tree / "deep" / "link")
+    archive = shared_tmp / "t.tar"
+    subprocess.run(["tar", "-cf", str(archive), "-C", str(tree.parent), "t"], check=True)
+    expected = shared_tmp / "expected"
+    expected.mkdir()
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(expected)], check=True)
+    owned(shared_tmp, alice)
+    cache = shared_tmp / "cache"
+    daemon = Daemon(cache_dir=cache, wrapper=["runuser", "-u", alice.name, "--"])
+    os.chown(daemon.runtime_dir, alice.uid, alice.gid)
+    body = {"name": "sq", "steps": [{"op": "extract", "src": str(archive)}], "image": True}
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            status = stage_ready(client, body, timeout=60)
+            image = status.image
+            assert image is not None and (image.format, image.mount) == ("squashfs", "fuse")
+            assert _fuse_mounts(cache) == [status.path]
+            assert _files(alice, Path(status.path)) == _files(alice, expected)
+            link = alice.run(["readlink", f"{status.path}/t/deep/link"])
+            assert link.stdout.strip() == "../class_0/img_0000.jpg"
+            began = time.monotonic()
+            assert client.delete("/v1/datasets/sq").status_code == 200
+            assert time.monotonic() - began < 1.0
+            assert _fuse_mounts(cache) == [] and not Path(image.file).exists()
+            status = stage_ready(client, body, timeout=60)
+        _stop(daemon)
+        assert _fuse_mounts(cache) == [], "the stop left a FUSE mount"
+        daemon.start()  # mounted again at the start
+        with daemon.client() as client:
+            status = stage_ready(client, body)
+            assert _fuse_mounts(cache) == [status.path]
+        _kill_9(daemon)
+        assert _fuse_mounts(cache) == [status.path]  # squashfuse_ll outlives a kill -9
+        daemon.start()
+        with daemon.client() as client:
+            status = stage_ready(client, body)
+            assert _files(alice, Path(status.path)) == _files(alice, expected)
+        _stop(daemon)
+        assert _fuse_mounts(cache) == [], "a restart after a kill -9 left a FUSE mount"
+    finally:
+        daemon.cleanup()
