@@ -207,4 +207,6 @@ def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
         _stop(daemon)
         assert _fuse_mounts(cache) == [], "a restart after a kill -9 left a FUSE mount"
     finally:
+        if daemon.process is not None and daemon.process.poll() is None:
+            daemon.stop()  # runuser passes SIGTERM on; a SIGKILL of it would not be
         daemon.cleanup()
