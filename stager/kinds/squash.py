@@ -15,6 +15,8 @@ Unlike a kernel mount, a FUSE mount is a process of the user's: every one under
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -33,6 +35,7 @@ from stager.kinds.base import ReadyTree, Sender, Shelf
 from stager.kinds.image import Image
 from stager.kinds.imaging import ImageMade
 from stager.ops import table
+from stager.staging.blocking import run_io
 from stager.staging.publish import Attempt
 from stager.staging.worker import Steps
 from stager.state.dataset import Entry
@@ -172,6 +175,19 @@ class Squash(Image):
     def job(self, entry: Entry) -> SquashJob:
         return SquashJob(max(1, os.cpu_count() or 1))
 
+    async def changed(
+        self, entry: Entry, shelf: Shelf, lock: asyncio.Lock, walker: Any
+    ) -> str | None:
+        """As an image's, once a mount whose server died is taken down (mounted again)."""
+        await run_io(_drop_dead, shelf.final(entry))
+        return await super().changed(entry, shelf, lock, walker)
+
+    async def recover(self, entry: Entry, shelf: Shelf) -> bool:
+        """As an image's: a mount a kill -9 left, still served and of the published file,
+        is kept; one whose server died with the daemon is taken down and mounted again."""
+        await run_io(_drop_dead, shelf.final(entry))
+        return await super().recover(entry, shelf)
+
     def _published(self, entry: Entry, shelf: Shelf) -> bool:
         done = shelf.attempt(entry).steps_done() == len(entry.steps)
         built = (shelf.attempt(entry).root / BUILT).exists()
@@ -192,3 +208,15 @@ class Squash(Image):
                 images.take_down(target)
             except (OSError, StagerError) as exc:  # a sentence, not a stop that fails half-way
                 log.warning("could not unmount %s at the stop: %s", target, exc)
+
+
+def _drop_dead(target: Path) -> None:
+    """A FUSE mount whose server is gone (killed with the daemon's cgroup) answers
+    ENOTCONN to everything, yet stays in the mount table: taken down, so the image kind
+    finds it unmounted and mounts it again."""
+    try:
+        os.statvfs(target)  # asked of the server each time (a stat may be cached)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            log.warning("%s: its squashfuse_ll is gone; unmounted", target)
+            images.take_down(target)

@@ -126,7 +126,7 @@ def _files(user: User, folder: Path) -> str:
     """Every file's sha256 under ``folder``, read as ``user`` (a FUSE mount is its
     user's alone: root is refused)."""
     listing = f"cd {folder} && find . -type f -print0 | sort -z | xargs -0 sha256sum"
-    done = user.run(["sh", "-c", listing])
+    done = user.run(["bash", "-o", "pipefail", "-c", listing])
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -150,6 +150,20 @@ def _kill_9(daemon: Daemon) -> None:
     child = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     os.kill(int(child[0]), signal.SIGKILL)
     daemon.process.wait(timeout=15)
+
+
+def _servers(target: str) -> list[int]:
+    """The squashfuse_ll processes serving ``target``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"squashfuse_ll") and target.encode() in argv:
+            found.append(int(proc.name))
+    assert found, f"no squashfuse_ll serves {target}"
+    return found
 
 
 @pytest.mark.skipif(
@@ -201,6 +215,16 @@ def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
             assert _fuse_mounts(cache) == [status.path]
         _kill_9(daemon)
         assert _fuse_mounts(cache) == [status.path]  # squashfuse_ll outlives a kill -9
+        daemon.start()
+        with daemon.client() as client:
+            status = stage_ready(client, body)
+            assert _files(alice, Path(status.path)) == _files(alice, expected)
+        # A kill -9 that takes the mount's server too (a job's cgroup): the mount stays,
+        # dead (ENOTCONN), and the next start mounts the image again.
+        _kill_9(daemon)
+        for pid in _servers(status.path):
+            os.kill(pid, signal.SIGKILL)
+        assert _fuse_mounts(cache) == [status.path]
         daemon.start()
         with daemon.client() as client:
             status = stage_ready(client, body)
