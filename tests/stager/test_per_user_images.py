@@ -235,3 +235,27 @@ def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
         if daemon.process is not None and daemon.process.poll() is None:
             daemon.stop()  # runuser passes SIGTERM on; a SIGKILL of it would not be
         daemon.cleanup()
+
+
+@pytest.mark.skipif(
+    shutil.which("erofsfuse") is not None
+    or not all(shutil.which(t) for t in ("mksquashfs", "squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: mksquashfs, squashfuse_ll, fuse3, no erofsfuse",
+)
+def test_a_users_daemon_packs_a_staged_tree_with_mksquashfs(
+    fuse_for_users: None, users: tuple[User, User], alices_daemon: Daemon, shared_tmp: Path
+) -> None:
+    """A request tar2sqfs cannot read as it is (a .tar.gz, under a folder) is staged as
+    a tree and packed by mksquashfs: the same files, mounted as the user."""
+    alice, _ = users
+    tree = write_tree(shared_tmp / "src" / "t", n_files=12)
+    archive = shared_tmp / "t.tar.gz"
+    subprocess.run(["tar", "-czf", str(archive), "-C", str(tree.parent), "t"], check=True)
+    owned(shared_tmp, alice)
+    step = {"op": "extract", "src": str(archive), "dst": "under"}
+    with alices_daemon.client() as client:
+        status = stage_ready(client, {"name": "gz", "steps": [step], "image": True})
+        assert status.image is not None and status.image.format == "squashfs"
+        assert _files(alice, Path(status.path) / "under") == _files(alice, tree.parent)
+        assert client.delete("/v1/datasets/gz").status_code == 200
+    assert _fuse_mounts(alices_daemon.cache_dir) == []
