@@ -5,11 +5,13 @@ prebuilt squashfs is mounted with squashfuse_ll, read, and evicted by fusermount
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import stat
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -258,4 +260,32 @@ def test_a_users_daemon_packs_a_staged_tree_with_mksquashfs(
         assert status.image is not None and status.image.format == "squashfs"
         assert _files(alice, Path(status.path) / "under") == _files(alice, tree.parent)
         assert client.delete("/v1/datasets/gz").status_code == 200
+    assert _fuse_mounts(alices_daemon.cache_dir) == []
+
+
+@pytest.mark.skipif(
+    shutil.which("erofsfuse") is not None
+    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+)
+def test_a_tar_member_that_climbs_out_fails_the_squashfs_staging(
+    fuse_for_users: None, users: tuple[User, User], alices_daemon: Daemon, shared_tmp: Path
+) -> None:
+    """tar2sqfs skips a member it cannot place (``../x``) unless told not to: the kind
+    tells it not to, and the staging fails naming the member, leaving no mount."""
+    alice, _ = users
+    archive = shared_tmp / "evil.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name in ("ok.txt", "../evil.txt"):
+            member = tarfile.TarInfo(name)
+            member.size = 1
+            tar.addfile(member, io.BytesIO(b"x"))
+    owned(shared_tmp, alice)
+    body = {"name": "evil", "steps": [{"op": "extract", "src": str(archive)}], "image": True}
+    with alices_daemon.client() as client:
+        assert client.post("/v1/datasets", json=body).status_code in (200, 202)
+        status = client.get("/v1/datasets/evil/wait", params={"timeout": 60}).json()
+    assert status["state"] == "failed", status
+    assert "tar2sqfs" in status["error"]["message"], status["error"]
+    assert "../evil.txt" in status["error"]["message"], status["error"]
     assert _fuse_mounts(alices_daemon.cache_dir) == []
