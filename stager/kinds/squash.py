@@ -135,7 +135,10 @@ def _write(argv: list[str], stdin: Any, staging: Steps) -> None:
         said = said_file.read().decode(errors="replace").strip().splitlines()
     if writer.returncode != 0:
         detail = said[-1] if said else f"exit status {writer.returncode}"
-        raise StagingError(f"{os.path.basename(argv[0])} could not build the image: {detail}")
+        raise StagingError(
+            f"{os.path.basename(argv[0])} could not build the image: {detail}; fix what it "
+            "names in the source, or stage a tree (leave out image)"
+        )
 
 
 def _tool(name: str) -> str:
