@@ -117,7 +117,7 @@ def test_every_row_of_the_table_keeps_the_protocol():
     assert {"check", "job", "publish", "changed", "recover", "delete", "export"} <= set(protocol)
     settings = Settings()
     kinds = table.Kinds(settings)
-    assert [kind.name for kind in kinds.all] == ["image", "tree"]
+    assert [kind.name for kind in kinds.all] == ["squashfs", "image", "tree"]
     for kind in kinds.all:
         assert Kind in type(kind).__mro__, kind
         for name, signature in protocol.items():
@@ -163,13 +163,14 @@ def test_the_table_picks_the_kind_from_the_request_and_the_entry(body, spec, exp
 
 
 def test_only_the_table_names_the_kinds():
-    """A new kind is a module of stager/kinds/ and one row of its table: nothing else
-    imports a kind's module (the engine, the registry, the fan-out ask the table)."""
+    """A new kind is a module of stager/kinds/ and one row of its table: nothing outside
+    kinds/ imports a kind's module (the engine, the registry, the fan-out ask the
+    table); a kind may build on another (squashfs on the image kind)."""
     kind_modules = {f"stager.kinds.{row.__module__.rpartition('.')[2]}" for row in table.ROWS}
     found = []
     for path in sorted(STAGER.rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
-        if rel == "stager/kinds/table.py":
+        if rel.startswith("stager/kinds/"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:

@@ -28,7 +28,15 @@ OWNERS = {
     LOOP: {"stager.staging.blocking", "client.fanout.agent", "client.fanout.protocol"},
 }
 # The functions of stager.core.processes that start a process (a row of rights' table each).
-STARTERS = ("run", "spawn", "start_child", "fork_pool", "fork_child", "start_fork_server")
+STARTERS = (
+    "run",
+    "spawn",
+    "start_child",
+    "fork_pool",
+    "fork_child",
+    "start_fork_server",
+    "Stoppable",
+)
 
 
 def dotted(node: ast.expr) -> str:
@@ -174,7 +182,10 @@ def test_the_scan_reads_the_owner_rooms() -> None:
     vacuously if it saw nothing)."""
     seen = {
         kind
-        for path in (REPO / "stager" / "core" / "processes.py", REPO / "stager" / "staging" / "blocking.py")
+        for path in (
+            REPO / "stager" / "core" / "processes.py",
+            REPO / "stager" / "staging" / "blocking.py",
+        )
         for kind, _, _ in starts(Path(path).read_text())
     }
     assert seen == {PROCESS, THREAD, LOOP}

@@ -142,11 +142,13 @@ class Metrics:
             "Requests long-polling for a dataset to finish (jobs blocked on this node)",
             registry=self.registry,
         )
-        # Pre-staging (stager.prestage.prefetch): started, used by their job, wasted (cancelled or
-        # expired unused), refused (a bad credential, a budget); the bytes of each.
+        # Pre-staging (stager.prestage.prefetch): started, used by their job, wasted (cancelled,
+        # deleted or expired unused), failed (its staging), refused (a bad credential, a
+        # budget); the bytes of the first three.
         self.prefetches = Counter(
             "stager_prefetches",
-            "Prefetches for jobs not started yet, by outcome: started, used, wasted, refused",
+            "Prefetches for jobs not started yet, by outcome: "
+            "started, used, wasted, failed, refused",
             ["outcome"],
             registry=self.registry,
         )
@@ -171,9 +173,9 @@ class Metrics:
             self.arrivals.labels(how=how)
         for kind in failure_types():
             self.failures.labels(type=kind)
-        for outcome in ("started", "used", "wasted", "refused"):
+        for outcome in ("started", "used", "wasted", "failed", "refused"):
             self.prefetches.labels(outcome=outcome)
-            if outcome != "refused":
+            if outcome not in ("failed", "refused"):
                 self.prefetch_bytes.labels(outcome=outcome)
 
     def watch_states(

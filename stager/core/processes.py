@@ -77,6 +77,42 @@ def run(
         raise NotRun(f"{name} could not be started: {exc.strerror or exc}") from exc
 
 
+class Stoppable:
+    """:func:`run`, that another thread may end at once with :meth:`kill`: a service
+    that is stopping must not wait for a command that does not answer."""
+
+    def __init__(self) -> None:
+        self._running: subprocess.Popen[str] | None = None
+
+    def run(self, argv: Sequence[str], timeout_s: float | None) -> subprocess.CompletedProcess[str]:
+        name = os.path.basename(argv[0])
+        try:
+            with subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                encoding="utf-8",
+                errors="surrogateescape",
+            ) as self._running:
+                try:
+                    out, err = self._running.communicate(timeout=timeout_s)
+                except subprocess.TimeoutExpired as exc:
+                    self._running.kill()
+                    raise NotRun(f"{name} did not answer within {timeout_s:g} s", True) from exc
+                return subprocess.CompletedProcess(list(argv), self._running.returncode, out, err)
+        except NotRun:
+            raise
+        except OSError as exc:
+            raise NotRun(f"{name} could not be started: {exc.strerror or exc}") from exc
+        finally:
+            self._running = None
+
+    def kill(self) -> None:
+        running = self._running
+        if running is not None:
+            running.kill()
+
+
 def spawn(
     argv: Sequence[str],
     stdin: Any = DEVNULL,

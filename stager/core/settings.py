@@ -439,6 +439,13 @@ class Settings(BaseSettings):
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
         "or SlurmUser), e.g. 0.0.0.0:8766",
     )
+    prefetch_max_running: int = setting(
+        1,
+        ge=1,
+        cli=(),
+        help="node service: the most prefetches staging at once, so that a burst of them "
+        "leaves the other slots (--max-workers) to running jobs' requests",
+    )
     prefetch_expire_s: float = setting(
         6 * 3600.0,
         gt=0,
@@ -508,6 +515,14 @@ class Settings(BaseSettings):
         default_text="none",
         help="planner: NODE=HOST:PORT for nodes whose Slurm name is not their address "
         "(a name the resolver does not know, another port)",
+    )
+    plan_state_path: Path = setting(
+        Path("/var/lib/stager/plan.json"),
+        cli=("plan",),
+        flag="plan-state",
+        help="planner: the file that keeps its last plan (written after each interval that "
+        "changes it), so that a restarted planner cancels the prefetches of jobs that left "
+        "while it was down",
     )
     # For the crash-consistency tests only: die right after this durable step
     # (a stager.core.durable.Durable value, "#N" for its N-th time). Never set it otherwise.

@@ -17,8 +17,12 @@ fan-out room alike:
   service each user runs at most ``max_stagings_per_user`` at once (so that slots
   are always left for others) and queues at most ``max_queued_per_user``; a request
   past that is refused (429). A prefetch (a staging for a job not started yet,
-  stager.prestage.prefetch) is **low**: it runs only when no other staging is queued, and
-  stops being low as soon as any request not a prefetch asks for it.
+  stager.prestage.prefetch) is **low**: it runs only when no other staging is queued, at most
+  ``prefetch_max_running`` at once, and stops being low as soon as any request not a
+  prefetch asks for it. Requeued (after a restart, a cancel another name outlived) it
+  stays low while every live name on it is a prefetch's (it holds a prefetch's lease).
+- **Prefetch budgets** (:meth:`Admission.check_prefetch`): a prefetch past its bytes
+  budget is refused before anything is queued, named or written.
 
 Reservations held by transfers come from the fan-out room (``held``): room promised
 and not written yet is not free, and counts against its user's quota. Space evicted
@@ -42,15 +46,22 @@ from stager.core.settings import Settings
 from stager.request import preflight
 from stager.staging.blocking import run_io
 from stager.state import cache
-from stager.state.dataset import Entry
+from stager.state.dataset import Entry, Handle
 from stager.state.leases import Lease
 
 log = logging.getLogger("stager.engine.admission")
 
-# Set by the prefetch service around its engine.submit: the stagings it queues are low.
-# A context variable rather than a parameter through the engine: only the fair queue
-# reads it, and the engine's request path stays the very one a user's request takes.
-PREFETCHING: ContextVar[bool] = ContextVar("stager_prefetching", default=False)
+# Set by the prefetch service around its Requests.submit to the prefetch's budget check
+# (raises past it, given the staging's estimate): the stagings it queues are low. A
+# context variable rather than a parameter through the engine: only admission reads it,
+# and the engine's request path stays the very one a user's request takes.
+PREFETCHING: ContextVar[Callable[[int], None] | None] = ContextVar(
+    "stager_prefetching", default=None
+)
+# The lease a prefetch holds on its name until its job uses it (stager.prestage.prefetch): how a
+# requeued staging is known to be a prefetch's. A user who gives their own lease such a
+# holder makes only their own staging low.
+PREFETCH_HOLDER = "prefetch-job-"
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class Books(Protocol):
     """What admission reads and does of the registry (stager.engine.lifecycle.Registry)."""
 
     entries: dict[str, Entry]
+    handles: dict[tuple[int, str], Handle]
     leases: dict[str, Lease]
     trash: _Trash
 
@@ -99,10 +111,18 @@ class FairQueue:
     turns that comes while that user is under the cap. It is charged to that user, as
     their own staging would have been: the turn it took was theirs, and it gave them
     what they asked for. ``running_cap``: the most stagings one user runs at once (None:
-    no cap)."""
+    no cap); ``low_cap``: the most low stagings (prefetches) running at once, so that a
+    burst of them never takes every slot (``running``: whether a key still runs)."""
 
-    def __init__(self, running_cap: int | None = None) -> None:
+    def __init__(
+        self,
+        running_cap: int | None = None,
+        low_cap: int | None = None,
+        running: Callable[[str], bool] = lambda key: True,
+    ) -> None:
         self.running_cap = running_cap
+        self.low_cap, self._still_running = low_cap, running
+        self._running_low: set[str] = set()  # low keys handed out, until they end
         self._queued: dict[int, deque[str]] = {}
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
@@ -112,11 +132,12 @@ class FairQueue:
         # the event loop, so nothing changes between a worker's look and its wait.
         self._changed = asyncio.Event()
 
-    def put(self, key: str, owner: int) -> None:
+    def put(self, key: str, owner: int, low: bool | None = None) -> None:
         """``owner`` asks for ``key`` (queued anew, or joined): it waits in their turn
         too. Asking twice changes nothing, except that a request that is not a prefetch
-        makes the staging no longer low."""
-        low = PREFETCHING.get()
+        makes the staging no longer low. ``low``: a requeue's own lowness (None: a new
+        request's, a prefetch's when PREFETCHING is set)."""
+        low = PREFETCHING.get() is not None if low is None else low
         if key not in self._askers and low:
             self._low.add(key)
         elif not low:
@@ -163,6 +184,8 @@ class FairQueue:
                 self._turn.rotate(-(i + 1))  # it, and those passed over, to the back
                 for asker in self._askers.pop(key, {owner}):
                     self._withdraw(key, asker)
+                if key in self._low:
+                    self._running_low.add(key)
                 self._low.discard(key)
                 self._running[owner] = self.running_by(owner) + 1
                 return key, owner
@@ -172,6 +195,10 @@ class FairQueue:
     def _next(self, low: bool) -> tuple[int, int, str] | None:
         """The first user in turn under the cap with a staging queued (``low``: a low one
         too), as (their place in turn, uid, key)."""
+        if low and self.low_cap is not None:
+            self._running_low = {k for k in self._running_low if self._still_running(k)}
+            if len(self._running_low) >= self.low_cap:
+                return None
         for i, owner in enumerate(self._turn):
             if self.running_cap is not None and self.running_by(owner) >= self.running_cap:
                 continue
@@ -208,7 +235,11 @@ class Admission:
         # eviction; so an entry is never evicted between being chosen and being answered.
         self.lock = asyncio.Lock()
         multi = settings.multi_user
-        self.queue = FairQueue(settings.stagings_per_user() if multi else None)
+        self.queue = FairQueue(
+            settings.stagings_per_user() if multi else None,
+            settings.prefetch_max_running,
+            self._active,
+        )
         self.max_queued = settings.max_queued_per_user if multi else None
         self._registry: Books | None = None
         self._held: Callable[[], Awaitable[Held]] | None = None
@@ -230,6 +261,29 @@ class Admission:
         return self._registry
 
     # ---- slots ---------------------------------------------------------------------------
+
+    def _active(self, key: str) -> bool:
+        entry = self._reg.entries.get(key)
+        return entry is not None and entry.active
+
+    def prefetch_only(self, key: str) -> bool:
+        """Whether every live name on ``key`` (one at least) is a prefetch's: a requeued
+        staging's lowness, known from the names and leases the registry keeps."""
+        names = [h.id for h in self._reg.handles.values() if h.key == key and h.ended is None]
+        return bool(names) and all(map(self.is_prefetch, names))
+
+    def is_prefetch(self, handle_id: tuple[int, str]) -> bool:
+        return any(
+            x.handle_id == handle_id and x.holder.startswith(PREFETCH_HOLDER)
+            for x in self._reg.leases.values()
+        )
+
+    def check_prefetch(self, estimate: int) -> None:
+        """Refuse (429) a prefetch's staging of ``estimate`` bytes past its budgets,
+        before anything is queued or named (nothing for a request not a prefetch)."""
+        budget = PREFETCHING.get()
+        if budget is not None:
+            budget(estimate)
 
     def check_queue(self, owner: int) -> None:
         """Refuse (429) a staging ``owner`` would queue past their limit."""

@@ -203,6 +203,7 @@ class Requests:
         # Decide under one lock: concurrent identical requests must see each other's entry.
         async with engine.admission.lock:
             self._check_name(request.name, caller.uid, resolved.request_key)  # another may have won
+            engine.admission.check_prefetch(estimate)
             entry = reg.entries.get(key)
             if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                 engine.admission.check_queue(caller.uid)
@@ -264,7 +265,8 @@ class Requests:
                 if entry is None or entry.state in (State.FAILED, State.CANCELLED, State.EVICTED):
                     reader = reader_of(Caller.of_uid(handle.owner))
                     ask = Ask.again(shared, reader, handle.id)
-                    entry = await engine.enqueue(entry, key, shared.spec, ask, handle.owner)
+                    low = engine.admission.is_prefetch(handle.id)  # a prefetch's stays low
+                    entry = await engine.enqueue(entry, key, shared.spec, ask, handle.owner, low)
                 await reg.repoint(handle, entry)
 
     async def _drop_if_changed(self, entry: Entry) -> None:

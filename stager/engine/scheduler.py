@@ -145,15 +145,22 @@ class Engine:
     # ---- the queue --------------------------------------------------------------------
 
     async def enqueue(
-        self, entry: Entry | None, key: str, spec: dict[str, Any], ask: Ask, room_of: int | None
+        self,
+        entry: Entry | None,
+        key: str,
+        spec: dict[str, Any],
+        ask: Ask,
+        room_of: int | None,
+        low: bool | None = None,
     ) -> Entry:
         """Queue a staging of ``key`` (a new entry, or an ended ``entry`` asked for again)
         with what ``ask`` asks, once admission made room for its estimate (on ``room_of``'s
-        quota: None, shared). Call it holding the admission lock."""
+        quota: None, shared). ``low``: as FairQueue.put's. Call it holding the admission
+        lock."""
         await self.admission.make_room(ask.estimate_bytes, key, room_of)
         entry = entry or Entry(key=key, spec=spec, steps=[], verify="")
         await self.reg.queue(entry, ask)
-        self.admission.queue.put(key, owner_of(entry))
+        self.admission.queue.put(key, owner_of(entry), low)
         return entry
 
     def wanting(self, entry: Entry) -> list[Handle]:
@@ -168,8 +175,9 @@ class Engine:
         if entry.state != State.QUEUED:
             return
         wanting = {h.owner for h in self.wanting(entry)} if self.settings.multi_user else set()
+        low = self.admission.prefetch_only(entry.key)  # a prefetch's stays low
         for owner in sorted(wanting) or [owner_of(entry)]:
-            self.admission.queue.put(entry.key, owner)
+            self.admission.queue.put(entry.key, owner, low)
 
     # ---- staging ---------------------------------------------------------------------
 

@@ -13,11 +13,12 @@ from typing import Any
 from stager.core.settings import Settings
 from stager.kinds.base import Kind
 from stager.kinds.image import Image
+from stager.kinds.squash import Squash
 from stager.kinds.tree import Tree
 from stager.state.dataset import Entry
 from stager.wire.schemas import DatasetCreate
 
-ROWS: tuple[Callable[[Settings], Kind], ...] = (Image, Tree)
+ROWS: tuple[Callable[[Settings], Kind], ...] = (Squash, Image, Tree)
 
 
 class Kinds:

@@ -116,6 +116,7 @@ def serve(planner: Planner, settings: Settings, once: bool) -> int:
     )
 
     async def main() -> int:
-        return await Service(planner, Sender(settings)).run(settings.plan_interval_s, once)
+        service = Service(planner, Sender(settings), settings.plan_state_path)
+        return await service.run(settings.plan_interval_s, once)
 
     return asyncio.run(main())

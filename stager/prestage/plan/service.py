@@ -24,11 +24,13 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
 from stager.core import vouch
 from stager.core.settings import Settings, host_port
+from stager.prestage.plan import state
 from stager.prestage.plan.changes import Changes
 from stager.prestage.plan.planner import Planner
 from stager.prestage.plan.planning import Prefetch
@@ -54,17 +56,13 @@ class Order:
         return self.job, self.node
 
 
-def orders(found: Changes) -> tuple[list[Order], list[str]]:
-    """One order per start, one cancel per job and node; and a sentence for each job
-    that cannot have one (a job id that is not a number: an array job's task)."""
+def orders(found: Changes) -> list[Order]:
+    """One order per start, one cancel per job and node (job ids are numbers: squeue's
+    JobID is the raw id, stager.prestage.plan.squeue)."""
     made: dict[tuple[str, str, str], Order] = {}
-    skipped = []
     for prefetch, action in [(p, "stage") for p in found.start] + [
         (p, "cancel") for p, _ in found.cancel
     ]:
-        if not prefetch.job_id.isdigit():
-            skipped.append(f"job {prefetch.job_id}: no order for it (not a plain job id)")
-            continue
         body = {
             "action": action,
             "job": int(prefetch.job_id),
@@ -80,7 +78,7 @@ def orders(found: Changes) -> tuple[list[Order], list[str]]:
         raw = json.dumps(body, sort_keys=True).encode()
         kept = prefetch if action == "stage" else None
         made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept))
-    return list(made.values()), sorted(set(skipped))
+    return list(made.values())
 
 
 class Sender:
@@ -149,10 +147,35 @@ class Tally:
 
 
 class Service:
-    def __init__(self, planner: Planner, sender: Sender) -> None:
+    """``state_path``: where the last plan is kept across restarts (None: nowhere)."""
+
+    def __init__(self, planner: Planner, sender: Sender, state_path: Path | None = None) -> None:
         self.planner = planner
         self.sender = sender
         self.cancels: dict[tuple[str, str], Order] = {}  # not delivered yet: sent again
+        self.state_path = state_path
+        self._kept: tuple[frozenset[Prefetch], list[state.Cancel]] | None = None
+
+    async def _load(self) -> None:
+        if self.state_path is None:
+            return
+        previous, cancels = await run_io(state.load, self.state_path)
+        self.planner.previous = previous
+        for node, body, job in cancels:
+            order = Order(node, body.encode(), job, None)
+            self.cancels[order.key] = order
+        self._kept = previous, cancels
+        if previous or cancels:
+            log.info(
+                "the last plan: %d prefetches, %d cancels to send", len(previous), len(cancels)
+            )
+
+    async def _save(self) -> None:
+        cancels = [(o.node, o.body.decode(), o.job) for o in self.cancels.values()]
+        kept = self.planner.previous, cancels
+        if self.state_path is not None and kept != self._kept:
+            await run_io(state.save, self.state_path, *kept)
+            self._kept = kept
 
     async def interval(self) -> Tally:
         """One interval; raises SqueueError when squeue could not be read."""
@@ -162,9 +185,7 @@ class Service:
         plan = found.plan
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
         tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
-        made, skipped = orders(found.changes)
-        for sentence in skipped:
-            log.info("%s", sentence)
+        made = orders(found.changes)
         for order in made:
             if order.prefetch is None:
                 self.cancels[order.key] = order
@@ -185,6 +206,7 @@ class Service:
                 self.planner.forget(order.prefetch)  # new again next interval
         for (node, why), count in sorted(failures.items()):
             log.warning("node %s: %d order(s) not carried out: %s", node, count, why)
+        await self._save()
         log.info(
             "interval: %d jobs seen (%d pending), %d planned, orders sent %d, failed %d, "
             "squeue %.0f ms, interval %.0f ms",
@@ -203,11 +225,13 @@ class Service:
             loop.add_signal_handler(sig, stop.set)
         stopping = asyncio.ensure_future(stop.wait())
         try:
+            await self._load()
             while True:
                 began = loop.time()
                 work = asyncio.ensure_future(self.interval())
                 await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if not work.done():
+                    self.planner.source.stop()  # its thread ends with the squeue call
                     work.cancel()
                     await asyncio.gather(work, return_exceptions=True)
                     return 0

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from stager.core.processes import NotRun, run
+from stager.core.processes import NotRun, Stoppable
 from stager.prestage.plan import hostlist
 
 FIELDS = (
+    # The raw job id, a number: an array's pending tasks share one record, whose id is
+    # a plain number (JobArrayID would print 123_[4-10]); see docs/prestaging.md.
     "JobID",
     "UserID",  # numeric uid
     "GroupID",  # numeric gid
@@ -116,6 +118,8 @@ def parse_line(line: str) -> QueuedJob:
     if len(parts) != len(FIELDS):
         raise ValueError(f"{len(parts)} fields where {len(FIELDS)} were asked for: {line!r}")
     job_id, uid, gid, state, start, sched, nodes, comment = parts
+    if not job_id.isdigit():
+        raise ValueError(f"JobID {job_id!r} is not a job's raw id (a number)")
     comment = comment[:-1] if comment.endswith("|") else comment  # its own separator
     comment = None if comment in NO_TEXT else comment
     return QueuedJob(job_id, int(uid), int(gid), state, start, sched, nodes, comment)
@@ -130,6 +134,7 @@ class Squeue:
         self.timeout_s = timeout_s
         self.calls = 0
         self.last_s = 0.0  # the last call's time (the service's log line)
+        self._call = Stoppable()  # the call under way, for stop()
 
     def read(self) -> str:
         self.calls += 1
@@ -137,7 +142,7 @@ class Squeue:
         try:
             # One job's bytes that are not UTF-8 must not stop every job's interval: run
             # keeps them as surrogates.
-            done = run(self.argv, self.timeout_s)
+            done = self._call.run(self.argv, self.timeout_s)
         except NotRun as exc:
             if exc.timed_out:
                 raise SqueueError(f"{exc}; slurmctld is busy or down") from exc
@@ -149,6 +154,11 @@ class Squeue:
         if done.returncode != 0:
             raise SqueueError(f"squeue exited {done.returncode}: {done.stderr.strip()}")
         return done.stdout
+
+    def stop(self) -> None:
+        """Kill a call under way (from another thread: the service stopping, which must
+        not wait for a slurmctld that does not answer)."""
+        self._call.kill()
 
 
 class SqueueFile(Squeue):

@@ -1,7 +1,8 @@
 """The prefetches a node holds for jobs, their budgets, and the file that keeps them.
 
 A prefetch is ``active`` from its start until its job's own request asks for its data
-(``used``), or until it is cancelled or expires unused (``wasted``). Only active
+(``used``), until it is cancelled, its name deleted or it expires unused (``wasted``),
+or until its staging fails (``failed``). Only active
 prefetches count against the budgets: bytes staged for jobs that have not started.
 Ended ones are kept until ``prefetch_expire_s`` after their start, so that the job's
 status can still say it was pre-staged.
@@ -28,7 +29,7 @@ class Prefetch:
     key: str
     bytes: int  # its size once ready, its estimate before
     started_at: float  # epoch seconds
-    state: str = "active"  # active, used, wasted
+    state: str = "active"  # active, used, wasted, failed
 
 
 def prefetch_name(job: int, dataset: str) -> str:

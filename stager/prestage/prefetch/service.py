@@ -9,14 +9,17 @@ user may not read fails, and the job's ``stage --from-script`` at start is a hit
 same key. Besides, a prefetch:
 
 - is low in the fair queue (stager.engine.admission.PREFETCHING): any other queued staging
-  goes first;
-- holds a lease (holder ``prefetch-job-JOB``) until used, cancelled or expired, so that
-  nobody's eviction takes it before its job starts; it never evicts leased data itself
-  (admission never does);
-- counts against a per-user and a per-node budget of bytes for jobs not started;
+  goes first, and at most ``prefetch_max_running`` prefetches stage at once;
+- holds a lease (holder ``prefetch-job-JOB``, taken with its name) until used,
+  cancelled, failed or expired, so that nobody's eviction takes it before its job
+  starts; it never evicts leased data itself (admission never does);
+- counts against a per-user and a per-node budget of bytes for jobs not started,
+  checked by admission before anything is queued or named;
 - is **used** when its user's own request asks for its data: its lease and name go,
   the user's own name keeps the data; it is **wasted** (counted, bytes and all) when
-  cancelled or expired unused, and its data is dropped unless another name holds it.
+  cancelled, expired unused or its name deleted, and its data is dropped unless
+  another name holds it; it is **failed** when its staging failed (nothing is kept).
+  Each prefetch ends once, in one of these.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from stager.core.errors import BadRequest, Forbidden, NotFound, StagerError
 from stager.core.identity import Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
-from stager.engine.admission import PREFETCHING
+from stager.engine.admission import PREFETCH_HOLDER, PREFETCHING
 from stager.prestage.prefetch import book as books
 from stager.prestage.prefetch.authority import PrefetchOrder, Seen, job_user, verify
 from stager.prestage.prefetch.book import Book, Prefetch, prefetch_name
@@ -44,7 +47,7 @@ log = logging.getLogger("stager.prestage.prefetch")
 
 
 def _holder(job: int) -> str:
-    return f"prefetch-job-{job}"
+    return f"{PREFETCH_HOLDER}{job}"
 
 
 class Prefetches:
@@ -128,14 +131,24 @@ class Prefetches:
             return known  # sent again (the planner restarted, slurmctld re-ran a hook)
         name = prefetch_name(order.job, dataset)
         # Neither a link nor a lease of the planner's, nor an adoption: a prefetch is the
-        # declaration's data only, read from its source by the job's user.
-        body.update(name=name, link=None, lease=None, adopt=None)
+        # declaration's data only, read from its source by the job's user. Its own lease
+        # comes with its name, in the same step (how a requeue knows it is a prefetch's).
+        lease = LeaseCreate(holder=_holder(order.job), ttl_s=self.settings.prefetch_expire_s)
+        body.update(name=name, link=None, lease=lease.model_dump(), adopt=None)
         try:
             request = engine.ops.request_model().model_validate(body)
         except ValueError as exc:
             raise BadRequest(f"the prefetch's request is not a stage request: {exc}") from exc
         started = time.time()
-        token = PREFETCHING.set(True)
+
+        def budget(estimate: int) -> None:  # admission's, before anything is queued
+            try:
+                self.book.check_budget(order.uid, estimate, self.settings)
+            except StagerError:
+                self.metrics.prefetches.labels(outcome="refused").inc()
+                raise
+
+        token = PREFETCHING.set(budget)
         try:
             view, ready = await self.requests.submit(request, user)
         finally:
@@ -143,16 +156,6 @@ class Prefetches:
         self.requested_as(request, user, view)
         entry = engine.registry.entries.get(view.key)
         size = view.size_bytes if ready else (entry.estimate_bytes if entry else 0)
-        try:
-            self.book.check_budget(order.uid, size, self.settings)
-        except StagerError:
-            self.metrics.prefetches.labels(outcome="refused").inc()
-            with contextlib.suppress(StagerError):
-                await self.names.delete(name, user)  # cancelled (before it started, mostly)
-                await self.names.delete(name, user)  # and the ended name forgotten
-            raise
-        ttl = LeaseCreate(holder=_holder(order.job), ttl_s=self.settings.prefetch_expire_s)
-        await self.names.lease(name, ttl, user)
         prefetch = Prefetch(
             job=order.job,
             uid=order.uid,
@@ -177,33 +180,49 @@ class Prefetches:
             await self._drop(prefetch, user, "wasted")
         return found
 
+    def _entry(self, prefetch: Prefetch) -> Any:
+        """The entry its name shows now (a staging moved to its user's own copy), if any."""
+        reg = self.engine.registry
+        handle = reg.handles.get((prefetch.uid, prefetch.name))
+        if handle is not None and handle.ended is None:
+            prefetch.key = handle.key
+        return reg.entries.get(prefetch.key)
+
     async def _drop(self, prefetch: Prefetch, user: Caller, outcome: str) -> None:
         """End ``prefetch``: its lease and name go; its data too, unless another name (its
         user's own request) holds it."""
-        engine = self.engine
-        entry = engine.registry.entries.get(prefetch.key)
-        if entry is not None and entry.state == State.READY:
-            prefetch.bytes = entry.size_bytes
+        entry = self._entry(prefetch)
+        if entry is not None and entry.state in (State.READY, State.EVICTED):
+            prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
         elif entry is not None and entry.active:
             prefetch.bytes = entry.progress.snapshot().bytes_done
         else:
             prefetch.bytes = 0  # failed or gone: nothing of it is on the disk
         prefetch.state = outcome
         self.metrics.prefetches.labels(outcome=outcome).inc()
-        self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
+        if outcome != "failed":
+            self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
         with contextlib.suppress(NotFound):  # its user cancelled the name already
             await self.names.release(prefetch.name, user, holder=_holder(prefetch.job))
             await self.names.delete(prefetch.name, user)  # the data, unless another name has it
             await self.names.delete(prefetch.name, user)  # the ended name: forgotten
 
     async def _expire(self) -> None:
-        """Active prefetches past ``prefetch_expire_s`` are dropped as wasted."""
-        now = time.time()
-        horizon = now - self.settings.prefetch_expire_s
+        """End what no longer waits for its job: failed stagings (they hold no budget and
+        no lease), names their user deleted, and prefetches unused past
+        ``prefetch_expire_s`` (wasted)."""
+        horizon = time.time() - self.settings.prefetch_expire_s
+        reg = self.engine.registry
         for prefetch in self.book.active():
-            if prefetch.started_at < horizon:
-                user = Caller.of_uid(prefetch.uid, prefetch.gid)
-                await self._drop(prefetch, user, "wasted")
+            entry = self._entry(prefetch)
+            handle = reg.handles.get((prefetch.uid, prefetch.name))
+            if entry is not None and entry.state == State.FAILED:
+                outcome = "failed"
+            elif handle is None or handle.ended is not None or prefetch.started_at < horizon:
+                outcome = "wasted"
+            else:
+                continue
+            await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), outcome)
         self.book.forget_before(horizon)
 
     async def sweep(self) -> None:
@@ -225,7 +244,9 @@ class Prefetches:
                     continue
                 prefetch.state = "used"
                 self.metrics.prefetches.labels(outcome="used").inc()
-                self.metrics.prefetch_bytes.labels(outcome="used").inc(view.size_bytes)
+                # Joined while still staging: its estimate, as it started.
+                used = view.size_bytes if view.state == State.READY else prefetch.bytes
+                self.metrics.prefetch_bytes.labels(outcome="used").inc(used)
                 if view.state == State.READY:
                     hidden = view.updated_at.timestamp() - prefetch.started_at
                     self.metrics.prefetch_hidden_seconds.inc(max(0.0, hidden))
