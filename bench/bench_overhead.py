@@ -85,8 +85,8 @@ TRACE_POINTS = [
         "marker-written",
     ),
     # The tree sealed from the op's count and a listing, or by a walk of every file.
-    ("stager/staging/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
-    ("stager/staging/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
+    ("stager/kinds/tree.py", "            return seal_listed(tree, made)\n", "steps-done"),
+    ("stager/kinds/tree.py", "        return seal_tree(tree, self.workers)\n", "steps-done"),
     ("stager/fs/seal.py", "    return seal\n", "sealed"),  # once later stamps are later
     (
         "stager/staging/blocking.py",

@@ -60,21 +60,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """``argv`` run to its end, its output as text (bytes not UTF-8 kept as surrogates),
     its exit status the caller's to judge; NotRun if it cannot start or outlives timeout_s."""
-    name = os.path.basename(argv[0])
-    try:
-        return subprocess.run(
-            list(argv),
-            input=input,
-            capture_output=True,
-            encoding="utf-8",
-            errors="surrogateescape",
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise NotRun(f"{name} did not answer within {timeout_s:g} s", timed_out=True) from exc
-    except OSError as exc:
-        raise NotRun(f"{name} could not be started: {exc.strerror or exc}") from exc
+    return Stoppable().run(argv, timeout_s, input)
 
 
 class Stoppable:
@@ -84,18 +70,21 @@ class Stoppable:
     def __init__(self) -> None:
         self._running: subprocess.Popen[str] | None = None
 
-    def run(self, argv: Sequence[str], timeout_s: float | None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, argv: Sequence[str], timeout_s: float | None, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         name = os.path.basename(argv[0])
         try:
             with subprocess.Popen(
                 list(argv),
+                stdin=None if input is None else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 encoding="utf-8",
                 errors="surrogateescape",
             ) as self._running:
                 try:
-                    out, err = self._running.communicate(timeout=timeout_s)
+                    out, err = self._running.communicate(input, timeout=timeout_s)
                 except subprocess.TimeoutExpired as exc:
                     self._running.kill()
                     raise NotRun(f"{name} did not answer within {timeout_s:g} s", True) from exc

@@ -42,6 +42,7 @@ from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.held_space import HeldSpace
 from stager.fs.seal import Seal
+from stager.image.published import ImageRecord
 from stager.kinds.base import Outcome
 from stager.kinds.table import Kinds
 from stager.request.preflight import ensure_dirs
@@ -193,6 +194,11 @@ class Registry:
         """Make one change durable, then let the crash tests die right after it."""
         await run_io(write, *args)
         self.crash.reached(point)
+
+    def set_image(self, entry: Entry, image: ImageRecord | None) -> None:
+        """An image kind's record of its published image (or None: taken away again);
+        saved with the entry's next state change."""
+        entry.image = image
 
     async def _save(self, entry: Entry, point: Durable) -> None:
         entry.updated_at = now()

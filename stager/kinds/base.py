@@ -24,6 +24,7 @@ from stager.core.durable import CrashPoints, Durable
 from stager.core.settings import Settings
 from stager.engine.held_space import HeldSpace
 from stager.fs.seal import Seal
+from stager.image.published import ImageRecord
 from stager.staging.publish import Attempt
 from stager.state.dataset import Entry
 from stager.wire.schemas import DatasetCreate, ErrorInfo, ExportCreate, ExportPublic, State
@@ -62,6 +63,8 @@ class Shelf(Protocol):
     def owner_of(self, key: str) -> int | None: ...
 
     async def durable(self, point: Durable, write: Callable[..., Any], *args: Any) -> None: ...
+
+    def set_image(self, entry: Entry, image: ImageRecord | None) -> None: ...
 
     async def made_ready(self, entry: Entry, size: int, seal: Seal | None) -> None: ...
 

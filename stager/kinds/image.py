@@ -165,13 +165,13 @@ class Image(Kind):
             )
         identity = await run_io(ImageIdentity.stamp, str(file), outcome.sha256)
         blob = await run_io(images.blob_identity, file)
-        entry.image = images.ImageRecord(outcome.format, self.mount_kind, identity,
-                                         outcome.files, outcome.folders, outcome.data_bytes,
-                                         blob)  # fmt: skip
+        shelf.set_image(entry, images.ImageRecord(outcome.format, self.mount_kind, identity,
+                                                  outcome.files, outcome.folders,
+                                                  outcome.data_bytes, blob))  # fmt: skip
         try:
             await self._mount(entry, file, shelf)
         except (OSError, StagerError):
-            entry.image = None
+            shelf.set_image(entry, None)
             await run_io(images.take_down, final)
             await run_io(images.delete_image, file, final)
             raise
