@@ -104,10 +104,11 @@ class Transfers:
     """The books of one kind of transfer (exports or deliveries) under one folder, each
     by its key (:func:`transfer_key`)."""
 
-    def __init__(self, root: Path, kind: str) -> None:
+    def __init__(self, root: Path, kind: str, changed: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.kind = kind  # "export" or "delivery", for messages
         self._live: dict[str, Transfer] = {}
+        self._changed = changed  # told of every booking and every transfer gone
 
     def live(self) -> list[Transfer]:
         return list(self._live.values())
@@ -127,6 +128,7 @@ class Transfers:
         if owner is not None:
             transfer.owner, transfer.group = owner.uid, owner.gid
         self._live[key] = transfer
+        self._changed()
         return transfer
 
     def renew(self, key: str, ttl_s: float) -> Transfer:
@@ -149,17 +151,21 @@ class Transfers:
     def pop(self, key: str) -> Transfer:
         transfer = self.get(key)
         del self._live[key]
+        self._changed()
         return transfer
 
     def keep(self, key: str, transfer: Transfer) -> None:
         """Back on the books: one taken off (expired) that could not be removed yet."""
         self._live.setdefault(key, transfer)
+        self._changed()
 
     def expired(self) -> dict[str, Transfer]:
         """Unclaimed transfers past their time, taken off the books, by key."""
         now = _now()
         gone = [k for k, t in self._live.items() if t.expires_at <= now and not t.claimed]
-        return {key: self._live.pop(key) for key in gone}
+        expired = {key: self._live.pop(key) for key in gone}
+        self._changed()
+        return expired
 
 
 @dataclass(frozen=True)
@@ -182,11 +188,17 @@ class FanoutRoom:
         self._as_user = as_user
         self._admission = admission.lock  # held while room is promised
         self._admit = admission.make_room  # evicts, or refuses with the sizes
-        self.deliveries = Transfers(settings.incoming_dir, "delivery")
-        self.exports = Transfers(settings.outgoing_dir, "export")
+        # Whether any transfer is booked or export listed: admission asks ``held`` and
+        # ``exporting`` only then, so a request with no fan-out never comes here.
+        self.holding = False
+        self.deliveries = Transfers(settings.incoming_dir, "delivery", self._note)
+        self.exports = Transfers(settings.outgoing_dir, "export", self._note)
         self.plans: dict[str, ExportPlan] = {}  # exports under way, by label
         self._sweeping: set[int | None] = set()  # owners whose deliveries a sweep holds
         self._planning: list[str] = []  # keys of exports being listed (part 0)
+
+    def _note(self) -> None:
+        self.holding = bool(self.deliveries.live() or self.exports.live() or self._planning)
 
     # ---- the engine's hooks ------------------------------------------------------------
 
@@ -200,15 +212,12 @@ class FanoutRoom:
         reader: Reader | None,
         miss: bool,
     ) -> Arrival:
-        """What ``caller``'s ``request`` (expanded to ``steps``, cache key ``key``, or
-        ``shared_key`` were it shared by every user) stages, read with ``reader``'s
-        rights: without a delivery, its own steps, staged here; with one of the
-        caller's, the delivery's steps, checked before admission when it misses (a hit
-        or a join stages nothing)."""
+        """What ``caller``'s ``request`` of a delivery of theirs (expanded to ``steps``,
+        cache key ``key``, or ``shared_key`` were it shared by every user) stages, read
+        with ``reader``'s rights: the delivery's steps, checked before admission when
+        it misses (a hit or a join stages nothing). Only an adoption comes here."""
         adopt = request.adopt
-        if adopt is None:
-            job = request.lease.slurm_job_id if request.lease else None
-            return Arrival(steps, {"how": "staged", "job": job})
+        assert adopt is not None, "only a request that adopts a delivery arrives by the room"
         delivery_key = transfer_key(self._owner(caller), adopt.incoming)
         delivery = self.deliveries.get(delivery_key)
         origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
@@ -350,6 +359,7 @@ class FanoutRoom:
         async with self._admission:
             await self._admit(size, entry.key, self._quota_owner(owner))
             self._planning.append(entry.key)  # never evicted while it is copied
+            self._note()
             transfer = self.exports.add(key, label, size, EXPORT_TTL_S, owner)
         try:
             await run_io(make_folder, transfer)
@@ -358,6 +368,7 @@ class FanoutRoom:
             raise from_os_error(exc, f"copying {entry.key} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+            self._note()
         credential = None
         if self.settings.multi_user and vouch.available():
             socket = self.settings.munge_socket
@@ -633,6 +644,7 @@ class FanoutRoom:
             await self._drop_export(key)  # asked again from the start: a re-run step
         async with self._admission:
             self._planning.append(entry.key)  # from here on, never evicted under the packer
+            self._note()
         try:
             plan = await run_io(plan_export, tree, entry.key, part_bytes)
             async with self._admission:
@@ -645,6 +657,7 @@ class FanoutRoom:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+            self._note()
 
 
 def check_adoption(

@@ -271,9 +271,6 @@ class OpTable:
     def op_of(self, step: Any) -> Op:
         return self._ops[step.op]
 
-    def with_ops(self, ops: Iterable[Op]) -> OpTable:
-        return OpTable([*self._ops.values(), *ops])
-
     def validate_steps(self, raw: Any) -> list[Any]:
         """Step models from JSON-like data; raises pydantic's ``ValidationError``."""
         return self._steps.validate_python(raw)

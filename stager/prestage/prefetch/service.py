@@ -2,7 +2,7 @@
 the job starts, through the very path that user's own request takes.
 
 An order (stager.prestage.prefetch.authority, proven by Slurm's MUNGE identity) becomes an
-ordinary ``engine.submit`` as the job's user (their uid, the job's gid, their groups
+ordinary ``Requests.submit`` as the job's user (their uid, the job's gid, their groups
 from the group database), under a name of its own (``prefetch-JOB-DATASET``): the same
 per-user process, checks, quota and cache key as the user's own request, so what the
 user may not read fails, and the job's ``stage --from-script`` at start is a hit on the
@@ -51,8 +51,10 @@ def _holder(job: int) -> str:
 
 
 class Prefetches:
-    def __init__(self, engine: object, settings: Settings, metrics: Metrics) -> None:
-        self.engine = engine  # stager.engine.scheduler.Engine
+    def __init__(self, requests: Any, settings: Settings, metrics: Metrics) -> None:
+        # stager.engine.requests.Requests: a prefetch is a request as the job's user, and
+        # its name is ended as theirs (stager.engine.names.Names).
+        self.requests, self.names, self.engine = requests, requests.names, requests.engine
         self.settings, self.metrics = settings, metrics
         self.book, self.seen = Book(), Seen()
         self._loaded = False
@@ -68,7 +70,7 @@ class Prefetches:
         if not self.settings.multi_user:
             return
         await self._load()
-        self.engine.prestaged = self.job_for
+        self.names.prestaged = self.job_for
         self._sweeper = asyncio.ensure_future(self._sweep_every(60.0))
 
     async def stop(self) -> None:
@@ -148,7 +150,7 @@ class Prefetches:
 
         token = PREFETCHING.set(budget)
         try:
-            view, ready = await engine.submit(request, user)
+            view, ready = await self.requests.submit(request, user)
         finally:
             PREFETCHING.reset(token)
         self.requested_as(request, user, view)
@@ -189,7 +191,6 @@ class Prefetches:
     async def _drop(self, prefetch: Prefetch, user: Caller, outcome: str) -> None:
         """End ``prefetch``: its lease and name go; its data too, unless another name (its
         user's own request) holds it."""
-        engine = self.engine
         entry = self._entry(prefetch)
         if entry is not None and entry.state in (State.READY, State.EVICTED):
             prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
@@ -202,9 +203,9 @@ class Prefetches:
         if outcome != "failed":
             self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
         with contextlib.suppress(NotFound):  # its user cancelled the name already
-            await engine.release(prefetch.name, user, holder=_holder(prefetch.job))
-            await engine.delete(prefetch.name, user)  # the data, unless another name has it
-            await engine.delete(prefetch.name, user)  # the ended name: forgotten
+            await self.names.release(prefetch.name, user, holder=_holder(prefetch.job))
+            await self.names.delete(prefetch.name, user)  # the data, unless another name has it
+            await self.names.delete(prefetch.name, user)  # the ended name: forgotten
 
     async def _expire(self) -> None:
         """End what no longer waits for its job: failed stagings (they hold no budget and
@@ -250,8 +251,8 @@ class Prefetches:
                     hidden = view.updated_at.timestamp() - prefetch.started_at
                     self.metrics.prefetch_hidden_seconds.inc(max(0.0, hidden))
                 with contextlib.suppress(NotFound):
-                    await self.engine.release(prefetch.name, caller, holder=_holder(prefetch.job))
-                    await self.engine.delete(prefetch.name, caller)
+                    await self.names.release(prefetch.name, caller, holder=_holder(prefetch.job))
+                    await self.names.delete(prefetch.name, caller)
             await self._save()
         view.prestaged_for_job = self.book.job_for(caller.uid, view.key)
 
