@@ -210,7 +210,8 @@ class Registry:
             self.changed.notify_all()
 
     async def close(self) -> None:
-        self.kinds.close()
+        # A kind's close may unmount (squashfs: fusermount3 per image): a thread's work.
+        await run_io(self.kinds.close)
         await run_io(self._store.close)
 
     async def save_progress(self, entries: list[Entry]) -> None:
