@@ -453,6 +453,14 @@ class Settings(BaseSettings):
         help="node service: seconds a prefetch its job has not used is kept; then it is "
         "dropped and its bytes counted as wasted",
     )
+    prefetch_copy_wait_s: float = setting(
+        3600.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds another planned node's copy waits here for this node's "
+        "prefetch of the same job to be ready before it gives up (that node's job then "
+        "stages at its start)",
+    )
     # ---- placement: node features for the data held here (stager.prestage.placement) ----
     slurm_node_features: bool = setting(
         False,
