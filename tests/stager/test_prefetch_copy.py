@@ -81,12 +81,12 @@ def nodes(
             node.daemon.cleanup()
 
 
-def credential(body: bytes, what: str, munge_socket: Path, by: User | None = None) -> str:
+def credential(body: bytes, what: str, socket: Path, by: User | None = None) -> str:
     payload = json.dumps({"what": what, "sha256": hashlib.sha256(body).hexdigest()})
     if by is None:
-        made = vouch.encode(payload, munge_socket, 60)
+        made = vouch.encode(payload, socket, 60)
     else:
-        argv = ["munge", "--socket", str(munge_socket), "--ttl", "60", "--string", payload]
+        argv = ["munge", "--socket", str(socket), "--ttl", "60", "--string", payload]
         made = by.run(argv).stdout.strip()
     assert made
     return f"Munge {made}"
@@ -106,11 +106,11 @@ def copy_order(user: User, job: int, request: dict, origin: Node | str, **change
     return json.dumps(body | changed).encode()
 
 
-def order(node: Node, body: bytes, munge_socket: Path, copy: bool = False) -> httpx.Response:
+def order(node: Node, body: bytes, socket: Path, copy: bool = False) -> httpx.Response:
     """The planner's call: its credential, and for a copy the second one."""
-    headers = {"authorization": credential(body, authority.WHAT, munge_socket)}
+    headers = {"authorization": credential(body, authority.WHAT, socket)}
     if copy:
-        headers[authority.COPY_HEADER] = credential(body, authority.COPY, munge_socket)
+        headers[authority.COPY_HEADER] = credential(body, authority.COPY, socket)
     with httpx.Client(timeout=60) as client:
         return client.post(f"http://{node.address}/v1/prefetches", content=body, headers=headers)
 
@@ -294,16 +294,17 @@ def test_a_peer_sending_wrong_or_unvouched_bytes_never_makes_a_ready_entry(
         sha = digest(manifest)
         payload = json.dumps({"what": vouch.WHAT, "key": for_key, "manifest_sha256": sha})
         argv = ["munge", "--socket", str(munge_socket), "--string", payload]
-        made = (signer.run(argv).stdout if signer else vouch.encode(payload, munge_socket, 60))
+        made = signer.run(argv).stdout if signer else vouch.encode(payload, munge_socket, 60)
         headers = {copying.KEY: key, copying.TAR_BYTES: str(len(tar)),
-                   copying.MANIFEST_BYTES: str(len(manifest)),
-                   copying.MANIFEST_SHA256: sha, copying.MANIFEST_CREDENTIAL: made.strip()}  # fmt: skip
+                   copying.MANIFEST_BYTES: str(len(manifest)), copying.MANIFEST_SHA256: sha,
+                   copying.MANIFEST_CREDENTIAL: made.strip()}  # fmt: skip
         return headers, tar + manifest
 
     cases = [
         (served(poison, alice), "made by uid"),  # a user's vouch: a user's port
         (served(poison, None, for_key="0" * 64), "vouches for"),  # another entry's vouch
-        (served(genuine, None, flip=True), "does not match the manifest"),  # wrong bytes under a true manifest
+        # Wrong bytes under a true manifest (changed on the way).
+        (served(genuine, None, flip=True), "does not match the manifest"),
     ]
     try:
         for job, (answer, says) in enumerate(cases, start=JOB + 10):

@@ -154,8 +154,15 @@ class Prefetches:
             raise BadRequest("a prefetch's request names its dataset ('name'), as stage does")
         dataset = body["name"]
         known = self.book.prefetches.get((order.job, dataset))
+        source = order.source or ""
         if known is not None and known.state == "active" and known.uid == order.uid:
-            return known  # sent again (the planner restarted, slurmctld re-ran a hook)
+            entry = self._entry(known)
+            if known.source == source or (entry is not None and entry.state == State.READY):
+                known.source = source  # the data is here already, however it came
+                return known  # sent again (the planner restarted, slurmctld re-ran a hook)
+            # Re-targeted: the job's first planned node moved, so this copy's source (or
+            # this node's role) did; what arrives from the old source may never come.
+            await self._drop(known, user, "wasted")
         name = prefetch_name(order.job, dataset)
         # Neither a link nor a lease of the planner's, nor an adoption: a prefetch is the
         # declaration's data only, read from its source by the job's user. Its own lease
@@ -192,6 +199,7 @@ class Prefetches:
             key=view.key,
             bytes=size,
             started_at=started,
+            source=source,
         )
         self.book.prefetches[(order.job, dataset)] = prefetch
         self.metrics.prefetches.labels(outcome="started").inc()
