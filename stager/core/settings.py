@@ -437,7 +437,8 @@ class Settings(BaseSettings):
         default_text="off",
         help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
-        "or SlurmUser), e.g. 0.0.0.0:8766",
+        "or SlurmUser; GET /v1/copies, another planned node's copy, with the planner's copy "
+        "credential), e.g. 0.0.0.0:8766",
     )
     prefetch_max_running: int = setting(
         1,

@@ -9,11 +9,15 @@ book, the spent credentials and the lock are one), and it answers:
 - ``POST /v1/prefetches`` with ``Authorization: Munge <credential>`` and a body of at
   most :data:`ORDER_MAX_BYTES` with its length given: the order, proven exactly as on
   the socket (stager.prestage.prefetch.authority);
+- ``GET /v1/copies``, the same way, with the planner's copy credential over a copy
+  order that names this node as its source: another planned node of the job asks for
+  this node's prefetch of it (stager.ops.copy_from_node), and gets its ready tree as one
+  tar and its manifest, vouched for by this service, once it is ready;
 - without such a header: 401, before a byte of the body is read;
 - a body over the bound or of no stated length: 413 / 411, unread;
 - any other path or method: 404 with one fixed sentence, the body unread. No dataset,
   metric, health or version ever leaves this port; an order's answer names only what
-  that order did.
+  that order did, and a copy is only the one prefetch its credential names.
 
 Every answer closes its connection (the planner sends one order per connection).
 stager.api.server runs it beside the API on the same loop, its connections bounded as the
