@@ -39,6 +39,8 @@ from stager.wire import manifest_format
 COPY_ROUTE = "/v1/copies"
 CHUNK = 1 << 20
 CONNECT_TIMEOUT_S = 10.0
+# Once the answer began: a source that sends nothing this long is gone.
+READ_TIMEOUT_S = 60.0
 MANIFEST_LIMIT = 1 << 30
 # The answer's headers: what the source node sends.
 KEY, TAR_BYTES, MANIFEST_BYTES = "x-stager-key", "x-stager-tar-bytes", "x-stager-manifest-bytes"
@@ -73,6 +75,12 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
         try:
             _receive(step, answer, fd, head["tar"], ctx)
             manifest = _read_exactly(step, answer, head["manifest"], ctx)
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            os.close(fd)
+            raise VerifyFailed(
+                f"the copy from {step.origin_node} broke off ({exc}); this node's job "
+                "stages from the source at its start"
+            ) from exc
         except BaseException:
             os.close(fd)
             raise
@@ -120,6 +128,7 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
         headers = {"authorization": step.authorization, "content-type": "application/json"}
         connection.request("GET", COPY_ROUTE, body=step.order.encode(), headers=headers)
         answer = connection.getresponse()
+        connection.sock.settimeout(READ_TIMEOUT_S)
     except (OSError, http.client.HTTPException) as exc:
         connection.close()
         ctx.check_cancelled()
