@@ -66,7 +66,7 @@ class Order:
         return self.prefetch is not None and bool(self.prefetch.source)
 
 
-def orders(found: Changes, address: Callable[[str], str] = lambda node: node) -> list[Order]:
+def orders(found: Changes, address: Callable[[str], str]) -> list[Order]:
     """One order per start, one cancel per job and node (job ids are numbers: squeue's
     JobID is the raw id, stager.prestage.plan.squeue). A start with a source node is a
     copy from that node's prefetch port, at ``address(source)`` (HOST:PORT)."""
