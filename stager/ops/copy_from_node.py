@@ -122,13 +122,14 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
     watcher = threading.Thread(target=closer, daemon=True, name="copy-cancel")
     try:
         connection.connect()
-        assert connection.sock is not None
-        connection.sock.settimeout(step.wait_s + 60)
+        sock = connection.sock
+        assert sock is not None
+        sock.settimeout(step.wait_s + 60)
         watcher.start()
         headers = {"authorization": step.authorization, "content-type": "application/json"}
         connection.request("GET", COPY_ROUTE, body=step.order.encode(), headers=headers)
         answer = connection.getresponse()
-        connection.sock.settimeout(READ_TIMEOUT_S)
+        sock.settimeout(READ_TIMEOUT_S)  # (the connection lets go of it: "close")
     except (OSError, http.client.HTTPException) as exc:
         connection.close()
         ctx.check_cancelled()

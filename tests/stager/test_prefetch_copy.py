@@ -155,7 +155,7 @@ def test_a_copy_from_the_first_planned_node_is_the_jobs_hit_and_reads_no_storage
 
     on1 = wait(alice, node1, f"prefetch-{JOB}-mine")
     on2 = wait(alice, node2, f"prefetch-{JOB}-mine")
-    assert on1["state"] == on2["state"] == "ready", on2
+    assert on1["state"] == on2["state"] == "ready", (on2["error"], on1["error"])
     assert on2["key"] == on1["key"] and on2["owner"] == alice.uid
     assert on2["origin"]["how"] == "broadcast" and on2["origin"]["node"] == "node1", on2
 
