@@ -214,9 +214,21 @@ class Service:
                 self.cancels.pop(order.key, None)  # wanted there again: not cancelled
         first = [o for o in made if o.prefetch is not None and not o.copy]
         first += list(self.cancels.values())
-        # Copies after the stages they copy: their nodes ask the source node at once.
-        copies = [o for o in made if o.copy]
         outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))
+        # Copies after the stages they copy: their nodes ask the source node at once. A
+        # copy whose source did not take its stage now waits for the next interval
+        # (found new again), rather than fail at a source that holds nothing for it.
+        missed = {
+            (o.job, o.node) for o, (outcome, _) in zip(first, outcomes, strict=True)
+            if o.prefetch is not None and outcome != "sent"
+        }  # fmt: skip
+        copies = []
+        for order in (o for o in made if o.copy):
+            assert order.prefetch is not None
+            if (order.job, order.prefetch.source) in missed:
+                self.planner.forget(order.prefetch)
+            else:
+                copies.append(order)
         outcomes += await asyncio.gather(*(self.sender.send(o) for o in copies))
         todo = first + copies
         failures: Counter[tuple[str, str]] = Counter()
