@@ -313,7 +313,8 @@ class Prefetches:
         async with self._lock:
             await self._save()  # the credential is spent before anything is sent
         dataset = (order.request or {}).get("name")
-        prefetch = self.book.prefetches.get((order.job, dataset)) if dataset else None
+        found = isinstance(dataset, str)
+        prefetch = self.book.prefetches.get((order.job, dataset)) if found else None
         if prefetch is None or prefetch.state != "active":
             raise NotFound(
                 f"no prefetch of job {order.job}'s {dataset!r} waits here; node "
