@@ -22,6 +22,7 @@ from stager.core.errors import Conflict, NotPublic, StagerError
 from stager.core.identity import Caller
 from stager.engine.names import Names
 from stager.engine.scheduler import Engine
+from stager.fanout.room import COPYING
 from stager.fs.credentials import Reader, reader_of
 from stager.request import preflight, recipes
 from stager.staging.blocking import run_io
@@ -179,7 +180,8 @@ class Requests:
         job = request.lease.slurm_job_id if request.lease else None
         steps, origin, delivery = expansion.steps, {"how": "staged", "job": job}, None
         estimate = resolved.estimate
-        if request.adopt is not None:  # a delivery of another node's: the room's to say
+        # A delivery of another node's, or a prefetch's copy from one: the room's to say.
+        if request.adopt is not None or COPYING.get() is not None:
             arrival = await engine.fanout.arrival(
                 request, caller, expansion.steps, key, resolved.shared_key, reader, miss
             )

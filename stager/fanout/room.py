@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -66,6 +67,7 @@ from stager.fanout.packing import (
 from stager.fs.credentials import Reader
 from stager.ops import table
 from stager.ops.base import CheckContext
+from stager.ops.copy_from_node import CopyFromNodeStep
 from stager.staging.blocking import run_io
 from stager.staging.publish import remove_delivery
 from stager.state.dataset import Entry, State
@@ -169,6 +171,24 @@ class Transfers:
 
 
 @dataclass(frozen=True)
+class PeerCopy:
+    """A prefetch that copies its data from another planned node of its job
+    (stager.prestage.prefetch): that node's name and prefetch port (HOST:PORT), the
+    planner's copy credential for it, and the order that credential signs."""
+
+    node: str
+    address: str
+    authorization: str
+    order: bytes
+    job: int
+
+
+# Set by the prefetch service while it submits a copy: the order is the proof, so no
+# request a user sends can ask for one (a wire field could be sent by anyone).
+COPYING: ContextVar[PeerCopy | None] = ContextVar("COPYING", default=None)
+
+
+@dataclass(frozen=True)
 class Arrival:
     """How a request's data arrives: the steps it stages with (an adoption's, or the
     request's own), where it comes from, and (an adoption that misses) its size."""
@@ -215,9 +235,13 @@ class FanoutRoom:
         """What ``caller``'s ``request`` of a delivery of theirs (expanded to ``steps``,
         cache key ``key``, or ``shared_key`` were it shared by every user) stages, read
         with ``reader``'s rights: the delivery's steps, checked before admission when
-        it misses (a hit or a join stages nothing). Only an adoption comes here."""
+        it misses (a hit or a join stages nothing); or a prefetch's copy from another
+        planned node (``COPYING``). Only these come here."""
         adopt = request.adopt
-        assert adopt is not None, "only a request that adopts a delivery arrives by the room"
+        peer = COPYING.get()
+        if peer is not None and adopt is None:
+            return await self._copied(peer, request, caller, steps, key, miss)
+        assert adopt is not None, "only an adoption or a peer's copy arrives by the room"
         delivery_key = transfer_key(self._owner(caller), adopt.incoming)
         delivery = self.deliveries.get(delivery_key)
         origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
@@ -250,6 +274,44 @@ class FanoutRoom:
             )
         )
         return Arrival(adopting, origin, estimate, delivery_key)
+
+    async def _copied(
+        self,
+        peer: PeerCopy,
+        request: DatasetCreate,
+        caller: Caller,
+        steps: list[Any],
+        key: str,
+        miss: bool,
+    ) -> Arrival:
+        """A prefetch copied from ``peer`` (docs/prestaging.md, "4-node job"): one step
+        that receives the source node's ready tree and checks it against the manifest
+        that node's service vouched for, for ``key``, this node's own key for the
+        request (computed as the job's user: what they may not read here, they get no
+        copy of). Its size is the request's own estimate (checked as the user)."""
+        origin = {"how": "broadcast", "node": peer.node, "job": str(peer.job)}
+        if not miss:
+            return Arrival(steps, origin)
+        estimate = int(
+            await self._as_user(
+                caller, check_adoption, self.settings, self.ops.dump_steps(steps),
+                request.verify, self._roots(adopting=False),
+            )
+        )  # fmt: skip
+        step = CopyFromNodeStep(
+            address=peer.address,
+            origin_node=peer.node,
+            authorization=peer.authorization,
+            order=peer.order.decode(),
+            vouch_uid=os.geteuid(),
+            vouch_key=key,
+            munge_socket=str(self.settings.munge_socket) if self.settings.munge_socket else None,
+            # The tar of the tree and its manifest: twice the tree bounds both.
+            limit_bytes=2 * estimate + (64 << 20),
+            wait_s=self.settings.prefetch_copy_wait_s,
+        )
+        copying = self.ops.validate_steps([{"op": "copy_from_node", **step.model_dump()}])
+        return Arrival(copying, origin, estimate)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds. Room promised and not

@@ -32,6 +32,7 @@ from stager.ops import (
     adopt_image,
     check_delivered,
     copy,
+    copy_from_node,
     extract,
     fetch,
     image,
@@ -222,6 +223,16 @@ BUILTIN = (
         "check_delivered",
         check_delivered,
         check_delivered.CheckDeliveredStep,
+        shareable=False,
+        internal=True,
+    ),
+    # A multi-node job's prefetch copied from another planned node before the job starts
+    # (docs/prestaging.md): checked against the source service's vouched manifest always.
+    _row(
+        "copy_from_node",
+        copy_from_node,
+        copy_from_node.CopyFromNodeStep,
+        verify=EVERY_LEVEL,
         shareable=False,
         internal=True,
     ),
