@@ -15,6 +15,11 @@ reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
 - **evict**: ``DELETE`` of the ready ``--small-files`` image (unmount, delete a file).
 - **writer**: the 20,000 files' image by ``tar2sqfs`` from the tar, against
   ``tar -x`` then ``mksquashfs`` (squashfs-tools 4.5.1 reads no tar), as root.
+- **train**: ``stager-train``'s own input pipeline (bench.read_roots: the trainer's
+  dataset, sampler and DataLoader, its default workers) reading ``--jpegs`` generated
+  JPEGs (bench.jpegs), staged from one ``.tar`` by the same daemon as a tree and as a
+  squashfs image, run as the user (a FUSE mount is its user's alone), the two
+  alternated, ``--repeat`` runs each: medians and the image's ratio to the tree.
 - **read**: every file of the 20,000 read through squashfuse_ll as the user
   (``tar -cf - . | cat``, warm: twice, the second timed), the lz4 image tar2sqfs
   wrote against one mksquashfs wrote uncompressed (``-noI -noD -noF -noX``).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import pwd
 import shutil
@@ -41,6 +47,7 @@ from typing import Any
 from bench.bench_image import alternate, row
 from bench.bench_image_daemon import Stager, copied, extract, load
 from bench.datagen import make_archives, make_small_tar, make_tree
+from bench.jpegs import make_jpegs
 from stager.image import mount
 from tests.daemon import Daemon, unmount_under
 from tests.users import usable_by_everyone
@@ -52,7 +59,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--user", default="nobody", help="the daemon's user")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per candidate")
     parser.add_argument("--small-files", type=int, default=200_000)
-    parser.add_argument("--sections", default="ready,evict,writer,read")
+    parser.add_argument("--jpegs", type=int, default=3000, help="JPEGs of the train section")
+    parser.add_argument("--sections", default="ready,evict,train,writer,read")
     return parser
 
 
@@ -106,6 +114,47 @@ def evict_section(stager: Stager, small: Path, count: str, repeat: int) -> None:
         times.append(stager.delete("e"))
         assert not mount.mounts_under(str(stager.daemon.cache_dir)), "DELETE left a mount"
     print(f"DELETE: median {statistics.median(times):.3f} s ({min(times):.3f}-{max(times):.3f})")
+
+
+def jpeg_tar(work: Path, count: int) -> Path:
+    """A plain tar of ``count`` generated JPEGs, ``train/class_XX/*.jpg`` at its top."""
+    tar = work / f"jpegs-{count}.tar"
+    if not tar.exists():
+        root = make_jpegs(work / f"jpegs-{count}", count)
+        partial = tar.with_name(tar.name + ".partial")
+        subprocess.run(["tar", "-cf", str(partial), "-C", str(root), "train"], check=True)
+        os.rename(partial, tar)
+    return tar
+
+
+def train_section(stager: Stager, jpegs: Path, user: str, repeat: int) -> None:
+    """The trainer's input pipeline over the same JPEGs as a tree and as a squashfs image."""
+    print(f"\n## stager-train's input pipeline, tree vs per-user squashfs, load {load()}\n")
+    roots = {}
+    for name, image in (("tree", False), ("squashfs", True)):
+        _, status = stager.ready({"name": f"t-{name}", "steps": [extract(jpegs)], "image": image})
+        roots[name] = status["path"]
+    assert mount.mounted_at(roots["squashfs"]) is not None, "the image dataset is not mounted"
+    assert mount.mounted_at(roots["tree"]) is None, "the tree dataset is a mount"
+    argv = ["runuser", "-u", user, "--", "env", f"HOME={stager.daemon.runtime_dir}",
+            sys.executable, "-m", "bench.read_roots", roots["tree"], roots["squashfs"],
+            "--repeats", str(repeat)]  # fmt: skip
+    done = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True)
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    tree, image = said["rates"][roots["tree"]], said["rates"][roots["squashfs"]]
+    pairs = [i / t for i, t in zip(image, tree, strict=True)]
+    print(f"{said['workers']} loader worker(s) (the trainer's default here), load {load()}\n")
+    print("| case | tree | squashfs (squashfuse_ll) | squashfs / tree (pairs) |")
+    print("|---|---:|---:|---:|")
+    print(
+        f"| img/s, median of {repeat} | {statistics.median(tree):.0f} | "
+        f"{statistics.median(image):.0f} | {statistics.median(image) / statistics.median(tree):.2f}x "
+        f"({min(pairs):.2f}-{max(pairs):.2f}) |"
+    )
+    print(f"runs: tree {', '.join(f'{x:.0f}' for x in tree)}; "
+          f"squashfs {', '.join(f'{x:.0f}' for x in image)}")  # fmt: skip
+    for name in roots:
+        stager.delete(f"t-{name}")
 
 
 def _timed(argv: list[str] | str, user: str | None = None) -> float:
@@ -181,6 +230,8 @@ def main(args: argparse.Namespace) -> int:
     archives = make_archives(tree, work)
     small = make_small_tar(work / f"small-{args.small_files}.tar", args.small_files)
     inputs = {**archives, "small": small, "count": f"{args.small_files:,}"}
+    if "train" in sections:
+        inputs["jpegs"] = jpeg_tar(work, args.jpegs)
     entry = pwd.getpwnam(args.user)
     for path in (work, *inputs.values()):
         if isinstance(path, Path):
@@ -192,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
                 ready_section(work, stager, inputs, args.repeat)
             if "evict" in sections:
                 evict_section(stager, small, inputs["count"], args.repeat)
+            if "train" in sections:
+                train_section(stager, inputs["jpegs"], args.user, args.repeat)
         finally:
             stager.close()
             left = mount.mounts_under(str(work))
