@@ -18,8 +18,9 @@ reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
 - **train**: ``stager-train``'s own input pipeline (bench.read_roots: the trainer's
   dataset, sampler and DataLoader, its default workers) reading ``--jpegs`` generated
   JPEGs (bench.jpegs), staged from one ``.tar`` by the same daemon as a tree and as a
-  squashfs image, run as the user (a FUSE mount is its user's alone), the two
-  alternated, ``--repeat`` runs each: medians and the image's ratio to the tree.
+  squashfs image (lz4), and from one ``mksquashfs`` wrote uncompressed, mounted by the
+  user; run as the user (a FUSE mount is its user's alone), the three alternated,
+  ``--repeat`` runs each: medians and each one's ratio to the tree.
 - **read**: every file of the 20,000 read through squashfuse_ll as the user
   (``tar -cf - . | cat``, warm: twice, the second timed), the lz4 image tar2sqfs
   wrote against one mksquashfs wrote uncompressed (``-noI -noD -noF -noX``).
@@ -127,34 +128,59 @@ def jpeg_tar(work: Path, count: int) -> Path:
     return tar
 
 
-def train_section(stager: Stager, jpegs: Path, user: str, repeat: int) -> None:
-    """The trainer's input pipeline over the same JPEGs as a tree and as a squashfs image."""
+def train_section(work: Path, stager: Stager, jpegs: Path, user: str, repeat: int) -> None:
+    """The trainer's input pipeline over the same JPEGs as a tree, as the daemon's
+    squashfs image (lz4) and as one mksquashfs wrote uncompressed, mounted by the user."""
     print(f"\n## stager-train's input pipeline, tree vs per-user squashfs, load {load()}\n")
     roots = {}
-    for name, image in (("tree", False), ("squashfs", True)):
+    for name, image in (("tree", False), ("lz4", True)):
         _, status = stager.ready({"name": f"t-{name}", "steps": [extract(jpegs)], "image": image})
         roots[name] = status["path"]
-    assert mount.mounted_at(roots["squashfs"]) is not None, "the image dataset is not mounted"
+    assert mount.mounted_at(roots["lz4"]) is not None, "the image dataset is not mounted"
     assert mount.mounted_at(roots["tree"]) is None, "the tree dataset is a mount"
-    argv = ["runuser", "-u", user, "--", "env", f"HOME={stager.daemon.runtime_dir}",
-            sys.executable, "-m", "bench.read_roots", roots["tree"], roots["squashfs"],
-            "--repeats", str(repeat)]  # fmt: skip
-    done = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True)
+    none = work / "t-none.sqfs"
+    argv = ["mksquashfs", roots["tree"], str(none), "-noappend", "-quiet", "-no-progress",
+            "-noI", "-noD", "-noF", "-noX"]  # fmt: skip
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    roots["none"] = str(user_mount(none, work / "m-t-none", user))
+    try:
+        argv = ["runuser", "-u", user, "--", "env", f"HOME={stager.daemon.runtime_dir}",
+                sys.executable, "-m", "bench.read_roots", *roots.values(),
+                "--repeats", str(repeat)]  # fmt: skip
+        done = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True)
+    finally:
+        user_unmount(work / "m-t-none", user)
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    tree, image = said["rates"][roots["tree"]], said["rates"][roots["squashfs"]]
-    pairs = [i / t for i, t in zip(image, tree, strict=True)]
-    print(f"{said['workers']} loader worker(s) (the trainer's default here), load {load()}\n")
-    print("| case | tree | squashfs (squashfuse_ll) | squashfs / tree (pairs) |")
-    print("|---|---:|---:|---:|")
-    print(
-        f"| img/s, median of {repeat} | {statistics.median(tree):.0f} | "
-        f"{statistics.median(image):.0f} | {statistics.median(image) / statistics.median(tree):.2f}x "
-        f"({min(pairs):.2f}-{max(pairs):.2f}) |"
-    )
-    print(f"runs: tree {', '.join(f'{x:.0f}' for x in tree)}; "
-          f"squashfs {', '.join(f'{x:.0f}' for x in image)}")  # fmt: skip
-    for name in roots:
+    rates = {name: said["rates"][root] for name, root in roots.items()}
+    tree = statistics.median(rates["tree"])
+    print(f"{said['workers']} loader worker(s) (the trainer's default here), median of "
+          f"{repeat} alternated runs, load {load()}\n")  # fmt: skip
+    print("| root | img/s | / tree (pairs) | runs |")
+    print("|---|---:|---:|---|")
+    labels = {"tree": "tree", "lz4": "squashfs lz4 (the daemon's, tar2sqfs)",
+              "none": "squashfs uncompressed (mksquashfs -noI -noD -noF -noX)"}  # fmt: skip
+    for name, label in labels.items():
+        runs = rates[name]
+        pairs = [x / t for x, t in zip(runs, rates["tree"], strict=True)]
+        print(f"| {label} | {statistics.median(runs):.0f} | "
+              f"{statistics.median(runs) / tree:.2f}x ({min(pairs):.2f}-{max(pairs):.2f}) | "
+              f"{', '.join(f'{x:.0f}' for x in runs)} |")  # fmt: skip
+    for name in ("tree", "lz4"):
         stager.delete(f"t-{name}")
+
+
+def user_mount(image: Path, target: Path, user: str) -> Path:
+    """``image`` mounted at ``target`` by ``squashfuse_ll -o ro`` as ``user``."""
+    entry = pwd.getpwnam(user)
+    target.mkdir(exist_ok=True)
+    os.chown(target, entry.pw_uid, entry.pw_gid)
+    os.chmod(image, 0o644)
+    _timed(["squashfuse_ll", "-o", "ro", str(image), str(target)], user)
+    return target
+
+
+def user_unmount(target: Path, user: str) -> None:
+    subprocess.run(["runuser", "-u", user, "--", "fusermount3", "-u", str(target)])
 
 
 def _timed(argv: list[str] | str, user: str | None = None) -> float:
@@ -192,13 +218,7 @@ def writer_section(work: Path, tar: Path, repeat: int) -> dict[str, Path]:
 
 def read_section(work: Path, images: dict[str, Path], user: str, repeat: int) -> None:
     print(f"\n## Reads through squashfuse_ll as {user}, 20k files, warm, load {load()}\n")
-    targets = {name: work / f"m-{name}" for name in images}
-    entry = pwd.getpwnam(user)
-    for name, image in images.items():
-        targets[name].mkdir(exist_ok=True)
-        os.chown(targets[name], entry.pw_uid, entry.pw_gid)
-        os.chmod(image, 0o644)
-        _timed(["squashfuse_ll", "-o", "ro", str(image), str(targets[name])], user)
+    targets = {name: user_mount(image, work / f"m-{name}", user) for name, image in images.items()}
     try:
 
         def reader(target: Path) -> Any:
@@ -214,7 +234,7 @@ def read_section(work: Path, images: dict[str, Path], user: str, repeat: int) ->
         print(row("read every file", times, "lz4", "none"))
     finally:
         for target in targets.values():
-            subprocess.run(["runuser", "-u", user, "--", "fusermount3", "-u", str(target)])
+            user_unmount(target, user)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -244,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
             if "evict" in sections:
                 evict_section(stager, small, inputs["count"], args.repeat)
             if "train" in sections:
-                train_section(stager, inputs["jpegs"], args.user, args.repeat)
+                train_section(work, stager, inputs["jpegs"], args.user, args.repeat)
         finally:
             stager.close()
             left = mount.mounts_under(str(work))
