@@ -12,6 +12,10 @@ reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
   archive to the same disk, made durable (an fsync), alternated A B A B: the 20,000
   files of 4-100 KB (bench.datagen) and ``--small-files`` files of 512 B, each a
   ``.tar``; medians and the pairwise ratios.
+- **steps**: where one 20,000-file request's time goes, step by step: the daemon and
+  its staging processes traced (``strace --seccomp-bpf -f``, only the calls that mark
+  a step: the slowdown falls on the daemon's side, not on the writer's data), each
+  step's start after the ``POST``.
 - **evict**: ``DELETE`` of the ready ``--small-files`` image (unmount, delete a file).
 - **writer**: the 20,000 files' image by ``tar2sqfs`` from the tar, against
   ``tar -x`` then ``mksquashfs`` (squashfs-tools 4.5.1 reads no tar), as root.
@@ -35,6 +39,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import shutil
 import stat
 import statistics
@@ -61,7 +66,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per candidate")
     parser.add_argument("--small-files", type=int, default=200_000)
     parser.add_argument("--jpegs", type=int, default=3000, help="JPEGs of the train section")
-    parser.add_argument("--sections", default="ready,evict,train,writer,read")
+    parser.add_argument("--sections", default="ready,steps,evict,train,writer,read")
     return parser
 
 
@@ -105,6 +110,59 @@ def ready_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: i
         times = alternate(candidates, repeat)
         print(row(f"{label} files, .tar", times, "stager", "cp"))
     (work / "copy.tar").unlink(missing_ok=True)
+
+
+# Calls that mark a step of a request (the strace filter) and how each is named.
+STEP_CALLS = "execve,rename,fsync,mount,exit_group,accept4"
+STEPS = (
+    (r"accept4\(.* = \d", "the POST accepted"),
+    (r"rename\(.*/steps-done", "the steps recorded done (no tree: tar2sqfs reads the tar)"),
+    (r"execve\(\"[^\"]*tar2sqfs", "tar2sqfs started"),
+    (r"^\S+ +\S+ exit_group\(0\)", None),  # named by its process below
+    (r"fsync\(", "an fsync started"),
+    (r"rename\(.*image\.sqfs\.partial", "the image fsynced, renamed"),
+    (r"rename\(.*/data/", "published (renamed into data/)"),
+    (r"execve\(\"[^\"]*squashfuse_ll", "squashfuse_ll started"),
+    (r"mount\(.*= 0", "mounted (fusermount3)"),
+    (r"rename\(.*discarded-", "the attempt discarded: ready"),
+)
+
+
+def steps_section(work: Path, stager: Stager, tar: Path) -> None:
+    """One request's steps, timed by an strace of the daemon's processes."""
+    print(f"\n## Where a 20k-file request's time goes (strace), load {load()}\n")
+    body = {"name": "s", "steps": [extract(tar)], "image": True}
+    stager.ready(body)  # the staging processes started, the tar in the page cache
+    stager.delete("s")
+    user = pwd.getpwuid(os.stat(stager.daemon.runtime_dir).st_uid).pw_name
+    found = subprocess.run(["pgrep", "-u", user], capture_output=True, text=True).stdout.split()
+    log = work / "steps.strace"
+    argv = ["strace", "--seccomp-bpf", "-f", "-ttt", "-e", f"trace={STEP_CALLS}", "-o", str(log),
+            *[f"-p{pid}" for pid in found]]  # fmt: skip
+    tracer = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    start = time.time()
+    elapsed, _ = stager.ready(body)
+    tracer.terminate()
+    tracer.wait()
+    stager.delete("s")
+    tools: dict[str, str] = {}
+    print(f"traced request: {elapsed:.2f} s to ready\n")
+    print("| at (s) | step |")
+    print("|---:|---|")
+    for line in log.read_text().splitlines():
+        parts = line.split(None, 2)
+        if len(parts) < 3 or "resumed>" in line or float(parts[1]) < start:
+            continue
+        if "execve(" in line:
+            tools[parts[0]] = os.path.basename(line.split('"')[1])
+        for pattern, name in STEPS:
+            if re.search(pattern, line):
+                if name is None:
+                    name = f"{tools[parts[0]]} exited" if parts[0] in tools else None
+                if name is not None:
+                    print(f"| {float(parts[1]) - start:.3f} | {name} |")
+                break
 
 
 def evict_section(stager: Stager, small: Path, count: str, repeat: int) -> None:
@@ -261,6 +319,8 @@ def main(args: argparse.Namespace) -> int:
         try:
             if "ready" in sections:
                 ready_section(work, stager, inputs, args.repeat)
+            if "steps" in sections:
+                steps_section(work, stager, inputs["tar"])
             if "evict" in sections:
                 evict_section(stager, small, inputs["count"], args.repeat)
             if "train" in sections:
