@@ -17,6 +17,10 @@ reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
   a step: the slowdown falls on the daemon's side, not on the writer's data), each
   step's start after the ``POST``.
 - **evict**: ``DELETE`` of the ready ``--small-files`` image (unmount, delete a file).
+- **tools**: the writers that read a tar as it is, as root, against ``cp``, each
+  output fsynced, alternated: ``tar2sqfs`` with the kind's options and ``sqfstar``
+  (squashfs-tools 4.5.1) with its fastest (no duplicate search, no fragments, data
+  stored as it is), on both tars; wall and CPU time.
 - **writer**: the 20,000 files' image by ``tar2sqfs`` from the tar, against
   ``tar -x`` then ``mksquashfs`` (squashfs-tools 4.5.1 reads no tar), as root.
 - **train**: ``stager-train``'s own input pipeline (bench.read_roots: the trainer's
@@ -40,6 +44,7 @@ import json
 import os
 import pwd
 import re
+import resource
 import shutil
 import stat
 import statistics
@@ -54,6 +59,7 @@ from bench.bench_image import alternate, row
 from bench.bench_image_daemon import Stager, copied, extract, load
 from bench.datagen import make_archives, make_small_tar, make_tree
 from bench.jpegs import make_jpegs
+from bench.timing import spread
 from stager.image import mount
 from tests.daemon import Daemon, unmount_under
 from tests.users import usable_by_everyone
@@ -66,7 +72,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per candidate")
     parser.add_argument("--small-files", type=int, default=200_000)
     parser.add_argument("--jpegs", type=int, default=3000, help="JPEGs of the train section")
-    parser.add_argument("--sections", default="ready,steps,evict,train,writer,read")
+    parser.add_argument("--sections", default="ready,steps,evict,train,tools,writer,read")
     return parser
 
 
@@ -274,6 +280,43 @@ def writer_section(work: Path, tar: Path, repeat: int) -> dict[str, Path]:
     return {"lz4": lz4, "none": none}
 
 
+def tools_section(work: Path, tars: dict[str, Path], repeat: int) -> None:
+    """The writers a tar could be read by, as root, each output fsynced, against cp."""
+    print(f"\n## Writers from a .tar against cp, each fsynced (sync FILE), load {load()}\n")
+    out = work / "tool.out"
+    jobs = str(os.cpu_count() or 1)
+    commands = {
+        "cp": "cp {tar} {out}",
+        "tar2sqfs": f"tar2sqfs -q -f -s -c lz4 -j {jobs} {{out}} < {{tar}}",  # the kind's
+        "sqfstar": "sqfstar -quiet -no-progress -no-duplicates -no-fragments -noD -comp lz4 "
+        f"-no-xattrs -exit-on-error -processors {jobs} -force {{out}} < {{tar}}",
+    }
+    print("| input | tool | wall, median (spread) | / cp (pairs) | CPU s (user+sys), median |")
+    print("|---|---|---:|---:|---:|")
+    for label, tar in tars.items():
+        cpu: dict[str, list[float]] = {name: [] for name in commands}
+
+        def run(name: str, tar: Path = tar, cpu: dict[str, list[float]] = cpu) -> float:
+            out.unlink(missing_ok=True)
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            took = _timed(commands[name].format(tar=tar, out=out) + f" && sync {out}")
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            return took
+
+        times = alternate({name: lambda name=name: run(name) for name in commands}, repeat)
+        for name in commands:
+            print(f"| {label} | {name} | {statistics.median(times[name]):.2f} s "
+                  f"({spread(times[name])}) | {_ratio(times[name], times['cp'])} | "
+                  f"{statistics.median(cpu[name]):.2f} |")  # fmt: skip
+    out.unlink(missing_ok=True)
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    pairs = sorted(x / y for x, y in zip(a, b, strict=True))
+    return f"{statistics.median(a) / statistics.median(b):.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f})"
+
+
 def read_section(work: Path, images: dict[str, Path], user: str, repeat: int) -> None:
     print(f"\n## Reads through squashfuse_ll as {user}, 20k files, warm, load {load()}\n")
     targets = {name: user_mount(image, work / f"m-{name}", user) for name, image in images.items()}
@@ -330,6 +373,9 @@ def main(args: argparse.Namespace) -> int:
             left = mount.mounts_under(str(work))
             unmount_under(work)
         print(f"\nFUSE mounts left after the daemon's stop: {len(left)}")
+        if "tools" in sections:
+            tars = {"20k files 4-100 KB": archives["tar"], f"{inputs['count']} x 512 B": small}
+            tools_section(work, tars, args.repeat)
         if {"writer", "read"} & sections:
             images = writer_section(work, archives["tar"], args.repeat)
             if "read" in sections:
