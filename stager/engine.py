@@ -55,6 +55,7 @@ from stager.identity import Caller
 from stager.image import mount as image_mount
 from stager.image import published as image_published
 from stager.imaging import ImageJob
+from stager.layout import Layout
 from stager.leases import Lease
 from stager.lifecycle import Registry, Trash
 from stager.metrics import Metrics
@@ -147,8 +148,9 @@ class Engine:
         store = await run_io(Store, self.settings.db_path, self.ops)
         trash = Trash(self.settings.partial_dir, self._spawn)
         self._crash = CrashPoints(self.settings.crash_after)
+        layout = await run_io(Layout.load, self.settings)
         self.registry = Registry(
-            self.settings, store, self.metrics, trash, self._crash, self.as_user
+            self.settings, store, self.metrics, trash, self._crash, self.as_user, layout
         )
         self.admission.bind(self.registry, self.fanout.held, lambda: self.fanout.exporting)
         for entry in await self._reg.load():
@@ -834,7 +836,8 @@ class Engine:
     def _view(self, handle: Handle) -> DatasetPublic:
         reg = self._reg
         leases = [x.public() for x in reg.leases.values() if x.handle_id == handle.id]
-        view = public_view(handle, reg.entries[handle.key], self.settings.data_dir, leases)
+        entry = reg.entries[handle.key]
+        view = public_view(handle, entry, reg.final(entry), leases)
         view.prestaged_for_job = self.prestaged(handle.owner, handle.key)
         return view
 

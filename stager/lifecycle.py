@@ -46,6 +46,7 @@ from stager.held_space import Record as Held
 from stager.image import published as images
 from stager.image.identity import ImageIdentity
 from stager.imaging import ImageMade, attempt_image
+from stager.layout import Layout
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -148,8 +149,11 @@ class Registry:
         trash: Trash,
         crash: CrashPoints,
         as_user: AsUser | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.settings = settings
+        # Where each entry lives under data/ (a user's own copy: in their folder).
+        self.layout = layout or Layout.load(settings)
         # Acts with a user's rights (stager.engine.Engine.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon
@@ -181,18 +185,19 @@ class Registry:
     # ---- paths ---------------------------------------------------------------
 
     def final(self, entry: Entry) -> Path:
-        return self.settings.data_dir / entry.key
+        return self.layout.final(entry)
 
     def attempt(self, entry: Entry) -> Attempt:
         assert entry.attempt is not None
         return Attempt(self.settings.partial_dir / f"{entry.key}.{entry.attempt}")
 
     def image_file(self, entry: Entry) -> Path | None:
-        """A published image's file (``data/<key>.erofs``), as its record says or, before
-        it has one (a restart), as the folder holds it."""
+        """A published image's file (``data/<key>.erofs``, beside its mount point), as its
+        record says or, before it has one (a restart), as the folder holds it."""
+        final = self.final(entry)
         if entry.image is not None:
-            return images.image_file(self.settings.data_dir, entry.key, entry.image.format)
-        return images.image_of(self.settings.data_dir, entry.key)
+            return images.image_file(final.parent, final.name, entry.image.format)
+        return images.image_of(final.parent, final.name)
 
     # ---- persistence -----------------------------------------------------------
 
@@ -226,6 +231,7 @@ class Registry:
         self.entries = {e.key: e for e in entries}
         self.handles = {h.id: h for h in handles if h.key in self.entries}
         self.leases = {x.id: x for x in leases if x.handle_id in self.handles}
+        await self._move_old_copies()
         to_stage = []
         for entry in self.entries.values():
             if entry.active and entry.attempt and await run_io(self._published, entry):
@@ -261,10 +267,13 @@ class Registry:
         # Space an earlier run's evictions left held (found again, never stored).
         await run_io(self.held.recover, self._owner_of)
         for orphan in await run_io(self._orphans):
-            key = images.key_of(orphan.name)
+            key = self._key_at(orphan.with_name(images.key_of(orphan.name)))
             if orphan.name.startswith(DISCARDED_PREFIX):
                 self.trash.delete_later(orphan)  # its open files: found by recover
-            elif orphan.parent == self.settings.data_dir and key != orphan.name:
+            elif (
+                orphan.parent != self.settings.partial_dir
+                and images.key_of(orphan.name) != orphan.name
+            ):
                 if orphan.name.endswith(images.BLOB_SUFFIX):
                     # Goes with its image; alone, it is deleted.
                     image = orphan.with_name(orphan.name.removesuffix(images.BLOB_SUFFIX))
@@ -278,8 +287,50 @@ class Registry:
         return to_stage
 
     def _owner_of(self, key: str) -> int | None:
-        entry = self.entries.get(key)
+        """The private owner of ``key``'s entry; ``key`` may also be the name of its place
+        (a user's own copy's, under data/u/: a discarded tree's is named after it)."""
+        entry = self.entries.get(key) or self.entries.get(self._key_at(key))
         return private_owner(entry) if entry is not None else None
+
+    def _key_at(self, place: Path | str) -> str:
+        """The key of the entry whose place is ``place`` (a path, or a place's name); the
+        name itself if no entry's."""
+        for entry in self.entries.values():
+            final = self.final(entry)
+            if final == place or final.name == place:
+                return entry.key
+        return place if isinstance(place, str) else place.name
+
+    async def _move_old_copies(self) -> None:
+        """Users' own copies that an earlier release published at ``data/<key>``, where
+        anyone who could name the key learned whose each was and how large: moved to
+        their place (stager.layout), each in one rename, and their names' links pointed
+        there. An image keeps its mount at the old place until ``_take_down_strays``
+        (after it is mounted at the new one): a reader inside it reads on."""
+        moved = []
+        for entry in self.entries.values():
+            final, old = self.final(entry), self.layout.old_place(entry)
+            if final != old and await run_io(self._move_old, entry, old, final):
+                moved.append(entry)
+        for entry in moved:
+            log.info("moved %s to its user's own folder", entry.key)
+            final = self.final(entry)
+            await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
+
+    def _move_old(self, entry: Entry, old: Path, final: Path) -> bool:
+        file = images.image_of(old.parent, old.name)
+        tree = file is None and old.is_dir() and not os.path.ismount(old)
+        if not tree and file is None:
+            return False
+        self.layout.prepare(entry)
+        if tree:
+            publish(old, final)
+        else:
+            assert file is not None
+            images.publish_image(
+                file, images.image_file(final.parent, final.name, images.format_of(file))
+            )
+        return True
 
     def _published(self, entry: Entry) -> bool:
         """Whether this entry's attempt got past its commit point (see ``publish``)."""
@@ -311,9 +362,10 @@ class Registry:
 
     async def _take_down_strays(self) -> None:
         """Mounts under ``data/`` that no ready image holds (a crash between an eviction's
-        unmount and its delete, a failed publish, an image deleted under its mount)."""
+        unmount and its delete, a failed publish, an image deleted under its mount, a
+        private image's old place in a cache an earlier release made)."""
         kept = {
-            e.key: file
+            str(self.final(e)): file
             for e in self.entries.values()
             if e.state == State.READY and e.image is not None and (file := self.image_file(e))
         }
@@ -326,18 +378,24 @@ class Registry:
         crash or stop interrupted, deletions in progress. An active entry's data/<key>
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
-        kept = {k for k, e in self.entries.items() if e.active or e.state == State.READY}
+        kept = {self.final(e) for e in self.entries.values() if e.active or e.state == State.READY}
         found = [
             c
             for c in self.settings.partial_dir.iterdir()
             if c.name not in attempts and not self.held.is_held_image(c.name)
         ]
-        # data/<key> and an image's data/<key>.erofs; a mount point still mounted (busy
-        # at its unmount) is left for the next start.
+        # data/<key> and an image's data/<key>.erofs, and the same in users' folders
+        # (data/u/<T>/, stager.layout); a mount point still mounted (busy at its
+        # unmount) is left for the next start.
+        users = self.layout.users_dir
+        places = [self.settings.data_dir, *(users.iterdir() if users.is_dir() else ())]
         found += [
             child
-            for child in self.settings.data_dir.iterdir()
-            if images.key_of(child.name) not in kept and not os.path.ismount(child)
+            for folder in places
+            for child in folder.iterdir()
+            if child != users
+            and child.with_name(images.key_of(child.name)) not in kept
+            and not os.path.ismount(child)
         ]
         return found
 
@@ -450,6 +508,7 @@ class Registry:
             return
         attempt, final = self.attempt(entry), self.final(entry)
         if await run_io(attempt.tree.is_dir):
+            await run_io(self.layout.prepare, entry)
             await self._durable(Durable.PUBLISHED, publish, attempt.tree, final)
         # Again after a crash: it changes nothing then.
         await run_io(protect_top, final, private_owner(entry))
@@ -481,9 +540,10 @@ class Registry:
 
         A mount that fails takes the image away again and raises: the staging fails.
         """
-        attempt = self.attempt(entry)
-        file = images.image_file(self.settings.data_dir, entry.key, made.format)
+        attempt, final = self.attempt(entry), self.final(entry)
+        file = images.image_file(final.parent, final.name, made.format)
         if await run_io(os.path.exists, made.path) and Path(made.path) != file:
+            await run_io(self.layout.prepare, entry)
             await self._durable(
                 Durable.IMAGE_PUBLISHED, images.publish_image, Path(made.path), file
             )
@@ -516,7 +576,7 @@ class Registry:
 
     async def _mount(self, entry: Entry, file: Path) -> None:
         """Mount ``file`` at ``data/<key>`` (durable step MOUNTED)."""
-        backing = self.settings.image_backing
+        backing = self.layout.backing(entry, self.settings.image_backing)
         target = self.final(entry)
         await self._durable(
             Durable.MOUNTED, images.mount_image, file, target, self.mount_kind, backing

@@ -334,7 +334,7 @@ class FanoutRoom:
         """A ready image dataset, sent as one file: a copy of its image, hashed as it is
         written (stager.fanout.image_export); in the node service vouched for (stager.vouch)
         whoever's it is, since the receivers' kernels will parse it."""
-        await ready(entry)  # ready, and unchanged since its publish
+        final = await ready(entry)  # ready, and unchanged since its publish
         assert entry.image is not None
         key, label = transfer_key(owner, request.label), request.label
         if self.exports.find(key) is not None:
@@ -344,7 +344,7 @@ class FanoutRoom:
             await self._admit(size, entry.key, self._quota_owner(owner))
             self._planning.append(entry.key)  # never evicted while it is copied
             transfer = self.exports.add(key, label, size, EXPORT_TTL_S, owner)
-        file = image_file(self.settings.data_dir, entry.key, entry.image.format)
+        file = image_file(final.parent, final.name, entry.image.format)
         private = entry.reader is not None and not entry.reader.public
         try:
             await run_io(make_folder, transfer)
