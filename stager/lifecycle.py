@@ -26,6 +26,7 @@ of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -44,7 +45,7 @@ from stager.fs.seal import Seal, protect_top, seal_tree
 from stager.held_space import HeldSpace, held_open, holder_of
 from stager.held_space import Record as Held
 from stager.image import published as images
-from stager.image.identity import ImageIdentity
+from stager.image.identity import ImageChanged, ImageIdentity
 from stager.imaging import ImageMade, attempt_image
 from stager.layout import Layout
 from stager.leases import Lease
@@ -314,6 +315,7 @@ class Registry:
                 moved.append(entry)
         for entry in moved:
             log.info("moved %s to its user's own folder", entry.key)
+            await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
             final = self.final(entry)
             await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
 
@@ -327,9 +329,11 @@ class Registry:
             publish(old, final)
         else:
             assert file is not None
-            images.publish_image(
-                file, images.image_file(final.parent, final.name, images.format_of(file))
-            )
+            to = images.image_file(final.parent, final.name, images.format_of(file))
+            images.publish_image(file, to)
+            if entry.image is not None:  # renamed by root: the same file, a new ctime
+                with contextlib.suppress(ImageChanged):  # then the hit evicts it
+                    entry.image = images.renamed(entry.image, to)
         return True
 
     def _published(self, entry: Entry) -> bool:

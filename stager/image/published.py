@@ -21,6 +21,7 @@ after a reboot a published image is simply not mounted yet.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -107,6 +108,14 @@ def key_of(name: str) -> str:
             if name.endswith(ending):
                 return name[: -len(ending)]
     return name
+
+
+def renamed(record: ImageRecord, file: Path) -> ImageRecord:
+    """``record`` of an image that root renamed to ``file`` (with its blob): stamped
+    again, as a rename sets the files' ctime; ImageChanged if they are not the files
+    measured."""
+    blob = record.blob.renamed(str(blob_of(file))) if record.blob is not None else None
+    return dataclasses.replace(record, identity=record.identity.renamed(str(file)), blob=blob)
 
 
 def mount_kind() -> str:
