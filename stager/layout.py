@@ -2,21 +2,25 @@
 
 * **Shared** entries, and every entry of a per-user daemon: ``data/<key>`` (and an
   image's file beside it, ``data/<key>.erofs``). Anyone may read them anyway.
-* **A user's own copy** in the node service: ``data/u/<T>/<N>``, where ``T`` names the
-  user and ``N`` the entry, each an HMAC under the node's secret (``<cache>/secret``,
-  32 random bytes, root's 0600, made at the first start). Nobody else can compute
-  either name, from a uid or from a key they worked out from public facts, so the
-  names the kernel's mount table shows (``/proc/mounts`` lists every image's mount
-  point and file) say neither whose nor what.
-* ``data/u/`` is root's 0711: searchable, not listable. ``data/u/<T>`` is root's with
-  an access ACL that lets its user search it (``--x``) and nobody else anything: the
-  user reaches the paths the API gives them, lists nothing, writes nothing (they own
-  nothing in the cache, so they can rename or replace nothing); everyone else gets
-  EACCES at ``data/u/<T>``, so no ``stat``, ``statfs`` or ``getfacl`` of what lies
+* **A user's own copy** in the node service: ``data/u/<G>/dataset`` (an image's file
+  ``data/u/<G>/dataset.erofs``), where ``G`` is an HMAC of the key under the node's
+  secret (``<cache>/secret``, 32 random bytes, root's 0600, made at the first start).
+  Nobody else can compute it, from a key they worked out from public facts (a hash of
+  the request, the sources' sizes and times and the uid), and it says neither whose
+  nor what: the kernel's mount table (``/proc/mounts``, every user's) lists every
+  image's mount point and file by these names.
+* ``data/u/`` is root's 0711: searchable, not listable. Each ``<G>``, the entry's
+  **gate**, is root's with an access ACL that lets its user search it (``--x``) and
+  nobody else anything: the user reaches the path the API gives them and writes
+  nothing (they own nothing in the cache, so they can rename or replace nothing);
+  anyone else gets EACCES there, so no ``stat``, ``statfs`` or ``ls`` of what lies
   inside (a tree's top, an image's mount point or file) tells them its size, entry
-  count or times. What that folder's ACL still says, to whoever learns ``T`` from the
-  mount table, is whose it is: the mount table is every user's, and any gate that
-  lets one user in names them to everyone who can look it up (docs/multiuser.md).
+  count or times. One gate per entry, not per user: a gate holds one dataset, so its
+  link count and times say nothing of the user's others.
+* What a gate still says, to whoever learns its name from the mount table (an image's,
+  never a tree's), is whose it is, by its ACL: the mount table is every user's, and
+  any folder that lets one user in names them to everyone who may look it up
+  (docs/multiuser.md).
 
 A private image is mounted from its file, not a loop device, where the kernel can
 (EROFS, Linux 6.12+): a loop device's size is in ``/sys/block/loopN/size`` for all.
@@ -40,7 +44,8 @@ from stager.fs.seal import ACL_XATTR, gate_acl
 from stager.image import mount as image_mount
 from stager.settings import Settings
 
-USERS = "u"  # data/u/: the users' own folders
+USERS = "u"  # data/u/: the gates of users' own copies
+PLACE = "dataset"  # a private copy's tree or mount point, in its gate
 SECRET_BYTES = 32
 
 
@@ -60,14 +65,16 @@ class Layout:
 
     def final(self, entry: Entry) -> Path:
         """Where ``entry``'s tree is published, or its image mounted."""
-        owner = private_owner(entry)
-        if owner is None or self._secret is None:
-            return self.data_dir / entry.key
-        return self.user_folder(owner) / self._name("entry", entry.key)
+        return self.top(entry) / PLACE if self._private(entry) else self.top(entry)
 
-    def user_folder(self, uid: int) -> Path:
+    def top(self, entry: Entry) -> Path:
+        """What holds all of ``entry`` under ``data/`` (a private copy's gate), and goes
+        with it in one rename."""
+        if not self._private(entry):
+            return self.data_dir / entry.key
         assert self._secret is not None
-        return self.users_dir / self._name("user", str(uid))
+        digest = hmac.new(self._secret, f"entry:{entry.key}".encode(), hashlib.sha256)
+        return self.users_dir / digest.hexdigest()[:24]
 
     def old_place(self, entry: Entry) -> Path:
         """Where an earlier release put ``entry``: ``data/<key>``."""
@@ -75,21 +82,27 @@ class Layout:
 
     def prepare(self, entry: Entry) -> None:
         """The folders ``entry``'s place needs, made and their rights set (again: an
-        admin's chmod is undone): for a private copy, its user's folder. Blocks."""
+        admin's chmod is undone): a private copy's gate. Blocks."""
         owner = private_owner(entry)
-        if owner is None or self._secret is None:
+        if not self._private(entry) or owner is None:
             return
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.users_dir, 0o700)
         os.chmod(self.users_dir, 0o711)
-        folder = self.user_folder(owner)
+        gate = self.top(entry)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o700)
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            os.mkdir(gate, 0o700)
+        fd = os.open(gate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.setxattr(fd, ACL_XATTR, gate_acl(owner))  # sets the mode bits too
         finally:
             os.close(fd)
+
+    def release(self, entry: Entry) -> None:
+        """A private copy's gate, once its dataset is gone: removed (if empty). Blocks."""
+        if self._private(entry):
+            with contextlib.suppress(OSError):  # gone, or not empty
+                os.rmdir(self.top(entry))
 
     def backing(self, entry: Entry, configured: str) -> str:
         """How the kernel mounts ``entry``'s image: a private one from its file where the
@@ -98,10 +111,8 @@ class Layout:
             return "file"
         return configured
 
-    def _name(self, kind: str, value: str) -> str:
-        assert self._secret is not None
-        digest = hmac.new(self._secret, f"{kind}:{value}".encode(), hashlib.sha256)
-        return digest.hexdigest()[:24]
+    def _private(self, entry: Entry) -> bool:
+        return self._secret is not None and private_owner(entry) is not None
 
 
 def _secret(path: Path) -> bytes:

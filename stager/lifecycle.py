@@ -47,7 +47,7 @@ from stager.held_space import Record as Held
 from stager.image import published as images
 from stager.image.identity import ImageChanged, ImageIdentity
 from stager.imaging import ImageMade, attempt_image
-from stager.layout import Layout
+from stager.layout import PLACE, Layout
 from stager.leases import Lease
 from stager.metrics import Metrics
 from stager.progress import Progress
@@ -268,13 +268,17 @@ class Registry:
         # Space an earlier run's evictions left held (found again, never stored).
         await run_io(self.held.recover, self._owner_of)
         for orphan in await run_io(self._orphans):
-            key = self._key_at(orphan.with_name(images.key_of(orphan.name)))
+            key = images.key_of(orphan.name)
             if orphan.name.startswith(DISCARDED_PREFIX):
                 self.trash.delete_later(orphan)  # its open files: found by recover
-            elif (
-                orphan.parent != self.settings.partial_dir
-                and images.key_of(orphan.name) != orphan.name
-            ):
+            elif orphan.parent == self.layout.users_dir:  # a private copy's gate
+                key = self._key_at(orphan.name)
+                file = await run_io(images.image_of, orphan, PLACE)
+                if file is not None:  # perhaps one a crash left between its lazy
+                    # unmount and its keeping
+                    await run_io(self._retire_image, key, self._owner_of(key), 0, file)
+                await self.trash.discard(orphan)
+            elif orphan.parent == self.settings.data_dir and key != orphan.name:
                 if orphan.name.endswith(images.BLOB_SUFFIX):
                     # Goes with its image; alone, it is deleted.
                     image = orphan.with_name(orphan.name.removesuffix(images.BLOB_SUFFIX))
@@ -288,19 +292,18 @@ class Registry:
         return to_stage
 
     def _owner_of(self, key: str) -> int | None:
-        """The private owner of ``key``'s entry; ``key`` may also be the name of its place
-        (a user's own copy's, under data/u/: a discarded tree's is named after it)."""
+        """The private owner of ``key``'s entry; ``key`` may also be the name of a private
+        copy's gate (stager.layout: an evicted tree's trash is named after it)."""
         entry = self.entries.get(key) or self.entries.get(self._key_at(key))
         return private_owner(entry) if entry is not None else None
 
-    def _key_at(self, place: Path | str) -> str:
-        """The key of the entry whose place is ``place`` (a path, or a place's name); the
-        name itself if no entry's."""
+    def _key_at(self, name: str) -> str:
+        """The key of the entry whose top under data/ is named ``name`` (a private copy's
+        gate); ``name`` itself if none's."""
         for entry in self.entries.values():
-            final = self.final(entry)
-            if final == place or final.name == place:
+            if self.layout.top(entry).name == name:
                 return entry.key
-        return place if isinstance(place, str) else place.name
+        return name
 
     async def _move_old_copies(self) -> None:
         """Users' own copies that an earlier release published at ``data/<key>``, where
@@ -382,25 +385,31 @@ class Registry:
         crash or stop interrupted, deletions in progress. An active entry's data/<key>
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
-        kept = {self.final(e) for e in self.entries.values() if e.active or e.state == State.READY}
+        kept = {
+            self.layout.top(e) for e in self.entries.values() if e.active or e.state == State.READY
+        }
         found = [
             c
             for c in self.settings.partial_dir.iterdir()
             if c.name not in attempts and not self.held.is_held_image(c.name)
         ]
-        # data/<key> and an image's data/<key>.erofs, and the same in users' folders
-        # (data/u/<T>/, stager.layout); a mount point still mounted (busy at its
-        # unmount) is left for the next start.
+        # data/<key> and an image's data/<key>.erofs, and private copies' gates
+        # (data/u/<G>, stager.layout); a mount point still mounted (busy at its unmount)
+        # is left for the next start.
         users = self.layout.users_dir
-        places = [self.settings.data_dir, *(users.iterdir() if users.is_dir() else ())]
         found += [
             child
-            for folder in places
-            for child in folder.iterdir()
+            for child in self.settings.data_dir.iterdir()
             if child != users
             and child.with_name(images.key_of(child.name)) not in kept
             and not os.path.ismount(child)
         ]
+        if users.is_dir():
+            found += [
+                gate
+                for gate in users.iterdir()
+                if gate not in kept and not os.path.ismount(gate / PLACE)
+            ]
         return found
 
     # ---- a request arrives -------------------------------------------------------
@@ -563,6 +572,7 @@ class Registry:
             entry.image = None
             await run_io(images.take_down, self.final(entry))
             await run_io(images.delete_image, file, self.final(entry))
+            await run_io(self.layout.release, entry)
             raise
         size = identity.size + (blob.size if blob is not None else 0)
         await self._made_ready(entry, size, None)
@@ -703,7 +713,7 @@ class Registry:
         if entry.wants_image:
             await self._remove_image(entry)
         elif await self.trash.discard(
-            final,
+            self.layout.top(entry),  # a private copy's gate with it
             entry.size_bytes,
             (entry.key, private_owner(entry)),
             entry.seal.entries if entry.seal else 0,
@@ -736,6 +746,7 @@ class Registry:
                 self.trash.spawn_io(self.held.charge_holder, kept, device)
             file = None
         await run_io(images.delete_image, file, final)
+        await run_io(self.layout.release, entry)
         self._crash.reached(Durable.IMAGE_DELETED)
 
     def _retire_image(self, key: str, owner: int | None, nbytes: int, file: Path) -> Held | None:
