@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -124,6 +125,21 @@ def test_another_users_private_data_leaves_no_trace_outside_the_api(
         for folder in (cache / "data", cache / "data" / "u"):
             assert bob.run(["ls", str(folder)]).returncode != 0, folder
         assert not any(k in bob.run(["find", str(cache)]).stdout for k in keys)
+
+        # alice herself only passes her gates: she lists and changes nothing there.
+        for gate in (paths[0].parent, paths[1].parent):
+            assert alice.run(["ls", str(gate)]).returncode != 0
+            assert alice.run(["touch", str(gate / "x")]).returncode != 0
+            assert alice.run(["mv", str(gate / "dataset"), str(gate / "y")]).returncode != 0
+        # Her copies deleted, their gates go with them.
+        for name in ("t", "i"):
+            code, answer = alice.curl(service.socket, "DELETE", f"/v1/datasets/{name}")
+            assert code == 200, answer
+        users_dir = cache / "data" / "u"
+        deadline = time.monotonic() + 15
+        while any(users_dir.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(users_dir.iterdir()), list(users_dir.iterdir())
 
 
 def test_private_copies_an_earlier_release_left_at_data_key_are_moved_and_still_served(
