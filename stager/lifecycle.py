@@ -153,7 +153,7 @@ class Registry:
         layout: Layout | None = None,
     ) -> None:
         self.settings = settings
-        # Where each entry lives under data/ (a user's own copy: in their folder).
+        # Where each entry lives under data/ (a user's own copy: behind its gate).
         self.layout = layout or Layout.load(settings)
         # Acts with a user's rights (stager.engine.Engine.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
@@ -314,10 +314,17 @@ class Registry:
         moved = []
         for entry in self.entries.values():
             final, old = self.final(entry), self.layout.old_place(entry)
-            if final != old and await run_io(self._move_old, entry, old, final):
-                moved.append(entry)
+            if final == old:
+                continue
+            try:
+                if await run_io(self._move_old, entry, old, final):
+                    moved.append(entry)
+            except OSError as exc:
+                # Left where it is: an orphan now, deleted below (a ready entry without
+                # its data is evicted, and staged again when asked for).
+                log.error("could not move %s behind its gate: %s", old, exc)
         for entry in moved:
-            log.info("moved %s to its user's own folder", entry.key)
+            log.info("moved %s behind its gate (stager.layout)", entry.key)
             await self._durable(Durable.TOUCHED, self._store.save_entry, entry)
             final = self.final(entry)
             await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
@@ -325,8 +332,9 @@ class Registry:
     def _move_old(self, entry: Entry, old: Path, final: Path) -> bool:
         file = images.image_of(old.parent, old.name)
         tree = file is None and old.is_dir() and not os.path.ismount(old)
-        if not tree and file is None:
-            return False
+        if (not tree and file is None) or os.path.lexists(final):
+            return False  # nothing there, or moved already (a crash mid-way: the rest is
+            # an orphan)
         self.layout.prepare(entry)
         if tree:
             publish(old, final)
