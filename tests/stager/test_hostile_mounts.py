@@ -182,14 +182,20 @@ def test_private_copies_an_earlier_release_left_at_data_key_are_moved_and_still_
         assert not os.path.lexists(old_tree) and not os.path.lexists(old_file)
         assert image_mount.mounted_at(str(old_top)) is None
         assert not os.path.lexists(old_top)
+        assert os.readlink(link) == str(new_tree)  # pointed there at the start
         for body, was in ((tree_body, mine), (image_body, image)):
             again = stage_ready(alice, service, body)
             assert again["origin"]["hit"] is True and again["key"] == was["key"], again
             assert again["path"] == was["path"]
-        assert os.readlink(link) == str(new_tree)
         first = next(p.relative_to(tree) for p in sorted(tree.rglob("*")) if p.is_file())
         assert alice.run(["sha256sum", str(link / first)]).returncode == 0
         assert alice.run(["ls", str(new_top / "mine")]).returncode == 0
         assert image_mount.mounted_at(str(new_top)) is not None
         left = {key_of(p.name) for p in data.iterdir()}
         assert not left & {mine["key"], image["key"]}, left
+
+    # The next start finds them in their place (the node's secret kept): hits again.
+    with node_service(cache) as service:
+        for body, was in ((tree_body, mine), (image_body, image)):
+            again = stage_ready(alice, service, body)
+            assert again["origin"]["hit"] is True and again["path"] == was["path"], again
