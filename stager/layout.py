@@ -16,7 +16,8 @@
   anyone else gets EACCES there, so no ``stat``, ``statfs`` or ``ls`` of what lies
   inside (a tree's top, an image's mount point or file) tells them its size, entry
   count or times. One gate per entry, not per user: a gate holds one dataset, so its
-  link count and times say nothing of the user's others.
+  link count and times say nothing of the user's others. An ACL naming the user, not a
+  group: a user's group (``users``, a lab's) may hold others.
 * What a gate still says, to whoever learns its name from the mount table (an image's,
   never a tree's), is whose it is, by its ACL: the mount table is every user's, and
   any folder that lets one user in names them to everyone who may look it up

@@ -66,7 +66,9 @@ def test_another_users_private_data_leaves_no_trace_outside_the_api(
     table shows, and ``data/<key>`` for alice's keys, as if he had worked them out):
     nothing names alice's uid or a key of hers, and every look at her data is refused
     or finds nothing, alike whether she holds anything or not. alice reads both through
-    the paths the API gave her; a shared copy is read by both."""
+    the paths the API gave her; a shared copy is read by both. (What the mount table
+    still shows, that an image is mounted and, by its gate's ACL, whose, is the
+    kernel's to show: docs/multiuser.md.)"""
     alice, bob = users
     tree, archive = private_sources(alice, alice_home)
     public = write_tree(shared_tmp / "public", n_files=3, seed=5)
