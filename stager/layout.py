@@ -55,6 +55,7 @@ class Layout:
         self.data_dir = data_dir
         self.users_dir = data_dir / USERS
         self._secret = secret  # None: a per-user daemon, every entry at data/<key>
+        self._gates: dict[str, Path] = {}  # key -> its gate, as computed once
 
     @classmethod
     def load(cls, settings: Settings) -> Layout:
@@ -73,9 +74,12 @@ class Layout:
         with it in one rename."""
         if not self._private(entry):
             return self.data_dir / entry.key
-        assert self._secret is not None
-        digest = hmac.new(self._secret, f"entry:{entry.key}".encode(), hashlib.sha256)
-        return self.users_dir / digest.hexdigest()[:24]
+        gate = self._gates.get(entry.key)
+        if gate is None:  # once per key: a listing asks for every entry's path
+            assert self._secret is not None
+            digest = hmac.new(self._secret, f"entry:{entry.key}".encode(), hashlib.sha256)
+            gate = self._gates[entry.key] = self.users_dir / digest.hexdigest()[:24]
+        return gate
 
     def old_place(self, entry: Entry) -> Path:
         """Where an earlier release put ``entry``: ``data/<key>``."""
