@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo demo-multinode test test-debian lint bench bench-fanout clean slurm-up slurm-down image-tools
+.PHONY: venv demo demo-multinode demo-prestage test test-debian lint bench bench-fanout clean slurm-up slurm-down image-tools
 
 venv: $(STAMP)
 
@@ -36,6 +36,12 @@ demo: $(STAMP)
 # while the shared storage is read once; figures printed, cluster taken down.
 demo-multinode: $(STAMP)
 	$(BIN)/python deploy/demo/multinode.py
+
+# The same cluster with pre-staging (root): a user's job queued behind another finds its
+# declared data already on its node when it starts; then the same with the planner
+# stopped. Figures printed, cluster taken down.
+demo-prestage: $(STAMP)
+	$(BIN)/python deploy/demo/prestage.py
 
 # Two pytest-xdist workers (TEST_WORKERS=0: one process), each module whole on one of
 # them, the tests that change the machine itself (users, the SLURM cluster) all on one,

@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_api import make_client, percentile, start_daemon  # noqa: E402
 from bench.datagen import make_tree  # noqa: E402
-from stager.fingerprint import sources_fingerprint  # noqa: E402
 from stager.ops.copy import CopyStep  # noqa: E402
+from stager.request.fingerprint import sources_fingerprint  # noqa: E402
 
 
 def drop_caches() -> bool:

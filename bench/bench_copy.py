@@ -31,7 +31,7 @@ from stager.ops import copy, symlink
 from stager.ops.base import OpContext
 from stager.ops.copy import CopyStep
 from stager.ops.symlink import SymlinkStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 Candidate = Callable[[Path, Path], None]
 

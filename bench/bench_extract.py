@@ -28,7 +28,7 @@ from bench.timing import spread, timed
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 
 @dataclass

@@ -55,38 +55,54 @@ from tests.daemon import Daemon  # noqa: E402
 # they happen.
 TRACE_POINTS = [
     (
-        "stager/engine.py",
+        "stager/engine/scheduler.py",
         "        resolved = await self._resolve(request, caller)\n",
         "post",
     ),
     (
-        "stager/engine.py",
+        "stager/engine/scheduler.py",
         "        await self.fanout.admitted(arrival, entry)\n",
         "admitted",
     ),
-    ("stager/engine.py", "        attempt = await reg.start(entry)\n", "queued"),
-    ("stager/engine.py", "        attempt = await reg.start(entry)\n", "+attempt-started"),
-    ("stager/blocking.py", "    child = processes.take_spare(job)\n", "job-built"),
-    ("stager/worker.py", "        job = jobs.recv()\n", "+spare-given"),  # a spare's job
-    ("stager/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
-    ("stager/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
+    ("stager/engine/scheduler.py", "        attempt = await reg.start(entry)\n", "queued"),
     (
-        "stager/worker.py",
+        "stager/engine/scheduler.py",
+        "        attempt = await reg.start(entry)\n",
+        "+attempt-started",
+    ),
+    ("stager/staging/blocking.py", "    child = processes.take_spare(job)\n", "job-built"),
+    ("stager/staging/worker.py", "        job = jobs.recv()\n", "+spare-given"),  # a spare's job
+    ("stager/staging/worker.py", "    ops = table.load(job.op_modules)\n", "child-ready"),
+    ("stager/staging/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
+    (
+        "stager/staging/worker.py",
         "            write_atomically(attempt.marker, str(done))\n",
         "op-done",
     ),
-    ("stager/worker.py", "            crash.reached(Durable.STEP_DONE)\n", "marker-written"),
+    (
+        "stager/staging/worker.py",
+        "            crash.reached(Durable.STEP_DONE)\n",
+        "marker-written",
+    ),
     # The tree sealed from the op's count and a listing, or by a walk of every file.
-    ("stager/worker.py", "        return seal_listed(attempt.tree, made)\n", "steps-done"),
-    ("stager/worker.py", "    return seal_tree(attempt.tree, job.workers)\n", "steps-done"),
+    ("stager/kinds/tree.py", "            return seal_listed(tree, made)\n", "steps-done"),
+    ("stager/kinds/tree.py", "        return seal_tree(tree, self.workers)\n", "steps-done"),
     ("stager/fs/seal.py", "    return seal\n", "sealed"),  # once later stamps are later
     (
-        "stager/blocking.py",
+        "stager/staging/blocking.py",
         "    progress.mirror(counters)\n    outcome = _outcome(message, job.final.name)",
         "outcome-read",
     ),
-    ("stager/engine.py", "                await reg.publish(entry, seal)\n", "publishing"),
-    ("stager/engine.py", "                await reg.publish(entry, seal)\n", "+published"),  # after
+    (
+        "stager/engine/scheduler.py",
+        "                await reg.publish(entry, seal)\n",
+        "publishing",
+    ),
+    (
+        "stager/engine/scheduler.py",
+        "                await reg.publish(entry, seal)\n",
+        "+published",
+    ),  # after
 ]
 
 

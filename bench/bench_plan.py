@@ -1,7 +1,7 @@
 """The planner's CPU per interval at cluster scale, from a synthetic squeue.
 
 10,000 pending jobs and 2,000 nodes (plus a running job on each node), as
-`squeue -O` prints them for the planner (stager.plan.squeue.FORMAT): planned starts
+`squeue -O` prints them for the planner (stager.prestage.plan.squeue.FORMAT): planned starts
 spread over a day (a third not planned yet: N/A), 1-8 planned nodes each as a Slurm
 hostlist, 70% declaring one or two of 40 datasets in #STAGER lines (job_submit.lua's
 AdminComment), 5% root's. Each interval is one `Planner.interval()`: parse every
@@ -24,10 +24,10 @@ import statistics
 import time
 from datetime import datetime, timedelta
 
-from stager.plan import hostlist
-from stager.plan.declared import encode
-from stager.plan.planner import Planner
-from stager.plan.squeue import RecordedSqueue
+from stager.prestage.plan import hostlist
+from stager.prestage.plan.declared import encode
+from stager.prestage.plan.planner import Planner
+from stager.prestage.plan.squeue import RecordedSqueue
 
 NOW = datetime(2026, 11, 28, 12, 0, 0)
 TARGET_MS = 100.0

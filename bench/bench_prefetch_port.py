@@ -3,7 +3,7 @@
 As root: a private munged, two node services side by side (`stager serve --multi-user`),
 one with `--prefetch-listen 127.0.0.1:PORT` and one without; each one's resident memory
 once ready, and its CPU while idle over ``--idle`` seconds. Then the planner's own
-sender (stager.plan.service.Sender) sends orders to the port, one at a time: each one a
+sender (stager.prestage.plan.service.Sender) sends orders to the port, one at a time: each one a
 fresh credential (`munge`), the POST, the node's `unmunge` and its record of spent
 credentials written, the answer. Cancels (nothing to stage) and stages of a 5-file tree
 as the user nobody; median and 95th percentile, and `munge` alone for comparison. Last,
@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from stager import vouch
-from stager.plan.service import Order, Sender
-from stager.settings import Settings
+from stager.core import vouch
+from stager.core.settings import Settings
+from stager.prestage.plan.service import Order, Sender
 from tests.daemon import Daemon, free_port
 from tests.munge import private_munged
 

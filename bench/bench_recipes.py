@@ -49,12 +49,12 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-from stager import recipes
+from stager.core.settings import Settings
 from stager.ops import table
 from stager.ops.base import OpContext
-from stager.progress import Progress
-from stager.schemas import DatasetCreate
-from stager.settings import Settings
+from stager.request import recipes
+from stager.wire.progress import Progress
+from stager.wire.schemas import DatasetCreate
 from tests.stager.recipes import fakes
 
 

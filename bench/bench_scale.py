@@ -41,8 +41,8 @@ import httpx
 
 from bench.bench_api import make_client, percentile, start_daemon, time_status
 from bench.datagen import make_small_tree
-from stager.fingerprint import sources_fingerprint
 from stager.ops.copy import CopyStep
+from stager.request.fingerprint import sources_fingerprint
 
 GOALS = {"copy": 1.0, "symlink farm": 1.0, "evict": 1.0}
 GROWTH_GOAL = 11.0

@@ -8,7 +8,7 @@ incompressible files (~80 MB at 1,500):
 
 - ``curl URL | tar -xzf -``: the download and the extraction overlap in a pipe;
 - stager's ``fetch`` then ``extract`` of the same URL, run as the staging runs
-  them: overlapped (stager.overlap), the default for these two steps;
+  them: overlapped (stager.staging.overlap), the default for these two steps;
 - the same two steps one after the other (the whole download, then the
   extraction), as before the overlap;
 - a real ``stager serve`` asked for an ``extract`` of the URL by stager's own client
@@ -47,10 +47,10 @@ from bench import bench_overhead
 from bench.datagen import make_archives, make_tree, tree_bytes
 from bench.timing import spread, timed
 from client import StagerClient
-from stager import overlap
 from stager.ops import table
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.staging import overlap
+from stager.wire.progress import Progress
 from tests.daemon import Daemon
 
 OPS = table.load(())
@@ -60,7 +60,11 @@ DAEMON = "daemon, extract URL"
 # bench_overhead, then the download and the extraction's end, in the order they happen.
 TRACE_POINTS = [
     *bench_overhead.TRACE_POINTS,
-    ("stager/blocking.py", "    process, counters, child_cancel, receiver = child\n", "handed"),
+    (
+        "stager/staging/blocking.py",
+        "    process, counters, child_cancel, receiver = child\n",
+        "handed",
+    ),
     ("stager/ops/fetch.py", "        with self.client.stream(", "get-sent"),
     ("stager/ops/fetch.py", "            self._raise_for_status(response)\n", "headers"),
     ("stager/ops/fetch.py", "        if total is not None and position > total:\n", "last-byte"),

@@ -20,7 +20,7 @@ from pathlib import Path
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 

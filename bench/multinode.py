@@ -68,6 +68,8 @@ class Cluster:
         serve_args: str | None = None,
         python: str | None = None,
         node_service: bool = False,
+        prestage: bool = False,
+        plan_interval: int = 5,
     ) -> None:
         self.settings = {
             "MN_NODES": str(nodes),
@@ -76,7 +78,11 @@ class Cluster:
             "MN_PYTHON": python or str(REPO / ".venv" / "bin" / "python"),
             # Each node's node service for every user (stager serve --multi-user, as root)
             # instead of per-user daemons started by the prolog.
-            "MN_NODE_SERVICE": "1" if node_service else "0",
+            "MN_NODE_SERVICE": "1" if node_service or prestage else "0",
+            # Pre-staging: the planner, job_submit.lua, backfill every plan_interval s,
+            # node services taking the planner's orders (docs/prestaging.md).
+            "MN_PRESTAGE": "1" if prestage else "0",
+            "MN_PLAN_INTERVAL": str(plan_interval),
         }
         if serve_args is not None:
             self.settings["MN_SERVE_ARGS"] = serve_args
@@ -177,11 +183,25 @@ class Cluster:
         ``extra``: more sbatch flags. Its working folder is ``jobs_dir``."""
         return self.wait(self.submit(script, nodes, name, extra), name, timeout)
 
-    def submit(self, script: str, nodes: int, name: str, extra: list[str] | None = None) -> str:
+    def submit(
+        self,
+        script: str,
+        nodes: int,
+        name: str,
+        extra: list[str] | None = None,
+        header: str = "",
+        runner: list[str] | None = None,
+    ) -> str:
+        """Submit without waiting; the job's id. ``header``: lines right after the
+        shebang (``#SBATCH``, ``#STAGER``: only the comment block at the top counts);
+        ``runner``: argv before ``sbatch`` (e.g. setpriv to submit as a user: a job
+        root submits with ``--uid`` is root's submission to job_submit.lua)."""
         path = self.jobs_dir / f"{name}.sh"
-        path.write_text("#!/bin/bash\nset -euo pipefail\n" + script)
+        path.write_text("#!/bin/bash\n" + header + "set -euo pipefail\n" + script)
+        path.chmod(0o644)
         submitted = subprocess.run(
             [
+                *(runner or []),
                 "sbatch",
                 "--parsable",
                 f"--nodes={nodes}",
@@ -234,6 +254,60 @@ class Cluster:
         state = re.search(r"JobState=(\S+)", shown)
         code = re.search(r"ExitCode=(\S+)", shown)
         return (state.group(1) if state else "?", code.group(1) if code else "?")
+
+    def planner(self, action: str) -> str:
+        """``start``, ``stop``, ``restart`` or ``status`` the pre-staging planner
+        (deploy/slurm/multinode/planner.sh; a cluster brought up with ``prestage``)."""
+        return self._script("planner.sh", action)
+
+    def node_service(self, index: int, action: str) -> None:
+        """``stop`` or ``start`` node ``index``'s node service (node-service.sh)."""
+        self._script("node-service.sh", str(index), action)
+
+    def restart_slurmctld(self) -> None:
+        """Restart slurmctld, keeping its state (slurmctld.sh)."""
+        self._script("slurmctld.sh", "restart")
+
+    def _script(self, script: str, *args: str) -> str:
+        done = subprocess.run(
+            ["bash", str(SCRIPTS / script), *args],
+            env=self._script_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise ClusterError(f"{script} {' '.join(args)}: {done.stderr.strip() or done.stdout}")
+        return done.stdout.strip()
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job``'s fields (the last value of each; values with spaces
+        cut at the first space, which the fields read here never have)."""
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job_id],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        return dict(re.findall(r"(?:^|\s)([A-Za-z:/]+)=(\S*)", shown))
+
+    def node_info(self, node: str) -> dict[str, str]:
+        """``scontrol show node``'s fields (as ``job``)."""
+        shown = subprocess.run(
+            ["scontrol", "show", "node", "--oneliner", node],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        return dict(re.findall(r"(?:^|\s)([A-Za-z:/]+)=(\S*)", shown))
+
+    def node_metrics(self, index: int) -> str:
+        """Node ``index``'s node service's Prometheus text (its socket, as root)."""
+        sock = Path(self.values["MN_ROOT"]) / "private" / "stager-node" / "stager.sock"
+        return self.on_node(index, f"curl -sf --unix-socket {sock} http://stager/metrics")
 
     def on_node(self, index: int, command: str, check: bool = True) -> str:
         """Run a shell command inside node ``index``'s namespaces (its /tmp, its network)."""

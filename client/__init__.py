@@ -5,7 +5,7 @@
     print(status.path)
 
 Importing this package loads httpx and pydantic only (the wire models come from
-``stager.schemas``, which depends on pydantic alone); never FastAPI, uvicorn or torch.
+``stager.wire.schemas``, which depends on pydantic alone); never FastAPI, uvicorn or torch.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from client.errors import (
     Unauthorized,
     WaitTimeout,
 )
-from stager.schemas import (
+from stager.wire.schemas import (
     DatasetCreate,
     DatasetPublic,
     DatasetsPublic,

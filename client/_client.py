@@ -40,7 +40,7 @@ from client.errors import (
     Unauthorized,
     WaitTimeout,
 )
-from stager.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State, WhoAmI
+from stager.wire.schemas import DatasetPublic, DatasetsPublic, LeasePublic, State, WhoAmI
 
 Model = TypeVar("Model")
 StatusCallback = Callable[[DatasetPublic], None]

@@ -1,6 +1,6 @@
 """Where the daemon is and how to talk to it: URL, Unix socket or TCP, bearer token.
 
-The rules mirror ``stager.settings`` (socket ``${XDG_RUNTIME_DIR:-/tmp}/stager-$UID/
+The rules mirror ``stager.core.settings`` (socket ``${XDG_RUNTIME_DIR:-/tmp}/stager-$UID/
 stager.sock``, token file ``<runtime_dir>/token``) without importing it: the daemon's
 settings pull in pydantic-settings, and the client must stay light. They are kept
 side by side on purpose; ``tests/client/test_discovery.py`` checks they agree.
@@ -58,7 +58,7 @@ def runtime_dir(env: Mapping[str, str]) -> Path:
     return Path(base) / f"stager-{os.getuid()}"
 
 
-# The node service's socket (stager serve --multi-user), as stager.settings says.
+# The node service's socket (stager serve --multi-user), as stager.core.settings says.
 NODE_SOCKET = Path("/run/stager/stager.sock")
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.filesize import decimal
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-from stager.schemas import DatasetPublic, ProgressPublic, State
+from stager.wire.schemas import DatasetPublic, ProgressPublic, State
 
 
 class Display(Protocol):

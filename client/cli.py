@@ -40,14 +40,14 @@ from client.errors import (
     WaitTimeout,
 )
 from client.hints import in_user_terms
-from stager.cli_common import (
+from stager.wire.cli_common import (
     SuggestingParser,
     __version__,
     add_completion,
     format_listing,
     print_completion,
 )
-from stager.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
+from stager.wire.schemas import DatasetPublic, DatasetsPublic, ErrorInfo, ErrorResponse
 
 EXIT_OK = 0  # every dataset asked for is ready (or the command did what it said)
 EXIT_FAILED = 1  # a dataset failed, was cancelled or evicted; the daemon's sentence is printed

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from stager.schemas import NAME_PATTERN
+from stager.wire.schemas import NAME_PATTERN
 
 MARK = "#STAGER"
 # What a line may say: what the dataset is, and where its link goes.
@@ -178,7 +178,7 @@ def planned_request(
     (a prefetch holds nothing): neither is part of the cache key."""
     args = argparse.Namespace(**vars(declaration.args))
     args.link, args.lease, args.no_lease = None, None, True
-    args.declared = declaration.words  # the node feature's name (stager.placement)
+    args.declared = declaration.words  # the node feature's name (stager.prestage.placement)
     return request_from(args)
 
 
@@ -222,7 +222,7 @@ def invocations(
             setattr(args, dest, getattr(command, dest, None))
         args.request, args.from_script = None, None
         # The node service names the data's node feature by the line's words, so that
-        # jobs declaring the same line prefer the nodes holding it (stager.placement).
+        # jobs declaring the same line prefer the nodes holding it (stager.prestage.placement).
         args.declared = declaration.words
         args.declared_at = f"{where} line {declaration.line}"  # for errors found later
         if args.link:
@@ -246,7 +246,7 @@ def read_script(path: str) -> tuple[str, str]:
     slurmctld stored it at submit (what the planner read)."""
     if path:
         try:
-            # As the planner decodes it (stager.plan.declared): UTF-8, any byte kept.
+            # As the planner decodes it (stager.prestage.plan.declared): UTF-8, any byte kept.
             return path, Path(path).read_text(encoding="utf-8", errors="surrogateescape")
         except (OSError, UnicodeDecodeError) as exc:
             raise BadDeclaration(

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stager.schemas import DatasetPublic
+    from stager.wire.schemas import DatasetPublic
 
 
 class StagerError(Exception):

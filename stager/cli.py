@@ -1,8 +1,8 @@
 """``stager``: run and stop the node's staging daemon; build and mount images.
 
-Thin: parse flags into ``Settings`` and call ``stager.server``. The flags of
+Thin: parse flags into ``Settings`` and call ``stager.api.server``. The flags of
 ``serve`` (and the location flags of ``stop`` and ``gc``) are derived from the
-settings fields (``stager.settings.cli_flags``), so each has the environment
+settings fields (``stager.core.settings.cli_flags``), so each has the environment
 variable ``STAGER_<FLAG>`` and reads the same values from both.
 
 Exit codes (docs/settings.md):
@@ -19,11 +19,12 @@ import sys
 
 from pydantic import ValidationError
 
-from stager import __version__, prestart
-from stager.cli_common import SuggestingParser, add_completion, print_completion
+from stager import __version__
+from stager.core import prestart, processes
+from stager.core.settings import Settings, cli_flags, describe_error, environment_warnings
 from stager.image import command as image_command
-from stager.plan import command as plan_command
-from stager.settings import Settings, cli_flags, describe_error, environment_warnings
+from stager.prestage.plan import command as plan_command
+from stager.wire.cli_common import SuggestingParser, add_completion, print_completion
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -159,11 +160,11 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
         if not settings.host and (refusal := prestart.already_serving(settings.socket_path)):
             print(f"stager: {refusal}", file=sys.stderr)
             return EXIT_FAILED
-        # Its imports go on beside the app's, which the next line starts (stager.prestart);
+        # Its imports go on beside the app's, which the next line starts (stager.core.prestart);
         # if the daemon cannot start, it ends with it.
-        prestart.start_fork_server()
-    from stager import server  # uvicorn and the app load only for commands that need them
-    from stager.startup import StartError
+        processes.start_fork_server()
+    from stager.api import server  # uvicorn and the app load only for commands that need them
+    from stager.api.startup import StartError
 
     try:
         if args.command == "serve" and args.detach:
@@ -187,7 +188,7 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
 
 
 def _print_gc(result: dict, as_json: bool) -> None:
-    from stager.settings import format_size
+    from stager.core.settings import format_size
 
     if as_json:
         print(json.dumps(result))
@@ -204,7 +205,7 @@ def _daemons_elsewhere(settings: Settings) -> str | None:
     (started with --runtime-dir), and the node service."""
     if {"runtime_dir", "socket"} & settings.model_fields_set:
         return None  # a folder was chosen, and nothing runs there: that is the answer
-    from stager import daemons
+    from stager.core import daemons
 
     uid = os.getuid()
     found = []
@@ -243,7 +244,7 @@ def _print_stop(settings: Settings, pid: int | None, as_json: bool) -> None:
 
 
 def _recipes(settings: Settings, as_json: bool) -> int:
-    from stager import recipes
+    from stager.request import recipes
 
     try:
         listing = recipes.available(settings)

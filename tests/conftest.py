@@ -105,6 +105,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     """A failed test's report ends with what each daemon it started said, and whether
     that daemon still runs: a failure seen once in a full run can be read afterwards."""
     report: pytest.TestReport = yield
+    marker = item.get_closest_marker("xdist_group")
+    _GROUP_S[marker.args[0] if marker else item.path.stem] += report.duration
     if report.failed and report.when == "call":
         for number, daemon in enumerate(item.stash.get(_DAEMONS, []), 1):
             code = daemon.process.poll() if daemon.process else "never started"
@@ -210,8 +212,21 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 _WORKER_LINES: list[str] = []
 
 
+# Seconds spent in each xdist group (setup, call and teardown): the groups that make
+# `make test` long, printed by each worker at the end (the group "machine" runs on one
+# worker alone, so it alone bounds the run from below).
+_GROUP_S: Counter[str] = Counter()
+
+
+def _group_line(top: int = 10) -> str:
+    if not _GROUP_S:
+        return ""
+    slowest = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in _GROUP_S.most_common(top))
+    return f"time by group on this worker ({sum(_GROUP_S.values()):.0f} s in all): {slowest}"
+
+
 def _summary_lines() -> list[str]:
-    return [line for line in [*session_lines(), DISK.line()] if line]
+    return [line for line in [*session_lines(), DISK.line(), _group_line()] if line]
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's, called in its controller

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from stager.schemas import DatasetPublic
+from stager.wire.schemas import DatasetPublic
 
 
 def free_port() -> int:

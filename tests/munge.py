@@ -1,7 +1,7 @@
 """A private munged for tests: its own key and socket, stopped at the end.
 
 The node services of a multi-node job vouch for fan-out manifests through munged
-(stager/vouch.py). On a cluster that is SLURM's munged; here each test session gets
+(stager/core/vouch.py). On a cluster that is SLURM's munged; here each test session gets
 one of its own, so nothing depends on (or disturbs) a system munged. munge is
 installed from Debian's packages when it is missing, as the SLURM cluster scripts do.
 """

@@ -1,6 +1,6 @@
 """A web server off this node, for tests of what the node service may share: a real
 network namespace of its own (``ip netns``), joined to this one by a veth pair, so
-that its address is none of this node's (stager.downloads never shares a download
+that its address is none of this node's (stager.core.downloads never shares a download
 from this node itself). Needs root and iproute2; the fixture skips otherwise.
 
 The server (``SERVER``, run inside the namespace) serves files from a folder with

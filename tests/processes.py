@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from stager.children import SPARE_NAME, USER_NAME, WALKER_NAME
+from stager.core.processes import SPARE_NAME, USER_NAME, WALKER_NAME
 
 
 def parents() -> dict[int, list[int]]:
@@ -49,7 +49,7 @@ def descendants(pid: int) -> list[int]:
 def staging_processes(daemon_pid: int) -> list[int]:
     """A daemon's staging processes: what its multiprocessing fork server forked
     (daemon -> fork server -> staging; not the resource tracker), less a spare waiting
-    for its job, the walker and user processes (stager.processes), once named."""
+    for its job, the walker and user processes (stager.core.processes), once named."""
     found = []
     for child in children_of(daemon_pid):
         try:

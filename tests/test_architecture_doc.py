@@ -76,7 +76,7 @@ def test_the_fanout_hooks_the_map_lists_are_the_ones_the_engine_calls() -> None:
     from tests.stager.test_fanout_hooks import fanout_uses
 
     listed = set(re.findall(r"`(\w+)` \(", marked(DOC.read_text(), "hooks", "tests/stager")))
-    used = fanout_uses(parsed(REPO / "stager" / "engine.py"))
+    used = fanout_uses(parsed(REPO / "stager" / "engine" / "scheduler.py"))
     assert listed == used, f"the map lists {sorted(listed)}, the engine calls {sorted(used)}"
 
 
@@ -126,7 +126,7 @@ def test_the_callers_of_the_store_are_the_ones_the_map_names() -> None:
         path.name
         for path in daemon_modules()
         for node in ast.walk(parsed(path))
-        if isinstance(node, ast.ImportFrom) and node.module == "stager.store"
+        if isinstance(node, ast.ImportFrom) and node.module == "stager.state.store"
     }
     named = modules_named(marked(DOC.read_text(), "store-callers", "run_io"))
     assert named == importers, f"the map names {named}, these import the store: {importers}"
@@ -151,7 +151,47 @@ def test_the_routes_that_reach_past_the_engine_are_the_ones_the_map_names() -> N
 def test_the_state_machine_lives_where_the_map_says() -> None:
     doc = DOC.read_text()
     assert "`dataset.py` (an\nentry" in doc and "table `ALLOWED`" in doc
-    tree = parsed(REPO / "stager" / "dataset.py")
+    tree = parsed(REPO / "stager" / "state" / "dataset.py")
     defined = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
                if isinstance(t, ast.Name)}  # fmt: skip
     assert "ALLOWED" in defined
+
+
+# The top of stager/ besides its folders: the version, `python -m stager`, the command.
+TOP_MODULES = {"__init__.py", "__main__.py", "cli.py"}
+
+
+def folder_table(doc: str) -> dict[str, str]:
+    """The rows of 'The folders' table: folder name -> its line."""
+    section = doc.split("## The folders", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(\w+)/` \| (.+?) \|$", section, re.M))
+
+
+def first_sentence(package: Path) -> str:
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    found = re.match(r"(.*?\.)(\s|$)", text)
+    return found.group(1) if found else text
+
+
+def test_the_folder_table_is_the_layout_of_stager() -> None:
+    """stager/ holds the folders the table names (each line its folder's docstring's
+    first sentence) and the three top modules, nothing else: a loose module, a folder
+    without a line or a line that drifted from its docstring fails here."""
+    table = folder_table(DOC.read_text())
+    top = REPO / "stager"
+    folders = {p.name for p in top.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    loose = {p.name for p in top.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert loose == TOP_MODULES, f"modules beside stager/'s folders: {sorted(loose - TOP_MODULES)}"
+    assert set(table) == folders, f"table {sorted(table)} != folders {sorted(folders)}"
+    drifted = {name: line for name, line in table.items() if first_sentence(top / name) != line}
+    assert not drifted, f"lines that are not their folder's docstring: {drifted}"
+    assert len(folders) + len(loose) <= 18, "stager/ has grown past what a newcomer reads at once"
+
+
+def test_the_folder_table_catches_a_loose_module_and_a_drifted_line(tmp_path: Path) -> None:
+    (tmp_path / "wire").mkdir()
+    (tmp_path / "wire" / "__init__.py").write_text('"""The wire. More."""\n')
+    assert first_sentence(tmp_path / "wire") == "The wire."
+    doc = "## The folders\n\n| `wire/` | The wire. |\n| `gone/` | Old. |\n\n## Next\n| `x/` | y |\n"
+    assert folder_table(doc) == {"wire": "The wire.", "gone": "Old."}

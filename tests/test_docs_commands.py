@@ -132,7 +132,7 @@ def variables_read() -> set[str]:
     """Every STAGER_* variable something of stager reads: the daemon's settings (and
     their earlier names), and every one the client, the trainer, the deploy scripts
     and the tests' own knobs name in their code."""
-    from stager.settings import Settings, env_name, old_env_names
+    from stager.core.settings import Settings, env_name, old_env_names
 
     names = {env_name(n) for n in Settings.model_fields}
     names |= {old for n in Settings.model_fields for old in old_env_names(n)}

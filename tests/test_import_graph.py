@@ -47,11 +47,12 @@ def wire_layer(text: str) -> set[str]:
 
 WIRE = wire_layer(ARCHITECTURE.read_text())
 # What the wire layer itself stands on: ProgressPublic, a wire model, is defined with the
-# rest of the progress channel (stager/progress.py, which imports nothing of stager), and
-# the command lines' "did you mean" is the daemon's own (stager/suggest.py, difflib).
-WIRE_STANDS_ON = {"stager.progress", "stager.suggest"}
-# The package itself: imported with any of its modules, it holds only the version.
-ROOT = "stager"
+# rest of the progress channel (stager/wire/progress.py, which imports nothing of stager), and
+# the command lines' "did you mean" is the daemon's own (stager/wire/suggest.py, difflib).
+WIRE_STANDS_ON = {"stager.wire.progress", "stager.wire.suggest"}
+# The packages themselves: imported with any of their modules; stager's holds only
+# the version, the wire layer's only its docstring.
+ROOT, WIRE_PACKAGE = "stager", "stager.wire"
 
 
 def modules(package: Path) -> dict[str, Path]:
@@ -135,10 +136,10 @@ def test_the_client_and_trainer_import_nothing_of_stager_but_the_wire_layer(pack
 
 
 def test_the_rule_is_read_from_the_doc_and_a_stray_import_is_found(tmp_path):
-    assert WIRE == {"stager.schemas", "stager.manifest_format", "stager.cli_common"}
+    assert WIRE == {"stager.wire.schemas", "stager.wire.manifest_format", "stager.wire.cli_common"}
     pkg = tmp_path / "client"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("from stager.schemas import DatasetPublic\n")
+    (pkg / "__init__.py").write_text("from stager.wire.schemas import DatasetPublic\n")
     (pkg / "late.py").write_text("def f():\n    from stager import __version__, engine\n")
     assert stray_imports(pkg, WIRE) == [
         "client.late imports stager",
@@ -157,15 +158,17 @@ def test_the_wire_layer_stands_on_nothing_else_of_stager():
 
 
 def test_the_manifest_format_needs_only_the_standard_library():
-    path = REPO / "stager" / "manifest_format.py"
+    path = REPO / "stager" / "wire" / "manifest_format.py"
     outside = {name.split(".")[0] for name in imported(path, ())} - sys.stdlib_module_names
-    assert not outside, f"stager/manifest_format.py imports {sorted(outside)}"
+    assert not outside, f"stager/wire/manifest_format.py imports {sorted(outside)}"
 
 
 def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
     loaded = loaded_modules(*(m for m in modules(REPO / "client") if not m.endswith("__main__")))
     assert "client.fanout.agent" in loaded
-    beyond = sorted(m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT})
+    beyond = sorted(
+        m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT, WIRE_PACKAGE}
+    )
     assert not beyond, f"importing the client loads {beyond}"
 
 
@@ -176,83 +179,44 @@ def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
     (floor, frozenset(names))
     for floor, names in (
-        ("wire", WIRE | WIRE_STANDS_ON | {ROOT}),
+        ("wire", WIRE | WIRE_STANDS_ON | {ROOT, "stager.wire"}),
         # The C library, for the system calls ``os`` lacks: it imports nothing of stager.
-        ("libc", {"stager.libc"}),
-        # Leaves every floor may use: they import nothing of stager but its libc.
-        (
-            "ground",
-            {
-                "stager.errors",
-                "stager.settings",
-                "stager.identity",
-                "stager.durable",
-                "stager.metrics",
-                "stager.children",
-                "stager.slurm",
-                "stager.vouch",
-                "stager.redact",
-                "stager.downloads",
-                "stager.rights.become",
-                "stager.prestart",
-                "stager.daemons",
-            },
-        ),
+        ("libc", {"stager.core.libc"}),
+        # Leaves every floor may use: they import nothing of stager but its libc. The
+        # one owner of processes and threads is here, so that every floor may use it.
+        ("core", {"stager.core", "stager.rights.become"}),
         # Processes that became a user, and the wire between root and them.
         ("rights", {"stager.rights"}),
         ("fs", {"stager.fs"}),  # sources, walks, copies, sizes, seals, deletion
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
         ("image", {"stager.image"}),  # an image built from a tar or a tree; its mounts
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
-        # The daemon's books: entries, leases, their store, the eviction policy, and the
-        # log line of each state change.
-        (
-            "books",
-            {"stager.dataset", "stager.leases", "stager.store", "stager.cache", "stager.statelog"},
-        ),
+        # The daemon's books: entries, leases, their store, the eviction policy, the log
+        # line of each state change, and where each entry lives under data/.
+        ("state", {"stager.state"}),
         # A request's checks and expansion: sources, recipes, the cache key.
-        ("request", {"stager.preflight", "stager.recipes", "stager.fingerprint"}),
-        # One staging: its process (a download overlapped with its extraction; image
-        # mode's plan and build), the doorway to it, its tree published.
-        (
-            "staging",
-            {
-                "stager.worker",
-                "stager.imaging",
-                "stager.overlap",
-                "stager.blocking",
-                "stager.publish",
-                "stager.processes",
-                "stager.preload",
-                "stager.download_rate",
-            },
-        ),
+        ("request", {"stager.request"}),
+        # One staging: its process (a download overlapped with its extraction), the
+        # doorway to it, its tree published.
+        ("staging", {"stager.staging"}),
         # Room on the disk and slots for stagings, for the engine and the fan-out alike.
-        ("admission", {"stager.admission"}),
+        ("admission", {"stager.engine", "stager.engine.admission"}),
         ("fanout", {"stager.fanout"}),
-        # The life of entries, and the space evicted ones still hold.
-        ("lifecycle", {"stager.lifecycle", "stager.held_space"}),
-        ("engine", {"stager.engine"}),
-        # Prefetches: the planner's orders, proven, made into the engine's own requests.
-        ("prefetch", {"stager.prefetch"}),
+        # The dataset kinds (a tree, an image: publish, hit, recovery, delete, export),
+        # and the space evicted ones still hold.
+        ("kinds", {"stager.kinds", "stager.engine.held_space"}),
+        # The life of entries, then the staging loop that decides on it.
+        ("lifecycle", {"stager.engine.lifecycle"}),
+        ("engine", {"stager.engine.scheduler"}),
+        # Pre-staging: the planner's orders, proven, made into the engine's own requests
+        # (node side); the planner (controller side), a client of the node services; the
+        # node features for the data a node holds.
+        ("prefetch", {"stager.prestage", "stager.prestage.prefetch"}),
+        ("plan", {"stager.prestage.plan"}),
+        ("placement", {"stager.prestage.placement"}),
+        # The daemon's face: routes, the app, its server and connections, start-up, logs.
         ("api", {"stager.api"}),
-        # The pre-staging planner: controller side, a client of the node services.
-        ("plan", {"stager.plan"}),
-        # Node features for the data a node holds: the node service checks a request's
-        # #STAGER words with the planner's parse of them.
-        ("placement", {"stager.placement"}),
-        (
-            "app",
-            {
-                "stager.app",
-                "stager.server",
-                "stager.connections",
-                "stager.cli",
-                "stager.__main__",
-                "stager.startup",
-                "stager.logs",
-            },
-        ),
+        ("command", {"stager.cli", "stager.__main__"}),
     )
 )
 
@@ -335,7 +299,7 @@ def c_library_loads(source: str) -> list[int]:
 
 
 def test_only_stager_libc_loads_the_c_library():
-    """Every system call ``os`` lacks goes through stager.libc's one handle:
+    """Every system call ``os`` lacks goes through stager.core.libc's one handle:
     ``find_library`` runs ``ldconfig -p`` in a subprocess at each call, and a file
     name (``libc.so.6``) holds only where glibc does."""
     loads = [
@@ -344,7 +308,7 @@ def test_only_stager_libc_loads_the_c_library():
         for path in modules(REPO / package).values()
         for line in c_library_loads(path.read_text())
     ]
-    assert [where.split(":")[0] for where in loads] == ["stager/libc.py"], loads
+    assert [where.split(":")[0] for where in loads] == ["stager/core/libc.py"], loads
 
 
 def test_a_c_library_loaded_elsewhere_is_found():

@@ -456,7 +456,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from stager.cli_common import __version__
+    from stager.wire.cli_common import __version__
 
     return __version__
 

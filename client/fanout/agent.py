@@ -23,8 +23,8 @@ from client.errors import DaemonUnavailable, StagerError, StagingFailed
 from client.fanout.calls import FanoutCalls
 from client.fanout.protocol import Emit, emit_stdout, stdin_messages
 from client.fanout.slurm import Broadcast, Job, sbcast
-from stager.manifest_format import file_digest
-from stager.schemas import (
+from stager.wire.manifest_format import file_digest
+from stager.wire.schemas import (
     END_NAME,
     IMAGE_DELIVERY_NAME,
     MANIFEST_NAME,

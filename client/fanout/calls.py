@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from client._client import AsyncStagerClient, _model, _plain, _q
-from stager.schemas import ExportPublic, ProbeResult, TransferPublic
+from stager.wire.schemas import ExportPublic, ProbeResult, TransferPublic
 
 EXPORT_TIMEOUT_S = 3600.0  # packing a large dataset for a broadcast takes minutes
 

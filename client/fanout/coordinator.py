@@ -37,7 +37,7 @@ from client.fanout.slurm import (
     sbcast,
     sink_argv,
 )
-from stager.schemas import Adopt, ImageSent, delivered_name
+from stager.wire.schemas import Adopt, ImageSent, delivered_name
 
 Say = Callable[[str], None]
 
@@ -401,7 +401,7 @@ class Fanout:
             elif sent.get("failed"):
                 self.say(f"an sbcast from {source} failed ({sent['failed']}); receivers check")
         end = {"parts": parts, "manifest_sha256": sent["manifest_sha256"]}
-        if sent.get("manifest_credential"):  # the source's service vouches (stager.vouch)
+        if sent.get("manifest_credential"):  # the source's service vouches (stager.core.vouch)
             end["credential"] = sent["manifest_credential"]
         return end
 

@@ -12,8 +12,8 @@ one line of squeue output whatever the script holds. docs/prestaging.md.
 
 Placement: a job that declares data also gets --prefer for the node features that
 the node services keep on the nodes holding it (stg_ and 8 hex digits of FNV-1a
-32-bit over a line's words; stager/placement/names.py computes the same), joined by
-"&". Not for root's jobs, not when the user gave --prefer, and only when slurm.conf
+32-bit over a line's words; stager/prestage/placement/names.py computes the same), joined by
+"&". Not for root's jobs, job arrays, or when the user gave --prefer, and only when slurm.conf
 beside this file says SchedulerParameters=ignore_prefer_validation: without it, a
 prefer naming a feature no node has yet would reject the submission.
 
@@ -169,9 +169,14 @@ local function may_prefer()
 end
 
 -- The job's prefer: every declaration's feature, joined by "&". Left alone when the
--- user gave one (theirs is what they meant; ANDing ours to it could make it unmet).
+-- user gave one (theirs is what they meant; ANDing ours to it could make it unmet),
+-- and for a job array: Slurm 22.05 keeps an array whose prefer no free node meets
+-- pending for good (Reason=BadConstraints), where a single job falls back.
 local function prefer(job_desc, submit_uid, words_of)
 	if submit_uid == 0 or (job_desc.prefer ~= nil and job_desc.prefer ~= "") then
+		return
+	end
+	if job_desc.array_inx ~= nil and job_desc.array_inx ~= "" then
 		return
 	end
 	if not may_prefer() then

@@ -9,11 +9,11 @@ from typing import Annotated
 
 from fastapi import Depends, Query, Request
 
-from stager.engine import Engine
-from stager.errors import StagerError
-from stager.identity import SCOPE_KEY, Caller
-from stager.metrics import Metrics
-from stager.settings import Settings
+from stager.core.errors import StagerError
+from stager.core.identity import SCOPE_KEY, Caller
+from stager.core.metrics import Metrics
+from stager.core.settings import Settings
+from stager.engine.scheduler import Engine
 
 
 async def get_engine(request: Request) -> Engine:

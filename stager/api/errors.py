@@ -13,9 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stager.errors import StagerError
-from stager.redact import redact_text
-from stager.suggest import did_you_mean
+from stager.core.errors import StagerError
+from stager.core.redact import redact_text
+from stager.wire.suggest import did_you_mean
 
 log = logging.getLogger("stager.api")
 
@@ -28,7 +28,7 @@ def error_content(type_: str, message: str) -> dict[str, dict[str, str]]:
 def error_response(
     status: int, type_: str, message: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    """The one way an error leaves the API; a URL's secrets never do (stager.redact)."""
+    """The one way an error leaves the API; a URL's secrets never do (stager.core.redact)."""
     return JSONResponse(status_code=status, content=error_content(type_, message), headers=headers)
 
 

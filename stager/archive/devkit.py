@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stager.archive.tar_members import TarInfo
-from stager.errors import CorruptArchive, MissingExtra
+from stager.core.errors import CorruptArchive, MissingExtra
 from stager.fs.sources import open_source, require_source
 
 DEVKIT_TOP = "ILSVRC2012_devkit_t12"

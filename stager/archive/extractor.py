@@ -18,7 +18,7 @@ written as files first, then extracted and removed once the outer archive is don
 
 What it leaves is counted as it is written (the writer's ``made``): the bytes of
 its files and symlinks, so a fresh tree is sealed without a ``stat`` of each file
-(:mod:`stager.worker`). Where an inner archive was extracted the count is not
+(:mod:`stager.staging.worker`). Where an inner archive was extracted the count is not
 kept (an inner archive writes under folders the outer one may fill or replace
 meanwhile): the extraction says None, and the tree is measured instead.
 """
@@ -26,12 +26,10 @@ meanwhile): the extraction says None, and the tree is measured instead.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import shutil
 import tarfile
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 
 from stager.archive import split_tar
@@ -48,10 +46,10 @@ from stager.archive.split_tar import Head
 from stager.archive.tar_reader import read_tar, require_inside
 from stager.archive.writer import BATCH_BYTES, ArchiveWriter
 from stager.archive.zip_reader import read_zip
-from stager.children import die_with_parent
+from stager.core.processes import die_with_parent, fork_pool, thread_pool
 from stager.fs.forked import cores, paused_gc
 from stager.fs.seal import KnownTree
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 # Archives smaller than this extract on threads: forking workers costs ~10 ms.
 PROCESS_MIN_BYTES = 64 << 20
@@ -100,9 +98,9 @@ def _pools(job: ExtractJob, fmt: str, size: int) -> Iterator[None]:
     workers = cores(job.ctx.workers)
     processes = None
     if workers > 1 and size >= PROCESS_MIN_BYTES and (fmt == "tar" or job.nested):
-        processes = _process_pool(workers)  # first: no thread of ours exists to fork with
+        processes = fork_pool(workers, die_with_parent)  # first: no thread of ours to copy
     needs_threads = processes is None or fmt != "tar"
-    threads = ThreadPoolExecutor(workers, thread_name_prefix="extract") if needs_threads else None
+    threads = thread_pool(workers, "extract") if needs_threads else None
     job.files_pool = processes if fmt == "tar" and processes else threads
     job.inner_pool = processes or threads
     try:
@@ -111,16 +109,6 @@ def _pools(job: ExtractJob, fmt: str, size: int) -> Iterator[None]:
         for pool in (threads, processes):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _process_pool(workers: int) -> ProcessPoolExecutor:
-    pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent
-    )
-    # With fork, the first task starts every worker: do it now, while this process
-    # runs no thread of its own (the pool's helper threads start after the forks).
-    pool.submit(int).result()
-    return pool
 
 
 def _extract(

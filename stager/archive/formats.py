@@ -19,7 +19,7 @@ import zstandard
 from isal import igzip, igzip_threaded
 
 from stager.archive import tar_members
-from stager.errors import CorruptArchive, UnknownFormat
+from stager.core.errors import CorruptArchive, UnknownFormat
 
 # What an extract or unpack step may name as its archive format.
 ArchiveFormat = Literal["auto", "tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"]

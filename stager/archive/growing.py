@@ -1,6 +1,6 @@
 """A file that a download is still writing, read as it grows.
 
-An archive is extracted while it downloads (:mod:`stager.overlap`) by reading
+An archive is extracted while it downloads (:mod:`stager.staging.overlap`) by reading
 the download's file through a :class:`GrowingFile`: at the end of the bytes
 written so far a read waits until more arrive, the download ends (then the end of
 the file is the end of the archive) or fails (then the read raises).
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from stager.errors import Cancelled
+from stager.core.errors import Cancelled
 
 # A read returns once this much (or what it asked for, if less) is there: decompressors
 # handed a few KiB per call would spend their time in call overhead.

@@ -29,8 +29,8 @@ from isal import isal_zlib
 
 from stager.archive.formats import archive_suffix
 from stager.archive.writer import NUL_IN_NAME, WriterContext, unsafe
-from stager.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
-from stager.progress import ProgressSink
+from stager.core.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
+from stager.wire.progress import ProgressSink
 
 _CORRUPT = (
     tarfile.TarError,

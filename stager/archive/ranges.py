@@ -43,11 +43,11 @@ from typing import Any, BinaryIO
 
 from stager.archive import tar_members
 from stager.archive.writer import PATH_MAX
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.fs.file_copy import remove
 from stager.fs.manifest import Digests, folder_of, open_listed
 from stager.fs.seal import FILE_MODE
-from stager.manifest_format import HASH_CHUNK, Manifest
+from stager.wire.manifest_format import HASH_CHUNK, Manifest
 
 OFFSET = "STAGER.range.offset"
 MOVED_FROM = "STAGER.range.from"

@@ -44,7 +44,6 @@ import functools
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -53,10 +52,11 @@ from dataclasses import dataclass, field
 from stager.archive import tar_members
 from stager.archive.job import Archive, ExtractContext
 from stager.archive.writer import _HELD_OVERHEAD, HELD_NAMES_BYTES
+from stager.core.processes import NotRun, Spawned, run, spawn
 from stager.fs.deletion import delete_tree
 from stager.fs.forked import cores
 from stager.fs.sizes import ENTRY_BYTES, FOLDER_BYTES, entry_bytes
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 # Archives smaller than this are not worth the tars' start (~3 ms each).
 SPLIT_MIN_BYTES = 64 << 20
@@ -142,10 +142,10 @@ def gnu_tar() -> str | None:
     if path is None:
         return None
     try:
-        done = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        done = run([path, "--version"], 10)
+    except NotRun:
         return None
-    return path if done.returncode == 0 and b"GNU tar" in done.stdout else None
+    return path if done.returncode == 0 and "GNU tar" in done.stdout else None
 
 
 def applies(ctx: ExtractContext, archive: Archive, dest: str, strip: int, nested: bool) -> bool:
@@ -384,10 +384,9 @@ class _Tars:
             with contextlib.suppress(OSError):  # a smaller pipe only costs wake-ups
                 fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
             os.set_blocking(read_end, True)
-            proc = subprocess.Popen(
+            proc = spawn(
                 [path, "-x", *_TAR_FLAGS, "-C", self._dest, "-f", "-"],
                 stdin=read_end,
-                stdout=subprocess.DEVNULL,
                 stderr=self._errors,
                 umask=_TAR_UMASK,
                 env=_TAR_ENV,
@@ -449,7 +448,7 @@ Segment = memoryview | tuple[int, int]
 class _Tar:
     """One tar, its pipe, and the segments waiting to go into it."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], pipe: int) -> None:
+    def __init__(self, proc: Spawned[bytes], pipe: int) -> None:
         self.proc, self.pipe = proc, pipe
         self._segments: collections.deque[tuple[Segment, int]] = collections.deque()
         self.waiting = 0  # bytes queued, not yet in the pipe

@@ -31,7 +31,7 @@ from stager.archive.writer import (
     file_mode,
     unsafe,
 )
-from stager.errors import UnknownFormat
+from stager.core.errors import UnknownFormat
 
 # Members of compressed tars larger than this are written by the main thread
 # straight from the stream, so a 10 GB member never sits in memory whole.

@@ -58,15 +58,16 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from stager.errors import UnsafeArchiveMember, VerifyFailed
+from stager.core.errors import UnsafeArchiveMember, VerifyFailed
+from stager.core.processes import ThreadPool
 from stager.fs.fastcopy import READ_CHUNK, copy_range
 from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -765,7 +766,7 @@ class ArchiveWriter:
             return
         self._slots.acquire()
         # A thread reports a streamed member's chunks as they land (a process cannot).
-        wrote = self._report if isinstance(self._pool, ThreadPoolExecutor) else _uncounted
+        wrote = self._report if isinstance(self._pool, ThreadPool) else _uncounted
         future = self._pool.submit(write_files, batch.jobs, self._verify, wrote)
         future.add_done_callback(functools.partial(self._batch_done, batch.share))
         self._pending[batch.seq] = (future, batch.names)

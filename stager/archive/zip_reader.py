@@ -18,7 +18,7 @@ from typing import Any
 from stager.archive.formats import STREAM_CHUNK
 from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
 from stager.archive.writer import ArchiveWriter, Wrote, file_mode, unsafe
-from stager.errors import UnknownFormat
+from stager.core.errors import UnknownFormat
 
 _ZIP_UTF8 = 0x800
 

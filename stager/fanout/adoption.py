@@ -1,6 +1,6 @@
 """What a node stages when it adopts a broadcast copy instead of reading the source.
 
-Three shapes of delivery (see ``stager.schemas.Adopt``), three step lists:
+Three shapes of delivery (see ``stager.wire.schemas.Adopt``), three step lists:
 
 - the prepared tree, in parts: one ``adopt`` step (extract each part through the
   hardened extraction as it arrives, then check every path, size and sha256
@@ -26,7 +26,7 @@ from stager.ops.adopt import AdoptStep
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.check_delivered import CheckDeliveredStep
 from stager.ops.table import OpTable
-from stager.schemas import IMAGE_DELIVERY_NAME, Adopt, SourceFile, delivered_name
+from stager.wire.schemas import IMAGE_DELIVERY_NAME, Adopt, SourceFile, delivered_name
 
 
 def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
@@ -54,7 +54,7 @@ def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
 
 @dataclass(frozen=True)
 class Vouch:
-    """What a shared adoption demands of its manifest (stager.vouch): a credential of
+    """What a shared adoption demands of its manifest (stager.core.vouch): a credential of
     ``uid`` (the node service's own) for entry ``key``, decoded through munged at
     ``socket``."""
 

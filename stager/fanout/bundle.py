@@ -20,9 +20,9 @@ import tarfile
 from pathlib import Path
 from typing import BinaryIO
 
-from stager.errors import BadRequest
+from stager.core.errors import BadRequest
 from stager.fs.manifest import Digests, open_listed, walk
-from stager.manifest_format import HASH_CHUNK, Manifest
+from stager.wire.manifest_format import HASH_CHUNK, Manifest
 
 
 class _Hashing:

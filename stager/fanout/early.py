@@ -30,7 +30,7 @@ from pathlib import Path
 from stager.archive import ranges
 from stager.fanout.bundle import Entries, cut
 from stager.fs.manifest import Digests, walk
-from stager.manifest_format import Manifest
+from stager.wire.manifest_format import Manifest
 
 # A file unchanged this long is taken to be finished (a wrong guess costs a resend).
 STABLE_S = 0.5

@@ -27,7 +27,7 @@ from pathlib import Path
 from stager.fanout.packing import Transfer, hand_over
 from stager.image.identity import ImageChanged, ImageIdentity
 from stager.ops.image import copy_and_hash, said_of
-from stager.schemas import IMAGE_DELIVERY_NAME
+from stager.wire.schemas import IMAGE_DELIVERY_NAME
 
 EXPORT_NAME = IMAGE_DELIVERY_NAME  # sent under the name it has on the receivers
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from stager.archive import ranges
 from stager.fanout import bundle, early
 from stager.fs.manifest import Digests
-from stager.manifest_format import Manifest, digest
-from stager.schemas import MANIFEST_NAME, ExportPublic, part_name
+from stager.wire.manifest_format import Manifest, digest
+from stager.wire.schemas import MANIFEST_NAME, ExportPublic, part_name
 
 
 @dataclass

@@ -17,7 +17,7 @@ phase of a request or a staging:
 - ``held``: for admission, what the room holds (promised bytes, keys being packed);
 - ``admitted``: the request is decided; its delivery is claimed, or released unused;
 - ``staging_starts`` / ``staging_ends``: where an adopting staging may read, and the
-  claimed delivery it read, which the registry then removes (:mod:`stager.lifecycle`);
+  claimed delivery it read, which the registry then removes (:mod:`stager.engine.lifecycle`);
 - ``export``: the next part of a dataset to send.
 
 The API's reservations (``/v1/incoming``, ``/v1/exports``) come here directly. The
@@ -36,11 +36,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from stager import vouch
-from stager.admission import Admission, Held
-from stager.blocking import run_io
-from stager.dataset import Entry, State
-from stager.errors import (
+from stager.core import vouch
+from stager.core.errors import (
     BadRequest,
     Conflict,
     NotFound,
@@ -48,10 +45,12 @@ from stager.errors import (
     UserProcessUnanswered,
     from_os_error,
 )
+from stager.core.identity import Caller
+from stager.core.settings import Settings
+from stager.engine.admission import Admission, Held
 from stager.fanout import adoption
 from stager.fanout.bundle import PART_BYTES
 from stager.fanout.early import RETRY_MIN_S, part_bytes_for
-from stager.fanout.image_export import export_image
 from stager.fanout.packing import (
     ExportPlan,
     Transfer,
@@ -65,22 +64,20 @@ from stager.fanout.packing import (
     remove_folder,
 )
 from stager.fs.credentials import Reader
-from stager.identity import Caller
-from stager.image.published import image_file
-from stager.manifest_format import Manifest
 from stager.ops import table
 from stager.ops.base import CheckContext
-from stager.publish import remove_delivery
-from stager.schemas import (
+from stager.staging.blocking import run_io
+from stager.staging.publish import remove_delivery
+from stager.state.dataset import Entry, State
+from stager.wire.manifest_format import Manifest
+from stager.wire.schemas import (
     DatasetCreate,
     ExportCreate,
     ExportPublic,
-    ImageSent,
     IncomingCreate,
     SourceFile,
     TransferPublic,
 )
-from stager.settings import Settings
 
 log = logging.getLogger("stager.fanout")
 
@@ -88,6 +85,8 @@ EXPORT_TTL_S = 3600.0
 
 AsUser = Callable[..., Awaitable[Any]]  # (uid or caller, fn, *args) -> fn's JSON result
 ReadyTree = Callable[[Entry], Awaitable[Path]]
+# A dataset kind's export as one file (stager.kinds.base.Kind.export), None: in parts.
+WholeExport = Callable[..., Awaitable["ExportPublic | None"]]
 
 
 def _now() -> datetime:
@@ -308,15 +307,19 @@ class FanoutRoom:
         caller: Caller,
         staging_tree: Path | None,
         ready: ReadyTree,
+        whole: WholeExport,
     ) -> ExportPublic:
         """Pack part ``request.part`` of ``entry`` for sbcast. With ``early``: of the
         tree it is still staging (``staging_tree``; None: not staging yet). Else of its
         ready tree: the first part (or the first after early parts) asks ``ready`` for
         that tree, plans the parts and is admitted for them; the others come in order,
-        each packed while the one before is on its way."""
+        each packed while the one before is on its way. A kind that goes as one file
+        (an image: ``whole``, stager.kinds) sends it as the first and only part, unless
+        ``tree`` asks for parts."""
         owner = self._owner(caller)
-        if request.part == 0 and not request.early and not request.tree and sent_whole(entry):
-            return await self._export_image(entry, request, owner, ready)
+        first = request.part == 0 and not request.early and not request.tree
+        if first and (sent := await whole(entry, request, owner, ready, self)):
+            return sent
         if request.early:
             answer = await self._export_early(entry, request, owner, staging_tree)
         else:
@@ -328,45 +331,41 @@ class FanoutRoom:
             )
         return answer
 
-    async def _export_image(
-        self, entry: Entry, request: ExportCreate, owner: Caller | None, ready: ReadyTree
-    ) -> ExportPublic:
-        """A ready image dataset, sent as one file: a copy of its image, hashed as it is
-        written (stager.fanout.image_export); in the node service vouched for (stager.vouch)
-        whoever's it is, since the receivers' kernels will parse it."""
-        final = await ready(entry)  # ready, and unchanged since its publish
-        assert entry.image is not None
+    async def send_file(
+        self,
+        entry: Entry,
+        request: ExportCreate,
+        owner: Caller | None,
+        size: int,
+        copy: Callable[[Transfer], tuple[Path, int, str]],
+    ) -> tuple[Path, int, str, str | None]:
+        """One file of ``entry`` sent whole (stager.kinds.base.Sender): room for its
+        ``size`` booked as an export, ``copy`` run into the transfer's folder (off the
+        event loop; never evicted meanwhile), and in the node service the copy's sha256
+        vouched for (stager.core.vouch) whoever's it is, since the receivers' kernels will
+        parse it. The copy's path, size, sha256 and the credential."""
         key, label = transfer_key(owner, request.label), request.label
         if self.exports.find(key) is not None:
             await self._drop_export(key)  # asked again from the start: a re-run step
-        size = entry.image.identity.size
         async with self._admission:
             await self._admit(size, entry.key, self._quota_owner(owner))
             self._planning.append(entry.key)  # never evicted while it is copied
             transfer = self.exports.add(key, label, size, EXPORT_TTL_S, owner)
-        file = image_file(final.parent, final.name, entry.image.format)
-        private = entry.reader is not None and not entry.reader.public
         try:
             await run_io(make_folder, transfer)
-            path, size, sha256 = await run_io(
-                export_image, file, entry.image.identity, transfer, private
-            )
+            path, size, sha256 = await run_io(copy, transfer)
         except OSError as exc:
-            raise from_os_error(exc, f"copying image {file} to send it") from exc
+            raise from_os_error(exc, f"copying {entry.key} to send it") from exc
         finally:
             self._planning.remove(entry.key)
         credential = None
         if self.settings.multi_user and vouch.available():
             socket = self.settings.munge_socket
             credential = await run_io(vouch.vouch, entry.key, sha256, socket, vouch.IMAGE)
-        sent = ImageSent(size=size, sha256=sha256, format=entry.image.format,
-                         credential=credential)  # fmt: skip
-        return ExportPublic(id=label, key=entry.key, part=0, parts=1, path=str(path),
-                            bytes=size, total_bytes=size, data_bytes=size, image=sent,
-                            vouched=credential is not None)  # fmt: skip
+        return path, size, sha256, credential
 
     def _vouches_for(self, entry: Entry) -> bool:
-        """Whether this service vouches for the manifest of ``entry`` (stager.vouch): the
+        """Whether this service vouches for the manifest of ``entry`` (stager.core.vouch): the
         node service does, for an entry every user shares, where munge is installed."""
         shared = entry.reader is not None and entry.reader.public
         return self.settings.multi_user and shared and vouch.available()
@@ -646,14 +645,6 @@ class FanoutRoom:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
-
-
-def sent_whole(entry: Entry) -> bool:
-    """Whether ``entry`` goes to other nodes as its one image file: a ready image
-    dataset, but not an index image (its blob, the source's whole tar, is a second file:
-    it goes as a tree does, in parts with a manifest, and each receiver builds its own
-    image; docs/multinode.md says why)."""
-    return entry.state == State.READY and entry.image is not None and entry.image.blob is None
 
 
 def check_adoption(

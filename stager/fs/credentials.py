@@ -27,8 +27,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from stager.errors import NotPublic
-from stager.identity import Caller
+from stager.core.errors import NotPublic
+from stager.core.identity import Caller
 from stager.rights.become import Identity, nobody
 from stager.rights.gateway import DIRECT, DirectAccess
 from stager.rights.gateway import start as start_gateway
@@ -41,7 +41,7 @@ class Reader:
     ``public``: the staging is to be shared by every user of the node, so every
     source it opens must be readable by everyone (:func:`check_public`), and it is
     read as ``nobody``; unless ``vouched``: it reads a broadcast copy whose every byte
-    another node's service vouches for (stager.vouch), from the delivering user's own
+    another node's service vouches for (stager.core.vouch), from the delivering user's own
     folder, as that user, and the copy's files need only be readable by them."""
 
     uid: int

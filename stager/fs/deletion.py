@@ -2,7 +2,7 @@
 archive a step used up): at ``rm -rf`` speed or better, without holding the
 daemon, and stoppable. Only trees no user may write come here (in the node service
 a user's own folder, a delivery, is emptied by the user's own process:
-stager.publish.empty_own_folder); even so, each piece is reached from a folder held
+stager.staging.publish.empty_own_folder); even so, each piece is reached from a folder held
 open, never through a link.
 
 Deleting a million files is a million ``unlinkat`` calls in the kernel whoever
@@ -22,11 +22,11 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 from typing import Protocol
 
+from stager.core.processes import exited, spawn
 from stager.fs.sources import DIR_FLAGS, Folder, Visitor, open_top_unconfined, walk
 
 RM = shutil.which("rm")
@@ -110,25 +110,18 @@ def _delete_with_rm(top: int, pieces: list[str], stop: StopFlag | threading.Even
     names meanwhile); False if stopped."""
     cores = max(1, min(len(os.sched_getaffinity(0)), 4))
     processes = [
-        subprocess.Popen(
+        spawn(  # a failure shows as what is left, deleted here
             [str(RM), "-rf", "--one-file-system", "--", *pieces[i::cores]],
             cwd=f"/proc/self/fd/{top}",  # in the child: the descriptor it inherits
             pass_fds=(top,),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,  # a failure shows as what is left, deleted here
         )
         for i in range(cores)
     ]
     try:
         for process in processes:
-            while True:
-                try:
-                    process.wait(POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    if stop.is_set():
-                        return False
+            while not exited(process, POLL_S):
+                if stop.is_set():
+                    return False
         return True
     finally:
         for process in processes:

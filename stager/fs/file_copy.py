@@ -32,14 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.fs import forked
 from stager.fs.credentials import access, check_public, source_reader
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.seal import FILE_MODE
 from stager.fs.sources import Roots, open_source, refuse_special
-from stager.progress import ProgressSink, report_written
 from stager.rights.gateway import DIRECT
+from stager.wire.progress import ProgressSink, report_written
 
 # Big enough that a multi-GB file costs few syscalls, small enough that cancel
 # and progress stay responsive (one check per chunk).

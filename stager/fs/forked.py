@@ -17,26 +17,25 @@ Small trees never pay for the fork: until ``parallel_after`` files (or
 ``PARALLEL_AFTER_BYTES``) have been seen,
 :class:`Workers` runs each chunk on the calling thread. The only other thread in
 the staging process at that point waits in ``select()`` for the daemon's exit
-(:func:`stager.children.die_with`) and holds no lock, which is what keeps the
+(:func:`stager.core.processes.die_with`) and holds no lock, which is what keeps the
 later fork safe.
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
 from contextlib import contextmanager
 from typing import Any
 
-from stager.children import die_with_parent
-from stager.errors import Cancelled
+from stager.core.errors import Cancelled
+from stager.core.processes import FORK, die_with_parent, fork_pool
 from stager.fs.sources import Folder, Visitor, walk
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
-_CONTEXT = multiprocessing.get_context("fork")
+_CONTEXT = FORK
 # A few large files are worth the workers too: copying them is memory bandwidth,
 # which two cores have more of than one.
 PARALLEL_AFTER_BYTES = 128 << 20
@@ -128,7 +127,7 @@ class Workers:
         self._progress = progress
         self._parallel_after = parallel_after
         self._seen = self._seen_bytes = 0
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: Executor | None = None
         self._pending: dict[Future[Any], Callable[[], None] | None] = {}
         self._tally = _CONTEXT.RawArray("q", 1 + 3 * (processes + 1))
         self._forwarded = [0, 0, 0]
@@ -236,16 +235,9 @@ class Workers:
 
     def _start(self) -> None:
         slots = _CONTEXT.Value("i", 0)
-        self._pool = ProcessPoolExecutor(
-            self._processes,
-            mp_context=_CONTEXT,
-            initializer=_init_worker,
-            initargs=(self._tally, slots),
-        )
-        # With fork, the first task starts every worker: do it now, before the pool's
-        # helper threads start. (The one other thread here only ever waits in select()
-        # for the daemon's exit, holding no lock a fork could copy: children.die_with.)
-        self._pool.submit(int).result()
+        # (The one other thread here only ever waits in select() for the daemon's exit,
+        # holding no lock a fork could copy: children.die_with.)
+        self._pool = fork_pool(self._processes, _init_worker, (self._tally, slots))
 
     def _reap(self, timeout: float) -> None:
         done, _ = wait(self._pending, timeout=timeout, return_when=FIRST_COMPLETED)

@@ -3,7 +3,7 @@ parts arrive (`Digests`), what a tree holds beyond it removed (`prune`), and a t
 checked against it path by path (`verify`).
 
 The manifest's format, its digest and `file_digest` are the wire layer's
-(:mod:`stager.manifest_format`); this side walks trees and raises the daemon's
+(:mod:`stager.wire.manifest_format`); this side walks trees and raises the daemon's
 `VerifyFailed`. The node that staged from the source builds the manifest while it
 packs the tree (:mod:`stager.fanout.bundle`); a node that receives the broadcast
 extracts the parts through the same hardened extraction as any archive, then
@@ -19,8 +19,8 @@ import shutil
 import stat
 from pathlib import Path
 
-from stager.errors import VerifyFailed
-from stager.manifest_format import Manifest, NotAManifest, file_digest
+from stager.core.errors import VerifyFailed
+from stager.wire.manifest_format import Manifest, NotAManifest, file_digest
 
 
 def read(data: bytes, label: str) -> Manifest:

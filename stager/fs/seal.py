@@ -218,7 +218,7 @@ def private_acl(owner: int) -> bytes:
 
 
 def gate_acl(owner: int) -> bytes:
-    """The access ACL of a user's folder under ``data/u/`` (stager.layout): owner (root)
+    """The access ACL of a user's folder under ``data/u/`` (stager.state.layout): owner (root)
     rwx, user ``owner`` search alone (``--x``: they list nothing), nobody else."""
     return _acl(7, owner, 1)
 

@@ -29,10 +29,10 @@ from stager.fs.sources import (
     walk,
     within,
 )
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 # What a staging's write bound charges for a name beyond its content, as it makes it
-# (stager.progress.report_written): a folder takes a block of its own on a disk
+# (stager.wire.progress.report_written): a folder takes a block of its own on a disk
 # filesystem (ext4, xfs: 4 KiB at least; tmpfs counts its inode instead, see the inode
 # floor), and every name an entry in its folder's blocks (ext4: 8 bytes and the name,
 # rounded up to 4), charged here as ``ENTRY_BYTES`` and the name's whole relative path:
@@ -48,7 +48,7 @@ def entry_bytes(rel: str) -> int:
 
 class NameCharge:
     """The names a tree walker (copy, symlink tree) makes, charged to a staging's bounds
-    a batch at a time (stager.progress.report_written): a call to the counter per name
+    a batch at a time (stager.wire.progress.report_written): a call to the counter per name
     would cost a million-file copy a lock and a limit check per file. Charged as names
     are handed out, before they are made, so a bound stops the walk before it passes."""
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stager.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
+from stager.core.errors import SourceNotFound, SourceUnreadable, SpecialSource, UnsafePath
 from stager.fs.credentials import access, check_public
 
 _PATH_FLAGS = os.O_PATH | os.O_CLOEXEC

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-from stager.libc import LIBC
+from stager.core.libc import LIBC
 
 _SYNC_FILE_RANGE_WRITE = 2
 

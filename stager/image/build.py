@@ -54,12 +54,12 @@ from stager.archive.formats import (
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
 from stager.archive.tar_reader import DUMPDIR, MULTIVOLUME, NOT_FILES, VOLUME_LABEL, require_inside
 from stager.archive.writer import clean_name, refused, too_many_names, unsafe
-from stager.errors import UnknownFormat
+from stager.core.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
 from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves, TooManyNames
-from stager.progress import ProgressSink, report_written
+from stager.wire.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
@@ -327,7 +327,7 @@ class _TarSource:
         growing = self.source.growing
         try:
             # A growing file's size is not its length yet: the download's own progress
-            # counts its bytes (stager.overlap).
+            # counts its bytes (stager.staging.overlap).
             length = os.fstat(fd).st_size if growing is None else 0
             head = os.pread(fd, tarfile.BLOCKSIZE, 0) if growing is None else growing.head(512)
             fmt = resolve_format(self.path, self.source.format, head)

@@ -14,9 +14,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from stager.errors import StagerError
-from stager.progress import Progress
+from stager.core.errors import StagerError
+from stager.core.processes import thread
+from stager.wire.progress import Progress
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -174,11 +176,12 @@ class _Reporter:
         self._tty = sys.stderr.isatty()
         self._every = 0.5 if self._tty else 10.0
         self._stopped = threading.Event()
-        self._thread = None if quiet else threading.Thread(target=self._loop, daemon=True)
+        self._quiet = quiet
+        self._thread: Any = None  # stager.core.processes.thread's
 
     def start(self) -> None:
-        if self._thread is not None:
-            self._thread.start()
+        if not self._quiet:
+            self._thread = thread(self._loop, name="stager-image-progress")
 
     def stop(self) -> None:
         self._stopped.set()

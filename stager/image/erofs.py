@@ -182,7 +182,7 @@ class ErofsWriter:
     ) -> None:
         """``charge`` is told the bytes of metadata the image will hold (folders, inodes,
         entries) as each is added, before it is written: a staging's write bound counts
-        them as it counts content (stager.progress.report_written)."""
+        them as it counts content (stager.wire.progress.report_written)."""
         self._fd = fd
         self._charge = charge
         self._uncharged = 0

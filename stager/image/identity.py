@@ -16,7 +16,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-from stager.errors import StagerError
+from stager.core.errors import StagerError
 
 _CHUNK = 4 << 20
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stager.archive.formats import resolve_format
-from stager.errors import UnknownFormat, VerifyFailed
+from stager.core.errors import UnknownFormat, VerifyFailed
+from stager.core.processes import Threaded
 from stager.fs.durable_names import sync_folder
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.writeback import start_writeback
@@ -124,8 +125,7 @@ def build_indexed(
             )
         finally:
             copy.stop.set()  # a failed build stops the copy at its next chunk
-            if copy.ident is not None:  # started (an embedded one only once opened)
-                copy.join()
+            copy.join()  # nothing if not started (an embedded one starts once opened)
             if blob is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(blob + ".partial")
@@ -170,7 +170,7 @@ class _Following:
         self._copy, self._progress, self._check = copy, options.progress, options.check
         self._size = size
         self._at = 0  # the next header's offset
-        # Looked up per member (stager.progress.report_written): an attribute, not a
+        # Looked up per member (stager.wire.progress.report_written): an attribute, not a
         # failed lookup through __getattr__ each time.
         self.wrote = getattr(self._progress, "wrote", None)
 
@@ -193,9 +193,11 @@ class _Following:
         self._check()
 
 
-class _Copy(threading.Thread):
+class _Copy(Threaded):
     """The blob's copy, in the kernel (``copy_file_range`` releases the GIL while it
     runs), synced: the other core's work while this one reads headers."""
+
+    thread_name = "blob-copy"
 
     def __init__(
         self, src: int, path: str, size: int, sync: bool, mode: int, at: int | None = None
@@ -203,11 +205,9 @@ class _Copy(threading.Thread):
         """``at``: copied into the existing file ``path`` from that offset on (an
         embedded blob: the image's own file, whose fsync is the build's), else a new
         file of its own, synced here."""
-        super().__init__(name="blob-copy", daemon=True)
         self.path, self._src, self._size, self._sync = path, src, size, sync
         self._at = at
         self._mode = mode  # the image's: 0444, or 0400 for a private copy
-        self.error: BaseException | None = None
         self.stop = threading.Event()
         self.seconds = 0.0
         self.copied = 0  # bytes of the source copied so far: only grows
@@ -249,7 +249,7 @@ class _Copy(threading.Thread):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-        except BaseException as exc:  # handed to the builder's thread, raised there
+        except BaseException as exc:  # kept before a waiting reader is woken, to see it
             self.error = exc
         finally:
             self._advanced(self.copied, done=True)  # a waiting reader goes on, and sees why

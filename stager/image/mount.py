@@ -30,12 +30,12 @@ import fcntl
 import os
 import shutil
 import struct
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from stager.errors import StagerError
-from stager.libc import LIBC
+from stager.core.errors import StagerError
+from stager.core.libc import LIBC
+from stager.core.processes import run
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
@@ -83,15 +83,22 @@ class Mounted:
     options: str
 
 
-def image_format(path: str) -> str:
-    """ "erofs" or "squashfs", from the image's magic bytes."""
-    with open(path, "rb") as image:
-        head = image.read(1028)
+def head_format(head: bytes) -> str | None:
+    """ "erofs" or "squashfs" from an image's first 1028 bytes; None for neither."""
     if head[1024:1028] == EROFS_MAGIC:
         return "erofs"
     if head[:4] == SQUASHFS_MAGIC:
         return "squashfs"
-    raise MountError(f"{path} is neither an EROFS nor a squashfs image; build it again")
+    return None
+
+
+def image_format(path: str) -> str:
+    """ "erofs" or "squashfs", from the image's magic bytes."""
+    with open(path, "rb") as image:
+        fmt = head_format(image.read(1028))
+    if fmt is None:
+        raise MountError(f"{path} is neither an EROFS nor a squashfs image; build it again")
+    return fmt
 
 
 def tool(name: str) -> str:
@@ -263,7 +270,7 @@ def unmount(target: str, lazy: bool = False) -> None:
         return
     if found.fstype.startswith("fuse") and os.geteuid() != 0:
         command = [tool("fusermount3"), "-u", *(["-z"] if lazy else []), target]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        done = run(command, None)
         if done.returncode != 0:
             said = (done.stderr or done.stdout).strip()
             if "busy" in said:
@@ -357,7 +364,7 @@ def _require_mounted(image: str, target: str) -> Mounted:
 
 
 def _run(command: list[str], image: str, target: str) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = run(command, None)
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
         detail = said[-1] if said else f"exit status {done.returncode}"

@@ -7,9 +7,9 @@ the mount only), and the folder ``data/<key>`` with the image mounted on it read
 (``nosuid,nodev``). An index image (:mod:`stager.image.index`) has a third: its blob,
 ``data/<key>.erofs.blob`` (the tar its files are read from), mounted as the image's
 extra device, published before the image and deleted after it, its identity checked
-at a hit as the image's is. :mod:`stager.lifecycle` decides when each function here runs (all
+at a hit as the image's is. :mod:`stager.engine.lifecycle` decides when each function here runs (all
 of them block: the daemon calls them through ``run_io``); every step is one of
-:class:`stager.durable.Durable`.
+:class:`stager.core.durable.Durable`.
 
 What is mounted where is always asked of the kernel (``/proc/self/mountinfo``, and
 the loop device's own status for the file behind it), never remembered: a restarted

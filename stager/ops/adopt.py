@@ -28,15 +28,16 @@ from typing import Any
 
 from pydantic import Field
 
-from stager import manifest_format, vouch
 from stager.archive import ranges, tar_members
-from stager.errors import VerifyFailed
+from stager.core import vouch
+from stager.core.errors import VerifyFailed
 from stager.fs import manifest as manifests
 from stager.fs.credentials import access
 from stager.fs.sources import open_source
 from stager.ops import extract
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, ByteCount, part_name
+from stager.wire import manifest_format
+from stager.wire.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, ByteCount, part_name
 
 # A part that has not arrived this long after the one before: the sender is gone
 # (the job's task normally says so at once, with an ``abort`` end).
@@ -51,7 +52,7 @@ class AdoptStep(StepParams):
     folder: AbsoluteSource  # the delivery folder
     origin_node: str = Field(min_length=1, max_length=200)  # for messages
     data_bytes: ByteCount  # the tree's file data, for admission
-    # Set by a node service that shares the copy with every user (stager.vouch): the
+    # Set by a node service that shares the copy with every user (stager.core.vouch): the
     # manifest must come with a credential of this uid's for entry ``vouch_key``.
     vouch_uid: int | None = Field(default=None, ge=0, le=2**32 - 1)
     vouch_key: str | None = Field(default=None, max_length=64)

@@ -6,7 +6,7 @@ service measured its size and sha256 from the very bytes sbcast read. The delive
 folder is the job's user's to write (sbcast writes as them), so in the node service the
 delivered file is never mounted as it lies: the staging copies it into its own folder
 (root's) while a thread hashes the copy, and only a copy whose size and sha256 are the
-source node's is published and mounted (:mod:`stager.imaging`). What is hashed is what
+source node's is published and mounted (:mod:`stager.kinds.imaging`). What is hashed is what
 the kernel parses: a user who swaps or rewrites the delivery before, during or after the
 copy changes nothing that is mounted. A per-user daemon serves the one user who wrote
 the delivery, so there it is hashed where it lies and renamed in (``in_place``): the
@@ -15,7 +15,7 @@ same check, without a second copy of the image.
 In the node service the hash itself must come from the source node's service, not from
 the job that carried it (a user could send an image of their own making with its own
 hash): the step carries that service's MUNGE credential over the entry's key and the
-image's sha256 (:mod:`stager.vouch`), checked before a byte is copied. The step is the
+image's sha256 (:mod:`stager.core.vouch`), checked before a byte is copied. The step is the
 daemon's own (``internal``), built from a request's ``adopt``.
 """
 
@@ -28,12 +28,13 @@ from pathlib import Path
 
 from pydantic import Field
 
-from stager import vouch
-from stager.errors import BadRequest, SourceNotFound, VerifyFailed
+from stager.core import vouch
+from stager.core.errors import BadRequest, SourceNotFound, VerifyFailed
 from stager.fs.sources import open_source, require_source
+from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.ops.image import copy_durably, hash_in_place, image_format, said_of
-from stager.schemas import ByteCount
+from stager.ops.image import copy_durably, hash_in_place, said_of
+from stager.wire.schemas import ByteCount
 
 # What a refused delivery leads to, at the end of each refusal's sentence.
 NOT_MOUNTED = "it is not mounted, and this node stages from the source"
@@ -136,7 +137,7 @@ def _renamed_in(
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
     with said_of(_delivery(step), NOT_MOUNTED):
         digest = hash_in_place(fd, st.st_size, check, advance)
-    fmt = image_format(os.pread(fd, 1028, 0))
+    fmt = head_format(os.pread(fd, 1028, 0))
     after = os.fstat(fd)
     if _stamps(after) != _stamps(st) or after.st_nlink != 1:
         raise VerifyFailed(

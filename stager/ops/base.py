@@ -7,7 +7,7 @@ An op is a pair of plain blocking functions, declared in :mod:`stager.ops.table`
   calls, one archive header); it refuses bad input with a sentence and returns
   the bytes the op expects to write.
 - ``run(step, OpContext)`` runs in the staging's own child process (see
-  :mod:`stager.worker`). Ops are idempotent and restartable: a staging resumed
+  :mod:`stager.staging.worker`). Ops are idempotent and restartable: a staging resumed
   after a crash re-runs its unfinished step in the same partial directory, so an
   op skips work already complete (same size and mtime) and overwrites the rest.
   It may return the bytes it put in the tree (``lstat`` sizes of what it made,
@@ -28,9 +28,9 @@ from typing import Annotated, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from stager.errors import Cancelled, SourceNotFound, UnsafePath
-from stager.progress import ProgressSink
-from stager.schemas import checked_path
+from stager.core.errors import Cancelled, SourceNotFound, UnsafePath
+from stager.wire.progress import ProgressSink
+from stager.wire.schemas import checked_path
 
 
 class StepParams(BaseModel):
@@ -138,7 +138,7 @@ def make_dir(path: str) -> None:
 @dataclass(frozen=True)
 class ImageStream:
     """What a step makes, as an archive that image mode reads straight into the image
-    (stager.imaging) instead of writing its files: ``src`` (absolute: a source; relative:
+    (stager.kinds.imaging) instead of writing its files: ``src`` (absolute: a source; relative:
     an earlier step's output, used up unless ``keep``), its members with ``strip``
     leading components dropped, under ``dst``; ``nested``: the archives inside it too.
     ``before`` runs first, in the staging (an md5 check of the archive)."""

@@ -13,11 +13,11 @@ import os
 
 from pydantic import Field
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.fs.sources import open_source, require_source
-from stager.manifest_format import file_digest
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
-from stager.schemas import ByteCount
+from stager.wire.manifest_format import file_digest
+from stager.wire.schemas import ByteCount
 
 
 class CheckDeliveredStep(StepParams):

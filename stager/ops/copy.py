@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stager.errors import (
+from stager.core.errors import (
     SourceNotFound,
     SourceUnreadable,
     StagerError,

@@ -8,7 +8,7 @@ archive opened confined to the allowed roots. Safety decisions live in
 become ours in :func:`stager.archive.job.translate`, the one place that maps them.
 With any ``verify`` but ``none`` the archive must not change while it is read.
 An archive that an earlier ``fetch`` is still downloading is read as it arrives
-(``run_growing``, run by :mod:`stager.overlap`); a URL ``src`` becomes that pair.
+(``run_growing``, run by :mod:`stager.staging.overlap`); a URL ``src`` becomes that pair.
 
 Benchmark: bench/bench_extract.py.
 """
@@ -35,7 +35,7 @@ from stager.archive.formats import (
 )
 from stager.archive.growing import GrowingFile
 from stager.archive.job import Archive, translate
-from stager.errors import CorruptArchive, VerifyFailed
+from stager.core.errors import CorruptArchive, VerifyFailed
 from stager.fs.seal import KnownTree
 from stager.fs.sources import open_source, require_source
 from stager.ops.base import (
@@ -103,7 +103,7 @@ class ExtractStep(StepParams):
 
 def as_fetch_then_extract(step: ExtractStep) -> list[dict[str, Any]] | None:
     """An extract of a URL as the steps it runs as: the fetch of the URL into the
-    dataset's ``.download/``, then the extract of that file (which stager.overlap runs
+    dataset's ``.download/``, then the extract of that file (which stager.staging.overlap runs
     at once). None for any other src."""
     if not _is_url(step.src):
         return None
@@ -181,7 +181,7 @@ def run(step: ExtractStep, ctx: OpContext) -> int | KnownTree | None:
 
 def reads_growing(step: ExtractStep) -> str | None:
     """The relative src this step can extract while an earlier step still downloads it
-    (:mod:`stager.overlap`), or None where its name or format says it must be whole
+    (:mod:`stager.staging.overlap`), or None where its name or format says it must be whole
     first (see ``run_growing``, which decides by the first bytes)."""
     fmt = (
         step.format

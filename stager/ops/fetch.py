@@ -35,8 +35,8 @@ from urllib.parse import unquote, urlsplit
 import httpx
 from pydantic import AfterValidator, Field
 
-from stager import downloads
-from stager.errors import (
+from stager.core import downloads
+from stager.core.errors import (
     BadRequest,
     FetchFailed,
     NotPublic,
@@ -44,10 +44,10 @@ from stager.errors import (
     VerifyFailed,
     from_os_error,
 )
+from stager.core.redact import redact_url
 from stager.fs.credentials import source_reader
 from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
-from stager.progress import report_written
-from stager.redact import redact_url
+from stager.wire.progress import report_written
 
 MAX_ATTEMPTS = 6  # consecutive failed attempts that brought no new bytes
 BACKOFF_S = 0.5  # first retry delay, doubled each time, capped at BACKOFF_MAX_S
@@ -109,7 +109,7 @@ def check(step: FetchStep, ctx: CheckContext) -> int:
 
 
 class Watch(Protocol):
-    """Told as the download's file grows, so a reader can follow it (stager.overlap:
+    """Told as the download's file grows, so a reader can follow it (stager.staging.overlap:
     a fetch and the extract of what it fetches, at once)."""
 
     def writing(self, offset: int) -> None:
@@ -140,7 +140,7 @@ def warm_up() -> None:
     the TLS authorities loaded, the HTTP transport imported (httpx imports httpcore
     when its first client is made), and the codec that the socket module encodes host
     names with (a first connection imports it). The staging processes' fork server
-    calls it before it forks them (stager.worker)."""
+    calls it before it forks them (stager.staging.worker)."""
     httpx.Client(verify=tls_context()).close()
     "localhost".encode("idna")
 
@@ -324,7 +324,7 @@ class _Download:
             self._hash_up_to(offset)
             # The kept bytes are counted once hashed, which may take minutes: a
             # download's rate is judged from its first counted bytes on (see
-            # stager.download_rate), so the hash's silence is not taken for slowness.
+            # stager.staging.download_rate), so the hash's silence is not taken for slowness.
             self._advance(position)
             # No chunk_size: httpx would buffer up to it, and a cut connection
             # would lose everything buffered instead of leaving it in the .part.
@@ -397,7 +397,7 @@ class _Download:
 
 def _not_this_node_if_shared(response: httpx.Response, url: str) -> None:
     """A download every user is to share must not come from this node (see
-    stager.downloads): its name may have resolved elsewhere when it was asked for."""
+    stager.core.downloads): its name may have resolved elsewhere when it was asked for."""
     reader = source_reader()
     if reader is None or not reader.public:
         return

@@ -4,7 +4,7 @@ An admin builds an image once next to the dataset (``stager image build SRC -o
 imagenet.erofs``, no daemon needed); a request whose one step names it copies the
 file into the staging (``copy_file_range``), hashes the copy as it is written, checks
 the hash against the step's ``sha256`` and mounts it: nothing is unpacked. Only in
-image mode (the request's ``image``, which such a step implies): :mod:`stager.imaging`
+image mode (the request's ``image``, which such a step implies): :mod:`stager.kinds.imaging`
 runs it; ``run`` alone refuses.
 
 The node service mounts in the kernel only images it built itself or images the admin
@@ -22,7 +22,6 @@ import mmap
 import os
 import queue
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,14 +29,14 @@ from pathlib import Path
 
 from pydantic import Field
 
-from stager.errors import BadRequest, UntrustedImage, VerifyFailed
+from stager.core.errors import BadRequest, UntrustedImage, VerifyFailed
+from stager.core.processes import Threaded
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.sources import fd_path, open_source, require_source, within
 from stager.fs.writeback import start_writeback
+from stager.image.mount import head_format
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, StepParams
 
-EROFS_MAGIC = b"\xe2\xe1\xf5\xe0"  # at byte 1024
-SQUASHFS_MAGIC = b"hsqs"  # at byte 0
 _CHUNK = 8 << 20
 
 
@@ -51,15 +50,6 @@ class ImageStep(StepParams):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
 
-def image_format(head: bytes) -> str | None:
-    """ "erofs" or "squashfs" from an image's first 1028 bytes; None for neither."""
-    if head[1024:1028] == EROFS_MAGIC:
-        return "erofs"
-    if head[:4] == SQUASHFS_MAGIC:
-        return "squashfs"
-    return None
-
-
 def check(step: ImageStep, ctx: CheckContext) -> int:
     """The file is readable by the caller and is an image; its size is the estimate."""
     require_source(step.src, "image")
@@ -68,7 +58,7 @@ def check(step: ImageStep, ctx: CheckContext) -> int:
         head, size = os.pread(fd, 1028, 0), os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if image_format(head) is None:
+    if head_format(head) is None:
         raise BadRequest(
             f"{step.src} is neither an EROFS nor a squashfs image; build one with "
             "stager image build, or stage the archive or folder it was made from"
@@ -107,7 +97,7 @@ def copy_verified(
         st = os.fstat(fd)
         if trusted is not None:
             _require_trusted(step, fd, st, trusted)
-        fmt = image_format(os.pread(fd, 1028, 0))
+        fmt = head_format(os.pread(fd, 1028, 0))
         if fmt is None:
             raise BadRequest(f"{step.src} is neither an EROFS nor a squashfs image")
         ctx.progress.add_total(st.st_size, 1)
@@ -152,7 +142,7 @@ def copy_durably(
         digest = copy_and_hash(
             src, out, size, ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0), hashed
         )
-        return digest, image_format(os.pread(out, 1028, 0))
+        return digest, head_format(os.pread(out, 1028, 0))
     except BaseException:  # cut short, changed as it was read, cancelled, disk full
         partial.unlink(missing_ok=True)
         raise
@@ -203,17 +193,17 @@ def copy_and_hash(
     return hasher.hexdigest()
 
 
-class _ChunkHasher(threading.Thread):
+class _ChunkHasher(Threaded):
     """sha256 of a file's chunks in the order they are written, on a thread of its own
     (hashlib releases the GIL for large updates), each read through a read-only mapping
     of the range, from the page cache the copy has just filled."""
 
+    thread_name = "image-hash"
+
     def __init__(self, fd: int) -> None:
-        super().__init__(name="image-hash")
         self._fd = fd
         self._digest = hashlib.sha256()
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
-        self._error: BaseException | None = None
         self.start()
 
     def written(self, offset: int, length: int) -> None:
@@ -224,18 +214,15 @@ class _ChunkHasher(threading.Thread):
         (unless ``quiet``)."""
         self._ranges.put(None)
         self.join()
-        if self._error is not None and not quiet:
-            raise self._error
+        if self.error is not None and not quiet:
+            raise self.error
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
-    def run(self) -> None:
-        try:
-            while (chunk := self._ranges.get()) is not None:
-                _hash_range(self._digest, self._fd, *chunk)
-        except BaseException as exc:  # noqa: BLE001 - raised again by finish, on the copy's thread
-            self._error = exc
+    def run(self) -> None:  # an error is kept in ``error``, raised by finish
+        while (chunk := self._ranges.get()) is not None:
+            _hash_range(self._digest, self._fd, *chunk)
 
 
 def hash_in_place(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from stager.archive.devkit import check_devkit, import_torch, read_devkit
-from stager.errors import from_os_error
+from stager.core.errors import from_os_error
 from stager.ops.base import AbsoluteSource, CheckContext, OpContext, RelativePath, StepParams
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from stager.archive.devkit import check_devkit, read_devkit
-from stager.errors import BadRequest, StagingError, from_os_error
+from stager.core.errors import BadRequest, StagingError, from_os_error
 from stager.ops.base import (
     AbsoluteSource,
     CheckContext,

@@ -13,7 +13,7 @@ import errno
 import os
 from pathlib import Path
 
-from stager.errors import BadRequest, StagerError, from_os_error
+from stager.core.errors import BadRequest, StagerError, from_os_error
 from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
 
 

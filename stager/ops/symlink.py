@@ -33,7 +33,7 @@ import stat
 import time
 from typing import Literal
 
-from stager.errors import BadRequest, StagerError, from_os_error
+from stager.core.errors import BadRequest, StagerError, from_os_error
 from stager.fs import forked
 from stager.fs.sizes import NameCharge
 from stager.fs.sources import (

@@ -25,7 +25,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, TypeAdapter, create_model
 
 from stager.archive.growing import GrowingFile, Growth
-from stager.errors import BadRequest
+from stager.core.errors import BadRequest
+from stager.core.settings import Settings
 from stager.ops import (
     adopt,
     adopt_image,
@@ -41,8 +42,7 @@ from stager.ops import (
     unpack,
 )
 from stager.ops.base import CheckContext, ImageStream, OpContext, StepParams
-from stager.schemas import VERIFY_LEVELS, DatasetCreate
-from stager.settings import Settings
+from stager.wire.schemas import VERIFY_LEVELS, DatasetCreate
 
 # An op that writes no file data of its own (a link, a rename) has nothing to verify,
 # so any level is fine for it.
@@ -52,7 +52,7 @@ NOTHING_TO_VERIFY = frozenset(VERIFY_LEVELS)
 @dataclass(frozen=True)
 class Grows:
     """An op that writes one file from its first byte to its last (a download), and can
-    tell a reader as it grows (stager.overlap)."""
+    tell a reader as it grows (stager.staging.overlap)."""
 
     # The file it appends to, and the name that file has once complete.
     files: Callable[[Any, OpContext], tuple[Path, Path]]
@@ -105,7 +105,7 @@ class Op:
     # of a URL without user:password or query string): shareable like a world-readable
     # file (docs/multiuser.md).
     public_source: Callable[[Any], bool] = lambda step: False
-    # Overlap (stager.overlap): a step whose op ``grows`` a file, followed by one whose
+    # Overlap (stager.staging.overlap): a step whose op ``grows`` a file, followed by one whose
     # op ``follows`` it and names that file as its src, run at once.
     grows: Grows | None = None
     follows: Follows | None = None
@@ -115,7 +115,7 @@ class Op:
     # The daemon's own: built by the daemon from a request (a fan-out's adoption), never
     # given in a request's steps, whose checks it skips (its folder is the service's).
     internal: bool = False
-    # Image mode (stager.imaging): what the step makes, as an archive read straight into
+    # Image mode (stager.kinds.imaging): what the step makes, as an archive read straight into
     # the image, or None (the step runs as an op, its output packed with the rest);
     # ``moves``: the (old, new) name a step only renames, applied to the image's names;
     # ``prebuilt_image``: the step is a prebuilt image file, staged as it is.
@@ -345,7 +345,7 @@ class OpTable:
 
     def overlaps(self, step: Any, following: Any, ctx: OpContext) -> bool:
         """Whether ``following`` reads the file ``step`` writes and the two can run at
-        once (stager.overlap)."""
+        once (stager.staging.overlap)."""
         grows, follows = self.op_of(step).grows, self.op_of(following).follows
         if grows is None or follows is None or (src := follows.src(following)) is None:
             return False

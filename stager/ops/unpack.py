@@ -29,7 +29,7 @@ from typing import Literal
 from pydantic import Field
 
 from stager.archive.formats import ArchiveFormat, archive_suffix
-from stager.errors import BadRequest, VerifyFailed, from_os_error
+from stager.core.errors import BadRequest, VerifyFailed, from_os_error
 from stager.fs.sources import open_source, require_source
 from stager.ops import copy, extract, symlink
 from stager.ops.base import (

@@ -25,10 +25,10 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from stager.core.processes import thread
 from stager.rights import channel
 
 # Entries of a folder sent per answer: a folder of a million files is sent in pieces,
@@ -65,7 +65,7 @@ def _answer(
     kind = request[0]
     if kind == "connect":
         theirs = socket.socket(fileno=os.dup(fds[0]))
-        threading.Thread(target=_serve_and_close, args=(theirs,), daemon=True).start()
+        thread(_serve_and_close, theirs, name="stager-gate-connection")
         return
     try:
         if kind in ("scan", "scan_next", "scan_close"):

@@ -24,7 +24,7 @@ import os
 import pwd
 from dataclasses import dataclass
 
-from stager.libc import LIBC
+from stager.core.libc import LIBC
 
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38

@@ -20,8 +20,8 @@ import socket
 import traceback
 from typing import Any
 
-from stager import errors
-from stager.errors import StagerError
+from stager.core import errors
+from stager.core.errors import StagerError
 
 PACKET = 48 * 1024
 MAX_FDS = 250  # SCM_MAX_FD is 253

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from stager.children import GATE_NAME, die_with_parent, name_process
+from stager.core.processes import GATE_NAME, die_with_parent, fork_child, name_process
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
@@ -211,19 +211,18 @@ def start(identity: Identity) -> Gateway:
     channel is closed before it drops its rights, and it dies with this process."""
     mine, theirs = channel.pair()
     parent = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the gateway
-        code = 1
-        try:
-            close_fds_except({theirs.fileno()})
-            name_process(GATE_NAME)
-            become(identity)
-            # Credentials changed: the kernel cleared the parent-death signal; set it now.
-            die_with_parent()
-            if os.getppid() == parent:
-                agent.serve(theirs)
-                code = 0
-        finally:
-            os._exit(code)
+
+    def gateway() -> int:
+        close_fds_except({theirs.fileno()})
+        name_process(GATE_NAME)
+        become(identity)
+        # Credentials changed: the kernel cleared the parent-death signal; set it now.
+        die_with_parent()
+        if os.getppid() != parent:
+            return 1
+        agent.serve(theirs)
+        return 0
+
+    pid = fork_child(gateway)
     theirs.close()
     return Gateway(mine, pid)

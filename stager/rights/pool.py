@@ -21,25 +21,23 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio.to_thread
-
-from stager.children import USER_NAME, name_process
-from stager.errors import StagerError, UserProcessFailed, UserProcessTimeout
+from stager.core.errors import StagerError, UserProcessFailed, UserProcessTimeout
+from stager.core.processes import USER_NAME, name_process, reap, start_child
 from stager.rights import agent, channel
 from stager.rights.become import Identity, become, close_fds_except
 
 log = logging.getLogger("stager.rights")
 
 # The modules whose functions the daemon runs as a user. The fork server imports them
-# (stager.preload): a process that became a user must not import anything, since the
+# (stager.staging.preload): a process that became a user must not import anything, since the
 # interpreter's own files may be unreadable to that user (a Python under root's home).
 USER_SIDE_MODULES = (
-    "stager.preflight",
-    "stager.publish",
+    "stager.request.preflight",
+    "stager.staging.publish",
     "stager.fanout.packing",
     "stager.fanout.room",
 )
@@ -70,9 +68,16 @@ def _agent_main(identity: Identity, sock: socket.socket) -> None:
 
 class UserProcesses:
     def __init__(
-        self, context: Any, per_user: int = 2, idle_s: float = 30.0, timeout_s: float = 60.0
+        self,
+        per_user: int,
+        idle_s: float,
+        timeout_s: float,
+        off_loop: Callable[..., Awaitable[Any]],
     ) -> None:
-        self._context = context
+        self._off_loop = (
+            off_loop  # the daemon's doorway to threads (stager.staging.blocking.run_io)
+        )
+        self._reaping: set[asyncio.Future[Any]] = set()
         self.per_user = per_user
         self.idle_s = idle_s
         self.timeout_s = timeout_s
@@ -161,7 +166,7 @@ class UserProcesses:
                     break
                 await self._freed.wait()
         try:
-            return await anyio.to_thread.run_sync(self._start, identity)
+            return await self._off_loop(self._start, identity)
         except BaseException:
             async with self._freed:
                 self._busy[identity.uid] -= 1
@@ -170,11 +175,8 @@ class UserProcesses:
 
     def _start(self, identity: Identity) -> _Agent:
         mine, theirs = channel.pair()
-        process = self._context.Process(
-            target=_agent_main, args=(identity, theirs), name=f"stager-user-{identity.uid}"
-        )
         try:
-            process.start()
+            process = start_child(_agent_main, (identity, theirs), f"stager-user-{identity.uid}")
         finally:
             theirs.close()
         mine.setblocking(False)  # the loop waits for it (_exchange)
@@ -226,7 +228,9 @@ class UserProcesses:
         with contextlib.suppress(OSError):
             worker.process.kill()
         self._live.discard(worker.process.pid)
-        asyncio.get_running_loop().run_in_executor(None, worker.process.join, 5.0)
+        reaping = asyncio.ensure_future(self._off_loop(worker.process.join, 5.0))
+        self._reaping.add(reaping)
+        reaping.add_done_callback(self._reaping.discard)
 
     def pids(self) -> list[int]:
         """The user processes alive now (for tests and ps)."""
@@ -245,15 +249,8 @@ class UserProcesses:
                 worker.sock.close()
         for worker in workers:
             self._live.discard(worker.process.pid)
-            await anyio.to_thread.run_sync(_end, worker.process)
+            await self._off_loop(reap, worker.process, 2.0)
         for pid in self._live:  # busy ones (their user may have stopped them): ended now
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         self._live.clear()
-
-
-def _end(process: Any) -> None:
-    process.join(2.0)
-    if process.is_alive():
-        process.kill()
-        process.join()

@@ -4,7 +4,7 @@ squeue call per interval; the simulation's figures move the right way with p."""
 from __future__ import annotations
 
 from bench import bench_plan, sim_prestage
-from stager.plan import squeue
+from stager.prestage.plan import squeue
 
 
 def test_the_synthetic_queue_reads_without_a_problem_and_plans_jobs() -> None:

@@ -19,7 +19,7 @@ from client.cli import (
     EXIT_USAGE,
     main,
 )
-from stager.schemas import DatasetPublic, DatasetsPublic, ErrorResponse, LeasePublic
+from stager.wire.schemas import DatasetPublic, DatasetsPublic, ErrorResponse, LeasePublic
 from tests.client.conftest import SLOWER_SIZE, copy_step, fetch_step, run_cli, start_cli
 from tests.daemon import Daemon
 from tests.trees import digest

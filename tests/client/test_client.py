@@ -29,7 +29,7 @@ from client import (
     WaitTimeout,
     stage_body,
 )
-from stager.schemas import LeaseCreate
+from stager.wire.schemas import LeaseCreate
 from tests.daemon import Daemon
 from tests.imports import among, loaded_modules
 
@@ -382,6 +382,13 @@ def test_async_client_against_a_real_daemon(daemon: Daemon, tree: Path) -> None:
 
 def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
     loaded = loaded_modules("client", "client.cli")
-    assert "client.cli" in loaded  # full dotted names, so 'stager.engine' below can match
-    heavy = ("fastapi", "starlette", "uvicorn", "torch", "pydantic_settings", "stager.engine")
+    assert "client.cli" in loaded  # full dotted names, so 'stager.engine.scheduler' below can match
+    heavy = (
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "torch",
+        "pydantic_settings",
+        "stager.engine.scheduler",
+    )
     assert among(loaded, heavy) == []

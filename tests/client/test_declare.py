@@ -10,9 +10,9 @@ from pydantic import TypeAdapter
 
 from client import StagerClient, cli, declare
 from client.cli import EXIT_OK, EXIT_USAGE
-from stager.dataset import spec_key
-from stager.plan.declared import Declarations, encode
-from stager.schemas import DatasetCreate, DatasetsPublic
+from stager.prestage.plan.declared import Declarations, encode
+from stager.state.dataset import spec_key
+from stager.wire.schemas import DatasetCreate, DatasetsPublic
 from tests.client.conftest import copy_step, run_cli
 from tests.daemon import Daemon
 

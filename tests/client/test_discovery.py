@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from client import BadConfiguration, discover
-from stager.settings import Settings
+from stager.core.settings import Settings
 
 
 def test_default_socket_matches_the_daemons_default(monkeypatch) -> None:
@@ -68,7 +68,7 @@ def test_unreadable_token_file(tmp_path: Path) -> None:
 
 def test_the_node_service_is_found_when_the_user_has_no_daemon(tmp_path: Path) -> None:
     from client._discovery import default_socket
-    from stager.settings import NODE_RUNTIME_DIR
+    from stager.core.settings import NODE_RUNTIME_DIR
 
     node = tmp_path / "node.sock"
     own_dir = tmp_path / "own"

@@ -410,7 +410,7 @@ def test_an_image_dataset_goes_as_one_file_and_a_damaged_one_is_staged_from_the_
     daemon_factory: Callable[..., Daemon], tmp_path: Path, case: str
 ) -> None:
     from stager.image import mount as image_mount
-    from stager.schemas import IMAGE_DELIVERY_NAME
+    from stager.wire.schemas import IMAGE_DELIVERY_NAME
     from tests.daemon import unmount_under
     from tests.trees import make_tar
 

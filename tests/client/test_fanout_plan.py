@@ -16,7 +16,7 @@ from client.fanout.policy import (
     goes_as_image,
     source_node,
 )
-from stager.schemas import DatasetPublic, Origin, ProbeResult, State
+from stager.wire.schemas import DatasetPublic, Origin, ProbeResult, State
 
 NODES = ["mn1", "mn2", "mn3", "mn4"]
 

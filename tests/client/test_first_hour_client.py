@@ -20,7 +20,7 @@ from client import StagerClient
 from client._progress import summary
 from client.cli import EXIT_OK, build_parser, interrupted, main
 from stager.cli import build_parser as daemon_parser
-from stager.schemas import DatasetPublic, ImagePublic
+from stager.wire.schemas import DatasetPublic, ImagePublic
 from tests.client.conftest import REPO, fetch_step, start_cli
 from tests.daemon import Daemon
 

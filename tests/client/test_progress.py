@@ -14,7 +14,7 @@ from rich.filesize import decimal
 
 from client._client import _timed_out
 from client._progress import BarDisplay, LogDisplay, describe_step, summary
-from stager.schemas import DatasetPublic
+from stager.wire.schemas import DatasetPublic
 from tests.client.recorded import Recorded, record
 
 

@@ -138,16 +138,22 @@ def test_every_panel_answers_from_a_real_prometheus(
     assert 0 < float(ratio) < 1, ratio
 
 
-def test_the_dashboard_names_metrics_the_daemon_exports(tmp_path: Path) -> None:
-    """Every metric a panel asks for exists (a renamed metric would leave a blank panel)."""
-    from stager.app import create_app
-    from stager.settings import Settings
-
-    names = set()
-    app = create_app(Settings(cache_dir=tmp_path, runtime_dir=tmp_path))
-    for metric in app.state.metrics.registry.collect():
-        names |= {sample.name for sample in metric.samples} | {metric.name}
-        if metric.type == "counter":  # a labelled one has no sample before its first event
-            names.add(f"{metric.name}_total")
+def test_the_dashboard_names_metrics_a_real_node_service_exports(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Every metric a panel asks for is in the /metrics of a real node service (a renamed
+    metric would leave a blank panel), and pre-staging has its panels."""
+    daemon = daemon_factory(args=["--multi-user"])
+    with daemon.client() as client:
+        exposed = client.get("/metrics").text
+    names = set(re.findall(r"^(stager_\w+?)(?:\{| )", exposed, re.M))
     asked = {m for _, expr in panel_queries() for m in re.findall(r"\b(stager_\w+)", expr)}
     assert asked and asked <= names, sorted(asked - names)
+    prestaging = {
+        "stager_prefetches_total",
+        "stager_prefetch_bytes_total",
+        "stager_prefetch_hidden_seconds_total",
+    }
+    assert prestaging <= asked, sorted(prestaging - asked)
+    by_outcome = [e for _, e in panel_queries() if "by (outcome)" in e and "stager_prefetch" in e]
+    assert len(by_outcome) == 2  # started, used, wasted (and failed, refused): count, bytes

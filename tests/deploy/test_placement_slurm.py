@@ -2,7 +2,7 @@
 feature for each declared dataset it holds ready (and drops it at eviction, restores it
 after `scontrol reconfigure`, bounds it per node and per user), and job_submit.lua
 gives a job that declares data `--prefer` for the same names (computed in Lua 5.1,
-as slurmctld runs it, and compared with stager/placement/names.py)."""
+as slurmctld runs it, and compared with stager/prestage/placement/names.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from client.declare import declared_lines
-from stager.placement.names import PATTERN, feature
+from stager.prestage.placement.names import PATTERN, feature
 from tests.daemon import Daemon, node_service
 from tests.slurm_cluster import CONFIG, REPO, Cluster, job_info, read_env_file, unavailable
 from tests.trees import write_tree
@@ -355,3 +355,23 @@ def stop_prolog_daemon(user: User, python: str) -> None:
     pattern = read_env_file(CONFIG).get("STAGER_SLURM_RUNTIME_DIR", "/tmp/stager-%U")
     runtime = pattern.replace("%U", str(user.uid)).replace("%u", user.name)
     user.run([python, "-m", "stager", "stop", "--runtime-dir", runtime], cwd="/")
+
+
+def test_a_job_array_declaring_data_gets_no_prefer_and_runs(
+    jobs: list[str], users: tuple[User, User], interpreter_for_users: str
+) -> None:
+    """Slurm 22.05 keeps an array whose prefer no node meets pending for good
+    (Reason=BadConstraints, on an idle node), where a single job falls back: an array
+    gets no prefer, and its tasks run."""
+    alice, _ = users
+    text = "#!/bin/bash\n#STAGER inat --recipe inat2021 --source /net/inat\nsleep 1\n"
+    array = submit(alice, text, jobs, "--array=1-2")
+    assert array.get("Prefer") in (None, "(null)"), array
+    subprocess.run(["scontrol", "release", array["JobId"]], capture_output=True, timeout=60)
+    try:
+        deadline, queued = time.monotonic() + 90, ["squeue", "--noheader", "-j", array["JobId"]]
+        while subprocess.run(queued, capture_output=True, text=True, timeout=60).stdout.strip():
+            assert time.monotonic() < deadline, job_info(array["JobId"])
+            time.sleep(2)
+    finally:
+        stop_prolog_daemon(alice, interpreter_for_users)

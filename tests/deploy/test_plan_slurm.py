@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.plan import squeue
-from stager.plan.declared import lines
+from stager.prestage.plan import squeue
+from stager.prestage.plan.declared import lines
+from tests.deploy.test_placement_slurm import stop_prolog_daemon
 from tests.slurm_cluster import Cluster
 from tests.trees import digest, write_tree
 from tests.users import User
@@ -157,3 +158,35 @@ def test_from_script_in_a_job_reads_the_batch_script_slurm_stored(
     assert done.returncode == 0, output
     assert digest(tmp_path / "linked") == digest(source)
     assert Path(output.strip().splitlines()[-1]).resolve() == (tmp_path / "linked").resolve()
+
+
+def test_an_array_jobs_pending_tasks_are_planned_by_their_raw_job_id(
+    jobs: list[str], users: tuple[User, User], interpreter_for_users: str
+) -> None:
+    """squeue's JobID is the raw job id: an array's pending tasks are one record whose id
+    is a plain number (JobArrayID would print 123_[1-3]), planned as any job. Each task
+    that starts gets an id of its own; its own request finds the prefetch by its user and
+    key, whatever its id."""
+    alice, _ = users
+    host = socket.gethostname().split(".")[0]
+    holder = submit(None, "#!/bin/bash\nsleep 300\n", jobs)
+    base = submit(alice, script(DECLARED[0]), jobs, "--array=1-3")
+    deadline = time.monotonic() + BACKFILL_WAIT_S
+    while not (record := queue()[base]).sched_nodes and time.monotonic() < deadline:
+        time.sleep(2)
+    assert record.state == "PENDING" and record.sched_nodes == (host,), record
+    out = dry_run()
+    assert f"plan: job {base} of {alice.name} (uid {alice.uid})" in out, out
+    assert f"would stage on {host} as {alice.name} (uid {alice.uid}): inat" in out
+    subprocess.run(["scancel", holder], capture_output=True, timeout=60, check=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (
+            started := [j for j in queue().values() if j.uid == alice.uid and j.job_id != base]
+        ):
+            assert time.monotonic() < deadline, "no task of the array started"
+            time.sleep(1)
+        assert all(j.job_id.isdigit() for j in started), started
+    finally:
+        subprocess.run(["scancel", base], capture_output=True, timeout=60)
+        stop_prolog_daemon(alice, interpreter_for_users)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from stager.api.server import pid_alive
 from stager.fs.sizes import sum_sizes
-from stager.schemas import DatasetPublic, DatasetsPublic
-from stager.server import pid_alive
+from stager.wire.schemas import DatasetPublic, DatasetsPublic
 from tests.daemon import Daemon, free_port, stage, stage_ready
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
@@ -69,7 +69,7 @@ def test_copy_symlink_extract_nested_and_rename_stage_exact_bytes(
         listing = DatasetsPublic.model_validate_json(client.get("/v1/datasets").text)
         assert listing.count == 4 and {d.state for d in listing.data} == {"ready"}
         # Each entry's size is its tree's: measured after the staging, or for the
-        # symlink farm counted by the op as it made the links (stager.worker).
+        # symlink farm counted by the op as it made the links (stager.staging.worker).
         for staged in (copied, linked, renamed, imagenet):
             assert staged.size_bytes == sum_sizes(staged.path) > 0, staged.name
 

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from stager.connections import BurstLog
+from stager.api.connections import BurstLog
 
 
 def test_a_burst_is_one_line_then_one_a_window_with_its_count(

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.cache import pending_bytes, plan_admission, plan_quota
-from stager.dataset import Entry
-from stager.errors import InsufficientSpace, QuotaExceeded
+from stager.core.errors import InsufficientSpace, QuotaExceeded
 from stager.fs.credentials import Reader
-from stager.publish import delete_tree
-from stager.schemas import State
+from stager.staging.publish import delete_tree
+from stager.state.cache import pending_bytes, plan_admission, plan_quota
+from stager.state.dataset import Entry
+from stager.wire.schemas import State
 
 MB = 1_000_000
 

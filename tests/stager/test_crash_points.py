@@ -1,4 +1,4 @@
-"""Crash consistency at every durable step (``stager.durable.Durable``).
+"""Crash consistency at every durable step (``stager.core.durable.Durable``).
 
 A traced run of one script of requests lists every durable step it passes
 through, in order, with repeats (a marker per step). Then, for each of them, a
@@ -29,9 +29,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.durable import Durable
+from stager.core.durable import Durable
 from stager.image import mount as image_mount
-from stager.schemas import END_NAME, IMAGE_DELIVERY_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
+from stager.wire.schemas import (
+    END_NAME,
+    IMAGE_DELIVERY_NAME,
+    MANIFEST_NAME,
+    READY_SUFFIX,
+    part_name,
+)
 from tests.counts import tally
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files

@@ -4,7 +4,7 @@ real trickling server is in test_slow_download.py."""
 
 from __future__ import annotations
 
-from stager.download_rate import DownloadRateFloor
+from stager.staging.download_rate import DownloadRateFloor
 
 STEPS = [
     {"op": "fetch", "url": "https://user:pw@host/data.tar?sig=abc", "dst": "data.tar"},

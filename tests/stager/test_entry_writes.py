@@ -1,4 +1,4 @@
-"""The registry (stager/lifecycle.py) is the only code that changes entries, as
+"""The registry (stager/engine/lifecycle.py) is the only code that changes entries, as
 docs/architecture.md says: every other module of the daemon reads an entry's fields
 and asks the registry for a change. An assignment to an entry's field anywhere else
 fails here.
@@ -14,10 +14,10 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from stager.dataset import Entry
+from stager.state.dataset import Entry
 
 REPO = Path(__file__).resolve().parents[2]
-OWNERS = {"stager/lifecycle.py", "stager/dataset.py"}
+OWNERS = {"stager/engine/lifecycle.py", "stager/state/dataset.py"}
 ENTRY_NAMES = {"entry", "victim", "existing", "shared"}
 FIELDS = {f.name for f in dataclasses.fields(Entry)}
 

@@ -1,5 +1,5 @@
 """A one-step extract into a fresh tree is sealed from the bytes the op counted as it
-wrote (stager.worker), not from a stat of every file: through a real daemon, that
+wrote (stager.staging.worker), not from a stat of every file: through a real daemon, that
 seal must be the tree's, or every hit would find the tree changed and stage it again.
 
 Archives written by GNU tar in the shapes where a count could go wrong: members

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.manifest_format import file_digest
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, delivered_name, part_name
+from stager.wire.manifest_format import file_digest
+from stager.wire.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, delivered_name, part_name
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric, ready

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from stager import manifest_format
 from stager.fanout import early
 from stager.fanout.packing import (
     ExportPlan,
@@ -38,8 +37,9 @@ from stager.fs.seal import FILE_MODE
 from stager.ops import adopt
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import OpContext
-from stager.progress import Progress
-from stager.schemas import END_NAME, READY_SUFFIX, part_name
+from stager.wire import manifest_format
+from stager.wire.progress import Progress
+from stager.wire.schemas import END_NAME, READY_SUFFIX, part_name
 from tests.trees import digest, write_tree
 
 STABLE_S = 0.05  # the test's staging is quick; the rule is the same at any length

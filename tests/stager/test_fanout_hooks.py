@@ -9,7 +9,7 @@ from pathlib import Path
 
 import stager
 
-ENGINE = Path(stager.__file__).parent / "engine.py"
+ENGINE = Path(stager.__file__).parent / "engine" / "scheduler.py"
 HOOKS = {
     "clear_deliveries",  # the start: deliveries an earlier run left, deleted by their owners
     "arrival",  # a request: what it stages, and from where

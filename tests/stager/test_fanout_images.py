@@ -18,7 +18,7 @@ import pytest
 
 from stager.image import mount as image_mount
 from stager.image.build import build_image
-from stager.schemas import IMAGE_DELIVERY_NAME
+from stager.wire.schemas import IMAGE_DELIVERY_NAME
 from tests.daemon import Daemon, unmount_under
 from tests.stager.test_cache import metric
 from tests.trees import digest, make_tar, write_tree

@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from stager import manifest_format
 from stager.archive import ranges
-from stager.errors import StagerError, VerifyFailed
+from stager.core.errors import StagerError, VerifyFailed
 from stager.fanout import bundle, early
 from stager.fanout.packing import ExportPlan, Transfer, pack_early_part
 from stager.fs import manifest
 from stager.fs.seal import FILE_MODE
 from stager.ops import adopt
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire import manifest_format
+from stager.wire.progress import Progress
 from tests.stager.test_fanout_early import (
     MUTATIONS,
     PART_BYTES,

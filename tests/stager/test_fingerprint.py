@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from stager.fingerprint import sources_fingerprint
 from stager.ops.table import load
+from stager.request.fingerprint import sources_fingerprint
 from tests.trees import write_tree
 
 

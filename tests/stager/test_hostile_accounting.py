@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from stager.archive.writer import MAX_DEPTH
-from stager.children import SPARE_NAME, STAGE_NAME
+from stager.core.processes import SPARE_NAME, STAGE_NAME
 from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import comm, descendants

@@ -20,7 +20,7 @@ from subprocess import Popen
 
 import pytest
 
-from stager.held_space import HeldSpace
+from stager.engine.held_space import HeldSpace
 from stager.image import mount as image_mount
 from tests.daemon import Daemon, node_service
 from tests.users import User

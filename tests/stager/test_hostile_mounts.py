@@ -3,7 +3,7 @@ API: in the kernel's mount table, in ``/sys/block``, by ``stat``, ``statfs`` or
 ``ls`` of any path under the cache, or by guessing where a key would be. Real users
 (tests/users.py): bob is the attacker, alice holds a private tree and a private image.
 
-Each test failed on the release before stager.layout (main 7101f21), where a private
+Each test failed on the release before stager.state.layout (main 7101f21), where a private
 copy lived at ``data/<key>``: its key is a hash of facts bob may know (the request, the
 sources' sizes and times, alice's uid), its mount point was in ``/proc/mounts``, and
 ``stat``/``statfs`` of it told whose it was, its entry count and its size.

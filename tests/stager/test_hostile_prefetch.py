@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.prefetch import listener
+from stager.prestage.prefetch import listener
 from tests.daemon import Daemon, free_port
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged

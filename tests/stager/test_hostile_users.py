@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.children import GATE_NAME, STAGE_NAME, USER_NAME
+from stager.core.processes import GATE_NAME, STAGE_NAME, USER_NAME
 from stager.fanout.packing import folder_bytes
-from stager.processes import Processes
 from stager.rights.become import Identity, effective_capabilities
-from stager.schemas import END_NAME, delivered_name
+from stager.staging.blocking import Processes
+from stager.wire.schemas import END_NAME, delivered_name
 from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import comm, descendants

@@ -1,5 +1,5 @@
-"""An image dataset of a URL is built as the archive downloads (stager.imaging, through
-stager.overlap.follow_download): the image is being written while the server is still
+"""An image dataset of a URL is built as the archive downloads (stager.kinds.imaging, through
+stager.staging.overlap.follow_download): the image is being written while the server is still
 sending, the mounted image holds exactly what GNU tar extracts, a dropped connection
 and a kill -9 mid-download end in the same image, and bytes that fail their sha256 are
 never published or mounted.

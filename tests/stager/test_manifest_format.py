@@ -1,4 +1,4 @@
-"""The manifest's wire format (stager/manifest_format.py) and the daemon's reading of it
+"""The manifest's wire format (stager/wire/manifest_format.py) and the daemon's reading of it
 (stager/fs/manifest.py): a manifest survives its bytes unchanged, and bytes that are
 not one, whatever is wrong with them, are refused with a sentence naming them, never
 another exception: an adopting node then stages from the source."""
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
 from stager.fs import manifest
-from stager.manifest_format import VERSION, Manifest, NotAManifest, digest, file_digest
+from stager.wire.manifest_format import VERSION, Manifest, NotAManifest, digest, file_digest
 from tests.trees import write_tree
 
 SAMPLE = Manifest(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.settings import env_name
+from stager.core.settings import env_name
 from tests.daemon import Daemon
 from tests.users import User
 

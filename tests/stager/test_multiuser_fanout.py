@@ -5,7 +5,7 @@ job's user stands for sbcast, and a private munged stands for the cluster's.
 What must hold (docs/multiuser.md): a user's transfers are theirs (folders only they
 reach, books only they change, room counted against their quota); a broadcast copy
 is shared by every user only when the source node's service vouched for its
-manifest (stager/vouch.py), so a job that forges parts and a manifest that match
+manifest (stager/core/vouch.py), so a job that forges parts and a manifest that match
 each other poisons nothing; without that, the copy is the user's own.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from stager.fs import manifest as manifests
-from stager.manifest_format import digest as manifest_digest
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
+from stager.wire.manifest_format import digest as manifest_digest
+from stager.wire.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.daemon import Daemon
 from tests.munge import private_munged
 from tests.stager.test_multiuser_security import public_tree

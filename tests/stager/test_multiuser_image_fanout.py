@@ -3,7 +3,7 @@ services stand for two nodes, a file copy made as the job's user stands for sbca
 a private munged stands for the cluster's.
 
 What must hold (docs/multinode.md): the kernel of a receiving node parses only an image
-whose sha256 the source node's service measured and vouched for (stager.vouch), never
+whose sha256 the source node's service measured and vouched for (stager.core.vouch), never
 one that a job carried with a hash of its own; the copy the source node sends is one
 the job's user cannot change (a shared image's), or only spoil for themselves (a
 private one's, theirs to read alone)."""
@@ -19,7 +19,7 @@ import pytest
 
 from stager.image import mount as image_mount
 from stager.image.build import build_image
-from stager.schemas import IMAGE_DELIVERY_NAME
+from stager.wire.schemas import IMAGE_DELIVERY_NAME
 from tests.daemon import Daemon
 from tests.stager.test_multiuser_fanout import call, munge_socket, nodes, ready  # noqa: F401
 from tests.stager.test_multiuser_images import own

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stager.app import create_app
-from stager.settings import Settings
+from stager.api.app import create_app
+from stager.core.settings import Settings
 from tests.counts import tally
 from tests.daemon import Daemon
 from tests.schema_strategies import from_schema

@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from stager import preflight
-from stager.dataset import Entry
-from stager.durable import CrashPoints
-from stager.lifecycle import Registry, Trash
-from stager.metrics import Metrics
+from stager.core.durable import CrashPoints
+from stager.core.metrics import Metrics
+from stager.core.settings import Settings
+from stager.engine.lifecycle import Registry, Trash
 from stager.ops import table
-from stager.schemas import State
-from stager.settings import Settings
-from stager.store import Store
+from stager.request import preflight
+from stager.state.dataset import Entry
+from stager.state.store import Store
+from stager.wire.schemas import State
 from tests.trees import write_tree
 
 

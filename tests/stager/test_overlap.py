@@ -1,4 +1,4 @@
-"""A fetch and the extract of what it fetched run at once (stager.overlap): the tree is
+"""A fetch and the extract of what it fetched run at once (stager.staging.overlap): the tree is
 exactly GNU tar's, the extraction starts before the download ends, a dropped connection,
 a restart and a server that ignores ranges all end in the exact tree, a wrong sha256
 fails the staging and publishes nothing, a zip falls back to extracting it whole.
@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from stager import overlap
 from stager.archive import growing
 from stager.archive.job import ExtractJob
-from stager.errors import Cancelled, CorruptArchive, FetchFailed, VerifyFailed
+from stager.core.errors import Cancelled, CorruptArchive, FetchFailed, VerifyFailed
 from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import sum_sizes
 from stager.ops import extract, fetch, table
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.staging import overlap
+from stager.wire.progress import Progress
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from client._progress import describe_origin
-from stager import vouch
-from stager.admission import PREFETCHING, FairQueue
-from stager.schemas import DatasetPublic
+from stager.core import vouch
+from stager.engine.admission import PREFETCHING, FairQueue
+from stager.wire.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.munge import private_munged
@@ -287,7 +287,7 @@ def test_a_prefetch_unused_past_its_expiry_is_dropped_as_wasted(
 def test_the_fair_queue_serves_prefetches_last_until_a_request_asks_for_them() -> None:
     async def scenario() -> list[str]:
         queue = FairQueue()
-        token = PREFETCHING.set(True)
+        token = PREFETCHING.set(lambda estimate: None)  # a prefetch's budget: any
         queue.put("pre-a", 1)
         queue.put("pre-b", 1)
         PREFETCHING.reset(token)
@@ -298,3 +298,197 @@ def test_the_fair_queue_serves_prefetches_last_until_a_request_asks_for_them() -
     # pre-b, asked for by a request now, runs in the first turn of its askers (user 1's,
     # as any join does); pre-a, a prefetch only, after every request.
     assert asyncio.run(scenario()) == ["pre-b", "own", "pre-a"]
+
+
+def test_a_prefetch_past_its_budget_is_refused_before_anything_is_queued(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    alice, _ = users
+    daemon = start_service(
+        shared_tmp / "cache", munge_socket, STAGER_PREFETCH_NODE_BUDGET_BYTES="10000"
+    )
+    try:
+        src = private_tree(alice, shared_tmp / "big")  # 5 x 4096 bytes
+        request = {"name": "big", "steps": [{"op": "copy", "src": str(src)}]}
+        code, answer = prefetch(daemon, munge_socket, order(alice, 55, request))
+        assert code == 429, answer
+        assert "STAGER_PREFETCH_NODE_BUDGET_BYTES" in answer["error"]["message"]
+        # Refused in admission: no staging was queued (a miss), no name made, nothing written.
+        assert metric(daemon, "stager_requests_total", '{outcome="miss"}') == 0
+        assert metric(daemon, "stager_prefetches_total", '{outcome="refused"}') == 1
+        assert metric(daemon, "stager_prefetches_total", '{outcome="started"}') == 0
+        code, listed = alice.curl(daemon.socket, "GET", "/v1/datasets")
+        assert code == 200 and listed["data"] == [], listed
+        data = daemon.cache_dir / "data"
+        assert not data.exists() or not any(p.name.endswith(".bin") for p in data.rglob("*"))
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_a_burst_of_prefetches_leaves_slots_to_a_running_jobs_request(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """Three slots, three stalled prefetches ordered first (one user may run all three):
+    only one of them stages (STAGER_PREFETCH_MAX_RUNNING, 1), so alice's running job's
+    request starts at once, while the prefetches still stall."""
+    alice, bob = users
+    hold = threading.Event()
+    stalled = Behaviour(files={f"/p{i}.bin": os.urandom(1024) for i in range(3)}, hold=hold)
+    with serve_files(stalled) as held, serve_files(Behaviour(files={"/a.bin": b"a"})) as free:
+        daemon = start_service(
+            shared_tmp / "cache", munge_socket, "--max-workers", "3",
+            "--max-stagings-per-user", "3",
+        )  # fmt: skip
+        try:
+            for i in range(3):
+                fetch = {
+                    "name": f"p{i}",
+                    "steps": [{"op": "fetch", "url": f"{held}/p{i}.bin", "dst": "x"}],
+                }
+                code, answer = prefetch(daemon, munge_socket, order(bob, 70 + i, fetch))
+                assert code == 200, answer
+            deadline = time.monotonic() + 30
+            while stalled.requests == 0:  # the first prefetch is staging
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            own = {"name": "now", "steps": [{"op": "fetch", "url": f"{free}/a.bin", "dst": "x"}]}
+            code, _ = alice.curl(daemon.socket, "POST", "/v1/datasets", own)
+            assert code == 202
+            code, now = alice.curl(daemon.socket, "GET", "/v1/datasets/now/wait?timeout=20")
+            assert code == 200 and now["state"] == "ready", now
+            states = sorted(
+                bob.curl(daemon.socket, "GET", f"/v1/datasets/prefetch-{70 + i}-p{i}")[1]["state"]
+                for i in range(3)
+            )
+            assert states == ["queued", "queued", "staging"]
+            hold.set()
+            for i in range(3):
+                assert wait(bob, daemon, f"prefetch-{70 + i}-p{i}")["state"] == "ready"
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
+
+
+def test_a_prefetch_requeued_by_a_restart_stays_behind_a_running_jobs_request(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """One slot, held by bob's stalled download, alice's prefetch queued behind it; the
+    service restarts (both are queued again); alice's job's own request, after the
+    restart, still runs before her prefetch."""
+    alice, bob = users
+    hold = threading.Event()
+    files = {f"/{n}.bin": os.urandom(1024) for n in ("slow", "a", "b")}
+    with serve_files(Behaviour(files=files, hold=hold)) as base:
+        daemon = start_service(shared_tmp / "cache", munge_socket, "--max-workers", "1")
+        try:
+
+            def fetch(name: str, file: str) -> dict:
+                return {
+                    "name": name,
+                    "steps": [{"op": "fetch", "url": f"{base}/{file}", "dst": "x"}],
+                }
+
+            code, _ = bob.curl(daemon.socket, "POST", "/v1/datasets", fetch("slow", "slow.bin"))
+            assert code == 202
+            code, answer = prefetch(daemon, munge_socket, order(alice, 9, fetch("later", "b.bin")))
+            assert code == 200, answer
+            daemon.restart()
+            code, _ = alice.curl(daemon.socket, "POST", "/v1/datasets", fetch("now", "a.bin"))
+            assert code == 202
+            hold.set()
+            now = wait(alice, daemon, "now")
+            later = wait(alice, daemon, "prefetch-9-later")
+            assert now["state"] == later["state"] == "ready", (now, later)
+            # One slot: the one made ready first ran first.
+            assert now["updated_at"] < later["updated_at"], (now, later)
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
+
+
+def test_a_failed_prefetch_holds_neither_budget_nor_lease(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """alice's prefetch queued behind a stalled download, its source gone before it
+    runs: it fails; the next order finds it failed, its name and lease gone, and its
+    bytes out of her budget."""
+    alice, bob = users
+    hold = threading.Event()
+    with serve_files(Behaviour(files={"/slow.bin": b"s" * 1024}, hold=hold)) as base:
+        daemon = start_service(
+            shared_tmp / "cache", munge_socket, "--max-workers", "1",
+            STAGER_PREFETCH_USER_BUDGET_BYTES="30000",
+        )  # fmt: skip
+        try:
+            slow = {
+                "name": "slow",
+                "steps": [{"op": "fetch", "url": f"{base}/slow.bin", "dst": "x"}],
+            }
+            code, _ = bob.curl(daemon.socket, "POST", "/v1/datasets", slow)
+            assert code == 202
+            gone = private_tree(alice, shared_tmp / "gone")  # 5 x 4096 bytes
+            request = {"name": "gone", "steps": [{"op": "copy", "src": str(gone)}]}
+            assert prefetch(daemon, munge_socket, order(alice, 91, request))[0] == 200
+            for path in gone.iterdir():
+                path.unlink()
+            gone.rmdir()
+            hold.set()
+            assert wait(alice, daemon, "prefetch-91-gone")["state"] == "failed"
+
+            other = private_tree(alice, shared_tmp / "other")  # as much again: in budget
+            request = {"name": "other", "steps": [{"op": "copy", "src": str(other)}]}
+            code, answer = prefetch(daemon, munge_socket, order(alice, 92, request))
+            assert code == 200, answer
+            code, _ = alice.curl(daemon.socket, "GET", "/v1/datasets/prefetch-91-gone")
+            assert code == 404
+            assert metric(daemon, "stager_prefetches_total", '{outcome="failed"}') == 1
+            assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 0
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
+
+
+def test_each_prefetch_ends_once_and_its_waste_is_counted_once(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path, service: Daemon
+) -> None:
+    alice, _ = users
+    size = 5 * 4096
+
+    def ordered(job: int, name: str) -> dict:
+        src = private_tree(alice, shared_tmp / name)
+        request = {"name": name, "steps": [{"op": "copy", "src": str(src)}]}
+        code, answer = prefetch(service, munge_socket, order(alice, job, request))
+        assert code == 200, answer
+        wait(alice, service, f"prefetch-{job}-{name}")
+        return request
+
+    def counted(outcome: str) -> tuple[float, float]:
+        label = f'{{outcome="{outcome}"}}'
+        return (
+            metric(service, "stager_prefetches_total", label),
+            metric(service, "stager_prefetch_bytes_total", label),
+        )
+
+    ordered(1, "a")
+    used = ordered(2, "b")
+    ordered(3, "c")
+    for _ in range(2):  # cancelled twice (the planner sends again what it is not told done)
+        assert prefetch(service, munge_socket, order(alice, 1, action="cancel"))[0] == 200
+    assert counted("wasted") == (1, size)
+    code, _ = alice.curl(service.socket, "POST", "/v1/datasets", used)  # job 2 starts here
+    assert code == 200
+    assert prefetch(service, munge_socket, order(alice, 2, action="cancel"))[0] == 200
+    assert counted("used") == (1, size) and counted("wasted") == (1, size)
+    # alice drops job 3's prefetch herself: wasted at the next order, once.
+    for path in ("/leases", ""):
+        code, answer = alice.curl(service.socket, "DELETE", f"/v1/datasets/prefetch-3-c{path}")
+        assert code == 200, answer
+    for job in (4, 4):
+        assert prefetch(service, munge_socket, order(alice, job, action="cancel"))[0] == 200
+    assert counted("wasted") == (2, 2 * size)
+    assert counted("started") == (3, 3 * size)
+    assert counted("failed") == (0, 0)

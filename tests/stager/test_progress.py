@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from stager.progress import PUBLISH_S, Progress, SharedCounters, WorkerCounters
+from stager.wire.progress import PUBLISH_S, Progress, SharedCounters, WorkerCounters
 
 
 class FakeClock:

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from stager.app import create_app
-from stager.settings import Settings
+from stager.api.app import create_app
+from stager.core.settings import Settings
 
 NUMBER_TYPES = {"integer", "number"}
 

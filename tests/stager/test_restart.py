@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stager.schemas import DatasetPublic
+from stager.wire.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric

@@ -1,4 +1,4 @@
-"""Settings read the same everywhere: one source (the fields of ``stager.settings``)
+"""Settings read the same everywhere: one source (the fields of ``stager.core.settings``)
 for the flags of ``stager``, their environment variables and the docs' table."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from stager import cli
-from stager.settings import (
+from stager.core.settings import (
     Settings,
     _Environment,
     commands_of,
@@ -160,7 +160,7 @@ def test_the_docs_settings_table_is_the_one_the_fields_make() -> None:
     block = re.search(r"<!-- settings-table.*?-->\n(.*?)<!-- end of settings-table", doc, re.S)
     assert block, "docs/settings.md lost its generated table's markers"
     assert block.group(1) == settings_table(), (
-        "docs/settings.md's table is stale: regenerate it with `python -m stager.settings`"
+        "docs/settings.md's table is stale: regenerate it with `python -m stager.core.settings`"
     )
     for name in Settings.model_fields:  # every variable is in it, with its flag
         assert f"`{env_name(name)}`" in block.group(1)

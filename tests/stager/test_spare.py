@@ -1,5 +1,5 @@
 """A staging starts in a spare: a staging process the fork server forked before its
-job, once the previous staging ended (stager.blocking). The spare runs the next job
+job, once the previous staging ended (stager.staging.blocking). The spare runs the next job
 as a process forked for it would (niced, batch-scheduled); a dead spare is passed
 over; Ctrl-C does not kill it; a daemon gone leaves none behind."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.children import SPARE_NAME, STAGE_NAME
+from stager.core.processes import SPARE_NAME, STAGE_NAME
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import children_of

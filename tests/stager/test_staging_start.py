@@ -1,5 +1,5 @@
 """A staging process starts in about the time of a fork: its fork server (set up by
-stager.processes, with stager.preload) has imported what a staging needs before its
+stager.core.processes, with stager.staging.preload) has imported what a staging needs before its
 first step, down to what multiprocessing needs to unpickle the staging's arguments."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from tests.imports import REPO
 
 # A process started as blocking.run_staging starts one (the fork server exits with it).
 PROBE = """
-from stager.processes import Processes
-from stager.progress import SharedCounters
+from stager.staging.blocking import Processes
+from stager.wire.progress import SharedCounters
 from tests import fork_probe
 
 context = Processes(separate_users=False).context
-context.set_forkserver_preload(["stager.preload", "tests.fork_probe"])
+context.set_forkserver_preload(["stager.staging.preload", "tests.fork_probe"])
 receiver, sender = context.Pipe(duplex=False)
 args = (SharedCounters(context), context.Event(), sender)
 process = context.Process(target=fork_probe.imported_since_preload, args=args)

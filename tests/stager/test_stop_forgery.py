@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.server import pid_alive
+from stager.api.server import pid_alive
 from tests.users import User
 
 BIN = Path(sys.executable).parent

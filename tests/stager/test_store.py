@@ -8,11 +8,11 @@ import os
 import sqlite3
 from pathlib import Path
 
-from stager.dataset import Entry, Handle
-from stager.leases import Lease
 from stager.ops import table
-from stager.schemas import LeaseCreate, State
-from stager.store import Store
+from stager.state.dataset import Entry, Handle
+from stager.state.leases import Lease
+from stager.state.store import Store
+from stager.wire.schemas import LeaseCreate, State
 
 OLD_SCHEMA = """
 CREATE TABLE entries (key TEXT PRIMARY KEY, spec TEXT NOT NULL, steps TEXT NOT NULL,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from stager.errors import BadRequest
+from stager.core.errors import BadRequest
 from stager.ops.base import CheckContext, OpContext, RelativePath, StepParams
 from stager.ops.table import Op
 

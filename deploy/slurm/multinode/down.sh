@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Take the multi-node test cluster down and leave nothing behind: its jobs, every
 # process inside its namespaces (slurmd, stager daemons, sshfs, job steps), slurmctld,
-# munged, the storage server, the namespaces, the bridge, the mounts, $MN_ROOT and the
-# storage folder. Safe to run when nothing (or half a cluster) is up. Run as root.
+# munged, the pre-staging planner, the storage server, the namespaces, the bridge, the
+# mounts, $MN_ROOT and the storage folder. Safe to run when nothing (or half a cluster)
+# is up. Run as root.
 #
 #   --quiet   say nothing when there was nothing to stop
 # MN_KEEP_LOGS=1 keeps $MN_ROOT/log (up.sh sets it when it fails half-way).
@@ -79,6 +80,8 @@ main() {
         ((QUIET)) || mn_say "nothing to take down"
         return 0
     fi
+    # The planner first: no orders to nodes on their way down.
+    mn_stop_pidfile "$MN_RUN_DIR/planner.pid"
     cancel_jobs
     stop_nodes
     mn_stop_pidfile "$MN_RUN_DIR/slurmctld.pid" &

@@ -25,12 +25,19 @@ MN_LOCK=${MN_LOCK:-/tmp/stager-multinode.lock}
 # 1: every node runs the node service (stager serve --multi-user, as root) from its
 # start, as an admin's systemd would, and jobs use it; 0: per-user daemons (prolog).
 MN_NODE_SERVICE=${MN_NODE_SERVICE:-0}
+# 1: pre-staging (docs/prestaging.md): backfill every MN_PLAN_INTERVAL seconds,
+# job_submit.lua, node services (implied) taking the planner's orders on their address's
+# MN_PREFETCH_PORT and keeping stg_ node features, and the planner (`stager plan`, as
+# root = SlurmUser) in the root namespace; 0: none of it.
+MN_PRESTAGE=${MN_PRESTAGE:-0}
+MN_PLAN_INTERVAL=${MN_PLAN_INTERVAL:-5}
 
 MN_PREFIX=stmn                     # every link and namespace name starts with it
 MN_BRIDGE=$MN_PREFIX-br
 MN_STORAGE_NS=$MN_PREFIX-storage
 MN_SFTP_PORT=7022                  # inside the storage namespace: no clash possible
 MN_SLURMD_PORT=6818                # inside each node's namespace: no clash possible
+MN_PREFETCH_PORT=8766              # the node services' prefetch port, on each node's address
 
 MN_CONF_DIR=$MN_ROOT/etc/slurm     # bind-mounted over /etc/slurm on the nodes
 MN_STAGER_ETC=$MN_ROOT/etc/stager  # bind-mounted over /etc/stager on the nodes
@@ -130,6 +137,27 @@ mn_close_inherited_fds() {
             eval "exec $fd>&-" 2>/dev/null || true
         fi
     done
+}
+
+# The node service of node INDEX, as an admin's systemd starts it
+# (deploy/systemd/stager.service): root, every user, its cache on the node's own disk,
+# munged for vouching. Run inside the node's namespaces (node.sh, node-service.sh).
+mn_start_node_service() {
+    local index=$1
+    (
+        if [[ ${MN_PRESTAGE:-0} == 1 ]]; then
+            # Pre-staging: the planner's orders name this node by its Slurm name (the
+            # host name is the machine's, shared by every node) and arrive on this
+            # node's address; the service tags the node with a stg_ feature per
+            # declared dataset held here.
+            STAGER_NODE_NAME=$(mn_node_name "$index")
+            STAGER_PREFETCH_LISTEN=$(mn_node_addr "$index"):$MN_PREFETCH_PORT
+            export STAGER_NODE_NAME STAGER_PREFETCH_LISTEN STAGER_SLURM_NODE_FEATURES=1
+        fi
+        # shellcheck disable=SC2086 # MN_SERVE_ARGS is a list of flags
+        "$MN_BIN_DIR/stager" serve --multi-user --runtime-dir "$MN_NODE_RUN" \
+            --cache-dir /tmp/stager-node $MN_SERVE_ARGS --detach
+    )
 }
 
 mn_spawn() {

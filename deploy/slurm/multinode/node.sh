@@ -34,11 +34,7 @@ sshfs -o "directport=$MN_SFTP_PORT,ro,allow_other,max_conns=4" \
     "$(mn_storage_addr):$MN_STORAGE_DIR" "$MN_SHARED"
 
 if [[ ${MN_NODE_SERVICE:-0} == 1 ]]; then
-    # The node service, as an admin's systemd starts it (deploy/systemd/stager.service):
-    # root, every user, its cache on the node's own disk, munged for vouching.
-    # shellcheck disable=SC2086 # MN_SERVE_ARGS is a list of flags
-    "$MN_BIN_DIR/stager" serve --multi-user --runtime-dir "$MN_NODE_RUN" \
-        --cache-dir /tmp/stager-node $MN_SERVE_ARGS --detach
+    mn_start_node_service "$index"
 fi
 
 exec slurmd -f "$MN_CONF_DIR/slurm.conf" -N "$name"

@@ -22,7 +22,9 @@
 # none), MN_STORAGE_DELAY (e.g. 1ms), MN_LOCAL_SIZE, MN_SUBNET, MN_ROOT,
 # MN_STORAGE_DIR, MN_SERVE_ARGS (more `stager serve` flags for the nodes' daemons),
 # MN_NODE_SERVICE=1 (each node runs the node service for every user, not per-user
-# daemons),
+# daemons), MN_PRESTAGE=1 (pre-staging: the planner, job_submit.lua, a short backfill
+# interval MN_PLAN_INTERVAL, node services taking prefetch orders; implies
+# MN_NODE_SERVICE=1; planner.sh stops and starts the planner),
 # MN_PYTHON (the interpreter with stager's dependencies; default .venv/bin/python),
 # MN_LOCK_HELD=1 (the caller holds /tmp/stager-multinode.lock already).
 set -euo pipefail
@@ -61,6 +63,13 @@ check_inputs() {
         mn_die "another interface already uses $MN_SUBNET.0/24; set MN_SUBNET to a free /24"
     fi
     [[ -c /dev/fuse ]] || mn_die "no /dev/fuse: sshfs needs it (modprobe fuse)"
+    [[ $MN_PRESTAGE =~ ^[01]$ ]] || mn_die "MN_PRESTAGE=$MN_PRESTAGE: give 1 (pre-staging) or 0"
+    if [[ $MN_PRESTAGE == 1 ]]; then
+        [[ $MN_NODE_SERVICE == 1 ]] || mn_say "MN_PRESTAGE=1: node services on (MN_NODE_SERVICE=1)"
+        MN_NODE_SERVICE=1 # prefetches are the node service's: per-user daemons take none
+        [[ $MN_PLAN_INTERVAL =~ ^[1-9][0-9]?$ ]] ||
+            mn_die "MN_PLAN_INTERVAL=$MN_PLAN_INTERVAL: give seconds from 1 to 99 (slurm.conf's bf_interval)"
+    fi
 }
 
 free_port() {
@@ -90,7 +99,7 @@ record_settings() {
         local key
         for key in MN_NODES MN_ROOT MN_STORAGE_DIR MN_STORAGE_RATE MN_STORAGE_DELAY \
             MN_LOCAL_SIZE MN_SUBNET CTLD_PORT MN_SHARED MN_JOBS MN_BIN_DIR MN_LOG_DIR \
-            MN_NODE_SERVICE MN_SERVE_ARGS; do
+            MN_NODE_SERVICE MN_SERVE_ARGS MN_PRESTAGE MN_PLAN_INTERVAL; do
             printf '%s=%q\n' "$key" "${!key}"
         done
         printf 'MN_NODE_NAMES=%q\n' "${nodes[*]}"
@@ -158,8 +167,20 @@ start_munge() {
         >/dev/null || mn_die "this cluster's munged does not work; see $MN_LOG_DIR/munged.log"
 }
 
+# Pre-staging's lines (MN_PRESTAGE=1): a backfill cycle, hence a plan the planner can
+# act on, every MN_PLAN_INTERVAL seconds instead of 30; --prefer for data a node holds
+# (job_submit.lua; a prefer naming a feature no node has would otherwise reject the
+# job); the lua that copies #STAGER lines where the planner reads them.
+prestage_lines() {
+    [[ $MN_PRESTAGE == 1 ]] || return 0
+    printf '# stager pre-staging (MN_PRESTAGE=1; docs/prestaging.md).\n'
+    printf 'SchedulerParameters=bf_interval=%s,ignore_prefer_validation\n' "$MN_PLAN_INTERVAL"
+    printf 'JobSubmitPlugins=lua\n'
+}
+
 render_slurm_conf() {
-    local lines="" i
+    local lines="" i prestage
+    prestage=$(prestage_lines)
     for i in $(seq "$MN_NODES"); do
         # Each node claims this machine's CPUs; the cluster is for function, not capacity.
         lines+="NodeName=$(mn_node_name "$i") NodeAddr=$(mn_node_addr "$i") CPUs=$(nproc) RealMemory=2000 State=UNKNOWN"$'\n'
@@ -169,7 +190,10 @@ render_slurm_conf() {
         -e "s|@MUNGE_SOCKET@|$MN_MUNGE_DIR/munge.socket.2|g" -e "s|@RUN_DIR@|$MN_RUN_DIR|g" \
         -e "s|@LOG_DIR@|$MN_LOG_DIR|g" -e "s|@ROOT@|$MN_ROOT|g" \
         -e "s|@SLURM_DIR@|$(dirname "$MN_HERE")|g" "$MN_HERE/slurm.conf.in" |
-        awk -v lines="$lines" '$0 == "@NODE_LINES@" { printf "%s", lines; next } { print }'
+        awk -v lines="$lines" -v prestage="$prestage" '
+            $0 == "@NODE_LINES@" { printf "%s", lines; next }
+            $0 == "@PRESTAGE_LINES@" { if (prestage != "") print prestage; next }
+            { print }'
 }
 
 # deploy/slurm/slurm.env with this cluster's values: daemons from this checkout,
@@ -215,6 +239,10 @@ EOF
 
 write_configs() {
     render_slurm_conf >"$MN_CONF_DIR/slurm.conf"
+    if [[ $MN_PRESTAGE == 1 ]]; then
+        # Beside slurm.conf, where slurmctld's job_submit/lua looks for it.
+        install -m 0644 "$(dirname "$MN_HERE")/job_submit.lua" "$MN_CONF_DIR/job_submit.lua"
+    fi
     printf 'CgroupPlugin=autodetect\n' >"$MN_CONF_DIR/cgroup.conf"
     render_stager_env >"$MN_STAGER_ETC/slurm.env"
     chmod 0644 "$MN_STAGER_ETC/slurm.env"
@@ -302,6 +330,9 @@ main() {
     start_slurmctld
     start_nodes
     wait_idle
+    if [[ $MN_PRESTAGE == 1 ]]; then
+        MN_LOCK_HELD=1 "$MN_HERE/planner.sh" start
+    fi
     UP_DONE=1
 }
 

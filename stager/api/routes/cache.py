@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query
 
 from stager.api.deps import CallerDep, EngineDep
-from stager.schemas import GcRequest, GcResult, LeasePublic
+from stager.wire.schemas import GcRequest, GcResult, LeasePublic
 
 router = APIRouter(prefix="/v1", tags=["cache"])
 

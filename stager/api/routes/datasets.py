@@ -10,7 +10,7 @@ from sse_starlette import EventSourceResponse
 
 from stager.api.deps import CallerDep, EngineDep, OwnerQuery
 from stager.ops.table import OpTable
-from stager.schemas import (
+from stager.wire.schemas import (
     DatasetPublic,
     DatasetsPublic,
     ErrorResponse,

@@ -15,7 +15,13 @@ from fastapi import APIRouter
 from stager.api.deps import CallerDep, EngineDep
 from stager.api.routes.datasets import RESPONSES
 from stager.ops.table import OpTable
-from stager.schemas import ExportCreate, ExportPublic, IncomingCreate, ProbeResult, TransferPublic
+from stager.wire.schemas import (
+    ExportCreate,
+    ExportPublic,
+    IncomingCreate,
+    ProbeResult,
+    TransferPublic,
+)
 
 
 def fanout_router(ops: OpTable) -> APIRouter:

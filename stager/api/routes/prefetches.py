@@ -1,6 +1,6 @@
 """/v1/prefetches: the planner's orders to stage (or cancel) a job's data before it starts.
 
-The body is the signed order (stager.prefetch.authority): its ``action`` is inside what
+The body is the signed order (stager.prestage.prefetch.authority): its ``action`` is inside what
 the credential signs, so a credential for a stage can never cancel, nor one for a cancel
 stage. The caller's socket grants nothing here: only the MUNGE credential does.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from stager.schemas import ErrorResponse
+from stager.wire.schemas import ErrorResponse
 
 RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 403, 409, 429)}
 router = APIRouter(prefix="/v1/prefetches", tags=["prefetches"], responses=RESPONSES)

@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from stager import recipes
 from stager.api.deps import EngineDep, SettingsDep
-from stager.blocking import run_io
+from stager.request import recipes
+from stager.staging.blocking import run_io
 
 router = APIRouter(prefix="/v1/recipes", tags=["recipes"])
 

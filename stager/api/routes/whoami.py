@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from stager.api.deps import CallerDep, SettingsDep
-from stager.schemas import WhoAmI
+from stager.wire.schemas import WhoAmI
 
 router = APIRouter(prefix="/v1", tags=["identity"])
 

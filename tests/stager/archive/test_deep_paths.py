@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from stager.archive.writer import MAX_DEPTH
-from stager.errors import UnsafeArchiveMember
+from stager.core.errors import UnsafeArchiveMember
 from stager.image.build import build_image
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 # Frames a walk may use on top of the test's own: far fewer than the depths below.
 _MARGIN = 150

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stager.archive.job import judge_link
-from stager.errors import UnsafeArchiveMember
+from stager.core.errors import UnsafeArchiveMember
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -25,10 +25,10 @@ from stager.archive import split_tar, writer
 from stager.archive.extractor import extract_archive
 from stager.archive.job import Archive
 from stager.archive.tar_members import BLOCK
-from stager.errors import Cancelled, UnsafeArchiveMember
+from stager.core.errors import Cancelled, UnsafeArchiveMember
 from stager.fs.seal import KnownTree
 from stager.fs.sizes import sum_sizes
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.processes import children_of, children_since
 
 MTIME = 1_600_000_000
@@ -418,13 +418,13 @@ def test_the_folders_files_go_to_as_many_tars_as_cores(
     archive = tmp_path / "a.tar"
     gnu_tar("-cf", archive, ".", cwd=tree)
     started: list[list[str]] = []
-    real = split_tar.subprocess.Popen
+    real = split_tar.spawn
 
     def popen(args: list[str], **kwargs: Any) -> Any:
         started.append(args)
         return real(args, **kwargs)
 
-    monkeypatch.setattr(split_tar.subprocess, "Popen", popen)
+    monkeypatch.setattr(split_tar, "spawn", popen)
     extract(archive, tmp_path / "dest")
     assert len(started) == 2 and all("--keep-old-files" in args for args in started)
     assert heads[0].complete and heads[0].files == 4

@@ -132,7 +132,7 @@ def test_a_tar_that_cannot_start_leaves_no_other_running(
     archive = write_tar(
         tmp_path / "a.tar", *[(plain_header(b"f%d" % i, 10), b"x" * 10) for i in range(6)]
     )
-    real = split_tar.subprocess.Popen
+    real = split_tar.spawn
     started: list[Any] = []
 
     def popen(*args: Any, **kwargs: Any) -> Any:
@@ -141,7 +141,7 @@ def test_a_tar_that_cannot_start_leaves_no_other_running(
         started.append(real(*args, **kwargs))
         return started[-1]
 
-    monkeypatch.setattr(split_tar.subprocess, "Popen", popen)
+    monkeypatch.setattr(split_tar, "spawn", popen)
     before = children_of(os.getpid())
     try:
         with pytest.raises(BlockingIOError):

@@ -13,11 +13,11 @@ import pytest
 
 from stager.archive import tar_members
 from stager.archive.tar_members import BLOCK
-from stager.errors import CorruptArchive
+from stager.core.errors import CorruptArchive
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 FIELDS = ("name", "type", "mode", "size", "mtime", "offset", "offset_data", "linkname")
 

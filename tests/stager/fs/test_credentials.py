@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import NotPublic, SourceUnreadable
+from stager.core.errors import NotPublic, SourceUnreadable
 from stager.fs import credentials
 from stager.fs.credentials import Reader
 from stager.fs.sources import Folder, Roots, Visitor, open_source, open_top, require_source, walk

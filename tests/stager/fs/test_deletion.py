@@ -70,14 +70,14 @@ def test_a_stop_ends_the_delete_and_its_processes(
     doomed = doomed_tree(tmp_path / "evicted", tmp_path / "elsewhere", 40)
     stop = threading.Event()
     started = threading.Event()
-    real_popen = deletion.subprocess.Popen
+    real_spawn = deletion.spawn
 
-    def popen_then_stop(*args: object, **kwargs: object) -> object:
+    def spawn_then_stop(*args: object, **kwargs: object) -> object:
         started.set()
         stop.set()  # the daemon stops while the rm processes run
-        return real_popen(*args, **kwargs)
+        return real_spawn(*args, **kwargs)
 
-    monkeypatch.setattr(deletion.subprocess, "Popen", popen_then_stop)
+    monkeypatch.setattr(deletion, "spawn", spawn_then_stop)
     assert delete_tree(doomed, stop) is False
     assert started.is_set() and rm_children() == []
     # What is left is an orphan the next start deletes.

@@ -17,7 +17,7 @@ from stager.fs import mounts
 from stager.ops import copy
 from stager.ops.base import OpContext
 from stager.ops.copy import CopyStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.trees import digest, write_tree
 
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"

@@ -225,7 +225,7 @@ def test_an_ops_own_count_seals_as_the_full_walk_does(tmp_path: Path, op: str, s
     nothing left to make read-only."""
     from stager.ops import table
     from stager.ops.base import OpContext
-    from stager.progress import Progress
+    from stager.wire.progress import Progress
     from tests.trees import make_tar
 
     source = tmp_path / "source"
@@ -268,7 +268,7 @@ def test_a_tree_gnu_tars_wrote_whole_is_sealed_from_what_it_knows(
     from stager.archive import split_tar
     from stager.ops import table
     from stager.ops.base import OpContext
-    from stager.progress import Progress
+    from stager.wire.progress import Progress
 
     monkeypatch.setattr(split_tar, "SPLIT_MIN_BYTES", 0)
     source = tmp_path / "source"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import SpecialSource, UnsafePath
+from stager.core.errors import SpecialSource, UnsafePath
 from stager.fs.sources import open_source, open_source_dir
 
 WATCHDOG_S = 10

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
+from stager.core.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
 from stager.image import erofs
 from stager.image.build import BuildOptions, Names, build_image
 from stager.image.erofs import BLOCK, ErofsWriter
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests import tar_corpus
 
 Mount = Callable[[Path], Path]

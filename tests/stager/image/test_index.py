@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stager.archive.formats import sniff
-from stager.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
+from stager.core.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
 from stager.image import mount as image_mount
 from stager.image.build import BuildOptions
 from stager.image.erofs import EMBEDDED_AT

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import UnsafeArchiveMember
+from stager.core.errors import UnsafeArchiveMember
 from stager.image import erofs
 from stager.image import mount as image_mount
 from stager.image.build import BuildOptions, Names, TreeInput, build_from, build_image

@@ -17,16 +17,22 @@ from pathlib import Path
 
 import pytest
 
-from stager import manifest_format
-from stager.errors import BadRequest, Cancelled, StagingError, UnsafeArchiveMember, VerifyFailed
+from stager.core.errors import (
+    BadRequest,
+    Cancelled,
+    StagingError,
+    UnsafeArchiveMember,
+    VerifyFailed,
+)
 from stager.fanout import bundle
 from stager.fs import manifest
 from stager.ops import adopt, check_delivered
 from stager.ops.adopt import AdoptStep
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.check_delivered import CheckDeliveredStep
-from stager.progress import Progress
-from stager.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
+from stager.wire import manifest_format
+from stager.wire.progress import Progress
+from stager.wire.schemas import END_NAME, MANIFEST_NAME, READY_SUFFIX, part_name
 from tests.trees import digest, write_tree
 
 pytestmark = pytest.mark.usefixtures("pool")

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import VerifyFailed
-from stager.ops import adopt_image, image
+from stager.core.errors import VerifyFailed
+from stager.image.mount import EROFS_MAGIC
+from stager.ops import adopt_image
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 SIZE = (8 << 20) * 2 + 12_345  # two whole chunks and a piece
 
 
 def delivered(folder: Path, size: int = SIZE) -> Path:
     data = bytearray(os.urandom(size))
-    data[1024:1028] = image.EROFS_MAGIC
+    data[1024:1028] = EROFS_MAGIC
     folder.mkdir(exist_ok=True)
     path = folder / "image.img"
     path.write_bytes(data)

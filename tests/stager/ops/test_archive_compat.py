@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import StagerError
+from stager.core.errors import StagerError
 from stager.fs.sizes import sum_sizes
 from stager.ops import extract
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests import tar_corpus
 from tests.stager.ops.conftest import COMPAT_COUNTS
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("pool")
 
 def stager_extract(archives: list[Path], dest: Path) -> None:
     """Extract each archive into ``dest`` in turn; each must count the bytes it left
-    (what a fresh tree is sealed with, stager.worker) as a walk of the tree finds them."""
+    (what a fresh tree is sealed with, stager.staging.worker) as a walk of the tree finds them."""
     for archive in archives:
         before = sum_sizes(str(dest)) if dest.exists() else 0
         step = ExtractStep(src=str(archive))

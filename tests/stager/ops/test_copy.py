@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
+from stager.core.errors import Cancelled, SourceNotFound, StagingIOError, VerifyFailed
 from stager.fs import file_copy, forked, mounts
 from stager.fs.sizes import sum_sizes
 from stager.ops import copy
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.trees import digest, write_tree
 
 OLD = 1_500_000_000_123_456_789  # an mtime in ns that a fresh write can never produce

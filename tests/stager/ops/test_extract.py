@@ -18,7 +18,7 @@ import pytest
 import zstandard
 
 from stager.archive import devkit
-from stager.errors import (
+from stager.core.errors import (
     Cancelled,
     CorruptArchive,
     SourceNotFound,
@@ -33,7 +33,7 @@ from stager.fs.sizes import sum_sizes
 from stager.ops import extract
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 # Every test here runs on threads and on worker processes (see conftest).
 pytestmark = pytest.mark.usefixtures("pool")
@@ -451,7 +451,7 @@ def test_the_imagenet_devkit_is_read_confined_too(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_an_extraction_counts_the_bytes_it_leaves(fmt: str, tree: Path, tmp_path: Path) -> None:
-    """What a fresh tree is sealed with (stager.worker): the bytes of the files and
+    """What a fresh tree is sealed with (stager.staging.worker): the bytes of the files and
     symlinks the extraction left, as a walk of the tree finds them, stripped or not.
     GNU tar's own shapes (appends, hard links, sparse files, replaced types) are held
     to the same in test_archive_compat."""

@@ -23,7 +23,7 @@ from stager.archive import writer
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 FEW, MANY = 1_500, 12_000
 PER_MEMBER = 40  # bytes: less than any record of a member (a str alone is 49+)

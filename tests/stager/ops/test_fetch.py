@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import Cancelled, FetchFailed, VerifyFailed
+from stager.core.errors import Cancelled, FetchFailed, VerifyFailed
 from stager.ops import fetch
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.fetch import FetchStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.httpserver import Behaviour, serve_files
 from tests.imports import REPO
 
@@ -204,14 +204,14 @@ def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts(
     """What a process's first download pays before its first byte (its TLS authorities
     loaded, httpx's transport imported, the codec that host names are looked up with:
     20-70 ms) the staging processes' fork server has paid when it imported its preload
-    (stager.preload): a staging's download then loads nothing more."""
+    (stager.staging.preload): a staging's download then loads nothing more."""
     code = f"""
 import sys
 from pathlib import Path
-import stager.preload
+import stager.staging.preload
 from stager.ops import fetch
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 before = set(sys.modules)
 ctx = OpContext(root=Path({str(tmp_path)!r}), progress=Progress())

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import VerifyFailed
+from stager.core.errors import VerifyFailed
+from stager.image.mount import EROFS_MAGIC
 from stager.ops import image
 from stager.ops.base import OpContext
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 
 def _prebuilt(path: Path, size: int) -> Path:
     head = bytearray(os.urandom(size))
-    head[1024:1028] = image.EROFS_MAGIC  # an EROFS image by its magic bytes
+    head[1024:1028] = EROFS_MAGIC  # an EROFS image by its magic bytes
     path.write_bytes(head)
     return path
 

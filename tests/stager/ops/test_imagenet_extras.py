@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stager.archive.devkit import import_scipy_io, import_torch
-from stager.errors import MissingExtra
+from stager.core.errors import MissingExtra
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 

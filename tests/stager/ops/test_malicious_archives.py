@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import StagerError, UnsafeArchiveMember
+from stager.core.errors import StagerError, UnsafeArchiveMember
 from stager.ops import extract
 from stager.ops.base import OpContext
 from stager.ops.extract import ExtractStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 # Every test here runs on threads and on worker processes (see conftest).
 pytestmark = pytest.mark.usefixtures("pool")

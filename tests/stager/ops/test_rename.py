@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import BadRequest
+from stager.core.errors import BadRequest
 from stager.ops import rename
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.rename import RenameStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 
 
 @pytest.fixture

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from stager.errors import BadRequest, Cancelled, SourceNotFound
+from stager.core.errors import BadRequest, Cancelled, SourceNotFound
 from stager.fs import seal
 from stager.fs.sizes import sum_sizes
 from stager.ops import symlink
 from stager.ops.base import CheckContext, OpContext
 from stager.ops.symlink import SymlinkStep
-from stager.progress import Progress
+from stager.wire.progress import Progress
 from tests.trees import digest, write_tree
 
 
@@ -142,7 +142,7 @@ def test_the_bytes_a_tree_returns_are_what_measuring_it_finds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, parallel_after: int
 ) -> None:
     """A one-step staging takes symlink.run's figure as its size instead of measuring
-    (stager.worker): it must equal the measured bytes of the links it made."""
+    (stager.staging.worker): it must equal the measured bytes of the links it made."""
     monkeypatch.setattr(symlink, "PARALLEL_AFTER_FILES", parallel_after)
     monkeypatch.setattr(symlink, "BATCH", 16)
     source = generated_source(tmp_path / "src", seed, files=400)

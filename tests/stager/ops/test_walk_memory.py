@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from stager.fingerprint import sources_fingerprint
 from stager.ops import copy, symlink
 from stager.ops.base import OpContext
 from stager.ops.copy import CopyStep
 from stager.ops.symlink import SymlinkStep
-from stager.progress import Progress
-from stager.publish import delete_tree
+from stager.request.fingerprint import sources_fingerprint
+from stager.staging.publish import delete_tree
+from stager.wire.progress import Progress
 
 PER_FOLDER = 50
 SMALL, LARGE = 300, 2_400

@@ -27,8 +27,7 @@ from typing import Any
 
 import pytest
 
-from stager.errors import SpecialSource, UnsafePath, VerifyFailed
-from stager.fingerprint import sources_fingerprint
+from stager.core.errors import SpecialSource, UnsafePath, VerifyFailed
 from stager.fs import file_copy
 from stager.fs.sizes import sum_sizes
 from stager.ops import copy, symlink, unpack
@@ -36,8 +35,9 @@ from stager.ops.base import CheckContext, OpContext
 from stager.ops.copy import CopyStep
 from stager.ops.symlink import SymlinkStep
 from stager.ops.unpack import UnpackStep
-from stager.progress import Progress
-from stager.publish import delete_tree
+from stager.request.fingerprint import sources_fingerprint
+from stager.staging.publish import delete_tree
+from stager.wire.progress import Progress
 from tests.trees import write_tree
 
 WATCHDOG_S = 15

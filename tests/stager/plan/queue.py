@@ -1,10 +1,10 @@
-"""Synthetic squeue output in the planner's format (stager.plan.squeue.FORMAT)."""
+"""Synthetic squeue output in the planner's format (stager.prestage.plan.squeue.FORMAT)."""
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from stager.plan.declared import encode
+from stager.prestage.plan.declared import encode
 
 NOW = datetime(2026, 11, 28, 22, 0, 0)
 INAT = "inat --recipe inat2021 --source /net/inat"

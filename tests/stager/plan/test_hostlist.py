@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from stager.plan.hostlist import HostlistError, expand
+from stager.prestage.plan.hostlist import HostlistError, expand
 
 CASES = {
     "node1": ["node1"],

@@ -7,12 +7,12 @@ from datetime import timedelta
 
 import pytest
 
-from stager.plan import squeue
-from stager.plan.changes import diff
-from stager.plan.declared import Declarations, encode, lines
-from stager.plan.planner import Planner
-from stager.plan.planning import compute
-from stager.plan.squeue import RecordedSqueue
+from stager.prestage.plan import squeue
+from stager.prestage.plan.changes import diff
+from stager.prestage.plan.declared import Declarations, encode, lines
+from stager.prestage.plan.planner import Planner
+from stager.prestage.plan.planning import compute
+from stager.prestage.plan.squeue import RecordedSqueue
 from tests.stager.plan.queue import INAT, NOW, row
 
 HORIZON_S = 1800.0
@@ -28,17 +28,21 @@ def test_a_line_with_slurms_odd_values_parses() -> None:
     jobs, problems = squeue.parse(
         row("7", start="N/A", sched="(null)", declared=None)
         + "\n"
-        + row("8_3", state="RUNNING", sched="(null)", nodes="gpu[01-02,5]")
+        + row("8", state="RUNNING", sched="(null)", nodes="gpu[01-02,5]")
     )
     assert not problems
     assert jobs[0].start is None and jobs[0].sched_nodes == () and jobs[0].admin_comment is None
-    assert jobs[1].job_id == "8_3" and jobs[1].nodes == ("gpu01", "gpu02", "gpu5")
+    assert jobs[1].job_id == "8" and jobs[1].nodes == ("gpu01", "gpu02", "gpu5")
 
 
 def test_an_unreadable_line_is_named_and_the_others_are_read() -> None:
-    jobs, problems = squeue.parse(row("1") + "\nnot|a|line\n" + row("2", uid="x"))  # type: ignore[arg-type]
+    text = row("1") + "\nnot|a|line\n" + row("2", uid="x") + "\n" + row("3_4")  # type: ignore[arg-type]
+    jobs, problems = squeue.parse(text)
     assert [job.job_id for job in jobs] == ["1"]
     assert problems[0].startswith("squeue line 2:") and "squeue line 3" in problems[1]
+    # JobID is the raw id, a number (an array task's 3_4 is JobArrayID's way): a line
+    # that says otherwise is not what the planner asked for.
+    assert "squeue line 4: JobID '3_4' is not a job's raw id" in problems[2]
 
 
 @pytest.mark.parametrize(("field", "value"), [("sched", "n[1-"), ("start", "tomorrow")])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stager.schemas import DatasetPublic
+from stager.wire.schemas import DatasetPublic
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 from tests.stager.recipes.test_recipes_load import construct, load_all, stage_recipe

@@ -2,7 +2,7 @@
 release files in their exact formats, staged by a real daemon into one mounted
 image each, loaded by real torchvision with ``download=False``, every sample read
 and checked against what was generated; and which of their steps stream into the
-image rather than write a tree (``stager.imaging.plan``)."""
+image rather than write a tree (``stager.kinds.imaging.plan``)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from stager import imaging, recipes
+from stager.core.settings import Settings
 from stager.image import mount as image_mount
+from stager.kinds import imaging
 from stager.ops import table
-from stager.schemas import DatasetCreate, DatasetPublic
-from stager.settings import Settings
+from stager.request import recipes
+from stager.wire.schemas import DatasetCreate, DatasetPublic
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 from tests.stager.recipes.test_recipes_load import construct, load_all, only_usage

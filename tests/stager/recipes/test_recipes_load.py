@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stager.schemas import DatasetPublic, TorchvisionUsage
+from stager.wire.schemas import DatasetPublic, TorchvisionUsage
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 

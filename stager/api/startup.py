@@ -1,0 +1,123 @@
+"""What ``stager serve`` checks before it serves, each failure one sentence.
+
+A daemon that cannot start must say which setting is at fault and what to do,
+not print a traceback from deep inside uvicorn's lifespan. So the places it will
+write (the runtime folder, the cache and its state database), and the address it
+will listen on, are tried here first, in the order serving would meet them; the
+first failure is a ``StartError`` naming the flag and its environment variable.
+``stager serve --detach`` runs the same checks before it forks, so the person who
+typed the command reads the sentence, not a log file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import stat
+from contextlib import closing
+from pathlib import Path
+
+from stager.core.settings import Settings, env_name, flag_name
+from stager.request import preflight
+
+# The longest path a Unix socket may have (sun_path is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+
+class StartError(Exception):
+    """Why the daemon cannot start, as one sentence for the terminal."""
+
+
+def setting(name: str) -> str:
+    """How a person sets field ``name``: ``--cache-dir (STAGER_CACHE_DIR)``."""
+    return f"--{flag_name(name)} ({env_name(name)})"
+
+
+def unusable_folder(name: str, path: Path, exc: OSError) -> StartError:
+    reason = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+    return StartError(
+        f"--{flag_name(name)} {path} cannot be used: {reason}{where}; give {setting(name)} "
+        "a folder this user can create and write, on a node-local disk"
+    )
+
+
+def require_held(name: str, folder: Path) -> None:
+    """Nobody but this user and root can replace ``folder`` or anything above it.
+
+    The daemon uses its folders by name for as long as it runs; a folder above them that
+    another user owns, or may write without the sticky bit (which keeps others from
+    moving what they do not own), lets that user rename the cache away and put a folder
+    of their own in its place (the default cache is under /tmp, where anyone may make
+    ``stager-UID`` first)."""
+    uid = os.getuid()
+    real = Path(os.path.realpath(folder))
+    for current in (real, *real.parents):
+        try:
+            st = os.lstat(current)
+        except OSError as exc:
+            raise unusable_folder(name, folder, exc) from exc
+        if st.st_uid not in (uid, 0):
+            why = f"{current} belongs to another user (uid {st.st_uid})"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            why = f"others may write {current}, so they may move what it holds"
+        else:
+            continue
+        raise StartError(
+            f"--{flag_name(name)} {folder} cannot be used: {why}; give {setting(name)} a "
+            "folder that only this user and root can change, from / down"
+        )
+
+
+def check_cache(settings: Settings) -> None:
+    """The cache's folders exist (made if not), nobody else can replace them, and its
+    state database opens."""
+    try:
+        preflight.ensure_dirs(settings)
+    except OSError as exc:
+        raise unusable_folder("cache_dir", settings.cache_dir, exc) from exc
+    require_held("cache_dir", settings.cache_dir)
+    try:
+        with closing(sqlite3.connect(settings.db_path, timeout=5)) as db:
+            db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as exc:
+        raise StartError(
+            f"the state database {settings.db_path} cannot be opened ({exc}); check the disk "
+            f"of {setting('cache_dir')}, or move a damaged state.db aside to start afresh"
+        ) from exc
+
+
+def check_address(settings: Settings) -> None:
+    """The TCP address can be bound, or the socket's path fits and its folder exists."""
+    if settings.host:
+        try:
+            infos = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise StartError(
+                f"--host {settings.host} ({env_name('host')}) is not an address of this "
+                f"machine ({exc.strerror}); give an IP address or a name it resolves"
+            ) from exc
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise StartError(
+                    f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); "
+                    f"stop what listens there or choose another {setting('port')}"
+                ) from exc
+        return
+    path = settings.socket_path
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise StartError(
+            f"the socket path {path} is {len(os.fsencode(path))} bytes, longer than the "
+            f"{MAX_SOCKET_PATH} a Unix socket may have; give a shorter {setting('socket')} "
+            f"or {setting('runtime_dir')}"
+        )
+    if not path.parent.is_dir():
+        raise StartError(
+            f"the socket's folder {path.parent} does not exist; create it or choose "
+            f"another {setting('socket')}"
+        )

@@ -1,0 +1,1 @@
+"""Leaves every floor stands on: settings, errors, durable writes, libc, metrics."""

@@ -1,0 +1,272 @@
+"""Every process and thread stager starts is started here, and nowhere else.
+
+A small API, so that each start reads the same and the whole list is one module's:
+``run`` a command to its end (a timeout, and a sentence when it cannot run); ``spawn``
+a command that runs beside us (``rm -rf``, GNU tar, the detached daemon); ``start_child``
+a child of the fork server (a staging, a spare, a user process); ``fork_pool`` a pool of
+forked workers; ``fork_child`` a bare fork (a staging's gateway); and ``thread``,
+``bare_thread`` and ``thread_pool`` for a process's own threads. The loop's blocking
+calls are not threads started here but handed to anyio's pool: stager.staging.blocking.run_io.
+
+Which process runs with which rights, and who asks for it: stager.rights' table.
+tests/test_owner_rooms.py fails on a start anywhere else. And what they are called in
+``ps``, and that they never outlive the daemon: a staging (and the extraction
+processes it starts) writes into a partial folder that a restarted daemon resumes in;
+one still writing there after a kill -9 of the daemon would race with the resumed one.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import select
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing.context import BaseContext, ForkServerContext
+from pathlib import Path
+from typing import Any
+
+from stager.core.libc import LIBC
+from stager.core.prestart import raise_descriptor_limit
+
+# Staging and user processes are children of the fork server (the daemon runs threads,
+# which a plain fork would clone mid-state); a staging's own pools fork it directly.
+FORKSERVER = multiprocessing.get_context("forkserver")
+FORK = multiprocessing.get_context("fork")
+# The fork server's preload: imported there and nowhere else.
+PRELOAD = "stager.staging.preload"
+DEVNULL, STDOUT = subprocess.DEVNULL, subprocess.STDOUT
+Spawned = subprocess.Popen  # what ``spawn`` returns
+ThreadPool = ThreadPoolExecutor  # what ``thread_pool`` returns
+
+
+class NotRun(OSError):
+    """A command that could not be started, or did not end within its time (an OSError,
+    as a command that cannot start always was)."""
+
+    def __init__(self, sentence: str, timed_out: bool = False) -> None:
+        super().__init__(sentence)
+        self.timed_out = timed_out
+
+
+def run(
+    argv: Sequence[str], timeout_s: float | None, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``argv`` run to its end, its output as text (bytes not UTF-8 kept as surrogates),
+    its exit status the caller's to judge; NotRun if it cannot start or outlives timeout_s."""
+    return Stoppable().run(argv, timeout_s, input)
+
+
+class Stoppable:
+    """:func:`run`, that another thread may end at once with :meth:`kill`: a service
+    that is stopping must not wait for a command that does not answer."""
+
+    def __init__(self) -> None:
+        self._running: subprocess.Popen[str] | None = None
+
+    def run(
+        self, argv: Sequence[str], timeout_s: float | None, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        name = os.path.basename(argv[0])
+        try:
+            with subprocess.Popen(
+                list(argv),
+                stdin=None if input is None else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                encoding="utf-8",
+                errors="surrogateescape",
+            ) as self._running:
+                try:
+                    out, err = self._running.communicate(input, timeout=timeout_s)
+                except subprocess.TimeoutExpired as exc:
+                    self._running.kill()
+                    raise NotRun(f"{name} did not answer within {timeout_s:g} s", True) from exc
+                return subprocess.CompletedProcess(list(argv), self._running.returncode, out, err)
+        except NotRun:
+            raise
+        except OSError as exc:
+            raise NotRun(f"{name} could not be started: {exc.strerror or exc}") from exc
+        finally:
+            self._running = None
+
+    def kill(self) -> None:
+        running = self._running
+        if running is not None:
+            running.kill()
+
+
+def spawn(
+    argv: Sequence[str],
+    stdin: Any = DEVNULL,
+    stdout: Any = DEVNULL,
+    stderr: Any = DEVNULL,
+    **options: Any,
+) -> subprocess.Popen[bytes]:
+    """``argv`` started beside us (``options``: Popen's), on none of our streams."""
+    return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr, **options)
+
+
+def exited(process: subprocess.Popen[bytes], within_s: float) -> bool:
+    """Whether a spawned process has ended, waiting at most ``within_s``."""
+    try:
+        process.wait(within_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def start_fork_server() -> ForkServerContext:
+    """The fork server's context, its server started (once per process; it imports
+    its preload in the background and forks nothing until that is done). The descriptor
+    limit is raised first: every child inherits the server's (stager.core.prestart)."""
+    raise_descriptor_limit()
+    FORKSERVER.set_forkserver_preload([PRELOAD])
+    # The server starts as `python -c ...`, which reads modules from the current folder
+    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
+    # PYTHONSAFEPATH keeps that folder out, for the server only.
+    before = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+    return FORKSERVER
+
+
+def start_child(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+    """A child of the fork server running ``target(*args)`` (blocking: milliseconds)."""
+    process = FORKSERVER.Process(target=target, args=args, name=name)
+    process.start()
+    return process
+
+
+def reap(process: Any, grace_s: float) -> None:
+    """Join a finished child; kill one that is still running after ``grace_s``."""
+    process.join(grace_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def fork_pool(
+    workers: int,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+    context: BaseContext = FORK,
+) -> ProcessPoolExecutor:
+    """A pool of ``workers`` processes, every one started now (the first task starts
+    them all): with fork, before this process runs a thread of its own that a fork
+    would copy mid-state (the pool's helper threads start after the forks)."""
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=initializer, initargs=initargs
+    )
+    pool.submit(int).result()
+    return pool
+
+
+def fork_child(main: Callable[[], int]) -> int:
+    """The pid of a forked child that runs ``main`` and exits with its code (1: raised)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = main()
+        finally:
+            os._exit(code)
+    return pid
+
+
+def thread(
+    target: Callable[..., Any], *args: Any, name: str, daemon: bool = True
+) -> threading.Thread:
+    """``target(*args)`` on a thread of its own, started."""
+    started = threading.Thread(target=target, args=args, name=name, daemon=daemon)
+    started.start()
+    return started
+
+
+def thread_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix=prefix)
+
+
+class Threaded:
+    """An object whose ``run`` goes on a thread of its own (a download beside its
+    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``; what
+    ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
+
+    thread_name = "stager"
+    error: BaseException | None = None
+    _thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._thread = thread(self._keep_error, name=self.thread_name)
+
+    def _keep_error(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # noqa: BLE001 - raised by the thread that joins
+            self.error = exc
+
+    def join(self) -> None:
+        if self._thread is not None:  # started
+            self._thread.join()
+
+
+_PR_SET_PDEATHSIG = 1
+
+# What a staging process is called in ps and top (its "comm"); a spare waiting for its
+# job (stager.staging.blocking) is called otherwise, so that nobody takes it for a staging.
+STAGE_NAME = "stager-stage"
+SPARE_NAME = "stager-spare"
+# Processes that became a user (stager.rights): a staging's gateway to its sources, and
+# a user process doing a request's checks.
+GATE_NAME = "stager-gate"
+USER_NAME = "stager-user"
+WALKER_NAME = "stager-walker"  # the seal's checks of published trees (stager.staging.blocking)
+
+
+def name_process(name: str) -> None:
+    with contextlib.suppress(OSError):  # not Linux: the name is only for people
+        Path("/proc/self/comm").write_text(name)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (thread) dies."""
+    prctl = getattr(LIBC, "prctl", None)
+    if prctl is not None:  # not Linux: callers keep their own parent checks
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def die_with(pid: int) -> None:
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
+
+    A staging process is forked by multiprocessing's fork server, not by the daemon,
+    and the server lives on while any staging holds its pipe; so the staging watches
+    the daemon itself, through a pidfd, on a thread that only ever waits.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)  # gone already
+        return
+    # A bare thread: threading.Thread.start waits until the new thread has run (1-6 ms
+    # on a busy machine), which every staging would wait before its first step.
+    _thread.start_new_thread(_die_when_exited, (fd,))
+
+
+def _die_when_exited(pidfd: int) -> None:
+    select.select([pidfd], [], [])  # readable once the process has exited
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,1 @@
+"""Scheduling: admission, the staging loop, entries' life, space still held."""

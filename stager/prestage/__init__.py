@@ -1,0 +1,1 @@
+"""Pre-staging: the planner, the node side of its orders, placement by features."""

@@ -1,0 +1,178 @@
+"""The node service keeps this node's ``stg_`` features in Slurm: one per declared
+dataset it holds ready, so that job_submit.lua's ``--prefer`` steers jobs declaring it
+here (docs/prestaging.md, "Placement").
+
+- A request that carries its ``#STAGER`` line's words (``stage --from-script``, the
+  planner's prefetches) names its data's feature, once the words are checked to
+  declare this very request (parsed by stager-client's own parser, as the planner
+  does): a user cannot tag a feature for data they did not ask for.
+- The feature is on the node while the data is ready here, and goes when it is
+  evicted or fails. At most ``slurm_node_features_max`` (the most recently used), and
+  at most ``slurm_node_features_per_user`` by one user's requests, so that nobody's
+  requests push everyone else's data off the node's features.
+- Slurm forgets run-time features at ``scontrol reconfigure`` and at a restart of
+  slurmctld: every ``slurm_node_features_period_s`` one ``scontrol show node`` checks
+  them, and they are set again when missing.
+- scontrol runs on a thread with a timeout; its failure is logged and retried at the
+  next period, and never fails a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+from stager.core.identity import Caller
+from stager.core.settings import Settings
+from stager.prestage.placement import names, scontrol
+from stager.staging.blocking import run_io
+from stager.state.dataset import State
+from stager.wire.schemas import DatasetCreate, DatasetPublic
+
+log = logging.getLogger("stager.prestage.placement")
+
+TICK_S = 1.0  # how soon a dataset's readiness or eviction reaches Slurm
+KEPT = 1000  # names remembered, features or not (the most recently used)
+
+
+@dataclass
+class Use:
+    key: str  # the cache entry the words led to
+    uid: int  # whose request used it last
+    used_at: float
+
+
+class Placement:
+    def __init__(self, engine: Any, settings: Settings) -> None:
+        self.engine = engine  # stager.engine.scheduler.Engine
+        self.settings = settings
+        self.enabled = settings.multi_user and settings.slurm_node_features
+        self.uses: dict[str, Use] = {}  # feature -> its data, by recency
+        self.applied: list[str] | None = None  # what Slurm was last made to hold
+        self._dirty = False
+        self._task: asyncio.Task[None] | None = None
+        self._declarations: Any = None  # stager.prestage.plan.declared.Declarations, made on use
+
+    async def start(self) -> None:
+        if not self.enabled:
+            return
+        if shutil.which("scontrol") is None:
+            log.warning("STAGER_SLURM_NODE_FEATURES is on, but there is no scontrol here")
+            self.enabled = False
+            return
+        self.uses = await run_io(load, self.settings.features_path)
+        self._task = asyncio.create_task(self._keep(), name="slurm-node-features")
+
+    async def stop(self) -> None:
+        # The features stay: the data stays on the disk, and a restarted service finds it.
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def requested(self, request: DatasetCreate, caller: Caller, view: DatasetPublic) -> None:
+        """A request was answered with ``view``: its declared words name its data."""
+        if not self.enabled or not request.declared:
+            return
+        feature = self._feature(request)
+        if feature is None:
+            log.info("uid %s sent #STAGER words that do not declare its request", caller.uid)
+            return
+        self.uses.pop(feature, None)  # to the end: the most recently used
+        self.uses[feature] = Use(view.key, caller.uid, time.time())
+        while len(self.uses) > KEPT:
+            del self.uses[next(iter(self.uses))]
+        self._dirty = True
+
+    def _feature(self, request: DatasetCreate) -> str | None:
+        # The planner's parse of a #STAGER line, imported only where placement is on:
+        # it loads the client's parser (and the daemon needs it nowhere else).
+        from stager.prestage.plan.declared import Declarations, encode
+
+        if self._declarations is None:
+            self._declarations = Declarations()
+        wanted, _why = self._declarations.parse(encode([request.declared or ""]))
+        if len(wanted) != 1:
+            return None
+        body = wanted[0].request()
+        try:
+            declared = type(request).model_validate(body)
+        except ValueError:
+            return None
+        if declared.spec() != request.spec():
+            return None
+        return names.feature(body["declared"])
+
+    def wanted(self) -> list[str]:
+        """The features this node should have now (forgetting data gone for good)."""
+        entries = self.engine.registry.entries
+        for feature, use in list(self.uses.items()):
+            entry = entries.get(use.key)
+            if entry is None or not (entry.active or entry.state == State.READY):
+                del self.uses[feature]
+                self._dirty = True
+        chosen: list[str] = []
+        per_user: Counter[int] = Counter()
+        for feature, use in reversed(self.uses.items()):  # the most recent first
+            if len(chosen) >= self.settings.slurm_node_features_max:
+                break
+            if entries[use.key].state != State.READY:
+                continue
+            if per_user[use.uid] >= self.settings.slurm_node_features_per_user:
+                continue
+            per_user[use.uid] += 1
+            chosen.append(feature)
+        return sorted(chosen)
+
+    async def _keep(self) -> None:
+        node = self.settings.this_node()
+        checked_at = -float("inf")
+        while True:
+            wanted = self.wanted()
+            due = time.monotonic() - checked_at >= self.settings.slurm_node_features_period_s
+            if due or wanted != self.applied:
+                checked_at = time.monotonic()  # failed or not: retried at the next period
+                try:
+                    if await run_io(scontrol.apply, node, wanted):
+                        log.info("node %s's stager features are now %s", node, wanted or "none")
+                    self.applied = wanted
+                except scontrol.ScontrolFailed as exc:
+                    period = self.settings.slurm_node_features_period_s
+                    log.warning("%s; tried again in %.0f s", exc.message, period)
+                    self.applied = wanted  # not again before the period
+            if self._dirty:
+                self._dirty = False
+                try:
+                    await run_io(save, self.settings.features_path, self.uses)
+                except OSError as exc:
+                    log.warning("could not save %s: %s", self.settings.features_path, exc)
+            await asyncio.sleep(TICK_S)
+
+
+def load(path: Path) -> dict[str, Use]:
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s unreadable (%s): the node's features start over", path, exc)
+        return {}
+    return {f: Use(*use) for f, use in saved.items() if names.PATTERN.fullmatch(f)}
+
+
+def save(path: Path, uses: dict[str, Use]) -> None:
+    """Not fsynced: a lost file costs only the features until the data is asked for again."""
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({f: astuple(use) for f, use in uses.items()}, out)
+    os.replace(partial, path)

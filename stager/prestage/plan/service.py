@@ -1,0 +1,255 @@
+"""``stager plan``: the planner as a service, pushing each interval's changes to the nodes.
+
+Every ``plan_interval_s``: one squeue call and the changes since the last interval
+(stager.prestage.plan.planner), then one order per change, sent to the node's prefetch port
+(``prefetch_listen``, stager.prestage.prefetch.listener) with a fresh MUNGE credential of this
+process's uid over the order's sha256 (the node refuses a credential twice). Push, not
+pull: docs/prestaging.md, "Push or pull".
+
+Nothing here can hold or fail a job: an order is a wish the node may refuse. Sends run
+:data:`SENDS_AT_ONCE` at a time, each bounded by :data:`SEND_TIMEOUT_S`, so a node that
+does not answer costs its own orders only. An order not delivered (no answer, a 5xx or a
+429) is sent again next interval: a start by forgetting it was planned (the planner then
+finds it new), a cancel by keeping it. A refusal (any other 4xx) is the node's answer,
+logged and not repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from stager.core import vouch
+from stager.core.settings import Settings, host_port
+from stager.prestage.plan import state
+from stager.prestage.plan.changes import Changes
+from stager.prestage.plan.planner import Planner
+from stager.prestage.plan.planning import Prefetch
+from stager.prestage.plan.squeue import SqueueError
+from stager.staging.blocking import run_io
+
+log = logging.getLogger("stager.prestage.plan")
+
+SEND_TIMEOUT_S = 5.0  # an order is queued on the node, not staged: it answers in ms
+SENDS_AT_ONCE = 32
+WHAT = "stager prefetch"  # stager.prestage.prefetch.authority.WHAT: the node's word for it
+
+
+@dataclass(frozen=True)
+class Order:
+    node: str
+    body: bytes
+    job: str
+    prefetch: Prefetch | None  # a start's; None: a cancel
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.job, self.node
+
+
+def orders(found: Changes) -> list[Order]:
+    """One order per start, one cancel per job and node (job ids are numbers: squeue's
+    JobID is the raw id, stager.prestage.plan.squeue)."""
+    made: dict[tuple[str, str, str], Order] = {}
+    for prefetch, action in [(p, "stage") for p in found.start] + [
+        (p, "cancel") for p, _ in found.cancel
+    ]:
+        body = {
+            "action": action,
+            "job": int(prefetch.job_id),
+            "uid": prefetch.uid,
+            "gid": prefetch.gid,
+            "node": prefetch.node,
+        }
+        if action == "stage":
+            body["request"] = prefetch.wanted.request()
+            key = (prefetch.job_id, prefetch.node, prefetch.wanted.name)
+        else:
+            key = (prefetch.job_id, prefetch.node, "")  # a cancel is the job's, on that node
+        raw = json.dumps(body, sort_keys=True).encode()
+        kept = prefetch if action == "stage" else None
+        made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept))
+    return list(made.values())
+
+
+class Sender:
+    """Sends orders to the nodes' prefetch ports: NODE:plan_node_port by the system's
+    resolver, or the address ``plan_node_addresses`` gives the node."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.port = settings.plan_node_port
+        self.addresses = dict(item.split("=", 1) for item in settings.plan_node_addresses)
+        self.client = httpx.AsyncClient(
+            timeout=SEND_TIMEOUT_S,
+            limits=httpx.Limits(max_keepalive_connections=0),  # the node closes each
+        )
+        self.at_once = asyncio.Semaphore(SENDS_AT_ONCE)
+
+    def url(self, node: str) -> str:
+        host, port = host_port(self.addresses.get(node) or f"{node}:{self.port}")
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}/v1/prefetches"
+
+    async def send(self, order: Order) -> tuple[str, str]:
+        """("sent" | "retry" | "refused", why)."""
+        async with self.at_once:
+            payload = json.dumps({"what": WHAT, "sha256": hashlib.sha256(order.body).hexdigest()})
+            settings = self.settings
+            credential = await run_io(
+                vouch.encode, payload, settings.munge_socket, settings.prefetch_credential_ttl_s
+            )
+            if credential is None:
+                return "retry", "munged made no credential (is munged running here?)"
+            try:
+                answer = await self.client.post(
+                    self.url(order.node),
+                    content=order.body,
+                    headers={
+                        "authorization": f"Munge {credential}",
+                        "content-type": "application/json",
+                    },
+                )
+            except (httpx.HTTPError, OSError, ValueError) as exc:
+                return "retry", f"{type(exc).__name__}: {exc}".rstrip(": ")
+        if answer.status_code == 200:
+            return "sent", ""
+        try:
+            why = answer.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = answer.text[:200]
+        outcome = (
+            "retry" if answer.status_code in (429,) or answer.status_code >= 500 else "refused"
+        )
+        return outcome, f"{answer.status_code} {why}"
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+@dataclass
+class Tally:
+    jobs: int = 0
+    pending: int = 0
+    planned: int = 0
+    sent: int = 0
+    failed: int = 0
+    squeue_ms: float = 0.0
+
+
+class Service:
+    """``state_path``: where the last plan is kept across restarts (None: nowhere)."""
+
+    def __init__(self, planner: Planner, sender: Sender, state_path: Path | None = None) -> None:
+        self.planner = planner
+        self.sender = sender
+        self.cancels: dict[tuple[str, str], Order] = {}  # not delivered yet: sent again
+        self.state_path = state_path
+        self._kept: tuple[frozenset[Prefetch], list[state.Cancel]] | None = None
+
+    async def _load(self) -> None:
+        if self.state_path is None:
+            return
+        previous, cancels = await run_io(state.load, self.state_path)
+        self.planner.previous = previous
+        for node, body, job in cancels:
+            order = Order(node, body.encode(), job, None)
+            self.cancels[order.key] = order
+        self._kept = previous, cancels
+        if previous or cancels:
+            log.info(
+                "the last plan: %d prefetches, %d cancels to send", len(previous), len(cancels)
+            )
+
+    async def _save(self) -> None:
+        cancels = [(o.node, o.body.decode(), o.job) for o in self.cancels.values()]
+        kept = self.planner.previous, cancels
+        if self.state_path is not None and kept != self._kept:
+            await run_io(state.save, self.state_path, *kept)
+            self._kept = kept
+
+    async def interval(self) -> Tally:
+        """One interval; raises SqueueError when squeue could not be read."""
+        started = time.perf_counter()
+        found = await run_io(self.planner.interval)
+        tally = Tally(squeue_ms=self.planner.source.last_s * 1000)
+        plan = found.plan
+        tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
+        tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
+        made = orders(found.changes)
+        for order in made:
+            if order.prefetch is None:
+                self.cancels[order.key] = order
+            else:
+                self.cancels.pop(order.key, None)  # wanted there again: not cancelled
+        todo = [o for o in made if o.prefetch is not None] + list(self.cancels.values())
+        outcomes = await asyncio.gather(*(self.sender.send(o) for o in todo))
+        failures: Counter[tuple[str, str]] = Counter()
+        for order, (outcome, why) in zip(todo, outcomes, strict=True):
+            if outcome == "sent":
+                tally.sent += 1
+            else:
+                tally.failed += 1
+                failures[order.node, why] += 1
+            if order.prefetch is None and outcome != "retry":
+                self.cancels.pop(order.key, None)
+            elif order.prefetch is not None and outcome == "retry":
+                self.planner.forget(order.prefetch)  # new again next interval
+        for (node, why), count in sorted(failures.items()):
+            log.warning("node %s: %d order(s) not carried out: %s", node, count, why)
+        await self._save()
+        log.info(
+            "interval: %d jobs seen (%d pending), %d planned, orders sent %d, failed %d, "
+            "squeue %.0f ms, interval %.0f ms",
+            tally.jobs, tally.pending, tally.planned, tally.sent, tally.failed,
+            tally.squeue_ms, (time.perf_counter() - started) * 1000,
+        )  # fmt: skip
+        return tally
+
+    async def run(self, interval_s: float, once: bool = False) -> int:
+        """Intervals every ``interval_s`` until SIGTERM or SIGINT (the interval under way
+        is abandoned: the node services keep what they were told); 0 when stopped, or
+        with ``once`` when every order of the one interval went through."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await self._load()
+            while True:
+                began = loop.time()
+                work = asyncio.ensure_future(self.interval())
+                await asyncio.wait({work, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done():
+                    self.planner.source.stop()  # its thread ends with the squeue call
+                    work.cancel()
+                    await asyncio.gather(work, return_exceptions=True)
+                    return 0
+                try:
+                    tally = work.result()
+                except SqueueError as exc:
+                    log.warning("no plan this interval: %s", exc)
+                    if once:
+                        return 1
+                else:
+                    if once:
+                        return 0 if not tally.failed else 1
+                left = began + interval_s - loop.time()
+                try:
+                    await asyncio.wait_for(asyncio.shield(stopping), timeout=max(left, 0))
+                    return 0
+                except TimeoutError:
+                    continue
+        finally:
+            stopping.cancel()
+            await self.sender.close()

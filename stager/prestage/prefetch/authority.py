@@ -1,0 +1,189 @@
+"""Who may order a prefetch: Slurm's own identity, proven by MUNGE, for exactly this call.
+
+A prefetch stages a dataset as a job's user, before that user's job reaches the node.
+Whoever may order one chooses the uid a staging runs as, so the order must come from
+the identity Slurm itself runs as (root or SlurmUser), never from a user: the caller's
+socket says nothing (the planner runs elsewhere), the body says what is asked, and a
+MUNGE credential says who asks. The call carries ``Authorization: Munge <credential>``;
+its payload is ``{"what": "stager prefetch", "sha256": <the body's>}``; the body names
+the action, the job, its user's uid and gid, the node and the declaration. Accepted only
+when this node's munged decodes it (the cluster's shared key: only a node's munged can
+have made it), its uid is root or SlurmUser, its time to live is at most
+``prefetch_credential_ttl_s``, the hash is the body's, and the body names this node.
+
+**Used once.** A fan-out vouch (stager.core.vouch) may be decoded twice: it is a statement
+about one genuine tree, and a replay states the same again. A prefetch is an action:
+a replayed stage after its cancel stages again, for a job that went away, on the
+user's quota and the node's budget; a replayed cancel drops a later prefetch of the
+same job. So munged's replay status is refused, and, since munged forgets on restart,
+the service keeps its own set of used credentials (:class:`Seen`) on disk until each
+one expires: at most ``SEEN_MAX`` within a time to live, past which calls are refused
+(not the oldest forgotten, which would open the replay again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pwd
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stager.core import vouch
+from stager.core.errors import BadRequest, Forbidden, StagerError, VerifyFailed
+from stager.core.identity import Caller
+from stager.core.settings import Settings
+from stager.staging.blocking import run_io
+
+WHAT = "stager prefetch"
+SEEN_MAX = 100_000
+# munge.h: EMUNGE_CRED_EXPIRED, EMUNGE_CRED_REWOUND, EMUNGE_CRED_REPLAYED.
+_EXPIRED, _REWOUND, _REPLAYED = 15, 16, 17
+
+
+class NotAuthorized(StagerError):
+    """401: a prefetch call without a valid credential of root or SlurmUser."""
+
+    type = "unauthorized"
+    status = 401
+
+
+class PrefetchOrder(BaseModel):
+    """The body a credential signs. ``request``: the planner's body of ``POST
+    /v1/datasets`` for one declared dataset (stage only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["stage", "cancel"]
+    job: int = Field(ge=1, le=2**63)
+    uid: int = Field(ge=0, le=2**32 - 2)
+    gid: int = Field(ge=0, le=2**32 - 2)
+    node: str = Field(min_length=1, max_length=255)
+    request: dict | None = None
+
+
+class Seen:
+    """Credentials already used (their sha256), each kept until it expires."""
+
+    def __init__(self, entries: dict[str, float] | None = None) -> None:
+        self.entries: dict[str, float] = dict(entries or {})
+
+    def claim(self, digest: str, expires: float, now: float) -> None:
+        """Take ``digest`` as used now, or refuse it: used before, or too many in flight."""
+        self.entries = {d: t for d, t in self.entries.items() if t >= now}
+        if digest in self.entries:
+            raise NotAuthorized(
+                "this prefetch credential was used already; each call needs a fresh one "
+                "(munge --string for each)"
+            )
+        if len(self.entries) >= SEEN_MAX:
+            raise NotAuthorized(
+                f"{SEEN_MAX} prefetch credentials are still within their time to live on "
+                "this node; retry when some have expired"
+            )
+        self.entries[digest] = expires
+
+
+def signed_by_slurm(settings: Settings) -> set[int]:
+    """The uids whose credentials may order prefetches: root and SlurmUser. Blocking (the
+    user database may be LDAP's): call it through stager.staging.blocking."""
+    allowed = {0}
+    try:
+        allowed.add(pwd.getpwnam(settings.slurm_user).pw_uid)
+    except KeyError:
+        pass  # an unknown SlurmUser adds nobody: root alone
+    return allowed
+
+
+def credential_of(header: str | None) -> str:
+    scheme, _, credential = (header or "").partition(" ")
+    if scheme.lower() != "munge" or not credential.strip():
+        raise NotAuthorized(
+            "a prefetch needs 'Authorization: Munge <credential>' made by root or SlurmUser "
+            "over the body's sha256; users cannot order prefetches"
+        )
+    return credential.strip()
+
+
+async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen) -> PrefetchOrder:
+    """The order ``body`` holds, once its credential proves it; else refuse with a
+    sentence (401: who signed it; 403: what it names). Claims the credential in ``seen``;
+    the caller saves ``seen`` before it acts."""
+    credential = credential_of(header)
+    try:
+        decoded = await run_io(
+            vouch.decode,
+            credential,
+            settings.munge_socket,
+            "the prefetch's credential",
+            "STATUS,UID,ENCODE_TIME,TTL",
+        )
+    except VerifyFailed as exc:
+        raise NotAuthorized(exc.message) from exc
+    if decoded.status == _REPLAYED:
+        raise NotAuthorized("this prefetch credential was used already; each call needs its own")
+    if decoded.status in (_EXPIRED, _REWOUND):
+        raise NotAuthorized(f"the prefetch's credential has expired ({decoded.why})")
+    if decoded.status != 0:
+        raise NotAuthorized(f"the prefetch's credential does not decode here ({decoded.why})")
+    maker = decoded.meta.get("UID", "")
+    if not maker.isdigit() or int(maker) not in await run_io(signed_by_slurm, settings):
+        raise NotAuthorized(
+            f"the prefetch's credential was made by uid {maker}, not by root or SlurmUser "
+            f"({settings.slurm_user}); users cannot order prefetches"
+        )
+    encoded, ttl = decoded.meta.get("ENCODE_TIME", ""), decoded.meta.get("TTL", "")
+    if not (encoded.isdigit() and ttl.isdigit()):
+        raise NotAuthorized("the prefetch's credential tells no time; it cannot be checked")
+    if int(ttl) > settings.prefetch_credential_ttl_s:
+        raise NotAuthorized(
+            f"the prefetch's credential lives {ttl} s, longer than this node accepts "
+            f"({settings.prefetch_credential_ttl_s} s, STAGER_PREFETCH_CREDENTIAL_TTL_S)"
+        )
+    try:
+        payload = json.loads(decoded.payload)
+    except ValueError:
+        payload = None
+    digest = hashlib.sha256(body).hexdigest()
+    if not isinstance(payload, dict) or payload.get("what") != WHAT:
+        raise NotAuthorized("the credential is not a prefetch's (its payload says otherwise)")
+    if payload.get("sha256") != digest:
+        raise NotAuthorized(
+            "the prefetch's body is not the one its credential signed (sha256 differs); "
+            "nothing was done"
+        )
+    seen.claim(
+        hashlib.sha256(credential.encode()).hexdigest(), int(encoded) + int(ttl), time.time()
+    )
+    try:
+        order = PrefetchOrder.model_validate_json(body)
+    except ValidationError as exc:
+        raise BadRequest(f"the prefetch's body is not an order: {exc.errors()[0]['msg']}") from exc
+    if order.node != settings.this_node():
+        raise Forbidden(
+            f"this prefetch is for node {order.node!r}, and this is {settings.this_node()!r}; "
+            "send it to that node"
+        )
+    return order
+
+
+def job_user(order: PrefetchOrder) -> Caller:
+    """The job's user as Slurm gives a job its identity: the uid, the job's gid, and the
+    supplementary groups of the group database (os.getgrouplist). Refuses root (a
+    prefetch never runs as root) and a gid that is not one of the user's groups.
+    Blocking (the group database may be LDAP's): call it through stager.staging.blocking."""
+    if order.uid == 0:
+        raise Forbidden("a prefetch never stages as root; root's jobs are not pre-staged")
+    try:
+        user = pwd.getpwuid(order.uid)
+    except KeyError as exc:
+        raise Forbidden(f"uid {order.uid} is not a user of this node") from exc
+    groups = tuple(dict.fromkeys([order.gid, *os.getgrouplist(user.pw_name, user.pw_gid)]))
+    if order.gid not in os.getgrouplist(user.pw_name, user.pw_gid):
+        raise Forbidden(
+            f"gid {order.gid} is not a group of {user.pw_name} (uid {order.uid}) on this node"
+        )
+    return Caller(uid=order.uid, gid=order.gid, groups=groups)

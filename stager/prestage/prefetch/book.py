@@ -1,0 +1,109 @@
+"""The prefetches a node holds for jobs, their budgets, and the file that keeps them.
+
+A prefetch is ``active`` from its start until its job's own request asks for its data
+(``used``), until it is cancelled, its name deleted or it expires unused (``wasted``),
+or until its staging fails (``failed``). Only active
+prefetches count against the budgets: bytes staged for jobs that have not started.
+Ended ones are kept until ``prefetch_expire_s`` after their start, so that the job's
+status can still say it was pre-staged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stager.core.errors import TooManyRequests
+from stager.core.settings import Settings
+
+
+@dataclass
+class Prefetch:
+    job: int
+    uid: int
+    gid: int
+    dataset: str  # the declared name
+    name: str  # the prefetch's own name among the user's datasets
+    key: str
+    bytes: int  # its size once ready, its estimate before
+    started_at: float  # epoch seconds
+    state: str = "active"  # active, used, wasted, failed
+
+
+def prefetch_name(job: int, dataset: str) -> str:
+    """The prefetch's own name: the user sees it in ``stager-client ls``; their job's
+    request names the dataset as declared, and its name stays theirs."""
+    return f"prefetch-{job}-{dataset}"[:128]
+
+
+class Book:
+    def __init__(self, prefetches: list[Prefetch] | None = None) -> None:
+        self.prefetches: dict[tuple[int, str], Prefetch] = {
+            (p.job, p.dataset): p for p in prefetches or []
+        }
+
+    def active(self) -> list[Prefetch]:
+        return [p for p in self.prefetches.values() if p.state == "active"]
+
+    def of_job(self, job: int) -> list[Prefetch]:
+        return [p for p in self.prefetches.values() if p.job == job]
+
+    def waiting_for(self, uid: int, key: str) -> list[Prefetch]:
+        """Active prefetches of ``uid``'s jobs for the data of ``key``."""
+        return [p for p in self.active() if (p.uid, p.key) == (uid, key)]
+
+    def job_for(self, uid: int, key: str) -> int | None:
+        """The job for which ``uid``'s data of ``key`` was pre-staged here, if any."""
+        found = [p for p in self.prefetches.values() if (p.uid, p.key) == (uid, key)]
+        return max(found, key=lambda p: p.started_at).job if found else None
+
+    def check_budget(self, uid: int, more: int, settings: Settings) -> None:
+        """Refuse ``more`` bytes prefetched for ``uid`` past their budget or the node's."""
+        mine = sum(p.bytes for p in self.active() if p.uid == uid)
+        everyone = sum(p.bytes for p in self.active())
+        user_budget, node_budget = (
+            settings.prefetch_user_budget_bytes,
+            settings.prefetch_node_budget_bytes,
+        )
+        if mine + more > user_budget:
+            raise TooManyRequests(
+                f"uid {uid} has {mine} bytes prefetched here for jobs not started, and this "
+                f"one needs {more}: past the user's budget ({user_budget}, "
+                "STAGER_PREFETCH_USER_BUDGET_BYTES); the job stages when it starts"
+            )
+        if everyone + more > node_budget:
+            raise TooManyRequests(
+                f"this node has {everyone} bytes prefetched for jobs not started, and this "
+                f"one needs {more}: past the node's budget ({node_budget}, "
+                "STAGER_PREFETCH_NODE_BUDGET_BYTES); the job stages when it starts"
+            )
+
+    def forget_before(self, when: float) -> None:
+        """Drop the records of ended prefetches started before ``when``."""
+        self.prefetches = {
+            k: p for k, p in self.prefetches.items() if p.state == "active" or p.started_at >= when
+        }
+
+
+def load(path: Path) -> tuple[Book, dict[str, float]]:
+    """The book and the used credentials saved at ``path`` (none when it does not exist)."""
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return Book(), {}
+    book = Book([Prefetch(**p) for p in saved.get("prefetches", [])])
+    return book, {str(d): float(t) for d, t in saved.get("seen", {}).items()}
+
+
+def save(path: Path, book: Book, seen: dict[str, float]) -> None:
+    """Write both at once, durably: a credential counts as used once this returns."""
+    text = json.dumps({"prefetches": [asdict(p) for p in book.prefetches.values()], "seen": seen})
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(text.encode())
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)

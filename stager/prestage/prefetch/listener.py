@@ -1,0 +1,131 @@
+"""The node service's TCP port for the planner's orders: ``POST /v1/prefetches``, and
+nothing else (``prefetch_listen``, docs/prestaging.md).
+
+The service's own socket is a Unix socket, which the planner on the controller cannot
+reach. This port is not the API on TCP: it is a small ASGI app of its own in the same
+process and event loop, handing orders to the app's own :class:`Prefetches` (so the
+book, the spent credentials and the lock are one), and it answers:
+
+- ``POST /v1/prefetches`` with ``Authorization: Munge <credential>`` and a body of at
+  most :data:`ORDER_MAX_BYTES` with its length given: the order, proven exactly as on
+  the socket (stager.prestage.prefetch.authority);
+- without such a header: 401, before a byte of the body is read;
+- a body over the bound or of no stated length: 413 / 411, unread;
+- any other path or method: 404 with one fixed sentence, the body unread. No dataset,
+  metric, health or version ever leaves this port; an order's answer names only what
+  that order did.
+
+Every answer closes its connection (the planner sends one order per connection).
+stager.api.server runs it beside the API on the same loop, its connections bounded as the
+socket's are (stager.api.connections: head timeout, caps), with caps of their own
+(:data:`MAX_CONNECTIONS`), so a flood here cannot take the socket's places.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.types import Receive, Scope, Send
+
+from stager.core.errors import StagerError
+from stager.core.redact import redact_text
+from stager.core.settings import Settings, host_port
+from stager.prestage.prefetch.authority import NotAuthorized, credential_of
+
+ROUTE = "/v1/prefetches"
+# An order is one declared dataset's stage body: job_submit.lua keeps a declaration to
+# 4 KiB, so 64 KiB is far above any genuine order and bounds what a stranger makes us hold.
+ORDER_MAX_BYTES = 64 * 1024
+# The planner's sends to one node are a handful at once; strangers get no more.
+MAX_CONNECTIONS = 64
+NOT_HERE = "this port takes the planner's prefetch orders only (POST /v1/prefetches)"
+
+
+class ListenError(Exception):
+    """Why the listener cannot start, as one sentence."""
+
+
+def bind(settings: Settings) -> socket.socket:
+    """The listening socket for ``prefetch_listen``, bound now: a taken or foreign
+    address stops the service's start with a sentence, before anything else starts."""
+    text = settings.prefetch_listen or ""
+    host, port = host_port(text)
+    fix = "give STAGER_PREFETCH_LISTEN (--prefetch-listen) an address of this node and a free port"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ListenError(
+            f"--prefetch-listen {text}: {host} is not an address ({exc.strerror}); {fix}"
+        ) from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(MAX_CONNECTIONS)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(
+            f"--prefetch-listen {text}: cannot listen there ({exc.strerror}); {fix}"
+        ) from exc
+    sock.setblocking(False)
+    return sock
+
+
+class Orders:
+    """The port's ASGI app."""
+
+    def __init__(self, prefetches: Any) -> None:
+        self.prefetches = prefetches  # stager.prestage.prefetch.service.Prefetches
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] != "POST" or scope["path"] != ROUTE:
+            await _answer(send, 404, error_content("not_found", NOT_HERE))
+            return
+        headers = Headers(scope=scope)
+        header = headers.get("authorization")
+        try:
+            credential_of(header)
+        except NotAuthorized as exc:
+            await _answer(send, exc.status, error_content(exc.type, exc.message))
+            return
+        length = headers.get("content-length", "")
+        if not length.isdigit():
+            sentence = "an order states its length (Content-Length)"
+            await _answer(send, 411, error_content("length_required", sentence))
+            return
+        if int(length) > ORDER_MAX_BYTES:
+            sentence = f"an order is at most {ORDER_MAX_BYTES} bytes; this one says {length}"
+            await _answer(send, 413, error_content("body_too_large", sentence))
+            return
+        body, more = b"", True
+        while more:  # no more than its length: the server holds the client to it
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        try:
+            done = await self.prefetches.order(header, body)
+        except StagerError as exc:
+            await _answer(send, exc.status, error_content(exc.type, exc.message))
+            return
+        await _answer(send, 200, {"data": done, "count": len(done)})
+
+
+def error_content(type_: str, message: str) -> dict:
+    """The API's error shape (stager.api.errors), a URL's secrets masked."""
+    return {"error": {"type": type_, "message": redact_text(message)}}
+
+
+async def _answer(send: Send, status: int, content: dict) -> None:
+    body = json.dumps(content).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

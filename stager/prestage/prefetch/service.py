@@ -1,0 +1,272 @@
+"""The node side of a prefetch: stage a job's declared dataset as the job's user, before
+the job starts, through the very path that user's own request takes.
+
+An order (stager.prestage.prefetch.authority, proven by Slurm's MUNGE identity) becomes an
+ordinary ``engine.submit`` as the job's user (their uid, the job's gid, their groups
+from the group database), under a name of its own (``prefetch-JOB-DATASET``): the same
+per-user process, checks, quota and cache key as the user's own request, so what the
+user may not read fails, and the job's ``stage --from-script`` at start is a hit on the
+same key. Besides, a prefetch:
+
+- is low in the fair queue (stager.engine.admission.PREFETCHING): any other queued staging
+  goes first, and at most ``prefetch_max_running`` prefetches stage at once;
+- holds a lease (holder ``prefetch-job-JOB``, taken with its name) until used,
+  cancelled, failed or expired, so that nobody's eviction takes it before its job
+  starts; it never evicts leased data itself (admission never does);
+- counts against a per-user and a per-node budget of bytes for jobs not started,
+  checked by admission before anything is queued or named;
+- is **used** when its user's own request asks for its data: its lease and name go,
+  the user's own name keeps the data; it is **wasted** (counted, bytes and all) when
+  cancelled, expired unused or its name deleted, and its data is dropped unless
+  another name holds it; it is **failed** when its staging failed (nothing is kept).
+  Each prefetch ends once, in one of these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stager.core.errors import BadRequest, Forbidden, NotFound, StagerError
+from stager.core.identity import Caller
+from stager.core.metrics import Metrics
+from stager.core.settings import Settings
+from stager.engine.admission import PREFETCH_HOLDER, PREFETCHING
+from stager.prestage.prefetch import book as books
+from stager.prestage.prefetch.authority import PrefetchOrder, Seen, job_user, verify
+from stager.prestage.prefetch.book import Book, Prefetch, prefetch_name
+from stager.staging.blocking import run_io
+from stager.state.dataset import State
+from stager.wire.schemas import DatasetPublic, LeaseCreate
+
+log = logging.getLogger("stager.prestage.prefetch")
+
+
+def _holder(job: int) -> str:
+    return f"{PREFETCH_HOLDER}{job}"
+
+
+class Prefetches:
+    def __init__(self, engine: object, settings: Settings, metrics: Metrics) -> None:
+        self.engine = engine  # stager.engine.scheduler.Engine
+        self.settings, self.metrics = settings, metrics
+        self.book, self.seen = Book(), Seen()
+        self._loaded = False
+        self._sweeper: asyncio.Task[None] | None = None
+        # One order at a time: budgets and the book are decided on what came before.
+        self._lock = asyncio.Lock()
+        # Told of each prefetch's request (stager.prestage.placement names its node feature).
+        self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
+
+    async def start(self) -> None:
+        """Load what the last run kept, tell the engine's status views of it, and expire
+        unused prefetches every minute (node service only)."""
+        if not self.settings.multi_user:
+            return
+        await self._load()
+        self.engine.prestaged = self.job_for
+        self._sweeper = asyncio.ensure_future(self._sweep_every(60.0))
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+
+    async def _sweep_every(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep()
+            except (StagerError, OSError):
+                log.exception("could not expire unused prefetches")
+
+    async def _load(self) -> None:
+        if not self._loaded:
+            self.book, seen = await run_io(books.load, self.settings.prefetch_path)
+            self.seen = Seen(seen)
+            self._loaded = True
+
+    async def _save(self) -> None:
+        await run_io(books.save, self.settings.prefetch_path, self.book, self.seen.entries)
+
+    async def order(self, header: str | None, body: bytes) -> list[dict]:
+        """Carry out a proven order; what each of its prefetches is now."""
+        if not self.settings.multi_user:
+            raise Forbidden("only the node service (stager serve --multi-user) takes prefetches")
+        async with self._lock:
+            await self._load()
+        # Outside the lock: a flood of bad credentials (one unmunge each) must not hold
+        # up the planner's orders. Claiming a credential is one step on the event loop.
+        try:
+            order = await verify(header, body, self.settings, self.seen)
+            user = await run_io(job_user, order)
+        except StagerError:
+            self.metrics.prefetches.labels(outcome="refused").inc()
+            raise
+        async with self._lock:
+            await self._save()  # the credential is spent before anything is done
+            await self._expire()
+            if order.action == "cancel":
+                done = await self._cancel(order, user)
+            else:
+                done = [await self._stage(order, user)]
+            await self._save()
+        return [_public(p) for p in done]
+
+    async def _stage(self, order: PrefetchOrder, user: Caller) -> Prefetch:
+        engine = self.engine
+        body = dict(order.request or {})
+        if not isinstance(body.get("name"), str):
+            raise BadRequest("a prefetch's request names its dataset ('name'), as stage does")
+        dataset = body["name"]
+        known = self.book.prefetches.get((order.job, dataset))
+        if known is not None and known.state == "active" and known.uid == order.uid:
+            return known  # sent again (the planner restarted, slurmctld re-ran a hook)
+        name = prefetch_name(order.job, dataset)
+        # Neither a link nor a lease of the planner's, nor an adoption: a prefetch is the
+        # declaration's data only, read from its source by the job's user. Its own lease
+        # comes with its name, in the same step (how a requeue knows it is a prefetch's).
+        lease = LeaseCreate(holder=_holder(order.job), ttl_s=self.settings.prefetch_expire_s)
+        body.update(name=name, link=None, lease=lease.model_dump(), adopt=None)
+        try:
+            request = engine.ops.request_model().model_validate(body)
+        except ValueError as exc:
+            raise BadRequest(f"the prefetch's request is not a stage request: {exc}") from exc
+        started = time.time()
+
+        def budget(estimate: int) -> None:  # admission's, before anything is queued
+            try:
+                self.book.check_budget(order.uid, estimate, self.settings)
+            except StagerError:
+                self.metrics.prefetches.labels(outcome="refused").inc()
+                raise
+
+        token = PREFETCHING.set(budget)
+        try:
+            view, ready = await engine.submit(request, user)
+        finally:
+            PREFETCHING.reset(token)
+        self.requested_as(request, user, view)
+        entry = engine.registry.entries.get(view.key)
+        size = view.size_bytes if ready else (entry.estimate_bytes if entry else 0)
+        prefetch = Prefetch(
+            job=order.job,
+            uid=order.uid,
+            gid=order.gid,
+            dataset=dataset,
+            name=name,
+            key=view.key,
+            bytes=size,
+            started_at=started,
+        )
+        self.book.prefetches[(order.job, dataset)] = prefetch
+        self.metrics.prefetches.labels(outcome="started").inc()
+        self.metrics.prefetch_bytes.labels(outcome="started").inc(size)
+        log.info("prefetch for job %s: %s as uid %s (%s)", order.job, dataset, order.uid, view.key)
+        return prefetch
+
+    async def _cancel(self, order: PrefetchOrder, user: Caller) -> list[Prefetch]:
+        found = [p for p in self.book.of_job(order.job) if p.state == "active"]
+        if any(p.uid != order.uid for p in found):
+            raise Forbidden(f"job {order.job}'s prefetches here are another user's")
+        for prefetch in found:
+            await self._drop(prefetch, user, "wasted")
+        return found
+
+    def _entry(self, prefetch: Prefetch) -> Any:
+        """The entry its name shows now (a staging moved to its user's own copy), if any."""
+        reg = self.engine.registry
+        handle = reg.handles.get((prefetch.uid, prefetch.name))
+        if handle is not None and handle.ended is None:
+            prefetch.key = handle.key
+        return reg.entries.get(prefetch.key)
+
+    async def _drop(self, prefetch: Prefetch, user: Caller, outcome: str) -> None:
+        """End ``prefetch``: its lease and name go; its data too, unless another name (its
+        user's own request) holds it."""
+        engine = self.engine
+        entry = self._entry(prefetch)
+        if entry is not None and entry.state in (State.READY, State.EVICTED):
+            prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
+        elif entry is not None and entry.active:
+            prefetch.bytes = entry.progress.snapshot().bytes_done
+        else:
+            prefetch.bytes = 0  # failed or gone: nothing of it is on the disk
+        prefetch.state = outcome
+        self.metrics.prefetches.labels(outcome=outcome).inc()
+        if outcome != "failed":
+            self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
+        with contextlib.suppress(NotFound):  # its user cancelled the name already
+            await engine.release(prefetch.name, user, holder=_holder(prefetch.job))
+            await engine.delete(prefetch.name, user)  # the data, unless another name has it
+            await engine.delete(prefetch.name, user)  # the ended name: forgotten
+
+    async def _expire(self) -> None:
+        """End what no longer waits for its job: failed stagings (they hold no budget and
+        no lease), names their user deleted, and prefetches unused past
+        ``prefetch_expire_s`` (wasted)."""
+        horizon = time.time() - self.settings.prefetch_expire_s
+        reg = self.engine.registry
+        for prefetch in self.book.active():
+            entry = self._entry(prefetch)
+            handle = reg.handles.get((prefetch.uid, prefetch.name))
+            if entry is not None and entry.state == State.FAILED:
+                outcome = "failed"
+            elif handle is None or handle.ended is not None or prefetch.started_at < horizon:
+                outcome = "wasted"
+            else:
+                continue
+            await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), outcome)
+        self.book.forget_before(horizon)
+
+    async def sweep(self) -> None:
+        """Expire what is due (called on the engine's sweep interval)."""
+        async with self._lock:
+            await self._load()
+            if self.book.active():
+                await self._expire()
+                await self._save()
+
+    async def requested(self, caller: Caller, view: DatasetPublic) -> None:
+        """A user's own request was answered with ``view``: the prefetches of that user
+        for its data are used. Their staging time is hidden when the data was ready."""
+        if not self._loaded or not self.book.waiting_for(caller.uid, view.key):
+            return
+        async with self._lock:
+            for prefetch in self.book.waiting_for(caller.uid, view.key):
+                if prefetch.name == view.name:
+                    continue
+                prefetch.state = "used"
+                self.metrics.prefetches.labels(outcome="used").inc()
+                # Joined while still staging: its estimate, as it started.
+                used = view.size_bytes if view.state == State.READY else prefetch.bytes
+                self.metrics.prefetch_bytes.labels(outcome="used").inc(used)
+                if view.state == State.READY:
+                    hidden = view.updated_at.timestamp() - prefetch.started_at
+                    self.metrics.prefetch_hidden_seconds.inc(max(0.0, hidden))
+                with contextlib.suppress(NotFound):
+                    await self.engine.release(prefetch.name, caller, holder=_holder(prefetch.job))
+                    await self.engine.delete(prefetch.name, caller)
+            await self._save()
+        view.prestaged_for_job = self.book.job_for(caller.uid, view.key)
+
+    def job_for(self, uid: int, key: str) -> int | None:
+        """For a dataset's status: the job its data was pre-staged for here."""
+        return self.book.job_for(uid, key) if self._loaded else None
+
+
+def _public(prefetch: Prefetch) -> dict:
+    return {
+        "job": prefetch.job,
+        "dataset": prefetch.dataset,
+        "name": prefetch.name,
+        "key": prefetch.key,
+        "uid": prefetch.uid,
+        "state": prefetch.state,
+        "bytes": prefetch.bytes,
+    }

@@ -1,0 +1,1 @@
+"""A request's checks and expansion: sources, recipes, the cache key."""

@@ -1,0 +1,1 @@
+"""One staging: its process, the doorway to blocking work, its output published."""

@@ -1,0 +1,1 @@
+"""The daemon's books: entries, leases, their store, eviction, the state log, each entry's place under data/."""

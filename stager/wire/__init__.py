@@ -1,0 +1,1 @@
+"""What the client and the daemon share: wire models, manifests, command-line parts."""
