@@ -151,10 +151,10 @@ class Registry:
         layout: Layout | None = None,
     ) -> None:
         self.settings = settings
-        # Where each entry lives under data/ (a user's own copy: behind its gate).
-        self.layout = layout or Layout.load(settings)
         # What differs between a tree and an image (stager.kinds): asked, never tested.
         self.kinds = kinds or Kinds(settings)
+        # Where each entry lives under data/ (a user's own copy: behind its gate).
+        self.layout = layout or Layout.load(settings, self.kinds.mounted)
         # Acts with a user's rights (stager.engine.scheduler.Engine.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon

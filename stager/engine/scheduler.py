@@ -140,7 +140,7 @@ class Engine:
         store = await run_io(Store, self.settings.db_path, self.ops)
         trash = Trash(self.settings.partial_dir, self._spawn)
         self._crash = CrashPoints(self.settings.crash_after)
-        layout = await run_io(Layout.load, self.settings)
+        layout = await run_io(Layout.load, self.settings, self.kinds.mounted)
         self.registry = Registry(
             self.settings,
             store,

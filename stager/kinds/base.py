@@ -97,6 +97,9 @@ class Kind(Protocol):
     kind subclasses it, and keeps the defaults where it has nothing to do."""
 
     name: str
+    # Whether its place under data/ is a mount, which the kernel's mount table lists to
+    # every user: then even a user's own daemon names it opaquely (stager.state.layout).
+    mounted: bool = False
 
     def asked(self, request: DatasetCreate, steps: list[Any], ops: Any) -> bool:
         """Whether ``request`` (expanded to ``steps``) asks for this kind."""

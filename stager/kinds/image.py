@@ -48,6 +48,7 @@ log = logging.getLogger("stager.kinds.image")
 
 class Image(Kind):
     name = "image"
+    mounted = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

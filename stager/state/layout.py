@@ -1,7 +1,9 @@
 """Where a cache entry lives under ``data/``: the one place that says it.
 
-* **Shared** entries, and every entry of a per-user daemon: ``data/<key>`` (and an
-  image's file beside it, ``data/<key>.erofs``). Anyone may read them anyway.
+* **Shared** entries, and a per-user daemon's trees: ``data/<key>`` (and an image's
+  file beside it, ``data/<key>.erofs``). Anyone may read a shared one anyway; a
+  per-user daemon's cache is its user's 0700 folder (stager.request.preflight), where
+  nobody else may look up any path.
 * **A user's own copy** in the node service: ``data/u/<G>/dataset`` (an image's file
   ``data/u/<G>/dataset.erofs``), where ``G`` is an HMAC of the key under the node's
   secret (``<cache>/secret``, 32 random bytes, root's 0600, made at the first start).
@@ -26,7 +28,19 @@
 A private image is mounted from its file, not a loop device, where the kernel can
 (EROFS, Linux 6.12+): a loop device's size is in ``/sys/block/loopN/size`` for all.
 
-An earlier release kept private copies at ``data/<key>``; :meth:`Layout.old_place`
+**A user's own daemon** is not the service: everything in its cache is its user's,
+behind their 0700 folder, so no gate's rights are needed there. What its folder does
+not hide is the mount table: each image (squashfs or EROFS, mounted by the user with
+FUSE) is listed there, and a mount point ``data/<key>`` would tell anyone who worked
+out the key (the same hash of the request as theirs) that its user holds that dataset.
+So a kind whose place is a mount (``mounted``, stager.kinds) lives behind a gate there
+too, ``data/u/<G>/dataset``, ``G`` an HMAC under the user's own secret (their 0600
+``<cache>/secret``), the gate and ``data/u/`` their 0700 folders. That a FUSE mount is
+theirs, the kernel says anyway (its ``user_id=``, and the default cache's path); a
+squashfuse_ll or erofsfuse mount names no file.
+
+An earlier release kept private copies (and a user's daemon its images) at
+``data/<key>``; :meth:`Layout.old_place`
 names that, and the registry moves them at its start (stager.engine.lifecycle).
 """
 
@@ -37,6 +51,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 from stager.core.settings import Settings
@@ -51,19 +66,27 @@ SECRET_BYTES = 32
 
 
 class Layout:
-    def __init__(self, data_dir: Path, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        secret: bytes | None = None,
+        mounted: Callable[[Entry], bool] | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.users_dir = data_dir / USERS
-        self._secret = secret  # None: a per-user daemon, every entry at data/<key>
+        self._secret = secret  # None: every entry at data/<key>
+        # None: the node service, where a user's own copy is gated; else a per-user
+        # daemon, where an entry whose kind's place is a mount is.
+        self._mounted = mounted
         self._gates: dict[str, Path] = {}  # key -> its gate, as computed once
 
     @classmethod
-    def load(cls, settings: Settings) -> Layout:
-        """The node service's layout, with its secret (made now if this is the first
-        start); a per-user daemon's, without one. Blocks: called through ``run_io``."""
-        if not settings.multi_user:
-            return cls(settings.data_dir)
-        return cls(settings.data_dir, _secret(settings.cache_dir / "secret"))
+    def load(cls, settings: Settings, mounted: Callable[[Entry], bool]) -> Layout:
+        """This daemon's layout, with its secret (made now if this is the first start).
+        ``mounted``: whether an entry's kind mounts it (stager.kinds.table.Kinds).
+        Blocks: called through ``run_io``."""
+        secret = _secret(settings.cache_dir / "secret")
+        return cls(settings.data_dir, secret, None if settings.multi_user else mounted)
 
     def final(self, entry: Entry) -> Path:
         """Where ``entry``'s tree is published, or its image mounted."""
@@ -87,16 +110,19 @@ class Layout:
 
     def prepare(self, entry: Entry) -> None:
         """The folders ``entry``'s place needs, made and their rights set (again: an
-        admin's chmod is undone): a private copy's gate. Blocks."""
-        owner = private_owner(entry)
-        if not self._private(entry) or owner is None:
+        admin's chmod is undone): a gate. Blocks."""
+        if not self._private(entry):
             return
+        owner = private_owner(entry)  # None in a per-user daemon: every folder its user's
         with contextlib.suppress(FileExistsError):
             os.mkdir(self.users_dir, 0o700)
-        os.chmod(self.users_dir, 0o711)
+        os.chmod(self.users_dir, 0o700 if owner is None else 0o711)
         gate = self.top(entry)
         with contextlib.suppress(FileExistsError):
             os.mkdir(gate, 0o700)
+        if owner is None:
+            os.chmod(gate, 0o700)
+            return
         fd = os.open(gate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             os.setxattr(fd, ACL_XATTR, gate_acl(owner))  # sets the mode bits too
@@ -117,7 +143,12 @@ class Layout:
         return configured
 
     def _private(self, entry: Entry) -> bool:
-        return self._secret is not None and private_owner(entry) is not None
+        """Whether ``entry`` lives behind a gate."""
+        if self._secret is None:
+            return False
+        if self._mounted is not None:
+            return self._mounted(entry)
+        return private_owner(entry) is not None
 
 
 def _secret(path: Path) -> bytes:
