@@ -1,5 +1,6 @@
 """The image kind: a dataset as one read-only EROFS image, mounted at ``data/<key>``
-(a user's own in the node service: at ``data/u/<G>/dataset``, stager.state.layout).
+(a user's own in the node service, and every one of a user's own daemon: at
+``data/u/<G>/dataset``, whose name says nothing in the mount table: stager.state.layout).
 
 Made in the staging process (stager.kinds.imaging) from the steps, or a prebuilt image
 copied; published by renaming it to ``data/<key>.erofs``, beside its mount point (the
@@ -258,11 +259,11 @@ class Image(Kind):
         return done and not built and self.file(entry, shelf) is not None
 
     async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
-        """An image an earlier release published at ``data/<key>.erofs``: its file (and
-        blob) renamed behind its gate, its record stamped again (a rename sets a file's
-        ctime; one found changed is evicted at its check). Its mount at ``old`` stays,
-        for whoever reads in it, until ``settle`` finds it a stray (after ``recover``
-        mounted the file at its place)."""
+        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``): its
+        file (and blob) renamed behind its gate, its record stamped again (a rename sets
+        a file's ctime; one found changed is evicted at its check). Its mount at ``old``
+        stays, for whoever reads in it, until ``settle`` finds it a stray (after
+        ``recover`` mounted the file at its place)."""
         return await run_io(self._move, entry, old, shelf)
 
     @staticmethod
