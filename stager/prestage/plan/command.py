@@ -106,6 +106,9 @@ def serve(planner: Planner, settings: Settings, once: bool) -> int:
         )
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="stager plan: %(message)s", stream=sys.stderr)
+    # httpx logs each request at INFO: one line per order would bury the planner's own
+    # lines (what it ordered and why) at thousands of jobs.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     mapped = f", addresses {','.join(settings.plan_node_addresses)}"
     log.info(
         "planning every %g s, horizon %g s, orders to each node's port %d%s",

@@ -168,6 +168,8 @@ def test_the_service_stages_retargets_cancels_and_retries_a_node_that_was_down(
         seen = planner.intervals()
         assert abs(queue.count() - seen) <= 1, (queue.count(), seen)
         assert "orders sent" in planner.log() and "squeue " in planner.log()
+        # The planner's own lines, not one of httpx's per order sent.
+        assert "HTTP Request:" not in planner.log(), planner.log()
 
         # SIGTERM: stopped at once, exit 0.
         began = time.monotonic()
@@ -250,7 +252,7 @@ def test_sigterm_stops_it_at_once_while_squeue_does_not_answer(
     munge_socket: Path,  # noqa: F811
 ) -> None:
     """slurmctld down: squeue waits for it (9 s here, until its timeout at worst). The
-    planner still stops within a second: the call is killed, not waited for."""
+    planner still stops at once: the call is killed, not waited for."""
     queue = Queue(shared_tmp / "bin")
     program = queue.folder / "squeue"
     program.write_text(f"#!/bin/sh\necho x >> {queue.calls}\nexec sleep 60\n")
@@ -260,6 +262,9 @@ def test_sigterm_stops_it_at_once_while_squeue_does_not_answer(
         began = time.monotonic()
         planner.process.send_signal(signal.SIGTERM)
         assert planner.process.wait(5) == 0, planner.log()
-        assert time.monotonic() - began < 1.0
+        # squeue would answer in 60 s: well under that, it was killed, not waited for
+        # (the bound is loose because a loaded machine slows the interpreter's exit:
+        # 1.4 s at a load of 13 on 2 cores)
+        assert time.monotonic() - began < 5.0
     finally:
         planner.stop()
