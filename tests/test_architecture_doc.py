@@ -73,10 +73,10 @@ def daemon_modules() -> list[Path]:
 
 
 def test_the_fanout_hooks_the_map_lists_are_the_ones_the_engine_calls() -> None:
-    from tests.stager.test_fanout_hooks import fanout_uses
+    from tests.stager.test_fanout_hooks import engine_fanout_uses
 
     listed = set(re.findall(r"`(\w+)` \(", marked(DOC.read_text(), "hooks", "tests/stager")))
-    used = fanout_uses(parsed(REPO / "stager" / "engine" / "scheduler.py"))
+    used = engine_fanout_uses()
     assert listed == used, f"the map lists {sorted(listed)}, the engine calls {sorted(used)}"
 
 

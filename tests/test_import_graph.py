@@ -166,9 +166,8 @@ def test_the_manifest_format_needs_only_the_standard_library():
 def test_importing_every_client_module_loads_only_the_wire_layer_of_stager():
     loaded = loaded_modules(*(m for m in modules(REPO / "client") if not m.endswith("__main__")))
     assert "client.fanout.agent" in loaded
-    beyond = sorted(
-        m for m in loaded if in_stager(m) and m not in WIRE | WIRE_STANDS_ON | {ROOT, WIRE_PACKAGE}
-    )
+    known = WIRE | WIRE_STANDS_ON | {ROOT, WIRE_PACKAGE}
+    beyond = sorted(m for m in loaded if in_stager(m) and m not in known)
     assert not beyond, f"importing the client loads {beyond}"
 
 
@@ -205,9 +204,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         # The dataset kinds (a tree, an image: publish, hit, recovery, delete, export),
         # and the space evicted ones still hold.
         ("kinds", {"stager.kinds", "stager.engine.held_space"}),
-        # The life of entries, then the staging loop that decides on it.
+        # The life of entries, a staging's job and bounds, then the staging loop that
+        # decides on it; then users' names of entries, and a request resolved to one.
         ("lifecycle", {"stager.engine.lifecycle"}),
+        ("job", {"stager.engine.job"}),
         ("engine", {"stager.engine.scheduler"}),
+        ("names", {"stager.engine.names"}),
+        ("requests", {"stager.engine.requests"}),
         # Pre-staging: the planner's orders, proven, made into the engine's own requests
         # (node side); the planner (controller side), a client of the node services; the
         # node features for the data a node holds.
@@ -315,3 +318,40 @@ def test_a_c_library_loaded_elsewhere_is_found():
     source = "import ctypes, ctypes.util\nlibc = ctypes.CDLL(ctypes.util.find_library('c'))\n"
     assert c_library_loads(source) == [2, 2]
     assert c_library_loads("from ctypes import CDLL\nCDLL(None)\n") == [2]
+
+
+# The engine only schedules (issue 41): the staging loop, within these bounds, and what a
+# request is (stager/engine/requests.py) or a name (names.py) elsewhere. It was 968 lines
+# importing 22 of stager's modules.
+ENGINE, ENGINE_LINES, ENGINE_ROOMS = REPO / "stager" / "engine" / "scheduler.py", 400, 10
+
+
+def rooms_of(path: Path) -> set[str]:
+    """The modules of stager that ``path`` imports anywhere (type-only ones too)."""
+    return {m for m in imported(path, modules(REPO / "stager")) if in_stager(m)}
+
+
+def test_the_engine_stays_small_and_stands_on_few_rooms():
+    lines = len(ENGINE.read_text().splitlines())
+    rooms = sorted(rooms_of(ENGINE))
+    assert lines <= ENGINE_LINES, (
+        f"stager/engine/scheduler.py has {lines} lines, past {ENGINE_LINES}: what is not the "
+        "staging loop (queue, run, publish) belongs to requests.py, names.py or job.py"
+    )
+    assert len(rooms) <= ENGINE_ROOMS, (
+        f"stager/engine/scheduler.py imports {len(rooms)} modules of stager, past "
+        f"{ENGINE_ROOMS}: {rooms}"
+    )
+
+
+def test_the_engine_bound_counts_every_import(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom stager.core import errors\n"
+        "if TYPE_CHECKING:\n    from stager.state.dataset import Entry\n"
+        "def f():\n    from stager.staging.blocking import run_io\n"
+    )
+    assert rooms_of(tmp_path / "m.py") == {
+        "stager.core.errors",
+        "stager.state.dataset",
+        "stager.staging.blocking",
+    }

@@ -18,6 +18,8 @@ from stager.api.routes.fanout import fanout_router
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.lifecycle import state_counts
+from stager.engine.names import Names
+from stager.engine.requests import Requests
 from stager.engine.scheduler import Engine
 from stager.prestage.placement.service import Placement
 from stager.prestage.prefetch.service import Prefetches
@@ -34,7 +36,9 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     """Build the daemon's app. ``token``: require this bearer token on every request."""
     metrics = Metrics()
     engine = Engine(settings, metrics)
-    prefetched = Prefetches(engine, settings, metrics)
+    names = Names(engine)
+    requests = Requests(engine, names)
+    prefetched = Prefetches(requests, settings, metrics)
     placement = Placement(engine, settings)
     prefetched.requested_as = placement.requested  # a prefetch names its data's feature too
     metrics.watch_states(
@@ -52,6 +56,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
             # exits instead of waiting on a child that will not end by itself.
             await engine.stop()
             raise
+        await requests.start()
         await prefetched.start()
         await placement.start()
         try:
@@ -73,6 +78,8 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = engine
+    app.state.requests = requests
+    app.state.names = names
     app.state.metrics = metrics
     app.state.prefetches = prefetched
     app.state.placement = placement

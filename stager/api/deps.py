@@ -5,7 +5,7 @@ its thread pool, a hand-off to a thread and back (~0.2 ms) on every request."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 
@@ -13,19 +13,18 @@ from stager.core.errors import StagerError
 from stager.core.identity import SCOPE_KEY, Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
+from stager.engine.names import Names
+from stager.engine.requests import Requests
 from stager.engine.scheduler import Engine
 
 
-async def get_engine(request: Request) -> Engine:
-    return request.app.state.engine
+def _state(name: str) -> Any:
+    """A dependency on ``app.state.<name>``: the engine, requests, names and the like."""
 
+    async def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
-
-
-async def get_metrics(request: Request) -> Metrics:
-    return request.app.state.metrics
+    return Depends(get)
 
 
 class Unauthorized(StagerError):
@@ -47,12 +46,14 @@ async def get_caller(request: Request) -> Caller:
     return Caller.of_process()
 
 
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[Engine, _state("engine")]
+RequestsDep = Annotated[Requests, _state("requests")]
+NamesDep = Annotated[Names, _state("names")]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 # root acting on another user's dataset names; anyone else may only name themselves.
 OwnerQuery = Annotated[
     int | None,
     Query(ge=0, le=2**32 - 2, description="uid whose dataset name this is (root only)"),
 ]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+SettingsDep = Annotated[Settings, _state("settings")]
+MetricsDep = Annotated[Metrics, _state("metrics")]

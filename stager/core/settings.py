@@ -439,7 +439,8 @@ class Settings(BaseSettings):
         default_text="off",
         help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
-        "or SlurmUser), e.g. 0.0.0.0:8766",
+        "or SlurmUser; GET /v1/copies, another planned node's copy, with the planner's copy "
+        "credential), e.g. 0.0.0.0:8766",
     )
     prefetch_max_running: int = setting(
         1,
@@ -454,6 +455,14 @@ class Settings(BaseSettings):
         cli=(),
         help="node service: seconds a prefetch its job has not used is kept; then it is "
         "dropped and its bytes counted as wasted",
+    )
+    prefetch_copy_wait_s: float = setting(
+        3600.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds another planned node's copy waits here for this node's "
+        "prefetch of the same job to be ready before it gives up (that node's job then "
+        "stages at its start)",
     )
     # ---- placement: node features for the data held here (stager.prestage.placement) ----
     slurm_node_features: bool = setting(

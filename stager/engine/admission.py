@@ -51,7 +51,7 @@ from stager.state.leases import Lease
 
 log = logging.getLogger("stager.engine.admission")
 
-# Set by the prefetch service around its engine.submit to the prefetch's budget check
+# Set by the prefetch service around its Requests.submit to the prefetch's budget check
 # (raises past it, given the staging's estimate): the stagings it queues are low. A
 # context variable rather than a parameter through the engine: only admission reads it,
 # and the engine's request path stays the very one a user's request takes.

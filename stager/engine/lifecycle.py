@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from stager.core import slurm
 from stager.core.durable import CrashPoints, Durable
 from stager.core.errors import BadRequest, StagerError
 from stager.core.metrics import Metrics
@@ -44,6 +45,7 @@ from stager.fs.seal import Seal
 from stager.image.published import ImageRecord
 from stager.kinds.base import Outcome
 from stager.kinds.table import Kinds
+from stager.request.preflight import ensure_dirs
 from stager.staging.blocking import run_io
 from stager.staging.publish import (
     DISCARDED_PREFIX,
@@ -155,7 +157,7 @@ class Registry:
         self.kinds = kinds or Kinds(settings)
         # Where each entry lives under data/ (a user's own copy: behind its gate).
         self.layout = layout or Layout.load(settings, self.kinds.mounted)
-        # Acts with a user's rights (stager.engine.scheduler.Engine.as_user): their links, their
+        # Acts with a user's rights (stager.staging.blocking.Processes.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon
         self.metrics = metrics
@@ -213,6 +215,8 @@ class Registry:
             self.changed.notify_all()
 
     async def close(self) -> None:
+        # A kind's close may unmount (squashfs: fusermount3 per image): a thread's work.
+        await run_io(self.kinds.close)
         await run_io(self._store.close)
 
     async def save_progress(self, entries: list[Entry]) -> None:
@@ -302,9 +306,7 @@ class Registry:
         crash or stop interrupted, deletions in progress. An active entry's data/<key>
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
-        kept = {
-            self.layout.top(e) for e in self.entries.values() if e.active or e.state == State.READY
-        }
+        kept = {self.layout.top(e) for e in self.entries.values() if e.live}
         found = [
             c
             for c in self.settings.partial_dir.iterdir()
@@ -406,6 +408,24 @@ class Registry:
     async def release(self, lease: Lease) -> None:
         self.leases.pop(lease.id, None)
         await self.durable(Durable.RELEASED, self._store.delete_lease, lease.id)
+
+    async def drop_dead_leases(self, owner: int | None = None) -> int:
+        """Drop leases past their time or their job (``owner``: that user's alone)."""
+        leases = [x for x in self.leases.values() if owner is None or x.owner == owner]
+        # SLURM is asked once per job, not per lease, and about every job at once: one
+        # slow answer must not hold a sweep for minutes.
+        jobs = sorted({x.slurm_job_id for x in leases if x.slurm_job_id is not None})
+        answers = await asyncio.gather(*(run_io(slurm.job_alive, job) for job in jobs))
+        alive_by_job = dict(zip(jobs, answers, strict=True))
+        dropped = 0
+        for lease in leases:
+            alive = alive_by_job.get(lease.slurm_job_id) if lease.slurm_job_id else None
+            if lease.expired() or alive is False:
+                why = "expired" if lease.expired() else "job ended"
+                log.info("dropping lease %s of %s (%s)", lease.id, lease.holder, why)
+                await self.release(lease)
+                dropped += 1
+        return dropped
 
     # ---- an attempt stages it ------------------------------------------------------
 
@@ -593,6 +613,21 @@ class Registry:
                 f"link {link} could not be created ({exc.strerror}); choose a --link "
                 "path in a folder you can write"
             ) from exc
+
+
+async def open_registry(
+    settings: Settings, metrics: Metrics, ops: Any, spawn: Callable[[Any, str], None],
+    as_user: AsUser,
+) -> Registry:  # fmt: skip
+    """The registry of a starting daemon: the cache's folders made, the store opened
+    (``ops`` types its steps), the trash, the crash hook and the dataset kinds."""
+    await run_io(ensure_dirs, settings)
+    store = await run_io(Store, settings.db_path, ops)
+    trash = Trash(settings.partial_dir, spawn)
+    crash = CrashPoints(settings.crash_after)
+    kinds = Kinds(settings)
+    layout = await run_io(Layout.load, settings, kinds.mounted)
+    return Registry(settings, store, metrics, trash, crash, as_user, kinds, layout)
 
 
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -66,6 +67,7 @@ from stager.fanout.packing import (
 from stager.fs.credentials import Reader
 from stager.ops import table
 from stager.ops.base import CheckContext
+from stager.ops.copy_from_node import CopyFromNodeStep
 from stager.staging.blocking import run_io
 from stager.staging.publish import remove_delivery
 from stager.state.dataset import Entry, State
@@ -104,10 +106,11 @@ class Transfers:
     """The books of one kind of transfer (exports or deliveries) under one folder, each
     by its key (:func:`transfer_key`)."""
 
-    def __init__(self, root: Path, kind: str) -> None:
+    def __init__(self, root: Path, kind: str, changed: Callable[[], None] = lambda: None) -> None:
         self.root = root
         self.kind = kind  # "export" or "delivery", for messages
         self._live: dict[str, Transfer] = {}
+        self._changed = changed  # told of every booking and every transfer gone
 
     def live(self) -> list[Transfer]:
         return list(self._live.values())
@@ -127,6 +130,7 @@ class Transfers:
         if owner is not None:
             transfer.owner, transfer.group = owner.uid, owner.gid
         self._live[key] = transfer
+        self._changed()
         return transfer
 
     def renew(self, key: str, ttl_s: float) -> Transfer:
@@ -149,17 +153,39 @@ class Transfers:
     def pop(self, key: str) -> Transfer:
         transfer = self.get(key)
         del self._live[key]
+        self._changed()
         return transfer
 
     def keep(self, key: str, transfer: Transfer) -> None:
         """Back on the books: one taken off (expired) that could not be removed yet."""
         self._live.setdefault(key, transfer)
+        self._changed()
 
     def expired(self) -> dict[str, Transfer]:
         """Unclaimed transfers past their time, taken off the books, by key."""
         now = _now()
         gone = [k for k, t in self._live.items() if t.expires_at <= now and not t.claimed]
-        return {key: self._live.pop(key) for key in gone}
+        expired = {key: self._live.pop(key) for key in gone}
+        self._changed()
+        return expired
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """A prefetch that copies its data from another planned node of its job
+    (stager.prestage.prefetch): that node's name and prefetch port (HOST:PORT), the
+    planner's copy credential for it, and the order that credential signs."""
+
+    node: str
+    address: str
+    authorization: str
+    order: bytes
+    job: int
+
+
+# Set by the prefetch service while it submits a copy: the order is the proof, so no
+# request a user sends can ask for one (a wire field could be sent by anyone).
+COPYING: ContextVar[PeerCopy | None] = ContextVar("COPYING", default=None)
 
 
 @dataclass(frozen=True)
@@ -182,11 +208,17 @@ class FanoutRoom:
         self._as_user = as_user
         self._admission = admission.lock  # held while room is promised
         self._admit = admission.make_room  # evicts, or refuses with the sizes
-        self.deliveries = Transfers(settings.incoming_dir, "delivery")
-        self.exports = Transfers(settings.outgoing_dir, "export")
+        # Whether any transfer is booked or export listed: admission asks ``held`` and
+        # ``exporting`` only then, so a request with no fan-out never comes here.
+        self.holding = False
+        self.deliveries = Transfers(settings.incoming_dir, "delivery", self._note)
+        self.exports = Transfers(settings.outgoing_dir, "export", self._note)
         self.plans: dict[str, ExportPlan] = {}  # exports under way, by label
         self._sweeping: set[int | None] = set()  # owners whose deliveries a sweep holds
         self._planning: list[str] = []  # keys of exports being listed (part 0)
+
+    def _note(self) -> None:
+        self.holding = bool(self.deliveries.live() or self.exports.live() or self._planning)
 
     # ---- the engine's hooks ------------------------------------------------------------
 
@@ -200,15 +232,16 @@ class FanoutRoom:
         reader: Reader | None,
         miss: bool,
     ) -> Arrival:
-        """What ``caller``'s ``request`` (expanded to ``steps``, cache key ``key``, or
-        ``shared_key`` were it shared by every user) stages, read with ``reader``'s
-        rights: without a delivery, its own steps, staged here; with one of the
-        caller's, the delivery's steps, checked before admission when it misses (a hit
-        or a join stages nothing)."""
+        """What ``caller``'s ``request`` of a delivery of theirs (expanded to ``steps``,
+        cache key ``key``, or ``shared_key`` were it shared by every user) stages, read
+        with ``reader``'s rights: the delivery's steps, checked before admission when
+        it misses (a hit or a join stages nothing); or a prefetch's copy from another
+        planned node (``COPYING``). Only these come here."""
         adopt = request.adopt
-        if adopt is None:
-            job = request.lease.slurm_job_id if request.lease else None
-            return Arrival(steps, {"how": "staged", "job": job})
+        peer = COPYING.get()
+        if peer is not None and adopt is None:
+            return await self._copied(peer, request, caller, steps, key, miss)
+        assert adopt is not None, "only an adoption or a peer's copy arrives by the room"
         delivery_key = transfer_key(self._owner(caller), adopt.incoming)
         delivery = self.deliveries.get(delivery_key)
         origin = {"how": "broadcast", "node": adopt.origin_node, "job": adopt.job}
@@ -241,6 +274,44 @@ class FanoutRoom:
             )
         )
         return Arrival(adopting, origin, estimate, delivery_key)
+
+    async def _copied(
+        self,
+        peer: PeerCopy,
+        request: DatasetCreate,
+        caller: Caller,
+        steps: list[Any],
+        key: str,
+        miss: bool,
+    ) -> Arrival:
+        """A prefetch copied from ``peer`` (docs/prestaging.md, "4-node job"): one step
+        that receives the source node's ready tree and checks it against the manifest
+        that node's service vouched for, for ``key``, this node's own key for the
+        request (computed as the job's user: what they may not read here, they get no
+        copy of). Its size is the request's own estimate (checked as the user)."""
+        origin = {"how": "broadcast", "node": peer.node, "job": str(peer.job)}
+        if not miss:
+            return Arrival(steps, origin)
+        estimate = int(
+            await self._as_user(
+                caller, check_adoption, self.settings, self.ops.dump_steps(steps),
+                request.verify, self._roots(adopting=False),
+            )
+        )  # fmt: skip
+        step = CopyFromNodeStep(
+            address=peer.address,
+            origin_node=peer.node,
+            authorization=peer.authorization,
+            order=peer.order.decode(),
+            vouch_uid=os.geteuid(),
+            vouch_key=key,
+            munge_socket=str(self.settings.munge_socket) if self.settings.munge_socket else None,
+            # The tar of the tree and its manifest: twice the tree bounds both.
+            limit_bytes=2 * estimate + (64 << 20),
+            wait_s=self.settings.prefetch_copy_wait_s,
+        )
+        copying = self.ops.validate_steps([{"op": "copy_from_node", **step.model_dump()}])
+        return Arrival(copying, origin, estimate)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds. Room promised and not
@@ -350,6 +421,7 @@ class FanoutRoom:
         async with self._admission:
             await self._admit(size, entry.key, self._quota_owner(owner))
             self._planning.append(entry.key)  # never evicted while it is copied
+            self._note()
             transfer = self.exports.add(key, label, size, EXPORT_TTL_S, owner)
         try:
             await run_io(make_folder, transfer)
@@ -358,6 +430,7 @@ class FanoutRoom:
             raise from_os_error(exc, f"copying {entry.key} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+            self._note()
         credential = None
         if self.settings.multi_user and vouch.available():
             socket = self.settings.munge_socket
@@ -633,6 +706,7 @@ class FanoutRoom:
             await self._drop_export(key)  # asked again from the start: a re-run step
         async with self._admission:
             self._planning.append(entry.key)  # from here on, never evicted under the packer
+            self._note()
         try:
             plan = await run_io(plan_export, tree, entry.key, part_bytes)
             async with self._admission:
@@ -645,6 +719,7 @@ class FanoutRoom:
             raise from_os_error(exc, f"listing {tree} to send it") from exc
         finally:
             self._planning.remove(entry.key)
+            self._note()
 
 
 def check_adoption(

@@ -166,5 +166,5 @@ class Kind(Protocol):
         return None
 
     def close(self) -> None:
-        """The daemon stops."""
+        """The daemon stops (called on a thread: it may block)."""
         return None

@@ -32,6 +32,7 @@ from stager.ops import (
     adopt_image,
     check_delivered,
     copy,
+    copy_from_node,
     extract,
     fetch,
     image,
@@ -225,6 +226,16 @@ BUILTIN = (
         shareable=False,
         internal=True,
     ),
+    # A multi-node job's prefetch copied from another planned node before the job starts
+    # (docs/prestaging.md): checked against the source service's vouched manifest always.
+    _row(
+        "copy_from_node",
+        copy_from_node,
+        copy_from_node.CopyFromNodeStep,
+        verify=EVERY_LEVEL,
+        shareable=False,
+        internal=True,
+    ),
     # An image dataset broadcast as one file: copied, checked by its (vouched) sha256.
     _row(
         "adopt_image",
@@ -270,9 +281,6 @@ class OpTable:
 
     def op_of(self, step: Any) -> Op:
         return self._ops[step.op]
-
-    def with_ops(self, ops: Iterable[Op]) -> OpTable:
-        return OpTable([*self._ops.values(), *ops])
 
     def validate_steps(self, raw: Any) -> list[Any]:
         """Step models from JSON-like data; raises pydantic's ``ValidationError``."""

@@ -29,6 +29,7 @@ from stager.ops import table
 from stager.ops.base import CheckContext
 from stager.request import recipes
 from stager.request.fingerprint import sources_fingerprint
+from stager.state.dataset import private_key, spec_key
 
 
 @contextmanager
@@ -54,13 +55,17 @@ def look(
     link: str | None,
     recipe: tuple[str, dict[str, Any], str | None] | None = None,
     vouched: bool = False,
+    check: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the daemon must know of a request's paths, found as the caller: the recipe's
     release files are there (``recipe``: its name, params and source), the sources'
     fingerprint, whether every user may share the staging (node service), for the
     adoption of a ``vouched`` copy whether its sources are the same on every node, and
     that the link can be made. Steps travel as JSON data (``dumped_steps``), typed here
-    again."""
+    again. With ``check`` (the request's ``spec``, its ``verify``, the caller's ``uid``,
+    and the keys of the entries of that spec a request joins or hits, ``known``): a
+    miss, whose key (shared or the caller's own) is none of them, is checked here too
+    and its size estimated (:func:`check_steps`), in the same trip."""
     if recipe is not None:
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
@@ -77,10 +82,16 @@ def look(
             fingerprint = hashlib.sha256("\n".join([fingerprint, *versions]).encode()).hexdigest()
             fingerprint = fingerprint[:24]
     check_link(link, settings)
+    estimate = None
+    if check is not None:
+        key = spec_key({"spec": check["spec"], "sources": fingerprint})
+        if not {key, private_key(key, check["uid"])} & set(check["known"]):
+            estimate = _check_steps(steps, check["verify"], settings)
     return {
         "fingerprint": fingerprint,
         "shareable": shared,
         "cluster_wide": shared and vouched and on_cluster_storage(steps, settings),
+        "estimate": estimate,
     }
 
 
@@ -121,7 +132,10 @@ def download_versions(steps: list[Any]) -> list[str] | None:
 
 def check_steps(dumped_steps: list[dict[str, Any]], verify: str, settings: Settings) -> int:
     """Validate every step's source; return the estimated bytes the staging writes."""
-    steps = table.for_settings(settings).validate_steps(dumped_steps)
+    return _check_steps(table.for_settings(settings).validate_steps(dumped_steps), verify, settings)
+
+
+def _check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
     with _request_paths():
         for step in steps:
             src = getattr(step, "src", None)

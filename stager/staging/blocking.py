@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, ParamSpec, TypeVar
 import anyio.to_thread
 
 from stager.core import errors
+from stager.core.identity import Caller
 from stager.core.processes import (
     FORKSERVER,
     WALKER_NAME,
@@ -139,6 +140,16 @@ class Processes:
             return json.loads(json.dumps(result))  # the same answers as a user process's
         return await self.users.call(who, fn, *args, **kwargs)
 
+    async def as_user(self, who: Caller | int | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), as
+        :meth:`run_as`: the one way the engine, the registry and the fan-out room act for
+        a user. Never awaited under the admission lock: a user's process may take its
+        time, and others must not wait."""
+        if who is None or not self.separate_users:
+            return await self.run_as(None, fn, *args)
+        caller = who if isinstance(who, Caller) else Caller.of_uid(who)
+        return await self.run_as(caller.identity, fn, *args)
+
     # ---- the walker ----------------------------------------------------------------------
 
     async def run_in_walker(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -236,7 +247,7 @@ class Limits:
     less what they hold already, or the disk's room above its floor; None: no limit);
     how slowly its downloads may bring bytes (stager.staging.download_rate); and ``shared``, a
     check of what every staging under way has made together, raising once they pass a
-    bound they share (stager.engine.scheduler: a user's inode quota, the disk's inode floor)."""
+    bound they share (stager.engine.job: a user's inode quota, the disk's inode floor)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit

@@ -114,6 +114,11 @@ class Entry:
     def active(self) -> bool:
         return self.state in (State.QUEUED, State.STAGING)
 
+    @property
+    def live(self) -> bool:
+        """Queued, staging or ready: a request for it joins or hits."""
+        return self.state in (State.QUEUED, State.STAGING, State.READY)
+
 
 @dataclass(frozen=True)
 class Ask:
@@ -130,6 +135,12 @@ class Ask:
     # Who asked, as (owner uid, name), for the log's "queued" line: a new name is kept
     # only after its entry is queued.
     asked_as: tuple[int, str] | None = None
+
+    @classmethod
+    def again(cls, entry: Entry, reader: Reader, asked_as: tuple[int, str]) -> Ask:
+        """What ``entry`` asked, asked again for a copy read with ``reader``'s rights."""
+        return cls(entry.steps, entry.verify, entry.usage, entry.origin, None,
+                   entry.estimate_bytes, reader, asked_as)  # fmt: skip
 
 
 @dataclass

@@ -173,9 +173,6 @@ class Store:
         with self._lock:
             self._db.executemany("UPDATE entries SET progress = ? WHERE key = ?", rows)
 
-    def delete_entry(self, key: str) -> None:
-        self._delete("entries", "key", key)
-
     def save_handle(self, handle: Handle) -> None:
         row = {**handle.__dict__, "created_at": handle.created_at.isoformat()}
         row["ended"] = handle.ended.value if handle.ended is not None else None

@@ -8,7 +8,7 @@ FastAPI reads that class from the handler's annotation at run time.
 from fastapi import APIRouter, Query, Request, Response, status
 from sse_starlette import EventSourceResponse
 
-from stager.api.deps import CallerDep, EngineDep, OwnerQuery
+from stager.api.deps import CallerDep, NamesDep, OwnerQuery, RequestsDep
 from stager.ops.table import OpTable
 from stager.wire.schemas import (
     DatasetPublic,
@@ -35,7 +35,7 @@ def stage_router(ops: OpTable) -> APIRouter:
     @stage_routes.post("", response_model=DatasetPublic, status_code=status.HTTP_202_ACCEPTED)
     async def stage(
         request: DatasetCreate,
-        engine: EngineDep,
+        requests: RequestsDep,
         caller: CallerDep,
         response: Response,
         http: Request,
@@ -45,7 +45,7 @@ def stage_router(ops: OpTable) -> APIRouter:
         202 while queued or staging, 200 when already ready, 409 when the name is
         taken by a different request.
         """
-        view, ready = await engine.submit(request, caller)
+        view, ready = await requests.submit(request, caller)
         await http.app.state.prefetches.requested(caller, view)  # a job using its prefetch
         http.app.state.placement.requested(request, caller, view)  # its node feature
         if ready:
@@ -56,40 +56,40 @@ def stage_router(ops: OpTable) -> APIRouter:
 
 
 @router.get("", response_model=DatasetsPublic)
-async def list_datasets(engine: EngineDep, caller: CallerDep) -> DatasetsPublic:
+async def list_datasets(names: NamesDep, caller: CallerDep) -> DatasetsPublic:
     """The caller's datasets (root: every user's)."""
-    data = engine.list(caller)
+    data = names.list(caller)
     return DatasetsPublic(data=data, count=len(data))
 
 
 @router.get("/{name}", response_model=DatasetPublic)
 async def get_dataset(
-    name: str, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> DatasetPublic:
-    return engine.get(name, caller, owner)
+    return names.get(name, caller, owner)
 
 
 @router.get("/{name}/wait", response_model=DatasetPublic)
 async def wait_dataset(
     name: str,
-    engine: EngineDep,
+    names: NamesDep,
     caller: CallerDep,
     timeout: float = Query(30.0, ge=0, le=3600, description="seconds to wait at most"),
     owner: OwnerQuery = None,
 ) -> DatasetPublic:
     """Long-poll until the dataset is ready, failed or cancelled, or ``timeout`` passes."""
-    return await engine.wait(name, timeout, caller, owner)
+    return await names.wait(name, timeout, caller, owner)
 
 
 @router.get("/{name}/events")
 async def dataset_events(
-    name: str, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> EventSourceResponse:
     """Server-sent events: a ``status`` event per change until a terminal state."""
-    engine.get(name, caller, owner)  # 404 before the stream starts, not inside it
+    names.get(name, caller, owner)  # 404 before the stream starts, not inside it
 
     async def events():
-        async for view in engine.watch(name, caller, owner):
+        async for view in names.watch(name, caller, owner):
             yield {"event": "status", "data": view.model_dump_json()}
 
     return EventSourceResponse(events(), ping=15)
@@ -97,41 +97,41 @@ async def dataset_events(
 
 @router.delete("/{name}", response_model=DatasetPublic)
 async def delete_dataset(
-    name: str, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> DatasetPublic:
     """Cancel a staging, evict a ready dataset, or forget a finished one."""
-    return await engine.delete(name, caller, owner)
+    return await names.delete(name, caller, owner)
 
 
 @router.post("/{name}/leases", response_model=LeasePublic, status_code=status.HTTP_201_CREATED)
 async def add_lease(
-    name: str, request: LeaseCreate, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, request: LeaseCreate, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> LeasePublic:
     """Pin the dataset while a job uses it; one lease per holder (a repeat renews it)."""
-    return await engine.lease(name, request, caller, owner)
+    return await names.lease(name, request, caller, owner)
 
 
 @router.get("/{name}/leases", response_model=list[LeasePublic])
 async def list_leases(
-    name: str, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> list[LeasePublic]:
-    return engine.get(name, caller, owner).leases
+    return names.get(name, caller, owner).leases
 
 
 @router.delete("/{name}/leases", response_model=list[LeasePublic])
 async def release_leases(
     name: str,
-    engine: EngineDep,
+    names: NamesDep,
     caller: CallerDep,
     holder: str | None = Query(None, description="only this holder's leases"),
     owner: OwnerQuery = None,
 ) -> list[LeasePublic]:
     """Release every lease on the dataset, or those of one holder (a job's epilog)."""
-    return await engine.release(name, caller, holder=holder, owner=owner)
+    return await names.release(name, caller, holder=holder, owner=owner)
 
 
 @router.delete("/{name}/leases/{lease_id}", response_model=list[LeasePublic])
 async def release_lease(
-    name: str, lease_id: str, engine: EngineDep, caller: CallerDep, owner: OwnerQuery = None
+    name: str, lease_id: str, names: NamesDep, caller: CallerDep, owner: OwnerQuery = None
 ) -> list[LeasePublic]:
-    return await engine.release(name, caller, lease_id=lease_id, owner=owner)
+    return await names.release(name, caller, lease_id=lease_id, owner=owner)

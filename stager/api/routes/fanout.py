@@ -12,7 +12,7 @@ and FastAPI reads that class from the handler's annotation at run time.
 
 from fastapi import APIRouter
 
-from stager.api.deps import CallerDep, EngineDep
+from stager.api.deps import CallerDep, EngineDep, RequestsDep
 from stager.api.routes.datasets import RESPONSES
 from stager.ops.table import OpTable
 from stager.wire.schemas import (
@@ -33,19 +33,21 @@ def fanout_router(ops: OpTable) -> APIRouter:
     DatasetCreate = ops.request_model()  # noqa: N806 - a class, named as the schema shows it
 
     @router.post("/datasets/probe", response_model=ProbeResult)
-    async def probe(request: DatasetCreate, engine: EngineDep, caller: CallerDep) -> ProbeResult:
+    async def probe(
+        request: DatasetCreate, requests: RequestsDep, caller: CallerDep
+    ) -> ProbeResult:
         """This node's cache key for a stage request, whether it holds that copy, and the
         request's source files when they could be broadcast as they are. Changes nothing."""
-        return await engine.probe(request, caller)
+        return await requests.probe(request, caller)
 
     @router.post("/datasets/{name}/export", response_model=ExportPublic)
     async def export(
-        name: str, request: ExportCreate, engine: EngineDep, caller: CallerDep
+        name: str, request: ExportCreate, requests: RequestsDep, caller: CallerDep
     ) -> ExportPublic:
         """Pack part ``part`` of ready dataset ``name`` (a plain tar of whole files) in the
         cache's ``outgoing/<label>/``; part 0 plans the parts, the last one also writes
         the manifest (every path, size and sha256). Parts are asked for in order."""
-        return await engine.export(name, request, caller)
+        return await requests.export(name, request, caller)
 
     @router.delete("/exports/{label}", response_model=TransferPublic)
     async def drop_export(label: str, engine: EngineDep, caller: CallerDep) -> TransferPublic:

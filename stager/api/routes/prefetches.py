@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from stager.prestage.prefetch.authority import COPY_HEADER
 from stager.wire.schemas import ErrorResponse
 
 RESPONSES = {code: {"model": ErrorResponse} for code in (400, 401, 403, 409, 429)}
@@ -22,6 +23,8 @@ async def order_prefetch(request: Request) -> dict[str, Any]:
     """Stage a job's declared dataset as its user, or cancel the job's prefetches, on
     the order of root or SlurmUser (``Authorization: Munge <credential>``)."""
     done = await request.app.state.prefetches.order(
-        request.headers.get("authorization"), await request.body()
+        request.headers.get("authorization"),
+        await request.body(),
+        request.headers.get(COPY_HEADER),
     )
     return {"data": done, "count": len(done)}

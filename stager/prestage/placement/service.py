@@ -117,7 +117,7 @@ class Placement:
         entries = self.engine.registry.entries
         for feature, use in list(self.uses.items()):
             entry = entries.get(use.key)
-            if entry is None or not (entry.active or entry.state == State.READY):
+            if entry is None or not entry.live:
                 del self.uses[feature]
                 self._dirty = True
         chosen: list[str] = []

@@ -18,13 +18,16 @@ from stager.prestage.plan.squeue import QueuedJob
 
 @dataclass(frozen=True, order=True)
 class Prefetch:
-    """Stage ``wanted`` on ``node`` as the job's user (uid, gid) for job ``job_id``."""
+    """Stage ``wanted`` on ``node`` as the job's user (uid, gid) for job ``job_id``: from
+    the storage, or (``source``, a multi-node job's first planned node) copied from that
+    node once its own prefetch is ready, so that the storage is read once."""
 
     job_id: str
     node: str
     uid: int
     gid: int
     wanted: Wanted
+    source: str = ""  # "": from the storage
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,14 @@ def compute(
             skipped.append(Skipped(job, reason))
             continue
         planned.append(Planned(job, wanted))
-        prefetches.update(
-            Prefetch(job.job_id, node, job.uid, job.gid, item)
-            for node in dict.fromkeys(job.sched_nodes)
-            for item in wanted
-        )
+        # The first planned node reads the storage; the others copy from it, node to
+        # node, before the job starts (docs/prestaging.md, "4-node job"): one read.
+        first, *others = dict.fromkeys(job.sched_nodes)
+        for item in wanted:
+            prefetches.add(Prefetch(job.job_id, first, job.uid, job.gid, item))
+            prefetches.update(
+                Prefetch(job.job_id, node, job.uid, job.gid, item, source=first) for node in others
+            )
     return Plan(frozenset(prefetches), planned, skipped, by_id)
 
 

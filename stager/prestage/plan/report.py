@@ -41,7 +41,8 @@ def lines(interval: Interval) -> Iterator[str]:
         names = ", ".join(w.name for w in planned.wanted)
         yield f"plan: {_job(planned.job)} on {nodes}: pre-stage {names}"
     for prefetch in found.start:
-        yield f"  would stage on {prefetch.node} as {user(prefetch.uid)}: {_what(prefetch)}"
+        how = f"copy from {prefetch.source} to" if prefetch.source else "stage on"
+        yield f"  would {how} {prefetch.node} as {user(prefetch.uid)}: {_what(prefetch)}"
     for prefetch, why in found.cancel:
         yield f"  would cancel {prefetch.wanted.name} on {prefetch.node}: {why}"
     for skipped in plan.skipped:

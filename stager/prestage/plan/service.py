@@ -23,6 +23,7 @@ import logging
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,10 @@ log = logging.getLogger("stager.prestage.plan")
 
 SEND_TIMEOUT_S = 5.0  # an order is queued on the node, not staged: it answers in ms
 SENDS_AT_ONCE = 32
-WHAT = "stager prefetch"  # stager.prestage.prefetch.authority.WHAT: the node's word for it
+# stager.prestage.prefetch.authority's words: an order's credential, a copy's second one.
+WHAT = "stager prefetch"
+COPY = "stager prefetch copy"
+COPY_HEADER = "x-stager-copy-credential"
 
 
 @dataclass(frozen=True)
@@ -55,28 +59,37 @@ class Order:
     def key(self) -> tuple[str, str]:
         return self.job, self.node
 
+    @property
+    def copy(self) -> bool:
+        """A copy from another planned node: sent once the stages are, with a second
+        credential for its source node."""
+        return self.prefetch is not None and bool(self.prefetch.source)
 
-def orders(found: Changes) -> list[Order]:
+
+def orders(found: Changes, address: Callable[[str], str]) -> list[Order]:
     """One order per start, one cancel per job and node (job ids are numbers: squeue's
-    JobID is the raw id, stager.prestage.plan.squeue)."""
+    JobID is the raw id, stager.prestage.plan.squeue). A start with a source node is a
+    copy from that node's prefetch port, at ``address(source)`` (HOST:PORT)."""
     made: dict[tuple[str, str, str], Order] = {}
-    for prefetch, action in [(p, "stage") for p in found.start] + [
+    for prefetch, action in [(p, "copy" if p.source else "stage") for p in found.start] + [
         (p, "cancel") for p, _ in found.cancel
     ]:
-        body = {
+        body: dict[str, object] = {
             "action": action,
             "job": int(prefetch.job_id),
             "uid": prefetch.uid,
             "gid": prefetch.gid,
             "node": prefetch.node,
         }
-        if action == "stage":
+        if action == "copy":
+            body.update(source=prefetch.source, source_address=address(prefetch.source))
+        if action != "cancel":
             body["request"] = prefetch.wanted.request()
             key = (prefetch.job_id, prefetch.node, prefetch.wanted.name)
         else:
             key = (prefetch.job_id, prefetch.node, "")  # a cancel is the job's, on that node
         raw = json.dumps(body, sort_keys=True).encode()
-        kept = prefetch if action == "stage" else None
+        kept = prefetch if action != "cancel" else None
         made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept))
     return list(made.values())
 
@@ -95,29 +108,37 @@ class Sender:
         )
         self.at_once = asyncio.Semaphore(SENDS_AT_ONCE)
 
-    def url(self, node: str) -> str:
+    def address(self, node: str) -> str:
+        """HOST:PORT of ``node``'s prefetch port."""
         host, port = host_port(self.addresses.get(node) or f"{node}:{self.port}")
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{port}/v1/prefetches"
+        return f"{host}:{port}"
+
+    def url(self, node: str) -> str:
+        return f"http://{self.address(node)}/v1/prefetches"
+
+    async def _credential(self, what: str, body: bytes) -> str | None:
+        payload = json.dumps({"what": what, "sha256": hashlib.sha256(body).hexdigest()})
+        settings = self.settings
+        return await run_io(
+            vouch.encode, payload, settings.munge_socket, settings.prefetch_credential_ttl_s
+        )
 
     async def send(self, order: Order) -> tuple[str, str]:
-        """("sent" | "retry" | "refused", why)."""
+        """("sent" | "retry" | "refused", why). A copy carries a second credential, over
+        the same body, which its node hands to the copy's source node (decoded only
+        there: each credential is used once, on one node)."""
         async with self.at_once:
-            payload = json.dumps({"what": WHAT, "sha256": hashlib.sha256(order.body).hexdigest()})
-            settings = self.settings
-            credential = await run_io(
-                vouch.encode, payload, settings.munge_socket, settings.prefetch_credential_ttl_s
-            )
-            if credential is None:
+            credential = await self._credential(WHAT, order.body)
+            second = await self._credential(COPY, order.body) if order.copy else ""
+            if credential is None or second is None:
                 return "retry", "munged made no credential (is munged running here?)"
+            headers = {"authorization": f"Munge {credential}", "content-type": "application/json"}
+            if second:
+                headers[COPY_HEADER] = f"Munge {second}"
             try:
                 answer = await self.client.post(
-                    self.url(order.node),
-                    content=order.body,
-                    headers={
-                        "authorization": f"Munge {credential}",
-                        "content-type": "application/json",
-                    },
+                    self.url(order.node), content=order.body, headers=headers
                 )
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 return "retry", f"{type(exc).__name__}: {exc}".rstrip(": ")
@@ -185,14 +206,31 @@ class Service:
         plan = found.plan
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
         tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
-        made = orders(found.changes)
+        made = orders(found.changes, self.sender.address)
         for order in made:
             if order.prefetch is None:
                 self.cancels[order.key] = order
             else:
                 self.cancels.pop(order.key, None)  # wanted there again: not cancelled
-        todo = [o for o in made if o.prefetch is not None] + list(self.cancels.values())
-        outcomes = await asyncio.gather(*(self.sender.send(o) for o in todo))
+        first = [o for o in made if o.prefetch is not None and not o.copy]
+        first += list(self.cancels.values())
+        outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))
+        # Copies after the stages they copy: their nodes ask the source node at once. A
+        # copy whose source did not take its stage now waits for the next interval
+        # (found new again), rather than fail at a source that holds nothing for it.
+        missed = {
+            (o.job, o.node) for o, (outcome, _) in zip(first, outcomes, strict=True)
+            if o.prefetch is not None and outcome != "sent"
+        }  # fmt: skip
+        copies = []
+        for order in (o for o in made if o.copy):
+            assert order.prefetch is not None
+            if (order.job, order.prefetch.source) in missed:
+                self.planner.forget(order.prefetch)
+            else:
+                copies.append(order)
+        outcomes += await asyncio.gather(*(self.sender.send(o) for o in copies))
+        todo = first + copies
         failures: Counter[tuple[str, str]] = Counter()
         for order, (outcome, why) in zip(todo, outcomes, strict=True):
             if outcome == "sent":

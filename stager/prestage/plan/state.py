@@ -29,7 +29,14 @@ def load(path: Path) -> tuple[frozenset[Prefetch], list[Cancel]]:
     try:
         saved = json.loads(path.read_text())
         previous = frozenset(
-            Prefetch(p["job"], p["node"], p["uid"], p["gid"], Wanted(p["name"], p["body"]))
+            Prefetch(
+                p["job"],
+                p["node"],
+                p["uid"],
+                p["gid"],
+                Wanted(p["name"], p["body"]),
+                p.get("source", ""),
+            )  # fmt: skip
             for p in saved["prefetches"]
         )
         cancels = [(c["node"], c["body"], c["job"]) for c in saved["cancels"]]
@@ -46,7 +53,7 @@ def save(path: Path, previous: frozenset[Prefetch], cancels: list[Cancel]) -> No
         {
             "prefetches": [
                 {"job": p.job_id, "node": p.node, "uid": p.uid, "gid": p.gid,
-                 "name": p.wanted.name, "body": p.wanted.body}
+                 "name": p.wanted.name, "body": p.wanted.body, "source": p.source}
                 for p in sorted(previous)
             ],
             "cancels": [{"node": n, "body": b, "job": j} for n, b, j in cancels],

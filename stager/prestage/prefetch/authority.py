@@ -30,7 +30,7 @@ import pwd
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stager.core import vouch
 from stager.core.errors import BadRequest, Forbidden, StagerError, VerifyFailed
@@ -39,6 +39,11 @@ from stager.core.settings import Settings
 from stager.staging.blocking import run_io
 
 WHAT = "stager prefetch"
+# A copy order's second credential (docs/prestaging.md, "4-node job"): made by the planner
+# over the same body, carried by the target node to the source node's port, decoded only
+# there. Its own word, so that neither passes for the other.
+COPY = "stager prefetch copy"
+COPY_HEADER = "x-stager-copy-credential"
 SEEN_MAX = 100_000
 # munge.h: EMUNGE_CRED_EXPIRED, EMUNGE_CRED_REWOUND, EMUNGE_CRED_REPLAYED.
 _EXPIRED, _REWOUND, _REPLAYED = 15, 16, 17
@@ -53,16 +58,28 @@ class NotAuthorized(StagerError):
 
 class PrefetchOrder(BaseModel):
     """The body a credential signs. ``request``: the planner's body of ``POST
-    /v1/datasets`` for one declared dataset (stage only)."""
+    /v1/datasets`` for one declared dataset (stage and copy). A copy is staged on
+    ``node`` from what node ``source`` (reached at ``source_address``, HOST:PORT, its
+    prefetch port) prefetched for the same job, not from the storage."""
 
     model_config = ConfigDict(extra="forbid")
 
-    action: Literal["stage", "cancel"]
+    action: Literal["stage", "cancel", "copy"]
     job: int = Field(ge=1, le=2**63)
     uid: int = Field(ge=0, le=2**32 - 2)
     gid: int = Field(ge=0, le=2**32 - 2)
     node: str = Field(min_length=1, max_length=255)
     request: dict | None = None
+    source: str | None = Field(default=None, min_length=1, max_length=255)
+    source_address: str | None = Field(default=None, min_length=1, max_length=300)
+
+    @model_validator(mode="after")
+    def _copy_names_its_source(self) -> PrefetchOrder:
+        if (self.action == "copy") != (self.source is not None and self.source_address is not None):
+            raise ValueError("a copy, and only a copy, names its source node and its address")
+        if self.source == self.node:
+            raise ValueError("a copy's source is another node than its target")
+        return self
 
 
 class Seen:
@@ -108,10 +125,14 @@ def credential_of(header: str | None) -> str:
     return credential.strip()
 
 
-async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen) -> PrefetchOrder:
+async def verify(
+    header: str | None, body: bytes, settings: Settings, seen: Seen, what: str = WHAT
+) -> PrefetchOrder:
     """The order ``body`` holds, once its credential proves it; else refuse with a
     sentence (401: who signed it; 403: what it names). Claims the credential in ``seen``;
-    the caller saves ``seen`` before it acts."""
+    the caller saves ``seen`` before it acts. ``what``: an order to this node (``WHAT``:
+    it names this node), or a copy's second credential (``COPY``: the order's ``source``
+    is this node, which sends the copy)."""
     credential = credential_of(header)
     try:
         decoded = await run_io(
@@ -148,8 +169,10 @@ async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen
     except ValueError:
         payload = None
     digest = hashlib.sha256(body).hexdigest()
-    if not isinstance(payload, dict) or payload.get("what") != WHAT:
-        raise NotAuthorized("the credential is not a prefetch's (its payload says otherwise)")
+    if not isinstance(payload, dict) or payload.get("what") != what:
+        raise NotAuthorized(
+            f"the credential is not a {what!r} credential (its payload says otherwise)"
+        )
     if payload.get("sha256") != digest:
         raise NotAuthorized(
             "the prefetch's body is not the one its credential signed (sha256 differs); "
@@ -162,10 +185,16 @@ async def verify(header: str | None, body: bytes, settings: Settings, seen: Seen
         order = PrefetchOrder.model_validate_json(body)
     except ValidationError as exc:
         raise BadRequest(f"the prefetch's body is not an order: {exc.errors()[0]['msg']}") from exc
-    if order.node != settings.this_node():
+    here = settings.this_node()
+    if what == COPY:
+        if order.action != "copy" or order.source != here:
+            raise Forbidden(
+                f"this credential asks for a copy from node {order.source!r}, and this is "
+                f"{here!r}; only the copy's source node sends it"
+            )
+    elif order.node != here:
         raise Forbidden(
-            f"this prefetch is for node {order.node!r}, and this is {settings.this_node()!r}; "
-            "send it to that node"
+            f"this prefetch is for node {order.node!r}, and this is {here!r}; send it to that node"
         )
     return order
 

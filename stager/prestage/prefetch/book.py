@@ -30,6 +30,7 @@ class Prefetch:
     bytes: int  # its size once ready, its estimate before
     started_at: float  # epoch seconds
     state: str = "active"  # active, used, wasted, failed
+    source: str = ""  # a copy's source node (stager.ops.copy_from_node); "": the storage
 
 
 def prefetch_name(job: int, dataset: str) -> str:

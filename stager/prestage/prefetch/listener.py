@@ -9,11 +9,15 @@ book, the spent credentials and the lock are one), and it answers:
 - ``POST /v1/prefetches`` with ``Authorization: Munge <credential>`` and a body of at
   most :data:`ORDER_MAX_BYTES` with its length given: the order, proven exactly as on
   the socket (stager.prestage.prefetch.authority);
+- ``GET /v1/copies``, the same way, with the planner's copy credential over a copy
+  order that names this node as its source: another planned node of the job asks for
+  this node's prefetch of it (stager.ops.copy_from_node), and gets its ready tree as one
+  tar and its manifest, vouched for by this service, once it is ready;
 - without such a header: 401, before a byte of the body is read;
 - a body over the bound or of no stated length: 413 / 411, unread;
 - any other path or method: 404 with one fixed sentence, the body unread. No dataset,
   metric, health or version ever leaves this port; an order's answer names only what
-  that order did.
+  that order did, and a copy is only the one prefetch its credential names.
 
 Every answer closes its connection (the planner sends one order per connection).
 stager.api.server runs it beside the API on the same loop, its connections bounded as the
@@ -24,6 +28,7 @@ socket's are (stager.api.connections: head timeout, caps), with caps of their ow
 from __future__ import annotations
 
 import json
+import os
 import socket
 from typing import Any
 
@@ -33,15 +38,22 @@ from starlette.types import Receive, Scope, Send
 from stager.core.errors import StagerError
 from stager.core.redact import redact_text
 from stager.core.settings import Settings, host_port
-from stager.prestage.prefetch.authority import NotAuthorized, credential_of
+from stager.ops import copy_from_node as copying
+from stager.prestage.prefetch.authority import COPY_HEADER, NotAuthorized, credential_of
+from stager.staging.blocking import run_io
 
 ROUTE = "/v1/prefetches"
+COPIES = "/v1/copies"  # another planned node's copy of a prefetch (stager.ops.copy_from_node)
+SEND_CHUNK = 1 << 20
 # An order is one declared dataset's stage body: job_submit.lua keeps a declaration to
 # 4 KiB, so 64 KiB is far above any genuine order and bounds what a stranger makes us hold.
 ORDER_MAX_BYTES = 64 * 1024
 # The planner's sends to one node are a handful at once; strangers get no more.
 MAX_CONNECTIONS = 64
-NOT_HERE = "this port takes the planner's prefetch orders only (POST /v1/prefetches)"
+NOT_HERE = (
+    "this port takes the planner's prefetch orders only (POST /v1/prefetches, and "
+    "GET /v1/copies with a copy's credential)"
+)
 
 
 class ListenError(Exception):
@@ -83,7 +95,8 @@ class Orders:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if scope["method"] != "POST" or scope["path"] != ROUTE:
+        route = (scope["method"], scope["path"])
+        if route not in (("POST", ROUTE), ("GET", COPIES)):
             await _answer(send, 404, error_content("not_found", NOT_HERE))
             return
         headers = Headers(scope=scope)
@@ -108,9 +121,18 @@ class Orders:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         try:
-            done = await self.prefetches.order(header, body)
+            if route == ("GET", COPIES):
+                outgoing = await self.prefetches.copy_out(header, body)
+            else:
+                done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
         except StagerError as exc:
             await _answer(send, exc.status, error_content(exc.type, exc.message))
+            return
+        if route == ("GET", COPIES):
+            try:
+                await _stream(send, outgoing)
+            finally:
+                await outgoing.done()
             return
         await _answer(send, 200, {"data": done, "count": len(done)})
 
@@ -118,6 +140,36 @@ class Orders:
 def error_content(type_: str, message: str) -> dict:
     """The API's error shape (stager.api.errors), a URL's secrets masked."""
     return {"error": {"type": type_, "message": redact_text(message)}}
+
+
+async def _stream(send: Send, outgoing: Any) -> None:
+    """The copy's files, one after the other, read off the event loop."""
+    total = 0
+    opened = []
+    try:
+        for path in outgoing.files:  # the service's own folder: no link is followed
+            opened.append(await run_io(os.open, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        sizes = [int(outgoing.headers[k]) for k in (copying.TAR_BYTES, copying.MANIFEST_BYTES)]
+        total = sum(sizes)
+        headers = [(k.encode(), v.encode()) for k, v in outgoing.headers.items()]
+        headers += [
+            (b"content-type", b"application/octet-stream"),
+            (b"content-length", str(total).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for fd, size in zip(opened, sizes, strict=True):
+            offset = 0
+            while offset < size:
+                chunk = await run_io(os.pread, fd, min(SEND_CHUNK, size - offset), offset)
+                if not chunk:  # cut short under us: the receiver finds it short
+                    return
+                offset += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        for fd in opened:
+            os.close(fd)
 
 
 async def _answer(send: Send, status: int, content: dict) -> None:

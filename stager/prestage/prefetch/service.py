@@ -2,7 +2,7 @@
 the job starts, through the very path that user's own request takes.
 
 An order (stager.prestage.prefetch.authority, proven by Slurm's MUNGE identity) becomes an
-ordinary ``engine.submit`` as the job's user (their uid, the job's gid, their groups
+ordinary ``Requests.submit`` as the job's user (their uid, the job's gid, their groups
 from the group database), under a name of its own (``prefetch-JOB-DATASET``): the same
 per-user process, checks, quota and cache key as the user's own request, so what the
 user may not read fails, and the job's ``stage --from-script`` at start is a hit on the
@@ -26,22 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from stager.core.errors import BadRequest, Forbidden, NotFound, StagerError
+from stager.core import vouch
+from stager.core.errors import BadRequest, Conflict, Forbidden, NotFound, StagerError
 from stager.core.identity import Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.admission import PREFETCH_HOLDER, PREFETCHING
+from stager.fanout.room import COPYING, PeerCopy
+from stager.ops import copy_from_node as copying
 from stager.prestage.prefetch import book as books
-from stager.prestage.prefetch.authority import PrefetchOrder, Seen, job_user, verify
+from stager.prestage.prefetch.authority import (
+    COPY,
+    PrefetchOrder,
+    Seen,
+    credential_of,
+    job_user,
+    verify,
+)
 from stager.prestage.prefetch.book import Book, Prefetch, prefetch_name
 from stager.staging.blocking import run_io
 from stager.state.dataset import State
-from stager.wire.schemas import DatasetPublic, LeaseCreate
+from stager.wire.schemas import MAX_BYTES, DatasetPublic, ExportCreate, LeaseCreate
 
 log = logging.getLogger("stager.prestage.prefetch")
 
@@ -51,8 +64,10 @@ def _holder(job: int) -> str:
 
 
 class Prefetches:
-    def __init__(self, engine: object, settings: Settings, metrics: Metrics) -> None:
-        self.engine = engine  # stager.engine.scheduler.Engine
+    def __init__(self, requests: Any, settings: Settings, metrics: Metrics) -> None:
+        # stager.engine.requests.Requests: a prefetch is a request as the job's user, and
+        # its name is ended as theirs (stager.engine.names.Names).
+        self.requests, self.names, self.engine = requests, requests.names, requests.engine
         self.settings, self.metrics = settings, metrics
         self.book, self.seen = Book(), Seen()
         self._loaded = False
@@ -68,7 +83,7 @@ class Prefetches:
         if not self.settings.multi_user:
             return
         await self._load()
-        self.engine.prestaged = self.job_for
+        self.names.prestaged = self.job_for
         self._sweeper = asyncio.ensure_future(self._sweep_every(60.0))
 
     async def stop(self) -> None:
@@ -94,8 +109,11 @@ class Prefetches:
     async def _save(self) -> None:
         await run_io(books.save, self.settings.prefetch_path, self.book, self.seen.entries)
 
-    async def order(self, header: str | None, body: bytes) -> list[dict]:
-        """Carry out a proven order; what each of its prefetches is now."""
+    async def order(
+        self, header: str | None, body: bytes, copy_header: str | None = None
+    ) -> list[dict]:
+        """Carry out a proven order; what each of its prefetches is now. A copy comes
+        with the planner's second credential (``copy_header``), for its source node."""
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) takes prefetches")
         async with self._lock:
@@ -113,6 +131,19 @@ class Prefetches:
             await self._expire()
             if order.action == "cancel":
                 done = await self._cancel(order, user)
+            elif order.action == "copy":
+                peer = PeerCopy(
+                    node=str(order.source),
+                    address=str(order.source_address),
+                    authorization=f"Munge {credential_of(copy_header)}",
+                    order=body,
+                    job=order.job,
+                )
+                token = COPYING.set(peer)
+                try:
+                    done = [await self._stage(order, user)]
+                finally:
+                    COPYING.reset(token)
             else:
                 done = [await self._stage(order, user)]
             await self._save()
@@ -125,8 +156,15 @@ class Prefetches:
             raise BadRequest("a prefetch's request names its dataset ('name'), as stage does")
         dataset = body["name"]
         known = self.book.prefetches.get((order.job, dataset))
+        source = order.source or ""
         if known is not None and known.state == "active" and known.uid == order.uid:
-            return known  # sent again (the planner restarted, slurmctld re-ran a hook)
+            entry = self._entry(known)
+            if known.source == source or (entry is not None and entry.state == State.READY):
+                known.source = source  # the data is here already, however it came
+                return known  # sent again (the planner restarted, slurmctld re-ran a hook)
+            # Re-targeted: the job's first planned node moved, so this copy's source (or
+            # this node's role) did; what arrives from the old source may never come.
+            await self._drop(known, user, "wasted")
         name = prefetch_name(order.job, dataset)
         # Neither a link nor a lease of the planner's, nor an adoption: a prefetch is the
         # declaration's data only, read from its source by the job's user. Its own lease
@@ -148,7 +186,7 @@ class Prefetches:
 
         token = PREFETCHING.set(budget)
         try:
-            view, ready = await engine.submit(request, user)
+            view, ready = await self.requests.submit(request, user)
         finally:
             PREFETCHING.reset(token)
         self.requested_as(request, user, view)
@@ -163,6 +201,7 @@ class Prefetches:
             key=view.key,
             bytes=size,
             started_at=started,
+            source=source,
         )
         self.book.prefetches[(order.job, dataset)] = prefetch
         self.metrics.prefetches.labels(outcome="started").inc()
@@ -189,7 +228,6 @@ class Prefetches:
     async def _drop(self, prefetch: Prefetch, user: Caller, outcome: str) -> None:
         """End ``prefetch``: its lease and name go; its data too, unless another name (its
         user's own request) holds it."""
-        engine = self.engine
         entry = self._entry(prefetch)
         if entry is not None and entry.state in (State.READY, State.EVICTED):
             prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
@@ -202,9 +240,9 @@ class Prefetches:
         if outcome != "failed":
             self.metrics.prefetch_bytes.labels(outcome=outcome).inc(prefetch.bytes)
         with contextlib.suppress(NotFound):  # its user cancelled the name already
-            await engine.release(prefetch.name, user, holder=_holder(prefetch.job))
-            await engine.delete(prefetch.name, user)  # the data, unless another name has it
-            await engine.delete(prefetch.name, user)  # the ended name: forgotten
+            await self.names.release(prefetch.name, user, holder=_holder(prefetch.job))
+            await self.names.delete(prefetch.name, user)  # the data, unless another name has it
+            await self.names.delete(prefetch.name, user)  # the ended name: forgotten
 
     async def _expire(self) -> None:
         """End what no longer waits for its job: failed stagings (they hold no budget and
@@ -250,14 +288,91 @@ class Prefetches:
                     hidden = view.updated_at.timestamp() - prefetch.started_at
                     self.metrics.prefetch_hidden_seconds.inc(max(0.0, hidden))
                 with contextlib.suppress(NotFound):
-                    await self.engine.release(prefetch.name, caller, holder=_holder(prefetch.job))
-                    await self.engine.delete(prefetch.name, caller)
+                    await self.names.release(prefetch.name, caller, holder=_holder(prefetch.job))
+                    await self.names.delete(prefetch.name, caller)
             await self._save()
         view.prestaged_for_job = self.book.job_for(caller.uid, view.key)
+
+    async def copy_out(self, header: str | None, body: bytes) -> Outgoing:
+        """Another planned node's copy of this node's prefetch (docs/prestaging.md, "4-node
+        job"), once the planner's copy credential proves the order names this node as
+        its source: the ready tree of this node's prefetch for that job, that user and
+        that dataset (none else: not another job's, not another user's, not data this
+        node holds otherwise), packed as the fan-out packs it, with this service's
+        credential for its manifest. Waits up to ``prefetch_copy_wait_s`` for the
+        prefetch to be ready."""
+        if not self.settings.multi_user:
+            raise Forbidden("only the node service (stager serve --multi-user) sends copies")
+        async with self._lock:
+            await self._load()
+        try:
+            order = await verify(header, body, self.settings, self.seen, COPY)
+            user = await run_io(job_user, order)
+        except StagerError:
+            self.metrics.prefetches.labels(outcome="refused").inc()
+            raise
+        async with self._lock:
+            await self._save()  # the credential is spent before anything is sent
+        dataset = (order.request or {}).get("name")
+        found = isinstance(dataset, str)
+        prefetch = self.book.prefetches.get((order.job, dataset)) if found else None
+        if prefetch is None or prefetch.state != "active":
+            raise NotFound(
+                f"no prefetch of job {order.job}'s {dataset!r} waits here; node "
+                f"{order.node} stages it at the job's start"
+            )
+        if prefetch.uid != order.uid:
+            raise Forbidden(f"job {order.job}'s prefetch here is another user's")
+        view = await self.names.wait(prefetch.name, self.settings.prefetch_copy_wait_s, user)
+        if view.state != State.READY:
+            raise Conflict(
+                f"job {order.job}'s {dataset!r} is {view.state} here, not ready; node "
+                f"{order.node} stages it at the job's start"
+            )
+        label = f"copy-{order.job}-{hashlib.sha256(body).hexdigest()[:16]}"
+        export = ExportCreate(label=label, part_bytes=MAX_BYTES, tree=True)
+        sent = await self.requests.export(prefetch.name, export, user)
+
+        async def done() -> None:
+            with contextlib.suppress(StagerError):
+                await self.engine.fanout.drop_export(label, user)
+
+        try:
+            if sent.path is None or sent.manifest is None or sent.parts != 1:
+                raise Conflict(f"job {order.job}'s {dataset!r} is not one tree here to send")
+            credential = await run_io(
+                vouch.vouch, sent.key, sent.manifest_sha256, self.settings.munge_socket
+            )
+            if credential is None:
+                raise Conflict("munged made no credential for the copy's manifest here")
+            sizes = await run_io(lambda: [os.stat(f).st_size for f in (sent.path, sent.manifest)])
+        except BaseException:
+            await done()
+            raise
+        headers = {
+            copying.KEY: sent.key,
+            copying.TAR_BYTES: str(sizes[0]),
+            copying.MANIFEST_BYTES: str(sizes[1]),
+            copying.MANIFEST_SHA256: str(sent.manifest_sha256),
+            copying.MANIFEST_CREDENTIAL: credential,
+        }
+        log.info("copy of job %s's %s to %s (%s)", order.job, dataset, order.node, sent.key)
+        return Outgoing(headers, [sent.path, sent.manifest], done)
 
     def job_for(self, uid: int, key: str) -> int | None:
         """For a dataset's status: the job its data was pre-staged for here."""
         return self.book.job_for(uid, key) if self._loaded else None
+
+
+@dataclass
+class Outgoing:
+    """A copy for another planned node (``GET /v1/copies``): the answer's headers, the
+    files sent one after the other (the tar, then the manifest), and what to do once
+    they went (or did not)."""
+
+    headers: dict[str, str]
+    files: list[str]
+    done: Callable[[], Awaitable[None]]
 
 
 def _public(prefetch: Prefetch) -> dict:

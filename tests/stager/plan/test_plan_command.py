@@ -30,6 +30,7 @@ def test_dry_run_prints_each_job_planned_or_skipped_with_its_reason(tmp_path, ca
     out = capsys.readouterr().out
     assert "plan: job 10 of " in out and "on gpu1,gpu2: pre-stage inat" in out
     assert "would stage on gpu1 as " in out and "inat (recipe inat2021 from /net/inat)" in out
+    assert "would copy from gpu1 to gpu2 as " in out  # the storage read once
     assert "skip: job 11 of root (uid 0)" in out and "root's job" in out
     assert "skip: job 12 " in out and "declares nothing" in out
     assert "skip: job 13 " in out and "beyond the horizon" in out

@@ -185,6 +185,43 @@ def test_the_service_stages_retargets_cancels_and_retries_a_node_that_was_down(
             node3.cleanup()
 
 
+def test_a_two_node_jobs_second_node_copies_from_the_first_once_it_took_its_order(
+    nodes: dict,
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """Planned on node3 (first) and node2: node3 stages from the storage, node2 copies
+    from node3. While node3 is down, node2 is not sent a copy that could only fail."""
+    alice, _ = users
+    node2, ports = nodes["node2"], nodes["ports"]
+    soon = datetime.now() + timedelta(minutes=5)
+    alices = declared(private_tree(alice, shared_tmp / "alice-data"))
+    queue = Queue(shared_tmp / "bin")
+    queue.set(row("700", uid=alice.uid, gid=alice.gid, start=soon, sched="node3,node2",
+                  declared=alices))  # fmt: skip
+    planner = Planner(queue, munge_socket, ports)
+    node3 = None
+    try:
+        eventually(lambda: planner.intervals() >= 3, "three intervals")
+        assert "node node3: 1 order(s) not carried out" in planner.log()
+        assert "node node2" not in planner.log()  # its copy waits for node3
+        assert gone(alice, node2, "prefetch-700-mine")
+
+        node3 = node_service(shared_tmp / "node3", munge_socket, "node3", ports["node3"])
+        eventually(lambda: has(alice, node3, "prefetch-700-mine"), "staged on node3")
+        eventually(lambda: has(alice, node2, "prefetch-700-mine"), "copied to node2")
+        code, copied = status(alice, node2, "prefetch-700-mine")
+        assert (copied["origin"]["how"], copied["origin"]["node"]) == ("broadcast", "node3")
+        with node2.client() as client:
+            assert "stager_source_read_bytes_total 0.0" in client.get("/metrics").text
+    finally:
+        planner.stop()
+        if node3 is not None:
+            node3.stop()
+            node3.cleanup()
+
+
 def test_once_runs_one_interval_and_only_as_root_or_slurmuser(
     users: tuple[User, User],
     shared_tmp: Path,

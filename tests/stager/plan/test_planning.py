@@ -3,6 +3,7 @@ jobs are planned (and why the others are not), and the diff between intervals.""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 
 import pytest
@@ -12,6 +13,7 @@ from stager.prestage.plan.changes import diff
 from stager.prestage.plan.declared import Declarations, encode, lines
 from stager.prestage.plan.planner import Planner
 from stager.prestage.plan.planning import compute
+from stager.prestage.plan.service import orders
 from stager.prestage.plan.squeue import RecordedSqueue
 from tests.stager.plan.queue import INAT, NOW, row
 
@@ -68,12 +70,35 @@ def test_encoding_round_trips_every_character_the_lua_escapes() -> None:
 
 
 def test_jobs_in_the_horizon_with_nodes_are_planned_on_each_node_as_their_user() -> None:
+    """The first planned node stages from the storage, the others copy from it: the
+    storage is read once (docs/prestaging.md, "4-node job")."""
     plan = plan_of(row("10", uid=1001, gid=2000, declared=[INAT]))
-    assert {(p.node, p.uid, p.gid, p.job_id, p.wanted.name) for p in plan.prefetches} == {
-        ("node1", 1001, 2000, "10", "inat"),
-        ("node2", 1001, 2000, "10", "inat"),
+    found = {(p.node, p.uid, p.gid, p.job_id, p.wanted.name, p.source) for p in plan.prefetches}
+    assert found == {
+        ("node1", 1001, 2000, "10", "inat", ""),
+        ("node2", 1001, 2000, "10", "inat", "node1"),
     }
     assert plan.prefetches and not plan.skipped
+
+
+def test_a_multi_node_jobs_orders_are_one_stage_then_copies_from_its_node() -> None:
+    plan = plan_of(row("11", uid=1001, declared=[INAT], sched="gpu[03,01-02]"))
+    made = orders(diff(frozenset(), plan), lambda node: f"{node}.addr:8766")
+    bodies = {o.node: json.loads(o.body) for o in made}
+    assert bodies["gpu03"]["action"] == "stage" and "source" not in bodies["gpu03"]
+    for node in ("gpu01", "gpu02"):
+        assert bodies[node]["action"] == "copy", bodies[node]
+        assert (bodies[node]["source"], bodies[node]["source_address"]) == (
+            "gpu03",
+            "gpu03.addr:8766",
+        )
+        assert bodies[node]["request"] == bodies["gpu03"]["request"]
+    assert [o.copy for o in made].count(True) == 2
+    # A plan whose first node moves re-targets the copies to the new source.
+    moved = plan_of(row("11", uid=1001, declared=[INAT], sched="gpu[01-02]"))
+    changes = diff(plan.prefetches, moved)
+    assert {(p.node, p.source) for p in changes.start} == {("gpu01", ""), ("gpu02", "gpu01")}
+    assert {p.node for p, _ in changes.cancel} == {"gpu03", "gpu01", "gpu02"}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,206 @@
+"""The ``copy_from_node`` op: stage a job's dataset from another planned node of the job,
+before the job starts, instead of from the storage (docs/prestaging.md, "4-node job").
+
+The planner ordered one planned node of a multi-node job to stage the dataset from the
+storage, and this node to copy it from that node. This step, run by the node service's
+staging process (which writes the cache, as root), asks the source node's prefetch port
+for it (``GET /v1/copies``) with the planner's second credential over the order
+(stager.prestage.prefetch.authority.COPY): the source node answers only that, and only
+with its own prefetch of that job for that user, once it is ready. The answer is the
+fan-out's prepared tree (stager.fanout.bundle: one plain tar of whole files) and its
+manifest, and the source node's service's credential for the manifest
+(stager.core.vouch). What answers on that port is not trusted: the tar goes through the
+hardened extraction every archive takes, into this staging's own tree; the manifest's
+sha256 must be what the source's service vouched for, made by this service's uid (root:
+no user's munge credential passes), for the very cache key this node computed for the
+request as the job's user; and the tree must match the manifest path by path, or
+nothing is published. The bytes are held in an unnamed file in the cache's own folder
+while they arrive (at most ``limit_bytes``: a peer cannot fill the disk).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+from typing import Any
+
+from pydantic import Field
+
+from stager.archive.extractor import extract_archive
+from stager.archive.job import Archive, translate
+from stager.core import processes, vouch
+from stager.core.errors import VerifyFailed
+from stager.core.settings import host_port
+from stager.fs import manifest as manifests
+from stager.ops.base import CheckContext, OpContext, StepParams
+from stager.wire import manifest_format
+
+COPY_ROUTE = "/v1/copies"
+CHUNK = 1 << 20
+CONNECT_TIMEOUT_S = 10.0
+# Once the answer began: a source that sends nothing this long is gone.
+READ_TIMEOUT_S = 60.0
+MANIFEST_LIMIT = 1 << 30
+# The answer's headers: what the source node sends.
+KEY, TAR_BYTES, MANIFEST_BYTES = "x-stager-key", "x-stager-tar-bytes", "x-stager-manifest-bytes"
+MANIFEST_SHA256, MANIFEST_CREDENTIAL = "x-stager-manifest-sha256", "x-stager-manifest-credential"
+
+
+class CopyFromNodeStep(StepParams):
+    """Receive the ready tree another planned node of the job prefetched, and check it."""
+
+    address: str = Field(min_length=1, max_length=300)  # HOST:PORT, the source's prefetch port
+    origin_node: str = Field(min_length=1, max_length=255)  # for messages
+    authorization: str = Field(min_length=1, max_length=4096)  # "Munge <the planner's COPY>"
+    order: str = Field(min_length=1, max_length=64 * 1024)  # the body that credential signs
+    vouch_uid: int = Field(ge=0, le=2**32 - 1)  # this service's: whose manifest credential
+    vouch_key: str = Field(min_length=1, max_length=64)  # this node's cache key
+    munge_socket: str | None = Field(default=None, max_length=4096)
+    limit_bytes: int = Field(ge=1)  # the most the tar and manifest may take
+    wait_s: float = Field(gt=0)  # how long the source may take to have it ready
+
+
+def check(step: CopyFromNodeStep, ctx: CheckContext) -> int:
+    return 0  # the request's own estimate stands (stager.fanout.room)
+
+
+def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
+    answer, connection = _ask(step, ctx)
+    try:
+        head = _head(step, answer)
+        tree = ctx.destination(".")
+        tree.mkdir(parents=True, exist_ok=True)
+        fd = os.open(str(ctx.root), os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            _receive(step, answer, fd, head["tar"], ctx)
+            manifest = _read_exactly(step, answer, head["manifest"], ctx)
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:
+            os.close(fd)
+            raise VerifyFailed(
+                f"the copy from {step.origin_node} broke off ({exc}); this node's job "
+                "stages from the source at its start"
+            ) from exc
+        except BaseException:
+            os.close(fd)
+            raise
+    finally:
+        connection.close()
+    with os.fdopen(fd, "rb", buffering=0) as raw:
+        if manifest_format.digest(manifest) != head["sha256"]:
+            raise VerifyFailed(
+                f"the manifest from {step.origin_node} is not the one its answer names; "
+                "this node's job stages from the source at its start"
+            )
+        # Before a byte is written: only what the source's service vouched for counts.
+        vouch.check(
+            head["credential"], step.vouch_uid, step.vouch_key, head["sha256"], step.munge_socket
+        )
+        expected = manifests.read(manifest, f"the manifest from {step.origin_node}")
+        label = f"the copy from {step.origin_node}"
+        ctx.progress.add_total(head["tar"], 0)
+        with translate(label):
+            extract_archive(ctx, Archive(raw.fileno(), 0, head["tar"], "tar", label), str(tree))
+    ctx.check_cancelled()
+    manifests.prune(tree, expected)
+    manifests.verify(tree, expected, step.origin_node)
+
+
+def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPResponse, Any]:
+    """The source node's answer, once it has one (it waits for its own prefetch to be
+    ready); a cancel of this staging closes the connection meanwhile."""
+    host, port = host_port(step.address)
+    connection = http.client.HTTPConnection(host, port, CONNECT_TIMEOUT_S)
+    done = threading.Event()
+
+    def closer() -> None:  # a socket blocked in recv wakes only when shut down
+        while not done.wait(0.2):
+            if ctx.cancel.is_set() and connection.sock is not None:
+                connection.sock.shutdown(2)
+                return
+
+    try:
+        connection.connect()
+        sock = connection.sock
+        assert sock is not None
+        sock.settimeout(step.wait_s + 60)
+        processes.thread(closer, name="copy-cancel")
+        headers = {"authorization": step.authorization, "content-type": "application/json"}
+        connection.request("GET", COPY_ROUTE, body=step.order.encode(), headers=headers)
+        answer = connection.getresponse()
+        sock.settimeout(READ_TIMEOUT_S)  # (the connection lets go of it: "close")
+    except (OSError, http.client.HTTPException) as exc:
+        connection.close()
+        ctx.check_cancelled()
+        raise VerifyFailed(
+            f"could not get the copy from {step.origin_node} ({step.address}): {exc}; "
+            "this node's job stages from the source at its start"
+        ) from exc
+    finally:
+        done.set()
+    return answer, connection
+
+
+def _head(step: CopyFromNodeStep, answer: http.client.HTTPResponse) -> dict[str, Any]:
+    if answer.status != 200:
+        why = answer.read(4096).decode(errors="replace")
+        raise VerifyFailed(
+            f"{step.origin_node} did not send the copy ({answer.status}: {why}); this "
+            "node's job stages from the source at its start"
+        )
+    try:
+        head = {
+            "key": answer.headers[KEY],
+            "tar": int(answer.headers[TAR_BYTES]),
+            "manifest": int(answer.headers[MANIFEST_BYTES]),
+            "sha256": answer.headers[MANIFEST_SHA256],
+            "credential": answer.headers[MANIFEST_CREDENTIAL],
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise VerifyFailed(f"{step.origin_node}'s copy came without its sizes ({exc})") from exc
+    if head["key"] != step.vouch_key:
+        raise VerifyFailed(
+            f"{step.origin_node} holds {head['key']}, and this node computes {step.vouch_key} "
+            "for the request: the sources look different from here; this node's job stages "
+            "from the source at its start"
+        )
+    size = head["tar"] + head["manifest"]
+    if min(head["tar"], head["manifest"]) < 0 or size > step.limit_bytes:
+        raise VerifyFailed(
+            f"{step.origin_node}'s copy says {size} bytes, more than this dataset may take "
+            f"({step.limit_bytes}); not received"
+        )
+    if head["manifest"] > MANIFEST_LIMIT:
+        raise VerifyFailed(f"{step.origin_node}'s manifest is over {MANIFEST_LIMIT} bytes")
+    return head
+
+
+def _receive(
+    step: CopyFromNodeStep, answer: http.client.HTTPResponse, fd: int, size: int, ctx: OpContext
+) -> None:
+    left = size
+    while left:
+        ctx.check_cancelled()
+        data = answer.read(min(CHUNK, left))
+        if not data:
+            raise VerifyFailed(
+                f"the copy from {step.origin_node} ended {left} bytes short; this node's job "
+                "stages from the source at its start"
+            )
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        left -= len(data)
+
+
+def _read_exactly(
+    step: CopyFromNodeStep, answer: http.client.HTTPResponse, size: int, ctx: OpContext
+) -> bytes:
+    data = b""
+    while len(data) < size:
+        ctx.check_cancelled()
+        more = answer.read(min(CHUNK, size - len(data)))
+        if not more:
+            raise VerifyFailed(f"the manifest from {step.origin_node} ended short")
+        data += more
+    return data
