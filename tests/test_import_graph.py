@@ -190,8 +190,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("archive", {"stager.archive"}),  # formats, readers, the member writer
         ("image", {"stager.image"}),  # an image built from a tar or a tree; its mounts
         ("ops", {"stager.ops"}),  # the op table, the op base, one module per op
-        # The daemon's books: entries, leases, their store, the eviction policy, and the
-        # log line of each state change.
+        # The daemon's books: entries, leases, their store, the eviction policy, the log
+        # line of each state change, and where each entry lives under data/.
         ("state", {"stager.state"}),
         # A request's checks and expansion: sources, recipes, the cache key.
         ("request", {"stager.request"}),

@@ -226,7 +226,9 @@ class Settings(BaseSettings):
     image_backing: Literal["loop", "file"] = setting(
         "file",
         help="how the kernel mounts an image: EROFS straight from the file (Linux 6.12+; an "
-        "older kernel gets a loop device), or through a read-only loop device",
+        "older kernel gets a loop device), or through a read-only loop device; a user's own "
+        "image in the node service is mounted from its file wherever the kernel can (a loop "
+        "device's size is every user's to read)",
     )
     image_index: bool = setting(
         False,

@@ -204,8 +204,9 @@ class HeldSpace:
         for file in files:
             if not os.path.lexists(file):
                 continue
-            # Only the first name's suffix is kept: a blob is named after its image.
-            moved = self.folder / (stem + file.name[len(key) :])
+            # Only the suffixes are kept (the name may be the key's place, not the key:
+            # stager.state.layout); a blob is named after its image.
+            moved = self.folder / (stem + file.name[file.name.index(".") :])
             os.rename(file, moved)
             kept.append(moved)
         if not kept:

@@ -58,6 +58,7 @@ from stager.staging.publish import (
 )
 from stager.state.cache import private_owner
 from stager.state.dataset import Ask, Entry, Handle, now
+from stager.state.layout import PLACE, Layout
 from stager.state.leases import Lease
 from stager.state.statelog import StateLog
 from stager.state.store import Store
@@ -149,10 +150,13 @@ class Registry:
         crash: CrashPoints,
         as_user: AsUser | None = None,
         kinds: Kinds | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.settings = settings
         # What differs between a tree and an image (stager.kinds): asked, never tested.
         self.kinds = kinds or Kinds(settings)
+        # Where each entry lives under data/ (a user's own copy: behind its gate).
+        self.layout = layout or Layout.load(settings, self.kinds.mounted)
         # Acts with a user's rights (stager.staging.blocking.Processes.as_user): their links, their
         # deliveries. Never awaited under the engine's admission lock.
         self._as_user = as_user or _as_the_daemon
@@ -182,7 +186,8 @@ class Registry:
     # ---- paths ---------------------------------------------------------------
 
     def final(self, entry: Entry) -> Path:
-        return self.settings.data_dir / entry.key
+        """Where ``entry``'s tree is published or its image mounted (stager.state.layout)."""
+        return self.layout.final(entry)
 
     def attempt(self, entry: Entry) -> Attempt:
         assert entry.attempt is not None
@@ -227,6 +232,7 @@ class Registry:
         self.entries = {e.key: e for e in entries}
         self.handles = {h.id: h for h in handles if h.key in self.entries}
         self.leases = {x.id: x for x in leases if x.handle_id in self.handles}
+        await self._move_old_copies()
         to_stage = []
         for entry in self.entries.values():
             # Published before a crash, an image to mount again: the kind's to settle.
@@ -257,28 +263,72 @@ class Registry:
         return to_stage
 
     def owner_of(self, key: str) -> int | None:
-        entry = self.entries.get(key)
+        """The private owner of ``key``'s entry; ``key`` may also be the name of a private
+        copy's gate (stager.state.layout: an evicted tree's trash is named after it)."""
+        entry = self.entries.get(key) or self.entries.get(self.key_at(key))
         return private_owner(entry) if entry is not None else None
+
+    def key_at(self, name: str) -> str:
+        """The key of the entry whose top under data/ is named ``name`` (a private copy's
+        gate); ``name`` itself if none's."""
+        for entry in self.entries.values():
+            if self.layout.top(entry).name == name:
+                return entry.key
+        return name
+
+    async def _move_old_copies(self) -> None:
+        """Users' own copies that an earlier release published at ``data/<key>``, where
+        anyone who could name the key learned whose each was and how large: moved to
+        their place (stager.state.layout) by their kind, each in one rename, and their
+        names' links pointed there. An image keeps its mount at the old place until its
+        kind's ``settle`` (after it is mounted at the new one): a reader inside it reads
+        on."""
+        moved = []
+        for entry in self.entries.values():
+            final, old = self.final(entry), self.layout.old_place(entry)
+            if final == old:
+                continue
+            try:
+                if await self.kinds.of(entry).move(entry, old, self):
+                    moved.append(entry)
+            except OSError as exc:
+                # Left where it is: an orphan now, deleted below (a ready entry without
+                # its data is evicted, and staged again when asked for).
+                log.error("could not move %s behind its gate: %s", old, exc)
+        for entry in moved:
+            log.info("moved %s behind its gate (stager.state.layout)", entry.key)
+            await self.durable(Durable.TOUCHED, self._store.save_entry, entry)
+            final = self.final(entry)
+            await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
 
     def _orphans(self) -> list[Path]:
         """What no entry owns: attempts of ended entries, evicted trees whose deletion a
         crash or stop interrupted, deletions in progress. An active entry's data/<key>
         may be its attempt's publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
-        kept = {k for k, e in self.entries.items() if e.live}
+        kept = {self.layout.top(e) for e in self.entries.values() if e.live}
         found = [
             c
             for c in self.settings.partial_dir.iterdir()
             if c.name not in attempts and not self.held.is_held_image(c.name)
         ]
         # data/<key> and what a kind names after it (data/<key>.erofs: a key has no
-        # dot); a mount point still mounted (busy at its unmount) is left for the next
-        # start.
+        # dot), and private copies' gates (data/u/<G>, stager.state.layout); a mount
+        # point still mounted (busy at its unmount) is left for the next start.
+        data, users = self.settings.data_dir, self.layout.users_dir
         found += [
             child
-            for child in self.settings.data_dir.iterdir()
-            if child.name.partition(".")[0] not in kept and not os.path.ismount(child)
+            for child in data.iterdir()
+            if child != users
+            and data / child.name.partition(".")[0] not in kept
+            and not os.path.ismount(child)
         ]
+        if users.is_dir():
+            found += [
+                gate
+                for gate in users.iterdir()
+                if gate not in kept and not os.path.ismount(gate / PLACE)
+            ]
         return found
 
     # ---- a request arrives -------------------------------------------------------
@@ -575,7 +625,9 @@ async def open_registry(
     store = await run_io(Store, settings.db_path, ops)
     trash = Trash(settings.partial_dir, spawn)
     crash = CrashPoints(settings.crash_after)
-    return Registry(settings, store, metrics, trash, crash, as_user, Kinds(settings))
+    kinds = Kinds(settings)
+    layout = await run_io(Layout.load, settings, kinds.mounted)
+    return Registry(settings, store, metrics, trash, crash, as_user, kinds, layout)
 
 
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:

@@ -244,6 +244,7 @@ class Names:
     def view(self, handle: Handle) -> DatasetPublic:
         reg = self.engine.reg
         leases = [x.public() for x in reg.leases.values() if x.handle_id == handle.id]
-        view = public_view(handle, reg.entries[handle.key], self.settings.data_dir, leases)
+        entry = reg.entries[handle.key]
+        view = public_view(handle, entry, reg.final(entry), leases)
         view.prestaged_for_job = self.prestaged(handle.owner, handle.key)
         return view

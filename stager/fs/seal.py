@@ -202,7 +202,7 @@ def _stamped_after(sealed_ns: int, top: Path) -> bool:
 # in and nobody else. The user can read their copy and cannot change it: not its mode,
 # not its entries (nothing is theirs), so root never deletes a tree they could write.
 PRIVATE_TOP_MODE = 0o550  # with the ACL below: its group bits are the ACL's mask
-_ACL_XATTR = "system.posix_acl_access"
+ACL_XATTR = _ACL_XATTR = "system.posix_acl_access"
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 _NO_ID = 0xFFFFFFFF
 
@@ -213,12 +213,24 @@ def top_mode(owner: int | None) -> int:
 
 def private_acl(owner: int) -> bytes:
     """The access ACL of a private copy's top: owner (root) r-x, user ``owner`` r-x,
-    nobody else (the kernel's xattr form: version 2, then tag, perms and id each)."""
+    nobody else."""
+    return _acl(5, owner, 5)
+
+
+def gate_acl(owner: int) -> bytes:
+    """The access ACL of a user's folder under ``data/u/`` (stager.state.layout): owner (root)
+    rwx, user ``owner`` search alone (``--x``: they list nothing), nobody else."""
+    return _acl(7, owner, 1)
+
+
+def _acl(root: int, owner: int, theirs: int) -> bytes:
+    """An access ACL in the kernel's xattr form (version 2, then tag, perms and id of
+    each entry): the file's owner ``root``, user ``owner`` ``theirs``, nobody else."""
     entries = [
-        (_ACL_USER_OBJ, 5, _NO_ID),
-        (_ACL_USER, 5, owner),
+        (_ACL_USER_OBJ, root, _NO_ID),
+        (_ACL_USER, theirs, owner),
         (_ACL_GROUP_OBJ, 0, _NO_ID),
-        (_ACL_MASK, 5, _NO_ID),
+        (_ACL_MASK, theirs, _NO_ID),
         (_ACL_OTHER, 0, _NO_ID),
     ]
     return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)

@@ -81,6 +81,19 @@ class ImageIdentity:
                 "it is not served: evict it and stage the dataset again"
             )
 
+    def renamed(self, path: str) -> ImageIdentity:
+        """The stamps of this file after root renamed it to ``path`` (a rename sets its
+        ctime): the same file, size and mtime, or ImageChanged."""
+        now = ImageIdentity.stamp(path, self.sha256)
+        if (now.size, now.device, now.inode, now.mtime_ns) != (
+            self.size,
+            self.device,
+            self.inode,
+            self.mtime_ns,
+        ):
+            raise ImageChanged(f"image {path} is not the file measured; stage it again")
+        return now
+
     def check_pinned(self, expected_sha256: str, path: str) -> None:
         """Raise unless the measured hash is the one the admin pinned."""
         if self.sha256 != expected_sha256.lower():

@@ -145,7 +145,7 @@ def _mount_indexed(image: str, target: str, device: str, backing: str) -> None:
         with _loop_device(image) as image_loop, _loop_device(device) as blob_loop:
             _mount_syscall(image_loop, target, "erofs", f"device={blob_loop}")
     except OSError as exc:
-        if exc.errno in (errno.ENOTBLK, errno.EINVAL) and not _fileio_erofs():
+        if exc.errno in (errno.ENOTBLK, errno.EINVAL) and not erofs_from_files():
             raise MountError(
                 f"{image} is an index image, mounted with its blob {device} from the files, "
                 "which needs Linux 6.12 or later; mount both through loop devices (backing "
@@ -187,7 +187,7 @@ def _loop_device(path: str) -> Iterator[str]:
     raise OSError(errno.EBUSY, "no free loop device stayed free", path)
 
 
-def _fileio_erofs() -> bool:
+def erofs_from_files() -> bool:
     """Whether this kernel mounts EROFS from a file (6.12+), by its version."""
     release = os.uname().release.split(".")
     try:

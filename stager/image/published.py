@@ -21,6 +21,7 @@ after a reboot a published image is simply not mounted yet.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -66,8 +67,9 @@ class ImageRecord:
         )
 
 
-def image_file(data_dir: Path, key: str, fmt: str) -> Path:
-    return data_dir / f"{key}{SUFFIXES[fmt]}"
+def image_file(folder: Path, name: str, fmt: str) -> Path:
+    """The file of the image mounted at ``folder / name``: beside it, named after it."""
+    return folder / f"{name}{SUFFIXES[fmt]}"
 
 
 def blob_of(image: Path) -> Path:
@@ -83,10 +85,11 @@ def blob_identity(image: Path) -> ImageIdentity | None:
         return None
 
 
-def image_of(data_dir: Path, key: str) -> Path | None:
-    """The published image file of ``key``, whatever its format; None if there is none."""
+def image_of(folder: Path, name: str) -> Path | None:
+    """The published image file of the mount point ``folder / name``, whatever its
+    format; None if there is none."""
     for suffix in SUFFIXES.values():
-        path = data_dir / f"{key}{suffix}"
+        path = folder / f"{name}{suffix}"
         if os.path.lexists(path):
             return path
     return None
@@ -105,6 +108,14 @@ def key_of(name: str) -> str:
             if name.endswith(ending):
                 return name[: -len(ending)]
     return name
+
+
+def renamed(record: ImageRecord, file: Path) -> ImageRecord:
+    """``record`` of an image that root renamed to ``file`` (with its blob): stamped
+    again, as a rename sets the files' ctime; ImageChanged if they are not the files
+    measured."""
+    blob = record.blob.renamed(str(blob_of(file))) if record.blob is not None else None
+    return dataclasses.replace(record, identity=record.identity.renamed(str(file)), blob=blob)
 
 
 def mount_kind() -> str:
@@ -249,12 +260,12 @@ def delete_image(file: Path | None, target: Path | None) -> None:
 
 
 def stray_mounts(data_dir: Path, kept: dict[str, Path]) -> list[Path]:
-    """Mount points under ``data_dir`` that no ready image holds: not ``data/<key>`` of a
-    key in ``kept`` (key -> its image file), or mounted from another file than it."""
+    """Mount points under ``data_dir`` that no ready image holds: not one in ``kept``
+    (mount point -> its image file), or mounted from another file than it."""
     strays = []
     for found in image_mount.mounts_under(str(data_dir)):
         target = Path(found.target)
-        file = kept.get(target.name) if target.parent == data_dir else None
+        file = kept.get(found.target)
         if file is None or not _is_of(found, file):
             strays.append(target)
     return strays

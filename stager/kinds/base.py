@@ -27,6 +27,7 @@ from stager.fs.seal import Seal
 from stager.image.published import ImageRecord
 from stager.staging.publish import Attempt
 from stager.state.dataset import Entry
+from stager.state.layout import Layout
 from stager.wire.schemas import DatasetCreate, ErrorInfo, ExportCreate, ExportPublic, State
 
 # The staging process's outcome, as the kind's job returned it (a Seal, an ImageMade).
@@ -55,12 +56,15 @@ class Shelf(Protocol):
     settings: Settings
     trash: Trash
     crash: CrashPoints
+    layout: Layout  # where each entry lives under data/, its folders made and removed
 
     def final(self, entry: Entry) -> Path: ...
 
     def attempt(self, entry: Entry) -> Attempt: ...
 
     def owner_of(self, key: str) -> int | None: ...
+
+    def key_at(self, name: str) -> str: ...
 
     async def durable(self, point: Durable, write: Callable[..., Any], *args: Any) -> None: ...
 
@@ -93,6 +97,9 @@ class Kind(Protocol):
     kind subclasses it, and keeps the defaults where it has nothing to do."""
 
     name: str
+    # Whether its place under data/ is a mount, which the kernel's mount table lists to
+    # every user: then even a user's own daemon names it opaquely (stager.state.layout).
+    mounted: bool = False
 
     def asked(self, request: DatasetCreate, steps: list[Any], ops: Any) -> bool:
         """Whether ``request`` (expanded to ``steps``) asks for this kind."""
@@ -129,6 +136,12 @@ class Kind(Protocol):
         """At start, an entry a crash or a reboot left: settled here (True), or left to
         the registry's common course (False)."""
         ...
+
+    async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
+        """At start, before ``recover``: a user's own copy that an earlier release
+        published at ``old`` (``data/<key>``) moved to its place (``shelf.final``, its
+        folders made by ``shelf.layout``) in one rename; whether there was one to move."""
+        return False
 
     async def settle(self, entries: list[Entry], shelf: Shelf) -> None:
         """At start, once every entry is settled: what of this kind's no entry holds

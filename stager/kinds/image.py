@@ -1,15 +1,19 @@
-"""The image kind: a dataset as one read-only EROFS image, mounted at ``data/<key>``.
+"""The image kind: a dataset as one read-only EROFS image, mounted at ``data/<key>``
+(a user's own in the node service, and every one of a user's own daemon: at
+``data/u/<G>/dataset``, whose name says nothing in the mount table: stager.state.layout).
 
 Made in the staging process (stager.kinds.imaging) from the steps, or a prebuilt image
-copied; published by renaming it to ``data/<key>.erofs`` (the commit point) and
-mounting it (the kernel as root, FUSE as a user: stager.image.published); a hit checks
-the file's identity and its mount, no walk; an eviction unmounts it (lazily while a
-process without a lease reads it) and deletes the file; a fan-out sends it whole.
+copied; published by renaming it to ``data/<key>.erofs``, beside its mount point (the
+commit point), and mounting it (the kernel as root, FUSE as a user:
+stager.image.published); a hit checks the file's identity and its mount, no walk; an
+eviction unmounts it (lazily while a process without a lease reads it) and deletes the
+file; a fan-out sends it whole.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -23,13 +27,14 @@ from stager.engine.held_space import held_open, holder_of
 from stager.fanout.image_export import export_image
 from stager.image import mount as image_mount
 from stager.image import published as images
-from stager.image.identity import ImageIdentity
+from stager.image.identity import ImageChanged, ImageIdentity
 from stager.kinds.base import Kind, ReadyTree, Sender, Shelf
 from stager.kinds.imaging import ImageJob, ImageMade, attempt_image
 from stager.ops import image as image_op
 from stager.staging.blocking import run_io
 from stager.state.cache import private_owner
 from stager.state.dataset import Entry
+from stager.state.layout import PLACE
 from stager.wire.schemas import (
     DatasetCreate,
     ErrorInfo,
@@ -44,6 +49,7 @@ log = logging.getLogger("stager.kinds.image")
 
 class Image(Kind):
     name = "image"
+    mounted = True
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -135,13 +141,14 @@ class Image(Kind):
             embed,
         )
 
-    def file(self, entry: Entry) -> Path | None:
-        """A published image's file (``data/<key>.erofs``), as its record says or, before
-        it has one (a restart), as the folder holds it."""
-        data_dir = self.settings.data_dir
+    @staticmethod
+    def file(entry: Entry, shelf: Shelf) -> Path | None:
+        """A published image's file (``data/<key>.erofs``, beside its mount point), as its
+        record says or, before it has one (a restart), as the folder holds it."""
+        final = shelf.final(entry)
         if entry.image is not None:
-            return images.image_file(data_dir, entry.key, entry.image.format)
-        return images.image_of(data_dir, entry.key)
+            return images.image_file(final.parent, final.name, entry.image.format)
+        return images.image_of(final.parent, final.name)
 
     # ---- publish ---------------------------------------------------------------
 
@@ -158,8 +165,9 @@ class Image(Kind):
         A mount that fails takes the image away again and raises: the staging fails.
         """
         attempt, final = shelf.attempt(entry), shelf.final(entry)
-        file = images.image_file(self.settings.data_dir, entry.key, outcome.format)
+        file = images.image_file(final.parent, final.name, outcome.format)
         if await run_io(os.path.exists, outcome.path) and Path(outcome.path) != file:
+            await run_io(shelf.layout.prepare, entry)  # a user's own image: its gate
             await shelf.durable(
                 Durable.IMAGE_PUBLISHED, images.publish_image, Path(outcome.path), file
             )
@@ -174,6 +182,7 @@ class Image(Kind):
             shelf.set_image(entry, None)
             await run_io(images.take_down, final)
             await run_io(images.delete_image, file, final)
+            await run_io(shelf.layout.release, entry)
             raise
         size = identity.size + (blob.size if blob is not None else 0)
         await shelf.made_ready(entry, size, None)
@@ -181,8 +190,9 @@ class Image(Kind):
             shelf.crash.reached(Durable.ATTEMPT_REMOVED)
 
     async def _mount(self, entry: Entry, file: Path, shelf: Shelf) -> None:
-        """Mount ``file`` at ``data/<key>`` (durable step MOUNTED)."""
-        backing = self.settings.image_backing
+        """Mount ``file`` at ``data/<key>`` (durable step MOUNTED); a user's own image from
+        its file where the kernel can (stager.state.layout)."""
+        backing = shelf.layout.backing(entry, self.settings.image_backing)
         await shelf.durable(Durable.MOUNTED, images.mount_image, file, shelf.final(entry),
                             self.mount_kind, backing)  # fmt: skip
 
@@ -193,7 +203,7 @@ class Image(Kind):
     ) -> str | None:
         """The file's identity (one ``lstat``) and its mount, no walk: an image found
         unmounted is mounted again (under ``lock``, while still ready)."""
-        file = self.file(entry)
+        file = self.file(entry, shelf)
         assert entry.image is not None and file is not None
         changed = await run_io(self._mounts.check, file, shelf.final(entry), entry.image)
         if changed != "unmounted":
@@ -217,7 +227,7 @@ class Image(Kind):
         if entry.active and entry.attempt and await run_io(self._published, entry, shelf):
             if entry.state == State.QUEUED:
                 entry.move(State.STAGING)
-            file = self.file(entry)
+            file = self.file(entry, shelf)
             assert file is not None
             try:
                 await self.publish(entry, ImageMade(str(file), images.format_of(file)), shelf)
@@ -228,7 +238,7 @@ class Image(Kind):
             return True
         if entry.state != State.READY or entry.image is None:
             return False
-        file, target = self.file(entry), shelf.final(entry)
+        file, target = self.file(entry, shelf), shelf.final(entry)
         assert file is not None
         state = await run_io(images.check, file, target, entry.image)
         if state == "unmounted":
@@ -246,15 +256,37 @@ class Image(Kind):
         """Whether this entry's attempt got past its commit point (see ``publish``)."""
         done = shelf.attempt(entry).steps_done() == len(entry.steps)
         built = attempt_image(shelf.attempt(entry)).exists()
-        return done and not built and self.file(entry) is not None
+        return done and not built and self.file(entry, shelf) is not None
+
+    async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
+        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``): its
+        file (and blob) renamed behind its gate, its record stamped again (a rename sets
+        a file's ctime; one found changed is evicted at its check). Its mount at ``old``
+        stays, for whoever reads in it, until ``settle`` finds it a stray (after
+        ``recover`` mounted the file at its place)."""
+        return await run_io(self._move, entry, old, shelf)
+
+    @staticmethod
+    def _move(entry: Entry, old: Path, shelf: Shelf) -> bool:
+        file, final = images.image_of(old.parent, old.name), shelf.final(entry)
+        if file is None or os.path.lexists(final):
+            return False  # nothing there, or moved already (a crash after the rename)
+        shelf.layout.prepare(entry)
+        to = images.image_file(final.parent, final.name, images.format_of(file))
+        images.publish_image(file, to)
+        if entry.image is not None:
+            with contextlib.suppress(ImageChanged):
+                shelf.set_image(entry, images.renamed(entry.image, to))
+        return True
 
     async def settle(self, entries: list[Entry], shelf: Shelf) -> None:
         """Mounts under ``data/`` that no ready image holds (a crash between an eviction's
-        unmount and its delete, a failed publish, an image deleted under its mount)."""
+        unmount and its delete, a failed publish, an image deleted under its mount, a
+        user's own image's old place in a cache an earlier release made)."""
         kept = {
-            e.key: file
+            str(shelf.final(e)): file
             for e in entries
-            if e.state == State.READY and e.image is not None and (file := self.file(e))
+            if e.state == State.READY and e.image is not None and (file := self.file(e, shelf))
         }
         for target in await run_io(images.stray_mounts, self.settings.data_dir, kept):
             log.warning("unmounting %s: no ready image dataset is mounted there", target)
@@ -263,7 +295,16 @@ class Image(Kind):
     async def claim(self, orphan: Path, shelf: Shelf) -> bool:
         """An image file of ``data/`` that no entry holds: a blob alone is deleted (it
         goes with its image); an image, perhaps one a crash left between its lazy
-        unmount and its keeping, is kept while held open, else deleted."""
+        unmount and its keeping, is kept while held open, else deleted. A user's own
+        image's gate (stager.state.layout) the same, and the gate then discarded."""
+        if orphan.parent == shelf.layout.users_dir:
+            file = await run_io(images.image_of, orphan, PLACE)
+            if file is None:
+                return False  # a tree's gate, or an empty one: the registry discards it
+            key = shelf.key_at(orphan.name)
+            await run_io(self._retire, key, shelf.owner_of(key), 0, file, shelf)
+            await shelf.trash.discard(orphan)
+            return True
         key = images.key_of(orphan.name)
         if orphan.parent != self.settings.data_dir or key == orphan.name:
             return False
@@ -283,7 +324,7 @@ class Image(Kind):
         file: no tree to move aside and delete in the background. A lazily unmounted
         image's file is kept instead, on its owner's books, until its readers let go
         (stager.engine.held_space): unlinked, its blocks would stay in use, counted nowhere."""
-        final, file = shelf.final(entry), self.file(entry)
+        final, file = shelf.final(entry), self.file(entry, shelf)
         owner = private_owner(entry)
         self._mounts.forget(entry.key)
         # A shared image's held space is charged to whoever holds its mount, found by
@@ -302,6 +343,7 @@ class Image(Kind):
                 shelf.trash.spawn_io(shelf.trash.held.charge_holder, kept, device)
             file = None
         await run_io(images.delete_image, file, final)
+        await run_io(shelf.layout.release, entry)  # a user's own image's gate
         shelf.crash.reached(Durable.IMAGE_DELETED)
 
     @staticmethod
@@ -330,8 +372,8 @@ class Image(Kind):
         record = entry.image
         if entry.state != State.READY or record is None or record.blob is not None:
             return None
-        await ready(entry)  # ready, and unchanged since its publish
-        file = images.image_file(self.settings.data_dir, entry.key, record.format)
+        final = await ready(entry)  # ready, and unchanged since its publish
+        file = images.image_file(final.parent, final.name, record.format)
         private = entry.reader is not None and not entry.reader.public
 
         def copy(transfer: Any) -> tuple[Path, int, str]:

@@ -1,13 +1,17 @@
 """The squashfs kind: a user's own daemon's image, where no FUSE reader of EROFS is
-(Debian 12), mounted as the user by ``squashfuse_ll`` at ``data/<key>``.
+(Debian 12), mounted as the user by ``squashfuse_ll`` at ``data/u/<G>/dataset``: behind
+a gate named by the user's own secret, as the mount table and squashfuse_ll's command
+line, which every user reads, would name the dataset at ``data/<key>``
+(stager.state.layout).
 
 Built in the staging process: a request of one plain tar, extracted whole, is read
 into the image by ``tar2sqfs`` (squashfs-tools-ng) as it streams, with no tree on the
 disk; any other request is staged as a tree and packed by ``mksquashfs``. Both write
 lz4 (docs/image-mode.md has the figures that chose the writer and the compression).
 Everything after the build is the image kind's (stager.kinds.image): the rename to
-``data/<key>.sqfs`` is the commit point, the mount is the user's (``fusermount3``),
-a hit checks the file's identity and its mount, an eviction unmounts and deletes it.
+``dataset.sqfs``, beside its mount point, is the commit point, the mount is the
+user's (``fusermount3``), a hit checks the file's identity and its mount, an eviction
+unmounts and deletes it.
 Unlike a kernel mount, a FUSE mount is a process of the user's: every one under
 ``data/`` is taken down when the daemon stops, and what a kill -9 left is taken down
 (or kept, mounted from the published file) at the next start.
@@ -224,7 +228,7 @@ class Squash(Image):
     def _published(self, entry: Entry, shelf: Shelf) -> bool:
         done = shelf.attempt(entry).steps_done() == len(entry.steps)
         built = (shelf.attempt(entry).root / BUILT).exists()
-        return done and not built and self.file(entry) is not None
+        return done and not built and self.file(entry, shelf) is not None
 
     async def export(
         self, entry: Entry, request: ExportCreate, owner: Any, ready: ReadyTree, room: Sender

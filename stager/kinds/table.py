@@ -37,6 +37,10 @@ class Kinds:
     def of_spec(self, spec: dict[str, Any]) -> Kind:
         return next(kind for kind in self.all if kind.holds(spec))
 
+    def mounted(self, entry: Entry) -> bool:
+        """Whether ``entry``'s place is a mount (stager.state.layout)."""
+        return self.of(entry).mounted
+
     def close(self) -> None:
         for kind in self.all:
             kind.close()

@@ -9,6 +9,7 @@ background.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ class Tree(Kind):
         """
         attempt, final = shelf.attempt(entry), shelf.final(entry)
         if await run_io(attempt.tree.is_dir):
+            await run_io(shelf.layout.prepare, entry)  # a user's own copy: its gate
             await shelf.durable(Durable.PUBLISHED, publish, attempt.tree, final)
         # Again after a crash: it changes nothing then.
         await run_io(protect_top, final, private_owner(entry))
@@ -139,12 +141,27 @@ class Tree(Kind):
         done = attempt.steps_done() == len(entry.steps)
         return done and not attempt.tree.exists() and shelf.final(entry).is_dir()
 
+    async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
+        """A tree an earlier release published at ``data/<key>``: renamed behind its gate
+        (a crash after the rename finds it there, and nothing at ``old``)."""
+        return await run_io(self._move, entry, old, shelf)
+
+    @staticmethod
+    def _move(entry: Entry, old: Path, shelf: Shelf) -> bool:
+        final = shelf.final(entry)
+        if not old.is_dir() or os.path.ismount(old) or os.path.lexists(final):
+            return False
+        shelf.layout.prepare(entry)
+        publish(old, final)
+        return True
+
     async def delete(self, entry: Entry, shelf: Shelf) -> None:
-        """Moved aside in one rename, deleted in the background."""
+        """Moved aside in one rename, deleted in the background; a user's own copy with
+        its gate (stager.state.layout), so nothing of it is left under ``data/``."""
         seal = entry.seal
         dataset = (entry.key, private_owner(entry))
         discarded = await shelf.trash.discard(
-            shelf.final(entry), entry.size_bytes, dataset, seal.entries if seal else 0
+            shelf.layout.top(entry), entry.size_bytes, dataset, seal.entries if seal else 0
         )
         if discarded:
             shelf.crash.reached(Durable.DATA_DISCARDED)

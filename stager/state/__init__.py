@@ -1,1 +1,2 @@
-"""The daemon's books: entries, leases, their store, eviction, the state log."""
+"""The daemon's books: entries, leases, their store, eviction, the state log, each
+entry's place under data/."""

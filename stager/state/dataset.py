@@ -196,13 +196,13 @@ def _redacted(error: ErrorInfo | None) -> ErrorInfo | None:
     return ErrorInfo(type=error.type, message=redact_text(error.message))
 
 
-def _image(entry: Entry, data_dir: Path) -> ImagePublic | None:
+def _image(entry: Entry, final: Path) -> ImagePublic | None:
     record = entry.image
     if record is None:
         return None
     suffix = ".sqfs" if record.format == "squashfs" else ".erofs"
     return ImagePublic(
-        file=str(data_dir / f"{entry.key}{suffix}"),
+        file=str(final.with_name(final.name + suffix)),  # beside its mount point
         format=record.format,  # type: ignore[arg-type]
         mount=record.mount,  # type: ignore[arg-type]
         size_bytes=record.identity.size,
@@ -212,10 +212,12 @@ def _image(entry: Entry, data_dir: Path) -> ImagePublic | None:
 
 
 def public_view(
-    handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
+    handle: Handle, entry: Entry, final: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
+    """What ``handle``'s owner is told of it; ``final``: where its entry lives
+    (stager.state.layout)."""
     if handle.ended is not None and entry.state != handle.ended:
-        return _ended_view(handle, entry, data_dir, leases)
+        return _ended_view(handle, entry, final, leases)
     # The path is where the data will be once ready; it does not exist before the
     # atomic publish, so nobody can read a half-staged tree through it.
     return DatasetPublic(
@@ -223,24 +225,24 @@ def public_view(
         owner=handle.owner,
         key=entry.key,
         state=entry.state,
-        path=str(data_dir / entry.key),
+        path=str(final),
         link=handle.link,
         progress=entry.progress.snapshot(),
         # A failed download's sentence names its URL: never its token (stager.core.redact).
         error=entry.error
         and ErrorInfo(type=entry.error.type, message=redact_text(entry.error.message)),
-        usage=[_usage(u, data_dir / entry.key) for u in entry.usage],
+        usage=[_usage(u, final) for u in entry.usage],
         leases=leases,
         size_bytes=entry.size_bytes,
         origin=public_origin(entry, handle.hit, of_another=_staged_for_another(entry, handle)),
-        image=_image(entry, data_dir) if entry.state == State.READY else None,
+        image=_image(entry, final) if entry.state == State.READY else None,
         created_at=min(handle.created_at, entry.created_at),
         updated_at=entry.updated_at,
     )
 
 
 def _ended_view(
-    handle: Handle, entry: Entry, data_dir: Path, leases: list[LeasePublic]
+    handle: Handle, entry: Entry, final: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
     """A name its owner ended: that end, whatever another name has made of its entry
     since (staged it again, or is staging it)."""
@@ -250,7 +252,7 @@ def _ended_view(
         owner=handle.owner,
         key=entry.key,
         state=handle.ended,
-        path=str(data_dir / entry.key),
+        path=str(final),
         link=handle.link,
         progress=Progress(step_names=entry.step_names).snapshot(),
         error=CANCELLED_BY_REQUEST if handle.ended == State.CANCELLED else None,

@@ -263,21 +263,22 @@ class Checker:
         return status
 
     def mounts_are_sound(self, client: httpx.Client) -> None:
-        """Every mount under data/ is of its own published image, data/<key>.erofs (no
-        orphan mount, no mount over a deleted image), and every ready image dataset is
-        mounted (an entry no name shows, staged after a crash, may be mounted too)."""
+        """Every mount under data/ is of its own published image, the file beside it
+        (``<mount point>.erofs``; no orphan mount, no mount over a deleted image), and
+        every ready image dataset is mounted at its path (an entry no name shows, staged
+        after a crash, may be mounted too)."""
         data = self.daemon.cache_dir / "data"
-        found = {Path(m.target).name: m for m in image_mount.mounts_under(str(data))}
-        for key, mount in found.items():
-            file = data / f"{key}.erofs"
-            assert file.exists(), f"{mount.target} is mounted, and its image is gone"
+        found = {m.target: m for m in image_mount.mounts_under(str(data))}
+        for target, mount in found.items():
+            file = Path(f"{target}.erofs")
+            assert file.exists(), f"{target} is mounted, and its image is gone"
             st = file.stat()
             assert image_mount.backing_file(mount) == (st.st_dev, st.st_ino), mount
             if self.blobs:  # what the next boot mounts it with
-                assert (data / f"{key}.erofs.blob").is_file(), f"{mount.target}: no blob"
+                assert Path(f"{file}.blob").is_file(), f"{target}: no blob"
         for status in client.get("/v1/datasets").json()["data"]:
             if status["state"] == "ready" and status["image"]:
-                assert status["key"] in found, f"ready image {status['name']} is not mounted"
+                assert status["path"] in found, f"ready image {status['name']} is not mounted"
 
     def no_leftovers(self, client: httpx.Client) -> None:
         """Once nothing is active, no attempt folder is left in partial/ (deletes of
@@ -340,8 +341,7 @@ def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path
     try:
         with daemon.start().client() as client:
             post(client, world.body("img", tmp_path / "probe-links"))
-            key = wait(client, "img")["key"]
-            blob = daemon.cache_dir / "data" / f"{key}.erofs.blob"
+            blob = Path(wait(client, "img")["image"]["file"] + ".blob")
             assert blob.is_file(), "the image request did not become an index image"
             client.delete("/v1/datasets/img").raise_for_status()
     finally:

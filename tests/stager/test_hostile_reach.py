@@ -200,7 +200,8 @@ def test_the_caches_folders_mounts_and_gc_tell_a_user_nothing_of_anothers_data(
     (cache / "data").mkdir(parents=True)
     (cache / "data").chmod(0o755)  # as an earlier release left it
     with node_service(cache) as service:
-        old = stage_ready(alice, service, copy("p", secret))["key"]
+        first = stage_ready(alice, service, copy("p", secret))
+        old, old_path = first["key"], Path(first["path"])
         alice.run(["sh", "-c", f"echo version-two > {secret}/notes"])
         new = stage_ready(alice, service, copy("p", secret))["key"]
         shared_old = stage_ready(alice, service, copy("s", public))["key"]
@@ -219,7 +220,7 @@ def test_the_caches_folders_mounts_and_gc_tell_a_user_nothing_of_anothers_data(
 
         code, answer = request(bob, service, "POST", "/v1/gc", {})
         assert code == 200 and answer["evicted"] == [] and answer["freed_bytes"] == 0, answer
-        assert (cache / "data" / old).is_dir() and (cache / "data" / shared_old).is_dir()
+        assert old_path.is_dir() and (cache / "data" / shared_old).is_dir()
 
         code, answer = request(alice, service, "POST", "/v1/gc", {})
         assert code == 200 and answer["evicted"] == [old], answer  # her own, alone

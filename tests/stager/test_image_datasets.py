@@ -72,15 +72,18 @@ def test_an_archive_staged_as_an_image_is_mounted_read_only_with_its_renames(
         assert image["format"] == "erofs" and image["mount"] == "kernel"
         assert image["files"] == 24 and image["size_bytes"] == status["size_bytes"] > 0
         file = Path(image["file"])
-        assert file == daemon.cache_dir / "data" / f"{status['key']}.erofs"
+        # Beside its mount point, behind a gate (stager.state.layout): the mount table
+        # lists every user's mounts, and data/<key> would name the dataset.
+        assert file == Path(f"{status['path']}.erofs")
+        assert file.parent.parent == daemon.cache_dir / "data" / "u"
+        assert status["key"] not in status["path"]
         assert file.stat().st_mode & 0o777 == 0o444 and file.stat().st_uid == 0
         # Read-only by construction: the kernel refuses any change.
         with pytest.raises(OSError, match="Read-only"):
             (Path(status["path"]) / "train" / "new").write_bytes(b"x")
         # Nothing of the staging is left: no tree beside the image.
-        assert sorted(p.name for p in (daemon.cache_dir / "data").iterdir()) == sorted(
-            [status["key"], file.name]
-        )
+        assert sorted(p.name for p in file.parent.iterdir()) == ["dataset", file.name]
+        assert [p.name for p in (daemon.cache_dir / "data").iterdir()] == ["u"]
         progress = status["progress"]
         assert progress["bytes_done"] == progress["bytes_total"] == archive.stat().st_size
         assert progress["files_done"] >= 24
@@ -119,7 +122,8 @@ def test_eviction_unmounts_and_deletes_one_file_but_never_a_leased_image(
         gone = client.delete("/v1/datasets/ds")
         assert gone.status_code == 200, gone.text
     assert mounted(status["path"]) is None
-    assert list((daemon.cache_dir / "data").iterdir()) == []
+    data = daemon.cache_dir / "data"
+    assert [p for p in data.rglob("*") if p != data / "u"] == []  # its gate gone with it
     assert not link.is_symlink()
 
 
@@ -284,9 +288,7 @@ def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
         assert blob.stat().st_mode & 0o777 == 0o444
         assert file.stat().st_size < archive.stat().st_size // 4  # metadata only
         assert status["size_bytes"] == file.stat().st_size + blob.stat().st_size
-        assert sorted(p.name for p in data.iterdir()) == sorted(
-            [status["key"], file.name, blob.name]
-        )
+        assert sorted(p.name for p in file.parent.iterdir()) == ["dataset", file.name, blob.name]
         assert digest(Path(status["path"]) / "train") == digest(tree)
         again = client.post("/v1/datasets", json=image_body(archive))
         assert again.status_code == 200 and again.json()["origin"]["hit"] is True
@@ -301,7 +303,7 @@ def test_a_plain_tar_staged_as_an_index_image_keeps_its_blob_beside_it(
         gone = client.delete("/v1/datasets/ds")
         assert gone.status_code == 200, gone.text
     assert mounted(status["path"]) is None
-    assert list(data.iterdir()) == []
+    assert [p for p in data.rglob("*") if p != data / "u"] == []  # its gate gone with it
 
 
 def test_a_plain_tar_staged_as_an_image_carries_the_tar_inside_one_file(
@@ -320,7 +322,7 @@ def test_a_plain_tar_staged_as_an_image_carries_the_tar_inside_one_file(
         with open(file, "rb") as image:
             image.seek(EMBEDDED_AT)
             assert image.read(archive.stat().st_size) == archive.read_bytes()
-        assert sorted(p.name for p in data.iterdir()) == sorted([status["key"], file.name])
+        assert sorted(p.name for p in file.parent.iterdir()) == ["dataset", file.name]
         assert status["size_bytes"] == file.stat().st_size
         assert digest(Path(status["path"]) / "train") == digest(tree)
         progress = status["progress"]
@@ -332,7 +334,7 @@ def test_a_plain_tar_staged_as_an_image_carries_the_tar_inside_one_file(
         gone = client.delete("/v1/datasets/ds")
         assert gone.status_code == 200, gone.text
     assert mounted(status["path"]) is None
-    assert list(data.iterdir()) == []
+    assert [p for p in data.rglob("*") if p != data / "u"] == []  # its gate gone with it
 
 
 def rebooted(daemon: Daemon, status: dict, tree: Path) -> None:

@@ -70,9 +70,8 @@ def test_an_image_of_a_url_holds_exactly_what_gnu_tar_extracts(
         assert_mounted_image(status.path, built["references"][name])
         assert status.progress.bytes_done == status.progress.bytes_total == 2 * len(data)
         # Nothing of the download is left beside the image.
-        assert sorted(p.name for p in (daemon.cache_dir / "data").iterdir()) == sorted(
-            [status.key, f"{status.key}.erofs"]
-        )
+        assert status.image is not None
+        assert sorted(os.listdir(Path(status.image.file).parent)) == ["dataset", "dataset.erofs"]
     assert behaviour.requests == 1  # one GET: the archive is read once
 
 

@@ -241,6 +241,64 @@ def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
 
 @pytest.mark.skipif(
     shutil.which("erofsfuse") is not None
+    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+)
+def test_a_users_daemon_names_its_mounts_so_that_nobody_learns_what_they_hold(
+    fuse_for_users: None, users: tuple[User, User], shared_tmp: Path, interpreter_for_users: str
+) -> None:
+    """alice's own daemon mounts her squashfs image with FUSE. The mount table and
+    squashfuse_ll's command line, which every user reads, show it behind a gate named
+    by her daemon's secret (``data/u/<G>/dataset``, stager.state.layout), never at
+    ``data/<key>``, a hash of the request bob can work out; her cache is hers alone, so
+    bob stats nothing in it. An image an earlier release left at ``data/<key>.sqfs``
+    is moved behind its gate at the start and served as a hit."""
+    alice, bob = users
+    tree = write_tree(shared_tmp / "src" / "t", n_files=5, seed=7)
+    archive = make_tar(tree, shared_tmp / "t.tar")
+    owned(shared_tmp, alice)
+    cache = shared_tmp / "cache"
+    daemon = Daemon(cache_dir=cache, wrapper=["runuser", "-u", alice.name, "--"])
+    os.chown(daemon.runtime_dir, alice.uid, alice.gid)
+    body = {"name": "sq", "steps": [{"op": "extract", "src": str(archive)}], "image": True}
+    public = "cat /proc/self/mountinfo /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '"
+    try:
+        daemon.start()
+        with daemon.client() as client:
+            status = stage_ready(client, body, timeout=60)
+        assert status.image is not None and status.image.format == "squashfs"
+        path, file = Path(status.path), Path(status.image.file)
+        assert (path.parent.parent, path.name) == (cache / "data" / "u", "dataset"), path
+        assert _fuse_mounts(cache) == [status.path]
+        seen = bob.run(["sh", "-c", public]).stdout
+        # Listed, the mount point and the file squashfuse_ll serves: their names must
+        # say nothing.
+        assert status.path in seen and str(file) in seen
+        assert status.key not in seen
+        assert bob.run(["stat", status.path]).returncode != 0
+
+        # Where the release before put it: the image at data/<key>.sqfs.
+        _stop(daemon)
+        old = cache / "data" / f"{status.key}.sqfs"
+        os.rename(file, old)
+        os.rmdir(path)
+        os.rmdir(path.parent)
+        daemon.start()
+        with daemon.client() as client:
+            again = stage_ready(client, body)
+            assert again.origin is not None and again.origin.hit, again
+            assert again.path == status.path and not os.path.lexists(old)
+            assert _files(alice, path) == _files(alice, tree.parent)
+        _stop(daemon)
+        assert _fuse_mounts(cache) == []
+    finally:
+        if daemon.process is not None and daemon.process.poll() is None:
+            daemon.stop()
+        daemon.cleanup()
+
+
+@pytest.mark.skipif(
+    shutil.which("erofsfuse") is not None
     or not all(shutil.which(t) for t in ("mksquashfs", "squashfuse_ll", "fusermount3")),
     reason="needs Debian 12's squashfs kind: mksquashfs, squashfuse_ll, fuse3, no erofsfuse",
 )
