@@ -44,8 +44,8 @@ demo-prestage: $(STAMP)
 	$(BIN)/python deploy/demo/prestage.py
 
 # Two pytest-xdist workers (TEST_WORKERS=0: one process), each module whole on one of
-# them, the tests that change the machine itself (users, the SLURM cluster) all on one,
-# the slow groups first (tests/conftest.py).
+# them, the tests that use what the machine has one of (the SLURM cluster, the installed
+# package, a nested test run) all on one, the slow groups first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 PYTEST := -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

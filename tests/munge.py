@@ -20,15 +20,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.locks import held, lock_path
+
 
 def _install() -> None:
     if shutil.which("munged") and shutil.which("munge"):
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         pytest.skip("needs munge (root installs it with apt-get)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "munge"]):
-        subprocess.run(argv, check=True, env=env, capture_output=True, timeout=600)
+    # The other pytest-xdist worker may be installing too (the SLURM cluster's up.sh):
+    # apt-get fails at once on a lock that another apt-get holds.
+    with held(lock_path("apt")):
+        if shutil.which("munged") and shutil.which("munge"):
+            return
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "munge"]):
+            subprocess.run(argv, check=True, env=env, capture_output=True, timeout=600)
 
 
 @contextmanager

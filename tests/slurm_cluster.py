@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.locks import held, lock_path
+
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "deploy" / "slurm" / "local-cluster"
 CONFIG = Path("/etc/stager/slurm.env")
@@ -123,10 +125,13 @@ def local_cluster() -> Iterator[Cluster]:
     # The settings the tests rely on, whatever an earlier up.sh run chose.
     env.update(STAGER_BIN_DIR=str(BIN_DIR), STAGER_SLURM_START="1", STAGER_EPILOG_STOP="0")
     try:
-        result = subprocess.run(
-            ["bash", str(LOCAL_CLUSTER / "up.sh")],
-            env=env, capture_output=True, text=True, timeout=480,
-        )  # fmt: skip
+        # up.sh installs slurm-wlm and munge on a bare machine, with apt-get, which
+        # fails at once on the lock of another apt-get (tests/munge.py's, beside it).
+        with held(lock_path("apt")):
+            result = subprocess.run(
+                ["bash", str(LOCAL_CLUSTER / "up.sh")],
+                env=env, capture_output=True, text=True, timeout=480,
+            )  # fmt: skip
     except subprocess.TimeoutExpired:
         if not was_up:  # whatever it did start goes down again
             subprocess.run(["bash", str(LOCAL_CLUSTER / "down.sh")],

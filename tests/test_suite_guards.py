@@ -3,8 +3,9 @@ the run, under ``CI=true`` a SLURM test that cannot get its cluster fails
 instead of skipping (a skip there would report an untested promise as green), and
 a passed test's temporary folder does not outlive it (the suite's disk use is its
 largest test's, not the sum: a CI machine with little free disk filled up), and
-under `make test`'s two pytest-xdist workers the tests that change the machine all
-run on one (pytest 9.2 made pytest-xdist 3.8 ignore its groups, silently)."""
+under `make test`'s two pytest-xdist workers the tests that use what the machine has
+one of (its SLURM cluster) all run on one (pytest 9.2 made pytest-xdist 3.8 ignore
+its groups, silently)."""
 
 from __future__ import annotations
 
@@ -71,15 +72,15 @@ def test_on_the_cluster(local_cluster):
     pass
 """
 
-CHANGES_THE_MACHINE = """
+NEEDS_THE_ONE_CLUSTER = """
 import os, time, pytest
 
 @pytest.fixture
-def users():  # stands for the real fixture: its name is what groups the test
+def local_cluster():  # stands for the real fixture: its name is what groups the test
     return None
 
 @pytest.mark.parametrize("n", range(4))
-def test_changes_the_machine(users, n):
+def test_needs_the_one_cluster(local_cluster, n):
     time.sleep(0.2)
     with open(os.environ["WORKERS_SEEN"], "a") as seen:
         seen.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
@@ -148,16 +149,16 @@ def test_a_passed_tests_tmp_path_is_deleted_under_the_projects_settings(tmp_path
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-2000:]
 
 
-def test_under_two_workers_the_tests_that_change_the_machine_run_on_one(tmp_path):
+def test_under_two_workers_the_tests_of_the_one_cluster_run_on_one(tmp_path):
     """`make test`'s grouping (pytest-xdist's loadgroup) holds: tests of two modules
-    that use a machine fixture all run on one worker, whatever else is spread."""
+    that use the local cluster all run on one worker, whatever else is spread."""
     run, seen = tmp_path / "run", tmp_path / "workers-seen"
     run.mkdir()
-    (run / "test_changes_it_too.py").write_text(CHANGES_THE_MACHINE)
+    (run / "test_needs_it_too.py").write_text(NEEDS_THE_ONE_CLUSTER)
     for number in range(3):
         (run / f"test_plain_{number}.py").write_text(PLAIN)
     done = _inner_pytest(
-        run, CHANGES_THE_MACHINE, "-n", "2", "--dist", "loadgroup", WORKERS_SEEN=str(seen)
+        run, NEEDS_THE_ONE_CLUSTER, "-n", "2", "--dist", "loadgroup", WORKERS_SEEN=str(seen)
     )
     assert done.returncode == 0 and "11 passed" in done.stdout, done.stdout[-2000:]
     workers = seen.read_text().split()

@@ -7,6 +7,7 @@ Needs root; the fixtures skip with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import hashlib
 import json
@@ -24,9 +25,14 @@ from pathlib import Path
 
 import pytest
 
-# Per checkout: test sessions of two checkouts on one machine (a developer's worktrees)
-# must not make, use and delete each other's users mid-run.
-PREFIX = "stg-" + hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:6]
+from tests.locks import alive, held, lock_path, process_key, try_hold
+
+# Per checkout and per pytest-xdist worker: test sessions of two checkouts on one
+# machine (a developer's worktrees), and the two workers of one `make test`, must not
+# make, use and delete each other's users mid-run.
+_CHECKOUT = hashlib.sha256(str(Path(__file__).resolve()).encode()).hexdigest()[:6]
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1"; none without xdist
+PREFIX = f"stg-{_CHECKOUT}" + (f"-{_WORKER}" if _WORKER else "")
 GROUP = f"{PREFIX}-group"  # alice is in it, bob is not
 
 
@@ -107,7 +113,7 @@ def _ensure_user(name: str, groups: Sequence[str] = ()) -> User:
 
 @pytest.fixture(scope="session")
 def users() -> Iterator[tuple[User, User]]:
-    """Two real users: alice (in the group ``stager-t-group``) and bob (not)."""
+    """Two real users of this worker's: alice (in the group ``GROUP``) and bob (not)."""
     if os.geteuid() != 0:
         pytest.skip("creating users needs root")
     if shutil.which("useradd") is None or shutil.which("setpriv") is None:
@@ -117,28 +123,38 @@ def users() -> Iterator[tuple[User, User]]:
 
 
 @contextmanager
-def made_users() -> Iterator[tuple[User, User]]:
-    """alice (in the group ``stager-t-group``) and bob (not), made now if they do not
-    exist, and removed at the end if they were made (root, useradd and setpriv)."""
-    made_group = False
+def made_users(prefix: str = PREFIX) -> Iterator[tuple[User, User]]:
+    """alice (in the group ``{prefix}-group``) and bob (not), made now if they do not
+    exist, and removed at the end (root, useradd and setpriv). The session holds the
+    lock of its prefix while it uses them: users of the prefix found while no live
+    session holds it are a killed run's, taken over and removed at the end too; a
+    session that finds the lock held (another run of this checkout and worker) shares
+    the users and leaves them to their owner."""
+    group = f"{prefix}-group"
+    owner = try_hold(lock_path(f"users-{prefix}"))
     try:
-        grp.getgrnam(GROUP)
-    except KeyError:
-        subprocess.run(["groupadd", GROUP], check=True, capture_output=True)
-        made_group = True
-    names = (f"{PREFIX}-alice", f"{PREFIX}-bob")
-    existed = {n for n in names if _exists(n)}
-    alice = _ensure_user(names[0], groups=[GROUP])
-    bob = _ensure_user(names[1])
-    try:
-        yield alice, bob
+        made_group = False
+        try:
+            grp.getgrnam(group)
+        except KeyError:
+            subprocess.run(["groupadd", group], check=True, capture_output=True)
+            made_group = True
+        names = (f"{prefix}-alice", f"{prefix}-bob")
+        shared = {n for n in names if _exists(n)} if owner is None else set()
+        alice = _ensure_user(names[0], groups=[group])
+        bob = _ensure_user(names[1])
+        try:
+            yield alice, bob
+        finally:
+            for user in (alice, bob):
+                shutil.rmtree(f"/tmp/{user.name}", ignore_errors=True)
+                if user.name not in shared:
+                    _remove_user(user.name)
+            if made_group or owner is not None:
+                subprocess.run(["groupdel", group], capture_output=True)
     finally:
-        for user in (alice, bob):
-            shutil.rmtree(f"/tmp/{user.name}", ignore_errors=True)
-            if user.name not in existed:
-                _remove_user(user.name)
-        if made_group:
-            subprocess.run(["groupdel", GROUP], capture_output=True)
+        if owner is not None:
+            os.close(owner)
 
 
 def _remove_user(name: str, timeout: float = 10.0) -> None:
@@ -169,20 +185,67 @@ def interpreter_for_users() -> Iterator[str]:
         yield sys.executable
 
 
+# The folders usable_by_everyone opened, with their modes before, and the sessions
+# that need them open (``locks.process_key``s): the last to end gives the modes back.
+# Two sessions at once (`make test`'s two workers) would otherwise race: the second
+# finds the folder open and records nothing, the first closes it under the second.
+SEARCH_STATE = lock_path("search").with_suffix(".json")
+
+
 @contextmanager
 def usable_by_everyone() -> Iterator[None]:
-    """This Python and the working folder, usable by every user: the folders above
-    them (here under root's 0700 home) get search permission for others until the end,
-    and get their modes back then."""
-    changed: list[tuple[Path, int]] = []
-    for path in [Path(sys.executable), Path(os.path.realpath(sys.executable)), Path.cwd()]:
-        for folder in [*reversed(path.parents)]:
-            mode = stat.S_IMODE(folder.stat().st_mode)
-            if not mode & stat.S_IXOTH:
-                changed.append((folder, mode))
-                folder.chmod(mode | stat.S_IXOTH)
+    """This Python and the working folder, usable by every user (``searchable``)."""
+    with searchable([Path(sys.executable), Path(os.path.realpath(sys.executable)), Path.cwd()]):
+        yield
+
+
+@contextmanager
+def searchable(paths: Sequence[Path], state_file: Path = SEARCH_STATE) -> Iterator[None]:
+    """The folders above ``paths`` (here under root's 0700 home) get search permission
+    for others while any session that asked for it runs, and get their modes back when
+    the last one ends (a killed session's share is dropped by the next to look); the
+    sessions keep their shares in ``state_file``."""
+    me = process_key(os.getpid())
+    assert me is not None
+    lock = state_file.with_suffix(".lock")
+    with held(lock):
+        state = _search_state(state_file)
+        for path in paths:
+            for folder in [*reversed(path.parents)]:
+                mode = stat.S_IMODE(folder.stat().st_mode)
+                if not mode & stat.S_IXOTH:
+                    state["modes"].append([str(folder), mode])
+                    folder.chmod(mode | stat.S_IXOTH)
+        state["holders"].append(me)
+        _save_search_state(state_file, state)
     try:
         yield
     finally:
-        for folder, mode in reversed(changed):
-            folder.chmod(mode)
+        with held(lock):
+            state = _search_state(state_file)
+            if me in state["holders"]:  # once: a session may ask twice
+                state["holders"].remove(me)
+            if not state["holders"]:
+                for folder, mode in reversed(state["modes"]):
+                    with contextlib.suppress(FileNotFoundError):  # a test's, gone
+                        Path(folder).chmod(mode)
+                state["modes"] = []
+            _save_search_state(state_file, state)
+
+
+def _search_state(state_file: Path) -> dict[str, list]:
+    """What ``state_file`` holds, without the sessions that no longer run (its lock
+    held)."""
+    try:
+        state = json.loads(state_file.read_text())
+    except FileNotFoundError:
+        state = {"modes": [], "holders": []}
+    state["holders"] = [key for key in state["holders"] if alive(key)]
+    return state
+
+
+def _save_search_state(state_file: Path, state: dict[str, list]) -> None:
+    if state["holders"] or state["modes"]:
+        state_file.write_text(json.dumps(state))
+    else:
+        state_file.unlink(missing_ok=True)

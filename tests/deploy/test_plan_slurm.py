@@ -25,7 +25,7 @@ from tests.users import User
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-BACKFILL_WAIT_S = 120  # bf_interval is 30 s by default; the first plan can take two
+BACKFILL_WAIT_S = 120  # bf_interval is 5 s on the local cluster: a bound for a loaded machine
 HOLD_FLAGS = ["--parsable", "--exclusive", "--time=5", "--chdir=/tmp", "--output=/dev/null"]
 DECLARED = [
     "inat --recipe inat2021 --source /net/inat",

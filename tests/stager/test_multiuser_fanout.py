@@ -38,9 +38,12 @@ def munge_socket() -> Iterator[Path]:
         yield socket
 
 
-def node_service(cache: Path, munge_socket: Path, *args: str, **env: str) -> Daemon:
+def node_service(
+    cache: Path, munge_socket: Path, *args: str, wait: bool = True, **env: str
+) -> Daemon:
     """A node service of the two-node test; the datasets' folder beside its cache holds
-    the same files for both (``cluster_storage_dirs``), as a network filesystem would."""
+    the same files for both (``cluster_storage_dirs``), as a network filesystem would.
+    ``wait=False``: started, not yet ready (``wait_ready``): two start side by side."""
     storage = {"STAGER_CLUSTER_STORAGE_DIRS": str(cache.parent / "datasets")}
     daemon = Daemon(
         cache_dir=cache,
@@ -48,7 +51,7 @@ def node_service(cache: Path, munge_socket: Path, *args: str, **env: str) -> Dae
         extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket), **storage, **env},
     )
     daemon.runtime_dir.chmod(0o755)
-    return daemon.start()
+    return daemon.start(wait=wait)
 
 
 @pytest.fixture
@@ -58,7 +61,9 @@ def nodes(
     started = []
     try:
         for name in ("node1", "node2"):
-            started.append(node_service(shared_tmp / name, munge_socket))
+            started.append(node_service(shared_tmp / name, munge_socket, wait=False))
+        for daemon in started:
+            daemon.wait_ready()
         yield started[0], started[1]
     finally:
         for daemon in started:
@@ -180,8 +185,12 @@ def test_a_vouched_broadcast_of_sources_only_this_node_has_stays_the_users_own(
     try:
         for name in ("local1", "local2"):
             started.append(
-                node_service(shared_tmp / name, munge_socket, STAGER_CLUSTER_STORAGE_DIRS="")
+                node_service(
+                    shared_tmp / name, munge_socket, wait=False, STAGER_CLUSTER_STORAGE_DIRS=""
+                )
             )
+        for daemon in started:
+            daemon.wait_ready()
         staged, adopted = broadcast((started[0], started[1]), alice, source, "j6-ds", True)
         assert adopted["key"] != staged["key"]  # alice's own copy
         code, mine = bob.curl(started[1].socket, "POST", "/v1/datasets", copy(source))

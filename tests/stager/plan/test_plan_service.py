@@ -25,14 +25,15 @@ from tests.users import User
 INTERVAL_S = 0.5
 
 
-def node_service(cache: Path, munge: Path, node: str, port: int) -> Daemon:
+def node_service(cache: Path, munge: Path, node: str, port: int, wait: bool = True) -> Daemon:
+    """``wait=False``: started, not yet ready (``wait_ready``): two start side by side."""
     daemon = Daemon(
         cache_dir=cache,
         args=["--multi-user", "--prefetch-listen", f"127.0.0.1:{port}"],
         extra_env={"STAGER_MUNGE_SOCKET": str(munge), "STAGER_NODE_NAME": node},
     )
     daemon.runtime_dir.chmod(0o755)
-    return daemon.start()
+    return daemon.start(wait=wait)
 
 
 class Queue:
@@ -117,7 +118,9 @@ def nodes(shared_tmp: Path, munge_socket: Path) -> Iterator[dict[str, Daemon | i
     started: list[Daemon] = []
     try:
         for name in ("node1", "node2"):
-            started.append(node_service(shared_tmp / name, munge_socket, name, ports[name]))
+            started.append(node_service(shared_tmp / name, munge_socket, name, ports[name], False))
+        for daemon in started:
+            daemon.wait_ready()
         yield {"node1": started[0], "node2": started[1], "ports": ports}  # type: ignore[dict-item]
     finally:
         for daemon in started:
