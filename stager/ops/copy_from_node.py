@@ -56,6 +56,9 @@ class CopyFromNodeStep(StepParams):
     order: str = Field(min_length=1, max_length=64 * 1024)  # the body that credential signs
     vouch_uid: int = Field(ge=0, le=2**32 - 1)  # this service's: whose manifest credential
     vouch_key: str = Field(min_length=1, max_length=64)  # this node's cache key
+    # The request's shared key, when this node keeps the copy as the user's own (sources
+    # not cluster-wide) and the source node shares its staging: the same spec and sources.
+    shared_key: str = Field(default="", max_length=64)
     munge_socket: str | None = Field(default=None, max_length=4096)
     limit_bytes: int = Field(ge=1)  # the most the tar and manifest may take
     wait_s: float = Field(gt=0)  # how long the source may take to have it ready
@@ -94,7 +97,7 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
             )
         # Before a byte is written: only what the source's service vouched for counts.
         vouch.check(
-            head["credential"], step.vouch_uid, step.vouch_key, head["sha256"], step.munge_socket
+            head["credential"], step.vouch_uid, head["key"], head["sha256"], step.munge_socket
         )
         expected = manifests.read(manifest, f"the manifest from {step.origin_node}")
         label = f"the copy from {step.origin_node}"
@@ -158,7 +161,7 @@ def _head(step: CopyFromNodeStep, answer: http.client.HTTPResponse) -> dict[str,
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise VerifyFailed(f"{step.origin_node}'s copy came without its sizes ({exc})") from exc
-    if head["key"] != step.vouch_key:
+    if head["key"] not in (step.vouch_key, step.shared_key or step.vouch_key):
         raise VerifyFailed(
             f"{step.origin_node} holds {head['key']}, and this node computes {step.vouch_key} "
             "for the request: the sources look different from here; this node's job stages "

@@ -326,3 +326,42 @@ def test_a_peer_sending_wrong_or_unvouched_bytes_never_makes_a_ready_entry(
     for path in src.iterdir():
         assert (Path(own["path"]) / path.name).read_bytes() == path.read_bytes()
     assert os.path.exists(own["path"])
+
+
+def public_tree(root: Path, n_files: int = 4) -> Path:
+    """A folder every user may read, on this node's own disk (no cluster storage)."""
+    root.mkdir(mode=0o755)
+    for i in range(n_files):
+        (root / f"f{i}.bin").write_bytes(os.urandom(4096))
+        (root / f"f{i}.bin").chmod(0o644)
+    return root
+
+
+def test_a_copy_of_node_local_sources_is_its_users_own_not_every_users(
+    nodes: tuple[Node, Node],
+    munge_socket: Path,  # noqa: F811
+    users: tuple[User, User],
+    shared_tmp: Path,
+) -> None:
+    """A path on a node's own disk (/tmp, /dev/shm) may hold other bytes on the source
+    node under the same name, size and time: a copy of it must not become the entry
+    every user of this node hits. Alice's copy on node2 is hers; bob's own request there
+    is a miss, staged from what node2 itself holds."""
+    node1, node2 = nodes
+    alice, bob = users
+    src = public_tree(shared_tmp / "local-data")
+    request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
+    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
+    on1 = wait(alice, node1, f"prefetch-{JOB}-mine")
+    assert on1["state"] == "ready", on1
+    code, hit = bob.curl(node1.daemon.socket, "POST", "/v1/datasets", request)
+    assert code == 200 and hit["key"] == on1["key"], hit  # every user's on node1
+    copied = order(node2, copy_order(alice, JOB, request, node1), munge_socket, copy=True)
+    assert copied.status_code == 200, copied.text
+    on2 = wait(alice, node2, f"prefetch-{JOB}-mine")
+    assert on2["state"] == "ready", on2["error"]
+    assert on2["origin"]["how"] == "broadcast", on2
+    assert on2["key"] != on1["key"]  # alice's own key on node2
+    code, own = bob.curl(node2.daemon.socket, "POST", "/v1/datasets", request)
+    assert code == 202, own  # a miss: nothing of node1's is bob's on node2
+    assert wait(bob, node2, "mine")["origin"]["how"] == "staged"
