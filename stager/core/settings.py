@@ -114,6 +114,13 @@ def format_size(nbytes: int) -> str:
     return re.sub(r"(?<=\d)(?=[A-Za-z])", " ", ByteSize(nbytes).human_readable())
 
 
+# The prefetch port's default. It is below 1024 (privileged: only root binds it) so that
+# no user can listen there while the node service is down or restarting, and be sent the
+# planner's orders and copy credentials (docs/prestaging.md, "Threats on the port").
+DEFAULT_PREFETCH_PORT = 866
+PRIVILEGED_BELOW = 1024
+
+
 def setting(
     default: Any = None,
     *,
@@ -438,7 +445,7 @@ class Settings(BaseSettings):
         help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
         "or SlurmUser; GET /v1/copies, another planned node's copy, with the planner's copy "
-        "credential), e.g. 0.0.0.0:8766",
+        "credential), e.g. 0.0.0.0:866; the port must be below 1024 (only root binds it)",
     )
     prefetch_max_running: int = setting(
         1,
@@ -510,12 +517,13 @@ class Settings(BaseSettings):
         "slurm.conf's bf_interval (default 30), how often Slurm's plan can change",
     )
     plan_node_port: int = setting(
-        8766,
+        DEFAULT_PREFETCH_PORT,
         ge=1,
         le=65535,
         cli=("plan",),
         help="planner: the TCP port of the node services' prefetch listener "
-        "(their STAGER_PREFETCH_LISTEN), on each node's name as the resolver finds it",
+        "(their STAGER_PREFETCH_LISTEN), on each node's name as the resolver finds it; "
+        "below 1024",
     )
     plan_node_addresses: CommaList(str) = setting(
         factory=list,
@@ -574,8 +582,13 @@ class Settings(BaseSettings):
     @classmethod
     def _listen_address(cls, value: str | None) -> str | None:
         if value is not None:
-            host_port(value)
+            privileged(host_port(value)[1], f"STAGER_PREFETCH_LISTEN (--prefetch-listen) {value}")
         return value
+
+    @field_validator("plan_node_port")
+    @classmethod
+    def _node_port(cls, value: int) -> int:
+        return privileged(value, f"STAGER_PLAN_NODE_PORT (--plan-node-port) {value}")
 
     @field_validator("plan_node_addresses")
     @classmethod
@@ -587,7 +600,8 @@ class Settings(BaseSettings):
             except ValueError:
                 node = ""
             if not node.strip():
-                raise ValueError(f"{item!r} is not NODE=HOST:PORT, e.g. node1=10.0.0.1:8766")
+                raise ValueError(f"{item!r} is not NODE=HOST:PORT, e.g. node1=10.0.0.1:866")
+            privileged(host_port(address)[1], f"STAGER_PLAN_NODE_ADDRESSES {item}")
         return value
 
     @model_validator(mode="after")
@@ -707,13 +721,25 @@ def _absolute_folder(value: Path) -> Path:
     return value
 
 
+def privileged(port: int, setting_text: str) -> int:
+    """``port``, if only root may bind it; else a sentence naming the setting and the fix."""
+    if port >= PRIVILEGED_BELOW:
+        raise ValueError(
+            f"{setting_text}: the prefetch port must be below {PRIVILEGED_BELOW} (one only "
+            "root may bind), else a user who binds it while the node service is down is "
+            "sent the planner's orders and copy credentials; use the same port below 1024 "
+            f"on the nodes and the planner, e.g. {DEFAULT_PREFETCH_PORT}"
+        )
+    return port
+
+
 def host_port(text: str) -> tuple[str, int]:
-    """``ADDR:PORT`` (``[::1]:8766`` for IPv6) -> (ADDR, PORT), or a sentence why not."""
+    """``ADDR:PORT`` (``[::1]:866`` for IPv6) -> (ADDR, PORT), or a sentence why not."""
     host, _, port = text.strip().rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(
-            f"{text!r} is not ADDR:PORT; give an address and a port, e.g. 0.0.0.0:8766 or [::]:8766"
+            f"{text!r} is not ADDR:PORT; give an address and a port, e.g. 0.0.0.0:866 or [::]:866"
         )
     return host, int(port)
 

@@ -20,7 +20,9 @@ while they arrive (at most ``limit_bytes``: a peer cannot fill the disk).
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import json
 import os
 import threading
 from typing import Any
@@ -42,6 +44,11 @@ CONNECT_TIMEOUT_S = 10.0
 # Once the answer began: a source that sends nothing this long is gone.
 READ_TIMEOUT_S = 60.0
 MANIFEST_LIMIT = 1 << 30
+# The source sends only with this service's own credential beside the planner's
+# (stager.prestage.prefetch.authority.ASKER; the same words, not imported: an op does not
+# depend on the prefetch service).
+ASKER, ASKER_HEADER = "stager prefetch copy asker", "x-stager-copy-asker"
+ASKER_TTL_S = 60
 # The answer's headers: what the source node sends.
 KEY, TAR_BYTES, MANIFEST_BYTES = "x-stager-key", "x-stager-tar-bytes", "x-stager-manifest-bytes"
 MANIFEST_SHA256, MANIFEST_CREDENTIAL = "x-stager-manifest-sha256", "x-stager-manifest-credential"
@@ -122,13 +129,18 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
                 connection.sock.shutdown(2)
                 return
 
+    asker = asker_credential(step.order.encode(), step.munge_socket)
     try:
         connection.connect()
         sock = connection.sock
         assert sock is not None
         sock.settimeout(step.wait_s + 60)
         processes.thread(closer, name="copy-cancel")
-        headers = {"authorization": step.authorization, "content-type": "application/json"}
+        headers = {
+            "authorization": step.authorization,
+            ASKER_HEADER: f"Munge {asker}",
+            "content-type": "application/json",
+        }
         connection.request("GET", COPY_ROUTE, body=step.order.encode(), headers=headers)
         answer = connection.getresponse()
         sock.settimeout(READ_TIMEOUT_S)  # (the connection lets go of it: "close")
@@ -142,6 +154,19 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
     finally:
         done.set()
     return answer, connection
+
+
+def asker_credential(order: bytes, munge_socket: str | None) -> str:
+    """This process's credential over ``order`` (root's: the node service's staging
+    process), which the source requires beside the planner's copy credential."""
+    payload = json.dumps({"what": ASKER, "sha256": hashlib.sha256(order).hexdigest()})
+    made = vouch.encode(payload, munge_socket, ASKER_TTL_S)
+    if made is None:
+        raise VerifyFailed(
+            "munged made no credential for this node's copy request; this node's job "
+            "stages from the source at its start"
+        )
+    return made
 
 
 def _head(step: CopyFromNodeStep, answer: http.client.HTTPResponse) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from stager.prestage.prefetch import listener
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_privileged_port
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     order,
@@ -214,7 +214,7 @@ def port_service(
     shared_tmp: Path,
     munge_socket: Path,  # noqa: F811
 ) -> Iterator[tuple[Daemon, int]]:
-    port = free_port()
+    port = free_privileged_port()
     daemon = start_service(
         shared_tmp / "cache", munge_socket, "--prefetch-listen", f"127.0.0.1:{port}"
     )
@@ -286,7 +286,7 @@ def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_addres
     shared_tmp: Path,
     munge_socket: Path,  # noqa: F811
 ) -> None:
-    port = free_port()
+    port = free_privileged_port()
     argv = [sys.executable, "-m", "stager", "serve", "--prefetch-listen", f"127.0.0.1:{port}"]
     env = os.environ | {"STAGER_RUNTIME_DIR": str(shared_tmp / "run"),
                         "STAGER_CACHE_DIR": str(shared_tmp / "cache")}  # fmt: skip
@@ -299,7 +299,7 @@ def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_addres
         taken.listen()
         for address, says in [
             (f"127.0.0.1:{port}", "cannot listen there (Address already in use)"),
-            ("nowhere.invalid:8766", "nowhere.invalid is not an address"),
+            ("nowhere.invalid:866", "nowhere.invalid is not an address"),
         ]:
             daemon = Daemon(
                 cache_dir=shared_tmp / "node-cache",

@@ -30,7 +30,7 @@ from stager.ops import copy_from_node as copying
 from stager.prestage.plan import service as plan_service
 from stager.prestage.prefetch import authority
 from stager.wire.manifest_format import Manifest, digest
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_privileged_port
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     private_tree,
@@ -42,8 +42,8 @@ JOB = 4242
 
 
 class Node:
-    def __init__(self, daemon: Daemon, name: str, port: int) -> None:
-        self.daemon, self.name, self.port = daemon, name, port
+    def __init__(self, daemon: Daemon, name: str, port: int, munge: Path) -> None:
+        self.daemon, self.name, self.port, self.munge = daemon, name, port, munge
 
     @property
     def address(self) -> str:
@@ -65,7 +65,7 @@ def nodes(
     started: list[Node] = []
     try:
         for name in ("node1", "node2"):
-            port = free_port()
+            port = free_privileged_port()
             daemon = start_service(
                 shared_tmp / name,
                 munge_socket,
@@ -73,7 +73,7 @@ def nodes(
                 f"127.0.0.1:{port}",
                 STAGER_NODE_NAME=name,
             )
-            started.append(Node(daemon, name, port))
+            started.append(Node(daemon, name, port, munge_socket))
         yield started[0], started[1]
     finally:
         for node in started:
@@ -115,8 +115,16 @@ def order(node: Node, body: bytes, socket: Path, copy: bool = False) -> httpx.Re
         return client.post(f"http://{node.address}/v1/prefetches", content=body, headers=headers)
 
 
-def ask_copy(node: Node, body: bytes, header: str | None) -> httpx.Response:
+def ask_copy(
+    node: Node, body: bytes, header: str | None, asker: str | None = "root"
+) -> httpx.Response:
+    """The copy's GET as a node service asks it: with its own (root's) credential over
+    the body beside the copy credential; ``asker`` None: without one, else that header."""
     headers = {"authorization": header} if header else {}
+    if asker == "root":
+        asker = credential(body, authority.ASKER, node.munge)
+    if asker is not None:
+        headers[authority.ASKER_HEADER] = asker
     with httpx.Client(timeout=60) as client:
         return client.request("GET", f"http://{node.address}/v1/copies", content=body,
                               headers=headers)  # fmt: skip
@@ -365,3 +373,60 @@ def test_a_copy_of_node_local_sources_is_its_users_own_not_every_users(
     code, own = bob.curl(node2.daemon.socket, "POST", "/v1/datasets", request)
     assert code == 202, own  # a miss: nothing of node1's is bob's on node2
     assert wait(bob, node2, "mine")["origin"]["how"] == "staged"
+
+
+def test_a_copy_credential_alone_is_refused_without_the_asking_services_own(
+    nodes: tuple[Node, Node],
+    munge_socket: Path,  # noqa: F811
+    users: tuple[User, User],
+    shared_tmp: Path,
+) -> None:
+    """A user who listened on node2's prefetch port while its service was down was sent
+    a genuine copy credential: replayed to node1 alone, or with the user's own credential
+    as the asker's, it is refused before it is spent, and stays good for node2's
+    service's own ask."""
+    node1, _ = nodes
+    alice, bob = users
+    src = private_tree(alice, shared_tmp / "alice-data")
+    request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
+    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
+    assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+    body = copy_order(alice, JOB, request, node1)
+    header = credential(body, authority.COPY, munge_socket)
+    for asker, says in [
+        (None, "Authorization: Munge"),
+        (credential(body, authority.ASKER, munge_socket, by=bob), "not by root or SlurmUser"),
+        (credential(body, authority.COPY, munge_socket), "not a 'stager prefetch copy asker'"),
+    ]:
+        answer = ask_copy(node1, body, header, asker)
+        assert answer.status_code == 401, answer.text
+        assert says in answer.json()["error"]["message"], answer.text
+        assert b"f0.bin" not in answer.content
+    answer = ask_copy(node1, body, header)
+    assert answer.status_code == 200, answer.text
+
+
+def test_the_op_and_the_source_agree_on_the_askers_words() -> None:
+    assert (copying.ASKER, copying.ASKER_HEADER) == (authority.ASKER, authority.ASKER_HEADER)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:8766", "127.0.0.1:1024"])
+def test_an_unprivileged_prefetch_port_is_refused_at_start(
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+    address: str,
+) -> None:
+    daemon = Daemon(
+        cache_dir=shared_tmp / "node-cache",
+        args=["--multi-user", "--prefetch-listen", address],
+        extra_env={"STAGER_MUNGE_SOCKET": str(munge_socket)},
+    )
+    try:
+        daemon.start(wait=False)
+        assert daemon.process is not None
+        assert daemon.process.wait(30) != 0, daemon.log()
+        log = daemon.log()
+        assert "STAGER_PREFETCH_LISTEN (--prefetch-listen)" in log and "below 1024" in log, log
+        assert "e.g. 866" in log and not daemon.socket.exists(), log
+    finally:
+        daemon.cleanup()

@@ -13,6 +13,10 @@ book, the spent credentials and the lock are one), and it answers:
   order that names this node as its source: another planned node of the job asks for
   this node's prefetch of it (stager.ops.copy_from_node), and gets its ready tree as one
   tar and its manifest, vouched for by this service, once it is ready;
+- ``GET /v1/copies`` without the asking node's service's own credential (root's, over
+  the same body, in ``X-Stager-Copy-Asker``): 401, before the copy credential is
+  looked at. A user who got a copy credential (by listening on a node's prefetch port
+  while its service was down) cannot replay it: they cannot make root's;
 - without such a header: 401, before a byte of the body is read;
 - a body over the bound or of no stated length: 413 / 411, unread;
 - any other path or method: 404 with one fixed sentence, the body unread. No dataset,
@@ -37,9 +41,14 @@ from starlette.types import Receive, Scope, Send
 
 from stager.core.errors import StagerError
 from stager.core.redact import redact_text
-from stager.core.settings import Settings, host_port
+from stager.core.settings import PRIVILEGED_BELOW, Settings, host_port
 from stager.ops import copy_from_node as copying
-from stager.prestage.prefetch.authority import COPY_HEADER, NotAuthorized, credential_of
+from stager.prestage.prefetch.authority import (
+    ASKER_HEADER,
+    COPY_HEADER,
+    NotAuthorized,
+    credential_of,
+)
 from stager.staging.blocking import run_io
 
 ROUTE = "/v1/prefetches"
@@ -50,6 +59,7 @@ SEND_CHUNK = 1 << 20
 ORDER_MAX_BYTES = 64 * 1024
 # The planner's sends to one node are a handful at once; strangers get no more.
 MAX_CONNECTIONS = 64
+UNPRIVILEGED_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 NOT_HERE = (
     "this port takes the planner's prefetch orders only (POST /v1/prefetches, and "
     "GET /v1/copies with a copy's credential)"
@@ -66,6 +76,14 @@ def bind(settings: Settings) -> socket.socket:
     text = settings.prefetch_listen or ""
     host, port = host_port(text)
     fix = "give STAGER_PREFETCH_LISTEN (--prefetch-listen) an address of this node and a free port"
+    lowest = _unprivileged_start()
+    if port >= lowest:  # (the setting holds it below 1024; the kernel may allow users lower)
+        raise ListenError(
+            f"--prefetch-listen {text}: users may bind port {port} on this node "
+            f"({UNPRIVILEGED_START} is {lowest}), so one could listen there while this "
+            "service is down and be sent the planner's orders; set the sysctl "
+            "net.ipv4.ip_unprivileged_port_start back to 1024"
+        )
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -84,6 +102,15 @@ def bind(settings: Settings) -> socket.socket:
         ) from exc
     sock.setblocking(False)
     return sock
+
+
+def _unprivileged_start() -> int:
+    """The lowest port a user may bind here (Linux; 1024 unless an admin lowered it)."""
+    try:
+        with open(UNPRIVILEGED_START) as file:
+            return int(file.read())
+    except (OSError, ValueError):
+        return PRIVILEGED_BELOW
 
 
 class Orders:
@@ -122,7 +149,8 @@ class Orders:
             more = message.get("more_body", False)
         try:
             if route == ("GET", COPIES):
-                outgoing = await self.prefetches.copy_out(header, body)
+                asker = headers.get(ASKER_HEADER)
+                outgoing = await self.prefetches.copy_out(header, body, asker)
             else:
                 done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
         except StagerError as exc:

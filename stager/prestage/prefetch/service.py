@@ -44,6 +44,7 @@ from stager.fanout.room import COPYING, PeerCopy
 from stager.ops import copy_from_node as copying
 from stager.prestage.prefetch import book as books
 from stager.prestage.prefetch.authority import (
+    ASKER,
     COPY,
     PrefetchOrder,
     Seen,
@@ -293,19 +294,21 @@ class Prefetches:
             await self._save()
         view.prestaged_for_job = self.book.job_for(caller.uid, view.key)
 
-    async def copy_out(self, header: str | None, body: bytes) -> Outgoing:
+    async def copy_out(self, header: str | None, body: bytes, asker: str | None) -> Outgoing:
         """Another planned node's copy of this node's prefetch (docs/prestaging.md, "4-node
         job"), once the planner's copy credential proves the order names this node as
         its source: the ready tree of this node's prefetch for that job, that user and
         that dataset (none else: not another job's, not another user's, not data this
         node holds otherwise), packed as the fan-out packs it, with this service's
         credential for its manifest. Waits up to ``prefetch_copy_wait_s`` for the
-        prefetch to be ready."""
+        prefetch to be ready. The asking node's service proves itself first (``asker``:
+        root's credential over the same body), before the copy credential is spent."""
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) sends copies")
         async with self._lock:
             await self._load()
         try:
+            await verify(asker, body, self.settings, self.seen, ASKER)
             order = await verify(header, body, self.settings, self.seen, COPY)
             user = await run_io(job_user, order)
         except StagerError:
