@@ -366,7 +366,8 @@ class Settings(BaseSettings):
         gt=0,
         flag="header-timeout",
         help="seconds a request's head may take to arrive, from connecting or from its first "
-        "byte; past it the connection is answered 408 and closed",
+        "byte (and, on the prefetch port, its body after it); past it the connection is "
+        "answered 408 and closed",
     )
     keep_alive_timeout_s: float = setting(
         5.0,

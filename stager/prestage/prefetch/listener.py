@@ -18,7 +18,8 @@ book, the spent credentials and the lock are one), and it answers:
   looked at. A user who got a copy credential (by listening on a node's prefetch port
   while its service was down) cannot replay it: they cannot make root's;
 - without such a header: 401, before a byte of the body is read;
-- a body over the bound or of no stated length: 413 / 411, unread;
+- a body over the bound or of no stated length: 413 / 411, unread; a body that does
+  not arrive within ``header_timeout_s``: 408, and the connection closed;
 - any other path or method: 404 with one fixed sentence, the body unread. No dataset,
   metric, health or version ever leaves this port; an order's answer names only what
   that order did, and a copy is only the one prefetch its credential names.
@@ -31,6 +32,7 @@ socket's are (stager.api.connections: head timeout, caps), with caps of their ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -142,11 +144,13 @@ class Orders:
             sentence = f"an order is at most {ORDER_MAX_BYTES} bytes; this one says {length}"
             await _answer(send, 413, error_content("body_too_large", sentence))
             return
-        body, more = b"", True
-        while more:  # no more than its length: the server holds the client to it
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        deadline = self.prefetches.settings.header_timeout_s
+        try:  # within the head's own time: a slow body must not hold a place
+            body = await asyncio.wait_for(_body(receive), deadline)
+        except TimeoutError:
+            sentence = f"the body did not arrive within {deadline:g} s (STAGER_HEADER_TIMEOUT_S)"
+            await _answer(send, 408, error_content("body_timeout", sentence))
+            return
         try:
             if route == ("GET", COPIES):
                 asker = headers.get(ASKER_HEADER)
@@ -163,6 +167,15 @@ class Orders:
                 await outgoing.done()
             return
         await _answer(send, 200, {"data": done, "count": len(done)})
+
+
+async def _body(receive: Receive) -> bytes:
+    parts, more = [], True
+    while more:  # no more than its length: the server holds the client to it
+        message = await receive()
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(parts)
 
 
 def error_content(type_: str, message: str) -> dict:
