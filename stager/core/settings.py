@@ -466,9 +466,9 @@ class Settings(BaseSettings):
         3600.0,
         gt=0,
         cli=(),
-        help="node service: seconds another planned node's copy waits here for this node's "
-        "prefetch of the same job to be ready before it gives up (that node's job then "
-        "stages at its start)",
+        help="node service: seconds a copy from another planned node waits for that node's "
+        "answer, which comes once it packed its ready tree (one not ready there is answered "
+        "at once: the planner orders a copy only once its source said ready)",
     )
     # ---- placement: node features for the data held here (stager.prestage.placement) ----
     slurm_node_features: bool = setting(

@@ -6,7 +6,8 @@ storage, and this node to copy it from that node. This step, run by the node ser
 staging process (which writes the cache, as root), asks the source node's prefetch port
 for it (``GET /v1/copies``) with the planner's second credential over the order
 (stager.prestage.prefetch.authority.COPY): the source node answers only that, and only
-with its own prefetch of that job for that user, once it is ready. The answer is the
+with its own prefetch of that job for that user, if it is ready (the planner orders
+the copy only once the source said so; else the answer is at once 409). The answer is the
 fan-out's prepared tree (stager.fanout.bundle: one plain tar of whole files) and its
 manifest, and the source node's service's credential for the manifest
 (stager.core.vouch). What answers on that port is not trusted: the tar goes through the
@@ -68,7 +69,7 @@ class CopyFromNodeStep(StepParams):
     shared_key: str = Field(default="", max_length=64)
     munge_socket: str | None = Field(default=None, max_length=4096)
     limit_bytes: int = Field(ge=1)  # the most the tar and manifest may take
-    wait_s: float = Field(gt=0)  # how long the source may take to have it ready
+    wait_s: float = Field(gt=0)  # how long the source may take to pack it
 
 
 def check(step: CopyFromNodeStep, ctx: CheckContext) -> int:
@@ -117,8 +118,9 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
 
 
 def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPResponse, Any]:
-    """The source node's answer, once it has one (it waits for its own prefetch to be
-    ready); a cancel of this staging closes the connection meanwhile."""
+    """The source node's answer, once it has one (it packs the ready tree first; one
+    not ready is answered at once); a cancel of this staging closes the connection
+    meanwhile."""
     host, port = host_port(step.address)
     connection = http.client.HTTPConnection(host, port, CONNECT_TIMEOUT_S)
     done = threading.Event()

@@ -31,6 +31,7 @@ from stager.prestage.plan import service as plan_service
 from stager.prestage.prefetch import authority
 from stager.wire.manifest_format import Manifest, digest
 from tests.daemon import Daemon, free_privileged_port
+from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     private_tree,
@@ -152,10 +153,13 @@ def test_a_copy_from_the_first_planned_node_is_the_jobs_hit_and_reads_no_storage
     alice, _ = users
     src = private_tree(alice, shared_tmp / "alice-data", n_files=8)
     request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-    # The planner's interval: the stage to the first node, then the copy to the other;
-    # node2 asks node1 at once, and node1 answers once its prefetch is ready.
+    # The planner's intervals: the stage to the first node, sent again until its answer
+    # says ready; then the copy to the other, which asks node1 at once.
     staged = order(node1, stage_order(alice, JOB, request), munge_socket)
     assert staged.status_code == 200, staged.text
+    wait(alice, node1, f"prefetch-{JOB}-mine")
+    again = order(node1, stage_order(alice, JOB, request), munge_socket)
+    assert again.json()["data"][0]["ready"] is True, again.text
     copied = order(node2, copy_order(alice, JOB, request, node1), munge_socket, copy=True)
     assert copied.status_code == 200, copied.text
     [done] = copied.json()["data"]
@@ -430,3 +434,39 @@ def test_an_unprivileged_prefetch_port_is_refused_at_start(
         assert "e.g. 866" in log and not daemon.socket.exists(), log
     finally:
         daemon.cleanup()
+
+
+def test_a_copy_from_a_source_not_ready_holds_no_prefetch_slot_on_the_target(
+    nodes: tuple[Node, Node],
+    munge_socket: Path,  # noqa: F811
+    users: tuple[User, User],
+    shared_tmp: Path,
+) -> None:
+    """bob's prefetch on node1 stalls (its download hangs); a copy of it ordered on
+    node2 anyway is answered at once (not ready yet) and fails there, instead of holding
+    node2's one prefetch slot (STAGER_PREFETCH_MAX_RUNNING, 1) while node1 waits: alice's
+    prefetch ordered on node2 after it is ready within seconds."""
+    node1, node2 = nodes
+    alice, bob = users
+    hold = threading.Event()
+    stalled = Behaviour(files={"/big.bin": os.urandom(1024)}, hold=hold)
+    with serve_files(stalled) as base:
+        slow = {"name": "slow", "steps": [{"op": "fetch", "url": f"{base}/big.bin", "dst": "x"}]}
+        try:
+            staged = order(node1, stage_order(bob, JOB, slow), munge_socket)
+            assert staged.status_code == 200 and staged.json()["data"][0]["ready"] is False
+            copy = copy_order(bob, JOB, slow, node1)
+            assert order(node2, copy, munge_socket, copy=True).status_code == 200
+            mine = private_tree(alice, shared_tmp / "alice-data")
+            request = {"name": "mine", "steps": [{"op": "copy", "src": str(mine)}]}
+            answer = order(node2, stage_order(alice, JOB + 1, request, node="node2"), munge_socket)
+            assert answer.status_code == 200, answer.text
+            code, status = alice.curl(
+                node2.daemon.socket, "GET", f"/v1/datasets/prefetch-{JOB + 1}-mine/wait?timeout=20"
+            )
+            assert code == 200 and status["state"] == "ready", status
+            copied = wait(bob, node2, f"prefetch-{JOB}-slow")
+            assert copied["state"] == "failed" and "not ready yet" in copied["error"]["message"]
+            assert stalled.requests >= 1 and not hold.is_set()  # node1's still stalls
+        finally:
+            hold.set()
