@@ -11,10 +11,11 @@ the copy only once the source said so; else the answer is at once 409). The answ
 fan-out's prepared tree (stager.fanout.bundle: one plain tar of whole files) and its
 manifest, and the source node's service's credential for the manifest
 (stager.core.vouch). What answers on that port is not trusted: the tar goes through the
-hardened extraction every archive takes, into this staging's own tree; the manifest's
-sha256 must be what the source's service vouched for, made by this service's uid (root:
-no user's munge credential passes), for the very cache key this node computed for the
-request as the job's user; and the tree must match the manifest path by path, or
+hardened extraction every archive takes, into this staging's own tree; the answer's
+head must carry a credential of this service's uid (root: no user's munge credential
+passes) for the cache key this node computed for the request as the job's user (or its
+shared key) and a manifest sha256, checked before a byte of the body is read; the
+manifest must have that sha256; and the tree must match the manifest path by path, or
 nothing is published. The bytes are held in an unnamed file in the cache's own folder
 while they arrive (at most ``limit_bytes``: a peer cannot fill the disk).
 """
@@ -80,6 +81,11 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
     answer, connection = _ask(step, ctx)
     try:
         head = _head(step, answer)
+        # Before a file is opened: only what the source's service vouched for counts
+        # (the manifest's own bytes are held to this sha256 once they arrive).
+        vouch.check(
+            head["credential"], step.vouch_uid, head["key"], head["sha256"], step.munge_socket
+        )
         tree = ctx.destination(".")
         tree.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(ctx.root), os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -103,10 +109,6 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
                 f"the manifest from {step.origin_node} is not the one its answer names; "
                 "this node's job stages from the source at its start"
             )
-        # Before a byte is written: only what the source's service vouched for counts.
-        vouch.check(
-            head["credential"], step.vouch_uid, head["key"], head["sha256"], step.munge_socket
-        )
         expected = manifests.read(manifest, f"the manifest from {step.origin_node}")
         label = f"the copy from {step.origin_node}"
         ctx.progress.add_total(head["tar"], 0)
@@ -226,11 +228,12 @@ def _receive(
 def _read_exactly(
     step: CopyFromNodeStep, answer: http.client.HTTPResponse, size: int, ctx: OpContext
 ) -> bytes:
-    data = b""
-    while len(data) < size:
+    data = bytearray(size)
+    view, done = memoryview(data), 0
+    while done < size:
         ctx.check_cancelled()
-        more = answer.read(min(CHUNK, size - len(data)))
-        if not more:
+        got = answer.readinto(view[done : done + CHUNK])
+        if not got:
             raise VerifyFailed(f"the manifest from {step.origin_node} ended short")
-        data += more
-    return data
+        done += got
+    return bytes(data)

@@ -19,6 +19,7 @@ import os
 import re
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -259,6 +260,10 @@ class FakeSource(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("content-length", str(len(data)))
         self.end_headers()
+        stall = getattr(self.server, "stall", None)
+        if stall is not None:  # the head only, then nothing until the test lets go
+            self.wfile.flush()
+            stall.wait(120)
         self.wfile.write(data)
 
     def log_message(self, *args: object) -> None:
@@ -319,6 +324,18 @@ def test_a_peer_sending_wrong_or_unvouched_bytes_never_makes_a_ready_entry(
         (served(genuine, None, flip=True), "does not match the manifest"),
     ]
     try:
+        # An unvouched head is refused before anything of its body is waited for or
+        # written: the source stalls after its head, and the copy fails at once.
+        fake.stall = threading.Event()  # type: ignore[attr-defined]
+        fake.answer = served(poison, alice)  # type: ignore[attr-defined]
+        body = copy_order(alice, JOB + 9, request, address)
+        began = time.monotonic()
+        assert order(node2, body, munge_socket, copy=True).status_code == 200
+        status = wait(alice, node2, f"prefetch-{JOB + 9}-mine")
+        assert status["state"] == "failed" and "made by uid" in status["error"]["message"], status
+        assert time.monotonic() - began < 30  # not the 60 s a stalled body takes
+        fake.stall.set()  # type: ignore[attr-defined]
+        fake.stall = None  # type: ignore[attr-defined]
         for job, (answer, says) in enumerate(cases, start=JOB + 10):
             fake.answer = answer  # type: ignore[attr-defined]
             body = copy_order(alice, job, request, address)
@@ -327,6 +344,8 @@ def test_a_peer_sending_wrong_or_unvouched_bytes_never_makes_a_ready_entry(
             assert status["state"] == "failed", status
             assert says in status["error"]["message"], status
     finally:
+        if getattr(fake, "stall", None) is not None:
+            fake.stall.set()  # type: ignore[attr-defined]
         fake.shutdown()
         fake.server_close()
     # Nothing of it is node2's data: alice's own request there is a miss, staged from
