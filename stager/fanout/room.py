@@ -290,7 +290,7 @@ class FanoutRoom:
         request (computed as the job's user: what they may not read here, they get no
         copy of), or the request's shared key (``keys``: this node's, and the shared one)
         when this node keeps it as the user's own. Its size is the request's own estimate
-        (checked as the user)."""
+        (checked as the user) and the bound of the tar held beside the tree."""
         key, shared_key = keys
         origin = {"how": "broadcast", "node": peer.node, "job": str(peer.job)}
         if not miss:
@@ -301,6 +301,8 @@ class FanoutRoom:
                 request.verify, self._roots(adopting=False),
             )
         )  # fmt: skip
+        # The tar of the tree and its manifest: twice the tree bounds both.
+        limit = 2 * estimate + (64 << 20)
         step = CopyFromNodeStep(
             address=peer.address,
             origin_node=peer.node,
@@ -310,12 +312,13 @@ class FanoutRoom:
             vouch_key=key,
             shared_key=shared_key,
             munge_socket=str(self.settings.munge_socket) if self.settings.munge_socket else None,
-            # The tar of the tree and its manifest: twice the tree bounds both.
-            limit_bytes=2 * estimate + (64 << 20),
+            limit_bytes=limit,
             wait_s=self.settings.prefetch_copy_wait_s,
         )
         copying = self.ops.validate_steps([{"op": "copy_from_node", **step.model_dump()}])
-        return Arrival(copying, origin, estimate)
+        # What it may write: the tree, and the tar it holds beside it while it extracts;
+        # admission counts both until the staging ends.
+        return Arrival(copying, origin, estimate + limit)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds. Room promised and not

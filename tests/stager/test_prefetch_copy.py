@@ -489,3 +489,42 @@ def test_a_copy_from_a_source_not_ready_holds_no_prefetch_slot_on_the_target(
             assert stalled.requests >= 1 and not hold.is_set()  # node1's still stalls
         finally:
             hold.set()
+
+
+def test_a_copy_reserves_the_tar_it_holds_beside_the_tree(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """The target holds the tar (up to twice the tree and 64 MiB) beside the tree while
+    it extracts: admission counts both. A 32 MiB cache takes the 32 KiB tree, not the
+    bound of its tar: the copy is refused there, not staged past the cache's size."""
+    alice, _ = users
+    port1, port2 = free_privileged_port(), free_privileged_port()
+    started = []
+    try:
+        for name, port, extra in [
+            ("node1", port1, {}),
+            ("node2", port2, {"STAGER_CAPACITY_BYTES": str(32 << 20)}),
+        ]:
+            daemon = start_service(
+                shared_tmp / name,
+                munge_socket,
+                "--prefetch-listen",
+                f"127.0.0.1:{port}",
+                STAGER_NODE_NAME=name,
+                **extra,
+            )
+            started.append(Node(daemon, name, port, munge_socket))  # fmt: skip
+        node1, node2 = started
+        src = private_tree(alice, shared_tmp / "alice-data", n_files=8)
+        request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
+        assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
+        assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+        copied = order(node2, copy_order(alice, JOB, request, node1), munge_socket, copy=True)
+        assert copied.status_code == 422, copied.text
+        assert copied.json()["error"]["type"] == "insufficient_space", copied.text
+    finally:
+        for node in started:
+            node.daemon.stop()
+            node.daemon.cleanup()
