@@ -470,6 +470,13 @@ class Settings(BaseSettings):
         "answer, which comes once it packed its ready tree (one not ready there is answered "
         "at once: the planner orders a copy only once its source said ready)",
     )
+    prefetch_copy_send_timeout_s: float = setting(
+        60.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds a copy sent to another planned node may go without that "
+        "node taking a byte; then it is cut off (a receiver gives up after 60 s of silence)",
+    )
     # ---- placement: node features for the data held here (stager.prestage.placement) ----
     slurm_node_features: bool = setting(
         False,

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import socket
 import tarfile
 import threading
 import time
@@ -484,8 +485,15 @@ def test_a_copy_from_a_source_not_ready_holds_no_prefetch_slot_on_the_target(
                 node2.daemon.socket, "GET", f"/v1/datasets/prefetch-{JOB + 1}-mine/wait?timeout=20"
             )
             assert code == 200 and status["state"] == "ready", status
-            copied = wait(bob, node2, f"prefetch-{JOB}-slow")
-            assert copied["state"] == "failed" and "not ready yet" in copied["error"]["message"]
+            # bob's copy failed at once (the next order on node2 ends failed ones).
+            name = f"/v1/datasets/prefetch-{JOB}-slow"
+            code, copied = bob.curl(node2.daemon.socket, "GET", name)
+            if code == 200:
+                assert copied["state"] == "failed", copied
+                assert "not ready yet" in copied["error"]["message"], copied
+            else:
+                assert code == 404, copied
+                assert node2.metric("stager_prefetches_total", '{outcome="failed"}') == 1
             assert stalled.requests >= 1 and not hold.is_set()  # node1's still stalls
         finally:
             hold.set()
@@ -528,3 +536,52 @@ def test_a_copy_reserves_the_tar_it_holds_beside_the_tree(
         for node in started:
             node.daemon.stop()
             node.daemon.cleanup()
+
+
+def test_a_copy_whose_receiver_stops_reading_is_cut_off_and_its_export_dropped(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """A receiver takes the head and a few bytes of a 48 MiB copy, then reads nothing
+    while it keeps its connection: past STAGER_PREFETCH_COPY_SEND_TIMEOUT_S (2 s here)
+    the source cuts it off and drops the packed copy, rather than wait on it for good."""
+    alice, _ = users
+    port = free_privileged_port()
+    daemon = start_service(
+        shared_tmp / "node1", munge_socket, "--prefetch-listen", f"127.0.0.1:{port}",
+        STAGER_NODE_NAME="node1", STAGER_PREFETCH_COPY_SEND_TIMEOUT_S="2",
+    )  # fmt: skip
+    node1 = Node(daemon, "node1", port, munge_socket)
+    try:
+        src = shared_tmp / "alice-big"
+        src.mkdir(mode=0o700)
+        for i in range(6):
+            (src / f"f{i}.bin").write_bytes(os.urandom(8 << 20))
+        for path in [src, *src.iterdir()]:
+            os.chown(path, alice.uid, alice.gid)
+        request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
+        assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
+        assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+        body = copy_order(alice, JOB, request, node1)
+        headers = {
+            "authorization": credential(body, authority.COPY, munge_socket),
+            authority.ASKER_HEADER: credential(body, authority.ASKER, munge_socket),
+            "content-length": str(len(body)),
+        }
+        exports = shared_tmp / "node1"
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            head = "GET /v1/copies HTTP/1.1\r\nhost: node1\r\n" + "".join(
+                f"{k}: {v}\r\n" for k, v in headers.items()
+            )
+            sock.sendall(head.encode() + b"\r\n" + body)
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")  # then nothing more is read
+            deadline = time.monotonic() + 30
+            while any(exports.glob("outgoing/*/copy-*/*")):
+                assert time.monotonic() < deadline, "the packed copy stayed for a stalled reader"
+                time.sleep(0.2)
+        assert "cut off" in daemon.log()
+    finally:
+        daemon.stop()
+        daemon.cleanup()

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -52,6 +54,8 @@ from stager.prestage.prefetch.authority import (
     credential_of,
 )
 from stager.staging.blocking import run_io
+
+log = logging.getLogger("stager.prestage.prefetch")
 
 ROUTE = "/v1/prefetches"
 COPIES = "/v1/copies"  # another planned node's copy of a prefetch (stager.ops.copy_from_node)
@@ -151,22 +155,52 @@ class Orders:
             sentence = f"the body did not arrive within {deadline:g} s (STAGER_HEADER_TIMEOUT_S)"
             await _answer(send, 408, error_content("body_timeout", sentence))
             return
+        if route == ("GET", COPIES):
+            copy = self._copy(send, header, body, headers.get(ASKER_HEADER))
+            await _while_connected(receive, copy)
+            return
         try:
-            if route == ("GET", COPIES):
-                asker = headers.get(ASKER_HEADER)
-                outgoing = await self.prefetches.copy_out(header, body, asker)
-            else:
-                done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
+            done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
         except StagerError as exc:
             await _answer(send, exc.status, error_content(exc.type, exc.message))
             return
-        if route == ("GET", COPIES):
-            try:
-                await _stream(send, outgoing)
-            finally:
-                await outgoing.done()
-            return
         await _answer(send, 200, {"data": done, "count": len(done)})
+
+    async def _copy(self, send: Send, header: str | None, body: bytes, asker: str | None) -> None:
+        try:
+            outgoing = await self.prefetches.copy_out(header, body, asker)
+        except StagerError as exc:
+            await _answer(send, exc.status, error_content(exc.type, exc.message))
+            return
+        deadline = self.prefetches.settings.prefetch_copy_send_timeout_s
+        try:
+            await _stream(send, outgoing, deadline)
+        except TimeoutError:  # the connection closes as the app returns unanswered
+            log.warning("a copy's receiver took nothing for %g s; cut off", deadline)
+        finally:  # (shielded: the disconnect that follows a full answer may cancel us)
+            await asyncio.shield(outgoing.done())
+
+
+async def _while_connected(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
+    """``work``, cancelled if the client leaves first (its body was read: the server's
+    next message is the disconnect), so that a copy is not packed or streamed for
+    nobody."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _body(receive: Receive) -> bytes:
@@ -183,8 +217,9 @@ def error_content(type_: str, message: str) -> dict:
     return {"error": {"type": type_, "message": redact_text(message)}}
 
 
-async def _stream(send: Send, outgoing: Any) -> None:
-    """The copy's files, one after the other, read off the event loop."""
+async def _stream(send: Send, outgoing: Any, deadline: float) -> None:
+    """The copy's files, one after the other, read off the event loop; each piece must
+    leave within ``deadline`` seconds (a receiver that stops reading is cut off)."""
     total = 0
     opened = []
     try:
@@ -206,7 +241,8 @@ async def _stream(send: Send, outgoing: Any) -> None:
                 if not chunk:  # cut short under us: the receiver finds it short
                     return
                 offset += len(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                piece = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await asyncio.wait_for(send(piece), deadline)
         await send({"type": "http.response.body", "body": b""})
     finally:
         for fd in opened:
