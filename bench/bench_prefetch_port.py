@@ -28,7 +28,7 @@ from pathlib import Path
 from stager.core import vouch
 from stager.core.settings import Settings
 from stager.prestage.plan.service import Order, Sender
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_privileged_port
 from tests.munge import private_munged
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -100,7 +100,7 @@ def main() -> None:
         tree.mkdir()
         for i in range(5):
             (tree / f"f{i}").write_bytes(os.urandom(4096))
-        port = free_port()
+        port = free_privileged_port()
         plain = service(root / "plain", munge)
         listening = service(root / "port", munge, "--prefetch-listen", f"127.0.0.1:{port}")
         try:

@@ -29,6 +29,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_privileged_port() -> int:
+    """A free port below 1024 (the tests run as root): what a prefetch port must be."""
+    import random
+    import socket
+
+    for port in random.sample(range(700, 1024), 324):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 1024 on 127.0.0.1")
+
+
 _RUNTIME_DIRS: list[Path] = []
 
 

@@ -114,6 +114,13 @@ def format_size(nbytes: int) -> str:
     return re.sub(r"(?<=\d)(?=[A-Za-z])", " ", ByteSize(nbytes).human_readable())
 
 
+# The prefetch port's default. It is below 1024 (privileged: only root binds it) so that
+# no user can listen there while the node service is down or restarting, and be sent the
+# planner's orders and copy credentials (docs/prestaging.md, "Threats on the port").
+DEFAULT_PREFETCH_PORT = 866
+PRIVILEGED_BELOW = 1024
+
+
 def setting(
     default: Any = None,
     *,
@@ -361,7 +368,8 @@ class Settings(BaseSettings):
         gt=0,
         flag="header-timeout",
         help="seconds a request's head may take to arrive, from connecting or from its first "
-        "byte; past it the connection is answered 408 and closed",
+        "byte (and, on the prefetch port, its body after it); past it the connection is "
+        "answered 408 and closed",
     )
     keep_alive_timeout_s: float = setting(
         5.0,
@@ -440,7 +448,7 @@ class Settings(BaseSettings):
         help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
         "orders, and for nothing else (POST /v1/prefetches with a MUNGE credential of root "
         "or SlurmUser; GET /v1/copies, another planned node's copy, with the planner's copy "
-        "credential), e.g. 0.0.0.0:8766",
+        "credential), e.g. 0.0.0.0:866; the port must be below 1024 (only root binds it)",
     )
     prefetch_max_running: int = setting(
         1,
@@ -460,9 +468,16 @@ class Settings(BaseSettings):
         3600.0,
         gt=0,
         cli=(),
-        help="node service: seconds another planned node's copy waits here for this node's "
-        "prefetch of the same job to be ready before it gives up (that node's job then "
-        "stages at its start)",
+        help="node service: seconds a copy from another planned node waits for that node's "
+        "answer, which comes once it packed its ready tree (one not ready there is answered "
+        "at once: the planner orders a copy only once its source said ready)",
+    )
+    prefetch_copy_send_timeout_s: float = setting(
+        60.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds a copy sent to another planned node may go without that "
+        "node taking a byte; then it is cut off (a receiver gives up after 60 s of silence)",
     )
     # ---- placement: node features for the data held here (stager.prestage.placement) ----
     slurm_node_features: bool = setting(
@@ -512,12 +527,13 @@ class Settings(BaseSettings):
         "slurm.conf's bf_interval (default 30), how often Slurm's plan can change",
     )
     plan_node_port: int = setting(
-        8766,
+        DEFAULT_PREFETCH_PORT,
         ge=1,
         le=65535,
         cli=("plan",),
         help="planner: the TCP port of the node services' prefetch listener "
-        "(their STAGER_PREFETCH_LISTEN), on each node's name as the resolver finds it",
+        "(their STAGER_PREFETCH_LISTEN), on each node's name as the resolver finds it; "
+        "below 1024",
     )
     plan_node_addresses: CommaList(str) = setting(
         factory=list,
@@ -576,8 +592,13 @@ class Settings(BaseSettings):
     @classmethod
     def _listen_address(cls, value: str | None) -> str | None:
         if value is not None:
-            host_port(value)
+            privileged(host_port(value)[1], f"STAGER_PREFETCH_LISTEN (--prefetch-listen) {value}")
         return value
+
+    @field_validator("plan_node_port")
+    @classmethod
+    def _node_port(cls, value: int) -> int:
+        return privileged(value, f"STAGER_PLAN_NODE_PORT (--plan-node-port) {value}")
 
     @field_validator("plan_node_addresses")
     @classmethod
@@ -589,7 +610,8 @@ class Settings(BaseSettings):
             except ValueError:
                 node = ""
             if not node.strip():
-                raise ValueError(f"{item!r} is not NODE=HOST:PORT, e.g. node1=10.0.0.1:8766")
+                raise ValueError(f"{item!r} is not NODE=HOST:PORT, e.g. node1=10.0.0.1:866")
+            privileged(host_port(address)[1], f"STAGER_PLAN_NODE_ADDRESSES {item}")
         return value
 
     @model_validator(mode="after")
@@ -709,13 +731,25 @@ def _absolute_folder(value: Path) -> Path:
     return value
 
 
+def privileged(port: int, setting_text: str) -> int:
+    """``port``, if only root may bind it; else a sentence naming the setting and the fix."""
+    if port >= PRIVILEGED_BELOW:
+        raise ValueError(
+            f"{setting_text}: the prefetch port must be below {PRIVILEGED_BELOW} (one only "
+            "root may bind), else a user who binds it while the node service is down is "
+            "sent the planner's orders and copy credentials; use the same port below 1024 "
+            f"on the nodes and the planner, e.g. {DEFAULT_PREFETCH_PORT}"
+        )
+    return port
+
+
 def host_port(text: str) -> tuple[str, int]:
-    """``ADDR:PORT`` (``[::1]:8766`` for IPv6) -> (ADDR, PORT), or a sentence why not."""
+    """``ADDR:PORT`` (``[::1]:866`` for IPv6) -> (ADDR, PORT), or a sentence why not."""
     host, _, port = text.strip().rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(
-            f"{text!r} is not ADDR:PORT; give an address and a port, e.g. 0.0.0.0:8766 or [::]:8766"
+            f"{text!r} is not ADDR:PORT; give an address and a port, e.g. 0.0.0.0:866 or [::]:866"
         )
     return host, int(port)
 

@@ -108,7 +108,9 @@ class Requests:
             request.fingerprint == "deep",
             request.link if naming else None,
             recipe,
-            request.adopt is not None and request.adopt.vouched,
+            # Whether the sources are cluster-wide matters to a vouched adoption and to
+            # a peer's copy alike: both bring bytes another node read under these paths.
+            (request.adopt is not None and request.adopt.vouched) or COPYING.get() is not None,
             check,
         )
         key = shared_key = spec_key({"spec": spec, "sources": str(found["fingerprint"])})
@@ -131,7 +133,10 @@ class Requests:
         service vouches for its manifest (stager.core.vouch), and only when every source lies
         where each node holds the same files (``cluster_wide``: the key, made of paths,
         sizes and times, is then the same data on both nodes); the job's own copies of
-        the source files, hashed by the job, never are."""
+        the source files, hashed by the job, never are. A prefetch's copy from another
+        planned node (``COPYING``) is the same: shared only when ``cluster_wide``, since a
+        node-local path (/tmp, /dev/shm, a folder the source node alone has) may hold
+        other bytes there under the same name, size and time."""
         earlier = self.engine.reg.entries.get(key)
         found_private = (
             earlier is not None
@@ -149,9 +154,9 @@ class Requests:
             and earlier.reader.uid != reader.uid
         )
         if shared and not found_private and not adopting:
-            if adopt is None:
+            if adopt is None and (cluster_wide or COPYING.get() is None):
                 return key, replace(reader, public=True)
-            if adopt.vouched and adopt.sources is None and cluster_wide:
+            if adopt is not None and adopt.vouched and adopt.sources is None and cluster_wide:
                 return key, replace(reader, public=True, vouched=True)
         return private_key(key, reader.uid), reader
 

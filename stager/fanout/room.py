@@ -240,7 +240,7 @@ class FanoutRoom:
         adopt = request.adopt
         peer = COPYING.get()
         if peer is not None and adopt is None:
-            return await self._copied(peer, request, caller, steps, key, miss)
+            return await self._copied(peer, request, caller, steps, (key, shared_key), miss)
         assert adopt is not None, "only an adoption or a peer's copy arrives by the room"
         delivery_key = transfer_key(self._owner(caller), adopt.incoming)
         delivery = self.deliveries.get(delivery_key)
@@ -281,14 +281,17 @@ class FanoutRoom:
         request: DatasetCreate,
         caller: Caller,
         steps: list[Any],
-        key: str,
+        keys: tuple[str, str],
         miss: bool,
     ) -> Arrival:
         """A prefetch copied from ``peer`` (docs/prestaging.md, "4-node job"): one step
         that receives the source node's ready tree and checks it against the manifest
         that node's service vouched for, for ``key``, this node's own key for the
         request (computed as the job's user: what they may not read here, they get no
-        copy of). Its size is the request's own estimate (checked as the user)."""
+        copy of), or the request's shared key (``keys``: this node's, and the shared one)
+        when this node keeps it as the user's own. Its size is the request's own estimate
+        (checked as the user) and the bound of the tar held beside the tree."""
+        key, shared_key = keys
         origin = {"how": "broadcast", "node": peer.node, "job": str(peer.job)}
         if not miss:
             return Arrival(steps, origin)
@@ -298,6 +301,8 @@ class FanoutRoom:
                 request.verify, self._roots(adopting=False),
             )
         )  # fmt: skip
+        # The tar of the tree and its manifest: twice the tree bounds both.
+        limit = 2 * estimate + (64 << 20)
         step = CopyFromNodeStep(
             address=peer.address,
             origin_node=peer.node,
@@ -305,13 +310,15 @@ class FanoutRoom:
             order=peer.order.decode(),
             vouch_uid=os.geteuid(),
             vouch_key=key,
+            shared_key=shared_key,
             munge_socket=str(self.settings.munge_socket) if self.settings.munge_socket else None,
-            # The tar of the tree and its manifest: twice the tree bounds both.
-            limit_bytes=2 * estimate + (64 << 20),
+            limit_bytes=limit,
             wait_s=self.settings.prefetch_copy_wait_s,
         )
         copying = self.ops.validate_steps([{"op": "copy_from_node", **step.model_dump()}])
-        return Arrival(copying, origin, estimate)
+        # What it may write: the tree, and the tar it holds beside it while it extracts;
+        # admission counts both until the staging ends.
+        return Arrival(copying, origin, estimate + limit)
 
     async def held(self) -> Held:
         """For admission (under its lock): what the room holds. Room promised and not

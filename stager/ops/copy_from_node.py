@@ -6,21 +6,25 @@ storage, and this node to copy it from that node. This step, run by the node ser
 staging process (which writes the cache, as root), asks the source node's prefetch port
 for it (``GET /v1/copies``) with the planner's second credential over the order
 (stager.prestage.prefetch.authority.COPY): the source node answers only that, and only
-with its own prefetch of that job for that user, once it is ready. The answer is the
+with its own prefetch of that job for that user, if it is ready (the planner orders
+the copy only once the source said so; else the answer is at once 409). The answer is the
 fan-out's prepared tree (stager.fanout.bundle: one plain tar of whole files) and its
 manifest, and the source node's service's credential for the manifest
 (stager.core.vouch). What answers on that port is not trusted: the tar goes through the
-hardened extraction every archive takes, into this staging's own tree; the manifest's
-sha256 must be what the source's service vouched for, made by this service's uid (root:
-no user's munge credential passes), for the very cache key this node computed for the
-request as the job's user; and the tree must match the manifest path by path, or
+hardened extraction every archive takes, into this staging's own tree; the answer's
+head must carry a credential of this service's uid (root: no user's munge credential
+passes) for the cache key this node computed for the request as the job's user (or its
+shared key) and a manifest sha256, checked before a byte of the body is read; the
+manifest must have that sha256; and the tree must match the manifest path by path, or
 nothing is published. The bytes are held in an unnamed file in the cache's own folder
 while they arrive (at most ``limit_bytes``: a peer cannot fill the disk).
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import json
 import os
 import threading
 from typing import Any
@@ -42,6 +46,11 @@ CONNECT_TIMEOUT_S = 10.0
 # Once the answer began: a source that sends nothing this long is gone.
 READ_TIMEOUT_S = 60.0
 MANIFEST_LIMIT = 1 << 30
+# The source sends only with this service's own credential beside the planner's
+# (stager.prestage.prefetch.authority.ASKER; the same words, not imported: an op does not
+# depend on the prefetch service).
+ASKER, ASKER_HEADER = "stager prefetch copy asker", "x-stager-copy-asker"
+ASKER_TTL_S = 60
 # The answer's headers: what the source node sends.
 KEY, TAR_BYTES, MANIFEST_BYTES = "x-stager-key", "x-stager-tar-bytes", "x-stager-manifest-bytes"
 MANIFEST_SHA256, MANIFEST_CREDENTIAL = "x-stager-manifest-sha256", "x-stager-manifest-credential"
@@ -56,9 +65,12 @@ class CopyFromNodeStep(StepParams):
     order: str = Field(min_length=1, max_length=64 * 1024)  # the body that credential signs
     vouch_uid: int = Field(ge=0, le=2**32 - 1)  # this service's: whose manifest credential
     vouch_key: str = Field(min_length=1, max_length=64)  # this node's cache key
+    # The request's shared key, when this node keeps the copy as the user's own (sources
+    # not cluster-wide) and the source node shares its staging: the same spec and sources.
+    shared_key: str = Field(default="", max_length=64)
     munge_socket: str | None = Field(default=None, max_length=4096)
     limit_bytes: int = Field(ge=1)  # the most the tar and manifest may take
-    wait_s: float = Field(gt=0)  # how long the source may take to have it ready
+    wait_s: float = Field(gt=0)  # how long the source may take to pack it
 
 
 def check(step: CopyFromNodeStep, ctx: CheckContext) -> int:
@@ -69,6 +81,11 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
     answer, connection = _ask(step, ctx)
     try:
         head = _head(step, answer)
+        # Before a file is opened: only what the source's service vouched for counts
+        # (the manifest's own bytes are held to this sha256 once they arrive).
+        vouch.check(
+            head["credential"], step.vouch_uid, head["key"], head["sha256"], step.munge_socket
+        )
         tree = ctx.destination(".")
         tree.mkdir(parents=True, exist_ok=True)
         fd = os.open(str(ctx.root), os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
@@ -92,10 +109,6 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
                 f"the manifest from {step.origin_node} is not the one its answer names; "
                 "this node's job stages from the source at its start"
             )
-        # Before a byte is written: only what the source's service vouched for counts.
-        vouch.check(
-            head["credential"], step.vouch_uid, step.vouch_key, head["sha256"], step.munge_socket
-        )
         expected = manifests.read(manifest, f"the manifest from {step.origin_node}")
         label = f"the copy from {step.origin_node}"
         ctx.progress.add_total(head["tar"], 0)
@@ -107,8 +120,9 @@ def run(step: CopyFromNodeStep, ctx: OpContext) -> None:
 
 
 def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPResponse, Any]:
-    """The source node's answer, once it has one (it waits for its own prefetch to be
-    ready); a cancel of this staging closes the connection meanwhile."""
+    """The source node's answer, once it has one (it packs the ready tree first; one
+    not ready is answered at once); a cancel of this staging closes the connection
+    meanwhile."""
     host, port = host_port(step.address)
     connection = http.client.HTTPConnection(host, port, CONNECT_TIMEOUT_S)
     done = threading.Event()
@@ -119,13 +133,18 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
                 connection.sock.shutdown(2)
                 return
 
+    asker = asker_credential(step.order.encode(), step.munge_socket)
     try:
         connection.connect()
         sock = connection.sock
         assert sock is not None
         sock.settimeout(step.wait_s + 60)
         processes.thread(closer, name="copy-cancel")
-        headers = {"authorization": step.authorization, "content-type": "application/json"}
+        headers = {
+            "authorization": step.authorization,
+            ASKER_HEADER: f"Munge {asker}",
+            "content-type": "application/json",
+        }
         connection.request("GET", COPY_ROUTE, body=step.order.encode(), headers=headers)
         answer = connection.getresponse()
         sock.settimeout(READ_TIMEOUT_S)  # (the connection lets go of it: "close")
@@ -139,6 +158,19 @@ def _ask(step: CopyFromNodeStep, ctx: OpContext) -> tuple[http.client.HTTPRespon
     finally:
         done.set()
     return answer, connection
+
+
+def asker_credential(order: bytes, munge_socket: str | None) -> str:
+    """This process's credential over ``order`` (root's: the node service's staging
+    process), which the source requires beside the planner's copy credential."""
+    payload = json.dumps({"what": ASKER, "sha256": hashlib.sha256(order).hexdigest()})
+    made = vouch.encode(payload, munge_socket, ASKER_TTL_S)
+    if made is None:
+        raise VerifyFailed(
+            "munged made no credential for this node's copy request; this node's job "
+            "stages from the source at its start"
+        )
+    return made
 
 
 def _head(step: CopyFromNodeStep, answer: http.client.HTTPResponse) -> dict[str, Any]:
@@ -158,7 +190,7 @@ def _head(step: CopyFromNodeStep, answer: http.client.HTTPResponse) -> dict[str,
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise VerifyFailed(f"{step.origin_node}'s copy came without its sizes ({exc})") from exc
-    if head["key"] != step.vouch_key:
+    if head["key"] not in (step.vouch_key, step.shared_key or step.vouch_key):
         raise VerifyFailed(
             f"{step.origin_node} holds {head['key']}, and this node computes {step.vouch_key} "
             "for the request: the sources look different from here; this node's job stages "
@@ -196,11 +228,12 @@ def _receive(
 def _read_exactly(
     step: CopyFromNodeStep, answer: http.client.HTTPResponse, size: int, ctx: OpContext
 ) -> bytes:
-    data = b""
-    while len(data) < size:
+    data = bytearray(size)
+    view, done = memoryview(data), 0
+    while done < size:
         ctx.check_cancelled()
-        more = answer.read(min(CHUNK, size - len(data)))
-        if not more:
+        got = answer.readinto(view[done : done + CHUNK])
+        if not got:
             raise VerifyFailed(f"the manifest from {step.origin_node} ended short")
-        data += more
-    return data
+        done += got
+    return bytes(data)

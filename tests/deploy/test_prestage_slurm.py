@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon, free_port, node_service
+from tests.daemon import Daemon, free_privileged_port, node_service
 from tests.deploy.test_placement_slurm import stop_prolog_daemon
 from tests.slurm_cluster import Cluster, job_info
 from tests.trees import write_tree
@@ -52,7 +52,7 @@ def backfill_interval() -> int:
 @pytest.fixture
 def service(local_cluster: Cluster, shared_tmp: Path) -> Iterator[tuple[Daemon, int]]:
     """The node service with its prefetch port on the loopback; and the port."""
-    port = free_port()
+    port = free_privileged_port()
     with node_service(
         shared_tmp / "cache", STAGER_PREFETCH_LISTEN=f"127.0.0.1:{port}", STAGER_NODE_NAME=HOST
     ) as daemon:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from stager.prestage.prefetch import listener
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_privileged_port
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     order,
@@ -214,7 +214,7 @@ def port_service(
     shared_tmp: Path,
     munge_socket: Path,  # noqa: F811
 ) -> Iterator[tuple[Daemon, int]]:
-    port = free_port()
+    port = free_privileged_port()
     daemon = start_service(
         shared_tmp / "cache", munge_socket, "--prefetch-listen", f"127.0.0.1:{port}"
     )
@@ -286,7 +286,7 @@ def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_addres
     shared_tmp: Path,
     munge_socket: Path,  # noqa: F811
 ) -> None:
-    port = free_port()
+    port = free_privileged_port()
     argv = [sys.executable, "-m", "stager", "serve", "--prefetch-listen", f"127.0.0.1:{port}"]
     env = os.environ | {"STAGER_RUNTIME_DIR": str(shared_tmp / "run"),
                         "STAGER_CACHE_DIR": str(shared_tmp / "cache")}  # fmt: skip
@@ -299,7 +299,7 @@ def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_addres
         taken.listen()
         for address, says in [
             (f"127.0.0.1:{port}", "cannot listen there (Address already in use)"),
-            ("nowhere.invalid:8766", "nowhere.invalid is not an address"),
+            ("nowhere.invalid:866", "nowhere.invalid is not an address"),
         ]:
             daemon = Daemon(
                 cache_dir=shared_tmp / "node-cache",
@@ -314,3 +314,46 @@ def test_the_prefetch_port_is_refused_by_a_per_user_daemon_and_on_a_taken_addres
                 assert not daemon.socket.exists()  # nothing served at all
             finally:
                 daemon.cleanup()
+
+
+def test_slow_bodies_on_the_prefetch_port_are_cut_off_and_the_planner_gets_in(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """64 strangers each send a head and 2 bytes of a body, then nothing: each is
+    answered 408 within the header timeout and closed, and the planner's order that
+    follows is carried out (before, they held every place for good: 503)."""
+    alice, _ = users
+    port = free_privileged_port()
+    service = start_service(
+        shared_tmp / "cache", munge_socket, "--prefetch-listen", f"127.0.0.1:{port}",
+        STAGER_HEADER_TIMEOUT_S="1",
+    )  # fmt: skip
+    slow: list[socket.socket] = []
+    try:
+        head = ("POST /v1/prefetches HTTP/1.1\r\nhost: n\r\nauthorization: Munge MUNGE:x\r\n"
+                "content-length: 100\r\n\r\nab")  # fmt: skip
+        started = time.monotonic()
+        for _ in range(listener.MAX_CONNECTIONS):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(head.encode())
+            slow.append(sock)
+        for sock in slow:
+            answer = b""
+            while chunk := sock.recv(65536):  # read until the service closes
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b"STAGER_HEADER_TIMEOUT_S" in answer
+        assert time.monotonic() - started < 8
+        mine = private_tree(alice, shared_tmp / "alice-only")
+        request = {"name": "m", "steps": [{"op": "copy", "src": str(mine)}]}
+        raw, header = signed(order(alice, 95, request), munge_socket)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            answer = client.post("/v1/prefetches", content=raw, headers={"authorization": header})
+        assert answer.status_code == 200, answer.text
+    finally:
+        for sock in slow:
+            sock.close()
+        service.stop()
+        service.cleanup()

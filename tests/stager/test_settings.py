@@ -202,3 +202,19 @@ def test_a_trusted_image_folder_that_overlaps_the_cache_is_refused(
     assert f"trusted image folder {folder} overlaps the cache folder" in message, message
     assert "outside the cache" in message
     from_env({**env, "STAGER_TRUSTED_IMAGE_DIRS": str(tmp_path / "images")})  # apart: fine
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("prefetch_listen", "0.0.0.0:8766", "STAGER_PREFETCH_LISTEN (--prefetch-listen)"),
+        ("plan_node_port", 1024, "STAGER_PLAN_NODE_PORT (--plan-node-port)"),
+        ("plan_node_addresses", ["n1=10.0.0.1:8766"], "STAGER_PLAN_NODE_ADDRESSES n1="),
+    ],
+)
+def test_the_prefetch_port_must_be_privileged(field: str, value: object, says: str) -> None:
+    """A port a user may bind could be theirs while the node service restarts."""
+    with pytest.raises(ValueError, match="below 1024") as raised:
+        Settings(**{field: value})
+    assert says in str(raised.value) and "e.g. 866" in str(raised.value)
+    assert Settings(prefetch_listen="0.0.0.0:866", plan_node_port=866).plan_node_port == 866

@@ -37,7 +37,7 @@ MN_BRIDGE=$MN_PREFIX-br
 MN_STORAGE_NS=$MN_PREFIX-storage
 MN_SFTP_PORT=7022                  # inside the storage namespace: no clash possible
 MN_SLURMD_PORT=6818                # inside each node's namespace: no clash possible
-MN_PREFETCH_PORT=8766              # the node services' prefetch port, on each node's address
+MN_PREFETCH_PORT=866               # the node services' prefetch port, on each node's address
 
 MN_CONF_DIR=$MN_ROOT/etc/slurm     # bind-mounted over /etc/slurm on the nodes
 MN_STAGER_ETC=$MN_ROOT/etc/stager  # bind-mounted over /etc/stager on the nodes

@@ -124,15 +124,17 @@ class Sender:
             vouch.encode, payload, settings.munge_socket, settings.prefetch_credential_ttl_s
         )
 
-    async def send(self, order: Order) -> tuple[str, str]:
-        """("sent" | "retry" | "refused", why). A copy carries a second credential, over
-        the same body, which its node hands to the copy's source node (decoded only
-        there: each credential is used once, on one node)."""
+    async def send(self, order: Order) -> tuple[str, str, bool]:
+        """("sent" | "retry" | "refused", why, waiting): ``waiting``, the node's prefetch
+        is staging still, not ready (a copy's source is asked again next interval). A
+        copy carries a second credential, over the same body, which its node hands to
+        the copy's source node (decoded only there: each credential is used once, on
+        one node)."""
         async with self.at_once:
             credential = await self._credential(WHAT, order.body)
             second = await self._credential(COPY, order.body) if order.copy else ""
             if credential is None or second is None:
-                return "retry", "munged made no credential (is munged running here?)"
+                return "retry", "munged made no credential (is munged running here?)", False
             headers = {"authorization": f"Munge {credential}", "content-type": "application/json"}
             if second:
                 headers[COPY_HEADER] = f"Munge {second}"
@@ -141,9 +143,14 @@ class Sender:
                     self.url(order.node), content=order.body, headers=headers
                 )
             except (httpx.HTTPError, OSError, ValueError) as exc:
-                return "retry", f"{type(exc).__name__}: {exc}".rstrip(": ")
+                return "retry", f"{type(exc).__name__}: {exc}".rstrip(": "), False
         if answer.status_code == 200:
-            return "sent", ""
+            try:
+                done = answer.json()["data"]
+                waiting = any(p["state"] == "active" and not p["ready"] for p in done)
+            except (ValueError, KeyError, TypeError):
+                waiting = False  # (a node of an earlier version: its copies wait there)
+            return "sent", "", waiting
         try:
             why = answer.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
@@ -151,7 +158,7 @@ class Sender:
         outcome = (
             "retry" if answer.status_code in (429,) or answer.status_code >= 500 else "refused"
         )
-        return outcome, f"{answer.status_code} {why}"
+        return outcome, f"{answer.status_code} {why}", False
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -215,24 +222,39 @@ class Service:
         first = [o for o in made if o.prefetch is not None and not o.copy]
         first += list(self.cancels.values())
         outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))
-        # Copies after the stages they copy: their nodes ask the source node at once. A
-        # copy whose source did not take its stage now waits for the next interval
-        # (found new again), rather than fail at a source that holds nothing for it.
-        missed = {
-            (o.job, o.node) for o, (outcome, _) in zip(first, outcomes, strict=True)
-            if o.prefetch is not None and outcome != "sent"
-        }  # fmt: skip
-        copies = []
+        # Copies once the stages they copy are ready there: their nodes ask the source
+        # node at once, and it answers at once (it does not wait: a wait would hold a
+        # prefetch slot on the copying node). A copy whose source did not take its stage
+        # now, or is staging it still, waits for the next interval (found new again, and
+        # that stage sent again: its answer says whether it is ready), rather than fail at
+        # a source that holds nothing ready for it.
+        missed, waiting = set(), set()
+        for order, (outcome, _, staging) in zip(first, outcomes, strict=True):
+            if order.prefetch is None:
+                continue
+            at = (order.job, order.node, order.prefetch.wanted)
+            if outcome != "sent":
+                missed.add(at)
+            elif staging:
+                waiting.add(at)
+        copies, held = [], set()
         for order in (o for o in made if o.copy):
             assert order.prefetch is not None
-            if (order.job, order.prefetch.source) in missed:
+            at = (order.job, order.prefetch.source, order.prefetch.wanted)
+            if at in missed or at in waiting:
                 self.planner.forget(order.prefetch)
+                held.add(at)
             else:
                 copies.append(order)
+        for order in first:  # a stage its copies wait for: asked again next interval
+            if order.prefetch is not None and (order.job, order.node, order.prefetch.wanted) in (
+                held & waiting
+            ):
+                self.planner.forget(order.prefetch)
         outcomes += await asyncio.gather(*(self.sender.send(o) for o in copies))
         todo = first + copies
         failures: Counter[tuple[str, str]] = Counter()
-        for order, (outcome, why) in zip(todo, outcomes, strict=True):
+        for order, (outcome, why, _) in zip(todo, outcomes, strict=True):
             if outcome == "sent":
                 tally.sent += 1
             else:

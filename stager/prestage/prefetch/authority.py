@@ -44,6 +44,12 @@ WHAT = "stager prefetch"
 # there. Its own word, so that neither passes for the other.
 COPY = "stager prefetch copy"
 COPY_HEADER = "x-stager-copy-credential"
+# The target node's service's own credential over the same body, made as it asks the
+# source (root's: its staging process's uid): a copy credential alone is not enough, so
+# that a user who was sent one (listening on the target's prefetch port while its service
+# was down) cannot replay it to the source.
+ASKER = "stager prefetch copy asker"
+ASKER_HEADER = "x-stager-copy-asker"
 SEEN_MAX = 100_000
 # munge.h: EMUNGE_CRED_EXPIRED, EMUNGE_CRED_REWOUND, EMUNGE_CRED_REPLAYED.
 _EXPIRED, _REWOUND, _REPLAYED = 15, 16, 17
@@ -186,7 +192,7 @@ async def verify(
     except ValidationError as exc:
         raise BadRequest(f"the prefetch's body is not an order: {exc.errors()[0]['msg']}") from exc
     here = settings.this_node()
-    if what == COPY:
+    if what in (COPY, ASKER):
         if order.action != "copy" or order.source != here:
             raise Forbidden(
                 f"this credential asks for a copy from node {order.source!r}, and this is "

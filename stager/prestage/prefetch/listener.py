@@ -13,8 +13,13 @@ book, the spent credentials and the lock are one), and it answers:
   order that names this node as its source: another planned node of the job asks for
   this node's prefetch of it (stager.ops.copy_from_node), and gets its ready tree as one
   tar and its manifest, vouched for by this service, once it is ready;
+- ``GET /v1/copies`` without the asking node's service's own credential (root's, over
+  the same body, in ``X-Stager-Copy-Asker``): 401, before the copy credential is
+  looked at. A user who got a copy credential (by listening on a node's prefetch port
+  while its service was down) cannot replay it: they cannot make root's;
 - without such a header: 401, before a byte of the body is read;
-- a body over the bound or of no stated length: 413 / 411, unread;
+- a body over the bound or of no stated length: 413 / 411, unread; a body that does
+  not arrive within ``header_timeout_s``: 408, and the connection closed;
 - any other path or method: 404 with one fixed sentence, the body unread. No dataset,
   metric, health or version ever leaves this port; an order's answer names only what
   that order did, and a copy is only the one prefetch its credential names.
@@ -27,9 +32,12 @@ socket's are (stager.api.connections: head timeout, caps), with caps of their ow
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import socket
+from collections.abc import Coroutine
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -37,10 +45,17 @@ from starlette.types import Receive, Scope, Send
 
 from stager.core.errors import StagerError
 from stager.core.redact import redact_text
-from stager.core.settings import Settings, host_port
+from stager.core.settings import PRIVILEGED_BELOW, Settings, host_port
 from stager.ops import copy_from_node as copying
-from stager.prestage.prefetch.authority import COPY_HEADER, NotAuthorized, credential_of
+from stager.prestage.prefetch.authority import (
+    ASKER_HEADER,
+    COPY_HEADER,
+    NotAuthorized,
+    credential_of,
+)
 from stager.staging.blocking import run_io
+
+log = logging.getLogger("stager.prestage.prefetch")
 
 ROUTE = "/v1/prefetches"
 COPIES = "/v1/copies"  # another planned node's copy of a prefetch (stager.ops.copy_from_node)
@@ -50,6 +65,7 @@ SEND_CHUNK = 1 << 20
 ORDER_MAX_BYTES = 64 * 1024
 # The planner's sends to one node are a handful at once; strangers get no more.
 MAX_CONNECTIONS = 64
+UNPRIVILEGED_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 NOT_HERE = (
     "this port takes the planner's prefetch orders only (POST /v1/prefetches, and "
     "GET /v1/copies with a copy's credential)"
@@ -66,6 +82,14 @@ def bind(settings: Settings) -> socket.socket:
     text = settings.prefetch_listen or ""
     host, port = host_port(text)
     fix = "give STAGER_PREFETCH_LISTEN (--prefetch-listen) an address of this node and a free port"
+    lowest = _unprivileged_start()
+    if port >= lowest:  # (the setting holds it below 1024; the kernel may allow users lower)
+        raise ListenError(
+            f"--prefetch-listen {text}: users may bind port {port} on this node "
+            f"({UNPRIVILEGED_START} is {lowest}), so one could listen there while this "
+            "service is down and be sent the planner's orders; set the sysctl "
+            "net.ipv4.ip_unprivileged_port_start back to 1024"
+        )
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -84,6 +108,15 @@ def bind(settings: Settings) -> socket.socket:
         ) from exc
     sock.setblocking(False)
     return sock
+
+
+def _unprivileged_start() -> int:
+    """The lowest port a user may bind here (Linux; 1024 unless an admin lowered it)."""
+    try:
+        with open(UNPRIVILEGED_START) as file:
+            return int(file.read())
+    except (OSError, ValueError):
+        return PRIVILEGED_BELOW
 
 
 class Orders:
@@ -115,26 +148,68 @@ class Orders:
             sentence = f"an order is at most {ORDER_MAX_BYTES} bytes; this one says {length}"
             await _answer(send, 413, error_content("body_too_large", sentence))
             return
-        body, more = b"", True
-        while more:  # no more than its length: the server holds the client to it
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        deadline = self.prefetches.settings.header_timeout_s
+        try:  # within the head's own time: a slow body must not hold a place
+            body = await asyncio.wait_for(_body(receive), deadline)
+        except TimeoutError:
+            sentence = f"the body did not arrive within {deadline:g} s (STAGER_HEADER_TIMEOUT_S)"
+            await _answer(send, 408, error_content("body_timeout", sentence))
+            return
+        if route == ("GET", COPIES):
+            copy = self._copy(send, header, body, headers.get(ASKER_HEADER))
+            await _while_connected(receive, copy)
+            return
         try:
-            if route == ("GET", COPIES):
-                outgoing = await self.prefetches.copy_out(header, body)
-            else:
-                done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
+            done = await self.prefetches.order(header, body, headers.get(COPY_HEADER))
         except StagerError as exc:
             await _answer(send, exc.status, error_content(exc.type, exc.message))
             return
-        if route == ("GET", COPIES):
-            try:
-                await _stream(send, outgoing)
-            finally:
-                await outgoing.done()
-            return
         await _answer(send, 200, {"data": done, "count": len(done)})
+
+    async def _copy(self, send: Send, header: str | None, body: bytes, asker: str | None) -> None:
+        try:
+            outgoing = await self.prefetches.copy_out(header, body, asker)
+        except StagerError as exc:
+            await _answer(send, exc.status, error_content(exc.type, exc.message))
+            return
+        deadline = self.prefetches.settings.prefetch_copy_send_timeout_s
+        try:
+            await _stream(send, outgoing, deadline)
+        except TimeoutError:  # the connection closes as the app returns unanswered
+            log.warning("a copy's receiver took nothing for %g s; cut off", deadline)
+        finally:  # (shielded: the disconnect that follows a full answer may cancel us)
+            await asyncio.shield(outgoing.done())
+
+
+async def _while_connected(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
+    """``work``, cancelled if the client leaves first (its body was read: the server's
+    next message is the disconnect), so that a copy is not packed or streamed for
+    nobody."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _body(receive: Receive) -> bytes:
+    parts, more = [], True
+    while more:  # no more than its length: the server holds the client to it
+        message = await receive()
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(parts)
 
 
 def error_content(type_: str, message: str) -> dict:
@@ -142,8 +217,9 @@ def error_content(type_: str, message: str) -> dict:
     return {"error": {"type": type_, "message": redact_text(message)}}
 
 
-async def _stream(send: Send, outgoing: Any) -> None:
-    """The copy's files, one after the other, read off the event loop."""
+async def _stream(send: Send, outgoing: Any, deadline: float) -> None:
+    """The copy's files, one after the other, read off the event loop; each piece must
+    leave within ``deadline`` seconds (a receiver that stops reading is cut off)."""
     total = 0
     opened = []
     try:
@@ -165,7 +241,8 @@ async def _stream(send: Send, outgoing: Any) -> None:
                 if not chunk:  # cut short under us: the receiver finds it short
                     return
                 offset += len(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                piece = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await asyncio.wait_for(send(piece), deadline)
         await send({"type": "http.response.body", "body": b""})
     finally:
         for fd in opened:

@@ -35,7 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from stager.core import vouch
-from stager.core.errors import BadRequest, Conflict, Forbidden, NotFound, StagerError
+from stager.core.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    StagerError,
+    TooManyRequests,
+)
 from stager.core.identity import Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
@@ -44,6 +51,7 @@ from stager.fanout.room import COPYING, PeerCopy
 from stager.ops import copy_from_node as copying
 from stager.prestage.prefetch import book as books
 from stager.prestage.prefetch.authority import (
+    ASKER,
     COPY,
     PrefetchOrder,
     Seen,
@@ -57,6 +65,11 @@ from stager.state.dataset import State
 from stager.wire.schemas import MAX_BYTES, DatasetPublic, ExportCreate, LeaseCreate
 
 log = logging.getLogger("stager.prestage.prefetch")
+
+
+# Copies of one user's prefetches packed or sent from this node at once (each a packing
+# of its tree, and a place on the port): a user with many multi-node jobs gets no more.
+COPIES_PER_USER = 4
 
 
 def _holder(job: int) -> str:
@@ -74,6 +87,7 @@ class Prefetches:
         self._sweeper: asyncio.Task[None] | None = None
         # One order at a time: budgets and the book are decided on what came before.
         self._lock = asyncio.Lock()
+        self._sending: dict[int, int] = {}  # uid: copies being packed or sent from here
         # Told of each prefetch's request (stager.prestage.placement names its node feature).
         self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
 
@@ -147,7 +161,12 @@ class Prefetches:
             else:
                 done = [await self._stage(order, user)]
             await self._save()
-        return [_public(p) for p in done]
+        return [_public(p, self._ready(p)) for p in done]
+
+    def _ready(self, prefetch: Prefetch) -> bool:
+        """Whether its data is ready here: the planner sends a copy of it only then."""
+        entry = self._entry(prefetch) if prefetch.state == "active" else None
+        return entry is not None and entry.state == State.READY
 
     async def _stage(self, order: PrefetchOrder, user: Caller) -> Prefetch:
         engine = self.engine
@@ -157,6 +176,11 @@ class Prefetches:
         dataset = body["name"]
         known = self.book.prefetches.get((order.job, dataset))
         source = order.source or ""
+        if known is not None and known.state == "failed" and known.uid == order.uid:
+            if known.source == source:
+                # Sent again while its staging failed (the planner asks a copy's source
+                # each interval until it is ready): not staged again and again.
+                return known
         if known is not None and known.state == "active" and known.uid == order.uid:
             entry = self._entry(known)
             if known.source == source or (entry is not None and entry.state == State.READY):
@@ -293,19 +317,22 @@ class Prefetches:
             await self._save()
         view.prestaged_for_job = self.book.job_for(caller.uid, view.key)
 
-    async def copy_out(self, header: str | None, body: bytes) -> Outgoing:
+    async def copy_out(self, header: str | None, body: bytes, asker: str | None) -> Outgoing:
         """Another planned node's copy of this node's prefetch (docs/prestaging.md, "4-node
         job"), once the planner's copy credential proves the order names this node as
         its source: the ready tree of this node's prefetch for that job, that user and
         that dataset (none else: not another job's, not another user's, not data this
         node holds otherwise), packed as the fan-out packs it, with this service's
-        credential for its manifest. Waits up to ``prefetch_copy_wait_s`` for the
-        prefetch to be ready."""
+        credential for its manifest; a prefetch not ready yet is a 409 at once, and one
+        user has at most :data:`COPIES_PER_USER` copies being packed or sent. The asking
+        node's service proves itself first (``asker``: root's credential over the same
+        body), before the copy credential is spent."""
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) sends copies")
         async with self._lock:
             await self._load()
         try:
+            await verify(asker, body, self.settings, self.seen, ASKER)
             order = await verify(header, body, self.settings, self.seen, COPY)
             user = await run_io(job_user, order)
         except StagerError:
@@ -323,21 +350,34 @@ class Prefetches:
             )
         if prefetch.uid != order.uid:
             raise Forbidden(f"job {order.job}'s prefetch here is another user's")
-        view = await self.names.wait(prefetch.name, self.settings.prefetch_copy_wait_s, user)
-        if view.state != State.READY:
+        # Not waited for: the planner sends a copy once this node said its prefetch is
+        # ready, so one not ready is answered at once, holding no place here and no
+        # prefetch slot at the asking node.
+        entry = self._entry(prefetch)
+        if entry is None or entry.state != State.READY:
+            state = entry.state.value if entry is not None else "gone"
             raise Conflict(
-                f"job {order.job}'s {dataset!r} is {view.state} here, not ready; node "
+                f"job {order.job}'s {dataset!r} is {state} here, not ready yet; node "
                 f"{order.node} stages it at the job's start"
             )
+        if self._sending.get(order.uid, 0) >= COPIES_PER_USER:
+            raise TooManyRequests(
+                f"{COPIES_PER_USER} copies of uid {order.uid}'s prefetches are being sent "
+                f"from here already; node {order.node} stages it at the job's start"
+            )
+        self._sending[order.uid] = self._sending.get(order.uid, 0) + 1
         label = f"copy-{order.job}-{hashlib.sha256(body).hexdigest()[:16]}"
-        export = ExportCreate(label=label, part_bytes=MAX_BYTES, tree=True)
-        sent = await self.requests.export(prefetch.name, export, user)
 
         async def done() -> None:
+            self._sending[order.uid] -= 1
+            if not self._sending[order.uid]:
+                del self._sending[order.uid]
             with contextlib.suppress(StagerError):
                 await self.engine.fanout.drop_export(label, user)
 
         try:
+            export = ExportCreate(label=label, part_bytes=MAX_BYTES, tree=True)
+            sent = await self.requests.export(prefetch.name, export, user)
             if sent.path is None or sent.manifest is None or sent.parts != 1:
                 raise Conflict(f"job {order.job}'s {dataset!r} is not one tree here to send")
             credential = await run_io(
@@ -375,8 +415,9 @@ class Outgoing:
     done: Callable[[], Awaitable[None]]
 
 
-def _public(prefetch: Prefetch) -> dict:
+def _public(prefetch: Prefetch, ready: bool) -> dict:
     return {
+        "ready": ready,
         "job": prefetch.job,
         "dataset": prefetch.dataset,
         "name": prefetch.name,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon import Daemon, free_port
+from tests.daemon import Daemon, free_privileged_port
 from tests.stager.plan.queue import row
 from tests.stager.test_prefetch import munge_socket, private_tree  # noqa: F401 - its munged
 from tests.users import User
@@ -114,7 +114,7 @@ def declared(tree: Path) -> list[str]:
 @pytest.fixture
 def nodes(shared_tmp: Path, munge_socket: Path) -> Iterator[dict[str, Daemon | int]]:  # noqa: F811
     """node1 and node2 running; node3's port given to the planner, nobody on it yet."""
-    ports = {name: free_port() for name in ("node1", "node2", "node3")}
+    ports = {name: free_privileged_port() for name in ("node1", "node2", "node3")}
     started: list[Daemon] = []
     try:
         for name in ("node1", "node2"):
@@ -238,7 +238,7 @@ def test_once_runs_one_interval_and_only_as_root_or_slurmuser(
     recorded.write_text(row("700", uid=alice.uid, start=soon, sched="node9", declared=inat) + "\n")
     recorded.chmod(0o644)
     argv = [sys.executable, "-m", "stager", "plan", "--once", "--squeue-output", str(recorded)]
-    port = free_port()  # nobody listens: the one order is not carried out
+    port = free_privileged_port()  # nobody listens: the one order is not carried out
     env = {
         "STAGER_MUNGE_SOCKET": str(munge_socket),
         "STAGER_PLAN_NODE_PORT": str(port),
