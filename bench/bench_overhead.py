@@ -55,13 +55,13 @@ from tests.daemon import Daemon  # noqa: E402
 # they happen.
 TRACE_POINTS = [
     (
-        "stager/engine/scheduler.py",
+        "stager/engine/requests.py",
         "        resolved = await self._resolve(request, caller)\n",
         "post",
     ),
     (
-        "stager/engine/scheduler.py",
-        "        await self.fanout.admitted(arrival, entry)\n",
+        "stager/engine/requests.py",
+        "        view = self.names.view(handle)\n",
         "admitted",
     ),
     ("stager/engine/scheduler.py", "        attempt = await reg.start(entry)\n", "queued"),

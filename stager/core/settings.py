@@ -467,6 +467,7 @@ class Settings(BaseSettings):
     prefetch_copy_wait_s: float = setting(
         3600.0,
         gt=0,
+        le=7 * 86400,  # the copy step's bound, as any transfer's (wire.schemas)
         cli=(),
         help="node service: seconds a copy from another planned node waits for that node's "
         "answer, which comes once it packed its ready tree (one not ready there is answered "

@@ -39,6 +39,7 @@ from stager.core.settings import host_port
 from stager.fs import manifest as manifests
 from stager.ops.base import CheckContext, OpContext, StepParams
 from stager.wire import manifest_format
+from stager.wire.schemas import MAX_BYTES, TRANSFER_TTL_MAX_S
 
 COPY_ROUTE = "/v1/copies"
 CHUNK = 1 << 20
@@ -69,8 +70,9 @@ class CopyFromNodeStep(StepParams):
     # not cluster-wide) and the source node shares its staging: the same spec and sources.
     shared_key: str = Field(default="", max_length=64)
     munge_socket: str | None = Field(default=None, max_length=4096)
-    limit_bytes: int = Field(ge=1)  # the most the tar and manifest may take
-    wait_s: float = Field(gt=0)  # how long the source may take to pack it
+    limit_bytes: int = Field(ge=1, le=MAX_BYTES)  # the most the tar and manifest may take
+    # how long the source may take to pack it (a week at most, as any transfer)
+    wait_s: float = Field(gt=0, le=TRANSFER_TTL_MAX_S, allow_inf_nan=False)
 
 
 def check(step: CopyFromNodeStep, ctx: CheckContext) -> int:
