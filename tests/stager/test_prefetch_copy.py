@@ -139,6 +139,12 @@ def wait(user: User, node: Node, name: str) -> dict:
     return status
 
 
+def prefetched(node: Node, user: User, request: dict, socket: Path) -> dict:
+    """``request`` ordered as job JOB's prefetch on ``node``, and its view once it ended."""
+    assert order(node, stage_order(user, JOB, request), socket).status_code == 200
+    return wait(user, node, f"prefetch-{JOB}-{request['name']}")
+
+
 def test_the_planner_and_the_node_agree_on_the_copy_credentials_words() -> None:
     assert plan_service.WHAT == authority.WHAT
     assert plan_service.COPY == authority.COPY
@@ -196,8 +202,7 @@ def test_the_copy_port_sends_only_for_the_planners_copy_credential(
     alice, bob = users
     src = private_tree(alice, shared_tmp / "alice-only")
     request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-    assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+    assert prefetched(node1, alice, request, munge_socket)["state"] == "ready"
     body = copy_order(alice, JOB, request, node1)
 
     def refused(answer: httpx.Response, code: int, says: str) -> None:
@@ -295,8 +300,7 @@ def test_a_peer_sending_wrong_or_unvouched_bytes_never_makes_a_ready_entry(
     alice, _ = users
     src = private_tree(alice, shared_tmp / "alice-data")
     request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-    key = wait(alice, node1, f"prefetch-{JOB}-mine")["key"]  # the same as node2's
+    key = prefetched(node1, alice, request, munge_socket)["key"]  # the same as node2's
 
     fake = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeSource)
     threading.Thread(target=fake.serve_forever, daemon=True).start()
@@ -383,8 +387,7 @@ def test_a_copy_of_node_local_sources_is_its_users_own_not_every_users(
     alice, bob = users
     src = public_tree(shared_tmp / "local-data")
     request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-    on1 = wait(alice, node1, f"prefetch-{JOB}-mine")
+    on1 = prefetched(node1, alice, request, munge_socket)
     assert on1["state"] == "ready", on1
     code, hit = bob.curl(node1.daemon.socket, "POST", "/v1/datasets", request)
     assert code == 200 and hit["key"] == on1["key"], hit  # every user's on node1
@@ -413,8 +416,7 @@ def test_a_copy_credential_alone_is_refused_without_the_asking_services_own(
     alice, bob = users
     src = private_tree(alice, shared_tmp / "alice-data")
     request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-    assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-    assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+    assert prefetched(node1, alice, request, munge_socket)["state"] == "ready"
     body = copy_order(alice, JOB, request, node1)
     header = credential(body, authority.COPY, munge_socket)
     for asker, says in [
@@ -527,8 +529,7 @@ def test_a_copy_reserves_the_tar_it_holds_beside_the_tree(
         node1, node2 = started
         src = private_tree(alice, shared_tmp / "alice-data", n_files=8)
         request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-        assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-        assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+        assert prefetched(node1, alice, request, munge_socket)["state"] == "ready"
         copied = order(node2, copy_order(alice, JOB, request, node1), munge_socket, copy=True)
         assert copied.status_code == 422, copied.text
         assert copied.json()["error"]["type"] == "insufficient_space", copied.text
@@ -561,8 +562,7 @@ def test_a_copy_whose_receiver_stops_reading_is_cut_off_and_its_export_dropped(
         for path in [src, *src.iterdir()]:
             os.chown(path, alice.uid, alice.gid)
         request = {"name": "mine", "steps": [{"op": "copy", "src": str(src)}]}
-        assert order(node1, stage_order(alice, JOB, request), munge_socket).status_code == 200
-        assert wait(alice, node1, f"prefetch-{JOB}-mine")["state"] == "ready"
+        assert prefetched(node1, alice, request, munge_socket)["state"] == "ready"
         body = copy_order(alice, JOB, request, node1)
         headers = {
             "authorization": credential(body, authority.COPY, munge_socket),
