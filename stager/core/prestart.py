@@ -3,7 +3,7 @@ its start overlaps; and before that, refuse at once to be a second daemon on a s
 one already answers on.
 
 A daemon is ready only once its fork server (stager.core.processes.start_fork_server) has
-imported :mod:`stager.staging.preload` (~0.35 s: every op, the HTTP stack) and forked the
+imported :mod:`stager.engine.preload` (~0.35 s: every op, the HTTP stack) and forked the
 first process. The daemon's own imports (FastAPI, uvicorn, the routes) take as long
 again. Started here, before those imports, the fork server imports on the second
 core while the daemon imports on the first, and the daemon is ready ~0.35 s sooner,
