@@ -24,7 +24,12 @@ from stager.core import prestart, processes
 from stager.core.settings import Settings, cli_flags, describe_error, environment_warnings
 from stager.image import command as image_command
 from stager.prestage.plan import command as plan_command
-from stager.wire.cli_common import SuggestingParser, add_completion, print_completion
+from stager.wire.cli_common import (
+    SuggestingParser,
+    add_completion,
+    format_listing,
+    print_completion,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -254,5 +259,5 @@ def _recipes(settings: Settings, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"data": listing, "count": len(listing)}, indent=2))
     else:
-        print(recipes.format_listing(listing))
+        print(format_listing(listing))
     return EXIT_OK
