@@ -221,19 +221,14 @@ class HeldSpace:
         record.files, record.owner = tuple(renamed), owner
         log.warning("%s: its held space is on uid %d's books", record.key, owner)
 
-    def watch_tree(self, key: str, owner: int | None, folder: Path) -> None:
-        """An evicted tree moved aside to ``folder``: its files open now, looked for
-        before the delete starts (so they are on the books before the space it frees)."""
-        self._watch(key, owner, folder, open_under(folder))
-
-    def _watch(
-        self,
-        key: str,
-        owner: int | None,
-        folder: Path,
-        open_now: Open,
+    def watch_tree(
+        self, key: str, owner: int | None, folder: Path, open_now: Open | None = None
     ) -> None:
-        """A shared tree's is charged to the user whose processes hold the most of it."""
+        """An evicted tree moved aside to ``folder``: its files open now, looked for
+        before the delete starts (so they are on the books before the space it frees).
+        A shared tree's is charged to the user whose processes hold the most of it."""
+        if open_now is None:
+            open_now = open_under(folder)
         known = {inode for r in self.records for inode in r.inodes}
         open_now = {k: v for k, v in open_now.items() if k not in known}
         if not open_now:
@@ -299,7 +294,7 @@ class HeldSpace:
                 trees.setdefault(name, {})[inode] = held
         for name, open_now in trees.items():
             key = name[len(DISCARDED_PREFIX) :].rsplit("-", 1)[0]
-            self._watch(key, owner_of(key), self.folder / name, open_now)
+            self.watch_tree(key, owner_of(key), self.folder / name, open_now)
 
     @staticmethod
     def is_held_image(name: str) -> bool:

@@ -119,6 +119,8 @@ class Trash:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
             if dataset is not None:
+                # Off the admission lock: reading every process's open files takes as
+                # long as the users who open them make it.
                 await run_io(self.held.watch_tree, *dataset, path)
             await run_io(delete_tree, path, self.halt)
         except OSError as exc:

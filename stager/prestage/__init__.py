@@ -11,7 +11,7 @@ def write_private(path: Path, text: str, durable: bool = True) -> None:
     synced before the rename."""
     partial = path.with_name(path.name + ".partial")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
         out.write(text)
         if durable:
             out.flush()
