@@ -77,7 +77,10 @@ class Engine:
             self._spawn(self._worker(), f"worker-{i}")
         self._spawn(self._flush_progress(), "progress-flusher")
         self._spawn(self._sweep(), "cache-sweeper")
-        self._spawn(self._sweep_transfers(), "transfer-sweeper")
+        # A loop of its own: an owner whose process does not answer delays only their
+        # own deliveries' sweep.
+        expire = partial(self.fanout.expire, self._spawn)
+        self._spawn(self._every_sweep("transfer sweep", expire), "transfer-sweeper")
         self.started = True
 
     def request_stop(self) -> None:
@@ -263,11 +266,6 @@ class Engine:
             staging = [e for e in self.reg.entries.values() if e.state == State.STAGING]
             if staging:
                 await self.reg.save_progress(staging)
-
-    async def _sweep_transfers(self) -> None:
-        """A loop of its own: an owner whose process does not answer delays only their
-        own deliveries' sweep."""
-        await self._every_sweep("transfer sweep", partial(self.fanout.expire, self._spawn))
 
     async def _sweep(self) -> None:
         async def shrink() -> None:

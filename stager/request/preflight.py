@@ -176,32 +176,29 @@ def check_link(link: str | None, settings: Settings) -> None:
     creatable: it is made when the data is ready, when nobody can be told."""
     if link is None:
         return
-    with _request_paths():
-        _check_link(link, settings)
-
-
-def _check_link(link: str, settings: Settings) -> None:
     path = Path(link)
-    cache = settings.cache_dir.resolve()
-    # The folder it goes in, not the link: an existing link (our own, from an earlier
-    # request) points into the cache by design, and is replaced.
-    where = path.parent.resolve() / path.name
-    if where == cache or cache in where.parents:
-        raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
-    if os.path.lexists(path) and not path.is_symlink():
-        raise BadRequest(
-            f"link {link} already exists and is not a symlink; remove it or choose another --link"
-        )
-    folder = path.parent
-    while not os.path.lexists(folder):
-        folder = folder.parent  # made when the link is
-    # Checked with this process's rights (the caller's, in the node service), as
-    # creating the link will be.
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
-        raise BadRequest(
-            f"link {link} cannot be created: {folder} is not a folder you can "
-            "write; choose a --link path under one"
-        )
+    with _request_paths():
+        cache = settings.cache_dir.resolve()
+        # The folder it goes in, not the link: an existing link (our own, from an earlier
+        # request) points into the cache by design, and is replaced.
+        where = path.parent.resolve() / path.name
+        if where == cache or cache in where.parents:
+            raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
+        if os.path.lexists(path) and not path.is_symlink():
+            raise BadRequest(
+                f"link {link} already exists and is not a symlink; remove it or choose "
+                "another --link"
+            )
+        folder = path.parent
+        while not os.path.lexists(folder):
+            folder = folder.parent  # made when the link is
+        # Checked with this process's rights (the caller's, in the node service), as
+        # creating the link will be.
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
+            raise BadRequest(
+                f"link {link} cannot be created: {folder} is not a folder you can "
+                "write; choose a --link path under one"
+            )
 
 
 def free_bytes(settings: Settings) -> int:
