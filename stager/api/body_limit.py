@@ -1,8 +1,8 @@
 """A request's body is bounded (``max_body_bytes``; a 400 MB JSON body once took the
 daemon to 1.45 GB): a ``Content-Length`` over it is answered 413 before the app runs;
 a chunked body is counted as it streams, and the read past it raises. A 413 closes
-the connection. Not FastAPI's ``max_body_size``: it answers in plain text, replacing
-the app's answer, and keeps reading the body.
+the connection, so the rest is not read only to be discarded. Not FastAPI's
+``max_body_size``: it answers in plain text, replacing the app's answer.
 """
 
 from __future__ import annotations

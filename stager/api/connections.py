@@ -223,8 +223,8 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, burst: BurstLog) -> Non
 
 class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     """uvicorn's HTTP protocol, bounded, and putting a Unix socket's peer (SO_PEERCRED,
-    read once per connection) in every request's scope under ``identity.SCOPE_KEY``.
-    It keeps to the hooks uvicorn's h11 and httptools protocols share."""
+    read once per connection; headers and bodies never enter into it) in every request's
+    scope under ``identity.SCOPE_KEY``. It keeps to the hooks h11 and httptools share."""
 
     def __init__(self, *args: Any, gate: Gate, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
