@@ -24,12 +24,7 @@ from stager.core import prestart, processes
 from stager.core.settings import Settings, cli_flags, describe_error, environment_warnings
 from stager.image import command as image_command
 from stager.prestage.plan import command as plan_command
-from stager.wire.cli_common import (
-    SuggestingParser,
-    add_completion,
-    format_listing,
-    print_completion,
-)
+from stager.wire.cli_common import SuggestingParser, add_completion, print_completion
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -250,6 +245,7 @@ def _print_stop(settings: Settings, pid: int | None, as_json: bool) -> None:
 
 def _recipes(settings: Settings, as_json: bool) -> int:
     from stager.request import recipes
+    from stager.wire.cli_common import format_listing
 
     try:
         listing = recipes.available(settings)
