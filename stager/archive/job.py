@@ -1,12 +1,9 @@
 """One extraction's job, and what the tar and zip readers share.
 
-An archive is read as a byte range of an open file (:class:`Archive`): a whole
-file, or a member of a plain tar that is itself an archive, read in place. The
-job (:class:`ExtractJob`) carries what the readers of one extraction share: the
-context it reports to, the pools it writes on, and the archives inside it still
-being extracted. Links of either format are judged by :func:`judge_link`, and
-library errors become the daemon's in :func:`translate`, the one place that maps
-them.
+An archive is a byte range of an open file (:class:`Archive`). The job
+(:class:`ExtractJob`) carries the context, the pools, and the inner archives still
+being extracted. Links are judged by :func:`judge_link`; library errors become the
+daemon's in :func:`translate`, the one place that maps them.
 """
 
 from __future__ import annotations

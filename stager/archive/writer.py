@@ -30,16 +30,14 @@ kept without a record of every file: only the names of batches still in flight
 are remembered, and a member whose name (or hard-link target) is in one of them
 waits for that batch. Progress is counted here, when a batch is done.
 
-The writer also counts the bytes it leaves (``made``: each file and symlink by its
-``lstat`` size, as :func:`stager.fs.sizes.sum_sizes` counts a tree), so a fresh
-tree need not be measured again: a name is only ever created new (``O_EXCL``, a
-symlink, a link), never written into, so its size is fixed when it is made; what
-a new entry replaces is measured as it is removed and taken off again. The count
-is reported as it grows (a staging's write bound stops it there): per batch, and for
-a member streamed from a compressed tar or a zip per chunk as it lands (on the
-reading thread, or a pool thread), since its header may claim far more than the room
-left. What a member replaces is never taken off what was reported: removing a name
-frees nothing while a hard link holds its file, so the bound counts writes alone.
+Every file is created 0444 (``FILE_MODE``), whatever the member says, so sealing
+the tree has no file to change (stager.fs.seal).
+
+The writer counts the bytes it leaves (``made``, as :func:`stager.fs.sizes.sum_sizes`
+counts a tree): a name is only ever created new, never written into, so its size is
+fixed when made. The count is reported as it grows, a streamed member's per chunk,
+so a staging's write bound stops a member whose header lies mid-way. What a member
+replaces is never taken off what was reported: a hard link may still hold it.
 
 With ``verify`` (the request's ``verify: sha256``) every file is read back
 after it is written and its SHA-256 compared with that of the member's bytes as
@@ -65,7 +63,6 @@ from typing import Any, Protocol
 from stager.core.errors import UnsafeArchiveMember, VerifyFailed
 from stager.core.processes import ThreadPool
 from stager.fs.fastcopy import READ_CHUNK, copy_range
-from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
 from stager.wire.progress import ProgressSink, report_written
 
@@ -87,15 +84,11 @@ _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 GNU_FAILS_TOO = "GNU tar fails here too"
 # The longest path, in bytes, a member may be given (PATH_MAX less its NUL).
 PATH_MAX = 4095
-# The most components a member's path may have. No dataset comes near it (ImageNet's
-# are 2 deep); a path of 4095 bytes may have 2,048, and every walk over a tree that deep
-# pays for its depth (the kernel's path lookups, a recursive rmtree's frames). A name of
-# under 1,024 bytes (clean_name's fast path) cannot pass it.
+# The most components a member's path may have (ImageNet's are 2 deep): every walk over
+# a tree pays for its depth. A name under 1,024 bytes (clean_name's fast path) cannot pass it.
 MAX_DEPTH = 512
-# The most bytes of folder and link names one archive's writer keeps (each name's
-# path and ``_HELD_OVERHEAD`` for the objects holding it): 400,000 folders of short
-# names, 100,000 of 500-byte paths; what keeps the staging process's memory bounded whatever
-# the archive's depth and count (a folder also counts against the inode quota).
+# The most bytes of folder and link names one archive's writer keeps (each name's path
+# and ``_HELD_OVERHEAD``): bounds the staging process's memory whatever the archive.
 HELD_NAMES_BYTES = 64 << 20
 _HELD_OVERHEAD = 120
 
@@ -118,11 +111,9 @@ class HardLink:
     member: str  # ... and the link's name
 
 
-# A file's content: bytes already in memory, a byte range of a file descriptor
-# (copied in the kernel), a sparse map over one, or a callable writing into the open
-# destination fd (updating the digest it is given, if any, and telling its third
-# argument each chunk's bytes as they land: a stream's member may be far larger than
-# the archive, and a staging's write bound must stop it mid-way, not after it).
+# A file's content: bytes in memory, a byte range of a file descriptor (copied in the
+# kernel), a sparse map over one, or a callable writing into the open destination fd
+# (updating the digest, if any, and telling ``Wrote`` each chunk as it lands).
 Wrote = Callable[[int], None]
 Payload = bytes | tuple[int, int, int] | SparseRanges | Callable[[int, Any, Wrote], None]
 
@@ -235,13 +226,6 @@ def too_many_names(archive: str, member: str) -> UnsafeArchiveMember:
     )
 
 
-def file_mode(mode: int | None) -> int:
-    """Every file is created as a published tree keeps it: 0444, whatever the member
-    says (no set-id bit, no write bit, no exec bit: data), so sealing the tree has no
-    file to change (stager.fs.seal). The descriptor that creates it still writes."""
-    return FILE_MODE
-
-
 # -- on the pool: one batch of files -------------------------------------------------
 
 
@@ -249,10 +233,8 @@ def write_files(
     jobs: list[_RangeJob | _FileJob], verify: str | None, wrote: Wrote = _uncounted
 ) -> tuple[int, int, int]:
     """One batch, in order, on a pool thread or process (or inline); returns its file
-    count, the bytes it left (made less replaced, see the module's docstring), and
-    those of them told to ``wrote`` as they landed (streamed members' chunks: on a
-    thread, a counter of the staging's own; a process has none). ``verify`` is the
-    archive's label when files are read back."""
+    count, the bytes it left (made less replaced), and those of them told to ``wrote``
+    as they landed. ``verify`` is the archive's label when files are read back."""
     window = _Window(jobs)
     folder = _Folder()
     made = streamed = 0
@@ -275,10 +257,8 @@ def write_files(
 
 
 class _Folder:
-    """The folder a batch's files are being created in, kept open: a file is created
-    by its name in it (``openat``), not by its whole path, which the kernel would walk
-    component by component for every file. Members come folder by folder, so a batch
-    opens a folder or two. Opening it follows the path as the whole path would: its
+    """The folder a batch's files are being created in, kept open, so a file is created
+    by its name in it (``openat``) rather than by a path the kernel walks each time. Its
     components were made (and checked to be real folders) by the reading process."""
 
     def __init__(self) -> None:
@@ -568,10 +548,6 @@ class ArchiveWriter:
 
     # -- names ------------------------------------------------------------
 
-    def clean_name(self, name: str, strip: int, label: str | None = None) -> str | None:
-        """The member's safe relative path after stripping, or None to skip it."""
-        return clean_name(self.archive, name, strip, label)
-
     def _place(self, rel: str, label: str) -> str:
         """Where a member named ``rel`` goes: its folder made, resolved through the
         archive's own symlinks where a member lies under one."""
@@ -584,8 +560,7 @@ class ArchiveWriter:
     def _real_dir(self, rel: str, label: str, create: bool) -> str:
         """The real folder ``rel`` names, its components made where ``create`` (those
         of a symlink's target must be folders already), walked through the archive's
-        own symlinks. A loop, not a recursion: its cost grows with the depth, its stack
-        does not (clean_name bounds the depth all the same)."""
+        own symlinks. A loop, so that no stack grows with the depth."""
         if rel in self._dirs:
             return rel
         # The nearest folder known to be real (mostly the parent), then down from it.

@@ -1,12 +1,9 @@
-"""The stager daemons running on this node, found by their processes: for ``stager
-stop`` to name the one a user most likely means when none runs for the runtime folder
-it looked in (one started with ``--runtime-dir``, or the node service).
+"""The stager daemons on this node, found by their processes: for ``stager stop`` to
+name the one a user most likely means when none runs for the runtime folder it looked in.
 
-A daemon is a process whose command line is ``stager serve`` (the console script or
-``python -m stager``), without ``--detach`` (that one is the launcher, gone once the
-daemon answers). Its socket is read from its open descriptors, which the kernel shows
-only to the process's own user and root; for another user's process (the node
-service, root's) only its command line is known.
+A daemon is a process whose command line is ``stager serve`` without ``--detach``
+(the launcher). Its socket is read from its open descriptors, which the kernel shows
+only to its own user and root.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Who is asking: the caller of a request, as the kernel names it.
 
-In the node service (``stager serve --multi-user``, run as root) the caller comes
-from ``SO_PEERCRED`` on the Unix socket connection, read by the server when the
-connection is accepted and put in the ASGI scope under :data:`SCOPE_KEY`. Nothing
-in a request's headers or body can name another user. In per-user mode every
-request comes from the daemon's own user (the socket's folder is 0700), so the
-caller is the daemon's process identity.
-
-Inside the daemon the caller is an explicit argument of every request's path,
-never a global: the engine keys private data, handles and leases by its uid, and
-a staging reads its sources with its credentials (:mod:`stager.fs.credentials`).
+In the node service the caller comes from ``SO_PEERCRED`` on the Unix socket, read
+when the connection is accepted and put in the ASGI scope under :data:`SCOPE_KEY`:
+nothing in a request can name another user. In per-user mode it is the daemon's own
+user (the socket's folder is 0700). The caller is an explicit argument along a
+request's path, never a global.
 """
 
 from __future__ import annotations
@@ -73,12 +68,6 @@ class Caller:
             return pwd.getpwuid(self.uid).pw_name
         except KeyError:
             return str(self.uid)
-
-    def home(self) -> str | None:
-        try:
-            return pwd.getpwuid(self.uid).pw_dir
-        except KeyError:
-            return None
 
     @classmethod
     def of_uid(cls, uid: int, gid: int | None = None, groups: tuple[int, ...] = ()) -> Caller:

@@ -3,18 +3,13 @@
 Nothing else in the daemon reads ``os.environ``: the CLI builds ``Settings`` and
 passes it down.
 
-One source for every name a setting goes by: each field declares its flag (the
-field's name with dashes, unless ``flag=`` says otherwise), and its environment
-variable is ``STAGER_`` plus that flag's name (``--user-quota``:
-``STAGER_USER_QUOTA``). ``stager serve``'s flags, the environment this module
-reads and the settings table in docs/settings.md are all derived from the fields
-(``cli_flags``, ``env_name``, ``settings_table``), so they cannot drift apart.
-An environment variable's earlier name (the field's own, where the flag differs)
-still works, and ``Settings.renamed`` says which were used, for a warning.
+Each field declares its flag (its name with dashes, unless ``flag=``), and its
+environment variable is ``STAGER_`` plus the flag's name. ``stager serve``'s flags,
+the environment read and docs/settings.md's table are derived from the fields
+(``cli_flags``, ``env_name``, ``settings_table``), so they cannot drift apart. A
+variable's earlier name still works, and ``Settings.renamed`` says which were used.
 
-Values read the same from a flag and from the environment: lists take commas
-(``STAGER_ALLOWED_ROOTS=/data,/home``; a JSON list still works), sizes take
-units (``10G``, ``500MiB``; ``format_size`` prints them back).
+Lists take commas (a JSON list still works), sizes take units (``10G``, ``500MiB``).
 """
 
 from __future__ import annotations

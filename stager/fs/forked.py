@@ -1,24 +1,17 @@
-"""Worker processes for an op that walks a tree: the walk stays on the staging
-process, the per-file work goes to forked workers, one per core.
+"""Worker processes for an op that walks a tree: the walk stays on the staging process,
+the per-file work goes to forked workers, one per core.
 
-Why processes: per-file work is a handful of system calls wrapped in Python, and
-Python's share of it holds the GIL; threads of one process take turns, processes
-do not (measured in docs/performance.md). Why fork: the staging process has
-imported everything already, so a worker costs a few milliseconds, and it inherits
-the shared counters below without any message.
+Processes, because per-file work is system calls wrapped in Python that holds the GIL
+(docs/performance.md); forked, because the staging process has imported everything,
+so a worker costs milliseconds and inherits the shared counters. Each worker adds its
+progress into its own slots of one shared array, which the walking process sums while
+it waits for room in the queue; chunks are a folder's files, a few queued per worker,
+so memory does not grow with the tree.
 
-Progress travels without a message per file either: each worker adds into its own
-slots of one shared array, and the walking process sums them into the op's
-``ProgressSink`` while it waits for room in the queue. Work goes out in chunks
-(a folder's files, at most a few hundred), and at most a few chunks per worker are
-queued: memory stays the same whatever the tree's size.
-
-Small trees never pay for the fork: until ``parallel_after`` files (or
-``PARALLEL_AFTER_BYTES``) have been seen,
-:class:`Workers` runs each chunk on the calling thread. The only other thread in
-the staging process at that point waits in ``select()`` for the daemon's exit
-(:func:`stager.core.processes.die_with`) and holds no lock, which is what keeps the
-later fork safe.
+Until ``parallel_after`` files (or ``PARALLEL_AFTER_BYTES``) :class:`Workers` runs each
+chunk on the calling thread. The only other thread then waits in ``select()`` for the
+daemon's exit (:func:`stager.core.processes.die_with`) and holds no lock, which keeps
+the later fork safe.
 """
 
 from __future__ import annotations
@@ -136,10 +129,6 @@ class Workers:
         _umask = os.umask(0o22)
         os.umask(_umask)
         _tally, _slot, _cancel = self._tally, 1, cancel
-
-    @property
-    def parallel(self) -> bool:
-        return self._pool is not None
 
     @property
     def made(self) -> int:

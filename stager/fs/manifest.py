@@ -2,13 +2,8 @@
 parts arrive (`Digests`), what a tree holds beyond it removed (`prune`), and a tree
 checked against it path by path (`verify`).
 
-The manifest's format, its digest and `file_digest` are the wire layer's
-(:mod:`stager.wire.manifest_format`); this side walks trees and raises the daemon's
-`VerifyFailed`. The node that staged from the source builds the manifest while it
-packs the tree (:mod:`stager.fanout.bundle`); a node that receives the broadcast
-extracts the parts through the same hardened extraction as any archive, then
-checks the tree it got (the ``adopt`` op): a delivered file is trusted only once
-it matches.
+The format is the wire layer's (:mod:`stager.wire.manifest_format`); this side walks
+trees and raises `VerifyFailed`. A delivered file is trusted only once it matches.
 """
 
 from __future__ import annotations

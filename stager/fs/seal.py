@@ -1,29 +1,19 @@
 """Published trees are read-only and sealed; a hit checks the seal before it answers.
 
-A staging ends by sealing its tree (:func:`seal_tree`, in the staging process):
-every file becomes 0444 and every folder below the top 0555, with no set-id bit
-left anywhere, and the walk that does it also measures the tree (its entries and
-bytes, counted as :func:`stager.fs.sizes.sum_sizes` counts). The top folder is
-made 0555 by the daemon once it is published (:func:`protect_top`): a folder
-moved to a new parent must be writable by whoever moves it.
+A staging ends by sealing its tree (:func:`seal_tree`, in the staging process): every
+file 0444, every folder below the top 0555, no set-id bit, and the same walk measures
+the tree as :func:`stager.fs.sizes.sum_sizes` counts. The daemon makes the top 0555
+once it is published (:func:`protect_top`): a folder being moved must be writable.
 
-The seal is the moment after which nothing in the tree may change. The kernel
-sets an inode's ctime on every change to it (a write, a chmod, a new link) and a
-folder's mtime on every entry added, removed or renamed in it, and nobody but the
-clock sets either. So a tree is as it was published when its entry count and
-bytes are the same and no ctime below the top (and no mtime of the top, whose
-ctime the publishing rename moves) is later than the seal. :func:`check_seal`
-looks at each entry once (``fstatat``), which costs a fraction of what hashing
-would and catches every change a user or an admin can make through the
-filesystem; it is what a hit pays before it says ready.
+The kernel sets an inode's ctime on every change to it and a folder's mtime on every
+entry added, removed or renamed, and nobody but the clock sets either. So a tree is
+as published when its entry count and bytes are the same and no ctime below the top
+(no mtime of the top, whose ctime the publishing rename moves) is later than the
+seal. :func:`check_seal` stats each entry once: what a hit pays before it says ready.
 
-Timestamps come from the kernel's coarse clock (one tick, a few milliseconds) and
-are truncated to the filesystem's granularity, so the seal is taken after the walk
-and handed out only once no change can be stamped at or before it any more: once a
-change made then to the tree's top is stamped later (:func:`_stamped_after`: at once
-where the kernel has multigrain timestamps, within a tick elsewhere, once the second
-has turned on a filesystem that stamps whole seconds). The registry publishes a
-tree as soon as its seal comes.
+Timestamps come from the kernel's coarse clock and are truncated to the filesystem's
+granularity, so the seal is handed out only once a change to the tree's top would be
+stamped later (:func:`_stamped_after`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The sizes of trees: a tree stager owns, and a source tree before it is copied.
 
-A tree stager owns is counted as it lies on disk (:func:`sum_sizes`): files,
-links and special files as themselves, not folders, never following a link. A
-staging counts its finished tree the same way, on every core, in the walk that
-seals it (:mod:`stager.fs.seal`).
-
-A source tree is counted as the ``copy`` op will write it (:func:`copy_estimate`):
-links inside the tree as links (no data), links out of it followed, within a
-time budget, since a request waits for it.
+A tree stager owns is counted as it lies on disk (:func:`sum_sizes`): files, links
+and special files, not folders, never following a link (:mod:`stager.fs.seal` counts
+a finished tree so). A source tree is counted as ``copy`` will write it
+(:func:`copy_estimate`): links inside as links, links out of it followed, within a
+time budget.
 """
 
 from __future__ import annotations

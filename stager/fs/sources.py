@@ -1,21 +1,16 @@
 """Opening sources safely: confined to the allowed roots, never a special file.
 
-Two promises hold for everything stager reads from a source:
-
 - **Confinement.** With ``--allowed-root`` set, what is read lies under one of the
-  roots, however it was reached: a link at any depth of a tree, a chain of links,
-  an archive named through a link. The check is made on the object that was
-  opened (the kernel's own name for the descriptor, ``/proc/self/fd/N``), never on
-  a path that could be swapped between a check and its use.
-- **No special files.** A FIFO, socket or device is never opened for reading: a
-  FIFO blocks its reader forever, and a device is not data. Opening with
-  ``O_PATH`` first runs no driver and waits on no writer; the real open follows
-  only for a regular file, and goes through the descriptor already checked.
+  roots, however it was reached (a link at any depth, a chain of links). The check is
+  made on the object opened (``/proc/self/fd/N``), never on a path that could be
+  swapped between a check and its use.
+- **No special files.** A FIFO blocks its reader forever, and a device is not data:
+  an ``O_PATH`` open runs no driver and waits on no writer; the real open follows only
+  for a regular file, through the descriptor already checked.
 
-Tree walks (copy, symlink tree, their size estimates) open each folder relative to
-its parent's descriptor with ``O_NOFOLLOW``, so they need these checks only where a
-tree holds a link; :func:`follow` is that step (and :func:`open_followed` the way
-into a folder it led to).
+Tree walks open each folder relative to its parent with ``O_NOFOLLOW``, so they need
+these checks only at a link: :func:`follow` (and :func:`open_followed` into a folder
+it led to).
 """
 
 from __future__ import annotations
@@ -184,7 +179,6 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
 # -- walking a source tree ----------------------------------------------------------
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-SPECIAL_POLICIES = ("refuse", "skip")
 
 
 @dataclass

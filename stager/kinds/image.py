@@ -1,13 +1,11 @@
 """The image kind: a dataset as one read-only EROFS image, mounted at ``data/<key>``
-(a user's own in the node service, and every one of a user's own daemon: at
-``data/u/<G>/dataset``, whose name says nothing in the mount table: stager.state.layout).
+(a user's own: at ``data/u/<G>/dataset``, a name that says nothing in the mount
+table: stager.state.layout).
 
-Made in the staging process (stager.kinds.imaging) from the steps, or a prebuilt image
-copied; published by renaming it to ``data/<key>.erofs``, beside its mount point (the
-commit point), and mounting it (the kernel as root, FUSE as a user:
-stager.image.published); a hit checks the file's identity and its mount, no walk; an
-eviction unmounts it (lazily while a process without a lease reads it) and deletes the
-file; a fan-out sends it whole.
+Made in the staging process (stager.kinds.imaging) or a prebuilt image copied;
+published by renaming it to ``data/<key>.erofs`` (the commit point) and mounting it
+(stager.image.published); a hit checks the file's identity and its mount, no walk;
+an eviction unmounts it and deletes the file; a fan-out sends it whole.
 """
 
 from __future__ import annotations

@@ -1,34 +1,24 @@
 """Image mode in the staging process: a request's steps made into one read-only image.
 
-The image holds the tree the steps would have left (docs/image-mode.md), made with as
+The image holds the tree the steps would have left (docs/image-mode.md), with as
 little of that tree on the disk as the steps allow (:func:`plan`):
 
-- A step whose op reads an archive into the dataset (an ``extract``, an ``unpack``
-  straight from its source: the op table's ``image_stream``) is *streamed*: its archive
-  is read once, each member written into the image under the name it would have had,
-  with no file of it made on the way; archives inside a plain tar (``nested``,
-  ImageNet's class tars) are read in place.
-- A step that only renames (``moves``) moves the image's names instead: the names of
-  every archive streamed before it, and of the tree below.
-- Any other step (a copy, a download, the ImageNet devkit's ``meta.bin``, the val
-  sort) runs as an op into the attempt's tree, as a tree staging would; that tree is
-  packed into the image first, then each streamed archive in step order.
+- A step whose op reads an archive into the dataset (the op table's ``image_stream``)
+  is *streamed*: each member goes into the image under the name it would have had,
+  with no file made on the way; archives inside a plain tar (``nested``) are read in
+  place.
+- A step that only renames moves the image's names instead.
+- Any other step runs as an op into the attempt's tree, which is packed into the
+  image first, then each streamed archive in step order.
 
-A streamed step stays one only while no later step that runs as an op touches its
-folder (the val sort reads the val images: that archive is extracted), and renames
-are names only when no op runs after them; otherwise the step runs as an op. A
-request no step of which streams (a copy of a folder) is staged as a tree and packed
-from a walk of it. Either way the tree goes once the image is built.
-
-A prebuilt image (the ``image`` op, ``prebuilt_image``) is copied and checked by its
-sha256 (:mod:`stager.ops.image`); so is an image another node sent whole
-(``adopt_image``, :mod:`stager.ops.adopt_image`).
+A streamed step stays one only while no later op touches its folder (the val sort
+reads the val images), and renames stay names only when no op runs after them. A
+request with no streamed step is staged as a tree and packed from a walk of it.
 
 The image is built as ``image.erofs.partial`` in the attempt's folder and renamed to
-``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``), with what the
-build counted beside it; the daemon publishes and mounts it
-(:meth:`stager.kinds.image.Image.publish`). A staging resumed after a crash runs the
-steps its marker has not counted and builds again unless the image is there.
+``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``); the daemon
+publishes and mounts it (:meth:`stager.kinds.image.Image.publish`). A resumed staging
+runs the steps its marker has not counted and builds again unless the image is there.
 """
 
 from __future__ import annotations
@@ -501,7 +491,6 @@ class _StepProgress:
         self._progress, self._counts, self._show_steps = progress, counts, show_steps
         # The side tree (if any) counts as the last step; streams as their own.
         self._order = ([steps] if len(inputs) > len(streamed) else []) + streamed
-        self._labels = [source.path for source in inputs]
         self._at = -1
         self._label = None
 

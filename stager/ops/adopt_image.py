@@ -1,22 +1,19 @@
 """The ``adopt_image`` op: an image dataset that another node sent here as one file.
 
-A multi-node job of an image dataset (docs/multinode.md) sends the source node's image
-file whole, with one ``sbcast``, into this node's delivery folder; the source node's
-service measured its size and sha256 from the very bytes sbcast read. The delivery
-folder is the job's user's to write (sbcast writes as them), so in the node service the
-delivered file is never mounted as it lies: the staging copies it into its own folder
-(root's) while a thread hashes the copy, and only a copy whose size and sha256 are the
-source node's is published and mounted (:mod:`stager.kinds.imaging`). What is hashed is what
-the kernel parses: a user who swaps or rewrites the delivery before, during or after the
-copy changes nothing that is mounted. A per-user daemon serves the one user who wrote
-the delivery, so there it is hashed where it lies and renamed in (``in_place``): the
-same check, without a second copy of the image.
+A multi-node job of an image dataset (docs/multinode.md) sbcasts the source node's
+image whole into this node's delivery folder, its size and sha256 measured by the
+source node's service from the very bytes sbcast read. The delivery folder is the
+user's, so the node service never mounts the file as it lies: it copies it into its
+own folder while a thread hashes the copy, and publishes only a copy whose size and
+sha256 match. What is hashed is what the kernel parses, so a user who rewrites the
+delivery changes nothing mounted. A per-user daemon hashes it in place and renames it
+in (``in_place``).
 
-In the node service the hash itself must come from the source node's service, not from
-the job that carried it (a user could send an image of their own making with its own
-hash): the step carries that service's MUNGE credential over the entry's key and the
-image's sha256 (:mod:`stager.core.vouch`), checked before a byte is copied. The step is the
-daemon's own (``internal``), built from a request's ``adopt``.
+In the node service the hash must come from the source node's service, not from the
+job (a user could send an image of their own with its own hash): the step carries
+that service's MUNGE credential over the entry's key and the sha256
+(:mod:`stager.core.vouch`), checked before a byte is copied. The step is the daemon's
+own (``internal``), built from a request's ``adopt``.
 """
 
 from __future__ import annotations

@@ -2,29 +2,19 @@
 
 Why it looks like this (the per-file costs are in docs/performance.md):
 
-- The tree is walked on the staging process (:func:`stager.fs.sources.walk`:
-  depth-first, one open listing per level, each folder opened relative to its
-  parent) and its files go out in chunks to forked worker processes, one per core
-  (:mod:`stager.fs.forked`): per-file work is mostly system calls wrapped in
-  Python, and processes do not take turns on one GIL. Small trees are copied on
-  the walking process; the workers start once a tree has proved large. A source
-  on a network filesystem (NFS, Lustre, GPFS, sshfs...: :mod:`stager.fs.mounts`)
-  is bound by round trips, not by the CPU: there NETWORK_IN_FLIGHT processes copy
-  from the first file, in smaller chunks.
-- Each file is copied by :mod:`stager.fs.file_copy`: seven system calls, checked
-  afterwards against what the walk saw (a source that changed is copied once
-  more), its mtime set last so that a restart can trust what it finds.
-- Never a special file: a FIFO, socket or device in the tree is refused with a
-  sentence naming it, or left out with ``special: "skip"``. It is never opened.
-- Confined at every depth: with ``--allowed-root`` set, a link anywhere in the
-  tree, through any chain of links, must resolve inside the roots, dangling or not.
-- Symlinks inside the source tree are recreated as (relative) links when they
-  point inside the tree, so the copy is self-contained and keeps its shape. Links
-  that point outside are followed and their target's content is copied, because
-  the outside target will not exist on the node. Dangling links are kept as they
-  are: there is nothing to copy, and failing a whole dataset over a stale link
-  helps nobody. Directory links pointing outside are walked into, guarded against
-  cycles.
+- The tree is walked on the staging process (:func:`stager.fs.sources.walk`) and its
+  files go out in chunks to forked workers, one per core (:mod:`stager.fs.forked`):
+  per-file work is system calls wrapped in Python, and processes share no GIL. Small
+  trees are copied on the walking process; the workers start once a tree proved
+  large. A source on a network filesystem (:mod:`stager.fs.mounts`) is bound by round
+  trips: there NETWORK_IN_FLIGHT processes copy from the first file.
+- Each file is copied by :mod:`stager.fs.file_copy`, checked afterwards against what
+  the walk saw, its mtime set last so that a restart can trust what it finds.
+- A FIFO, socket or device is never opened: refused by name, or left out with
+  ``special: "skip"``. With ``--allowed-root``, every link, through any chain, must
+  resolve inside the roots.
+- Links inside the tree are recreated as relative links; links out of it are
+  followed (their target will not exist on the node); dangling links are kept.
 """
 
 from __future__ import annotations

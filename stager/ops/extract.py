@@ -1,16 +1,12 @@
 """The ``extract`` op: tar, tar.gz/bz2/xz/zst and zip, nested archives, never outside ``dst``.
 
-The op checks the request (the archive is readable, its format known, its first
-header sane) and runs the extraction of :mod:`stager.archive.extractor` (its pools,
-the tar and zip readers, nested archives; how it is fast is told there) on the
-archive opened confined to the allowed roots. Safety decisions live in
-:mod:`stager.archive.writer` (paths, directories, link ordering); library errors
-become ours in :func:`stager.archive.job.translate`, the one place that maps them.
-With any ``verify`` but ``none`` the archive must not change while it is read.
-An archive that an earlier ``fetch`` is still downloading is read as it arrives
-(``run_growing``, run by :mod:`stager.staging.overlap`); a URL ``src`` becomes that pair.
-
-Benchmark: bench/bench_extract.py.
+The op checks the request (readable, a known format, a sane first header) and runs
+:mod:`stager.archive.extractor` on the archive opened confined to the allowed roots.
+Safety lives in :mod:`stager.archive.writer`; library errors become ours in
+:func:`stager.archive.job.translate`. With any ``verify`` but ``none`` the archive must
+not change while it is read. An archive a ``fetch`` is still downloading is read as
+it arrives (``run_growing``, by :mod:`stager.staging.overlap`); a URL ``src`` becomes
+that pair. Benchmark: bench/bench_extract.py.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
 """Download an HTTP(S) URL into the dataset, resuming with Range requests.
 
 Bytes go to ``<dst>.part`` and are renamed into place only when complete (and
-matching ``sha256`` when given), so ``dst`` existing means "done": a restarted
-run skips it, and an interrupted one resumes from the ``.part`` size. Within a
-run, connection errors, short reads and 429/5xx replies are retried with
-exponential backoff, each retry resuming where the last one stopped; the bound
-is MAX_ATTEMPTS failures in a row that brought no new bytes, so a flaky link
-that keeps making progress still finishes a multi-GB file.
+matching ``sha256``), so ``dst`` existing means done. Connection errors, short reads
+and 429/5xx replies are retried with backoff, each retry resuming where the last
+stopped, up to MAX_ATTEMPTS failures in a row that brought no new bytes.
 
-Replies to a ``Range: bytes=N-`` request:
+Replies to ``Range: bytes=N-``: 206 from N appends; 200 (range ignored, or the file
+changed, via ``If-Range``) starts over; 416 means the ``.part`` is complete if the
+server says the whole is N bytes, else stale (start over).
 
-- 206 starting at N: append.
-- 200: the server ignored the range (or the file changed, via ``If-Range``):
-  start over.
-- 416: nothing at or after N. If the server says the whole thing is N bytes,
-  the ``.part`` is complete; otherwise it is stale (the file shrank): start over.
-
-``Accept-Encoding: identity`` and raw body iteration keep the bytes exactly as
-stored on the server: offsets in a Range request count stored bytes, and a
-``.tar.gz`` must not be transparently gunzipped by a helpful server.
+``Accept-Encoding: identity`` and raw body iteration keep the bytes as stored: Range
+offsets count stored bytes, and a ``.tar.gz`` must not be gunzipped on the way.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """The ``image`` op: a prebuilt image file (EROFS or squashfs), staged as it is.
 
-An admin builds an image once next to the dataset (``stager image build SRC -o
-imagenet.erofs``, no daemon needed); a request whose one step names it copies the
-file into the staging (``copy_file_range``), hashes the copy as it is written, checks
-the hash against the step's ``sha256`` and mounts it: nothing is unpacked. Only in
-image mode (the request's ``image``, which such a step implies): :mod:`stager.kinds.imaging`
-runs it; ``run`` alone refuses.
+An admin builds an image once (``stager image build SRC -o imagenet.erofs``); a
+request whose one step names it copies the file into the staging, hashes the copy as
+it is written, checks it against the step's ``sha256`` and mounts it. Only in image
+mode: :mod:`stager.kinds.imaging` runs it; ``run`` alone refuses.
 
-The node service mounts in the kernel only images it built itself or images the admin
-trusts (docs/image-mode.md): a filesystem image is parsed by the kernel, and a user's
-own image file is not trusted. So there a prebuilt image must lie under one of
-``--trusted-image-dirs``, in folders and a file only root may write, and its step
-must pin its sha256; the staging checks where the descriptor it opened (as the user)
-really lies, and the hash of the bytes it will mount.
+A filesystem image is parsed by the kernel, so the node service mounts only images it
+built or the admin trusts (docs/image-mode.md): a prebuilt image must lie under one of
+``--trusted-image-dirs``, in folders and a file only root may write, with its sha256
+pinned; the staging checks where the descriptor it opened as the user really lies, and
+the hash of the bytes it will mount.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The op table: every staging operation, declared once.
 
 A row names the op and gives its request fields (a ``StepParams`` model), its
-``check`` and ``run`` (see :mod:`stager.ops.base`) and the request options it
-honours. Everything else is derived from the rows: the ``op``-tagged step models
-and the request schema (so the OpenAPI document), step validation for requests,
-recipes and the state store, dispatch in the staging process, the refusal of an
-option an op cannot carry out, and the ops listed by ``GET /v1/recipes``.
-
-Sites can add ops without editing stager: a module named in ``op_modules``
-(``STAGER_OP_MODULES``) defines ``OPS``, a list of ``Op`` rows.
+``check`` and ``run`` (:mod:`stager.ops.base`) and the request options it honours.
+Derived from the rows: the step models and the request schema, step validation,
+dispatch in the staging process, the refusal of an option an op cannot carry out,
+and ``GET /v1/recipes``'s ops. A module named in ``op_modules`` (``STAGER_OP_MODULES``)
+adds ops: it defines ``OPS``, a list of ``Op`` rows.
 """
 
 from __future__ import annotations

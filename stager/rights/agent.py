@@ -2,22 +2,16 @@
 user may do.
 
 It serves one channel (:mod:`stager.rights.channel`), one request at a time, and
-answers in JSON and descriptors. Two kinds of work come to it:
+answers in JSON and descriptors:
 
-- **calls** (``("call", fn, args, kwargs)``): a whole function run as the user,
-  its result JSON: the daemon's request-time checks (a request's fingerprint, each
-  step's check, its link's folder), making or removing a user's link, deleting a
-  tree the user may write (a delivery). The function opens what it opens with the
-  user's rights and nothing else.
-- **opens** for a staging process, which writes the cache as root and reads a
-  user's sources only through here: ``open``, ``reopen`` (an ``O_PATH`` descriptor
-  opened for real), ``open_many`` (a folder's files at once), ``readlink``,
-  ``realpath``, ``scan`` (a folder's entries with their ``lstat``, in pieces).
-  Descriptors root sends with a request are ones this process opened for it
-  before (a source folder to open relative to).
+- **calls** (``("call", fn, args, kwargs)``): a function run as the user, its result
+  JSON (a request's checks, a user's link, deleting a tree the user may write).
+- **opens** for a staging process, which reads a user's sources only through here:
+  ``open``, ``reopen``, ``open_many``, ``readlink``, ``realpath``, ``scan``.
+  Descriptors root sends with a request are ones this process opened before.
 
-``connect`` hands it a new channel, served on a thread of its own: each forked
-worker of a staging process asks for its own, so that no two processes share one.
+``connect`` hands it a new channel, served on a thread of its own: each forked worker
+of a staging process asks for its own, so that no two processes share one.
 """
 
 from __future__ import annotations

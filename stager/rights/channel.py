@@ -1,14 +1,10 @@
 """The wire between root and a process that became a user: one SOCK_SEQPACKET pair.
 
-Root -> user: pickles (root wrote them; the user's process trusts its parent).
-User -> root: JSON and open descriptors (``SCM_RIGHTS``), never a pickle. The
-user's process reads whatever the user put in their files, so root treats all it
-sends as data: bytes to decode and descriptors to read, never code, never a path
-to follow later.
-
-A message may exceed one packet: it goes as packets of at most ``PACKET`` bytes,
-each starting with ``1`` (more follow) or ``0`` (the last), descriptors spread
-over them (at most ``MAX_FDS`` a packet, the kernel's limit).
+Root -> user: pickles (root wrote them). User -> root: JSON and descriptors
+(``SCM_RIGHTS``), never a pickle: root treats all it sends as data, never code, never
+a path to follow later. A message goes as packets of at most ``PACKET`` bytes, each
+starting with ``1`` (more follow) or ``0`` (the last), at most ``MAX_FDS`` descriptors
+a packet.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """How a staging process reaches a user's paths: through a process that became them.
 
-A staging process writes the cache as root, and in the node service every source it
-reads is a user's path. It never opens, lists or stats such a path itself: it asks
-its *gateway*, a process it forks at its start that became the reader (the user who
-asked, or ``nobody`` for a staging every user shares: see stager.rights.become) and
-answers with open descriptors (stager.rights.agent). What root then holds is what
-the kernel let that user open; reading a descriptor needs no rights.
+A staging process writes the cache as root and never opens, lists or stats a user's
+path itself: it asks its *gateway*, a process it forks at its start that became the
+reader (the user, or ``nobody`` for a shared staging) and answers with descriptors
+(stager.rights.agent). Root then holds only what the kernel let that user open.
 
-:class:`DirectAccess` is the same interface on this process's own rights: a per-user
-daemon (it is the user), root acting for root, and trees stager owns.
-
-The gateway lives as long as the staging process; forked workers (stager.fs.forked)
-each open a channel of their own to it on first use.
+:class:`DirectAccess` is the same interface on this process's own rights (a per-user
+daemon, root for root, trees stager owns). Forked workers each open a channel of their
+own to the gateway on first use.
 """
 
 from __future__ import annotations

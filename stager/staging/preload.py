@@ -1,14 +1,11 @@
 """What the fork server holds before it forks anything: imported by the fork server
-alone, as its preload (stager.core.processes sets it), and by nothing else.
+alone, as its preload, and by nothing else.
 
-Every staging process and user process is forked from that server, so each starts
-with all of this done: every op imported and its table built (a pydantic model per
-op, ~10 ms), a download's TLS settings and HTTP transport (20-70 ms before a first
-byte otherwise), whether ``tar`` is GNU tar (a ``tar --version``, ~2 ms), what
-multiprocessing needs to unpickle a staging's arguments (3-10 ms), and every module a
-process that became a user runs (which may not be able to read the interpreter's
-files, so must import nothing). Importing this
-module does that work; that is its only purpose.
+Every staging and user process is forked from that server, so each starts with every
+op imported and its table built (~10 ms), a download's TLS settings and transport
+(20-70 ms), whether ``tar`` is GNU tar (~2 ms), what multiprocessing needs to unpickle
+a staging's arguments (3-10 ms), and every module a process that became a user runs
+(it may not be able to read the interpreter's files). Importing this module does that.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """A staging runs in a child process of its own.
 
-Why a process and not a thread: ops do real Python work per file (stat, open,
-utime, tar headers); in threads of the daemon they would hold the GIL against
-the event loop and push status replies from ~1 ms to tens of milliseconds. In a
-child they cannot, and a crash inside an op cannot take the daemon down.
+Ops do Python work per file; in the daemon's threads they would hold the GIL against
+the event loop (status replies from ~1 ms to tens of ms), and a crash in an op would
+take the daemon down.
 
-The child runs the steps of one attempt in its folder (see ``Attempt`` in
-:mod:`stager.staging.publish`), records each finished step in the attempt's marker, and
-stops there: publishing is the daemon's (``Registry.publish``). It reports
-progress through the progress channel's shared counters (see
-:mod:`stager.wire.progress`) and its outcome through a pipe; the daemon
-(:func:`stager.staging.blocking.run_staging`) mirrors the counters into the entry's
-``Progress`` a few times a second.
+The child runs the steps of one attempt in its folder (``Attempt`` in
+:mod:`stager.staging.publish`), records each finished step in the attempt's marker,
+and stops there: publishing is the daemon's. Progress goes through shared counters
+(:mod:`stager.wire.progress`) that :func:`stager.staging.blocking.run_staging`
+mirrors; the outcome through a pipe.
 """
 
 from __future__ import annotations
