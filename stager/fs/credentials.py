@@ -33,11 +33,9 @@ from stager.rights.gateway import start as start_gateway
 class Reader:
     """Whose rights a staging reads its sources with: a user's uid, gid and groups.
 
-    ``public``: the staging is to be shared by every user of the node, so every
-    source it opens must be readable by everyone (:func:`check_public`), and it is
-    read as ``nobody``; unless ``vouched``: it reads a broadcast copy whose every byte
-    another node's service vouches for (stager.core.vouch), from the delivering user's own
-    folder, as that user, and the copy's files need only be readable by them."""
+    ``public``: shared by every user, so read as ``nobody`` and every source must be
+    readable by everyone; unless ``vouched``: a broadcast copy another node's service
+    vouches for (stager.core.vouch), read from the delivering user's folder as them."""
 
     uid: int
     gid: int
@@ -146,9 +144,8 @@ def not_readable_by_everyone(fd: int, st: os.stat_result | None = None) -> str |
 
 def path_readable_by_everyone(path: str) -> bool:
     """Whether every user could reach and read ``path`` (links resolved): each folder
-    above it searchable by owner, group and others, itself readable by everyone
-    (:func:`not_readable_by_everyone`). A few ``stat`` calls: the cheap look a request
-    takes before it asks for a shared staging, which checks every file it opens."""
+    above it searchable by all, itself readable by all. A few ``stat`` calls, before a
+    request asks for a shared staging (which checks every file it opens)."""
     real = os.path.realpath(path)
     parts = real.split("/")[1:]
     search = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH

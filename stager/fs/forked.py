@@ -83,9 +83,8 @@ def _init_worker(tally: Any, slots: Any) -> None:
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No garbage collection while a tree is walked or an archive read: the per-file
-    work allocates tuples and no cycles, and each collection re-scans the staging
-    process's whole heap (left on, that is about a quarter of a million-file copy's
-    time). Processes forked meanwhile inherit the pause."""
+    work makes no cycles, and each collection re-scans the whole heap (a quarter of a
+    million-file copy's time). Processes forked meanwhile inherit the pause."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -96,11 +95,9 @@ def paused_gc() -> Iterator[None]:
 
 
 def cores(workers: int) -> int:
-    """Processes (or threads) for per-file work: ``workers`` (``op_workers``), capped at
-    the cores this process may run on, since that work is CPU-bound and more only take
-    turns. Every op that works per file uses it (copy of a local tree, symlink tree,
-    extract, measuring a tree); only a copy from a network filesystem runs more, its
-    time being round trips (``stager.ops.copy.NETWORK_IN_FLIGHT``)."""
+    """Processes (or threads) for per-file work: ``workers`` capped at the cores this
+    process may run on, since that work is CPU-bound (only a copy from a network
+    filesystem runs more: ``stager.ops.copy.NETWORK_IN_FLIGHT``)."""
     return max(1, min(workers, len(os.sched_getaffinity(0))))
 
 

@@ -80,9 +80,8 @@ def folder_of(top: int, path: str, create: bool = False) -> tuple[int, str]:
 
 def open_listed(root: Path, path: str, info: os.stat_result) -> int:
     """The file a walk of ``root`` listed at ``path`` (``info``), opened to read: that
-    same file (device and inode), reached through real folders only, or `NotAsListed`;
-    never whatever took its place since (a link, a FIFO, another file, one behind a
-    folder that became a link). The caller sends such a path later, or not at all."""
+    same file (device and inode), reached through real folders only, or `NotAsListed`,
+    never whatever took its place since."""
     try:
         top = os.open(root, _FOLDER_FLAGS)
         try:
@@ -110,10 +109,8 @@ def open_listed(root: Path, path: str, info: os.stat_result) -> int:
 
 
 class Digests:
-    """Files hashed earlier, each kept with the identity it had then (inode, size,
-    mtime, ctime): an adopting node hashes each part's files while the next parts
-    are on their way, and the final check reads again only a file that changed since
-    (any write moves its ctime)."""
+    """Files hashed earlier, each with its identity then (inode, size, mtime, ctime):
+    the final check reads again only a file that changed since (a write moves ctime)."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[int, int, int, int], tuple[int, str]]] = {}

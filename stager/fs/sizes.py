@@ -44,10 +44,9 @@ def entry_bytes(rel: str) -> int:
 
 
 class NameCharge:
-    """The names a tree walker (copy, symlink tree) makes, charged to a staging's bounds
-    a batch at a time (stager.wire.progress.report_written): a call to the counter per name
-    would cost a million-file copy a lock and a limit check per file. Charged as names
-    are handed out, before they are made, so a bound stops the walk before it passes."""
+    """The names a tree walker makes, charged to a staging's bounds a batch at a time
+    (a lock and a limit check per file would cost a million-file copy), before they are
+    made, so a bound stops the walk before it passes."""
 
     EVERY = 256  # names: at most this many are made before they are charged
 
@@ -105,10 +104,9 @@ def sum_sizes(path: str) -> int:
 
 def copy_estimate(path: str, roots: Roots, special: str, deadline: float) -> int:
     """The bytes a ``copy`` of the folder ``path`` will write, walked until the
-    ``time.monotonic()`` ``deadline``: special files and links out of ``roots`` are
-    refused at once, as the copy refuses them. Past the deadline, what the walked part
-    of the top folder held is scaled up to all of it (ImageNet's 1,000 class folders:
-    dozens are walked in time), and the copy checks the rest as it walks."""
+    ``time.monotonic()`` ``deadline`` (special files and links out of ``roots`` refused,
+    as the copy refuses them); past it, the walked part of the top folder is scaled up
+    to all of it."""
     return _CopySizes(roots, special, deadline).run(path)
 
 
