@@ -35,10 +35,8 @@ class Devkit:
 
 
 def check_devkit(path: str, needs_torch: bool) -> int:
-    """Pre-flight: the devkit exists and the optional packages are installed.
-
-    ``find_spec`` looks without importing: the daemon process never loads torch.
-    """
+    """Pre-flight: the devkit exists and the optional packages are installed
+    (``find_spec`` looks without importing: the daemon never loads torch)."""
     require_source(path, "ImageNet devkit")
     if importlib.util.find_spec("scipy") is None:
         raise MissingExtra(_missing("reading the ImageNet devkit's meta.mat", "scipy"))

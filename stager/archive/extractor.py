@@ -62,12 +62,9 @@ def extract_archive(
 ) -> int | KnownTree | None:
     """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
     leading components of member names; with ``nested``, archives inside it too.
-
-    Returns the bytes of the files and symlinks it left under ``dest`` (less those of
-    what they replaced), as ``stager.fs.sizes.sum_sizes`` counts them; None where an
-    inner archive was extracted (see the module's docstring); where GNU tars wrote the
-    whole archive into an empty ``dest`` (stager.archive.split_tar), every entry and
-    folder under ``dest`` as well (a ``KnownTree``)."""
+    Returns the bytes it left (as ``sum_sizes`` counts them), None where an inner
+    archive was extracted, or a ``KnownTree`` where GNU tars wrote the whole archive
+    into an empty ``dest`` (stager.archive.split_tar)."""
     job = ExtractJob(ctx, strip, nested)
     # Growing: never fork worker processes while the download's thread runs.
     size = archive.length if archive.growing is None else 0

@@ -47,10 +47,7 @@ class DownloadFailed(Exception):
 
 class Growth:
     """One download's file as it grows: told by the download, read by the extraction.
-
-    ``part`` is the file the download appends to, ``final`` the name it is renamed
-    to when complete (and verified).
-    """
+    ``part`` is the file appended to, ``final`` its name once complete and verified."""
 
     def __init__(self, part: Path, final: Path, cancel: CancelFlag) -> None:
         self.part, self.final = part, final
@@ -133,14 +130,11 @@ class Growth:
 
 
 class GrowingFile(io.RawIOBase):
-    """A sequential reader of a download's file that waits at the end of what is there
-    (see the module docstring).
+    """A sequential reader of a download's file that waits at the end of what is there.
 
-    ``close`` stops reads (one that waits, in any thread, within ``POLL_S``): a
-    decompressor's read-ahead thread may be waiting when the extraction fails. The
-    descriptor stays open until ``release``, called once no thread can read it any more
-    (closing it under a read could hand that read another file's descriptor).
-    """
+    ``close`` stops reads (a waiting one within ``POLL_S``: a decompressor's read-ahead
+    thread may be waiting). The descriptor stays open until ``release``, once no thread
+    can read it (closed under a read, it could hand that read another file)."""
 
     def __init__(self, growth: Growth, fd: int, generation: int) -> None:
         super().__init__()

@@ -141,11 +141,10 @@ def next_range(
     held: dict[str, int],
 ) -> Range | None:
     """The next range of the file at ``path`` (``info``), at most ``room`` bytes: where
-    its ranges so far (``growing``) ended, or from byte 0 if the file is new, shrank,
-    was renamed onto a path where the receivers hold another file's copy (``held``:
-    each booked file's inode by the path of its copy), or (``ends``: it is complete)
-    no longer starts with what was sent. None when it has nothing worth a range yet:
-    a file still written sends only whole ``room``s."""
+    its ranges (``growing``) ended, or from byte 0 if the file is new, shrank, was
+    renamed onto another file's copy (``held``: inodes by path), or (``ends``: it is
+    complete) no longer starts as sent. None while a file still written lacks a whole
+    ``room``."""
     if growing is not None and (info.st_size < growing.sent or _onto_another(path, info, held)):
         growing.start_over(path)
     if growing is not None and ends and info.st_size - growing.sent <= room:

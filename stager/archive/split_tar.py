@@ -314,11 +314,9 @@ def _empty(dest: str) -> None:
 
 
 class _Tars:
-    """GNU tars reading members from pipes that this thread fills without blocking
-    (``write`` and ``splice`` on non-blocking pipes): a chunk goes to the tar with
-    the least waiting, the header loop waits for the tars only once AHEAD_BYTES wait
-    for them, and no thread of ours hands data over. Started at the first chunk, so an
-    archive that starts with another kind of member costs nothing."""
+    """GNU tars reading members from non-blocking pipes this thread fills (``write``,
+    ``splice``): a chunk goes to the tar with the least waiting, and the header loop
+    waits only once AHEAD_BYTES wait. Started at the first chunk."""
 
     def __init__(self, count: int, dest: str, archive: Archive, ctx: ExtractContext) -> None:
         self._count, self._dest, self._archive, self._ctx = count, dest, archive, ctx

@@ -56,13 +56,11 @@ def members(
     start: int = 0,
 ) -> Iterator[tuple[tarfile.TarInfo, int]]:
     """Yield ``(member, offset of the next header)`` for every member of ``tar`` from
-    the header at ``start`` (a member's, or the end marker's).
+    the header at ``start``; ``tarfile.ReadError`` if it ends without its end marker.
 
-    ``headers`` is the seekable file ``tar`` reads (the same one, so that both
-    readers share its buffer); ``blocks``, for a plain tar read by offset, serves the
-    headers this module reads itself from larger windows (``headers`` then serves
-    only tarfile). ``check`` runs before each member (cancellation).
-    Raises ``tarfile.ReadError`` if the archive ends without its end marker.
+    ``headers`` is the seekable file ``tar`` reads (both readers share its buffer);
+    ``blocks``, for a plain tar, serves this module's own headers from larger windows.
+    ``check`` runs before each member (cancellation).
     """
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened

@@ -257,11 +257,9 @@ class Image(Kind):
         return done and not built and self.file(entry, shelf) is not None
 
     async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
-        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``): its
-        file (and blob) renamed behind its gate, its record stamped again (a rename sets
-        a file's ctime; one found changed is evicted at its check). Its mount at ``old``
-        stays, for whoever reads in it, until ``settle`` finds it a stray (after
-        ``recover`` mounted the file at its place)."""
+        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``):
+        renamed behind its gate, its record stamped again (a rename sets its ctime). Its
+        mount at ``old`` stays for its readers until ``settle`` finds it a stray."""
         return await run_io(self._move, entry, old, shelf)
 
     @staticmethod
@@ -291,10 +289,9 @@ class Image(Kind):
             await run_io(images.take_down, target)
 
     async def claim(self, orphan: Path, shelf: Shelf) -> bool:
-        """An image file of ``data/`` that no entry holds: a blob alone is deleted (it
-        goes with its image); an image, perhaps one a crash left between its lazy
-        unmount and its keeping, is kept while held open, else deleted. A user's own
-        image's gate (stager.state.layout) the same, and the gate then discarded."""
+        """An image file of ``data/`` that no entry holds: a blob alone is deleted; an
+        image (a crash between its lazy unmount and its keeping) is kept while held open,
+        else deleted. A user's own image's gate likewise, then discarded."""
         if orphan.parent == shelf.layout.users_dir:
             file = await run_io(images.image_of, orphan, PLACE)
             if file is None:
@@ -317,11 +314,10 @@ class Image(Kind):
     # ---- eviction --------------------------------------------------------------
 
     async def delete(self, entry: Entry, shelf: Shelf) -> None:
-        """Unmounted (lazily if a process without a lease still reads it:
-        stager.image.published.take_down), then its file and mount point deleted. One
-        file: no tree to move aside and delete in the background. A lazily unmounted
-        image's file is kept instead, on its owner's books, until its readers let go
-        (stager.engine.held_space): unlinked, its blocks would stay in use, counted nowhere."""
+        """Unmounted (lazily if a process without a lease still reads it), then its file
+        and mount point deleted. A lazily unmounted image's file is kept instead, on its
+        owner's books, until its readers let go (stager.engine.held_space): unlinked,
+        its blocks would stay in use, counted nowhere."""
         final, file = shelf.final(entry), self.file(entry, shelf)
         owner = private_owner(entry)
         self._mounts.forget(entry.key)
@@ -362,11 +358,9 @@ class Image(Kind):
         self, entry: Entry, request: ExportCreate, owner: Any, ready: ReadyTree, room: Sender
     ) -> ExportPublic | None:
         """Sent as one file: a copy of its image, hashed as it is written
-        (stager.fanout.image_export); in the node service vouched for (stager.core.vouch)
-        whoever's it is, since the receivers' kernels will parse it. Not an index image:
-        its blob, the source's whole tar, is a second file: it goes as a tree does, in
-        parts with a manifest, and each receiver builds its own image
-        (docs/multinode.md says why)."""
+        (stager.fanout.image_export), vouched for in the node service since the
+        receivers' kernels parse it. Not an index image (its blob is a second file): it
+        goes as a tree does, and each receiver builds its own (docs/multinode.md)."""
         record = entry.image
         if entry.state != State.READY or record is None or record.blob is not None:
             return None

@@ -320,11 +320,10 @@ class ImageStaging:
         )
 
     def _build_while_downloading(self, the_plan: Plan, made: Path) -> ImageMade:
-        """The download runs as its op does alone (its ``.part``, resume, sha256, the
-        rename), while the image is built from its file as it grows
-        (:func:`stager.staging.overlap.follow_download`; built again from the first byte if the
-        download starts over). The image takes its final name only once the download
-        is complete and checked: bytes that fail their sha256 are never published."""
+        """The download runs as its op does alone while the image is built from its file
+        as it grows (:func:`stager.staging.overlap.follow_download`; again from the first
+        byte if the download starts over). The image takes its final name only once the
+        download is complete and checked."""
         stream = the_plan.streams[2]
         names = Names(stream.strip, _norm(stream.dst), the_plan.names_after(2))
         self.progress.start_step(1)

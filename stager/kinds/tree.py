@@ -53,10 +53,9 @@ class TreeStaging:
 
 
 def _sealed_by_listing(staging: Steps, paired: bool) -> bool:
-    """Whether a tree made now (not resumed) holds only what its last op made, each file
-    created read-only and its bytes counted (the op's ``read_only_files``), so that a
-    listing seals it and no file is looked at (stager.fs.seal): the op is the only step,
-    or it ran as a pair with the download before it, which it used up (set aside)."""
+    """Whether a fresh tree (not resumed) holds only what its last op made, files
+    created read-only and counted (``read_only_files``), so that a listing seals it: the
+    op is the only step, or ran as a pair with the download it used up."""
     ops, steps = staging.ops, staging.steps
     if not ops.op_of(steps[-1]).read_only_files:
         return False

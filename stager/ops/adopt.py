@@ -103,9 +103,8 @@ def _hash_part(
     tree: Path, part: Path, digests: manifests.Digests, ctx: OpContext
 ) -> tuple[set[str], set[str]]:
     """Hash the files ``part`` just put in ``tree``, found from the part's own headers
-    (not a walk of the whole tree: that would make the parts' cost grow with their
-    number times the tree's size). Returns the paths it wrote: files and links, and
-    folders."""
+    (a walk of the tree per part would cost parts times tree); returns the paths it
+    wrote: files and links, and folders."""
     written: set[str] = set()
     folders: set[str] = set()
     opened = open(open_source(str(part), ctx.allowed_roots), "rb")

@@ -127,10 +127,9 @@ def _renamed_in(
     step: AdoptImageStep, fd: int, st: os.stat_result, ctx: OpContext, output: Path, mode: int
 ) -> Adopted:
     """Hashed where it lies, renamed to ``output``, then made ``mode`` and synced: a
-    per-user daemon's own user wrote it (and may write anything it serves), so a copy
-    would guard nothing. Only a file nothing wrote while it was hashed, with no other
-    name, is taken; the rename is by path, so what the name held must be that file.
-    On another filesystem after all (a bind mount of the same disk), it is copied."""
+    per-user daemon's own user wrote it, so a copy would guard nothing. Only a file
+    nothing wrote while it was hashed, with no other name, is taken; on another
+    filesystem after all (a bind mount), it is copied."""
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
     with said_of(_delivery(step), NOT_MOUNTED):
         digest = hash_in_place(fd, st.st_size, check, advance)

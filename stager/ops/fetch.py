@@ -32,7 +32,6 @@ from stager.core.errors import (
     BadRequest,
     FetchFailed,
     NotPublic,
-    StagerError,
     VerifyFailed,
     from_os_error,
 )
@@ -74,11 +73,9 @@ class FetchStep(StepParams):
 
 
 def without_credentials(step: FetchStep) -> bool:
-    """Whether the download carries none of the user's credentials: no user or
-    password, no query string and no path parameters (``;jsessionid=``: where tokens
-    travel) in its URL, read by the parser that downloads it. The daemon sends nothing
-    else of the user's (no netrc, no headers), so anyone asking for this URL gets the
-    same bytes."""
+    """Whether the URL, read by the parser that downloads it, carries none of the
+    user's credentials: no user or password, query or path parameters. The daemon sends
+    nothing else of the user's (no netrc, no headers)."""
     url = httpx.URL(step.url)
     target = url.raw_path.decode("ascii", "replace")  # the path and the query, as sent
     return not (url.userinfo or "?" in target or ";" in target)
@@ -129,10 +126,8 @@ def tls_context() -> ssl.SSLContext:
 
 def warm_up() -> None:
     """Pay now what a process's first download pays before its first byte (20-70 ms):
-    the TLS authorities loaded, the HTTP transport imported (httpx imports httpcore
-    when its first client is made), and the codec that the socket module encodes host
-    names with (a first connection imports it). The staging processes' fork server
-    calls it before it forks them (stager.staging.worker)."""
+    the TLS authorities, the HTTP transport's import, the codec host names are encoded
+    with. The fork server calls it before it forks the stagings."""
     httpx.Client(verify=tls_context()).close()
     "localhost".encode("idna")
 
@@ -155,12 +150,7 @@ def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:
         os.replace(part, target)
         ctx.progress.advance(0, 1)
     except OSError as exc:
-        raise _translate(exc, step) from exc
-
-
-def _translate(exc: OSError, step: FetchStep) -> StagerError:
-    """The one place where OS errors become stager errors (ENOSPC: the disk is full)."""
-    return from_os_error(exc, f"downloading {step.url}")
+        raise from_os_error(exc, f"downloading {step.url}") from exc
 
 
 def _file_name(step: FetchStep) -> str:

@@ -157,13 +157,10 @@ def copy_and_hash(
     durable: bool = True,
 ) -> str:
     """Copy ``size`` bytes in the kernel, chunk by chunk, while a thread hashes each chunk
-    written, read from the page cache through a mapping of the copy (``dst``, opened
-    read-write; no second copy of the bytes): the two overlap, and what is hashed is
-    what the copy holds (what is mounted, or sent). ``durable``: each chunk's writeback
-    starts as soon as it is copied and the copy is fsynced while the hash, slower,
-    goes on. Not ``hashed``: the copy alone, and "" for its sha256 (not measured).
-    ``check`` runs before each chunk (it raises to stop), ``advance`` after, with its
-    bytes."""
+    through a mapping of the copy (``dst``, read-write): the two overlap, and what is
+    hashed is what the copy holds. ``durable``: each chunk's writeback starts at once
+    and the fsync runs while the hash goes on. Not ``hashed``: "" for its sha256.
+    ``check`` runs before each chunk, ``advance`` after, with its bytes."""
     hasher = _ChunkHasher(dst) if hashed else None
     offset = 0
     try:
@@ -226,9 +223,8 @@ def hash_in_place(
     fd: int, size: int, check: Callable[[], None], advance: Callable[[int], None]
 ) -> str:
     """sha256 of the first ``size`` bytes of ``fd``, read chunk by chunk (``check``
-    before each, ``advance`` after, with its bytes). Read, not mapped: a file that
-    another process cuts short meanwhile ends the hash with VerifyFailed, where a
-    mapping would kill the process (SIGBUS)."""
+    before each, ``advance`` after). Read, not mapped: a file cut short meanwhile ends
+    the hash with VerifyFailed, where a mapping would SIGBUS."""
     digest = hashlib.sha256()
     buffer = bytearray(_CHUNK)
     offset = 0
