@@ -3,32 +3,25 @@
 Why files never land outside the destination, whatever the member order:
 
 * member names are checked lexically (relative, no ``..``) before anything;
-* every parent directory is created here and checked with ``lstat`` once, so
-  no component of a file's path is a symlink on disk (a leftover one from an
-  earlier, interrupted run is replaced by a real directory);
-* archive symlinks are created only after every file has been written. A member
-  *under* one of them is placed where GNU tar would put it (through the link),
-  but by resolving the archive's own link targets here, and only for targets
-  GNU tar itself creates at once (relative, no ``..``): nothing is ever written
-  through a link on disk. Every symlink is re-resolved once all exist, which
-  catches chains that only escape together;
-* links are judged by :func:`stager.archive.job.judge_link` (by the caller), and a hard link's
-  target must be a regular file reached through directories made here.
+* every parent folder is made here and checked with ``lstat`` once, so no component
+  of a file's path is a symlink on disk (a leftover one is replaced by a folder);
+* archive symlinks are made only after every file. A member *under* one is placed
+  where GNU tar would put it by resolving the archive's own link targets here, only
+  for targets GNU tar makes at once (relative, no ``..``): nothing is written through
+  a link on disk. Every symlink is re-resolved once all exist (chains that escape
+  together);
+* links are judged by :func:`stager.archive.job.judge_link`; a hard link's target must
+  be a regular file reached through folders made here.
 
-Members that name the same path again (``tar -u``/``-r`` appends, replaced
-types) end as GNU tar leaves them: the last one wins; a file replaces what was
-there (unlink, then create: a hard link made earlier keeps the old content); a
-folder replaces a file or a symlink; an empty folder is replaced by a file or a
-symlink, a non-empty one is refused, as GNU tar fails there too.
+Members that name a path again end as GNU tar leaves them: the last one wins; a file
+replaces what was there (unlink, then create: an earlier hard link keeps the old
+content); a folder replaces a file or a symlink; an empty folder is replaced by a file
+or a symlink, a non-empty one refused, as GNU tar fails there too.
 
-Regular files are written on a pool in batches: per-task overhead of an
-executor (~20 us for threads, more for processes) is as much as writing a small
-file, so one task carries many files. The pool is threads, or processes when
-every payload is a byte range of the archive (a plain tar): then the per-file
-Python work runs on every core instead of taking turns under one GIL. Order is
-kept without a record of every file: only the names of batches still in flight
-are remembered, and a member whose name (or hard-link target) is in one of them
-waits for that batch. Progress is counted here, when a batch is done.
+Files are written on a pool in batches (an executor's per-task cost is a small file's
+write): threads, or processes for a plain tar's byte ranges, so the per-file Python
+runs on every core. Only the names of batches in flight are remembered; a member whose
+name (or hard-link target) is in one waits for that batch.
 
 Every file is created 0444 (``FILE_MODE``), whatever the member says, so sealing
 the tree has no file to change (stager.fs.seal).
@@ -39,10 +32,8 @@ fixed when made. The count is reported as it grows, a streamed member's per chun
 so a staging's write bound stops a member whose header lies mid-way. What a member
 replaces is never taken off what was reported: a hard link may still hold it.
 
-With ``verify`` (the request's ``verify: sha256``) every file is read back
-after it is written and its SHA-256 compared with that of the member's bytes as
-read from the archive; hard links and symlinks are checked to be what the
-archive says.
+With ``verify: sha256`` every file is read back and compared with the member's bytes;
+hard links and symlinks are checked to be what the archive says.
 """
 
 from __future__ import annotations

@@ -70,12 +70,9 @@ def is_daemon(argv: tuple[str, ...]) -> bool:
 
 def _listening_unix_sockets() -> dict[str, list[Path]]:
     """Socket inode -> the paths claimed for it, of every listening Unix socket with a
-    path.
-
-    Any user writes lines into this table: the kernel prints a socket's path raw, so a
-    path holding a newline ends its line and begins one of the binder's choosing (any
-    inode, any path). So a line that does not parse is dropped, and a path here is only
-    a claim, which ``_sockets_of`` checks on the disk."""
+    path. The kernel prints a path raw, so a newline in it begins a line of the binder's
+    choosing: a line that does not parse is dropped, and a path is only a claim, which
+    ``_sockets_of`` checks on the disk."""
     try:
         lines = (PROC / "net" / "unix").read_text(errors="replace").splitlines()[1:]
     except OSError:

@@ -248,12 +248,9 @@ def die_with_parent() -> None:
 
 
 def die_with(pid: int) -> None:
-    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
-
-    A staging process is forked by multiprocessing's fork server, not by the daemon,
-    and the server lives on while any staging holds its pipe; so the staging watches
-    the daemon itself, through a pidfd, on a thread that only ever waits.
-    """
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent: a
+    staging's parent is the fork server, which outlives the daemon, so it watches the
+    daemon itself, through a pidfd, on a thread that only ever waits."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

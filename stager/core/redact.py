@@ -21,12 +21,10 @@ _URL_IN_TEXT = re.compile(r"""\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'"<>()\[\]{}]+""")
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its user, password, query, path parameters and fragment.
-
-    Works on the text itself (no parser's normalisation), so it also redacts a URL
-    that no parser accepts: whatever sits between ``://`` and the last ``@`` before
-    the path is credentials; everything from the first ``?``, ``;`` or ``#`` of the
-    path on is masked."""
+    """``url`` without its user, password, query, path parameters and fragment. Works
+    on the text itself, so a URL no parser accepts is redacted too: what sits between
+    ``://`` and the last ``@`` before the path, and the path from its first ``?``,
+    ``;`` or ``#`` on, are masked."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url

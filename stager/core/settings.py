@@ -655,10 +655,8 @@ class Settings(BaseSettings):
     @property
     def private_dir(self) -> Path:
         """Where the daemon keeps what is its alone (log, token): the runtime folder itself
-        per user (0700); in the node service, whose socket everyone must reach, a folder of
-        its own in it (0700), its log never readable by users. The pid file stays beside
-        the socket in both (it is no secret), where ``stager stop`` finds it whatever
-        mode it is told."""
+        per user (0700); in the node service, whose socket everyone must reach, a 0700
+        folder in it. The pid file stays beside the socket, where ``stager stop`` finds it."""
         return self.runtime_dir / "private" if self.multi_user else self.runtime_dir
 
     @property

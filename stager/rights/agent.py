@@ -137,11 +137,10 @@ _OPENS: dict[str, Callable[[tuple[Any, ...], list[int]], tuple[Any, list[int]]]]
 def _scan(
     request: tuple[Any, ...], fds: list[int], scans: dict[int, Iterator[os.DirEntry[str]]]
 ) -> Any:
-    """A folder's entries with their lstat, a piece at a time, so that a folder of a
-    million files is never held whole and a walk may keep several folders open.
-    ``("scan",)`` with the folder: [scan id, entries, done]; ``("scan_next", id)``:
-    [entries, done]; ``("scan_close", id)`` drops one left unfinished. An entry gone
-    between the listing and its lstat is left out, as if removed a moment earlier."""
+    """A folder's entries with their lstat, a piece at a time (a million-file folder is
+    never held whole). ``("scan",)`` with the folder: [scan id, entries, done];
+    ``("scan_next", id)``: [entries, done]; ``("scan_close", id)`` drops one. An entry
+    gone before its lstat is left out."""
     kind = request[0]
     if kind == "scan":
         scan_id = next(_SCAN_IDS)

@@ -96,12 +96,10 @@ class _CapData(ctypes.Structure):
 
 
 def drop_capabilities() -> None:
-    """Stay uid 0 but hold no capability, now or after any exec: a staging process of
-    the node service writes the cache's folders as their owner, and needs nothing
-    more. Should it ever open a user's path itself (a bug: it must go through its
-    gateway), the kernel then checks it like any other process's open, so no user's
-    private file is within its reach. The bounding set goes first (that needs
-    ``CAP_SETPCAP``), so that a program it runs (GNU tar) cannot regain them."""
+    """Stay uid 0 but hold no capability, now or after any exec: a staging process
+    writes the cache's folders as their owner and needs nothing more; should it open a
+    user's path itself (a bug), the kernel checks it like anyone's. The bounding set
+    goes first (it needs ``CAP_SETPCAP``), so a program it runs cannot regain them."""
     last = int(open("/proc/sys/kernel/cap_last_cap").read())
     for cap in range(last + 1):
         if LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:

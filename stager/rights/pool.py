@@ -191,9 +191,8 @@ class UserProcesses:
 
     def _keep_idle(self, worker: _Agent) -> None:
         """Keep ``worker`` for its identity's next call, for ``idle_s``. A user keeps as
-        many idle processes as they may run, under whatever groups: the same user under
-        another group (sg, newgrp) is another identity, whose processes would otherwise
-        pile up; the longest idle of theirs goes first."""
+        many idle processes as they may run, under whatever groups (sg, newgrp make other
+        identities); the longest idle of theirs goes first."""
         uid = worker.identity.uid
         theirs = [w for identity, idle in self._idle.items() if identity.uid == uid for w in idle]
         theirs.sort(key=lambda w: w.idle_since)

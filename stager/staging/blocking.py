@@ -141,10 +141,9 @@ class Processes:
         return await self.users.call(who, fn, *args, **kwargs)
 
     async def as_user(self, who: Caller | int | None, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), as
-        :meth:`run_as`: the one way the engine, the registry and the fan-out room act for
-        a user. Never awaited under the admission lock: a user's process may take its
-        time, and others must not wait."""
+        """``fn(*args)`` with a user's rights (a caller, or a uid), as :meth:`run_as`: the
+        one way the engine, the registry and the fan-out act for a user. Never awaited
+        under the admission lock: a user's process may take its time."""
         if who is None or not self.separate_users:
             return await self.run_as(None, fn, *args)
         caller = who if isinstance(who, Caller) else Caller.of_uid(who)
@@ -243,11 +242,9 @@ def _walker_starts(daemon_pid: int) -> None:
 @dataclass(frozen=True)
 class Limits:
     """How long a staging process may take to act on a cancel, and to show no progress;
-    and the most bytes it may leave in its tree and inodes it may make (its user's quota
-    less what they hold already, or the disk's room above its floor; None: no limit);
-    how slowly its downloads may bring bytes (stager.staging.download_rate); and ``shared``, a
-    check of what every staging under way has made together, raising once they pass a
-    bound they share (stager.engine.job: a user's inode quota, the disk's inode floor)."""
+    the most bytes and inodes it may make (None: no limit); how slowly its downloads may
+    bring bytes; and ``shared``, raising once every staging under way together passes a
+    bound they share (stager.engine.job)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
@@ -291,15 +288,9 @@ async def run_staging(
     poll_s: float = 0.1,
 ) -> Any:
     """Stage ``job`` in a child process; return its tree's seal (its image, in image
-    mode) or raise its error.
-
-    ``cancel`` is forwarded to the child, which stops at its next unit of work. A
-    child that has not stopped ``cancel_grace_s`` later, or whose counters have not
-    moved for ``stall_timeout_s``, is stuck in a system call (a hung network
-    filesystem, a source that never answers) and is ended, as is one whose download
-    brings bytes below the rate floor: no staging holds a worker slot forever, and a
-    cancel takes seconds.
-    """
+    mode) or raise its error. A child not stopped ``cancel_grace_s`` after a cancel, or
+    whose counters stood still for ``stall_timeout_s`` (stuck in a system call), or
+    whose download is below the rate floor, is ended: none holds a slot forever."""
     child = processes.take_spare(job)
     if child is None:
         child = await run_io(processes.fork, stage_in_child, job, f"stager-stage-{job.final.name}")

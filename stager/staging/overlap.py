@@ -61,11 +61,10 @@ def follow_download(
     downloaded: Callable[[], None],
     read: Callable[[OpContext, GrowingFile], tuple[bool, T]],
 ) -> tuple[bool, T | None]:
-    """Run the download ``step`` (its op ``grows`` a file) in a thread while ``read``
-    reads its file as it grows (it may be called again, from the first byte, when the
-    download starts over). Returns what ``read`` returned once the download is
-    complete and what it read is the finished file; (False, None) when ``read`` said
-    it needs the whole file (then the download is complete on return)."""
+    """Run the download ``step`` in a thread while ``read`` reads its file as it grows
+    (again from the first byte if the download starts over). Returns what ``read``
+    returned once the download is complete; (False, None) when ``read`` needs the whole
+    file (complete on return)."""
     grows = ops.op_of(step).grows
     assert grows is not None
     part, final = grows.files(step, ctx)

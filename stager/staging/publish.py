@@ -111,11 +111,9 @@ def make_link(link: Path, target: Path) -> None:
 
 
 def empty_own_folder(path: Path) -> None:
-    """Delete what a folder the calling user may write holds (a delivery), run in that
-    user's own process: whatever they make of it meanwhile (a folder swapped for a link,
-    a FIFO), the worst it can do is delete their own files. Folders they made
-    read-only are opened up first (they own them). The folder itself stays: it sits in
-    the service's passage, where only the service removes it (:func:`remove_emptied`)."""
+    """Delete what a folder the calling user may write holds (a delivery), in that
+    user's own process: whatever they make of it meanwhile, the worst is deleting their
+    own files. The folder itself stays, for the service to remove (:func:`remove_emptied`)."""
 
     def open_up(function: object, failed: str, excinfo: object) -> None:
         parent = os.path.dirname(failed)

@@ -58,11 +58,8 @@ class KindStaging(Protocol):
 
 @dataclass
 class StageJob:
-    """What a staging process needs, all of it picklable into the child.
-
-    Steps travel as JSON-like dicts and are validated again in the child by the same
-    op table (built from ``op_modules``), so a site's own ops work there too.
-    """
+    """What a staging process needs, all of it picklable into the child. Steps travel
+    as dicts, validated again in the child by the same op table (site ops included)."""
 
     steps: list[dict[str, Any]]
     op_modules: tuple[str, ...]
@@ -191,10 +188,8 @@ _TOUCH_BETWEEN_LOOKS = 1000
 def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
     """Make the fork server's objects this process's own while it waits for its job: a
     forked child copies each page it first writes (a reference count is a write), ~1,200
-    pages on a download's first request alone, 3-4 ms before its first byte. Done only
-    once idle, so that stagings asked one right after another do not share the CPU with
-    it: ~15 ms of CPU and ~16 MB, most of it in the one call that lists the objects
-    (which a job coming meanwhile waits for)."""
+    pages, 3-4 ms before a download's first byte. Done only once idle (~15 ms of CPU,
+    ~16 MB), so back-to-back stagings do not share the CPU with it."""
     if jobs.poll(_IDLE_BEFORE_TOUCH_S):
         return
     for done, _ in enumerate(gc.get_objects()):
