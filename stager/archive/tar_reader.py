@@ -27,6 +27,7 @@ from stager.archive.writer import (
     Wrote,
     clean_name,
     unsafe,
+    write_all,
 )
 from stager.core.errors import UnknownFormat
 from stager.fs.seal import FILE_MODE
@@ -236,9 +237,7 @@ def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any, wrote: W
         data = stream.read(min(left, STREAM_CHUNK))
         if not data:
             raise EOFError("archive ended inside a member")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         if digest is not None:
             digest.update(data)
         left -= len(data)

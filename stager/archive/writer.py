@@ -302,7 +302,7 @@ def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str |
             data = window.get(src_fd, offset, size)
             written = os.write(fd, data)
             if written != size:  # short only on a full disk or a signal
-                _write_all(fd, data[written:])
+                write_all(fd, data[written:])
             if digest is not None:
                 digest.update(data)
         else:
@@ -356,7 +356,7 @@ def _remove(path: str) -> int:
     return nbytes
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -365,7 +365,7 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 def _write_payload(fd: int, payload: Payload, digest: Any, wrote: Wrote) -> int:
     """Write ``payload`` into the new file ``fd``; returns the file's size."""
     if isinstance(payload, bytes):
-        _write_all(fd, payload)
+        write_all(fd, payload)
         if digest is not None:
             digest.update(payload)
         return len(payload)

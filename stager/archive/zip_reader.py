@@ -9,7 +9,6 @@ concurrent readers).
 
 from __future__ import annotations
 
-import os
 import stat
 import time
 import zipfile
@@ -17,7 +16,7 @@ from typing import Any
 
 from stager.archive.formats import STREAM_CHUNK
 from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
-from stager.archive.writer import ArchiveWriter, Wrote, clean_name, unsafe
+from stager.archive.writer import ArchiveWriter, Wrote, clean_name, unsafe, write_all
 from stager.core.errors import UnknownFormat
 from stager.fs.seal import FILE_MODE
 
@@ -98,9 +97,7 @@ def _zip_copier(zf: zipfile.ZipFile, info: zipfile.ZipInfo):  # noqa: ANN202 - a
         # ZipFile allows concurrent readers; each inflates on its own thread.
         with zf.open(info) as src:
             while data := src.read(STREAM_CHUNK):
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
                 if digest is not None:
                     digest.update(data)
                 wrote(len(data))

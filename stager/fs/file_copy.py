@@ -17,6 +17,7 @@ is there; the per-file half of the ``copy`` op (its walk is :mod:`stager.ops.cop
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -115,7 +116,8 @@ class FileCopier:
         finally:
             for fd in opened or ():
                 if fd >= 0:
-                    _close_quietly(fd)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     def _copy_opened(
         self,
@@ -254,13 +256,6 @@ def _shown(sfd: int | None, name: str) -> str:
 
 def _opener(sfd: int | None, name: str) -> Callable[[], int]:
     return lambda: access().open(name, _SOURCE_FLAGS, dir_fd=sfd)
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def _create(dfd: int, name: str, mode: int) -> int:

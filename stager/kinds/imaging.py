@@ -23,11 +23,9 @@ runs the steps its marker has not counted and builds again unless the image is t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,7 +51,7 @@ from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
 from stager.staging import overlap
-from stager.staging.publish import Attempt, delete_tree, write_atomically
+from stager.staging.publish import Attempt, write_atomically
 from stager.staging.worker import Steps
 from stager.wire.progress import ProgressSink, WorkerCounters, report_written
 
@@ -219,6 +217,7 @@ class ImageStaging:
     """One image staging, in the staging process (its kind's ``stage``)."""
 
     def __init__(self, staging: Steps, job: ImageJob) -> None:
+        self.staging = staging
         self.ops, self.steps, self.attempt = staging.ops, staging.steps, staging.attempt
         self.ctx, self.progress, self.crash = staging.ctx, staging.progress, staging.crash
         # The steps that run as ops (``runs``), ``at_turn`` called at each other's turn.
@@ -268,15 +267,7 @@ class ImageStaging:
         inside = self.ctx.destination(stream.src)
         if stream.keep:
             return str(inside)
-        aside = self.attempt.set_aside(index)
-        if os.path.lexists(inside):
-            if os.path.lexists(aside):
-                delete_tree(aside, threading.Event())
-            os.rename(inside, aside)
-            self.crash.reached(Durable.INPUT_USED_UP)
-            if (folder := inside.parent) != self.ctx.destination("."):
-                with contextlib.suppress(OSError):  # not empty: something else is there
-                    os.rmdir(folder)
+        aside = self.staging.put_aside(index, inside)
         if not aside.exists():
             raise StagingError(
                 f"{stream.src!r} is not in the dataset; a relative src names a file an "

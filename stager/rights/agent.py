@@ -44,7 +44,7 @@ def serve(sock: socket.socket) -> None:
                 _answer(sock, request, fds, scans)
             finally:
                 for fd in fds:
-                    _close(fd)
+                    channel.close_quietly(fd)
     finally:
         for scan in scans.values():
             scan.close()  # type: ignore[attr-defined]
@@ -79,7 +79,7 @@ def _answer(
         channel.send_answer(sock, channel.ok(result), new_fds)
     finally:
         for fd in new_fds:
-            _close(fd)
+            channel.close_quietly(fd)
 
 
 def _serve_and_close(sock: socket.socket) -> None:
@@ -112,7 +112,7 @@ def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]
                 numbers.append(exc.errno or 1)
     except BaseException:
         for fd in opened:
-            _close(fd)
+            channel.close_quietly(fd)
         raise
     return numbers, opened
 
@@ -218,10 +218,3 @@ def stat_result(fields: list[int]) -> os.stat_result:
             "st_rdev": rdev,
         },
     )
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

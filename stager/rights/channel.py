@@ -66,7 +66,7 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
         fds.extend(got)
         if not data:
             for fd in fds:
-                _close(fd)
+                close_quietly(fd)
             raise Closed("the other end of the channel closed it")
         parts.append(data[1:])
         if data[:1] == _LAST:
@@ -79,7 +79,7 @@ def recv_packet(sock: socket.socket) -> tuple[bytes, list[int], bool]:
     data, got, _flags, _ = socket.recv_fds(sock, PACKET + 1, MAX_FDS)
     if not data:
         for fd in got:
-            _close(fd)
+            close_quietly(fd)
         raise Closed("the other end of the channel closed it")
     return data[1:], list(got), data[:1] == _LAST
 
@@ -106,7 +106,7 @@ def decode_answer(payload: bytes) -> Any:
     return json.loads(payload)
 
 
-def _close(fd: int) -> None:
+def close_quietly(fd: int) -> None:
     try:
         os.close(fd)
     except OSError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -40,14 +41,14 @@ class ListedEntry:
 
     def is_dir(self, *, follow_symlinks: bool = True) -> bool:
         self._not_followed(follow_symlinks)
-        return _kind(self._st.st_mode) == "dir"
+        return stat.S_ISDIR(self._st.st_mode)
 
     def is_file(self, *, follow_symlinks: bool = True) -> bool:
         self._not_followed(follow_symlinks)
-        return _kind(self._st.st_mode) == "file"
+        return stat.S_ISREG(self._st.st_mode)
 
     def is_symlink(self) -> bool:
-        return _kind(self._st.st_mode) == "link"
+        return stat.S_ISLNK(self._st.st_mode)
 
     def inode(self) -> int:
         return self._st.st_ino
@@ -55,11 +56,6 @@ class ListedEntry:
     def _not_followed(self, follow_symlinks: bool) -> None:
         if follow_symlinks and self.is_symlink():
             raise NotImplementedError("a listed link's target is not looked at by root")
-
-
-def _kind(mode: int) -> str:
-    kind = mode & 0o170000
-    return {0o040000: "dir", 0o100000: "file", 0o120000: "link"}.get(kind, "other")
 
 
 class DirectAccess:

@@ -288,20 +288,26 @@ class Steps:
                 write_atomically(attempt.marker, str(done))
                 crash.reached(Durable.STEP_DONE)
             # After the marker, so a crash in between finds the step done and its input
-            # still there; repeated for done steps on resume, where it may be gone already.
-            # Moved out of the tree in one rename, not deleted here: deleting a large archive
-            # takes from milliseconds to seconds, which the dataset would wait for; it goes
-            # with the attempt's folder, after the publish (stager.engine.lifecycle).
-            if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
-                aside = attempt.set_aside(index)
-                if os.path.lexists(aside):
-                    delete_tree(aside, threading.Event())
-                os.rename(used_up, aside)
-                crash.reached(Durable.INPUT_USED_UP)
-            if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
-                with contextlib.suppress(OSError):  # not empty: something else is kept there
-                    os.rmdir(folder)  # a folder it alone was downloaded into
+            # still there; repeated for done steps on resume.
+            if used_up := ops.used_up(step, ctx):
+                self.put_aside(index, used_up)
         return made, paired
+
+    def put_aside(self, index: int, used_up: str | Path) -> Path:
+        """Move step ``index``'s used-up input out of the tree in one rename (if not done
+        before a crash), and the folder it alone was in. Not deleted here: deleting a
+        large archive takes up to seconds, which the dataset would wait for; it goes with
+        the attempt's folder, after the publish (stager.engine.lifecycle)."""
+        aside = self.attempt.set_aside(index)
+        if os.path.lexists(used_up):
+            if os.path.lexists(aside):
+                delete_tree(aside, threading.Event())
+            os.rename(used_up, aside)
+            self.crash.reached(Durable.INPUT_USED_UP)
+        if (folder := Path(used_up).parent) != self.ctx.destination("."):
+            with contextlib.suppress(OSError):  # not empty: something else is kept there
+                os.rmdir(folder)
+        return aside
 
 
 def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:
