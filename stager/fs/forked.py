@@ -32,11 +32,9 @@ _CONTEXT = FORK
 # A few large files are worth the workers too: copying them is memory bandwidth,
 # which two cores have more of than one.
 PARALLEL_AFTER_BYTES = 128 << 20
-# Slot 0: stop (set by the walking process on error or cancel); then per worker
-# (bytes done, files done, bytes made). Bytes done are progress (a file copied twice
-# counts twice); bytes made are what the op left in the tree (lstat sizes), so the
-# staging need not measure it afterwards. The walking process itself, running
-# chunks inline, is worker 0.
+# Slot 0: stop (set on error or cancel); then per worker (bytes done, files done, bytes
+# made): progress, and what the op left in the tree (lstat sizes), so the staging need
+# not measure it. The walking process, running chunks inline, is worker 0.
 _tally: Any = None
 _slot = 1
 # On the walking process: the op's cancel flag, and its umask (workers have none).

@@ -28,12 +28,11 @@ from stager.fs.sources import (
 )
 from stager.wire.progress import ProgressSink, report_written
 
-# What a staging's write bound charges for a name beyond its content, as it makes it
-# (stager.wire.progress.report_written): a folder takes a block of its own on a disk
-# filesystem (ext4, xfs: 4 KiB at least; tmpfs counts its inode instead, see the inode
-# floor), and every name an entry in its folder's blocks (ext4: 8 bytes and the name,
-# rounded up to 4), charged here as ``ENTRY_BYTES`` and the name's whole relative path:
-# never less than the disk uses, and it pays for the path the staging keeps in memory.
+# What a staging's write bound charges for a name beyond its content: a folder takes a
+# block of its own on a disk filesystem (ext4, xfs: 4 KiB at least), every name an entry
+# in its folder's blocks (ext4: 8 bytes and the name), charged as ``ENTRY_BYTES`` and the
+# name's whole relative path: never less than the disk uses, and it pays for the path
+# the staging keeps in memory.
 FOLDER_BYTES = 4096
 ENTRY_BYTES = 12
 

@@ -108,10 +108,9 @@ class Op:
     # The daemon's own: built by the daemon from a request (a fan-out's adoption), never
     # given in a request's steps, whose checks it skips (its folder is the service's).
     internal: bool = False
-    # Image mode (stager.kinds.imaging): what the step makes, as an archive read straight into
-    # the image, or None (the step runs as an op, its output packed with the rest);
-    # ``moves``: the (old, new) name a step only renames, applied to the image's names;
-    # ``prebuilt_image``: the step is a prebuilt image file, staged as it is.
+    # Image mode (stager.kinds.imaging): the archive read straight into the image, or None
+    # (run as an op); ``moves``: the (old, new) name a step only renames; and whether the
+    # step is a prebuilt image file, staged as it is.
     image_stream: Callable[[Any], ImageStream | None] = lambda step: None
     moves: Callable[[Any], tuple[str, str] | None] = lambda step: None
     prebuilt_image: bool = False

@@ -72,23 +72,19 @@ class StageJob:
     reader: Reader | None = None
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
-    # The most bytes the staging may leave in its tree (None: no limit), and what sets it
-    # (its user's quota, or the disk's room above its floor). Counted as written, never
-    # estimated.
+    # The most bytes it may leave in its tree and inodes it may make (None: no limit),
+    # counted as written, and what sets each: its user's quota, or the disk's floor.
     write_bytes: int | None = None
     write_bound: WriteBound = "quota"
-    # The most inodes it may make (folders, files, links; None: no limit), and what sets
-    # it: its user's --user-inode-quota, or the disk's free inodes above --min-free-inodes.
     write_inodes: int | None = None
     inode_bound: WriteBound = "quota"
     # What the steps are made into (stager.kinds: a tree, an image).
     kind: KindStaging | None = None
 
 
-# How often the cancel event and the parent are looked at, at most. Ops ask between
-# units of work, as often as once per archive member: the event's look costs a lock of
-# the fork server's (two semaphore calls) and the parent's a system call, ~0.7 us
-# together, a tenth of writing a small file; a cancel acted on 10 ms later is as prompt.
+# How often the cancel event and the parent are looked at, at most: ops ask as often as
+# once per archive member, and a look costs ~0.7 us (a semaphore, a system call), a
+# tenth of writing a small file; a cancel acted on 10 ms later is as prompt.
 _LOOK_EVERY_S = 0.01
 
 
@@ -275,9 +271,8 @@ class Steps:
                 following = steps[index] if index < len(steps) else None
                 pairs = following is not None and runs(index + 1)
                 if pairs and ops.overlaps(step, following, ctx):
-                    # A download and the extraction of it, at once (stager.staging.overlap): both
-                    # steps are done together (one marker says so), the next turn only
-                    # removes what it used up.
+                    # A download and its extraction at once (stager.staging.overlap): one
+                    # marker for both; the next turn only removes what it used up.
                     after = functools.partial(progress.start_step, index + 1)
                     made = overlap.run_pair(ops, step, following, ctx, downloaded=after)
                     done, paired = index + 1, True
