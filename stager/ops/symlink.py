@@ -23,7 +23,7 @@ import stat
 import time
 from typing import Literal
 
-from stager.core.errors import BadRequest, StagerError, from_os_error
+from stager.core.errors import BadRequest, from_os_error
 from stager.fs import forked
 from stager.fs.sizes import NameCharge
 from stager.fs.sources import (
@@ -80,7 +80,7 @@ def check(step: SymlinkStep, ctx: CheckContext) -> int:
             roots = Roots.of(ctx.allowed_roots)
             _Scan(roots, step.special, time.monotonic() + CHECK_BUDGET_S).run(step.src)
         except OSError as exc:
-            raise _translate(exc, step.src) from exc
+            raise from_os_error(exc, f"linking {step.src}") from exc
     return 0
 
 
@@ -90,7 +90,7 @@ def _check_top(step: SymlinkStep, ctx: CheckContext) -> None:
         fd, st = open_path(step.src, Roots.of(ctx.allowed_roots))
         os.close(fd)
     except OSError as exc:
-        raise _translate(exc, step.src) from exc
+        raise from_os_error(exc, f"linking {step.src}") from exc
     if step.mode == "tree" and not stat.S_ISDIR(st.st_mode):
         raise BadRequest(
             f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
@@ -145,12 +145,7 @@ def run(step: SymlinkStep, ctx: OpContext) -> int:
             return _link_one(source, _link_path(step, ctx), ctx)
         return _TreeLink(source, str(ctx.destination(step.dst)), ctx, step.special).run()
     except OSError as exc:
-        raise _translate(exc, source) from exc
-
-
-def _translate(exc: OSError, source: str) -> StagerError:
-    """The one place where OS errors become stager errors (ENOSPC: disk or inodes full)."""
-    return from_os_error(exc, f"linking {source}")
+        raise from_os_error(exc, f"linking {source}") from exc
 
 
 def _link_path(step: SymlinkStep, ctx: OpContext) -> str:
