@@ -60,7 +60,7 @@ def _client() -> httpx.Client:
 
 def warm_up() -> None:
     """Load now what a first client loads (TLS authorities, the transport): the user
-    processes that revalidate are forked after this (stager.staging.preload) and may not be
+    processes that revalidate are forked after this (stager.engine.preload) and may not be
     able to read the interpreter's files themselves."""
     _client().close()
     "localhost".encode("idna")

@@ -2,7 +2,7 @@
 daemon on a socket one answers on, then start its fork server so that its start
 overlaps the daemon's own imports.
 
-The fork server imports :mod:`stager.staging.preload` (~0.35 s) on the second core
+The fork server imports :mod:`stager.engine.preload` (~0.35 s) on the second core
 while the daemon imports FastAPI and uvicorn on the first: ready ~0.35 s sooner at
 every start. This module imports nothing of stager's for that reason. Every staging
 and user process inherits the fork server's attributes, so the descriptor limit is

@@ -37,7 +37,7 @@ from stager.core.prestart import raise_descriptor_limit
 FORKSERVER = multiprocessing.get_context("forkserver")
 FORK = multiprocessing.get_context("fork")
 # The fork server's preload: imported there and nowhere else.
-PRELOAD = "stager.staging.preload"
+PRELOAD = "stager.engine.preload"
 DEVNULL, STDOUT = subprocess.DEVNULL, subprocess.STDOUT
 Spawned = subprocess.Popen  # what ``spawn`` returns
 ThreadPool = ThreadPoolExecutor  # what ``thread_pool`` returns

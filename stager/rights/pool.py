@@ -30,7 +30,7 @@ from stager.rights.become import Identity, become, close_fds_except
 log = logging.getLogger("stager.rights")
 
 # The modules whose functions the daemon runs as a user. The fork server imports them
-# (stager.staging.preload): a process that became a user must not import anything, since the
+# (stager.engine.preload): a process that became a user must not import anything, since the
 # interpreter's own files may be unreadable to that user (a Python under root's home).
 USER_SIDE_MODULES = (
     "stager.request.preflight",
