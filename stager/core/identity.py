@@ -71,9 +71,8 @@ class Caller:
 
     @classmethod
     def of_uid(cls, uid: int, gid: int | None = None, groups: tuple[int, ...] = ()) -> Caller:
-        """A user named by uid (a handle's owner), with the groups known of them (none
-        beyond the primary group when nothing else was recorded: fewer rights, never
-        more)."""
+        """A user named by uid (a handle's owner), with the groups known of them (else the
+        primary group alone: fewer rights, never more)."""
         if gid is None:
             try:
                 gid = pwd.getpwuid(uid).pw_gid
@@ -89,9 +88,8 @@ class Caller:
 
     @classmethod
     def of_socket(cls, sock: socket.socket) -> Caller:
-        """The process at the other end of a connected Unix socket, from the kernel: its
-        uid, gid and pid (``SO_PEERCRED``) and its groups (``SO_PEERGROUPS``), as they
-        were when it connected."""
+        """The process at the other end of a connected Unix socket, as the kernel saw it
+        connect (``SO_PEERCRED``, ``SO_PEERGROUPS``)."""
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
         return cls(uid=uid, gid=gid, pid=pid, groups=peer_groups(sock, gid))

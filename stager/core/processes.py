@@ -197,9 +197,8 @@ def thread_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
 
 
 class Threaded:
-    """An object whose ``run`` goes on a thread of its own (a download beside its
-    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``; what
-    ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
+    """An object whose ``run`` goes on a thread of its own: ``start``, then ``join``;
+    what ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
 
     thread_name = "stager"
     error: BaseException | None = None

@@ -714,9 +714,8 @@ class Settings(BaseSettings):
 
 
 def _absolute_folder(value: Path) -> Path:
-    """``value`` with ``~`` expanded; a relative one is refused, as it would name another
-    folder for the daemon (started elsewhere, or by the prolog from /) than for the
-    person who typed it."""
+    """``value`` with ``~`` expanded; a relative one is refused: it would name another
+    folder for the daemon than for the person who typed it."""
     value = value.expanduser()
     if not value.is_absolute():
         raise ValueError(

@@ -151,17 +151,10 @@ class Image(Kind):
     # ---- publish ---------------------------------------------------------------
 
     async def publish(self, entry: Entry, outcome: ImageMade, shelf: Shelf) -> None:
-        """STAGING -> READY, in order:
-
-        1. The attempt's image is renamed to ``data/<key>.erofs``: the commit point (as a
-           tree's rename is; already done if the daemon died right after it).
-        2. It is mounted read-only at ``data/<key>`` (asked of the kernel again after a
-           crash: a mount already there of this very file is kept).
-        3. Every name's link, the store's "ready", the attempt's folder removed (in the
-           background: it may hold the tree the image was packed from).
-
-        A mount that fails takes the image away again and raises: the staging fails.
-        """
+        """STAGING -> READY, in order: the attempt's image renamed to ``data/<key>.erofs``
+        (the commit point), mounted read-only at ``data/<key>`` (a mount of this very file
+        already there is kept), every name's link, "ready", the attempt's folder removed
+        in the background. A mount that fails takes the image away and fails the staging."""
         attempt, final = shelf.attempt(entry), shelf.final(entry)
         file = images.image_file(final.parent, final.name, outcome.format)
         if await run_io(os.path.exists, outcome.path) and Path(outcome.path) != file:

@@ -414,9 +414,8 @@ class ImageStaging:
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
-        """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image).
-        A private copy's too: the source node's service built it for the same user's key
-        (its top folder theirs), and its hash is that service's word."""
+        """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image),
+        a private copy's too (built for the same user's key; its hash the service's word)."""
         self.progress.start_step(1)
         mode = 0o400 if self.job.top_owner is not None else 0o444
         copy = made.with_name(IMAGE_NAME + ".copied")
@@ -424,9 +423,8 @@ class ImageStaging:
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _copied(self, copy: Path, made: Path, fmt: str, size: int, sha256: str) -> ImageMade:
-        """An image copied whole and checked (prebuilt, or another node's) takes its name
-        (``IMAGE_BUILT``), what is known of it written beside it first; every step is
-        then done."""
+        """An image copied whole and checked takes its name (``IMAGE_BUILT``), what is
+        known of it written beside it first; every step is then done."""
         result = ImageMade(str(made), fmt, size, sha256=sha256)
         write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
         os.rename(copy, made)

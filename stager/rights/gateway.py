@@ -199,8 +199,7 @@ class _Scan(AbstractContextManager["_Scan"]):
 
 def start(identity: Identity) -> Gateway:
     """Fork this process's gateway, which becomes ``identity`` and serves opens until
-    every channel to it is closed. It holds nothing of root's: every descriptor but its
-    channel is closed before it drops its rights, and it dies with this process."""
+    every channel to it is closed; it holds no descriptor of root's, and dies with us."""
     mine, theirs = channel.pair()
     parent = os.getpid()
 

@@ -162,8 +162,7 @@ class Processes:
 
     def fork(self, target: Callable[..., None], first: Any, name: str) -> Child:
         """A child of the fork server running ``target(first, counters, cancel, pipe,
-        daemon pid)``: a request to the fork server, which hands the child the pipe and
-        the counters' shared memory (milliseconds; blocking)."""
+        daemon pid)`` (milliseconds; blocking)."""
         counters = SharedCounters(self.context)
         cancel = self.context.Event()
         receiver, sender = self.context.Pipe(duplex=False)
@@ -172,9 +171,8 @@ class Processes:
         return Child(process, counters, cancel, receiver)
 
     def take_spare(self, job: Any) -> Child | None:
-        """The spare, given ``job``; None if there is none or it died (killed, out of
-        memory): fork one then. One that dies in the instant between the look and the
-        hand-over fails its staging, as any staging process dying at its start does."""
+        """The spare, given ``job``; None if there is none or it died: fork one then. One
+        dying between the look and the hand-over fails its staging, as any would."""
         with self._spare_lock:
             spare, self._spare = self._spare, None
         if spare is None:
@@ -190,17 +188,15 @@ class Processes:
         return spare.child
 
     def prepare_spare(self) -> None:
-        """A spare for the next staging, forked in the background: call it once a staging
-        has ended and its outcome is told (not as one starts: the fork would take the CPU
-        from the starting staging, whose process yields it to everyone)."""
+        """A spare for the next staging, forked in the background once a staging has ended
+        (as one starts, the fork would take the CPU from it)."""
         if self._making is None or self._making.done():
             self._making = asyncio.ensure_future(run_io(self._make_spare))
             self._keep(self._making)
 
     def _make_spare(self) -> None:
         """Fork the next spare, unless there is one (blocking). The lock is held only to
-        look and to store it: a staging that takes the spare meanwhile (on the loop) must
-        not wait for a fork."""
+        look and to store it: a staging taking the spare must not wait for a fork."""
         with self._spare_lock:
             if self._spare is not None or self._stopped:
                 return

@@ -77,10 +77,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def discard(path: Path, trash_dir: Path) -> Path | None:
-    """Move ``path`` aside in one rename, to be deleted at leisure: for a published tree
-    the commit point of its eviction (a tree under ``data/`` is whole, or gone); for
-    partial data, its name is free for a new staging at once. Returns where it went, or
-    None if it was already gone."""
+    """Move ``path`` aside in one rename, to be deleted at leisure (for a published tree,
+    its eviction's commit point); returns where it went, or None if it was gone."""
     trash = trash_dir / f"{DISCARDED_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, trash)
@@ -159,8 +157,7 @@ def remove_emptied(path: Path) -> bool:
 
 async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None:
     """A delivery's folder, gone: emptied by its owner's process, then removed by the
-    service (the passage it sits in is the service's). Tried twice, in case the user
-    wrote into it in between; what still stays is left for the next start."""
+    service; tried twice, and what still stays is left for the next start."""
     for _ in range(3):
         try:
             await as_user(owner, empty_own_folder, folder)

@@ -124,9 +124,7 @@ def stage_in_child(
     watching: bool = False,
 ) -> None:
     """Entry point of a child forked for ``job`` (and of a spare once its job came,
-    ``watching`` the daemon already): run every step, report ("ok", seal) or the error.
-
-    ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
+    ``watching`` the daemon already): run every step, report ("ok", seal) or the error."""
     if not watching:
         _die_with_daemon(daemon_pid)
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
@@ -250,9 +248,7 @@ class Steps:
     ) -> tuple[Any, bool]:
         """Run the steps not done yet, writing the marker after each; returns what the
         last op run returned and whether it ran paired with the one before. ``runs(index)``
-        says which steps run as ops (an image's kind makes the others, their ops not run:
-        stager.kinds.imaging); ``at_turn(index)`` is called at each other step's turn,
-        done or not (it takes the step's input out of the tree)."""
+        says which steps run as ops; ``at_turn(index)`` is called at each other's turn."""
         ops, steps, ctx, attempt = self.ops, self.steps, self.ctx, self.attempt
         crash, progress, done = self.crash, self.progress, self.done
         made: Any = None  # what the last op run returned (see stager.kinds.tree)
