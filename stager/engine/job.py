@@ -52,6 +52,8 @@ async def staging_job(
         inode_bound=inode_bound,
         kind=registry.kinds.of(entry).job(entry),
     )
+    # The staging stops itself at its room's end; the daemon checks too (a slack of
+    # what one poll of its counters may see written past it).
     shared = _inodes_shared(entry, settings, registry, disk_inodes)
     limits = Limits.of(settings, room_left, bound, inodes_left, inode_bound, shared)
     return job, limits

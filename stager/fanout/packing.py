@@ -28,12 +28,15 @@ class Transfer:
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
-    # The uid (and gid) whose job asked for it (None: the daemon's own, per-user mode).
+    # The uid (and gid) whose job asked for it (None: the daemon's own, per-user mode):
+    # their sbcast writes a delivery and reads an export, nobody else reaches either.
     owner: int | None = None
     group: int | None = None
-    # A delivery a staging reads: kept and counted until that staging ends.
+    # A delivery a staging reads: kept and counted until that staging ends, never
+    # expired under it.
     claimed: bool = False
-    # The bytes a delivery's folder held when the sweep last measured it (as its owner).
+    # The bytes a delivery's folder held when the sweep last measured it, as its owner
+    # (the folder is theirs to write: root never walks it).
     written: int = 0
 
 

@@ -89,8 +89,9 @@ PARALLEL_AFTER_FILES = 2_000
 NETWORK_IN_FLIGHT = 8
 NETWORK_BATCH_FILES = 32
 # How long check() may walk a source tree to estimate its size (the request waits; the
-# staging counts every byte anyway): at 0.5 s the walk was a fifth of a 200,000-file
-# copy (docs/benchmarks.md).
+# staging counts every byte anyway, so the estimate only refuses early): a tenth of a
+# second walks tens of thousands of files, enough to scale up from; at 0.5 s the walk
+# was a fifth of a 200,000-file copy (docs/benchmarks.md).
 CHECK_BUDGET_S = 0.1
 
 

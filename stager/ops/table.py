@@ -85,7 +85,8 @@ class Op:
     consumes_src: bool = False
     # What it writes comes only from files it opens through stager.fs.sources, so the
     # node service may share its result when each is readable by everyone
-    # (docs/multiuser.md). Not a download, a delivery, or a site's op unless it says.
+    # (docs/multiuser.md). Not a download (it may carry the user's credentials), a
+    # delivery, or a site's op unless it says.
     shareable: bool = False
     # Every file it writes is created 0444 and it returns the bytes it left: alone in a
     # fresh tree, its tree is sealed by a listing.
@@ -99,7 +100,7 @@ class Op:
     # user:password or query): shareable like a world-readable file.
     public_source: Callable[[Any], bool] = lambda step: False
     # Overlap (stager.staging.overlap): a step whose op ``grows`` a file, then one whose
-    # op ``follows`` it, run at once.
+    # op ``follows`` it and names that file as its src, run at once.
     grows: Grows | None = None
     follows: Follows | None = None
     # The steps a step of this op runs as, when a request arrives (raw, as in a request),

@@ -123,7 +123,8 @@ class Ask:
     delivery: str | None = None
     estimate_bytes: int = 0
     reader: Reader | None = None
-    # Who asked, as (owner uid, name), for the log's "queued" line.
+    # Who asked, as (owner uid, name), for the log's "queued" line: a new name is kept
+    # only after its entry is queued.
     asked_as: tuple[int, str] | None = None
 
     @classmethod
