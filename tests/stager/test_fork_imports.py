@@ -16,7 +16,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from tests.daemon import Daemon, stage_ready
+from tests.daemon import Daemon, stage_ready, unmount_under
 
 SITECUSTOMIZE = """
 import os
@@ -76,6 +76,7 @@ def test_a_staging_process_of_each_kind_imports_nothing_after_its_fork(tmp_path:
                 stage_ready(client, body)
     finally:
         daemon.stop()
+        unmount_under(tmp_path)  # the image's kernel mount outlives its daemon
     lines = [line.split() for line in looked.read_text().splitlines()]
     # The hook ran in the daemon and in its fork server (both interpreters start) ...
     assert len([pid for pid, what in lines if what == "started"]) >= 2, lines
