@@ -58,7 +58,8 @@ from stager.core.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
-from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves, TooManyNames
+from stager.image.erofs import Blob, ErofsWriter
+from stager.image.names import ImageConflict, LinkLeaves, TooManyNames
 from stager.wire.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
