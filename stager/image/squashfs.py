@@ -45,6 +45,7 @@ from stager.fs.fastcopy import copy_range
 from stager.fs.writeback import start_writeback
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
+    _CHARGE_EVERY,
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
@@ -84,10 +85,14 @@ _LDIR_INODE = struct.Struct("<IIIIHHI")  # nlink, size, start, parent, index cou
 _DIR_HEADER = struct.Struct("<III")  # count - 1, inode block, base inode number
 _DIR_ENTRY = struct.Struct("<HhHH")  # offset, inode number - base, type, name size - 1
 _DIR_INDEX = struct.Struct("<III")  # offset in the listing, its block, name size - 1
+_ONE_BLOCK_FILE = struct.Struct("<HHHHIIIIIII")  # a basic file inode and its one block
 assert _SUPER.size == 96 and _BASE.size == 16 and _LFILE_INODE.size == 40
 
 _HEADER_MAX = 256  # entries under one folder header
 _BUFFER = 1 << 20  # small files' data and metadata written in pieces this large
+# A file this small, not read with its header already, is read and buffered; a larger
+# one is copied in the kernel (copy_file_range).
+_SMALL = 16 << 10
 _WRITEBACK_STEP = 16 << 20  # as the EROFS writer's
 
 
@@ -210,11 +215,12 @@ class SquashfsWriter(NameTable):
         (a plain tar, or a file of a tree): pointed at in an embedded tar, else copied
         in the kernel, or from ``tail`` when that is all of it (a small member's data,
         read with its header)."""
-        if self._blob is not None and src_fd == self._blob.fd:
+        blob = self._blob
+        if blob is not None and src_fd == blob.fd:
             start = DATA_AT + offset
         elif tail is not None and len(tail) == size:
             start = self._append(tail)
-        elif size < _BUFFER // 8:
+        elif size <= _SMALL:
             data = os.pread(src_fd, size, offset)
             if len(data) != size:
                 raise EOFError(f"the source ended inside {name!r}")
@@ -225,6 +231,17 @@ class SquashfsWriter(NameTable):
             copy_range(src_fd, self._fd, offset, size)
             self._end += size
             self._started_writeback()
+        if 0 < size <= BLOCK and start < 1 << 32:  # most files: one block, one pack
+            self._inodes += 1
+            inode = _ONE_BLOCK_FILE.pack(_FILE, 0o444, 0, 0, mtime, self._inodes, start,
+                                         _NONE32, 0, size, size | _UNCOMPRESSED_BLOCK)  # fmt: skip
+            self._uncharged += _ONE_BLOCK_FILE.size
+            if self._uncharged >= _CHARGE_EVERY:
+                self.charge_now()
+            self._entry(parent, name, FT_REG, self._inode_table.add(inode), self._inodes)
+            self.files += 1
+            self.data_bytes += size
+            return
         sizes = [BLOCK | _UNCOMPRESSED_BLOCK] * (size // BLOCK)
         if size % BLOCK:
             sizes.append(size % BLOCK | _UNCOMPRESSED_BLOCK)
