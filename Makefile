@@ -63,7 +63,8 @@ DEBIAN_STAMP := $(DEBIAN_VENV)/.installed
 DEBIAN_TESTS := tests/stager/archive/test_links.py tests/stager/archive/test_tar_members.py \
 	tests/stager/archive/test_split_tar_review.py tests/stager/ops/test_archive_compat.py \
 	tests/stager/ops/test_malicious_archives.py tests/stager/image/test_build.py \
-	tests/stager/image/test_links_and_names.py tests/stager/test_api.py \
+	tests/stager/image/test_links_and_names.py tests/stager/image/test_squashfs.py \
+	tests/stager/test_api.py \
 	tests/stager/test_image_datasets.py
 
 # A bare Debian 12 may lack the interpreter or its venv module (ensurepip): as root

@@ -5,19 +5,19 @@
 
 A daemon started as ``--user`` as a login would (``runuser -u USER --``), where no FUSE
 reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
-(stager.kinds.squash), built by tar2sqfs and mounted by squashfuse_ll as the user.
+(stager.kinds.squash), built by stager's own writer (stager.image.squashfs: data
+stored as it is, a plain tar embedded whole) and mounted by squashfuse_ll as the user.
 /dev/fuse is made 0666 for the run, as Debian's udev leaves it, and given its mode back.
 
 - **ready**: request to ready (``POST`` then ``GET .../wait``) against ``cp`` of the
-  archive to the same disk, made durable (an fsync), and against the kind's
-  ``tar2sqfs`` run alone as the user (fsynced too: what the daemon adds is the
-  difference), alternated A B C A B C: the 20,000 files of 4-100 KB (bench.datagen)
+  archive to the same disk, made durable (an fsync), and against ``tar2sqfs`` (lz4,
+  the writer the kind ran before its own) run alone as the user (fsynced too),
+  alternated A B C A B C: the 20,000 files of 4-100 KB (bench.datagen)
   and ``--small-files`` files of 512 B, each a ``.tar``; medians and pairwise ratios.
 - **steps**: the order of one 20,000-file request's steps, each one's start after the
   ``POST``: the daemon's processes traced by ``strace -f -p`` (only the calls that mark
-  a step are printed, but an attached strace stops every call of every traced process,
-  tar2sqfs's reads and writes included: the times are upper bounds, the writer's far
-  above its own; ``ready`` measures the writer alone).
+  a step are printed, but an attached strace stops every call of every traced process:
+  the times are upper bounds).
 - **evict**: ``DELETE`` of the ready ``--small-files`` image (unmount, delete a file).
 - **tools**: the writers that read a tar as it is, as root, against ``cp``, each
   output fsynced, alternated: ``tar2sqfs`` with the kind's options and ``sqfstar``
@@ -28,9 +28,9 @@ reader of EROFS is (Debian 12): ``"image": true`` is the squashfs kind
 - **train**: ``stager-train``'s own input pipeline (bench.read_roots: the trainer's
   dataset, sampler and DataLoader, its default workers) reading ``--jpegs`` generated
   JPEGs (bench.jpegs), staged from one ``.tar`` by the same daemon as a tree and as a
-  squashfs image (lz4), and from one ``mksquashfs`` wrote uncompressed, mounted by the
-  user; run as the user (a FUSE mount is its user's alone), the three alternated,
-  ``--repeat`` runs each: medians and each one's ratio to the tree.
+  squashfs image (stager's writer: uncompressed), and from one ``tar2sqfs`` wrote with
+  lz4, mounted by the user; run as the user (a FUSE mount is its user's alone), the
+  three alternated, ``--repeat`` runs each: medians and each one's ratio to the tree.
 - **read**: every file of the 20,000 read through squashfuse_ll as the user
   (``tar -cf - . | cat``, warm: twice, the second timed), the lz4 image tar2sqfs
   wrote against one mksquashfs wrote uncompressed (``-noI -noD -noF -noX``).
@@ -140,11 +140,9 @@ def ready_section(work: Path, stager: Stager, inputs: dict[str, Path], repeat: i
 STEP_CALLS = "execve,rename,fsync,mount,exit_group,accept4"
 STEPS = (
     (r"accept4\(.* = \d", "the POST accepted"),
-    (r"rename\(.*/steps-done", "the steps recorded done (no tree: tar2sqfs reads the tar)"),
-    (r"execve\(\"[^\"]*tar2sqfs", "tar2sqfs started"),
-    (r"^\S+ +\S+ exit_group\(0\)", None),  # named by its process below
+    (r"rename\(.*/steps-done", "the steps recorded done (no tree: the tar is read as it is)"),
     (r"fsync\(", "an fsync started"),
-    (r"rename\(.*image\.sqfs\.partial", "the image fsynced, renamed"),
+    (r"rename\(.*image\.sqfs\.building\.partial", "the image built, fsynced, renamed"),
     (r"rename\(.*/data/", "published (renamed into data/)"),
     (r"execve\(\"[^\"]*squashfuse_ll", "squashfuse_ll started"),
     (r"mount\(.*= 0", "mounted (fusermount3)"),
@@ -212,26 +210,26 @@ def jpeg_tar(work: Path, count: int) -> Path:
 
 def train_section(work: Path, stager: Stager, jpegs: Path, user: str, repeat: int) -> None:
     """The trainer's input pipeline over the same JPEGs as a tree, as the daemon's
-    squashfs image (lz4) and as one mksquashfs wrote uncompressed, mounted by the user."""
+    squashfs image (uncompressed) and as one tar2sqfs wrote with lz4, mounted by the
+    user."""
     print(f"\n## stager-train's input pipeline, tree vs per-user squashfs, load {load()}\n")
     roots = {}
-    for name, image in (("tree", False), ("lz4", True)):
+    for name, image in (("tree", False), ("image", True)):
         _, status = stager.ready({"name": f"t-{name}", "steps": [extract(jpegs)], "image": image})
         roots[name] = status["path"]
-    assert mount.mounted_at(roots["lz4"]) is not None, "the image dataset is not mounted"
+    assert mount.mounted_at(roots["image"]) is not None, "the image dataset is not mounted"
     assert mount.mounted_at(roots["tree"]) is None, "the tree dataset is a mount"
-    none = work / "t-none.sqfs"
-    argv = ["mksquashfs", roots["tree"], str(none), "-noappend", "-quiet", "-no-progress",
-            "-noI", "-noD", "-noF", "-noX"]  # fmt: skip
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    roots["none"] = str(user_mount(none, work / "m-t-none", user))
+    lz4 = work / "t-lz4.sqfs"
+    with open(jpegs, "rb") as tar:
+        subprocess.run(["tar2sqfs", "-q", "-f", "-s", "-c", "lz4", str(lz4)], stdin=tar, check=True)
+    roots["lz4"] = str(user_mount(lz4, work / "m-t-lz4", user))
     try:
         argv = ["runuser", "-u", user, "--", "env", f"HOME={stager.daemon.runtime_dir}",
                 sys.executable, "-m", "bench.read_roots", *roots.values(),
                 "--repeats", str(repeat)]  # fmt: skip
         done = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True)
     finally:
-        user_unmount(work / "m-t-none", user)
+        user_unmount(work / "m-t-lz4", user)
     said = json.loads(done.stdout.strip().splitlines()[-1])
     rates = {name: said["rates"][root] for name, root in roots.items()}
     tree = statistics.median(rates["tree"])
@@ -239,15 +237,15 @@ def train_section(work: Path, stager: Stager, jpegs: Path, user: str, repeat: in
           f"{repeat} alternated runs, load {load()}\n")  # fmt: skip
     print("| root | img/s | / tree (pairs) | runs |")
     print("|---|---:|---:|---|")
-    labels = {"tree": "tree", "lz4": "squashfs lz4 (the daemon's, tar2sqfs)",
-              "none": "squashfs uncompressed (mksquashfs -noI -noD -noF -noX)"}  # fmt: skip
+    labels = {"tree": "tree", "image": "squashfs uncompressed (the daemon's, stager's writer)",
+              "lz4": "squashfs lz4 (tar2sqfs, the kind's writer before)"}  # fmt: skip
     for name, label in labels.items():
         runs = rates[name]
         pairs = [x / t for x, t in zip(runs, rates["tree"], strict=True)]
         print(f"| {label} | {statistics.median(runs):.0f} | "
               f"{statistics.median(runs) / tree:.2f}x ({min(pairs):.2f}-{max(pairs):.2f}) | "
               f"{', '.join(f'{x:.0f}' for x in runs)} |")  # fmt: skip
-    for name in ("tree", "lz4"):
+    for name in ("tree", "image"):
         stager.delete(f"t-{name}")
 
 

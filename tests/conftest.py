@@ -11,6 +11,7 @@ import pytest
 from tests import mounts
 from tests.counts import session_lines
 from tests.daemon import Daemon
+from tests.mounts import fuse_for_users  # noqa: F401 (fixture)
 from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
 from tests.users import User, interpreter_for_users, users  # noqa: F401 (fixtures)
 

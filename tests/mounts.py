@@ -6,7 +6,12 @@ daemon left running does (tests/conftest.py)."""
 from __future__ import annotations
 
 import os
+import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from stager.image.mount import mounts
 
@@ -41,3 +46,17 @@ def loop_devices() -> set[str]:
 
 def snapshot() -> set[str]:
     return image_mounts() | loop_devices()
+
+
+@pytest.fixture
+def fuse_for_users() -> Iterator[None]:
+    """/dev/fuse as Debian's udev leaves it (0666), for this test only (a container may
+    leave it 0600)."""
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.skip("needs /dev/fuse and fuse3")
+    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
+    os.chmod("/dev/fuse", mode | 0o666)
+    try:
+        yield
+    finally:
+        os.chmod("/dev/fuse", mode)

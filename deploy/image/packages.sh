@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Debian packages image mode uses beyond the kernel's own EROFS (which needs none):
-# FUSE mounts for per-user mode (squashfuse, fuse3), the squashfs images a user's own
-# daemon builds (tar2sqfs from a tar: squashfs-tools-ng; mksquashfs from a tree:
-# squashfs-tools), and fsck.erofs to check images by hand (erofs-utils).
+# FUSE mounts for per-user mode (squashfuse, fuse3; a user's own daemon writes its
+# squashfs images itself), the tools the tests and benchmarks read and compare images
+# with (unsquashfs, sqfstar: squashfs-tools; tar2sqfs: squashfs-tools-ng), and
+# fsck.erofs to check images by hand (erofs-utils).
 # Installs only what is missing; needs root (a user's machine: ask the admin).
 set -euo pipefail
 # shellcheck source=deploy/slurm/packages.sh

@@ -58,10 +58,16 @@ from stager.core.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
-from stager.image.erofs import Blob, ErofsWriter, ImageConflict, LinkLeaves, TooManyNames
+from stager.image.erofs import Blob, ErofsWriter
+from stager.image.names import ImageConflict, LinkLeaves, TooManyNames
+from stager.image.squashfs import SquashfsWriter
 from stager.wire.progress import ProgressSink, report_written
 
 _HEADER_READAHEAD = 16384
+# The writers, by format: driven alike (folder, file_range, file_stream, symlink,
+# hardlink, is_folder, folders, finish, close).
+Writer = ErofsWriter | SquashfsWriter
+WRITERS: dict[str, type[Writer]] = {"erofs": ErofsWriter, "squashfs": SquashfsWriter}
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 
 
@@ -152,6 +158,9 @@ class BuildOptions:
     # The image's top folder owned by this uid, mode 0500 (None: root's, 0555): a
     # private copy's mount that only its user may enter, read-only all the same.
     top_owner: int | None = None
+    # The image's format: "erofs" (the kernel's, or erofsfuse) or "squashfs" (a user's
+    # own daemon's, read by squashfuse_ll): the same members, the same names.
+    format: str = "erofs"
 
 
 def build_image(source: str, output: str, options: BuildOptions | None = None) -> Built:
@@ -181,7 +190,7 @@ def build_from(
     partial, spill = output + ".partial", output + ".spill"
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     top = (options.top_owner, 0o500) if options.top_owner is not None else (0, 0o555)
-    writer = ErofsWriter(
+    writer = WRITERS[options.format](
         fd,
         spill,
         options.build_time,
@@ -254,7 +263,7 @@ class _Placer:
     archive's names (a link whose target is absolute or climbs with ``..`` is not
     followed: GNU tar does not write through it either)."""
 
-    def __init__(self, writer: ErofsWriter, label: str) -> None:
+    def __init__(self, writer: Writer, label: str) -> None:
         self.writer = writer
         self.label = label
         self.symlinks: dict[str, str] = {}  # few: kept to place members under them
@@ -301,7 +310,7 @@ class _TarSource:
     def __init__(
         self,
         source: TarInput,
-        writer: ErofsWriter,
+        writer: Writer,
         options: BuildOptions,
         output: str,
         place: _Placer | None = None,
@@ -561,7 +570,7 @@ class _TreeSource(sources.Visitor):
     def __init__(
         self,
         source: TreeInput,
-        writer: ErofsWriter,
+        writer: Writer,
         options: BuildOptions,
         own: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:

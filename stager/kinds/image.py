@@ -48,6 +48,7 @@ log = logging.getLogger("stager.kinds.image")
 class Image(Kind):
     name = "image"
     mounted = True
+    image_format = "erofs"  # what its stagings build (stager.image.build's writers)
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -246,7 +247,7 @@ class Image(Kind):
     def _published(self, entry: Entry, shelf: Shelf) -> bool:
         """Whether this entry's attempt got past its commit point (see ``publish``)."""
         done = shelf.attempt(entry).steps_done() == len(entry.steps)
-        built = attempt_image(shelf.attempt(entry)).exists()
+        built = attempt_image(shelf.attempt(entry), self.image_format).exists()
         return done and not built and self.file(entry, shelf) is not None
 
     async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:

@@ -45,7 +45,7 @@ from stager.image.build import (
     build_from,
 )
 from stager.image.index import build_indexed
-from stager.image.published import BLOB_SUFFIX, image_of
+from stager.image.published import BLOB_SUFFIX, SUFFIXES, format_of, image_of
 from stager.ops import adopt_image, table
 from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
@@ -71,6 +71,9 @@ class ImageJob:
     # One plain tar and nothing else, not as an index image: the tar copied into the
     # image whole, the metadata after it (stager.image.index, embedded): cp's speed.
     embed: bool = False
+    # The image's format (stager.image.build's writers): EROFS, or squashfs for a
+    # user's own daemon's FUSE mount.
+    format: str = "erofs"
 
     # The image kind's part of a staging job (stager.staging.worker.KindStaging).
 
@@ -83,7 +86,7 @@ class ImageJob:
 
     def built(self, attempt: Attempt) -> bool:
         """Built, its tree dropped: published next."""
-        return attempt_image(attempt).exists()
+        return attempt_image(attempt, self.format).exists()
 
     def stage(self, staging: Steps) -> ImageMade:
         return ImageStaging(staging, self).run()
@@ -110,8 +113,9 @@ class ImageMade:
         return cls(**data["image"])
 
 
-def attempt_image(attempt: Attempt) -> Path:
-    return attempt.root / IMAGE_NAME
+def attempt_image(attempt: Attempt, fmt: str = "erofs") -> Path:
+    """Where an attempt builds its image: ``image.erofs`` (``image.sqfs``)."""
+    return attempt.root / f"image{SUFFIXES[fmt]}"
 
 
 # ---- the plan ------------------------------------------------------------------------
@@ -224,9 +228,9 @@ class ImageStaging:
         self.job, self.run_steps = job, staging.run
 
     def run(self) -> ImageMade:
-        made = attempt_image(self.attempt)
+        made = attempt_image(self.attempt, self.job.format)
         if made.exists():
-            return _made_before(self.attempt)  # built before a crash: published next
+            return _made_before(self.attempt, made)  # built before a crash: published next
         if len(self.steps) == 1 and isinstance(self.steps[0], AdoptImageStep):
             return self._adopted(self.steps[0], made)
         if len(self.steps) == 1 and self.ops.op_of(self.steps[0]).prebuilt_image:
@@ -373,6 +377,7 @@ class ImageStaging:
             check=self.ctx.check_cancelled,
             mode=0o400 if private else 0o444,
             top_owner=self.job.top_owner,
+            format=self.job.format,
         )
         if indexed:  # a blob apart is written as image.erofs.blob, before the image
             source = inputs[0]
@@ -393,7 +398,7 @@ class ImageStaging:
         self.progress.start_step(len(self.steps))
         self.progress.flush()
         result = ImageMade(
-            str(made), "erofs", built.size, built.files, built.folders, built.data_bytes
+            str(made), self.job.format, built.size, built.files, built.folders, built.data_bytes
         )
         write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
         os.rename(str(made) + ".building", made)
@@ -440,12 +445,11 @@ class ImageStaging:
             os.rename(self.attempt.tree, self.attempt.root / "packed-tree")
 
 
-def _made_before(attempt: Attempt) -> ImageMade:
-    made = attempt_image(attempt)
+def _made_before(attempt: Attempt, made: Path) -> ImageMade:
     try:
         return ImageMade.from_dict(json.loads((attempt.root / BUILT_NAME).read_text()))
     except (OSError, ValueError, KeyError, TypeError):
-        return ImageMade(str(made), size=made.stat().st_size)
+        return ImageMade(str(made), format_of(made), size=made.stat().st_size)
 
 
 def _sniffer(ctx: OpContext) -> Callable[[str], str | None]:

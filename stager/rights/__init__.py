@@ -56,7 +56,6 @@ PROCESSES = (
     Process("rm -rf, one per core: a tree stager owns", "stager.fs.deletion", ROOT),
     Process("GNU tar, side by side: a plain tar's small files", "stager.archive.split_tar", ROOT),
     Process("mount -o loop; a FUSE reader, fusermount3 -u", "stager.image.mount", "root; the user"),
-    Process("tar2sqfs, mksquashfs: a user's squashfs image", "stager.kinds.squash", "the user"),
     Process("munge, unmunge: vouching for a shared export", "stager.core.vouch", ROOT),
     Process("scontrol show job: whether a lease's job is alive", "stager.core.slurm", ROOT),
     Process(

@@ -9,7 +9,6 @@ import io
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import tarfile
 import time
@@ -22,20 +21,6 @@ from stager.image import mount as image_mount
 from tests.daemon import Daemon, stage_ready
 from tests.trees import digest, make_tar, write_tree
 from tests.users import User
-
-
-@pytest.fixture
-def fuse_for_users() -> Iterator[None]:
-    """/dev/fuse as Debian's udev leaves it (0666), for this test only (a container may
-    leave it 0600)."""
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-        pytest.skip("needs /dev/fuse and fuse3")
-    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
-    os.chmod("/dev/fuse", mode | 0o666)
-    try:
-        yield
-    finally:
-        os.chmod("/dev/fuse", mode)
 
 
 @pytest.fixture
@@ -170,8 +155,8 @@ def _servers(target: str) -> list[int]:
 
 @pytest.mark.skipif(
     shutil.which("erofsfuse") is not None
-    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
-    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+    or not all(shutil.which(t) for t in ("squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: squashfuse_ll, fuse3, no erofsfuse",
 )
 def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
     fuse_for_users: None, users: tuple[User, User], shared_tmp: Path, interpreter_for_users: str
@@ -241,8 +226,8 @@ def test_a_users_daemon_stages_a_tar_as_squashfs_and_leaves_no_mount(
 
 @pytest.mark.skipif(
     shutil.which("erofsfuse") is not None
-    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
-    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+    or not all(shutil.which(t) for t in ("squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: squashfuse_ll, fuse3, no erofsfuse",
 )
 def test_a_users_daemon_names_its_mounts_so_that_nobody_learns_what_they_hold(
     fuse_for_users: None, users: tuple[User, User], shared_tmp: Path, interpreter_for_users: str
@@ -299,14 +284,15 @@ def test_a_users_daemon_names_its_mounts_so_that_nobody_learns_what_they_hold(
 
 @pytest.mark.skipif(
     shutil.which("erofsfuse") is not None
-    or not all(shutil.which(t) for t in ("mksquashfs", "squashfuse_ll", "fusermount3")),
-    reason="needs Debian 12's squashfs kind: mksquashfs, squashfuse_ll, fuse3, no erofsfuse",
+    or not all(shutil.which(t) for t in ("squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: squashfuse_ll, fuse3, no erofsfuse",
 )
-def test_a_users_daemon_packs_a_staged_tree_with_mksquashfs(
+def test_a_users_daemon_streams_a_compressed_tar_under_a_folder_into_squashfs(
     fuse_for_users: None, users: tuple[User, User], alices_daemon: Daemon, shared_tmp: Path
 ) -> None:
-    """A request tar2sqfs cannot read as it is (a .tar.gz, under a folder) is staged as
-    a tree and packed by mksquashfs: the same files, mounted as the user."""
+    """A request that is not one plain tar at the top (a .tar.gz, under a folder) is
+    read into the image as it is decompressed, as an EROFS image's is, with no tree
+    on the disk: the same files, mounted as the user."""
     alice, _ = users
     tree = write_tree(shared_tmp / "src" / "t", n_files=12)
     archive = shared_tmp / "t.tar.gz"
@@ -323,14 +309,15 @@ def test_a_users_daemon_packs_a_staged_tree_with_mksquashfs(
 
 @pytest.mark.skipif(
     shutil.which("erofsfuse") is not None
-    or not all(shutil.which(t) for t in ("tar2sqfs", "squashfuse_ll", "fusermount3")),
-    reason="needs Debian 12's squashfs kind: tar2sqfs, squashfuse_ll, fuse3, no erofsfuse",
+    or not all(shutil.which(t) for t in ("squashfuse_ll", "fusermount3")),
+    reason="needs Debian 12's squashfs kind: squashfuse_ll, fuse3, no erofsfuse",
 )
 def test_a_tar_member_that_climbs_out_fails_the_squashfs_staging(
     fuse_for_users: None, users: tuple[User, User], alices_daemon: Daemon, shared_tmp: Path
 ) -> None:
-    """tar2sqfs skips a member it cannot place (``../x``) unless told not to: the kind
-    tells it not to, and the staging fails naming the member, leaving no mount."""
+    """A member that climbs out (``../x``) fails the staging, by extraction's rules,
+    naming the member, and leaves no mount (tar2sqfs skipped it unless told not to,
+    and sqfstar placed it inside the image)."""
     alice, _ = users
     archive = shared_tmp / "evil.tar"
     with tarfile.open(archive, "w") as tar:
@@ -344,6 +331,6 @@ def test_a_tar_member_that_climbs_out_fails_the_squashfs_staging(
         assert client.post("/v1/datasets", json=body).status_code in (200, 202)
         status = client.get("/v1/datasets/evil/wait", params={"timeout": 60}).json()
     assert status["state"] == "failed", status
-    assert "tar2sqfs" in status["error"]["message"], status["error"]
+    assert status["error"]["type"] == "unsafe_member", status["error"]
     assert "../evil.txt" in status["error"]["message"], status["error"]
     assert _fuse_mounts(alices_daemon.cache_dir) == []

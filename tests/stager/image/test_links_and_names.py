@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from stager.core.errors import UnsafeArchiveMember
-from stager.image import erofs
 from stager.image import mount as image_mount
+from stager.image import names
 from stager.image.build import BuildOptions, Names, TreeInput, build_from, build_image
 
 Mount = Callable[..., Path]
@@ -227,7 +227,7 @@ def test_the_builders_verdict_on_generated_links_is_the_kernels(
         verdict = _refusal(archive, tmp_path / f"c{case}.erofs")
         unjudged = tmp_path / f"c{case}.unjudged.erofs"
         with monkeypatch.context() as patch:
-            patch.setattr(erofs._LinkJudge, "judge_all", lambda self: None)
+            patch.setattr(names._LinkJudge, "judge_all", lambda self: None)
             if _refusal(archive, unjudged) is not None:  # by its words, or a conflict
                 assert verdict is not None, members
                 early += 1
