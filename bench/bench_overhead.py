@@ -76,13 +76,14 @@ TRACE_POINTS = [
     ("stager/staging/worker.py", "    done = attempt.steps_done()\n", "steps-validated"),
     (
         "stager/staging/worker.py",
-        "            write_atomically(attempt.marker, str(done))\n",
+        "                write_atomically(attempt.marker, str(done))\n",
         "op-done",
     ),
     (
         "stager/staging/worker.py",
-        "            crash.reached(Durable.STEP_DONE)\n",
-        "marker-written",
+        "                write_atomically(attempt.marker, str(done))\n"
+        "                crash.reached(Durable.STEP_DONE)\n",
+        "+marker-written",
     ),
     # The tree sealed from the op's count and a listing, or by a walk of every file.
     ("stager/kinds/tree.py", "            return seal_listed(tree, made)\n", "steps-done"),
@@ -113,7 +114,8 @@ def traced_copy(scratch: Path, points: list[tuple[str, str, str]] = TRACE_POINTS
     for relative, anchor, label in points:
         path = scratch / relative
         text = path.read_text()
-        if anchor not in text:
+        # Whole lines only: an anchor must not match the tail of a more indented line.
+        if "\n" + anchor not in text:
             raise SystemExit(f"trace point {label!r} not found in {relative}; update TRACE_POINTS")
         after, label = label.startswith("+"), label.removeprefix("+")
         indent = anchor[: len(anchor) - len(anchor.lstrip())]
@@ -121,7 +123,7 @@ def traced_copy(scratch: Path, points: list[tuple[str, str, str]] = TRACE_POINTS
             f"{indent}__import__('sys').stderr.write('TRACE {label} %.3f\\n' % "
             "(__import__('time').perf_counter() * 1000))\n"
         )
-        text = text.replace(anchor, anchor + line if after else line + anchor, 1)
+        text = text.replace("\n" + anchor, "\n" + (anchor + line if after else line + anchor), 1)
         path.write_text(text)
     return scratch
 

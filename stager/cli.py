@@ -245,6 +245,7 @@ def _print_stop(settings: Settings, pid: int | None, as_json: bool) -> None:
 
 def _recipes(settings: Settings, as_json: bool) -> int:
     from stager.request import recipes
+    from stager.wire.cli_common import format_listing
 
     try:
         listing = recipes.available(settings)
@@ -254,5 +255,5 @@ def _recipes(settings: Settings, as_json: bool) -> int:
     if as_json:
         print(json.dumps({"data": listing, "count": len(listing)}, indent=2))
     else:
-        print(recipes.format_listing(listing))
+        print(format_listing(listing))
     return EXIT_OK

@@ -13,7 +13,7 @@ is compared with what the reference extractor (GNU tar, or unzip for zips) leave
 :func:`snapshot` describes a tree member by member.
 
 Modes are compared after stager's documented policy
-(:func:`stager.archive.writer.file_mode`: every file is 0444; directories keep the
+(``stager.fs.seal.FILE_MODE``: every file is 0444; directories keep the
 default mode), ownership not at all (stager writes as the daemon's user).
 """
 
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from stager.archive.writer import file_mode
+from stager.fs.seal import FILE_MODE
 
 MTIME = 1_500_000_000
 
@@ -569,7 +569,7 @@ def snapshot(root: Path, link_times: bool = True) -> dict[str, tuple]:
                 group = inodes.setdefault(st.st_ino, rel) if st.st_nlink > 1 else rel
                 entries[rel] = (
                     "file",
-                    oct(file_mode(stat.S_IMODE(st.st_mode))),
+                    oct(FILE_MODE),
                     st.st_size,
                     content_digest(path, st.st_size),
                     int(st.st_mtime),

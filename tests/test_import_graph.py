@@ -207,7 +207,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         # The life of entries, a staging's job and bounds, then the staging loop that
         # decides on it; then users' names of entries, and a request resolved to one.
         ("lifecycle", {"stager.engine.lifecycle"}),
-        ("job", {"stager.engine.job"}),
+        # ... and what the fork server imports before its first fork: everything a job
+        # carries into a staging process.
+        ("job", {"stager.engine.job", "stager.engine.preload"}),
         ("engine", {"stager.engine.scheduler"}),
         ("names", {"stager.engine.names"}),
         ("requests", {"stager.engine.requests"}),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from stager.api.errors import error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes carry no secrets
 
@@ -16,30 +17,18 @@ class BearerTokenMiddleware:
         self._expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        given = dict(scope.get("headers", [])).get(b"authorization", b"")
+        if (
+            scope["type"] != "http"
+            or scope["path"] in OPEN_PATHS
+            or hmac.compare_digest(given, self._expected)
+        ):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
-        body = json.dumps(
-            {
-                "error": {
-                    "type": "unauthorized",
-                    "message": "missing or wrong bearer token; set STAGER_TOKEN or use the "
-                    "daemon's token file",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        refusal = error_response(
+            401,
+            "unauthorized",
+            "missing or wrong bearer token; set STAGER_TOKEN or use the daemon's token file",
+            headers={"www-authenticate": "Bearer"},
         )
-        await send({"type": "http.response.body", "body": body})
+        await refusal(scope, receive, send)

@@ -1,17 +1,8 @@
-"""A request's body is bounded (``max_body_bytes``): beyond it, 413 in the API's
-error shape, and the body is never read whole. A 400 MB JSON body once took the
-daemon to 1.45 GB of memory.
-
-- A body whose ``Content-Length`` is over the limit is refused before the app
-  runs, whatever the route, without a byte of it read.
-- A body without one (chunked) is counted as it streams: the read that passes the
-  limit raises :class:`BodyTooLarge`, so no more than the limit and one chunk is
-  ever held.
-- A 413 closes the connection, so that the server does not read the rest of the
-  body only to discard it.
-
-Not FastAPI's own ``max_body_size``: it answers a body announced too large in plain
-text, replacing whatever the app answered, and keeps the connection reading it.
+"""A request's body is bounded (``max_body_bytes``; a 400 MB JSON body once took the
+daemon to 1.45 GB): a ``Content-Length`` over it is answered 413 before the app runs;
+a chunked body is counted as it streams, and the read past it raises. A 413 closes
+the connection, so the rest is not read only to be discarded. Not FastAPI's
+``max_body_size``: it answers in plain text, replacing the app's answer.
 """
 
 from __future__ import annotations
@@ -26,8 +17,6 @@ from stager.api.errors import error_response
 
 
 class BodyTooLarge(HTTPException):
-    """Raised by a read of the body that passes the limit (to the app's handler)."""
-
     def __init__(self) -> None:
         super().__init__(status_code=413)
 

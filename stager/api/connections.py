@@ -1,33 +1,20 @@
 """The service's connections, bounded: how many each user may hold, how long a
 request's head may take, and what a refused connection is told.
 
-A connection holds a file descriptor and a protocol object from accept to close,
-whatever it sends, and uvicorn waits for a request's head as long as it takes.
 Unbounded, one user's 20,000 half-sent requests took every descriptor of the node
-service: nobody else could connect, and asyncio logged a traceback for each accept
-that failed (~70 MB). So the protocol uvicorn runs for each connection
-(:class:`PeerHTTPProtocol`) bounds it:
+service, and asyncio logged a traceback for each failed accept (~70 MB). So the
+protocol uvicorn runs for each connection (:class:`PeerHTTPProtocol`) bounds it:
 
-- **Header time.** A request's head must arrive within ``header_timeout_s``, timed
-  from connecting or, on a kept-alive connection, from the next request's first
-  byte; past it the connection is answered 408 and closed. Between requests, an idle
-  connection is closed after ``keep_alive_timeout_s`` (uvicorn's own timer). A head
-  is at most 16 KiB (h11's bound): a connection holds no more while it waits.
-- **Caps** (:class:`Gate`). ``max_connections`` for every user together and, in the
-  node service, ``max_connections_per_user`` for one uid, with the last
-  ``connection_reserve`` places kept for users who hold fewer than :data:`FEW`: a few
-  users holding many cannot take them all. Root is refused only at the descriptors'
-  ceiling (the epilog and admins must reach the service): half the daemon's
-  ``RLIMIT_NOFILE``, whose soft limit is raised to the hard one at start
-  (stager.core.prestart); the caps are lowered to stay under it
-  (:func:`caps_for`).
-- **Refusals** are answered as the connection is accepted, before anything is read:
-  503 in the API's error shape, one sentence naming the limit, and the connection is
-  closed. The log gets one line per burst of them (:class:`BurstLog`), not one per
-  connection; so do accepts that fail for want of descriptors
-  (:func:`quiet_accept_errors`).
-
-A request's body is bounded by the app (``max_body_bytes``, stager.api.body_limit).
+- **Header time.** A request's head must arrive within ``header_timeout_s`` of the
+  connection or, kept alive, of the next request's first byte (408 past it); idle
+  between requests, uvicorn's ``keep_alive_timeout_s`` applies.
+- **Caps** (:class:`Gate`). ``max_connections`` in all and, in the node service,
+  ``max_connections_per_user``, with the last ``connection_reserve`` places kept for
+  users who hold fewer than :data:`FEW`. Root is refused only at the ceiling, half
+  the daemon's ``RLIMIT_NOFILE`` (the epilog and admins must reach the service);
+  the caps are lowered to stay under it (:func:`caps_for`).
+- **Refusals** are answered 503 at accept, before anything is read, and logged once
+  per burst (:class:`BurstLog`), as are accepts that fail for want of descriptors.
 """
 
 from __future__ import annotations
@@ -72,11 +59,10 @@ class Caps:
 
 
 def caps_for(settings: Settings, descriptors: int) -> tuple[Caps, list[str]]:
-    """The caps for a daemon with ``descriptors`` file descriptors, and a sentence for
-    each setting lowered to fit. Connections counted here may hold at most half of
-    them; a quarter is for those accepted and not yet counted (asyncio accepts up to
-    the backlog in one go); the rest is the daemon's own (its store, its stagings'
-    pipes, its watches). In the node service root keeps a quarter of the half."""
+    """The caps for ``descriptors`` file descriptors, and a sentence for each setting
+    lowered to fit: half for connections counted here (a quarter of it root's in the
+    node service), a quarter for those accepted and not yet counted (the backlog), the
+    rest the daemon's own."""
     ceiling = max(descriptors // 2, 2)
     most = ceiling - ceiling // 4 if settings.multi_user else ceiling
     notes = []
@@ -101,9 +87,8 @@ def caps_for(settings: Settings, descriptors: int) -> tuple[Caps, list[str]]:
 
 
 class BurstLog:
-    """One log line for a burst of like events instead of one each: the first is logged
-    as it happens, the others of the next ``every_s`` seconds are counted and told in
-    one line at its end, and so on while they go on. Runs on the event loop."""
+    """One log line for a burst of like events: the first as it happens, the others
+    counted and told once every ``every_s`` seconds while they go on."""
 
     def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
         self._log = logger
@@ -237,15 +222,9 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, burst: BurstLog) -> Non
 
 
 class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol, with each connection bounded (see the module's
-    docstring), and telling each request on a Unix socket connection who is at its
-    other end, as the kernel saw it connect (SO_PEERCRED): read once per connection,
-    put in every request's scope under ``identity.SCOPE_KEY``. Headers and bodies never
-    enter into it.
-
-    It keeps to the hooks uvicorn's two HTTP protocols (h11 and httptools) share:
-    connection made and lost, data received, a response complete, and the app it calls
-    once a request's head has arrived."""
+    """uvicorn's HTTP protocol, bounded, and putting a Unix socket's peer (SO_PEERCRED,
+    read once per connection; headers and bodies never enter into it) in every request's
+    scope under ``identity.SCOPE_KEY``. It keeps to the hooks h11 and httptools share."""
 
     def __init__(self, *args: Any, gate: Gate, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -329,8 +308,7 @@ class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self._answer(HTTPStatus.REQUEST_TIMEOUT, "header_timeout", sentence)
 
     def _answer(self, status: HTTPStatus, type_: str, sentence: str) -> None:
-        """Answer ``status`` with the API's error shape, outside any request (none has
-        arrived), and close the connection."""
+        """Answer ``status`` in the API's error shape outside any request, and close."""
         body = json.dumps(error_content(type_, sentence)).encode()
         head = [
             f"HTTP/1.1 {status.value} {status.phrase}",

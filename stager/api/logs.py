@@ -1,18 +1,9 @@
 """The daemon's log: what a line looks like, what it never shows, and its file.
 
-Every line has a timestamp (ISO 8601, with the offset), its level and its logger.
-``--log-format json`` writes one JSON object a line instead (``time``, ``level``,
-``logger``, ``message``, and the fields a state change carries: ``event``,
-``datasets``, ``key``, ...), for journald's and log shippers' parsers.
-
-What it never shows: a URL's credentials (``stager.core.redact.RedactingFilter`` sits on
-every handler, so no logger, ours or uvicorn's or httpx's, can write one), and
-uvicorn's "Press CTRL+C to quit", which means nothing in a daemon's log.
-
-Where it goes: standard error. Under systemd that is the journal (it rotates it);
-``stager serve --detach`` points it at ``<runtime-dir>/stager.log``, which
-``open_log_file`` creates (0600: the log names users' datasets and sources) and
-rotates at each start, keeping ``KEEP`` earlier ones. docs/logging.md says so.
+Text lines (ISO 8601 timestamp, level, logger) or with ``--log-format json`` one JSON
+object a line. A URL's credentials never show: the redacting filter sits on every
+handler, whoever's logger writes. It goes to standard error (under systemd, the
+journal); ``--detach`` points it at a file ``open_log_file`` makes. docs/logging.md.
 """
 
 from __future__ import annotations
@@ -59,8 +50,7 @@ def json_formatter() -> logging.Formatter:
 
 
 class NoConsoleHints(logging.Filter):
-    """Drops the hints uvicorn writes for a person at a terminal ("Press CTRL+C to
-    quit", "CTRL+C to force quit"): a daemon's log is read by an admin, later."""
+    """Drops uvicorn's hints for a person at a terminal ("Press CTRL+C to quit")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         for hint in (" (Press CTRL+C to quit)", " (CTRL+C to force quit)"):
@@ -104,12 +94,9 @@ def config(settings: Settings) -> dict[str, Any]:
 
 
 def open_log_file(path: Path, keep: int = KEEP) -> int:
-    """The daemon's log file, made 0600 and opened to append; the log of an earlier
-    start moves to ``<path>.1`` (and that one to ``.2``, ..., ``keep`` of them). Returns
-    a file descriptor for the daemon's standard output and error.
-
-    The one place a log file is created: its mode is set as it is made (no moment at
-    the umask's mode) and again when it was there already."""
+    """The daemon's log file as a descriptor to append to, an earlier start's moved to
+    ``<path>.1`` (``keep`` of them). The one place a log file is made: 0600 (it names
+    users' datasets) as it is made, and again if it was there already."""
     if keep and path.exists() and path.stat().st_size:
         for index in range(keep - 1, 0, -1):
             older = path.with_name(f"{path.name}.{index}")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import functools
 import gc as collector
@@ -182,9 +181,8 @@ def serve(settings: Settings) -> None:
 
 
 def _orders_server(prefetches: object, settings: Settings) -> uvicorn.Server:
-    """The planner's port (stager.prestage.prefetch.listener) as a uvicorn server, not started:
-    the daemon's own server starts it on its loop once the app is up. Its connections
-    are bounded as the socket's are, with caps of their own."""
+    """The planner's port as a uvicorn server, which the daemon's own server starts on
+    its loop once the app is up; its connections bounded with caps of their own."""
     most = listener.MAX_CONNECTIONS
     caps = connections.Caps(total=most, per_user=most, reserve=0, ceiling=most, backlog=most)
     gate = connections.Gate(caps, settings.header_timeout_s)
@@ -215,7 +213,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._gate = gate
-        # The planner's port (stager.prestage.prefetch.listener): up once the app is, down first.
+        # The planner's port: up once the app is, down first.
         self.orders: tuple[uvicorn.Server, socket.socket] | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -283,7 +281,7 @@ def detach(settings: Settings, serve_argv: list[str], wait_s: float = 30.0) -> i
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            last = _tail(settings.log_path, 1).removeprefix("stager: ")
+            last = _last_line(settings.log_path).removeprefix("stager: ")
             raise ServeError(
                 f"the daemon exited with code {process.returncode} while starting: {last} "
                 f"(its log: {settings.log_path})"
@@ -309,18 +307,15 @@ def stop(settings: Settings, timeout: float = 15.0) -> bool:
         time.sleep(0.05)
     if pid_alive(pid):
         raise ServeError(f"daemon pid {pid} did not stop within {timeout:.0f}s; kill it by hand")
-    with contextlib.suppress(FileNotFoundError):
-        settings.pid_path.unlink()
+    settings.pid_path.unlink(missing_ok=True)
     _remove_stale_socket(settings)
     return True
 
 
 def _check_signallable(settings: Settings, pid: int) -> None:
-    """Before ``stop`` signals ``pid``: that the pid file is the folder owner's, of the
-    caller (or the caller is root), and that ``pid`` is that user's ``stager serve``
-    listening in this folder. Whoever can write the folder names the pid, and the
-    caller may be root, told of the folder by another user (stop's own hint, read from
-    a table any user can write lines into)."""
+    """That the pid file is the folder owner's, the caller's (or the caller is root),
+    and ``pid`` that user's ``stager serve`` listening here: whoever can write the
+    folder names the pid, and root may have been told of the folder by another user."""
     from stager.core import daemons
 
     path, caller = settings.pid_path, os.getuid()
@@ -370,8 +365,8 @@ def gc(settings: Settings, evict_all: bool = False) -> dict[str, object]:
     return response.json()
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def _last_line(path: Path) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return (path.read_text(errors="replace").splitlines() or [""])[-1]
     except OSError:
         return ""

@@ -1,12 +1,8 @@
 """What ``stager serve`` checks before it serves, each failure one sentence.
 
-A daemon that cannot start must say which setting is at fault and what to do,
-not print a traceback from deep inside uvicorn's lifespan. So the places it will
-write (the runtime folder, the cache and its state database), and the address it
-will listen on, are tried here first, in the order serving would meet them; the
-first failure is a ``StartError`` naming the flag and its environment variable.
-``stager serve --detach`` runs the same checks before it forks, so the person who
-typed the command reads the sentence, not a log file.
+Not a traceback from inside uvicorn's lifespan: the places it will write and the
+address it will listen on are tried first, and the first failure is a ``StartError``
+naming the flag. ``--detach`` checks before it forks, so the person reads it.
 """
 
 from __future__ import annotations
@@ -44,13 +40,10 @@ def unusable_folder(name: str, path: Path, exc: OSError) -> StartError:
 
 
 def require_held(name: str, folder: Path) -> None:
-    """Nobody but this user and root can replace ``folder`` or anything above it.
-
-    The daemon uses its folders by name for as long as it runs; a folder above them that
-    another user owns, or may write without the sticky bit (which keeps others from
-    moving what they do not own), lets that user rename the cache away and put a folder
-    of their own in its place (the default cache is under /tmp, where anyone may make
-    ``stager-UID`` first)."""
+    """Nobody but this user and root can replace ``folder`` or anything above it: a
+    folder above that another user owns, or may write without the sticky bit, lets
+    them rename the cache away and put their own in its place (the default is under
+    /tmp)."""
     uid = os.getuid()
     real = Path(os.path.realpath(folder))
     for current in (real, *real.parents):

@@ -1,16 +1,12 @@
 """What the ImageNet ops share: reading the ILSVRC2012 devkit.
 
-``torchvision.datasets.ImageNet(root, split)`` loads without touching any
-archive when ``root/meta.bin`` exists and ``root/<split>/`` is a folder. Its
-``meta.bin`` is ``torch.save((wnid_to_classes, val_wnids))`` where, from the
-devkit's ``data/meta.mat`` (the ``synsets`` struct array), the leaf synsets
-(``num_children == 0``) give ``ILSVRC2012_ID -> WNID`` and ``WNID -> words``
-split on ", ", and ``data/ILSVRC2012_validation_ground_truth.txt`` holds one
-ILSVRC2012_ID per val image, in file-name order.
-
-Reading ``meta.mat`` needs scipy, writing ``meta.bin`` needs torch; neither is a
-dependency of the daemon, so both are imported here, lazily, and their absence
-is one sentence naming the extra to install.
+``torchvision.datasets.ImageNet(root, split)`` loads without any archive when
+``root/meta.bin`` exists and ``root/<split>/`` is a folder. ``meta.bin`` is
+``torch.save((wnid_to_classes, val_wnids))``: from ``data/meta.mat``'s leaf synsets
+(``num_children == 0``) ``ILSVRC2012_ID -> WNID`` and ``WNID -> words`` split on
+", "; from ``data/ILSVRC2012_validation_ground_truth.txt`` one ID per val image, in
+file-name order. scipy and torch are no daemon dependencies: imported lazily, their
+absence one sentence naming the extra.
 """
 
 from __future__ import annotations
@@ -39,10 +35,8 @@ class Devkit:
 
 
 def check_devkit(path: str, needs_torch: bool) -> int:
-    """Pre-flight: the devkit exists and the optional packages are installed.
-
-    ``find_spec`` looks without importing: the daemon process never loads torch.
-    """
+    """Pre-flight: the devkit exists and the optional packages are installed
+    (``find_spec`` looks without importing: the daemon never loads torch)."""
     require_source(path, "ImageNet devkit")
     if importlib.util.find_spec("scipy") is None:
         raise MissingExtra(_missing("reading the ImageNet devkit's meta.mat", "scipy"))

@@ -1,26 +1,21 @@
 """Extracting an archive: the pools it runs on, its reader, and the archives inside it.
 
-The pools: for a plain tar a file is a byte range of the archive, and the pool
-is worker *processes*: what is left per file (open, copy, utime, close and the
-Python around them) is GIL-bound, so threads take turns where processes use
-every core. For compressed tars and zips a thread pool writes what the main
-thread reads (shipping the bytes to processes would cost a copy each). Worker
-processes are forked before the extraction starts any thread of its own, so they
-inherit the open archive and start in milliseconds; a small archive is not worth
-even that and stays on threads (``PROCESS_MIN_BYTES``). Extraction is CPU-bound
-(headers, decompression, per-file calls), so each pool has ``ctx.workers`` workers
-capped at the cores (:func:`stager.fs.forked.cores`): more only fight over them.
+For a plain tar a file is a byte range of the archive and the pool is worker
+*processes*: the per-file Python is GIL-bound. For compressed tars and zips a thread
+pool writes what the main thread reads (shipping bytes to processes costs a copy).
+Processes are forked before the extraction starts a thread of its own, so they
+inherit the open archive; a small archive stays on threads (``PROCESS_MIN_BYTES``).
+Each pool has ``ctx.workers`` workers capped at the cores
+(:func:`stager.fs.forked.cores`).
 
-Nested archives (``nested``): inside a plain tar (ImageNet's 1,000 class tars)
-they are read in place from their byte range, each extracted whole by one worker
-of the pool, and never written to disk. Inside a compressed tar or a zip they are
-written as files first, then extracted and removed once the outer archive is done.
+Nested archives inside a plain tar (ImageNet's class tars) are read in place, each
+extracted whole by one worker; inside a compressed tar or a zip they are written as
+files first, extracted and removed once the outer archive is done.
 
-What it leaves is counted as it is written (the writer's ``made``): the bytes of
-its files and symlinks, so a fresh tree is sealed without a ``stat`` of each file
-(:mod:`stager.staging.worker`). Where an inner archive was extracted the count is not
-kept (an inner archive writes under folders the outer one may fill or replace
-meanwhile): the extraction says None, and the tree is measured instead.
+What it leaves is counted as written (the writer's ``made``), so a fresh tree is
+sealed without a ``stat`` of each file. Where an inner archive was extracted the
+count is None (it writes under folders the outer one may replace) and the tree is
+measured instead.
 """
 
 from __future__ import annotations
@@ -67,12 +62,9 @@ def extract_archive(
 ) -> int | KnownTree | None:
     """Extract ``archive`` (a whole open file) under ``dest``, dropping ``strip``
     leading components of member names; with ``nested``, archives inside it too.
-
-    Returns the bytes of the files and symlinks it left under ``dest`` (less those of
-    what they replaced), as ``stager.fs.sizes.sum_sizes`` counts them; None where an
-    inner archive was extracted (see the module's docstring); where GNU tars wrote the
-    whole archive into an empty ``dest`` (stager.archive.split_tar), every entry and
-    folder under ``dest`` as well (a ``KnownTree``)."""
+    Returns the bytes it left (as ``sum_sizes`` counts them), None where an inner
+    archive was extracted, or a ``KnownTree`` where GNU tars wrote the whole archive
+    into an empty ``dest`` (stager.archive.split_tar)."""
     job = ExtractJob(ctx, strip, nested)
     # Growing: never fork worker processes while the download's thread runs.
     size = archive.length if archive.growing is None else 0

@@ -118,17 +118,12 @@ def resolve_format(path: str, requested: str, head: bytes) -> str:
 
 
 def open_decompressed(raw: BinaryIO, fmt: str, read_ahead: bool = False) -> BinaryIO:
-    """A readable stream of the tar inside a compressed archive read from ``raw``.
+    """A readable stream of the tar inside a compressed archive read from ``raw`` (a
+    plain tar: ``raw`` itself). The stream must be closed: that stops its thread.
 
-    gzip goes through python-isal: about 1.5x faster than zlib here, with the
-    same error types as :mod:`gzip`, and (unlike rapidgzip) a truncated stream
-    raises instead of ending quietly, which a staging tool must notice. With
-    ``read_ahead`` (an extraction, which reads the whole stream) a thread of
-    isal's decompresses the next blocks while the caller parses headers and
-    hands out files (its errors are raised by the read that reaches them); a
-    check that reads a few KiB does without it, as it would read megabytes ahead.
-    The stream must be closed: that stops the thread. A plain tar is ``raw`` itself
-    (a download still arriving is read as a stream, whatever its format).
+    gzip goes through python-isal: ~1.5x faster than zlib, and (unlike rapidgzip) a
+    truncated stream raises instead of ending quietly. With ``read_ahead`` (an
+    extraction, not a check that reads a few KiB) an isal thread decompresses ahead.
     """
     if fmt == "tar":
         return raw
@@ -199,13 +194,8 @@ def read_first_header(raw: io.RawIOBase, fmt: str) -> None:
 
 
 class _SmallReads(io.RawIOBase):
-    """``raw``, handing out at most ``_SIP`` bytes per read.
-
-    Decompressors fill large buffers (igzip 512 KiB, zstd 1 MiB) where the check
-    needs the first 512 bytes of output: a few KiB of input for gzip, xz and zstd
-    (bz2 decodes whole blocks, up to 900 kB of input, and still reads what it needs).
-    A short read makes them ask again only when they need more.
-    """
+    """``raw``, handing out at most ``_SIP`` bytes per read: decompressors fill large
+    buffers (igzip 512 KiB, zstd 1 MiB) where the check needs 512 bytes of output."""
 
     _SIP = 16 << 10
 
@@ -221,14 +211,10 @@ class _SmallReads(io.RawIOBase):
 
 
 class StreamReader(io.RawIOBase):
-    """A forward-seekable file over a decompressed stream, for ``tarfile`` mode 'r:'.
-
-    tarfile's random-access mode is the fast one (it seeks over file data
-    instead of reading it through its small stream buffer), but it seeks one
-    byte back before each header; keeping the previous chunk makes that cheap,
-    where ``bz2``/``lzma`` file objects would rewind to the start. Data is
-    handed out as slices of large chunks, so per-call overhead stays low.
-    """
+    """A forward-seekable file over a decompressed stream, for ``tarfile`` mode 'r:'
+    (the fast one: it seeks over file data). tarfile seeks one byte back before each
+    header: the previous chunk is kept for that, where ``bz2``/``lzma`` files would
+    rewind to the start."""
 
     def __init__(self, stream: BinaryIO, raw: BinaryIO, arriving: bool = False) -> None:
         super().__init__()

@@ -1,18 +1,13 @@
 """A file that a download is still writing, read as it grows.
 
-An archive is extracted while it downloads (:mod:`stager.staging.overlap`) by reading
-the download's file through a :class:`GrowingFile`: at the end of the bytes
-written so far a read waits until more arrive, the download ends (then the end of
-the file is the end of the archive) or fails (then the read raises).
+An archive is extracted while it downloads (:mod:`stager.staging.overlap`) through a
+:class:`GrowingFile`: a read at the end of the bytes so far waits until more arrive,
+the download ends (the end of the file is then the archive's) or fails (it raises).
 
-What is read must be the finished file's bytes, so:
-
-- The download only appends. Starting over from byte 0 (the server ignored the
-  range, or the partial file no longer matched the server's) begins a new
-  *generation*; a reader of an older one raises :class:`StartOver` and the
-  extraction starts again from the first byte of the new one.
-- At its end a reader holds the finished file itself: the inode the download
-  renamed into place, in the generation the download ended with.
+What is read must be the finished file's bytes: the download only appends; starting
+over from byte 0 begins a new *generation*, and a reader of an older one raises
+:class:`StartOver`. At its end a reader holds the inode the download renamed into
+place, in the generation the download ended with.
 
 The download's side is :class:`Growth` (``writing``, ``wrote``, ``end``); the
 reader's side is ``Growth.open()``.
@@ -52,10 +47,7 @@ class DownloadFailed(Exception):
 
 class Growth:
     """One download's file as it grows: told by the download, read by the extraction.
-
-    ``part`` is the file the download appends to, ``final`` the name it is renamed
-    to when complete (and verified).
-    """
+    ``part`` is the file appended to, ``final`` its name once complete and verified."""
 
     def __init__(self, part: Path, final: Path, cancel: CancelFlag) -> None:
         self.part, self.final = part, final
@@ -138,14 +130,11 @@ class Growth:
 
 
 class GrowingFile(io.RawIOBase):
-    """A sequential reader of a download's file that waits at the end of what is there
-    (see the module docstring).
+    """A sequential reader of a download's file that waits at the end of what is there.
 
-    ``close`` stops reads (one that waits, in any thread, within ``POLL_S``): a
-    decompressor's read-ahead thread may be waiting when the extraction fails. The
-    descriptor stays open until ``release``, called once no thread can read it any more
-    (closing it under a read could hand that read another file's descriptor).
-    """
+    ``close`` stops reads (a waiting one within ``POLL_S``: a decompressor's read-ahead
+    thread may be waiting). The descriptor stays open until ``release``, once no thread
+    can read it (closed under a read, it could hand that read another file)."""
 
     def __init__(self, growth: Growth, fd: int, generation: int) -> None:
         super().__init__()

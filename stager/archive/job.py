@@ -1,12 +1,9 @@
 """One extraction's job, and what the tar and zip readers share.
 
-An archive is read as a byte range of an open file (:class:`Archive`): a whole
-file, or a member of a plain tar that is itself an archive, read in place. The
-job (:class:`ExtractJob`) carries what the readers of one extraction share: the
-context it reports to, the pools it writes on, and the archives inside it still
-being extracted. Links of either format are judged by :func:`judge_link`, and
-library errors become the daemon's in :func:`translate`, the one place that maps
-them.
+An archive is a byte range of an open file (:class:`Archive`). The job
+(:class:`ExtractJob`) carries the context, the pools, and the inner archives still
+being extracted. Links are judged by :func:`judge_link`; library errors become the
+daemon's in :func:`translate`, the one place that maps them.
 """
 
 from __future__ import annotations
@@ -65,11 +62,8 @@ class InnerContext:
 
 @dataclass
 class Archive:
-    """An archive as a byte range of an open file: a whole file or a nested member.
-
-    Or a download still arriving (``growing``, see :mod:`stager.archive.growing`): read
-    once from start to end as a stream, its ``length`` unknown (0) until it ends.
-    """
+    """An archive as a byte range of an open file: a whole file or a nested member;
+    or a download still arriving (``growing``), read once as a stream, ``length`` 0."""
 
     fd: int
     base: int
@@ -130,10 +124,8 @@ def nested_suffix(rel: str) -> str | None:
 
 
 class RangeFile(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes at ``base`` of a descriptor.
-
-    ``pread`` keeps one shared descriptor usable from many threads at once.
-    """
+    """A read-only, seekable view of ``length`` bytes at ``base`` of a descriptor
+    (``pread``: one descriptor shared by many threads)."""
 
     def __init__(self, fd: int, base: int, length: int) -> None:
         super().__init__()
@@ -164,14 +156,11 @@ class RangeFile(io.RawIOBase):
 
 def judge_link(rel: str, target: str, hard: bool, root: str, archive: str, label: str) -> None:
     """Refuse a link (of a tar or a zip) at ``rel`` whose ``target`` is absolute, cannot
-    be a path, or resolves outside ``root``; ``label`` is the member's name as the
-    archive gives it, for the error.
+    be a path, or resolves outside ``root``; ``label`` names the member in the error.
 
-    The rule of tarfile's data filter (Python 3.12), written here so that every
-    interpreter judges alike: ``tarfile.data_filter`` is not in Python before 3.11.4
-    (Debian 12 has 3.11.2). A hard link's target is relative to ``root``, a symlink's
-    to its own folder; both are resolved as they stand on disk now (``realpath``), and
-    so is the link's own folder.
+    tarfile's data filter's rule, written here since Debian 12's Python 3.11.2 lacks
+    it. A hard link's target is relative to ``root``, a symlink's to its folder; both
+    resolved as they stand on disk now (``realpath``).
     """
     if "\0" in target:
         raise unsafe(archive, label, NUL_IN_NAME)

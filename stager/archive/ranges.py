@@ -1,32 +1,25 @@
 """Byte ranges of growing files: a large file goes out while it is still being written.
 
-Early parts (:mod:`stager.fanout.early`) carry whole files that the staging finished.
-A staging that writes one large file (a download, the copy of an
-``ILSVRC2012_img_train.tar``) finishes it only at its end, so without ranges that
-file would go out after the staging, one whole send later. So the bytes of a file
-still being written go out as they come, in *range parts*: plain tars whose every
-member is a range of a file, a regular member named by the file's path, with pax
+Early parts (:mod:`stager.fanout.early`) carry whole files the staging finished; a
+staging that writes one large file finishes it only at its end. So the bytes of a
+file still being written go out as they come, in *range parts*: plain tars whose every
+member is a range of a file, named by its path, its mtime the file's then, with pax
 records
 
 - ``STAGER.range.offset``: where its bytes go in the file (0: the file starts over);
 - ``STAGER.range.from``: the path the receiver holds the file under, when the staging
   renamed it since its last range (a download's ``x.part`` that became ``x``).
 
-The member's mtime is the file's as it was then.
+The sender keeps, for each file, the bytes sent and their sha256 (:class:`Growing`),
+by inode. A range continues where the last ended, but a file's end is never taken on
+trust: before its last range the bytes sent are read again and must hash as they did,
+or the file starts over from byte 0. The manifest of the ready tree then decides on
+the receiving node (stager.ops.adopt).
 
-The sender keeps, for each file it sends in ranges, how many bytes went and their
-sha256 (:class:`Growing`), by inode, so a rename does not lose it. A range continues
-where the last one ended; only a sequential writer's bytes are taken on trust that
-way, never a file's end: before a file's last range (once it settled, or once the
-tree is ready), the bytes already sent are read again and must hash as they did, or
-the file starts over from byte 0 (sent again). The manifest, written from the ready
-tree, then decides on the receiving node as for every file (stager.ops.adopt).
-
-A receiver writes each range at its offset of the file at that path (folders on the
-way are never links, and neither is the file), and a range must continue exactly
-what came before, in the very file the earlier ranges wrote (no gap, no overlap, no
-file put there meanwhile); anything else fails the adoption, which then stages from
-the source. Once every part came, the assembled files take the published mode.
+A receiver writes each range at its offset of the file at that path (no links on the
+way), and it must continue exactly what came before, in the very file the earlier
+ranges wrote; anything else fails the adoption, which then stages from the source.
+Once every part came, the assembled files take the published mode.
 """
 
 from __future__ import annotations
@@ -148,11 +141,10 @@ def next_range(
     held: dict[str, int],
 ) -> Range | None:
     """The next range of the file at ``path`` (``info``), at most ``room`` bytes: where
-    its ranges so far (``growing``) ended, or from byte 0 if the file is new, shrank,
-    was renamed onto a path where the receivers hold another file's copy (``held``:
-    each booked file's inode by the path of its copy), or (``ends``: it is complete)
-    no longer starts with what was sent. None when it has nothing worth a range yet:
-    a file still written sends only whole ``room``s."""
+    its ranges (``growing``) ended, or from byte 0 if the file is new, shrank, was
+    renamed onto another file's copy (``held``: inodes by path), or (``ends``: it is
+    complete) no longer starts as sent. None while a file still written lacks a whole
+    ``room``."""
     if growing is not None and (info.st_size < growing.sent or _onto_another(path, info, held)):
         growing.start_over(path)
     if growing is not None and ends and info.st_size - growing.sent <= room:

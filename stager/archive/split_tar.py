@@ -7,31 +7,23 @@ of a 200,000-file archive. Here the reading process only checks headers and make
 folders, and the files go to ``cores`` GNU tar processes through pipes, each
 given whole runs of members.
 
-Why what a tar writes is exactly what was checked here: every header is read
-here before any byte of it is sent (a ustar or GNU header with a good checksum, a
-regular file or a folder, strictly octal numbers as GNU tar reads them, a clean
-relative name, data inside the archive); each tar gets whole members, so from
-one checked header it finds the next at the offset found here, and from nothing
-else. The headers a tar reads are the very bytes checked (the window they were read
-in, written into its pipe); only a file's data past that window is spliced from the
-archive, so an archive rewritten meanwhile (a user's file, read by the root-run
-service) changes at most a file's content, never what a member is (a device node,
-a link), and the op's check that the archive did not change (every verify level but
-``none``) fails the staging.
-Only regular files go to the tars: folders are made here, in archive order, before
-the files below them are sent, so a tar never creates a folder.
+Why what a tar writes is exactly what was checked here: every header is checked
+here (a ustar or GNU header with a good checksum, a regular file or a folder, octal
+numbers as GNU tar reads them, a clean relative name, data inside the archive)
+before it is sent, and a tar reads those very bytes (the window they were checked
+in, written into its pipe), whole members only. Only a file's data past the window
+is spliced from the archive, so an archive rewritten meanwhile changes at most a
+file's content, never what a member is, and the op's check that the archive did
+not change fails the staging. Folders are made here, in archive order, so a tar
+never creates one.
 
-What may differ between the tars and the ordered writer is refused rather than
-reasoned about: the destination must start empty and the tars run with
-``--keep-old-files``, so any name written twice (a later copy of a member, a file
-where a folder is) fails a tar; then everything written here is removed and the
-caller extracts the whole archive with the ordered writer, which gives the result
-and the error that every other archive gets. A member whose mode is not readable
-by everyone, or has a set-id or sticky bit, ends the run here (the ordered writer
-takes the rest), so that the tars' ``umask 0333`` gives every file 0444, as the
-writer creates them. The first member of any other kind (a link, a pax or GNU long
-name header, a sparse file) ends the run too; the ordered writer goes on from it,
-knowing the folders made here.
+What may differ from the ordered writer is refused rather than reasoned about: the
+destination starts empty and the tars run with ``--keep-old-files``, so a name
+written twice fails a tar; then everything here is removed and the ordered writer
+extracts the whole archive. A mode not readable by everyone, or with a set-id or
+sticky bit, ends the run (the tars' ``umask 0333`` must give 0444), as does any
+other kind of member (a link, a pax or long-name header, a sparse file): the ordered
+writer goes on from it, knowing the folders made here.
 """
 
 from __future__ import annotations
@@ -67,11 +59,9 @@ CHUNK_BYTES = 4 << 20
 # A chunk ends where a new folder starts once it holds this many files: two tars
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
-# The tars are for small files: there a file's cost is its system calls, which two
-# tars make side by side. From ~8 KiB a file the ordered writer is faster (its
-# workers copy in the kernel, copy_file_range; through the tars' pipes every byte is
-# copied twice more): once the files sent average more than SMALL bytes (judged
-# from SAMPLE_FILES on), the writer takes the rest.
+# From ~8 KiB a file the ordered writer is faster (copy_file_range; through the tars'
+# pipes every byte is copied twice more): once the files sent average more than SMALL
+# bytes (judged from SAMPLE_FILES on), the writer takes the rest.
 SMALL = 4 << 10
 SAMPLE_FILES = 256
 # Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
@@ -80,15 +70,11 @@ AHEAD_BYTES = 32 << 20
 _TAR_UMASK = 0o333  # with the modes _FILE takes: every file 0444, as the writer's
 _BLOCK = tar_members.BLOCK
 _WINDOW = 64 << 10  # headers are read a window at a time, as tar_members.Blocks does
-# Bytes 100-265 of a header as GNU tar, Python's tarfile and libarchive write a plain
-# file's or a folder's, and only that layout (any other is the ordered reader's):
-# numbers in octal digits, as GNU tar reads them too (Python's int() would also take
-# a sign or underscores); no link name; the ustar or GNU magic. A file's mode is
-# readable by all with no set-id or sticky bit (the fourth digit from the end 0, the
-# last three 4-7), so that the tars' umask 0333 leaves exactly 0444; group 1 is its
-# size. A folder's mode is any, in the same digits (the writer reads it, and fails on
-# what is not a number), its size 0; group 1 is its mtime. Group 2: the checksum; 3:
-# the magic.
+# Bytes 100-265 of a plain file's or a folder's header as GNU tar, tarfile and
+# libarchive write it, and only that layout: octal digits (int() would also take a sign
+# or underscores), no link name, the ustar or GNU magic. A file's mode is readable by
+# all with no set-id or sticky bit, so the umask 0333 leaves exactly 0444. Group 1: a
+# file's size or a folder's mtime; 2: the checksum; 3: the magic.
 _POSIX = b"ustar\x0000"
 _MAGIC = rb"(ustar\x0000|ustar  \0)"
 _FILE = re.compile(
@@ -101,11 +87,10 @@ _FOLDER = re.compile(
     + _MAGIC,
     re.DOTALL,
 )
-# A name the ordered writer takes as it is (ArchiveWriter.clean_name): relative, no
-# empty, "." or ".." component, no drive letter (the writer takes any letter, up to
-# four UTF-8 bytes, before a ":": a ":" in the first five bytes is its to judge); "./"
-# in front is dropped (group 1 is the rest) and a trailing "/" (group 2) is a folder's.
-# It ends at a NUL or at the field's end.
+# A name the ordered writer takes as it is (writer.clean_name): relative, no empty, "."
+# or ".." component, no ":" in the first five bytes (a drive letter is the writer's to
+# judge); "./" in front is dropped (group 1 is the rest); a trailing "/" (group 2) is a
+# folder's. It ends at a NUL or at the field's end.
 _COMPONENT = rb"(?!\.\.?(?:/|\0|\Z))[^/\0]+"
 _NAME = re.compile(
     rb"(?:\./)?((?![\\/])(?![^/\0]{1,4}:)"
@@ -129,9 +114,8 @@ class Head:
     folder_bytes: int = 0  # of folder headers, counted as progress here
     folders: set[str] = field(default_factory=set)
     folder_mtimes: dict[str, float] = field(default_factory=dict)
-    # Bytes of the folder names kept above, bounded as the writer bounds what it keeps
-    # (HELD_NAMES_BYTES): past it the head stops, and the writer, taking the folders
-    # over, refuses the archive with its sentence.
+    # Bytes of the folder names kept above: past HELD_NAMES_BYTES the head stops, and
+    # the writer, taking the folders over, refuses the archive.
     held: int = 0
 
 
@@ -191,12 +175,8 @@ def _read_headers(
 ) -> None:
     """Check headers from the first, make folders and send files to ``tars``, up to
     the first member that is not a plain file or folder (see _FILE, _FOLDER) or the
-    end marker. The loop a 200,000-file archive runs 200,000 times: kept flat.
-
-    A file goes to a tar as the bytes of the window its header was checked in (the
-    header, and what of its data the window holds) and, past the window, the rest of
-    its data from the archive (``splice``): every header a tar reads is one checked
-    here, whatever happens to the archive meanwhile."""
+    end marker. The loop a 200,000-file archive runs 200,000 times: kept flat. A file
+    goes as the window its header was checked in, then the rest of its data spliced."""
     fd, base, length = archive.fd, archive.base, archive.length
     folders, mtimes = head.folders, head.folder_mtimes
     folders.add("")
@@ -302,12 +282,9 @@ def _text(name: bytes) -> str:
 
 
 def _make_folders(dest: str, rel: str, head: Head, progress: ProgressSink) -> bool:
-    """``rel`` and its parents as real folders, each charged as it is made (see
-    stager.fs.sizes.FOLDER_BYTES) and its name kept in ``head``; False where a component
-    is something else (a file a tar wrote), or where keeping its name would pass
-    HELD_NAMES_BYTES: the ordered writer decides what follows. A loop up to the nearest
-    folder made, then down: a ustar name (256 bytes at most) is shallow, but no stack
-    grows."""
+    """``rel`` and its parents as real folders, each charged as it is made and its name
+    kept in ``head``; False where a component is something else (a file a tar wrote),
+    or past HELD_NAMES_BYTES: the ordered writer decides what follows."""
     folders = head.folders
     missing = []
     while rel not in folders:
@@ -337,11 +314,9 @@ def _empty(dest: str) -> None:
 
 
 class _Tars:
-    """GNU tars reading members from pipes that this thread fills without blocking
-    (``write`` and ``splice`` on non-blocking pipes): a chunk goes to the tar with
-    the least waiting, the header loop waits for the tars only once AHEAD_BYTES wait
-    for them, and no thread of ours hands data over. Started at the first chunk, so an
-    archive that starts with another kind of member costs nothing."""
+    """GNU tars reading members from non-blocking pipes this thread fills (``write``,
+    ``splice``): a chunk goes to the tar with the least waiting, and the header loop
+    waits only once AHEAD_BYTES wait. Started at the first chunk."""
 
     def __init__(self, count: int, dest: str, archive: Archive, ctx: ExtractContext) -> None:
         self._count, self._dest, self._archive, self._ctx = count, dest, archive, ctx
@@ -365,11 +340,9 @@ class _Tars:
     def _drain(self, ahead: int) -> None:
         """Pump until at most ``ahead`` bytes wait for the tars: the headers read here
         stay close to what the tars read, so the archive's pages are read once even
-        where it is larger than the memory (a page read for a header and evicted
-        before a tar takes it would be read from the storage again), and the windows
-        held for the tars stay few. A pipe holds ~1 MiB, a few milliseconds of a tar's
-        work: a nap between pumps keeps them fed, where waiting for room in a pipe
-        would wake this thread for every page a tar reads."""
+        where it is larger than the memory. A pipe holds ~1 MiB, a few milliseconds of
+        a tar's work: a nap between pumps keeps them fed, where waiting for room in a
+        pipe would wake this thread for every page a tar reads."""
         self._pump()
         while sum(tar.waiting for tar in self._tars if tar.pipe >= 0) > ahead:
             time.sleep(_NAP_S)

@@ -1,22 +1,15 @@
 """Members of a tar archive, read quickly and checked to its end.
 
-``tarfile`` turns a 512-byte header into a ``TarInfo`` in about 12 us, reading
-thirteen fields and computing two checksums; an image dataset's tar has
-millions of members, and the header loop is the one part of an extraction that
-cannot run in parallel (each header says where the next one is). So the
-commonest header (a regular file or directory in ustar or GNU format, octal
-fields, no pax or GNU extensions) is read here in about 3 us, taking only what
-extraction uses: name, type, mode, size, mtime. Everything else (pax and GNU
-long names, links, sparse files, base-256 numbers, old V7 headers) is left to
-``tarfile`` itself, at that offset, so the two readers never disagree on where a
-member starts. tests/stager/archive/test_tar_members.py holds them to the same
-results.
+``tarfile`` turns a header into a ``TarInfo`` in about 12 us, and the header loop is
+the one part of an extraction that cannot run in parallel. So the commonest header (a
+regular file or folder in ustar or GNU format, octal fields, no extensions) is read
+here in about 3 us, taking only name, type, mode, size, mtime. Everything else is left
+to ``tarfile`` at that offset, so the two never disagree on where a member starts
+(tests/stager/archive/test_tar_members.py holds them to the same results).
 
-The end is checked too: ``tarfile`` stops quietly at a header it cannot read,
-or at the end of the data, so a tar cut short between two members would
-extract "successfully". GNU tar calls that an unexpected end of the archive,
-and so does this module: the members must be followed by an end-of-archive
-(zero) block.
+``tarfile`` stops quietly at a header it cannot read or at the end of the data, so a
+tar cut short between two members would extract "successfully"; as with GNU tar, the
+members here must be followed by an end-of-archive (zero) block.
 """
 
 from __future__ import annotations
@@ -63,13 +56,11 @@ def members(
     start: int = 0,
 ) -> Iterator[tuple[tarfile.TarInfo, int]]:
     """Yield ``(member, offset of the next header)`` for every member of ``tar`` from
-    the header at ``start`` (a member's, or the end marker's).
+    the header at ``start``; ``tarfile.ReadError`` if it ends without its end marker.
 
-    ``headers`` is the seekable file ``tar`` reads (the same one, so that both
-    readers share its buffer); ``blocks``, for a plain tar read by offset, serves the
-    headers this module reads itself from larger windows (``headers`` then serves
-    only tarfile). ``check`` runs before each member (cancellation).
-    Raises ``tarfile.ReadError`` if the archive ends without its end marker.
+    ``headers`` is the seekable file ``tar`` reads (both readers share its buffer);
+    ``blocks``, for a plain tar, serves this module's own headers from larger windows.
+    ``check`` runs before each member (cancellation).
     """
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened

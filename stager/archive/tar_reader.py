@@ -1,14 +1,11 @@
 """Reading a tar (plain or compressed) into the writer, member by member.
 
-The main thread only reads headers (common ones in :mod:`stager.archive.tar_members`,
-the rest with ``tarfile`` in random-access mode) and hands files to the writer,
-which writes them on a pool in batches. For a plain tar a file is a byte range of
-the archive, copied by ``os.copy_file_range`` without passing through Python. For
-a compressed tar the main thread reads the decompressed stream in chunks (gzip:
-python-isal inflates ahead on a thread of its own) and the writer gets the bytes;
-a member larger than ``INLINE_BYTES`` is written by the main thread straight from
-the stream instead. Sparse members keep their holes, as GNU tar leaves them, and
-GNU's own member types are handled as GNU tar handles them.
+The main thread reads headers (common ones in :mod:`stager.archive.tar_members`, the
+rest with ``tarfile``) and hands files to the writer's pool in batches. A plain tar's
+file is a byte range, copied by ``copy_file_range``. A compressed tar's stream is read
+in chunks (gzip: python-isal inflates ahead on its own thread); a member larger than
+``INLINE_BYTES`` is written by the main thread straight from the stream. Sparse
+members and GNU's own types end as GNU tar leaves them.
 """
 
 from __future__ import annotations
@@ -28,10 +25,12 @@ from stager.archive.writer import (
     Payload,
     SparseRanges,
     Wrote,
-    file_mode,
+    clean_name,
     unsafe,
+    write_all,
 )
 from stager.core.errors import UnknownFormat
+from stager.fs.seal import FILE_MODE
 
 # Members of compressed tars larger than this are written by the main thread
 # straight from the stream, so a 10 GB member never sits in memory whole.
@@ -82,12 +81,12 @@ def read_tar(
                 now = stream.compressed_pos() if stream else next_header
                 share, consumed = now - consumed, now
                 if ranges and member.__class__ is fast and member.type != dirtype:
-                    rel = writer.clean_name(member.name, strip)
+                    rel = clean_name(writer.archive, member.name, strip)
                     if rel is not None:
                         size = member.size
                         if member.offset_data + size > archive.length:
                             require_inside(archive, member, size)
-                        offset, mode = base + member.offset_data, file_mode(member.mode)
+                        offset, mode = base + member.offset_data, FILE_MODE
                         writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
                         continue
                 _tar_member(job, archive, writer, tar, stream, member, strip, share, start_inner)
@@ -137,7 +136,7 @@ def _tar_member(
             f"archive {archive.label} holds an obsolete GNU 'names' member {member.name!r}; "
             "re-create the archive with a current tar"
         )
-    rel = None if member.type == VOLUME_LABEL else writer.clean_name(member.name, strip)
+    rel = None if member.type == VOLUME_LABEL else clean_name(writer.archive, member.name, strip)
     if rel is None:  # stripped away, the archive's own folder, or a volume label
         job.ctx.progress.advance(share, 0)
         return
@@ -150,12 +149,12 @@ def _tar_member(
             if member.offset_data + member.size > archive.length:
                 require_inside(archive, member, member.size)
             offset = archive.base + member.offset_data
-            mode, size = file_mode(member.mode), member.size
+            mode, size = FILE_MODE, member.size
             rel = writer.range_file(rel, mode, member.mtime, archive.fd, offset, size, share)
             return
         payload = _tar_payload(archive, tar, stream, member)
         inline = callable(payload)
-        rel = writer.file(rel, file_mode(member.mode), member.mtime, payload, share, inline)
+        rel = writer.file(rel, FILE_MODE, member.mtime, payload, share, inline)
         if start_inner is not None and stream is not None and nested_suffix(rel):
             job.note_written_inner(writer.root, rel, archive)
         return
@@ -166,7 +165,9 @@ def _tar_member(
         judge_link(rel, member.linkname, False, writer.root, archive.label, member.name)
         writer.symlink(rel, member.linkname, member.mtime)
     elif member.islnk():
-        target = writer.clean_name(member.linkname, strip, f"{member.name} -> {member.linkname}")
+        target = clean_name(
+            writer.archive, member.linkname, strip, f"{member.name} -> {member.linkname}"
+        )
         if target is not None:
             judge_link(rel, target, True, writer.root, archive.label, member.name)
             writer.hardlink(rel, target)
@@ -236,9 +237,7 @@ def _stream_into(stream: StreamReader, fd: int, size: int, digest: Any, wrote: W
         data = stream.read(min(left, STREAM_CHUNK))
         if not data:
             raise EOFError("archive ended inside a member")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         if digest is not None:
             digest.update(data)
         left -= len(data)

@@ -3,48 +3,37 @@
 Why files never land outside the destination, whatever the member order:
 
 * member names are checked lexically (relative, no ``..``) before anything;
-* every parent directory is created here and checked with ``lstat`` once, so
-  no component of a file's path is a symlink on disk (a leftover one from an
-  earlier, interrupted run is replaced by a real directory);
-* archive symlinks are created only after every file has been written. A member
-  *under* one of them is placed where GNU tar would put it (through the link),
-  but by resolving the archive's own link targets here, and only for targets
-  GNU tar itself creates at once (relative, no ``..``): nothing is ever written
-  through a link on disk. Every symlink is re-resolved once all exist, which
-  catches chains that only escape together;
-* links are judged by :func:`stager.archive.job.judge_link` (by the caller), and a hard link's
-  target must be a regular file reached through directories made here.
+* every parent folder is made here and checked with ``lstat`` once, so no component
+  of a file's path is a symlink on disk (a leftover one is replaced by a folder);
+* archive symlinks are made only after every file. A member *under* one is placed
+  where GNU tar would put it by resolving the archive's own link targets here, only
+  for targets GNU tar makes at once (relative, no ``..``): nothing is written through
+  a link on disk. Every symlink is re-resolved once all exist (chains that escape
+  together);
+* links are judged by :func:`stager.archive.job.judge_link`; a hard link's target must
+  be a regular file reached through folders made here.
 
-Members that name the same path again (``tar -u``/``-r`` appends, replaced
-types) end as GNU tar leaves them: the last one wins; a file replaces what was
-there (unlink, then create: a hard link made earlier keeps the old content); a
-folder replaces a file or a symlink; an empty folder is replaced by a file or a
-symlink, a non-empty one is refused, as GNU tar fails there too.
+Members that name a path again end as GNU tar leaves them: the last one wins; a file
+replaces what was there (unlink, then create: an earlier hard link keeps the old
+content); a folder replaces a file or a symlink; an empty folder is replaced by a file
+or a symlink, a non-empty one refused, as GNU tar fails there too.
 
-Regular files are written on a pool in batches: per-task overhead of an
-executor (~20 us for threads, more for processes) is as much as writing a small
-file, so one task carries many files. The pool is threads, or processes when
-every payload is a byte range of the archive (a plain tar): then the per-file
-Python work runs on every core instead of taking turns under one GIL. Order is
-kept without a record of every file: only the names of batches still in flight
-are remembered, and a member whose name (or hard-link target) is in one of them
-waits for that batch. Progress is counted here, when a batch is done.
+Files are written on a pool in batches (an executor's per-task cost is a small file's
+write): threads, or processes for a plain tar's byte ranges, so the per-file Python
+runs on every core. Only the names of batches in flight are remembered; a member whose
+name (or hard-link target) is in one waits for that batch.
 
-The writer also counts the bytes it leaves (``made``: each file and symlink by its
-``lstat`` size, as :func:`stager.fs.sizes.sum_sizes` counts a tree), so a fresh
-tree need not be measured again: a name is only ever created new (``O_EXCL``, a
-symlink, a link), never written into, so its size is fixed when it is made; what
-a new entry replaces is measured as it is removed and taken off again. The count
-is reported as it grows (a staging's write bound stops it there): per batch, and for
-a member streamed from a compressed tar or a zip per chunk as it lands (on the
-reading thread, or a pool thread), since its header may claim far more than the room
-left. What a member replaces is never taken off what was reported: removing a name
-frees nothing while a hard link holds its file, so the bound counts writes alone.
+Every file is created 0444 (``FILE_MODE``), whatever the member says, so sealing
+the tree has no file to change (stager.fs.seal).
 
-With ``verify`` (the request's ``verify: sha256``) every file is read back
-after it is written and its SHA-256 compared with that of the member's bytes as
-read from the archive; hard links and symlinks are checked to be what the
-archive says.
+The writer counts the bytes it leaves (``made``, as :func:`stager.fs.sizes.sum_sizes`
+counts a tree): a name is only ever created new, never written into, so its size is
+fixed when made. The count is reported as it grows, a streamed member's per chunk,
+so a staging's write bound stops a member whose header lies mid-way. What a member
+replaces is never taken off what was reported: a hard link may still hold it.
+
+With ``verify: sha256`` every file is read back and compared with the member's bytes;
+hard links and symlinks are checked to be what the archive says.
 """
 
 from __future__ import annotations
@@ -65,17 +54,15 @@ from typing import Any, Protocol
 from stager.core.errors import UnsafeArchiveMember, VerifyFailed
 from stager.core.processes import ThreadPool
 from stager.fs.fastcopy import READ_CHUNK, copy_range
-from stager.fs.seal import FILE_MODE
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
 from stager.wire.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-# 1,024 files a batch: the per-batch cost of a process pool (a future, a pickle, thread
-# hand-offs in the reading process) is paid once per 1,024 small files; and with
-# folders of ~1,000 files, two workers mostly write into different folders instead of
-# taking turns on one folder's lock.
+# 1,024 files a batch: a process pool's per-batch cost (a future, a pickle, hand-offs)
+# paid once per 1,024 small files; with folders of ~1,000 files, two workers mostly
+# write into different folders instead of taking turns on one folder's lock.
 _BATCH_FILES = 1024
 BATCH_BYTES = 8 << 20  # of payloads held in memory (compressed archives)
 # Members up to this size are written from one read of the archive per batch (a write
@@ -87,15 +74,11 @@ _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 GNU_FAILS_TOO = "GNU tar fails here too"
 # The longest path, in bytes, a member may be given (PATH_MAX less its NUL).
 PATH_MAX = 4095
-# The most components a member's path may have. No dataset comes near it (ImageNet's
-# are 2 deep); a path of 4095 bytes may have 2,048, and every walk over a tree that deep
-# pays for its depth (the kernel's path lookups, a recursive rmtree's frames). A name of
-# under 1,024 bytes (clean_name's fast path) cannot pass it.
+# The most components a member's path may have (ImageNet's are 2 deep): every walk over
+# a tree pays for its depth. A name under 1,024 bytes (clean_name's fast path) cannot pass it.
 MAX_DEPTH = 512
-# The most bytes of folder and link names one archive's writer keeps (each name's
-# path and ``_HELD_OVERHEAD`` for the objects holding it): 400,000 folders of short
-# names, 100,000 of 500-byte paths; what keeps the staging process's memory bounded whatever
-# the archive's depth and count (a folder also counts against the inode quota).
+# The most bytes of folder and link names one archive's writer keeps (each name's path
+# and ``_HELD_OVERHEAD``): bounds the staging process's memory whatever the archive.
 HELD_NAMES_BYTES = 64 << 20
 _HELD_OVERHEAD = 120
 
@@ -118,11 +101,9 @@ class HardLink:
     member: str  # ... and the link's name
 
 
-# A file's content: bytes already in memory, a byte range of a file descriptor
-# (copied in the kernel), a sparse map over one, or a callable writing into the open
-# destination fd (updating the digest it is given, if any, and telling its third
-# argument each chunk's bytes as they land: a stream's member may be far larger than
-# the archive, and a staging's write bound must stop it mid-way, not after it).
+# A file's content: bytes in memory, a byte range of a file descriptor (copied in the
+# kernel), a sparse map over one, or a callable writing into the open destination fd
+# (updating the digest, if any, and telling ``Wrote`` each chunk as it lands).
 Wrote = Callable[[int], None]
 Payload = bytes | tuple[int, int, int] | SparseRanges | Callable[[int, Any, Wrote], None]
 
@@ -235,13 +216,6 @@ def too_many_names(archive: str, member: str) -> UnsafeArchiveMember:
     )
 
 
-def file_mode(mode: int | None) -> int:
-    """Every file is created as a published tree keeps it: 0444, whatever the member
-    says (no set-id bit, no write bit, no exec bit: data), so sealing the tree has no
-    file to change (stager.fs.seal). The descriptor that creates it still writes."""
-    return FILE_MODE
-
-
 # -- on the pool: one batch of files -------------------------------------------------
 
 
@@ -249,10 +223,8 @@ def write_files(
     jobs: list[_RangeJob | _FileJob], verify: str | None, wrote: Wrote = _uncounted
 ) -> tuple[int, int, int]:
     """One batch, in order, on a pool thread or process (or inline); returns its file
-    count, the bytes it left (made less replaced, see the module's docstring), and
-    those of them told to ``wrote`` as they landed (streamed members' chunks: on a
-    thread, a counter of the staging's own; a process has none). ``verify`` is the
-    archive's label when files are read back."""
+    count, the bytes it left (made less replaced), and those of them told to ``wrote``
+    as they landed. ``verify`` is the archive's label when files are read back."""
     window = _Window(jobs)
     folder = _Folder()
     made = streamed = 0
@@ -275,10 +247,8 @@ def write_files(
 
 
 class _Folder:
-    """The folder a batch's files are being created in, kept open: a file is created
-    by its name in it (``openat``), not by its whole path, which the kernel would walk
-    component by component for every file. Members come folder by folder, so a batch
-    opens a folder or two. Opening it follows the path as the whole path would: its
+    """The folder a batch's files are being created in, kept open, so a file is created
+    by its name in it (``openat``) rather than by a path the kernel walks each time. Its
     components were made (and checked to be real folders) by the reading process."""
 
     def __init__(self) -> None:
@@ -331,7 +301,7 @@ def _write_range(job: _RangeJob, window: _Window, folder: _Folder, verify: str |
             data = window.get(src_fd, offset, size)
             written = os.write(fd, data)
             if written != size:  # short only on a full disk or a signal
-                _write_all(fd, data[written:])
+                write_all(fd, data[written:])
             if digest is not None:
                 digest.update(data)
         else:
@@ -385,7 +355,7 @@ def _remove(path: str) -> int:
     return nbytes
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -394,7 +364,7 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 def _write_payload(fd: int, payload: Payload, digest: Any, wrote: Wrote) -> int:
     """Write ``payload`` into the new file ``fd``; returns the file's size."""
     if isinstance(payload, bytes):
-        _write_all(fd, payload)
+        write_all(fd, payload)
         if digest is not None:
             digest.update(payload)
         return len(payload)
@@ -568,10 +538,6 @@ class ArchiveWriter:
 
     # -- names ------------------------------------------------------------
 
-    def clean_name(self, name: str, strip: int, label: str | None = None) -> str | None:
-        """The member's safe relative path after stripping, or None to skip it."""
-        return clean_name(self.archive, name, strip, label)
-
     def _place(self, rel: str, label: str) -> str:
         """Where a member named ``rel`` goes: its folder made, resolved through the
         archive's own symlinks where a member lies under one."""
@@ -584,8 +550,7 @@ class ArchiveWriter:
     def _real_dir(self, rel: str, label: str, create: bool) -> str:
         """The real folder ``rel`` names, its components made where ``create`` (those
         of a symlink's target must be folders already), walked through the archive's
-        own symlinks. A loop, not a recursion: its cost grows with the depth, its stack
-        does not (clean_name bounds the depth all the same)."""
+        own symlinks. A loop, so that no stack grows with the depth."""
         if rel in self._dirs:
             return rel
         # The nearest folder known to be real (mostly the parent), then down from it.

@@ -9,7 +9,6 @@ concurrent readers).
 
 from __future__ import annotations
 
-import os
 import stat
 import time
 import zipfile
@@ -17,8 +16,9 @@ from typing import Any
 
 from stager.archive.formats import STREAM_CHUNK
 from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
-from stager.archive.writer import ArchiveWriter, Wrote, file_mode, unsafe
+from stager.archive.writer import ArchiveWriter, Wrote, clean_name, unsafe, write_all
 from stager.core.errors import UnknownFormat
+from stager.fs.seal import FILE_MODE
 
 _ZIP_UTF8 = 0x800
 
@@ -36,7 +36,7 @@ def read_zip(
             share = min(info.compress_size + len(info.filename) + 30, archive.length - counted)
             counted += share
             name = _zip_name(archive, info)
-            rel = writer.clean_name(name, strip, name)
+            rel = clean_name(writer.archive, name, strip, name)
             if rel is None:
                 job.ctx.progress.advance(share, 0)
                 continue
@@ -87,8 +87,7 @@ def _zip_member(
         # Many writers store permission bits only (no type): those are files.
         raise unsafe(archive.label, info.filename, "a device file, FIFO or socket")
     else:
-        mode = file_mode(unix_mode & 0o7777 if unix_mode else None)
-        rel = writer.file(rel, mode, mtime, _zip_copier(zf, info), share)
+        rel = writer.file(rel, FILE_MODE, mtime, _zip_copier(zf, info), share)
         if nested and nested_suffix(rel):
             job.note_written_inner(writer.root, rel, archive)
 
@@ -98,9 +97,7 @@ def _zip_copier(zf: zipfile.ZipFile, info: zipfile.ZipInfo):  # noqa: ANN202 - a
         # ZipFile allows concurrent readers; each inflates on its own thread.
         with zf.open(info) as src:
             while data := src.read(STREAM_CHUNK):
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
                 if digest is not None:
                     digest.update(data)
                 wrote(len(data))

@@ -1,12 +1,9 @@
-"""The stager daemons running on this node, found by their processes: for ``stager
-stop`` to name the one a user most likely means when none runs for the runtime folder
-it looked in (one started with ``--runtime-dir``, or the node service).
+"""The stager daemons on this node, found by their processes: for ``stager stop`` to
+name the one a user most likely means when none runs for the runtime folder it looked in.
 
-A daemon is a process whose command line is ``stager serve`` (the console script or
-``python -m stager``), without ``--detach`` (that one is the launcher, gone once the
-daemon answers). Its socket is read from its open descriptors, which the kernel shows
-only to the process's own user and root; for another user's process (the node
-service, root's) only its command line is known.
+A daemon is a process whose command line is ``stager serve`` without ``--detach``
+(the launcher). Its socket is read from its open descriptors, which the kernel shows
+only to its own user and root.
 """
 
 from __future__ import annotations
@@ -73,12 +70,9 @@ def is_daemon(argv: tuple[str, ...]) -> bool:
 
 def _listening_unix_sockets() -> dict[str, list[Path]]:
     """Socket inode -> the paths claimed for it, of every listening Unix socket with a
-    path.
-
-    Any user writes lines into this table: the kernel prints a socket's path raw, so a
-    path holding a newline ends its line and begins one of the binder's choosing (any
-    inode, any path). So a line that does not parse is dropped, and a path here is only
-    a claim, which ``_sockets_of`` checks on the disk."""
+    path. The kernel prints a path raw, so a newline in it begins a line of the binder's
+    choosing: a line that does not parse is dropped, and a path is only a claim, which
+    ``_sockets_of`` checks on the disk."""
     try:
         lines = (PROC / "net" / "unix").read_text(errors="replace").splitlines()[1:]
     except OSError:

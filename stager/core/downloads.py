@@ -3,19 +3,13 @@ stays true to its URL.
 
 A download is shared (one entry for everyone who asks for the URL) only when:
 
-- its URL carries none of the asking user's credentials (``fetch.without_credentials``:
-  no user, password, query or path parameters);
-- its URL does not name this node (:func:`names_this_node`): a server on this node's
-  loopback or one of its own addresses may be any user's, and what it sends the first
-  asker is not what it sends the next (a user who serves a file on a loopback port
-  could otherwise plant their bytes under that URL for everyone); the download checks
-  the address it actually reached too (a name that resolves elsewhere at request time
-  and here at download time);
-- and either its sha256 is pinned (any bytes with that digest are the same bytes), or
-  the server says which version it sends (``ETag`` or ``Last-Modified``): that
-  validator, asked for with a ``HEAD`` at every request (HTTP's revalidation), is part
-  of the cache key, so a changed file is a miss and is downloaded again, and the same
-  version is a hit.
+- its URL carries none of the user's credentials (``fetch.without_credentials``);
+- its URL does not name this node (:func:`names_this_node`): a server on a local
+  address may be any user's, who could plant their bytes under that URL for everyone
+  (the download checks the address it actually reached too);
+- and its sha256 is pinned, or the server names the version it sends (``ETag`` or
+  ``Last-Modified``, asked with a ``HEAD`` at every request), which is part of the
+  cache key: a changed file is a miss.
 
 Everything here runs as the asking user (the request's checks), never as root.
 """
@@ -66,7 +60,7 @@ def _client() -> httpx.Client:
 
 def warm_up() -> None:
     """Load now what a first client loads (TLS authorities, the transport): the user
-    processes that revalidate are forked after this (stager.staging.preload) and may not be
+    processes that revalidate are forked after this (stager.engine.preload) and may not be
     able to read the interpreter's files themselves."""
     _client().close()
     "localhost".encode("idna")

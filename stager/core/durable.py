@@ -1,18 +1,13 @@
 """Every durable step of an entry's life, in order, and a way to crash right after one.
 
-:mod:`stager.engine.lifecycle` makes these changes (the staging process makes four of
-them). The crash-consistency tests iterate ``Durable``, so a new durable step
-added here is tested without anyone remembering to.
+:mod:`stager.engine.lifecycle` makes these changes (the staging process four of them).
+The crash-consistency tests iterate ``Durable``, so a new step is tested by itself.
 
-``settings.crash_after`` names a member of ``Durable``, with ``#N`` for its N-th
-occurrence (a step marker is written once per step), and for the points a staging
-process reaches, ``@K`` for the K-th staging process the daemon starts: e.g.
-``"step-done#2@1"``. When the point is reached the whole daemon dies as ``kill -9``
-would have it: from the staging process, its parent daemon first, then itself.
-``"trace"`` instead prints every point reached to stderr
-(``stager durable: NAME pid=PID``), which is how the tests learn the sequence a
-script of requests goes through. Unset (the default), ``reached`` is a
-comparison and nothing more.
+``settings.crash_after`` names a member of ``Durable``, ``#N`` for its N-th time, and
+``@K`` for the K-th staging process (e.g. ``"step-done#2@1"``): at that point the
+daemon dies as ``kill -9`` would have it (from a staging process, its daemon first).
+``"trace"`` prints every point reached to stderr (``stager durable: NAME pid=PID``).
+Unset, ``reached`` is a comparison and nothing more.
 """
 
 from __future__ import annotations
@@ -58,12 +53,6 @@ class Durable(StrEnum):
     # Names and leases end.
     RELEASED = "released"  # store: a lease removed
     FORGOTTEN = "forgotten"  # store: a name removed
-
-
-# Reached in the staging process rather than the daemon (see stager.staging.worker).
-STAGING_PROCESS_POINTS = frozenset(
-    {Durable.ATTEMPT_CREATED, Durable.STEP_DONE, Durable.INPUT_USED_UP, Durable.IMAGE_BUILT}
-)
 
 
 class CrashPoints:

@@ -13,17 +13,18 @@ reaches the API, and one sentence that names the input at fault and the fix.
     │   ├── UnknownRecipe           recipe name not known
     │   └── MissingExtra (422)      a step needs an optional package (torch, scipy)
     ├── Forbidden (403)             another user's datasets or leases (root excepted)
-    │   └── UntrustedImage          a prebuilt image outside the admin's trusted folders
+    │   └── UntrustedImage          a prebuilt image outside the admin's trusted folders,
+    │                               or without the sha256 that pins it
     ├── NotFound (404)              no dataset by that name
     ├── Conflict (409)              name taken by another spec, entry leased, ...
     ├── InsufficientSpace (422)     free space below what the request needs
     │   └── QuotaExceeded           a user's own data past their --user-quota
     ├── TooManyRequests (429)       a user's queue on the node service is full
-    ├── ImageUnavailable (422)      an image cannot be mounted by this daemon
+    ├── ImageUnavailable (422)      an image this daemon cannot mount, and no tree allowed
     ├── RecipeFileError (500)       a recipe file on this node is malformed (the admin's fix)
-    ├── UserProcessUnanswered       the process acting as a user gave no answer
+    ├── UserProcessUnanswered (503) the process acting as a user gave no answer
     │   ├── UserProcessTimeout (504)  past STAGER_USER_PROCESS_TIMEOUT_S (a hung source?)
-    │   └── UserProcessFailed (503)   it ended, or broke the protocol, first
+    │   └── UserProcessFailed         it ended, or broke the protocol, first (its user may kill it)
     └── StagingError (raised while staging; stored on the dataset, not an HTTP reply)
         ├── CorruptArchive          truncated or malformed archive
         ├── UnsafeArchiveMember     member would land outside its destination
@@ -33,6 +34,7 @@ reaches the API, and one sentence that names the input at fault and the fix.
         ├── StagingProcessDied      the staging process crashed or hit a bug
         ├── StagingStalled          no progress for --stall-timeout seconds
         ├── NotPublic               a shared staging met a source not everyone may read
+        │                           (staged again for the asking user alone)
         └── Cancelled               the dataset was cancelled
 """
 
@@ -61,8 +63,6 @@ class SourceNotFound(BadRequest):
 
 
 class SourceUnreadable(BadRequest):
-    """403: the kernel refused the asking user's open of a source."""
-
     type = "source_unreadable"
     status = 403
 
@@ -96,23 +96,15 @@ class RecipeFileError(StagerError):
 
 
 class Forbidden(StagerError):
-    """403: what a user asked for is another user's (their datasets, their leases)."""
-
     type = "forbidden"
     status = 403
 
 
 class UntrustedImage(Forbidden):
-    """A prebuilt image the node service will not mount in the kernel: not under a
-    folder the admin trusts, or without the sha256 that pins it."""
-
     type = "untrusted_image"
 
 
 class ImageUnavailable(StagerError):
-    """This daemon cannot mount an image (no FUSE reader of its format for a user's
-    daemon), and the request did not allow a tree instead."""
-
     type = "image_unavailable"
     status = 422
 
@@ -133,8 +125,6 @@ class InsufficientSpace(StagerError):
 
 
 class QuotaExceeded(InsufficientSpace):
-    """A user's own data would pass their --user-quota in the node service."""
-
     type = "quota_exceeded"
 
 
@@ -168,9 +158,6 @@ class StagingProcessDied(StagingError):
 
 
 class UserProcessUnanswered(StagerError):
-    """A process that became a user gave no answer to a call (stager.rights.pool): what
-    else the daemon would ask that user's processes now is left for later."""
-
     status = 503
 
 
@@ -180,9 +167,6 @@ class UserProcessTimeout(UserProcessUnanswered):
 
 
 class UserProcessFailed(UserProcessUnanswered):
-    """It ended, or broke the protocol, before it answered (its user may have killed it:
-    it is theirs)."""
-
     type = "user_process_failed"
 
 
@@ -191,9 +175,6 @@ class StagingStalled(StagingError):
 
 
 class NotPublic(StagingError):
-    """A staging meant for every user met a source that not everyone may read; the
-    engine stages it again for the asking user alone."""
-
     type = "not_public"
 
 
@@ -217,7 +198,5 @@ def from_os_error(exc: OSError, doing: str) -> StagingIOError:
 
 
 class TooManyRequests(StagerError):
-    """429: a user has as many stagings queued as the node service lets one user queue."""
-
     type = "too_many_requests"
     status = 429

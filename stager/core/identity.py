@@ -1,15 +1,10 @@
 """Who is asking: the caller of a request, as the kernel names it.
 
-In the node service (``stager serve --multi-user``, run as root) the caller comes
-from ``SO_PEERCRED`` on the Unix socket connection, read by the server when the
-connection is accepted and put in the ASGI scope under :data:`SCOPE_KEY`. Nothing
-in a request's headers or body can name another user. In per-user mode every
-request comes from the daemon's own user (the socket's folder is 0700), so the
-caller is the daemon's process identity.
-
-Inside the daemon the caller is an explicit argument of every request's path,
-never a global: the engine keys private data, handles and leases by its uid, and
-a staging reads its sources with its credentials (:mod:`stager.fs.credentials`).
+In the node service the caller comes from ``SO_PEERCRED`` on the Unix socket, read
+when the connection is accepted and put in the ASGI scope under :data:`SCOPE_KEY`:
+nothing in a request can name another user. In per-user mode it is the daemon's own
+user (the socket's folder is 0700). The caller is an explicit argument along a
+request's path, never a global.
 """
 
 from __future__ import annotations
@@ -74,17 +69,10 @@ class Caller:
         except KeyError:
             return str(self.uid)
 
-    def home(self) -> str | None:
-        try:
-            return pwd.getpwuid(self.uid).pw_dir
-        except KeyError:
-            return None
-
     @classmethod
     def of_uid(cls, uid: int, gid: int | None = None, groups: tuple[int, ...] = ()) -> Caller:
-        """A user named by uid (a handle's owner), with the groups known of them (none
-        beyond the primary group when nothing else was recorded: fewer rights, never
-        more)."""
+        """A user named by uid (a handle's owner), with the groups known of them (else the
+        primary group alone: fewer rights, never more)."""
         if gid is None:
             try:
                 gid = pwd.getpwuid(uid).pw_gid
@@ -100,9 +88,8 @@ class Caller:
 
     @classmethod
     def of_socket(cls, sock: socket.socket) -> Caller:
-        """The process at the other end of a connected Unix socket, from the kernel: its
-        uid, gid and pid (``SO_PEERCRED``) and its groups (``SO_PEERGROUPS``), as they
-        were when it connected."""
+        """The process at the other end of a connected Unix socket, as the kernel saw it
+        connect (``SO_PEERCRED``, ``SO_PEERGROUPS``)."""
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         pid, uid, gid = _PEERCRED.unpack(raw)
         return cls(uid=uid, gid=gid, pid=pid, groups=peer_groups(sock, gid))

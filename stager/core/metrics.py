@@ -10,6 +10,7 @@ every one of its panels' queries.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -81,88 +82,72 @@ class Metrics:
     def __init__(self) -> None:
         # A registry per app, so tests can build several apps in one process.
         self.registry = CollectorRegistry()
-        self.requests = Counter(
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.requests = counter(
             "stager_requests",
             "Stage requests by outcome: miss (new staging), join (already staging), hit (ready), "
             "changed (a ready tree changed since its publish: staged again)",
             ["outcome"],
-            registry=self.registry,
         )
-        self.failures = Counter(
-            "stager_failures",
-            "Stagings that ended failed or cancelled, by error type",
-            ["type"],
-            registry=self.registry,
+        self.failures = counter(
+            "stager_failures", "Stagings that ended failed or cancelled, by error type", ["type"]
         )
-        self.staged_bytes = Counter(
-            "stager_staged_bytes", "Bytes published into the cache", registry=self.registry
-        )
-        self.evicted_bytes = Counter(
-            "stager_evicted_bytes",
-            "Bytes removed from the cache by eviction",
-            registry=self.registry,
+        self.staged_bytes = counter("stager_staged_bytes", "Bytes published into the cache")
+        self.evicted_bytes = counter(
+            "stager_evicted_bytes", "Bytes removed from the cache by eviction"
         )
         # Multi-node jobs (docs/multinode.md): what a node read from the shared storage,
         # what it got from other nodes instead, and how each copy arrived.
-        self.source_bytes = Counter(
+        self.source_bytes = counter(
             "stager_source_read_bytes",
             "Bytes stagings read from their sources (the shared storage, URLs), counted "
             "when the staging is published",
-            registry=self.registry,
         )
-        self.broadcast_bytes = Counter(
+        self.broadcast_bytes = counter(
             "stager_broadcast_received_bytes",
             "Bytes received from another node of a job (sbcast) and adopted",
-            registry=self.registry,
         )
-        self.arrivals = Counter(
+        self.arrivals = counter(
             "stager_arrivals",
             "How copies arrived on this node: staged (from the source), broadcast (from "
             "another node), hit (a request served from the cache)",
             ["how"],
-            registry=self.registry,
         )
-        self.evictions = Counter(
-            "stager_evictions", "Ready entries removed from the cache", registry=self.registry
-        )
-        self.hit_bytes = Counter(
+        self.evictions = counter("stager_evictions", "Ready entries removed from the cache")
+        self.hit_bytes = counter(
             "stager_hit_bytes",
             "Bytes of ready datasets that requests found in the cache (hits): the bytes "
             "that were not staged again",
-            registry=self.registry,
         )
-        self.time_to_ready = Histogram(
+        self.time_to_ready = histogram(
             "stager_time_to_ready_seconds",
             "Seconds from a staging's request (queued) to its data being ready",
             buckets=READY_BUCKETS,
-            registry=self.registry,
         )
-        self.waiting = Gauge(
+        self.waiting = gauge(
             "stager_waiting_requests",
             "Requests long-polling for a dataset to finish (jobs blocked on this node)",
-            registry=self.registry,
         )
         # Pre-staging (stager.prestage.prefetch): started, used by their job, wasted (cancelled,
         # deleted or expired unused), failed (its staging), refused (a bad credential, a
         # budget); the bytes of the first three.
-        self.prefetches = Counter(
+        self.prefetches = counter(
             "stager_prefetches",
             "Prefetches for jobs not started yet, by outcome: "
             "started, used, wasted, failed, refused",
             ["outcome"],
-            registry=self.registry,
         )
-        self.prefetch_bytes = Counter(
+        self.prefetch_bytes = counter(
             "stager_prefetch_bytes",
             "Bytes of prefetches by outcome: started (estimated), used, wasted",
             ["outcome"],
-            registry=self.registry,
         )
-        self.prefetch_hidden_seconds = Counter(
+        self.prefetch_hidden_seconds = counter(
             "stager_prefetch_hidden_seconds",
             "Staging seconds hidden in the queue: a prefetch's staging time, when its job's "
             "own request then found the data ready",
-            registry=self.registry,
         )
 
         # Every outcome's series exists from the start, at 0, so that its first event is a

@@ -1,17 +1,12 @@
-"""What ``stager serve`` does before it imports the app: start its fork server, so that
-its start overlaps; and before that, refuse at once to be a second daemon on a socket
-one already answers on.
+"""What ``stager serve`` does before it imports the app: refuse at once to be a second
+daemon on a socket one answers on, then start its fork server so that its start
+overlaps the daemon's own imports.
 
-A daemon is ready only once its fork server (stager.core.processes.start_fork_server) has
-imported :mod:`stager.staging.preload` (~0.35 s: every op, the HTTP stack) and forked the
-first process. The daemon's own imports (FastAPI, uvicorn, the routes) take as long
-again. Started here, before those imports, the fork server imports on the second
-core while the daemon imports on the first, and the daemon is ready ~0.35 s sooner,
-at every start and restart. This module imports nothing of stager's for that reason.
-
-The fork server is spawned with the process's attributes at that moment, and every
-staging and user process inherits them from it: so the descriptor limit is raised
-first, as the daemon's connections need (stager.api.connections).
+The fork server imports :mod:`stager.engine.preload` (~0.35 s) on the second core
+while the daemon imports FastAPI and uvicorn on the first: ready ~0.35 s sooner at
+every start. This module imports nothing of stager's for that reason. Every staging
+and user process inherits the fork server's attributes, so the descriptor limit is
+raised first (stager.api.connections).
 """
 
 from __future__ import annotations

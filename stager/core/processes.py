@@ -1,18 +1,15 @@
 """Every process and thread stager starts is started here, and nowhere else.
 
-A small API, so that each start reads the same and the whole list is one module's:
 ``run`` a command to its end (a timeout, and a sentence when it cannot run); ``spawn``
-a command that runs beside us (``rm -rf``, GNU tar, the detached daemon); ``start_child``
-a child of the fork server (a staging, a spare, a user process); ``fork_pool`` a pool of
-forked workers; ``fork_child`` a bare fork (a staging's gateway); and ``thread``,
-``bare_thread`` and ``thread_pool`` for a process's own threads. The loop's blocking
-calls are not threads started here but handed to anyio's pool: stager.staging.blocking.run_io.
+one that runs beside us; ``start_child`` a child of the fork server; ``fork_pool`` a
+pool of forked workers; ``fork_child`` a bare fork; ``thread``, ``bare_thread`` and
+``thread_pool`` for a process's own threads. The loop's blocking calls go to anyio's
+pool through stager.staging.blocking.run_io.
 
-Which process runs with which rights, and who asks for it: stager.rights' table.
-tests/test_owner_rooms.py fails on a start anywhere else. And what they are called in
-``ps``, and that they never outlive the daemon: a staging (and the extraction
-processes it starts) writes into a partial folder that a restarted daemon resumes in;
-one still writing there after a kill -9 of the daemon would race with the resumed one.
+Who asks for which process, with which rights: stager.rights' table
+(tests/test_owner_rooms.py fails on a start anywhere else). No process outlives the
+daemon: a staging still writing into its partial folder after a kill -9 of the daemon
+would race with the resumed one.
 """
 
 from __future__ import annotations
@@ -40,7 +37,7 @@ from stager.core.prestart import raise_descriptor_limit
 FORKSERVER = multiprocessing.get_context("forkserver")
 FORK = multiprocessing.get_context("fork")
 # The fork server's preload: imported there and nowhere else.
-PRELOAD = "stager.staging.preload"
+PRELOAD = "stager.engine.preload"
 DEVNULL, STDOUT = subprocess.DEVNULL, subprocess.STDOUT
 Spawned = subprocess.Popen  # what ``spawn`` returns
 ThreadPool = ThreadPoolExecutor  # what ``thread_pool`` returns
@@ -200,9 +197,8 @@ def thread_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
 
 
 class Threaded:
-    """An object whose ``run`` goes on a thread of its own (a download beside its
-    extraction, a blob's copy, a hash beside a copy): ``start``, then ``join``; what
-    ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
+    """An object whose ``run`` goes on a thread of its own: ``start``, then ``join``;
+    what ``run`` raised is kept in ``error``, for the thread that joins it to raise."""
 
     thread_name = "stager"
     error: BaseException | None = None
@@ -251,12 +247,9 @@ def die_with_parent() -> None:
 
 
 def die_with(pid: int) -> None:
-    """SIGKILL this process when process ``pid`` exits, whoever is its parent.
-
-    A staging process is forked by multiprocessing's fork server, not by the daemon,
-    and the server lives on while any staging holds its pipe; so the staging watches
-    the daemon itself, through a pidfd, on a thread that only ever waits.
-    """
+    """SIGKILL this process when process ``pid`` exits, whoever is its parent: a
+    staging's parent is the fork server, which outlives the daemon, so it watches the
+    daemon itself, through a pidfd, on a thread that only ever waits."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -1,16 +1,11 @@
 """A URL's secrets never leave the daemon: its user, password, query and path
 parameters are replaced by ``***`` wherever a URL is printed.
 
-A private download's URL carries its credentials (``https://user:pass@host/x``, a
-presigned ``?X-Amz-Signature=...``, a ``;jsessionid=...``). The daemon needs them
-to download, and nothing else does: a log line, an error sentence, a status or a
-metric shows which server and which file, never the token. So every text that
-leaves the daemon for a person (log records, error messages, the status of a
-dataset) goes through :func:`redact_text`, which finds URLs in free text, and
-``RedactingFilter`` does it for every log record.
-
-What is kept: the scheme, the host, the port and the path (up to its first
-``;``), which is what a user needs to tell one download from another.
+The daemon needs a private download's credentials to download, and nothing else
+does: every text that leaves the daemon for a person goes through
+:func:`redact_text`, and ``RedactingFilter`` does it for every log record. Kept: the
+scheme, host, port and path up to its first ``;``, which tell one download from
+another.
 """
 
 from __future__ import annotations
@@ -26,12 +21,10 @@ _URL_IN_TEXT = re.compile(r"""\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'"<>()\[\]{}]+""")
 
 
 def redact_url(url: str) -> str:
-    """``url`` without its user, password, query, path parameters and fragment.
-
-    Works on the text itself (no parser's normalisation), so it also redacts a URL
-    that no parser accepts: whatever sits between ``://`` and the last ``@`` before
-    the path is credentials; everything from the first ``?``, ``;`` or ``#`` of the
-    path on is masked."""
+    """``url`` without its user, password, query, path parameters and fragment. Works
+    on the text itself, so a URL no parser accepts is redacted too: what sits between
+    ``://`` and the last ``@`` before the path, and the path from its first ``?``,
+    ``;`` or ``#`` on, are masked."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url

@@ -3,18 +3,13 @@
 Nothing else in the daemon reads ``os.environ``: the CLI builds ``Settings`` and
 passes it down.
 
-One source for every name a setting goes by: each field declares its flag (the
-field's name with dashes, unless ``flag=`` says otherwise), and its environment
-variable is ``STAGER_`` plus that flag's name (``--user-quota``:
-``STAGER_USER_QUOTA``). ``stager serve``'s flags, the environment this module
-reads and the settings table in docs/settings.md are all derived from the fields
-(``cli_flags``, ``env_name``, ``settings_table``), so they cannot drift apart.
-An environment variable's earlier name (the field's own, where the flag differs)
-still works, and ``Settings.renamed`` says which were used, for a warning.
+Each field declares its flag (its name with dashes, unless ``flag=``), and its
+environment variable is ``STAGER_`` plus the flag's name. ``stager serve``'s flags,
+the environment read and docs/settings.md's table are derived from the fields
+(``cli_flags``, ``env_name``, ``settings_table``), so they cannot drift apart. A
+variable's earlier name still works, and ``Settings.renamed`` says which were used.
 
-Values read the same from a flag and from the environment: lists take commas
-(``STAGER_ALLOWED_ROOTS=/data,/home``; a JSON list still works), sizes take
-units (``10G``, ``500MiB``; ``format_size`` prints them back).
+Lists take commas (a JSON list still works), sizes take units (``10G``, ``500MiB``).
 """
 
 from __future__ import annotations
@@ -660,10 +655,8 @@ class Settings(BaseSettings):
     @property
     def private_dir(self) -> Path:
         """Where the daemon keeps what is its alone (log, token): the runtime folder itself
-        per user (0700); in the node service, whose socket everyone must reach, a folder of
-        its own in it (0700), its log never readable by users. The pid file stays beside
-        the socket in both (it is no secret), where ``stager stop`` finds it whatever
-        mode it is told."""
+        per user (0700); in the node service, whose socket everyone must reach, a 0700
+        folder in it. The pid file stays beside the socket, where ``stager stop`` finds it."""
         return self.runtime_dir / "private" if self.multi_user else self.runtime_dir
 
     @property
@@ -721,9 +714,8 @@ class Settings(BaseSettings):
 
 
 def _absolute_folder(value: Path) -> Path:
-    """``value`` with ``~`` expanded; a relative one is refused, as it would name another
-    folder for the daemon (started elsewhere, or by the prolog from /) than for the
-    person who typed it."""
+    """``value`` with ``~`` expanded; a relative one is refused: it would name another
+    folder for the daemon than for the person who typed it."""
     value = value.expanduser()
     if not value.is_absolute():
         raise ValueError(

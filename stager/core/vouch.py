@@ -1,20 +1,15 @@
 """One node service vouching to another for a fan-out's manifest, with MUNGE.
 
-In the node service, a copy broadcast from another node may become an entry every
-user shares only if its manifest (every path, size and sha256 of the tree) comes
-from the source node's service itself, not from the job that carried it: the job
-is a user's, and could forge parts and a manifest that match each other. So the
-service that packs a shared entry's last part asks munged for a credential whose
-payload names the entry's key and the manifest's sha256 (:func:`vouch`); the job
-carries it to the receiving nodes in the end file; the receiving service decodes
-it with its own munged (:func:`check`), which says who made it. Only a credential
-made by the service's own uid (MUNGE's uid is the kernel's word for the process that
-asked, as on the socket) over this key and this manifest counts. The cluster's
-munged already shares one key across nodes for SLURM.
+A copy broadcast from another node may become an entry every user shares only if its
+manifest comes from the source node's service, not from the job that carried it (a
+user's, which could forge parts and a manifest that match). So the packing service
+asks munged for a credential over the entry's key and the manifest's sha256
+(:func:`vouch`); the job carries it; the receiving service decodes it with its own
+munged (:func:`check`). Only a credential made by the service's own uid over this key
+and manifest counts.
 
-A credential decoded twice on one node (a resumed adoption) is reported as
-replayed: it still vouches, since its payload binds the key and the manifest, and
-a replay can only ever vouch for the same genuine tree.
+A credential decoded twice (a resumed adoption) is reported as replayed: it still
+vouches, since its payload binds the key and the manifest.
 """
 
 from __future__ import annotations

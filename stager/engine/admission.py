@@ -9,26 +9,18 @@ fan-out room alike:
   the cache in its capacity and the disk above its floor; or refused with the sizes.
 - **Protected keys** (:meth:`Admission.protected`): leased (by any of their names),
   being staged, or being packed to be sent: never evicted.
-- **Slots** (:class:`FairQueue`): queued stagings wait per user and are served
-  round-robin between users, so one user's hundred queued stagings delay another's
-  one by at most one staging per slot. A staging several users asked for (a join)
-  waits in the turn of each of them and runs in the first of those turns to come,
-  so a join never runs later than the joiner's own staging would have. In the node
-  service each user runs at most ``max_stagings_per_user`` at once (so that slots
-  are always left for others) and queues at most ``max_queued_per_user``; a request
-  past that is refused (429). A prefetch (a staging for a job not started yet,
-  stager.prestage.prefetch) is **low**: it runs only when no other staging is queued, at most
-  ``prefetch_max_running`` at once, and stops being low as soon as any request not a
-  prefetch asks for it. Requeued (after a restart, a cancel another name outlived) it
-  stays low while every live name on it is a prefetch's (it holds a prefetch's lease).
-- **Prefetch budgets** (:meth:`Admission.check_prefetch`): a prefetch past its bytes
-  budget is refused before anything is queued, named or written.
+- **Slots** (:class:`FairQueue`): round-robin between users, so one user's hundred
+  queued stagings delay another's one by at most one staging per slot. In the node
+  service each user runs at most ``max_stagings_per_user`` at once and queues at most
+  ``max_queued_per_user`` (429 past it). A prefetch is **low**: it runs only when no
+  other staging is queued, at most ``prefetch_max_running`` at once, and stays low
+  while every live name on it is a prefetch's.
+- **Prefetch budgets** (:meth:`Admission.check_prefetch`): refused before anything is
+  queued, named or written.
 
-Reservations held by transfers come from the fan-out room (``held``): room promised
-and not written yet is not free, and counts against its user's quota. Space evicted
-datasets still hold (a lazily unmounted image, a deleted tree's open files:
-stager.engine.held_space) counts against its user's quota until it is freed, and is never
-room that eviction can make.
+Room promised to transfers and not written yet (the fan-out room's ``held``) is not
+free; neither is space evicted datasets still hold (stager.engine.held_space). Both
+count against their user's quota.
 """
 
 from __future__ import annotations
@@ -52,23 +44,19 @@ from stager.state.leases import Lease
 log = logging.getLogger("stager.engine.admission")
 
 # Set by the prefetch service around its Requests.submit to the prefetch's budget check
-# (raises past it, given the staging's estimate): the stagings it queues are low. A
-# context variable rather than a parameter through the engine: only admission reads it,
-# and the engine's request path stays the very one a user's request takes.
+# (raises past it): the stagings it queues are low. A context variable, not a parameter:
+# only admission reads it, and the request path stays the one a user's request takes.
 PREFETCHING: ContextVar[Callable[[int], None] | None] = ContextVar(
     "stager_prefetching", default=None
 )
-# The lease a prefetch holds on its name until its job uses it (stager.prestage.prefetch): how a
-# requeued staging is known to be a prefetch's. A user who gives their own lease such a
-# holder makes only their own staging low.
+# The lease a prefetch holds until its job uses it: how a requeued staging is known to be
+# a prefetch's (a user who names their own lease so makes only their own staging low).
 PREFETCH_HOLDER = "prefetch-job-"
 
 
 @dataclass(frozen=True)
 class Held:
-    """What admission must not count as free or evict, from the fan-out room: room
-    promised to transfers and not written yet, and the keys of datasets being packed to
-    be sent."""
+    """What the fan-out room holds: room promised and not written, keys being packed."""
 
     unwritten_bytes: int
     exporting: set[str]
@@ -81,8 +69,6 @@ class _Trash(Protocol):
 
 
 class _HeldSpace(Protocol):
-    """Space evicted datasets still hold (stager.engine.held_space.HeldSpace)."""
-
     def bytes_of(self, owner: int) -> int: ...
 
     @property
@@ -90,7 +76,7 @@ class _HeldSpace(Protocol):
 
 
 class Books(Protocol):
-    """What admission reads and does of the registry (stager.engine.lifecycle.Registry)."""
+    """What admission reads and does of the registry."""
 
     entries: dict[str, Entry]
     handles: dict[tuple[int, str], Handle]
@@ -106,13 +92,11 @@ class Books(Protocol):
 class FairQueue:
     """Stagings waiting for a slot, per user, served round-robin between users.
 
-    A staging waits in the turn of every user who asked for it (its askers: the first,
-    and each user who joined it while it was queued), and runs in the first of their
-    turns that comes while that user is under the cap. It is charged to that user, as
-    their own staging would have been: the turn it took was theirs, and it gave them
-    what they asked for. ``running_cap``: the most stagings one user runs at once (None:
-    no cap); ``low_cap``: the most low stagings (prefetches) running at once, so that a
-    burst of them never takes every slot (``running``: whether a key still runs)."""
+    A staging waits in the turn of every user who asked for it (the first, and each
+    who joined it while queued), runs in the first of their turns to come while that
+    user is under ``running_cap``, and is charged to that user: a join never runs later
+    than the joiner's own staging would have. ``low_cap``: the most low stagings
+    (prefetches) running at once (``running``: whether a key still runs)."""
 
     def __init__(
         self,
@@ -133,10 +117,8 @@ class FairQueue:
         self._changed = asyncio.Event()
 
     def put(self, key: str, owner: int, low: bool | None = None) -> None:
-        """``owner`` asks for ``key`` (queued anew, or joined): it waits in their turn
-        too. Asking twice changes nothing, except that a request that is not a prefetch
-        makes the staging no longer low. ``low``: a requeue's own lowness (None: a new
-        request's, a prefetch's when PREFETCHING is set)."""
+        """``owner`` asks for ``key``: it waits in their turn too. A request that is not
+        a prefetch makes it no longer low. ``low``: a requeue's (None: PREFETCHING says)."""
         low = PREFETCHING.get() is not None if low is None else low
         if key not in self._askers and low:
             self._low.add(key)
@@ -150,11 +132,10 @@ class FairQueue:
             self._queued[owner] = deque()
             self._turn.append(owner)
         self._queued[owner].append(key)
-        self._wake()
+        self._changed.set()
 
     def discard(self, key: str, owner: int | None = None) -> None:
-        """``owner`` no longer asks for a queued staging (None: nobody does, it was
-        cancelled before it ran)."""
+        """``owner`` no longer asks for a queued staging (None: nobody does)."""
         askers = self._askers.get(key, set())
         for asker in list(askers) if owner is None else [owner]:
             askers.discard(asker)
@@ -173,10 +154,8 @@ class FairQueue:
         return len(self._askers)
 
     async def get(self) -> tuple[str, int]:
-        """The next staging to run and the user it is charged to: the first user in
-        turn who has one queued and is under the cap; that user goes to the back of the
-        turn, and the staging leaves every other asker's turn. Low stagings (prefetches)
-        only when no user under the cap has another queued."""
+        """The next staging and the user it is charged to (who goes to the back of the
+        turn); low ones only when no user under the cap has another queued."""
         while True:
             chosen = self._next(low=False) or self._next(low=True)
             if chosen is not None:
@@ -193,8 +172,7 @@ class FairQueue:
             await self._changed.wait()
 
     def _next(self, low: bool) -> tuple[int, int, str] | None:
-        """The first user in turn under the cap with a staging queued (``low``: a low one
-        too), as (their place in turn, uid, key)."""
+        """(place in turn, uid, key) of the first user under the cap with one queued."""
         if low and self.low_cap is not None:
             self._running_low = {k for k in self._running_low if self._still_running(k)}
             if len(self._running_low) >= self.low_cap:
@@ -208,13 +186,12 @@ class FairQueue:
         return None
 
     def finished(self, owner: int) -> None:
-        """A staging charged to ``owner`` has ended: their slot is free."""
         left = self.running_by(owner) - 1
         if left > 0:
             self._running[owner] = left
         else:
             self._running.pop(owner, None)
-        self._wake()
+        self._changed.set()
 
     def _withdraw(self, key: str, owner: int) -> None:
         queued = self._queued.get(owner)
@@ -224,15 +201,12 @@ class FairQueue:
                 del self._queued[owner]
                 self._turn.remove(owner)
 
-    def _wake(self) -> None:
-        self._changed.set()
-
 
 class Admission:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        # Held by whatever decides an entry's fate: admission, joins and hits, leases,
-        # eviction; so an entry is never evicted between being chosen and being answered.
+        # Held by whatever decides an entry's fate, so an entry is never evicted between
+        # being chosen and being answered.
         self.lock = asyncio.Lock()
         multi = settings.multi_user
         self.queue = FairQueue(
@@ -251,8 +225,6 @@ class Admission:
         held: Callable[[], Awaitable[Held]],
         exporting: Callable[[], set[str]],
     ) -> None:
-        """What admission reads: the registry's entries and leases (once it has loaded
-        them), and the fan-out room's reservations and keys being packed."""
         self._registry, self._held, self._exporting = registry, held, exporting
 
     @property
@@ -267,8 +239,7 @@ class Admission:
         return entry is not None and entry.active
 
     def prefetch_only(self, key: str) -> bool:
-        """Whether every live name on ``key`` (one at least) is a prefetch's: a requeued
-        staging's lowness, known from the names and leases the registry keeps."""
+        """Whether every live name on ``key`` (one at least) is a prefetch's."""
         names = [h.id for h in self._reg.handles.values() if h.key == key and h.ended is None]
         return bool(names) and all(map(self.is_prefetch, names))
 
@@ -279,8 +250,7 @@ class Admission:
         )
 
     def check_prefetch(self, estimate: int) -> None:
-        """Refuse (429) a prefetch's staging of ``estimate`` bytes past its budgets,
-        before anything is queued or named (nothing for a request not a prefetch)."""
+        """Refuse (429) a prefetch's staging of ``estimate`` bytes past its budgets."""
         budget = PREFETCHING.get()
         if budget is not None:
             budget(estimate)
@@ -310,22 +280,19 @@ class Admission:
     # ---- room ------------------------------------------------------------------------------
 
     async def free_bytes(self, held: Held) -> int:
-        """What the cache's disk holds free for new data now: trees being deleted count as
-        free already (or every request during a large deletion would evict more than it
-        needs), room promised to deliveries and exports and not written yet does not."""
+        """Free bytes for new data: trees being deleted count as free already (or every
+        request during a large deletion would evict more than it needs), room promised
+        to transfers and not written yet does not."""
         free = await run_io(preflight.free_bytes, self.settings)
         return free + self._reg.trash.freeing_bytes - held.unwritten_bytes
 
     async def free_inodes(self) -> int | None:
-        """The cache disk's free inodes, those of trees being deleted counted free
-        already (as :meth:`free_bytes`); None where the disk keeps no count."""
+        """As :meth:`free_bytes`, in inodes; None where the disk keeps no count."""
         free = await run_io(preflight.free_inodes, self.settings)
         return None if free is None else free + self._reg.trash.freeing_inodes
 
     async def _make_inode_room(self, key: str, owner: int | None, protected: set[str]) -> None:
-        """Evict unleased LRU entries so that a new staging has ``ADMIT_INODES`` inodes
-        under its user's inode quota (their own entries) and above the disk's inode floor
-        (any), as :meth:`make_room` does for bytes."""
+        """:meth:`make_room` for ``ADMIT_INODES`` inodes."""
         settings, need = self.settings, cache.ADMIT_INODES
         entries = list(self._reg.entries.values())
         quota = settings.user_inode_quota
@@ -348,11 +315,9 @@ class Admission:
                     )
 
     async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
-        """Make room for a new staging (or a transfer's room: ``key`` empty), evicting LRU
-        entries, or refuse it with the sizes. ``owner``: the uid whose own data or room it
-        is (node service), held to their quota first, which counts their own entries and
-        their transfers' room: it evicts only their own data for it. Call it holding
-        :attr:`lock`."""
+        """Make room for a new staging (or a transfer's: ``key`` empty) by evicting LRU
+        entries, or refuse with the sizes. ``owner``'s quota comes first, and only their
+        own data goes for it. Call it holding :attr:`lock`."""
         assert self._held is not None
         held = await self._held()
         protected = self.leased_or_active() | held.exporting | {key}
@@ -384,7 +349,6 @@ class Admission:
 
 
 def owner_of(entry: Any) -> int:
-    """Whose turn a staging takes in the fair queue: the user it is read as (the first
-    to ask for a shared one), or the daemon's own user (-1) in per-user mode."""
+    """Whose turn a staging takes: the user it is read as, or -1 (the daemon's own)."""
     reader = entry.reader
     return reader.uid if reader is not None else -1

@@ -3,25 +3,18 @@
 An evicted dataset's data leaves the books at once, but two things keep its blocks
 in use after its names are gone:
 
-* **A lazily unmounted image** (a process without a lease still had a folder or a
-  file of it open): the kernel lets go of the image only when the last of them does,
-  and an unlinked image's blocks are freed only then. So its file is not unlinked:
-  it is moved to ``partial/held-<uid>-<key>-<hex><suffix>`` (a name that says whose it
-  is, in a folder only root reads), and deleted once nothing holds it open.
-  Whether anything does is asked of the kernel with a write lease (``F_SETLEASE``),
-  which it grants only to the sole opener of a file: the loop device, the
-  file-backed EROFS mount and a FUSE reader each hold the image open until the mount
-  is really gone (a lazily detached mount is already missing from
-  ``/proc/self/mountinfo``, so that cannot tell).
-* **A deleted tree with files still open** (or mapped): the files' blocks stay in
-  use until they are closed. Found by their ``/proc/<pid>/fd`` and ``map_files``
-  links, which name the path (the trash's, once the tree is moved aside to be
-  deleted) and stat the open inode; looked for as soon as the tree is moved aside.
+* **A lazily unmounted image** a process still reads: its file is moved to
+  ``partial/held-<uid>-<key>-<hex><suffix>`` (the name says whose it is) and deleted
+  once nothing holds it open, which a write lease (``F_SETLEASE``, granted only to a
+  file's sole opener) tells: the loop device, the file-backed mount and a FUSE reader
+  each hold the image open until the mount is really gone (a lazily detached mount
+  is already missing from ``/proc/self/mountinfo``, so that cannot tell).
+* **A deleted tree with files still open** (or mapped): found by their
+  ``/proc/<pid>/fd`` and ``map_files`` links as soon as the tree is moved aside.
 
-Each is a :class:`Record`, charged to its owner (``None``: a shared dataset, counted
-in the cache's use only) until :meth:`HeldSpace.sweep`, run in the periodic sweep,
-finds it freed. The records are never stored: a start finds them again (the held
-images by their names; open deleted files under the trash's folders).
+Each is a :class:`Record`, charged to its owner (``None``: shared) until the periodic
+:meth:`HeldSpace.sweep` finds it freed. Records are never stored: a start finds them
+again (held images by their names, open deleted files under the trash).
 """
 
 from __future__ import annotations
@@ -49,8 +42,8 @@ SHARED = "all"  # the owner part of a held file's name for a dataset shared by e
 
 @dataclass
 class Record:
-    """Space one evicted dataset still holds: ``files`` kept until nothing holds them
-    open (an image), or ``folder`` whose deleted files are still open (a tree)."""
+    """``files`` kept until nothing holds them open (an image), or ``folder`` whose
+    deleted files are still open (a tree)."""
 
     key: str
     owner: int | None
@@ -61,9 +54,7 @@ class Record:
 
 
 def held_open(path: Path) -> bool:
-    """Whether anything but this call holds ``path`` open (a mount's loop device, the
-    kernel's file-backed mount, a FUSE reader): a write lease is granted only to a
-    file's sole opener. A file that is gone holds nothing."""
+    """Whether anything but this call holds ``path`` open."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -88,10 +79,8 @@ Open = dict[tuple[int, int], tuple[int, str, int]]  # (dev, inode) -> (bytes, pa
 
 
 def open_under(folder: Path) -> Open:
-    """The files under ``folder`` (a tree being deleted), or once under it and deleted,
-    that a process holds open or mapped: (device, inode) -> (bytes they hold, their
-    path, the uid of a process that holds them). Every process's open files are read
-    (root's node service reads all; a user's daemon, its user's)."""
+    """The files under ``folder`` (or once under it) that a process holds open or
+    mapped, as (device, inode) -> (bytes held, path, uid of a holder)."""
     prefix = str(folder).rstrip("/") + "/"
     found: Open = {}
     for pid in _pids():
@@ -103,10 +92,9 @@ def open_under(folder: Path) -> Open:
 
 
 def holder_of(device: int, files: bool = True) -> int | None:
-    """A user (not root, not this daemon's) with a process on the file system
-    ``device`` (a lazily unmounted image's): its working or root folder, or (``files``)
-    an open file or a mapping there; the lowest uid if several; None if only root's
-    are. Without ``files``, two system calls a process: cheap whatever users do."""
+    """The lowest uid (not root, not this daemon's) with a process whose working or
+    root folder, or (``files``) an open file or mapping, is on ``device``. Without
+    ``files``, two system calls a process: cheap whatever users do."""
     found = set()
     for pid in _pids():
         if _on_device(f"/proc/{pid}", device, files):
@@ -148,9 +136,7 @@ def _pids() -> list[str]:
 
 
 def _links_under(pid: str, prefix: str) -> Iterable[tuple[str, str]]:
-    """``/proc/<pid>`` links to files under ``prefix`` (the kernel names a deleted one
-    by its last path): open descriptors, and mappings (a file mapped and closed is
-    held too)."""
+    """``/proc/<pid>`` links (descriptors and mappings) to files under ``prefix``."""
     fds = f"/proc/{pid}/fd"
     with contextlib.suppress(OSError):
         for name in os.listdir(fds):
@@ -167,9 +153,7 @@ def _links_under(pid: str, prefix: str) -> Iterable[tuple[str, str]]:
 
 
 class HeldSpace:
-    """The records of space still held, by owner: read by admission (the owner's quota,
-    the cache's use), kept by the registry. ``folder``: where held images wait (the
-    cache's ``partial/``, root's alone)."""
+    """The records of space still held; ``folder``: where held images wait."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -196,16 +180,14 @@ class HeldSpace:
     def keep_image(
         self, key: str, owner: int | None, nbytes: int, files: list[Path]
     ) -> Record | None:
-        """A lazily unmounted image's files (image, blob), moved aside and charged to
-        ``owner`` until nothing holds them open (a shared image's: see
-        :meth:`charge_holder`); its record, or None if no file was there."""
+        """A lazily unmounted image's files, moved aside and charged to ``owner``; its
+        record, or None if no file was there."""
         stem = f"{HELD_PREFIX}{SHARED if owner is None else owner}-{key}-{uuid.uuid4().hex[:8]}"
         kept = []
         for file in files:
             if not os.path.lexists(file):
                 continue
-            # Only the suffixes are kept (the name may be the key's place, not the key:
-            # stager.state.layout); a blob is named after its image.
+            # Only the suffixes are kept: the name may be the key's place, not the key.
             moved = self.folder / (stem + file.name[file.name.index(".") :])
             os.rename(file, moved)
             kept.append(moved)
@@ -225,8 +207,7 @@ class HeldSpace:
 
     def charge_holder(self, record: Record, device: int) -> None:
         """A shared image's held space, charged to a user whose process holds its mount
-        (``device``: its file system's), so that no user holds space counted against
-        nobody; its files renamed to say so (a restart charges them again)."""
+        (so no user holds space counted against nobody); its files renamed to say so."""
         owner = holder_of(device)
         if owner is None:
             return
@@ -240,22 +221,14 @@ class HeldSpace:
         record.files, record.owner = tuple(renamed), owner
         log.warning("%s: its held space is on uid %d's books", record.key, owner)
 
-    def watch_tree(self, key: str, owner: int | None, folder: Path) -> None:
-        """An evicted tree, moved aside to ``folder`` to be deleted: its files open now
-        (looked for before the delete starts, so that what the delete cannot free is on
-        the books before the space it frees), charged to ``owner`` until they are
-        closed (and deleted)."""
-        self._watch(key, owner, folder, open_under(folder))
-
-    def _watch(
-        self,
-        key: str,
-        owner: int | None,
-        folder: Path,
-        open_now: Open,
+    def watch_tree(
+        self, key: str, owner: int | None, folder: Path, open_now: Open | None = None
     ) -> None:
-        """A record of ``open_now``, less the files another record has already; a shared
-        tree's is charged to the user whose processes hold the most of it."""
+        """An evicted tree moved aside to ``folder``: its files open now, looked for
+        before the delete starts (so they are on the books before the space it frees).
+        A shared tree's is charged to the user whose processes hold the most of it."""
+        if open_now is None:
+            open_now = open_under(folder)
         known = {inode for r in self.records for inode in r.inodes}
         open_now = {k: v for k, v in open_now.items() if k not in known}
         if not open_now:
@@ -278,8 +251,7 @@ class HeldSpace:
         )
 
     def sweep(self) -> list[Record]:
-        """Drop the records whose space is free now (their images' files deleted);
-        returns them. Run in the periodic sweep."""
+        """Drop (and return) the records whose space is free now."""
         freed = []
         for record in self.records:
             if record.folder is not None:
@@ -303,9 +275,7 @@ class HeldSpace:
         return freed
 
     def recover(self, owner_of: Callable[[str], int | None]) -> None:
-        """At a start: the held images of an earlier run (by their names), and the open
-        deleted files of the trees it deleted (their paths name ``discarded-<key>-<hex>``;
-        ``owner_of``: a key's owner, as its entry says)."""
+        """At a start: an earlier run's held images and its deleted trees' open files."""
         images: dict[str, list[Path]] = {}
         for child in sorted(self.folder.iterdir()):
             if child.name.startswith(HELD_PREFIX):
@@ -324,9 +294,8 @@ class HeldSpace:
                 trees.setdefault(name, {})[inode] = held
         for name, open_now in trees.items():
             key = name[len(DISCARDED_PREFIX) :].rsplit("-", 1)[0]
-            self._watch(key, owner_of(key), self.folder / name, open_now)
+            self.watch_tree(key, owner_of(key), self.folder / name, open_now)
 
     @staticmethod
     def is_held_image(name: str) -> bool:
-        """Whether a name in ``partial/`` is a held image's (kept, not an orphan)."""
         return name.startswith(HELD_PREFIX)

@@ -1,8 +1,6 @@
-"""One staging's job, as the scheduler hands it to its process: what it runs, where it
-may read, and the bytes and inodes it may write (its user's quotas, the disk's floors).
-
-What it writes is counted as it writes, not estimated: the staging stops itself at its
-room's end, and the daemon checks too (stager.staging.blocking.Limits).
+"""One staging's job, as the scheduler hands it to its process, and the bytes and
+inodes it may write (its user's quotas, the disk's floors): counted as it writes, the
+staging stops itself at its room's end, and the daemon checks too.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ async def staging_job(
     fanout: FanoutRoom,
     held: Held,
 ) -> tuple[StageJob, Limits]:
-    """The job of ``entry``'s staging into ``attempt``, and the limits the daemon holds
-    it to (``held``: what transfers hold now). Only an adoption asks the fan-out room
-    where it may read."""
+    """``held``: what transfers hold now. Only an adoption asks the fan-out room where
+    it may read."""
     room_left, bound = await _room_left(entry, settings, registry, admission, held)
     inodes_left, inode_bound, disk_inodes = await _inodes_left(entry, settings, registry, admission)
     job = StageJob(
@@ -65,11 +62,10 @@ async def staging_job(
 async def _room_left(
     entry: Entry, settings: Settings, registry: Registry, admission: Admission, held: Held
 ) -> tuple[int | None, WriteBound]:
-    """The most bytes a staging of ``entry`` may write (None: no limit), and what sets
-    it: for a user's own data, their quota less what their other data and their
-    transfers hold ("quota"); and whatever its data, the room the disk has above its
-    floor now, less what transfers were promised ("disk": a source that makes far
-    more than its size said, shared or not, stops there, not at a full disk)."""
+    """The most bytes a staging of ``entry`` may write (None: no limit) and what sets it:
+    its user's quota less what their other data and transfers hold ("quota"), or the
+    disk's room above its floor less what transfers were promised ("disk": a source far
+    larger than it said stops there, not at a full disk)."""
     limits: list[tuple[int, WriteBound]] = []
     owner = cache.private_owner(entry)
     if owner is not None and settings.user_quota_bytes:
@@ -95,11 +91,8 @@ async def _room_left(
 async def _inodes_left(
     entry: Entry, settings: Settings, registry: Registry, admission: Admission
 ) -> tuple[int | None, WriteBound, int | None]:
-    """The most inodes a staging of ``entry`` may make (None: no limit), and what
-    sets it, as :func:`_room_left` for bytes: its user's inode quota less what their
-    other data holds (a tree its seal's entries, an image one, a staging what it made
-    so far), and the disk's free inodes above its floor (also returned alone, None
-    without a floor: :func:`_inodes_shared`)."""
+    """:func:`_room_left` in inodes; the disk's room is also returned alone (None
+    without a floor)."""
     limits: list[tuple[int, WriteBound]] = []
     owner = cache.private_owner(entry)
     if owner is not None and settings.user_inode_quota:
@@ -124,14 +117,11 @@ async def _inodes_left(
 def _inodes_shared(
     entry: Entry, settings: Settings, registry: Registry, disk_room: int | None
 ) -> Callable[[], None] | None:
-    """The daemon's check, at each look at a staging's counters, of the inode bounds
-    it shares with the other stagings under way: each was given its room when it
-    started, counting only what the others had made by then, so together they could
-    pass it. Each counts, as they are now, the stagings that started before it (and
-    every entry not being staged), not those that started after it: once they pass
-    a bound together, the last to start is stopped, and only it. The bounds: its
-    user's inode quota (her own entries), and the disk's room above its inode floor
-    when it started (``disk_room``: what every entry made since)."""
+    """The daemon's check of the inode bounds a staging shares with those under way:
+    each was given its room counting only what the others had made by then, so
+    together they could pass it. Each counts the stagings that started before it (and
+    every entry not being staged), so the last to start is the one stopped. The bounds:
+    its user's inode quota, and the disk's room at its start (``disk_room``)."""
     quota = settings.user_inode_quota
     owner = cache.private_owner(entry)
     mine = quota if owner is not None and quota else None

@@ -5,22 +5,14 @@
     ready -> evicted
     failed | cancelled | evicted -> queued   (asked for again: a new attempt)
 
-``Registry`` holds the entries (what is staged), handles (users' names for
-entries) and leases (a job's pin on an entry), and is the only code that changes
-them. Each change is made in memory, written to the store, then wakes waiters
-(docs/architecture.md); each transition is one log line (stager.state.statelog).
+``Registry`` is the only code that changes entries, handles (users' names) and
+leases: in memory, then in the store, then waking waiters; one log line each.
 
-An *attempt* is one try at staging an entry. Its data and its resume bookkeeping
-live together in ``partial/<key>.<attempt>/`` (``tree/``: the dataset being built;
-``steps-done``: how many steps completed) and go away together, so an attempt
-never trusts a marker it did not write, and a crash can never pair one attempt's
-marker with another's (or no) data.
-
-Every durable step, in the order a staging goes through them, is a member of
-``stager.core.durable.Durable`` (its own small module, because the staging process
-reaches some of them too); ``tests/stager/test_crash_points.py`` kills the daemon
-right after each one and checks what a restart and every follow-up request make
-of it.
+An *attempt* keeps its data and its resume marker together in
+``partial/<key>.<attempt>/`` (``tree/``, ``steps-done``), so a crash never pairs one
+attempt's marker with another's data. Each durable step is a member of
+``stager.core.durable.Durable``; ``tests/stager/test_crash_points.py`` kills the
+daemon after each.
 """
 
 from __future__ import annotations
@@ -102,15 +94,13 @@ class Trash:
         self.held = HeldSpace(trash_dir)
 
     def spawn_io(self, fn: Callable[..., Any], *args: Any) -> None:
-        """``fn(*args)`` on a thread, in the background."""
         self._spawn(run_io(fn, *args), fn.__name__)
 
     async def discard(
         self, path: Path, nbytes: int = 0, dataset: Dataset | None = None, inodes: int = 0
     ) -> bool:
         """Move ``path`` aside and delete it later; False if it was not there.
-        ``dataset``: the key and owner of an evicted tree, whose files open now stay on
-        that owner's books until they are closed."""
+        ``dataset``: an evicted tree's key and owner, charged for its files still open."""
         moved = await run_io(discard, path, self.trash_dir)
         if moved is not None:
             self.delete_later(moved, nbytes, dataset, inodes)
@@ -129,8 +119,8 @@ class Trash:
         # Whatever is not deleted (a stop, an error) is an orphan the next start removes.
         try:
             if dataset is not None:
-                # Off the admission lock: how long reading every process's open files
-                # takes is up to the users who open them.
+                # Off the admission lock: reading every process's open files takes as
+                # long as the users who open them make it.
                 await run_io(self.held.watch_tree, *dataset, path)
             await run_io(delete_tree, path, self.halt)
         except OSError as exc:
@@ -153,12 +143,9 @@ class Registry:
         layout: Layout | None = None,
     ) -> None:
         self.settings = settings
-        # What differs between a tree and an image (stager.kinds): asked, never tested.
         self.kinds = kinds or Kinds(settings)
-        # Where each entry lives under data/ (a user's own copy: behind its gate).
         self.layout = layout or Layout.load(settings, self.kinds.mounted)
-        # Acts with a user's rights (stager.staging.blocking.Processes.as_user): their links, their
-        # deliveries. Never awaited under the engine's admission lock.
+        # Acts with a user's rights: never awaited under the admission lock.
         self._as_user = as_user or _as_the_daemon
         self.metrics = metrics
         self.trash = trash
@@ -174,19 +161,15 @@ class Registry:
 
     @property
     def held(self) -> HeldSpace:
-        """Space evicted datasets still hold (lazy unmounts, open deleted files), by owner."""
         return self.trash.held
 
     async def sweep_held(self) -> None:
-        """The periodic sweep's look at space still held: what is free now leaves the
-        books (and a held image's file goes)."""
         if self.held.records:
             await run_io(self.held.sweep)
 
     # ---- paths ---------------------------------------------------------------
 
     def final(self, entry: Entry) -> Path:
-        """Where ``entry``'s tree is published or its image mounted (stager.state.layout)."""
         return self.layout.final(entry)
 
     def attempt(self, entry: Entry) -> Attempt:
@@ -201,8 +184,7 @@ class Registry:
         self.crash.reached(point)
 
     def set_image(self, entry: Entry, image: ImageRecord | None) -> None:
-        """An image kind's record of its published image (or None: taken away again);
-        saved with the entry's next state change."""
+        """Saved with the entry's next state change."""
         entry.image = image
 
     async def _save(self, entry: Entry, point: Durable) -> None:
@@ -235,7 +217,6 @@ class Registry:
         await self._move_old_copies()
         to_stage = []
         for entry in self.entries.values():
-            # Published before a crash, an image to mount again: the kind's to settle.
             if await self.kinds.of(entry).recover(entry, self):
                 continue
             if entry.active and await self._ended_unresumable(entry):
@@ -245,7 +226,7 @@ class Registry:
                 await self._save(entry, Durable.QUEUED)
             if entry.state == State.QUEUED:
                 self.events.resumed(entry)
-                # Ops re-count the work they find already done, so start the counters afresh.
+                # Ops re-count the work they find already done.
                 entry.progress = Progress(step_names=entry.step_names)
                 to_stage.append(entry)
             elif entry.state == State.READY and not await run_io(self.final(entry).is_dir):
@@ -263,26 +244,21 @@ class Registry:
         return to_stage
 
     def owner_of(self, key: str) -> int | None:
-        """The private owner of ``key``'s entry; ``key`` may also be the name of a private
-        copy's gate (stager.state.layout: an evicted tree's trash is named after it)."""
+        """The private owner of ``key``'s entry; ``key`` may be a private copy's gate."""
         entry = self.entries.get(key) or self.entries.get(self.key_at(key))
         return private_owner(entry) if entry is not None else None
 
     def key_at(self, name: str) -> str:
-        """The key of the entry whose top under data/ is named ``name`` (a private copy's
-        gate); ``name`` itself if none's."""
+        """The key of the entry whose top under data/ is named ``name``, else ``name``."""
         for entry in self.entries.values():
             if self.layout.top(entry).name == name:
                 return entry.key
         return name
 
     async def _move_old_copies(self) -> None:
-        """Users' own copies that an earlier release published at ``data/<key>``, where
-        anyone who could name the key learned whose each was and how large: moved to
-        their place (stager.state.layout) by their kind, each in one rename, and their
-        names' links pointed there. An image keeps its mount at the old place until its
-        kind's ``settle`` (after it is mounted at the new one): a reader inside it reads
-        on."""
+        """Users' own copies an earlier release published at ``data/<key>`` (which told
+        anyone whose each was): moved behind their gates by their kind, and their links
+        pointed there."""
         moved = []
         for entry in self.entries.values():
             final, old = self.final(entry), self.layout.old_place(entry)
@@ -302,9 +278,8 @@ class Registry:
             await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
 
     def _orphans(self) -> list[Path]:
-        """What no entry owns: attempts of ended entries, evicted trees whose deletion a
-        crash or stop interrupted, deletions in progress. An active entry's data/<key>
-        may be its attempt's publish just before a crash: ``publish`` finds it."""
+        """What no entry owns: attempts of ended entries, interrupted deletions. An active
+        entry's data/<key> may be its publish just before a crash: ``publish`` finds it."""
         attempts = {f"{e.key}.{e.attempt}" for e in self.entries.values() if e.active and e.attempt}
         kept = {self.layout.top(e) for e in self.entries.values() if e.live}
         found = [
@@ -352,9 +327,8 @@ class Registry:
         return entry
 
     async def touch(self, entry: Entry) -> None:
-        """A use: moves the entry back in LRU order. Eviction reads the order from
-        memory; the store hears of it at most every ``recency_persist_s`` per entry,
-        so a burst of cache hits costs one write, not one each."""
+        """A use, in LRU order; stored at most every ``recency_persist_s`` per entry, so
+        a burst of hits costs one write."""
         entry.last_used_at = now()
         clock = time.monotonic()
         saved = self._recency_saved.get(entry.key)
@@ -378,12 +352,10 @@ class Registry:
         await self.notify()
 
     async def note_hit(self, handle: Handle, hit: bool) -> None:
-        """Whether the latest request for this name found its data already cached."""
         handle.hit = hit
         await self.durable(Durable.NAMED, self._store.save_handle, handle)
 
     async def end_name(self, handle: Handle, ended: State) -> None:
-        """Its owner ended the name (a cancel): it shows ``ended`` from now on."""
         handle.ended = ended
         await self.durable(Durable.NAMED, self._store.save_handle, handle)
         await self.notify()
@@ -430,8 +402,7 @@ class Registry:
     # ---- an attempt stages it ------------------------------------------------------
 
     async def start(self, entry: Entry) -> Attempt:
-        """QUEUED -> STAGING. An interrupted attempt resumes where its marker says; any
-        other start is a new attempt, in a folder of its own."""
+        """QUEUED -> STAGING: an interrupted attempt resumes, else a new one starts."""
         resumed = entry.attempt is not None
         if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
             entry.attempt, resumed = uuid.uuid4().hex[:12], False
@@ -442,14 +413,11 @@ class Registry:
         return self.attempt(entry)
 
     async def publish(self, entry: Entry, outcome: Outcome) -> None:
-        """STAGING -> READY: the staging's ``outcome`` published as its kind does
-        (stager.kinds: a tree's rename, an image's rename and mount), which ends with
-        :meth:`made_ready`; again after a crash past its commit point."""
+        """STAGING -> READY, as its kind publishes; it ends with :meth:`made_ready`."""
         await self.kinds.of(entry).publish(entry, outcome, self)
 
     async def made_ready(self, entry: Entry, size: int, seal: Seal | None) -> None:
-        """A published dataset's last steps, whatever its kind: every name's link, then
-        the store's "ready"."""
+        """Every name's link, then the store's "ready"."""
         final = self.final(entry)
         await asyncio.gather(*(self._link(h, final) for h in self._handles_of(entry)))
         self.crash.reached(Durable.LINKED)
@@ -470,28 +438,18 @@ class Registry:
             self.metrics.source_bytes.inc(entry.progress.snapshot().bytes_done)
 
     async def drop_delivery(self, entry: Entry, folder: Path | None) -> None:
-        """The staging of ``entry`` has ended: the delivery it read is no longer its,
-        and its folder (if it is still there to remove) goes."""
+        """The staging of ``entry`` has ended: the delivery it read (``incoming/<uid>/
+        <label>/``) goes before its outcome is recorded, deleted by its owner's process
+        (root never walks a user's folder); after a crash, the restart removes it."""
         entry.delivery = None
         if folder is not None:
             owner = entry.reader.uid if entry.reader is not None else None
-            await self._remove_delivery(folder, owner)
-
-    async def _remove_delivery(self, folder: Path, owner: int | None) -> None:
-        """A broadcast copy (``incoming/<uid>/<label>/``) that a staging read, once it
-        has ended: read once, it goes before the staging's outcome is recorded, deleted
-        by its owner's process (the folder is theirs to write: root never walks it).
-        After a crash before this, the restart removes it with the rest of
-        ``incoming/``."""
-        await remove_delivery(self._as_user, owner, folder)
-        self.crash.reached(Durable.DELIVERY_REMOVED)
+            await remove_delivery(self._as_user, owner, folder)
+            self.crash.reached(Durable.DELIVERY_REMOVED)
 
     async def end(self, entry: Entry, state: State, error: ErrorInfo) -> None:
-        """QUEUED or STAGING -> FAILED or CANCELLED; the attempt's data goes with it.
-
-        The data goes first: a full disk (the commonest failure) has room again for the
-        store's write, and a crash in between restarts the staging in a new attempt.
-        """
+        """QUEUED or STAGING -> FAILED or CANCELLED. The attempt's data goes first: a
+        full disk (the commonest failure) has room again for the store's write."""
         if entry.attempt is not None:
             try:
                 if await self.trash.discard(self.attempt(entry).root):
@@ -504,9 +462,7 @@ class Registry:
         self.events.ended(entry)
 
     async def interrupt(self, entry: Entry) -> None:
-        """STAGING -> QUEUED when the daemon stops: the attempt resumes at the next start;
-        unless it fed a fan-out (``note_feeding``) or adopted a delivery: then it ends,
-        left to the next request (``_ended_unresumable``)."""
+        """STAGING -> QUEUED when the daemon stops, unless ``_ended_unresumable``."""
         if await self._ended_unresumable(entry):
             return
         entry.move(State.QUEUED)
@@ -522,12 +478,10 @@ class Registry:
             await self._save(entry, Durable.TOUCHED)
 
     async def _ended_unresumable(self, entry: Entry) -> bool:
-        """Whether a staging the daemon stopped was ended here, since it cannot resume
-        at the next start. Ended at once, not queued to fail later: a request that
-        joined a doomed resumption would share its failure, where after the end it
-        starts afresh. One that fed a fan-out is not resumed (its peers may hold the
-        data by now); an adoption whose steps are not all done cannot be (a restart
-        deletes deliveries), and one whose steps are done resumes to its publish."""
+        """Whether a staging the daemon stopped was ended here, since it cannot resume:
+        it fed a fan-out (its peers may hold the data), or it adopted a delivery (which a
+        restart deletes) and its steps are not all done. Ended at once, not queued to
+        fail later, so a request that joins it starts afresh."""
         if _feeds_a_fan_out(entry):
             why = FED_A_FAN_OUT
         elif (entry.origin or {}).get("how") == "broadcast" and not await run_io(
@@ -553,9 +507,8 @@ class Registry:
     # ---- ready data leaves ------------------------------------------------------------
 
     async def evict(self, entry: Entry, why: str = "evicted") -> None:
-        """READY -> EVICTED. The store says so first, so a half-gone tree is never reported
-        ready; links go next; then one rename takes the tree out of ``data/``, and the slow
-        delete of a million files runs afterwards, in the background. ``why``: for the log."""
+        """READY -> EVICTED: the store first (a half-gone tree is never reported ready),
+        then the links, then the kind's delete (a rename; the slow delete runs later)."""
         entry.move(State.EVICTED)
         await self._save(entry, Durable.EVICTED)
         self.events.evicted(entry, why)
@@ -603,9 +556,7 @@ class Registry:
             log.error("could not remove link %s: %s", handle.link, exc)
 
     async def link(self, link: str, owner: Any, entry: Entry) -> None:
-        """A ready entry's link, on each request for it: the link (made again if it was
-        removed), made as its owner (only where they may write), or a 400 saying why
-        not."""
+        """A ready entry's link, made as its owner on each request, or a 400 saying why."""
         try:
             await self._as_user(owner, make_link, Path(link), self.final(entry))
         except OSError as exc:
@@ -619,8 +570,7 @@ async def open_registry(
     settings: Settings, metrics: Metrics, ops: Any, spawn: Callable[[Any, str], None],
     as_user: AsUser,
 ) -> Registry:  # fmt: skip
-    """The registry of a starting daemon: the cache's folders made, the store opened
-    (``ops`` types its steps), the trash, the crash hook and the dataset kinds."""
+    """The registry of a starting daemon (``ops`` types the stored steps)."""
     await run_io(ensure_dirs, settings)
     store = await run_io(Store, settings.db_path, ops)
     trash = Trash(settings.partial_dir, spawn)
@@ -631,7 +581,6 @@ async def open_registry(
 
 
 async def _as_the_daemon(_who: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """A registry of a daemon that acts for nobody else (per-user mode, tests)."""
     return await run_io(fn, *args)
 
 

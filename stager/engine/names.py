@@ -1,10 +1,5 @@
 """Users' names of datasets: their status, waits and events, cancel and evict, their
-leases, and gc.
-
-A name (a ``Handle``: its owner's uid and the name) shows one entry; a request gives
-or moves it (stager.engine.requests), and the calls here read and end it. Every change
-is the registry's (stager.engine.lifecycle); a decision on an entry's fate (a cancel,
-an eviction, a lease) is taken under admission's one lock.
+leases, and gc. A decision on an entry's fate is taken under admission's lock.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ class Names:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.settings, self.metrics = engine.settings, engine.metrics
-        # The job a user's data was pre-staged for (stager.prestage.prefetch sets it), for status.
+        # The job a user's data was pre-staged for (the prefetch service sets it).
         self.prestaged: Callable[[int, str], int | None] = lambda uid, key: None
 
     def get(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
@@ -76,13 +71,9 @@ class Names:
                     pass
 
     async def delete(self, name: str, caller: Caller, owner: int | None = None) -> DatasetPublic:
-        """Cancel if staging, evict if ready, forget the name if already finished. A name
-        with a lease is refused (409) while its data is staging or ready: the lease is a
-        job's promise that it stays. When other live names (any user's) show the same
-        data, only this name goes: data stays while any of its names holds it. A name
-        cancelled alone stays, ended: another name staging the same data later never
-        revives it, nor counts it as wanting that data. The answer's ``outcome`` says
-        what happened to the name and to the data."""
+        """Cancel if staging, evict if ready, forget the name if already finished; 409
+        while leased. Data stays while any other live name holds it. A name cancelled
+        alone stays, ended: another name staging the same data never revives it."""
         reg = self.engine.reg
         dropped: Entry | None = None
         async with self.engine.admission.lock:
@@ -162,7 +153,7 @@ class Names:
         holder: str | None = None,
         owner: int | None = None,
     ) -> list[LeasePublic]:
-        """Drop one lease by id, or every lease of ``holder`` (or all) on this dataset."""
+        """One lease by id, or every lease of ``holder`` (or all) on this dataset."""
         handle = self.handle(name, caller, owner)
         chosen = [
             lease
@@ -176,8 +167,7 @@ class Names:
         return await self._release(chosen)
 
     async def release_holder(self, holder: str, caller: Caller) -> list[LeasePublic]:
-        """Drop every lease of one holder on any of the caller's datasets (root: on any
-        user's; a job's epilog runs as root)."""
+        """Every lease of ``holder`` on the caller's datasets (root: anyone's)."""
         return await self._release(
             [
                 x
@@ -195,10 +185,8 @@ class Names:
 
     async def gc(self, request: GcRequest, caller: Caller) -> GcResult:
         """Drop dead leases; evict unnamed (superseded) entries, or every unleased one
-        (in the node service only root may: other users' data is not the caller's). In
-        the node service a user's gc touches only their own: their dead leases, their
-        own private copies that no name shows; shared entries belong to nobody, and are
-        root's to collect (and the cache's to evict for room)."""
+        (node service: root only). In the node service a user's gc touches only their
+        own leases and private copies; shared entries are root's to collect."""
         if request.all and self.settings.multi_user and not caller.is_root:
             raise Forbidden(
                 "only root may evict every unleased dataset of the node service; "

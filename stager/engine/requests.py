@@ -1,13 +1,9 @@
 """A request, resolved: from its body to the entry that answers it, queued, joined or hit.
 
-Its steps (a recipe expanded, the ops' own expansion), its kind's check, the key of its
-spec alone (which decides name conflicts), one trip to the caller's process
-(stager.request.preflight.look: the recipe's files, the sources' fingerprint, whether
-every user may share it, the link's folder, and on a miss the sources' checks and the
-size), its cache key and whose rights it is read with; then, under admission's one
-lock, a join, a hit or a staging queued with the engine (stager.engine.scheduler), and
-the caller's name and lease. Only a request that takes part in a fan-out (an adoption,
-a probe, an export) calls the fan-out room.
+One trip to the caller's process (stager.request.preflight.look) gives the sources'
+fingerprint, whether every user may share them and, on a miss, their checks and size;
+then, under admission's lock, a join, a hit or a staging queued, and the caller's name
+and lease. Only a request that takes part in a fan-out calls the fan-out room.
 """
 
 from __future__ import annotations
@@ -42,20 +38,14 @@ log = logging.getLogger("stager.engine.requests")
 
 @dataclass(frozen=True)
 class Resolved:
-    """A request, resolved: its steps, the key of its spec alone, its cache key, the
-    key it would have if every user shared it, and whose rights it is read with."""
-
     expansion: recipes.Expansion
-    request_key: str
-    key: str
-    shared_key: str
+    request_key: str  # of its spec alone: decides name conflicts
+    key: str  # the cache key
+    shared_key: str  # the key it would have if every user shared it
     reader: Reader | None
-    # What the request is given other than it asked (a tree for an image), in a sentence.
-    notice: str | None
-    # The spec it is staged by (``image`` as decided: asked, implied or fallen back).
-    spec: dict[str, Any]
-    # The bytes its staging writes, estimated in the same trip when it looked like a miss.
-    estimate: int | None
+    notice: str | None  # what it is given other than it asked (a tree for an image)
+    spec: dict[str, Any]  # ``image`` as decided: asked, implied or fallen back
+    estimate: int | None  # from the same trip, when it looked like a miss
 
 
 class Requests:
@@ -65,7 +55,7 @@ class Requests:
         engine.restage = self.restage
 
     async def start(self) -> None:
-        """Recipe files are re-read per request; checking them at start tells the admin early."""
+        """Recipe files are re-read per request; checked at start to tell the admin early."""
         try:
             await run_io(recipes.recipe_files, self.settings)
         except StagerError as exc:
@@ -74,12 +64,10 @@ class Requests:
     async def _resolve(
         self, request: DatasetCreate, caller: Caller, naming: bool = True
     ) -> Resolved:
-        """The request's steps, the key of its spec alone, its cache key (spec + sources'
-        fingerprint; in the node service also whose it is), and whose rights its
-        sources are read with. ``naming``: it takes its name (a probe does not)."""
+        """``naming``: it takes its name (a probe does not)."""
         if request.recipe:
             # Rendered here; whether its release files are there is the caller's to see.
-            expansion = await run_io(recipes.expand, request, self.settings, False)
+            expansion = await run_io(recipes.expand, request, self.settings)
         else:
             expansion = recipes.Expansion(steps=request.steps)
         expansion.steps = self.ops.expand(expansion.steps)  # e.g. an extract of a URL
@@ -125,18 +113,12 @@ class Requests:
     def _scope(
         self, key: str, reader: Reader, shared: bool, adopt: Adopt | None, cluster_wide: bool
     ) -> tuple[str, Reader]:
-        """Shared by every user (the key alone) when every source is readable by
-        everyone, as the staging then checks file by file; else the caller's own copy.
-        A shared staging of this key that met a file not everyone may read has failed
-        with ``not_public``: until the sources change (and the key with them), it is
-        staged privately. A broadcast copy is shared only when the origin node's
-        service vouches for its manifest (stager.core.vouch), and only when every source lies
-        where each node holds the same files (``cluster_wide``: the key, made of paths,
-        sizes and times, is then the same data on both nodes); the job's own copies of
-        the source files, hashed by the job, never are. A prefetch's copy from another
-        planned node (``COPYING``) is the same: shared only when ``cluster_wide``, since a
-        node-local path (/tmp, /dev/shm, a folder the source node alone has) may hold
-        other bytes there under the same name, size and time."""
+        """Shared by every user when every source is readable by everyone (the staging
+        checks file by file), unless a shared staging of this key failed ``not_public``;
+        else the caller's own copy. A broadcast copy or a peer's copy (``COPYING``) is
+        shared only when vouched for and ``cluster_wide`` (every source where each node
+        holds the same files: a node-local path may hold other bytes under the same
+        name, size and time)."""
         earlier = self.engine.reg.entries.get(key)
         found_private = (
             earlier is not None
@@ -262,8 +244,7 @@ class Requests:
 
     async def restage(self, shared: Entry) -> None:
         """A shared staging met a source not everyone may read: each name that waits on
-        it gets its owner's own copy, staged with that owner's rights (which may refuse
-        the file: then that one fails naming it)."""
+        it gets its owner's own copy, staged with that owner's rights."""
         engine, reg = self.engine, self.engine.reg
         async with engine.admission.lock:
             for handle in engine.wanting(shared):  # a name its owner ended wants nothing
@@ -277,9 +258,8 @@ class Requests:
                 await reg.repoint(handle, entry)
 
     async def _drop_if_changed(self, entry: Entry) -> None:
-        """A ready dataset changed since its publish is never served as it is: it is
-        evicted, leased or not, and the request stages it again (what is checked is
-        its kind's: a tree's seal, an image's file and mount)."""
+        """A ready dataset changed since its publish is evicted, leased or not, and
+        staged again."""
         engine, reg = self.engine, self.engine.reg
         lock = engine.admission.lock
         walker = engine.processes.run_in_walker
@@ -307,9 +287,7 @@ class Requests:
     # ---- fan-out: exports (docs/multinode.md) -------------------------------------------
 
     async def export(self, name: str, request: ExportCreate, caller: Caller) -> ExportPublic:
-        """Pack part ``request.part`` of dataset ``name`` for sbcast: of its ready tree
-        (the first part plans them, and the last one comes with the manifest), or with
-        ``early`` of the tree it is still staging (docs/multinode.md)."""
+        """Pack part ``request.part`` of dataset ``name`` for sbcast (docs/multinode.md)."""
         reg = self.engine.reg
         entry = reg.entries[self.names.handle(name, caller).key]
         if request.early:
@@ -321,8 +299,7 @@ class Requests:
         return await self.engine.fanout.export(entry, request, caller, tree, ready, whole)
 
     async def _ready_tree(self, entry: Entry, name: str) -> Path:
-        """The published tree of ``entry`` (dataset ``name``), to be sent: only a ready
-        one, unchanged since its publish (a changed tree is never sent either)."""
+        """The published tree of ``entry``, ready and unchanged since its publish."""
         if entry.state == State.READY:
             await self._drop_if_changed(entry)
         if entry.state != State.READY:

@@ -1,14 +1,6 @@
-"""The staging loop: queued entries run, and each staging's outcome is recorded.
-
-What it decides: when a queued entry runs (``_worker``, in the fair queue of
-:mod:`stager.engine.admission`), and what becomes of a finished staging (``_stage``:
-published, failed, cancelled, interrupted by a stop). Every change it decides on is
-made by the registry (:mod:`stager.engine.lifecycle`), which persists it. A staging
-itself runs in a child process of its own (:mod:`stager.staging.worker`), awaited
-without blocking the loop. What a request is, and which entry answers it, is
-:mod:`stager.engine.requests`'s; the engine is handed entries to queue (``enqueue``).
-
-Entries, names and leases are read and changed on the event loop only.
+"""The staging loop: when a queued entry runs (in admission's fair queue) and what
+becomes of its staging (published, failed, cancelled, interrupted by a stop), each
+change made by the registry. Entries, names and leases change on the event loop only.
 """
 
 from __future__ import annotations
@@ -45,24 +37,20 @@ class Engine:
         self.metrics = metrics
         self.ops = table.for_settings(settings)
         self.registry: Registry | None = None
-        # Room and slots (stager.engine.admission); its lock is held by whatever decides an
-        # entry's fate: admission, joins and hits, leases, eviction.
         self.admission = Admission(settings)
         self._tasks: set[asyncio.Task[Any]] = set()  # kept so they are not garbage-collected
         self._running: set[asyncio.Future[Any]] = set()
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.started = False
-        # Every process the daemon starts (stager.core.processes), and who acts for a user:
-        # ``as_user`` is the one way the engine, the registry and the fan-out room do.
+        # ``as_user`` is the one way the engine, the registry and the fan-out room act
+        # for a user.
         self.processes = Processes(
             separate_users=settings.multi_user, users_timeout_s=settings.user_process_timeout_s
         )
         self.as_user = self.processes.as_user
-        # Multi-node fan-out (docs/multinode.md): room on the disk that broadcasts take.
         self.fanout = FanoutRoom(settings, self.ops, self.admission, self.as_user)
-        # What a staging that met a file not everyone may read does for each name that
-        # waits on it (stager.engine.requests sets it: a private copy each).
+        # For each name a shared staging that met a private file leaves (requests sets it).
         self.restage: Callable[[Entry], Awaitable[None]] | None = None
 
     @property
@@ -89,16 +77,16 @@ class Engine:
             self._spawn(self._worker(), f"worker-{i}")
         self._spawn(self._flush_progress(), "progress-flusher")
         self._spawn(self._sweep(), "cache-sweeper")
-        self._spawn(self._sweep_transfers(), "transfer-sweeper")
+        # A loop of its own: an owner whose process does not answer delays only their
+        # own deliveries' sweep.
+        expire = partial(self.fanout.expire, self._spawn)
+        self._spawn(self._every_sweep("transfer sweep", expire), "transfer-sweeper")
         self.started = True
 
     def request_stop(self) -> None:
-        """From a signal handler: begin stopping before uvicorn drains connections.
-
-        uvicorn waits for open requests before it runs the lifespan shutdown, so open
-        long-polls must be answered (with their current, non-terminal status; clients
-        poll again) and stagings told to stop here, or the drain runs into its timeout.
-        """
+        """From a signal handler: uvicorn drains open requests before the lifespan
+        shutdown, so long-polls are answered and stagings told to stop here, or the
+        drain runs into its timeout."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._begin_stop)
 
@@ -135,8 +123,8 @@ class Engine:
         return list(self.reg.entries.values()) if self.registry else []
 
     async def _held(self) -> Held:
-        """What transfers hold, for admission: the fan-out room is asked only while it
-        holds any, so that a request with no fan-out never enters it."""
+        """The fan-out room is asked only while it holds any: a request with no fan-out
+        never enters it."""
         return await self.fanout.held() if self.fanout.holding else Held(0, set(), {})
 
     def _exporting(self) -> set[str]:
@@ -153,10 +141,8 @@ class Engine:
         room_of: int | None,
         low: bool | None = None,
     ) -> Entry:
-        """Queue a staging of ``key`` (a new entry, or an ended ``entry`` asked for again)
-        with what ``ask`` asks, once admission made room for its estimate (on ``room_of``'s
-        quota: None, shared). ``low``: as FairQueue.put's. Call it holding the admission
-        lock."""
+        """Queue a staging of ``key`` (new, or an ended ``entry`` again) once admission
+        made room on ``room_of``'s quota (None: shared). Hold the admission lock."""
         await self.admission.make_room(ask.estimate_bytes, key, room_of)
         entry = entry or Entry(key=key, spec=spec, steps=[], verify="")
         await self.reg.queue(entry, ask)
@@ -168,10 +154,8 @@ class Engine:
         return [h for h in self.reg.handles.values() if h.key == entry.key and h.ended is None]
 
     def requeue(self, entry: Entry) -> None:
-        """A queued entry waits in the turn of each user whose name wants it (node
-        service: each of them asked for it), and is charged to one of them: never to a
-        user who ended their name (the first asker, if they cancelled). With no live
-        name (or one user's daemon), in the turn of the user it is read as."""
+        """A queued entry waits in the turn of each user whose name wants it (never one
+        who ended theirs); with none (or one user's daemon), of the user it is read as."""
         if entry.state != State.QUEUED:
             return
         wanting = {h.owner for h in self.wanting(entry)} if self.settings.multi_user else set()
@@ -255,8 +239,7 @@ class Engine:
             self.processes.prepare_spare()
 
     async def drop_claimed(self, entry: Entry) -> None:
-        """A delivery is read once: when its staging ends, whatever the outcome, it goes
-        (after a stop too: a restart deletes deliveries, nobody could adopt it again)."""
+        """A delivery is read once: it goes when its staging ends, whatever the outcome."""
         if entry.delivery is not None:
             await self.reg.drop_delivery(entry, self.fanout.staging_ends(entry))
 
@@ -278,23 +261,13 @@ class Engine:
     # ---- sweeping --------------------------------------------------------------------
 
     async def _flush_progress(self) -> None:
-        """Persist progress now and then so a restarted daemon shows where it was."""
         while True:
             await asyncio.sleep(self.settings.progress_flush_s)
             staging = [e for e in self.reg.entries.values() if e.state == State.STAGING]
             if staging:
                 await self.reg.save_progress(staging)
 
-    async def _sweep_transfers(self) -> None:
-        """Now and then: transfers past their time or their room, removed as their owners
-        (a loop of its own, each owner's sweep a task of its own: an owner whose process
-        does not answer delays only their own deliveries' sweep)."""
-        await self._every_sweep("transfer sweep", partial(self.fanout.expire, self._spawn))
-
     async def _sweep(self) -> None:
-        """Now and then: drop leases of ended jobs, take space evicted datasets held and
-        let go of off their owners' books, and shrink back under the capacity."""
-
         async def shrink() -> None:
             await self.reg.drop_dead_leases()
             await self.reg.sweep_held()
@@ -307,8 +280,7 @@ class Engine:
         await self._every_sweep("cache sweep", shrink)
 
     async def _every_sweep(self, what: str, sweep: Callable[[], Awaitable[None]]) -> None:
-        """``sweep`` every ``sweep_interval_s``, for the daemon's life: a round that fails
-        is logged, and the next one runs all the same."""
+        """``sweep`` every ``sweep_interval_s``; a round that fails is logged."""
         while True:
             await asyncio.sleep(self.settings.sweep_interval_s)
             try:

@@ -1,18 +1,10 @@
 """What a node stages when it adopts a broadcast copy instead of reading the source.
 
-Three shapes of delivery (see ``stager.wire.schemas.Adopt``), three step lists:
+Three shapes of delivery (``stager.wire.schemas.Adopt``): the prepared tree in parts
+(one ``adopt`` step), the request's own source files (``check_delivered``, then the
+request's steps reading the copies), or an image's one file (``adopt_image``).
 
-- the prepared tree, in parts: one ``adopt`` step (extract each part through the
-  hardened extraction as it arrives, then check every path, size and sha256
-  against the manifest);
-- the request's own source files: one ``check_delivered`` step (each copy's size and
-  sha256), then the request's steps with each ``src`` pointed at its copy;
-- an image dataset's one file: one ``adopt_image`` step (copied, checked against the
-  size and sha256 the source node's service measured, and vouched for in the node
-  service, then mounted as the image).
-
-The entry keeps the request's own cache key: the data is what the source node
-staged from the same sources, so a later request on this node is a cache hit.
+The entry keeps the request's own cache key, so a later request here is a hit.
 """
 
 from __future__ import annotations
@@ -30,10 +22,8 @@ from stager.wire.schemas import IMAGE_DELIVERY_NAME, Adopt, SourceFile, delivere
 
 
 def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
-    """The request's source files when they can be broadcast as they are and staged
-    from on every node: every op one that reads only its ``src`` (the op table's
-    ``shareable``: nothing downloaded), nothing left as a link to its source, every
-    source a plain file. Empty when that is not so."""
+    """The request's source files, when every op reads only its plain-file ``src``
+    (nothing downloaded, nothing left as a link to its source); else empty."""
     found: dict[str, SourceFile] = {}
     for step in steps:
         op = table.op_of(step)
@@ -54,9 +44,8 @@ def broadcastable_sources(steps: list[Any], table: OpTable) -> list[SourceFile]:
 
 @dataclass(frozen=True)
 class Vouch:
-    """What a shared adoption demands of its manifest (stager.core.vouch): a credential of
-    ``uid`` (the node service's own) for entry ``key``, decoded through munged at
-    ``socket``."""
+    """A shared adoption's manifest must carry a credential of ``uid`` (the node
+    service's) for entry ``key``, decoded through munged at ``socket``."""
 
     uid: int
     key: str
@@ -71,10 +60,8 @@ def steps_for(
     vouch: Vouch | None = None,
     own_delivery: bool = False,
 ) -> list[Any]:
-    """The steps that stage ``adopt``'s delivery (in ``folder``) instead of the sources;
-    with ``vouch``, a prepared tree whose manifest, or an image whose sha256, must be
-    vouched for. ``own_delivery``: the delivery was written by the one user this daemon
-    serves (a per-user daemon), so an image may be taken in where it lies."""
+    """The steps that stage ``adopt``'s delivery in ``folder`` instead of the sources.
+    ``own_delivery``: a per-user daemon's, so an image may be taken in where it lies."""
     if adopt.sources is not None:
         return _from_sources(adopt, folder, steps, table)
     vouching = {}

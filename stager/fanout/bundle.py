@@ -1,14 +1,10 @@
 """A bundle: plain tars that carry a ready dataset to the other nodes of a job.
 
-sbcast moves whole files, so the tree is packed. In parts of about ``PART_BYTES``:
-while part *i* is on its way, the sender packs part *i+1* and the receivers extract
-part *i-1*, so sending costs about one part's time after the staging instead of
-packing, sending and extracting the whole tree one after the other. Each part is a
-complete tar of whole files (a folder always comes in the same part as its first
-entry, or earlier: the walk lists parents first). Plain tar, because the receiving
-side already has a hardened, fast extraction for it (stager.ops.extract);
-compression, when it pays, is sbcast's own (lz4 on the wire). Each file is read
-once: the manifest's sha256 is computed from the same bytes that go into the tar.
+sbcast moves whole files, so the tree is packed, in parts of about ``PART_BYTES``:
+while part *i* travels, the sender packs *i+1* and the receivers extract *i-1*. Each
+part is a complete plain tar (the receivers' hardened extraction reads it; compression
+is sbcast's own), parents first. Each file is read once: the manifest's sha256 is of
+the very bytes that go into the tar.
 """
 
 from __future__ import annotations
@@ -46,8 +42,6 @@ Entries = list[tuple[str, os.stat_result]]
 
 
 def plan(root: Path, part_bytes: int = PART_BYTES) -> list[Entries]:
-    """``root``'s paths (parents first) in parts of about ``part_bytes`` of file data;
-    always at least one part."""
     return cut(walk(root), part_bytes)
 
 
@@ -71,8 +65,8 @@ def cut(entries: Entries, part_bytes: int) -> list[Entries]:
 def pack_part(
     root: Path, out: Path, entries: Entries, manifest: Manifest, sent: Digests | None = None
 ) -> None:
-    """Write ``entries`` of ``root`` to ``out`` (a tar), adding them to ``manifest``
-    (and each file, with the identity it had before it was read, to ``sent``)."""
+    """``entries`` of ``root`` into the tar ``out`` and ``manifest`` (files, with the
+    identity they had before they were read, into ``sent``)."""
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT, copybufsize=HASH_CHUNK) as tar:
         for path, info in entries:
             member = _member(root, path, info)

@@ -1,23 +1,16 @@
 """Early parts: files a staging finished, sent to the other nodes while it stages the rest.
 
-A multi-node job reads the shared storage on one node and sends the others what it
-staged (docs/multinode.md). Sending only once that staging is ready adds the whole
-send to the job's time, although the staging is bound by the storage link and the
-cores sit idle meanwhile. So the source node packs and sends the files its staging
-finished a while ago as it goes, and when the dataset is ready only what changed
-or came since remains.
+Sending only once the staging is ready would add the whole send to the job's time,
+while the staging is bound by the storage link and the cores sit idle; so what is
+finished goes as it goes, and at the end only what changed or came since remains
+(docs/multinode.md).
 
-Which files are finished? The staging does not say, and need not. A file is taken
-once its ctime is ``STABLE_S`` old (nothing wrote, renamed or chmodded it since: the
-kernel sets ctime, and no call sets it back; longer where ctimes are whole seconds,
-so that any later write moves it), and it is remembered with its
-identity (inode, size, mtime, ctime) as it was before it was read. The ready tree
-is walked again at the end: a file with the same identity went out as it is now;
-any other file (written again, renamed, new) goes in the final parts, and the
-manifest, built from the ready tree, is what the receivers check. They extract
-every part in order (a later copy of a path replaces an earlier one), remove what
-the manifest does not name, and check the rest: sending early is never trusted,
-only faster.
+A file is finished once its ctime is ``STABLE_S`` old (the kernel sets ctime, and no
+call sets it back), and is remembered with its identity (inode, size, mtime, ctime)
+as it was before it was read. The ready tree is walked again at the end: any file
+with another identity goes in the final parts, and the receivers check everything
+against the manifest built from the ready tree: sending early is never trusted, only
+faster.
 """
 
 from __future__ import annotations
@@ -38,10 +31,9 @@ STABLE_S = 0.5
 # with small inodes, some network mounts; 2 s on FAT): a write later in the same
 # second or two would leave it as it is, so such a file waits that much longer.
 COARSE_S = 2.0
-# Early parts hold about a sixteenth of the staging's estimate (or of its size, once
-# known: a download's estimate is 0 until it started), within these bounds: a
-# small dataset still goes out in a few parts while it stages, a large one in parts
-# whose sbcast costs little next to their size.
+# Early parts hold about a sixteenth of the staging's estimate (or size, once known),
+# within bounds: a small dataset still goes in a few parts, a large one in parts whose
+# sbcast costs little next to their size.
 MIN_PART_BYTES = 1 << 20
 PARTS_PER_ESTIMATE = 16
 # Between two looks at a staging tree: at least this, and a few times what a walk of
@@ -71,13 +63,10 @@ def pick(
     growing: dict[int, ranges.Growing] | None = None,
     scratch: frozenset[str] = frozenset(),
 ) -> tuple[Entries | ranges.RangePart | None, float]:
-    """The next early part of staging tree ``tree``, and how long to wait before the
-    next look. Either a part of whole entries: folders not sent yet and files
-    unchanged for ``STABLE_S`` and not sent as they are now, until ``part_bytes`` of
-    file data; or, with ``growing`` (the files sent in ranges so far), a part of
-    ranges: of files still written (``part_bytes`` at a time), and the ends of those
-    that settled since. None if there is not that much yet. Files in ``scratch`` (the
-    staging removes them: a downloaded archive it extracts) are never sent."""
+    """The next early part of staging ``tree`` (None: not ``part_bytes`` yet) and how
+    long to wait before the next look: whole entries (new folders, settled files not
+    sent as they are now), or with ``growing`` ranges of files still written and the
+    ends of those settled since. Files in ``scratch`` (the staging removes them) never go."""
     started = time.monotonic()
     entries: Entries = []
     ranged = ranges.RangePart()
@@ -117,11 +106,9 @@ def pick(
 def rest(
     tree: Path, sent: Digests, part_bytes: int, growing: dict[int, ranges.Growing] | None = None
 ) -> tuple[list[Entries | ranges.RangePart], Manifest, int]:
-    """What the ready ``tree`` still needs sent after the early parts: the ends of the
-    files sent in ranges (``growing``: each file found by its inode, whatever its name
-    now), in range parts; then its folders and links, and every other file not sent
-    as it is now, in parts; the manifest with the files already sent (the others are
-    added as they are packed); and the tree's file bytes."""
+    """What the ready ``tree`` still needs sent after the early parts (the ends of files
+    sent in ranges, found by inode; then everything not sent as it is now), the
+    manifest of what was already sent, and the tree's file bytes."""
     manifest = Manifest()
     needed: Entries = []
     ends: list[tuple[str, os.stat_result, ranges.Growing]] = []

@@ -1,22 +1,12 @@
-"""An image dataset sent whole (docs/multinode.md): the source node's copy of its image
-file, in the export's folder, for one ``sbcast``. Blocking; run off the event loop by
-:mod:`stager.fanout.room`.
+"""An image dataset sent whole (docs/multinode.md): a copy of its image file in the
+export's folder, for one ``sbcast``. Blocking.
 
-Why a copy, and not the published file itself or a hard link to it: sbcast runs as the
-job's user, and a private image's file is root's and 0400 (nobody reads its bytes but
-through the mount); a hard link would share the published file's inode, so handing it
-over (chown, chmod) or even linking it (the link count) would change the ctime that
-every hit checks. The copy is made by the service in its own folder (``outgoing/``,
-where nobody else may create anything), and its sha256 is computed from the copy as it
-is written (read back from the page cache by a second thread, as a prebuilt image's
-copy is hashed): the hash is that of the very bytes sbcast reads. A shared image's copy
-stays the service's (0444: nobody can change it, everybody may read it, as the image
-itself); a private one's is handed to its user (0400), like a packed part: they can only
-spoil their own delivery, which the receivers' check against the service's hash refuses.
-
-The published file is opened once and checked against the image's recorded stamps
-(size, device, inode, times) before and after the copy: what is sent is the image the
-entry published, unchanged (a changed image is never sent, as it is never served).
+A copy, not the file or a hard link: sbcast runs as the job's user, a private image's
+file is root's 0400, and a hard link's chown or even its link count would change the
+ctime every hit checks. Its sha256 is of the very bytes written. A shared image's copy
+stays the service's (0444); a private one's is its user's (0400), who can then spoil
+only their own delivery, which the receivers' check of the service's hash refuses. The
+published file is checked against its recorded stamps before and after the copy.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The file work of a broadcast on the cache disk, blocking, run off the event loop
-by :mod:`stager.fanout.room` (which keeps the books): a transfer's folder made and
-removed, the bytes promised to transfers and not written yet, and an export's
-parts planned and packed.
+"""The blocking file work of a broadcast, run off the event loop by the fan-out room:
+transfers' folders, and an export's parts planned and packed.
 
-A transfer is a folder under the cache directory, so it lives on the node-local
-disk the cache admits against: ``outgoing/<label>/`` (an export: a ready dataset
-packed to be sent) or ``incoming/<label>/`` (a delivery: room for what another
-node sends here); in the node service ``<uid>/<label>/`` below each, per user
-(:func:`stager.fanout.room.transfer_key`).
+A transfer is a folder on the cache disk: ``outgoing/<label>/`` (an export) or
+``incoming/<label>/`` (a delivery); ``<uid>/<label>/`` in the node service.
 """
 
 from __future__ import annotations
@@ -33,25 +28,22 @@ class Transfer:
     path: Path  # the folder
     nbytes: int  # counted by admission until released
     expires_at: datetime
-    # Whose it is: the uid (and gid) whose job asked for it (None: the daemon's own,
-    # per-user mode). Their sbcast writes a delivery's folder and reads an export's
-    # files, and nobody else can reach either (:func:`make_folder`).
+    # The uid (and gid) whose job asked for it (None: the daemon's own, per-user mode):
+    # their sbcast writes a delivery and reads an export, nobody else reaches either.
     owner: int | None = None
     group: int | None = None
-    # A delivery a staging reads: kept (and counted) until that staging ends, whoever
-    # releases it meanwhile, and never expired under it.
+    # A delivery a staging reads: kept and counted until that staging ends, never
+    # expired under it.
     claimed: bool = False
-    # The bytes a delivery's folder held when last measured (as its owner, by the
-    # sweep: the folder is theirs to write, so root never walks it).
+    # The bytes a delivery's folder held when the sweep last measured it, as its owner
+    # (the folder is theirs to write: root never walks it).
     written: int = 0
 
 
 @dataclass
 class ExportPlan:
-    """An export under way: the tree cut into parts, packed one at a time. An early
-    export (``early``) packs parts of a tree still staging, as its files are finished
-    (:mod:`stager.fanout.early`); once the tree is ready, its remaining parts are
-    planned and numbered from ``first`` on."""
+    """An export under way, packed a part at a time. An ``early`` one packs a tree
+    still staging; once it is ready, the remaining parts are numbered from ``first``."""
 
     tree: Path
     key: str
@@ -67,8 +59,7 @@ class ExportPlan:
     sized_by_staging: bool = False  # part size follows the staging's size (not asked for)
     sent: Digests = field(default_factory=Digests)  # files packed, as they were then
     sent_dirs: set[str] = field(default_factory=set)
-    # Files sent in ranges so far, by inode (stager.archive.ranges), and what the
-    # staging removes before it is ready, never sent (an archive it extracts).
+    # Files sent in ranges so far, by inode, and what the staging removes (never sent).
     growing: dict[int, ranges.Growing] = field(default_factory=dict)
     scratch: frozenset[str] = frozenset()
 
@@ -86,12 +77,9 @@ class ExportPlan:
 
 
 def make_folder(transfer: Transfer, writable_by_owner: bool = False) -> None:
-    """The transfer's folder, in a folder of its owner's uid that only the service may
-    change (so nobody moves it away). A delivery's (``writable_by_owner``) is its
-    owner's, 0700: their sbcast writes there, and the service only reads it as them
-    and removes it. An export's stays the service's (0711): the service writes there,
-    so nobody else may plant anything in it (a link, a FIFO); each file it packs is
-    handed to the owner once written (:func:`hand_over`)."""
+    """The transfer's folder, in one only the service may change. A delivery's
+    (``writable_by_owner``) is its owner's, 0700, for their sbcast to write; an
+    export's stays the service's (0711), so nobody may plant anything in it."""
     transfer.path.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
     mode = 0o711 if transfer.owner is not None and not writable_by_owner else 0o700
     try:
@@ -104,8 +92,7 @@ def make_folder(transfer: Transfer, writable_by_owner: bool = False) -> None:
 
 
 def hand_over(path: Path, transfer: Transfer) -> None:
-    """A file the service packed for ``transfer``: its owner's alone to read (0400),
-    so their sbcast can send it and nobody else can read what may be private data."""
+    """A packed file: its owner's alone to read (0400), for their sbcast."""
     if transfer.owner is not None:
         group = transfer.group if transfer.group is not None else -1
         os.chown(path, transfer.owner, group, follow_symlinks=False)
@@ -117,9 +104,7 @@ def remove_folder(path: Path) -> None:
 
 
 def folder_bytes(path: Path) -> int:
-    """The bytes a folder holds, every file and link below it counted, links never
-    followed. Run on a delivery as its owner (who may have written more than they
-    reserved, in any layout), or on an export's folder, which is the service's."""
+    """The bytes of every file and link below ``path``, links never followed."""
     total = 0
     for folder, folders, files in os.walk(path):
         for name in [*folders, *files]:
@@ -145,7 +130,7 @@ def plan_rest(plan: ExportPlan, tree: Path) -> None:
 
 
 def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
-    """Write the next part (and, with the last, the manifest) into the export's folder."""
+    """The next part (and, with the last, the manifest) into the export's folder."""
     index = plan.packed
     out = _start_part(plan, transfer)
     _pack(plan, plan.tree, out, plan.parts[index - plan.first], plan.manifest, plan.sent)
@@ -165,8 +150,7 @@ def pack_export_part(plan: ExportPlan, transfer: Transfer) -> ExportPublic:
 def pack_early_part(
     plan: ExportPlan, transfer: Transfer, tree: Path
 ) -> tuple[ExportPublic | None, float]:
-    """The next early part of staging ``tree`` (None: none yet), and how soon to look
-    again for the one after it."""
+    """The next early part of staging ``tree`` (None: none yet), and when to look again."""
     entries, retry = early.pick(tree, plan.sent, plan.sent_dirs, plan.part_bytes, time.time(),
                                 plan.growing, plan.scratch)  # fmt: skip
     if entries is None:
@@ -206,9 +190,8 @@ def _members(part: bundle.Entries | ranges.RangePart) -> int:
 
 
 def _start_part(plan: ExportPlan, transfer: Transfer) -> Path:
-    """Where part ``plan.packed`` goes. The part two before it was sent by now (a part
-    is packed while the one before it travels): it is removed, so an export takes
-    about three parts of disk, whatever the dataset's size."""
+    """Where part ``plan.packed`` goes; the one two before it was sent by now and goes,
+    so an export takes about three parts of disk."""
     make_folder(transfer)
     if plan.packed >= 2:
         (transfer.path / part_name(plan.packed - 2)).unlink(missing_ok=True)
@@ -229,6 +212,5 @@ def _part_public(plan: ExportPlan, transfer: Transfer, out: Path) -> ExportPubli
 
 
 def bundle_estimate(size_bytes: int, files: int) -> int:
-    """A tar of ``files`` files of ``size_bytes`` in all: data, a 512-byte header and up
-    to 511 bytes of padding per file (a PAX header too for long names), two end blocks."""
+    """A tar's size: data, per file a header, padding and maybe a PAX header; end blocks."""
     return size_bytes + files * 2048 + 10240

@@ -1,27 +1,14 @@
-"""The one owner of a daemon's share of multi-node fan-out (docs/multinode.md): its
-books and the room on its cache disk that broadcasts take.
+"""A daemon's share of multi-node fan-out (docs/multinode.md): its books and the room
+on its cache disk that broadcasts take.
 
-- deliveries: room reserved for what another node sbcasts here (``incoming/``); a
-  delivery a staging adopts is *claimed*: kept, and counted, until that staging ends;
-- exports: ready (or still staging) datasets packed to be sent (``outgoing/``), part
-  by part, each with its plan.
+- deliveries: room reserved for what another node sbcasts here (``incoming/``); one a
+  staging adopts is *claimed*: kept, and counted, until that staging ends;
+- exports: datasets packed to be sent (``outgoing/``), part by part, each with its plan.
 
 Both count as promised room in admission until they are gone, so a broadcast never
-fills the disk behind the cache's back. Both expire (a job that died leaves nothing
-for long), and a daemon that restarts deletes whatever an earlier run left there.
-
-The engine decides (admission, scheduling) and calls in through its hooks, one per
-phase of a request or a staging:
-
-- ``arrival``: what a request that may adopt a delivery stages, and from where;
-- ``held``: for admission, what the room holds (promised bytes, keys being packed);
-- ``admitted``: the request is decided; its delivery is claimed, or released unused;
-- ``staging_starts`` / ``staging_ends``: where an adopting staging may read, and the
-  claimed delivery it read, which the registry then removes (:mod:`stager.engine.lifecycle`);
-- ``export``: the next part of a dataset to send.
-
-The API's reservations (``/v1/incoming``, ``/v1/exports``) come here directly. The
-blocking file work runs off the event loop in :mod:`stager.fanout.packing`.
+fills the disk behind the cache's back; both expire, and a restart deletes them. The
+engine calls in through one hook per phase (``arrival``, ``held``, ``admitted``,
+``staging_starts``/``staging_ends``, ``export``); the API's reservations come directly.
 """
 
 from __future__ import annotations
@@ -96,15 +83,12 @@ def _now() -> datetime:
 
 
 def transfer_key(owner: Caller | None, label: str) -> str:
-    """Where a transfer is booked and kept, under its kind's folder: ``label``, and in
-    the node service ``<uid>/<label>``: every user names their transfers for
-    themselves, and nobody else's label reaches theirs."""
+    """``label``, or in the node service ``<uid>/<label>``: each user's own namespace."""
     return label if owner is None else f"{owner.uid}/{label}"
 
 
 class Transfers:
-    """The books of one kind of transfer (exports or deliveries) under one folder, each
-    by its key (:func:`transfer_key`)."""
+    """The books of exports or deliveries under one folder, by :func:`transfer_key`."""
 
     def __init__(self, root: Path, kind: str, changed: Callable[[], None] = lambda: None) -> None:
         self.root = root
@@ -134,8 +118,8 @@ class Transfers:
         return transfer
 
     def renew(self, key: str, ttl_s: float) -> Transfer:
-        """``key``, living ``ttl_s`` from now: an export is renewed by every part asked
-        for, so a long staging sending early parts does not outlive its export."""
+        """Every part asked for renews an export, so a long staging sending early parts
+        does not outlive it."""
         transfer = self.get(key)
         transfer.expires_at = _now() + timedelta(seconds=ttl_s)
         return transfer
@@ -157,7 +141,7 @@ class Transfers:
         return transfer
 
     def keep(self, key: str, transfer: Transfer) -> None:
-        """Back on the books: one taken off (expired) that could not be removed yet."""
+        """Back on the books: an expired one that could not be removed yet."""
         self._live.setdefault(key, transfer)
         self._changed()
 
@@ -172,12 +156,11 @@ class Transfers:
 
 @dataclass(frozen=True)
 class PeerCopy:
-    """A prefetch that copies its data from another planned node of its job
-    (stager.prestage.prefetch): that node's name and prefetch port (HOST:PORT), the
+    """A prefetch that copies its data from another planned node of its job: the
     planner's copy credential for it, and the order that credential signs."""
 
     node: str
-    address: str
+    address: str  # its prefetch port, HOST:PORT
     authorization: str
     order: bytes
     job: int
@@ -190,8 +173,7 @@ COPYING: ContextVar[PeerCopy | None] = ContextVar("COPYING", default=None)
 
 @dataclass(frozen=True)
 class Arrival:
-    """How a request's data arrives: the steps it stages with (an adoption's, or the
-    request's own), where it comes from, and (an adoption that misses) its size."""
+    """How a request's data arrives: its steps, origin and (a miss) size."""
 
     steps: list[Any]
     origin: dict[str, Any]
@@ -203,8 +185,8 @@ class FanoutRoom:
     def __init__(self, settings: Settings, ops: Any, admission: Admission, as_user: AsUser):
         self.settings = settings
         self.ops = ops
-        # A delivery's folder is its user's to write: whatever looks into it or deletes
-        # it runs as that user (stager.rights), never under the admission lock.
+        # A delivery's folder is its user's: whatever looks into it or deletes it runs
+        # as that user, never under the admission lock.
         self._as_user = as_user
         self._admission = admission.lock  # held while room is promised
         self._admit = admission.make_room  # evicts, or refuses with the sizes
@@ -232,11 +214,8 @@ class FanoutRoom:
         reader: Reader | None,
         miss: bool,
     ) -> Arrival:
-        """What ``caller``'s ``request`` of a delivery of theirs (expanded to ``steps``,
-        cache key ``key``, or ``shared_key`` were it shared by every user) stages, read
-        with ``reader``'s rights: the delivery's steps, checked before admission when
-        it misses (a hit or a join stages nothing); or a prefetch's copy from another
-        planned node (``COPYING``). Only these come here."""
+        """What an adoption of ``caller``'s delivery, or a prefetch's copy from another
+        node (``COPYING``), stages; a miss is checked here, before admission."""
         adopt = request.adopt
         peer = COPYING.get()
         if peer is not None and adopt is None:
@@ -285,12 +264,9 @@ class FanoutRoom:
         miss: bool,
     ) -> Arrival:
         """A prefetch copied from ``peer`` (docs/prestaging.md, "4-node job"): one step
-        that receives the source node's ready tree and checks it against the manifest
-        that node's service vouched for, for ``key``, this node's own key for the
-        request (computed as the job's user: what they may not read here, they get no
-        copy of), or the request's shared key (``keys``: this node's, and the shared one)
-        when this node keeps it as the user's own. Its size is the request's own estimate
-        (checked as the user) and the bound of the tar held beside the tree."""
+        that receives its ready tree and checks it against the manifest the peer's
+        service vouched for, for this node's key (computed as the job's user) or the
+        shared one (``keys``)."""
         key, shared_key = keys
         origin = {"how": "broadcast", "node": peer.node, "job": str(peer.job)}
         if not miss:
@@ -316,14 +292,12 @@ class FanoutRoom:
             wait_s=self.settings.prefetch_copy_wait_s,
         )
         copying = self.ops.validate_steps([{"op": "copy_from_node", **step.model_dump()}])
-        # What it may write: the tree, and the tar it holds beside it while it extracts;
-        # admission counts both until the staging ends.
+        # Admission counts the tree and the tar beside it until the staging ends.
         return Arrival(copying, origin, estimate + limit)
 
     async def held(self) -> Held:
-        """For admission (under its lock): what the room holds. Room promised and not
-        written yet is not free; each user's transfers count against their quota with
-        what they reserved, or what they wrote if that is more."""
+        """For admission: room promised and not written; each user's transfers count
+        against their quota with the larger of what they reserved and wrote."""
         exports = self.exports.live()
         exported = await run_io(lambda: [folder_bytes(t.path) for t in exports])
         transfers = [*self.deliveries.live(), *exports]
@@ -343,26 +317,22 @@ class FanoutRoom:
         return unpacked | set(self._planning)
 
     async def admitted(self, arrival: Arrival, entry: Entry) -> None:
-        """``entry`` answers a request that arrived with a delivery: claimed when the
-        request queued its staging with it (``entry.delivery``), else not needed (the
-        request joined or hit) and released."""
+        """A delivery is claimed when its request queued a staging with it, else
+        released (the request joined or hit)."""
         if arrival.delivery is None or (transfer := self.deliveries.find(arrival.delivery)) is None:
             return
         if entry.delivery == arrival.delivery:
             transfer.claimed = True
         elif not transfer.claimed:
-            await self._discard(arrival.delivery)
+            await self._remove_delivery(self.deliveries.pop(arrival.delivery))
 
     def staging_starts(self, entry: Entry) -> tuple[Path, ...]:
-        """Where the staging of ``entry`` may read: the allowed source roots, and for an
-        adoption the incoming folder too (what was delivered there, read with the rights
-        of the user whose job delivered it). The request check and the staging process
-        both take it from here."""
+        """Where the staging of ``entry`` may read: the allowed roots, and for an
+        adoption the incoming folder too."""
         return self._roots(adopting=entry.delivery is not None)
 
     def staging_ends(self, entry: Entry) -> Path | None:
-        """The folder of the delivery the staging of ``entry`` read, which has ended:
-        read once, it goes (the registry removes it), whatever the outcome."""
+        """The folder of the delivery an ended staging read: the registry removes it."""
         if entry.delivery is None:
             return None
         transfer = self.deliveries.find(entry.delivery)
@@ -372,8 +342,7 @@ class FanoutRoom:
         return transfer.path
 
     async def source_files(self, steps: list[Any], caller: Caller) -> list[SourceFile]:
-        """The request's source files when they can be broadcast as they are (looked at
-        as the caller)."""
+        """The request's source files that can be broadcast as they are."""
         dumped = self.ops.dump_steps(steps)
         found = await self._as_user(caller, source_files, self.settings, dumped)
         return [SourceFile(**item) for item in found]
@@ -387,13 +356,10 @@ class FanoutRoom:
         ready: ReadyTree,
         whole: WholeExport,
     ) -> ExportPublic:
-        """Pack part ``request.part`` of ``entry`` for sbcast. With ``early``: of the
-        tree it is still staging (``staging_tree``; None: not staging yet). Else of its
-        ready tree: the first part (or the first after early parts) asks ``ready`` for
-        that tree, plans the parts and is admitted for them; the others come in order,
-        each packed while the one before is on its way. A kind that goes as one file
-        (an image: ``whole``, stager.kinds) sends it as the first and only part, unless
-        ``tree`` asks for parts."""
+        """Pack part ``request.part`` of ``entry`` for sbcast: with ``early``, of the
+        tree it is still staging (``staging_tree``; None: not yet); else of the tree
+        ``ready`` gives, planned and admitted at the first part. A kind that goes as one
+        file (``whole``) sends it as the only part, unless ``tree`` asks for parts."""
         owner = self._owner(caller)
         first = request.part == 0 and not request.early and not request.tree
         if first and (sent := await whole(entry, request, owner, ready, self)):
@@ -417,11 +383,9 @@ class FanoutRoom:
         size: int,
         copy: Callable[[Transfer], tuple[Path, int, str]],
     ) -> tuple[Path, int, str, str | None]:
-        """One file of ``entry`` sent whole (stager.kinds.base.Sender): room for its
-        ``size`` booked as an export, ``copy`` run into the transfer's folder (off the
-        event loop; never evicted meanwhile), and in the node service the copy's sha256
-        vouched for (stager.core.vouch) whoever's it is, since the receivers' kernels will
-        parse it. The copy's path, size, sha256 and the credential."""
+        """One file of ``entry`` sent whole: ``size`` booked as an export, ``copy`` run
+        into its folder, and in the node service its sha256 vouched for whoever's it
+        is (the receivers' kernels parse it). The copy's path, size, sha256, credential."""
         key, label = transfer_key(owner, request.label), request.label
         if self.exports.find(key) is not None:
             await self._drop_export(key)  # asked again from the start: a re-run step
@@ -445,8 +409,7 @@ class FanoutRoom:
         return path, size, sha256, credential
 
     def _vouches_for(self, entry: Entry) -> bool:
-        """Whether this service vouches for the manifest of ``entry`` (stager.core.vouch): the
-        node service does, for an entry every user shares, where munge is installed."""
+        """The node service vouches for a shared entry's manifest where munge is."""
         shared = entry.reader is not None and entry.reader.public
         return self.settings.multi_user and shared and vouch.available()
 
@@ -473,12 +436,9 @@ class FanoutRoom:
         return await self._locked(plan, key, pack_export_part, plan, transfer)
 
     async def expire(self, spawn: Callable[[Awaitable[None], str], None]) -> None:
-        """Reservations and exports past their time (a job that died), and deliveries
-        grown past what was reserved for them: removed. Called by the sweep, outside
-        the admission lock. Each owner's deliveries are measured and removed as that
-        owner, in a task of its own (``spawn``): one whose process gives no answer waits
-        its whole timeout, and is left out of the rounds that start meanwhile, while
-        everyone else's deliveries are swept on."""
+        """Remove transfers past their time and deliveries grown past their room. Each
+        owner's deliveries are swept as that owner in a task of their own (``spawn``):
+        one whose process does not answer is left out of later rounds meanwhile."""
         exports = self.exports.expired()
         for key in exports:
             self.plans.pop(key, None)
@@ -501,10 +461,8 @@ class FanoutRoom:
     async def _sweep_owner(
         self, owner: int | None, booked: list[tuple[str, Transfer]], ended: dict[str, Transfer]
     ) -> None:
-        """One owner's deliveries: ``booked`` measured, and those grown past their room
-        removed with ``ended`` (expired). An owner whose process gives no answer
-        (stopped, killed) is asked nothing more this round: what is left stays booked,
-        tried again in a later one."""
+        """One owner's ``booked`` deliveries measured, those grown past their room removed
+        with ``ended``; an owner that does not answer keeps the rest for a later round."""
         removed: set[str] = set()
         try:
             answered = True
@@ -536,8 +494,7 @@ class FanoutRoom:
             self._sweeping.discard(owner)
 
     async def _overgrown(self, transfer: Transfer) -> bool:
-        """Whether a delivery holds more than was reserved for it (measured as its owner;
-        one that cannot be measured counts as grown), and no staging reads it."""
+        """Whether an unclaimed delivery holds more than its room (unmeasurable: yes)."""
         try:
             transfer.written = int(await self._as_user(transfer.owner, folder_bytes, transfer.path))
         except UserProcessUnanswered:
@@ -556,10 +513,8 @@ class FanoutRoom:
         return True
 
     async def clear_deliveries(self) -> None:
-        """At start: deliveries an earlier run left (nobody will adopt them now), each
-        deleted by its owner (the passage ``incoming/<uid>/`` names them), every owner's
-        at once. An owner whose process gives no answer keeps theirs until the next
-        start."""
+        """At start: an earlier run's deliveries, deleted by their owners at once (one
+        that does not answer keeps theirs until the next start)."""
         folders = await run_io(lambda: sorted(self.settings.incoming_dir.iterdir()))
         cleared = [self._clear_owner(folder) for folder in folders]
         for outcome in await asyncio.gather(*cleared, return_exceptions=True):
@@ -589,9 +544,8 @@ class FanoutRoom:
     # ---- the API's reservations and exports: each caller's own ---------------------------
 
     async def reserve(self, request: IncomingCreate, caller: Caller) -> TransferPublic:
-        """Room on the cache disk for a delivery, counted by admission (and against the
-        caller's quota) until it goes. The same label again (a re-run step) gets the
-        same reservation."""
+        """Room for a delivery, counted by admission until it goes; the same label
+        again (a re-run step) gets the same reservation."""
         owner = self._owner(caller)
         key = transfer_key(owner, request.label)
         async with self._admission:
@@ -605,12 +559,11 @@ class FanoutRoom:
         return transfer_public(transfer)
 
     async def release(self, label: str, caller: Caller) -> TransferPublic:
-        """Drop a reservation of the caller's and what was delivered into it. A delivery
-        that a staging is adopting stays until that staging ends."""
+        """Drop a reservation and its delivery, unless a staging adopts it."""
         key = transfer_key(self._owner(caller), label)
         transfer = self.deliveries.get(key)  # NotFound, with its sentence
         if not transfer.claimed:
-            await self._discard(key)
+            await self._remove_delivery(self.deliveries.pop(key))
         return transfer_public(transfer)
 
     async def drop_export(self, label: str, caller: Caller) -> TransferPublic:
@@ -619,16 +572,11 @@ class FanoutRoom:
     # ---- inside ----------------------------------------------------------------------------
 
     def _owner(self, caller: Caller) -> Caller | None:
-        """Whose a transfer is: in the node service the caller's, else the daemon's."""
         return caller if self.settings.multi_user else None
 
     @staticmethod
     def _quota_owner(owner: Caller | None) -> int | None:
-        """Whose quota a transfer's room counts against: a user's, not root's."""
         return owner.uid if owner is not None and not owner.is_root else None
-
-    async def _discard(self, key: str) -> None:
-        await self._remove_delivery(self.deliveries.pop(key))
 
     async def _drop_export(self, key: str) -> TransferPublic:
         transfer = self.exports.pop(key)
@@ -645,9 +593,8 @@ class FanoutRoom:
     async def _export_early(
         self, entry: Entry, request: ExportCreate, owner: Caller | None, tree: Path | None
     ) -> ExportPublic:
-        """The next early part of ``entry``, which is staging into ``tree`` (None:
-        queued), or none yet; once it is not staging any more, say so: its remaining
-        parts are asked for without ``early``."""
+        """The next early part of ``entry`` staging into ``tree`` (None: queued), or none
+        yet; once it stopped staging, the rest are asked for without ``early``."""
         part, key = request.part, transfer_key(owner, request.label)
         if part == 0 and key not in self.plans:
             nbytes = bundle_estimate(entry.estimate_bytes, 0)
@@ -732,15 +679,14 @@ class FanoutRoom:
 def check_adoption(
     settings: Settings, dumped: list[dict[str, Any]], verify: str, roots: tuple[Path, ...]
 ) -> int:
-    """Pre-flight of an adoption, run as the user whose delivery it reads."""
+    """Run as the user whose delivery it reads."""
     ops = table.for_settings(settings)
     steps = ops.validate_steps(dumped)
     return int(ops.check(steps, CheckContext(allowed_roots=roots, verify=verify)))
 
 
 def source_files(settings: Settings, dumped: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's source files that can be broadcast as they are, as JSON (run as
-    the user who asks)."""
+    """Run as the user who asks."""
     ops = table.for_settings(settings)
     steps = ops.validate_steps(dumped)
     return [f.model_dump() for f in adoption.broadcastable_sources(steps, ops)]

@@ -1,23 +1,18 @@
 """Reading sources as the user who asked: the kernel decides, on every open.
 
-The node service runs as root and writes its cache as root, but it must never
-read a source with root's rights: a user may stage only what they could have read
-themselves. stager never asks ``access()`` or compares modes to decide that: a
-process that *became* the user (stager.rights) opens the source, and the open
-succeeds or fails.
+The node service writes its cache as root but never reads a source with root's
+rights: stager never asks ``access()`` or compares modes; a process that *became* the
+user (stager.rights) opens the source, and the open succeeds or fails.
 
-- The daemon's request-time checks (the fingerprint, each step's check, the
-  link's folder) run whole in one of the caller's user processes
+- The request-time checks run whole in one of the caller's user processes
   (stager.rights.pool).
-- A staging process writes the cache as root and reaches sources only through
-  its *access* (:func:`access`): in the node service a gateway process that
-  became the reader and hands back descriptors (stager.rights.gateway); in a
-  per-user daemon, or for root's own requests, this process's own rights.
-  :func:`read_sources_as` chooses it once, at the staging's start; forked workers
-  inherit it and open channels of their own.
+- A staging process reaches sources only through its *access* (:func:`access`): a
+  gateway that became the reader and hands back descriptors (stager.rights.gateway),
+  or, per user or for root, its own rights. :func:`read_sources_as` chooses it at the
+  staging's start; forked workers inherit it and open channels of their own.
 
-A staging every user shares is read as ``nobody`` (stager.rights.become.nobody),
-and each source it opens must also be readable by everyone (:func:`check_public`).
+A staging every user shares is read as ``nobody``, and each source it opens must be
+readable by everyone (:func:`check_public`).
 """
 
 from __future__ import annotations
@@ -38,11 +33,9 @@ from stager.rights.gateway import start as start_gateway
 class Reader:
     """Whose rights a staging reads its sources with: a user's uid, gid and groups.
 
-    ``public``: the staging is to be shared by every user of the node, so every
-    source it opens must be readable by everyone (:func:`check_public`), and it is
-    read as ``nobody``; unless ``vouched``: it reads a broadcast copy whose every byte
-    another node's service vouches for (stager.core.vouch), from the delivering user's own
-    folder, as that user, and the copy's files need only be readable by them."""
+    ``public``: shared by every user, so read as ``nobody`` and every source must be
+    readable by everyone; unless ``vouched``: a broadcast copy another node's service
+    vouches for (stager.core.vouch), read from the delivering user's folder as them."""
 
     uid: int
     gid: int
@@ -151,9 +144,8 @@ def not_readable_by_everyone(fd: int, st: os.stat_result | None = None) -> str |
 
 def path_readable_by_everyone(path: str) -> bool:
     """Whether every user could reach and read ``path`` (links resolved): each folder
-    above it searchable by owner, group and others, itself readable by everyone
-    (:func:`not_readable_by_everyone`). A few ``stat`` calls: the cheap look a request
-    takes before it asks for a shared staging, which checks every file it opens."""
+    above it searchable by all, itself readable by all. A few ``stat`` calls, before a
+    request asks for a shared staging (which checks every file it opens)."""
     real = os.path.realpath(path)
     parts = real.split("/")[1:]
     search = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH

@@ -1,20 +1,14 @@
-"""Deleting a tree stager owns (an evicted dataset, a failed attempt's data, an
-archive a step used up): at ``rm -rf`` speed or better, without holding the
-daemon, and stoppable. Only trees no user may write come here (in the node service
-a user's own folder, a delivery, is emptied by the user's own process:
-stager.staging.publish.empty_own_folder); even so, each piece is reached from a folder held
-open, never through a link.
+"""Deleting a tree stager owns (an evicted dataset, a failed attempt, an archive a step
+used up): at ``rm -rf`` speed or better, without holding the daemon, and stoppable.
+Only trees no user may write come here (a user's own folder is emptied by the user's
+process: stager.staging.publish.empty_own_folder); each piece is reached from a folder
+held open, never through a link.
 
-Deleting a million files is a million ``unlinkat`` calls in the kernel whoever
-makes them; what differs is the work around them and how many cores make them.
-So the tree is split into its top folders (ImageNet's 1,000 classes) and handed
-to one ``rm -rf`` per core: the calls of different folders run side by side
-(each takes its own folder's lock), the daemon spends no CPU of its own and holds
-no GIL meanwhile, and a stop (the daemon shutting down) kills them at once. What
-is left of a stopped delete is an orphan the next start removes. Small or flat
-trees, and machines without ``rm``, are deleted here, one ``unlinkat`` per file
-relative to its folder's descriptor (which also opens up read-only folders that
-``rm`` cannot empty).
+The tree is split into its top folders and handed to one ``rm -rf`` per core: folders
+are unlinked side by side, the daemon spends no CPU and holds no GIL, and a stop kills
+them at once (what is left is an orphan the next start removes). Small or flat trees,
+and machines without ``rm``, are deleted here, one ``unlinkat`` per file relative to
+its folder's descriptor (which also opens up read-only folders ``rm`` cannot empty).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Move bytes between descriptors in the kernel when it can, in user space when not.
 
-One chain for every op that copies file data (``copy``, ``extract``):
-``copy_file_range`` avoids a trip through user space (and reflinks where the
-filesystem offers them) but refuses some pairs: across filesystems (EXDEV, e.g.
-an archive on NFS extracted to local disk), or on filesystems without support
-(ENOSYS, EOPNOTSUPP, EINVAL). Then ``sendfile`` (file to file works across
-filesystems, still in the kernel), then ``pread``/``write``. A refused method is
-dropped for the rest of the process: a staging process serves one dataset, whose
-sources and destination rarely change filesystem from file to file.
+One chain for every op that copies file data: ``copy_file_range`` (reflinks where it
+can) refuses some pairs (EXDEV across filesystems; ENOSYS, EOPNOTSUPP, EINVAL); then
+``sendfile``; then ``pread``/``write``. A refused method is dropped for the rest of
+the process: a staging's sources and destination rarely change filesystem.
 
-Reads take an explicit source offset, so one source descriptor can be shared by
-many threads (extract); writes go to the destination's current position.
+Reads take an explicit source offset, so threads can share one source descriptor;
+writes go to the destination's current position.
 """
 
 from __future__ import annotations

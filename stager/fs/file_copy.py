@@ -1,29 +1,23 @@
-"""Copying files so that a change in the source is caught and a restart can trust
-what is there; the per-file half of the ``copy`` op (its tree walk is in
-:mod:`stager.ops.copy`).
+"""Copying files so that a change in the source is caught and a restart can trust what
+is there; the per-file half of the ``copy`` op (its walk is :mod:`stager.ops.copy`).
 
-- Per file, seven system calls: ``openat`` of the source relative to its folder
-  (``O_NOFOLLOW``, ``O_NONBLOCK``: a file swapped for a link or a FIFO is refused,
-  never waited on), ``openat`` of the destination with ``O_CREAT | O_EXCL`` and the
-  source's mode, ``copy_file_range``, ``fstat`` of the source, ``futimens``, two
-  ``close``. The walk's ``fstatat`` of each file is the "before" of the check.
-- Data moves with ``copy_file_range`` (reflink on XFS/btrfs, server-side copy on
-  NFS 4.2, in-kernel copy elsewhere), then ``sendfile``, then read/write (the chain
-  in :mod:`stager.fs.fastcopy`, shared with ``extract``), in ``CHUNK`` pieces so
+- Seven system calls a file: ``openat`` of the source (``O_NOFOLLOW | O_NONBLOCK``: a
+  file swapped for a link or a FIFO is refused, never waited on), ``openat`` of the
+  destination (``O_CREAT | O_EXCL``), ``copy_file_range``, ``fstat``, ``futimens``,
+  two ``close``. The walk's ``fstatat`` is the "before" of the check.
+- Data moves by the chain of :mod:`stager.fs.fastcopy`, in ``CHUNK`` pieces so
   progress and cancel are seen within a large file.
-- A source that changes while it is copied is caught: after the bytes moved, the
-  ``fstat`` of the descriptor they were read from must show the size, mtime, ctime
-  and inode the walk saw. If not, the file is copied once more, its "before" taken
-  on its own descriptor; a second change fails the staging with a sentence naming
-  the file. ``verify: sha256`` also compares the digests of source and copy.
-- Restartable without a journal: a file's mtime is set last, after its bytes are
-  written and checked, so "same size and same mtime as the source" means complete.
-  The ``O_EXCL`` create costs nothing when the destination is new; only when a
-  file is already there (a resumed staging) is it compared, and kept or replaced.
+- After the bytes moved, ``fstat`` of the source must show the size, mtime, ctime
+  and inode the walk saw; if not, the file is copied once more, and a second change
+  fails the staging naming the file. ``verify: sha256`` also compares digests.
+- Restartable without a journal: the mtime is set last, so "same size and mtime as
+  the source" means complete. Only a file already there (a resumed staging) is
+  compared, and kept or replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -122,7 +116,8 @@ class FileCopier:
         finally:
             for fd in opened or ():
                 if fd >= 0:
-                    _close_quietly(fd)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     def _copy_opened(
         self,
@@ -261,13 +256,6 @@ def _shown(sfd: int | None, name: str) -> str:
 
 def _opener(sfd: int | None, name: str) -> Callable[[], int]:
     return lambda: access().open(name, _SOURCE_FLAGS, dir_fd=sfd)
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def _create(dfd: int, name: str, mode: int) -> int:

@@ -1,24 +1,17 @@
-"""Worker processes for an op that walks a tree: the walk stays on the staging
-process, the per-file work goes to forked workers, one per core.
+"""Worker processes for an op that walks a tree: the walk stays on the staging process,
+the per-file work goes to forked workers, one per core.
 
-Why processes: per-file work is a handful of system calls wrapped in Python, and
-Python's share of it holds the GIL; threads of one process take turns, processes
-do not (measured in docs/performance.md). Why fork: the staging process has
-imported everything already, so a worker costs a few milliseconds, and it inherits
-the shared counters below without any message.
+Processes, because per-file work is system calls wrapped in Python that holds the GIL
+(docs/performance.md); forked, because the staging process has imported everything,
+so a worker costs milliseconds and inherits the shared counters. Each worker adds its
+progress into its own slots of one shared array, which the walking process sums while
+it waits for room in the queue; chunks are a folder's files, a few queued per worker,
+so memory does not grow with the tree.
 
-Progress travels without a message per file either: each worker adds into its own
-slots of one shared array, and the walking process sums them into the op's
-``ProgressSink`` while it waits for room in the queue. Work goes out in chunks
-(a folder's files, at most a few hundred), and at most a few chunks per worker are
-queued: memory stays the same whatever the tree's size.
-
-Small trees never pay for the fork: until ``parallel_after`` files (or
-``PARALLEL_AFTER_BYTES``) have been seen,
-:class:`Workers` runs each chunk on the calling thread. The only other thread in
-the staging process at that point waits in ``select()`` for the daemon's exit
-(:func:`stager.core.processes.die_with`) and holds no lock, which is what keeps the
-later fork safe.
+Until ``parallel_after`` files (or ``PARALLEL_AFTER_BYTES``) :class:`Workers` runs each
+chunk on the calling thread. The only other thread then waits in ``select()`` for the
+daemon's exit (:func:`stager.core.processes.die_with`) and holds no lock, which keeps
+the later fork safe.
 """
 
 from __future__ import annotations
@@ -39,11 +32,9 @@ _CONTEXT = FORK
 # A few large files are worth the workers too: copying them is memory bandwidth,
 # which two cores have more of than one.
 PARALLEL_AFTER_BYTES = 128 << 20
-# Slot 0: stop (set by the walking process on error or cancel); then per worker
-# (bytes done, files done, bytes made). Bytes done are progress (a file copied twice
-# counts twice); bytes made are what the op left in the tree (lstat sizes), so the
-# staging need not measure it afterwards. The walking process itself, running
-# chunks inline, is worker 0.
+# Slot 0: stop (set on error or cancel); then per worker (bytes done, files done, bytes
+# made): progress, and what the op left in the tree (lstat sizes), so the staging need
+# not measure it. The walking process, running chunks inline, is worker 0.
 _tally: Any = None
 _slot = 1
 # On the walking process: the op's cancel flag, and its umask (workers have none).
@@ -90,9 +81,8 @@ def _init_worker(tally: Any, slots: Any) -> None:
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """No garbage collection while a tree is walked or an archive read: the per-file
-    work allocates tuples and no cycles, and each collection re-scans the staging
-    process's whole heap (left on, that is about a quarter of a million-file copy's
-    time). Processes forked meanwhile inherit the pause."""
+    work makes no cycles, and each collection re-scans the whole heap (a quarter of a
+    million-file copy's time). Processes forked meanwhile inherit the pause."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -103,11 +93,9 @@ def paused_gc() -> Iterator[None]:
 
 
 def cores(workers: int) -> int:
-    """Processes (or threads) for per-file work: ``workers`` (``op_workers``), capped at
-    the cores this process may run on, since that work is CPU-bound and more only take
-    turns. Every op that works per file uses it (copy of a local tree, symlink tree,
-    extract, measuring a tree); only a copy from a network filesystem runs more, its
-    time being round trips (``stager.ops.copy.NETWORK_IN_FLIGHT``)."""
+    """Processes (or threads) for per-file work: ``workers`` capped at the cores this
+    process may run on, since that work is CPU-bound (only a copy from a network
+    filesystem runs more: ``stager.ops.copy.NETWORK_IN_FLIGHT``)."""
     return max(1, min(workers, len(os.sched_getaffinity(0))))
 
 
@@ -136,10 +124,6 @@ class Workers:
         _umask = os.umask(0o22)
         os.umask(_umask)
         _tally, _slot, _cancel = self._tally, 1, cancel
-
-    @property
-    def parallel(self) -> bool:
-        return self._pool is not None
 
     @property
     def made(self) -> int:

@@ -2,13 +2,8 @@
 parts arrive (`Digests`), what a tree holds beyond it removed (`prune`), and a tree
 checked against it path by path (`verify`).
 
-The manifest's format, its digest and `file_digest` are the wire layer's
-(:mod:`stager.wire.manifest_format`); this side walks trees and raises the daemon's
-`VerifyFailed`. The node that staged from the source builds the manifest while it
-packs the tree (:mod:`stager.fanout.bundle`); a node that receives the broadcast
-extracts the parts through the same hardened extraction as any archive, then
-checks the tree it got (the ``adopt`` op): a delivered file is trusted only once
-it matches.
+The format is the wire layer's (:mod:`stager.wire.manifest_format`); this side walks
+trees and raises `VerifyFailed`. A delivered file is trusted only once it matches.
 """
 
 from __future__ import annotations
@@ -85,9 +80,8 @@ def folder_of(top: int, path: str, create: bool = False) -> tuple[int, str]:
 
 def open_listed(root: Path, path: str, info: os.stat_result) -> int:
     """The file a walk of ``root`` listed at ``path`` (``info``), opened to read: that
-    same file (device and inode), reached through real folders only, or `NotAsListed`;
-    never whatever took its place since (a link, a FIFO, another file, one behind a
-    folder that became a link). The caller sends such a path later, or not at all."""
+    same file (device and inode), reached through real folders only, or `NotAsListed`,
+    never whatever took its place since."""
     try:
         top = os.open(root, _FOLDER_FLAGS)
         try:
@@ -115,10 +109,8 @@ def open_listed(root: Path, path: str, info: os.stat_result) -> int:
 
 
 class Digests:
-    """Files hashed earlier, each kept with the identity it had then (inode, size,
-    mtime, ctime): an adopting node hashes each part's files while the next parts
-    are on their way, and the final check reads again only a file that changed since
-    (any write moves its ctime)."""
+    """Files hashed earlier, each with its identity then (inode, size, mtime, ctime):
+    the final check reads again only a file that changed since (a write moves ctime)."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[int, int, int, int], tuple[int, str]]] = {}

@@ -1,29 +1,19 @@
 """Published trees are read-only and sealed; a hit checks the seal before it answers.
 
-A staging ends by sealing its tree (:func:`seal_tree`, in the staging process):
-every file becomes 0444 and every folder below the top 0555, with no set-id bit
-left anywhere, and the walk that does it also measures the tree (its entries and
-bytes, counted as :func:`stager.fs.sizes.sum_sizes` counts). The top folder is
-made 0555 by the daemon once it is published (:func:`protect_top`): a folder
-moved to a new parent must be writable by whoever moves it.
+A staging ends by sealing its tree (:func:`seal_tree`, in the staging process): every
+file 0444, every folder below the top 0555, no set-id bit, and the same walk measures
+the tree as :func:`stager.fs.sizes.sum_sizes` counts. The daemon makes the top 0555
+once it is published (:func:`protect_top`): a folder being moved must be writable.
 
-The seal is the moment after which nothing in the tree may change. The kernel
-sets an inode's ctime on every change to it (a write, a chmod, a new link) and a
-folder's mtime on every entry added, removed or renamed in it, and nobody but the
-clock sets either. So a tree is as it was published when its entry count and
-bytes are the same and no ctime below the top (and no mtime of the top, whose
-ctime the publishing rename moves) is later than the seal. :func:`check_seal`
-looks at each entry once (``fstatat``), which costs a fraction of what hashing
-would and catches every change a user or an admin can make through the
-filesystem; it is what a hit pays before it says ready.
+The kernel sets an inode's ctime on every change to it and a folder's mtime on every
+entry added, removed or renamed, and nobody but the clock sets either. So a tree is
+as published when its entry count and bytes are the same and no ctime below the top
+(no mtime of the top, whose ctime the publishing rename moves) is later than the
+seal. :func:`check_seal` stats each entry once: what a hit pays before it says ready.
 
-Timestamps come from the kernel's coarse clock (one tick, a few milliseconds) and
-are truncated to the filesystem's granularity, so the seal is taken after the walk
-and handed out only once no change can be stamped at or before it any more: once a
-change made then to the tree's top is stamped later (:func:`_stamped_after`: at once
-where the kernel has multigrain timestamps, within a tick elsewhere, once the second
-has turned on a filesystem that stamps whole seconds). The registry publishes a
-tree as soon as its seal comes.
+Timestamps come from the kernel's coarse clock and are truncated to the filesystem's
+granularity, so the seal is handed out only once a change to the tree's top would be
+stamped later (:func:`_stamped_after`).
 """
 
 from __future__ import annotations
@@ -84,10 +74,8 @@ def seal_tree(root: Path, workers: int) -> Seal:
 
 @dataclass(frozen=True)
 class KnownTree:
-    """What an op that alone made a tree knows of all of it: the bytes of its files and
-    links (as :func:`stager.fs.sizes.sum_sizes` counts), its entries, and its folders
-    (relative to the tree's root, each made by the op), so that no listing is needed
-    to seal it."""
+    """What an op that alone made a tree knows of it: its bytes (as ``sum_sizes``
+    counts), its entries and its folders, so that no listing is needed to seal it."""
 
     nbytes: int
     entries: int
@@ -104,9 +92,8 @@ class KnownTree:
 
 def seal_listed(root: Path, made: int | KnownTree) -> Seal:
     """The seal of a tree whose one op created every file read-only and counted its
-    bytes (the op table's ``read_only_files``): its folders made read-only and its
-    entries counted from their listings, no file looked at one by one; or, where the
-    op knows the whole tree (``KnownTree``), from what it knows, listing nothing."""
+    bytes (``read_only_files``): folders made read-only and entries counted from their
+    listings; or, with a ``KnownTree``, from what the op knows, listing nothing."""
     if isinstance(made, KnownTree):
         for folder in made.folders:
             os.chmod(root / folder, DIR_MODE)
@@ -122,11 +109,8 @@ def seal_listed(root: Path, made: int | KnownTree) -> Seal:
 
 def _list_tree(top: int) -> int:
     """Entries below the open folder ``top``, each folder below it made read-only.
-
-    Its own loop rather than a ``Visitor``'s calls, which cost as much again as the
-    listing. Depth first, one open folder per level of depth (``stack``: each with
-    the sub-folders it has left); a folder is opened by name relative to its parent,
-    never through a link."""
+    Its own loop, since a ``Visitor``'s calls cost as much again as the listing; each
+    folder opened by name relative to its parent, never through a link."""
     entries = 0
     stack: list[tuple[int, list[str]]] = []
     fd = top
@@ -177,18 +161,11 @@ def _sealed(root: Path, entries: int, nbytes: int) -> Seal:
 
 def _stamped_after(sealed_ns: int, top: Path) -> bool:
     """Whether the kernel stamps a change to the tree's top folder made now (a ``chmod``
-    to its own mode: only its ctime moves, which the check of a tree does not read)
-    later than ``sealed_ns``; then so is any later change to the tree.
-
-    Why it holds: on a local filesystem a stamp is never earlier than one handed out
-    before it. Without multigrain timestamps (Linux before 6.13) every stamp is the
-    coarse clock's, so this holds within a tick. With them, a change to an inode whose
-    times were looked at since its last change, within the same tick, is stamped from
-    the fine clock, and the kernel raises a floor that every later stamp, coarse or
-    fine, is at least: the second change here, a look after the first, makes it hold
-    at once. The top shares the tree's filesystem, so its stamp is truncated to the
-    same granularity: on one that stamps whole seconds, this holds only once the
-    second has turned (which the clock alone would say a tick after the seal)."""
+    to its own mode, which moves only its ctime) later than ``sealed_ns``; then so is
+    any later change to the tree, since a local filesystem never stamps earlier than
+    before. With multigrain timestamps (Linux 6.13+) the second change here, a look
+    after the first, makes it hold at once; without, within a coarse tick; on a
+    filesystem of whole seconds, once the second has turned."""
     for _ in range(2):
         mode = stat.S_IMODE(os.stat(top).st_mode)  # the look
         os.chmod(top, mode)  # the change
@@ -202,7 +179,7 @@ def _stamped_after(sealed_ns: int, top: Path) -> bool:
 # in and nobody else. The user can read their copy and cannot change it: not its mode,
 # not its entries (nothing is theirs), so root never deletes a tree they could write.
 PRIVATE_TOP_MODE = 0o550  # with the ACL below: its group bits are the ACL's mask
-ACL_XATTR = _ACL_XATTR = "system.posix_acl_access"
+ACL_XATTR = "system.posix_acl_access"
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
 _NO_ID = 0xFFFFFFFF
 
@@ -245,7 +222,7 @@ def protect_top(root: Path, owner: int | None = None) -> None:
         if owner is None:
             os.fchmod(fd, DIR_MODE)
         else:
-            os.setxattr(fd, _ACL_XATTR, private_acl(owner))  # sets the mode bits too
+            os.setxattr(fd, ACL_XATTR, private_acl(owner))  # sets the mode bits too
     finally:
         os.close(fd)
 
@@ -255,7 +232,7 @@ def top_protected(fd: int, st: os.stat_result, owner: int | None) -> bool:
     if stat.S_IMODE(st.st_mode) != top_mode(owner) or st.st_uid != os.geteuid():
         return False
     try:
-        acl = os.getxattr(fd, _ACL_XATTR)
+        acl = os.getxattr(fd, ACL_XATTR)
     except OSError as exc:
         if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise
@@ -344,6 +321,7 @@ class _Sealer(Visitor):
         self.groups: list[tuple[str, list[str]]] = []
         self.count = 0
         self.folders = 0
+        self.judge: Callable[[int, str, str, os.stat_result], None] = _make_read_only
 
     def file(self, folder: Folder, entry: os.DirEntry[str]) -> None:
         names = self.pending.setdefault(folder.fd, [])
@@ -376,16 +354,11 @@ class _Sealer(Visitor):
         if self.groups:
             groups, count = self.groups, self.count
             self.groups, self.count = [], 0
-            self.workers.submit(_seal_all, groups, files=count)
-
-
-def _seal_all(groups: list[tuple[str, list[str]]]) -> None:
-    """A chunk, on a worker: each file 0444 (links and special files as they are),
-    and the sizes counted."""
-    _each_entry(groups, _make_read_only)
+            self.workers.submit(_each_entry, groups, self.judge, files=count)
 
 
 def _make_read_only(dfd: int, path: str, name: str, st: os.stat_result) -> None:
+    """Each file 0444 (links and special files as they are)."""
     if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != FILE_MODE:
         os.chmod(name, FILE_MODE, dir_fd=dfd, follow_symlinks=False)
 
@@ -412,12 +385,13 @@ def _each_entry(
 
 
 class _Checker(_Sealer):
-    """Walks as the sealer does, handing each folder's entries to ``_check_all``; looks
-    at the folders itself."""
+    """Walks as the sealer does, each entry judged unchanged since the seal (raised on
+    the walking process otherwise); looks at the folders itself."""
 
     def __init__(self, sealed_ns: int, workers: forked.Workers) -> None:
         super().__init__(workers)
         self.sealed_ns = sealed_ns
+        self.judge = functools.partial(_unchanged, sealed_ns)
 
     def subdir(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
         child = open_child(folder, entry.name)
@@ -429,18 +403,6 @@ class _Checker(_Sealer):
 
     def leave(self, folder: Folder) -> None:
         self._hand_out(folder)
-
-    def submit(self) -> None:
-        if self.groups:
-            groups, count = self.groups, self.count
-            self.groups, self.count = [], 0
-            self.workers.submit(_check_all, groups, self.sealed_ns, files=count)
-
-
-def _check_all(groups: list[tuple[str, list[str]]], sealed_ns: int) -> None:
-    """A chunk, on a worker: each entry unchanged since the seal (raised on the walking
-    process otherwise), and the sizes counted."""
-    _each_entry(groups, functools.partial(_unchanged, sealed_ns))
 
 
 def _unchanged(sealed_ns: int, dfd: int, path: str, name: str, st: os.stat_result) -> None:

@@ -1,13 +1,10 @@
 """The sizes of trees: a tree stager owns, and a source tree before it is copied.
 
-A tree stager owns is counted as it lies on disk (:func:`sum_sizes`): files,
-links and special files as themselves, not folders, never following a link. A
-staging counts its finished tree the same way, on every core, in the walk that
-seals it (:mod:`stager.fs.seal`).
-
-A source tree is counted as the ``copy`` op will write it (:func:`copy_estimate`):
-links inside the tree as links (no data), links out of it followed, within a
-time budget, since a request waits for it.
+A tree stager owns is counted as it lies on disk (:func:`sum_sizes`): files, links
+and special files, not folders, never following a link (:mod:`stager.fs.seal` counts
+a finished tree so). A source tree is counted as ``copy`` will write it
+(:func:`copy_estimate`): links inside as links, links out of it followed, within a
+time budget.
 """
 
 from __future__ import annotations
@@ -31,12 +28,11 @@ from stager.fs.sources import (
 )
 from stager.wire.progress import ProgressSink, report_written
 
-# What a staging's write bound charges for a name beyond its content, as it makes it
-# (stager.wire.progress.report_written): a folder takes a block of its own on a disk
-# filesystem (ext4, xfs: 4 KiB at least; tmpfs counts its inode instead, see the inode
-# floor), and every name an entry in its folder's blocks (ext4: 8 bytes and the name,
-# rounded up to 4), charged here as ``ENTRY_BYTES`` and the name's whole relative path:
-# never less than the disk uses, and it pays for the path the staging keeps in memory.
+# What a staging's write bound charges for a name beyond its content: a folder takes a
+# block of its own on a disk filesystem (ext4, xfs: 4 KiB at least), every name an entry
+# in its folder's blocks (ext4: 8 bytes and the name), charged as ``ENTRY_BYTES`` and the
+# name's whole relative path: never less than the disk uses, and it pays for the path
+# the staging keeps in memory.
 FOLDER_BYTES = 4096
 ENTRY_BYTES = 12
 
@@ -47,10 +43,9 @@ def entry_bytes(rel: str) -> int:
 
 
 class NameCharge:
-    """The names a tree walker (copy, symlink tree) makes, charged to a staging's bounds
-    a batch at a time (stager.wire.progress.report_written): a call to the counter per name
-    would cost a million-file copy a lock and a limit check per file. Charged as names
-    are handed out, before they are made, so a bound stops the walk before it passes."""
+    """The names a tree walker makes, charged to a staging's bounds a batch at a time
+    (a lock and a limit check per file would cost a million-file copy), before they are
+    made, so a bound stops the walk before it passes."""
 
     EVERY = 256  # names: at most this many are made before they are charged
 
@@ -108,10 +103,9 @@ def sum_sizes(path: str) -> int:
 
 def copy_estimate(path: str, roots: Roots, special: str, deadline: float) -> int:
     """The bytes a ``copy`` of the folder ``path`` will write, walked until the
-    ``time.monotonic()`` ``deadline``: special files and links out of ``roots`` are
-    refused at once, as the copy refuses them. Past the deadline, what the walked part
-    of the top folder held is scaled up to all of it (ImageNet's 1,000 class folders:
-    dozens are walked in time), and the copy checks the rest as it walks."""
+    ``time.monotonic()`` ``deadline`` (special files and links out of ``roots`` refused,
+    as the copy refuses them); past it, the walked part of the top folder is scaled up
+    to all of it."""
     return _CopySizes(roots, special, deadline).run(path)
 
 

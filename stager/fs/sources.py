@@ -1,21 +1,16 @@
 """Opening sources safely: confined to the allowed roots, never a special file.
 
-Two promises hold for everything stager reads from a source:
-
 - **Confinement.** With ``--allowed-root`` set, what is read lies under one of the
-  roots, however it was reached: a link at any depth of a tree, a chain of links,
-  an archive named through a link. The check is made on the object that was
-  opened (the kernel's own name for the descriptor, ``/proc/self/fd/N``), never on
-  a path that could be swapped between a check and its use.
-- **No special files.** A FIFO, socket or device is never opened for reading: a
-  FIFO blocks its reader forever, and a device is not data. Opening with
-  ``O_PATH`` first runs no driver and waits on no writer; the real open follows
-  only for a regular file, and goes through the descriptor already checked.
+  roots, however it was reached (a link at any depth, a chain of links). The check is
+  made on the object opened (``/proc/self/fd/N``), never on a path that could be
+  swapped between a check and its use.
+- **No special files.** A FIFO blocks its reader forever, and a device is not data:
+  an ``O_PATH`` open runs no driver and waits on no writer; the real open follows only
+  for a regular file, through the descriptor already checked.
 
-Tree walks (copy, symlink tree, their size estimates) open each folder relative to
-its parent's descriptor with ``O_NOFOLLOW``, so they need these checks only where a
-tree holds a link; :func:`follow` is that step (and :func:`open_followed` the way
-into a folder it led to).
+Tree walks open each folder relative to its parent with ``O_NOFOLLOW``, so they need
+these checks only at a link: :func:`follow` (and :func:`open_followed` into a folder
+it led to).
 """
 
 from __future__ import annotations
@@ -41,15 +36,9 @@ _SPECIAL_KINDS = {
 }
 
 
-def special_kind(mode: int) -> str | None:
-    """ "a FIFO", "a socket", ... for a special file's ``st_mode``; None for files,
-    folders and links."""
-    return _SPECIAL_KINDS.get(stat.S_IFMT(mode))
-
-
 def refuse_special(path: str, mode: int, skippable: bool = True) -> SpecialSource:
     """The sentence for a special file met in a source."""
-    kind = special_kind(mode) or "not a regular file"
+    kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "not a regular file")
     fix = (
         "remove it from the source, or set the step's special to 'skip' to leave it out"
         if skippable
@@ -101,11 +90,8 @@ def within(real: str | None, top: str) -> bool:
 
 
 def refuse_holding(real: str, written: str, shown: str) -> None:
-    """A source folder at or above where a step writes (``written``: in the cache, or
-    in the dataset's own tree) would be copied into itself, a level deeper at each
-    pass, until a path is too long; refused, as ``cp -r`` refuses to copy a folder into
-    itself. ``real`` is the folder's real path (the walk's top, or where a link led),
-    ``shown`` names it."""
+    """Refuse a source folder at or above where a step writes (``written``), as ``cp -r``
+    refuses to copy a folder into itself. ``real`` is its real path, ``shown`` its name."""
     if within(written, real):
         raise UnsafePath(
             f"source {shown} holds {written}, where this step writes: staging it would "
@@ -113,6 +99,16 @@ def refuse_holding(real: str, written: str, shown: str) -> None:
             "not hold it (or fix the link that leads to one), or put the cache elsewhere "
             "(STAGER_CACHE_DIR)"
         )
+
+
+def _public(fd: int, shown: str, st: os.stat_result | None = None) -> int:
+    """``fd``, once :func:`check_public` passed it; closed if not."""
+    try:
+        check_public(fd, shown, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def fd_path(fd: int) -> str:
@@ -159,12 +155,7 @@ def open_source(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
         opened = reopen(fd)
     finally:
         os.close(fd)
-    try:
-        check_public(opened, path, st)
-    except BaseException:
-        os.close(opened)
-        raise
-    return opened
+    return _public(opened, path, st)
 
 
 def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
@@ -174,17 +165,15 @@ def open_source_dir(path: str, allowed_roots: Iterable[Path | str] = ()) -> int:
     fd = access().open(path, READ_FLAGS | os.O_DIRECTORY)
     try:
         roots.check(fd, path)
-        check_public(fd, path)
-        return fd
     except BaseException:
         os.close(fd)
         raise
+    return _public(fd, path)
 
 
 # -- walking a source tree ----------------------------------------------------------
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-SPECIAL_POLICIES = ("refuse", "skip")
 
 
 @dataclass
@@ -227,13 +216,9 @@ def open_child(folder: Folder, name: str) -> Folder:
         fd = os.open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
         return Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd))
     fd = access().open(name, DIR_FLAGS | os.O_NOFOLLOW, dir_fd=folder.fd)
-    child = Folder(fd, folder.join(name), folder.child_rel(name), os.fstat(fd), source=True)
-    try:
-        check_public(fd, child.path, child.st)
-    except BaseException:
-        os.close(fd)
-        raise
-    return child
+    st = os.fstat(fd)
+    _public(fd, folder.join(name), st)
+    return Folder(fd, folder.join(name), folder.child_rel(name), st, source=True)
 
 
 @dataclass
@@ -283,12 +268,7 @@ def open_followed(target: Target, shown: str) -> Folder:
     if (st.st_dev, st.st_ino) != (target.st.st_dev, target.st.st_ino):
         os.close(fd)
         raise SourceNotFound(f"source {shown} changed while it was staged; stage again")
-    try:
-        check_public(fd, shown, st)
-    except BaseException:
-        os.close(fd)
-        raise
-    return Folder(fd, target.real, "", st, source=True)
+    return Folder(_public(fd, shown, st), target.real, "", st, source=True)
 
 
 def enter_outside(target: Target, shown: str, open_ids: set[tuple[int, int]]) -> Folder | None:
@@ -330,12 +310,9 @@ def listing(folder: Folder) -> Any:
 
 
 def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object = None) -> None:
-    """Depth-first over ``top``, streaming: one open listing per level of depth, never a
-    list of the tree's files, whatever their number. Each folder is opened relative to
-    its parent's descriptor. Special files are refused (``special="refuse"``: the
-    sentence names the path) or passed to ``visitor.special`` (``"skip"``); they are
-    never opened. ``check``, if given, is called once per folder (cancel).
-    """
+    """Depth-first over ``top``, one open listing per level, never a list of the tree's
+    files; each folder opened relative to its parent. Special files are refused or
+    passed to ``visitor.special`` (``"skip"``), never opened. ``check`` runs per folder."""
     stack = [(top, listing(top))]
     try:
         while stack:
@@ -374,11 +351,8 @@ def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object =
 
 
 def require_source(path: str, what: str = "source") -> Path:
-    """Fail with a sentence naming the path when a source is missing or unreadable.
-
-    Decided by opening it, as whoever reads sources here: a file or folder the open
-    refuses is unreadable, whatever its mode says (an ACL, a folder above it). A
-    special file is looked at without being opened for reading."""
+    """Fail with a sentence naming the path when a source is missing or unreadable:
+    decided by opening it as whoever reads sources here, whatever its mode says."""
     try:
         fd, st = open_path(path, Roots())
     except FileNotFoundError:

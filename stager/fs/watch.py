@@ -1,32 +1,23 @@
 """Knowing, without walking it, that a published tree has not changed since its last
 full check: every folder of the tree watched with inotify.
 
-A hit must never serve a tree changed since its publish (:mod:`stager.fs.seal`).
-Checking the seal looks at every entry, which costs O(files) at every hit: 55 ms at
-20,000 files, seconds at a million. The kernel can say instead: a watch on a folder
-reports every change to the folder itself and to what it holds (a write, a chmod, a
-rename, a file made or removed). So once a tree was checked whole with its folders
-watched, and no change was reported since, it is still what was checked.
+Checking the seal (:mod:`stager.fs.seal`) costs O(files) at every hit: 55 ms at
+20,000 files, seconds at a million. A watch on a folder reports every change to it
+and to what it holds, so a tree checked whole with its folders watched, and no change
+reported since, is still what was checked.
 
-The order makes it sound: the folders are watched first (:meth:`TreeWatch.arm`),
-then the tree is checked whole, then the check is confirmed
-(:meth:`TreeWatch.confirm`), which counts only if no change to that tree was
-reported since it was armed. A change at any moment after the arm is either seen by
-the check or reported. Anything the watch cannot promise makes the tree unknown,
-and the next hit checks it whole again: a watch that cannot be added (the kernel's
-limit of watches), a lost event (the kernel's queue overflowed), a folder removed or
-moved away, a daemon that restarted.
+The order makes it sound: the folders are watched first (:meth:`TreeWatch.arm`), then
+the tree is checked whole, then the check is confirmed (:meth:`TreeWatch.confirm`)
+only if no change was reported since the arm. Anything the watch cannot promise (a
+watch that cannot be added, a queue overflow, a folder removed or moved, a restart)
+makes the tree unknown, and the next hit checks it whole again. A hit reads the
+events without blocking (:meth:`TreeWatch.clean`) and checks that the tree's top is
+still the folder watched.
 
-Events are read on the event loop without blocking (the descriptor is non-blocking,
-and a read takes what is queued), when a hit asks (:meth:`TreeWatch.clean`), which
-also checks that the tree's top is still the folder that was watched (a cache folder
-renamed above it, and another tree put in its place, changes no watched folder).
-
-What no folder watch reports: a write through a hard link to a file of the tree made
-from outside it, or through a shared writable mapping, or a mount over a folder of
-the tree. In the node service every file is root's and read-only, so only root can
-do any of these; in per-user mode, the cache's owner. Such a change is caught at the
-first hit after the daemon starts again, which checks every tree whole.
+What no folder watch reports: a write through a hard link made from outside the tree,
+through a shared writable mapping, or a mount over a folder. Only the cache's owner
+(root in the node service) can do these; the first hit after a restart checks every
+tree whole.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """What a dataset kind is: the protocol every kind keeps, and what it is handed.
 
-A kind is what differs between datasets that the engine, the registry, the staging
-process and the fan-out room otherwise treat alike: whether a request can be staged
-so (``check``), what its staging process is told and does (``job``, a
-``stager.staging.worker.KindStaging``), how its outcome is published (``publish``), what a hit
-checks (``changed``), what a start settles (``recover``, ``settle``, ``claim``), how it
-leaves the cache (``delete``) and how it is sent to other nodes (``export``). The
-callers never ask which kind they hold.
-
-Kinds receive the registry's and the engine's parts as the small protocols below
-(as stager.engine.admission's ``Books``), so nothing here imports stager.engine.lifecycle or
-stager.engine.scheduler.
+A kind is what differs between datasets the engine, the registry, the staging process
+and the fan-out otherwise treat alike: ``check``, ``job`` (a
+``stager.staging.worker.KindStaging``), ``publish``, ``changed`` (a hit), ``recover``,
+``settle``, ``claim`` (a start), ``delete`` and ``export``. The callers never ask
+which kind they hold. Kinds receive the registry's and the engine's parts as the
+small protocols below, so nothing here imports stager.engine.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """The image kind: a dataset as one read-only EROFS image, mounted at ``data/<key>``
-(a user's own in the node service, and every one of a user's own daemon: at
-``data/u/<G>/dataset``, whose name says nothing in the mount table: stager.state.layout).
+(a user's own: at ``data/u/<G>/dataset``, a name that says nothing in the mount
+table: stager.state.layout).
 
-Made in the staging process (stager.kinds.imaging) from the steps, or a prebuilt image
-copied; published by renaming it to ``data/<key>.erofs``, beside its mount point (the
-commit point), and mounting it (the kernel as root, FUSE as a user:
-stager.image.published); a hit checks the file's identity and its mount, no walk; an
-eviction unmounts it (lazily while a process without a lease reads it) and deletes the
-file; a fan-out sends it whole.
+Made in the staging process (stager.kinds.imaging) or a prebuilt image copied;
+published by renaming it to ``data/<key>.erofs`` (the commit point) and mounting it
+(stager.image.published); a hit checks the file's identity and its mount, no walk;
+an eviction unmounts it and deletes the file; a fan-out sends it whole.
 """
 
 from __future__ import annotations
@@ -153,17 +151,10 @@ class Image(Kind):
     # ---- publish ---------------------------------------------------------------
 
     async def publish(self, entry: Entry, outcome: ImageMade, shelf: Shelf) -> None:
-        """STAGING -> READY, in order:
-
-        1. The attempt's image is renamed to ``data/<key>.erofs``: the commit point (as a
-           tree's rename is; already done if the daemon died right after it).
-        2. It is mounted read-only at ``data/<key>`` (asked of the kernel again after a
-           crash: a mount already there of this very file is kept).
-        3. Every name's link, the store's "ready", the attempt's folder removed (in the
-           background: it may hold the tree the image was packed from).
-
-        A mount that fails takes the image away again and raises: the staging fails.
-        """
+        """STAGING -> READY, in order: the attempt's image renamed to ``data/<key>.erofs``
+        (the commit point), mounted read-only at ``data/<key>`` (a mount of this very file
+        already there is kept), every name's link, "ready", the attempt's folder removed
+        in the background. A mount that fails takes the image away and fails the staging."""
         attempt, final = shelf.attempt(entry), shelf.final(entry)
         file = images.image_file(final.parent, final.name, outcome.format)
         if await run_io(os.path.exists, outcome.path) and Path(outcome.path) != file:
@@ -259,11 +250,9 @@ class Image(Kind):
         return done and not built and self.file(entry, shelf) is not None
 
     async def move(self, entry: Entry, old: Path, shelf: Shelf) -> bool:
-        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``): its
-        file (and blob) renamed behind its gate, its record stamped again (a rename sets
-        a file's ctime; one found changed is evicted at its check). Its mount at ``old``
-        stays, for whoever reads in it, until ``settle`` finds it a stray (after
-        ``recover`` mounted the file at its place)."""
+        """An image an earlier release published at ``data/<key>.erofs`` (``.sqfs``):
+        renamed behind its gate, its record stamped again (a rename sets its ctime). Its
+        mount at ``old`` stays for its readers until ``settle`` finds it a stray."""
         return await run_io(self._move, entry, old, shelf)
 
     @staticmethod
@@ -293,10 +282,9 @@ class Image(Kind):
             await run_io(images.take_down, target)
 
     async def claim(self, orphan: Path, shelf: Shelf) -> bool:
-        """An image file of ``data/`` that no entry holds: a blob alone is deleted (it
-        goes with its image); an image, perhaps one a crash left between its lazy
-        unmount and its keeping, is kept while held open, else deleted. A user's own
-        image's gate (stager.state.layout) the same, and the gate then discarded."""
+        """An image file of ``data/`` that no entry holds: a blob alone is deleted; an
+        image (a crash between its lazy unmount and its keeping) is kept while held open,
+        else deleted. A user's own image's gate likewise, then discarded."""
         if orphan.parent == shelf.layout.users_dir:
             file = await run_io(images.image_of, orphan, PLACE)
             if file is None:
@@ -319,11 +307,10 @@ class Image(Kind):
     # ---- eviction --------------------------------------------------------------
 
     async def delete(self, entry: Entry, shelf: Shelf) -> None:
-        """Unmounted (lazily if a process without a lease still reads it:
-        stager.image.published.take_down), then its file and mount point deleted. One
-        file: no tree to move aside and delete in the background. A lazily unmounted
-        image's file is kept instead, on its owner's books, until its readers let go
-        (stager.engine.held_space): unlinked, its blocks would stay in use, counted nowhere."""
+        """Unmounted (lazily if a process without a lease still reads it), then its file
+        and mount point deleted. A lazily unmounted image's file is kept instead, on its
+        owner's books, until its readers let go (stager.engine.held_space): unlinked,
+        its blocks would stay in use, counted nowhere."""
         final, file = shelf.final(entry), self.file(entry, shelf)
         owner = private_owner(entry)
         self._mounts.forget(entry.key)
@@ -364,11 +351,9 @@ class Image(Kind):
         self, entry: Entry, request: ExportCreate, owner: Any, ready: ReadyTree, room: Sender
     ) -> ExportPublic | None:
         """Sent as one file: a copy of its image, hashed as it is written
-        (stager.fanout.image_export); in the node service vouched for (stager.core.vouch)
-        whoever's it is, since the receivers' kernels will parse it. Not an index image:
-        its blob, the source's whole tar, is a second file: it goes as a tree does, in
-        parts with a manifest, and each receiver builds its own image
-        (docs/multinode.md says why)."""
+        (stager.fanout.image_export), vouched for in the node service since the
+        receivers' kernels parse it. Not an index image (its blob is a second file): it
+        goes as a tree does, and each receiver builds its own (docs/multinode.md)."""
         record = entry.image
         if entry.state != State.READY or record is None or record.blob is not None:
             return None

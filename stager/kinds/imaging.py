@@ -1,43 +1,31 @@
 """Image mode in the staging process: a request's steps made into one read-only image.
 
-The image holds the tree the steps would have left (docs/image-mode.md), made with as
+The image holds the tree the steps would have left (docs/image-mode.md), with as
 little of that tree on the disk as the steps allow (:func:`plan`):
 
-- A step whose op reads an archive into the dataset (an ``extract``, an ``unpack``
-  straight from its source: the op table's ``image_stream``) is *streamed*: its archive
-  is read once, each member written into the image under the name it would have had,
-  with no file of it made on the way; archives inside a plain tar (``nested``,
-  ImageNet's class tars) are read in place.
-- A step that only renames (``moves``) moves the image's names instead: the names of
-  every archive streamed before it, and of the tree below.
-- Any other step (a copy, a download, the ImageNet devkit's ``meta.bin``, the val
-  sort) runs as an op into the attempt's tree, as a tree staging would; that tree is
-  packed into the image first, then each streamed archive in step order.
+- A step whose op reads an archive into the dataset (the op table's ``image_stream``)
+  is *streamed*: each member goes into the image under the name it would have had,
+  with no file made on the way; archives inside a plain tar (``nested``) are read in
+  place.
+- A step that only renames moves the image's names instead.
+- Any other step runs as an op into the attempt's tree, which is packed into the
+  image first, then each streamed archive in step order.
 
-A streamed step stays one only while no later step that runs as an op touches its
-folder (the val sort reads the val images: that archive is extracted), and renames
-are names only when no op runs after them; otherwise the step runs as an op. A
-request no step of which streams (a copy of a folder) is staged as a tree and packed
-from a walk of it. Either way the tree goes once the image is built.
-
-A prebuilt image (the ``image`` op, ``prebuilt_image``) is copied and checked by its
-sha256 (:mod:`stager.ops.image`); so is an image another node sent whole
-(``adopt_image``, :mod:`stager.ops.adopt_image`).
+A streamed step stays one only while no later op touches its folder (the val sort
+reads the val images), and renames stay names only when no op runs after them. A
+request with no streamed step is staged as a tree and packed from a walk of it.
 
 The image is built as ``image.erofs.partial`` in the attempt's folder and renamed to
-``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``), with what the
-build counted beside it; the daemon publishes and mounts it
-(:meth:`stager.kinds.image.Image.publish`). A staging resumed after a crash runs the
-steps its marker has not counted and builds again unless the image is there.
+``image.erofs`` when complete and synced (``Durable.IMAGE_BUILT``); the daemon
+publishes and mounts it (:meth:`stager.kinds.image.Image.publish`). A resumed staging
+runs the steps its marker has not counted and builds again unless the image is there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import posixpath
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +51,7 @@ from stager.ops.adopt_image import AdoptImageStep
 from stager.ops.base import ImageStream, OpContext
 from stager.ops.image import ImageStep, copy_verified
 from stager.staging import overlap
-from stager.staging.publish import Attempt, delete_tree, write_atomically
+from stager.staging.publish import Attempt, write_atomically
 from stager.staging.worker import Steps
 from stager.wire.progress import ProgressSink, WorkerCounters, report_written
 
@@ -229,6 +217,7 @@ class ImageStaging:
     """One image staging, in the staging process (its kind's ``stage``)."""
 
     def __init__(self, staging: Steps, job: ImageJob) -> None:
+        self.staging = staging
         self.ops, self.steps, self.attempt = staging.ops, staging.steps, staging.attempt
         self.ctx, self.progress, self.crash = staging.ctx, staging.progress, staging.crash
         # The steps that run as ops (``runs``), ``at_turn`` called at each other's turn.
@@ -278,15 +267,7 @@ class ImageStaging:
         inside = self.ctx.destination(stream.src)
         if stream.keep:
             return str(inside)
-        aside = self.attempt.set_aside(index)
-        if os.path.lexists(inside):
-            if os.path.lexists(aside):
-                delete_tree(aside, threading.Event())
-            os.rename(inside, aside)
-            self.crash.reached(Durable.INPUT_USED_UP)
-            if (folder := inside.parent) != self.ctx.destination("."):
-                with contextlib.suppress(OSError):  # not empty: something else is there
-                    os.rmdir(folder)
+        aside = self.staging.put_aside(index, inside)
         if not aside.exists():
             raise StagingError(
                 f"{stream.src!r} is not in the dataset; a relative src names a file an "
@@ -330,11 +311,10 @@ class ImageStaging:
         )
 
     def _build_while_downloading(self, the_plan: Plan, made: Path) -> ImageMade:
-        """The download runs as its op does alone (its ``.part``, resume, sha256, the
-        rename), while the image is built from its file as it grows
-        (:func:`stager.staging.overlap.follow_download`; built again from the first byte if the
-        download starts over). The image takes its final name only once the download
-        is complete and checked: bytes that fail their sha256 are never published."""
+        """The download runs as its op does alone while the image is built from its file
+        as it grows (:func:`stager.staging.overlap.follow_download`; again from the first
+        byte if the download starts over). The image takes its final name only once the
+        download is complete and checked."""
         stream = the_plan.streams[2]
         names = Names(stream.strip, _norm(stream.dst), the_plan.names_after(2))
         self.progress.start_step(1)
@@ -434,9 +414,8 @@ class ImageStaging:
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
-        """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image).
-        A private copy's too: the source node's service built it for the same user's key
-        (its top folder theirs), and its hash is that service's word."""
+        """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image),
+        a private copy's too (built for the same user's key; its hash the service's word)."""
         self.progress.start_step(1)
         mode = 0o400 if self.job.top_owner is not None else 0o444
         copy = made.with_name(IMAGE_NAME + ".copied")
@@ -444,9 +423,8 @@ class ImageStaging:
         return self._copied(copy, made, copied.format, copied.size, copied.sha256)
 
     def _copied(self, copy: Path, made: Path, fmt: str, size: int, sha256: str) -> ImageMade:
-        """An image copied whole and checked (prebuilt, or another node's) takes its name
-        (``IMAGE_BUILT``), what is known of it written beside it first; every step is
-        then done."""
+        """An image copied whole and checked takes its name (``IMAGE_BUILT``), what is
+        known of it written beside it first; every step is then done."""
         result = ImageMade(str(made), fmt, size, sha256=sha256)
         write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
         os.rename(copy, made)
@@ -501,7 +479,6 @@ class _StepProgress:
         self._progress, self._counts, self._show_steps = progress, counts, show_steps
         # The side tree (if any) counts as the last step; streams as their own.
         self._order = ([steps] if len(inputs) > len(streamed) else []) + streamed
-        self._labels = [source.path for source in inputs]
         self._at = -1
         self._label = None
 

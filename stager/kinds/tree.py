@@ -53,10 +53,9 @@ class TreeStaging:
 
 
 def _sealed_by_listing(staging: Steps, paired: bool) -> bool:
-    """Whether a tree made now (not resumed) holds only what its last op made, each file
-    created read-only and its bytes counted (the op's ``read_only_files``), so that a
-    listing seals it and no file is looked at (stager.fs.seal): the op is the only step,
-    or it ran as a pair with the download before it, which it used up (set aside)."""
+    """Whether a fresh tree (not resumed) holds only what its last op made, files
+    created read-only and counted (``read_only_files``), so that a listing seals it: the
+    op is the only step, or ran as a pair with the download it used up."""
     ops, steps = staging.ops, staging.steps
     if not ops.op_of(steps[-1]).read_only_files:
         return False
@@ -83,17 +82,10 @@ class Tree(Kind):
         return TreeStaging(self.settings.op_workers)
 
     async def publish(self, entry: Entry, outcome: Seal, shelf: Shelf) -> None:
-        """STAGING -> READY, in order:
-
-        1. The attempt's complete tree is renamed to ``data/<key>``: the commit point;
-           a tree under ``data/`` is complete by construction. (Already done if the
-           daemon died right after it: then the tree is gone and ``data/<key>`` is there.)
-           Its top folder then becomes read-only like the rest (stager.fs.seal).
-        2. Every name's link points at it, so whoever step 3 wakes can use its link.
-        3. The store says ready.
-        4. The attempt's folder, now holding its marker and any input the staging set
-           aside (an extracted download), is removed.
-        """
+        """STAGING -> READY, in order: the attempt's tree renamed to ``data/<key>`` (the
+        commit point; already done if the daemon died right after it), its top made
+        read-only; every name's link, so whoever "ready" wakes can use it; the store's
+        "ready"; the attempt's folder (its marker, inputs set aside) removed."""
         attempt, final = shelf.attempt(entry), shelf.final(entry)
         if await run_io(attempt.tree.is_dir):
             await run_io(shelf.layout.prepare, entry)  # a user's own copy: its gate

@@ -1,20 +1,14 @@
 """The ``adopt`` op: stage a prepared dataset that another node broadcasts here.
 
-A multi-node job (``stager-client stage --peers slurm``, docs/multinode.md) stages a
-dataset on one node and sbcasts it to the others in parts (plain tars of whole
-files) into this node's delivery folder. This op extracts each part as soon as it is
-whole, through ``extract``, the hardened path every archive takes, while the next
-parts are still on their way; a part of byte ranges of a file the source node was
-still writing is written into that file (stager.archive.ranges). The job's own task
-on this node says when a part is whole (``part-N.tar.ok``) and, at the end, how many
-parts there were and the sha256 of the manifest (``end.json``): those come along the
-job's ``srun`` step, not the broadcast. Then the manifest (every path, size and
-sha256, written by the node that packed the tree) must match that sha256; what it
-does not name goes (parts packed while the source was still staging may hold files
-that node renamed or removed later), and the tree must match the manifest, path by
-path. Anything missing or different fails the staging, which never publishes: no
-delivered byte is trusted before it matched.
-(``check_delivered`` is the same promise for source files broadcast as they are.)
+A multi-node job (``--peers slurm``, docs/multinode.md) stages a dataset on one node
+and sbcasts it to the others in parts (plain tars of whole files). This op extracts
+each part through ``extract`` as soon as it is whole, while the next are on their way;
+a part of byte ranges goes into the file the source was still writing
+(stager.archive.ranges). The job's own task says when a part is whole
+(``part-N.tar.ok``) and, at the end, how many there were and the manifest's sha256
+(``end.json``). The manifest must match that sha256, what it does not name goes, and
+the tree must match it path by path; anything else fails the staging, which never
+publishes. (``check_delivered`` is the same promise for files broadcast as they are.)
 """
 
 from __future__ import annotations
@@ -109,9 +103,8 @@ def _hash_part(
     tree: Path, part: Path, digests: manifests.Digests, ctx: OpContext
 ) -> tuple[set[str], set[str]]:
     """Hash the files ``part`` just put in ``tree``, found from the part's own headers
-    (not a walk of the whole tree: that would make the parts' cost grow with their
-    number times the tree's size). Returns the paths it wrote: files and links, and
-    folders."""
+    (a walk of the tree per part would cost parts times tree); returns the paths it
+    wrote: files and links, and folders."""
     written: set[str] = set()
     folders: set[str] = set()
     opened = open(open_source(str(part), ctx.allowed_roots), "rb")

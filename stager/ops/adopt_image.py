@@ -1,22 +1,19 @@
 """The ``adopt_image`` op: an image dataset that another node sent here as one file.
 
-A multi-node job of an image dataset (docs/multinode.md) sends the source node's image
-file whole, with one ``sbcast``, into this node's delivery folder; the source node's
-service measured its size and sha256 from the very bytes sbcast read. The delivery
-folder is the job's user's to write (sbcast writes as them), so in the node service the
-delivered file is never mounted as it lies: the staging copies it into its own folder
-(root's) while a thread hashes the copy, and only a copy whose size and sha256 are the
-source node's is published and mounted (:mod:`stager.kinds.imaging`). What is hashed is what
-the kernel parses: a user who swaps or rewrites the delivery before, during or after the
-copy changes nothing that is mounted. A per-user daemon serves the one user who wrote
-the delivery, so there it is hashed where it lies and renamed in (``in_place``): the
-same check, without a second copy of the image.
+A multi-node job of an image dataset (docs/multinode.md) sbcasts the source node's
+image whole into this node's delivery folder, its size and sha256 measured by the
+source node's service from the very bytes sbcast read. The delivery folder is the
+user's, so the node service never mounts the file as it lies: it copies it into its
+own folder while a thread hashes the copy, and publishes only a copy whose size and
+sha256 match. What is hashed is what the kernel parses, so a user who rewrites the
+delivery changes nothing mounted. A per-user daemon hashes it in place and renames it
+in (``in_place``).
 
-In the node service the hash itself must come from the source node's service, not from
-the job that carried it (a user could send an image of their own making with its own
-hash): the step carries that service's MUNGE credential over the entry's key and the
-image's sha256 (:mod:`stager.core.vouch`), checked before a byte is copied. The step is the
-daemon's own (``internal``), built from a request's ``adopt``.
+In the node service the hash must come from the source node's service, not from the
+job (a user could send an image of their own with its own hash): the step carries
+that service's MUNGE credential over the entry's key and the sha256
+(:mod:`stager.core.vouch`), checked before a byte is copied. The step is the daemon's
+own (``internal``), built from a request's ``adopt``.
 """
 
 from __future__ import annotations
@@ -130,10 +127,9 @@ def _renamed_in(
     step: AdoptImageStep, fd: int, st: os.stat_result, ctx: OpContext, output: Path, mode: int
 ) -> Adopted:
     """Hashed where it lies, renamed to ``output``, then made ``mode`` and synced: a
-    per-user daemon's own user wrote it (and may write anything it serves), so a copy
-    would guard nothing. Only a file nothing wrote while it was hashed, with no other
-    name, is taken; the rename is by path, so what the name held must be that file.
-    On another filesystem after all (a bind mount of the same disk), it is copied."""
+    per-user daemon's own user wrote it, so a copy would guard nothing. Only a file
+    nothing wrote while it was hashed, with no other name, is taken; on another
+    filesystem after all (a bind mount), it is copied."""
     check, advance = ctx.check_cancelled, lambda n: ctx.progress.advance(n, 0)
     with said_of(_delivery(step), NOT_MOUNTED):
         digest = hash_in_place(fd, st.st_size, check, advance)

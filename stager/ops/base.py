@@ -4,17 +4,13 @@ how to report, when to stop, and where it may read from.
 An op is a pair of plain blocking functions, declared in :mod:`stager.ops.table`:
 
 - ``check(step, CheckContext) -> int`` runs when the request arrives (fast: stat
-  calls, one archive header); it refuses bad input with a sentence and returns
-  the bytes the op expects to write.
-- ``run(step, OpContext)`` runs in the staging's own child process (see
-  :mod:`stager.staging.worker`). Ops are idempotent and restartable: a staging resumed
-  after a crash re-runs its unfinished step in the same partial directory, so an
-  op skips work already complete (same size and mtime) and overwrites the rest.
-  It may return the bytes it put in the tree (``lstat`` sizes of what it made,
-  folders not counted) when it knows them exactly without a second walk; a
-  one-step staging into a new tree then takes that figure as its size instead of
-  measuring the finished tree (a walk with one ``lstat`` per entry). ``None``:
-  the staging measures.
+  calls, one archive header); it refuses bad input with a sentence and returns the
+  bytes the op expects to write.
+- ``run(step, OpContext)`` runs in the staging process (:mod:`stager.staging.worker`).
+  It is idempotent: a resumed staging re-runs its unfinished step in the same partial
+  folder, so an op skips work already complete and overwrites the rest. It may return
+  the bytes it put in the tree when it knows them exactly, which a one-step staging
+  takes as its size instead of measuring the tree; ``None``: the staging measures.
 """
 
 from __future__ import annotations

@@ -2,29 +2,19 @@
 
 Why it looks like this (the per-file costs are in docs/performance.md):
 
-- The tree is walked on the staging process (:func:`stager.fs.sources.walk`:
-  depth-first, one open listing per level, each folder opened relative to its
-  parent) and its files go out in chunks to forked worker processes, one per core
-  (:mod:`stager.fs.forked`): per-file work is mostly system calls wrapped in
-  Python, and processes do not take turns on one GIL. Small trees are copied on
-  the walking process; the workers start once a tree has proved large. A source
-  on a network filesystem (NFS, Lustre, GPFS, sshfs...: :mod:`stager.fs.mounts`)
-  is bound by round trips, not by the CPU: there NETWORK_IN_FLIGHT processes copy
-  from the first file, in smaller chunks.
-- Each file is copied by :mod:`stager.fs.file_copy`: seven system calls, checked
-  afterwards against what the walk saw (a source that changed is copied once
-  more), its mtime set last so that a restart can trust what it finds.
-- Never a special file: a FIFO, socket or device in the tree is refused with a
-  sentence naming it, or left out with ``special: "skip"``. It is never opened.
-- Confined at every depth: with ``--allowed-root`` set, a link anywhere in the
-  tree, through any chain of links, must resolve inside the roots, dangling or not.
-- Symlinks inside the source tree are recreated as (relative) links when they
-  point inside the tree, so the copy is self-contained and keeps its shape. Links
-  that point outside are followed and their target's content is copied, because
-  the outside target will not exist on the node. Dangling links are kept as they
-  are: there is nothing to copy, and failing a whole dataset over a stale link
-  helps nobody. Directory links pointing outside are walked into, guarded against
-  cycles.
+- The tree is walked on the staging process (:func:`stager.fs.sources.walk`) and its
+  files go out in chunks to forked workers, one per core (:mod:`stager.fs.forked`):
+  per-file work is system calls wrapped in Python, and processes share no GIL. Small
+  trees are copied on the walking process; the workers start once a tree proved
+  large. A source on a network filesystem (:mod:`stager.fs.mounts`) is bound by round
+  trips: there NETWORK_IN_FLIGHT processes copy from the first file.
+- Each file is copied by :mod:`stager.fs.file_copy`, checked afterwards against what
+  the walk saw, its mtime set last so that a restart can trust what it finds.
+- A FIFO, socket or device is never opened: refused by name, or left out with
+  ``special: "skip"``. With ``--allowed-root``, every link, through any chain, must
+  resolve inside the roots.
+- Links inside the tree are recreated as relative links; links out of it are
+  followed (their target will not exist on the node); dangling links are kept.
 """
 
 from __future__ import annotations
@@ -82,35 +72,26 @@ class CopyStep(StepParams):
     special: Literal["refuse", "skip"] = "refuse"
 
 
-# A chunk of work for a worker: a folder's files, cut at this many files or bytes.
-# Large enough to amortise the hand-over (~100 us), small enough to spread one
-# folder over every worker and keep progress moving.
+# A chunk for a worker: a folder's files, cut at this many files or bytes: enough to
+# amortise the hand-over (~100 us), few enough to spread one folder over every worker.
 BATCH_FILES = 256
 BATCH_BYTES = 64 * 1024 * 1024
-# Once a tree has proved large, its chunks grow up to this many files, each at most
-# 1/CHUNKS_SEEN of the files seen so far (so the last chunk, which one worker copies
-# while the others have finished, stays a small part of the whole). Each hand-over
-# costs the walking process the pool's pickling, queueing and waking: at 256 files a
-# chunk, a third of its time on a 200,000-file tree of small files (docs/performance.md).
+# Once a tree proved large, chunks grow up to this many files, each at most
+# 1/CHUNKS_SEEN of the files seen so far (the last chunk stays a small part): at 256
+# files a chunk, hand-overs took a third of the walk's time (docs/performance.md).
 LARGE_BATCH_FILES = 1024
 CHUNKS_SEEN = 16
-# Trees with fewer files are copied on the walking process: forking workers costs
-# more than it saves.
+# Trees with fewer files are copied on the walking process: a fork costs more.
 PARALLEL_AFTER_FILES = 2_000
-# Processes copying at once when the source is on a network filesystem
-# (stager.fs.mounts), started with the first file. There a file's time is round
-# trips (lookup, open, reads, close) that use no CPU, so more files in flight than
-# cores overlap them; ``op_workers`` caps it (docs/benchmarks.md has the figures).
+# Processes copying at once from a network filesystem, from the first file: there a
+# file's time is round trips that use no CPU, so more in flight than cores overlap
+# them (docs/benchmarks.md); in smaller chunks, so a few hundred files keep all busy.
 NETWORK_IN_FLIGHT = 8
-# A network source's chunks are smaller, so that a tree of a few hundred files
-# already keeps every process busy: a hand-over (~100 us) is little next to one
-# file's round trips.
 NETWORK_BATCH_FILES = 32
-# How long check() may walk a source tree to estimate its size: the request waits,
-# and the staging walks the tree again anyway, counting every byte it writes against
-# the quota and the floors (the estimate only refuses early). A tenth of a second
-# walks tens of thousands of files, enough to scale up from; at 0.5 s the walk was a
-# fifth of a 200,000-file copy (docs/benchmarks.md).
+# How long check() may walk a source tree to estimate its size (the request waits; the
+# staging counts every byte anyway, so the estimate only refuses early): a tenth of a
+# second walks tens of thousands of files, enough to scale up from; at 0.5 s the walk
+# was a fifth of a 200,000-file copy (docs/benchmarks.md).
 CHECK_BUDGET_S = 0.1
 
 
@@ -118,13 +99,9 @@ CHECK_BUDGET_S = 0.1
 
 
 def check(step: CopyStep, ctx: CheckContext) -> int:
-    """Validate the source and estimate the bytes the copy will write.
-
-    A directory is walked to sum its sizes (refusing special files and links out of
-    the allowed roots at once), but only for CHECK_BUDGET_S: a million-file tree on
-    a busy network filesystem would hold the request for minutes (see
-    :func:`stager.fs.sizes.copy_estimate`).
-    """
+    """Validate the source and estimate the bytes the copy will write: a folder is
+    walked for CHECK_BUDGET_S at most (:func:`stager.fs.sizes.copy_estimate`), since a
+    million-file tree on a busy network filesystem would hold the request for minutes."""
     if not step.src.startswith("/"):
         return 0  # an earlier step's output: nothing to look at yet
     require_source(step.src)
@@ -168,13 +145,9 @@ def run(step: CopyStep, ctx: OpContext) -> int:
 
 
 def _translate(exc: OSError, source: str, dataset: os.PathLike[str] | None = None) -> StagerError:
-    """The one place where OS errors become stager errors.
-
-    Problems with the source are the caller's to fix (a BadRequest-family
-    error); everything else, ENOSPC included, is the shared staging sentence.
-    A refused open outside the ``dataset`` being written (none at request time) is
-    the source's, wherever its links led.
-    """
+    """The one place where OS errors become stager errors: the source's are the
+    caller's to fix (BadRequest's family), the rest the shared staging sentence. A
+    refused open outside the ``dataset`` being written is the source's."""
     name = exc.filename
     in_source = isinstance(name, str) and (
         name == source or name.startswith(source.rstrip("/") + "/")

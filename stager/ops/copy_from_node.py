@@ -1,23 +1,18 @@
-"""The ``copy_from_node`` op: stage a job's dataset from another planned node of the job,
-before the job starts, instead of from the storage (docs/prestaging.md, "4-node job").
+"""The ``copy_from_node`` op: stage a job's dataset from another planned node of the job
+instead of from the storage (docs/prestaging.md, "4-node job").
 
-The planner ordered one planned node of a multi-node job to stage the dataset from the
-storage, and this node to copy it from that node. This step, run by the node service's
-staging process (which writes the cache, as root), asks the source node's prefetch port
-for it (``GET /v1/copies``) with the planner's second credential over the order
-(stager.prestage.prefetch.authority.COPY): the source node answers only that, and only
-with its own prefetch of that job for that user, if it is ready (the planner orders
-the copy only once the source said so; else the answer is at once 409). The answer is the
-fan-out's prepared tree (stager.fanout.bundle: one plain tar of whole files) and its
-manifest, and the source node's service's credential for the manifest
-(stager.core.vouch). What answers on that port is not trusted: the tar goes through the
-hardened extraction every archive takes, into this staging's own tree; the answer's
-head must carry a credential of this service's uid (root: no user's munge credential
-passes) for the cache key this node computed for the request as the job's user (or its
-shared key) and a manifest sha256, checked before a byte of the body is read; the
-manifest must have that sha256; and the tree must match the manifest path by path, or
-nothing is published. The bytes are held in an unnamed file in the cache's own folder
-while they arrive (at most ``limit_bytes``: a peer cannot fill the disk).
+The node service's staging process asks the source node's prefetch port
+(``GET /v1/copies``) with the planner's second credential
+(stager.prestage.prefetch.authority.COPY); the source answers only with its own
+ready prefetch of that job for that user (else 409). The answer is the fan-out's
+prepared tree (one plain tar, stager.fanout.bundle), its manifest, and the source
+service's credential for the manifest (stager.core.vouch).
+
+What answers on that port is not trusted: the head must carry a credential of this
+service's uid for the cache key computed here and a manifest sha256, checked before a
+byte of the body is read; the tar goes through the hardened extraction into this
+staging's own tree, which must match the manifest path by path. The bytes are held in
+an unnamed file in the cache while they arrive, at most ``limit_bytes``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The ``extract`` op: tar, tar.gz/bz2/xz/zst and zip, nested archives, never outside ``dst``.
 
-The op checks the request (the archive is readable, its format known, its first
-header sane) and runs the extraction of :mod:`stager.archive.extractor` (its pools,
-the tar and zip readers, nested archives; how it is fast is told there) on the
-archive opened confined to the allowed roots. Safety decisions live in
-:mod:`stager.archive.writer` (paths, directories, link ordering); library errors
-become ours in :func:`stager.archive.job.translate`, the one place that maps them.
-With any ``verify`` but ``none`` the archive must not change while it is read.
-An archive that an earlier ``fetch`` is still downloading is read as it arrives
-(``run_growing``, run by :mod:`stager.staging.overlap`); a URL ``src`` becomes that pair.
-
-Benchmark: bench/bench_extract.py.
+The op checks the request (readable, a known format, a sane first header) and runs
+:mod:`stager.archive.extractor` on the archive opened confined to the allowed roots.
+Safety lives in :mod:`stager.archive.writer`; library errors become ours in
+:func:`stager.archive.job.translate`. With any ``verify`` but ``none`` the archive must
+not change while it is read. An archive a ``fetch`` is still downloading is read as
+it arrives (``run_growing``, by :mod:`stager.staging.overlap`); a URL ``src`` becomes
+that pair. Benchmark: bench/bench_extract.py.
 """
 
 from __future__ import annotations
@@ -123,10 +119,8 @@ def as_image_stream(step: ExtractStep) -> ImageStream | None:
 
 
 def check(step: ExtractStep, ctx: CheckContext) -> int:
-    """Pre-flight: the archive is readable, its format known, its first header sane.
-
-    Returns the bytes extraction will write (see ``estimate_output``).
-    """
+    """Pre-flight: the archive is readable, its format known, its first header sane;
+    returns the bytes extraction will write (``estimate_output``)."""
     if not step.src.startswith("/"):
         return 0  # an earlier step's output (a fetch): nothing to look at yet
     source = require_source(step.src, "archive")
@@ -195,11 +189,9 @@ def reads_growing(step: ExtractStep) -> str | None:
 
 def run_growing(step: ExtractStep, ctx: OpContext, growing: GrowingFile) -> tuple[bool, int | None]:
     """Extract ``step.src`` from its download as it arrives (``growing``); returns
-    (True, what ``run`` returns), or (False, None) when its first bytes say it must be
-    whole first (then run ``run`` on it): a zip, whose directory is at its end, or a
-    plain tar with ``nested``, whose inner archives (the ImageNet shape) are extracted
-    in place and in parallel from the whole file, where a stream would write each one
-    out and read it back."""
+    (True, what ``run`` returns), or (False, None) when it must be whole first: a zip
+    (its directory is at its end), or a plain tar with ``nested`` (inner archives are
+    read in place, in parallel, from the whole file)."""
     dest = ctx.destination(step.dst)
     with translate(step.src):
         fmt = resolve_format(step.src, step.format, growing.head(tarfile.BLOCKSIZE))

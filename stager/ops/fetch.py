@@ -1,24 +1,16 @@
 """Download an HTTP(S) URL into the dataset, resuming with Range requests.
 
 Bytes go to ``<dst>.part`` and are renamed into place only when complete (and
-matching ``sha256`` when given), so ``dst`` existing means "done": a restarted
-run skips it, and an interrupted one resumes from the ``.part`` size. Within a
-run, connection errors, short reads and 429/5xx replies are retried with
-exponential backoff, each retry resuming where the last one stopped; the bound
-is MAX_ATTEMPTS failures in a row that brought no new bytes, so a flaky link
-that keeps making progress still finishes a multi-GB file.
+matching ``sha256``), so ``dst`` existing means done. Connection errors, short reads
+and 429/5xx replies are retried with backoff, each retry resuming where the last
+stopped, up to MAX_ATTEMPTS failures in a row that brought no new bytes.
 
-Replies to a ``Range: bytes=N-`` request:
+Replies to ``Range: bytes=N-``: 206 from N appends; 200 (range ignored, or the file
+changed, via ``If-Range``) starts over; 416 means the ``.part`` is complete if the
+server says the whole is N bytes, else stale (start over).
 
-- 206 starting at N: append.
-- 200: the server ignored the range (or the file changed, via ``If-Range``):
-  start over.
-- 416: nothing at or after N. If the server says the whole thing is N bytes,
-  the ``.part`` is complete; otherwise it is stale (the file shrank): start over.
-
-``Accept-Encoding: identity`` and raw body iteration keep the bytes exactly as
-stored on the server: offsets in a Range request count stored bytes, and a
-``.tar.gz`` must not be transparently gunzipped by a helpful server.
+``Accept-Encoding: identity`` and raw body iteration keep the bytes as stored: Range
+offsets count stored bytes, and a ``.tar.gz`` must not be gunzipped on the way.
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ from stager.core.errors import (
     BadRequest,
     FetchFailed,
     NotPublic,
-    StagerError,
     VerifyFailed,
     from_os_error,
 )
@@ -82,11 +73,9 @@ class FetchStep(StepParams):
 
 
 def without_credentials(step: FetchStep) -> bool:
-    """Whether the download carries none of the user's credentials: no user or
-    password, no query string and no path parameters (``;jsessionid=``: where tokens
-    travel) in its URL, read by the parser that downloads it. The daemon sends nothing
-    else of the user's (no netrc, no headers), so anyone asking for this URL gets the
-    same bytes."""
+    """Whether the URL, read by the parser that downloads it, carries none of the
+    user's credentials: no user or password, query or path parameters. The daemon sends
+    nothing else of the user's (no netrc, no headers)."""
     url = httpx.URL(step.url)
     target = url.raw_path.decode("ascii", "replace")  # the path and the query, as sent
     return not (url.userinfo or "?" in target or ";" in target)
@@ -137,10 +126,8 @@ def tls_context() -> ssl.SSLContext:
 
 def warm_up() -> None:
     """Pay now what a process's first download pays before its first byte (20-70 ms):
-    the TLS authorities loaded, the HTTP transport imported (httpx imports httpcore
-    when its first client is made), and the codec that the socket module encodes host
-    names with (a first connection imports it). The staging processes' fork server
-    calls it before it forks them (stager.staging.worker)."""
+    the TLS authorities, the HTTP transport's import, the codec host names are encoded
+    with. The fork server calls it before it forks the stagings."""
     httpx.Client(verify=tls_context()).close()
     "localhost".encode("idna")
 
@@ -163,12 +150,7 @@ def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:
         os.replace(part, target)
         ctx.progress.advance(0, 1)
     except OSError as exc:
-        raise _translate(exc, step) from exc
-
-
-def _translate(exc: OSError, step: FetchStep) -> StagerError:
-    """The one place where OS errors become stager errors (ENOSPC: the disk is full)."""
-    return from_os_error(exc, f"downloading {step.url}")
+        raise from_os_error(exc, f"downloading {step.url}") from exc
 
 
 def _file_name(step: FetchStep) -> str:

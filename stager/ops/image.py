@@ -1,18 +1,15 @@
 """The ``image`` op: a prebuilt image file (EROFS or squashfs), staged as it is.
 
-An admin builds an image once next to the dataset (``stager image build SRC -o
-imagenet.erofs``, no daemon needed); a request whose one step names it copies the
-file into the staging (``copy_file_range``), hashes the copy as it is written, checks
-the hash against the step's ``sha256`` and mounts it: nothing is unpacked. Only in
-image mode (the request's ``image``, which such a step implies): :mod:`stager.kinds.imaging`
-runs it; ``run`` alone refuses.
+An admin builds an image once (``stager image build SRC -o imagenet.erofs``); a
+request whose one step names it copies the file into the staging, hashes the copy as
+it is written, checks it against the step's ``sha256`` and mounts it. Only in image
+mode: :mod:`stager.kinds.imaging` runs it; ``run`` alone refuses.
 
-The node service mounts in the kernel only images it built itself or images the admin
-trusts (docs/image-mode.md): a filesystem image is parsed by the kernel, and a user's
-own image file is not trusted. So there a prebuilt image must lie under one of
-``--trusted-image-dirs``, in folders and a file only root may write, and its step
-must pin its sha256; the staging checks where the descriptor it opened (as the user)
-really lies, and the hash of the bytes it will mount.
+A filesystem image is parsed by the kernel, so the node service mounts only images it
+built or the admin trusts (docs/image-mode.md): a prebuilt image must lie under one of
+``--trusted-image-dirs``, in folders and a file only root may write, with its sha256
+pinned; the staging checks where the descriptor it opened as the user really lies, and
+the hash of the bytes it will mount.
 """
 
 from __future__ import annotations
@@ -160,13 +157,10 @@ def copy_and_hash(
     durable: bool = True,
 ) -> str:
     """Copy ``size`` bytes in the kernel, chunk by chunk, while a thread hashes each chunk
-    written, read from the page cache through a mapping of the copy (``dst``, opened
-    read-write; no second copy of the bytes): the two overlap, and what is hashed is
-    what the copy holds (what is mounted, or sent). ``durable``: each chunk's writeback
-    starts as soon as it is copied and the copy is fsynced while the hash, slower,
-    goes on. Not ``hashed``: the copy alone, and "" for its sha256 (not measured).
-    ``check`` runs before each chunk (it raises to stop), ``advance`` after, with its
-    bytes."""
+    through a mapping of the copy (``dst``, read-write): the two overlap, and what is
+    hashed is what the copy holds. ``durable``: each chunk's writeback starts at once
+    and the fsync runs while the hash goes on. Not ``hashed``: "" for its sha256.
+    ``check`` runs before each chunk, ``advance`` after, with its bytes."""
     hasher = _ChunkHasher(dst) if hashed else None
     offset = 0
     try:
@@ -229,9 +223,8 @@ def hash_in_place(
     fd: int, size: int, check: Callable[[], None], advance: Callable[[int], None]
 ) -> str:
     """sha256 of the first ``size`` bytes of ``fd``, read chunk by chunk (``check``
-    before each, ``advance`` after, with its bytes). Read, not mapped: a file that
-    another process cuts short meanwhile ends the hash with VerifyFailed, where a
-    mapping would kill the process (SIGBUS)."""
+    before each, ``advance`` after). Read, not mapped: a file cut short meanwhile ends
+    the hash with VerifyFailed, where a mapping would SIGBUS."""
     digest = hashlib.sha256()
     buffer = bytearray(_CHUNK)
     offset = 0

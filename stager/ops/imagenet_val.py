@@ -1,13 +1,9 @@
 """The ``imagenet_val`` op: sort the flat val images into ``val/<wnid>/`` by the devkit.
 
-
-``ILSVRC2012_img_val.tar`` holds 50,000 images in one folder; the devkit's
-ground truth gives one label per image in file-name order, which is how
-torchvision's ``parse_val_archive`` pairs them too. Unlike it, a count that
-does not match fails loudly instead of silently mislabelling the tail.
-
-Restartable: images already moved by an interrupted run are found in their
-class folders and counted in the sort order, so a re-run finishes the job.
+The devkit's ground truth gives one label per image in file-name order (as
+torchvision's ``parse_val_archive`` pairs them); a count that does not match fails
+instead of mislabelling the tail. Restartable: images an interrupted run moved are
+found in their class folders.
 """
 
 from __future__ import annotations

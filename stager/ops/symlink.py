@@ -1,28 +1,18 @@
 """Link a source into the dataset instead of copying it.
 
-``link``: one symlink at ``dst`` pointing at ``src`` (the cheapest staging there
-is: the data stays on the shared filesystem). ``tree``: real directories and one
-symlink per file, each pointing at the absolute source file. That is what
-seeds/000's ``link_file`` meant to do (it called ``Path(src).symlink_to(dest)``,
-the arguments reversed); a mirrored tree lets later steps rename or add entries
-inside the dataset without touching the shared source.
+``link``: one symlink at ``dst`` pointing at ``src`` (the data stays on the shared
+filesystem). ``tree``: real folders and one symlink per file, pointing at the
+absolute source file (what seeds/000's ``link_file`` meant to do), so later steps
+can rename or add entries without touching the shared source.
 
-Link targets are ``os.path.abspath`` of the source, not ``realpath``: the
-user's path (``/network/datasets/...``) is the stable name on every node, while
-what it resolves to today may be a site-specific mount.
+Targets are ``os.path.abspath`` of the source, not ``realpath``: the user's path is
+the stable name on every node; what it resolves to may be a site-specific mount.
 
-``tree`` costs one ``scandir`` per folder plus one ``symlinkat`` per file, made
-relative to the destination folder's descriptor; no ``stat`` of the sources (the
-listing's entry types say what is a file). The walk stays on the staging process
-and the links are made by forked workers, per folder chunk (see
-:mod:`stager.fs.forked`): the kernel's work and Python's share of it spread over
-the cores, which a single-threaded ``cp -rs`` cannot do.
-
-The same rules as every walk of a source (:mod:`stager.fs.sources`): a FIFO,
-socket or device in the tree is refused with a sentence naming it, or left out
-with ``special: "skip"`` (a link to it would hang whoever opens it); a link in the
-tree is followed, through any chain, and must resolve inside ``--allowed-root``,
-or the staging is refused: the links made here would lead there.
+``tree`` costs one ``scandir`` per folder and one ``symlinkat`` per file, no ``stat``
+of the sources; the links are made by forked workers per folder chunk
+(:mod:`stager.fs.forked`), which a single-threaded ``cp -rs`` cannot do. The rules
+of every walk of a source hold (:mod:`stager.fs.sources`): special files refused or
+skipped, every link resolving inside ``--allowed-root``.
 """
 
 from __future__ import annotations
@@ -33,7 +23,7 @@ import stat
 import time
 from typing import Literal
 
-from stager.core.errors import BadRequest, StagerError, from_os_error
+from stager.core.errors import BadRequest, from_os_error
 from stager.fs import forked
 from stager.fs.sizes import NameCharge
 from stager.fs.sources import (
@@ -90,7 +80,7 @@ def check(step: SymlinkStep, ctx: CheckContext) -> int:
             roots = Roots.of(ctx.allowed_roots)
             _Scan(roots, step.special, time.monotonic() + CHECK_BUDGET_S).run(step.src)
         except OSError as exc:
-            raise _translate(exc, step.src) from exc
+            raise from_os_error(exc, f"linking {step.src}") from exc
     return 0
 
 
@@ -100,7 +90,7 @@ def _check_top(step: SymlinkStep, ctx: CheckContext) -> None:
         fd, st = open_path(step.src, Roots.of(ctx.allowed_roots))
         os.close(fd)
     except OSError as exc:
-        raise _translate(exc, step.src) from exc
+        raise from_os_error(exc, f"linking {step.src}") from exc
     if step.mode == "tree" and not stat.S_ISDIR(st.st_mode):
         raise BadRequest(
             f"symlink source {step.src} is a file, but mode 'tree' mirrors a directory; "
@@ -155,12 +145,7 @@ def run(step: SymlinkStep, ctx: OpContext) -> int:
             return _link_one(source, _link_path(step, ctx), ctx)
         return _TreeLink(source, str(ctx.destination(step.dst)), ctx, step.special).run()
     except OSError as exc:
-        raise _translate(exc, source) from exc
-
-
-def _translate(exc: OSError, source: str) -> StagerError:
-    """The one place where OS errors become stager errors (ENOSPC: disk or inodes full)."""
-    return from_os_error(exc, f"linking {source}")
+        raise from_os_error(exc, f"linking {source}") from exc
 
 
 def _link_path(step: SymlinkStep, ctx: OpContext) -> str:

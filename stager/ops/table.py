@@ -1,14 +1,11 @@
 """The op table: every staging operation, declared once.
 
 A row names the op and gives its request fields (a ``StepParams`` model), its
-``check`` and ``run`` (see :mod:`stager.ops.base`) and the request options it
-honours. Everything else is derived from the rows: the ``op``-tagged step models
-and the request schema (so the OpenAPI document), step validation for requests,
-recipes and the state store, dispatch in the staging process, the refusal of an
-option an op cannot carry out, and the ops listed by ``GET /v1/recipes``.
-
-Sites can add ops without editing stager: a module named in ``op_modules``
-(``STAGER_OP_MODULES``) defines ``OPS``, a list of ``Op`` rows.
+``check`` and ``run`` (:mod:`stager.ops.base`) and the request options it honours.
+Derived from the rows: the step models and the request schema, step validation,
+dispatch in the staging process, the refusal of an option an op cannot carry out,
+and ``GET /v1/recipes``'s ops. A module named in ``op_modules`` (``STAGER_OP_MODULES``)
+adds ops: it defines ``OPS``, a list of ``Op`` rows.
 """
 
 from __future__ import annotations
@@ -86,27 +83,23 @@ class Op:
     # An earlier step's output named by a relative ``src`` is used up by this op (an
     # archive once extracted): the staging removes it after the step unless ``keep``.
     consumes_src: bool = False
-    # What it writes comes only from files it opens through stager.fs.sources (its
-    # ``src``), so the node service may share its result with every user when each
-    # of those files is readable by everyone (docs/multiuser.md). Not a download (it
-    # may carry the user's credentials), not a delivery, not a site's op unless it says.
+    # What it writes comes only from files it opens through stager.fs.sources, so the
+    # node service may share its result when each is readable by everyone
+    # (docs/multiuser.md). Not a download (it may carry the user's credentials), a
+    # delivery, or a site's op unless it says.
     shareable: bool = False
-    # Every file it writes is created 0444 (stager.fs.seal.FILE_MODE) and it returns the
-    # bytes it left in the tree: alone in a fresh tree (or after the download it used
-    # up, run as a pair), its tree is sealed by a listing.
+    # Every file it writes is created 0444 and it returns the bytes it left: alone in a
+    # fresh tree, its tree is sealed by a listing.
     read_only_files: bool = False
-    # What else the fan-out's adoption asks of an op: whether this step leaves links
-    # pointing at its source (a copy delivered in its place is deleted after adoption,
-    # so such a step never stages from one), and whether a kept copy of its source
-    # carries the source's own name.
+    # For the fan-out's adoption: whether this step leaves links to its source (so it
+    # never stages from a delivered copy, deleted after adoption), and whether a kept
+    # copy of its source carries the source's own name.
     links_to_source: Callable[[Any], bool] = lambda step: False
     keeps_source_name: bool = False
-    # Whether this step's bytes come from a source that carries none of the user's
-    # credentials, so anyone presenting the same step gets the same bytes (a download
-    # of a URL without user:password or query string): shareable like a world-readable
-    # file (docs/multiuser.md).
+    # Whether this step's source carries none of the user's credentials (a URL without
+    # user:password or query): shareable like a world-readable file.
     public_source: Callable[[Any], bool] = lambda step: False
-    # Overlap (stager.staging.overlap): a step whose op ``grows`` a file, followed by one whose
+    # Overlap (stager.staging.overlap): a step whose op ``grows`` a file, then one whose
     # op ``follows`` it and names that file as its src, run at once.
     grows: Grows | None = None
     follows: Follows | None = None
@@ -116,10 +109,9 @@ class Op:
     # The daemon's own: built by the daemon from a request (a fan-out's adoption), never
     # given in a request's steps, whose checks it skips (its folder is the service's).
     internal: bool = False
-    # Image mode (stager.kinds.imaging): what the step makes, as an archive read straight into
-    # the image, or None (the step runs as an op, its output packed with the rest);
-    # ``moves``: the (old, new) name a step only renames, applied to the image's names;
-    # ``prebuilt_image``: the step is a prebuilt image file, staged as it is.
+    # Image mode (stager.kinds.imaging): the archive read straight into the image, or None
+    # (run as an op); ``moves``: the (old, new) name a step only renames; and whether the
+    # step is a prebuilt image file, staged as it is.
     image_stream: Callable[[Any], ImageStream | None] = lambda step: None
     moves: Callable[[Any], tuple[str, str] | None] = lambda step: None
     prebuilt_image: bool = False
@@ -134,41 +126,12 @@ def _row(
     module: Any,
     params: type[StepParams],
     verify: Iterable[str] = (),
-    consumes_src: bool = False,
     shareable: bool = True,
-    read_only_files: bool = False,
-    links_to_source: Callable[[Any], bool] = lambda step: False,
-    keeps_source_name: bool = False,
-    public_source: Callable[[Any], bool] = lambda step: False,
-    grows: Grows | None = None,
-    follows: Follows | None = None,
-    expands: Callable[[Any], list[dict[str, Any]] | None] = lambda step: None,
-    internal: bool = False,
-    image_stream: Callable[[Any], ImageStream | None] = lambda step: None,
-    moves: Callable[[Any], tuple[str, str] | None] = lambda step: None,
-    prebuilt_image: bool = False,
+    **options: Any,
 ) -> Op:
+    """A built-in op: its module's ``check`` and ``run``, shareable unless it says."""
     verify = frozenset(verify) or NOTHING_TO_VERIFY
-    return Op(
-        name,
-        params,
-        module.check,
-        module.run,
-        verify,
-        consumes_src,
-        shareable,
-        read_only_files,
-        links_to_source,
-        keeps_source_name,
-        public_source,
-        grows,
-        follows,
-        expands,
-        internal,
-        image_stream,
-        moves,
-        prebuilt_image,
-    )
+    return Op(name, params, module.check, module.run, verify, shareable=shareable, **options)
 
 
 EVERY_LEVEL = VERIFY_LEVELS
@@ -367,10 +330,9 @@ class OpTable:
         return None
 
     def scratch(self, steps: Sequence[Any]) -> frozenset[str]:
-        """What a staging of ``steps`` writes in its tree and removes before it is ready
-        (paths relative to the tree): an earlier step's output that a later one uses
-        up, and the names such a file has while an op still writes it. A fan-out never
-        sends them early (stager.fanout.early)."""
+        """What a staging of ``steps`` writes in its tree and removes before it is ready:
+        an output a later step uses up, and its names while an op writes it. A fan-out
+        never sends them early (stager.fanout.early)."""
         growers = [op.grows for op in self._ops.values() if op.grows is not None]
         names: set[str] = set()
         for step in steps:

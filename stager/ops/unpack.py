@@ -1,22 +1,17 @@
 """The ``unpack`` op: bring a release archive into the dataset and extract it.
 
-Recipes use it for every archive, so the choice of how the archive travels is
-one field per step:
+How the archive travels is one field per step:
 
-- ``direct`` (the default): extract straight from the source. One sequential
-  read of the shared filesystem, nothing extra on the local disk; usually best.
-- ``copy``: copy the archive into the dataset first (under ``keep``, e.g.
-  torchvision's own name ``2021_train.tgz``) and extract the local copy. The
-  network read is one plain stream at full speed, a failed extraction re-runs
-  from local disk, and the archive stays beside the data; it costs the
-  archive's size again on the local disk.
-- ``symlink``: leave a link to the source under ``keep`` and extract through it:
-  the layout then also satisfies code that looks for the archive, at no cost.
+- ``direct`` (the default): extract straight from the source; one sequential read,
+  nothing extra on the local disk.
+- ``copy``: copy the archive in first (under ``keep``, e.g. ``2021_train.tgz``) and
+  extract the local copy: a failed extraction re-runs from local disk, and the
+  archive stays beside the data, at its size again on the disk.
+- ``symlink``: leave a link to the source under ``keep`` and extract through it.
 
-A directory source is not an archive: ``direct``/``copy`` copy the tree,
-``symlink`` mirrors it as per-file links. ``verify_md5`` costs one extra full
-read of the archive, which is why it is off unless asked for: the seeds' way
-(``INaturalist(download=True)``) pays it on every job.
+A directory source is copied (``direct``/``copy``) or mirrored as links
+(``symlink``). ``verify_md5`` costs a full read of the archive, so it is off unless
+asked for.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Fingerprints of a request's sources, part of the cache key.
 
-The same request over unchanged sources maps to the same cache entry across jobs,
-daemon restarts and the nodes of a cluster; a touched archive (size or mtime
-changed) maps to a new entry and is staged afresh. Only what every node sees alike
-counts: path, size and mtime. Inode numbers do not: network filesystems built on
-FUSE (sshfs, s3fs, rclone, ...) number inodes per client, and a multi-node job
-finds a node's copy by its key (see docs/multinode.md). Trees get a cheap
-fingerprint by default (the root and its direct children), or a deep one (every
-file) on request: on a network filesystem a deep walk of ImageNet costs minutes,
-a cheap one milliseconds.
+Only what every node sees alike counts: path, size and mtime (FUSE network
+filesystems number inodes per client, and a multi-node job finds a node's copy by its
+key). Trees get a cheap fingerprint (the root and its children) or a deep one (every
+file): on a network filesystem a deep walk of ImageNet costs minutes.
 
-Both are streams: each entry's line is hashed on its own and the hashes are added
-up (modulo 2**512), so the result does not depend on the order a folder lists its
-entries in and nothing is sorted or kept. A million entries in one folder cost a
-million ``fstatat`` calls and constant memory. Nothing is ever opened but folders:
-``stat`` of a FIFO or a device does not wait on it.
+Each entry's line is hashed on its own and the hashes are summed (modulo 2**512), so
+the order a folder lists doesn't matter and nothing is sorted or kept. Only folders are
+opened: ``stat`` of a FIFO or a device does not wait on it.
 """
 
 from __future__ import annotations
@@ -102,7 +95,6 @@ def _walk(top: str, tally: _Tally) -> None:
 
 
 def _add_children(fd: int, tally: _Tally) -> None:
-    """Add each entry of the open folder ``fd``."""
     with os.scandir(fd) as entries:
         for entry in entries:
             tally.add(_line(entry.name, _entry_info(fd, entry)))
@@ -120,8 +112,8 @@ def _entry_info(fd: int, entry: os.DirEntry[str]) -> os.stat_result | None:
 
 
 def _stat(path: str) -> os.stat_result | None:
-    """What identifies ``path``'s content; a dangling link or missing path counts as
-    itself (an ``lstat``), never as an error: the fingerprint is a key, not a check."""
+    """A dangling link or missing path counts as itself: the fingerprint is a key, not a
+    check."""
     try:
         return os.stat(path)
     except OSError:

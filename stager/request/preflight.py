@@ -1,9 +1,6 @@
-"""Checks run when a request arrives, before anything is queued.
-
-Everything here is fast (stat calls, reading an archive header) and blocking. What
-looks at a request's paths runs as the caller (stager.staging.blocking.Processes.run_as: in
-the node service, in a process that became them), and answers in JSON. A request
-that fails here gets a 4xx with a sentence naming the bad input; nothing is staged.
+"""Checks run when a request arrives, before anything is queued: fast, blocking, and
+what looks at a request's paths runs as the caller and answers in JSON. A failure is
+a 4xx with a sentence naming the bad input.
 """
 
 from __future__ import annotations
@@ -58,14 +55,10 @@ def look(
     check: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the daemon must know of a request's paths, found as the caller: the recipe's
-    release files are there (``recipe``: its name, params and source), the sources'
-    fingerprint, whether every user may share the staging (node service), for the
-    adoption of a ``vouched`` copy whether its sources are the same on every node, and
-    that the link can be made. Steps travel as JSON data (``dumped_steps``), typed here
-    again. With ``check`` (the request's ``spec``, its ``verify``, the caller's ``uid``,
-    and the keys of the entries of that spec a request joins or hits, ``known``): a
-    miss, whose key (shared or the caller's own) is none of them, is checked here too
-    and its size estimated (:func:`check_steps`), in the same trip."""
+    files, the sources' fingerprint, whether every user may share the staging, for a
+    ``vouched`` copy whether its sources are the same on every node, and that the link
+    can be made. With ``check`` (``spec``, ``verify``, ``uid`` and the ``known`` keys a
+    request joins or hits): a miss is checked and sized too, in the same trip."""
     if recipe is not None:
         recipes.check_sources(*recipe, settings)
     steps = table.for_settings(settings).validate_steps(dumped_steps)
@@ -96,10 +89,8 @@ def look(
 
 
 def on_cluster_storage(steps: list[Any], settings: Settings) -> bool:
-    """Whether every source path of ``steps`` holds the same files on every node: on a
-    network filesystem, or under one of the admin's ``cluster_storage_dirs``. A path
-    only this node has (its /tmp, its local disk) may hold other bytes elsewhere under
-    the same name, size and time, so another node's word for its key is not taken."""
+    """Whether every source of ``steps`` is on a network filesystem or under the admin's
+    ``cluster_storage_dirs``: a node-local path may hold other bytes elsewhere."""
     tops = [os.path.realpath(top) for top in settings.cluster_storage_dirs]
     for source in (getattr(step, "src", None) for step in steps):
         if not _absolute(source):
@@ -111,9 +102,8 @@ def on_cluster_storage(steps: list[Any], settings: Settings) -> bool:
 
 
 def download_versions(steps: list[Any]) -> list[str] | None:
-    """For a staging to be shared: each download's version, asked of its server now
-    (stager.core.downloads), part of the cache key; None when one may not be shared (its URL
-    names this node, or it is neither pinned by a sha256 nor versioned by its server)."""
+    """Each download's version for the cache key of a shared staging; None when one may
+    not be shared (its URL names this node, or it has no sha256 and no version)."""
     versions = []
     for step in steps:
         url = getattr(step, "url", None)
@@ -139,8 +129,7 @@ def _check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
     with _request_paths():
         for step in steps:
             src = getattr(step, "src", None)
-            # A relative src is inside the dataset (an earlier step's output), not a source.
-            if isinstance(src, str) and src.startswith("/"):
+            if _absolute(src):  # relative: an earlier step's output
                 check_allowed_root(src, settings)
         ctx = CheckContext(allowed_roots=tuple(settings.allowed_roots), verify=verify)
         return table.for_settings(settings).check(steps, ctx)
@@ -148,9 +137,7 @@ def _check_steps(steps: list[Any], verify: str, settings: Settings) -> int:
 
 def shareable(steps: list[Any], settings: Settings) -> bool:
     """Whether the node service may stage these steps once for every user: ops that
-    read only their sources, each source readable by everyone (a cheap look at the
-    source and the folders above it; the staging checks every file it opens), or
-    downloads without credentials."""
+    read only their sources, each readable by everyone (the staging checks every file)."""
     if not steps or not table.for_settings(settings).shareable(steps):
         return False
     sources = [s for s in (getattr(step, "src", None) for step in steps) if _absolute(s)]
@@ -162,9 +149,7 @@ def _absolute(src: object) -> TypeGuard[str]:
 
 
 def check_allowed_root(source: str, settings: Settings) -> None:
-    """The request's own source path, resolved. What lies below it (links at any
-    depth, archives named through links) is confined by the ops as they read it,
-    through :mod:`stager.fs.sources`, on the objects they open."""
+    """The request's own source path, resolved; what lies below it the ops confine."""
     if Roots.of(settings.allowed_roots).contains(os.path.realpath(source)):
         return
     listed = ", ".join(str(r) for r in settings.allowed_roots)
@@ -175,10 +160,8 @@ def check_allowed_root(source: str, settings: Settings) -> None:
 
 
 def check_not_around_cache(source: str, settings: Settings) -> None:
-    """A source that holds the cache would be copied into itself, each pass deeper,
-    until a path is too long (as ``cp -r dir dir/sub`` would, had cp no check): refused
-    here, as GNU cp refuses to copy a folder into itself. Paths resolved, so a link to
-    such a folder is refused too."""
+    """A source that holds the cache would be copied into itself: refused, as GNU cp
+    refuses (paths resolved, so a link to such a folder is refused too)."""
     cache = settings.cache_dir.resolve()
     if within(str(cache), os.path.realpath(source)):
         raise BadRequest(
@@ -190,35 +173,32 @@ def check_not_around_cache(source: str, settings: Settings) -> None:
 
 def check_link(link: str | None, settings: Settings) -> None:
     """A link may replace an old symlink, never a real file or folder, and must be
-    creatable: the daemon makes it when the data is ready, when nobody can be told."""
+    creatable: it is made when the data is ready, when nobody can be told."""
     if link is None:
         return
-    with _request_paths():
-        _check_link(link, settings)
-
-
-def _check_link(link: str, settings: Settings) -> None:
     path = Path(link)
-    cache = settings.cache_dir.resolve()
-    # The folder it goes in, not the link: an existing link (our own, from an earlier
-    # request) points into the cache by design, and is replaced.
-    where = path.parent.resolve() / path.name
-    if where == cache or cache in where.parents:
-        raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
-    if os.path.lexists(path) and not path.is_symlink():
-        raise BadRequest(
-            f"link {link} already exists and is not a symlink; remove it or choose another --link"
-        )
-    folder = path.parent
-    while not os.path.lexists(folder):
-        folder = folder.parent  # made when the link is
-    # Checked with this process's rights (the caller's, in the node service), as
-    # creating the link will be.
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
-        raise BadRequest(
-            f"link {link} cannot be created: {folder} is not a folder you can "
-            "write; choose a --link path under one"
-        )
+    with _request_paths():
+        cache = settings.cache_dir.resolve()
+        # The folder it goes in, not the link: an existing link (our own, from an earlier
+        # request) points into the cache by design, and is replaced.
+        where = path.parent.resolve() / path.name
+        if where == cache or cache in where.parents:
+            raise UnsafePath(f"link {link} is inside the cache directory; choose a path outside it")
+        if os.path.lexists(path) and not path.is_symlink():
+            raise BadRequest(
+                f"link {link} already exists and is not a symlink; remove it or choose "
+                "another --link"
+            )
+        folder = path.parent
+        while not os.path.lexists(folder):
+            folder = folder.parent  # made when the link is
+        # Checked with this process's rights (the caller's, in the node service), as
+        # creating the link will be.
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
+            raise BadRequest(
+                f"link {link} cannot be created: {folder} is not a folder you can "
+                "write; choose a --link path under one"
+            )
 
 
 def free_bytes(settings: Settings) -> int:
@@ -244,13 +224,9 @@ def ensure_dirs(settings: Settings) -> None:
     if not settings.multi_user:
         os.chmod(settings.cache_dir, 0o700)  # one user's: nobody else's business
         return
-    # The node service: users reach their data under data/, where each tree's own top
-    # says who may enter it (stager.fs.seal), and their transfers under incoming/ and
-    # outgoing/, in <uid>/<label> folders (stager.fanout.packing: a delivery's theirs,
-    # an export's the service's with files handed to them); partial/ is the service's.
-    # data/ is searchable, not listable: a user reaches the paths the API gave them, and
-    # learns nothing of what else is staged (whose, how large, since when). Set at every
-    # start: a cache made by an earlier release (0755) is closed too.
+    # The node service: data/, incoming/ and outgoing/ are searchable, not listable: a
+    # user reaches the paths the API gave them and learns nothing of others'. Set at
+    # every start, so a cache an earlier release made 0755 is closed too.
     os.chmod(settings.cache_dir, 0o755)
     for passage in (settings.data_dir, settings.incoming_dir, settings.outgoing_dir):
         os.chmod(passage, 0o711)  # searchable, not listable: nobody sees others' labels

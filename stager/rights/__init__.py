@@ -1,39 +1,32 @@
 """Who runs what, with which rights: the one place that says it.
 
-The node service (``stager serve --multi-user``) runs as root for every user of the
-node. Root's powers are used for what only the service may do, and for nothing a
-user names or may write.
+The node service (``stager serve --multi-user``) runs as root for every user. Root's
+powers serve what only the service may do, never anything a user names or may write.
 
 The privileged side, as root:
 
-- **the daemon** (event loop, threads): the API, the state store, admission; writes
-  and deletes the cache's own folders (``data/``, ``partial/``, ``outgoing/``, the
-  trash), which no user may write. Never opens, lists, stats, links or deletes a
+- **the daemon**: the API, the state store, admission; writes and deletes the cache's
+  own folders, which no user may write. Never opens, lists, stats, links or deletes a
   path a user named or may write.
 - **the fork server and the walker** (stager.staging.blocking): fork staging and user
   processes; check published trees (root's own, read-only).
-- **a staging process** (stager.staging.worker): writes its attempt's tree under
-  ``partial/`` (root's, 0700); reads sources only as descriptors its gateway hands
-  it, never by a path of its own.
+- **a staging process** (stager.staging.worker): writes its attempt's tree (root's,
+  0700); reads sources only as descriptors its gateway hands it.
 
-The user side, each process having *become* its user (:func:`become.become`: gid,
-the groups the user's process held when it connected, uid; no capability,
-``no_new_privs``, not dumpable):
+The user side, each process having *become* its user (:func:`become.become`):
 
-- **a staging's gateway** (:mod:`stager.rights.gateway`): the reader (the user who
-  asked, or ``nobody`` for a staging every user shares); opens, lists and stats the
-  sources and answers with descriptors.
-- **a user process** (:mod:`stager.rights.pool`): the caller; a request's checks
-  (fingerprint, each step's check, the link's folder), the user's links, measuring
-  and deleting what the user may write (a delivery).
+- **a staging's gateway** (:mod:`stager.rights.gateway`): the reader (the user, or
+  ``nobody`` for a shared staging); opens, lists and stats sources, answers with
+  descriptors.
+- **a user process** (:mod:`stager.rights.pool`): the caller; a request's checks, the
+  user's links, deleting what the user may write (a delivery).
 
-Between the two sides only JSON and descriptors travel from the user's
-(:mod:`stager.rights.channel`). In per-user mode the daemon is the user, and
-everything runs as it, directly.
+From the user's side only JSON and descriptors travel (:mod:`stager.rights.channel`).
+In per-user mode the daemon is the user, and everything runs as it, directly.
 
-``PROCESSES`` is every process stager starts, the module that asks stager.core.processes
-for it, and its rights in the node service (tests/test_owner_rooms.py holds the list
-to the code: a module that starts one and has no row fails there).
+``PROCESSES`` is every process stager starts, the module that asks
+stager.core.processes for it, and its rights in the node service
+(tests/test_owner_rooms.py holds it to the code).
 """
 
 from typing import NamedTuple

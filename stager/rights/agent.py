@@ -2,22 +2,16 @@
 user may do.
 
 It serves one channel (:mod:`stager.rights.channel`), one request at a time, and
-answers in JSON and descriptors. Two kinds of work come to it:
+answers in JSON and descriptors:
 
-- **calls** (``("call", fn, args, kwargs)``): a whole function run as the user,
-  its result JSON: the daemon's request-time checks (a request's fingerprint, each
-  step's check, its link's folder), making or removing a user's link, deleting a
-  tree the user may write (a delivery). The function opens what it opens with the
-  user's rights and nothing else.
-- **opens** for a staging process, which writes the cache as root and reads a
-  user's sources only through here: ``open``, ``reopen`` (an ``O_PATH`` descriptor
-  opened for real), ``open_many`` (a folder's files at once), ``readlink``,
-  ``realpath``, ``scan`` (a folder's entries with their ``lstat``, in pieces).
-  Descriptors root sends with a request are ones this process opened for it
-  before (a source folder to open relative to).
+- **calls** (``("call", fn, args, kwargs)``): a function run as the user, its result
+  JSON (a request's checks, a user's link, deleting a tree the user may write).
+- **opens** for a staging process, which reads a user's sources only through here:
+  ``open``, ``reopen``, ``open_many``, ``readlink``, ``realpath``, ``scan``.
+  Descriptors root sends with a request are ones this process opened before.
 
-``connect`` hands it a new channel, served on a thread of its own: each forked
-worker of a staging process asks for its own, so that no two processes share one.
+``connect`` hands it a new channel, served on a thread of its own: each forked worker
+of a staging process asks for its own, so that no two processes share one.
 """
 
 from __future__ import annotations
@@ -50,7 +44,7 @@ def serve(sock: socket.socket) -> None:
                 _answer(sock, request, fds, scans)
             finally:
                 for fd in fds:
-                    _close(fd)
+                    channel.close_quietly(fd)
     finally:
         for scan in scans.values():
             scan.close()  # type: ignore[attr-defined]
@@ -85,7 +79,7 @@ def _answer(
         channel.send_answer(sock, channel.ok(result), new_fds)
     finally:
         for fd in new_fds:
-            _close(fd)
+            channel.close_quietly(fd)
 
 
 def _serve_and_close(sock: socket.socket) -> None:
@@ -118,7 +112,7 @@ def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]
                 numbers.append(exc.errno or 1)
     except BaseException:
         for fd in opened:
-            _close(fd)
+            channel.close_quietly(fd)
         raise
     return numbers, opened
 
@@ -143,11 +137,10 @@ _OPENS: dict[str, Callable[[tuple[Any, ...], list[int]], tuple[Any, list[int]]]]
 def _scan(
     request: tuple[Any, ...], fds: list[int], scans: dict[int, Iterator[os.DirEntry[str]]]
 ) -> Any:
-    """A folder's entries with their lstat, a piece at a time, so that a folder of a
-    million files is never held whole and a walk may keep several folders open.
-    ``("scan",)`` with the folder: [scan id, entries, done]; ``("scan_next", id)``:
-    [entries, done]; ``("scan_close", id)`` drops one left unfinished. An entry gone
-    between the listing and its lstat is left out, as if removed a moment earlier."""
+    """A folder's entries with their lstat, a piece at a time (a million-file folder is
+    never held whole). ``("scan",)`` with the folder: [scan id, entries, done];
+    ``("scan_next", id)``: [entries, done]; ``("scan_close", id)`` drops one. An entry
+    gone before its lstat is left out."""
     kind = request[0]
     if kind == "scan":
         scan_id = next(_SCAN_IDS)
@@ -225,10 +218,3 @@ def stat_result(fields: list[int]) -> os.stat_result:
             "st_rdev": rdev,
         },
     )
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass

@@ -1,19 +1,14 @@
 """Becoming a user entirely: the only way stager acts for a user on the node.
 
-A process that acts for a user (opens, lists, stats, links or deletes a path that
-user named or may write) first *becomes* them: its group ids, then the user's own
-groups (the ones the user's process held when it connected, not the group
-database's), then its user ids, all of them real, effective and saved. Linux
-clears every capability when the last uid leaves 0, so the process keeps none
-(``CapEff`` 0): no ``CAP_DAC_READ_SEARCH`` to read past a 0700 folder, no
-``CAP_SYS_PTRACE`` to follow another user's ``/proc/<pid>/cwd``. ``no_new_privs``
-then keeps it from regaining any through a set-id program, and it is not
-dumpable, so the user cannot attach a debugger to it or reach its descriptors
-through ``/proc``.
+A process that acts for a user first *becomes* them: gids, the groups the user's
+process held when it connected (not the group database's), then uids, all real,
+effective and saved. Linux clears every capability when the last uid leaves 0
+(``CapEff`` 0: no ``CAP_DAC_READ_SEARCH``, no ``CAP_SYS_PTRACE``); ``no_new_privs``
+keeps it from regaining any through a set-id program, and it is not dumpable, so the
+user cannot reach its descriptors through ``/proc``.
 
-A root thread with a switched filesystem uid is *not* this: it keeps every other
-capability, ``CAP_SYS_PTRACE`` among them, and the kernel lets it through
-``/proc/<pid>/cwd`` of any process.
+A root thread with a switched filesystem uid is *not* this: it keeps
+``CAP_SYS_PTRACE``, and the kernel lets it through ``/proc/<pid>/cwd`` of any process.
 """
 
 from __future__ import annotations
@@ -101,12 +96,10 @@ class _CapData(ctypes.Structure):
 
 
 def drop_capabilities() -> None:
-    """Stay uid 0 but hold no capability, now or after any exec: a staging process of
-    the node service writes the cache's folders as their owner, and needs nothing
-    more. Should it ever open a user's path itself (a bug: it must go through its
-    gateway), the kernel then checks it like any other process's open, so no user's
-    private file is within its reach. The bounding set goes first (that needs
-    ``CAP_SETPCAP``), so that a program it runs (GNU tar) cannot regain them."""
+    """Stay uid 0 but hold no capability, now or after any exec: a staging process
+    writes the cache's folders as their owner and needs nothing more; should it open a
+    user's path itself (a bug), the kernel checks it like anyone's. The bounding set
+    goes first (it needs ``CAP_SETPCAP``), so a program it runs cannot regain them."""
     last = int(open("/proc/sys/kernel/cap_last_cap").read())
     for cap in range(last + 1):
         if LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:

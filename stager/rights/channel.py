@@ -1,14 +1,10 @@
 """The wire between root and a process that became a user: one SOCK_SEQPACKET pair.
 
-Root -> user: pickles (root wrote them; the user's process trusts its parent).
-User -> root: JSON and open descriptors (``SCM_RIGHTS``), never a pickle. The
-user's process reads whatever the user put in their files, so root treats all it
-sends as data: bytes to decode and descriptors to read, never code, never a path
-to follow later.
-
-A message may exceed one packet: it goes as packets of at most ``PACKET`` bytes,
-each starting with ``1`` (more follow) or ``0`` (the last), descriptors spread
-over them (at most ``MAX_FDS`` a packet, the kernel's limit).
+Root -> user: pickles (root wrote them). User -> root: JSON and descriptors
+(``SCM_RIGHTS``), never a pickle: root treats all it sends as data, never code, never
+a path to follow later. A message goes as packets of at most ``PACKET`` bytes, each
+starting with ``1`` (more follow) or ``0`` (the last), at most ``MAX_FDS`` descriptors
+a packet.
 """
 
 from __future__ import annotations
@@ -70,7 +66,7 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
         fds.extend(got)
         if not data:
             for fd in fds:
-                _close(fd)
+                close_quietly(fd)
             raise Closed("the other end of the channel closed it")
         parts.append(data[1:])
         if data[:1] == _LAST:
@@ -83,7 +79,7 @@ def recv_packet(sock: socket.socket) -> tuple[bytes, list[int], bool]:
     data, got, _flags, _ = socket.recv_fds(sock, PACKET + 1, MAX_FDS)
     if not data:
         for fd in got:
-            _close(fd)
+            close_quietly(fd)
         raise Closed("the other end of the channel closed it")
     return data[1:], list(got), data[:1] == _LAST
 
@@ -110,7 +106,7 @@ def decode_answer(payload: bytes) -> Any:
     return json.loads(payload)
 
 
-def _close(fd: int) -> None:
+def close_quietly(fd: int) -> None:
     try:
         os.close(fd)
     except OSError:

@@ -1,23 +1,20 @@
 """How a staging process reaches a user's paths: through a process that became them.
 
-A staging process writes the cache as root, and in the node service every source it
-reads is a user's path. It never opens, lists or stats such a path itself: it asks
-its *gateway*, a process it forks at its start that became the reader (the user who
-asked, or ``nobody`` for a staging every user shares: see stager.rights.become) and
-answers with open descriptors (stager.rights.agent). What root then holds is what
-the kernel let that user open; reading a descriptor needs no rights.
+A staging process writes the cache as root and never opens, lists or stats a user's
+path itself: it asks its *gateway*, a process it forks at its start that became the
+reader (the user, or ``nobody`` for a shared staging) and answers with descriptors
+(stager.rights.agent). Root then holds only what the kernel let that user open.
 
-:class:`DirectAccess` is the same interface on this process's own rights: a per-user
-daemon (it is the user), root acting for root, and trees stager owns.
-
-The gateway lives as long as the staging process; forked workers (stager.fs.forked)
-each open a channel of their own to it on first use.
+:class:`DirectAccess` is the same interface on this process's own rights (a per-user
+daemon, root for root, trees stager owns). Forked workers each open a channel of their
+own to the gateway on first use.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -44,14 +41,14 @@ class ListedEntry:
 
     def is_dir(self, *, follow_symlinks: bool = True) -> bool:
         self._not_followed(follow_symlinks)
-        return _kind(self._st.st_mode) == "dir"
+        return stat.S_ISDIR(self._st.st_mode)
 
     def is_file(self, *, follow_symlinks: bool = True) -> bool:
         self._not_followed(follow_symlinks)
-        return _kind(self._st.st_mode) == "file"
+        return stat.S_ISREG(self._st.st_mode)
 
     def is_symlink(self) -> bool:
-        return _kind(self._st.st_mode) == "link"
+        return stat.S_ISLNK(self._st.st_mode)
 
     def inode(self) -> int:
         return self._st.st_ino
@@ -59,11 +56,6 @@ class ListedEntry:
     def _not_followed(self, follow_symlinks: bool) -> None:
         if follow_symlinks and self.is_symlink():
             raise NotImplementedError("a listed link's target is not looked at by root")
-
-
-def _kind(mode: int) -> str:
-    kind = mode & 0o170000
-    return {0o040000: "dir", 0o100000: "file", 0o120000: "link"}.get(kind, "other")
 
 
 class DirectAccess:
@@ -207,8 +199,7 @@ class _Scan(AbstractContextManager["_Scan"]):
 
 def start(identity: Identity) -> Gateway:
     """Fork this process's gateway, which becomes ``identity`` and serves opens until
-    every channel to it is closed. It holds nothing of root's: every descriptor but its
-    channel is closed before it drops its rights, and it dies with this process."""
+    every channel to it is closed; it holds no descriptor of root's, and dies with us."""
     mine, theirs = channel.pair()
     parent = os.getpid()
 

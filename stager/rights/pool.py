@@ -2,15 +2,12 @@
 a process that became that user.
 
 ``await pool.call(identity, fn, *args)`` runs ``fn(*args)`` in a process of
-``identity``'s (forked by the fork server, which has every module loaded, so a new
-one is ready in milliseconds) and returns its JSON result. A user's processes are
-theirs alone and kept a while for their next request; each user may have
-``per_user`` at once, so one user's slow checks (a deep fingerprint of a huge
-tree, a hung filesystem) queue behind each other and never take another user's.
+``identity``'s (forked by the fork server, ready in milliseconds) and returns its JSON
+result. A user's processes are theirs alone and kept for their next request, at most
+``per_user`` at once, so one user's slow checks never take another user's.
 
-A call that takes longer than ``timeout_s`` ends its process and fails with a
-sentence: nothing the daemon awaits from a user's process can hold it forever.
-Nothing is awaited from one while the daemon holds a lock others wait on.
+A call past ``timeout_s`` ends its process and fails with a sentence. Nothing is
+awaited from one while the daemon holds a lock others wait on.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from stager.rights.become import Identity, become, close_fds_except
 log = logging.getLogger("stager.rights")
 
 # The modules whose functions the daemon runs as a user. The fork server imports them
-# (stager.staging.preload): a process that became a user must not import anything, since the
+# (stager.engine.preload): a process that became a user must not import anything, since the
 # interpreter's own files may be unreadable to that user (a Python under root's home).
 USER_SIDE_MODULES = (
     "stager.request.preflight",
@@ -194,9 +191,8 @@ class UserProcesses:
 
     def _keep_idle(self, worker: _Agent) -> None:
         """Keep ``worker`` for its identity's next call, for ``idle_s``. A user keeps as
-        many idle processes as they may run, under whatever groups: the same user under
-        another group (sg, newgrp) is another identity, whose processes would otherwise
-        pile up; the longest idle of theirs goes first."""
+        many idle processes as they may run, under whatever groups (sg, newgrp make other
+        identities); the longest idle of theirs goes first."""
         uid = worker.identity.uid
         theirs = [w for identity, idle in self._idle.items() if identity.uid == uid for w in idle]
         theirs.sort(key=lambda w: w.idle_since)

@@ -141,10 +141,9 @@ class Processes:
         return await self.users.call(who, fn, *args, **kwargs)
 
     async def as_user(self, who: Caller | int | None, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` with a user's rights (a caller, or a uid: a name's owner), as
-        :meth:`run_as`: the one way the engine, the registry and the fan-out room act for
-        a user. Never awaited under the admission lock: a user's process may take its
-        time, and others must not wait."""
+        """``fn(*args)`` with a user's rights (a caller, or a uid), as :meth:`run_as`: the
+        one way the engine, the registry and the fan-out act for a user. Never awaited
+        under the admission lock: a user's process may take its time."""
         if who is None or not self.separate_users:
             return await self.run_as(None, fn, *args)
         caller = who if isinstance(who, Caller) else Caller.of_uid(who)
@@ -163,8 +162,7 @@ class Processes:
 
     def fork(self, target: Callable[..., None], first: Any, name: str) -> Child:
         """A child of the fork server running ``target(first, counters, cancel, pipe,
-        daemon pid)``: a request to the fork server, which hands the child the pipe and
-        the counters' shared memory (milliseconds; blocking)."""
+        daemon pid)`` (milliseconds; blocking)."""
         counters = SharedCounters(self.context)
         cancel = self.context.Event()
         receiver, sender = self.context.Pipe(duplex=False)
@@ -173,9 +171,8 @@ class Processes:
         return Child(process, counters, cancel, receiver)
 
     def take_spare(self, job: Any) -> Child | None:
-        """The spare, given ``job``; None if there is none or it died (killed, out of
-        memory): fork one then. One that dies in the instant between the look and the
-        hand-over fails its staging, as any staging process dying at its start does."""
+        """The spare, given ``job``; None if there is none or it died: fork one then. One
+        dying between the look and the hand-over fails its staging, as any would."""
         with self._spare_lock:
             spare, self._spare = self._spare, None
         if spare is None:
@@ -191,17 +188,15 @@ class Processes:
         return spare.child
 
     def prepare_spare(self) -> None:
-        """A spare for the next staging, forked in the background: call it once a staging
-        has ended and its outcome is told (not as one starts: the fork would take the CPU
-        from the starting staging, whose process yields it to everyone)."""
+        """A spare for the next staging, forked in the background once a staging has ended
+        (as one starts, the fork would take the CPU from it)."""
         if self._making is None or self._making.done():
             self._making = asyncio.ensure_future(run_io(self._make_spare))
             self._keep(self._making)
 
     def _make_spare(self) -> None:
         """Fork the next spare, unless there is one (blocking). The lock is held only to
-        look and to store it: a staging that takes the spare meanwhile (on the loop) must
-        not wait for a fork."""
+        look and to store it: a staging taking the spare must not wait for a fork."""
         with self._spare_lock:
             if self._spare is not None or self._stopped:
                 return
@@ -243,11 +238,9 @@ def _walker_starts(daemon_pid: int) -> None:
 @dataclass(frozen=True)
 class Limits:
     """How long a staging process may take to act on a cancel, and to show no progress;
-    and the most bytes it may leave in its tree and inodes it may make (its user's quota
-    less what they hold already, or the disk's room above its floor; None: no limit);
-    how slowly its downloads may bring bytes (stager.staging.download_rate); and ``shared``, a
-    check of what every staging under way has made together, raising once they pass a
-    bound they share (stager.engine.job: a user's inode quota, the disk's inode floor)."""
+    the most bytes and inodes it may make (None: no limit); how slowly its downloads may
+    bring bytes; and ``shared``, raising once every staging under way together passes a
+    bound they share (stager.engine.job)."""
 
     cancel_grace_s: float = 3.0
     stall_timeout_s: float = 0.0  # 0: no limit
@@ -291,15 +284,9 @@ async def run_staging(
     poll_s: float = 0.1,
 ) -> Any:
     """Stage ``job`` in a child process; return its tree's seal (its image, in image
-    mode) or raise its error.
-
-    ``cancel`` is forwarded to the child, which stops at its next unit of work. A
-    child that has not stopped ``cancel_grace_s`` later, or whose counters have not
-    moved for ``stall_timeout_s``, is stuck in a system call (a hung network
-    filesystem, a source that never answers) and is ended, as is one whose download
-    brings bytes below the rate floor: no staging holds a worker slot forever, and a
-    cancel takes seconds.
-    """
+    mode) or raise its error. A child not stopped ``cancel_grace_s`` after a cancel, or
+    whose counters stood still for ``stall_timeout_s`` (stuck in a system call), or
+    whose download is below the rate floor, is ended: none holds a slot forever."""
     child = processes.take_spare(job)
     if child is None:
         child = await run_io(processes.fork, stage_in_child, job, f"stager-stage-{job.final.name}")

@@ -1,18 +1,12 @@
 """A download slower than a floor is stalled: fewer than ``min_download_rate`` bytes a
 second over the last ``download_rate_window_s`` fails its staging.
 
-A staging's stall timeout fires only when its counters stand still, and a server
-that trickles bytes (2 KB/s) keeps them moving: two such downloads once held both
-worker slots for ever. So while a staging's current step downloads (a step with a
-``url``: a fetch, or the fetch an extract of a URL runs as), the daemon also
-measures the bytes it brings, as ``stager.staging.blocking.run_staging`` watches the
-staging's counters.
-
-Timed from the step's first counted bytes, not from its start: before them a
-download may be silent for long (the sha256 of a resumed ``.part`` being taken, a
-server slow to answer), which the stall timeout and the download's own read timeout
-bound. A download extracted as it arrives counts its bytes twice (stager.staging.overlap),
-so its floor is in effect half.
+The stall timeout fires only when the counters stand still, and a server that trickles
+bytes (2 KB/s) keeps them moving: two such downloads once held both worker slots for
+ever. So while a staging's current step has a ``url``, the daemon also measures the
+bytes it brings. Timed from the step's first counted bytes (before them, a resumed
+``.part``'s sha256 or a slow server is bounded by other timeouts). A download
+extracted as it arrives counts its bytes twice, so its floor is in effect half.
 """
 
 from __future__ import annotations

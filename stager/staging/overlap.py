@@ -1,27 +1,21 @@
 """A download and the extraction of what it downloads, run at once.
 
-``fetch`` then ``extract`` of the fetched file (the common recipe shape) would
-otherwise download the whole archive, then read it again to extract it. Run as a
-pair, the download runs in a thread exactly as the op does alone (its ``.part``
-file, resume by Range, the sha256 of the whole file, the rename when complete),
-while the extraction reads that file as it grows
-(:mod:`stager.archive.growing`). Which steps pair up, the op table says (its
-``grows`` and ``follows`` columns); this module runs a pair. The same download
-with another reader of its growing file (``follow_download``) builds an image
-dataset as its archive arrives (:mod:`stager.kinds.imaging`).
+``fetch`` then ``extract`` of the fetched file would download the whole archive, then
+read it again. Run as a pair, the download runs in a thread exactly as the op does
+alone (``.part`` file, resume by Range, sha256, rename when complete) while the
+extraction reads the file as it grows (:mod:`stager.archive.growing`). The op table's
+``grows`` and ``follows`` columns say which steps pair up. ``follow_download`` gives
+the growing file to another reader (an image's build, :mod:`stager.kinds.imaging`).
 
-- Resume: a staging restarted after a crash runs the pair again; the download
-  resumes from its ``.part``, and the extraction, safe to re-run into the same
-  tree, starts again from the first byte on disk while the rest arrives.
-- A download that starts its file over (a server that ignores ranges, a file
-  changed on the server) starts the extraction over too.
-- Errors: when the download fails, the pair fails with the download's error, even
-  when the extraction got to its end: bytes that fail their sha256 never count.
-  When the extraction fails, the download is stopped.
+- Resume: a restarted staging runs the pair again; the download resumes from its
+  ``.part``, the extraction starts again from the first byte on disk.
+- A download that starts its file over starts the extraction over too.
+- Errors: a failed download fails the pair with its error, even when the extraction
+  got to its end (bytes that fail their sha256 never count); a failed extraction
+  stops the download.
 - A zip keeps its directory at its end: it is extracted once it is whole.
-- Progress: the download's bytes and, counted again, the extraction's as it reads
-  them (as when the steps run one after the other); the step shown is the
-  download's until it ends, then the extraction's.
+- Progress: the download's bytes and, again, the extraction's; the step shown is the
+  download's until it ends.
 """
 
 from __future__ import annotations
@@ -67,11 +61,10 @@ def follow_download(
     downloaded: Callable[[], None],
     read: Callable[[OpContext, GrowingFile], tuple[bool, T]],
 ) -> tuple[bool, T | None]:
-    """Run the download ``step`` (its op ``grows`` a file) in a thread while ``read``
-    reads its file as it grows (it may be called again, from the first byte, when the
-    download starts over). Returns what ``read`` returned once the download is
-    complete and what it read is the finished file; (False, None) when ``read`` said
-    it needs the whole file (then the download is complete on return)."""
+    """Run the download ``step`` in a thread while ``read`` reads its file as it grows
+    (again from the first byte if the download starts over). Returns what ``read``
+    returned once the download is complete; (False, None) when ``read`` needs the whole
+    file (complete on return)."""
     grows = ops.op_of(step).grows
     assert grows is not None
     part, final = grows.files(step, ctx)

@@ -77,10 +77,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def discard(path: Path, trash_dir: Path) -> Path | None:
-    """Move ``path`` aside in one rename, to be deleted at leisure: for a published tree
-    the commit point of its eviction (a tree under ``data/`` is whole, or gone); for
-    partial data, its name is free for a new staging at once. Returns where it went, or
-    None if it was already gone."""
+    """Move ``path`` aside in one rename, to be deleted at leisure (for a published tree,
+    its eviction's commit point); returns where it went, or None if it was gone."""
     trash = trash_dir / f"{DISCARDED_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, trash)
@@ -111,11 +109,9 @@ def make_link(link: Path, target: Path) -> None:
 
 
 def empty_own_folder(path: Path) -> None:
-    """Delete what a folder the calling user may write holds (a delivery), run in that
-    user's own process: whatever they make of it meanwhile (a folder swapped for a link,
-    a FIFO), the worst it can do is delete their own files. Folders they made
-    read-only are opened up first (they own them). The folder itself stays: it sits in
-    the service's passage, where only the service removes it (:func:`remove_emptied`)."""
+    """Delete what a folder the calling user may write holds (a delivery), in that
+    user's own process: whatever they make of it meanwhile, the worst is deleting their
+    own files. The folder itself stays, for the service to remove (:func:`remove_emptied`)."""
 
     def open_up(function: object, failed: str, excinfo: object) -> None:
         parent = os.path.dirname(failed)
@@ -161,8 +157,7 @@ def remove_emptied(path: Path) -> bool:
 
 async def remove_delivery(as_user: Any, owner: int | None, folder: Path) -> None:
     """A delivery's folder, gone: emptied by its owner's process, then removed by the
-    service (the passage it sits in is the service's). Tried twice, in case the user
-    wrote into it in between; what still stays is left for the next start."""
+    service; tried twice, and what still stays is left for the next start."""
     for _ in range(3):
         try:
             await as_user(owner, empty_own_folder, folder)

@@ -1,17 +1,14 @@
 """A staging runs in a child process of its own.
 
-Why a process and not a thread: ops do real Python work per file (stat, open,
-utime, tar headers); in threads of the daemon they would hold the GIL against
-the event loop and push status replies from ~1 ms to tens of milliseconds. In a
-child they cannot, and a crash inside an op cannot take the daemon down.
+Ops do Python work per file; in the daemon's threads they would hold the GIL against
+the event loop (status replies from ~1 ms to tens of ms), and a crash in an op would
+take the daemon down.
 
-The child runs the steps of one attempt in its folder (see ``Attempt`` in
-:mod:`stager.staging.publish`), records each finished step in the attempt's marker, and
-stops there: publishing is the daemon's (``Registry.publish``). It reports
-progress through the progress channel's shared counters (see
-:mod:`stager.wire.progress`) and its outcome through a pipe; the daemon
-(:func:`stager.staging.blocking.run_staging`) mirrors the counters into the entry's
-``Progress`` a few times a second.
+The child runs the steps of one attempt in its folder (``Attempt`` in
+:mod:`stager.staging.publish`), records each finished step in the attempt's marker,
+and stops there: publishing is the daemon's. Progress goes through shared counters
+(:mod:`stager.wire.progress`) that :func:`stager.staging.blocking.run_staging`
+mirrors; the outcome through a pipe.
 """
 
 from __future__ import annotations
@@ -61,11 +58,8 @@ class KindStaging(Protocol):
 
 @dataclass
 class StageJob:
-    """What a staging process needs, all of it picklable into the child.
-
-    Steps travel as JSON-like dicts and are validated again in the child by the same
-    op table (built from ``op_modules``), so a site's own ops work there too.
-    """
+    """What a staging process needs, all of it picklable into the child. Steps travel
+    as dicts, validated again in the child by the same op table (site ops included)."""
 
     steps: list[dict[str, Any]]
     op_modules: tuple[str, ...]
@@ -78,23 +72,19 @@ class StageJob:
     reader: Reader | None = None
     nice: int = 10
     crash_after: str | None = None  # see stager.faults
-    # The most bytes the staging may leave in its tree (None: no limit), and what sets it
-    # (its user's quota, or the disk's room above its floor). Counted as written, never
-    # estimated.
+    # The most bytes it may leave in its tree and inodes it may make (None: no limit),
+    # counted as written, and what sets each: its user's quota, or the disk's floor.
     write_bytes: int | None = None
     write_bound: WriteBound = "quota"
-    # The most inodes it may make (folders, files, links; None: no limit), and what sets
-    # it: its user's --user-inode-quota, or the disk's free inodes above --min-free-inodes.
     write_inodes: int | None = None
     inode_bound: WriteBound = "quota"
     # What the steps are made into (stager.kinds: a tree, an image).
     kind: KindStaging | None = None
 
 
-# How often the cancel event and the parent are looked at, at most. Ops ask between
-# units of work, as often as once per archive member: the event's look costs a lock of
-# the fork server's (two semaphore calls) and the parent's a system call, ~0.7 us
-# together, a tenth of writing a small file; a cancel acted on 10 ms later is as prompt.
+# How often the cancel event and the parent are looked at, at most: ops ask as often as
+# once per archive member, and a look costs ~0.7 us (a semaphore, a system call), a
+# tenth of writing a small file; a cancel acted on 10 ms later is as prompt.
 _LOOK_EVERY_S = 0.01
 
 
@@ -134,9 +124,7 @@ def stage_in_child(
     watching: bool = False,
 ) -> None:
     """Entry point of a child forked for ``job`` (and of a spare once its job came,
-    ``watching`` the daemon already): run every step, report ("ok", seal) or the error.
-
-    ``daemon_pid``: the crash tests' points reached here kill the daemon too."""
+    ``watching`` the daemon already): run every step, report ("ok", seal) or the error."""
     if not watching:
         _die_with_daemon(daemon_pid)
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
@@ -194,10 +182,8 @@ _TOUCH_BETWEEN_LOOKS = 1000
 def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
     """Make the fork server's objects this process's own while it waits for its job: a
     forked child copies each page it first writes (a reference count is a write), ~1,200
-    pages on a download's first request alone, 3-4 ms before its first byte. Done only
-    once idle, so that stagings asked one right after another do not share the CPU with
-    it: ~15 ms of CPU and ~16 MB, most of it in the one call that lists the objects
-    (which a job coming meanwhile waits for)."""
+    pages, 3-4 ms before a download's first byte. Done only once idle (~15 ms of CPU,
+    ~16 MB), so back-to-back stagings do not share the CPU with it."""
     if jobs.poll(_IDLE_BEFORE_TOUCH_S):
         return
     # The server's objects are frozen (stager.staging.preload), and the collector lists
@@ -268,9 +254,7 @@ class Steps:
     ) -> tuple[Any, bool]:
         """Run the steps not done yet, writing the marker after each; returns what the
         last op run returned and whether it ran paired with the one before. ``runs(index)``
-        says which steps run as ops (an image's kind makes the others, their ops not run:
-        stager.kinds.imaging); ``at_turn(index)`` is called at each other step's turn,
-        done or not (it takes the step's input out of the tree)."""
+        says which steps run as ops; ``at_turn(index)`` is called at each other's turn."""
         ops, steps, ctx, attempt = self.ops, self.steps, self.ctx, self.attempt
         crash, progress, done = self.crash, self.progress, self.done
         made: Any = None  # what the last op run returned (see stager.kinds.tree)
@@ -289,9 +273,8 @@ class Steps:
                 following = steps[index] if index < len(steps) else None
                 pairs = following is not None and runs(index + 1)
                 if pairs and ops.overlaps(step, following, ctx):
-                    # A download and the extraction of it, at once (stager.staging.overlap): both
-                    # steps are done together (one marker says so), the next turn only
-                    # removes what it used up.
+                    # A download and its extraction at once (stager.staging.overlap): one
+                    # marker for both; the next turn only removes what it used up.
                     after = functools.partial(progress.start_step, index + 1)
                     made = overlap.run_pair(ops, step, following, ctx, downloaded=after)
                     done, paired = index + 1, True
@@ -302,20 +285,26 @@ class Steps:
                 write_atomically(attempt.marker, str(done))
                 crash.reached(Durable.STEP_DONE)
             # After the marker, so a crash in between finds the step done and its input
-            # still there; repeated for done steps on resume, where it may be gone already.
-            # Moved out of the tree in one rename, not deleted here: deleting a large archive
-            # takes from milliseconds to seconds, which the dataset would wait for; it goes
-            # with the attempt's folder, after the publish (stager.engine.lifecycle).
-            if (used_up := ops.used_up(step, ctx)) and os.path.lexists(used_up):
-                aside = attempt.set_aside(index)
-                if os.path.lexists(aside):
-                    delete_tree(aside, threading.Event())
-                os.rename(used_up, aside)
-                crash.reached(Durable.INPUT_USED_UP)
-            if used_up and (folder := Path(used_up).parent) != ctx.destination("."):
-                with contextlib.suppress(OSError):  # not empty: something else is kept there
-                    os.rmdir(folder)  # a folder it alone was downloaded into
+            # still there; repeated for done steps on resume.
+            if used_up := ops.used_up(step, ctx):
+                self.put_aside(index, used_up)
         return made, paired
+
+    def put_aside(self, index: int, used_up: str | Path) -> Path:
+        """Move step ``index``'s used-up input out of the tree in one rename (if not done
+        before a crash), and the folder it alone was in. Not deleted here: deleting a
+        large archive takes up to seconds, which the dataset would wait for; it goes with
+        the attempt's folder, after the publish (stager.engine.lifecycle)."""
+        aside = self.attempt.set_aside(index)
+        if os.path.lexists(used_up):
+            if os.path.lexists(aside):
+                delete_tree(aside, threading.Event())
+            os.rename(used_up, aside)
+            self.crash.reached(Durable.INPUT_USED_UP)
+        if (folder := Path(used_up).parent) != self.ctx.destination("."):
+            with contextlib.suppress(OSError):  # not empty: something else is kept there
+                os.rmdir(folder)
+        return aside
 
 
 def past_bound(bound: WriteBound, written: int) -> InsufficientSpace:

@@ -1,31 +1,19 @@
 """The cache policy: what must be evicted for a new staging to fit, in one place.
 
-Admission happens before staging: the request's estimated size must fit under
-the byte limit (``capacity_bytes``) and leave ``min_free_bytes`` free on the
-cache filesystem once every staging under way has written what it still has
-to. If it does not, ready entries are evicted least-recently-used first. Never
-evicted: leased entries, entries being staged, and entries a live request is
-using (the engine decides under one lock). If even evicting every candidate is
-not enough, the request fails at once with a sentence giving the sizes.
+A request's estimate must fit under ``capacity_bytes`` and leave ``min_free_bytes``
+free once every staging under way has written what it still has to; else ready
+entries nobody holds are evicted least recently used first, or the request fails at
+once with a sentence giving the sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from stager.core.errors import InsufficientSpace, QuotaExceeded
+from stager.core.settings import format_size as human
 from stager.state.dataset import Entry
 from stager.wire.schemas import State
-
-
-def human(nbytes: int) -> str:
-    """Sizes in sentences: 512 B, 3.4 MiB, 1.20 TiB."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def used_bytes(entries: Iterable[Entry]) -> int:
@@ -40,37 +28,27 @@ def used_bytes(entries: Iterable[Entry]) -> int:
 
 
 def inodes_held(entry: Entry) -> int:
-    """Inodes an entry holds on the cache's disk: a ready tree its seal's entries, an
-    image its file, a staging what it has made so far."""
+    """A ready tree its seal's entries, an image its file, a staging what it made so far."""
     if entry.state == State.READY:
         return entry.seal.entries if entry.seal is not None else 1
     return entry.progress.inodes_made if entry.active else 0
 
 
-# The inodes admission makes room for above a user's inode quota or the disk's inode
-# floor, before a staging starts: how many it will make is not known until it runs (an
-# archive's members are not listed before it is read), so each is given this much, and
-# one that makes more is stopped at its bound (stager.staging.worker.past_inode_bound).
+# The inodes admission makes room for before a staging starts: how many it makes is not
+# known until it runs, so each is given this much, and stopped at its bound past it.
 ADMIT_INODES = 1024
 
 
 def plan_inodes(must_free: int, candidates: list[Entry]) -> list[Entry]:
-    """The least recently used of ``candidates`` (:func:`evictable`) whose inodes
-    (:func:`inodes_held`) add up to ``must_free``; none when they cannot: a staging with
-    less room than it asked for is stopped at its bound, and evicting others for it
-    would lose their data for nothing."""
-    plan, freed = [], 0
-    for entry in candidates:
-        if freed >= must_free:
-            break
-        plan.append(entry)
-        freed += inodes_held(entry)
+    """The least recently used of ``candidates`` whose inodes add up to ``must_free``;
+    none when they cannot (the staging is stopped at its bound: evicting others for it
+    would lose their data for nothing)."""
+    plan, freed = _oldest_first(candidates, must_free, inodes_held)
     return plan if freed >= must_free else []
 
 
 def pending_bytes(entries: Iterable[Entry]) -> int:
-    """Bytes that stagings under way have still to write: already admitted, but not yet
-    missing from the disk's free space. Estimated from each one's progress fraction."""
+    """Bytes admitted stagings have still to write, from each one's progress fraction."""
     total = 0
     for entry in entries:
         if entry.active:
@@ -87,8 +65,7 @@ def evictable(entries: Iterable[Entry], protected: set[str]) -> list[Entry]:
 
 
 def private_owner(entry: Entry) -> int | None:
-    """The uid whose own copy an entry is, in the node service; None for one shared by
-    every user, and for every entry of a per-user daemon."""
+    """The uid whose own copy an entry is (node service); None: shared, or per-user."""
     reader = entry.reader
     return reader.uid if reader is not None and not reader.public else None
 
@@ -102,9 +79,8 @@ def plan_quota(
     still_held: int = 0,
 ) -> list[Entry]:
     """The owner's own entries to evict so that ``needed`` more private bytes stay within
-    their quota (shared entries count against nobody's); raises if they cannot.
-    ``still_held``: what the owner's evicted datasets still hold (stager.engine.held_space),
-    counted and never freed by an eviction."""
+    their quota; raises if they cannot. ``still_held``: their evicted datasets' space
+    still held, which no eviction frees."""
     own = [e for e in entries if private_owner(e) == owner]
     must_free = used_bytes(own) + still_held + needed - quota_bytes
     if must_free <= 0:
@@ -141,9 +117,8 @@ def plan_admission(
     still_held: int = 0,
 ) -> list[Entry]:
     """Entries to evict so that ``needed`` more bytes fit; raises if they cannot.
-    ``still_held``: what evicted datasets still hold, missing from ``free_bytes`` and
-    never freed by an eviction; each is on its owner's quota, not on the capacity (or
-    one user's open files would evict others' data), and is named in the refusal."""
+    ``still_held`` is on its owners' quotas, not the capacity (or one user's open files
+    would evict others' data), and is named in the refusal."""
     over_capacity = max(0, used_bytes(entries) + needed - capacity_bytes) if capacity_bytes else 0
     over_disk = max(0, needed + pending_bytes(entries) + min_free_bytes - free_bytes)
     must_free = max(over_capacity, over_disk)
@@ -158,15 +133,16 @@ def plan_admission(
     return plan
 
 
-def _oldest_first(candidates: list[Entry], must_free: int) -> tuple[list[Entry], int]:
-    """The least recently used of ``candidates`` that free ``must_free`` bytes (or all
-    of them, if they cannot), and what they free."""
+def _oldest_first(
+    candidates: list[Entry], must_free: int, size: Callable[[Entry], int] = lambda e: e.size_bytes
+) -> tuple[list[Entry], int]:
+    """The first of ``candidates`` that free ``must_free`` (or all), and what they free."""
     plan, freed = [], 0
     for entry in candidates:
         if freed >= must_free:
             break
         plan.append(entry)
-        freed += entry.size_bytes
+        freed += size(entry)
     return plan, freed
 
 

@@ -1,14 +1,6 @@
-"""Cache entries (what is staged) and handles (names); their transitions are made
-by :mod:`stager.engine.lifecycle` only.
-
-An *entry* is one staged piece of content, identified by its key (a hash of the
-request's spec); a *handle* is a user's name for an entry. Two names asking for
-identical content share one entry and so one staging.
-
-    queued -> staging -> ready | failed | cancelled
-    staging -> queued         (daemon stopped mid-staging; resumed at restart)
-    ready -> evicted
-    failed | cancelled | evicted -> queued   (asked for again)
+"""Cache entries (what is staged, by the key of the request's spec) and handles (users'
+names for entries: two names asking for identical content share one entry); their
+transitions (``ALLOWED``) are made by :mod:`stager.engine.lifecycle` only.
 """
 
 from __future__ import annotations
@@ -122,8 +114,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Ask:
-    """What a request asks of an entry it starts (or starts again): the registry sets
-    these on the entry as it queues it (``Registry.queue``)."""
+    """What a request asks of an entry it (re)starts, set on it by ``Registry.queue``."""
 
     steps: list[Any]
     verify: str
@@ -154,14 +145,12 @@ class Handle:
     link: str | None = None
     created_at: datetime = field(default_factory=now)
     hit: bool = False  # the latest request for this name found the data already cached
-    # Its owner ended it (cancelled while queued or staging, or evicted): the name shows
-    # that end whatever becomes of its entry, which another name may stage again, and
-    # wants nothing of it any more. Its owner's next request for it clears it.
+    # Its owner ended it (cancelled or evicted): the name shows that end whatever another
+    # name makes of its entry, until its owner's next request for it.
     ended: State | None = None
 
     @property
     def id(self) -> tuple[int, str]:
-        """Its key among the registry's handles: the owner's uid and the name."""
         return (self.owner, self.name)
 
 
@@ -176,8 +165,7 @@ def _usage(raw: dict[str, Any], path: Path) -> TorchvisionUsage:
 def public_origin(
     entry: Entry | None, hit: bool = False, of_another: bool = False
 ) -> Origin | None:
-    """How ``entry`` arrived; ``of_another``: it was staged for another user, whose job
-    is theirs to know (how it arrived is said, not by which job)."""
+    """How ``entry`` arrived; ``of_another``: staged for another user, whose job is not said."""
     if entry is None or not entry.origin:
         return None
     origin = {**entry.origin, "hit": hit}
@@ -191,6 +179,7 @@ def _staged_for_another(entry: Entry, handle: Handle) -> bool:
 
 
 def _redacted(error: ErrorInfo | None) -> ErrorInfo | None:
+    """Never a URL's token (stager.core.redact)."""
     if error is None:
         return None
     return ErrorInfo(type=error.type, message=redact_text(error.message))
@@ -214,49 +203,34 @@ def _image(entry: Entry, final: Path) -> ImagePublic | None:
 def public_view(
     handle: Handle, entry: Entry, final: Path, leases: list[LeasePublic]
 ) -> DatasetPublic:
-    """What ``handle``'s owner is told of it; ``final``: where its entry lives
-    (stager.state.layout)."""
-    if handle.ended is not None and entry.state != handle.ended:
-        return _ended_view(handle, entry, final, leases)
-    # The path is where the data will be once ready; it does not exist before the
-    # atomic publish, so nobody can read a half-staged tree through it.
-    return DatasetPublic(
+    """What ``handle``'s owner is told of it; ``final``: where its entry lives (the path
+    does not exist before the atomic publish, so nobody reads a half-staged tree)."""
+    common: dict[str, Any] = dict(
         name=handle.name,
         owner=handle.owner,
         key=entry.key,
-        state=entry.state,
         path=str(final),
         link=handle.link,
-        progress=entry.progress.snapshot(),
-        # A failed download's sentence names its URL: never its token (stager.core.redact).
-        error=entry.error
-        and ErrorInfo(type=entry.error.type, message=redact_text(entry.error.message)),
-        usage=[_usage(u, final) for u in entry.usage],
         leases=leases,
+        updated_at=entry.updated_at,
+    )
+    if handle.ended is not None and entry.state != handle.ended:
+        # A name its owner ended: that end, whatever another name made of its entry since.
+        return DatasetPublic(
+            **common,
+            state=handle.ended,
+            progress=Progress(step_names=entry.step_names).snapshot(),
+            error=CANCELLED_BY_REQUEST if handle.ended == State.CANCELLED else None,
+            created_at=handle.created_at,
+        )
+    return DatasetPublic(
+        **common,
+        state=entry.state,
+        progress=entry.progress.snapshot(),
+        error=_redacted(entry.error),  # a failed download's sentence names its URL
+        usage=[_usage(u, final) for u in entry.usage],
         size_bytes=entry.size_bytes,
         origin=public_origin(entry, handle.hit, of_another=_staged_for_another(entry, handle)),
         image=_image(entry, final) if entry.state == State.READY else None,
         created_at=min(handle.created_at, entry.created_at),
-        updated_at=entry.updated_at,
-    )
-
-
-def _ended_view(
-    handle: Handle, entry: Entry, final: Path, leases: list[LeasePublic]
-) -> DatasetPublic:
-    """A name its owner ended: that end, whatever another name has made of its entry
-    since (staged it again, or is staging it)."""
-    assert handle.ended is not None
-    return DatasetPublic(
-        name=handle.name,
-        owner=handle.owner,
-        key=entry.key,
-        state=handle.ended,
-        path=str(final),
-        link=handle.link,
-        progress=Progress(step_names=entry.step_names).snapshot(),
-        error=CANCELLED_BY_REQUEST if handle.ended == State.CANCELLED else None,
-        leases=leases,
-        created_at=handle.created_at,
-        updated_at=entry.updated_at,
     )

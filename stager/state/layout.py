@@ -1,47 +1,28 @@
 """Where a cache entry lives under ``data/``: the one place that says it.
 
-* **Shared** entries, and a per-user daemon's trees: ``data/<key>`` (and an image's
-  file beside it, ``data/<key>.erofs``). Anyone may read a shared one anyway; a
-  per-user daemon's cache is its user's 0700 folder (stager.request.preflight), where
-  nobody else may look up any path.
-* **A user's own copy** in the node service: ``data/u/<G>/dataset`` (an image's file
-  ``data/u/<G>/dataset.erofs``), where ``G`` is an HMAC of the key under the node's
-  secret (``<cache>/secret``, 32 random bytes, root's 0600, made at the first start).
-  Nobody else can compute it, from a key they worked out from public facts (a hash of
-  the request, the sources' sizes and times and the uid), and it says neither whose
-  nor what: the kernel's mount table (``/proc/mounts``, every user's) lists every
-  image's mount point and file by these names.
-* ``data/u/`` is root's 0711: searchable, not listable. Each ``<G>``, the entry's
-  **gate**, is root's with an access ACL that lets its user search it (``--x``) and
-  nobody else anything: the user reaches the path the API gives them and writes
-  nothing (they own nothing in the cache, so they can rename or replace nothing);
-  anyone else gets EACCES there, so no ``stat``, ``statfs`` or ``ls`` of what lies
-  inside (a tree's top, an image's mount point or file) tells them its size, entry
-  count or times. One gate per entry, not per user: a gate holds one dataset, so its
-  link count and times say nothing of the user's others. An ACL naming the user, not a
-  group: a user's group (``users``, a lab's) may hold others.
-* What a gate still says, to whoever learns its name from the mount table (an image's,
-  never a tree's), is whose it is, by its ACL: the mount table is every user's, and
-  any folder that lets one user in names them to everyone who may look it up
-  (docs/multiuser.md).
+* **Shared** entries, and a per-user daemon's trees: ``data/<key>`` (an image's file
+  beside it, ``data/<key>.erofs``); a per-user daemon's cache is its user's 0700 folder.
+* **A user's own copy** in the node service: ``data/u/<G>/dataset``, ``G`` an HMAC of
+  the key under the node's secret (``<cache>/secret``, root's 0600). Nobody else can
+  compute it from a key worked out from public facts, and it says neither whose nor
+  what, though the mount table (every user's) lists images' mount points and files.
+* ``data/u/`` is root's 0711. Each ``<G>``, the entry's **gate**, is root's with an ACL
+  that lets its user (not a group, which may hold others) search it and nobody else
+  anything, so no ``stat`` or ``ls`` tells another its size, entry count or times. One
+  gate per entry, so its link count and times say nothing of the user's others. What a
+  gate still says, by its ACL, to whoever learns its name from the mount table, is
+  whose it is (docs/multiuser.md).
 
-A private image is mounted from its file, not a loop device, where the kernel can
-(EROFS, Linux 6.12+): a loop device's size is in ``/sys/block/loopN/size`` for all.
+A private image is mounted from its file where the kernel can (EROFS, Linux 6.12+): a
+loop device's size is in ``/sys/block/loopN/size`` for all.
 
-**A user's own daemon** is not the service: everything in its cache is its user's,
-behind their 0700 folder, so no gate's rights are needed there. What its folder does
-not hide is the mount table: each image (squashfs or EROFS, mounted by the user with
-FUSE) is listed there, and a mount point ``data/<key>`` would tell anyone who worked
-out the key (the same hash of the request as theirs) that its user holds that dataset.
-So a kind whose place is a mount (``mounted``, stager.kinds) lives behind a gate there
-too, ``data/u/<G>/dataset``, ``G`` an HMAC under the user's own secret (their 0600
-``<cache>/secret``), the gate and ``data/u/`` their 0700 folders. That a FUSE mount is
-theirs, the kernel says anyway (its ``user_id=``, and the default cache's path); a
-squashfuse_ll or erofsfuse mount names no file.
+**A user's own daemon**: its folder does not hide the mount table, where a mount point
+``data/<key>`` would tell anyone who worked out the key that its user holds that
+dataset; so a kind whose place is a mount lives behind a gate there too (under the
+user's own secret, their 0700 folders).
 
-An earlier release kept private copies (and a user's daemon its images) at
-``data/<key>``; :meth:`Layout.old_place`
-names that, and the registry moves them at its start (stager.engine.lifecycle).
+An earlier release kept these at ``data/<key>`` (:meth:`Layout.old_place`); the
+registry moves them at its start.
 """
 
 from __future__ import annotations
@@ -82,19 +63,15 @@ class Layout:
 
     @classmethod
     def load(cls, settings: Settings, mounted: Callable[[Entry], bool]) -> Layout:
-        """This daemon's layout, with its secret (made now if this is the first start).
-        ``mounted``: whether an entry's kind mounts it (stager.kinds.table.Kinds).
-        Blocks: called through ``run_io``."""
+        """This daemon's layout, with its secret (made at the first start). Blocks."""
         secret = _secret(settings.cache_dir / "secret")
         return cls(settings.data_dir, secret, None if settings.multi_user else mounted)
 
     def final(self, entry: Entry) -> Path:
-        """Where ``entry``'s tree is published, or its image mounted."""
         return self.top(entry) / PLACE if self._private(entry) else self.top(entry)
 
     def top(self, entry: Entry) -> Path:
-        """What holds all of ``entry`` under ``data/`` (a private copy's gate), and goes
-        with it in one rename."""
+        """What holds all of ``entry`` under ``data/``, and goes with it in one rename."""
         if not self._private(entry):
             return self.data_dir / entry.key
         gate = self._gates.get(entry.key)
@@ -105,12 +82,10 @@ class Layout:
         return gate
 
     def old_place(self, entry: Entry) -> Path:
-        """Where an earlier release put ``entry``: ``data/<key>``."""
         return self.data_dir / entry.key
 
     def prepare(self, entry: Entry) -> None:
-        """The folders ``entry``'s place needs, made and their rights set (again: an
-        admin's chmod is undone): a gate. Blocks."""
+        """``entry``'s gate, made and its rights set (again: an admin's chmod is undone)."""
         if not self._private(entry):
             return
         owner = private_owner(entry)  # None in a per-user daemon: every folder its user's
@@ -130,20 +105,18 @@ class Layout:
             os.close(fd)
 
     def release(self, entry: Entry) -> None:
-        """A private copy's gate, once its dataset is gone: removed (if empty). Blocks."""
+        """A private copy's gate, once its dataset is gone: removed (if empty)."""
         if self._private(entry):
             with contextlib.suppress(OSError):  # gone, or not empty
                 os.rmdir(self.top(entry))
 
     def backing(self, entry: Entry, configured: str) -> str:
-        """How the kernel mounts ``entry``'s image: a private one from its file where the
-        kernel can (no loop device, whose size every user may read), else as set."""
+        """How the kernel mounts ``entry``'s image: a private one from its file if it can."""
         if private_owner(entry) is not None and image_mount.erofs_from_files():
             return "file"
         return configured
 
     def _private(self, entry: Entry) -> bool:
-        """Whether ``entry`` lives behind a gate."""
         if self._secret is None:
             return False
         if self._mounted is not None:

@@ -23,7 +23,6 @@ class Lease:
 
     @property
     def handle_id(self) -> tuple[int, str]:
-        """The registry's key of the handle it pins (see ``Handle.id``)."""
         return (self.owner, self.name)
 
     @classmethod

@@ -9,10 +9,8 @@
     resumed     the next start picked it up again
     evicted     why: capacity, quota, a changed source, a request, gc
 
-A line names the dataset by its users' names and owners (``'inat' of alice``),
-with the cache key for grepping; the JSON format carries the same as fields.
-Reasons go through ``redact_text``: a failed download's sentence may hold its URL.
-The registry (stager.engine.lifecycle) calls one method per transition it makes.
+A line names the dataset by its users' names and owners (``'inat' of alice``) and its
+key; the JSON format carries the same as fields. Reasons are redacted (a URL's token).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import logging
 import pwd
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -37,17 +35,6 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"uid {uid}"
-
-
-def describe(handles: Iterable[Handle], key: str, asked_as: tuple[int, str] | None = None) -> str:
-    """``dataset 'inat' of alice (key 3f2a…)``; every name an entry goes by."""
-    names = {(h.owner, h.name) for h in handles}
-    if asked_as is not None:
-        names.add(asked_as)
-    if not names:
-        return f"dataset with key {key}"
-    shown = ", ".join(f"{name!r} of {user_name(owner)}" for owner, name in sorted(names))
-    return f"{'datasets' if len(names) > 1 else 'dataset'} {shown} (key {key})"
 
 
 class StateLog:
@@ -74,7 +61,10 @@ class StateLog:
             "datasets": [{"name": n, "owner": user_name(o)} for o, n in datasets],
             **fields,
         }
-        who = describe(handles, entry.key, asked_as)
+        # ``dataset 'inat' of alice (key 3f2a…)``: every name an entry goes by.
+        shown = ", ".join(f"{name!r} of {user_name(owner)}" for owner, name in datasets)
+        plural = "datasets" if len(datasets) > 1 else "dataset"
+        who = f"{plural} {shown} (key {entry.key})" if datasets else f"dataset with key {entry.key}"
         log.log(level, "%s %s%s", who, event, f": {detail}" if detail else "", extra=extra)
 
     def queued(self, entry: Entry, asked_as: tuple[int, str] | None) -> None:

@@ -1,8 +1,6 @@
 """SQLite state under the cache root: entries, names and leases survive restarts.
-
-The stdlib driver is blocking, so the engine calls these methods through
-``stager.staging.blocking.run_io``. One connection guarded by a lock; WAL so that a
-crash mid-write never corrupts what was committed.
+Blocking (called through ``run_io``); one connection under a lock; WAL, so a crash
+mid-write never corrupts what was committed.
 """
 
 from __future__ import annotations
@@ -100,9 +98,8 @@ class Store:
                 self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def _give_names_owners(self) -> None:
-        """A handles table without an owner column belongs to a daemon that served
-        one user: its names and leases are that user's (this daemon's uid). The table
-        is rebuilt with the key (owner, name)."""
+        """A handles table without an owner column was a one-user daemon's: its names
+        and leases become this daemon's uid's, keyed (owner, name)."""
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master")}
         if "handles" not in tables:
             return
@@ -138,10 +135,6 @@ class Store:
             self._db.execute(
                 f"INSERT OR REPLACE INTO {table} ({columns}) VALUES ({marks})", tuple(row.values())
             )
-
-    def _delete(self, table: str, column: str, value: str) -> None:
-        with self._lock:
-            self._db.execute(f"DELETE FROM {table} WHERE {column} = ?", (value,))
 
     def save_entry(self, entry: Entry) -> None:
         self._upsert(
@@ -188,7 +181,8 @@ class Store:
         self._upsert("leases", row)
 
     def delete_lease(self, lease_id: str) -> None:
-        self._delete("leases", "id", lease_id)
+        with self._lock:
+            self._db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
 
     def load(self) -> tuple[list[Entry], list[Handle], list[Lease]]:
         with self._lock:

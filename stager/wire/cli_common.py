@@ -1,10 +1,6 @@
-"""What the three command lines (``stager``, ``stager-client``, ``stager-train``) share:
-their version, "did you mean" for a mistyped command or flag, shell completion, and the
-recipes as text.
-
-On the wire layer beside the models (the standard library only; shtab when a completion
-is printed), because the client and the trainer use it: docs/architecture.md's rule,
-checked by tests/test_import_graph.py.
+"""What the three command lines share: their version, "did you mean" for a mistyped
+command or flag, shell completion, and the recipes as text. On the wire layer (the
+standard library only) because the client and the trainer use it.
 """
 
 from __future__ import annotations
@@ -97,8 +93,7 @@ def print_completion(args: argparse.Namespace) -> int:
 
 
 def format_listing(listing: list[dict[str, Any]]) -> str:
-    """``stager recipes`` and ``stager-client recipes`` (the daemon's ``GET /v1/recipes``):
-    per recipe its params, the files each split needs, and the call that loads it."""
+    """``GET /v1/recipes`` as ``stager recipes`` and ``stager-client recipes`` print it."""
     blocks = []
     for recipe in listing:
         lines = [f"{recipe['name']}: {recipe['description']}", f"  file: {recipe['file']}"]

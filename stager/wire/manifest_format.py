@@ -1,15 +1,9 @@
 """The manifest's format: what a node's copy of a dataset must be, as bytes.
 
-Every path of the tree, and for each file its size and sha256; for each link its
-target. The node that staged from the source writes it while it packs the tree; a
-node that receives the broadcast checks the tree it got against it
-(:mod:`stager.fs.manifest` builds one from a tree and does the check). The
-manifest itself is checked against its sha256 (`digest`), which reaches the
-receiving node along another path (the job's own ``srun`` step, not the broadcast).
-
-Part of the wire layer, with `stager.wire.schemas`: the daemon and the client both
-import it (the client's fan-out agent hashes delivered source files with
-`file_digest`), so it depends on the standard library alone.
+Every path of the tree, each file's size and sha256, each link's target. The sender
+writes it as it packs; receivers check their tree against it (:mod:`stager.fs.manifest`),
+and it against its sha256, which reaches them by another path (the job's ``srun``
+step). The client imports it too, so it needs the standard library alone.
 """
 
 from __future__ import annotations

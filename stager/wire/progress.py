@@ -1,22 +1,11 @@
 """Progress of one staging, from the op that does the work to the wire.
 
-One channel, in the order the numbers travel:
-
-1. An op reports work through a ``ProgressSink`` (``add_total`` as it discovers
-   work, ``advance`` as it finishes it). In the staging process the sink is
-   ``WorkerCounters``: it adds into plain integers and publishes them to shared
-   memory at most every ``PUBLISH_S``, so a million files cost a million
-   additions, not a million trips across the process boundary.
-2. ``SharedCounters`` is that shared memory: a few 64-bit slots the daemon
-   reads without a message or a lock held across processes for long.
-3. ``Progress`` (in the daemon) takes those absolute counters, keeps samples in
-   a sliding window and derives the rate and the ETA, with an injectable clock
-   (modelled on rich's progress ``Task``).
-4. ``ProgressPublic`` is the wire model every client renders as it is.
-
-``step_index`` means the same everywhere: the 1-based position of the step that
-is running ("step 1 of 3" while the first step runs), 0 before the first step
-starts. Clients print it without arithmetic of their own.
+An op reports to a ``ProgressSink``; in the staging process that is
+``WorkerCounters``, which adds into plain integers and publishes them to shared memory
+(``SharedCounters``) at most every ``PUBLISH_S``, so a million files cost a million
+additions, not a million trips across processes. The daemon's ``Progress`` derives
+rate and ETA from them; ``ProgressPublic`` is what clients render as it is.
+``step_index`` is 1-based while a step runs, 0 before the first.
 """
 
 from __future__ import annotations
@@ -66,11 +55,8 @@ class ProgressSink(Protocol):
 
 
 def report_written(sink: ProgressSink, nbytes: int, inodes: int = 0) -> None:
-    """Count bytes and inodes an op has just left on the disk (files written, links and
-    folders made, their entries, an image's metadata: see stager.fs.sizes.FOLDER_BYTES),
-    where the sink keeps that count (a staging process's, stager.wire.progress.WorkerCounters):
-    the node service stops a staging whose user's bytes or inodes reach their quota, or
-    the disk's floor, by it."""
+    """Count bytes and inodes an op has just left on the disk, where the sink keeps that
+    count (a staging process's): a staging stops by it at its quota or the disk's floor."""
     wrote = getattr(sink, "wrote", None)
     if wrote is not None and (nbytes > 0 or inodes > 0):
         wrote(nbytes, inodes)
@@ -83,8 +69,7 @@ _SLOTS = 8
 
 
 class SharedCounters:
-    """Absolute counters of one staging in shared memory: written by the staging
-    process, read by the daemon. Picklable into the staging process."""
+    """Absolute counters of one staging in shared memory; picklable."""
 
     def __init__(self, context: Any = None) -> None:
         self._array = (context or multiprocessing).Array("q", _SLOTS)
@@ -99,8 +84,7 @@ class SharedCounters:
 
 
 class WorkerCounters:
-    """The staging process's ``ProgressSink``: thread-safe local sums, published to
-    ``SharedCounters`` now and then (see the module docstring)."""
+    """The staging process's ``ProgressSink``: local sums, published now and then."""
 
     def __init__(self, shared: SharedCounters, clock: Clock = time.monotonic) -> None:
         self._shared = shared
@@ -125,9 +109,7 @@ class WorkerCounters:
             self._maybe_publish()
 
     def wrote(self, nbytes: int, inodes: int = 0) -> None:
-        """Bytes and inodes left on the disk (see :func:`report_written`); past a limit
-        set by :meth:`limit_written`, the error it makes is raised here, in the op that
-        wrote."""
+        """Past a limit of :meth:`limit_written`, its error is raised in the op that wrote."""
         with self._lock:
             self._values[_WRITTEN] += nbytes
             self._values[_INODES] += inodes
@@ -170,10 +152,7 @@ class WorkerCounters:
 
 
 class Progress:
-    """A dataset's progress in the daemon; ``snapshot()`` is what the API shows.
-
-    It is also a ``ProgressSink``, for ops run in-process (tests, benchmarks).
-    """
+    """A dataset's progress in the daemon (and a ``ProgressSink`` for ops run in-process)."""
 
     def __init__(
         self,

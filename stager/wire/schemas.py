@@ -1,8 +1,5 @@
-"""Wire models of the HTTP API (v1), shared by the daemon and the client.
-
-One module imported by both sides rather than two copies: the shapes are a
-contract, and a single definition cannot drift. It depends on pydantic only, so
-``import client`` stays free of FastAPI, uvicorn and torch.
+"""Wire models of the HTTP API (v1), shared by the daemon and the client so the contract
+cannot drift. Pydantic only, so ``import client`` stays free of FastAPI, uvicorn and torch.
 """
 
 from __future__ import annotations
@@ -106,14 +103,7 @@ class LeasePublic(BaseModel):
     expires_at: datetime | None = None
 
 
-# ---- multi-node fan-out (docs/multinode.md) ------------------------------------------
-#
-#     POST   /v1/datasets/probe            ProbeResult: this node's key and copy, no side effect
-#     POST   /v1/datasets/{name}/export    ExportPublic: a ready dataset packed for sbcast
-#     DELETE /v1/exports/{id}              the packed files, once sent
-#     POST   /v1/incoming                  TransferPublic: room reserved for a delivery
-#     DELETE /v1/incoming/{id}             the reservation and whatever was delivered
-#     POST   /v1/datasets  {"adopt": ...}  stage from a delivery instead of the source
+# ---- multi-node fan-out (docs/multinode.md; the routes: stager.api.routes.fanout) -----
 
 LABEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -141,12 +131,10 @@ class ProbeResult(BaseModel):
     state: str | None = None  # this node's entry for the key; None: it has none
     size_bytes: int = 0
     origin: Origin | None = None
-    # Every source of the request when each one is a plain file (archives): they can
-    # be broadcast as they are and staged from on every node. Empty otherwise.
+    # Every source when each is a plain file (archives), to broadcast as they are.
     source_files: list[SourceFile] = Field(default_factory=list)
-    # Whether this node stages the request as one image (asked for, or implied by a
-    # prebuilt image step, and mountable here; a tree with ``image_fallback`` where not).
-    # None: a daemon from before this field (the client then goes by the request).
+    # Whether this node stages the request as one image (a tree with ``image_fallback``
+    # where it cannot mount one). None: a daemon from before this field.
     image: bool | None = None
 
 
@@ -176,7 +164,7 @@ class ImageSent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     size: ByteCount
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=SHA256_PATTERN)
     format: Literal["erofs", "squashfs"] = "erofs"
     credential: str | None = Field(default=None, max_length=4096)
 

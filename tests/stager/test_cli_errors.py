@@ -179,7 +179,7 @@ def test_a_second_daemon_on_the_socket_is_refused_before_it_loads_anything(
 ) -> None:
     """`stager serve` where a daemon already answers: one sentence naming the socket and
     `stager stop`, the first daemon untouched; and said before the app or the fork
-    server is loaded (neither uvicorn nor stager.staging.preload is imported), so the refusal
+    server is loaded (neither uvicorn nor stager.engine.preload is imported), so the refusal
     is quick and no process of it outlives it holding the caller's output."""
     started = stager(places, "serve", "--detach")
     assert started.returncode == EXIT_OK, started.stderr
@@ -194,6 +194,6 @@ def test_a_second_daemon_on_the_socket_is_refused_before_it_loads_anything(
     assert imports.returncode == EXIT_FAILED, imports.stderr
     loaded = {line.rsplit("|", 1)[-1].strip() for line in imports.stderr.splitlines()}
     assert "stager.cli" in loaded, imports.stderr[-2000:]
-    assert not {"uvicorn", "stager.api.app", "stager.staging.preload"} & loaded
+    assert not {"uvicorn", "stager.api.app", "stager.engine.preload"} & loaded
     again = stager(places, "serve", "--detach")  # the first one still answers
     assert again.returncode == EXIT_OK and "already running" in again.stdout, again.stdout

@@ -1,5 +1,5 @@
 """A staging process starts in about the time of a fork: its fork server (set up by
-stager.core.processes, with stager.staging.preload) has imported what a staging needs before its
+stager.core.processes, with stager.engine.preload) has imported what a staging needs before its
 first step, down to what multiprocessing needs to unpickle the staging's arguments."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from stager.wire.progress import SharedCounters
 from tests import fork_probe
 
 context = Processes(separate_users=False).context
-context.set_forkserver_preload(["stager.staging.preload", "tests.fork_probe"])
+context.set_forkserver_preload(["stager.engine.preload", "tests.fork_probe"])
 receiver, sender = context.Pipe(duplex=False)
 args = (SharedCounters(context), context.Event(), sender)
 process = context.Process(target=fork_probe.imported_since_preload, args=args)

@@ -1,11 +1,5 @@
 """Multi-node fan-out (docs/multinode.md): what a job's per-node tasks ask of the daemon.
 
-    POST   /v1/datasets/probe          this node's cache key for a request, and its copy
-    POST   /v1/datasets/{name}/export  pack a ready dataset into one file for sbcast
-    DELETE /v1/exports/{id}            the packed files, once sent
-    POST   /v1/incoming                room on the cache disk for a delivery
-    DELETE /v1/incoming/{id}           the reservation and what was delivered into it
-
 No ``from __future__ import annotations``: the probe's body is typed by the op table,
 and FastAPI reads that class from the handler's annotation at run time.
 """

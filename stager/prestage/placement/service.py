@@ -2,19 +2,13 @@
 dataset it holds ready, so that job_submit.lua's ``--prefer`` steers jobs declaring it
 here (docs/prestaging.md, "Placement").
 
-- A request that carries its ``#STAGER`` line's words (``stage --from-script``, the
-  planner's prefetches) names its data's feature, once the words are checked to
-  declare this very request (parsed by stager-client's own parser, as the planner
-  does): a user cannot tag a feature for data they did not ask for.
-- The feature is on the node while the data is ready here, and goes when it is
-  evicted or fails. At most ``slurm_node_features_max`` (the most recently used), and
-  at most ``slurm_node_features_per_user`` by one user's requests, so that nobody's
-  requests push everyone else's data off the node's features.
-- Slurm forgets run-time features at ``scontrol reconfigure`` and at a restart of
-  slurmctld: every ``slurm_node_features_period_s`` one ``scontrol show node`` checks
-  them, and they are set again when missing.
-- scontrol runs on a thread with a timeout; its failure is logged and retried at the
-  next period, and never fails a request.
+- A request's ``#STAGER`` words name its data's feature once they are checked to
+  declare this very request: a user cannot tag a feature for data they did not ask for.
+- The feature stays while the data is ready here: at most ``slurm_node_features_max``
+  (the most recently used), ``slurm_node_features_per_user`` of one user's.
+- Slurm forgets run-time features at a reconfigure or restart: they are checked every
+  ``slurm_node_features_period_s`` and set again. A failed scontrol is logged and
+  retried, and never fails a request.
 """
 
 from __future__ import annotations
@@ -23,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections import Counter
@@ -33,6 +26,7 @@ from typing import Any
 
 from stager.core.identity import Caller
 from stager.core.settings import Settings
+from stager.prestage import write_private
 from stager.prestage.placement import names, scontrol
 from stager.staging.blocking import run_io
 from stager.state.dataset import State
@@ -171,8 +165,4 @@ def load(path: Path) -> dict[str, Use]:
 
 def save(path: Path, uses: dict[str, Use]) -> None:
     """Not fsynced: a lost file costs only the features until the data is asked for again."""
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump({f: astuple(use) for f, use in uses.items()}, out)
-    os.replace(partial, path)
+    write_private(path, json.dumps({f: astuple(use) for f, use in uses.items()}), durable=False)

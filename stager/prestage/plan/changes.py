@@ -1,14 +1,9 @@
 """What to do this interval: the prefetch set diffed against the last interval's.
 
-- start: a prefetch that is new (a job came within the horizon, or its plan moved
-  here);
-- cancel: a prefetch no longer wanted, with why (the job ended or was cancelled,
-  started on other nodes, its plan moved, it left the horizon);
-- used: a prefetch whose job started on that node: the job now uses it, so it is
-  neither cancelled nor tracked any more;
-- held: a prefetch whose job is still pending but has no plan for now (no planned
-  start or nodes: after a slurmctld restart, until its next backfill cycle): kept
-  and still tracked, not cancelled to be started again a cycle later.
+- start: a new prefetch; cancel: one no longer wanted, with why;
+- used: its job started on that node, so it is neither cancelled nor tracked any more;
+- held: its job is pending with no plan for now (after a slurmctld restart, until its
+  next backfill cycle): kept, not cancelled to be started again a cycle later.
 A job with both starts and cancels is re-targeted.
 """
 

@@ -1,17 +1,13 @@
 """``stager plan``: the planner as a service, pushing each interval's changes to the nodes.
 
-Every ``plan_interval_s``: one squeue call and the changes since the last interval
-(stager.prestage.plan.planner), then one order per change, sent to the node's prefetch port
-(``prefetch_listen``, stager.prestage.prefetch.listener) with a fresh MUNGE credential of this
-process's uid over the order's sha256 (the node refuses a credential twice). Push, not
-pull: docs/prestaging.md, "Push or pull".
+Every ``plan_interval_s``: one squeue call and the changes since the last interval,
+then one order per change, sent to the node's prefetch port with a fresh MUNGE
+credential over the order's sha256 (docs/prestaging.md, "Push or pull").
 
 Nothing here can hold or fail a job: an order is a wish the node may refuse. Sends run
-:data:`SENDS_AT_ONCE` at a time, each bounded by :data:`SEND_TIMEOUT_S`, so a node that
-does not answer costs its own orders only. An order not delivered (no answer, a 5xx or a
-429) is sent again next interval: a start by forgetting it was planned (the planner then
-finds it new), a cancel by keeping it. A refusal (any other 4xx) is the node's answer,
-logged and not repeated.
+:data:`SENDS_AT_ONCE` at a time, each bounded by :data:`SEND_TIMEOUT_S`. An order not
+delivered (no answer, a 5xx or a 429) is sent again next interval; a refusal (any other
+4xx) is logged and not repeated.
 """
 
 from __future__ import annotations
@@ -36,16 +32,13 @@ from stager.prestage.plan.changes import Changes
 from stager.prestage.plan.planner import Planner
 from stager.prestage.plan.planning import Prefetch
 from stager.prestage.plan.squeue import SqueueError
+from stager.prestage.prefetch.authority import COPY, COPY_HEADER, WHAT
 from stager.staging.blocking import run_io
 
 log = logging.getLogger("stager.prestage.plan")
 
 SEND_TIMEOUT_S = 5.0  # an order is queued on the node, not staged: it answers in ms
 SENDS_AT_ONCE = 32
-# stager.prestage.prefetch.authority's words: an order's credential, a copy's second one.
-WHAT = "stager prefetch"
-COPY = "stager prefetch copy"
-COPY_HEADER = "x-stager-copy-credential"
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,10 @@
 """The planner's one Slurm call per interval, and its output parsed.
 
 One `squeue` for the whole cluster, never one per job or node: slurmctld answers it
-from one job-table read, the cost admins already pay for every user's `squeue`.
-``-O admin_comment`` carries each job's declaration (deploy/slurm/job_submit.lua
-copies the script's ``#STAGER`` lines there; users cannot change it), so no job
-script is read and no ``scontrol`` is run per job. Each field is printed without
-a width limit and followed by ``|`` (``FIELD:|``). Only AdminComment holds text a
-user wrote, and job_submit.lua escapes ``|`` and newlines in it; it is last, and
-the line is split from the left, so a ``|`` in it could not move the fields before.
+from one job-table read. ``-O admin_comment`` carries each job's declaration (copied
+there by job_submit.lua; users cannot change it). Fields are unpadded and followed by
+``|``; only AdminComment holds a user's text (``|`` and newlines escaped), and it is
+last, so a ``|`` in it could not move the fields before it.
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ class SqueueError(RuntimeError):
 
 @dataclass(eq=False)  # not frozen: its __init__ would cost a third of a line's parse
 class QueuedJob:
-    """One squeue line. The start and the hostlists are read when first asked for:
-    most of a large queue is skipped before anything needs them (root's jobs, jobs
-    that declare nothing), and reading them is most of a line's cost."""
+    """One squeue line; the start and the hostlists, most of a line's cost, are read
+    when first asked for (most of a large queue is skipped before)."""
 
     job_id: str
     uid: int
@@ -88,9 +84,8 @@ def command(squeue: str = "squeue") -> list[str]:
 def parse(
     text: str, known: dict[str, QueuedJob] | None = None
 ) -> tuple[list[QueuedJob], list[str]]:
-    """The jobs, and a sentence for each line that could not be read (skipped).
-    ``known``: the last interval's lines, reused as read (most lines do not change);
-    it is refilled with this interval's."""
+    """The jobs, and a sentence for each line that could not be read. ``known``: the
+    last interval's lines, reused as read, refilled with this interval's."""
     jobs, problems = [], []
     last = dict(known or {})
     if known is not None:

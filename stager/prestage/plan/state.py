@@ -1,21 +1,16 @@
 """The planner's state across its restarts: the last interval's prefetch set and the
-cancels not yet delivered, in one small JSON file (``plan_state_path``), written
-atomically after each interval that changed them.
-
-Without it, a restarted planner knows nothing of what it ordered: the prefetches of
-jobs that left while it was down would stay on their nodes until they expire
-(``prefetch_expire_s``). With it, its first interval diffs the queue against the last
-plan and cancels them. A state that cannot be read or written costs only that: it is
-logged, and planning goes on.
+cancels not yet delivered (``plan_state_path``), so that a restarted planner cancels
+the prefetches of jobs that left while it was down. A state that cannot be read or
+written is logged, and planning goes on.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
+from stager.prestage import write_private
 from stager.prestage.plan.declared import Wanted
 from stager.prestage.plan.planning import Prefetch
 
@@ -59,15 +54,9 @@ def save(path: Path, previous: frozenset[Prefetch], cancels: list[Cancel]) -> No
             "cancels": [{"node": n, "body": b, "job": j} for n, b, j in cancels],
         }
     )  # fmt: skip
-    partial = path.with_name(path.name + ".partial")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(text.encode())
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, path)
+        write_private(path, text)
     except OSError as exc:
         log.warning(
             "%s: the plan cannot be kept (%s); a restarted planner will not cancel the "

@@ -1,24 +1,17 @@
 """Who may order a prefetch: Slurm's own identity, proven by MUNGE, for exactly this call.
 
-A prefetch stages a dataset as a job's user, before that user's job reaches the node.
-Whoever may order one chooses the uid a staging runs as, so the order must come from
-the identity Slurm itself runs as (root or SlurmUser), never from a user: the caller's
-socket says nothing (the planner runs elsewhere), the body says what is asked, and a
-MUNGE credential says who asks. The call carries ``Authorization: Munge <credential>``;
-its payload is ``{"what": "stager prefetch", "sha256": <the body's>}``; the body names
-the action, the job, its user's uid and gid, the node and the declaration. Accepted only
-when this node's munged decodes it (the cluster's shared key: only a node's munged can
-have made it), its uid is root or SlurmUser, its time to live is at most
-``prefetch_credential_ttl_s``, the hash is the body's, and the body names this node.
+Whoever orders a prefetch chooses the uid a staging runs as, so the order must come
+from the identity Slurm runs as (root or SlurmUser). The call carries ``Authorization:
+Munge <credential>`` whose payload is ``{"what": "stager prefetch", "sha256": <the
+body's>}``; accepted only when this node's munged decodes it, its uid is root or
+SlurmUser, its time to live is at most ``prefetch_credential_ttl_s``, the hash is the
+body's, and the body names this node.
 
-**Used once.** A fan-out vouch (stager.core.vouch) may be decoded twice: it is a statement
-about one genuine tree, and a replay states the same again. A prefetch is an action:
-a replayed stage after its cancel stages again, for a job that went away, on the
-user's quota and the node's budget; a replayed cancel drops a later prefetch of the
-same job. So munged's replay status is refused, and, since munged forgets on restart,
-the service keeps its own set of used credentials (:class:`Seen`) on disk until each
-one expires: at most ``SEEN_MAX`` within a time to live, past which calls are refused
-(not the oldest forgotten, which would open the replay again).
+**Used once** (docs/prestaging.md): an order is an action, and a replayed stage after
+its cancel would stage again for a job that went away. munged's replay status is
+refused, and since munged forgets on restart, the service keeps the used credentials
+(:class:`Seen`) on disk until each expires: at most ``SEEN_MAX``, past which calls are
+refused (forgetting the oldest would open the replay again).
 """
 
 from __future__ import annotations
@@ -111,8 +104,7 @@ class Seen:
 
 
 def signed_by_slurm(settings: Settings) -> set[int]:
-    """The uids whose credentials may order prefetches: root and SlurmUser. Blocking (the
-    user database may be LDAP's): call it through stager.staging.blocking."""
+    """Root's and SlurmUser's uids. Blocking (the user database may be LDAP's)."""
     allowed = {0}
     try:
         allowed.add(pwd.getpwnam(settings.slurm_user).pw_uid)
@@ -134,11 +126,10 @@ def credential_of(header: str | None) -> str:
 async def verify(
     header: str | None, body: bytes, settings: Settings, seen: Seen, what: str = WHAT
 ) -> PrefetchOrder:
-    """The order ``body`` holds, once its credential proves it; else refuse with a
-    sentence (401: who signed it; 403: what it names). Claims the credential in ``seen``;
-    the caller saves ``seen`` before it acts. ``what``: an order to this node (``WHAT``:
-    it names this node), or a copy's second credential (``COPY``: the order's ``source``
-    is this node, which sends the copy)."""
+    """The order ``body`` holds, once its credential proves it; else 401 (who signed it)
+    or 403 (what it names). Claims the credential in ``seen``, which the caller saves
+    before it acts. ``what``: ``WHAT`` (it names this node), or ``COPY``/``ASKER`` (its
+    ``source`` is this node)."""
     credential = credential_of(header)
     try:
         decoded = await run_io(
@@ -206,10 +197,8 @@ async def verify(
 
 
 def job_user(order: PrefetchOrder) -> Caller:
-    """The job's user as Slurm gives a job its identity: the uid, the job's gid, and the
-    supplementary groups of the group database (os.getgrouplist). Refuses root (a
-    prefetch never runs as root) and a gid that is not one of the user's groups.
-    Blocking (the group database may be LDAP's): call it through stager.staging.blocking."""
+    """The job's user as Slurm gives a job its identity (the uid, the job's gid, the group
+    database's groups); never root, nor a gid not of the user's. Blocking (LDAP)."""
     if order.uid == 0:
         raise Forbidden("a prefetch never stages as root; root's jobs are not pre-staged")
     try:

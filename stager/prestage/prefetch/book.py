@@ -1,22 +1,19 @@
 """The prefetches a node holds for jobs, their budgets, and the file that keeps them.
 
-A prefetch is ``active`` from its start until its job's own request asks for its data
-(``used``), until it is cancelled, its name deleted or it expires unused (``wasted``),
-or until its staging fails (``failed``). Only active
-prefetches count against the budgets: bytes staged for jobs that have not started.
-Ended ones are kept until ``prefetch_expire_s`` after their start, so that the job's
-status can still say it was pre-staged.
+A prefetch is ``active`` until it is ``used``, ``wasted`` or ``failed``; only active
+ones count against the budgets. Ended ones are kept until ``prefetch_expire_s`` after
+their start, so that the job's status can still say it was pre-staged.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from stager.core.errors import TooManyRequests
 from stager.core.settings import Settings
+from stager.prestage import write_private
 
 
 @dataclass
@@ -101,10 +98,4 @@ def load(path: Path) -> tuple[Book, dict[str, float]]:
 def save(path: Path, book: Book, seen: dict[str, float]) -> None:
     """Write both at once, durably: a credential counts as used once this returns."""
     text = json.dumps({"prefetches": [asdict(p) for p in book.prefetches.values()], "seen": seen})
-    partial = path.with_name(path.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(text.encode())
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, path)
+    write_private(path, text)

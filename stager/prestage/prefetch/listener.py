@@ -1,33 +1,23 @@
 """The node service's TCP port for the planner's orders: ``POST /v1/prefetches``, and
 nothing else (``prefetch_listen``, docs/prestaging.md).
 
-The service's own socket is a Unix socket, which the planner on the controller cannot
-reach. This port is not the API on TCP: it is a small ASGI app of its own in the same
-process and event loop, handing orders to the app's own :class:`Prefetches` (so the
-book, the spent credentials and the lock are one), and it answers:
+The planner on the controller cannot reach the service's Unix socket. This port is not
+the API on TCP: a small ASGI app in the same loop, handing orders to the app's own
+:class:`Prefetches` (one book, one set of spent credentials, one lock). It answers:
 
 - ``POST /v1/prefetches`` with ``Authorization: Munge <credential>`` and a body of at
-  most :data:`ORDER_MAX_BYTES` with its length given: the order, proven exactly as on
-  the socket (stager.prestage.prefetch.authority);
-- ``GET /v1/copies``, the same way, with the planner's copy credential over a copy
-  order that names this node as its source: another planned node of the job asks for
-  this node's prefetch of it (stager.ops.copy_from_node), and gets its ready tree as one
-  tar and its manifest, vouched for by this service, once it is ready;
-- ``GET /v1/copies`` without the asking node's service's own credential (root's, over
-  the same body, in ``X-Stager-Copy-Asker``): 401, before the copy credential is
-  looked at. A user who got a copy credential (by listening on a node's prefetch port
-  while its service was down) cannot replay it: they cannot make root's;
-- without such a header: 401, before a byte of the body is read;
-- a body over the bound or of no stated length: 413 / 411, unread; a body that does
-  not arrive within ``header_timeout_s``: 408, and the connection closed;
-- any other path or method: 404 with one fixed sentence, the body unread. No dataset,
-  metric, health or version ever leaves this port; an order's answer names only what
-  that order did, and a copy is only the one prefetch its credential names.
+  most :data:`ORDER_MAX_BYTES`: the order, proven as on the socket;
+- ``GET /v1/copies``, the same way with the planner's copy credential, and the asking
+  node's service's own (root's, ``X-Stager-Copy-Asker``, checked first, so a user who
+  got a copy credential cannot replay it): the ready tree of this node's prefetch as
+  one tar and its manifest, vouched for by this service;
+- without a credential: 401, before a byte of the body is read; a body over the bound
+  or of no stated length: 413 / 411, unread; one slower than ``header_timeout_s``: 408;
+- anything else: 404 with one fixed sentence. No dataset, metric, health or version
+  ever leaves this port.
 
-Every answer closes its connection (the planner sends one order per connection).
-stager.api.server runs it beside the API on the same loop, its connections bounded as the
-socket's are (stager.api.connections: head timeout, caps), with caps of their own
-(:data:`MAX_CONNECTIONS`), so a flood here cannot take the socket's places.
+Every answer closes its connection. Its connections are bounded as the socket's are,
+with caps of their own (:data:`MAX_CONNECTIONS`).
 """
 
 from __future__ import annotations
@@ -182,9 +172,7 @@ class Orders:
 
 
 async def _while_connected(receive: Receive, work: Coroutine[Any, Any, None]) -> None:
-    """``work``, cancelled if the client leaves first (its body was read: the server's
-    next message is the disconnect), so that a copy is not packed or streamed for
-    nobody."""
+    """``work``, cancelled if the client leaves first, so no copy is made for nobody."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(receive))
     try:

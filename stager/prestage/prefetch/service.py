@@ -1,25 +1,15 @@
 """The node side of a prefetch: stage a job's declared dataset as the job's user, before
 the job starts, through the very path that user's own request takes.
 
-An order (stager.prestage.prefetch.authority, proven by Slurm's MUNGE identity) becomes an
-ordinary ``Requests.submit`` as the job's user (their uid, the job's gid, their groups
-from the group database), under a name of its own (``prefetch-JOB-DATASET``): the same
-per-user process, checks, quota and cache key as the user's own request, so what the
-user may not read fails, and the job's ``stage --from-script`` at start is a hit on the
-same key. Besides, a prefetch:
-
-- is low in the fair queue (stager.engine.admission.PREFETCHING): any other queued staging
-  goes first, and at most ``prefetch_max_running`` prefetches stage at once;
-- holds a lease (holder ``prefetch-job-JOB``, taken with its name) until used,
-  cancelled, failed or expired, so that nobody's eviction takes it before its job
-  starts; it never evicts leased data itself (admission never does);
-- counts against a per-user and a per-node budget of bytes for jobs not started,
-  checked by admission before anything is queued or named;
-- is **used** when its user's own request asks for its data: its lease and name go,
-  the user's own name keeps the data; it is **wasted** (counted, bytes and all) when
-  cancelled, expired unused or its name deleted, and its data is dropped unless
-  another name holds it; it is **failed** when its staging failed (nothing is kept).
-  Each prefetch ends once, in one of these.
+A proven order becomes an ordinary ``Requests.submit`` as the job's user, named
+``prefetch-JOB-DATASET``: the same checks, quota and cache key as the user's own
+request, so what the user may not read fails, and the job's own request is a hit.
+Besides, a prefetch is low in the fair queue; holds a lease (``prefetch-job-JOB``)
+until it ends, so nobody's eviction takes it before its job starts; counts against a
+per-user and a per-node budget, checked before anything is queued; and ends once:
+**used** (its user's own request asks for its data, and keeps it), **wasted**
+(cancelled, expired unused or its name deleted: its data goes unless another name
+holds it) or **failed**.
 """
 
 from __future__ import annotations
@@ -53,6 +43,7 @@ from stager.prestage.prefetch import book as books
 from stager.prestage.prefetch.authority import (
     ASKER,
     COPY,
+    WHAT,
     PrefetchOrder,
     Seen,
     credential_of,
@@ -78,8 +69,6 @@ def _holder(job: int) -> str:
 
 class Prefetches:
     def __init__(self, requests: Any, settings: Settings, metrics: Metrics) -> None:
-        # stager.engine.requests.Requests: a prefetch is a request as the job's user, and
-        # its name is ended as theirs (stager.engine.names.Names).
         self.requests, self.names, self.engine = requests, requests.names, requests.engine
         self.settings, self.metrics = settings, metrics
         self.book, self.seen = Book(), Seen()
@@ -88,12 +77,12 @@ class Prefetches:
         # One order at a time: budgets and the book are decided on what came before.
         self._lock = asyncio.Lock()
         self._sending: dict[int, int] = {}  # uid: copies being packed or sent from here
-        # Told of each prefetch's request (stager.prestage.placement names its node feature).
+        # Told of each prefetch's request (placement names its node feature).
         self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
 
     async def start(self) -> None:
-        """Load what the last run kept, tell the engine's status views of it, and expire
-        unused prefetches every minute (node service only)."""
+        """Load what the last run kept and expire unused prefetches every minute (node
+        service only)."""
         if not self.settings.multi_user:
             return
         await self._load()
@@ -130,16 +119,7 @@ class Prefetches:
         with the planner's second credential (``copy_header``), for its source node."""
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) takes prefetches")
-        async with self._lock:
-            await self._load()
-        # Outside the lock: a flood of bad credentials (one unmunge each) must not hold
-        # up the planner's orders. Claiming a credential is one step on the event loop.
-        try:
-            order = await verify(header, body, self.settings, self.seen)
-            user = await run_io(job_user, order)
-        except StagerError:
-            self.metrics.prefetches.labels(outcome="refused").inc()
-            raise
+        order, user = await self._proven(body, (header, WHAT))
         async with self._lock:
             await self._save()  # the credential is spent before anything is done
             await self._expire()
@@ -162,6 +142,24 @@ class Prefetches:
                 done = [await self._stage(order, user)]
             await self._save()
         return [_public(p, self._ready(p)) for p in done]
+
+    async def _proven(
+        self, body: bytes, *credentials: tuple[str | None, str]
+    ) -> tuple[PrefetchOrder, Caller]:
+        """The order ``body`` holds once each (header, purpose) credential proves it, and
+        its job's user; the caller saves the spent credentials before it acts."""
+        async with self._lock:
+            await self._load()
+        # Outside the lock: a flood of bad credentials (one unmunge each) must not hold
+        # up the planner's orders. Claiming a credential is one step on the event loop.
+        try:
+            for header, what in credentials:
+                order = await verify(header, body, self.settings, self.seen, what)
+            user = await run_io(job_user, order)
+        except StagerError:
+            self.metrics.prefetches.labels(outcome="refused").inc()
+            raise
+        return order, user
 
     def _ready(self, prefetch: Prefetch) -> bool:
         """Whether its data is ready here: the planner sends a copy of it only then."""
@@ -269,8 +267,7 @@ class Prefetches:
             await self.names.delete(prefetch.name, user)  # the ended name: forgotten
 
     async def _expire(self) -> None:
-        """End what no longer waits for its job: failed stagings (they hold no budget and
-        no lease), names their user deleted, and prefetches unused past
+        """End failed stagings, names their user deleted, and prefetches unused past
         ``prefetch_expire_s`` (wasted)."""
         horizon = time.time() - self.settings.prefetch_expire_s
         reg = self.engine.registry
@@ -287,7 +284,6 @@ class Prefetches:
         self.book.forget_before(horizon)
 
     async def sweep(self) -> None:
-        """Expire what is due (called on the engine's sweep interval)."""
         async with self._lock:
             await self._load()
             if self.book.active():
@@ -319,25 +315,14 @@ class Prefetches:
 
     async def copy_out(self, header: str | None, body: bytes, asker: str | None) -> Outgoing:
         """Another planned node's copy of this node's prefetch (docs/prestaging.md, "4-node
-        job"), once the planner's copy credential proves the order names this node as
-        its source: the ready tree of this node's prefetch for that job, that user and
-        that dataset (none else: not another job's, not another user's, not data this
-        node holds otherwise), packed as the fan-out packs it, with this service's
-        credential for its manifest; a prefetch not ready yet is a 409 at once, and one
-        user has at most :data:`COPIES_PER_USER` copies being packed or sent. The asking
-        node's service proves itself first (``asker``: root's credential over the same
-        body), before the copy credential is spent."""
+        job"): the asking service's credential (``asker``) and then the planner's copy
+        credential prove the order names this node as its source. Only the ready tree of
+        this node's prefetch for that job, user and dataset is sent, packed as the fan-out
+        packs it, with this service's credential for its manifest; one not ready is a 409
+        at once, and a user has at most :data:`COPIES_PER_USER` copies under way."""
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) sends copies")
-        async with self._lock:
-            await self._load()
-        try:
-            await verify(asker, body, self.settings, self.seen, ASKER)
-            order = await verify(header, body, self.settings, self.seen, COPY)
-            user = await run_io(job_user, order)
-        except StagerError:
-            self.metrics.prefetches.labels(outcome="refused").inc()
-            raise
+        order, user = await self._proven(body, (asker, ASKER), (header, COPY))
         async with self._lock:
             await self._save()  # the credential is spent before anything is sent
         dataset = (order.request or {}).get("name")
@@ -406,9 +391,8 @@ class Prefetches:
 
 @dataclass
 class Outgoing:
-    """A copy for another planned node (``GET /v1/copies``): the answer's headers, the
-    files sent one after the other (the tar, then the manifest), and what to do once
-    they went (or did not)."""
+    """A copy for another planned node: the answer's headers, the files sent one after
+    the other (the tar, then the manifest), and what to do once they went (or not)."""
 
     headers: dict[str, str]
     files: list[str]

@@ -1,12 +1,9 @@
 """Named recipes: a recipe + source + params expand into steps and torchvision usage.
 
 Recipes are data: one TOML file each, shipped in this folder, plus any found in
-``settings.recipe_dirs`` (a file there with a shipped recipe's name replaces
-it, so a site can adapt a recipe to its own file names). ``stager.request.recipes.model``
-holds the file schema and the template rules.
-
-Files are read on every call: there are a handful of small files, and an edited
-user recipe then takes effect without restarting the daemon.
+``settings.recipe_dirs`` (one with a shipped recipe's name replaces it). ``model``
+holds the file schema and the template rules. Files are read on every call, so an
+edited recipe takes effect without a restart.
 """
 
 from __future__ import annotations
@@ -30,13 +27,12 @@ from stager.request.recipes.model import (
     render,
     value_problem,
 )
-from stager.wire.cli_common import format_listing
 from stager.wire.schemas import DatasetCreate
 from stager.wire.suggest import did_you_mean
 
 BUILTIN_DIR = Path(__file__).parent
 
-__all__ = ["Expansion", "RecipeFileError", "available", "expand", "format_listing", "recipe_files"]
+__all__ = ["Expansion", "RecipeFileError", "available", "expand", "recipe_files"]
 
 
 @dataclass
@@ -90,16 +86,12 @@ def describe(path: Path, recipe: RecipeFile) -> dict[str, Any]:
     }
 
 
-def expand(request: DatasetCreate, settings: Settings, check_files: bool = True) -> Expansion:
-    """Validate params and sources, then render the chosen splits' steps and usage.
-    ``check_files``: look for the release files here; the node service leaves that to
-    the caller's own process (:func:`check_sources`), never to root."""
+def expand(request: DatasetCreate, settings: Settings) -> Expansion:
+    """Validate params, then render the chosen splits' steps and usage. The release files
+    are looked for by the caller's own process (:func:`check_sources`), never by root."""
     recipe, values, source, chosen = _choose(
         request.recipe or "", request.params, request.source, settings
     )
-    if check_files:
-        _check_files(recipe, source, chosen)
-
     steps: list[Any] = []
     usage: list[dict[str, Any]] = []
     for split, section in [("", recipe.common), *chosen]:
@@ -203,10 +195,8 @@ def _check_files(recipe: RecipeFile, source: str, chosen: list[tuple[str, Sectio
 
 
 def _check_usage_roots(recipe: RecipeFile, source: str, chosen: list[tuple[str, Section]]) -> None:
-    """A folder staged as it is (the recipe's source is the dataset itself): each chosen
-    split's torchvision root must be in it, or the dataset would go ready with a usage
-    that names a folder it does not have (``imagefolder`` with splits=train and no
-    train/)."""
+    """A folder staged as it is: each chosen split's torchvision root must be in it, or
+    the dataset would go ready naming a folder it does not have."""
     for split, section in chosen:
         for usage in section.usage:
             root = usage.root.strip("/")

@@ -204,11 +204,11 @@ def test_the_fork_server_pays_a_downloads_set_up_before_any_staging_starts(
     """What a process's first download pays before its first byte (its TLS authorities
     loaded, httpx's transport imported, the codec that host names are looked up with:
     20-70 ms) the staging processes' fork server has paid when it imported its preload
-    (stager.staging.preload): a staging's download then loads nothing more."""
+    (stager.engine.preload): a staging's download then loads nothing more."""
     code = f"""
 import sys
 from pathlib import Path
-import stager.staging.preload
+import stager.engine.preload
 from stager.ops import fetch
 from stager.ops.base import OpContext
 from stager.wire.progress import Progress

@@ -70,7 +70,7 @@ def test_inat2021_as_an_image_loads_in_torchvision(recipe_daemon: Daemon, tmp_pa
 
 def steps_of(recipe: str, source: Path, **params: Any) -> list[Any]:
     request = DatasetCreate(name="x", recipe=recipe, source=str(source), params=params)
-    expansion = recipes.expand(request, Settings(), False)
+    expansion = recipes.expand(request, Settings())
     return table.load().expand(expansion.steps)
 
 

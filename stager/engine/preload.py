@@ -2,13 +2,16 @@
 alone, as its preload (stager.core.processes sets it), and by nothing else.
 
 Every staging process and user process is forked from that server, so each starts
-with all of this done: every op imported and its table built (a pydantic model per
-op, ~10 ms), a download's TLS settings and HTTP transport (20-70 ms before a first
-byte otherwise), whether ``tar`` is GNU tar (a ``tar --version``, ~2 ms), what
-multiprocessing needs to unpickle a staging's arguments (3-10 ms), and every module a
-process that became a user runs (which may not be able to read the interpreter's
-files, so must import nothing). Importing this
-module does that work; that is its only purpose.
+with all of this done: every kind's module imported (a job carries its kind's part,
+which unpickling would otherwise import again in each staging process, 10-20 ms),
+every op imported and its table built (a pydantic model per op, ~10 ms), a download's
+TLS settings and HTTP transport (20-70 ms before a first byte otherwise), whether
+``tar`` is GNU tar (a ``tar --version``, ~2 ms), what multiprocessing needs to unpickle
+a staging's arguments (3-10 ms), and every module a process that became a user runs
+(which may not be able to read the interpreter's files, so must import nothing).
+Importing this module does that work; that is its only purpose. It stands on the
+engine's job floor, above the kinds: it holds whatever a job takes into a staging
+process (tests/stager/test_fork_imports.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from importlib import import_module
 
 from stager.archive import split_tar
 from stager.core import downloads
+from stager.kinds import table as kinds  # noqa: F401 - every kind's part of a job (unpickled)
 from stager.ops import fetch, table
 from stager.rights import agent, pool  # noqa: F401 - a user process's
 from stager.staging import worker  # noqa: F401 - worker: a staging process's entry points
