@@ -186,7 +186,7 @@ def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
     ~16 MB), so back-to-back stagings do not share the CPU with it."""
     if jobs.poll(_IDLE_BEFORE_TOUCH_S):
         return
-    # The server's objects are frozen (stager.staging.preload), and the collector lists
+    # The server's objects are frozen (stager.engine.preload), and the collector lists
     # only those it watches: thawed for the listing (each a constant-time move).
     gc.unfreeze()
     try:
