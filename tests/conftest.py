@@ -151,6 +151,18 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
 
 
+@pytest.fixture(scope="module")
+def refusing_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for a module's tests of requests that must be refused: a refusal
+    leaves nothing behind (each such test checks that it did), so they share no state
+    and need not each pay a start (~1-2 s of a CI worker)."""
+    daemon = Daemon(cache_dir=tmp_path_factory.mktemp("refusing") / "cache")
+    try:
+        yield daemon.start()
+    finally:
+        daemon.cleanup()
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     """Mount small tmpfs filesystems (e.g. ``tmpfs("6m")``): a real disk that fills up.

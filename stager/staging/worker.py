@@ -186,9 +186,15 @@ def _own_pages(jobs: multiprocessing.connection.Connection) -> None:
     ~16 MB), so back-to-back stagings do not share the CPU with it."""
     if jobs.poll(_IDLE_BEFORE_TOUCH_S):
         return
-    for done, _ in enumerate(gc.get_objects()):
-        if done % _TOUCH_BETWEEN_LOOKS == 0 and jobs.poll():
-            return
+    # The server's objects are frozen (stager.engine.preload), and the collector lists
+    # only those it watches: thawed for the listing (each a constant-time move).
+    gc.unfreeze()
+    try:
+        for done, _ in enumerate(gc.get_objects()):
+            if done % _TOUCH_BETWEEN_LOOKS == 0 and jobs.poll():
+                return
+    finally:
+        gc.freeze()
 
 
 def _die_with_daemon(daemon_pid: int) -> None:

@@ -141,8 +141,9 @@ def test_from_script_plain_paths_in_line_order(daemon: Daemon, tree: Path, tmp_p
     ],
 )
 def test_from_script_usage_errors_exit_2_naming_the_fix(
-    daemon: Daemon, tmp_path: Path, args: list[str], says: str
+    refusing_daemon: Daemon, tmp_path: Path, args: list[str], says: str
 ) -> None:
+    daemon = refusing_daemon
     (tmp_path / "EMPTY").write_text("#!/bin/bash\necho\n")
     (tmp_path / "BAD").write_text("#!/bin/bash\n#STAGER x --step nope\n")
     (tmp_path / "JOB").write_text("#!/bin/bash\n#STAGER x --recipe r --source /s\n")

@@ -206,8 +206,9 @@ def test_every_request_for_a_ready_dataset_leaves_its_link_pointing_at_it(
     ],
 )
 def test_bad_requests_get_a_4xx_sentence_naming_the_input(
-    daemon: Daemon, body: object, status: int, error_type: str, words: str
+    refusing_daemon: Daemon, body: object, status: int, error_type: str, words: str
 ) -> None:
+    daemon = refusing_daemon
     with daemon.client() as client:
         if isinstance(body, str):
             response = client.post(

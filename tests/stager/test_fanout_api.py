@@ -312,8 +312,10 @@ def test_an_early_export_follows_the_staging_and_then_hands_over_to_the_ready_tr
         {"ttl_s": -1, "label": "P", "bytes": 1},
     ],
 )
-def test_an_unbounded_reservation_is_a_422_naming_the_field(daemon: Daemon, body: dict) -> None:
-    with daemon.client() as client:
+def test_an_unbounded_reservation_is_a_422_naming_the_field(
+    refusing_daemon: Daemon, body: dict
+) -> None:
+    with refusing_daemon.client() as client:
         response = client.post("/v1/incoming", json=body)
     assert response.status_code == 422, response.text
     message = response.json()["error"]["message"]
