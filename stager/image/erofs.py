@@ -135,9 +135,7 @@ class ErofsWriter(NameTable):
         early_writeback: bool = False,
         charge: Callable[[int], None] | None = None,
     ) -> None:
-        """``charge`` is told the bytes of metadata the image will hold (folders, inodes,
-        entries) as each is added, before it is written: a staging's write bound counts
-        them as it counts content (stager.wire.progress.report_written)."""
+        """``charge``: as :class:`NameTable` says."""
         super().__init__(fd, spill, build_time, top_owner, top_mode, charge)
         self._blob = blob
         # A durable build starts its data's writeback as it goes (stager.fs.writeback),
