@@ -41,19 +41,16 @@ The load average is printed with each section: the machine is shared.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pwd
 import re
 import resource
 import shutil
-import stat
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +61,7 @@ from bench.jpegs import make_jpegs
 from bench.timing import spread
 from stager.image import mount
 from tests.daemon import Daemon, unmount_under
+from tests.mounts import debian_fuse_mode
 from tests.users import usable_by_everyone
 
 
@@ -76,17 +74,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jpegs", type=int, default=3000, help="JPEGs of the train section")
     parser.add_argument("--sections", default="ready,steps,evict,train,tools,writer,read")
     return parser
-
-
-@contextlib.contextmanager
-def fuse_for_users() -> Iterator[None]:
-    """/dev/fuse 0666 (Debian's mode) for the run, its own mode back after."""
-    mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
-    os.chmod("/dev/fuse", mode | 0o666)
-    try:
-        yield
-    finally:
-        os.chmod("/dev/fuse", mode)
 
 
 class UserStager(Stager):
@@ -373,7 +360,7 @@ def main(args: argparse.Namespace) -> int:
     for path in (work, *inputs.values()):
         if isinstance(path, Path):
             os.chown(path, entry.pw_uid, entry.pw_gid)
-    with usable_by_everyone(), fuse_for_users():
+    with usable_by_everyone(), debian_fuse_mode():
         stager = UserStager(work, args.user)
         try:
             if "ready" in sections:

@@ -5,6 +5,7 @@ daemon left running does (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -48,15 +49,22 @@ def snapshot() -> set[str]:
     return image_mounts() | loop_devices()
 
 
-@pytest.fixture
-def fuse_for_users() -> Iterator[None]:
-    """/dev/fuse as Debian's udev leaves it (0666), for this test only (a container may
-    leave it 0600)."""
-    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
-        pytest.skip("needs /dev/fuse and fuse3")
+@contextlib.contextmanager
+def debian_fuse_mode() -> Iterator[None]:
+    """/dev/fuse as Debian's udev leaves it (0666) while inside, its own mode back
+    after (a container may leave it 0600)."""
     mode = stat.S_IMODE(os.stat("/dev/fuse").st_mode)
     os.chmod("/dev/fuse", mode | 0o666)
     try:
         yield
     finally:
         os.chmod("/dev/fuse", mode)
+
+
+@pytest.fixture
+def fuse_for_users() -> Iterator[None]:
+    """Debian's /dev/fuse (:func:`debian_fuse_mode`), for this test only."""
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        pytest.skip("needs /dev/fuse and fuse3")
+    with debian_fuse_mode():
+        yield
