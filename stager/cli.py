@@ -164,7 +164,6 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
         # if the daemon cannot start, it ends with it.
         processes.start_fork_server()
     from stager.api import server  # uvicorn and the app load only for commands that need them
-    from stager.api.startup import StartError
 
     try:
         if args.command == "serve" and args.detach:
@@ -179,7 +178,7 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
             if not stopped and (elsewhere := _daemons_elsewhere(settings)):
                 raise server.ServeError(elsewhere)
             _print_stop(settings, pid if stopped else None, args.json)
-    except (server.ServeError, StartError) as exc:
+    except server.ServeError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": {"type": "start_error", "message": str(exc)}}))
         print(f"stager: {exc}", file=sys.stderr)

@@ -25,15 +25,12 @@ import uvicorn
 
 from stager.api import connections, logs, startup
 from stager.api.app import create_app
+from stager.api.startup import ServeError
 from stager.core import prestart, processes
 from stager.core.settings import Settings
 from stager.prestage.prefetch import listener
 
 log = logging.getLogger("stager.api.server")
-
-
-class ServeError(Exception):
-    """Why the daemon cannot start, as a sentence for the terminal."""
 
 
 def check_mode(settings: Settings) -> None:

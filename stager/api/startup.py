@@ -1,7 +1,7 @@
 """What ``stager serve`` checks before it serves, each failure one sentence.
 
 Not a traceback from inside uvicorn's lifespan: the places it will write and the
-address it will listen on are tried first, and the first failure is a ``StartError``
+address it will listen on are tried first, and the first failure is a ``ServeError``
 naming the flag. ``--detach`` checks before it forks, so the person reads it.
 """
 
@@ -21,8 +21,8 @@ from stager.request import preflight
 MAX_SOCKET_PATH = 107
 
 
-class StartError(Exception):
-    """Why the daemon cannot start, as one sentence for the terminal."""
+class ServeError(Exception):
+    """Why the daemon cannot start, stop or answer, as one sentence for the terminal."""
 
 
 def setting(name: str) -> str:
@@ -30,10 +30,10 @@ def setting(name: str) -> str:
     return f"--{flag_name(name)} ({env_name(name)})"
 
 
-def unusable_folder(name: str, path: Path, exc: OSError) -> StartError:
+def unusable_folder(name: str, path: Path, exc: OSError) -> ServeError:
     reason = exc.strerror or str(exc)
     where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
-    return StartError(
+    return ServeError(
         f"--{flag_name(name)} {path} cannot be used: {reason}{where}; give {setting(name)} "
         "a folder this user can create and write, on a node-local disk"
     )
@@ -57,7 +57,7 @@ def require_held(name: str, folder: Path) -> None:
             why = f"others may write {current}, so they may move what it holds"
         else:
             continue
-        raise StartError(
+        raise ServeError(
             f"--{flag_name(name)} {folder} cannot be used: {why}; give {setting(name)} a "
             "folder that only this user and root can change, from / down"
         )
@@ -75,7 +75,7 @@ def check_cache(settings: Settings) -> None:
         with closing(sqlite3.connect(settings.db_path, timeout=5)) as db:
             db.execute("PRAGMA schema_version").fetchone()
     except sqlite3.Error as exc:
-        raise StartError(
+        raise ServeError(
             f"the state database {settings.db_path} cannot be opened ({exc}); check the disk "
             f"of {setting('cache_dir')}, or move a damaged state.db aside to start afresh"
         ) from exc
@@ -87,7 +87,7 @@ def check_address(settings: Settings) -> None:
         try:
             infos = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
-            raise StartError(
+            raise ServeError(
                 f"--host {settings.host} ({env_name('host')}) is not an address of this "
                 f"machine ({exc.strerror}); give an IP address or a name it resolves"
             ) from exc
@@ -97,20 +97,20 @@ def check_address(settings: Settings) -> None:
             try:
                 probe.bind(address)
             except OSError as exc:
-                raise StartError(
+                raise ServeError(
                     f"cannot listen on {settings.host}:{settings.port} ({exc.strerror}); "
                     f"stop what listens there or choose another {setting('port')}"
                 ) from exc
         return
     path = settings.socket_path
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise StartError(
+        raise ServeError(
             f"the socket path {path} is {len(os.fsencode(path))} bytes, longer than the "
             f"{MAX_SOCKET_PATH} a Unix socket may have; give a shorter {setting('socket')} "
             f"or {setting('runtime_dir')}"
         )
     if not path.parent.is_dir():
-        raise StartError(
+        raise ServeError(
             f"the socket's folder {path.parent} does not exist; create it or choose "
             f"another {setting('socket')}"
         )

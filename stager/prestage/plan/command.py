@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from stager.core.settings import Settings, cli_flags, describe_error
-from stager.prestage.plan.squeue import Squeue, SqueueError, SqueueFile
+from stager.prestage.plan.squeue import RecordedSqueue, Squeue, SqueueError
 
 if TYPE_CHECKING:
     from stager.prestage.plan.planner import Planner
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if args.squeue_output and not args.squeue_output.is_file():
         print(f"stager plan: --squeue-output {args.squeue_output}: no such file", file=sys.stderr)
         return EXIT_USAGE
-    source = SqueueFile(args.squeue_output) if args.squeue_output else Squeue()
+    source = RecordedSqueue(args.squeue_output) if args.squeue_output else Squeue()
     planner = Planner(source, settings.plan_horizon_s)
     if not args.dry_run:
         return serve(planner, settings, once=args.once)

@@ -156,29 +156,19 @@ class Squeue:
         self._call.kill()
 
 
-class SqueueFile(Squeue):
-    """squeue's output read from a file at each call (``--squeue-output``): tests, and
-    trying the planner on a recorded queue."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(argv=["(file)"])
-        self.path = path
-
-    def read(self) -> str:
-        self.calls += 1
-        try:
-            return self.path.read_text()
-        except OSError as exc:
-            raise SqueueError(f"--squeue-output {self.path}: {exc.strerror}") from exc
-
-
 class RecordedSqueue(Squeue):
-    """squeue's output from a file or a string: tests, the benchmark, --squeue-output."""
+    """squeue's output recorded: a text (tests, the benchmark), or a file read again at
+    each call (``--squeue-output``: tests, and trying the planner on a recorded queue)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str | Path) -> None:
         super().__init__(argv=["(recorded)"])
-        self.text = text
+        self.text = text  # the output, or the file that holds it
 
     def read(self) -> str:
         self.calls += 1
-        return self.text
+        if isinstance(self.text, str):
+            return self.text
+        try:
+            return self.text.read_text()
+        except OSError as exc:
+            raise SqueueError(f"--squeue-output {self.text}: {exc.strerror}") from exc
