@@ -120,12 +120,8 @@ def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument(*options, **keywords)
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    """Flags given on the command line override ``STAGER_*`` variables."""
-    return Settings(**given_flags(args))
-
-
 def given_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The flags given: they override ``STAGER_*`` variables."""
     return {
         k: v
         for k, v in vars(args).items()
@@ -143,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":  # controller side: no daemon
         return plan_command.run(args)
     try:
-        settings = settings_from(args)
+        settings = Settings(**given_flags(args))
     except ValidationError as exc:
         print(f"stager: {describe_error(exc, given_flags(args))}", file=sys.stderr)
         return EXIT_USAGE

@@ -32,11 +32,6 @@ class _Timestamps(logging.Formatter):
         return moment.isoformat(timespec="milliseconds")
 
 
-class TextFormatter(_Timestamps):
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
-
-
 def json_formatter() -> logging.Formatter:
     from pythonjsonlogger.json import JsonFormatter
 
@@ -62,7 +57,8 @@ class NoConsoleHints(logging.Filter):
 
 def config(settings: Settings) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` for the daemon (and uvicorn's ``log_config``)."""
-    formatter = {"()": json_formatter} if settings.log_format == "json" else {"()": TextFormatter}
+    text = {"()": _Timestamps, "fmt": TEXT_FORMAT}
+    formatter = {"()": json_formatter} if settings.log_format == "json" else text
     level = settings.log_level.upper()
     handler = {
         "class": "logging.StreamHandler",

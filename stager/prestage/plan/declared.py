@@ -9,6 +9,7 @@ does not change, and the same declaration recurs across jobs and intervals.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -20,7 +21,7 @@ from client import cli, declare
 log = logging.getLogger(__name__)
 
 MARK = "stager1:"  # deploy/slurm/job_submit.lua writes this, then the lines joined by ";"
-MEMO_MAX = 50_000  # distinct comments kept parsed; dropped wholesale past it
+MEMO_MAX = 50_000  # distinct comments kept parsed (the least recently used go past it)
 
 
 @dataclass(frozen=True, order=True)
@@ -62,19 +63,11 @@ class Declarations:
 
     def __init__(self) -> None:
         self.parser = cli.stage_parser()
-        self.memo: dict[str, tuple[tuple[Wanted, ...], str | None]] = {}
-
-    def read(self, admin_comment: str) -> tuple[tuple[Wanted, ...], str | None]:
-        """(datasets, None), or ((), why none can be pre-staged)."""
-        found = self.memo.get(admin_comment)
-        if found is None:
-            if len(self.memo) >= MEMO_MAX:
-                self.memo.clear()
-            found = self.memo[admin_comment] = self.parse(admin_comment)
-        return found
+        self.read = functools.lru_cache(maxsize=MEMO_MAX)(self.parse)  # the planner's
 
     def parse(self, admin_comment: str) -> tuple[tuple[Wanted, ...], str | None]:
-        """As ``read``, not memoized (the node service checks users' words with it)."""
+        """(datasets, None), or ((), why none can be pre-staged); not memoized (the node
+        service checks users' words with it)."""
         words = lines(admin_comment)
         if words is None:
             return (), "its AdminComment is not a #STAGER declaration"

@@ -107,9 +107,6 @@ class Sender:
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{port}"
 
-    def url(self, node: str) -> str:
-        return f"http://{self.address(node)}/v1/prefetches"
-
     async def _credential(self, what: str, body: bytes) -> str | None:
         payload = json.dumps({"what": what, "sha256": hashlib.sha256(body).hexdigest()})
         settings = self.settings
@@ -132,9 +129,8 @@ class Sender:
             if second:
                 headers[COPY_HEADER] = f"Munge {second}"
             try:
-                answer = await self.client.post(
-                    self.url(order.node), content=order.body, headers=headers
-                )
+                url = f"http://{self.address(order.node)}/v1/prefetches"
+                answer = await self.client.post(url, content=order.body, headers=headers)
             except (httpx.HTTPError, OSError, ValueError) as exc:
                 return "retry", f"{type(exc).__name__}: {exc}".rstrip(": "), False
         if answer.status_code == 200:
