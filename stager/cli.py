@@ -3,11 +3,7 @@
 Thin: parse flags into ``Settings`` and call ``stager.api.server``. The flags of
 ``serve`` (and the location flags of ``stop`` and ``gc``) are derived from the
 settings fields (``stager.core.settings.cli_flags``), so each has the environment
-variable ``STAGER_<FLAG>`` and reads the same values from both.
-
-Exit codes (docs/settings.md):
-0 success; 1 the daemon could not start, stop or answer, or a recipe file is broken;
-2 bad usage or settings (a flag or ``STAGER_*`` value that cannot be used).
+variable ``STAGER_<FLAG>``. Exit codes: ``EPILOG`` and docs/settings.md.
 """
 
 from __future__ import annotations

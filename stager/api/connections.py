@@ -1,20 +1,11 @@
-"""The service's connections, bounded: how many each user may hold, how long a
-request's head may take, and what a refused connection is told.
-
-Unbounded, one user's 20,000 half-sent requests took every descriptor of the node
-service, and asyncio logged a traceback for each failed accept (~70 MB). So the
-protocol uvicorn runs for each connection (:class:`PeerHTTPProtocol`) bounds it:
-
-- **Header time.** A request's head must arrive within ``header_timeout_s`` of the
-  connection or, kept alive, of the next request's first byte (408 past it); idle
-  between requests, uvicorn's ``keep_alive_timeout_s`` applies.
-- **Caps** (:class:`Gate`). ``max_connections`` in all and, in the node service,
-  ``max_connections_per_user``, with the last ``connection_reserve`` places kept for
-  users who hold fewer than :data:`FEW`. Root is refused only at the ceiling, half
-  the daemon's ``RLIMIT_NOFILE`` (the epilog and admins must reach the service);
-  the caps are lowered to stay under it (:func:`caps_for`).
-- **Refusals** are answered 503 at accept, before anything is read, and logged once
-  per burst (:class:`BurstLog`), as are accepts that fail for want of descriptors.
+"""The service's connections, bounded (docs/multiuser.md, "Connections, bodies and
+downloads, bounded"): the protocol uvicorn runs for each connection
+(:class:`PeerHTTPProtocol`) times a request's head (408 past ``header_timeout_s``),
+counts connections against the caps of :class:`Gate` (root refused only at the
+ceiling, half the descriptors; :func:`caps_for` lowers the caps to fit), answers a
+refusal 503 at accept, before anything is read, and logs each burst once
+(:class:`BurstLog`). Unbounded, one user's 20,000 half-sent requests took every
+descriptor of the node service, and asyncio logged a traceback for each failed accept.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
-"""Admission: who gets room on the cache disk and a staging slot, decided in one place.
+"""Admission: who gets room on the cache disk and a staging slot, decided in one place,
+under one lock (:attr:`Admission.lock`), for the engine and the fan-out room alike.
 
-One object, one lock (:attr:`Admission.lock`), called by the engine and by the
-fan-out room alike:
-
-- **Room** (:meth:`Admission.make_room`): what a new staging or a transfer's
-  reservation needs, made by evicting ready entries nobody holds, least recently
-  used first: the user's own first, to keep them in their quota, then any, to keep
-  the cache in its capacity and the disk above its floor; or refused with the sizes.
-- **Protected keys** (:meth:`Admission.protected`): leased (by any of their names),
-  being staged, or being packed to be sent: never evicted.
-- **Slots** (:class:`FairQueue`): round-robin between users, so one user's hundred
-  queued stagings delay another's one by at most one staging per slot. In the node
-  service each user runs at most ``max_stagings_per_user`` at once and queues at most
-  ``max_queued_per_user`` (429 past it). A prefetch is **low**: it runs only when no
-  other staging is queued, at most ``prefetch_max_running`` at once, and stays low
-  while every live name on it is a prefetch's.
+- **Room** (:meth:`Admission.make_room`): evicting ready entries nobody holds, least
+  recently used first, the user's own first for their quota, then any for the cache's
+  capacity and the disk's floor; or refused with the sizes. Room promised to
+  transfers and not written yet is not free; neither is space evicted datasets still
+  hold (stager.engine.held_space). Both count against their user's quota.
+- **Protected keys** (:meth:`Admission.protected`): leased, staging or being packed.
+- **Slots** (:class:`FairQueue`): round-robin between users, per-user caps on running
+  and queued stagings (429 past them); a prefetch's staging is low.
 - **Prefetch budgets** (:meth:`Admission.check_prefetch`): refused before anything is
   queued, named or written.
 
-Room promised to transfers and not written yet (the fan-out room's ``held``) is not
-free; neither is space evicted datasets still hold (stager.engine.held_space). Both
-count against their user's quota.
+docs/multiuser.md, "Fair use of the node", holds the rules and their reasons.
 """
 
 from __future__ import annotations

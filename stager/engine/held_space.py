@@ -1,18 +1,13 @@
 """Space an eviction did not free: on its owner's books until the kernel frees it.
 
-An evicted dataset's data leaves the books at once, but two things keep its blocks
-in use after its names are gone:
-
-* **A lazily unmounted image** a process still reads: its file is moved to
-  ``partial/held-<uid>-<key>-<hex><suffix>`` (the name says whose it is) and deleted
-  once nothing holds it open, which a write lease (``F_SETLEASE``, granted only to a
-  file's sole opener) tells: the loop device, the file-backed mount and a FUSE reader
-  each hold the image open until the mount is really gone (a lazily detached mount
-  is already missing from ``/proc/self/mountinfo``, so that cannot tell).
-* **A deleted tree with files still open** (or mapped): found by their
-  ``/proc/<pid>/fd`` and ``map_files`` links as soon as the tree is moved aside.
-
-Each is a :class:`Record`, charged to its owner (``None``: shared) until the periodic
+Two things keep an evicted dataset's blocks in use: a lazily unmounted image a process
+still reads, whose file is moved to ``partial/held-<uid>-<key>-<hex><suffix>`` (the
+name says whose) and deleted once a write lease (``F_SETLEASE``, granted only to a
+file's sole opener) says nothing holds it (the loop device, the file-backed mount and a
+FUSE reader hold it until the mount is really gone; a lazily detached mount is already
+missing from ``/proc/self/mountinfo``); and a deleted tree's files still open or mapped,
+found by their ``/proc/<pid>/fd`` and ``map_files`` links once the tree is moved aside.
+Each is a :class:`Record` charged to its owner (``None``: shared) until
 :meth:`HeldSpace.sweep` finds it freed. Records are never stored: a start finds them
 again (held images by their names, open deleted files under the trash).
 """

@@ -1,16 +1,11 @@
-"""Early parts: files a staging finished, sent to the other nodes while it stages the rest.
-
-Sending only once the staging is ready would add the whole send to the job's time,
-while the staging is bound by the storage link and the cores sit idle; so what is
-finished goes as it goes, and at the end only what changed or came since remains
-(docs/multinode.md).
+"""Early parts: files a staging finished, sent to the other nodes while it stages the
+rest, so the send overlaps the storage read (docs/multinode.md, "early parts").
 
 A file is finished once its ctime is ``STABLE_S`` old (the kernel sets ctime, and no
-call sets it back), and is remembered with its identity (inode, size, mtime, ctime)
-as it was before it was read. The ready tree is walked again at the end: any file
-with another identity goes in the final parts, and the receivers check everything
-against the manifest built from the ready tree: sending early is never trusted, only
-faster.
+call sets it back), and is remembered with its identity as it was before it was read.
+The ready tree is walked again at the end: a file with another identity goes in the
+final parts, and the receivers check everything against the ready tree's manifest:
+sending early is never trusted, only faster.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""A daemon's share of multi-node fan-out (docs/multinode.md): its books and the room
-on its cache disk that broadcasts take.
-
-- deliveries: room reserved for what another node sbcasts here (``incoming/``); one a
-  staging adopts is *claimed*: kept, and counted, until that staging ends;
-- exports: datasets packed to be sent (``outgoing/``), part by part, each with its plan.
-
-Both count as promised room in admission until they are gone, so a broadcast never
-fills the disk behind the cache's back; both expire, and a restart deletes them. The
-engine calls in through one hook per phase (``arrival``, ``held``, ``admitted``,
-``staging_starts``/``staging_ends``, ``export``); the API's reservations come directly.
+"""A daemon's share of multi-node fan-out (docs/multinode.md): its books and the room on
+its cache disk that broadcasts take: deliveries (room reserved for what another node
+sbcasts here, ``incoming/``; one a staging adopts is *claimed*, kept and counted until
+that staging ends) and exports (datasets packed to be sent, ``outgoing/``). Both count
+as promised room in admission until they are gone, both expire, and a restart deletes
+them. The engine calls in through one hook per phase (``arrival``, ``held``,
+``admitted``, ``staging_starts``/``staging_ends``, ``export``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Where a cache entry lives under ``data/``: the one place that says it.
 
-* **Shared** entries, and a per-user daemon's trees: ``data/<key>`` (an image's file
-  beside it, ``data/<key>.erofs``); a per-user daemon's cache is its user's 0700 folder.
-* **A user's own copy** in the node service: ``data/u/<G>/dataset``, ``G`` an HMAC of
-  the key under the node's secret (``<cache>/secret``, root's 0600). Nobody else can
-  compute it from a key worked out from public facts, and it says neither whose nor
-  what, though the mount table (every user's) lists images' mount points and files.
-* ``data/u/`` is root's 0711. Each ``<G>``, the entry's **gate**, is root's with an ACL
-  that lets its user (not a group, which may hold others) search it and nobody else
-  anything, so no ``stat`` or ``ls`` tells another its size, entry count or times. One
-  gate per entry, so its link count and times say nothing of the user's others. What a
-  gate still says, by its ACL, to whoever learns its name from the mount table, is
-  whose it is (docs/multiuser.md).
-
-A private image is mounted from its file where the kernel can (EROFS, Linux 6.12+): a
-loop device's size is in ``/sys/block/loopN/size`` for all.
-
-**A user's own daemon**: its folder does not hide the mount table, where a mount point
-``data/<key>`` would tell anyone who worked out the key that its user holds that
-dataset; so a kind whose place is a mount lives behind a gate there too (under the
-user's own secret, their 0700 folders).
-
-An earlier release kept these at ``data/<key>`` (:meth:`Layout.old_place`); the
-registry moves them at its start.
+Shared entries, and a per-user daemon's trees: ``data/<key>`` (an image's file beside
+it). A user's own copy in the node service, and in a user's own daemon an entry whose
+kind's place is a mount: ``data/u/<G>/dataset``, behind a gate ``data/u/<G>`` that only
+its user may search, ``G`` an HMAC of the key under the node's secret (root's 0600), so
+that neither the mount table nor a ``stat`` of a key worked out from public facts tells
+whose data it is (docs/multiuser.md, "A user's own copy"). An earlier release kept
+these at ``data/<key>`` (:meth:`Layout.old_place`); the registry moves them at its start.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""One log line per state change of a dataset, in words an admin can act on.
-
-    queued      who asked, how much it will write
-    staging     a new attempt, or the same one resumed
-    ready       how long it took, its size
-    failed      the reason (the sentence the user sees)
-    cancelled   by a request
-    interrupted the daemon stopped; it resumes at the next start
-    resumed     the next start picked it up again
-    evicted     why: capacity, quota, a changed source, a request, gc
-
-A line names the dataset by its users' names and owners (``'inat' of alice``) and its
-key; the JSON format carries the same as fields. Reasons are redacted (a URL's token).
+"""One log line per state change of a dataset, in words an admin can act on (the events
+and what each says: docs/logging.md). A line names the dataset by its users' names and
+owners (``'inat' of alice``) and its key; the JSON format carries the same as fields.
+Reasons are redacted (a URL's token).
 """
 
 from __future__ import annotations

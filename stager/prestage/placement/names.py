@@ -1,12 +1,8 @@
 """The node feature of a ``#STAGER`` declaration: ``stg_`` and 8 hex digits of FNV-1a
-(32 bits) over the line's words, as the script has them (after ``#STAGER`` and its
-blanks, without trailing blanks). deploy/slurm/job_submit.lua computes the same at
-submit, in milliseconds and without asking stager, for the job's ``--prefer``.
-
-The words, not the parsed request: the lua cannot run the stage parser. Two spellings
-of one dataset are two features (each job still hits on the data; it is only not
-steered by the other spelling). No uid: the words name the source, so the same words
-are the same data, and one copy of data everyone may read serves every user's jobs.
+(32 bits) over the line's words as the script has them, which deploy/slurm/job_submit.lua
+computes the same at submit for the job's ``--prefer``. The words, not the parsed
+request (the lua cannot run the stage parser), and no uid: the same words are the same
+data (docs/prestaging.md, "Placement").
 """
 
 from __future__ import annotations

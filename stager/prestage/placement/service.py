@@ -1,14 +1,10 @@
 """The node service keeps this node's ``stg_`` features in Slurm: one per declared
 dataset it holds ready, so that job_submit.lua's ``--prefer`` steers jobs declaring it
-here (docs/prestaging.md, "Placement").
-
-- A request's ``#STAGER`` words name its data's feature once they are checked to
-  declare this very request: a user cannot tag a feature for data they did not ask for.
-- The feature stays while the data is ready here: at most ``slurm_node_features_max``
-  (the most recently used), ``slurm_node_features_per_user`` of one user's.
-- Slurm forgets run-time features at a reconfigure or restart: they are checked every
-  ``slurm_node_features_period_s`` and set again. A failed scontrol is logged and
-  retried, and never fails a request.
+here. A request's ``#STAGER`` words name its feature only once they are checked to
+declare that very request; features are bounded (``slurm_node_features_max``,
+``slurm_node_features_per_user``), set again every ``slurm_node_features_period_s``
+(Slurm forgets them at a reconfigure), and a failed scontrol never fails a request
+(docs/prestaging.md, "Placement").
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""``stager plan``: the planner as a service, pushing each interval's changes to the nodes.
-
-Every ``plan_interval_s``: one squeue call and the changes since the last interval,
-then one order per change, sent to the node's prefetch port with a fresh MUNGE
-credential over the order's sha256 (docs/prestaging.md, "Push or pull").
-
-Nothing here can hold or fail a job: an order is a wish the node may refuse. Sends run
-:data:`SENDS_AT_ONCE` at a time, each bounded by :data:`SEND_TIMEOUT_S`. An order not
-delivered (no answer, a 5xx or a 429) is sent again next interval; a refusal (any other
-4xx) is logged and not repeated.
+"""``stager plan``: the planner as a service (docs/prestaging.md, "The planner as a
+service"): every ``plan_interval_s`` one squeue call and the changes since the last
+interval, each an order to its node's prefetch port with a fresh MUNGE credential over
+the order's sha256. An order is a wish the node may refuse: sent :data:`SENDS_AT_ONCE`
+at a time, each bounded by :data:`SEND_TIMEOUT_S`; one not delivered (no answer, a 5xx,
+a 429) is sent again next interval, a refusal (any other 4xx) logged and not repeated.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Who may order a prefetch: Slurm's own identity, proven by MUNGE, for exactly this call.
 
 Whoever orders a prefetch chooses the uid a staging runs as, so the order must come
-from the identity Slurm runs as (root or SlurmUser). The call carries ``Authorization:
-Munge <credential>`` whose payload is ``{"what": "stager prefetch", "sha256": <the
-body's>}``; accepted only when this node's munged decodes it, its uid is root or
-SlurmUser, its time to live is at most ``prefetch_credential_ttl_s``, the hash is the
-body's, and the body names this node.
-
-**Used once** (docs/prestaging.md): an order is an action, and a replayed stage after
-its cancel would stage again for a job that went away. munged's replay status is
-refused, and since munged forgets on restart, the service keeps the used credentials
-(:class:`Seen`) on disk until each expires: at most ``SEEN_MAX``, past which calls are
-refused (forgetting the oldest would open the replay again).
+from root or SlurmUser: ``Authorization: Munge <credential>`` whose payload is
+``{"what": "stager prefetch", "sha256": <the body's>}``, decoded by this node's munged,
+within ``prefetch_credential_ttl_s``, over this body, naming this node. **Used once**
+(docs/prestaging.md): an order is an action, so besides munged's replay status
+(forgotten at its restart) the service keeps spent credentials (:class:`Seen`) on disk
+until they expire, at most ``SEEN_MAX`` (past it calls are refused: forgetting the
+oldest would open the replay again).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""The node service's TCP port for the planner's orders: ``POST /v1/prefetches``, and
-nothing else (``prefetch_listen``, docs/prestaging.md).
-
-The planner on the controller cannot reach the service's Unix socket. This port is not
-the API on TCP: a small ASGI app in the same loop, handing orders to the app's own
-:class:`Prefetches` (one book, one set of spent credentials, one lock). It answers:
-
-- ``POST /v1/prefetches`` with ``Authorization: Munge <credential>`` and a body of at
-  most :data:`ORDER_MAX_BYTES`: the order, proven as on the socket;
-- ``GET /v1/copies``, the same way with the planner's copy credential, and the asking
-  node's service's own (root's, ``X-Stager-Copy-Asker``, checked first, so a user who
-  got a copy credential cannot replay it): the ready tree of this node's prefetch as
-  one tar and its manifest, vouched for by this service;
-- without a credential: 401, before a byte of the body is read; a body over the bound
-  or of no stated length: 413 / 411, unread; one slower than ``header_timeout_s``: 408;
-- anything else: 404 with one fixed sentence. No dataset, metric, health or version
-  ever leaves this port.
-
-Every answer closes its connection. Its connections are bounded as the socket's are,
-with caps of their own (:data:`MAX_CONNECTIONS`).
+"""The node service's TCP port for the planner (``prefetch_listen``): a small ASGI app on
+the daemon's loop, not the API on TCP, handing to the app's own :class:`Prefetches`
+``POST /v1/prefetches`` (an order) and ``GET /v1/copies`` (another planned node's copy
+of this node's prefetch, proven by the asking service's own credential first, then the
+planner's copy credential). A call without a credential is 401 before its body is
+read; a body over :data:`ORDER_MAX_BYTES` or of no stated length 413/411, unread; one
+slower than ``header_timeout_s`` 408; anything else 404 with one fixed sentence. Every
+answer closes its connection; connections are capped (:data:`MAX_CONNECTIONS`). The
+threats it answers: docs/prestaging.md, "Threats on the port".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The node side of a prefetch: stage a job's declared dataset as the job's user, before
-the job starts, through the very path that user's own request takes.
-
-A proven order becomes an ordinary ``Requests.submit`` as the job's user, named
-``prefetch-JOB-DATASET``: the same checks, quota and cache key as the user's own
-request, so what the user may not read fails, and the job's own request is a hit.
-Besides, a prefetch is low in the fair queue; holds a lease (``prefetch-job-JOB``)
-until it ends, so nobody's eviction takes it before its job starts; counts against a
-per-user and a per-node budget, checked before anything is queued; and ends once:
-**used** (its user's own request asks for its data, and keeps it), **wasted**
-(cancelled, expired unused or its name deleted: its data goes unless another name
-holds it) or **failed**.
+"""The node side of a prefetch: a proven order becomes an ordinary ``Requests.submit`` as
+the job's user, named ``prefetch-JOB-DATASET``, so it gets the same checks, quota and
+cache key as the user's own request, and the job's own request is a hit. Besides, it is
+low in the fair queue, holds a lease (``prefetch-job-JOB``) until it ends, counts
+against a per-user and a per-node budget, and ends once: **used**, **wasted** or
+**failed** (docs/prestaging.md, "The node side").
 """
 
 from __future__ import annotations

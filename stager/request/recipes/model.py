@@ -1,17 +1,10 @@
 """What a recipe file is: its schema, its tiny template language, and loading it.
 
-A recipe file (TOML) names the release files a dataset ships as, per split, and
-the steps that turn them into the layout a ``torchvision.datasets`` class loads.
-Strings in steps and usage may hold placeholders: ``{source}`` (the request's
-source folder), ``{split}`` (inside a split) and ``{<param>}``. A string that is
-exactly one placeholder becomes the parameter's value with its type (a bool, an
-int); anywhere else the value is pasted as text. That is the whole language:
-recipes stay data, and anything cleverer belongs in an op.
-
-Every recipe has three parameters without declaring them: ``splits`` (its split
-names; default ``default_splits``), ``mode`` (how archives travel: see
-``stager.ops.unpack``) and ``verify_md5``. A file may declare more under
-``[params.<name>]``, or redeclare ``mode``/``verify_md5`` to change a default.
+A recipe file (TOML) names the release files a dataset ships as, per split, and the
+steps that turn them into the layout a ``torchvision.datasets`` class loads; its
+placeholders (``{source}``, ``{split}``, ``{<param>}``) are the whole template
+language (docs/recipes.md): recipes stay data, and anything cleverer belongs in an op.
+Every recipe has the parameters of :func:`builtin_params` without declaring them.
 """
 
 from __future__ import annotations
