@@ -1,12 +1,8 @@
-"""An image dataset sent whole (docs/multinode.md): a copy of its image file in the
-export's folder, for one ``sbcast``. Blocking.
-
-A copy, not the file or a hard link: sbcast runs as the job's user, a private image's
-file is root's 0400, and a hard link's chown or even its link count would change the
-ctime every hit checks. Its sha256 is of the very bytes written. A shared image's copy
-stays the service's (0444); a private one's is its user's (0400), who can then spoil
-only their own delivery, which the receivers' check of the service's hash refuses. The
-published file is checked against its recorded stamps before and after the copy.
+"""An image dataset sent whole: a copy of its image file in the export's folder, for one
+``sbcast``. Blocking. A copy, not the file or a hard link (sbcast runs as the job's
+user; a private image's file is root's 0400; a link would change the ctime every hit
+checks), hashed as it is written, the published file checked against its stamps before
+and after; the reasons and modes: docs/multinode.md, "the image".
 """
 
 from __future__ import annotations
