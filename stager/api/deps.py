@@ -9,13 +9,13 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 
-from stager.core.errors import StagerError
 from stager.core.identity import SCOPE_KEY, Caller
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.names import Names
 from stager.engine.requests import Requests
 from stager.engine.scheduler import Engine
+from stager.prestage.prefetch.authority import NotAuthorized
 
 
 def _state(name: str) -> Any:
@@ -27,11 +27,6 @@ def _state(name: str) -> Any:
     return Depends(get)
 
 
-class Unauthorized(StagerError):
-    type = "unauthorized"
-    status = 401
-
-
 async def get_caller(request: Request) -> Caller:
     """Who asks: the kernel's word for the connection (SO_PEERCRED, read by the server)
     in the node service; the daemon's own user otherwise (its socket is 0700)."""
@@ -39,7 +34,7 @@ async def get_caller(request: Request) -> Caller:
     if caller is not None:
         return caller
     if request.app.state.settings.multi_user:
-        raise Unauthorized(
+        raise NotAuthorized(
             "the node service could not tell who is asking (no peer credentials on this "
             "connection); connect over its Unix socket"
         )

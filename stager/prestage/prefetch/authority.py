@@ -45,7 +45,8 @@ _EXPIRED, _REWOUND, _REPLAYED = 15, 16, 17
 
 
 class NotAuthorized(StagerError):
-    """401: a prefetch call without a valid credential of root or SlurmUser."""
+    """401: a prefetch call without a valid credential of root or SlurmUser, or an API
+    call whose caller the node service cannot tell (stager.api.deps)."""
 
     type = "unauthorized"
     status = 401
