@@ -1,13 +1,9 @@
-"""Fingerprints of a request's sources, part of the cache key.
-
-Only what every node sees alike counts: path, size and mtime (FUSE network
-filesystems number inodes per client, and a multi-node job finds a node's copy by its
-key). Trees get a cheap fingerprint (the root and its children) or a deep one (every
-file): on a network filesystem a deep walk of ImageNet costs minutes.
-
-Each entry's line is hashed on its own and the hashes are summed (modulo 2**512), so
-the order a folder lists doesn't matter and nothing is sorted or kept. Only folders are
-opened: ``stat`` of a FIFO or a device does not wait on it.
+"""Fingerprints of a request's sources, part of the cache key: path, size and mtime of
+each source, and of a tree's top level (cheap) or every file (deep); what every node
+sees alike, no inode (docs/cache.md). Each entry's line is hashed on its own and the
+hashes are summed (modulo 2**512), so the order a folder lists doesn't matter and
+nothing is sorted or kept. Only folders are opened: ``stat`` of a FIFO or a device
+does not wait on it.
 """
 
 from __future__ import annotations
