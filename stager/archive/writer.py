@@ -173,7 +173,7 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
     label = label if label is not None else name
     if "\0" in name:
         raise unsafe(archive, label, NUL_IN_NAME)
-    if name.startswith("/") or name.startswith("\\") or _has_drive(name):
+    if name.startswith(("/", "\\")) or (name[1:2] == ":" and name[0].isalpha()):
         raise unsafe(archive, label, "absolute path")
     parts = [p for p in name.split("/") if p]
     if strip:
@@ -334,9 +334,8 @@ def write_file(job: _FileJob, verify: str | None = None, wrote: Wrote = _uncount
 
 
 def _create(path: str, mode: int) -> tuple[int, int]:
-    """A new file at ``path``, and the bytes of what was there: whatever it was (an
-    earlier copy of this member, a leftover of an interrupted run) is unlinked first,
-    never written into, so a hard link to it keeps its content, as with GNU tar."""
+    """A new file at ``path``, and the bytes of what it replaced (unlinked, never
+    written into: see the module's docstring)."""
     try:
         return os.open(path, _CREATE_FLAGS, mode), 0
     except FileExistsError:
@@ -849,7 +848,3 @@ class ArchiveWriter:
                     if os.path.islink(self._path(name)):
                         os.unlink(self._path(name))
                 raise unsafe(self.archive, rel, "symlink chain resolves outside the destination")
-
-
-def _has_drive(name: str) -> bool:
-    return len(name) >= 2 and name[1] == ":" and name[0].isalpha()
