@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 from stager.core.errors import UnsafeArchiveMember, VerifyFailed
 from stager.core.processes import ThreadPool
-from stager.fs.fastcopy import READ_CHUNK, copy_range
+from stager.fs.fastcopy import READ_CHUNK, copy_range, write_all
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
 from stager.wire.progress import ProgressSink, report_written
 
@@ -352,12 +352,6 @@ def _remove(path: str) -> int:
     nbytes = sum_sizes(path)
     shutil.rmtree(path)
     return nbytes
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _write_payload(fd: int, payload: Payload, digest: Any, wrote: Wrote) -> int:

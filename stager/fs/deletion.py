@@ -4,11 +4,11 @@ Only trees no user may write come here (a user's own folder is emptied by the us
 process: stager.staging.publish.empty_own_folder); each piece is reached from a folder
 held open, never through a link.
 
-The tree is split into its top folders and handed to one ``rm -rf`` per core: folders
-are unlinked side by side, the daemon spends no CPU and holds no GIL, and a stop kills
-them at once (what is left is an orphan the next start removes). Small or flat trees,
-and machines without ``rm``, are deleted here, one ``unlinkat`` per file relative to
-its folder's descriptor (which also opens up read-only folders ``rm`` cannot empty).
+The tree's top folders go to one ``rm -rf`` per core (why: docs/performance.md,
+"Delete"), and a stop kills them at once (what is left is an orphan the next start
+removes). Small or flat trees, machines without ``rm``, and what ``rm`` left (a
+read-only folder) are deleted here, one ``unlinkat`` per file relative to its
+folder's descriptor.
 """
 
 from __future__ import annotations

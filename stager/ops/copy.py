@@ -1,20 +1,12 @@
 """The ``copy`` op: a file or a directory tree into the dataset.
 
-Why it looks like this (the per-file costs are in docs/performance.md):
-
-- The tree is walked on the staging process (:func:`stager.fs.sources.walk`) and its
-  files go out in chunks to forked workers, one per core (:mod:`stager.fs.forked`):
-  per-file work is system calls wrapped in Python, and processes share no GIL. Small
-  trees are copied on the walking process; the workers start once a tree proved
-  large. A source on a network filesystem (:mod:`stager.fs.mounts`) is bound by round
-  trips: there NETWORK_IN_FLIGHT processes copy from the first file.
-- Each file is copied by :mod:`stager.fs.file_copy`, checked afterwards against what
-  the walk saw, its mtime set last so that a restart can trust what it finds.
-- A FIFO, socket or device is never opened: refused by name, or left out with
-  ``special: "skip"``. With ``--allowed-root``, every link, through any chain, must
-  resolve inside the roots.
-- Links inside the tree are recreated as relative links; links out of it are
-  followed (their target will not exist on the node); dangling links are kept.
+The tree is walked on the staging process and its files go out in chunks to forked
+workers (:mod:`stager.fs.forked`), each copied by :mod:`stager.fs.file_copy`; why,
+and the per-file costs: docs/performance.md ("Copy"). A FIFO, socket or device is
+never opened: refused by name, or left out with ``special: "skip"``. With
+``--allowed-root``, every link, through any chain, must resolve inside the roots.
+Links inside the tree are recreated as relative links; links out of it are followed
+(their target will not exist on the node); dangling links are kept.
 """
 
 from __future__ import annotations
@@ -149,9 +141,7 @@ def _translate(exc: OSError, source: str, dataset: os.PathLike[str] | None = Non
     caller's to fix (BadRequest's family), the rest the shared staging sentence. A
     refused open outside the ``dataset`` being written is the source's."""
     name = exc.filename
-    in_source = isinstance(name, str) and (
-        name == source or name.startswith(source.rstrip("/") + "/")
-    )
+    in_source = isinstance(name, str) and within(name, source)
     inside = dataset is not None and isinstance(name, str) and name.startswith(f"{dataset}/")
     read = isinstance(name, str) and not inside
     if in_source and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):

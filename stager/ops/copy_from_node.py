@@ -32,6 +32,7 @@ from stager.core import processes, vouch
 from stager.core.errors import VerifyFailed
 from stager.core.settings import host_port
 from stager.fs import manifest as manifests
+from stager.fs.fastcopy import write_all
 from stager.ops.base import CheckContext, OpContext, StepParams
 from stager.wire import manifest_format
 from stager.wire.schemas import MAX_BYTES, TRANSFER_TTL_MAX_S
@@ -216,9 +217,7 @@ def _receive(
                 f"the copy from {step.origin_node} ended {left} bytes short; this node's job "
                 "stages from the source at its start"
             )
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         left -= len(data)
 
 
