@@ -57,11 +57,15 @@ def delete_tree(path: Path | str, stop: StopFlag | threading.Event) -> bool:
         if RM is not None and len(pieces) >= SPLIT_MIN_PIECES:
             if not _delete_with_rm(top.fd, pieces, stop):
                 return False
+        # What is left: the folders above the pieces, or everything when not split, or
+        # whatever rm could not remove (a read-only folder as a non-root user).
+        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
+    except _Stopped:
+        return False
     finally:
         os.close(top.fd)
-    # What is left: the folders above the pieces, or everything when not split, or
-    # whatever rm could not remove (a read-only folder as a non-root user).
-    return _delete_here(path, stop)
+    os.rmdir(path)
+    return True
 
 
 def _split(top: Folder) -> list[str]:
@@ -122,21 +126,6 @@ def _delete_with_rm(top: int, pieces: list[str], stop: StopFlag | threading.Even
             if process.poll() is None:
                 process.kill()
                 process.wait()
-
-
-def _delete_here(path: str, stop: StopFlag | threading.Event) -> bool:
-    try:
-        top = open_top_unconfined(path)
-    except FileNotFoundError:
-        return True
-    try:
-        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
-    except _Stopped:
-        return False
-    finally:
-        os.close(top.fd)
-    os.rmdir(path)
-    return True
 
 
 class _Stopped(Exception):
