@@ -60,10 +60,7 @@ from stager.wire.progress import ProgressSink, report_written
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-# 1,024 files a batch: a process pool's per-batch cost (a future, a pickle, hand-offs)
-# paid once per 1,024 small files; with folders of ~1,000 files, two workers mostly
-# write into different folders instead of taking turns on one folder's lock.
-_BATCH_FILES = 1024
+_BATCH_FILES = 1024  # why 1,024: docs/performance.md ("Extract", the rules)
 BATCH_BYTES = 8 << 20  # of payloads held in memory (compressed archives)
 # Members up to this size are written from one read of the archive per batch (a write
 # each, like GNU tar) rather than one copy_file_range each; both cost the same in the
