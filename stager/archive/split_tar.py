@@ -51,9 +51,8 @@ CHUNK_BYTES = 4 << 20
 # A chunk ends where a new folder starts once it holds this many files: two tars
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
-# From ~8 KiB a file the ordered writer is faster (copy_file_range; through the tars'
-# pipes every byte is copied twice more): once the files sent average more than SMALL
-# bytes (judged from SAMPLE_FILES on), the writer takes the rest.
+# Once the files sent average more than SMALL bytes (judged from SAMPLE_FILES on), the
+# writer takes the rest: it is faster from ~8 KiB a file (docs/performance.md).
 SMALL = 4 << 10
 SAMPLE_FILES = 256
 # Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
@@ -332,9 +331,8 @@ class _Tars:
     def _drain(self, ahead: int) -> None:
         """Pump until at most ``ahead`` bytes wait for the tars: the headers read here
         stay close to what the tars read, so the archive's pages are read once even
-        where it is larger than the memory. A pipe holds ~1 MiB, a few milliseconds of
-        a tar's work: a nap between pumps keeps them fed, where waiting for room in a
-        pipe would wake this thread for every page a tar reads."""
+        where it is larger than the memory. Naps between pumps, not a wait for room in a
+        pipe, which wakes for every page a tar reads (docs/performance.md)."""
         self._pump()
         while sum(tar.waiting for tar in self._tars if tar.pipe >= 0) > ahead:
             time.sleep(_NAP_S)

@@ -69,15 +69,13 @@ class CopyStep(StepParams):
 BATCH_FILES = 256
 BATCH_BYTES = 64 * 1024 * 1024
 # Once a tree proved large, chunks grow up to this many files, each at most
-# 1/CHUNKS_SEEN of the files seen so far (the last chunk stays a small part): at 256
-# files a chunk, hand-overs took a third of the walk's time (docs/performance.md).
+# 1/CHUNKS_SEEN of the files seen so far (why: docs/performance.md, "Copy").
 LARGE_BATCH_FILES = 1024
 CHUNKS_SEEN = 16
 # Trees with fewer files are copied on the walking process: a fork costs more.
 PARALLEL_AFTER_FILES = 2_000
-# Processes copying at once from a network filesystem, from the first file: there a
-# file's time is round trips that use no CPU, so more in flight than cores overlap
-# them (docs/benchmarks.md); in smaller chunks, so a few hundred files keep all busy.
+# Processes copying at once from a network filesystem, from the first file, in smaller
+# chunks: its files wait on round trips, not the CPU (docs/performance.md, "Copy").
 NETWORK_IN_FLIGHT = 8
 NETWORK_BATCH_FILES = 32
 # How long check() may walk a source tree to estimate its size (the request waits; the
