@@ -12,10 +12,9 @@ Nested archives inside a plain tar (ImageNet's class tars) are read in place, ea
 extracted whole by one worker; inside a compressed tar or a zip they are written as
 files first, extracted and removed once the outer archive is done.
 
-What it leaves is counted as written (the writer's ``made``), so a fresh tree is
-sealed without a ``stat`` of each file. Where an inner archive was extracted the
-count is None (it writes under folders the outer one may replace) and the tree is
-measured instead.
+What it leaves is counted as written (the writer's ``made``; why: docs/performance.md,
+"No second look"), except where an inner archive was extracted (it writes under
+folders the outer one may replace): that tree is measured.
 """
 
 from __future__ import annotations

@@ -147,17 +147,11 @@ def open_decompressed(raw: BinaryIO, fmt: str, read_ahead: bool = False) -> Bina
 
 
 def estimate_output(path: str, fmt: str, size: int, raw: BinaryIO) -> int:
-    """Bytes extraction will write, for the free-space check before staging.
-
-    tar and zip: the archive size (tar adds headers and padding, zip's members
-    are mostly stored for media datasets; both are close upper bounds).
-    tar.gz: gzip's trailer holds the size modulo 4 GiB; take the smallest value
-    with that remainder that is at least the archive size, which is exact for
-    single-member archives of incompressible data (images) and below 4 GiB.
-    tar.zst: the frame header's content size when the writer recorded it.
-    Otherwise (bz2, xz, zst without size): twice the archive size, between
-    images (about 1x) and text (3-5x).
-    """
+    """Bytes extraction will write, for the free-space check before staging: a tar's or
+    zip's own size (a close upper bound: media are mostly stored); a tar.gz's trailer
+    size (modulo 4 GiB: the smallest such value at least the archive's size, exact for
+    one member of incompressible data); a tar.zst's frame content size when recorded;
+    else twice the archive's size (images compress ~1x, text 3-5x)."""
     if fmt in ("tar", "zip"):
         return size
     if fmt == "tar.gz" and size >= 18:

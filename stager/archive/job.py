@@ -27,6 +27,7 @@ from isal import isal_zlib
 from stager.archive.formats import archive_suffix
 from stager.archive.writer import NUL_IN_NAME, WriterContext, unsafe
 from stager.core.errors import CorruptArchive, StagerError, StagingIOError, UnknownFormat
+from stager.fs.sources import within
 from stager.wire.progress import ProgressSink
 
 _CORRUPT = (
@@ -168,21 +169,17 @@ def judge_link(rel: str, target: str, hard: bool, root: str, archive: str, label
     # The link's own place: its folder as it resolves, and its name, which it replaces.
     head, name = os.path.split(rel)
     place = os.path.join(os.path.realpath(os.path.join(top, head)), name)
-    if not _within(place, top):
+    if not within(place, top):
         raise unsafe(archive, label, f"{rel!r} would be made at {place!r}, {OUTSIDE}")
     if os.path.isabs(target):
         raise unsafe(archive, label, f"{rel!r} is a link to an absolute path")
     base = top if hard else os.path.join(top, head)
     resolved = os.path.realpath(os.path.join(base, target))
-    if not _within(resolved, top):
+    if not within(resolved, top):
         raise unsafe(archive, label, f"{rel!r} would link to {resolved!r}, {OUTSIDE}")
 
 
 OUTSIDE = "which is outside the destination"
-
-
-def _within(path: str, top: str) -> bool:
-    return os.path.commonpath([path, top]) == top
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from stager.archive import tar_members
 from stager.archive.writer import PATH_MAX
 from stager.core.errors import VerifyFailed
 from stager.fs.file_copy import remove
-from stager.fs.manifest import Digests, folder_of, open_listed
+from stager.fs.manifest import Digests, folder_of, identity, open_listed
 from stager.fs.seal import FILE_MODE
 from stager.wire.manifest_format import HASH_CHUNK, Manifest
 
@@ -359,7 +359,7 @@ def finish(tree: Path, assembly: Assembly, digests: Digests) -> None:
             finally:
                 os.close(folder)
             try:
-                if _identity(os.fstat(fd)) == done.identity:
+                if identity(os.fstat(fd)) == done.identity:
                     os.fchmod(fd, FILE_MODE)
                     digests.remember(path, os.fstat(fd), (done.size, done.sha.hexdigest()))
             finally:
@@ -385,14 +385,14 @@ def _place(
             _move(top, _relative(moved, label), folder, name, assembly, path, label)
         if offset == 0:
             fd = _create(folder, name)
-            assembly.files[path] = _Assembling(0, hashlib.sha256(), _identity(os.fstat(fd)))
+            assembly.files[path] = _Assembling(0, hashlib.sha256(), identity(os.fstat(fd)))
         elif path in assembly.files:
             fd = os.open(name, _APPEND_FLAGS, dir_fd=folder)
         else:
             raise VerifyFailed(f"{label}: a range of {path!r} at byte {offset} came first")
         try:
             done = assembly.files[path]
-            if _identity(os.fstat(fd)) != done.identity or done.size != offset:
+            if identity(os.fstat(fd)) != done.identity or done.size != offset:
                 raise VerifyFailed(
                     f"{label}: the range of {path!r} at byte {offset} does not continue "
                     "the file its earlier ranges wrote"
@@ -406,17 +406,13 @@ def _place(
                     written = os.pwrite(fd, view, done.size)
                     view, done.size = view[written:], done.size + written
             os.utime(fd, (member.mtime, member.mtime))
-            done.identity = _identity(os.fstat(fd))
+            done.identity = identity(os.fstat(fd))
         finally:
             os.close(fd)
     except OSError as exc:
         raise VerifyFailed(f"{label}: cannot write the range of {path!r} ({exc})") from exc
     finally:
         os.close(folder)
-
-
-def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
-    return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 def _relative(name: str, label: str) -> str:
@@ -460,7 +456,7 @@ def _move(
     try:
         info = os.stat(old_name, dir_fd=old_folder, follow_symlinks=False)
         done = assembly.files.get(old)
-        if done is None or _identity(info) != done.identity:
+        if done is None or identity(info) != done.identity:
             raise VerifyFailed(f"{label}: {path!r} continues {old!r}, which came otherwise")
         try:
             if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
@@ -468,7 +464,7 @@ def _move(
         except FileNotFoundError:
             pass
         os.rename(old_name, name, src_dir_fd=old_folder, dst_dir_fd=folder)
-        done.identity = _identity(os.stat(name, dir_fd=folder, follow_symlinks=False))
+        done.identity = identity(os.stat(name, dir_fd=folder, follow_symlinks=False))
         assembly.files[path] = assembly.files.pop(old)
     finally:
         os.close(old_folder)

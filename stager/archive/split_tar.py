@@ -1,28 +1,20 @@
-"""A large plain tar's plain files, written by GNU tars side by side.
+"""A large plain tar's plain files, written by GNU tars side by side: the reading
+process checks headers and makes folders, and ``cores`` tars get whole runs of members
+through pipes (why, and when it pays: docs/performance.md).
 
-Why: a small member costs GNU tar ~4 us of one core (open, write, utimes, close);
-the ordered writer (:mod:`stager.archive.writer`) costs ~10 us of Python and
-system calls spread over two, so on a two-core node it loses to one ``tar -xf``
-of a 200,000-file archive. Here the reading process only checks headers and makes
-folders, and the files go to ``cores`` GNU tar processes through pipes, each
-given whole runs of members.
-
-Why what a tar writes is exactly what was checked here: every header is checked
-here (a ustar or GNU header with a good checksum, a regular file or a folder, octal
-numbers as GNU tar reads them, a clean relative name, data inside the archive)
-before it is sent, and a tar reads those very bytes (the window they were checked
-in, written into its pipe), whole members only. Only a file's data past the window
-is spliced from the archive, so an archive rewritten meanwhile changes at most a
-file's content, never what a member is, and the op's check that the archive did
-not change fails the staging. Folders are made here, in archive order, so a tar
-never creates one.
+What a tar writes is exactly what was checked here: every header is checked (a ustar
+or GNU header with a good checksum, a regular file or a folder, octal numbers as GNU
+tar reads them, a clean relative name, data inside the archive) and a tar reads those
+very bytes (the window they were checked in); only a file's data past the window is
+spliced from the archive, so an archive rewritten meanwhile changes at most a file's
+content (which the op's own check then fails), never what a member is. Folders are
+made here, in archive order, so a tar never creates one.
 
 What may differ from the ordered writer is refused rather than reasoned about: the
-destination starts empty and the tars run with ``--keep-old-files``, so a name
-written twice fails a tar; then everything here is removed and the ordered writer
-extracts the whole archive. A mode not readable by everyone, or with a set-id or
-sticky bit, ends the run (the tars' ``umask 0333`` must give 0444), as does any
-other kind of member (a link, a pax or long-name header, a sparse file): the ordered
+destination starts empty and the tars run with ``--keep-old-files``, so a name written
+twice fails a tar; everything here is then removed and the ordered writer extracts
+the whole archive. Any other member (a link, a pax or long-name header, a sparse
+file, a mode the tars' ``umask 0333`` would not make 0444) ends the run: the ordered
 writer goes on from it, knowing the folders made here.
 """
 
@@ -59,9 +51,8 @@ CHUNK_BYTES = 4 << 20
 # A chunk ends where a new folder starts once it holds this many files: two tars
 # creating files in one folder take turns on its lock, in different folders they do not.
 FOLDER_CHUNK_FILES = 256
-# From ~8 KiB a file the ordered writer is faster (copy_file_range; through the tars'
-# pipes every byte is copied twice more): once the files sent average more than SMALL
-# bytes (judged from SAMPLE_FILES on), the writer takes the rest.
+# Once the files sent average more than SMALL bytes (judged from SAMPLE_FILES on), the
+# writer takes the rest: it is faster from ~8 KiB a file (docs/performance.md).
 SMALL = 4 << 10
 SAMPLE_FILES = 256
 # Bytes found here that the tars have not taken yet, at most (see _Tars._drain); most
@@ -340,9 +331,8 @@ class _Tars:
     def _drain(self, ahead: int) -> None:
         """Pump until at most ``ahead`` bytes wait for the tars: the headers read here
         stay close to what the tars read, so the archive's pages are read once even
-        where it is larger than the memory. A pipe holds ~1 MiB, a few milliseconds of
-        a tar's work: a nap between pumps keeps them fed, where waiting for room in a
-        pipe would wake this thread for every page a tar reads."""
+        where it is larger than the memory. Naps between pumps, not a wait for room in a
+        pipe, which wakes for every page a tar reads (docs/performance.md)."""
         self._pump()
         while sum(tar.waiting for tar in self._tars if tar.pipe >= 0) > ahead:
             time.sleep(_NAP_S)

@@ -53,17 +53,14 @@ from typing import Any, Protocol
 
 from stager.core.errors import UnsafeArchiveMember, VerifyFailed
 from stager.core.processes import ThreadPool
-from stager.fs.fastcopy import READ_CHUNK, copy_range
+from stager.fs.fastcopy import READ_CHUNK, copy_range, write_all
 from stager.fs.sizes import FOLDER_BYTES, entry_bytes, sum_sizes
 from stager.wire.progress import ProgressSink, report_written
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-# 1,024 files a batch: a process pool's per-batch cost (a future, a pickle, hand-offs)
-# paid once per 1,024 small files; with folders of ~1,000 files, two workers mostly
-# write into different folders instead of taking turns on one folder's lock.
-_BATCH_FILES = 1024
+_BATCH_FILES = 1024  # why 1,024: docs/performance.md ("Extract", the rules)
 BATCH_BYTES = 8 << 20  # of payloads held in memory (compressed archives)
 # Members up to this size are written from one read of the archive per batch (a write
 # each, like GNU tar) rather than one copy_file_range each; both cost the same in the
@@ -173,7 +170,7 @@ def clean_name(archive: str, name: str, strip: int, label: str | None = None) ->
     label = label if label is not None else name
     if "\0" in name:
         raise unsafe(archive, label, NUL_IN_NAME)
-    if name.startswith("/") or name.startswith("\\") or _has_drive(name):
+    if name.startswith(("/", "\\")) or (name[1:2] == ":" and name[0].isalpha()):
         raise unsafe(archive, label, "absolute path")
     parts = [p for p in name.split("/") if p]
     if strip:
@@ -334,9 +331,8 @@ def write_file(job: _FileJob, verify: str | None = None, wrote: Wrote = _uncount
 
 
 def _create(path: str, mode: int) -> tuple[int, int]:
-    """A new file at ``path``, and the bytes of what was there: whatever it was (an
-    earlier copy of this member, a leftover of an interrupted run) is unlinked first,
-    never written into, so a hard link to it keeps its content, as with GNU tar."""
+    """A new file at ``path``, and the bytes of what it replaced (unlinked, never
+    written into: see the module's docstring)."""
     try:
         return os.open(path, _CREATE_FLAGS, mode), 0
     except FileExistsError:
@@ -353,12 +349,6 @@ def _remove(path: str) -> int:
     nbytes = sum_sizes(path)
     shutil.rmtree(path)
     return nbytes
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _write_payload(fd: int, payload: Payload, digest: Any, wrote: Wrote) -> int:
@@ -849,7 +839,3 @@ class ArchiveWriter:
                     if os.path.islink(self._path(name)):
                         os.unlink(self._path(name))
                 raise unsafe(self.archive, rel, "symlink chain resolves outside the destination")
-
-
-def _has_drive(name: str) -> bool:
-    return len(name) >= 2 and name[1] == ":" and name[0].isalpha()

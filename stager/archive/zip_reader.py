@@ -16,8 +16,9 @@ from typing import Any
 
 from stager.archive.formats import STREAM_CHUNK
 from stager.archive.job import Archive, ExtractJob, RangeFile, judge_link, nested_suffix
-from stager.archive.writer import ArchiveWriter, Wrote, clean_name, unsafe, write_all
+from stager.archive.writer import ArchiveWriter, Wrote, clean_name, unsafe
 from stager.core.errors import UnknownFormat
+from stager.fs.fastcopy import write_all
 from stager.fs.seal import FILE_MODE
 
 _ZIP_UTF8 = 0x800

@@ -4,11 +4,11 @@ Only trees no user may write come here (a user's own folder is emptied by the us
 process: stager.staging.publish.empty_own_folder); each piece is reached from a folder
 held open, never through a link.
 
-The tree is split into its top folders and handed to one ``rm -rf`` per core: folders
-are unlinked side by side, the daemon spends no CPU and holds no GIL, and a stop kills
-them at once (what is left is an orphan the next start removes). Small or flat trees,
-and machines without ``rm``, are deleted here, one ``unlinkat`` per file relative to
-its folder's descriptor (which also opens up read-only folders ``rm`` cannot empty).
+The tree's top folders go to one ``rm -rf`` per core (why: docs/performance.md,
+"Delete"), and a stop kills them at once (what is left is an orphan the next start
+removes). Small or flat trees, machines without ``rm``, and what ``rm`` left (a
+read-only folder) are deleted here, one ``unlinkat`` per file relative to its
+folder's descriptor.
 """
 
 from __future__ import annotations
@@ -57,11 +57,15 @@ def delete_tree(path: Path | str, stop: StopFlag | threading.Event) -> bool:
         if RM is not None and len(pieces) >= SPLIT_MIN_PIECES:
             if not _delete_with_rm(top.fd, pieces, stop):
                 return False
+        # What is left: the folders above the pieces, or everything when not split, or
+        # whatever rm could not remove (a read-only folder as a non-root user).
+        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
+    except _Stopped:
+        return False
     finally:
         os.close(top.fd)
-    # What is left: the folders above the pieces, or everything when not split, or
-    # whatever rm could not remove (a read-only folder as a non-root user).
-    return _delete_here(path, stop)
+    os.rmdir(path)
+    return True
 
 
 def _split(top: Folder) -> list[str]:
@@ -122,21 +126,6 @@ def _delete_with_rm(top: int, pieces: list[str], stop: StopFlag | threading.Even
             if process.poll() is None:
                 process.kill()
                 process.wait()
-
-
-def _delete_here(path: str, stop: StopFlag | threading.Event) -> bool:
-    try:
-        top = open_top_unconfined(path)
-    except FileNotFoundError:
-        return True
-    try:
-        walk(top, _Deleter(stop), special="skip", check=lambda: _check_stop(stop))
-    except _Stopped:
-        return False
-    finally:
-        os.close(top.fd)
-    os.rmdir(path)
-    return True
 
 
 class _Stopped(Exception):

@@ -21,11 +21,15 @@ _REFUSED_ERRNOS = frozenset(
 READ_CHUNK = 1 << 20  # the user-space path's buffer
 
 
-def _pread_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
-    data = os.pread(src_fd, min(count, READ_CHUNK), offset)
+def write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(dst_fd, view) :]
+        view = view[os.write(fd, view) :]
+
+
+def _pread_write(src_fd: int, dst_fd: int, offset: int, count: int) -> int:
+    data = os.pread(src_fd, min(count, READ_CHUNK), offset)
+    write_all(dst_fd, data)
     return len(data)
 
 

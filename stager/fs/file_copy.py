@@ -1,10 +1,10 @@
 """Copying files so that a change in the source is caught and a restart can trust what
 is there; the per-file half of the ``copy`` op (its walk is :mod:`stager.ops.copy`).
 
-- Seven system calls a file: ``openat`` of the source (``O_NOFOLLOW | O_NONBLOCK``: a
-  file swapped for a link or a FIFO is refused, never waited on), ``openat`` of the
-  destination (``O_CREAT | O_EXCL``), ``copy_file_range``, ``fstat``, ``futimens``,
-  two ``close``. The walk's ``fstatat`` is the "before" of the check.
+- Seven system calls a file (docs/performance.md); the source is opened
+  ``O_NOFOLLOW | O_NONBLOCK`` (a file swapped for a link or a FIFO is refused, never
+  waited on), the destination ``O_CREAT | O_EXCL``; the walk's ``fstatat`` is the
+  "before" of the check.
 - Data moves by the chain of :mod:`stager.fs.fastcopy`, in ``CHUNK`` pieces so
   progress and cancel are seen within a large file.
 - After the bytes moved, ``fstat`` of the source must show the size, mtime, ctime

@@ -125,17 +125,18 @@ class Digests:
     def known(self, path: str, info: os.stat_result) -> tuple[int, str] | None:
         """(size, sha256) of ``path`` if it was hashed as it is now (``info``), else None."""
         known = self._known.get(path)
-        return known[1] if known is not None and known[0] == _identity(info) else None
+        return known[1] if known is not None and known[0] == identity(info) else None
 
     def remember(self, path: str, info: os.stat_result, digest: tuple[int, str]) -> None:
         """``digest`` is what ``path`` held while it was ``info`` (stat before reading)."""
-        self._known[path] = (_identity(info), digest)
+        self._known[path] = (identity(info), digest)
 
     def update(self, other: Digests) -> None:
         self._known.update(other._known)
 
 
-def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+def identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    """What a write to a file changes (its inode, size, mtime or ctime)."""
     return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from stager.fs.sources import within
+
 # Filesystem types (mountinfo's field after " - ") whose reads cross a network. The
 # one list; a FUSE mount (``fuse.sshfs``, ``fuse.s3fs``, ``fuse.gcsfuse``...) counts
 # as remote too, whatever its subtype: FUSE's own round trip to its daemon per call
@@ -49,7 +51,7 @@ def fs_type(real_path: str) -> str:
             for line in table:
                 fields, _, tail = line.partition(" - ")
                 point = _unescape(fields.split(" ")[4])
-                if not _holds(point, real_path):
+                if not within(real_path, point):
                     continue
                 # Equal length: a later line is a mount on top of the earlier one.
                 if len(point) >= best:
@@ -66,10 +68,6 @@ def is_network(fstype: str) -> bool:
 def on_network(real_path: str) -> bool:
     """Whether reads of ``real_path`` wait on a network (see NETWORK_TYPES)."""
     return is_network(fs_type(real_path))
-
-
-def _holds(point: str, path: str) -> bool:
-    return point == "/" or path == point or path.startswith(point + "/")
 
 
 def _unescape(field: str) -> str:

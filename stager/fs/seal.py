@@ -267,7 +267,7 @@ def check_seal(root: Path, seal: Seal, owner: int | None = None, workers: int = 
     """None when the tree is as sealed (its top as :func:`protect_top` left it for
     ``owner``); else a sentence naming what changed. The files are looked at on
     ``workers`` forked processes once the tree is large (never fork a process that
-    runs threads: the daemon asks through ``blocking.run_in_process``)."""
+    runs threads: the daemon asks its walker process, ``Processes.run_in_walker``)."""
     tally = _Tally()
     checker = _Checker(seal.sealed_ns, forked.Workers(forked.cores(workers), tally, PARALLEL_AFTER))
     try:

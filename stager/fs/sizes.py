@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 
 from stager.fs.sources import (
     Folder,
@@ -24,6 +23,7 @@ from stager.fs.sources import (
     open_top,
     open_top_unconfined,
     walk,
+    walk_until,
     within,
 )
 from stager.wire.progress import ProgressSink, report_written
@@ -109,10 +109,6 @@ def copy_estimate(path: str, roots: Roots, special: str, deadline: float) -> int
     return _CopySizes(roots, special, deadline).run(path)
 
 
-class _OverBudget(Exception):
-    pass
-
-
 class _CopySizes(Visitor):
     """Sums file sizes the way the copy walks (links followed out of the tree)."""
 
@@ -131,18 +127,13 @@ class _CopySizes(Visitor):
         self.top_real = os.readlink(f"/proc/self/fd/{top.fd}")
         try:
             self.open_ids.add((top.st.st_dev, top.st.st_ino))
-            walk(top, self, self.policy, check=self._in_budget)
-        except _OverBudget:
+            if walk_until(top, self, self.policy, self.deadline):
+                return self.total
             with os.scandir(top.fd) as entries:
                 top_entries = sum(1 for _ in entries)
             return self.top_bytes * top_entries // self.top_done if self.top_done else 0
         finally:
             os.close(top.fd)
-        return self.total
-
-    def _in_budget(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise _OverBudget
 
     def _top_entry_done(self, folder: Folder) -> None:
         if not folder.rel:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,6 +349,25 @@ def walk(top: Folder, visitor: Visitor, special: str = "refuse", check: object =
             entries.close()
             if folder is not top:
                 os.close(folder.fd)
+
+
+def walk_until(top: Folder, visitor: Visitor, special: str, deadline: float) -> bool:
+    """:func:`walk`, stopped at the ``time.monotonic()`` ``deadline`` (a request-time
+    check's budget); whether it walked the whole tree."""
+
+    def in_budget() -> None:
+        if time.monotonic() > deadline:
+            raise _OverBudget
+
+    try:
+        walk(top, visitor, special, check=in_budget)
+    except _OverBudget:
+        return False
+    return True
+
+
+class _OverBudget(Exception):
+    pass
 
 
 def require_source(path: str, what: str = "source") -> Path:

@@ -1,14 +1,11 @@
-"""The ``adopt`` op: stage a prepared dataset that another node broadcasts here.
+"""The ``adopt`` op: stage a prepared dataset that another node broadcasts here in
+parts (docs/multinode.md, "Adopt", holds the story).
 
-A multi-node job (``--peers slurm``, docs/multinode.md) stages a dataset on one node
-and sbcasts it to the others in parts (plain tars of whole files). This op extracts
-each part through ``extract`` as soon as it is whole, while the next are on their way;
-a part of byte ranges goes into the file the source was still writing
-(stager.archive.ranges). The job's own task says when a part is whole
-(``part-N.tar.ok``) and, at the end, how many there were and the manifest's sha256
-(``end.json``). The manifest must match that sha256, what it does not name goes, and
-the tree must match it path by path; anything else fails the staging, which never
-publishes. (``check_delivered`` is the same promise for files broadcast as they are.)
+Each part goes through ``extract`` as soon as its marker (``part-N.tar.ok``) says it
+is whole; a part of byte ranges goes into the file the source was still writing
+(stager.archive.ranges). At the end (``end.json``) the manifest must match the sha256
+the job sent, what it does not name goes, and the tree must match it path by path;
+anything else fails the staging, which never publishes.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The ``adopt_image`` op: an image dataset that another node sent here as one file.
+"""The ``adopt_image`` op: an image dataset that another node sent here as one file
+(docs/multinode.md, "Adopt", holds the story).
 
-A multi-node job of an image dataset (docs/multinode.md) sbcasts the source node's
-image whole into this node's delivery folder, its size and sha256 measured by the
-source node's service from the very bytes sbcast read. The delivery folder is the
-user's, so the node service never mounts the file as it lies: it copies it into its
-own folder while a thread hashes the copy, and publishes only a copy whose size and
-sha256 match. What is hashed is what the kernel parses, so a user who rewrites the
-delivery changes nothing mounted. A per-user daemon hashes it in place and renames it
-in (``in_place``).
-
-In the node service the hash must come from the source node's service, not from the
-job (a user could send an image of their own with its own hash): the step carries
-that service's MUNGE credential over the entry's key and the sha256
-(:mod:`stager.core.vouch`), checked before a byte is copied. The step is the daemon's
+What is hashed is what the kernel parses: the node service copies the delivery (the
+user's to write) into its own folder while a thread hashes the copy, and publishes
+only a copy with the size and sha256 the source node's service measured and vouched
+for (:mod:`stager.core.vouch`, checked before a byte is copied); a per-user daemon
+hashes it where it lies and renames it in (``in_place``). The step is the daemon's
 own (``internal``), built from a request's ``adopt``.
 """
 

@@ -1,20 +1,12 @@
 """The ``copy`` op: a file or a directory tree into the dataset.
 
-Why it looks like this (the per-file costs are in docs/performance.md):
-
-- The tree is walked on the staging process (:func:`stager.fs.sources.walk`) and its
-  files go out in chunks to forked workers, one per core (:mod:`stager.fs.forked`):
-  per-file work is system calls wrapped in Python, and processes share no GIL. Small
-  trees are copied on the walking process; the workers start once a tree proved
-  large. A source on a network filesystem (:mod:`stager.fs.mounts`) is bound by round
-  trips: there NETWORK_IN_FLIGHT processes copy from the first file.
-- Each file is copied by :mod:`stager.fs.file_copy`, checked afterwards against what
-  the walk saw, its mtime set last so that a restart can trust what it finds.
-- A FIFO, socket or device is never opened: refused by name, or left out with
-  ``special: "skip"``. With ``--allowed-root``, every link, through any chain, must
-  resolve inside the roots.
-- Links inside the tree are recreated as relative links; links out of it are
-  followed (their target will not exist on the node); dangling links are kept.
+The tree is walked on the staging process and its files go out in chunks to forked
+workers (:mod:`stager.fs.forked`), each copied by :mod:`stager.fs.file_copy`; why,
+and the per-file costs: docs/performance.md ("Copy"). A FIFO, socket or device is
+never opened: refused by name, or left out with ``special: "skip"``. With
+``--allowed-root``, every link, through any chain, must resolve inside the roots.
+Links inside the tree are recreated as relative links; links out of it are followed
+(their target will not exist on the node); dangling links are kept.
 """
 
 from __future__ import annotations
@@ -77,15 +69,13 @@ class CopyStep(StepParams):
 BATCH_FILES = 256
 BATCH_BYTES = 64 * 1024 * 1024
 # Once a tree proved large, chunks grow up to this many files, each at most
-# 1/CHUNKS_SEEN of the files seen so far (the last chunk stays a small part): at 256
-# files a chunk, hand-overs took a third of the walk's time (docs/performance.md).
+# 1/CHUNKS_SEEN of the files seen so far (why: docs/performance.md, "Copy").
 LARGE_BATCH_FILES = 1024
 CHUNKS_SEEN = 16
 # Trees with fewer files are copied on the walking process: a fork costs more.
 PARALLEL_AFTER_FILES = 2_000
-# Processes copying at once from a network filesystem, from the first file: there a
-# file's time is round trips that use no CPU, so more in flight than cores overlap
-# them (docs/benchmarks.md); in smaller chunks, so a few hundred files keep all busy.
+# Processes copying at once from a network filesystem, from the first file, in smaller
+# chunks: its files wait on round trips, not the CPU (docs/performance.md, "Copy").
 NETWORK_IN_FLIGHT = 8
 NETWORK_BATCH_FILES = 32
 # How long check() may walk a source tree to estimate its size (the request waits; the
@@ -149,9 +139,7 @@ def _translate(exc: OSError, source: str, dataset: os.PathLike[str] | None = Non
     caller's to fix (BadRequest's family), the rest the shared staging sentence. A
     refused open outside the ``dataset`` being written is the source's."""
     name = exc.filename
-    in_source = isinstance(name, str) and (
-        name == source or name.startswith(source.rstrip("/") + "/")
-    )
+    in_source = isinstance(name, str) and within(name, source)
     inside = dataset is not None and isinstance(name, str) and name.startswith(f"{dataset}/")
     read = isinstance(name, str) and not inside
     if in_source and exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):

@@ -1,18 +1,11 @@
 """The ``copy_from_node`` op: stage a job's dataset from another planned node of the job
-instead of from the storage (docs/prestaging.md, "4-node job").
+instead of from the storage (docs/prestaging.md, "The target node", holds the story).
 
-The node service's staging process asks the source node's prefetch port
-(``GET /v1/copies``) with the planner's second credential
-(stager.prestage.prefetch.authority.COPY); the source answers only with its own
-ready prefetch of that job for that user (else 409). The answer is the fan-out's
-prepared tree (one plain tar, stager.fanout.bundle), its manifest, and the source
-service's credential for the manifest (stager.core.vouch).
-
-What answers on that port is not trusted: the head must carry a credential of this
-service's uid for the cache key computed here and a manifest sha256, checked before a
-byte of the body is read; the tar goes through the hardened extraction into this
-staging's own tree, which must match the manifest path by path. The bytes are held in
-an unnamed file in the cache while they arrive, at most ``limit_bytes``.
+What answers on the source's prefetch port (``GET /v1/copies``) is not trusted: the
+head must carry a credential of this service's uid for the cache key computed here
+and a manifest sha256, checked before a byte of the body is read; the tar (held in an
+unnamed file, at most ``limit_bytes``) goes through the hardened extraction, and the
+tree must match the manifest path by path.
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ from stager.core import processes, vouch
 from stager.core.errors import VerifyFailed
 from stager.core.settings import host_port
 from stager.fs import manifest as manifests
+from stager.fs.fastcopy import write_all
 from stager.ops.base import CheckContext, OpContext, StepParams
 from stager.wire import manifest_format
 from stager.wire.schemas import MAX_BYTES, TRANSFER_TTL_MAX_S
@@ -216,9 +210,7 @@ def _receive(
                 f"the copy from {step.origin_node} ended {left} bytes short; this node's job "
                 "stages from the source at its start"
             )
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
         left -= len(data)
 
 

@@ -8,11 +8,10 @@ can rename or add entries without touching the shared source.
 Targets are ``os.path.abspath`` of the source, not ``realpath``: the user's path is
 the stable name on every node; what it resolves to may be a site-specific mount.
 
-``tree`` costs one ``scandir`` per folder and one ``symlinkat`` per file, no ``stat``
-of the sources; the links are made by forked workers per folder chunk
-(:mod:`stager.fs.forked`), which a single-threaded ``cp -rs`` cannot do. The rules
-of every walk of a source hold (:mod:`stager.fs.sources`): special files refused or
-skipped, every link resolving inside ``--allowed-root``.
+``tree``'s links are made by forked workers (:mod:`stager.fs.forked`; the costs:
+docs/performance.md, "Symlink farm"). The rules of every walk of a source hold
+(:mod:`stager.fs.sources`): special files refused or skipped, every link resolving
+inside ``--allowed-root``.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from stager.fs.sources import (
     refuse_holding,
     refuse_special,
     require_source,
-    walk,
+    walk_until,
 )
 from stager.ops.base import (
     AbsoluteSource,
@@ -100,10 +99,6 @@ def _check_top(step: SymlinkStep, ctx: CheckContext) -> None:
         raise refuse_special(step.src, st.st_mode, skippable=False)
 
 
-class _OverBudget(Exception):
-    pass
-
-
 class _Scan(Visitor):
     """Refuses early what the tree link would refuse, for as long as the budget lasts."""
 
@@ -113,15 +108,9 @@ class _Scan(Visitor):
     def run(self, path: str) -> None:
         top = open_top(path, self.roots)
         try:
-            walk(top, self, self.policy, check=self._in_budget)
-        except _OverBudget:
-            pass
+            walk_until(top, self, self.policy, self.deadline)
         finally:
             os.close(top.fd)
-
-    def _in_budget(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise _OverBudget
 
     def link(self, folder: Folder, entry: os.DirEntry[str]) -> Folder | None:
         _judge_link(folder, entry.name, self.roots, self.policy)

@@ -182,7 +182,7 @@ class Processes:
                 raise BrokenPipeError
             spare.jobs.send(job)
         except OSError:
-            self._close_spare_later(spare)
+            self._close_spare(spare, later=True)
             return None
         spare.jobs.close()
         return spare.child
@@ -210,16 +210,15 @@ class Processes:
         if spare is not None:  # the daemon stopped meanwhile
             self._close_spare(spare)
 
-    def _close_spare(self, spare: _Spare) -> None:
-        """Tell the spare there is no job, and reap it (blocking)."""
+    def _close_spare(self, spare: _Spare, later: bool = False) -> None:
+        """Tell the spare there is no job, and reap it: now (blocking), or ``later``
+        (off the loop, called on it)."""
         spare.jobs.close()
         spare.child.outcome.close()
-        reap(spare.child.process, 1.0)
-
-    def _close_spare_later(self, spare: _Spare) -> None:
-        spare.jobs.close()
-        spare.child.outcome.close()
-        self.reap_later(spare.child.process, 1.0)
+        if later:
+            self.reap_later(spare.child.process, 1.0)
+        else:
+            reap(spare.child.process, 1.0)
 
     def reap_later(self, process: Any, grace_s: float) -> None:
         """Reap a child off the loop (one that answered, or a dead spare)."""

@@ -1,12 +1,11 @@
 """A download slower than a floor is stalled: fewer than ``min_download_rate`` bytes a
-second over the last ``download_rate_window_s`` fails its staging.
+second over the last ``download_rate_window_s`` fails its staging (the stall timeout
+sees only counters that stand still, which a trickling server keeps moving: the story
+is docs/multiuser.md's).
 
-The stall timeout fires only when the counters stand still, and a server that trickles
-bytes (2 KB/s) keeps them moving: two such downloads once held both worker slots for
-ever. So while a staging's current step has a ``url``, the daemon also measures the
-bytes it brings. Timed from the step's first counted bytes (before them, a resumed
-``.part``'s sha256 or a slow server is bounded by other timeouts). A download
-extracted as it arrives counts its bytes twice, so its floor is in effect half.
+Timed from the step's first counted bytes (before them, a resumed ``.part``'s sha256
+or a slow server is bounded by other timeouts). A download extracted as it arrives
+counts its bytes twice, so its floor is in effect half.
 """
 
 from __future__ import annotations

@@ -102,10 +102,6 @@ class _ParentWatch:
             self._fired = self._cancel.is_set() or os.getppid() != self._parent
         return self._fired
 
-    def set(self) -> None:
-        self._cancel.set()
-        self._fired = True
-
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` (ops use it for backoff), waking early on cancel."""
         deadline = time.monotonic() + timeout
