@@ -98,23 +98,28 @@ def _reopen(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
     return None, [os.open(f"/proc/self/fd/{fds[0]}", request[1])]
 
 
-def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
-    """Each name in the folder ``fds[0]``: 0 and its descriptor, or its errno."""
-    _, names, flags = request
-    numbers: list[int] = []
+def open_each(dir_fd: int, names: list[str], flags: int) -> list[int]:
+    """Each name in the folder ``dir_fd``: its descriptor, or minus its errno."""
     opened: list[int] = []
     try:
         for name in names:
             try:
-                opened.append(os.open(name, flags, dir_fd=fds[0]))
-                numbers.append(0)
+                opened.append(os.open(name, flags, dir_fd=dir_fd))
             except OSError as exc:
-                numbers.append(exc.errno or 1)
+                opened.append(-(exc.errno or 1))
     except BaseException:
         for fd in opened:
-            channel.close_quietly(fd)
+            if fd >= 0:
+                channel.close_quietly(fd)
         raise
-    return numbers, opened
+    return opened
+
+
+def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    """Each name: 0 and its descriptor (sent), or its errno."""
+    _, names, flags = request
+    opened = open_each(fds[0], names, flags)
+    return [-min(fd, 0) for fd in opened], [fd for fd in opened if fd >= 0]
 
 
 def _readlink(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
