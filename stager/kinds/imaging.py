@@ -252,13 +252,12 @@ class ImageStaging:
         try:
             for index, stream in sorted(the_plan.streams.items()):
                 inputs.append(self._stream_input(index, stream, read_from, the_plan, opened))
-            if self._indexable(inputs):
-                return self._build(inputs, made, the_plan, indexed=True)
-            built = self._build(inputs, made, the_plan)
+            indexed = self._indexable(inputs)
+            built = self._build(inputs, made, the_plan, self.progress, indexed=indexed)
         finally:
             for fd in opened:
                 os.close(fd)
-        return built
+        return self._built(built, made)
 
     # -- inputs --
 
@@ -326,7 +325,7 @@ class ImageStaging:
             source = TarInput(
                 stream.src, names, reader.fileno(), format=stream.format, growing=reader
             )
-            return True, self._build_only([source], made, the_plan, ctx.progress, steps=False)
+            return True, self._build([source], made, the_plan, ctx.progress, steps=False)
 
         _, built = overlap.follow_download(
             self.ops, self.steps[0], self.ctx, lambda: self.progress.start_step(2), build
@@ -352,12 +351,6 @@ class ImageStaging:
         return sniff(os.pread(source.fd, 512, 0)) == "tar"
 
     def _build(
-        self, inputs: list[Input], made: Path, the_plan: Plan, indexed: bool = False
-    ) -> ImageMade:
-        built = self._build_only(inputs, made, the_plan, self.progress, indexed=indexed)
-        return self._built(built, made)
-
-    def _build_only(
         self,
         inputs: list[Input],
         made: Path,
