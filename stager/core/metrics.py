@@ -98,8 +98,6 @@ class Metrics:
         self.evicted_bytes = counter(
             "stager_evicted_bytes", "Bytes removed from the cache by eviction"
         )
-        # Multi-node jobs (docs/multinode.md): what a node read from the shared storage,
-        # what it got from other nodes instead, and how each copy arrived.
         self.source_bytes = counter(
             "stager_source_read_bytes",
             "Bytes stagings read from their sources (the shared storage, URLs), counted "

@@ -204,9 +204,6 @@ class Settings(BaseSettings):
         default_text="none",
         help="also read recipe files (*.toml) from these folders (docs/recipes.md)",
     )
-    # Multi-node fan-out (docs/multinode.md): a dataset's key is the same on every node,
-    # from its sources' paths, sizes and times; only where those paths hold the same
-    # files on every node may one node's vouched copy stand for another node's staging.
     cluster_storage_dirs: CommaList(Path) = setting(
         factory=list,
         aliases=("--cluster-storage-dir",),
@@ -215,8 +212,6 @@ class Settings(BaseSettings):
         "network filesystems (found by their type): a fan-out's vouched copy of a dataset "
         "read from there is shared between users; from anywhere else, it stays its user's",
     )
-    # Image mode (docs/image-mode.md): the node service mounts in the kernel only images
-    # it built, or prebuilt ones under these folders (root's alone) with a pinned sha256.
     trusted_image_dirs: CommaList(Path) = setting(
         factory=list,
         aliases=("--trusted-image-dir",),
@@ -238,7 +233,6 @@ class Settings(BaseSettings):
         "copied whole beside it and its files read from there (issue 31: ready in about "
         "the time of cp); needs Linux 6.12+ with image-backing file, or loop devices",
     )
-    # Modules that add ops to the op table (each defines OPS; see stager.ops.table).
     op_modules: CommaList(str) = setting(
         factory=list, cli=(), default_text="none", help="Python modules that add ops (OPS)"
     )
@@ -253,8 +247,6 @@ class Settings(BaseSettings):
     min_free_bytes: Size = setting(
         1 << 30, ge=0, default_text="1GiB", help="free space to keep on the cache disk, e.g. 10G"
     )
-    # Node service: the most bytes of data only its user may read that one user may hold
-    # (shared entries count against nobody's); 0: no limit but the cache's.
     user_quota_bytes: Size = setting(
         0,
         ge=0,
@@ -283,8 +275,7 @@ class Settings(BaseSettings):
     )
 
     # ---- timings ----
-    # A staging whose counters have not moved this long is stuck (a hung source) and
-    # fails; 0 turns the check off. Generous: one huge file may be hashed in silence.
+    # Generous: one huge file may be hashed in silence.
     stall_timeout_s: float = setting(
         900.0,
         ge=0,
@@ -292,9 +283,6 @@ class Settings(BaseSettings):
         help="seconds: fail a staging whose progress has not moved this long, e.g. on a hung "
         "network filesystem (0: never)",
     )
-    # A download bringing fewer bytes than this a second, over any window once its bytes
-    # have begun to arrive, is stalled and fails (stager.staging.download_rate): a server
-    # trickling bytes keeps a staging's counters moving, so the stall timeout never fires.
     min_download_rate: Size = setting(
         10 * 1024,
         ge=0,
@@ -309,7 +297,6 @@ class Settings(BaseSettings):
         flag="download-rate-window",
         help="seconds over which a download's rate is measured against --min-download-rate",
     )
-    # A staging that has not stopped this long after a cancel (or a stop) is ended.
     cancel_grace_s: float = setting(
         3.0,
         gt=0,
@@ -397,8 +384,6 @@ class Settings(BaseSettings):
         help="node service: seconds a request's checks may take in the process that became "
         "its user (a source on a hung filesystem) before the request fails",
     )
-    # Node service: munged's socket, through which a fan-out's manifest is vouched for
-    # by the service that packed it (stager.core.vouch); None: munge's own default.
     munge_socket: Path | None = setting(
         cli=(), default_text="munge's own", help="munged's socket (node service, fan-out)"
     )
@@ -436,8 +421,6 @@ class Settings(BaseSettings):
         cli=(),
         help="node service: bytes prefetched for jobs not started yet, all users together",
     )
-    # The planner runs on the controller, which cannot reach the service's Unix socket:
-    # this TCP port takes its orders and answers nothing else (stager.prestage.prefetch.listener).
     prefetch_listen: str | None = setting(
         default_text="off",
         help="node service: also listen on ADDR:PORT (TCP) for the planner's prefetch "
@@ -547,8 +530,6 @@ class Settings(BaseSettings):
         "changes it), so that a restarted planner cancels the prefetches of jobs that left "
         "while it was down",
     )
-    # For the crash-consistency tests only: die right after this durable step
-    # (a stager.core.durable.Durable value, "#N" for its N-th time). Never set it otherwise.
     crash_after: str | None = setting(cli=(), help="tests only: die after this durable step")
 
     _renamed: list[str] = PrivateAttr(default_factory=list)

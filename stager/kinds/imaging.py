@@ -224,7 +224,6 @@ class ImageStaging:
         self.staging = staging
         self.ops, self.steps, self.attempt = staging.ops, staging.steps, staging.attempt
         self.ctx, self.progress, self.crash = staging.ctx, staging.progress, staging.crash
-        # The steps that run as ops (``runs``), ``at_turn`` called at each other's turn.
         self.job, self.run_steps = job, staging.run
 
     def run(self) -> ImageMade:
@@ -253,13 +252,12 @@ class ImageStaging:
         try:
             for index, stream in sorted(the_plan.streams.items()):
                 inputs.append(self._stream_input(index, stream, read_from, the_plan, opened))
-            if self._indexable(inputs):
-                return self._build(inputs, made, the_plan, indexed=True)
-            built = self._build(inputs, made, the_plan)
+            indexed = self._indexable(inputs)
+            built = self._build(inputs, made, the_plan, self.progress, indexed=indexed)
         finally:
             for fd in opened:
                 os.close(fd)
-        return built
+        return self._built(built, made)
 
     # -- inputs --
 
@@ -327,7 +325,7 @@ class ImageStaging:
             source = TarInput(
                 stream.src, names, reader.fileno(), format=stream.format, growing=reader
             )
-            return True, self._build_only([source], made, the_plan, ctx.progress, steps=False)
+            return True, self._build([source], made, the_plan, ctx.progress, steps=False)
 
         _, built = overlap.follow_download(
             self.ops, self.steps[0], self.ctx, lambda: self.progress.start_step(2), build
@@ -353,12 +351,6 @@ class ImageStaging:
         return sniff(os.pread(source.fd, 512, 0)) == "tar"
 
     def _build(
-        self, inputs: list[Input], made: Path, the_plan: Plan, indexed: bool = False
-    ) -> ImageMade:
-        built = self._build_only(inputs, made, the_plan, self.progress, indexed=indexed)
-        return self._built(built, made)
-
-    def _build_only(
         self,
         inputs: list[Input],
         made: Path,
@@ -393,18 +385,21 @@ class ImageStaging:
         return built
 
     def _built(self, built: Built, made: Path) -> ImageMade:
-        """The image built as ``made`` + ``.building`` takes its name (``IMAGE_BUILT``),
-        what it counted written beside it first."""
         self.progress.start_step(len(self.steps))
         self.progress.flush()
         result = ImageMade(
             str(made), self.job.format, built.size, built.files, built.folders, built.data_bytes
         )
-        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
-        os.rename(str(made) + ".building", made)
-        self.crash.reached(Durable.IMAGE_BUILT)
+        self._named(Path(str(made) + ".building"), result)
         self._drop_tree()
         return result
+
+    def _named(self, path: Path, result: ImageMade) -> None:
+        """The image complete at ``path`` takes its name (``IMAGE_BUILT``), what is known
+        of it written beside it first (a resumed staging reads it: ``_made_before``)."""
+        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
+        os.rename(path, result.path)
+        self.crash.reached(Durable.IMAGE_BUILT)
 
     def _prebuilt(self, step: ImageStep, made: Path) -> ImageMade:
         if self.job.top_owner is not None:
@@ -415,8 +410,7 @@ class ImageStaging:
             )
         self.progress.start_step(1)
         copy = made.with_name(IMAGE_NAME + ".copied")
-        copied = copy_verified(step, self.ctx, copy, self.job.trusted)
-        return self._copied(copy, made, copied.format, copied.size, copied.sha256)
+        return self._copied(copy, made, copy_verified(step, self.ctx, copy, self.job.trusted))
 
     def _adopted(self, step: AdoptImageStep, made: Path) -> ImageMade:
         """Another node's image, sent whole: taken in and checked (stager.ops.adopt_image),
@@ -424,16 +418,13 @@ class ImageStaging:
         self.progress.start_step(1)
         mode = 0o400 if self.job.top_owner is not None else 0o444
         copy = made.with_name(IMAGE_NAME + ".copied")
-        copied = adopt_image.take_delivery(step, self.ctx, copy, mode)
-        return self._copied(copy, made, copied.format, copied.size, copied.sha256)
+        return self._copied(copy, made, adopt_image.take_delivery(step, self.ctx, copy, mode))
 
-    def _copied(self, copy: Path, made: Path, fmt: str, size: int, sha256: str) -> ImageMade:
-        """An image copied whole and checked takes its name (``IMAGE_BUILT``), what is
-        known of it written beside it first; every step is then done."""
-        result = ImageMade(str(made), fmt, size, sha256=sha256)
-        write_atomically(self.attempt.root / BUILT_NAME, json.dumps(result.to_dict()))
-        os.rename(copy, made)
-        self.crash.reached(Durable.IMAGE_BUILT)
+    def _copied(self, copy: Path, made: Path, copied: Any) -> ImageMade:
+        """An image copied whole and checked (``copied``: its format, size and sha256)
+        takes its name; every step is then done."""
+        result = ImageMade(str(made), copied.format, copied.size, sha256=copied.sha256)
+        self._named(copy, result)
         write_atomically(self.attempt.marker, str(len(self.steps)))
         self.progress.flush()
         return result

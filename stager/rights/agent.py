@@ -98,23 +98,28 @@ def _reopen(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
     return None, [os.open(f"/proc/self/fd/{fds[0]}", request[1])]
 
 
-def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
-    """Each name in the folder ``fds[0]``: 0 and its descriptor, or its errno."""
-    _, names, flags = request
-    numbers: list[int] = []
+def open_each(dir_fd: int, names: list[str], flags: int) -> list[int]:
+    """Each name in the folder ``dir_fd``: its descriptor, or minus its errno."""
     opened: list[int] = []
     try:
         for name in names:
             try:
-                opened.append(os.open(name, flags, dir_fd=fds[0]))
-                numbers.append(0)
+                opened.append(os.open(name, flags, dir_fd=dir_fd))
             except OSError as exc:
-                numbers.append(exc.errno or 1)
+                opened.append(-(exc.errno or 1))
     except BaseException:
         for fd in opened:
-            channel.close_quietly(fd)
+            if fd >= 0:
+                channel.close_quietly(fd)
         raise
-    return numbers, opened
+    return opened
+
+
+def _open_many(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
+    """Each name: 0 and its descriptor (sent), or its errno."""
+    _, names, flags = request
+    opened = open_each(fds[0], names, flags)
+    return [-min(fd, 0) for fd in opened], [fd for fd in opened if fd >= 0]
 
 
 def _readlink(request: tuple[Any, ...], fds: list[int]) -> tuple[Any, list[int]]:
@@ -182,39 +187,22 @@ def _piece(
     return piece, True
 
 
+# What of an lstat travels, as numbers (its times in nanoseconds).
+STAT_FIELDS = (
+    "st_mode st_ino st_dev st_nlink st_uid st_gid st_size"
+    " st_atime_ns st_mtime_ns st_ctime_ns st_blocks st_blksize st_rdev"
+).split()
+
+
 def stat_fields(st: os.stat_result) -> list[int]:
-    return [
-        st.st_mode,
-        st.st_ino,
-        st.st_dev,
-        st.st_nlink,
-        st.st_uid,
-        st.st_gid,
-        st.st_size,
-        st.st_atime_ns,
-        st.st_mtime_ns,
-        st.st_ctime_ns,
-        st.st_blocks,
-        st.st_blksize,
-        st.st_rdev,
-    ]
+    return [getattr(st, name) for name in STAT_FIELDS]
 
 
 def stat_result(fields: list[int]) -> os.stat_result:
     """An ``os.stat_result`` from :func:`stat_fields`, for code that reads one."""
-    mode, ino, dev, nlink, uid, gid, size, atime, mtime, ctime, blocks, blksize, rdev = fields
-    seconds = (atime // 1_000_000_000, mtime // 1_000_000_000, ctime // 1_000_000_000)
+    named = dict(zip(STAT_FIELDS, fields, strict=True))
+    times = {t: named[f"st_{t}time_ns"] for t in "amc"}
+    seconds = {f"st_{t}time": ns / 1e9 for t, ns in times.items()}
     return os.stat_result(
-        (mode, ino, dev, nlink, uid, gid, size, *seconds),
-        {
-            "st_atime": atime / 1e9,
-            "st_mtime": mtime / 1e9,
-            "st_ctime": ctime / 1e9,
-            "st_atime_ns": atime,
-            "st_mtime_ns": mtime,
-            "st_ctime_ns": ctime,
-            "st_blocks": blocks,
-            "st_blksize": blksize,
-            "st_rdev": rdev,
-        },
+        (*fields[:7], *(ns // 1_000_000_000 for ns in times.values())), named | seconds
     )

@@ -61,16 +61,17 @@ def recv(sock: socket.socket) -> tuple[bytes, list[int]]:
     now this process's to close."""
     parts: list[bytes] = []
     fds: list[int] = []
-    while True:
-        data, got, _flags, _ = socket.recv_fds(sock, PACKET + 1, MAX_FDS)
-        fds.extend(got)
-        if not data:
-            for fd in fds:
-                close_quietly(fd)
-            raise Closed("the other end of the channel closed it")
-        parts.append(data[1:])
-        if data[:1] == _LAST:
-            return b"".join(parts), fds
+    try:
+        while True:
+            data, got, last = recv_packet(sock)
+            parts.append(data)
+            fds.extend(got)
+            if last:
+                return b"".join(parts), fds
+    except Closed:
+        for fd in fds:
+            close_quietly(fd)
+        raise
 
 
 def recv_packet(sock: socket.socket) -> tuple[bytes, list[int], bool]:

@@ -69,13 +69,7 @@ class DirectAccess:
 
     def open_many(self, dir_fd: int, names: list[str], flags: int) -> list[int]:
         """Each name's descriptor, or minus its errno."""
-        opened = []
-        for name in names:
-            try:
-                opened.append(os.open(name, flags, dir_fd=dir_fd))
-            except OSError as exc:
-                opened.append(-(exc.errno or 1))
-        return opened
+        return agent.open_each(dir_fd, names, flags)
 
     def readlink(self, path: str, dir_fd: int | None = None) -> str:
         return os.readlink(path, dir_fd=dir_fd)

@@ -71,9 +71,8 @@ class UserProcesses:
         timeout_s: float,
         off_loop: Callable[..., Awaitable[Any]],
     ) -> None:
-        self._off_loop = (
-            off_loop  # the daemon's doorway to threads (stager.staging.blocking.run_io)
-        )
+        # The daemon's doorway to threads (stager.staging.blocking.run_io).
+        self._off_loop = off_loop
         self._reaping: set[asyncio.Future[Any]] = set()
         self.per_user = per_user
         self.idle_s = idle_s
