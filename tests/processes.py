@@ -4,6 +4,8 @@ job step starts (staged work in its own process, nothing outliving its parent)."
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from stager.core.processes import SPARE_NAME, USER_NAME, WALKER_NAME
@@ -33,6 +35,22 @@ def children_since(before: list[int]) -> list[int]:
     and left, not the helpers earlier tests started in the same process (the
     forkserver and resource tracker of a loader made in-process live until it exits)."""
     return [pid for pid in children_of(os.getpid()) if pid not in before]
+
+
+@contextmanager
+def fork_server_stopped_after() -> Iterator[None]:
+    """Stops this process's fork server on leaving, if the body started it: an
+    in-process ``Processes`` starts one (stager.core.processes), which would otherwise
+    live until the test run ends."""
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver  # one per process (CPython 3.8+)
+    running = server._forkserver_pid is not None
+    try:
+        yield
+    finally:
+        if not running:
+            server._stop()
 
 
 def descendants(pid: int) -> list[int]:

@@ -37,7 +37,7 @@ from stager.staging.blocking import Processes
 from stager.wire.schemas import END_NAME, delivered_name
 from tests.daemon import Daemon, node_service
 from tests.httpserver import Behaviour, serve_files
-from tests.processes import comm, descendants
+from tests.processes import comm, descendants, fork_server_stopped_after
 from tests.trees import make_tar, write_tree
 from tests.users import GROUP, User
 
@@ -667,7 +667,8 @@ def test_a_users_share_of_processes_is_counted_per_uid_whatever_the_group(
         finally:
             await processes.close()
 
-    asyncio.run(scenario())
+    with fork_server_stopped_after():
+        asyncio.run(scenario())
 
 
 def test_a_user_under_many_groups_keeps_no_more_idle_processes_than_one_share(
@@ -710,4 +711,5 @@ def test_a_user_under_many_groups_keeps_no_more_idle_processes_than_one_share(
         finally:
             await processes.close()
 
-    asyncio.run(scenario())
+    with fork_server_stopped_after():
+        asyncio.run(scenario())
