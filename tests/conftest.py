@@ -74,8 +74,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     every worker has ended (a worker would see the other's daemons still at work)."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["summary_lines"] = _summary_lines()  # for the controller
+        # What the worker's own process holds ends with it, before the controller looks.
+        session.config.workeroutput["left_running"] = leftovers(grace_s=2.0, under=os.getpid())
         return
-    left = leftovers() + sorted(_mounts_left())
+    left = _WORKERS_LEFT + leftovers() + sorted(_mounts_left())
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -228,6 +230,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 # The summary lines of each pytest-xdist worker, sent to the controller as it ends.
 _WORKER_LINES: list[str] = []
+_WORKERS_LEFT: list[str] = []  # what each pytest-xdist worker left running under itself
 
 
 # Seconds spent in each xdist group (setup, call and teardown): the groups that make
@@ -250,6 +253,7 @@ def _summary_lines() -> list[str]:
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's, called in its controller
 def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 (xdist's own types)
     _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("summary_lines", []))
+    _WORKERS_LEFT.extend(getattr(node, "workeroutput", {}).get("left_running", []))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

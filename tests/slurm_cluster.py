@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from tests.locks import held, lock_path
+from tests.processes import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_CLUSTER = REPO / "deploy" / "slurm" / "local-cluster"
@@ -186,15 +187,20 @@ def _processes() -> Iterator[tuple[int, str, bytes]]:
         yield int(entry.name), cmdline, environ
 
 
-def leftovers(grace_s: float | None = None) -> list[str]:
-    """Daemons this session started and did not stop (waits ``grace_s`` for stragglers)."""
+def leftovers(grace_s: float | None = None, under: int | None = None) -> list[str]:
+    """Daemons this session started and did not stop (waits ``grace_s`` for stragglers);
+    with ``under``, only that process's descendants: what a pytest-xdist worker itself
+    left, which would end with it unseen (an in-process fork server)."""
     grace_s = LEFTOVER_GRACE_S if grace_s is None else grace_s
     mark = os.environ.get(MARK_VAR, "").encode()
     deadline = time.monotonic() + grace_s
     while True:
         found = []
+        below = None if under is None else set(descendants(under))
         for pid, cmdline, environ in _processes():
             if pid == os.getpid() or pid in _kept or not DAEMON_PATTERN.search(cmdline):
+                continue
+            if below is not None and pid not in below:
                 continue
             if mark and f"{MARK_VAR}=".encode() + mark in environ.split(b"\0"):
                 found.append(f"pid {pid}: {cmdline}")
