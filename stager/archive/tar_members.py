@@ -15,6 +15,7 @@ members here must be followed by an end-of-archive (zero) block.
 from __future__ import annotations
 
 import os
+import struct
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -158,52 +159,44 @@ class Member:
         return False
 
 
+# A plain header's fields in one unpack: name, mode, size, mtime, checksum, type, magic
+# and version, prefix (uid, gid, link name, user and group names, devices skipped).
+_FIELDS = struct.Struct("100s8s16x12s12s8sc100x8s80x155s")
+
+
 def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member | None:
     """The member a plain file or directory header describes, or None for tarfile."""
-    if (
-        len(block) != BLOCK
-        or block[156:157] not in _FAST_TYPES
-        or block[257:265] not in MAGICS
-        or block[124] & 0x80  # a base-256 size (a member of 8 GiB or more)
-    ):
+    if len(block) != BLOCK:
         return None
-    # The four numbers in one pass over bytes 100-156: NULs as spaces, which int() strips
-    # (the common layout: zero-padded digits, NUL- or space-terminated).
-    numbers = block[100:156].replace(b"\0", b" ")
-    try:
-        mode, size, mtime, chksum = (
-            int(numbers[0:8], 8),
-            int(numbers[24:36], 8),
-            int(numbers[36:48], 8),
-            int(numbers[48:56], 8),
+    name, mode, size, mtime, chksum, kind, magic, prefix = _FIELDS.unpack_from(block)
+    if kind not in _FAST_TYPES or magic not in MAGICS or size[0] & 0x80:
+        return None  # (a base-256 size: a member of 8 GiB or more)
+    try:  # the common layout: zero-padded digits, NUL- or space-terminated
+        numbers = (
+            int(chksum.replace(b"\0", b" "), 8),
+            int(mode.replace(b"\0", b" "), 8),
+            int(size.replace(b"\0", b" "), 8),
+            int(mtime.replace(b"\0", b" "), 8),
         )
     except ValueError:
         try:
-            chksum, mode, size, mtime = (
-                _octal(block[148:156]),
-                _octal(block[100:108]),
-                _octal(block[124:136]),
-                _octal(block[136:148]),
-            )
+            numbers = (_octal(chksum), _octal(mode), _octal(size), _octal(mtime))
         except ValueError:
             return None
-    if min(chksum, mode, size, mtime) < 0 or not checksum_ok(block, chksum):
+    if min(numbers) < 0 or not checksum_ok(block, numbers[0]):
         return None  # maybe a signed-char checksum (old Sun tars): tarfile decides
     # Name rules as tarfile's ``frombuf``: V7 directories end in "/", directory names
     # lose trailing slashes, and a ustar prefix comes in front.
-    name = _text(block[0:100], encoding, errors)
-    kind = block[156:157]
+    name = name.split(b"\0", 1)[0].decode(encoding, errors)
     if kind == tarfile.AREGTYPE and name.endswith("/"):
         kind = tarfile.DIRTYPE
     if kind == tarfile.DIRTYPE:
         name = name.rstrip("/")
-    if block[257:263] == POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
-        prefix = _text(block[345:500], encoding, errors)
-        if prefix:
-            name = f"{prefix}/{name}"
+    if prefix[0] and magic[:6] == POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
+        name = f"{_text(prefix, encoding, errors)}/{name}"
     member = Member()
-    member.name, member.type, member.mode, member.size, member.mtime = name, kind, mode, size, mtime
-    member.offset, member.offset_data = offset, offset + BLOCK
+    member.name, member.type, member.offset, member.offset_data = name, kind, offset, offset + BLOCK
+    _, member.mode, member.size, member.mtime = numbers
     return member
 
 

@@ -40,7 +40,7 @@ import posixpath
 import stat
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
@@ -59,7 +59,7 @@ from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
 from stager.image.erofs import Blob, ErofsWriter
-from stager.image.names import ImageConflict, LinkLeaves, TooManyNames
+from stager.image.names import ImageConflict, LinkLeaves, RangeFile, TooManyNames
 from stager.image.squashfs import SquashfsWriter
 from stager.wire.progress import ProgressSink, report_written
 
@@ -69,6 +69,9 @@ _HEADER_READAHEAD = 16384
 Writer = ErofsWriter | SquashfsWriter
 WRITERS: dict[str, type[Writer]] = {"erofs": ErofsWriter, "squashfs": SquashfsWriter}
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+# A run of files given to the writer at once spans at most this much of the archive:
+# its progress is told at its end (an index build's copy waits on it).
+_RUN_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -270,9 +273,12 @@ class _Placer:
 
     def parent(self, rel: str, member: str) -> tuple[int, str]:
         parent, name = _split(rel)
-        if self.symlinks and not self.writer.is_folder(parent):
-            parent = self.through_links(parent, member)
-        return self.writer.folder(parent), name
+        return self.folder(parent, member), name
+
+    def folder(self, folder: str, member: str) -> int:
+        if self.symlinks and not self.writer.is_folder(folder):
+            folder = self.through_links(folder, member)
+        return self.writer.folder(folder)
 
     def through_links(self, folder: str, member: str) -> str:
         parts, done, hops = folder.split("/") if folder else [], "", 0
@@ -369,26 +375,79 @@ class _TarSource:
                 else None
             )
             self._blocks = blocks or _NO_BLOCKS
-            progress, consumed = self.options.progress, 0
+            progress, check = self.options.progress, self.options.check
+            # A plain tar's file in the fast header format (tar_members.Member: no pax, no
+            # sparse map) skips _member's dispatch: the loop a million-file archive runs a
+            # million times. A run of such files in one folder is given to the writer at
+            # once (files_range), its folder found once, its content charged before and
+            # its progress told after; any other member ends the run first (a folder or a
+            # link may change where a name lands), and so does an error.
+            plain = stream is None and not self.source.nested
+            fast, dirtype, path = tar_members.Member, tarfile.DIRTYPE, self.path
+            strip, place, peek = self.names.strip, self.names.place, self._blocks.peek
+            block, fd, base, length = self.writer.block, archive.fd, archive.base, archive.length
+            run: list[RangeFile] = []  # files of the folder ``known``, not yet written
+            known, number, run_bytes, run_end = None, 0, 0, 0
+            consumed = 0  # the archive's bytes counted as done
+
+            def end_run() -> None:
+                nonlocal consumed
+                if run:
+                    files = run.copy()
+                    run.clear()  # given once, whatever happens
+                    report_written(progress, run_bytes)
+                    try:
+                        self.writer.files_range(number, fd, files)
+                    except ImageConflict as exc:
+                        raise refused(path, exc.path, exc.why) from exc
+                    progress.advance(0 if self.inner else run_end - consumed, len(files))
+                    consumed = run_end
+
             with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
-                for member, next_header in self._members(tar, headers, blocks):
-                    self._member(archive, stream, member)
-                    if self.inner:
-                        progress.advance(0, 1)
-                        continue
-                    now = stream.compressed_pos() if stream is not None else next_header
-                    progress.advance(now - consumed, 1)
-                    consumed = now
+                try:
+                    for member, next_header in tar_members.members(tar, headers, check, blocks):  # type: ignore[arg-type]
+                        if plain and member.__class__ is fast and member.type != dirtype:
+                            clean = clean_name(path, member.name, strip)
+                            if clean is not None:
+                                folder, _, name = place(clean).rpartition("/")
+                                at, size = member.offset_data, member.size
+                                if folder != known or next_header - consumed > _RUN_BYTES:
+                                    end_run()
+                                    known, run_bytes = folder, 0
+                                    try:
+                                        number = self.place.folder(folder, member.name)
+                                    except ImageConflict as exc:
+                                        raise self._conflict(member, exc) from exc
+                                if at + size > length:
+                                    require_inside(archive, member, size)
+                                tail = peek(at + size - size % block, size % block)
+                                run.append((name, size, member.mtime, base + at, tail, member.name))
+                                run_bytes, run_end = run_bytes + size, next_header
+                                continue
+                        end_run()
+                        known = None
+                        self._member(archive, stream, member)
+                        if self.inner:
+                            progress.advance(0, 1)
+                            continue
+                        now = stream.compressed_pos() if stream is not None else next_header
+                        progress.advance(now - consumed, 1)
+                        consumed = now
+                    end_run()
+                except BaseException:
+                    end_run()  # an earlier member's error first, as member by member
+                    raise
             if stream is not None:
                 stream.drain()  # lets the decompressor check its trailer
             if not self.inner:
                 length = archive.length if archive.growing is None else raw.tell()
                 progress.advance(max(0, length - consumed), 0)
 
-    def _members(
-        self, tar: tarfile.TarFile, headers: io.RawIOBase, blocks: tar_members.Blocks | None
-    ) -> Iterator[tuple[tarfile.TarInfo, int]]:
-        return tar_members.members(tar, headers, self.options.check, blocks)  # type: ignore[arg-type]
+    def _conflict(self, member: tarfile.TarInfo, exc: ImageConflict) -> Exception:
+        """A writer's refusal, worded for this archive's member."""
+        if isinstance(exc, TooManyNames):
+            return too_many_names(self.path, member.name)
+        return refused(self.path, member.name, exc.why)
 
     def _member(
         self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
@@ -430,10 +489,8 @@ class _TarSource:
                 self._hardlink(member, rel)
             else:
                 raise unsafe(self.path, member.name, "a device file or FIFO")
-        except TooManyNames as exc:
-            raise too_many_names(self.path, member.name) from exc
         except ImageConflict as exc:
-            raise refused(self.path, member.name, exc.why) from exc
+            raise self._conflict(member, exc) from exc
 
     def _file(
         self,
@@ -444,26 +501,30 @@ class _TarSource:
         name: str,
         mtime: int,
     ) -> None:
+        if member.sparse is None and stream is None:
+            self._range(archive, member, parent, name)
+            return
         if member.sparse is not None:
             # Its holes are written out as zeros: counted as they are written, so that a
             # staging's bound stops a small archive that makes a huge file part way.
             read = _counted(_sparse_reader(archive, stream, member), self.options.progress)
-            self.writer.file_stream(parent, name, member.size, mtime, read)
-            return
-        elif stream is None:
-            require_inside(archive, member, member.size)
-            offset = archive.base + member.offset_data
-            # A small member's data sits in the window its header was read from: no
-            # system call for it (a million 512-byte files: a million preads saved).
-            size, block = member.size, self.writer.block
-            tail = self._blocks.peek(member.offset_data + size - size % block, size % block)
-            self.writer.file_range(parent, name, size, mtime, archive.fd, offset, tail)
         else:
-            stream.seek(member.offset_data)
-            read = _counted(stream.read, self.options.progress)  # decompressed as it comes
-            self.writer.file_stream(parent, name, member.size, mtime, read)
-            return
-        report_written(self.options.progress, member.size)
+            stream.seek(member.offset_data)  # type: ignore[union-attr]
+            read = _counted(stream.read, self.options.progress)  # type: ignore[union-attr]
+        self.writer.file_stream(parent, name, member.size, mtime, read)
+
+    def _range(self, archive: Archive, member: tarfile.TarInfo, parent: int, name: str) -> None:
+        """A plain tar's file, read from its byte range."""
+        size = member.size
+        if member.offset_data + size > archive.length:
+            require_inside(archive, member, size)
+        # A small member's data sits in the window its header was read from: no
+        # system call for it (a million 512-byte files: a million preads saved).
+        block = self.writer.block
+        tail = self._blocks.peek(member.offset_data + size - size % block, size % block)
+        offset = archive.base + member.offset_data
+        self.writer.file_range(parent, name, size, _mtime(member.mtime), archive.fd, offset, tail)
+        report_written(self.options.progress, size)
 
     def _inner(self, archive: Archive, member: tarfile.TarInfo, clean: str) -> bool:
         """An archive member of a plain tar read in place into the folder of its name

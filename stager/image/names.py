@@ -19,9 +19,11 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+FS_ENCODING, FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 # The kinds of an entry (EROFS's file types; each format maps them to its own).
 FT_REG, FT_DIR, FT_SYMLINK = 1, 2, 7
 
@@ -99,6 +101,10 @@ class SortedRows:
             yield self._next[1:]
             self._next = next(self._rows, None)
 
+
+# A plain tar's file for ``files_range``: name, size, mtime, the offset of its content,
+# its content if read already (or None), and what names it in an error.
+RangeFile = tuple[str, int, int, int, bytes | None, str]
 
 # Reads ``n`` bytes of a file's content, in order (a compressed stream's member).
 Reader = Callable[[int], bytes]
@@ -227,6 +233,15 @@ class NameTable:
 
     # -- files --------------------------------------------------------------
 
+    def files_range(self, parent: int, src_fd: int, files: list[RangeFile]) -> None:
+        """Files of one folder, in order, each as ``file_range`` takes it; an error
+        names the file by its ``label``."""
+        for name, size, mtime, offset, tail, label in files:
+            try:
+                self.file_range(parent, name, size, mtime, src_fd, offset, tail)  # type: ignore[attr-defined]
+            except ImageConflict as exc:
+                raise ImageConflict(label, exc.why) from exc
+
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
         """A second name for the file ``target`` holds at this point of the stream
         (resolved at the end, when every file's nid is known)."""
@@ -253,7 +268,7 @@ class NameTable:
 
     def _named(self, parent: int, name: str) -> bytes:
         """``name`` as the image holds it; refused past the kernel's NAME_MAX."""
-        encoded = os.fsencode(name)
+        encoded = name.encode(FS_ENCODING, FS_ERRORS)  # os.fsencode, less its call
         if len(encoded) > NAME_MAX:
             folder = self._path(parent)
             raise ImageConflict(f"{folder}/{name}" if folder else name, _name_too_long(encoded))

@@ -46,15 +46,22 @@ from stager.fs.writeback import start_writeback
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
     _CHARGE_EVERY,
+    _ENTRY_CHARGE,
+    _SPILL_BATCH,
+    FS_ENCODING,
+    FS_ERRORS,
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
     LINK_MAX,
+    NAME_MAX,
     ImageConflict,
     NameTable,
+    RangeFile,
     Reader,
     SortedRows,
     _Folder,
+    _name_too_long,
 )
 
 BLOCK = 128 << 10
@@ -246,6 +253,35 @@ class SquashfsWriter(NameTable):
         if size % BLOCK:
             sizes.append(size % BLOCK | _UNCOMPRESSED_BLOCK)
         self._file(parent, name, size, mtime, start, sizes)
+
+    def files_range(self, parent: int, src_fd: int, files: list[RangeFile]) -> None:
+        """Files of one folder, as ``file_range`` takes them: in an embedded tar, where
+        each points at its data in place, one loop makes their inodes and entries."""
+        if self._blob is None or src_fd != self._blob.fd:
+            return super().files_range(parent, src_fd, files)
+        self._folders[parent].filled = True
+        add, pending, pack = self._inode_table.add, self._pending, _ONE_BLOCK_FILE.pack
+        for name, size, mtime, offset, _, label in files:
+            start = DATA_AT + offset
+            if not (0 < size <= BLOCK and start < 1 << 32):  # more than one block, or none
+                super().files_range(parent, src_fd, [(name, size, mtime, offset, None, label)])
+                continue
+            encoded = name.encode(FS_ENCODING, FS_ERRORS)
+            if len(encoded) > NAME_MAX:
+                raise ImageConflict(label, _name_too_long(encoded))
+            self._inodes += 1
+            self._seq += 1
+            # Charged before its inode and entry are added (as _charged does).
+            self._uncharged += _ONE_BLOCK_FILE.size + _ENTRY_CHARGE + len(encoded)
+            if self._uncharged >= _CHARGE_EVERY:
+                self.charge_now()
+            inode = pack(_FILE, 0o444, 0, 0, mtime, self._inodes, start, _NONE32, 0, size,
+                         size | _UNCOMPRESSED_BLOCK)  # fmt: skip
+            pending.append((parent, encoded, self._seq, add(inode), FT_REG, self._inodes))
+            self.data_bytes += size
+            self.files += 1
+        if len(pending) >= _SPILL_BATCH:
+            self._spill()
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
         """A regular file whose ``size`` bytes come from ``read`` (a decompressed tar);
