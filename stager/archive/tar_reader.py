@@ -145,13 +145,6 @@ def _tar_member(
             if stream is None and start_inner(archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
-        if stream is None and member.sparse is None:  # the common case, kept short
-            if member.offset_data + member.size > archive.length:
-                require_inside(archive, member, member.size)
-            offset = archive.base + member.offset_data
-            mode, size = FILE_MODE, member.size
-            rel = writer.range_file(rel, mode, member.mtime, archive.fd, offset, size, share)
-            return
         payload = _tar_payload(archive, tar, stream, member)
         inline = callable(payload)
         rel = writer.file(rel, FILE_MODE, member.mtime, payload, share, inline)

@@ -304,14 +304,6 @@ class _Placer:
         return done
 
 
-class _NoBlocks:
-    def peek(self, offset: int, count: int) -> None:
-        return None
-
-
-_NO_BLOCKS = _NoBlocks()
-
-
 class _TarSource:
     def __init__(
         self,
@@ -369,23 +361,19 @@ class _TarSource:
             stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
         with stream if stream is not None else contextlib.nullcontext():
             headers = stream or io.BufferedReader(raw, _HEADER_READAHEAD)  # type: ignore[arg-type]
-            blocks = (
-                tar_members.Blocks(archive.fd, archive.base, archive.length)
-                if stream is None
-                else None
-            )
-            self._blocks = blocks or _NO_BLOCKS
+            fd, base, length = archive.fd, archive.base, archive.length
+            blocks = None if stream else tar_members.Blocks(fd, base, length)
+            self._blocks = blocks  # a plain tar's (its files' data is read by _range)
             progress, check = self.options.progress, self.options.check
-            # A plain tar's file in the fast header format (tar_members.Member: no pax, no
-            # sparse map) skips _member's dispatch: the loop a million-file archive runs a
-            # million times. A run of such files in one folder is given to the writer at
-            # once (files_range), its folder found once, its content charged before and
-            # its progress told after; any other member ends the run first (a folder or a
-            # link may change where a name lands), and so does an error.
+            # A plain tar's files in the fast header format (tar_members.Member), in one
+            # folder, go to the writer as a run (files_range): the folder found once, the
+            # content charged before, the progress told after. Any other member or an
+            # error ends the run first (a folder or a link may change where names land).
             plain = stream is None and not self.source.nested
             fast, dirtype, path = tar_members.Member, tarfile.DIRTYPE, self.path
-            strip, place, peek = self.names.strip, self.names.place, self._blocks.peek
-            block, fd, base, length = self.writer.block, archive.fd, archive.base, archive.length
+            strip, place = self.names.strip, self.names.place
+            peek = blocks.peek if blocks is not None else None
+            block = self.writer.block
             run: list[RangeFile] = []  # files of the folder ``known``, not yet written
             known, number, run_bytes, run_end = None, 0, 0, 0
             consumed = 0  # the archive's bytes counted as done
@@ -420,7 +408,7 @@ class _TarSource:
                                         raise self._conflict(member, exc) from exc
                                 if at + size > length:
                                     require_inside(archive, member, size)
-                                tail = peek(at + size - size % block, size % block)
+                                tail = peek(at + size - size % block, size % block)  # type: ignore[misc]
                                 run.append((name, size, member.mtime, base + at, tail, member.name))
                                 run_bytes, run_end = run_bytes + size, next_header
                                 continue
@@ -521,7 +509,7 @@ class _TarSource:
         # A small member's data sits in the window its header was read from: no
         # system call for it (a million 512-byte files: a million preads saved).
         block = self.writer.block
-        tail = self._blocks.peek(member.offset_data + size - size % block, size % block)
+        tail = self._blocks.peek(member.offset_data + size - size % block, size % block)  # type: ignore[union-attr]
         offset = archive.base + member.offset_data
         self.writer.file_range(parent, name, size, _mtime(member.mtime), archive.fd, offset, tail)
         report_written(self.options.progress, size)

@@ -102,8 +102,8 @@ class SortedRows:
             self._next = next(self._rows, None)
 
 
-# A plain tar's file for ``files_range``: name, size, mtime, the offset of its content,
-# its content if read already (or None), and what names it in an error.
+# A file for a writer's ``files_range``: name, size, mtime, the offset of its content,
+# its content if read already (or None), what names it in an error ("": its path).
 RangeFile = tuple[str, int, int, int, bytes | None, str]
 
 # Reads ``n`` bytes of a file's content, in order (a compressed stream's member).
@@ -233,15 +233,6 @@ class NameTable:
 
     # -- files --------------------------------------------------------------
 
-    def files_range(self, parent: int, src_fd: int, files: list[RangeFile]) -> None:
-        """Files of one folder, in order, each as ``file_range`` takes it; an error
-        names the file by its ``label``."""
-        for name, size, mtime, offset, tail, label in files:
-            try:
-                self.file_range(parent, name, size, mtime, src_fd, offset, tail)  # type: ignore[attr-defined]
-            except ImageConflict as exc:
-                raise ImageConflict(label, exc.why) from exc
-
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
         """A second name for the file ``target`` holds at this point of the stream
         (resolved at the end, when every file's nid is known)."""
@@ -266,12 +257,14 @@ class NameTable:
         if len(self._pending) >= _SPILL_BATCH:
             self._spill()
 
-    def _named(self, parent: int, name: str) -> bytes:
-        """``name`` as the image holds it; refused past the kernel's NAME_MAX."""
+    def _named(self, parent: int, name: str, label: str = "") -> bytes:
+        """``name`` as the image holds it; refused past the kernel's NAME_MAX (the error
+        names it by ``label``, else by its path in the image)."""
         encoded = name.encode(FS_ENCODING, FS_ERRORS)  # os.fsencode, less its call
         if len(encoded) > NAME_MAX:
             folder = self._path(parent)
-            raise ImageConflict(f"{folder}/{name}" if folder else name, _name_too_long(encoded))
+            path = label or (f"{folder}/{name}" if folder else name)
+            raise ImageConflict(path, _name_too_long(encoded))
         return encoded
 
     def _spill(self) -> None:
@@ -466,6 +459,9 @@ def _merge_sorted(files: Iterator[Row], folders: list[Row], dots: list[Row]) -> 
     """The folder's entries in name order (then arrival order): its files as SQLite
     sorted them, merged with its child folders and "." and ".." (few, sorted here)."""
     others = sorted(folders + dots)
+    if not others:  # most folders: files alone
+        yield from files
+        return
     at = 0
     for row in files:
         while at < len(others) and others[at][:2] <= row[:2]:
