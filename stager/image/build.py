@@ -44,15 +44,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
-from stager.archive.formats import (
-    STREAM_CHUNK,
-    StreamReader,
-    open_decompressed,
-    resolve_format,
-    sniff,
-)
+from stager.archive.formats import StreamReader, resolve_format, sniff
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
-from stager.archive.tar_reader import DUMPDIR, MULTIVOLUME, NOT_FILES, VOLUME_LABEL, require_inside
+from stager.archive.tar_reader import (
+    DUMPDIR,
+    MULTIVOLUME,
+    NOT_FILES,
+    VOLUME_LABEL,
+    open_stream,
+    require_inside,
+)
 from stager.archive.writer import clean_name, refused, too_many_names, unsafe
 from stager.core.errors import UnknownFormat
 from stager.fs import sources
@@ -352,18 +353,12 @@ class _TarSource:
 
     def _read(self, archive: Archive) -> None:
         raw = archive.reader()
-        stream: StreamReader | None = None
-        if archive.growing is not None:  # read once, in order: its reads wait for the bytes
-            arriving = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
-            stream = StreamReader(arriving, raw, arriving=True)  # type: ignore[arg-type]
-        elif archive.fmt != "tar":
-            buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
-            stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
+        stream = open_stream(archive, raw)
         with stream if stream is not None else contextlib.nullcontext():
             headers = stream or io.BufferedReader(raw, _HEADER_READAHEAD)  # type: ignore[arg-type]
             fd, base, length = archive.fd, archive.base, archive.length
             blocks = None if stream else tar_members.Blocks(fd, base, length)
-            self._blocks = blocks  # a plain tar's (its files' data is read by _range)
+            self._blocks = blocks  # a plain tar's: a small file's data is in its window
             progress, check = self.options.progress, self.options.check
             # A plain tar's files in the fast header format (tar_members.Member), in one
             # folder, go to the writer as a run (files_range): the folder found once, the
@@ -489,8 +484,14 @@ class _TarSource:
         name: str,
         mtime: int,
     ) -> None:
-        if member.sparse is None and stream is None:
-            self._range(archive, member, parent, name)
+        if member.sparse is None and stream is None:  # read from its byte range
+            size, offset, block = member.size, member.offset_data, self.writer.block
+            require_inside(archive, member, size)
+            tail = self._blocks.peek(offset + size - size % block, size % block)  # type: ignore[union-attr]
+            self.writer.file_range(
+                parent, name, size, mtime, archive.fd, archive.base + offset, tail
+            )
+            report_written(self.options.progress, size)
             return
         if member.sparse is not None:
             # Its holes are written out as zeros: counted as they are written, so that a
@@ -500,19 +501,6 @@ class _TarSource:
             stream.seek(member.offset_data)  # type: ignore[union-attr]
             read = _counted(stream.read, self.options.progress)  # type: ignore[union-attr]
         self.writer.file_stream(parent, name, member.size, mtime, read)
-
-    def _range(self, archive: Archive, member: tarfile.TarInfo, parent: int, name: str) -> None:
-        """A plain tar's file, read from its byte range."""
-        size = member.size
-        if member.offset_data + size > archive.length:
-            require_inside(archive, member, size)
-        # A small member's data sits in the window its header was read from: no
-        # system call for it (a million 512-byte files: a million preads saved).
-        block = self.writer.block
-        tail = self._blocks.peek(member.offset_data + size - size % block, size % block)  # type: ignore[union-attr]
-        offset = archive.base + member.offset_data
-        self.writer.file_range(parent, name, size, _mtime(member.mtime), archive.fd, offset, tail)
-        report_written(self.options.progress, size)
 
     def _inner(self, archive: Archive, member: tarfile.TarInfo, clean: str) -> bool:
         """An archive member of a plain tar read in place into the folder of its name
