@@ -15,6 +15,7 @@ members here must be followed by an end-of-archive (zero) block.
 from __future__ import annotations
 
 import os
+import struct
 import tarfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -60,7 +61,8 @@ def members(
 
     ``headers`` is the seekable file ``tar`` reads (both readers share its buffer);
     ``blocks``, for a plain tar, serves this module's own headers from larger windows.
-    ``check`` runs before each member (cancellation).
+    ``check`` runs before each read of headers (cancellation; an index build waits
+    there for its copy): before each member, or each window of ``blocks``.
     """
     check()
     member = tar.next()  # tarfile has read the first header already, when it opened
@@ -69,25 +71,28 @@ def members(
     if start:
         # Read as the loop below reads a header after the first: a plain one here, so
         # that a field only tarfile reads (a uid) fails neither way or both.
-        block = blocks.at(start) if blocks is not None else _read_block(headers, start)
-        member = fast_header(block, start, encoding, errors) if not tar.pax_headers else None
+        window, at = blocks.window(start) if blocks else _read_block(headers, start)
+        member = fast_header(window, start, encoding, errors, at) if not tar.pax_headers else None
         if member is None:
-            member, offset = _next_by_tarfile(tar, block, start)
+            member, offset = _next_by_tarfile(tar, window[at : at + BLOCK], start)
         else:
             offset = start + BLOCK
             offset += 0 if member.type == dirtype else (member.size + 511) & ~511
     while member is not None:
         yield member, offset
-        check()
-        block = blocks.at(offset) if blocks is not None else _read_block(headers, offset)
+        if blocks is not None:  # the header read in place, in its window
+            window, at = blocks.window(offset, check)
+        else:
+            check()
+            window, at = _read_block(headers, offset)
         if not tar.pax_headers:  # global pax headers change every later member: tarfile's job
-            member = fast_header(block, offset, encoding, errors)
+            member = fast_header(window, offset, encoding, errors, at)
             if member is not None:
                 # The next header follows the data, padded to whole blocks; a folder has none.
                 offset += BLOCK if member.type == dirtype else BLOCK + ((member.size + 511) & ~511)
                 continue
         tar.members.clear()  # tarfile keeps every header; 2.7M of them would be GBs
-        member, offset = _next_by_tarfile(tar, block, offset)
+        member, offset = _next_by_tarfile(tar, window[at : at + BLOCK], offset)
     _require_end(headers, offset)
 
 
@@ -103,13 +108,18 @@ class Blocks:
         self._data = b""
         self._start = 0
 
-    def at(self, offset: int) -> bytes:
-        """The block at ``offset`` of the archive (shorter at its end)."""
+    def window(
+        self, offset: int, before_read: Callable[[], None] = lambda: None
+    ) -> tuple[bytes, int]:
+        """The window that holds the block at ``offset`` of the archive (unless that is
+        shorter, at its end), and where the block starts in it; ``before_read`` runs
+        before a new window is read."""
         at = offset - self._start
         if at < 0 or at + BLOCK > len(self._data):
+            before_read()
             count = max(0, min(self._WINDOW, self._length - offset))
             self._data, self._start, at = os.pread(self._fd, count, self._base + offset), offset, 0
-        return self._data[at : at + BLOCK]
+        return self._data, at
 
     def peek(self, offset: int, count: int) -> bytes | None:
         """The ``count`` bytes at ``offset`` of the archive if the window read for the
@@ -120,9 +130,10 @@ class Blocks:
         return self._data[at : at + count]
 
 
-def _read_block(headers: BinaryIO, offset: int) -> bytes:
+def _read_block(headers: BinaryIO, offset: int) -> tuple[bytes, int]:
+    """The block at ``offset``, as a window of its own (Blocks.window)."""
     headers.seek(offset)
-    return headers.read(BLOCK)
+    return headers.read(BLOCK), 0
 
 
 def _next_by_tarfile(
@@ -158,52 +169,47 @@ class Member:
         return False
 
 
-def fast_header(block: bytes, offset: int, encoding: str, errors: str) -> Member | None:
-    """The member a plain file or directory header describes, or None for tarfile."""
-    if (
-        len(block) != BLOCK
-        or block[156:157] not in _FAST_TYPES
-        or block[257:265] not in MAGICS
-        or block[124] & 0x80  # a base-256 size (a member of 8 GiB or more)
-    ):
+# A plain header's fields in one unpack: name, mode, size, mtime, checksum, type, magic
+# and version, prefix (uid, gid, link name, user and group names, devices skipped).
+_FIELDS = struct.Struct("100s8s16x12s12s8sc100x8s80x155s")
+
+
+def fast_header(
+    block: bytes, offset: int, encoding: str, errors: str, at: int = 0
+) -> Member | None:
+    """The member a plain file or directory header describes (at ``at`` of ``block``,
+    a window of the archive), or None for tarfile."""
+    if len(block) < at + BLOCK:
         return None
-    # The four numbers in one pass over bytes 100-156: NULs as spaces, which int() strips
-    # (the common layout: zero-padded digits, NUL- or space-terminated).
-    numbers = block[100:156].replace(b"\0", b" ")
-    try:
-        mode, size, mtime, chksum = (
-            int(numbers[0:8], 8),
-            int(numbers[24:36], 8),
-            int(numbers[36:48], 8),
-            int(numbers[48:56], 8),
+    name, mode, size, mtime, chksum, kind, magic, prefix = _FIELDS.unpack_from(block, at)
+    if kind not in _FAST_TYPES or magic not in MAGICS or size[0] & 0x80:
+        return None  # (a base-256 size: a member of 8 GiB or more)
+    try:  # the common layout: zero-padded digits, NUL- or space-terminated
+        numbers = (
+            int(chksum.replace(b"\0", b" "), 8),
+            int(mode.replace(b"\0", b" "), 8),
+            int(size.replace(b"\0", b" "), 8),
+            int(mtime.replace(b"\0", b" "), 8),
         )
     except ValueError:
         try:
-            chksum, mode, size, mtime = (
-                _octal(block[148:156]),
-                _octal(block[100:108]),
-                _octal(block[124:136]),
-                _octal(block[136:148]),
-            )
+            numbers = (_octal(chksum), _octal(mode), _octal(size), _octal(mtime))
         except ValueError:
             return None
-    if min(chksum, mode, size, mtime) < 0 or not checksum_ok(block, chksum):
+    if min(numbers) < 0 or not checksum_ok(block, numbers[0], at):
         return None  # maybe a signed-char checksum (old Sun tars): tarfile decides
     # Name rules as tarfile's ``frombuf``: V7 directories end in "/", directory names
     # lose trailing slashes, and a ustar prefix comes in front.
-    name = _text(block[0:100], encoding, errors)
-    kind = block[156:157]
+    name = name.split(b"\0", 1)[0].decode(encoding, errors)
     if kind == tarfile.AREGTYPE and name.endswith("/"):
         kind = tarfile.DIRTYPE
     if kind == tarfile.DIRTYPE:
         name = name.rstrip("/")
-    if block[257:263] == POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
-        prefix = _text(block[345:500], encoding, errors)
-        if prefix:
-            name = f"{prefix}/{name}"
+    if prefix[0] and magic[:6] == POSIX_MAGIC:  # GNU headers have no prefix: see TarInfo
+        name = f"{_text(prefix, encoding, errors)}/{name}"
     member = Member()
-    member.name, member.type, member.mode, member.size, member.mtime = name, kind, mode, size, mtime
-    member.offset, member.offset_data = offset, offset + BLOCK
+    member.name, member.type, member.offset, member.offset_data = name, kind, offset, offset + BLOCK
+    _, member.mode, member.size, member.mtime = numbers
     return member
 
 
@@ -222,10 +228,12 @@ def _octal(field: bytes) -> int:
 # spaces. Summing bytes in Python costs ~4 us a header; adler32's low half is
 # (1 + the byte sum) mod 65521, and the sum of 256 bytes is at most 65280: over each
 # half of the block it is the exact sum, at C speed.
-def checksum_ok(block: bytes, chksum: int) -> bool:
-    total = (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
-    stored = (zlib.adler32(block[148:156]) & 0xFFFF) - 1  # the checksum field's own bytes
-    return total - stored + 8 * 32 == chksum
+def checksum_ok(block: bytes, chksum: int, at: int = 0) -> bool:
+    """Whether the header at ``at`` of ``block`` has the checksum ``chksum``."""
+    adler = zlib.adler32
+    total = (adler(block[at : at + 256]) & 0xFFFF) + (adler(block[at + 256 : at + BLOCK]) & 0xFFFF)
+    stored = adler(block[at + 148 : at + 156]) & 0xFFFF  # the checksum field's own bytes
+    return total - stored + 8 * 32 - 1 == chksum  # (each adler32 low half: 1 + the sum)
 
 
 def _text(field: bytes, encoding: str, errors: str) -> str:

@@ -54,14 +54,7 @@ def read_tar(
     (a plain tar's: what came before it is written already); ``start_inner`` (an outer
     archive with ``nested``) takes the members that are archives themselves."""
     raw = archive.reader()
-    stream: StreamReader | None = None
-    if archive.growing is not None:  # read once, in order: its reads wait for the bytes
-        decompressed = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
-        stream = StreamReader(decompressed, raw, arriving=True)  # type: ignore[arg-type]
-    elif archive.fmt != "tar":
-        buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
-        decompressed = open_decompressed(buffered, archive.fmt, read_ahead=True)
-        stream = StreamReader(decompressed, raw)  # type: ignore[arg-type]
+    stream = open_stream(archive, raw)
     # Closed also when the extraction fails: that stops gzip's read-ahead thread.
     with stream if stream is not None else contextlib.nullcontext():
         # Headers of a plain tar are read through a read-ahead buffer: with small members
@@ -94,6 +87,19 @@ def read_tar(
                 stream.drain()  # lets the decompressor verify its checksum and length
             length = archive.length if archive.growing is None else raw.tell()
             job.ctx.progress.advance(max(0, length - consumed), 0)
+
+
+def open_stream(archive: Archive, raw: io.RawIOBase) -> StreamReader | None:
+    """A compressed or growing tar's content, decompressed as it is read (None: a
+    plain tar, read by offset); a growing one is read once, in order, each read
+    waiting for its bytes."""
+    if archive.growing is not None:
+        decompressed = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
+        return StreamReader(decompressed, raw, arriving=True)  # type: ignore[arg-type]
+    if archive.fmt == "tar":
+        return None
+    buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
+    return StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
 
 
 # Member types of GNU tar's beyond tarfile's; anything else unknown is a regular file, as
@@ -145,13 +151,6 @@ def _tar_member(
             if stream is None and start_inner(archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
-        if stream is None and member.sparse is None:  # the common case, kept short
-            if member.offset_data + member.size > archive.length:
-                require_inside(archive, member, member.size)
-            offset = archive.base + member.offset_data
-            mode, size = FILE_MODE, member.size
-            rel = writer.range_file(rel, mode, member.mtime, archive.fd, offset, size, share)
-            return
         payload = _tar_payload(archive, tar, stream, member)
         inline = callable(payload)
         rel = writer.file(rel, FILE_MODE, member.mtime, payload, share, inline)

@@ -40,26 +40,27 @@ import posixpath
 import stat
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stager.archive import tar_members
-from stager.archive.formats import (
-    STREAM_CHUNK,
-    StreamReader,
-    open_decompressed,
-    resolve_format,
-    sniff,
-)
+from stager.archive.formats import StreamReader, resolve_format, sniff
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
-from stager.archive.tar_reader import DUMPDIR, MULTIVOLUME, NOT_FILES, VOLUME_LABEL, require_inside
+from stager.archive.tar_reader import (
+    DUMPDIR,
+    MULTIVOLUME,
+    NOT_FILES,
+    VOLUME_LABEL,
+    open_stream,
+    require_inside,
+)
 from stager.archive.writer import clean_name, refused, too_many_names, unsafe
 from stager.core.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
 from stager.fs.durable_names import sync_folder
 from stager.image.erofs import Blob, ErofsWriter
-from stager.image.names import ImageConflict, LinkLeaves, TooManyNames
+from stager.image.names import ImageConflict, LinkLeaves, RangeFile, TooManyNames
 from stager.image.squashfs import SquashfsWriter
 from stager.wire.progress import ProgressSink, report_written
 
@@ -69,6 +70,9 @@ _HEADER_READAHEAD = 16384
 Writer = ErofsWriter | SquashfsWriter
 WRITERS: dict[str, type[Writer]] = {"erofs": ErofsWriter, "squashfs": SquashfsWriter}
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
+# A run of files given to the writer at once spans at most this much of the archive:
+# its progress is told at its end (an index build's copy waits on it).
+_RUN_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -270,9 +274,12 @@ class _Placer:
 
     def parent(self, rel: str, member: str) -> tuple[int, str]:
         parent, name = _split(rel)
-        if self.symlinks and not self.writer.is_folder(parent):
-            parent = self.through_links(parent, member)
-        return self.writer.folder(parent), name
+        return self.folder(parent, member), name
+
+    def folder(self, folder: str, member: str) -> int:
+        if self.symlinks and not self.writer.is_folder(folder):
+            folder = self.through_links(folder, member)
+        return self.writer.folder(folder)
 
     def through_links(self, folder: str, member: str) -> str:
         parts, done, hops = folder.split("/") if folder else [], "", 0
@@ -296,14 +303,6 @@ class _Placer:
             parts = [p for p in resolved.split("/") if p not in ("", ".")] + parts[1:]
             done = ""
         return done
-
-
-class _NoBlocks:
-    def peek(self, offset: int, count: int) -> None:
-        return None
-
-
-_NO_BLOCKS = _NoBlocks()
 
 
 class _TarSource:
@@ -354,41 +353,84 @@ class _TarSource:
 
     def _read(self, archive: Archive) -> None:
         raw = archive.reader()
-        stream: StreamReader | None = None
-        if archive.growing is not None:  # read once, in order: its reads wait for the bytes
-            arriving = open_decompressed(raw, archive.fmt, read_ahead=True)  # type: ignore[arg-type]
-            stream = StreamReader(arriving, raw, arriving=True)  # type: ignore[arg-type]
-        elif archive.fmt != "tar":
-            buffered = io.BufferedReader(raw, STREAM_CHUNK)  # type: ignore[arg-type]
-            stream = StreamReader(open_decompressed(buffered, archive.fmt, read_ahead=True), raw)  # type: ignore[arg-type]
+        stream = open_stream(archive, raw)
         with stream if stream is not None else contextlib.nullcontext():
             headers = stream or io.BufferedReader(raw, _HEADER_READAHEAD)  # type: ignore[arg-type]
-            blocks = (
-                tar_members.Blocks(archive.fd, archive.base, archive.length)
-                if stream is None
-                else None
-            )
-            self._blocks = blocks or _NO_BLOCKS
-            progress, consumed = self.options.progress, 0
+            fd, base, length = archive.fd, archive.base, archive.length
+            blocks = None if stream else tar_members.Blocks(fd, base, length)
+            self._blocks = blocks  # a plain tar's: a small file's data is in its window
+            progress, check = self.options.progress, self.options.check
+            # A plain tar's files in the fast header format (tar_members.Member), in one
+            # folder, go to the writer as a run (files_range): the folder found once, the
+            # content charged before, the progress told after. Any other member or an
+            # error ends the run first (a folder or a link may change where names land).
+            plain = stream is None and not self.source.nested
+            fast, dirtype, path = tar_members.Member, tarfile.DIRTYPE, self.path
+            strip, place = self.names.strip, self.names.place
+            peek = blocks.peek if blocks is not None else None
+            block = self.writer.block
+            run: list[RangeFile] = []  # files of the folder ``known``, not yet written
+            known, number, run_bytes, run_end = None, 0, 0, 0
+            consumed = 0  # the archive's bytes counted as done
+
+            def end_run() -> None:
+                nonlocal consumed
+                if run:
+                    files = run.copy()
+                    run.clear()  # given once, whatever happens
+                    report_written(progress, run_bytes)
+                    try:
+                        self.writer.files_range(number, fd, files)
+                    except ImageConflict as exc:
+                        raise refused(path, exc.path, exc.why) from exc
+                    progress.advance(0 if self.inner else run_end - consumed, len(files))
+                    consumed = run_end
+
             with tar_members.open_tar(headers) as tar:  # type: ignore[arg-type]
-                for member, next_header in self._members(tar, headers, blocks):
-                    self._member(archive, stream, member)
-                    if self.inner:
-                        progress.advance(0, 1)
-                        continue
-                    now = stream.compressed_pos() if stream is not None else next_header
-                    progress.advance(now - consumed, 1)
-                    consumed = now
+                try:
+                    for member, next_header in tar_members.members(tar, headers, check, blocks):  # type: ignore[arg-type]
+                        if plain and member.__class__ is fast and member.type != dirtype:
+                            clean = clean_name(path, member.name, strip)
+                            if clean is not None:
+                                folder, _, name = place(clean).rpartition("/")
+                                at, size = member.offset_data, member.size
+                                if folder != known or next_header - consumed > _RUN_BYTES:
+                                    end_run()
+                                    known, run_bytes = folder, 0
+                                    try:
+                                        number = self.place.folder(folder, member.name)
+                                    except ImageConflict as exc:
+                                        raise self._conflict(member, exc) from exc
+                                if at + size > length:
+                                    require_inside(archive, member, size)
+                                tail = peek(at + size - size % block, size % block)  # type: ignore[misc]
+                                run.append((name, size, member.mtime, base + at, tail, member.name))
+                                run_bytes, run_end = run_bytes + size, next_header
+                                continue
+                        end_run()
+                        known = None
+                        self._member(archive, stream, member)
+                        if self.inner:
+                            progress.advance(0, 1)
+                            continue
+                        now = stream.compressed_pos() if stream is not None else next_header
+                        progress.advance(now - consumed, 1)
+                        consumed = now
+                    end_run()
+                except BaseException:
+                    end_run()  # an earlier member's error first, as member by member
+                    raise
             if stream is not None:
                 stream.drain()  # lets the decompressor check its trailer
             if not self.inner:
                 length = archive.length if archive.growing is None else raw.tell()
                 progress.advance(max(0, length - consumed), 0)
 
-    def _members(
-        self, tar: tarfile.TarFile, headers: io.RawIOBase, blocks: tar_members.Blocks | None
-    ) -> Iterator[tuple[tarfile.TarInfo, int]]:
-        return tar_members.members(tar, headers, self.options.check, blocks)  # type: ignore[arg-type]
+    def _conflict(self, member: tarfile.TarInfo, exc: ImageConflict) -> Exception:
+        """A writer's refusal, worded for this archive's member."""
+        if isinstance(exc, TooManyNames):
+            return too_many_names(self.path, member.name)
+        return refused(self.path, member.name, exc.why)
 
     def _member(
         self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
@@ -430,10 +472,8 @@ class _TarSource:
                 self._hardlink(member, rel)
             else:
                 raise unsafe(self.path, member.name, "a device file or FIFO")
-        except TooManyNames as exc:
-            raise too_many_names(self.path, member.name) from exc
         except ImageConflict as exc:
-            raise refused(self.path, member.name, exc.why) from exc
+            raise self._conflict(member, exc) from exc
 
     def _file(
         self,
@@ -444,26 +484,23 @@ class _TarSource:
         name: str,
         mtime: int,
     ) -> None:
+        if member.sparse is None and stream is None:  # read from its byte range
+            size, offset, block = member.size, member.offset_data, self.writer.block
+            require_inside(archive, member, size)
+            tail = self._blocks.peek(offset + size - size % block, size % block)  # type: ignore[union-attr]
+            self.writer.file_range(
+                parent, name, size, mtime, archive.fd, archive.base + offset, tail
+            )
+            report_written(self.options.progress, size)
+            return
         if member.sparse is not None:
             # Its holes are written out as zeros: counted as they are written, so that a
             # staging's bound stops a small archive that makes a huge file part way.
             read = _counted(_sparse_reader(archive, stream, member), self.options.progress)
-            self.writer.file_stream(parent, name, member.size, mtime, read)
-            return
-        elif stream is None:
-            require_inside(archive, member, member.size)
-            offset = archive.base + member.offset_data
-            # A small member's data sits in the window its header was read from: no
-            # system call for it (a million 512-byte files: a million preads saved).
-            size, block = member.size, self.writer.block
-            tail = self._blocks.peek(member.offset_data + size - size % block, size % block)
-            self.writer.file_range(parent, name, size, mtime, archive.fd, offset, tail)
         else:
-            stream.seek(member.offset_data)
-            read = _counted(stream.read, self.options.progress)  # decompressed as it comes
-            self.writer.file_stream(parent, name, member.size, mtime, read)
-            return
-        report_written(self.options.progress, member.size)
+            stream.seek(member.offset_data)  # type: ignore[union-attr]
+            read = _counted(stream.read, self.options.progress)  # type: ignore[union-attr]
+        self.writer.file_stream(parent, name, member.size, mtime, read)
 
     def _inner(self, archive: Archive, member: tarfile.TarInfo, clean: str) -> bool:
         """An archive member of a plain tar read in place into the folder of its name

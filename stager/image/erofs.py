@@ -50,6 +50,7 @@ from stager.image.names import (
     LINK_MODE,
     ImageConflict,
     NameTable,
+    RangeFile,
     Reader,
     SortedRows,
     _Folder,
@@ -188,6 +189,14 @@ class ErofsWriter(NameTable):
         self._entry(parent, name, FT_REG, self._inode(FILE_MODE, size, mtime, blk, tail))
         self.files += 1
         self.data_bytes += size
+
+    def files_range(self, parent: int, src_fd: int, files: list[RangeFile]) -> None:
+        """Files of one folder, each as ``file_range`` takes it."""
+        for name, size, mtime, offset, tail, label in files:
+            try:
+                self.file_range(parent, name, size, mtime, src_fd, offset, tail)
+            except ImageConflict as exc:
+                raise ImageConflict(label or exc.path, exc.why) from exc
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
         """A regular file whose ``size`` bytes come from ``read`` (a decompressed tar)."""

@@ -159,20 +159,17 @@ _AHEAD = (64 << 10) + 512
 
 
 class _Following:
-    """The header reader kept behind the copy. Before each header (the build's
-    ``check``) it waits until the copy is past that header and the window read with it
-    (the position is what ``advance`` has counted), so every header is read from the
-    page cache the copy has just filled: a source not in the page cache is read from
-    the disk once, in one stream, not twice at two places. Everything else goes to the
-    build's own progress sink."""
+    """The header reader kept behind the copy. Before each window of headers is read
+    (the build's ``check``) it waits until the copy is past it (from the position that
+    ``advance`` has counted: a run of files behind at most), so headers are read from
+    the page cache the copy has just filled: a source not in the page cache is read
+    from the disk once, in one stream, not twice at two places. Everything else goes
+    to the build's own progress sink."""
 
     def __init__(self, copy: _Copy, options: BuildOptions, size: int) -> None:
         self._copy, self._progress, self._check = copy, options.progress, options.check
         self._size = size
         self._at = 0  # the next header's offset
-        # Looked up per member (stager.wire.progress.report_written): an attribute, not a
-        # failed lookup through __getattr__ each time.
-        self.wrote = getattr(self._progress, "wrote", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._progress, name)
@@ -186,8 +183,6 @@ class _Following:
 
     def check(self) -> None:
         copy = self._copy
-        # Two attribute reads, no lock, in the common case (the copy ahead, or done):
-        # a million members make this the builder's hottest line.
         if not copy.done and copy.copied < self._at + _AHEAD:
             copy.wait_past(min(self._size, self._at + _AHEAD))
         self._check()

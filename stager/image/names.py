@@ -19,9 +19,11 @@ from __future__ import annotations
 import os
 import sqlite3
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+FS_ENCODING, FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 # The kinds of an entry (EROFS's file types; each format maps them to its own).
 FT_REG, FT_DIR, FT_SYMLINK = 1, 2, 7
 
@@ -99,6 +101,10 @@ class SortedRows:
             yield self._next[1:]
             self._next = next(self._rows, None)
 
+
+# A file for a writer's ``files_range``: name, size, mtime, the offset of its content,
+# its content if read already (or None), what names it in an error ("": its path).
+RangeFile = tuple[str, int, int, int, bytes | None, str]
 
 # Reads ``n`` bytes of a file's content, in order (a compressed stream's member).
 Reader = Callable[[int], bytes]
@@ -251,12 +257,14 @@ class NameTable:
         if len(self._pending) >= _SPILL_BATCH:
             self._spill()
 
-    def _named(self, parent: int, name: str) -> bytes:
-        """``name`` as the image holds it; refused past the kernel's NAME_MAX."""
-        encoded = os.fsencode(name)
+    def _named(self, parent: int, name: str, label: str = "") -> bytes:
+        """``name`` as the image holds it; refused past the kernel's NAME_MAX (the error
+        names it by ``label``, else by its path in the image)."""
+        encoded = name.encode(FS_ENCODING, FS_ERRORS)  # os.fsencode, less its call
         if len(encoded) > NAME_MAX:
             folder = self._path(parent)
-            raise ImageConflict(f"{folder}/{name}" if folder else name, _name_too_long(encoded))
+            path = label or (f"{folder}/{name}" if folder else name)
+            raise ImageConflict(path, _name_too_long(encoded))
         return encoded
 
     def _spill(self) -> None:
@@ -451,6 +459,9 @@ def _merge_sorted(files: Iterator[Row], folders: list[Row], dots: list[Row]) -> 
     """The folder's entries in name order (then arrival order): its files as SQLite
     sorted them, merged with its child folders and "." and ".." (few, sorted here)."""
     others = sorted(folders + dots)
+    if not others:  # most folders: files alone
+        yield from files
+        return
     at = 0
     for row in files:
         while at < len(others) and others[at][:2] <= row[:2]:

@@ -46,12 +46,18 @@ from stager.fs.writeback import start_writeback
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
     _CHARGE_EVERY,
+    _ENTRY_CHARGE,
+    _SPILL_BATCH,
+    FS_ENCODING,
+    FS_ERRORS,
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
     LINK_MAX,
+    NAME_MAX,
     ImageConflict,
     NameTable,
+    RangeFile,
     Reader,
     SortedRows,
     _Folder,
@@ -211,41 +217,64 @@ class SquashfsWriter(NameTable):
         offset: int,
         tail: bytes | None = None,
     ) -> None:
-        """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``
-        (a plain tar, or a file of a tree): pointed at in an embedded tar, else copied
-        in the kernel, or from ``tail`` when that is all of it (a small member's data,
-        read with its header)."""
-        blob = self._blob
-        if blob is not None and src_fd == blob.fd:
-            start = DATA_AT + offset
-        elif tail is not None and len(tail) == size:
-            start = self._append(tail)
-        elif size <= _SMALL:
+        """A regular file whose content is ``size`` bytes at ``offset`` of ``src_fd``."""
+        self.files_range(parent, src_fd, [(name, size, mtime, offset, tail, "")])
+
+    def files_range(self, parent: int, src_fd: int, files: list[RangeFile]) -> None:
+        """Regular files of one folder, each ``size`` bytes at ``offset`` of ``src_fd`` (a
+        plain tar, or a file of a tree): pointed at in an embedded tar, else copied in
+        the kernel, or from ``tail`` when that is all of it (a small member's data, read
+        with its header). One loop makes their inodes and entries (a million files of a
+        tar: the builder's hottest loop); ``label`` names a file in an error."""
+        embedded = self._blob is not None and src_fd == self._blob.fd
+        self._folders[parent].filled = True
+        table, pending, pack = self._inode_table, self._pending, _ONE_BLOCK_FILE.pack
+        inodes = bytearray()  # added to the table at the end, or before a larger file's
+        for name, size, mtime, offset, tail, label in files:
+            start = DATA_AT + offset if embedded else self._place(src_fd, size, offset, tail, name)
+            encoded = name.encode(FS_ENCODING, FS_ERRORS)  # as _named, less its call
+            if len(encoded) > NAME_MAX:
+                self._named(parent, name, label)  # refused there
+            if not (0 < size <= BLOCK and start < 1 << 32):  # more than one block, or none
+                table.add(inodes)
+                inodes.clear()
+                sizes = [BLOCK | _UNCOMPRESSED_BLOCK] * (size // BLOCK)
+                if size % BLOCK:
+                    sizes.append(size % BLOCK | _UNCOMPRESSED_BLOCK)
+                self._file(parent, name, size, mtime, start, sizes)
+                continue
+            self._inodes += 1
+            self._seq += 1
+            # Charged before its inode and entry are added (as _charged does).
+            self._uncharged += _ONE_BLOCK_FILE.size + _ENTRY_CHARGE + len(encoded)
+            if self._uncharged >= _CHARGE_EVERY:
+                self.charge_now()
+            inode = pack(_FILE, 0o444, 0, 0, mtime, self._inodes, start, _NONE32, 0, size,
+                         size | _UNCOMPRESSED_BLOCK)  # fmt: skip
+            position = table.pos + len(inodes)
+            pending.append((parent, encoded, self._seq, position, FT_REG, self._inodes))
+            inodes += inode
+            self.data_bytes += size
+            self.files += 1
+        table.add(inodes)
+        if len(pending) >= _SPILL_BATCH:
+            self._spill()
+
+    def _place(self, src_fd: int, size: int, offset: int, tail: bytes | None, name: str) -> int:
+        """A file's data appended (buffered, or copied in the kernel); where it starts."""
+        if tail is not None and len(tail) == size:
+            return self._append(tail)
+        if size <= _SMALL:
             data = os.pread(src_fd, size, offset)
             if len(data) != size:
                 raise EOFError(f"the source ended inside {name!r}")
-            start = self._append(data)
-        else:
-            start = self._flush_data()
-            os.lseek(self._fd, start, os.SEEK_SET)
-            copy_range(src_fd, self._fd, offset, size)
-            self._end += size
-            self._started_writeback()
-        if 0 < size <= BLOCK and start < 1 << 32:  # most files: one block, one pack
-            self._inodes += 1
-            inode = _ONE_BLOCK_FILE.pack(_FILE, 0o444, 0, 0, mtime, self._inodes, start,
-                                         _NONE32, 0, size, size | _UNCOMPRESSED_BLOCK)  # fmt: skip
-            self._uncharged += _ONE_BLOCK_FILE.size
-            if self._uncharged >= _CHARGE_EVERY:
-                self.charge_now()
-            self._entry(parent, name, FT_REG, self._inode_table.add(inode), self._inodes)
-            self.files += 1
-            self.data_bytes += size
-            return
-        sizes = [BLOCK | _UNCOMPRESSED_BLOCK] * (size // BLOCK)
-        if size % BLOCK:
-            sizes.append(size % BLOCK | _UNCOMPRESSED_BLOCK)
-        self._file(parent, name, size, mtime, start, sizes)
+            return self._append(data)
+        start = self._flush_data()
+        os.lseek(self._fd, start, os.SEEK_SET)
+        copy_range(src_fd, self._fd, offset, size)
+        self._end += size
+        self._started_writeback()
+        return start
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
         """A regular file whose ``size`` bytes come from ``read`` (a decompressed tar);
@@ -447,7 +476,7 @@ class _Listing:
         self._indexed = start // _METADATA  # the metadata block of the last index entry
 
     def add(self, name: bytes, position: int, ino: int, kind: int) -> None:
-        block = _block_start(position)
+        block = position // _METADATA * (_METADATA + 2)  # _block_start, inline: per entry
         if (
             len(self._entries) == _HEADER_MAX
             or block != self._block

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from stager.core.errors import CorruptArchive, UnknownFormat, UnsafeArchiveMember
+from stager.core.errors import Cancelled, CorruptArchive, UnknownFormat, UnsafeArchiveMember
 from stager.image import erofs
 from stager.image.build import BuildOptions, Names, build_image
 from stager.image.erofs import BLOCK, ErofsWriter
+from stager.image.index import build_indexed
 from stager.wire.progress import Progress
 from tests import tar_corpus
 
@@ -363,6 +364,56 @@ def test_an_image_file_is_truncated_only_when_it_holds_something(
     used.write_bytes(os.urandom(1 << 20))
     assert image_in(used) == fresh
     assert cuts.count(0) == 1
+
+
+class _Sink:
+    """A staging's progress as a build tells it: members, archive bytes, bytes written."""
+
+    def __init__(self) -> None:
+        self.files = self.done = self.written = 0
+
+    def add_total(self, nbytes: int = 0, files: int = 0) -> None:
+        pass
+
+    def advance(self, nbytes: int = 0, files: int = 0) -> None:
+        self.done += nbytes
+        self.files += files
+
+    def wrote(self, nbytes: int, inodes: int = 0) -> None:
+        self.written += nbytes
+
+
+@pytest.mark.parametrize("fmt", ["erofs", "squashfs"])
+def test_a_tars_runs_of_small_files_are_counted_whole_and_a_cancel_stops_them(
+    fmt: str, tmp_path: Path
+) -> None:
+    """A plain tar's files go to the writer in runs of one folder: every member and
+    byte is still counted, their content charged, and the build's check (a cancel) runs
+    while the headers are read, not only at the start."""
+    archive = tmp_path / "runs.tar"
+    sizes = [100 + i % 7 for i in range(3000)]
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, size in enumerate(sizes):
+            info = tarfile.TarInfo(f"d{i // 1000}/f{i:05d}")
+            info.size = size
+            tar.addfile(info, io.BytesIO(b"x" * size))
+    sink = _Sink()
+    options = BuildOptions(format=fmt, progress=sink, sync=False)
+    built = build_indexed(str(archive), None, str(tmp_path / "whole.img"), options).image
+    assert built.files == sink.files == 3000
+    assert sink.done == os.path.getsize(archive)
+    assert sink.written >= sum(sizes)  # the content, and the metadata charged besides
+
+    looks = itertools.count()
+
+    def check() -> None:
+        if next(looks) == 3:
+            raise Cancelled("staging was cancelled")
+
+    image = tmp_path / "cancelled.img"
+    with pytest.raises(Cancelled):
+        build_indexed(str(archive), None, str(image), BuildOptions(format=fmt, check=check))
+    assert not image.exists()
 
 
 def make_small_tar_for_test(path: Path, files: int) -> Path:
