@@ -195,7 +195,6 @@ def test_generated_shapes_read_back_through_unsquashfs(built: Built, tmp_path: P
     assert image.stat().st_size < built.archive.stat().st_size + (4 << 20)
 
 
-# Left out of make test's run under Debian's interpreter (the Makefile says why).
 def test_generated_shapes_read_back_through_squashfuse_as_a_user(
     built: Built,
     shared_tmp: Path,
