@@ -66,6 +66,9 @@ DEBIAN_TESTS := tests/stager/archive/test_links.py tests/stager/archive/test_tar
 	tests/stager/image/test_links_and_names.py tests/stager/image/test_squashfs.py \
 	tests/stager/test_api.py \
 	tests/stager/test_image_datasets.py
+# test_squashfs runs whole there, its read through squashfuse as a user too (~5 s):
+# that reader alone looks names up through the folder indexes stager's writer made
+# (unsquashfs reads every listing whole; a wrong index fails only the FUSE read).
 
 # A bare Debian 12 may lack the interpreter or its venv module (ensurepip): as root
 # they are installed (fresh machines have empty package lists: updated on a failure).

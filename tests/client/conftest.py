@@ -75,11 +75,17 @@ def slow_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def slower_url() -> Iterator[str]:
-    """A staging that takes ~8 s: outlasts a daemon's stop and start."""
+def slower_served() -> Iterator[tuple[str, Behaviour]]:
+    """A staging that takes ~8 s: outlasts a daemon's stop and start. The URL, and its
+    server's behaviour (a test may lift the throttle once the slowness has served)."""
     behaviour = Behaviour(files={"/bigger.bin": b"x" * SLOWER_SIZE}, bytes_per_s=100_000)
     with serve_files(behaviour) as base:
-        yield f"{base}/bigger.bin"
+        yield f"{base}/bigger.bin", behaviour
+
+
+@pytest.fixture
+def slower_url(slower_served: tuple[str, Behaviour]) -> str:
+    return slower_served[0]
 
 
 def fetch_step(url: str, dst: str = "big.bin") -> str:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -225,8 +226,9 @@ def test_bad_requests_get_a_4xx_sentence_naming_the_input(
 
 
 def test_unreadable_source_and_existing_link_target_are_refused(
-    daemon: Daemon, tmp_path: Path
+    refusing_daemon: Daemon, tmp_path: Path
 ) -> None:
+    daemon = refusing_daemon
     src = write_tree(tmp_path / "src", n_files=2)
     blocker = tmp_path / "not-a-link"
     blocker.mkdir()
@@ -240,23 +242,39 @@ def test_unreadable_source_and_existing_link_target_are_refused(
             client, {"name": "x", "link": str(inside), "steps": [{"op": "copy", "src": str(src)}]}
         )
         assert response.status_code == 400 and "inside the cache" in response.text
+        assert client.get("/v1/datasets").json()["count"] == 0  # nothing half-created
+
+
+@pytest.fixture(scope="module")
+def holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Path]]:
+    """One daemon for the cases of a source that holds its cache, and that folder (its
+    cache, data beside the cache, a link to the folder): each case's request is refused
+    and leaves nothing, and its staging beside the cache has a name of its own (~1-2 s
+    of a CI worker a case, not a daemon's start each)."""
+    top = tmp_path_factory.mktemp("holder")
+    write_tree(top / "data" / "cls", n_files=2)
+    (top / "to-the-top").symlink_to(top)
+    daemon = Daemon(cache_dir=top / "cache")
+    try:
+        yield daemon.start(), top
+    finally:
+        daemon.cleanup()
 
 
 @pytest.mark.parametrize(
     "kind", ["copy", "deep fingerprint", "symlink", "image", "recipe", "the cache", "a link"]
 )
 def test_a_source_that_holds_the_cache_is_refused_naming_it(
-    daemon: Daemon, tmp_path: Path, kind: str
+    holder: tuple[Daemon, Path], kind: str
 ) -> None:
     """A copy of a folder that holds the cache copied the cache into itself, deeper at
     each pass, until an io_error named a path of 4,000 bytes: now a 400 before anything
     is queued, naming the cache and the fix, whatever the op, a recipe's source, the
     cache itself or a link to such a folder."""
-    write_tree(tmp_path / "data" / "cls", n_files=2)
-    src = daemon.cache_dir if kind == "the cache" else tmp_path
+    daemon, top = holder
+    src = daemon.cache_dir if kind == "the cache" else top
     if kind == "a link":
-        src = tmp_path / "to-the-top"
-        src.symlink_to(tmp_path)
+        src = top / "to-the-top"
     body: dict = {"name": "x", "steps": [{"op": "copy", "src": str(src)}]}
     if kind == "symlink":
         body["steps"] = [{"op": "symlink", "src": str(src)}]
@@ -266,17 +284,19 @@ def test_a_source_that_holds_the_cache_is_refused_naming_it(
         body["fingerprint"] = "deep"
     elif kind == "recipe":
         body = {"name": "x", "recipe": "imagefolder", "source": str(src)}
+    beside = f"beside-{kind.replace(' ', '-')}"
     with daemon.client() as client:
         response = stage(client, body)
         assert response.status_code == 400, response.text
         message = response.json()["error"]["message"]
         assert f"source {src} holds the cache folder {daemon.cache_dir.resolve()}" in message
         assert "STAGER_CACHE_DIR" in message
-        assert client.get("/v1/datasets").json()["count"] == 0
+        names = [d["name"] for d in client.get("/v1/datasets").json()["data"]]
+        assert all(name.startswith("beside-") for name in names), names  # the earlier cases'
         # Beside the cache, not above it: staged.
-        ok = stage(client, {"name": "y", "steps": [{"op": "copy", "src": str(tmp_path / "data")}]})
+        ok = stage(client, {"name": beside, "steps": [{"op": "copy", "src": str(top / "data")}]})
         assert ok.status_code in (200, 202), ok.text
-        ready = client.get("/v1/datasets/y/wait", params={"timeout": 30}).json()
+        ready = client.get(f"/v1/datasets/{beside}/wait", params={"timeout": 30}).json()
         assert ready["state"] == "ready", ready
 
 

@@ -387,6 +387,16 @@ def sent_image(world: World, cache: Path, delivery: Path) -> dict:
             "image": exported["image"]}  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def sent(world: World) -> tuple[Path, dict]:
+    """``sent_image``'s delivery and ``adopt`` field, made once for the tests of an
+    adopted image (a sender daemon and a staging each): they only copy it."""
+    folder = world.tmp / "image-sender"  # its links apart from the broadcast sender's
+    folder.mkdir()
+    delivery = folder / "delivered.img"
+    return delivery, sent_image(world, folder / "cache", delivery)
+
+
 def adopting(delivery: Path, adopt: dict) -> Callable:
     """The script of a request that adopts ``delivery`` (reserved, copied in, adopted),
     then asks again (a hit) and deletes it."""
@@ -406,12 +416,13 @@ def adopting(delivery: Path, adopt: dict) -> Callable:
 
 @pytest.mark.xdist_group("crash-points-adopted")
 @pytest.mark.timeout(600)
-def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_path: Path) -> None:
+def test_crash_after_every_durable_step_of_an_adopted_image(
+    world: World, sent: tuple[Path, dict], tmp_path: Path
+) -> None:
     """The image request adopting another node's image, sent whole (docs/multinode.md):
     the delivery copied, checked by its sha256 and published as any image, killed after
     each of its durable steps; a hit and an eviction after it."""
-    delivery = tmp_path / "delivered.img"
-    script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
+    script = adopting(*sent)
     points = traced_points(world, tmp_path / "traced", script)
     assert any(p.startswith("image-built") for p in points), points
     assert any(p.startswith("delivery-removed") for p in points), points
@@ -424,7 +435,7 @@ def test_crash_after_every_durable_step_of_an_adopted_image(world: World, tmp_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("point", ["named#1", "attempt-created#1@1", "image-built#1@1"])
 def test_an_adoption_cut_before_its_steps_are_done_ends_at_the_restart(
-    world: World, tmp_path: Path, point: str
+    world: World, sent: tuple[Path, dict], tmp_path: Path, point: str
 ) -> None:
     """A restart deletes deliveries, so an adoption it cut before its steps were done
     (an image's adoption writes no step marker: its one step is its build) cannot resume: it is
@@ -432,8 +443,7 @@ def test_an_adoption_cut_before_its_steps_are_done_ends_at_the_restart(
     stages from its source. (Resumed, it failed later on a missing file, and a request
     that joined it meanwhile shared that failure.) One cut after its steps resumes to
     its publish (``test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish``)."""
-    delivery = tmp_path / "delivered.img"
-    script = adopting(delivery, sent_image(world, tmp_path / "sender", delivery))
+    script = adopting(*sent)
     cache, links = tmp_path / "cache", tmp_path / "links"
     crashed_at(point, cache, lambda client: script(client, world, links))
     daemon = Daemon(cache_dir=cache)

@@ -13,6 +13,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -37,12 +38,31 @@ def service(users: tuple[User, User], shared_tmp: Path) -> Iterator[Daemon]:
 
 @pytest.fixture
 def homes(users: tuple[User, User], shared_tmp: Path) -> tuple[Path, Path]:
-    """A folder each for alice and bob, theirs and 0755, with alice's secret in a
-    0700 folder and a 0600 file."""
+    return make_homes(users, shared_tmp)
+
+
+@pytest.fixture(scope="module")
+def refusing(users: tuple[User, User]) -> Iterator[tuple[Daemon, tuple[Path, Path]]]:
+    """One node service and two homes for requests of bob's that are refused: a
+    refusal leaves nothing (each such case checks that the cache holds no secret), so
+    the cases share them (not a multi-user service's start each)."""
+    folder = Path(tempfile.mkdtemp(prefix="stager-shared-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        homes = make_homes(users, folder)
+        with node_service(folder / "cache") as daemon:
+            yield daemon, homes
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", str(folder)], check=False)
+
+
+def make_homes(users: tuple[User, User], shared: Path) -> tuple[Path, Path]:
+    """A folder each for alice and bob in ``shared``, theirs and 0755, with alice's
+    secret in a 0700 folder and a 0600 file."""
     alice, bob = users
     made = []
     for user in (alice, bob):
-        home = shared_tmp / user.name
+        home = shared / user.name
         home.mkdir(mode=0o755)
         os.chown(home, user.uid, user.gid)
         made.append(home)
@@ -115,11 +135,9 @@ def healthy(service: Daemon, alice: User) -> None:
 
 @pytest.mark.parametrize("target", ["private", "private/secret.bin", "secret-file.bin"])
 def test_bob_cannot_stage_alices_private_source(
-    service: Daemon,
-    users: tuple[User, User],
-    homes: tuple[Path, Path],
-    target: str,
+    refusing: tuple[Daemon, tuple[Path, Path]], users: tuple[User, User], target: str
 ) -> None:
+    service, homes = refusing
     alice, bob = users
     source = homes[0] / target
     code, answer = stage(bob, service, copy("stolen", source))

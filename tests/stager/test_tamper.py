@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,20 +92,34 @@ MUTATIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def watching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the mutations below: each stages a tree of its own (its own name,
+    source and bytes) and changes only that, so they share nothing but the daemon and
+    its watches (~1-2 s of a CI worker a case, not a daemon's start each)."""
+    daemon = Daemon(cache_dir=tmp_path_factory.mktemp("watching") / "cache")
+    try:
+        yield daemon.start()
+    finally:
+        daemon.cleanup()
+
+
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_a_tree_changed_after_hits_is_caught_at_the_next_hit(
-    daemon: Daemon, tmp_path: Path, mutation: str
+    watching: Daemon, tmp_path: Path, mutation: str
 ) -> None:
     """Hits that found the tree unchanged leave it watched (stager.fs.watch), so later
     hits do not walk it; a change made after them, of any kind, is still caught."""
-    src = write_tree(tmp_path / "src", n_files=20)
-    with daemon.client() as client:
-        tree = Path(ready(client, copy_body("ds", src))["path"])
+    number = sorted(MUTATIONS).index(mutation)
+    src = write_tree(tmp_path / "src", n_files=20, seed=number)
+    name = f"ds{number}"
+    with watching.client() as client:
+        tree = Path(ready(client, copy_body(name, src))["path"])
         for _ in range(2):  # the first hit checks whole and watches; the second trusts it
-            hit = client.post("/v1/datasets", json=copy_body("ds", src))
+            hit = client.post("/v1/datasets", json=copy_body(name, src))
             assert hit.status_code == 200, hit.text
         MUTATIONS[mutation](tree)
-        again = client.post("/v1/datasets", json=copy_body("ds", src))
+        again = client.post("/v1/datasets", json=copy_body(name, src))
         assert again.status_code == 202, again.text
-        status = client.get("/v1/datasets/ds/wait", params={"timeout": 60}).json()
+        status = client.get(f"/v1/datasets/{name}/wait", params={"timeout": 60}).json()
         assert status["state"] == "ready" and digest(Path(status["path"])) == digest(src)
