@@ -70,9 +70,10 @@ _HEADER_READAHEAD = 16384
 Writer = ErofsWriter | SquashfsWriter
 WRITERS: dict[str, type[Writer]] = {"erofs": ErofsWriter, "squashfs": SquashfsWriter}
 _MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
-# A run of files given to the writer at once spans at most this much of the archive:
-# its progress is told at its end (an index build's copy waits on it).
-_RUN_BYTES = 32 << 10
+# A run of files given to the writer at once spans at most this much of the archive,
+# or one member: its progress is told at its end (an index build's copy waits on it,
+# stager.image.index._AHEAD).
+RUN_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ class _NoProgress:
 class BuildOptions:
     names: Names = field(default_factory=Names)
     progress: ProgressSink = field(default_factory=_NoProgress)
-    check: Callable[[], None] = lambda: None  # called per member (cancel)
+    # Called before each window of headers and each member not in a run (cancel).
+    check: Callable[[], None] = lambda: None
     build_time: int = 0  # the image's own time stamp (0: reproducible images)
     # fsync the image before its rename: a staging publishes only what is on the disk
     # (a benchmark turns it off to compare with a plain cp).
@@ -374,11 +376,12 @@ class _TarSource:
             consumed = 0  # the archive's bytes counted as done
 
             def end_run() -> None:
-                nonlocal consumed
+                nonlocal consumed, run_bytes
                 if run:
                     files = run.copy()
                     run.clear()  # given once, whatever happens
                     report_written(progress, run_bytes)
+                    run_bytes = 0
                     try:
                         self.writer.files_range(number, fd, files)
                     except ImageConflict as exc:
@@ -394,9 +397,9 @@ class _TarSource:
                             if clean is not None:
                                 folder, _, name = place(clean).rpartition("/")
                                 at, size = member.offset_data, member.size
-                                if folder != known or next_header - consumed > _RUN_BYTES:
+                                if folder != known or next_header - consumed > RUN_BYTES:
                                     end_run()
-                                    known, run_bytes = folder, 0
+                                    known = folder
                                     try:
                                         number = self.place.folder(folder, member.name)
                                     except ImageConflict as exc:
@@ -406,9 +409,15 @@ class _TarSource:
                                 tail = peek(at + size - size % block, size % block)  # type: ignore[misc]
                                 run.append((name, size, member.mtime, base + at, tail, member.name))
                                 run_bytes, run_end = run_bytes + size, next_header
+                                if run_end - consumed > RUN_BYTES:
+                                    end_run()  # a big member: told before the next window
                                 continue
                         end_run()
                         known = None
+                        # Any other member may write far more than it spans (a sparse
+                        # file's holes): cancel is looked at before each, not only
+                        # before each window of headers.
+                        check()
                         self._member(archive, stream, member)
                         if self.inner:
                             progress.advance(0, 1)

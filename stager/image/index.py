@@ -49,7 +49,7 @@ from stager.core.processes import Threaded
 from stager.fs.durable_names import sync_folder
 from stager.fs.fastcopy import copy_chunk
 from stager.fs.writeback import start_writeback
-from stager.image.build import BuildOptions, Built, TarInput, build_from
+from stager.image.build import RUN_BYTES, BuildOptions, Built, TarInput, build_from
 from stager.image.erofs import EMBEDDED_AT, Blob
 
 
@@ -153,15 +153,16 @@ def _copied_whole(copy: _Copy, src: int, before: tuple[int, ...], source: str) -
 # failed build stops it soon), large enough that the system calls cost nothing (1 GB:
 # 128 of them).
 _CHUNK = 8 << 20
-# How far past the next header the copy must be before it is read: the header reader's
-# window (stager.archive.tar_members.Blocks) and a block more.
-_AHEAD = (64 << 10) + 512
+# How far past the last position told the copy must be before headers are read: a run
+# of files not yet told, the header reader's window (stager.archive.tar_members.Blocks)
+# and a block more.
+_AHEAD = RUN_BYTES + (64 << 10) + 512
 
 
 class _Following:
     """The header reader kept behind the copy. Before each window of headers is read
     (the build's ``check``) it waits until the copy is past it (from the position that
-    ``advance`` has counted: a run of files behind at most), so headers are read from
+    ``advance`` has counted, a run of files behind at most: _AHEAD), so headers are read from
     the page cache the copy has just filled: a source not in the page cache is read
     from the disk once, in one stream, not twice at two places. Everything else goes
     to the build's own progress sink."""

@@ -416,6 +416,30 @@ def test_a_tars_runs_of_small_files_are_counted_whole_and_a_cancel_stops_them(
     assert not image.exists()
 
 
+@pytest.mark.parametrize("fmt", ["erofs", "squashfs"])
+def test_a_cancel_is_looked_at_before_each_member_outside_a_run(fmt: str, tmp_path: Path) -> None:
+    """A sparse member spans a few blocks of the archive and writes its holes whole (an
+    image holds no holes): dozens fit in one window of headers, so the build's check
+    (a cancel) runs before each such member, not only before each window."""
+    tree = tmp_path / "sparse"
+    tree.mkdir()
+    members = 12
+    for k in range(members):
+        with open(tree / f"s{k}", "wb") as f:
+            f.truncate(4 << 20)
+            f.write(b"x")
+    archive = tmp_path / "sparse.tar"
+    subprocess.run(
+        ["tar", "--sparse", "--format=gnu", "-cf", str(archive), "-C", str(tree), "."],
+        check=True,
+    )
+    assert os.path.getsize(archive) < 64 << 10  # every header in one window
+    looks = itertools.count(1)
+    options = BuildOptions(format=fmt, check=lambda: next(looks), sync=False)
+    build_indexed(str(archive), None, str(tmp_path / "sparse.img"), options)
+    assert next(looks) > members, "a member outside a run was written without a check"
+
+
 def make_small_tar_for_test(path: Path, files: int) -> Path:
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for i in range(files):

@@ -220,3 +220,42 @@ def test_a_private_copy_s_blob_is_as_closed_as_its_image(tmp_path: Path, kernel_
     mounted = kernel_mount(image, "file", blob)
     top = mounted.stat()
     assert (top.st_uid, top.st_mode & 0o777) == (4321, 0o500)
+
+
+@pytest.mark.parametrize(("files", "size"), [(40, 1 << 20), (200, 200_000), (3000, 3000)])
+def test_headers_are_read_only_where_the_copy_has_been(
+    files: int, size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index build reads a window of headers only once the blob's copy is past it
+    (from the page cache the copy just filled, one stream from a cold disk): members
+    of any size, whether a run of small files or one bigger than a run."""
+    import io
+    import tarfile
+
+    from stager.archive import tar_members
+    from stager.image import index
+
+    archive = tmp_path / "members.tar"
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for k in range(files):
+            info = tarfile.TarInfo(f"d/f{k}")
+            info.size = size
+            tar.addfile(info, io.BytesIO(os.urandom(size)))
+    copied: list[int] = []  # where the copy was at each check
+    ahead: list[tuple[int, int, int]] = []  # reads of headers past it
+    check, pread = index._Following.check, os.pread
+
+    def following(self: index._Following) -> None:
+        check(self)
+        copied.append(self._copy.copied)
+
+    def read(fd: int, count: int, offset: int) -> bytes:
+        if copied and copied[-1] < offset + count:
+            ahead.append((offset, count, copied[-1]))
+        return pread(fd, count, offset)
+
+    monkeypatch.setattr(index._Following, "check", following)
+    monkeypatch.setattr(tar_members.os, "pread", read)
+    build_indexed(str(archive), None, str(tmp_path / "i.img"), BuildOptions(sync=False))
+    assert copied, "the header reader never waited for the copy"
+    assert ahead == [], f"headers read past the copy (offset, count, copied): {ahead[:3]}"
