@@ -32,23 +32,28 @@ from stager.wire.schemas import State
 FANOUT = str(Path(stager.__file__).parent / "fanout")
 
 
+# The list that calls go to now: a thread keeps the profile function it started with
+# (the doorway's threads outlive a block), so every block's calls go through this one.
+_INTO: list[list[str]] = []
+
+
+def _profile(frame: Any, event: str, arg: Any) -> None:
+    if event == "call" and _INTO and frame.f_code.co_filename.startswith(FANOUT):
+        _INTO[-1].append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+
 @contextmanager
-def entered(folder: str) -> Iterator[list[str]]:
-    """The functions of modules under ``folder`` called meanwhile, on the loop and on
-    threads started meanwhile (the doorway's threads: started by the first call)."""
+def entered() -> Iterator[list[str]]:
+    """The functions of the fan-out room called meanwhile, on the loop and on the
+    engine's threads (traced from their start: with_engine)."""
     calls: list[str] = []
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(folder):
-            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
-
-    sys.setprofile(profile)
-    threading.setprofile(profile)
+    _INTO.append(calls)
+    sys.setprofile(_profile)
     try:
         yield calls
     finally:
+        _INTO.remove(calls)
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
 
 
 def with_engine(tmp_path: Path, body: Callable[[Engine, Requests, Names], Awaitable[Any]]) -> Any:
@@ -61,6 +66,7 @@ def with_engine(tmp_path: Path, body: Callable[[Engine, Requests, Names], Awaita
     )
 
     async def go() -> Any:
+        threading.setprofile(_profile)  # every thread the engine starts, whenever
         engine = Engine(settings, Metrics())
         names = Names(engine)
         requests = Requests(engine, names)
@@ -82,11 +88,11 @@ async def walk(engine: Engine, requests: Requests, names: Names) -> dict[str, An
     """The fan-out room's functions a miss (to its ready dataset) and a hit entered,
     and those a probe entered."""
     caller, src = Caller.of_process(), engine.settings.cache_dir.parent / "src"
-    with entered(FANOUT) as calls:
+    with entered() as calls:
         await requests.submit(stage(requests, "a", src), caller)
         ready = (await names.wait("a", 60, caller)).state == State.READY
         await requests.submit(stage(requests, "b", src), caller)  # a hit
-    with entered(FANOUT) as probed:
+    with entered() as probed:
         await requests.probe(stage(requests, "c", src), caller)
     return {"ready": ready, "calls": calls, "probed": probed}
 
@@ -126,8 +132,10 @@ def test_a_request_with_no_fan_out_never_enters_the_fan_out_room(tmp_path: Path)
     found = run("walk", tmp_path)
     assert found["ready"]
     assert found["calls"] == [], f"a request with no fan-out entered the fan-out room: {found}"
-    # The tracer sees the room when a request takes part in a fan-out (a probe).
+    # The tracer sees the room when a request takes part in a fan-out (a probe), on the
+    # loop and on the doorway's thread (the sources' look, as the caller).
     assert any(call.endswith(":source_files") for call in found["probed"]), found
+    assert any(call.endswith(":broadcastable_sources") for call in found["probed"]), found
 
 
 def test_a_miss_goes_to_the_callers_process_once_and_a_hit_once(tmp_path: Path) -> None:
