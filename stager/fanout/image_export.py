@@ -2,7 +2,7 @@
 ``sbcast``. Blocking. A copy, not the file or a hard link (sbcast runs as the job's
 user; a private image's file is root's 0400; a link would change the ctime every hit
 checks), hashed as it is written, the published file checked against its stamps before
-and after; the reasons and modes: docs/multinode.md, "the image".
+and after; the reasons and modes: docs/multinode.md, "How it works", *the image*.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ it). A user's own copy in the node service, and in a user's own daemon an entry 
 kind's place is a mount: ``data/u/<G>/dataset``, behind a gate ``data/u/<G>`` that only
 its user may search, ``G`` an HMAC of the key under the node's secret (root's 0600), so
 that neither the mount table nor a ``stat`` of a key worked out from public facts tells
-whose data it is (docs/multiuser.md, "A user's own copy"). An earlier release kept
+whose data it is (docs/multiuser.md, "Protected data"). An earlier release kept
 these at ``data/<key>`` (:meth:`Layout.old_place`); the registry moves them at its start.
 """
 
