@@ -154,7 +154,7 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
             return EXIT_FAILED
         # Its imports go on beside the app's, which the next line starts (stager.core.prestart);
         # if the daemon cannot start, it ends with it.
-        processes.start_fork_server()
+        processes.start_fork_server(keep_in=settings.private_dir)
     from stager.api import server  # uvicorn and the app load only for commands that need them
 
     try:

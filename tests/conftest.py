@@ -12,10 +12,12 @@ from tests import mounts
 from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.mounts import fuse_for_users  # noqa: F401 (fixture)
-from tests.slurm_cluster import leftovers, local_cluster, mark_session  # noqa: F401 (fixture)
+from tests.processes import mp_temp_folders, mp_temp_folders_left
+from tests.slurm_cluster import in_ci, leftovers, local_cluster, mark_session  # noqa: F401
 from tests.users import User, interpreter_for_users, users  # noqa: F401 (fixtures)
 
 _MOUNTS_BEFORE: set[str] = set()
+_MP_TEMP_BEFORE: set[Path] = set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,6 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # the daemons of this run, and only those.
     mark_session()
     _MOUNTS_BEFORE.update(mounts.snapshot())
+    _MP_TEMP_BEFORE.update(mp_temp_folders())
 
 
 # What the machine has only one of, for every test at once: the local SLURM cluster
@@ -71,24 +74,36 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if a daemon it started is still running (slurmctld, slurmd,
     munged, stager serve), or an image it mounted (or its loop device) is still
     there: tests stop what they start. Under pytest-xdist the controller checks, once
-    every worker has ended (a worker would see the other's daemons still at work)."""
+    every worker has ended (a worker would see the other's daemons still at work).
+    A /tmp/pymp-* folder made during the run and left (its process never ran its exit
+    handler: killed -9) fails it under ``CI=true``; elsewhere it is told, not failed:
+    a run beside this one on the same machine leaves its own, which no mark tells apart."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["summary_lines"] = _summary_lines()  # for the controller
         # What the worker's own process holds ends with it, before the controller looks.
         session.config.workeroutput["left_running"] = leftovers(grace_s=2.0, under=os.getpid())
         return
     left = _WORKERS_LEFT + leftovers() + sorted(_mounts_left())
-    if not left:
-        return
+    temp_left = mp_temp_folders_left(_MP_TEMP_BEFORE)
+    if in_ci():
+        left, temp_left = left + temp_left, []
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    lines = ["the test run left these running (a test or fixture did not stop them):", *left]
-    if reporter is not None:
-        reporter.write_sep("=", "left running", red=True)
-        for line in lines:
-            reporter.write_line(line)
-    else:
+    if temp_left:
+        lines = ["left in /tmp (by this run, or by a run beside it):", *temp_left]
+        _report(reporter, "left behind", lines)
+    if left:
+        lines = ["the test run left these running (a test or fixture did not stop them):", *left]
+        _report(reporter, "left running", lines, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _report(reporter: object, title: str, lines: list[str], red: bool = False) -> None:
+    if reporter is None:
         print("\n".join(lines))
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return
+    reporter.write_sep("=", title, red=red, yellow=not red)  # type: ignore[attr-defined]
+    for line in lines:
+        reporter.write_line(line)  # type: ignore[attr-defined]
 
 
 def _mounts_left(grace_s: float = 2.0) -> set[str]:

@@ -1,8 +1,11 @@
-"""A local HTTP file server for tests: Range support, throttling, dropped connections."""
+"""A local HTTP file server for tests: Range support, throttling, dropped connections,
+an ETag, and HTTPS with a certificate of a private authority."""
 
 from __future__ import annotations
 
 import re
+import ssl
+import subprocess
 import sys
 import threading
 import time
@@ -10,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 
 @dataclass
@@ -20,6 +24,7 @@ class Behaviour:
     drop_after: int | None = None  # cut the first full response after this many bytes
     hold: threading.Event | None = None  # bodies wait until this is set (a stalled server)
     ignore_ranges: bool = False  # answer every request 200 with the whole body
+    etag: str | None = None  # the version every response names (None: none)
     ranges_seen: list[str] = field(default_factory=list)
     requests: int = 0
     sent: int = 0  # body bytes written to clients, all responses together
@@ -61,6 +66,8 @@ def _handler(behaviour: Behaviour) -> type[BaseHTTPRequestHandler]:
             else:
                 self.send_response(200)
             self.send_header("Content-Length", str(len(body) - start))
+            if behaviour.etag is not None:
+                self.send_header("ETag", behaviour.etag)
             self.end_headers()
             if behaviour.hold is not None:
                 behaviour.hold.wait(60)
@@ -93,14 +100,44 @@ class _Server(ThreadingHTTPServer):
 
 
 @contextmanager
-def serve_files(behaviour: Behaviour) -> Iterator[str]:
-    """Serve ``behaviour.files`` on 127.0.0.1; yields the base URL."""
+def serve_files(behaviour: Behaviour, tls: ssl.SSLContext | None = None) -> Iterator[str]:
+    """Serve ``behaviour.files`` on 127.0.0.1 (over TLS with ``tls``: :func:`private_ca`);
+    yields the base URL."""
     server = _Server(("127.0.0.1", 0), _handler(behaviour))
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        scheme = "https" if tls is not None else "http"
+        yield f"{scheme}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
+
+
+def private_ca(folder: Path) -> tuple[Path, ssl.SSLContext]:
+    """An authority of the test's own (``ca.pem`` in ``folder``: what SSL_CERT_FILE
+    names) and a server's TLS settings with a certificate it signed for 127.0.0.1,
+    made by the openssl command, as strict as Python 3.13's checks want them."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True)
+
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+            "-subj", "/CN=stager test authority",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
+    openssl("req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (folder / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+        "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n"
+    )
+    signed = ("-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-extfile", "server.ext")
+    openssl("x509", "-req", "-in", "server.csr", *signed, "-out", "server.pem", "-days", "2")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(folder / "server.pem", folder / "server.key")
+    return folder / "ca.pem", server

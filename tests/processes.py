@@ -3,7 +3,9 @@ job step starts (staged work in its own process, nothing outliving its parent)."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,3 +92,60 @@ def comm(pid: int) -> str | None:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return None
+
+
+def fork_server_of(daemon_pid: int) -> int | None:
+    """The pid of a daemon's multiprocessing fork server, once it runs."""
+    for child in children_of(daemon_pid):
+        try:
+            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    return None
+
+
+def bound_sockets() -> dict[int, str]:
+    """Every Unix socket bound to a path on this machine, by inode (/proc/net/unix)."""
+    found = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split(maxsplit=7)  # Num RefCount Protocol Flags Type St Inode Path
+        if len(fields) == 8 and fields[7].startswith("/"):
+            found[int(fields[6])] = fields[7]
+    return found
+
+
+def socket_paths_of(pid: int) -> list[str]:
+    """The paths of the bound Unix sockets process ``pid`` holds open."""
+    inodes = set()
+    with contextlib.suppress(OSError):  # gone meanwhile
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+    bound = bound_sockets()
+    return sorted(bound[inode] for inode in inodes if inode in bound)
+
+
+# multiprocessing's temp folders where it keeps its own (multiprocessing.util.get_temp_dir).
+MP_TEMP_GLOB = "pymp-*"
+
+
+def mp_temp_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob(MP_TEMP_GLOB))
+
+
+def mp_temp_folders_left(before: set[Path]) -> list[str]:
+    """multiprocessing temp folders made since ``before`` that nothing uses: the exit
+    handler that removes one never ran (a process killed -9). A folder whose socket a
+    live process still holds bound, and this process's own, are not left behind."""
+    import multiprocessing
+
+    live = {Path(path).parent for path in bound_sockets().values()}
+    own = multiprocessing.current_process()._config.get("tempdir")
+    return [
+        f"{folder} (multiprocessing's temp folder of a process that did not exit)"
+        for folder in sorted(mp_temp_folders() - before - live)
+        if folder.is_dir() and str(folder) != own
+    ]

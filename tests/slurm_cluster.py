@@ -81,9 +81,15 @@ LEFTOVER_GRACE_S = 10.0  # how long the end-of-session check waits for straggler
 def unavailable(reason: str) -> None:
     """Skip a SLURM test that cannot run here, except in CI (``CI=true``): there
     the cluster is part of the promise, and a skip would hide that it was never tested."""
-    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+    if in_ci():
         pytest.fail(f"CI=true and the SLURM tests cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def in_ci() -> bool:
+    """Whether the suite runs as CI does (``CI=true``): alone on its machine, and every
+    promise tested."""
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
 
 
 def mark_session() -> str:

@@ -279,6 +279,40 @@ def test_an_import_up_a_floor_is_found():
     assert upward_imports(graph, layers) == ["pkg.low.deep (low) imports pkg.high (high)"]
 
 
+def copies(package: Path) -> list[str]:
+    """Module-level functions of ``package`` defined twice, the same arguments and the
+    same body (docstrings aside): a copy made where an import looked out of reach."""
+    seen: dict[str, list[str]] = {}
+    for name, path in modules(package).items():
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body
+            if ast.get_docstring(node) is not None:
+                body = body[1:]
+            shape = ast.dump(node.args) + "".join(ast.dump(statement) for statement in body)
+            seen.setdefault(shape, []).append(f"{name}.{node.name}")
+    return sorted(" = ".join(names) for names in seen.values() if len(names) > 1)
+
+
+def test_no_function_of_the_daemon_is_a_copy_of_another():
+    found = copies(REPO / "stager")
+    assert not found, (
+        f"{found}: keep one, in the module on the lower floor of LAYERS, and import it there "
+        "(where the floors forbid that, say why in a comment beside the copy)"
+    )
+
+
+def test_a_copied_function_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text('def body(x):\n    """A."""\n    return {"e": x}\n')
+    (package / "b.py").write_text('def shape(x):\n    """B."""\n    return {"e": x}\n')
+    (package / "c.py").write_text('def other(y):\n    return {"e": y}\n')
+    assert copies(package) == ["pkg.a.body = pkg.b.shape"]
+
+
 def test_the_ops_package_holds_only_the_table_the_base_and_ops():
     from stager.ops.table import BUILTIN
 

@@ -1,15 +1,17 @@
 """The suite's own guards, run in a pytest of their own: a daemon left running fails
-the run, under ``CI=true`` a SLURM test that cannot get its cluster fails
-instead of skipping (a skip there would report an untested promise as green), and
-a passed test's temporary folder does not outlive it (the suite's disk use is its
-largest test's, not the sum: a CI machine with little free disk filled up), and
-under `make test`'s two pytest-xdist workers the tests that use what the machine has
-one of (its SLURM cluster) all run on one (pytest 9.2 made pytest-xdist 3.8 ignore
-its groups, silently)."""
+the run (a multiprocessing temp folder left in /tmp too, under ``CI=true``; told
+otherwise), under ``CI=true`` a SLURM test that cannot get its cluster fails instead
+of skipping (a skip there would report an untested promise as green), and a passed
+test's temporary folder does not outlive it (the suite's disk use is its largest
+test's, not the sum: a CI machine with little free disk filled up), and under `make
+test`'s two pytest-xdist workers the tests that use what the machine has one of (its
+SLURM cluster) all run on one (pytest 9.2 made pytest-xdist 3.8 ignore its groups,
+silently)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +68,21 @@ def test_mounts_an_image_and_forgets_it(tmp_path):
     mount_kernel(str(tmp_path / "x.erofs"), str(tmp_path / "m"))
     with open(os.environ["LEAK_MOUNT"], "w") as f:
         f.write(str(tmp_path / "m"))
+"""
+LEAVES_A_TEMP_FOLDER = """
+import os, subprocess, sys
+
+def test_kills_a_process_before_its_exit_handlers():
+    # multiprocessing's temp folder, as a fork server's listener makes it; the process
+    # killed -9 never removes it.
+    made = "import multiprocessing.util as u; print(u.get_temp_dir(), flush=True); input()"
+    child = subprocess.Popen([sys.executable, "-c", made], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    folder = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    with open(os.environ["LEAK_TEMP"], "w") as f:
+        f.write(folder)
 """
 NEEDS_THE_CLUSTER = """
 def test_on_the_cluster(local_cluster):
@@ -133,6 +150,26 @@ def test_an_image_mount_left_behind_fails_the_run(tmp_path):
     finally:
         if record.exists():
             subprocess.run(["umount", record.read_text()], check=False)
+
+
+def test_a_temp_folder_left_in_tmp_fails_the_run(tmp_path):
+    record = tmp_path / "leaked-temp"
+    local = _inner_pytest(tmp_path / "local", LEAVES_A_TEMP_FOLDER, LEAK_TEMP=str(record))
+    try:
+        # Told, not failed, off CI: another run on the machine may have left it.
+        assert local.returncode == 0 and "1 passed" in local.stdout, local.stdout[-2000:]
+        assert f"{record.read_text()} (multiprocessing's temp folder" in local.stdout
+    finally:
+        if record.exists():
+            shutil.rmtree(record.read_text(), ignore_errors=True)
+    ci = _inner_pytest(tmp_path / "ci", LEAVES_A_TEMP_FOLDER, LEAK_TEMP=str(record), CI="true")
+    try:
+        assert "1 passed" in ci.stdout, ci.stdout[-2000:]
+        assert ci.returncode == 1, ci.stdout[-2000:]  # the test passed, the run did not
+        assert "left running" in ci.stdout
+        assert f"{record.read_text()} (multiprocessing's temp folder" in ci.stdout
+    finally:
+        shutil.rmtree(record.read_text(), ignore_errors=True)
 
 
 def test_missing_cluster_skips_locally_and_fails_under_ci(tmp_path):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from stager.api.errors import error_content
+from stager.core.errors import error_content
 from stager.core.identity import SCOPE_KEY, Caller
 from stager.core.settings import Settings
 

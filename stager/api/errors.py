@@ -13,16 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stager.core.errors import StagerError
-from stager.core.redact import redact_text
+from stager.core.errors import StagerError, error_content
 from stager.wire.suggest import did_you_mean
 
 log = logging.getLogger("stager.api")
-
-
-def error_content(type_: str, message: str) -> dict[str, dict[str, str]]:
-    """The body of every error the daemon answers, with a URL's secrets masked."""
-    return {"error": {"type": type_, "message": redact_text(message)}}
 
 
 def error_response(

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import gc as collector
 import logging
@@ -27,6 +26,7 @@ from stager.api import connections, logs, startup
 from stager.api.app import create_app
 from stager.api.startup import ServeError
 from stager.core import prestart, processes
+from stager.core.processes import pid_alive
 from stager.core.settings import Settings
 from stager.prestage.prefetch import listener
 
@@ -97,19 +97,6 @@ def read_pid(settings: Settings) -> int | None:
     except (FileNotFoundError, ValueError):
         return None
     return pid if pid_alive(pid) else None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM
-    # An exited child its parent has not reaped yet is a zombie: gone for our purposes.
-    try:
-        line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return line.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def serve(settings: Settings) -> None:

@@ -14,11 +14,9 @@ import stat
 from contextlib import closing
 from pathlib import Path
 
+from stager.core.prestart import MAX_SOCKET_PATH
 from stager.core.settings import Settings, env_name, flag_name
 from stager.request import preflight
-
-# The longest path a Unix socket may have (sun_path is 108 bytes with its NUL).
-MAX_SOCKET_PATH = 107
 
 
 class ServeError(Exception):

@@ -40,6 +40,14 @@ reaches the API, and one sentence that names the input at fault and the fix.
 
 from __future__ import annotations
 
+from stager.core.redact import redact_text
+
+
+def error_content(type_: str, message: str) -> dict[str, dict[str, str]]:
+    """The body of every error the daemon answers, the API's and the prefetch port's
+    alike (stager.wire.schemas.ErrorResponse), with a URL's secrets masked."""
+    return {"error": {"type": type_, "message": redact_text(message)}}
+
 
 class StagerError(Exception):
     type: str = "error"

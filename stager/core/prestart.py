@@ -15,6 +15,9 @@ import resource
 import socket
 from pathlib import Path
 
+# The longest path a Unix socket may have (sun_path is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
 
 def raise_descriptor_limit() -> int:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; the soft limit now."""

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import errno
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.core.libc import LIBC
-from stager.core.prestart import raise_descriptor_limit
+from stager.core.prestart import MAX_SOCKET_PATH, raise_descriptor_limit
 
 # Staging and user processes are children of the fork server (the daemon runs threads,
 # which a plain fork would clone mid-state); a staging's own pools fork it directly.
@@ -119,11 +123,15 @@ def exited(process: subprocess.Popen[bytes], within_s: float) -> bool:
     return True
 
 
-def start_fork_server() -> ForkServerContext:
+def start_fork_server(keep_in: Path | None = None) -> ForkServerContext:
     """The fork server's context, its server started (once per process; it imports
     its preload in the background and forks nothing until that is done). The descriptor
-    limit is raised first: every child inherits the server's (stager.core.prestart)."""
+    limit is raised first: every child inherits the server's (stager.core.prestart).
+    ``keep_in``: the daemon's private folder, where the server's socket goes
+    (:func:`temp_folder_in`)."""
     raise_descriptor_limit()
+    if keep_in is not None:
+        temp_folder_in(keep_in)
     FORKSERVER.set_forkserver_preload([PRELOAD])
     # The server starts as `python -c ...`, which reads modules from the current folder
     # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
@@ -138,6 +146,83 @@ def start_fork_server() -> ForkServerContext:
         else:
             os.environ["PYTHONSAFEPATH"] = before
     return FORKSERVER
+
+
+# multiprocessing's temp folder holds the fork server's listening socket. Its own is a
+# /tmp/pymp-* that only an exit handler removes: a daemon killed -9 left one in /tmp at
+# every kill, forever. A daemon's is ``mp-<pid>`` in its private folder instead, and each
+# start removes those of daemons that are gone.
+TEMP_PREFIX = "mp-"
+# What multiprocessing puts after the folder: /listener-XXXXXXXX (connection.arbitrary_address).
+_LISTENER_TAIL = len("/listener-") + 8
+
+
+def temp_folder_in(folder: Path) -> str | None:
+    """Make ``folder/mp-<pid>`` this process's multiprocessing temp folder (removed at a
+    normal exit, as multiprocessing's own is), after removing the ``mp-<pid>`` of every
+    process there that has ended; its path, or None where multiprocessing keeps its own:
+    the temp folder is chosen already, or ``folder`` is not this user's alone (another
+    user who may write it could have us remove what they point at, or put their files in
+    ours; the daemon refuses such a folder at its checks, stager.api.server), or the
+    socket's path would be too long for a Unix socket (a folder over 78 bytes, where the
+    daemon's own socket fits up to 95: a --runtime-dir that deep keeps multiprocessing's
+    /tmp/pymp-*, which a kill leaves, rather than refuse to start)."""
+    config = multiprocessing.current_process()._config  # what util.get_temp_dir reads
+    if config.get("tempdir") is not None:
+        return None
+    name = f"{TEMP_PREFIX}{os.getpid()}"
+    path = os.path.join(folder, name)
+    if len(os.fsencode(path)) + _LISTENER_TAIL > MAX_SOCKET_PATH:
+        return None
+    try:
+        os.makedirs(folder, 0o700, exist_ok=True)  # as stager.api.server would next
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # the daemon's checks say why, in a sentence
+    try:
+        held = os.fstat(fd)
+        if held.st_uid != os.geteuid() or held.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        _remove_ended(fd)
+        os.mkdir(name, 0o700, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    config["tempdir"] = path
+    multiprocessing.util.Finalize(
+        None, shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}, exitpriority=-100
+    )
+    return path
+
+
+def _remove_ended(folder_fd: int) -> None:
+    """Remove the temp folders in ``folder_fd`` of processes that have ended, or that had
+    this process's pid (a folder of this process's own is not made yet). Through the
+    folder's descriptor, and only folders of this user's own, never what a link names."""
+    for entry in os.scandir(folder_fd):
+        pid = entry.name.removeprefix(TEMP_PREFIX)
+        if pid == entry.name or not pid.isdigit():
+            continue
+        if int(pid) != os.getpid() and pid_alive(int(pid)):
+            continue
+        found = entry.stat(follow_symlinks=False)
+        if stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid():
+            shutil.rmtree(entry.name, ignore_errors=True, dir_fd=folder_fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (another user's too); a zombie has ended."""
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    # An exited child its parent has not reaped yet is a zombie: gone for our purposes.
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return line.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def start_child(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from stager.ops.base import CheckContext
 from stager.ops.copy_from_node import CopyFromNodeStep
 from stager.staging.blocking import run_io
 from stager.staging.publish import remove_delivery
-from stager.state.dataset import Entry, State
+from stager.state.dataset import Entry, State, now
 from stager.wire.manifest_format import Manifest
 from stager.wire.schemas import (
     DatasetCreate,
@@ -72,10 +72,6 @@ AsUser = Callable[..., Awaitable[Any]]  # (uid or caller, fn, *args) -> fn's JSO
 ReadyTree = Callable[[Entry], Awaitable[Path]]
 # A dataset kind's export as one file (stager.kinds.base.Kind.export), None: in parts.
 WholeExport = Callable[..., Awaitable["ExportPublic | None"]]
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
 
 
 def transfer_key(owner: Caller | None, label: str) -> str:
@@ -105,7 +101,7 @@ class Transfers:
         self, key: str, label: str, nbytes: int, ttl_s: float, owner: Caller | None = None
     ) -> Transfer:
         """Book ``key`` (again: the same key renews it, as a re-run step would)."""
-        expires_at = _now() + timedelta(seconds=ttl_s)
+        expires_at = now() + timedelta(seconds=ttl_s)
         transfer = Transfer(label, self.root / key, nbytes, expires_at)
         if owner is not None:
             transfer.owner, transfer.group = owner.uid, owner.gid
@@ -117,7 +113,7 @@ class Transfers:
         """Every part asked for renews an export, so a long staging sending early parts
         does not outlive it."""
         transfer = self.get(key)
-        transfer.expires_at = _now() + timedelta(seconds=ttl_s)
+        transfer.expires_at = now() + timedelta(seconds=ttl_s)
         return transfer
 
     def get(self, key: str) -> Transfer:
@@ -143,8 +139,8 @@ class Transfers:
 
     def expired(self) -> dict[str, Transfer]:
         """Unclaimed transfers past their time, taken off the books, by key."""
-        now = _now()
-        gone = [k for k, t in self._live.items() if t.expires_at <= now and not t.claimed]
+        at = now()
+        gone = [k for k, t in self._live.items() if t.expires_at <= at and not t.claimed]
         expired = {key: self._live.pop(key) for key in gone}
         self._changed()
         return expired

@@ -15,11 +15,9 @@ offsets count stored bytes, and a ``.tar.gz`` must not be gunzipped on the way.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
-import ssl
 from pathlib import Path
 from typing import Annotated, Protocol
 from urllib.parse import unquote, urlsplit
@@ -117,18 +115,11 @@ def partial(dst: str) -> str:
     return dst + PART_SUFFIX
 
 
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """The TLS settings of every download, as httpx makes them by default (certifi's
-    authorities, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``), made once a process."""
-    return httpx.create_ssl_context()
-
-
 def warm_up() -> None:
     """Pay now what a process's first download pays before its first byte (20-70 ms):
     the TLS authorities, the HTTP transport's import, the codec host names are encoded
     with. The fork server calls it before it forks the stagings."""
-    httpx.Client(verify=tls_context()).close()
+    httpx.Client(verify=downloads.tls_context()).close()
     "localhost".encode("idna")
 
 
@@ -143,7 +134,9 @@ def run(step: FetchStep, ctx: OpContext, watch: Watch | None = None) -> None:
     try:
         if _already_done(step, target, ctx):
             return
-        with httpx.Client(verify=tls_context(), follow_redirects=True, timeout=TIMEOUT) as client:
+        with httpx.Client(
+            verify=downloads.tls_context(), follow_redirects=True, timeout=TIMEOUT
+        ) as client:
             download = _Download(step, part, ctx, client, watch)
             download.run()
         _verify(step, part, ctx, download.digest_of_part())

@@ -82,3 +82,31 @@ def test_the_node_service_is_found_when_the_user_has_no_daemon(tmp_path: Path) -
     assert default_socket(env, node) == own  # one's own daemon wins
     assert default_socket({"STAGER_RUNTIME_DIR": str(tmp_path / "x")}, node) != node
     assert NODE_RUNTIME_DIR / "stager.sock" == default_socket.__defaults__[0]  # as the daemon
+
+
+def test_clients_of_a_tcp_daemon_read_the_tls_authorities_once_a_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transport that verifies reads the authorities (20-50 ms); the clients a process
+    makes share one context, and a Unix socket's make none."""
+    import ssl
+
+    from client import _discovery
+
+    made = []
+    original = ssl.create_default_context
+
+    def counted(*args: object, **kwargs: object) -> ssl.SSLContext:
+        made.append(kwargs.get("cafile"))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    _discovery.tls_context.cache_clear()
+    try:
+        tcp = discover("http://127.0.0.1:1", token="t", env={})
+        for transport in (tcp.transport(), tcp.async_transport(), tcp.transport()):
+            assert transport._pool._ssl_context is _discovery.tls_context()
+        discover(env={"STAGER_SOCKET": "/s.sock"}).transport()
+        assert len(made) == 1
+    finally:
+        _discovery.tls_context.cache_clear()

@@ -1,15 +1,31 @@
 """The owner of processes and threads, its own contract (stager/core/processes.py): a
 command's end or the sentence why it has none, a bare fork's exit code, a thread's
-error kept for the thread that joins it, a forked pool started whole."""
+error kept for the thread that joins it, a forked pool started whole, and a daemon's
+fork server socket in a folder of the daemon's own that nothing killed leaves behind."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from stager.core.processes import FORK, NotRun, Threaded, fork_child, fork_pool, run
+from stager.core.processes import (
+    FORK,
+    TEMP_PREFIX,
+    NotRun,
+    Threaded,
+    fork_child,
+    fork_pool,
+    run,
+    temp_folder_in,
+)
+from tests.daemon import Daemon
+from tests.processes import fork_server_of, socket_paths_of
 
 
 def test_a_command_runs_to_its_end_and_its_status_is_the_callers() -> None:
@@ -63,3 +79,111 @@ def test_a_forked_pool_has_every_worker_started_before_it_is_handed_out() -> Non
         assert pool.submit(os.getpid).result() != os.getpid()
     finally:
         pool.shutdown()
+
+
+def _listener_of(daemon: Daemon, timeout_s: float = 10.0) -> Path:
+    """The path of the socket the daemon's fork server listens on."""
+    assert daemon.process is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server = fork_server_of(daemon.process.pid)
+        paths = socket_paths_of(server) if server is not None else []
+        if paths:
+            return Path(paths[0])
+        time.sleep(0.05)
+    raise AssertionError(f"the daemon's fork server listens on no socket:\n{daemon.log()}")
+
+
+@pytest.mark.parametrize("node_service", [False, True], ids=["per-user", "node-service"])
+def test_a_daemon_killed_9_leaves_no_fork_server_folder_behind(
+    tmp_path: Path, node_service: bool
+) -> None:
+    """The fork server's socket lives in the daemon's private folder (the runtime folder
+    of a user's daemon, its private/ in the node service), in a folder of its pid; a
+    daemon killed -9 ran no exit handler, and the next start removes that folder; a
+    stopped one removes its own. (multiprocessing's own, /tmp/pymp-*, stayed forever.)"""
+    if node_service and os.geteuid() != 0:
+        pytest.skip("the node service runs as root")
+    daemon = Daemon(cache_dir=tmp_path / "cache", args=["--multi-user"] if node_service else [])
+    private = daemon.runtime_dir / "private" if node_service else daemon.runtime_dir
+    if node_service:
+        daemon.runtime_dir.chmod(0o755)  # everyone reaches the node service's socket
+    try:
+        daemon.start()
+        assert daemon.process is not None
+        killed = _listener_of(daemon).parent
+        assert killed == private / f"{TEMP_PREFIX}{daemon.process.pid}"
+        daemon.kill()
+        assert killed.is_dir()  # no exit handler ran
+        daemon.start()
+        assert not killed.exists(), "a killed daemon's fork server folder outlived it"
+        stopped = _listener_of(daemon).parent
+        assert daemon.stop() == 0
+        assert not stopped.exists(), "a stopped daemon's fork server folder outlived it"
+    finally:
+        daemon.cleanup()
+
+
+@pytest.fixture
+def chosen_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's multiprocessing temp folder not chosen yet, as at a daemon's start
+    (and as it was, after the test)."""
+    monkeypatch.setitem(multiprocessing.current_process()._config, "tempdir", None)
+
+
+def _ended() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.usefixtures("chosen_afresh")
+def test_only_this_users_folders_of_ended_processes_are_removed(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    ended = folder / f"{TEMP_PREFIX}{_ended()}"
+    (ended / "x").mkdir(parents=True)
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        alive = folder / f"{TEMP_PREFIX}{running.pid}"
+        alive.mkdir()
+        victim = tmp_path / "victim"
+        (victim / "kept").mkdir(parents=True)
+        link = folder / f"{TEMP_PREFIX}{_ended()}"
+        link.symlink_to(victim)  # a link is never followed, nor removed
+        others = folder / f"{TEMP_PREFIX}{_ended()}"
+        others.mkdir()
+        if os.geteuid() == 0:
+            os.chown(others, 54321, 54321)  # another user's: not ours to remove
+        unrelated = [folder / "pymp-abc", folder / f"{TEMP_PREFIX}x1", folder / "stager.sock"]
+        for path in unrelated:
+            path.mkdir()
+        made = temp_folder_in(folder)
+        assert made == str(folder / f"{TEMP_PREFIX}{os.getpid()}")
+        assert multiprocessing.current_process()._config["tempdir"] == made
+        assert (Path(made).stat().st_mode & 0o777) == 0o700
+        assert not ended.exists()
+        assert alive.is_dir() and link.is_symlink() and (victim / "kept").is_dir()
+        assert others.is_dir() == (os.geteuid() == 0)
+        assert all(path.is_dir() for path in unrelated)
+    finally:
+        running.kill()
+        running.wait()
+
+
+@pytest.mark.usefixtures("chosen_afresh")
+def test_a_folder_others_may_write_or_too_long_a_path_keeps_multiprocessings_own(
+    tmp_path: Path,
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # sticky, as /tmp: others still make names in it
+    stale = shared / f"{TEMP_PREFIX}{_ended()}"
+    stale.mkdir()
+    assert temp_folder_in(shared) is None
+    assert stale.is_dir()  # nothing removed where others write
+    deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - 20))
+    assert temp_folder_in(deep) is None  # its listener-XXXXXXXX would not fit a socket
+    assert not deep.exists()
+    assert multiprocessing.current_process()._config["tempdir"] is None

@@ -36,9 +36,10 @@ KEPT = 1000  # names remembered, features or not (the most recently used)
 
 @dataclass
 class Use:
+    """A feature's data; how recent its last use is, is its place in ``Placement.uses``."""
+
     key: str  # the cache entry the words led to
     uid: int  # whose request used it last
-    used_at: float
 
 
 class Placement:
@@ -78,7 +79,7 @@ class Placement:
             log.info("uid %s sent #STAGER words that do not declare its request", caller.uid)
             return
         self.uses.pop(feature, None)  # to the end: the most recently used
-        self.uses[feature] = Use(view.key, caller.uid, time.time())
+        self.uses[feature] = Use(view.key, caller.uid)
         while len(self.uses) > KEPT:
             del self.uses[next(iter(self.uses))]
         self._dirty = True
@@ -149,6 +150,8 @@ class Placement:
 
 
 def load(path: Path) -> dict[str, Use]:
+    """The saved uses, the least recent first (the file's order). An entry saved before
+    2026-11-29 holds a third item, the time of its use, which nothing read: ignored."""
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
@@ -156,9 +159,10 @@ def load(path: Path) -> dict[str, Use]:
     except (OSError, ValueError) as exc:
         log.warning("%s unreadable (%s): the node's features start over", path, exc)
         return {}
-    return {f: Use(*use) for f, use in saved.items() if names.PATTERN.fullmatch(f)}
+    return {f: Use(*use[:2]) for f, use in saved.items() if names.PATTERN.fullmatch(f)}
 
 
 def save(path: Path, uses: dict[str, Use]) -> None:
-    """Not fsynced: a lost file costs only the features until the data is asked for again."""
+    """In order of use, the least recent first. Not fsynced: a lost file costs only the
+    features until the data is asked for again."""
     write_private(path, json.dumps({f: astuple(use) for f, use in uses.items()}), durable=False)

@@ -22,8 +22,7 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
-from stager.core.errors import StagerError
-from stager.core.redact import redact_text
+from stager.core.errors import StagerError, error_content
 from stager.core.settings import PRIVILEGED_BELOW, Settings, host_port
 from stager.ops import copy_from_node as copying
 from stager.prestage.prefetch.authority import (
@@ -187,11 +186,6 @@ async def _body(receive: Receive) -> bytes:
         parts.append(message.get("body", b""))
         more = message.get("more_body", False)
     return b"".join(parts)
-
-
-def error_content(type_: str, message: str) -> dict:
-    """The API's error shape (stager.api.errors), a URL's secrets masked."""
-    return {"error": {"type": type_, "message": redact_text(message)}}
 
 
 async def _stream(send: Send, outgoing: Any, deadline: float) -> None:
