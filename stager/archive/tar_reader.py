@@ -119,6 +119,24 @@ NOT_FILES = frozenset(
 )
 
 
+def skipped(label: str, member: tarfile.TarInfo) -> bool:
+    """Whether ``member`` is a volume label (it makes nothing); raises for one that
+    starts in another volume and for GNU's obsolete 'names' member."""
+    if member.type == MULTIVOLUME:
+        raise UnknownFormat(
+            f"archive {label} is a later volume of a multi-volume archive (tar -M): "
+            f"its member {member.name!r} starts in another volume; stager extracts whole "
+            "archives only (GNU tar cannot extract one volume alone either); join the "
+            "volumes into one archive"
+        )
+    if member.type == _OLD_NAMES:
+        raise UnknownFormat(
+            f"archive {label} holds an obsolete GNU 'names' member {member.name!r}; "
+            "re-create the archive with a current tar"
+        )
+    return member.type == VOLUME_LABEL
+
+
 def _tar_member(
     job: ExtractJob,
     archive: Archive,
@@ -130,19 +148,7 @@ def _tar_member(
     share: int,
     start_inner: StartInner | None,
 ) -> None:
-    if member.type == MULTIVOLUME:
-        raise UnknownFormat(
-            f"archive {archive.label} is a later volume of a multi-volume archive (tar -M): "
-            f"its member {member.name!r} starts in another volume; stager extracts whole "
-            "archives only (GNU tar cannot extract one volume alone either); join the "
-            "volumes into one archive"
-        )
-    if member.type == _OLD_NAMES:
-        raise UnknownFormat(
-            f"archive {archive.label} holds an obsolete GNU 'names' member {member.name!r}; "
-            "re-create the archive with a current tar"
-        )
-    rel = None if member.type == VOLUME_LABEL else clean_name(writer.archive, member.name, strip)
+    rel = None if skipped(archive.label, member) else clean_name(writer.archive, member.name, strip)
     if rel is None:  # stripped away, the archive's own folder, or a volume label
         job.ctx.progress.advance(share, 0)
         return

@@ -47,11 +47,10 @@ from stager.archive.formats import StreamReader, resolve_format, sniff
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
 from stager.archive.tar_reader import (
     DUMPDIR,
-    MULTIVOLUME,
     NOT_FILES,
-    VOLUME_LABEL,
     open_stream,
     require_inside,
+    skipped,
 )
 from stager.archive.writer import clean_name, refused, through_link, too_many_names, unsafe
 from stager.core.errors import UnknownFormat
@@ -432,12 +431,7 @@ class _TarSource:
     def _member(
         self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
     ) -> None:
-        if member.type == MULTIVOLUME:
-            raise UnknownFormat(
-                f"archive {self.path} is a later volume of a multi-volume archive (tar -M); "
-                "join the volumes into one archive"
-            )
-        if member.type == VOLUME_LABEL:
+        if skipped(self.path, member):
             return
         names = self.names
         clean = clean_name(self.path, member.name, names.strip)

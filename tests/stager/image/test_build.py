@@ -261,6 +261,20 @@ def test_unsafe_members_are_refused_and_nothing_is_left(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.tar"]
 
 
+@pytest.mark.parametrize(
+    ("kind", "why"), [(b"N", "obsolete GNU 'names' member"), (b"M", "starts in another volume")]
+)
+def test_members_extraction_refuses_by_type_are_refused_alike(
+    kind: bytes, why: str, tmp_path: Path
+) -> None:
+    """One rule with extraction (tar_reader.skipped): a GNU 'names' member was once
+    written into the image as a file."""
+    archive = _tar_with(tmp_path, _member("fine"), _member("odd", kind))
+    with pytest.raises(UnknownFormat, match=re.escape(why)):
+        build_image(str(archive), str(tmp_path / "out.erofs"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.tar"]
+
+
 def test_a_truncated_archive_fails_and_leaves_nothing(tmp_path: Path) -> None:
     tree = tmp_path / "src"
     tar_corpus.basic_tree(tree)
