@@ -82,7 +82,7 @@ def read_tar(
                         offset, mode = base + member.offset_data, FILE_MODE
                         writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
                         continue
-                _tar_member(job, archive, writer, tar, stream, member, strip, share, start_inner)
+                _tar_member(job, archive, writer, stream, member, strip, share, start_inner)
             if stream is not None:
                 stream.drain()  # lets the decompressor verify its checksum and length
             length = archive.length if archive.growing is None else raw.tell()
@@ -141,7 +141,6 @@ def _tar_member(
     job: ExtractJob,
     archive: Archive,
     writer: ArchiveWriter,
-    tar: tarfile.TarFile,
     stream: StreamReader | None,
     member: tarfile.TarInfo,
     strip: int,
@@ -157,7 +156,7 @@ def _tar_member(
             if stream is None and start_inner(archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
-        payload = _tar_payload(archive, tar, stream, member)
+        payload = _tar_payload(archive, stream, member)
         inline = callable(payload)
         rel = writer.file(rel, FILE_MODE, member.mtime, payload, share, inline)
         if start_inner is not None and stream is not None and nested_suffix(rel):
@@ -180,9 +179,7 @@ def _tar_member(
         raise unsafe(archive.label, member.name, "a device file or FIFO")
 
 
-def _tar_payload(
-    archive: Archive, tar: tarfile.TarFile, stream: StreamReader | None, member: tarfile.TarInfo
-) -> Payload:
+def _tar_payload(archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo) -> Payload:
     if member.sparse is not None:
         return _sparse_payload(archive, stream, member)
     if stream is None:

@@ -31,11 +31,12 @@ from stager.core.durable import CrashPoints, Durable
 from stager.core.errors import Cancelled, InsufficientSpace, QuotaExceeded, StagerError
 from stager.core.processes import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.fs.credentials import Reader, read_sources_as
+from stager.fs.deletion import delete_tree
 from stager.ops import table
 from stager.ops.base import OpContext
 from stager.rights.become import drop_capabilities
 from stager.staging import overlap
-from stager.staging.publish import Attempt, delete_tree, write_atomically
+from stager.staging.publish import Attempt, write_atomically
 from stager.wire.progress import SharedCounters, WorkerCounters
 
 # What sets a staging's written-bytes limit (past_bound words each).
