@@ -45,8 +45,6 @@ from stager.image.names import (
     FILE_MODE,
     FT_DIR,
     FT_REG,
-    FT_SYMLINK,
-    LINK_MAX,
     LINK_MODE,
     ImageConflict,
     NameTable,
@@ -209,20 +207,10 @@ class ErofsWriter(NameTable):
         self.files += 1
         self.data_bytes += size
 
-    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
-        """A symlink; whether it stays inside the image is judged at the end, against the
-        image's final names (``label`` names it then)."""
-        data = os.fsencode(target)
-        if len(data) > LINK_MAX:
-            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
-                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
-        whole = len(data) - len(data) % self.block
-        blk = self._data(whole, lambda: self._write_at(data[:whole]))
-        nid = self._inode(LINK_MODE, len(data), mtime, blk, data[whole:])
-        self._entry(parent, name, FT_SYMLINK, nid)
-        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (nid, data, label or name))
-        self._symlinks += 1
-        self.files += 1
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
+        whole = len(target) - len(target) % self.block
+        blk = self._data(whole, lambda: self._write_at(target[:whole]))
+        return self._inode(LINK_MODE, len(target), mtime, blk, target[whole:]), 0
 
     def _data(self, nbytes: int, write: Callable[[], None]) -> int:
         """Whole blocks at the end of the image, filled by ``write`` at the file's

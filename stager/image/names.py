@@ -233,6 +233,23 @@ class NameTable:
 
     # -- files --------------------------------------------------------------
 
+    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
+        """A symlink; whether it stays inside the image is judged at the end, against the
+        image's final names (``label`` names it then)."""
+        data = os.fsencode(target)
+        if len(data) > LINK_MAX:
+            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
+                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
+        nid, ino = self._link_inode(data, mtime)
+        self._entry(parent, name, FT_SYMLINK, nid, ino)
+        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (nid, data, label or name))
+        self._symlinks += 1
+        self.files += 1
+
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
+        """The writer's: a symlink's inode written; its handle (nid) and inode number."""
+        raise NotImplementedError
+
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
         """A second name for the file ``target`` holds at this point of the stream
         (resolved at the end, when every file's nid is known)."""
@@ -243,8 +260,6 @@ class NameTable:
         row = (parent, encoded, self._seq, target_parent, os.fsencode(target), label)
         self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
         self.files += 1
-
-    # -- blocks ---------------------------------------------------------------
 
     # -- entries ------------------------------------------------------------
 

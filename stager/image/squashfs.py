@@ -53,9 +53,7 @@ from stager.image.names import (
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
-    LINK_MAX,
     NAME_MAX,
-    ImageConflict,
     NameTable,
     RangeFile,
     Reader,
@@ -291,20 +289,10 @@ class SquashfsWriter(NameTable):
             left -= want
         self._file(parent, name, size, mtime, start, sizes)
 
-    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
-        """A symlink; whether it stays inside the image is judged at the end, against the
-        image's final names (``label`` names it then)."""
-        data = os.fsencode(target)
-        if len(data) > LINK_MAX:
-            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
-                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
         ino = self._new_ino()
         inode = _BASE.pack(_SYMLINK, 0o777, 0, 0, mtime, ino)
-        position = self._add_inode(inode + _SYMLINK_INODE.pack(1, len(data)) + data)
-        self._entry(parent, name, FT_SYMLINK, position, ino)
-        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (position, data, label or name))
-        self._symlinks += 1
-        self.files += 1
+        return self._add_inode(inode + _SYMLINK_INODE.pack(1, len(target)) + target), ino
 
     def _file(
         self, parent: int, name: str, size: int, mtime: int, start: int, sizes: list[int]
