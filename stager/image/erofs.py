@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stager.fs.fastcopy import copy_range
-from stager.fs.writeback import start_writeback
 from stager.image.names import (
     DIR_MODE,
     FILE_MODE,
@@ -78,9 +77,6 @@ _EXTENDED = struct.Struct("<HHHHQIIIIQII16s")
 _DIRENT = struct.Struct("<QHBB")  # nid, nameoff, file_type, reserved
 _NLINK_AT = 44  # i_nlink's offset in an extended inode
 assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
-
-# How much data a durable build writes before it starts that part's writeback.
-_WRITEBACK_STEP = 16 << 20
 
 
 # Where an embedded blob's copy starts in its image: the first 4 KiB page after the
@@ -137,10 +133,7 @@ class ErofsWriter(NameTable):
         """``charge``: as :class:`NameTable` says."""
         super().__init__(fd, spill, build_time, top_owner, top_mode, charge)
         self._blob = blob
-        # A durable build starts its data's writeback as it goes (stager.fs.writeback),
-        # so that the fsync before the image is published finds little left to write.
         self._early_writeback = early_writeback
-        self._written_back = 0  # the bytes before this offset have had theirs started
         self._blkszbits = SMALL_BLKSZBITS if blob is not None else _BLKSZBITS
         self.block = 1 << self._blkszbits
         self._folder_charge = self.block + _INODE  # its inode and its first block
@@ -222,10 +215,7 @@ class ErofsWriter(NameTable):
         os.lseek(self._fd, blk * self.block, os.SEEK_SET)
         write()
         if self._early_writeback:  # one test a file when not durable: a million files
-            end = self._next_blk * self.block
-            if end - self._written_back >= _WRITEBACK_STEP:
-                start_writeback(self._fd, self._written_back, end - self._written_back)
-                self._written_back = end
+            self._write_back(self._next_blk * self.block)
         return blk
 
     def _copy(self, src_fd: int, offset: int, nbytes: int) -> None:

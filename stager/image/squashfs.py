@@ -42,7 +42,6 @@ import struct
 from collections.abc import Callable
 
 from stager.fs.fastcopy import copy_range
-from stager.fs.writeback import start_writeback
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
     _CHARGE_EVERY,
@@ -97,7 +96,6 @@ _BUFFER = 1 << 20  # small files' data and metadata written in pieces this large
 # A file this small, not read with its header already, is read and buffered; a larger
 # one is copied in the kernel (copy_file_range).
 _SMALL = 16 << 10
-_WRITEBACK_STEP = 16 << 20  # as the EROFS writer's
 
 
 def _block_start(position: int) -> int:
@@ -271,7 +269,7 @@ class SquashfsWriter(NameTable):
         os.lseek(self._fd, start, os.SEEK_SET)
         copy_range(src_fd, self._fd, offset, size)
         self._end += size
-        self._started_writeback()
+        self._write_back(self._end)
         return start
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
@@ -332,15 +330,8 @@ class SquashfsWriter(NameTable):
         if self._data:
             os.pwrite(self._fd, self._data, self._end - len(self._data))
             self._data.clear()
-            self._started_writeback()
+            self._write_back(self._end)
         return self._end
-
-    def _started_writeback(self) -> None:
-        """A durable build starts its data's writeback as it goes (stager.fs.writeback),
-        so that the fsync before the image is published finds little left to write."""
-        if self._early_writeback and self._end - self._written_back >= _WRITEBACK_STEP:
-            start_writeback(self._fd, self._written_back, self._end - self._written_back)
-            self._written_back = self._end
 
     # -- the end --------------------------------------------------------------
 
