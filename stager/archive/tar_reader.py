@@ -82,7 +82,7 @@ def read_tar(
                         offset, mode = base + member.offset_data, FILE_MODE
                         writer.range_file(rel, mode, member.mtime, fd, offset, size, share)
                         continue
-                _tar_member(job, archive, writer, tar, stream, member, strip, share, start_inner)
+                _tar_member(job, archive, writer, stream, member, strip, share, start_inner)
             if stream is not None:
                 stream.drain()  # lets the decompressor verify its checksum and length
             length = archive.length if archive.growing is None else raw.tell()
@@ -119,30 +119,35 @@ NOT_FILES = frozenset(
 )
 
 
-def _tar_member(
-    job: ExtractJob,
-    archive: Archive,
-    writer: ArchiveWriter,
-    tar: tarfile.TarFile,
-    stream: StreamReader | None,
-    member: tarfile.TarInfo,
-    strip: int,
-    share: int,
-    start_inner: StartInner | None,
-) -> None:
+def skipped(label: str, member: tarfile.TarInfo) -> bool:
+    """Whether ``member`` is a volume label (it makes nothing); raises for one that
+    starts in another volume and for GNU's obsolete 'names' member."""
     if member.type == MULTIVOLUME:
         raise UnknownFormat(
-            f"archive {archive.label} is a later volume of a multi-volume archive (tar -M): "
+            f"archive {label} is a later volume of a multi-volume archive (tar -M): "
             f"its member {member.name!r} starts in another volume; stager extracts whole "
             "archives only (GNU tar cannot extract one volume alone either); join the "
             "volumes into one archive"
         )
     if member.type == _OLD_NAMES:
         raise UnknownFormat(
-            f"archive {archive.label} holds an obsolete GNU 'names' member {member.name!r}; "
+            f"archive {label} holds an obsolete GNU 'names' member {member.name!r}; "
             "re-create the archive with a current tar"
         )
-    rel = None if member.type == VOLUME_LABEL else clean_name(writer.archive, member.name, strip)
+    return member.type == VOLUME_LABEL
+
+
+def _tar_member(
+    job: ExtractJob,
+    archive: Archive,
+    writer: ArchiveWriter,
+    stream: StreamReader | None,
+    member: tarfile.TarInfo,
+    strip: int,
+    share: int,
+    start_inner: StartInner | None,
+) -> None:
+    rel = None if skipped(archive.label, member) else clean_name(writer.archive, member.name, strip)
     if rel is None:  # stripped away, the archive's own folder, or a volume label
         job.ctx.progress.advance(share, 0)
         return
@@ -151,7 +156,7 @@ def _tar_member(
             if stream is None and start_inner(archive, writer, member, rel):
                 job.ctx.progress.advance(share - member.size, 0)
                 return
-        payload = _tar_payload(archive, tar, stream, member)
+        payload = _tar_payload(archive, stream, member)
         inline = callable(payload)
         rel = writer.file(rel, FILE_MODE, member.mtime, payload, share, inline)
         if start_inner is not None and stream is not None and nested_suffix(rel):
@@ -174,9 +179,7 @@ def _tar_member(
         raise unsafe(archive.label, member.name, "a device file or FIFO")
 
 
-def _tar_payload(
-    archive: Archive, tar: tarfile.TarFile, stream: StreamReader | None, member: tarfile.TarInfo
-) -> Payload:
+def _tar_payload(archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo) -> Payload:
     if member.sparse is not None:
         return _sparse_payload(archive, stream, member)
     if stream is None:

@@ -204,6 +204,22 @@ def shown_name(name: str) -> str:
     return name if len(name) <= 100 else f"{name[:60]}...{name[-20:]}"
 
 
+def through_link(archive: str, member: str, here: str, target: str, hops: int) -> list[str]:
+    """Where a member under the archive's symlink ``here`` (its ``hops``-th) goes, as
+    the components GNU tar places it through (extraction's and the image build's rule)."""
+    if target.startswith("/") or ".." in target.split("/"):
+        raise unsafe(
+            archive,
+            member,
+            f"written through the archive's symlink {here!r}, whose target "
+            f"{target!r} may lead outside; GNU tar does not write through it either",
+        )
+    if hops > _MAX_LINK_HOPS:
+        raise refused(archive, member, "lies under too many levels of symlinks")
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(here), target))
+    return [part for part in resolved.split("/") if part not in ("", ".")]
+
+
 def too_many_names(archive: str, member: str) -> UnsafeArchiveMember:
     return UnsafeArchiveMember(
         f"archive {archive} cannot be extracted: at member {shown_name(member)!r} its folders "
@@ -563,20 +579,10 @@ class ArchiveWriter:
                     raise unsafe(
                         self.archive, label, f"written through the archive's symlink {here!r}"
                     )
-                if target.startswith("/") or ".." in target.split("/"):
-                    raise unsafe(
-                        self.archive,
-                        label,
-                        f"written through the archive's symlink {here!r}, whose target "
-                        f"{target!r} may lead outside; GNU tar does not write through it either",
-                    )
                 hops += 1
-                if hops > _MAX_LINK_HOPS:
-                    raise refused(self.archive, label, "lies under too many levels of symlinks")
-                resolved = posixpath.normpath(posixpath.join(head, target)).removeprefix("./")
+                parts = through_link(self.archive, label, here, target, hops)
                 head = ""
-                if resolved != ".":
-                    todo += [(part, False) for part in reversed(resolved.split("/"))]
+                todo += [(part, False) for part in reversed(parts)]
                 continue
             if not may_create:
                 raise refused(self.archive, label, f"needs the folder {here!r}, which is not one")

@@ -33,6 +33,7 @@ from stager.core.errors import BadRequest, StagerError
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.held_space import HeldSpace
+from stager.fs.deletion import delete_tree
 from stager.fs.seal import Seal
 from stager.image.published import ImageRecord
 from stager.kinds.base import Outcome
@@ -42,7 +43,6 @@ from stager.staging.blocking import run_io
 from stager.staging.publish import (
     DISCARDED_PREFIX,
     Attempt,
-    delete_tree,
     discard,
     make_link,
     remove_delivery,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import posixpath
 import stat
 import tarfile
 import time
@@ -48,13 +47,12 @@ from stager.archive.formats import StreamReader, resolve_format, sniff
 from stager.archive.job import Archive, judge_link, nested_suffix, translate
 from stager.archive.tar_reader import (
     DUMPDIR,
-    MULTIVOLUME,
     NOT_FILES,
-    VOLUME_LABEL,
     open_stream,
     require_inside,
+    skipped,
 )
-from stager.archive.writer import clean_name, refused, too_many_names, unsafe
+from stager.archive.writer import clean_name, refused, through_link, too_many_names, unsafe
 from stager.core.errors import UnknownFormat
 from stager.fs import sources
 from stager.fs.credentials import access
@@ -69,7 +67,6 @@ _HEADER_READAHEAD = 16384
 # hardlink, is_folder, folders, finish, close).
 Writer = ErofsWriter | SquashfsWriter
 WRITERS: dict[str, type[Writer]] = {"erofs": ErofsWriter, "squashfs": SquashfsWriter}
-_MAX_LINK_HOPS = 40  # as the kernel's ELOOP limit
 # A run of files given to the writer at once spans at most this much of the archive,
 # or one member: its progress is told at its end (an index build's copy waits on it,
 # stager.image.index._AHEAD).
@@ -291,18 +288,8 @@ class _Placer:
             if target is None:
                 done, parts = here, parts[1:]
                 continue
-            if target.startswith("/") or ".." in target.split("/"):
-                raise unsafe(
-                    self.label,
-                    member,
-                    f"written through the archive's symlink {here!r}, whose target "
-                    f"{target!r} may lead outside; GNU tar does not write through it either",
-                )
             hops += 1
-            if hops > _MAX_LINK_HOPS:
-                raise refused(self.label, member, "lies under too many levels of symlinks")
-            resolved = posixpath.normpath(posixpath.join(done, target)).removeprefix("./")
-            parts = [p for p in resolved.split("/") if p not in ("", ".")] + parts[1:]
+            parts = through_link(self.label, member, here, target, hops) + parts[1:]
             done = ""
         return done
 
@@ -444,12 +431,7 @@ class _TarSource:
     def _member(
         self, archive: Archive, stream: StreamReader | None, member: tarfile.TarInfo
     ) -> None:
-        if member.type == MULTIVOLUME:
-            raise UnknownFormat(
-                f"archive {self.path} is a later volume of a multi-volume archive (tar -M); "
-                "join the volumes into one archive"
-            )
-        if member.type == VOLUME_LABEL:
+        if skipped(self.path, member):
             return
         names = self.names
         clean = clean_name(self.path, member.name, names.strip)

@@ -39,14 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stager.fs.fastcopy import copy_range
-from stager.fs.writeback import start_writeback
 from stager.image.names import (
     DIR_MODE,
     FILE_MODE,
     FT_DIR,
     FT_REG,
-    FT_SYMLINK,
-    LINK_MAX,
     LINK_MODE,
     ImageConflict,
     NameTable,
@@ -80,9 +77,6 @@ _EXTENDED = struct.Struct("<HHHHQIIIIQII16s")
 _DIRENT = struct.Struct("<QHBB")  # nid, nameoff, file_type, reserved
 _NLINK_AT = 44  # i_nlink's offset in an extended inode
 assert _SUPER.size == 128 and _EXTENDED.size == _INODE and _DIRENT.size == 12
-
-# How much data a durable build writes before it starts that part's writeback.
-_WRITEBACK_STEP = 16 << 20
 
 
 # Where an embedded blob's copy starts in its image: the first 4 KiB page after the
@@ -139,10 +133,7 @@ class ErofsWriter(NameTable):
         """``charge``: as :class:`NameTable` says."""
         super().__init__(fd, spill, build_time, top_owner, top_mode, charge)
         self._blob = blob
-        # A durable build starts its data's writeback as it goes (stager.fs.writeback),
-        # so that the fsync before the image is published finds little left to write.
         self._early_writeback = early_writeback
-        self._written_back = 0  # the bytes before this offset have had theirs started
         self._blkszbits = SMALL_BLKSZBITS if blob is not None else _BLKSZBITS
         self.block = 1 << self._blkszbits
         self._folder_charge = self.block + _INODE  # its inode and its first block
@@ -209,20 +200,10 @@ class ErofsWriter(NameTable):
         self.files += 1
         self.data_bytes += size
 
-    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
-        """A symlink; whether it stays inside the image is judged at the end, against the
-        image's final names (``label`` names it then)."""
-        data = os.fsencode(target)
-        if len(data) > LINK_MAX:
-            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
-                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
-        whole = len(data) - len(data) % self.block
-        blk = self._data(whole, lambda: self._write_at(data[:whole]))
-        nid = self._inode(LINK_MODE, len(data), mtime, blk, data[whole:])
-        self._entry(parent, name, FT_SYMLINK, nid)
-        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (nid, data, label or name))
-        self._symlinks += 1
-        self.files += 1
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
+        whole = len(target) - len(target) % self.block
+        blk = self._data(whole, lambda: self._write_at(target[:whole]))
+        return self._inode(LINK_MODE, len(target), mtime, blk, target[whole:]), 0
 
     def _data(self, nbytes: int, write: Callable[[], None]) -> int:
         """Whole blocks at the end of the image, filled by ``write`` at the file's
@@ -234,10 +215,7 @@ class ErofsWriter(NameTable):
         os.lseek(self._fd, blk * self.block, os.SEEK_SET)
         write()
         if self._early_writeback:  # one test a file when not durable: a million files
-            end = self._next_blk * self.block
-            if end - self._written_back >= _WRITEBACK_STEP:
-                start_writeback(self._fd, self._written_back, end - self._written_back)
-                self._written_back = end
+            self._write_back(self._next_blk * self.block)
         return blk
 
     def _copy(self, src_fd: int, offset: int, nbytes: int) -> None:

@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from stager.fs.writeback import start_writeback
+
 FS_ENCODING, FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 # The kinds of an entry (EROFS's file types; each format maps them to its own).
 FT_REG, FT_DIR, FT_SYMLINK = 1, 2, 7
@@ -47,6 +49,8 @@ _FOLDER_OVERHEAD = 400
 # (a longer one is cut at 4095 bytes when it is read: other words than those judged).
 NAME_MAX = 255
 LINK_MAX = 4095
+# How much data a durable build writes before it starts that part's writeback.
+_WRITEBACK_STEP = 16 << 20
 # Symlinks followed in one lookup before the kernel gives up (ELOOP).
 _LINK_HOPS = 40
 
@@ -116,6 +120,8 @@ class NameTable:
     writer sets ``_folder_charge``: the bytes a new folder adds besides its entry."""
 
     _folder_charge = 0
+    _early_writeback = False  # a durable build's (see _write_back)
+    _written_back = 0  # the data before this offset has had its writeback started
 
     def __init__(
         self,
@@ -233,6 +239,23 @@ class NameTable:
 
     # -- files --------------------------------------------------------------
 
+    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
+        """A symlink; whether it stays inside the image is judged at the end, against the
+        image's final names (``label`` names it then)."""
+        data = os.fsencode(target)
+        if len(data) > LINK_MAX:
+            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
+                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
+        nid, ino = self._link_inode(data, mtime)
+        self._entry(parent, name, FT_SYMLINK, nid, ino)
+        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (nid, data, label or name))
+        self._symlinks += 1
+        self.files += 1
+
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
+        """The writer's: a symlink's inode written; its handle (nid) and inode number."""
+        raise NotImplementedError
+
     def hardlink(self, parent: int, name: str, target_parent: int, target: str, label: str) -> None:
         """A second name for the file ``target`` holds at this point of the stream
         (resolved at the end, when every file's nid is known)."""
@@ -244,7 +267,12 @@ class NameTable:
         self._db.execute("INSERT INTO h VALUES (?, ?, ?, ?, ?, ?)", row)
         self.files += 1
 
-    # -- blocks ---------------------------------------------------------------
+    def _write_back(self, end: int) -> None:
+        """A durable build starts its data's writeback as it goes (stager.fs.writeback),
+        so that the fsync before the image is published finds little left to write."""
+        if self._early_writeback and end - self._written_back >= _WRITEBACK_STEP:
+            start_writeback(self._fd, self._written_back, end - self._written_back)
+            self._written_back = end
 
     # -- entries ------------------------------------------------------------
 

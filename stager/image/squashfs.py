@@ -42,7 +42,6 @@ import struct
 from collections.abc import Callable
 
 from stager.fs.fastcopy import copy_range
-from stager.fs.writeback import start_writeback
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
     _CHARGE_EVERY,
@@ -53,9 +52,7 @@ from stager.image.names import (
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
-    LINK_MAX,
     NAME_MAX,
-    ImageConflict,
     NameTable,
     RangeFile,
     Reader,
@@ -99,7 +96,6 @@ _BUFFER = 1 << 20  # small files' data and metadata written in pieces this large
 # A file this small, not read with its header already, is read and buffered; a larger
 # one is copied in the kernel (copy_file_range).
 _SMALL = 16 << 10
-_WRITEBACK_STEP = 16 << 20  # as the EROFS writer's
 
 
 def _block_start(position: int) -> int:
@@ -273,7 +269,7 @@ class SquashfsWriter(NameTable):
         os.lseek(self._fd, start, os.SEEK_SET)
         copy_range(src_fd, self._fd, offset, size)
         self._end += size
-        self._started_writeback()
+        self._write_back(self._end)
         return start
 
     def file_stream(self, parent: int, name: str, size: int, mtime: int, read: Reader) -> None:
@@ -291,20 +287,10 @@ class SquashfsWriter(NameTable):
             left -= want
         self._file(parent, name, size, mtime, start, sizes)
 
-    def symlink(self, parent: int, name: str, target: str, mtime: int, label: str = "") -> None:
-        """A symlink; whether it stays inside the image is judged at the end, against the
-        image's final names (``label`` names it then)."""
-        data = os.fsencode(target)
-        if len(data) > LINK_MAX:
-            raise ImageConflict(label or name, f"is a symlink whose target has {len(data)} "
-                                f"bytes; the kernel reads at most {LINK_MAX}")  # fmt: skip
+    def _link_inode(self, target: bytes, mtime: int) -> tuple[int, int]:
         ino = self._new_ino()
         inode = _BASE.pack(_SYMLINK, 0o777, 0, 0, mtime, ino)
-        position = self._add_inode(inode + _SYMLINK_INODE.pack(1, len(data)) + data)
-        self._entry(parent, name, FT_SYMLINK, position, ino)
-        self._db.execute("INSERT INTO l VALUES (?, ?, ?)", (position, data, label or name))
-        self._symlinks += 1
-        self.files += 1
+        return self._add_inode(inode + _SYMLINK_INODE.pack(1, len(target)) + target), ino
 
     def _file(
         self, parent: int, name: str, size: int, mtime: int, start: int, sizes: list[int]
@@ -344,15 +330,8 @@ class SquashfsWriter(NameTable):
         if self._data:
             os.pwrite(self._fd, self._data, self._end - len(self._data))
             self._data.clear()
-            self._started_writeback()
+            self._write_back(self._end)
         return self._end
-
-    def _started_writeback(self) -> None:
-        """A durable build starts its data's writeback as it goes (stager.fs.writeback),
-        so that the fsync before the image is published finds little left to write."""
-        if self._early_writeback and self._end - self._written_back >= _WRITEBACK_STEP:
-            start_writeback(self._fd, self._written_back, self._end - self._written_back)
-            self._written_back = self._end
 
     # -- the end --------------------------------------------------------------
 

@@ -17,11 +17,13 @@ from typing import Any
 
 from stager.core.durable import Durable
 from stager.core.settings import Settings
+from stager.fs.deletion import delete_tree
+from stager.fs.durable_names import rename_durably
 from stager.fs.seal import Seal, check_seal, protect_top, seal_listed, seal_tree
 from stager.fs.watch import TreeWatch
 from stager.kinds.base import Kind, Shelf
 from stager.staging.blocking import run_io
-from stager.staging.publish import Attempt, delete_tree, publish
+from stager.staging.publish import Attempt
 from stager.staging.worker import Steps
 from stager.state.cache import private_owner
 from stager.state.dataset import Entry
@@ -89,7 +91,7 @@ class Tree(Kind):
         attempt, final = shelf.attempt(entry), shelf.final(entry)
         if await run_io(attempt.tree.is_dir):
             await run_io(shelf.layout.prepare, entry)  # a user's own copy: its gate
-            await shelf.durable(Durable.PUBLISHED, publish, attempt.tree, final)
+            await shelf.durable(Durable.PUBLISHED, rename_durably, attempt.tree, final)
         # Again after a crash: it changes nothing then.
         await run_io(protect_top, final, private_owner(entry))
         await shelf.made_ready(entry, outcome.nbytes, outcome)
@@ -144,7 +146,7 @@ class Tree(Kind):
         if not old.is_dir() or os.path.ismount(old) or os.path.lexists(final):
             return False
         shelf.layout.prepare(entry)
-        publish(old, final)
+        rename_durably(old, final)
         return True
 
     async def delete(self, entry: Entry, shelf: Shelf) -> None:

@@ -136,9 +136,9 @@ class AgentFailed(RuntimeError):
     """A user's process hit a bug, or broke the protocol; the daemon logs it."""
 
 
-def result(answer: Any) -> Any:
+def result(answer: Any, other: type[StagerError] = StagerError) -> Any:
     """The ``ok`` value of an answer, or its error raised here (rebuilt by class name
-    among stager's own errors only)."""
+    among stager's own errors only; ``other`` for any other class)."""
     if not isinstance(answer, dict) or len(answer) != 1:
         raise AgentFailed(f"a user's process answered {str(answer)[:200]!r}")
     ((kind, value),) = answer.items()
@@ -148,7 +148,7 @@ def result(answer: Any) -> Any:
         name, message = value
         cls = getattr(errors, str(name), None)
         if not (isinstance(cls, type) and issubclass(cls, errors.StagerError)):
-            cls = errors.StagerError
+            cls = other
         raise cls(str(message))
     if kind == "oserror":
         number, strerror, filename = value

@@ -37,6 +37,7 @@ from stager.core.processes import (
     start_fork_server,
 )
 from stager.core.settings import Settings
+from stager.rights import channel
 from stager.rights.become import Identity
 from stager.rights.pool import UserProcesses
 from stager.staging.download_rate import DownloadRateFloor
@@ -375,23 +376,14 @@ def _stalled(job: StageJob, progress: Progress, limit: float) -> str:
     )
 
 
-def _outcome(message: tuple[str, Any], name: str) -> Any:
+def _outcome(message: dict[str, Any], name: str) -> Any:
     """The seal of the child's tree (or, in image mode, its image), or its error
     re-raised in the daemon. A bug's traceback goes to the daemon log only: what the
     client is told is one sentence (it may hold paths and code no user should see)."""
-    kind, payload = message
-    if kind == "ok":
-        return payload
-    if kind == "cancelled":
-        raise errors.Cancelled("staging was cancelled")
-    if kind == "error":
-        class_name, _type, text = payload
-        raise getattr(errors, class_name, errors.StagingError)(text)
-    if kind == "oserror":
-        number, strerror, filename = payload
-        raise OSError(number, strerror, filename)
-    log.error("internal error in the staging process of %s:\n%s", name, payload)
-    raise errors.StagingProcessDied(INTERNAL)
+    if "internal" in message:
+        log.error("internal error in the staging process of %s:\n%s", name, message["internal"])
+        raise errors.StagingProcessDied(INTERNAL)
+    return channel.result(message, errors.StagingError)
 
 
 # What a client is told of a bug in a staging, wherever it struck (stager.engine.scheduler too).

@@ -21,8 +21,6 @@ from typing import Any
 
 # Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.core.errors import StagerError, UserProcessUnanswered
-from stager.fs.deletion import delete_tree as delete_tree
-from stager.fs.durable_names import rename_durably
 from stager.fs.seal import open_up_top
 
 # Evicted trees and the partial data of failed stagings wait under ``partial/`` with
@@ -58,12 +56,6 @@ class Attempt:
             return int(self.marker.read_text() or 0)
         except FileNotFoundError:
             return 0
-
-
-def publish(tree: Path, final: Path) -> None:
-    """The attempt's tree renamed to its final place, durably: before the state store
-    says "ready"."""
-    rename_durably(tree, final)
 
 
 def write_atomically(path: Path, text: str) -> None:

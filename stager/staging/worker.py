@@ -21,21 +21,22 @@ import os
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from stager.core.durable import CrashPoints, Durable
-from stager.core.errors import Cancelled, InsufficientSpace, QuotaExceeded, StagerError
+from stager.core.errors import InsufficientSpace, QuotaExceeded
 from stager.core.processes import SPARE_NAME, STAGE_NAME, die_with, die_with_parent, name_process
 from stager.fs.credentials import Reader, read_sources_as
+from stager.fs.deletion import delete_tree
 from stager.ops import table
 from stager.ops.base import OpContext
+from stager.rights import channel
 from stager.rights.become import drop_capabilities
 from stager.staging import overlap
-from stager.staging.publish import Attempt, delete_tree, write_atomically
+from stager.staging.publish import Attempt, write_atomically
 from stager.wire.progress import SharedCounters, WorkerCounters
 
 # What sets a staging's written-bytes limit (past_bound words each).
@@ -120,7 +121,8 @@ def stage_in_child(
     watching: bool = False,
 ) -> None:
     """Entry point of a child forked for ``job`` (and of a spare once its job came,
-    ``watching`` the daemon already): run every step, report ("ok", seal) or the error."""
+    ``watching`` the daemon already): run every step, report its seal or its error as a
+    user's process answers (stager.rights.channel)."""
     if not watching:
         _die_with_daemon(daemon_pid)
     # Staging is bulk I/O; the daemon's event loop must win the CPU whenever it wants it.
@@ -133,15 +135,9 @@ def stage_in_child(
         if job.reader is not None and os.geteuid() == 0 and not job.reader.identity.is_root:
             drop_capabilities()  # it acts for a user: root's powers stay out of its reach
         name_process(STAGE_NAME)  # what ps shows from here on holds no more than it needs
-        conn.send(("ok", _stage(job, counters, _ParentWatch(cancel), daemon_pid)))
-    except Cancelled:
-        conn.send(("cancelled", None))
-    except StagerError as exc:
-        conn.send(("error", (type(exc).__name__, exc.type, exc.message)))
-    except OSError as exc:
-        conn.send(("oserror", (exc.errno, exc.strerror, exc.filename)))
-    except Exception:  # a bug in an op: report it; the parent logs it and fails the entry
-        conn.send(("internal", traceback.format_exc()))
+        conn.send(channel.ok(_stage(job, counters, _ParentWatch(cancel), daemon_pid)))
+    except Exception as exc:  # a bug in an op too: the parent logs it and fails the entry
+        conn.send(channel.failure(exc))
     finally:
         conn.close()
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from stager.core.errors import Cancelled, CorruptArchive, UnknownFormat, UnsafeArchiveMember
-from stager.image import erofs
+from stager.image import names as image_names
 from stager.image.build import BuildOptions, Names, build_image
 from stager.image.erofs import BLOCK, ErofsWriter
 from stager.image.index import build_indexed
@@ -261,6 +261,20 @@ def test_unsafe_members_are_refused_and_nothing_is_left(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.tar"]
 
 
+@pytest.mark.parametrize(
+    ("kind", "why"), [(b"N", "obsolete GNU 'names' member"), (b"M", "starts in another volume")]
+)
+def test_members_extraction_refuses_by_type_are_refused_alike(
+    kind: bytes, why: str, tmp_path: Path
+) -> None:
+    """One rule with extraction (tar_reader.skipped): a GNU 'names' member was once
+    written into the image as a file."""
+    archive = _tar_with(tmp_path, _member("fine"), _member("odd", kind))
+    with pytest.raises(UnknownFormat, match=re.escape(why)):
+        build_image(str(archive), str(tmp_path / "out.erofs"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unsafe.tar"]
+
+
 def test_a_truncated_archive_fails_and_leaves_nothing(tmp_path: Path) -> None:
     tree = tmp_path / "src"
     tar_corpus.basic_tree(tree)
@@ -312,7 +326,7 @@ def test_a_durable_build_starts_its_writeback_as_it_goes(
     stretch of data it wrote, in order and without a gap, so that its fsync finds
     little left; a build that does not fsync leaves writeback to the kernel."""
     started: list[tuple[int, int]] = []
-    monkeypatch.setattr(erofs, "start_writeback", lambda fd, at, n: started.append((at, n)))
+    monkeypatch.setattr(image_names, "start_writeback", lambda fd, at, n: started.append((at, n)))
     tree = tmp_path / "src"
     tree.mkdir()
     for i in range(12):
@@ -324,8 +338,8 @@ def test_a_durable_build_starts_its_writeback_as_it_goes(
     assert len(started) >= 2, started
     assert started[0][0] == 0
     assert all(at + n == after for (at, n), (after, _) in itertools.pairwise(started)), started
-    assert all(n >= erofs._WRITEBACK_STEP for _, n in started)
-    assert sum(n for _, n in started) > 48 * 2**20 - erofs._WRITEBACK_STEP
+    assert all(n >= image_names._WRITEBACK_STEP for _, n in started)
+    assert sum(n for _, n in started) > 48 * 2**20 - image_names._WRITEBACK_STEP
 
     started.clear()
     build_image(str(archive), str(tmp_path / "plain.erofs"), BuildOptions(sync=False))

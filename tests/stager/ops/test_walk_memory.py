@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from stager.fs.deletion import delete_tree
 from stager.ops import copy, symlink
 from stager.ops.base import OpContext
 from stager.ops.copy import CopyStep
 from stager.ops.symlink import SymlinkStep
 from stager.request.fingerprint import sources_fingerprint
-from stager.staging.publish import delete_tree
 from stager.wire.progress import Progress
 
 PER_FOLDER = 50

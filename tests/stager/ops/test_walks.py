@@ -29,6 +29,7 @@ import pytest
 
 from stager.core.errors import SpecialSource, UnsafePath, VerifyFailed
 from stager.fs import file_copy
+from stager.fs.deletion import delete_tree
 from stager.fs.sizes import sum_sizes
 from stager.ops import copy, symlink, unpack
 from stager.ops.base import CheckContext, OpContext
@@ -36,7 +37,6 @@ from stager.ops.copy import CopyStep
 from stager.ops.symlink import SymlinkStep
 from stager.ops.unpack import UnpackStep
 from stager.request.fingerprint import sources_fingerprint
-from stager.staging.publish import delete_tree
 from stager.wire.progress import Progress
 from tests.trees import write_tree
 
