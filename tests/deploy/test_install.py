@@ -88,8 +88,8 @@ class Installed:
 def node_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     """The first install of the node service, made once for the module: the test of the
     node service reads it, then upgrades it; the planner's test installs the planner
-    into the same prefix, as on a host that has both (a fresh venv takes ~15 s of pip
-    on an idle machine, an upgrade in place ~6 s)."""
+    into the same prefix, as on a host that has both (a fresh venv took 16.7 s on a
+    quiet machine, most of it pip; an upgrade in place reuses the venv and its packages)."""
     if not DEBIAN_PYTHON.exists():
         pytest.skip("needs Debian's python3.11")
     reachable = Path(tempfile.mkdtemp(prefix="stg-install-"))  # as the fixture below
