@@ -219,10 +219,22 @@ def stop_loader_server() -> None:
     """Stop and reap the loaders' forkserver (`loader_context`) now, rather than leave it
     to see its process's exit on its own: at the trainer's exit, or after a loader made
     in another program (a benchmark, a test). `_stop` is what CPython's own tests stop it
-    with; a Python without it leaves the forkserver to end by itself."""
-    stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)
-    if stop is not None:
-        stop()
+    with; a Python without it leaves the forkserver to end by itself.
+
+    The forkserver is killed first: it has nothing left to do (its workers are gone or
+    are not its to stop) and nothing to save, while its own exit, which `_stop` waits
+    for, would first unload the torch it preloaded (~1.5 s of every rank's exit)."""
+    server = multiprocessing.forkserver._forkserver
+    stop = getattr(server, "_stop", None)
+    if stop is None:
+        return
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # gone already; `_stop` reaps it all the same
+            pass
+    stop()
 
 
 def default_workers(
