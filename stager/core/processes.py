@@ -214,8 +214,8 @@ def _remove_ended(folder_fd: int) -> None:
 
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (another user's too); a zombie has ended. No process
-    has a pid under 1 (kill(0) and kill(-1) name groups of processes: a pid file that
-    held one would have ``stager stop`` signal them) or past a C ``pid_t``."""
+    has a pid under 1 (kill(0) and kill(-1) succeed: they name groups of processes) or
+    past a C ``pid_t`` (kill raises OverflowError, not OSError)."""
     if pid <= 0:
         return False
     try:

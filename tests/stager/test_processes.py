@@ -208,6 +208,6 @@ def test_names_no_process_can_have_do_not_stop_a_start(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pid", [0, -1, 10**20])
 def test_no_process_has_a_pid_that_is_none(pid: int) -> None:
     """kill(0) and kill(-1) name a group of processes, not one: a pid file that holds
-    either (or too large a number) must not read as a daemon that runs, which
-    ``stager stop`` would then signal."""
+    either (or too large a number) reads as no daemon (``stager stop`` refused to
+    signal it, or ended in a traceback), not as one that runs."""
     assert not pid_alive(pid)
