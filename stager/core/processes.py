@@ -202,7 +202,8 @@ def _remove_ended(folder_fd: int) -> None:
     folder's descriptor, and only folders of this user's own, never what a link names."""
     for entry in os.scandir(folder_fd):
         pid = entry.name.removeprefix(TEMP_PREFIX)
-        if pid == entry.name or not pid.isdigit():
+        # As str(pid) writes it: int() takes other scripts' digits, and '²' not at all.
+        if pid == entry.name or not (pid.isascii() and pid.isdigit()):
             continue
         if int(pid) != os.getpid() and pid_alive(int(pid)):
             continue
@@ -212,9 +213,15 @@ def _remove_ended(folder_fd: int) -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (another user's too); a zombie has ended."""
+    """Whether process ``pid`` runs (another user's too); a zombie has ended. No process
+    has a pid under 1 (kill(0) and kill(-1) succeed: they name groups of processes) or
+    past a C ``pid_t`` (kill raises OverflowError, not OSError)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
+    except OverflowError:
+        return False
     except OSError as exc:
         return exc.errno == errno.EPERM
     # An exited child its parent has not reaped yet is a zombie: gone for our purposes.

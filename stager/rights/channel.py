@@ -128,7 +128,9 @@ def failure(exc: BaseException) -> dict[str, Any]:
         return {"error": [type(exc).__name__, exc.message]}
     if isinstance(exc, OSError):
         filename = exc.filename if isinstance(exc.filename, str) else None
-        return {"oserror": [exc.errno, exc.strerror, filename]}
+        # One made of a sentence alone (gzip's bad data, NotRun) has no errno nor
+        # strerror: its sentence then, or the daemon could tell only "[Errno None] None".
+        return {"oserror": [exc.errno, exc.strerror or str(exc), filename]}
     return {"internal": "".join(traceback.format_exception(exc))}
 
 

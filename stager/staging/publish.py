@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Re-exported: the lifecycle and the staging process delete trees through this module.
 from stager.core.errors import StagerError, UserProcessUnanswered
 from stager.fs.seal import open_up_top
 

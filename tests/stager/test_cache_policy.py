@@ -11,7 +11,7 @@ import pytest
 
 from stager.core.errors import InsufficientSpace, QuotaExceeded
 from stager.fs.credentials import Reader
-from stager.staging.publish import delete_tree
+from stager.fs.deletion import delete_tree
 from stager.state.cache import pending_bytes, plan_admission, plan_quota
 from stager.state.dataset import Entry
 from stager.wire.schemas import State

@@ -21,6 +21,7 @@ from stager.core.processes import (
     Threaded,
     fork_child,
     fork_pool,
+    pid_alive,
     run,
     temp_folder_in,
 )
@@ -187,3 +188,26 @@ def test_a_folder_others_may_write_or_too_long_a_path_keeps_multiprocessings_own
     assert temp_folder_in(deep) is None  # its listener-XXXXXXXX would not fit a socket
     assert not deep.exists()
     assert multiprocessing.current_process()._config["tempdir"] is None
+
+
+@pytest.mark.usefixtures("chosen_afresh")
+def test_names_no_process_can_have_do_not_stop_a_start(tmp_path: Path) -> None:
+    """``mp-`` and digits that are no pid (past a C long, a digit of another script)
+    must not end the daemon's start in a traceback: no process has them, so they are
+    not in use."""
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    huge, other_digit = folder / f"{TEMP_PREFIX}{10**20}", folder / f"{TEMP_PREFIX}\u00b2"
+    huge.mkdir()
+    other_digit.mkdir()
+    assert temp_folder_in(folder) == str(folder / f"{TEMP_PREFIX}{os.getpid()}")
+    assert not huge.exists()
+    assert other_digit.is_dir()  # not digits as a pid is written: not ours to judge
+
+
+@pytest.mark.parametrize("pid", [0, -1, 10**20])
+def test_no_process_has_a_pid_that_is_none(pid: int) -> None:
+    """kill(0) and kill(-1) name a group of processes, not one: a pid file that holds
+    either (or too large a number) reads as no daemon (``stager stop`` refused to
+    signal it, or ended in a traceback), not as one that runs."""
+    assert not pid_alive(pid)
