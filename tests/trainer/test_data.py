@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -147,12 +148,16 @@ raise SystemExit("stopping with the loader's worker alive")
 """
 
 
-def test_exit_with_a_live_loader_worker_stops_it_quietly():
+def test_exit_with_a_live_loader_worker_stops_it_quietly(tmp_path):
     """A run that ends with an error while a persistent loader is alive: its worker is
     killed at exit without torch's SIGCHLD handler turning that into a traceback."""
+    # This loader forks its worker (the trainer's own come from a forkserver and share
+    # its temp folder), so the worker makes a multiprocessing temp folder of its own to
+    # pass the batch's tensors back; killed, it leaves it: in this test's folder, not /tmp.
     done = subprocess.run(
         [sys.executable, "-c", EXIT_WITH_A_LIVE_LOADER],
         capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.strip() == "stopping with the loader's worker alive", done.stderr
