@@ -189,4 +189,11 @@ def test_an_array_jobs_pending_tasks_are_planned_by_their_raw_job_id(
         assert all(j.job_id.isdigit() for j in started), started
     finally:
         subprocess.run(["scancel", base], capture_output=True, timeout=60)
+        # A task's prolog may still be starting alice's daemon: stopped only once every
+        # task has left the queue (prologs and epilogs done), it cannot outlive the test.
+        gone_by, listed = time.monotonic() + 60, ["squeue", "--noheader", "-j", base]
+        while subprocess.run(listed, capture_output=True, text=True, timeout=60).stdout.strip():
+            if time.monotonic() > gone_by:
+                break  # the stop below still runs; the session's check reports a survivor
+            time.sleep(1)
         stop_prolog_daemon(alice, interpreter_for_users)
