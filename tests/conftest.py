@@ -12,12 +12,12 @@ from tests import mounts
 from tests.counts import session_lines
 from tests.daemon import Daemon
 from tests.mounts import fuse_for_users  # noqa: F401 (fixture)
-from tests.processes import mp_temp_folders, mp_temp_folders_left
+from tests.processes import temp_folders, temp_folders_left
 from tests.slurm_cluster import in_ci, leftovers, local_cluster, mark_session  # noqa: F401
 from tests.users import User, interpreter_for_users, users  # noqa: F401 (fixtures)
 
 _MOUNTS_BEFORE: set[str] = set()
-_MP_TEMP_BEFORE: set[Path] = set()
+_TEMP_BEFORE: set[Path] = set()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # the daemons of this run, and only those.
     mark_session()
     _MOUNTS_BEFORE.update(mounts.snapshot())
-    _MP_TEMP_BEFORE.update(mp_temp_folders())
+    _TEMP_BEFORE.update(temp_folders())
 
 
 # What the machine has only one of, for every test at once: the local SLURM cluster
@@ -75,8 +75,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     munged, stager serve), or an image it mounted (or its loop device) is still
     there: tests stop what they start. Under pytest-xdist the controller checks, once
     every worker has ended (a worker would see the other's daemons still at work).
-    A /tmp/pymp-* folder made during the run and left (its process never ran its exit
-    handler: killed -9) fails it under ``CI=true``; elsewhere it is told, not failed:
+    A /tmp/pymp-* or /tmp/torchelastic_* folder made during the run and left (its
+    process never ran its exit handler, or nothing removes it: tests.processes.TEMP_GLOBS)
+    fails it under ``CI=true``; elsewhere it is told, not failed:
     a run beside this one on the same machine leaves its own, which no mark tells apart."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["summary_lines"] = _summary_lines()  # for the controller
@@ -84,7 +85,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.config.workeroutput["left_running"] = leftovers(grace_s=2.0, under=os.getpid())
         return
     left = _WORKERS_LEFT + leftovers() + sorted(_mounts_left())
-    temp_left = mp_temp_folders_left(_MP_TEMP_BEFORE)
+    temp_left = temp_folders_left(_TEMP_BEFORE)
     if in_ci():
         left, temp_left = left + temp_left, []
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

@@ -128,24 +128,27 @@ def socket_paths_of(pid: int) -> list[str]:
     return sorted(bound[inode] for inode in inodes if inode in bound)
 
 
-# multiprocessing's temp folders where it keeps its own (multiprocessing.util.get_temp_dir).
-MP_TEMP_GLOB = "pymp-*"
+# Temp folders that only their process's exit handler removes, or nothing does:
+# multiprocessing's (multiprocessing.util.get_temp_dir) and torchrun's logs (without
+# --log-dir, torch.distributed.elastic makes one per run and never removes it).
+TEMP_GLOBS = ("pymp-*", "torchelastic_*")
 
 
-def mp_temp_folders() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob(MP_TEMP_GLOB))
+def temp_folders() -> set[Path]:
+    top = Path(tempfile.gettempdir())
+    return {folder for pattern in TEMP_GLOBS for folder in top.glob(pattern)}
 
 
-def mp_temp_folders_left(before: set[Path]) -> list[str]:
-    """multiprocessing temp folders made since ``before`` that nothing uses: the exit
-    handler that removes one never ran (a process killed -9). A folder whose socket a
-    live process still holds bound, and this process's own, are not left behind."""
+def temp_folders_left(before: set[Path]) -> list[str]:
+    """Such temp folders made since ``before`` that nothing uses: the exit handler that
+    removes one never ran (a process killed -9), or nothing removes it. A folder whose
+    socket a live process still holds bound, and this process's own, are not left behind."""
     import multiprocessing
 
     live = {Path(path).parent for path in bound_sockets().values()}
     own = multiprocessing.current_process()._config.get("tempdir")
     return [
-        f"{folder} (multiprocessing's temp folder of a process that did not exit)"
-        for folder in sorted(mp_temp_folders() - before - live)
+        f"{folder} (a temp folder its process did not remove: see TEMP_GLOBS)"
+        for folder in sorted(temp_folders() - before - live)
         if folder.is_dir() and str(folder) != own
     ]

@@ -141,6 +141,8 @@ def main() -> int:
                 "--standalone",
                 "--nproc-per-node",
                 str(processes),
+                "--log-dir",  # its own logs here, not a new /tmp/torchelastic_* each run
+                str(job / "torchrun-logs"),
                 "-m",
                 "trainer",
                 "--dataset",

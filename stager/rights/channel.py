@@ -127,7 +127,10 @@ def failure(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, StagerError):
         return {"error": [type(exc).__name__, exc.message]}
     if isinstance(exc, OSError):
-        filename = exc.filename if isinstance(exc.filename, str) else None
+        # A name that is not text (bytes) goes as its repr: what str(OSError) shows.
+        filename = exc.filename
+        if filename is not None and not isinstance(filename, str):
+            filename = repr(filename)
         # One made of a sentence alone (gzip's bad data, NotRun) has no errno nor
         # strerror: its sentence then, or the daemon could tell only "[Errno None] None".
         return {"oserror": [exc.errno, exc.strerror or str(exc), filename]}

@@ -48,3 +48,9 @@ def test_an_os_error_without_a_number_keeps_its_sentence(exc: OSError) -> None:
     back = _round_trip(exc)
     assert isinstance(back, OSError)
     assert str(exc) in from_os_error(back, "staging").message
+
+
+def test_an_os_error_on_a_name_that_is_not_text_keeps_the_name() -> None:
+    back = _round_trip(FileNotFoundError(2, "No such file or directory", b"/data/\xff"))
+    assert isinstance(back, FileNotFoundError) and back.filename == "b'/data/\\xff'"
+    assert "/data/" in str(back)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,13 +76,23 @@ def trainer_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@functools.cache
+def torchrun_logs() -> Path:
+    """Where this test process's torchruns keep their logs, removed at its exit: without
+    ``--log-dir`` each torchrun makes a /tmp/torchelastic_* that nothing removes."""
+    folder = Path(tempfile.mkdtemp(prefix="torchrun-logs-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def trainer_command(args: list[str], nproc: int = 1, torchrun: tuple[str, ...] = ()) -> list[str]:
     """``python -m trainer ARGS`` or ``torchrun --nproc-per-node N [TORCHRUN] -m trainer ARGS``."""
     if nproc == 1:
         return [sys.executable, "-m", "trainer", *args]
     return [
         str(BIN / "torchrun"), "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *torchrun,
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "--log-dir", str(torchrun_logs()), *torchrun,
         "-m", "trainer", *args,
     ]  # fmt: skip
 
