@@ -5,6 +5,7 @@ run here, so the test reads the unit and does what systemd would."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -58,14 +59,22 @@ def environment_of(unit: Path, drop_ins: list[Path]) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def reachable() -> Iterator[Path]:
+@contextlib.contextmanager
+def reachable_folder() -> Iterator[Path]:
     """A folder every user may enter (pytest's own are under a 0700 folder of root's):
-    users run what is installed there."""
+    users run what is installed there. Removed after."""
     folder = Path(tempfile.mkdtemp(prefix="stg-install-"))
     folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    with reachable_folder() as folder:
+        yield folder
 
 
 def install(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -92,16 +101,12 @@ def node_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed
     quiet machine, most of it pip; an upgrade in place reuses the venv and its packages)."""
     if not DEBIAN_PYTHON.exists():
         pytest.skip("needs Debian's python3.11")
-    reachable = Path(tempfile.mkdtemp(prefix="stg-install-"))  # as the fixture below
-    reachable.chmod(0o755)
     tmp_path = tmp_path_factory.mktemp("node-install")
-    prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
-    args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units), "--no-systemd"]
-    args += ["--python", str(DEBIAN_PYTHON)]
-    try:
+    with reachable_folder() as reachable:
+        prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
+        args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units)]
+        args += ["--no-systemd", "--python", str(DEBIAN_PYTHON)]
         yield Installed(prefix, etc, units, args, install(*args))
-    finally:
-        shutil.rmtree(reachable, ignore_errors=True)
 
 
 def start_line(stdout: str) -> str:

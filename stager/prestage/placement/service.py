@@ -150,8 +150,8 @@ class Placement:
 
 
 def load(path: Path) -> dict[str, Use]:
-    """The saved uses, the least recent first (the file's order). An entry saved before
-    2026-11-29 holds a third item, the time of its use, which nothing read: ignored."""
+    """The saved uses, the least recent first (the file's order). Items past an entry's
+    first two (an older release wrote the time of its use) are ignored."""
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
