@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import stat
 from contextlib import closing
 from pathlib import Path
 
-from stager.core.prestart import MAX_SOCKET_PATH
+from stager.core import prestart
 from stager.core.settings import Settings, env_name, flag_name
 from stager.request import preflight
 
@@ -38,23 +37,13 @@ def unusable_folder(name: str, path: Path, exc: OSError) -> ServeError:
 
 
 def require_held(name: str, folder: Path) -> None:
-    """Nobody but this user and root can replace ``folder`` or anything above it: a
-    folder above that another user owns, or may write without the sticky bit, lets
-    them rename the cache away and put their own in its place (the default is under
-    /tmp)."""
-    uid = os.getuid()
-    real = Path(os.path.realpath(folder))
-    for current in (real, *real.parents):
-        try:
-            st = os.lstat(current)
-        except OSError as exc:
-            raise unusable_folder(name, folder, exc) from exc
-        if st.st_uid not in (uid, 0):
-            why = f"{current} belongs to another user (uid {st.st_uid})"
-        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            why = f"others may write {current}, so they may move what it holds"
-        else:
-            continue
+    """Nobody but this user and root can replace ``folder`` or anything above it
+    (stager.core.prestart.unheld)."""
+    try:
+        why = prestart.unheld(folder)
+    except OSError as exc:
+        raise unusable_folder(name, folder, exc) from exc
+    if why is not None:
         raise ServeError(
             f"--{flag_name(name)} {folder} cannot be used: {why}; give {setting(name)} a "
             "folder that only this user and root can change, from / down"
@@ -101,11 +90,11 @@ def check_address(settings: Settings) -> None:
                 ) from exc
         return
     path = settings.socket_path
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+    if len(os.fsencode(path)) > prestart.MAX_SOCKET_PATH:
         raise ServeError(
             f"the socket path {path} is {len(os.fsencode(path))} bytes, longer than the "
-            f"{MAX_SOCKET_PATH} a Unix socket may have; give a shorter {setting('socket')} "
-            f"or {setting('runtime_dir')}"
+            f"{prestart.MAX_SOCKET_PATH} a Unix socket may have; give a shorter "
+            f"{setting('socket')} or {setting('runtime_dir')}"
         )
     if not path.parent.is_dir():
         raise ServeError(

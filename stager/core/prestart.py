@@ -6,13 +6,17 @@ The fork server imports :mod:`stager.engine.preload` (~0.35 s) on the second cor
 while the daemon imports FastAPI and uvicorn on the first: ready ~0.35 s sooner at
 every start. This module imports nothing of stager's for that reason. Every staging
 and user process inherits the fork server's attributes, so the descriptor limit is
-raised first (stager.api.connections).
+raised first (stager.api.connections). What stays the same user's from / down is
+judged here (:func:`unheld`), once for the daemon's checks and the fork server's
+folder alike.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
+import stat
 from pathlib import Path
 
 # The longest path a Unix socket may have (sun_path is 108 bytes with its NUL).
@@ -43,4 +47,26 @@ def already_serving(path: Path) -> str | None:
     said before the fork server or the app is loaded, so that it comes at once."""
     if socket_answers(path):
         return f"a daemon already listens on {path}; run `stager stop` first"
+    return None
+
+
+def unheld(folder: Path) -> str | None:
+    """Why someone but this user and root could replace ``folder`` or a folder above it,
+    or None: a folder that another user owns, or may write without the sticky bit, lets
+    them rename what it holds away and put their own in its place (the default runtime
+    and cache folders are under /tmp). Parts of ``folder`` not made yet are skipped:
+    only who may write the folder above one could make it. OSError when a part cannot
+    be read. The daemon refuses its folders on the answer (stager.api.startup); nothing
+    is made or removed in them before it is None (stager.core.processes.temp_folder_in)."""
+    uid = os.getuid()
+    real = Path(os.path.realpath(folder))
+    for current in (real, *real.parents):
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (uid, 0):
+            return f"{current} belongs to another user (uid {st.st_uid})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return f"others may write {current}, so they may move what it holds"
     return None

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.core.libc import LIBC
-from stager.core.prestart import MAX_SOCKET_PATH, raise_descriptor_limit
+from stager.core.prestart import MAX_SOCKET_PATH, raise_descriptor_limit, unheld
 
 # Staging and user processes are children of the fork server (the daemon runs threads,
 # which a plain fork would clone mid-state); a staging's own pools fork it directly.
@@ -161,12 +161,18 @@ def temp_folder_in(folder: Path) -> str | None:
     """Make ``folder/mp-<pid>`` this process's multiprocessing temp folder (removed at a
     normal exit, as multiprocessing's own is), after removing the ``mp-<pid>`` of every
     process there that has ended; its path, or None where multiprocessing keeps its own:
-    the temp folder is chosen already, or ``folder`` is not this user's alone (another
-    user who may write it could have us remove what they point at, or put their files in
-    ours; the daemon refuses such a folder at its checks, stager.api.server), or the
-    socket's path would be too long for a Unix socket (a folder over 78 bytes, where the
-    daemon's own socket fits up to 95: a --runtime-dir that deep keeps multiprocessing's
-    /tmp/pymp-*, which a kill leaves, rather than refuse to start)."""
+    the temp folder is chosen already; or ``folder`` is not this user's alone, or a
+    folder above it is one another user may replace (they could have us remove what
+    they point at, or put their files in ours: the daemon refuses such a folder, saying
+    why, with the same check, stager.core.prestart.unheld, which must pass before
+    anything is made or removed here); or the socket's path would be too long for a
+    Unix socket (a folder over 78 bytes, where the daemon's own socket fits up to 95: a
+    --runtime-dir that deep keeps multiprocessing's /tmp/pymp-*, which a kill leaves,
+    rather than refuse to start; no short name for the folder is safe: the listener's
+    path is what every child of the fork server connects to, so a /proc/self/fd/N path
+    would name another folder in each of them, a chdir is the whole threaded process's,
+    an abstract socket is open to every user, and a short link in /tmp is itself left
+    behind)."""
     config = multiprocessing.current_process()._config  # what util.get_temp_dir reads
     if config.get("tempdir") is not None:
         return None
@@ -175,7 +181,13 @@ def temp_folder_in(folder: Path) -> str | None:
     if len(os.fsencode(path)) + _LISTENER_TAIL > MAX_SOCKET_PATH:
         return None
     try:
+        # Checked before anything is made, and again after: what makedirs made above
+        # the leaf has the umask's mode.
+        if unheld(folder) is not None:
+            return None
         os.makedirs(folder, 0o700, exist_ok=True)  # as stager.api.server would next
+        if unheld(folder) is not None:
+            return None
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None  # the daemon's checks say why, in a sentence

@@ -5,15 +5,18 @@ fork server socket in a folder of the daemon's own that nothing killed leaves be
 
 from __future__ import annotations
 
+import grp
 import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from stager.cli import EXIT_FAILED
 from stager.core.processes import (
     FORK,
     TEMP_PREFIX,
@@ -27,6 +30,7 @@ from stager.core.processes import (
 )
 from tests.daemon import Daemon
 from tests.processes import fork_server_of, socket_paths_of
+from tests.users import GROUP, User
 
 
 def test_a_command_runs_to_its_end_and_its_status_is_the_callers() -> None:
@@ -187,7 +191,46 @@ def test_a_folder_others_may_write_or_too_long_a_path_keeps_multiprocessings_own
     deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - 20))
     assert temp_folder_in(deep) is None  # its listener-XXXXXXXX would not fit a socket
     assert not deep.exists()
+    above = tmp_path / "open"
+    above.mkdir()
+    above.chmod(0o777)  # no sticky bit: others may move a folder in it, and put theirs
+    assert temp_folder_in(above / "run") is None
+    assert not (above / "run").exists()  # nothing made before the daemon's check passed
     assert multiprocessing.current_process()._config["tempdir"] is None
+
+
+def test_nothing_is_removed_below_a_folder_another_user_may_write(
+    users: tuple[User, User], tmp_path: Path
+) -> None:
+    """A runtime folder in a folder that alice's group may write: she may rename it away
+    and put one of hers in its place, so the daemon refuses it, saying why. Its fork
+    server's folder was chosen before that check, by a check of its own that looked at
+    the runtime folder alone, and removed the ended daemons' ``mp-<pid>`` folders in it
+    first; now the one check (stager.core.prestart.unheld) comes before anything."""
+    alice, _ = users
+    above = Path(tempfile.mkdtemp(prefix="stg-", dir="/tmp"))  # short: a socket's path
+    try:
+        os.chown(above, 0, grp.getgrnam(GROUP).gr_gid)
+        above.chmod(0o770)
+        assert alice.run(["mkdir", str(above / "hers")]).returncode == 0  # she may write it
+        runtime = above / "run"
+        runtime.mkdir(mode=0o700)
+        stale = runtime / f"{TEMP_PREFIX}{_ended()}"
+        stale.mkdir()
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("STAGER_")}
+        env = {**clean, "STAGER_RUNTIME_DIR": str(runtime), "STAGER_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run(
+            [sys.executable, "-m", "stager", "serve"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == EXIT_FAILED, done.stderr
+        assert f"--runtime-dir {runtime} cannot be used: others may write {above}" in done.stderr
+        assert stale.is_dir(), "an ended daemon's folder was removed before the check"
+    finally:
+        subprocess.run(["rm", "-rf", str(above)], check=False)
 
 
 @pytest.mark.usefixtures("chosen_afresh")
