@@ -32,6 +32,7 @@ log = logging.getLogger("stager.prestage.placement")
 
 TICK_S = 1.0  # how soon a dataset's readiness or eviction reaches Slurm
 KEPT = 1000  # names remembered, features or not (the most recently used)
+UNTIMED = 0.0  # what ``save`` writes as each use's time, for the release before
 
 
 @dataclass
@@ -151,7 +152,8 @@ class Placement:
 
 def load(path: Path) -> dict[str, Use]:
     """The saved uses, the least recent first (the file's order). Items past an entry's
-    first two (an older release wrote the time of its use) are ignored."""
+    first two (the time of its use, which ``save`` writes for the release before) are
+    ignored."""
     try:
         saved = json.loads(path.read_text())
     except FileNotFoundError:
@@ -165,4 +167,8 @@ def load(path: Path) -> dict[str, Use]:
 def save(path: Path, uses: dict[str, Use]) -> None:
     """In order of use, the least recent first. Not fsynced: a lost file costs only the
     features until the data is asked for again."""
-    write_private(path, json.dumps({f: astuple(use) for f, use in uses.items()}), durable=False)
+    # A third item, the time of use (0: nobody reads it): the release before built
+    # Use(key, uid, used_at) from each entry, and the node service of an admin who rolls
+    # back to it failed to start on an entry of two (tests/stager/test_placement_uses.py).
+    saved = {f: [*astuple(use), UNTIMED] for f, use in uses.items()}
+    write_private(path, json.dumps(saved), durable=False)
