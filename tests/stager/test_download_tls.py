@@ -1,23 +1,28 @@
-"""A process reads the TLS authorities once, for all its downloads and the checks of
-their versions (stager/core/downloads.py ``tls_context``: 20-50 ms each time), and the
-authority ``SSL_CERT_FILE`` names is the one both trust: a real HTTPS server whose
-certificate a private authority signed, reached with it and refused without it."""
+"""A process reads the TLS authorities once, for all its downloads, the checks of
+their versions and the planner's sends (stager/core/downloads.py ``tls_context``: 20-50
+ms each time), and the authority ``SSL_CERT_FILE`` names is the one they all trust: a
+real HTTPS server whose certificate a private authority signed, reached with it and
+refused without it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from stager.core import downloads
 from stager.core.errors import FetchFailed
+from stager.core.settings import Settings
 from stager.ops import fetch
 from stager.ops.base import OpContext
 from stager.ops.fetch import FetchStep
+from stager.prestage.plan.service import Sender
 from stager.wire.progress import Progress
 from tests.httpserver import Behaviour, private_ca, serve_files
 
@@ -88,3 +93,38 @@ def test_without_the_authority_the_server_is_not_trusted(
         _fetch(f"{url}/data/a.bin", tmp_path / "root", "a.bin")
     assert downloads.validator(f"{url}/data/a.bin") is None  # not shared: no version known
     assert len(built) == 1  # certifi's authorities, read once all the same
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["with-authority", "without"])
+def test_the_planners_sends_share_the_context_and_its_authorities(
+    https: tuple[str, Path],
+    built: list[str | None],
+    monkeypatch: pytest.MonkeyPatch,
+    trusted: bool,
+) -> None:
+    """``stager plan``'s Sender made a TLS context of its own (httpx's default, which a
+    client made with ``verify=True`` reads again): it takes the process's one, and
+    trusts what it trusted (``SSL_CERT_FILE``, else certifi's)."""
+    url, ca = https
+    if trusted:
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    else:
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+
+    async def reach() -> list[bytes]:
+        senders = [Sender(Settings()) for _ in range(2)]  # as two plan commands would
+        try:
+            return [(await s.client.get(f"{url}/data/a.bin")).content for s in senders]
+        finally:
+            for sender in senders:
+                await sender.close()
+
+    if trusted:
+        assert asyncio.run(reach()) == [BODY, BODY]
+        assert downloads.validator(f"{url}/data/a.bin") is not None  # a download's, too
+    else:
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            asyncio.run(reach())
+    assert len(built) == 1, built  # one context for all of them
+    assert (built[0] == str(ca)) == trusted  # of SSL_CERT_FILE's authority, or certifi's

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from stager.core import vouch
+from stager.core.downloads import tls_context
 from stager.core.settings import Settings, host_port
 from stager.prestage.plan import state
 from stager.prestage.plan.changes import Changes
@@ -94,6 +95,7 @@ class Sender:
         self.client = httpx.AsyncClient(
             timeout=SEND_TIMEOUT_S,
             limits=httpx.Limits(max_keepalive_connections=0),  # the node closes each
+            verify=tls_context(),  # the process's one: httpx's default, read once
         )
         self.at_once = asyncio.Semaphore(SENDS_AT_ONCE)
 
