@@ -403,8 +403,10 @@ class _TarSource:
                         known = None
                         # Any other member may write far more than it spans (a sparse
                         # file's holes): cancel is looked at before each, not only
-                        # before each window of headers.
-                        check()
+                        # before each window of a plain tar's headers (a stream's member
+                        # loop looks before each member already).
+                        if blocks is not None:
+                            check()
                         self._member(archive, stream, member)
                         if self.inner:
                             progress.advance(0, 1)

@@ -454,6 +454,24 @@ def test_a_cancel_is_looked_at_before_each_member_outside_a_run(fmt: str, tmp_pa
     assert next(looks) > members, "a member outside a run was written without a check"
 
 
+@pytest.mark.parametrize("fmt", ["erofs", "squashfs"])
+def test_a_compressed_tar_is_looked_at_once_a_member(fmt: str, tmp_path: Path) -> None:
+    """A stream's member loop (tar_members.members) looks before each header it reads,
+    so before each member: the build looked again before writing it, twice a member."""
+    archive = tmp_path / "members.tar.gz"
+    members = 40
+    with tarfile.open(archive, "w:gz") as tar:
+        for i in range(members):
+            info = tarfile.TarInfo(f"d/f{i:03d}")
+            info.size = 10
+            tar.addfile(info, io.BytesIO(b"x" * 10))
+    looks = itertools.count()
+    options = BuildOptions(format=fmt, check=lambda: next(looks), sync=False)
+    build_image(str(archive), str(tmp_path / "members.img"), options)
+    # Before the first header, and before each next one (the last: the end marker).
+    assert next(looks) == members + 1
+
+
 def make_small_tar_for_test(path: Path, files: int) -> Path:
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
         for i in range(files):
