@@ -44,15 +44,9 @@ from collections.abc import Callable
 from stager.fs.fastcopy import copy_range
 from stager.image.erofs import EMBEDDED_AT, Blob
 from stager.image.names import (
-    _CHARGE_EVERY,
-    _ENTRY_CHARGE,
-    _SPILL_BATCH,
-    FS_ENCODING,
-    FS_ERRORS,
     FT_DIR,
     FT_REG,
     FT_SYMLINK,
-    NAME_MAX,
     NameTable,
     RangeFile,
     Reader,
@@ -224,37 +218,28 @@ class SquashfsWriter(NameTable):
         tar: the builder's hottest loop); ``label`` names a file in an error."""
         embedded = self._blob is not None and src_fd == self._blob.fd
         self._folders[parent].filled = True
-        table, pending, pack = self._inode_table, self._pending, _ONE_BLOCK_FILE.pack
+        table, pack = self._inode_table, _ONE_BLOCK_FILE.pack
         inodes = bytearray()  # added to the table at the end, or before a larger file's
         for name, size, mtime, offset, tail, label in files:
             start = DATA_AT + offset if embedded else self._place(src_fd, size, offset, tail, name)
-            encoded = name.encode(FS_ENCODING, FS_ERRORS)  # as _named, less its call
-            if len(encoded) > NAME_MAX:
-                self._named(parent, name, label)  # refused there
             if not (0 < size <= BLOCK and start < 1 << 32):  # more than one block, or none
+                self._charged(len(inodes))  # before they are added (as _add_inode)
                 table.add(inodes)
                 inodes.clear()
                 sizes = [BLOCK | _UNCOMPRESSED_BLOCK] * (size // BLOCK)
                 if size % BLOCK:
                     sizes.append(size % BLOCK | _UNCOMPRESSED_BLOCK)
-                self._file(parent, name, size, mtime, start, sizes)
+                self._file(parent, name, size, mtime, start, sizes, label)
                 continue
             self._inodes += 1
-            self._seq += 1
-            # Charged before its inode and entry are added (as _charged does).
-            self._uncharged += _ONE_BLOCK_FILE.size + _ENTRY_CHARGE + len(encoded)
-            if self._uncharged >= _CHARGE_EVERY:
-                self.charge_now()
             inode = pack(_FILE, 0o444, 0, 0, mtime, self._inodes, start, _NONE32, 0, size,
                          size | _UNCOMPRESSED_BLOCK)  # fmt: skip
-            position = table.pos + len(inodes)
-            pending.append((parent, encoded, self._seq, position, FT_REG, self._inodes))
+            self._entry(parent, name, FT_REG, table.pos + len(inodes), self._inodes, label)
             inodes += inode
             self.data_bytes += size
             self.files += 1
+        self._charged(len(inodes))
         table.add(inodes)
-        if len(pending) >= _SPILL_BATCH:
-            self._spill()
 
     def _place(self, src_fd: int, size: int, offset: int, tail: bytes | None, name: str) -> int:
         """A file's data appended (buffered, or copied in the kernel); where it starts."""
@@ -293,7 +278,14 @@ class SquashfsWriter(NameTable):
         return self._add_inode(inode + _SYMLINK_INODE.pack(1, len(target)) + target), ino
 
     def _file(
-        self, parent: int, name: str, size: int, mtime: int, start: int, sizes: list[int]
+        self,
+        parent: int,
+        name: str,
+        size: int,
+        mtime: int,
+        start: int,
+        sizes: list[int],
+        label: str = "",
     ) -> None:
         ino = self._new_ino()
         blocks = struct.pack(f"<{len(sizes)}I", *sizes)
@@ -302,7 +294,7 @@ class SquashfsWriter(NameTable):
             inode = _BASE.pack(_FILE, 0o444, 0, 0, mtime, ino) + body + blocks
         else:
             inode = _extended_file(ino, mtime, start, size, 1) + blocks
-        self._entry(parent, name, FT_REG, self._add_inode(inode), ino)
+        self._entry(parent, name, FT_REG, self._add_inode(inode), ino, label)
         self.files += 1
         self.data_bytes += size
 

@@ -129,16 +129,19 @@ def test_a_link_longer_than_the_kernel_reads_is_refused(tmp_path: Path) -> None:
         build_image(str(archive), str(tmp_path / "out.erofs"))
 
 
+@pytest.mark.parametrize("fmt", ["erofs", "squashfs"])  # squashfs: a plain tar's files_range
 @pytest.mark.parametrize("length", [256, 300, 4000])  # past 4095: the path is refused
-def test_a_name_longer_than_a_file_system_allows_is_refused(length: int, tmp_path: Path) -> None:
+def test_a_name_longer_than_a_file_system_allows_is_refused(
+    length: int, fmt: str, tmp_path: Path
+) -> None:
     for kind, archive in [
         ("file", _file_tar(tmp_path / f"f{length}.tar", "d/" + "A" * length)),
         ("folder", _tar(tmp_path / f"d{length}.tar", [("d/" + "B" * length + "/e", None)])),
         ("link", _tar(tmp_path / f"l{length}.tar", [("C" * length, ".")])),
     ]:
-        image = tmp_path / f"{kind}.erofs"
+        image = tmp_path / f"{kind}.img"
         with pytest.raises(UnsafeArchiveMember, match=f"name of {length} bytes"):
-            build_image(str(archive), str(image))
+            build_image(str(archive), str(image), BuildOptions(format=fmt))
         assert not image.exists(), kind
 
 
