@@ -52,21 +52,27 @@ def already_serving(path: Path) -> str | None:
 
 def unheld(folder: Path) -> str | None:
     """Why someone but this user and root could replace ``folder`` or a folder above it,
-    or None: a folder that another user owns, or may write without the sticky bit, lets
-    them rename what it holds away and put their own in its place (the default runtime
-    and cache folders are under /tmp). Parts of ``folder`` not made yet are skipped:
-    only who may write the folder above one could make it. OSError when a part cannot
-    be read. The daemon refuses its folders on the answer (stager.api.startup); nothing
-    is made or removed in them before it is None (stager.core.processes.temp_folder_in)."""
+    or None: a folder or link on the way that another user owns, or a folder they may
+    write without the sticky bit, lets them rename what it holds away and put their own
+    in its place (the default runtime and cache folders are under /tmp). Parts of
+    ``folder`` not made yet are skipped: only who may write the folder above one could
+    make it. OSError when a part cannot be read. The daemon refuses its folders on the
+    answer (stager.api.startup); nothing is made or removed in them before it is None
+    (stager.core.processes.temp_folder_in)."""
     uid = os.getuid()
-    real = Path(os.path.realpath(folder))
-    for current in (real, *real.parents):
+    # The path as given and as resolved: a link on the way is as replaceable as the
+    # folder that holds it, and the given path's folders are not among the resolved
+    # one's parents.
+    given, real = Path(folder).absolute(), Path(os.path.realpath(folder))
+    for current in dict.fromkeys((given, *given.parents, real, *real.parents)):
         try:
             st = os.lstat(current)
         except FileNotFoundError:
             continue
         if st.st_uid not in (uid, 0):
             return f"{current} belongs to another user (uid {st.st_uid})"
+        if stat.S_ISLNK(st.st_mode):
+            continue  # its mode is always 0777; what matters is who may replace it
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
             return f"others may write {current}, so they may move what it holds"
     return None

@@ -98,7 +98,23 @@ def test_a_folder_that_another_user_can_replace_is_refused(
             EXIT_FAILED,
             f"others may write {theirs}, so they may move what it holds",
         )
+        # A link on the way, in a folder others may write, to a folder that is held:
+        # they may point it elsewhere after the check, as they may move a folder.
+        held = tmp_path / "held"
+        held.mkdir(mode=0o700)
+        (theirs / "link").symlink_to(held)
+        one_sentence(
+            stager({**places, name: str(theirs / "link" / "sub")}, "serve"),
+            EXIT_FAILED,
+            f"{flag} {theirs}/link/sub cannot be used: others may write {theirs}",
+        )
         theirs.chmod(0o1777)  # as /tmp: others cannot move what is not theirs
+        os.lchown(theirs / "link", 65534, 65534)  # but their own link, they can
+        one_sentence(
+            stager({**places, name: str(theirs / "link" / "sub")}, "serve"),
+            EXIT_FAILED,
+            f"{flag} {theirs}/link/sub cannot be used: {theirs}/link belongs to another user",
+        )
         started = stager({**places, name: str(theirs / "sub")}, "serve", "--detach")
         assert started.returncode == EXIT_OK, started.stderr
         env = {**places, name: str(theirs / "sub")}
