@@ -8,7 +8,8 @@ under one lock (:attr:`Admission.lock`), for the engine and the fan-out room ali
   hold (stager.engine.held_space). Both count against their user's quota.
 - **Protected keys** (:meth:`Admission.protected`): leased, staging or being packed.
 - **Slots** (:class:`FairQueue`): round-robin between users, per-user caps on running
-  and queued stagings (429 past them); a prefetch's staging is low.
+  and queued stagings (429 past them; prefetches queue apart from requests, so the
+  planner's orders never fill a user's queue); a prefetch's staging is low.
 - **Prefetch budgets** (:meth:`Admission.check_prefetch`): refused before anything is
   queued, named or written.
 
@@ -136,8 +137,13 @@ class FairQueue:
             self._askers.pop(key, None)
             self._low.discard(key)
 
-    def queued_by(self, owner: int) -> int:
-        return len(self._queued.get(owner, ()))
+    def queued_by(self, owner: int, low: bool | None = None) -> int:
+        """``owner``'s queued stagings: all (``low`` None), prefetches only (True), or
+        the others (False)."""
+        queued = self._queued.get(owner, ())
+        if low is None:
+            return len(queued)
+        return sum(1 for key in queued if (key in self._low) == low)
 
     def running_by(self, owner: int) -> int:
         return self._running.get(owner, 0)
@@ -248,10 +254,18 @@ class Admission:
             budget(estimate)
 
     def check_queue(self, owner: int) -> None:
-        """Refuse (429) a staging ``owner`` would queue past their limit."""
+        """Refuse (429) a staging ``owner`` would queue past their limit. Prefetches and
+        the user's own requests each have the limit: the planner's orders for a user's
+        pending jobs never make their running job's request refused."""
         if self.max_queued is None:
             return
-        queued = self.queue.queued_by(owner)
+        low = PREFETCHING.get() is not None
+        queued = self.queue.queued_by(owner, low)
+        if queued >= self.max_queued and low:
+            raise TooManyRequests(
+                f"uid {owner} has {queued} prefetches queued on this node, the most one user "
+                "may queue (--max-queued-per-user); the job stages when it starts"
+            )
         if queued >= self.max_queued:
             raise TooManyRequests(
                 f"you have {queued} stagings queued on this node, the most one user may "

@@ -492,3 +492,40 @@ def test_each_prefetch_ends_once_and_its_waste_is_counted_once(
     assert counted("wasted") == (2, 2 * size)
     assert counted("started") == (3, 3 * size)
     assert counted("failed") == (0, 0)
+
+
+def test_prefetches_queued_for_a_users_pending_jobs_never_refuse_her_running_jobs_request(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """The planner orders prefetches for alice's pending jobs, which queue behind the
+    one prefetch slot (a stalled download) up to her queue's limit; her running job's
+    own request is still taken (it would be without pre-staging), and a prefetch past
+    the limit is the one refused (429: the planner sends it again later)."""
+    alice, _ = users
+    hold = threading.Event()
+    stalled = Behaviour(files={f"/p{i}.bin": os.urandom(1024) for i in range(4)}, hold=hold)
+    with serve_files(stalled) as held, serve_files(Behaviour(files={"/a.bin": b"a"})) as free:
+        daemon = start_service(
+            shared_tmp / "cache", munge_socket, "--max-workers", "3",
+            "--max-queued-per-user", "2",
+        )  # fmt: skip
+        try:
+
+            def fetch(i: int) -> dict:
+                step = {"op": "fetch", "url": f"{held}/p{i}.bin", "dst": "x"}
+                return {"name": f"p{i}", "steps": [step]}
+
+            for i in range(3):  # one staging, two queued: her queue is full of prefetches
+                code, answer = prefetch(daemon, munge_socket, order(alice, 90 + i, fetch(i)))
+                assert code == 200, answer
+            code, answer = prefetch(daemon, munge_socket, order(alice, 93, fetch(3)))
+            assert code == 429, answer  # the prefetch past her limit: sent again later
+            own = {"name": "now", "steps": [{"op": "fetch", "url": f"{free}/a.bin", "dst": "x"}]}
+            code, answer = alice.curl(daemon.socket, "POST", "/v1/datasets", own)
+            assert code == 202, answer
+            code, now = alice.curl(daemon.socket, "GET", "/v1/datasets/now/wait?timeout=20")
+            assert code == 200 and now["state"] == "ready", now
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
