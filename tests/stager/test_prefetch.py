@@ -529,3 +529,29 @@ def test_prefetches_queued_for_a_users_pending_jobs_never_refuse_her_running_job
             hold.set()
             daemon.stop()
             daemon.cleanup()
+
+
+def test_a_job_id_slurm_gives_another_user_ends_the_first_users_prefetch_here(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path, service: Daemon
+) -> None:
+    """Slurm reuses a job id (its ids wrapped past MaxJobId, or its state was lost): the
+    planner's order for bob's job 500 finds alice's prefetch for her job 500 of a dataset
+    of the same name. Hers ends here (wasted: her job is gone), not left holding its
+    name, its lease and its data outside the budgets until it expires."""
+    alice, bob = users
+    hers = {
+        "name": "d",
+        "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "a"))}],
+    }
+    his = {"name": "d", "steps": [{"op": "copy", "src": str(private_tree(bob, shared_tmp / "b"))}]}
+    assert prefetch(service, munge_socket, order(alice, 500, hers))[0] == 200
+    wait(alice, service, "prefetch-500-d")
+    code, answer = prefetch(service, munge_socket, order(bob, 500, his))
+    assert code == 200, answer
+    wait(bob, service, "prefetch-500-d")
+    code, _ = alice.curl(service.socket, "GET", "/v1/datasets/prefetch-500-d")
+    assert code == 404
+    assert metric(service, "stager_prefetches_total", '{outcome="wasted"}') == 1
+    # bob's job's cancel is his own: it ends his prefetch, and is not refused as another's.
+    code, answer = prefetch(service, munge_socket, order(bob, 500, action="cancel"))
+    assert code == 200 and [p["uid"] for p in answer["data"]] == [bob.uid], answer

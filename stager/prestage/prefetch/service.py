@@ -186,6 +186,7 @@ class Prefetches:
         if not isinstance(body.get("name"), str):
             raise BadRequest("a prefetch's request names its dataset ('name'), as stage does")
         dataset = body["name"]
+        await self._drop_others(order)
         known = self.book.prefetches.get((order.job, dataset))
         source = order.source or ""
         if known is not None and known.state == "failed" and known.uid == order.uid:
@@ -251,12 +252,19 @@ class Prefetches:
         return prefetch
 
     async def _cancel(self, order: PrefetchOrder, user: Caller) -> list[Prefetch]:
+        await self._drop_others(order)
         found = [p for p in self.book.of_job(order.job) if p.state == "active"]
-        if any(p.uid != order.uid for p in found):
-            raise Forbidden(f"job {order.job}'s prefetches here are another user's")
         for prefetch in found:
             await self._drop(prefetch, user, "wasted")
         return found
+
+    async def _drop_others(self, order: PrefetchOrder) -> None:
+        """End the job's prefetches here of another user than the order's: Slurm gave
+        the job id to another user (its ids wrapped past MaxJobId, or its state was
+        lost), so the first user's job is gone, and so is what was fetched for it."""
+        for prefetch in self.book.of_job(order.job):
+            if prefetch.state == "active" and prefetch.uid != order.uid:
+                await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), "wasted")
 
     def _entry(self, prefetch: Prefetch) -> Any:
         """The entry its name shows now (a staging moved to its user's own copy), if any."""
