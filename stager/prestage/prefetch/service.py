@@ -108,7 +108,9 @@ class Prefetches:
             self._loaded = True
 
     async def _save(self) -> None:
-        await run_io(books.save, self.settings.prefetch_path, self.book, self.seen.entries)
+        # A copy taken on the loop: other users' orders change the book meanwhile.
+        book, seen = Book(list(self.book.prefetches.values())), dict(self.seen.entries)
+        await run_io(books.save, self.settings.prefetch_path, book, seen)
 
     async def order(
         self, header: str | None, body: bytes, copy_header: str | None = None
