@@ -279,6 +279,16 @@ class Admission:
         leased = {lease.key for lease in self._reg.leases.values()}
         return leased | {k for k, e in self._reg.entries.items() if e.active}
 
+    def speculative(self) -> set[str]:
+        """Leased keys whose every lease is a prefetch's: data for jobs not started, which
+        may never start here. A request (not a prefetch) may evict it, as it would have
+        evicted it without pre-staging: a prefetch never takes room from a running job."""
+        only: dict[str, bool] = {}
+        for lease in self._reg.leases.values():
+            mine = lease.holder.startswith(PREFETCH_HOLDER)
+            only[lease.key] = only.get(lease.key, True) and mine
+        return {key for key, prefetched in only.items() if prefetched}
+
     def protected(self) -> set[str]:
         """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
         return self.leased_or_active() | self._exporting()
@@ -320,13 +330,19 @@ class Admission:
                         victim, f"to keep inodes above --min-free-inodes for {key}"
                     )
 
-    async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
+    async def make_room(
+        self, estimate: int, key: str, owner: int | None = None, request: bool = False
+    ) -> None:
         """Make room for a new staging (or a transfer's: ``key`` empty) by evicting LRU
         entries, or refuse with the sizes. ``owner``'s quota comes first, and only their
-        own data goes for it. Call it holding :attr:`lock`."""
+        own data goes for it. ``request``: a user's staging, not a prefetch's, which may
+        evict data only prefetches hold (:meth:`speculative`). Call it holding :attr:`lock`."""
         assert self._held is not None
         held = await self._held()
         protected = self.leased_or_active() | held.exporting | {key}
+        if request:
+            active = {k for k, e in self._reg.entries.items() if e.active}
+            protected -= self.speculative() - active - held.exporting - {key}
         entries = list(self._reg.entries.values())
         if owner is not None and self.settings.user_quota_bytes:
             for victim in cache.plan_quota(

@@ -555,3 +555,35 @@ def test_a_job_id_slurm_gives_another_user_ends_the_first_users_prefetch_here(
     # bob's job's cancel is his own: it ends his prefetch, and is not refused as another's.
     code, answer = prefetch(service, munge_socket, order(bob, 500, action="cancel"))
     assert code == 200 and [p["uid"] for p in answer["data"]] == [bob.uid], answer
+
+
+def test_a_running_jobs_request_may_evict_data_that_only_a_prefetch_holds(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """A prefetch's lease keeps its data from other prefetches, not from a running job:
+    alice's pending job's prefetch fills the cache; bob's running job's own request
+    needs room, and gets it by evicting that data (counted as wasted), as it would have
+    without pre-staging. Before, its lease protected it, and bob's staging was refused."""
+    alice, bob = users
+    daemon = start_service(shared_tmp / "cache", munge_socket, STAGER_CAPACITY_BYTES="100000")
+    try:
+        hers = {
+            "name": "h",
+            "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "a", 15))}],
+        }
+        assert prefetch(daemon, munge_socket, order(alice, 501, hers))[0] == 200
+        assert wait(alice, daemon, "prefetch-501-h")["state"] == "ready"
+        his = {
+            "name": "b",
+            "steps": [{"op": "copy", "src": str(private_tree(bob, shared_tmp / "b", 10))}],
+        }
+        code, answer = bob.curl(daemon.socket, "POST", "/v1/datasets", his)
+        assert code in (200, 202), answer
+        done = wait(bob, daemon, "b")
+        assert done["state"] == "ready", done["error"]
+        # The prefetch's end is found at the next order (or the minute's sweep): wasted.
+        assert prefetch(daemon, munge_socket, order(alice, 502, action="cancel"))[0] == 200
+        assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+    finally:
+        daemon.stop()
+        daemon.cleanup()

@@ -307,7 +307,12 @@ class Prefetches:
             handle = reg.handles.get((prefetch.uid, prefetch.name))
             if entry is not None and entry.state == State.FAILED:
                 outcome = "failed"
-            elif handle is None or handle.ended is not None or prefetch.started_at < horizon:
+            elif (
+                handle is None
+                or handle.ended is not None
+                or prefetch.started_at < horizon
+                or (entry is not None and entry.state == State.EVICTED)  # a request's room
+            ):
                 outcome = "wasted"
             else:
                 continue
