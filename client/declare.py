@@ -58,6 +58,11 @@ DECLARABLE = frozenset(
 # Part of the cache key: must read the same to the planner and to the job.
 LITERAL = ("recipe", "source", "param", "step")
 EXAMPLE = "#STAGER inat --recipe inat2021 --source /network/datasets/inat"
+# Far past what a dataset's line needs (a recipe with 60 --param is 124 words). The
+# parse (argparse) takes time quadratic in the words: a line of 4 KiB of `-v` took 60 ms,
+# on the node service's event loop (placement checks each request's words) and in the
+# planner; 128 words take about 1 ms.
+MAX_WORDS = 128
 
 
 class BadDeclaration(ValueError):
@@ -111,6 +116,11 @@ def parse_line(
         raise BadDeclaration(f"{at}: {exc} in {words!r}; close the quote") from None
     if not tokens:
         raise BadDeclaration(f"{at}: {MARK} names no dataset; write e.g. `{EXAMPLE}`")
+    if len(tokens) > MAX_WORDS:
+        raise BadDeclaration(
+            f"{at}: {len(tokens)} words, and a {MARK} line has at most {MAX_WORDS}; "
+            "declare the dataset with fewer (a --step, or a recipe)"
+        )
     if {"-h", "--help"} & set(tokens):
         raise BadDeclaration(f"{at}: --help has no place in a {MARK} line; remove it")
     try:

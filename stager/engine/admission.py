@@ -8,7 +8,8 @@ under one lock (:attr:`Admission.lock`), for the engine and the fan-out room ali
   hold (stager.engine.held_space). Both count against their user's quota.
 - **Protected keys** (:meth:`Admission.protected`): leased, staging or being packed.
 - **Slots** (:class:`FairQueue`): round-robin between users, per-user caps on running
-  and queued stagings (429 past them); a prefetch's staging is low.
+  and queued stagings (429 past them; prefetches queue apart from requests, so the
+  planner's orders never fill a user's queue); a prefetch's staging is low.
 - **Prefetch budgets** (:meth:`Admission.check_prefetch`): refused before anything is
   queued, named or written.
 
@@ -136,8 +137,13 @@ class FairQueue:
             self._askers.pop(key, None)
             self._low.discard(key)
 
-    def queued_by(self, owner: int) -> int:
-        return len(self._queued.get(owner, ()))
+    def queued_by(self, owner: int, low: bool | None = None) -> int:
+        """``owner``'s queued stagings: all (``low`` None), prefetches only (True), or
+        the others (False)."""
+        queued = self._queued.get(owner, ())
+        if low is None:
+            return len(queued)
+        return sum(1 for key in queued if (key in self._low) == low)
 
     def running_by(self, owner: int) -> int:
         return self._running.get(owner, 0)
@@ -248,10 +254,18 @@ class Admission:
             budget(estimate)
 
     def check_queue(self, owner: int) -> None:
-        """Refuse (429) a staging ``owner`` would queue past their limit."""
+        """Refuse (429) a staging ``owner`` would queue past their limit. Prefetches and
+        the user's own requests each have the limit: the planner's orders for a user's
+        pending jobs never make their running job's request refused."""
         if self.max_queued is None:
             return
-        queued = self.queue.queued_by(owner)
+        low = PREFETCHING.get() is not None
+        queued = self.queue.queued_by(owner, low)
+        if queued >= self.max_queued and low:
+            raise TooManyRequests(
+                f"uid {owner} has {queued} prefetches queued on this node, the most one user "
+                "may queue (--max-queued-per-user); the job stages when it starts"
+            )
         if queued >= self.max_queued:
             raise TooManyRequests(
                 f"you have {queued} stagings queued on this node, the most one user may "
@@ -264,6 +278,16 @@ class Admission:
     def leased_or_active(self) -> set[str]:
         leased = {lease.key for lease in self._reg.leases.values()}
         return leased | {k for k, e in self._reg.entries.items() if e.active}
+
+    def speculative(self) -> set[str]:
+        """Leased keys whose every lease is a prefetch's: data for jobs not started, which
+        may never start here. A request (not a prefetch) may evict it, as it would have
+        evicted it without pre-staging: a prefetch never takes room from a running job."""
+        only: dict[str, bool] = {}
+        for lease in self._reg.leases.values():
+            mine = lease.holder.startswith(PREFETCH_HOLDER)
+            only[lease.key] = only.get(lease.key, True) and mine
+        return {key for key, prefetched in only.items() if prefetched}
 
     def protected(self) -> set[str]:
         """Keys eviction must not touch: leased, being staged, or being packed to be sent."""
@@ -306,13 +330,19 @@ class Admission:
                         victim, f"to keep inodes above --min-free-inodes for {key}"
                     )
 
-    async def make_room(self, estimate: int, key: str, owner: int | None = None) -> None:
+    async def make_room(
+        self, estimate: int, key: str, owner: int | None = None, request: bool = False
+    ) -> None:
         """Make room for a new staging (or a transfer's: ``key`` empty) by evicting LRU
         entries, or refuse with the sizes. ``owner``'s quota comes first, and only their
-        own data goes for it. Call it holding :attr:`lock`."""
+        own data goes for it. ``request``: a user's staging, not a prefetch's, which may
+        evict data only prefetches hold (:meth:`speculative`). Call it holding :attr:`lock`."""
         assert self._held is not None
         held = await self._held()
         protected = self.leased_or_active() | held.exporting | {key}
+        if request:
+            active = {k for k, e in self._reg.entries.items() if e.active}
+            protected -= self.speculative() - active - held.exporting - {key}
         entries = list(self._reg.entries.values())
         if owner is not None and self.settings.user_quota_bytes:
             for victim in cache.plan_quota(

@@ -14,7 +14,7 @@ from typing import Any
 from stager.core.errors import Cancelled, InsufficientSpace, NotPublic, StagerError, from_os_error
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
-from stager.engine.admission import Admission, Held, owner_of
+from stager.engine.admission import PREFETCHING, Admission, Held, owner_of
 from stager.engine.job import staging_job
 from stager.engine.lifecycle import Registry, open_registry
 from stager.fanout.room import FanoutRoom
@@ -143,7 +143,8 @@ class Engine:
     ) -> Entry:
         """Queue a staging of ``key`` (new, or an ended ``entry`` again) once admission
         made room on ``room_of``'s quota (None: shared). Hold the admission lock."""
-        await self.admission.make_room(ask.estimate_bytes, key, room_of)
+        low = PREFETCHING.get() is not None if low is None else low
+        await self.admission.make_room(ask.estimate_bytes, key, room_of, request=not low)
         entry = entry or Entry(key=key, spec=spec, steps=[], verify="")
         await self.reg.queue(entry, ask)
         self.admission.queue.put(key, owner_of(entry), low)

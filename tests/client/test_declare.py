@@ -3,6 +3,7 @@ and the job, and the job's ``stage --from-script`` hits what the planner staged.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,27 @@ def test_a_bad_line_is_named_by_its_number_with_the_fix(line: str, fix: str) -> 
     with pytest.raises(declare.BadDeclaration) as caught:
         parse(f"#!/bin/bash\n#STAGER ok --recipe r --source /s\n#STAGER {line}\n")
     assert str(caught.value).startswith("line 3: ") and fix in str(caught.value)
+
+
+def test_a_line_of_more_words_than_a_declaration_needs_is_refused_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stage parser's time grows as the square of the words (60 ms for 4 KiB of
+    `-v`, on the node service's event loop): a line past MAX_WORDS never reaches it, for
+    the job's client, the planner and the node's placement alike (one parse_line)."""
+    parser = cli.stage_parser()
+    calls = []
+    monkeypatch.setattr(parser, "parse_args", lambda words: calls.append(words))
+    many = "x " + "-v " * 1360  # 4 KiB: what job_submit.lua and the request schema allow
+    with pytest.raises(declare.BadDeclaration, match="1361 words, and a #STAGER line has at most"):
+        declare.parse_script(f"#STAGER {many}\n", parser)
+    assert calls == []
+    wanted, why = Declarations().parse(encode([many]))
+    assert wanted == () and "at most 128" in str(why)
+    # A line of the most words allowed still parses, as the job's client reads it.
+    params = " ".join(f"--param k{i}=v" for i in range((declare.MAX_WORDS - 5) // 2))
+    [ok] = parse(f"#STAGER ok --recipe r --source /s {params}\n")
+    assert len(shlex.split(ok.words)) <= declare.MAX_WORDS
 
 
 def test_a_name_declared_twice_names_both_lines() -> None:

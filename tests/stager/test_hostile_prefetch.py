@@ -8,11 +8,14 @@ genuine credential of root's she caught on its way (a replay)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +25,13 @@ import pytest
 
 from stager.prestage.prefetch import listener
 from tests.daemon import Daemon, free_privileged_port
+from tests.stager.test_hostile_users import stopped_user_processes
 from tests.stager.test_prefetch import (
     munge_socket,  # noqa: F401 - the module's munged
     order,
+    prefetch,
     private_tree,
+    send,
     signed,
     start_service,
 )
@@ -355,5 +361,53 @@ def test_slow_bodies_on_the_prefetch_port_are_cut_off_and_the_planner_gets_in(
     finally:
         for sock in slow:
             sock.close()
+        service.stop()
+        service.cleanup()
+
+
+def test_a_user_who_stops_her_own_process_holds_up_no_other_users_prefetch_order(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+    alice_home: Path,
+) -> None:
+    """alice (a job of hers runs on the node) stops (SIGSTOP) the process that checks
+    her requests' sources as her; the planner's order for her next job then waits on it
+    for the user process's timeout (20 s here, 60 s by default). bob's order meanwhile
+    is carried out within the planner's 5 s (stager.prestage.plan.service's
+    SEND_TIMEOUT_S): it waited behind hers before, as did every order to the node each
+    interval hers was sent again."""
+    alice, bob = users
+    service = start_service(shared_tmp / "cache", munge_socket, STAGER_USER_PROCESS_TIMEOUT_S="20")
+    stopped: list[int] = []
+    answers: list[tuple[int, dict]] = []
+    mine = private_tree(alice, shared_tmp / "alice-only")
+    hers = signed(
+        order(alice, 97, {"name": "m", "steps": [{"op": "copy", "src": str(mine)}]}), munge_socket
+    )
+    first = threading.Thread(target=lambda: answers.append(send(service, *hers)))
+    try:
+        stopped = stopped_user_processes(alice, service, alice_home)
+        first.start()
+        time.sleep(1.0)  # her order waits on her stopped process
+        assert not answers, answers
+        bobs = private_tree(bob, shared_tmp / "bob-only")
+        began = time.monotonic()
+        code, answer = prefetch(
+            service,
+            munge_socket,
+            order(bob, 98, {"name": "b", "steps": [{"op": "copy", "src": str(bobs)}]}),
+        )
+        took = time.monotonic() - began
+        assert code == 200, answer
+        assert took < 5.0, f"bob's order took {took:.1f} s, behind alice's"
+        first.join(60)
+        assert answers and answers[0][0] == 504, answers  # hers fails alone, at its deadline
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if first.is_alive():
+            first.join(60)
         service.stop()
         service.cleanup()

@@ -201,11 +201,15 @@ class Service:
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
         tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
         made = orders(found.changes, self.sender.address)
+        starting = {o.key for o in made if o.prefetch is not None}
         for order in made:
-            if order.prefetch is None:
-                self.cancels[order.key] = order
+            if order.key in starting:
+                # Wanted there again (a role changed: copy to stage, or another source):
+                # no cancel, which the node could take after the start and drop it with
+                # its data. The node re-targets a start itself (it drops what differs).
+                self.cancels.pop(order.key, None)
             else:
-                self.cancels.pop(order.key, None)  # wanted there again: not cancelled
+                self.cancels[order.key] = order
         first = [o for o in made if o.prefetch is not None and not o.copy]
         first += list(self.cancels.values())
         outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))

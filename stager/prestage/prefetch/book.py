@@ -41,6 +41,8 @@ class Book:
         self.prefetches: dict[tuple[int, str], Prefetch] = {
             (p.job, p.dataset): p for p in prefetches or []
         }
+        # Budget taken by prefetches admitted and not in the book yet: (uid, bytes).
+        self.reserved: dict[object, tuple[int, int]] = {}
 
     def active(self) -> list[Prefetch]:
         return [p for p in self.prefetches.values() if p.state == "active"]
@@ -59,8 +61,9 @@ class Book:
 
     def check_budget(self, uid: int, more: int, settings: Settings) -> None:
         """Refuse ``more`` bytes prefetched for ``uid`` past their budget or the node's."""
-        mine = sum(p.bytes for p in self.active() if p.uid == uid)
-        everyone = sum(p.bytes for p in self.active())
+        held = [(p.uid, p.bytes) for p in self.active()] + list(self.reserved.values())
+        mine = sum(size for owner, size in held if owner == uid)
+        everyone = sum(size for _, size in held)
         user_budget, node_budget = (
             settings.prefetch_user_budget_bytes,
             settings.prefetch_node_budget_bytes,

@@ -14,7 +14,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +68,12 @@ class Prefetches:
         self.book, self.seen = Book(), Seen()
         self._loaded = False
         self._sweeper: asyncio.Task[None] | None = None
-        # One order at a time: budgets and the book are decided on what came before.
+        # The book, the spent credentials and their file: held only for steps that do not
+        # wait on a user (a user's checks run in their own process, which they may stop).
         self._lock = asyncio.Lock()
+        # One order of a user's at a time (budgets and the book decided on what came
+        # before), beside other users' orders: one user's slow checks hold up nobody else.
+        self._user_locks: dict[int, tuple[asyncio.Lock, int]] = {}  # and how many want it
         self._sending: dict[int, int] = {}  # uid: copies being packed or sent from here
         # Told of each prefetch's request (placement names its node feature).
         self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
@@ -104,7 +108,9 @@ class Prefetches:
             self._loaded = True
 
     async def _save(self) -> None:
-        await run_io(books.save, self.settings.prefetch_path, self.book, self.seen.entries)
+        # A copy taken on the loop: other users' orders change the book meanwhile.
+        book, seen = Book(list(self.book.prefetches.values())), dict(self.seen.entries)
+        await run_io(books.save, self.settings.prefetch_path, book, seen)
 
     async def order(
         self, header: str | None, body: bytes, copy_header: str | None = None
@@ -114,9 +120,10 @@ class Prefetches:
         if not self.settings.multi_user:
             raise Forbidden("only the node service (stager serve --multi-user) takes prefetches")
         order, user = await self._proven(body, (header, WHAT))
-        async with self._lock:
-            await self._save()  # the credential is spent before anything is done
-            await self._expire()
+        async with self._user_lock(order.uid):
+            async with self._lock:
+                await self._save()  # the credential is spent before anything is done
+                await self._expire()
             if order.action == "cancel":
                 done = await self._cancel(order, user)
             elif order.action == "copy":
@@ -134,8 +141,23 @@ class Prefetches:
                     COPYING.reset(token)
             else:
                 done = [await self._stage(order, user)]
-            await self._save()
+            async with self._lock:
+                await self._save()
         return [_public(p, self._ready(p)) for p in done]
+
+    @contextlib.asynccontextmanager
+    async def _user_lock(self, uid: int) -> AsyncIterator[None]:
+        lock, users = self._user_locks.get(uid, (asyncio.Lock(), 0))
+        self._user_locks[uid] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._user_locks[uid]
+            if users == 1:
+                del self._user_locks[uid]  # nobody holds or awaits it
+            else:
+                self._user_locks[uid] = (lock, users - 1)
 
     async def _proven(
         self, body: bytes, *credentials: tuple[str | None, str]
@@ -166,6 +188,7 @@ class Prefetches:
         if not isinstance(body.get("name"), str):
             raise BadRequest("a prefetch's request names its dataset ('name'), as stage does")
         dataset = body["name"]
+        await self._drop_others(order)
         known = self.book.prefetches.get((order.job, dataset))
         source = order.source or ""
         if known is not None and known.state == "failed" and known.uid == order.uid:
@@ -193,18 +216,23 @@ class Prefetches:
             raise BadRequest(f"the prefetch's request is not a stage request: {exc}") from exc
         started = time.time()
 
+        reservation = object()
+
         def budget(estimate: int) -> None:  # admission's, before anything is queued
             try:
                 self.book.check_budget(order.uid, estimate, self.settings)
             except StagerError:
                 self.metrics.prefetches.labels(outcome="refused").inc()
                 raise
+            # Held until the prefetch is in the book: other users' orders go on meanwhile.
+            self.book.reserved[reservation] = (order.uid, estimate)
 
         token = PREFETCHING.set(budget)
         try:
             view, ready = await self.requests.submit(request, user)
         finally:
             PREFETCHING.reset(token)
+            self.book.reserved.pop(reservation, None)
         self.requested_as(request, user, view)
         entry = engine.registry.entries.get(view.key)
         size = view.size_bytes if ready else (entry.estimate_bytes if entry else 0)
@@ -226,12 +254,19 @@ class Prefetches:
         return prefetch
 
     async def _cancel(self, order: PrefetchOrder, user: Caller) -> list[Prefetch]:
+        await self._drop_others(order)
         found = [p for p in self.book.of_job(order.job) if p.state == "active"]
-        if any(p.uid != order.uid for p in found):
-            raise Forbidden(f"job {order.job}'s prefetches here are another user's")
         for prefetch in found:
             await self._drop(prefetch, user, "wasted")
         return found
+
+    async def _drop_others(self, order: PrefetchOrder) -> None:
+        """End the job's prefetches here of another user than the order's: Slurm gave
+        the job id to another user (its ids wrapped past MaxJobId, or its state was
+        lost), so the first user's job is gone, and so is what was fetched for it."""
+        for prefetch in self.book.of_job(order.job):
+            if prefetch.state == "active" and prefetch.uid != order.uid:
+                await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), "wasted")
 
     def _entry(self, prefetch: Prefetch) -> Any:
         """The entry its name shows now (a staging moved to its user's own copy), if any."""
@@ -243,7 +278,9 @@ class Prefetches:
 
     async def _drop(self, prefetch: Prefetch, user: Caller, outcome: str) -> None:
         """End ``prefetch``: its lease and name go; its data too, unless another name (its
-        user's own request) holds it."""
+        user's own request) holds it. Once: the sweep and its user's order may both try."""
+        if prefetch.state != "active":
+            return
         entry = self._entry(prefetch)
         if entry is not None and entry.state in (State.READY, State.EVICTED):
             prefetch.bytes = entry.size_bytes  # (evicted: its user deleted it unused)
@@ -270,7 +307,12 @@ class Prefetches:
             handle = reg.handles.get((prefetch.uid, prefetch.name))
             if entry is not None and entry.state == State.FAILED:
                 outcome = "failed"
-            elif handle is None or handle.ended is not None or prefetch.started_at < horizon:
+            elif (
+                handle is None
+                or handle.ended is not None
+                or prefetch.started_at < horizon
+                or (entry is not None and entry.state == State.EVICTED)  # a request's room
+            ):
                 outcome = "wasted"
             else:
                 continue
@@ -289,7 +331,7 @@ class Prefetches:
         for its data are used. Their staging time is hidden when the data was ready."""
         if not self._loaded or not self.book.waiting_for(caller.uid, view.key):
             return
-        async with self._lock:
+        async with self._user_lock(caller.uid), self._lock:
             for prefetch in self.book.waiting_for(caller.uid, view.key):
                 if prefetch.name == view.name:
                     continue

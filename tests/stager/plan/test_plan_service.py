@@ -225,6 +225,35 @@ def test_a_two_node_jobs_second_node_copies_from_the_first_once_it_took_its_orde
             node3.cleanup()
 
 
+def test_a_node_that_goes_from_copying_to_staging_keeps_its_prefetch(
+    nodes: dict,
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """Planned on node1 (first) and node2, then on node2 (first) and node1: node2 gets a
+    stage for the job and node1 a copy from node2. The old prefetches' cancels must not
+    reach those same nodes with them: a cancel taken after node2's stage dropped the
+    data it had just kept, and node1's copy from node2 then found nothing."""
+    alice, _ = users
+    node1, node2 = nodes["node1"], nodes["node2"]
+    soon = datetime.now() + timedelta(minutes=5)
+    alices = declared(private_tree(alice, shared_tmp / "alice-data"))
+    queue = Queue(shared_tmp / "bin")
+    job = {"uid": alice.uid, "gid": alice.gid, "start": soon, "declared": alices}
+    queue.set(row("720", sched="node1,node2", **job))
+    planner = Planner(queue, munge_socket, nodes["ports"])
+    try:
+        eventually(lambda: has(alice, node2, "prefetch-720-mine"), "copied to node2")
+        queue.set(row("720", sched="node2,node1", **job))
+        seen = planner.intervals()
+        eventually(lambda: planner.intervals() >= seen + 4, "four intervals on the new plan")
+        assert has(alice, node2, "prefetch-720-mine"), status(alice, node2, "prefetch-720-mine")
+        eventually(lambda: has(alice, node1, "prefetch-720-mine"), "node1 has it still")
+    finally:
+        planner.stop()
+
+
 def test_once_runs_one_interval_and_only_as_root_or_slurmuser(
     users: tuple[User, User],
     shared_tmp: Path,
