@@ -232,10 +232,10 @@ class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         if sock is not None and sock.family == socket.AF_UNIX:
             caller = Caller.of_socket(sock)  # TCP: none (per-user mode's bearer token applies)
             self.uid = caller.uid
-        refusal = self.gate.admit(self.uid)
+        refusal = self._admit()
         if refusal is not None:
             self.gate.log.event(
-                ("refused", self.uid, refusal.limit), f"refused a connection: {refusal.sentence}"
+                ("refused", self._who(), refusal.limit), f"refused a connection: {refusal.sentence}"
             )
             self._answer(HTTPStatus.SERVICE_UNAVAILABLE, "too_many_connections", refusal.sentence)
             return
@@ -251,12 +251,23 @@ class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
         self.app = app_of_connection
 
+    def _admit(self) -> Refusal | None:
+        """Count this connection with the gate, or say why it is refused."""
+        return self.gate.admit(self.uid)
+
+    def _release(self) -> None:
+        self.gate.release(self.uid)
+
+    def _who(self) -> str:
+        """Whose connection this is, in the log."""
+        return f"uid {self.uid}"
+
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._disarm_head_timer()
         if self.admitted:
             self.admitted = False
-            self.gate.release(self.uid)
+            self._release()
 
     def data_received(self, data: bytes) -> None:
         if not self.admitted:
@@ -294,7 +305,7 @@ class PeerHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
             "(--header-timeout); send the whole head at once"
         )
         self.gate.log.event(
-            ("head", self.uid), f"closed a connection of uid {self.uid}: {sentence}"
+            ("head", self._who()), f"closed a connection of {self._who()}: {sentence}"
         )
         self._answer(HTTPStatus.REQUEST_TIMEOUT, "header_timeout", sentence)
 

@@ -28,7 +28,7 @@ from stager.api.startup import ServeError
 from stager.core import prestart, processes
 from stager.core.processes import pid_alive
 from stager.core.settings import Settings
-from stager.prestage.prefetch import listener
+from stager.prestage.prefetch import listener, places
 
 log = logging.getLogger("stager.api.server")
 
@@ -166,13 +166,16 @@ def serve(settings: Settings) -> None:
 
 def _orders_server(prefetches: object, settings: Settings) -> uvicorn.Server:
     """The planner's port as a uvicorn server, which the daemon's own server starts on
-    its loop once the app is up; its connections bounded with caps of their own."""
-    most = listener.MAX_CONNECTIONS
-    caps = connections.Caps(total=most, per_user=most, reserve=0, ceiling=most, backlog=most)
-    gate = connections.Gate(caps, settings.header_timeout_s)
+    its loop once the app is up; its connections bounded with places of their own, by
+    source address (a TCP connection names no user)."""
+    gate = places.Places(
+        listener.MAX_CONNECTIONS,
+        settings.prefetch_max_connections_per_address,
+        settings.header_timeout_s,
+    )
     config = uvicorn.Config(
         listener.Orders(prefetches),
-        http=functools.partial(connections.PeerHTTPProtocol, gate=gate),  # type: ignore[arg-type]
+        http=functools.partial(places.OrdersProtocol, gate=gate),  # type: ignore[arg-type]
         lifespan="off",  # the app's lifespan starts and stops the Prefetches
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),

@@ -428,6 +428,14 @@ class Settings(BaseSettings):
         "or SlurmUser; GET /v1/copies, another planned node's copy, with the planner's copy "
         "credential), e.g. 0.0.0.0:866; the port must be below 1024 (only root binds it)",
     )
+    prefetch_max_connections_per_address: int = setting(
+        32,
+        ge=1,
+        help="node service: connections one source address may hold at once on the prefetch "
+        "port (--prefetch-listen), of its 64 (past it: 503); keep it at least the planner's "
+        "32 sends at once. When all 64 are taken, a newcomer takes the place of a connection "
+        "whose request is not yet whole, of the address holding the most",
+    )
     prefetch_max_running: int = setting(
         1,
         ge=1,

@@ -214,6 +214,18 @@ def raw_request(port: int, head: str, body: bytes = b"", timeout: float = 5.0) -
     return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
 
 
+# Addresses of this host other than the planner's (127.0.0.1): all of 127/8 is loopback.
+STRANGERS = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+
+
+def connect_from(address: str, port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.settimeout(10)
+    sock.bind((address, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
 @pytest.fixture
 def port_service(
     users: tuple[User, User],
@@ -327,9 +339,10 @@ def test_slow_bodies_on_the_prefetch_port_are_cut_off_and_the_planner_gets_in(
     shared_tmp: Path,
     munge_socket: Path,  # noqa: F811
 ) -> None:
-    """64 strangers each send a head and 2 bytes of a body, then nothing: each is
-    answered 408 within the header timeout and closed, and the planner's order that
-    follows is carried out (before, they held every place for good: 503)."""
+    """64 strangers (16 on each of four addresses) each send a head and 2 bytes of a
+    body, then nothing: each is answered 408 within the header timeout and closed, and
+    the planner's order that follows is carried out (before, they held every place for
+    good: 503)."""
     alice, _ = users
     port = free_privileged_port()
     service = start_service(
@@ -341,8 +354,8 @@ def test_slow_bodies_on_the_prefetch_port_are_cut_off_and_the_planner_gets_in(
         head = ("POST /v1/prefetches HTTP/1.1\r\nhost: n\r\nauthorization: Munge MUNGE:x\r\n"
                 "content-length: 100\r\n\r\nab")  # fmt: skip
         started = time.monotonic()
-        for _ in range(listener.MAX_CONNECTIONS):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        for i in range(listener.MAX_CONNECTIONS):
+            sock = connect_from(STRANGERS[i % len(STRANGERS)], port)
             sock.sendall(head.encode())
             slow.append(sock)
         for sock in slow:
@@ -411,3 +424,125 @@ def test_a_user_who_stops_her_own_process_holds_up_no_other_users_prefetch_order
             first.join(60)
         service.stop()
         service.cleanup()
+
+
+class Crowd:
+    """Strangers holding as many of the port's places as they can, from ``addresses``:
+    idle connections, heads sent a byte at a time, and heads with a body begun and never
+    ended; each connection the service closes (timed out, refused, displaced) is opened
+    again at once, for as long as the crowd runs."""
+
+    HEAD = (b"POST /v1/prefetches HTTP/1.1\r\nhost: n\r\nauthorization: Munge MUNGE:x\r\n"
+            b"content-length: 100\r\n\r\n")  # fmt: skip
+
+    def __init__(self, port: int, addresses: tuple[str, ...], per_address: int) -> None:
+        self.port = port
+        self.slots = [(a, i % 3) for a in addresses for i in range(per_address)]
+        self.socks: list[socket.socket | None] = [None] * len(self.slots)
+        self.sent = [0] * len(self.slots)
+        self.opened = 0
+        self.answers: list[bytes] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Crowd:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        for sock in self.socks:
+            if sock is not None:
+                sock.close()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for i, (address, kind) in enumerate(self.slots):
+                sock = self.socks[i]
+                if sock is not None and self._closed(sock):
+                    sock.close()
+                    sock = self.socks[i] = None
+                if sock is None:
+                    try:
+                        sock = self.socks[i] = connect_from(address, self.port)
+                    except OSError:
+                        continue
+                    self.opened += 1
+                    self.sent[i] = 0
+                    if kind == 2:  # a whole head and 2 bytes of its body
+                        sock.sendall(self.HEAD + b"ab")
+                if kind == 1 and self.sent[i] < len(self.HEAD):  # the head, byte by byte
+                    with contextlib.suppress(OSError):
+                        sock.send(self.HEAD[self.sent[i] : self.sent[i] + 1])
+                        self.sent[i] += 1
+            time.sleep(0.05)
+
+    def _closed(self, sock: socket.socket) -> bool:
+        sock.setblocking(False)
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        finally:
+            sock.settimeout(10)
+        if data:
+            self.answers.append(data)
+        return True  # an answer: the service closes after it
+
+    def held(self) -> int:
+        return sum(sock is not None for sock in self.socks)
+
+
+def test_strangers_holding_the_prefetch_ports_places_cannot_keep_the_planner_out(
+    port_service: tuple[Daemon, int],
+    munge_socket: Path,  # noqa: F811
+    users: tuple[User, User],
+) -> None:
+    """Strangers on four other addresses keep 160 connections open to the port (idle,
+    trickling their heads, or a body begun), reopening each the moment it closes. The
+    planner's orders, one at a time and 8 at once, are all carried out: a connection
+    whose request is not whole gives its place to another address's newcomer, and one
+    address holds at most 32 places. Before, every place was theirs: 503."""
+    _, port = port_service
+    alice, _ = users
+    per_address = 32
+    with contextlib.ExitStack() as stack:  # one address: 32 places, not one more
+        held = [stack.enter_context(connect_from("127.0.0.9", port)) for _ in range(per_address)]
+        extra = stack.enter_context(connect_from("127.0.0.9", port))
+        answer = extra.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"--prefetch-max-connections-per-address 32" in answer, answer
+        for sock in held:  # still open, unanswered
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
+
+    job = iter(range(200, 400))
+    with Crowd(port, STRANGERS, per_address=40) as crowd:
+        time.sleep(2.0)  # the crowd holds what it can
+        assert crowd.held() >= 64, crowd.held()
+        codes: list[int] = []
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+
+            def one() -> int:
+                raw, header = signed(order(alice, next(job), action="cancel"), munge_socket)
+                return client.post(
+                    "/v1/prefetches", content=raw, headers={"authorization": header}
+                ).status_code
+
+            for _ in range(10):
+                codes.append(one())
+                time.sleep(0.2)
+            burst: list[int] = []
+            threads = [threading.Thread(target=lambda: burst.append(one())) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            codes += burst
+        opened = crowd.opened
+    assert codes == [200] * 18, codes
+    assert opened > 160, opened  # the crowd was turned away and came back, all along

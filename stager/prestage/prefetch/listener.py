@@ -5,8 +5,9 @@ of this node's prefetch, proven by the asking service's own credential first, th
 planner's copy credential). A call without a credential is 401 before its body is
 read; a body over :data:`ORDER_MAX_BYTES` or of no stated length 413/411, unread; one
 slower than ``header_timeout_s`` 408; anything else 404 with one fixed sentence. Every
-answer closes its connection; connections are capped (:data:`MAX_CONNECTIONS`). The
-threats it answers: docs/prestaging.md, "Threats on the port".
+answer closes its connection; connections are capped (:data:`MAX_CONNECTIONS`), and
+shared between source addresses (:mod:`stager.prestage.prefetch.places`). The threats
+it answers: docs/prestaging.md, "Threats on the port".
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ SEND_CHUNK = 1 << 20
 # An order is one declared dataset's stage body: job_submit.lua keeps a declaration to
 # 4 KiB, so 64 KiB is far above any genuine order and bounds what a stranger makes us hold.
 ORDER_MAX_BYTES = 64 * 1024
-# The planner's sends to one node are a handful at once; strangers get no more.
+# The planner's sends to one node are a handful at once (32 at most); strangers get no
+# more, and the places go first to the connections that send their request whole.
 MAX_CONNECTIONS = 64
 UNPRIVILEGED_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
 NOT_HERE = (
@@ -129,6 +131,8 @@ class Orders:
         deadline = self.prefetches.settings.header_timeout_s
         try:  # within the head's own time: a slow body must not hold a place
             body = await asyncio.wait_for(_body(receive), deadline)
+        except _Gone:  # (its place went to another address's connection: places.py)
+            return
         except TimeoutError:
             sentence = f"the body did not arrive within {deadline:g} s (STAGER_HEADER_TIMEOUT_S)"
             await _answer(send, 408, error_content("body_timeout", sentence))
@@ -179,10 +183,16 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+class _Gone(Exception):
+    """The client left before its body was whole."""
+
+
 async def _body(receive: Receive) -> bytes:
     parts, more = [], True
     while more:  # no more than its length: the server holds the client to it
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Gone
         parts.append(message.get("body", b""))
         more = message.get("more_body", False)
     return b"".join(parts)
