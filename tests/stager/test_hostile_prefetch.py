@@ -506,7 +506,7 @@ def test_strangers_holding_the_prefetch_ports_places_cannot_keep_the_planner_out
     planner's orders, one at a time and 8 at once, are all carried out: a connection
     whose request is not whole gives its place to another address's newcomer, and one
     address holds at most 32 places. Before, every place was theirs: 503."""
-    _, port = port_service
+    service, port = port_service
     alice, _ = users
     per_address = 32
     with contextlib.ExitStack() as stack:  # one address: 32 places, not one more
@@ -546,3 +546,6 @@ def test_strangers_holding_the_prefetch_ports_places_cannot_keep_the_planner_out
         opened = crowd.opened
     assert codes == [200] * 18, codes
     assert opened > 160, opened  # the crowd was turned away and came back, all along
+    log = service.log(limit=None)
+    assert "held the most with requests not yet whole" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
