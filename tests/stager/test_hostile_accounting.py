@@ -77,12 +77,15 @@ def hers(archive: Path, user: User) -> Path:
 def gnu_tar(archive: Path, folder: Path, *members: str, transform: str = "") -> Path:
     """``archive`` (gzip, or xz for a name ending so: its size is not told before it is
     read, so admission estimates it at a fraction) of ``members`` of ``folder``, by GNU
-    tar, readable by all."""
+    tar, readable by all. xz at its fastest level (-0): at its default (-6) the tar of
+    20,000 empty entries took 1.2-1.5 s of CPU to compress, at -0 0.1 s, and the
+    archive is still a few hundred KB."""
     kind = "-cJf" if archive.name.endswith(".xz") else "-czf"
     argv = ["tar", kind, str(archive), "-C", str(folder)]
     if transform:
         argv += ["--transform", transform]
-    subprocess.run([*argv, *members], check=True, capture_output=True)
+    env = {**os.environ, "XZ_OPT": "-0"}
+    subprocess.run([*argv, *members], check=True, capture_output=True, env=env)
     archive.chmod(0o644)
     return archive
 
