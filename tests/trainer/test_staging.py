@@ -22,6 +22,7 @@ from tests.daemon import stage_ready
 from tests.trainer.conftest import (
     REPO,
     finish,
+    fork_ranks,
     free_port,
     make_imagefolder,
     run_trainer,
@@ -203,9 +204,7 @@ def _slow_stager_worker(rank: int, port: int, out: str, stage_s: float, timeout:
 
 
 def _spawn_slow_stager(tmp_path, stage_s: float, timeout: float) -> list[str]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_slow_stager_worker, args=(free_port(), str(tmp_path), stage_s, timeout), nprocs=2)
+    fork_ranks(_slow_stager_worker, (free_port(), str(tmp_path), stage_s, timeout))
     return [(tmp_path / f"rank{r}").read_text() for r in range(2)]
 
 
