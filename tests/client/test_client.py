@@ -382,7 +382,8 @@ def test_async_client_against_a_real_daemon(daemon: Daemon, tree: Path) -> None:
 
 def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
     """Nor httpx's own command line (httpx._main: click, pygments; ~35 ms of each
-    stager-client process), which httpx imports with itself unless marked absent."""
+    stager-client process), which httpx imports with itself unless marked absent, nor
+    rich's console and progress, which only a bar on a terminal draws with (~30 ms)."""
     loaded = loaded_modules("client", "client.cli")
     assert "client.cli" in loaded  # full dotted names, so 'stager.engine.scheduler' below can match
     heavy = (
@@ -394,5 +395,7 @@ def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
         "stager.engine.scheduler",
         "click",
         "pygments",
+        "rich.console",
+        "rich.progress",
     )
     assert among(loaded, heavy) == []
