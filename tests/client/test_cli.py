@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from pydantic import TypeAdapter
 
 from client import StagerClient
@@ -23,6 +25,20 @@ from stager.wire.schemas import DatasetPublic, DatasetsPublic, ErrorResponse, Le
 from tests.client.conftest import SLOWER_SIZE, copy_step, fetch_step, run_cli, start_cli
 from tests.daemon import Daemon
 from tests.trees import digest
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the module's tests that stage under names of their own, leave
+    nothing staging and look at nothing else it holds: a start is 1.5-3 s of a CI
+    worker. A test that stops or kills its daemon, leaves a staging running, or reads
+    what the daemon holds in all (`ls`, the names a sentence lists) makes its own
+    (``daemon_factory``)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("cli") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
 
 
 def stage(daemon: Daemon, name: str, step: str) -> None:
@@ -55,7 +71,8 @@ def test_failed_staging_exits_1_with_the_daemons_sentence(
     assert done.stdout == ""
 
 
-def test_timeout_exits_4_and_says_where_staging_is(daemon: Daemon, slow_url: str) -> None:
+def test_timeout_exits_4_and_says_where_staging_is(daemon_factory, slow_url: str) -> None:
+    daemon = daemon_factory()  # its staging is still running at the end
     stage(daemon, "slow", fetch_step(slow_url))
     done = run_cli(daemon, "wait", "slow", "--timeout", "0.5")
     assert done.returncode == EXIT_TIMEOUT, done.stderr
@@ -78,9 +95,10 @@ def test_wait_started_before_the_stage_request_waits_for_it(daemon: Daemon, tree
 
 
 def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
-    daemon: Daemon, tree: Path
+    daemon_factory, tree: Path
 ) -> None:
     """A --timeout shorter than the grace for the stage request ends the wait: exit 4."""
+    daemon = daemon_factory()  # the sentence lists every name it holds
     assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
     done = run_cli(daemon, "wait", "inta", "--timeout", "1")
     assert done.returncode == EXIT_TIMEOUT, done.stderr
@@ -88,10 +106,11 @@ def test_wait_for_a_name_never_requested_times_out_listing_the_known_names(
 
 
 def test_wait_for_a_name_nobody_requested_fails_at_once_with_did_you_mean(
-    daemon: Daemon, tree: Path
+    daemon_factory, tree: Path
 ) -> None:
     """On 989b0ea `wait nosuch` with no --timeout waited forever; --await-request 0 gives
     its stage request no time at all."""
+    daemon = daemon_factory()  # its guess is among every name it holds
     assert run_cli(daemon, "stage", "inat", "--step", copy_step(tree), "--wait").returncode == 0
     started = time.monotonic()
     done = run_cli(daemon, "wait", "inta", "--await-request", "0")
@@ -103,7 +122,8 @@ def test_wait_for_a_name_nobody_requested_fails_at_once_with_did_you_mean(
     )
 
 
-def test_wait_started_before_the_daemon_succeeds_once_it_is_up(daemon: Daemon, tree: Path) -> None:
+def test_wait_started_before_the_daemon_succeeds_once_it_is_up(daemon_factory, tree: Path) -> None:
+    daemon = daemon_factory()  # stopped and started again
     assert run_cli(daemon, "stage", "early", "--step", copy_step(tree), "--wait").returncode == 0
     daemon.stop()
     waiting = start_cli(daemon, "wait", "early", "--retry-for", "20")
@@ -124,8 +144,9 @@ def test_stage_wait_started_before_a_fresh_daemon_succeeds(daemon_factory, tree:
 
 
 def test_daemon_killed_during_wait_exits_5_with_a_clear_message(
-    daemon: Daemon, slow_url: str
+    daemon_factory, slow_url: str
 ) -> None:
+    daemon = daemon_factory()  # killed
     stage(daemon, "slow", fetch_step(slow_url))
     waiting = start_cli(daemon, "wait", "slow", "--retry-for", "1")
     time.sleep(0.5)
@@ -175,8 +196,9 @@ def test_several_names_at_once_print_paths_in_order(daemon: Daemon, tmp_path: Pa
 
 
 def test_one_failure_among_several_names_fails_fast(
-    daemon: Daemon, tree: Path, truncated_archive: Path, slower_url: str
+    daemon_factory, tree: Path, truncated_archive: Path, slower_url: str
 ) -> None:
+    daemon = daemon_factory()  # its slow staging is still running at the end
     step = f'{{"op": "extract", "src": "{truncated_archive}"}}'
     stage(daemon, "slow", fetch_step(slower_url))
     stage(daemon, "cut", step)
@@ -188,7 +210,8 @@ def test_one_failure_among_several_names_fails_fast(
         assert client.status("slow").state in ("queued", "staging")
 
 
-def test_json_outputs_validate_against_the_api_models(daemon: Daemon, tree: Path) -> None:
+def test_json_outputs_validate_against_the_api_models(daemon_factory, tree: Path) -> None:
+    daemon = daemon_factory()  # `ls` lists every name it holds
     done = run_cli(daemon, "stage", "j", "--step", copy_step(tree), "--wait", "--json")
     staged = DatasetPublic.model_validate_json(done.stdout)
     assert staged.state == "ready" and done.stderr == ""
@@ -285,14 +308,14 @@ def test_unreachable_daemon_fails_fast_for_status(tmp_path: Path) -> None:
 
 
 def test_cancel_makes_the_waiter_exit_1(daemon: Daemon, slow_url: str) -> None:
-    stage(daemon, "slow", fetch_step(slow_url))
-    waiting = start_cli(daemon, "wait", "slow")
+    stage(daemon, "doomed", fetch_step(slow_url))
+    waiting = start_cli(daemon, "wait", "doomed")
     time.sleep(0.3)
-    cancelled = run_cli(daemon, "cancel", "slow", "--json")
+    cancelled = run_cli(daemon, "cancel", "doomed", "--json")
     assert DatasetPublic.model_validate_json(cancelled.stdout).state == "cancelled"
     _, err = waiting.communicate(timeout=15)
     assert waiting.returncode == EXIT_FAILED
-    assert "dataset 'slow' cancelled: staging was cancelled by a request" in err
+    assert "dataset 'doomed' cancelled: staging was cancelled by a request" in err
 
 
 def test_lease_on_stage_and_release(daemon: Daemon, tree: Path) -> None:

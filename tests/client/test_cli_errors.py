@@ -8,6 +8,7 @@ import ast
 import re
 import select
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,18 @@ from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
 API_CALL = re.compile(r"\b(GET|POST|DELETE|PUT|PATCH) /v1/")
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that stage under names of their own and leave nothing
+    staging (a start is 1.5-3 s of a CI worker); the one that leaves its staging
+    running makes its own (``daemon_factory``)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("cli-errors") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
 
 
 def checked(done, code: int, *sentences: str) -> str:
@@ -153,8 +166,9 @@ def test_a_failed_staging_names_its_archive_by_its_path(
 
 
 def test_ctrl_c_during_wait_says_the_staging_goes_on_and_how_to_cancel(
-    daemon: Daemon, slow_url: str
+    daemon_factory, slow_url: str
 ) -> None:
+    daemon = daemon_factory()  # its staging goes on after the test
     waiting = start_cli(daemon, "stage", "slow", "--step", fetch_step(slow_url), "--wait")
     # Interrupted once it waits (its first status line), not while Python still imports
     # it on a busy machine.

@@ -381,6 +381,9 @@ def test_async_client_against_a_real_daemon(daemon: Daemon, tree: Path) -> None:
 
 
 def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
+    """Nor httpx's own command line (httpx._main: click, pygments; ~35 ms of each
+    stager-client process), which httpx imports with itself unless marked absent, nor
+    rich's console and progress, which only a bar on a terminal draws with (~30 ms)."""
     loaded = loaded_modules("client", "client.cli")
     assert "client.cli" in loaded  # full dotted names, so 'stager.engine.scheduler' below can match
     heavy = (
@@ -390,5 +393,9 @@ def test_importing_client_pulls_in_neither_fastapi_nor_torch() -> None:
         "torch",
         "pydantic_settings",
         "stager.engine.scheduler",
+        "click",
+        "pygments",
+        "rich.console",
+        "rich.progress",
     )
     assert among(loaded, heavy) == []

@@ -246,6 +246,19 @@ def test_unreadable_source_and_existing_link_target_are_refused(
 
 
 @pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the module's tests that stage under names of their own and look at
+    nothing else it holds (a start is 1.5-4 s of a CI worker, and this module runs again
+    under Debian's interpreter); a test that counts or lists what its daemon holds,
+    stops it, or needs its cache under the test's folder has its own (``daemon``)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("shared") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
+
+
+@pytest.fixture(scope="module")
 def holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Path]]:
     """One daemon for the cases of a source that holds its cache, and that folder (its
     cache, data beside the cache, a link to the folder): each case's request is refused
@@ -327,11 +340,11 @@ def test_a_step_that_would_copy_into_itself_fails_naming_the_source(
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file; permissions cannot fail")
-def test_unreadable_source_is_a_403(daemon: Daemon, tmp_path: Path) -> None:
+def test_unreadable_source_is_a_403(shared_daemon: Daemon, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("x")
     secret.chmod(0)
-    with daemon.client() as client:
+    with shared_daemon.client() as client:
         response = stage(client, {"name": "x", "steps": [{"op": "copy", "src": str(secret)}]})
     assert response.status_code == 403 and response.json()["error"]["type"] == "source_unreadable"
 
@@ -367,7 +380,7 @@ def test_corrupt_archive_fails_the_dataset_with_its_sentence_and_no_partial_data
 
 
 def test_malicious_archive_through_the_daemon_writes_nothing_outside(
-    daemon: Daemon, tmp_path: Path
+    shared_daemon: Daemon, tmp_path: Path
 ) -> None:
     evil = tmp_path / "evil.tar"
     payload = tmp_path / "payload"
@@ -375,19 +388,18 @@ def test_malicious_archive_through_the_daemon_writes_nothing_outside(
     with tarfile.open(evil, "w") as tar:
         tar.add(payload, arcname="../../../../escaped.txt")
     before = set(tmp_path.parent.rglob("*"))
-    with daemon.client() as client:
+    with shared_daemon.client() as client:
         stage(client, {"name": "evil", "steps": [{"op": "extract", "src": str(evil)}]})
         status = client.get("/v1/datasets/evil/wait", params={"timeout": 20}).json()
     assert status["state"] == "failed" and status["error"]["type"] == "unsafe_member"
     assert "escaped.txt" in status["error"]["message"]
-    created = {
-        p for p in set(tmp_path.parent.rglob("*")) - before if daemon.cache_dir not in p.parents
-    }
+    cache = shared_daemon.cache_dir
+    created = {p for p in set(tmp_path.parent.rglob("*")) - before if cache not in p.parents}
     assert not [p for p in created if p.name == "escaped.txt"]
 
 
 def test_links_outside_links_and_a_gzip_that_holds_no_tar_are_answered_with_sentences(
-    daemon: Daemon, tmp_path: Path
+    shared_daemon: Daemon, tmp_path: Path
 ) -> None:
     """What broke on Debian 12's Python 3.11.2 (the links were judged by tarfile's data
     filter, added in 3.11.4): a GNU tar with symbolic and hard links stages; a link out is
@@ -406,7 +418,7 @@ def test_links_outside_links_and_a_gzip_that_holds_no_tar_are_answered_with_sent
     jpeg = tmp_path / "photo.tar.gz"
     image = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + os.urandom(4000) + b"\xff\xd9"
     subprocess.run(["gzip", "-c"], input=image, stdout=jpeg.open("wb"), check=True)
-    with daemon.client() as client:
+    with shared_daemon.client() as client:
         ready = stage_ready(
             client, {"name": "links", "steps": [{"op": "extract", "src": str(linked)}]}
         )
@@ -444,9 +456,9 @@ def test_health_ready_metrics_and_openapi(daemon: Daemon, tmp_path: Path) -> Non
         assert missing.status_code == 404 and "error" in missing.json()
 
 
-def test_events_stream_statuses_until_terminal(daemon: Daemon, tmp_path: Path) -> None:
+def test_events_stream_statuses_until_terminal(shared_daemon: Daemon, tmp_path: Path) -> None:
     src = write_tree(tmp_path / "src", n_files=5)
-    with daemon.client() as client:
+    with shared_daemon.client() as client:
         stage(client, {"name": "ev", "steps": [{"op": "copy", "src": str(src)}]})
         states = []
         with client.stream("GET", "/v1/datasets/ev/events") as response:
@@ -485,9 +497,9 @@ def test_non_loopback_without_token_refuses_to_start(tmp_path: Path) -> None:
     assert "0.0.0.0" in result.stderr and "token" in result.stderr
 
 
-def test_socket_folder_is_private(daemon: Daemon) -> None:
-    assert oct(daemon.runtime_dir.stat().st_mode & 0o777) == "0o700"
-    assert daemon.socket.exists()
+def test_socket_folder_is_private(shared_daemon: Daemon) -> None:
+    assert oct(shared_daemon.runtime_dir.stat().st_mode & 0o777) == "0o700"
+    assert shared_daemon.socket.exists()
 
 
 def test_detach_and_stop_via_the_cli(tmp_path: Path, request: pytest.FixtureRequest) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +26,24 @@ from tests.trees import digest
 SHAPES = ["gnu-tar-update-append", "gnu-tar-sparse-pax-1.0", "replaced-members"]
 
 
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the module: each test stages under a name of its own and looks at
+    nothing else (a start is 1.5-3 s of a CI worker)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("seal") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_one_step_extract_is_sealed_as_its_tree_is(
     daemon: Daemon, tmp_path: Path, shape: str
 ) -> None:
     case = tar_corpus.CASES[shape]
     [archive] = case.build(tmp_path)
-    body = {"name": "x", "steps": [{"op": "extract", "src": str(archive)}]}
+    body = {"name": shape, "steps": [{"op": "extract", "src": str(archive)}]}
     with daemon.client() as client:
         staged = stage_ready(client, body)
         reference = tmp_path / "reference"
@@ -61,7 +73,7 @@ def test_a_plain_tar_that_gnu_tars_wrote_whole_is_sealed_as_its_tree_is(
         (folder / f"img_{i}.bin").write_bytes(chunk[i:] + chunk[:i])
     archive = tmp_path / "train.tar"
     subprocess.run(["tar", "-cf", str(archive), "-C", str(tree), "."], check=True)
-    body = {"name": "x", "steps": [{"op": "extract", "src": str(archive), "dst": "train"}]}
+    body = {"name": "whole", "steps": [{"op": "extract", "src": str(archive), "dst": "train"}]}
     with daemon.client() as client:
         staged = stage_ready(client, body)
         assert staged.size_bytes == sum_sizes(staged.path)

@@ -12,6 +12,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,18 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need ro
 __all__ = ["corpus", "http", "server"]  # the fixtures, shared with test_overlap
 
 TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that stage under a name of their own and look at
+    nothing else it holds (a start is 1.5-4 s of a CI worker); a test that kills its
+    daemon or reads its whole cache makes its own (``daemon_factory``)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("image-downloads") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +79,7 @@ def test_an_image_of_a_url_holds_exactly_what_gnu_tar_extracts(
     behaviour, url, data, built = serve(corpus, http, name)
     sha = hashlib.sha256(data).hexdigest()
     with daemon.client() as client:
-        status = stage_ready(client, url_image(f"{url}/pub/{name}", sha256=sha), TIMEOUT)
+        status = stage_ready(client, url_image(f"{url}/pub/{name}", name, sha256=sha), TIMEOUT)
         assert_mounted_image(status.path, built["references"][name])
         assert status.progress.bytes_done == status.progress.bytes_total == 2 * len(data)
         # Nothing of the download is left beside the image.
@@ -82,7 +95,7 @@ def test_the_image_is_built_while_the_archive_still_downloads(
     source, data = serve_slow_archive(behaviour, tmp_path)
     with first_sight(behaviour, lambda: building(daemon) > 1 << 20) as sent:
         with daemon.client() as client:
-            status = stage_ready(client, url_image(f"{url}/pub/slow.tar.gz"), TIMEOUT)
+            status = stage_ready(client, url_image(f"{url}/pub/slow.tar.gz", "slow"), TIMEOUT)
     assert sent, "no image was written while the archive downloaded"
     assert sent[0] < 0.75 * len(data), (
         f"the image grew past 1 MiB only after {sent[0]} of {len(data)} bytes were sent"
@@ -98,16 +111,18 @@ def test_a_dropped_connection_resumes_and_gives_the_same_image(
     behaviour.drop_after = len(data) // 2
     behaviour.bytes_per_s = 20e6  # so the build is waiting when the connection drops
     with daemon.client() as client:
-        status = stage_ready(client, url_image(f"{url}/pub/data.tar.gz"), TIMEOUT)
+        body = url_image(f"{url}/pub/data.tar.gz", "dropped")
+        status = stage_ready(client, body, TIMEOUT)
         assert_mounted_image(status.path, built["references"]["data.tar.gz"])
     assert [r for r in behaviour.ranges_seen if r != "bytes=0-"], "the download started over"
 
 
 def test_a_wrong_sha256_never_publishes_the_image_built_from_its_bytes(
-    daemon: Daemon, corpus, http
+    daemon_factory, corpus, http
 ) -> None:
     """The whole image is built from the download before its sha256 is known: it must
     not take its name, be published or mounted."""
+    daemon = daemon_factory()  # its whole data/ is looked at
     _, url, _, _ = serve(corpus, http, "data.tar.gz")
     with daemon.client() as client:
         body = url_image(f"{url}/pub/data.tar.gz", "bad", sha256="0" * 64)
@@ -122,11 +137,12 @@ def test_a_wrong_sha256_never_publishes_the_image_built_from_its_bytes(
 
 
 def test_kill_9_mid_download_builds_the_image_again_after_restart(
-    daemon: Daemon, corpus, http
+    daemon_factory, corpus, http
 ) -> None:
     """The daemon (and its staging process) killed while the archive is half downloaded
     and the image half built: the restarted daemon resumes the download with a Range
     request, builds again from the first byte, and mounts exactly GNU tar's tree."""
+    daemon = daemon_factory()  # killed
     behaviour, url, data, built = serve(corpus, http, "data.tar.gz")
     behaviour.bytes_per_s = 2e6
     sha = hashlib.sha256(data).hexdigest()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,18 @@ def run_srun_trainer(
     args: list[str], ntasks: int = 2, timeout: float = 240
 ) -> list[subprocess.CompletedProcess]:
     return finish(start_srun_trainer(args, ntasks), timeout)
+
+
+def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, as ``torch.multiprocessing.spawn``
+    runs it (an error in one is raised here), but forked from this test process: a
+    spawned one starts a new interpreter that imports torch, torchvision, the trainer
+    and the test's module again before its first line (3-5 s of CPU each), where a
+    fork starts with them imported. The ranks are processes of their own either way,
+    each with its own gloo group member."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
 
 
 def finish(

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.trainer.conftest import free_port
+from tests.trainer.conftest import fork_ranks, free_port
 from trainer.preempt import SIGNALS, Preemption
 
 
@@ -32,7 +31,7 @@ def _vote_worker(rank: int, port: int, out: str) -> None:
 
 
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    mp.spawn(_vote_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    fork_ranks(_vote_worker, (free_port(), str(tmp_path)))
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [False, True]
 

@@ -14,14 +14,16 @@ import os
 import subprocess
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon import stage_ready
+from tests.daemon import Daemon, stage_ready
 from tests.trainer.conftest import (
     REPO,
     finish,
+    fork_ranks,
     free_port,
     make_imagefolder,
     run_trainer,
@@ -33,8 +35,19 @@ from tests.trainer.conftest import (
 from trainer.datasets import DataConfig, build_dataset, split_of
 
 
-def _args(out: Path, *extra: str) -> list[str]:
-    args = tiny_args(out, "--epochs", "1", "--stager-wait", "imgs", *extra)
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the module: each test stages under a name of its own and waits
+    for it to end (a start is 1.5-3 s of a CI worker)."""
+    shared = Daemon(cache_dir=tmp_path_factory.mktemp("staging") / "cache")
+    try:
+        yield shared.start()
+    finally:
+        shared.cleanup()
+
+
+def _args(out: Path, *extra: str, name: str = "imgs") -> list[str]:
+    args = tiny_args(out, "--epochs", "1", "--stager-wait", name, *extra)
     for flag in ("--dataset", "--num-classes"):  # the staged usage says what to build
         i = args.index(flag)
         del args[i : i + 2]
@@ -68,20 +81,21 @@ def test_the_trainer_trains_on_an_image_dataset(tmp_path, daemon):
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(source, arcname=".")
     with daemon.client() as client:
-        body = {"name": "imgs", "recipe": "imagefolder", "source": str(archive),
+        body = {"name": "imgs-image", "recipe": "imagefolder", "source": str(archive),
                 "params": {"splits": ["train", "val"]}, "image": True}  # fmt: skip
         staged = stage_ready(client, body)
     assert staged.image is not None and os.path.ismount(staged.path)
-    done = run_trainer(_args(tmp_path / "out"), env=trainer_env(STAGER_URL=daemon.url))
+    args = _args(tmp_path / "out", name="imgs-image")
+    done = run_trainer(args, env=trainer_env(STAGER_URL=daemon.url))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"dataset 'imgs' ready at {staged.path}" in done.stderr
+    assert f"dataset 'imgs-image' ready at {staged.path}" in done.stderr
     assert "train=12 val=6 classes=3" in done.stderr
 
 
 def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
     # In a job script the trainer and the stage request race; the trainer may win.
     source = make_imagefolder(tmp_path / "src", "train", per_class=2)
-    args = _args(tmp_path / "out", "--no-eval")
+    args = _args(tmp_path / "out", "--no-eval", name="late")
     log = tmp_path / "trainer.log"
     env = trainer_env(STAGER_URL=daemon.url)
     with open(log, "w") as err:
@@ -93,7 +107,7 @@ def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
             with daemon.client() as client:
-                body = {"name": "imgs", "recipe": "imagefolder", "source": str(source),
+                body = {"name": "late", "recipe": "imagefolder", "source": str(source),
                         "params": {"splits": ["train"]}}  # fmt: skip
                 stage_ready(client, body)
             proc.wait(timeout=240)
@@ -101,7 +115,7 @@ def test_stager_wait_started_before_the_request_waits_for_it(tmp_path, daemon):
             proc.kill()
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
-    assert text.count("'imgs' has not been requested yet") == 1, text[-3000:]  # said once
+    assert text.count("'late' has not been requested yet") == 1, text[-3000:]  # said once
     assert "train=6 val=- classes=3" in text
 
 
@@ -109,12 +123,13 @@ def test_raw_steps_fall_back_to_dataset_flag(tmp_path, daemon):
     make_imagefolder(tmp_path / "src", "train", per_class=2)
     with daemon.client() as client:
         steps = [{"op": "copy", "src": str(tmp_path / "src"), "dst": "tree"}]
-        stage_ready(client, {"name": "imgs", "steps": steps})
+        stage_ready(client, {"name": "raw", "steps": steps})
     env = trainer_env(STAGER_URL=daemon.url)
-    args = _args(tmp_path / "out", "--dataset", "imagefolder", "--data-root", "tree")
+    args = _args(tmp_path / "out", "--dataset", "imagefolder", "--data-root", "tree", name="raw")
     failed, done = finish(  # side by side: without --dataset (no usage to go by), and with it
-        [start_trainer(_args(tmp_path / "refused"), env=env), start_trainer(args, env=env)]
-    )
+        [start_trainer(_args(tmp_path / "refused", name="raw"), env=env),
+         start_trainer(args, env=env)]
+    )  # fmt: skip
     assert failed.returncode == 1
     assert "carries no torchvision usage" in failed.stderr and "pass --dataset" in failed.stderr
     assert "Traceback" not in failed.stderr
@@ -131,12 +146,12 @@ def test_staging_failure_is_one_clear_line(tmp_path, daemon):
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size * 6 // 10])
     with daemon.client() as client:
         steps = [{"op": "extract", "src": str(archive)}]
-        assert client.post("/v1/datasets", json={"name": "imgs", "steps": steps}).status_code == 202
-    done = run_trainer(_args(tmp_path / "out", "--dataset", "imagefolder"),
+        assert client.post("/v1/datasets", json={"name": "cut", "steps": steps}).status_code == 202
+    done = run_trainer(_args(tmp_path / "out", "--dataset", "imagefolder", name="cut"),
                        env=trainer_env(STAGER_URL=daemon.url))  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
     line = [x for x in done.stderr.splitlines() if "stager-train train: error:" in x]
-    assert len(line) == 1 and "dataset 'imgs' is not available" in line[0], done.stderr
+    assert len(line) == 1 and "dataset 'cut' is not available" in line[0], done.stderr
     assert str(archive) in line[0]  # the daemon's sentence names the input at fault
     assert "Traceback" not in done.stderr
 
@@ -203,9 +218,7 @@ def _slow_stager_worker(rank: int, port: int, out: str, stage_s: float, timeout:
 
 
 def _spawn_slow_stager(tmp_path, stage_s: float, timeout: float) -> list[str]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_slow_stager_worker, args=(free_port(), str(tmp_path), stage_s, timeout), nprocs=2)
+    fork_ranks(_slow_stager_worker, (free_port(), str(tmp_path), stage_s, timeout))
     return [(tmp_path / f"rank{r}").read_text() for r in range(2)]
 
 

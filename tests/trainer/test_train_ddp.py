@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torchvision import datasets as tvd
 
 from bench.fakedata import make_inat2021 as make_inat_release
 from tests.trainer.conftest import (
     finish,
+    fork_ranks,
     free_port,
     run_trainer,
     start_trainer,
@@ -128,7 +128,7 @@ def test_distributed_eval_equals_single_process(tmp_path):
     cpu = torch.device("cpu")
     single = engine.evaluate(model, loader, transforms.DeviceNormalize(cpu), cpu, 5)
     out = tmp_path / "dist.json"
-    mp.spawn(_eval_worker, args=(2, free_port(), str(out)), nprocs=2)
+    fork_ranks(_eval_worker, (2, free_port(), str(out)))
     distributed = json.loads(out.read_text())
     assert distributed["count"] == single["count"] == 21
     for key in ("top1", "top5", "mean_class_acc"):
@@ -170,7 +170,7 @@ def _bn_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
-    mp.spawn(_bn_worker, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    fork_ranks(_bn_worker, (2, free_port(), str(tmp_path)))
     distributed = json.loads((tmp_path / "dist.json").read_text())
     model = build_model("resnet18", 5)
     model.load_state_dict(torch.load(tmp_path / "model.pt"))
