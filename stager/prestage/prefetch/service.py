@@ -247,10 +247,17 @@ class Prefetches:
             started_at=started,
             source=source,
         )
+        displaced = self.book.prefetches.get((order.job, dataset))
         self.book.prefetches[(order.job, dataset)] = prefetch
         self.metrics.prefetches.labels(outcome="started").inc()
         self.metrics.prefetch_bytes.labels(outcome="started").inc(size)
         log.info("prefetch for job %s: %s as uid %s (%s)", order.job, dataset, order.uid, view.key)
+        if displaced is not None and displaced.uid != order.uid:
+            # Another user's order for the job id, booked while this one's checks ran
+            # (orders of different users go on side by side): it ends here, never left
+            # holding its name, lease and data outside the book.
+            owner = Caller.of_uid(displaced.uid, displaced.gid)
+            await self._drop(displaced, owner, "wasted")
         return prefetch
 
     async def _cancel(self, order: PrefetchOrder, user: Caller) -> list[Prefetch]:
