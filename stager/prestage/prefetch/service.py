@@ -340,7 +340,9 @@ class Prefetches:
             return
         async with self._user_lock(caller.uid), self._lock:
             for prefetch in self.book.waiting_for(caller.uid, view.key):
-                if prefetch.name == view.name:
+                if prefetch.name == view.name or prefetch.state != "active":
+                    # Ends once: this loop waits on each release, and an order of
+                    # another user's for the job id (reused) may end one meanwhile.
                     continue
                 prefetch.state = "used"
                 self.metrics.prefetches.labels(outcome="used").inc()
