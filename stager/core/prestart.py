@@ -13,12 +13,15 @@ folder alike.
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import socket
 import stat
 from pathlib import Path
 
+# The most links a path's resolution follows (Linux's own limit, past which: ELOOP).
+MAX_LINKS = 40
 # The longest path a Unix socket may have (sun_path is 108 bytes with its NUL).
 MAX_SOCKET_PATH = 107
 
@@ -60,19 +63,30 @@ def unheld(folder: Path) -> str | None:
     answer (stager.api.startup); nothing is made or removed in them before it is None
     (stager.core.processes.temp_folder_in)."""
     uid = os.getuid()
-    # The path as given and as resolved: a link on the way is as replaceable as the
-    # folder that holds it, and the given path's folders are not among the resolved
-    # one's parents.
-    given, real = Path(folder).absolute(), Path(os.path.realpath(folder))
-    for current in dict.fromkeys((given, *given.parents, real, *real.parents)):
-        try:
-            st = os.lstat(current)
-        except FileNotFoundError:
-            continue
-        if st.st_uid not in (uid, 0):
-            return f"{current} belongs to another user (uid {st.st_uid})"
-        if stat.S_ISLNK(st.st_mode):
-            continue  # its mode is always 0777; what matters is who may replace it
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            return f"others may write {current}, so they may move what it holds"
+    # The path as given and as resolved, and where each link on the way points as it is
+    # written: a link is as replaceable as the folder that holds it, a link it points
+    # at too (the resolved path's folders name neither, nor any folder above them).
+    todo = [Path(folder).absolute(), Path(os.path.realpath(folder))]
+    seen: set[Path] = set()
+    links = 0
+    while todo:
+        path = todo.pop(0)
+        for current in (path, *path.parents):
+            if current in seen:
+                continue
+            seen.add(current)
+            try:
+                st = os.lstat(current)
+            except FileNotFoundError:
+                continue
+            if st.st_uid not in (uid, 0):
+                return f"{current} belongs to another user (uid {st.st_uid})"
+            if stat.S_ISLNK(st.st_mode):  # its mode is always 0777: who may replace it counts
+                links += 1
+                if links > MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(folder))
+                todo.append(current.parent / os.readlink(current))
+                continue
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+                return f"others may write {current}, so they may move what it holds"
     return None

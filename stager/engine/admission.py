@@ -104,6 +104,10 @@ class FairQueue:
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
         self._low: set[str] = set()  # queued keys only prefetches asked for
+        # (key, user) a user's prefetch asked for and no request of theirs: what their
+        # queue limits count apart (a key's own lowness is every asker's: it changes
+        # as other users' requests and prefetches join it).
+        self._prefetched: set[tuple[str, int]] = set()
         self._running: dict[int, int] = {}
         # Set on every change that may let a waiting worker go. Everything here runs on
         # the event loop, so nothing changes between a worker's look and its wait.
@@ -118,9 +122,13 @@ class FairQueue:
         elif not low:
             self._low.discard(key)
         askers = self._askers.setdefault(key, set())
+        if not low:
+            self._prefetched.discard((key, owner))
         if owner in askers:
             return
         askers.add(owner)
+        if low:
+            self._prefetched.add((key, owner))
         if owner not in self._queued:
             self._queued[owner] = deque()
             self._turn.append(owner)
@@ -138,12 +146,12 @@ class FairQueue:
             self._low.discard(key)
 
     def queued_by(self, owner: int, low: bool | None = None) -> int:
-        """``owner``'s queued stagings: all (``low`` None), prefetches only (True), or
-        the others (False)."""
+        """``owner``'s queued stagings: all (``low`` None), those only their prefetches
+        asked for (True), or the others (False)."""
         queued = self._queued.get(owner, ())
         if low is None:
             return len(queued)
-        return sum(1 for key in queued if (key in self._low) == low)
+        return sum(1 for key in queued if ((key, owner) in self._prefetched) == low)
 
     def running_by(self, owner: int) -> int:
         return self._running.get(owner, 0)
@@ -192,6 +200,7 @@ class FairQueue:
         self._changed.set()
 
     def _withdraw(self, key: str, owner: int) -> None:
+        self._prefetched.discard((key, owner))
         queued = self._queued.get(owner)
         if queued is not None and key in queued:
             queued.remove(key)

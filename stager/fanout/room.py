@@ -543,7 +543,9 @@ class FanoutRoom:
         async with self._admission:
             transfer = self.deliveries.find(key)
             if transfer is None:
-                await self._admit(request.bytes, "", self._quota_owner(owner))
+                # A user's own (a running job's fan-out): it may evict data only
+                # prefetches hold, as its request would (admission.speculative).
+                await self._admit(request.bytes, "", self._quota_owner(owner), request=True)
                 transfer = self.deliveries.add(
                     key, request.label, request.bytes, request.ttl_s, owner
                 )

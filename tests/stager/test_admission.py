@@ -194,3 +194,28 @@ def test_a_user_past_their_queue_limit_is_refused(tmp_path: Path) -> None:
         admission.check_queue(7)
     admission.check_queue(8)  # another user's queue is theirs
     assert bound(tmp_path).max_queued is None  # a per-user daemon has no such limit
+
+
+def test_what_a_users_prefetch_asks_for_counts_as_her_prefetch_whoever_else_asks(
+    tmp_path: Path,
+) -> None:
+    """A queued key's lowness is every asker's: bob's request that a prefetch of
+    alice's joins, or that joins hers, is not low, and each was counted as a request of
+    hers, filling her requests' limit (her running job's own was refused, 429)."""
+    admission = bound(tmp_path, multi_user=True, max_queued_per_user=2)
+    alice, bob = 7, 8
+    admission.queue.put("his", bob)  # bob's own request
+    token = PREFETCHING.set(lambda _estimate: None)
+    try:
+        admission.queue.put("his", alice)  # her prefetch joins it
+        admission.queue.put("hers", alice)  # her prefetch, queued first
+    finally:
+        PREFETCHING.reset(token)
+    admission.queue.put("hers", bob)  # his request joins it: it is no longer low
+    assert admission.queue.queued_by(alice, low=True) == 2
+    assert admission.queue.queued_by(alice, low=False) == 0
+    admission.check_queue(alice)  # her own request is taken
+    admission.queue.put("hers", alice)  # her own request for it: hers is a request now
+    assert admission.queue.queued_by(alice, low=False) == 1
+    admission.queue.discard("his", alice)
+    assert admission.queue.queued_by(alice, low=True) == 0

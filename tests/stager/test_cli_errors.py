@@ -108,6 +108,14 @@ def test_a_folder_that_another_user_can_replace_is_refused(
             EXIT_FAILED,
             f"{flag} {theirs}/link/sub cannot be used: others may write {theirs}",
         )
+        # A held link to that link: the resolved path's folders name neither, and the
+        # link in their folder is as replaceable as the one before.
+        (tmp_path / "hop").symlink_to(theirs / "link")
+        one_sentence(
+            stager({**places, name: str(tmp_path / "hop" / "sub")}, "serve"),
+            EXIT_FAILED,
+            f"{flag} {tmp_path}/hop/sub cannot be used: others may write {theirs}",
+        )
         theirs.chmod(0o1777)  # as /tmp: others cannot move what is not theirs
         os.lchown(theirs / "link", 65534, 65534)  # but their own link, they can
         one_sentence(

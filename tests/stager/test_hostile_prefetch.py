@@ -549,3 +549,50 @@ def test_strangers_holding_the_prefetch_ports_places_cannot_keep_the_planner_out
     log = service.log(limit=None)
     assert "held the most with requests not yet whole" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_job_id_given_to_another_user_while_an_order_for_it_waits_leaves_nothing_held(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+    alice_home: Path,
+) -> None:
+    """alice's order for her job 600 waits on her process (stopped, then let go); bob's
+    order for his job 600 (Slurm gave him the id meanwhile) is booked beside it. Hers,
+    booked last, must end his: before, it took his place in the book, and his name, lease
+    and data stayed outside the budgets until they expired, out of reach of his cancel."""
+    alice, bob = users
+    service = start_service(shared_tmp / "cache", munge_socket, STAGER_USER_PROCESS_TIMEOUT_S="30")
+    stopped: list[int] = []
+    answers: list[tuple[int, dict]] = []
+    mine = private_tree(alice, shared_tmp / "alice-only")
+    hers = signed(
+        order(alice, 600, {"name": "d", "steps": [{"op": "copy", "src": str(mine)}]}), munge_socket
+    )
+    first = threading.Thread(target=lambda: answers.append(send(service, *hers)))
+    try:
+        stopped = stopped_user_processes(alice, service, alice_home)
+        first.start()
+        time.sleep(1.0)  # her order waits on her stopped process
+        bobs = private_tree(bob, shared_tmp / "bob-only")
+        his = order(bob, 600, {"name": "d", "steps": [{"op": "copy", "src": str(bobs)}]})
+        code, answer = prefetch(service, munge_socket, his)
+        assert code == 200, answer
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        first.join(60)
+        assert answers and answers[0][0] == 200, answers
+        # bob's job's cancel ends what the node holds for job 600: nothing stays named.
+        code, answer = prefetch(service, munge_socket, order(bob, 600, action="cancel"))
+        assert code == 200, answer
+        for user in (alice, bob):
+            code, status = user.curl(service.socket, "GET", "/v1/datasets/prefetch-600-d")
+            assert code == 404, (user.name, status)
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if first.is_alive():
+            first.join(60)
+        service.stop()
+        service.cleanup()

@@ -589,3 +589,28 @@ def test_a_running_jobs_request_may_evict_data_that_only_a_prefetch_holds(
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_a_running_jobs_delivery_may_evict_data_that_only_a_prefetch_holds(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """As its request may (above): room for a delivery of bob's running job's fan-out
+    (POST /v1/incoming, what sbcast then writes) evicts alice's pending job's prefetch
+    rather than be refused insufficient_space for room held for a job not started."""
+    alice, bob = users
+    daemon = start_service(shared_tmp / "cache", munge_socket, STAGER_CAPACITY_BYTES="100000")
+    try:
+        hers = {
+            "name": "h",
+            "steps": [{"op": "copy", "src": str(private_tree(alice, shared_tmp / "a", 15))}],
+        }
+        assert prefetch(daemon, munge_socket, order(alice, 503, hers))[0] == 200
+        assert wait(alice, daemon, "prefetch-503-h")["state"] == "ready"
+        room = {"label": "fanout", "bytes": 60000}
+        code, answer = bob.curl(daemon.socket, "POST", "/v1/incoming", room)
+        assert code == 200, answer
+        assert prefetch(daemon, munge_socket, order(alice, 504, action="cancel"))[0] == 200
+        assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+    finally:
+        daemon.stop()
+        daemon.cleanup()

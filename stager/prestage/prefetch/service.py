@@ -247,10 +247,17 @@ class Prefetches:
             started_at=started,
             source=source,
         )
+        displaced = self.book.prefetches.get((order.job, dataset))
         self.book.prefetches[(order.job, dataset)] = prefetch
         self.metrics.prefetches.labels(outcome="started").inc()
         self.metrics.prefetch_bytes.labels(outcome="started").inc(size)
         log.info("prefetch for job %s: %s as uid %s (%s)", order.job, dataset, order.uid, view.key)
+        if displaced is not None and displaced.uid != order.uid:
+            # Another user's order for the job id, booked while this one's checks ran
+            # (orders of different users go on side by side): it ends here, never left
+            # holding its name, lease and data outside the book.
+            owner = Caller.of_uid(displaced.uid, displaced.gid)
+            await self._drop(displaced, owner, "wasted")
         return prefetch
 
     async def _cancel(self, order: PrefetchOrder, user: Caller) -> list[Prefetch]:
@@ -333,7 +340,9 @@ class Prefetches:
             return
         async with self._user_lock(caller.uid), self._lock:
             for prefetch in self.book.waiting_for(caller.uid, view.key):
-                if prefetch.name == view.name:
+                if prefetch.name == view.name or prefetch.state != "active":
+                    # Ends once: this loop waits on each release, and an order of
+                    # another user's for the job id (reused) may end one meanwhile.
                     continue
                 prefetch.state = "used"
                 self.metrics.prefetches.labels(outcome="used").inc()
