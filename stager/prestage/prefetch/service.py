@@ -308,6 +308,9 @@ class Prefetches:
         reg = self.engine.registry
         ended = False
         overstaying = self._overstaying()
+        # Before their slots are freed: the next to run is then another user's.
+        for uid in sorted({p.uid for p in self.book.active() if (p.job, p.dataset) in overstaying}):
+            await self._demote(uid)
         for prefetch in self.book.active():
             entry = self._entry(prefetch)
             handle = reg.handles.get((prefetch.uid, prefetch.name))
@@ -369,6 +372,25 @@ class Prefetches:
             if others and admission.prefetch_only(key):
                 ended[job, dataset] = others[0]
         return ended
+
+    async def _demote(self, uid: int) -> None:
+        """``uid``'s queued prefetches go behind every other user's in the fair queue
+        (withdrawn and put back, so that ``uid`` joins the turn last): the next slot goes
+        to a user who waited, not to the next of the one whose prefetch overstayed."""
+        admission = self.engine.admission
+        async with admission.lock:  # as a request's queueing holds it
+            keys = [
+                e.key
+                for p in self.book.active()
+                if p.uid == uid
+                and (e := self._entry(p)) is not None
+                and e.state == State.QUEUED
+                and admission.prefetch_only(e.key)
+            ]
+            for key in keys:
+                admission.queue.discard(key, uid)
+            for key in keys:
+                admission.queue.put(key, uid, low=True)
 
     async def sweep(self) -> None:
         async with self._lock:
