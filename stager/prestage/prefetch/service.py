@@ -352,20 +352,20 @@ class Prefetches:
         ready by its job's start anyway, and the job stages it then, at a request's
         priority. Only stagings no user request joined (prefetches' alone) count."""
         states = [(p, self._entry(p)) for p in self.book.active()]
-        admission = self.engine.admission
-        queued = {
-            p.uid
-            for p, e in states
-            if e is not None and e.state == State.QUEUED and admission.prefetch_only(e.key)
-        }
-        if not queued:
-            return {}
         limit = time.time() - self.settings.prefetch_slot_s
         running = sorted(
             # The staging's start: its last state change (QUEUED -> STAGING).
             ((e.updated_at.timestamp(), p.job, p.dataset, p.uid, e.key) for p, e in states
              if e is not None and e.state == State.STAGING and e.updated_at.timestamp() < limit),
         )  # fmt: skip
+        if not running:  # the usual case, at each order and sweep: nothing more to look at
+            return {}
+        admission = self.engine.admission
+        queued = {
+            p.uid
+            for p, e in states
+            if e is not None and e.state == State.QUEUED and admission.prefetch_only(e.key)
+        }
         ended: dict[tuple[int, str], int] = {}
         for _, job, dataset, uid, key in running:
             others = sorted(queued - {uid} - set(ended.values()))
