@@ -450,6 +450,15 @@ class Settings(BaseSettings):
         help="node service: seconds a prefetch its job has not used is kept; then it is "
         "dropped and its bytes counted as wasted",
     )
+    prefetch_slot_s: float = setting(
+        1800.0,
+        gt=0,
+        cli=(),
+        help="node service: seconds a prefetch may hold a prefetch slot "
+        "(STAGER_PREFETCH_MAX_RUNNING) while another user's prefetch waits for one; then "
+        "it is ended (counted as wasted) and its job stages at its start; make it the "
+        "planner's STAGER_PLAN_HORIZON",
+    )
     prefetch_copy_wait_s: float = setting(
         3600.0,
         gt=0,
@@ -512,6 +521,24 @@ class Settings(BaseSettings):
         flag="plan-interval",
         help="planner: seconds between its intervals (one squeue call each); make it "
         "slurm.conf's bf_interval (default 30), how often Slurm's plan can change",
+    )
+    plan_job_targets_max: int = setting(
+        256,
+        ge=1,
+        cli=("plan",),
+        flag="plan-job-targets-max",
+        help="planner: the most prefetches (planned node x declared dataset) of one job; "
+        "the rest (further nodes) are left out, logged once per job, and stage at the "
+        "job's start, so that one wide job costs the planner and the nodes a bounded amount",
+    )
+    plan_orders_per_interval: int = setting(
+        1000,
+        ge=1,
+        cli=("plan",),
+        flag="plan-orders-per-interval",
+        help="planner: the most orders sent in one interval, shared round-robin between "
+        "the users who have orders to send (one user's thousands cannot push another's "
+        "out); the rest wait for the next interval",
     )
     plan_node_port: int = setting(
         DEFAULT_PREFETCH_PORT,

@@ -614,3 +614,50 @@ def test_a_running_jobs_delivery_may_evict_data_that_only_a_prefetch_holds(
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_one_users_long_prefetch_cannot_hold_the_nodes_prefetch_slot_from_another(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """One prefetch slot (STAGER_PREFETCH_MAX_RUNNING, 1), a slot of 1 s
+    (STAGER_PREFETCH_SLOT_S). bob's prefetch stalls (a download that never ends): alone,
+    or with only his own next prefetch queued, it keeps the slot; once alice's waits, it
+    is ended (counted as wasted) and hers stages."""
+    alice, bob = users
+    hold = threading.Event()
+    stalled = Behaviour(files={"/p.bin": os.urandom(1024), "/q.bin": b"q"}, hold=hold)
+    with serve_files(stalled) as held:
+        daemon = start_service(
+            shared_tmp / "cache", munge_socket, "--max-workers", "2",
+            STAGER_PREFETCH_SLOT_S="1",
+        )  # fmt: skip
+        try:
+            for job, name in ((80, "p"), (81, "q")):
+                fetch = {
+                    "name": name,
+                    "steps": [{"op": "fetch", "url": f"{held}/{name}.bin", "dst": "x"}],
+                }
+                code, answer = prefetch(daemon, munge_socket, order(bob, job, fetch))
+                assert code == 200, answer
+            deadline = time.monotonic() + 30
+            while stalled.requests == 0:  # his first prefetch is staging
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(2.5)  # past the slot, several sweeps: nobody else waits
+            state = bob.curl(daemon.socket, "GET", "/v1/datasets/prefetch-80-p")[1]["state"]
+            assert state == "staging"
+            assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 0
+
+            tree = private_tree(alice, shared_tmp / "alice-data")
+            request = {"name": "mine", "steps": [{"op": "copy", "src": str(tree)}]}
+            code, answer = prefetch(daemon, munge_socket, order(alice, 82, request))
+            assert code == 200, answer
+            assert wait(alice, daemon, "prefetch-82-mine")["state"] == "ready"
+            code, _ = bob.curl(daemon.socket, "GET", "/v1/datasets/prefetch-80-p")
+            assert code == 404
+            assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
+            assert "held a prefetch slot over 1 s" in daemon.log(None)
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()

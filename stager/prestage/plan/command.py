@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stager plan: --squeue-output {args.squeue_output}: no such file", file=sys.stderr)
         return EXIT_USAGE
     source = RecordedSqueue(args.squeue_output) if args.squeue_output else Squeue()
-    planner = Planner(source, settings.plan_horizon_s)
+    planner = Planner(source, settings.plan_horizon_s, targets_max=settings.plan_job_targets_max)
     if not args.dry_run:
         return serve(planner, settings, once=args.once)
     try:

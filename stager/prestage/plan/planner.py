@@ -24,9 +24,11 @@ class Planner:
         source: squeue.Squeue,
         horizon_s: float,
         clock: Callable[[], datetime] = datetime.now,  # naive local time, as squeue prints
+        targets_max: int | None = None,
     ) -> None:
         self.source = source
         self.horizon_s = horizon_s
+        self.targets_max = targets_max
         self.clock = clock
         self.declarations = Declarations()
         self.previous: frozenset[planning.Prefetch] = frozenset()
@@ -35,7 +37,7 @@ class Planner:
     def interval(self) -> Interval:
         jobs, problems = squeue.parse(self.source.read(), self.lines)
         now = self.clock()
-        plan = planning.compute(jobs, now, self.horizon_s, self.declarations)
+        plan = planning.compute(jobs, now, self.horizon_s, self.declarations, self.targets_max)
         found = changes.diff(self.previous, plan)
         self.previous = plan.prefetches | frozenset(found.held)
         return Interval(plan, found, problems, now)

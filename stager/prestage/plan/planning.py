@@ -8,7 +8,7 @@ within the horizon; every other job gets the reason it was not.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from stager.prestage.plan.declared import Declarations, Wanted
@@ -48,13 +48,23 @@ class Plan:
     planned: list[Planned]
     skipped: list[Skipped]
     jobs: dict[str, QueuedJob]  # every job squeue listed, by id
+    # Planned jobs with more prefetch targets than ``targets_max``: what was left out.
+    capped: dict[str, str] = field(default_factory=dict)
 
 
 def compute(
-    jobs: Iterable[QueuedJob], now: datetime, horizon_s: float, declarations: Declarations
+    jobs: Iterable[QueuedJob],
+    now: datetime,
+    horizon_s: float,
+    declarations: Declarations,
+    targets_max: int | None = None,
 ) -> Plan:
+    """``targets_max``: the most prefetches (node x dataset) of one job; the rest are
+    left out (``Plan.capped`` says which), so that one user's wide job costs the planner,
+    its state and the nodes a bounded amount whatever its width."""
     horizon = now + timedelta(seconds=horizon_s)
     by_id, planned, skipped = {}, [], []
+    capped: dict[str, str] = {}
     prefetches: set[Prefetch] = set()
     for job in jobs:
         by_id[job.job_id] = job
@@ -74,13 +84,21 @@ def compute(
         planned.append(Planned(job, wanted))
         # The first planned node reads the storage; the others copy from it, node to
         # node, before the job starts (docs/prestaging.md, "4-node job"): one read.
-        first, *others = dict.fromkeys(job.sched_nodes)
-        for item in wanted:
-            prefetches.add(Prefetch(job.job_id, first, job.uid, job.gid, item))
-            prefetches.update(
-                Prefetch(job.job_id, node, job.uid, job.gid, item, source=first) for node in others
+        # Node by node, the first one whole: a copy needs its source's stage.
+        first, *others = nodes = list(dict.fromkeys(job.sched_nodes))
+        total = len(nodes) * len(wanted)
+        kept = total if targets_max is None else min(total, targets_max)
+        for i in range(kept):
+            node, item = nodes[i // len(wanted)], wanted[i % len(wanted)]
+            source = "" if node == first else first
+            prefetches.add(Prefetch(job.job_id, node, job.uid, job.gid, item, source=source))
+        if kept < total:
+            capped[job.job_id] = (
+                f"{total - kept} of its {total} prefetches ({len(nodes)} nodes x "
+                f"{len(wanted)} datasets) left out, past {targets_max} a job "
+                "(STAGER_PLAN_JOB_TARGETS_MAX): those nodes stage at the job's start"
             )
-    return Plan(frozenset(prefetches), planned, skipped, by_id)
+    return Plan(frozenset(prefetches), planned, skipped, by_id, capped)
 
 
 def _reason(job: QueuedJob, horizon: datetime) -> str | None:

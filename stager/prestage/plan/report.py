@@ -40,6 +40,8 @@ def lines(interval: Interval) -> Iterator[str]:
         nodes = ",".join(planned.job.sched_nodes)
         names = ", ".join(w.name for w in planned.wanted)
         yield f"plan: {_job(planned.job)} on {nodes}: pre-stage {names}"
+    for job_id, why in plan.capped.items():
+        yield f"cap: job {job_id}: {why}"
     for prefetch in found.start:
         how = f"copy from {prefetch.source} to" if prefetch.source else "stage on"
         yield f"  would {how} {prefetch.node} as {user(prefetch.uid)}: {_what(prefetch)}"

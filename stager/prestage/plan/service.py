@@ -3,7 +3,9 @@ service"): every ``plan_interval_s`` one squeue call and the changes since the l
 interval, each an order to its node's prefetch port with a fresh MUNGE credential over
 the order's sha256. An order is a wish the node may refuse: sent :data:`SENDS_AT_ONCE`
 at a time, each bounded by :data:`SEND_TIMEOUT_S`; one not delivered (no answer, a 5xx,
-a 429) is sent again next interval, a refusal (any other 4xx) logged and not repeated.
+a 429) is sent again later, backing off (:class:`Backoff`), a refusal (any other 4xx)
+logged and not repeated. At most ``plan_orders_per_interval`` orders an interval, shared
+round-robin between users (:func:`fair_share`): the rest wait for the next interval.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import json
 import logging
 import signal
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -38,16 +41,25 @@ SEND_TIMEOUT_S = 5.0  # an order is queued on the node, not staged: it answers i
 SENDS_AT_ONCE = 32
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class Order:
     node: str
     body: bytes
     job: str
     prefetch: Prefetch | None  # a start's; None: a cancel
+    uid: int = -1  # the job's user: whose share of an interval's orders it takes
 
     @property
     def key(self) -> tuple[str, str]:
         return self.job, self.node
+
+    @property
+    def attempt(self) -> tuple[str, str, str]:
+        """What a refusal backs off: (node, job, dataset); a cancel's dataset is ""."""
+        return self.node, self.job, self.prefetch.wanted.name if self.prefetch else ""
 
     @property
     def copy(self) -> bool:
@@ -80,8 +92,53 @@ def orders(found: Changes, address: Callable[[str], str]) -> list[Order]:
             key = (prefetch.job_id, prefetch.node, "")  # a cancel is the job's, on that node
         raw = json.dumps(body, sort_keys=True).encode()
         kept = prefetch if action != "cancel" else None
-        made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept))
+        made.setdefault(key, Order(prefetch.node, raw, prefetch.job_id, kept, prefetch.uid))
     return list(made.values())
+
+
+def fair_share(wanted: dict[int, list[T]], limit: int, first: int = 0) -> list[T]:
+    """At most ``limit`` of the users' items, one of each user's in turn (in each user's
+    own order), beginning with the first user whose uid is ``first`` or above: a user
+    with thousands takes no more of an interval than one with a few while both have some."""
+    users = sorted(uid for uid, items in wanted.items() if items)
+    at = next((i for i, uid in enumerate(users) if uid >= first), 0)
+    turn = deque(deque(wanted[uid]) for uid in users[at:] + users[:at])
+    chosen: list[T] = []
+    while turn and len(chosen) < limit:
+        items = turn.popleft()
+        chosen.append(items.popleft())
+        if items:
+            turn.append(items)
+    return chosen
+
+
+class Backoff:
+    """Orders a node did not take (a 429 over the user's budget or queue there, no
+    answer, a 5xx), per (node, job, dataset): sent again after ``first_s``, then after
+    twice as long each time, at most ``most_s`` apart (the horizon: by then the job has
+    started or its plan moved). Each try costs a munge, the node's unmunge and its
+    fsync'd record; a job never waits for any of it (it stages at its start)."""
+
+    def __init__(self, first_s: float, most_s: float, clock: Callable[[], float]) -> None:
+        self.first_s, self.most_s, self.clock = first_s, max(most_s, first_s), clock
+        self.until: dict[Hashable, tuple[float, float]] = {}  # key: (not before, last gap)
+
+    def due(self, key: Hashable) -> bool:
+        held = self.until.get(key)
+        return held is None or self.clock() >= held[0]
+
+    def failed(self, key: Hashable) -> None:
+        _, gap = self.until.get(key, (0.0, self.first_s / 2))
+        gap = min(gap * 2, self.most_s)
+        self.until[key] = (self.clock() + gap, gap)
+
+    def done(self, key: Hashable) -> None:
+        self.until.pop(key, None)
+
+    def keep(self, keys: Iterable[Hashable]) -> None:
+        """Forget every key but ``keys`` (orders no longer wanted)."""
+        wanted = set(keys)
+        self.until = {k: v for k, v in self.until.items() if k in wanted}
 
 
 class Sender:
@@ -158,18 +215,34 @@ class Tally:
     planned: int = 0
     sent: int = 0
     failed: int = 0
+    waiting: int = 0  # orders past this interval's share or backing off: sent later
     squeue_ms: float = 0.0
+
+
+def _attempt(prefetch: Prefetch) -> tuple[str, str, str]:
+    return prefetch.node, prefetch.job_id, prefetch.wanted.name
 
 
 class Service:
     """``state_path``: where the last plan is kept across restarts (None: nowhere)."""
 
-    def __init__(self, planner: Planner, sender: Sender, state_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        planner: Planner,
+        sender: Sender,
+        state_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.planner = planner
         self.sender = sender
         self.cancels: dict[tuple[str, str], Order] = {}  # not delivered yet: sent again
         self.state_path = state_path
         self._kept: tuple[frozenset[Prefetch], list[state.Cancel]] | None = None
+        settings = sender.settings
+        self.backoff = Backoff(settings.plan_interval_s, planner.horizon_s, clock)
+        self.per_interval = settings.plan_orders_per_interval
+        self._first_uid = 0  # whose turn begins the next interval's share
+        self._capped: set[str] = set()  # jobs whose left-out prefetches were logged
 
     async def _load(self) -> None:
         if self.state_path is None:
@@ -177,7 +250,11 @@ class Service:
         previous, cancels = await run_io(state.load, self.state_path)
         self.planner.previous = previous
         for node, body, job in cancels:
-            order = Order(node, body.encode(), job, None)
+            try:
+                uid = int(json.loads(body)["uid"])
+            except (ValueError, KeyError, TypeError):
+                uid = -1
+            order = Order(node, body.encode(), job, None, uid)
             self.cancels[order.key] = order
         self._kept = previous, cancels
         if previous or cancels:
@@ -192,6 +269,34 @@ class Service:
             await run_io(state.save, self.state_path, *kept)
             self._kept = kept
 
+    def _log_capped(self, capped: dict[str, str]) -> None:
+        for job_id in sorted(capped.keys() - self._capped):
+            log.warning("job %s: %s", job_id, capped[job_id])
+        self._capped = set(capped)  # a job no longer capped is logged again if it is again
+
+    def _choose(self, found: Changes) -> tuple[list[Prefetch], list[Order], set[tuple]]:
+        """This interval's share: the starts and cancels sent now, and the (job, node,
+        dataset) of the starts that wait. A start backing off, or past its user's share,
+        is found new again next interval; a cancel stays in ``cancels``. Each user's
+        cancels go first (they free room), then stages, then copies (which need theirs)."""
+        wanted: dict[int, list[Prefetch | Order]] = {}
+        for order in self.cancels.values():
+            if self.backoff.due(order.attempt):
+                wanted.setdefault(order.uid, []).append(order)
+        for prefetch in sorted(found.start, key=lambda p: bool(p.source)):
+            if self.backoff.due(_attempt(prefetch)):
+                wanted.setdefault(prefetch.uid, []).append(prefetch)
+        chosen = fair_share(wanted, self.per_interval, self._first_uid)
+        if len(chosen) == self.per_interval:  # the next interval's turn begins after
+            self._first_uid = chosen[-1].uid + 1
+        starts = [p for p in chosen if isinstance(p, Prefetch)]
+        kept = set(starts)
+        unsent = {(p.job_id, p.node, p.wanted) for p in found.start if p not in kept}
+        for prefetch in found.start:
+            if prefetch not in kept:
+                self.planner.forget(prefetch)
+        return starts, [o for o in chosen if isinstance(o, Order)], unsent
+
     async def interval(self) -> Tally:
         """One interval; raises SqueueError when squeue could not be read."""
         started = time.perf_counter()
@@ -200,18 +305,19 @@ class Service:
         plan = found.plan
         tally.jobs, tally.planned = len(plan.jobs), len(plan.planned)
         tally.pending = sum(1 for job in plan.jobs.values() if job.state == "PENDING")
-        made = orders(found.changes, self.sender.address)
-        starting = {o.key for o in made if o.prefetch is not None}
+        self._log_capped(plan.capped)
+        for order in orders(Changes(cancel=found.changes.cancel), self.sender.address):
+            self.cancels[order.key] = order
+        starts, cancels, unsent = self._choose(found.changes)
+        tally.waiting = len(unsent) + len(self.cancels) - len(cancels)
+        made = orders(Changes(start=starts), self.sender.address)
         for order in made:
-            if order.key in starting:
-                # Wanted there again (a role changed: copy to stage, or another source):
-                # no cancel, which the node could take after the start and drop it with
-                # its data. The node re-targets a start itself (it drops what differs).
-                self.cancels.pop(order.key, None)
-            else:
-                self.cancels[order.key] = order
-        first = [o for o in made if o.prefetch is not None and not o.copy]
-        first += list(self.cancels.values())
+            # Wanted there again (a role changed: copy to stage, or another source):
+            # no cancel, which the node could take after the start and drop it with
+            # its data. The node re-targets a start itself (it drops what differs).
+            if self.cancels.pop(order.key, None) is not None:
+                cancels = [c for c in cancels if c.key != order.key]
+        first = [o for o in made if not o.copy] + cancels
         outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))
         # Copies once the stages they copy are ready there: their nodes ask the source
         # node at once, and it answers at once (it does not wait: a wait would hold a
@@ -232,7 +338,7 @@ class Service:
         for order in (o for o in made if o.copy):
             assert order.prefetch is not None
             at = (order.job, order.prefetch.source, order.prefetch.wanted)
-            if at in missed or at in waiting:
+            if at in missed or at in waiting or at in unsent:
                 self.planner.forget(order.prefetch)
                 held.add(at)
             else:
@@ -251,18 +357,25 @@ class Service:
             else:
                 tally.failed += 1
                 failures[order.node, why] += 1
+            if outcome == "retry":
+                self.backoff.failed(order.attempt)
+            else:
+                self.backoff.done(order.attempt)
             if order.prefetch is None and outcome != "retry":
                 self.cancels.pop(order.key, None)
             elif order.prefetch is not None and outcome == "retry":
                 self.planner.forget(order.prefetch)  # new again next interval
+        self.backoff.keep(
+            [_attempt(p) for p in plan.prefetches] + [o.attempt for o in self.cancels.values()]
+        )
         for (node, why), count in sorted(failures.items()):
             log.warning("node %s: %d order(s) not carried out: %s", node, count, why)
         await self._save()
         log.info(
             "interval: %d jobs seen (%d pending), %d planned, orders sent %d, failed %d, "
-            "squeue %.0f ms, interval %.0f ms",
+            "waiting %d, squeue %.0f ms, interval %.0f ms",
             tally.jobs, tally.pending, tally.planned, tally.sent, tally.failed,
-            tally.squeue_ms, (time.perf_counter() - started) * 1000,
+            tally.waiting, tally.squeue_ms, (time.perf_counter() - started) * 1000,
         )  # fmt: skip
         return tally
 

@@ -85,7 +85,9 @@ class Prefetches:
             return
         await self._load()
         self.names.prestaged = self.job_for
-        self._sweeper = asyncio.ensure_future(self._sweep_every(60.0))
+        # Often enough to end a prefetch overstaying its slot (prefetch_slot_s) soon after.
+        period = min(60.0, max(0.25, self.settings.prefetch_slot_s / 4))
+        self._sweeper = asyncio.ensure_future(self._sweep_every(period))
 
     async def stop(self) -> None:
         if self._sweeper is not None:
@@ -304,11 +306,18 @@ class Prefetches:
             await self.names.delete(prefetch.name, user)  # the data, unless another name has it
             await self.names.delete(prefetch.name, user)  # the ended name: forgotten
 
-    async def _expire(self) -> None:
-        """End failed stagings, names their user deleted, and prefetches unused past
-        ``prefetch_expire_s`` (wasted)."""
+    async def _expire(self) -> bool:
+        """End failed stagings, names their user deleted, prefetches unused past
+        ``prefetch_expire_s`` (wasted), and those holding a prefetch slot past
+        ``prefetch_slot_s`` while another user's prefetch waits (:meth:`_overstaying`).
+        Whether the book changed."""
         horizon = time.time() - self.settings.prefetch_expire_s
         reg = self.engine.registry
+        ended = False
+        overstaying = self._overstaying()
+        # Before their slots are freed: the next to run is then another user's.
+        for uid in sorted({p.uid for p in self.book.active() if (p.job, p.dataset) in overstaying}):
+            await self._demote(uid)
         for prefetch in self.book.active():
             entry = self._entry(prefetch)
             handle = reg.handles.get((prefetch.uid, prefetch.name))
@@ -319,18 +328,81 @@ class Prefetches:
                 or handle.ended is not None
                 or prefetch.started_at < horizon
                 or (entry is not None and entry.state == State.EVICTED)  # a request's room
+                or (prefetch.job, prefetch.dataset) in overstaying
             ):
                 outcome = "wasted"
             else:
                 continue
+            if (waiter := overstaying.get((prefetch.job, prefetch.dataset))) is not None:
+                log.warning(
+                    "prefetch for job %s (%s, uid %s) ended: it held a prefetch slot over "
+                    "%g s (STAGER_PREFETCH_SLOT_S) while uid %s's prefetch waited; the job "
+                    "stages at its start",
+                    prefetch.job, prefetch.dataset, prefetch.uid,
+                    self.settings.prefetch_slot_s, waiter,
+                )  # fmt: skip
             await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), outcome)
+            ended = True
+        before = len(self.book.prefetches)
         self.book.forget_before(horizon)
+        return ended or len(self.book.prefetches) != before
+
+    def _overstaying(self) -> dict[tuple[int, str], int]:
+        """Prefetches staging for over ``prefetch_slot_s`` while another user's prefetch
+        waits here for a slot, by (job, dataset), with the uid whose wait each ends:
+        longest first, at most one per waiting user (each ended frees one slot).
+
+        A slot is a time slice, as a batch scheduler's preemption after an exempt time
+        (Slurm's PreemptExemptTime): a download trickling for hours, or a huge dataset,
+        cannot keep every other user's prefetch on this node waiting. The one ended is
+        not requeued behind them: past the slot (the planner's horizon) it would not be
+        ready by its job's start anyway, and the job stages it then, at a request's
+        priority. Only stagings no user request joined (prefetches' alone) count."""
+        states = [(p, self._entry(p)) for p in self.book.active()]
+        limit = time.time() - self.settings.prefetch_slot_s
+        running = sorted(
+            # The staging's start: its last state change (QUEUED -> STAGING).
+            ((e.updated_at.timestamp(), p.job, p.dataset, p.uid, e.key) for p, e in states
+             if e is not None and e.state == State.STAGING and e.updated_at.timestamp() < limit),
+        )  # fmt: skip
+        if not running:  # the usual case, at each order and sweep: nothing more to look at
+            return {}
+        admission = self.engine.admission
+        queued = {
+            p.uid
+            for p, e in states
+            if e is not None and e.state == State.QUEUED and admission.prefetch_only(e.key)
+        }
+        ended: dict[tuple[int, str], int] = {}
+        for _, job, dataset, uid, key in running:
+            others = sorted(queued - {uid} - set(ended.values()))
+            if others and admission.prefetch_only(key):
+                ended[job, dataset] = others[0]
+        return ended
+
+    async def _demote(self, uid: int) -> None:
+        """``uid``'s queued prefetches go behind every other user's in the fair queue
+        (withdrawn and put back, so that ``uid`` joins the turn last): the next slot goes
+        to a user who waited, not to the next of the one whose prefetch overstayed."""
+        admission = self.engine.admission
+        async with admission.lock:  # as a request's queueing holds it
+            keys = [
+                e.key
+                for p in self.book.active()
+                if p.uid == uid
+                and (e := self._entry(p)) is not None
+                and e.state == State.QUEUED
+                and admission.prefetch_only(e.key)
+            ]
+            for key in keys:
+                admission.queue.discard(key, uid)
+            for key in keys:
+                admission.queue.put(key, uid, low=True)
 
     async def sweep(self) -> None:
         async with self._lock:
             await self._load()
-            if self.book.active():
-                await self._expire()
+            if self.book.active() and await self._expire():
                 await self._save()
 
     async def requested(self, caller: Caller, view: DatasetPublic) -> None:

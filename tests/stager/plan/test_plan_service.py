@@ -6,6 +6,7 @@ program on PATH printing the file the test rewrites between intervals."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -25,12 +26,14 @@ from tests.users import User
 INTERVAL_S = 0.5
 
 
-def node_service(cache: Path, munge: Path, node: str, port: int, wait: bool = True) -> Daemon:
+def node_service(
+    cache: Path, munge: Path, node: str, port: int, wait: bool = True, **env: str
+) -> Daemon:
     """``wait=False``: started, not yet ready (``wait_ready``): two start side by side."""
     daemon = Daemon(
         cache_dir=cache,
         args=["--multi-user", "--prefetch-listen", f"127.0.0.1:{port}"],
-        extra_env={"STAGER_MUNGE_SOCKET": str(munge), "STAGER_NODE_NAME": node},
+        extra_env={"STAGER_MUNGE_SOCKET": str(munge), "STAGER_NODE_NAME": node, **env},
     )
     daemon.runtime_dir.chmod(0o755)
     return daemon.start(wait=wait)
@@ -58,10 +61,11 @@ class Queue:
 
 
 class Planner:
-    def __init__(self, queue: Queue, munge: Path, addresses: dict[str, int]) -> None:
+    def __init__(self, queue: Queue, munge: Path, addresses: dict[str, int], **more: str) -> None:
         self.log_path = queue.folder / "planner.log"
         env = dict(
             os.environ,
+            **more,
             PATH=f"{queue.folder}:{os.environ['PATH']}",
             STAGER_MUNGE_SOCKET=str(munge),
             STAGER_PLAN_NODE_ADDRESSES=",".join(f"{n}=127.0.0.1:{p}" for n, p in addresses.items()),
@@ -80,6 +84,9 @@ class Planner:
 
     def intervals(self) -> int:
         return self.log().count("stager plan: interval: ")
+
+    def interval_lines(self) -> list[str]:
+        return [line for line in self.log().splitlines() if "stager plan: interval: " in line]
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -337,3 +344,88 @@ def test_sigterm_stops_it_at_once_while_squeue_does_not_answer(
         assert time.monotonic() - began < 5.0
     finally:
         planner.stop()
+
+
+def metric(node: Daemon, label: str) -> float:
+    with node.client() as client:
+        text = client.get("/metrics").text
+    line = next((x for x in text.splitlines() if x.startswith(label + " ")), f"{label} 0")
+    return float(line.split()[-1])
+
+
+def test_one_users_wide_job_takes_a_bounded_share_of_an_interval_and_of_the_plan(
+    nodes: dict,
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """3 orders an interval, 4 prefetches a job. alice's job declares 6 datasets: 4 are
+    ordered (the 2 left out logged once), over two intervals, round-robin with bob's one,
+    which goes in the first."""
+    alice, bob = users
+    node1, ports = nodes["node1"], nodes["ports"]
+    soon = datetime.now() + timedelta(minutes=5)
+    trees = [private_tree(alice, shared_tmp / f"alice-{i}", n_files=1) for i in range(6)]
+    alices = [
+        f"d{i} --step '{json.dumps({'op': 'copy', 'src': str(t)})}'" for i, t in enumerate(trees)
+    ]
+    bobs = declared(private_tree(bob, shared_tmp / "bob-data", n_files=1))
+    queue = Queue(shared_tmp / "bin")
+    queue.set(
+        row("700", uid=alice.uid, gid=alice.gid, start=soon, sched="node1", declared=alices),
+        row("701", uid=bob.uid, gid=bob.gid, start=soon, sched="node1", declared=bobs),
+    )
+    more = {"STAGER_PLAN_ORDERS_PER_INTERVAL": "3", "STAGER_PLAN_JOB_TARGETS_MAX": "4"}
+    planner = Planner(queue, munge_socket, ports, **more)
+    try:
+        eventually(lambda: planner.intervals() >= 4, "four intervals")
+        first, second, *rest = planner.interval_lines()
+        assert "orders sent 3, failed 0, waiting 2" in first, planner.log()
+        assert "orders sent 2, failed 0, waiting 0" in second, planner.log()
+        assert all("orders sent 0, failed 0, waiting 0" in line for line in rest), rest
+        eventually(lambda: has(bob, node1, "prefetch-701-mine"), "bob's prefetch")
+        for i in range(4):
+            eventually(lambda i=i: has(alice, node1, f"prefetch-700-d{i}"), f"alice's d{i}")
+        for i in (4, 5):
+            assert gone(alice, node1, f"prefetch-700-d{i}")
+        left_out = "job 700: 2 of its 6 prefetches (1 nodes x 6 datasets) left out, past 4"
+        assert planner.log().count(left_out) == 1, planner.log()
+        kept = json.loads((queue.folder / "plan.json").read_text())["prefetches"]
+        assert len(kept) == 5, kept
+    finally:
+        planner.stop()
+
+
+def test_an_order_the_node_refuses_for_now_is_sent_again_less_and_less_often(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """node1 refuses alice's prefetch 429 (past her budget there, 1 byte): each try costs
+    a munge, the node's unmunge and two fsync'd saves. Over 12 intervals of 0.5 s the
+    planner tries at 0, 0.5, 1.5, 3.5 s (doubling, up to the horizon), not 12 times
+    (the old code: 12)."""
+    alice, _ = users
+    port = free_privileged_port()
+    node1 = node_service(
+        shared_tmp / "node1", munge_socket, "node1", port, STAGER_PREFETCH_USER_BUDGET_BYTES="1"
+    )
+    soon = datetime.now() + timedelta(minutes=5)
+    alices = declared(private_tree(alice, shared_tmp / "alice-data"))
+    queue = Queue(shared_tmp / "bin")
+    queue.set(row("620", uid=alice.uid, gid=alice.gid, start=soon, sched="node1", declared=alices))
+    began = time.monotonic()
+    planner = Planner(queue, munge_socket, {"node1": port})
+    try:
+        eventually(lambda: planner.intervals() >= 12, "twelve intervals")
+        refused = metric(node1, 'stager_prefetches_total{outcome="refused"}')
+        # Gaps of 0.5, 1, 2, 4 s...: in T seconds at most 2 + log2(T / 0.5) tries (5 in
+        # the 6 s that 12 intervals take unloaded), wherever a slow machine stretched them.
+        most = 2 + math.log2((time.monotonic() - began) / INTERVAL_S)
+        assert 2 <= refused <= most < 12, (refused, most, planner.log())
+        assert "429" in planner.log() and "past the user's budget" in planner.log()
+        assert gone(alice, node1, "prefetch-620-mine")
+    finally:
+        planner.stop()
+        node1.stop()
+        node1.cleanup()

@@ -13,7 +13,7 @@ from stager.prestage.plan.changes import diff
 from stager.prestage.plan.declared import Declarations, encode, lines
 from stager.prestage.plan.planner import Planner
 from stager.prestage.plan.planning import compute
-from stager.prestage.plan.service import orders
+from stager.prestage.plan.service import Backoff, fair_share, orders
 from stager.prestage.plan.squeue import RecordedSqueue
 from tests.stager.plan.queue import INAT, NOW, row
 
@@ -208,3 +208,37 @@ def test_a_declaration_past_ascii_comes_back_as_the_scripts_own_text() -> None:
     assert "\u2028" not in encode(["a\u2028b"])  # splitlines would cut a line there
     jobs, _ = squeue.parse(row("5", declared=["a --recipe r --source /s\u2028x"]))
     assert lines(jobs[0].admin_comment or "") == ["a --recipe r --source /s\u2028x"]
+
+
+def test_a_wide_job_is_capped_node_by_node_the_first_node_whole() -> None:
+    many = [f"d{i} --recipe inat2021 --source /net/d{i}" for i in range(3)]
+    jobs, _ = squeue.parse(row("9", sched="node[1-4]", declared=many))
+    plan = compute(jobs, NOW, HORIZON_S, Declarations(), targets_max=5)
+    assert sorted((p.node, p.wanted.name, p.source) for p in plan.prefetches) == [
+        ("node1", "d0", ""), ("node1", "d1", ""), ("node1", "d2", ""),
+        ("node2", "d0", "node1"), ("node2", "d1", "node1"),
+    ]  # fmt: skip
+    assert plan.capped["9"].startswith("7 of its 12 prefetches (4 nodes x 3 datasets) left out")
+    assert not compute(jobs, NOW, HORIZON_S, Declarations(), targets_max=12).capped
+
+
+def test_an_intervals_share_goes_round_robin_and_the_next_turn_begins_after_it() -> None:
+    wanted = {1001: list(range(10_000)), 1002: ["b"], 1003: ["c1", "c2"]}
+    assert fair_share(wanted, 5) == [0, "b", "c1", 1, "c2"]
+    assert fair_share(wanted, 2, first=1003) == ["c1", 0]  # 1003 first, then 1001
+    assert fair_share({1001: [], 1002: ["b"]}, 9) == ["b"]
+
+
+def test_backoff_doubles_up_to_its_bound_and_forgets_orders_no_longer_wanted() -> None:
+    now = [0.0]
+    backoff = Backoff(30.0, 100.0, lambda: now[0])
+    gaps = []
+    for _ in range(5):
+        backoff.failed("k")
+        gaps.append(backoff.until["k"][0] - now[0])
+        assert not backoff.due("k")
+        now[0] = backoff.until["k"][0]
+        assert backoff.due("k")
+    assert gaps == [30.0, 60.0, 100.0, 100.0, 100.0]
+    backoff.keep([])
+    assert backoff.due("k") and not backoff.until
