@@ -311,11 +311,15 @@ class Service:
         starts, cancels, unsent = self._choose(found.changes)
         tally.waiting = len(unsent) + len(self.cancels) - len(cancels)
         made = orders(Changes(start=starts), self.sender.address)
+        superseded: dict[tuple[str, str], Order] = {}
         for order in made:
             # Wanted there again (a role changed: copy to stage, or another source):
             # no cancel, which the node could take after the start and drop it with
-            # its data. The node re-targets a start itself (it drops what differs).
-            if self.cancels.pop(order.key, None) is not None:
+            # its data. The node re-targets a start itself (it drops what differs). A
+            # cancel whose starts all stay unsent is kept (below): the node still holds
+            # what it cancels, and nothing else would end it if the job left meanwhile.
+            if (cancel := self.cancels.pop(order.key, None)) is not None:
+                superseded[order.key] = cancel
                 cancels = [c for c in cancels if c.key != order.key]
         first = [o for o in made if not o.copy] + cancels
         outcomes = await asyncio.gather(*(self.sender.send(o) for o in first))
@@ -347,7 +351,7 @@ class Service:
             if order.prefetch is not None and (order.job, order.node, order.prefetch.wanted) in (
                 held & waiting
             ):
-                self.planner.forget(order.prefetch)
+                self.planner.again(order.prefetch)
         outcomes += await asyncio.gather(*(self.sender.send(o) for o in copies))
         todo = first + copies
         failures: Counter[tuple[str, str]] = Counter()
@@ -365,6 +369,11 @@ class Service:
                 self.cancels.pop(order.key, None)
             elif order.prefetch is not None and outcome == "retry":
                 self.planner.forget(order.prefetch)  # new again next interval
+        delivered = {o.key for o, (outcome, _, _) in zip(todo, outcomes, strict=True)
+                     if o.prefetch is not None and outcome == "sent"}  # fmt: skip
+        for key, cancel in superseded.items():
+            if key not in delivered:
+                self.cancels.setdefault(key, cancel)
         self.backoff.keep(
             [_attempt(p) for p in plan.prefetches] + [o.attempt for o in self.cancels.values()]
         )

@@ -3,17 +3,19 @@ jobs are planned (and why the others are not), and the diff between intervals.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import timedelta
 
 import pytest
 
+from stager.core.settings import Settings
 from stager.prestage.plan import squeue
 from stager.prestage.plan.changes import diff
 from stager.prestage.plan.declared import Declarations, encode, lines
 from stager.prestage.plan.planner import Planner
 from stager.prestage.plan.planning import compute
-from stager.prestage.plan.service import Backoff, fair_share, orders
+from stager.prestage.plan.service import Backoff, Order, Sender, Service, fair_share, orders
 from stager.prestage.plan.squeue import RecordedSqueue
 from tests.stager.plan.queue import INAT, NOW, row
 
@@ -242,3 +244,48 @@ def test_backoff_doubles_up_to_its_bound_and_forgets_orders_no_longer_wanted() -
     assert gaps == [30.0, 60.0, 100.0, 100.0, 100.0]
     backoff.keep([])
     assert backoff.due("k") and not backoff.until
+
+
+class AnsweringNodes(Sender):
+    """The nodes' answers to the planner's orders, recorded: every order taken, a stage
+    on ``staging``'s nodes not ready yet (the port itself: test_plan_service)."""
+
+    def __init__(self) -> None:
+        super().__init__(Settings())
+        self.sent: list[tuple[str, str]] = []
+        self.staging: set[str] = set()
+
+    async def send(self, order: Order) -> tuple[str, str, bool]:
+        action = json.loads(order.body)["action"]
+        self.sent.append((action, order.node))
+        return "sent", "", action == "stage" and order.node in self.staging
+
+
+def test_a_node_whose_new_copy_waits_is_still_cancelled_when_the_job_leaves() -> None:
+    """Job 11's first node moves from node1 to node2: node2's stage is staging still, so
+    node1's copy from it waits for a later interval. Until that copy is delivered,
+    node1's old stage is its to cancel; and node2's stage, delivered, is known. The job
+    then leaves the queue: both nodes are told, or their prefetches would hold the
+    user's budget and the disk until they expire (6 h)."""
+    source = RecordedSqueue(row("11", declared=[INAT], sched="node1,node2"))
+    planner = Planner(source, HORIZON_S, clock=lambda: NOW)
+    nodes = AnsweringNodes()
+    service = Service(planner, nodes)
+
+    async def intervals() -> list[list[tuple[str, str]]]:
+        sent = []
+        for text, staging in (
+            (row("11", declared=[INAT], sched="node1,node2"), set()),
+            (row("11", declared=[INAT], sched="node2,node1"), {"node2"}),
+            ("", set()),  # the job is cancelled
+        ):
+            source.text, nodes.staging, nodes.sent = text, staging, []
+            await service.interval()
+            sent.append(sorted(nodes.sent))
+        await nodes.close()
+        return sent
+
+    first, moved, left = asyncio.run(intervals())
+    assert first == [("copy", "node2"), ("stage", "node1")]
+    assert moved == [("stage", "node2")]  # node2's old copy: no cancel beside its stage
+    assert left == [("cancel", "node1"), ("cancel", "node2")]
