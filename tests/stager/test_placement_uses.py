@@ -1,7 +1,8 @@
 """The node features' saved uses (stager/prestage/placement/service.py): the data behind
 each feature and whose request used it last, in order of use, which is all placement
 reads of them; each use is saved with a time too, which the release before needs to
-start, and a file it saved still loads."""
+start, and a file it saved still loads.
+A request's words name a feature only as one line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from stager.core.settings import Settings
 from stager.prestage.placement import names
-from stager.prestage.placement.service import UNTIMED, Use, load, save
+from stager.prestage.placement.service import UNTIMED, Placement, Use, load, save
+from stager.prestage.plan.declared import Declarations
+from stager.wire.schemas import DatasetCreate
 
 
 @dataclass
@@ -49,3 +55,21 @@ def test_a_file_saved_with_the_times_of_use_still_loads(tmp_path: Path) -> None:
     first, second = names.feature("--name a"), names.feature("--name b")
     path.write_text(json.dumps({first: ["key-a", 1001, 1.7e9], second: ["key-b", 1002, 1.8e9]}))
     assert list(load(path).items()) == [(first, Use("key-a", 1001)), (second, Use("key-b", 1002))]
+
+
+def test_words_of_more_than_one_line_name_no_feature_and_are_not_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request's ``declared`` is one #STAGER line's words. Hand-made words of several
+    lines (any line break Python splits on) named a feature, after each line's parse on
+    the node service's event loop."""
+    line = "inat --recipe inat2021 --source /net/inat"
+    request = DatasetCreate(name="inat", recipe="inat2021", source="/net/inat", declared=line)
+    placement = Placement(None, Settings())
+    assert placement._feature(request) == names.feature(line)  # the one line: its feature
+    parsed: list[str] = []
+    monkeypatch.setattr(Declarations, "parse", lambda self, comment: parsed.append(comment))
+    for newline in ("\n", "\r", "\x0b", "\x1e", "\x85", "\u2028"):
+        several = request.model_copy(update={"declared": f"{line}{newline}{line}"})
+        assert placement._feature(several) is None, repr(newline)
+    assert not parsed

@@ -90,9 +90,15 @@ class Placement:
         # it loads the client's parser (and the daemon needs it nowhere else).
         from stager.prestage.plan.declared import Declarations, encode
 
+        words = request.declared or ""
+        if len(words.splitlines()) != 1:
+            # One #STAGER line's words, as the client sends them: more lines would each
+            # be parsed (about 1 ms each, on the event loop) and could name a feature of
+            # words no script's line holds.
+            return None
         if self._declarations is None:
             self._declarations = Declarations()
-        wanted, _why = self._declarations.parse(encode([request.declared or ""]))
+        wanted, _why = self._declarations.parse(encode([words]))
         if len(wanted) != 1:
             return None
         body = wanted[0].request()
