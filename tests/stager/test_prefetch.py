@@ -657,6 +657,17 @@ def test_one_users_long_prefetch_cannot_hold_the_nodes_prefetch_slot_from_anothe
             assert code == 404
             assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 1
             assert "held a prefetch slot over 1 s" in daemon.log(None)
+            # The planner sends a stage again each interval while its copies wait (its
+            # answer says whether it is ready): the one ended is not begun again from
+            # nothing, to be ended again at the next wait, again and again.
+            asked = stalled.requests
+            p = {"name": "p", "steps": [{"op": "fetch", "url": f"{held}/p.bin", "dst": "x"}]}
+            code, answer = prefetch(daemon, munge_socket, order(bob, 80, p))
+            assert code == 200, answer
+            assert [x["state"] for x in answer["data"]] == ["wasted"], answer
+            time.sleep(1.0)
+            assert bob.curl(daemon.socket, "GET", "/v1/datasets/prefetch-80-p")[0] == 404
+            assert stalled.requests == asked
         finally:
             hold.set()
             daemon.stop()

@@ -198,10 +198,20 @@ def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
     spawned one starts a new interpreter that imports torch, torchvision, the trainer
     and the test's module again before its first line (3-5 s of CPU each), where a
     fork starts with them imported. The ranks are processes of their own either way,
-    each with its own gloo group member."""
+    each with its own gloo group member. Whatever stops the wait (pytest-timeout's
+    alarm, ^C), no rank outlives it: a hung rank, non-daemonic, would otherwise run on
+    and hold the test process's exit (multiprocessing joins it there)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork")
+    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="fork")
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for rank in ranks.processes:
+            if rank.is_alive():
+                rank.kill()
+            rank.join()
 
 
 def finish(

@@ -75,6 +75,10 @@ class Prefetches:
         # before), beside other users' orders: one user's slow checks hold up nobody else.
         self._user_locks: dict[int, tuple[asyncio.Lock, int]] = {}  # and how many want it
         self._sending: dict[int, int] = {}  # uid: copies being packed or sent from here
+        # (job, dataset) of the book's prefetches ended for overstaying their slot
+        # (_overstaying): an order for the same again is not begun anew (as a failed
+        # one is not). In memory: a restart forgets it, as it forgets whose turn it was.
+        self._overstayed: set[tuple[int, str]] = set()
         # Told of each prefetch's request (placement names its node feature).
         self.requested_as: Callable[[Any, Caller, DatasetPublic], None] = lambda *_: None
 
@@ -198,6 +202,17 @@ class Prefetches:
                 # Sent again while its staging failed (the planner asks a copy's source
                 # each interval until it is ready): not staged again and again.
                 return known
+        if (
+            known is not None
+            and (order.job, dataset) in self._overstayed
+            and known.uid == order.uid
+            and known.source == source
+        ):
+            # Ended past its slot while another user's waited, and sent again as the
+            # planner asks a copy's source each interval: begun anew it would read the
+            # storage a slot long and be ended again at the next wait, again and again.
+            # Its job stages at its start (its copies find nothing ready here).
+            return known
         if known is not None and known.state == "active" and known.uid == order.uid:
             entry = self._entry(known)
             if known.source == source or (entry is not None and entry.state == State.READY):
@@ -251,6 +266,7 @@ class Prefetches:
         )
         displaced = self.book.prefetches.get((order.job, dataset))
         self.book.prefetches[(order.job, dataset)] = prefetch
+        self._overstayed.discard((order.job, dataset))
         self.metrics.prefetches.labels(outcome="started").inc()
         self.metrics.prefetch_bytes.labels(outcome="started").inc(size)
         log.info("prefetch for job %s: %s as uid %s (%s)", order.job, dataset, order.uid, view.key)
@@ -342,9 +358,12 @@ class Prefetches:
                     self.settings.prefetch_slot_s, waiter,
                 )  # fmt: skip
             await self._drop(prefetch, Caller.of_uid(prefetch.uid, prefetch.gid), outcome)
+            if waiter is not None:
+                self._overstayed.add((prefetch.job, prefetch.dataset))
             ended = True
         before = len(self.book.prefetches)
         self.book.forget_before(horizon)
+        self._overstayed.intersection_update(self.book.prefetches)  # (as long as its record)
         return ended or len(self.book.prefetches) != before
 
     def _overstaying(self) -> dict[tuple[int, str], int]:
