@@ -3,8 +3,9 @@ service"): every ``plan_interval_s`` one squeue call and the changes since the l
 interval, each an order to its node's prefetch port with a fresh MUNGE credential over
 the order's sha256. An order is a wish the node may refuse: sent :data:`SENDS_AT_ONCE`
 at a time, each bounded by :data:`SEND_TIMEOUT_S`; one not delivered (no answer, a 5xx,
-a 429) is sent again later, backing off (:class:`Backoff`), a refusal (any other 4xx)
-logged and not repeated. At most ``plan_orders_per_interval`` orders an interval, shared
+a 429) is sent again later, backing off (:class:`Backoff`), but one the node's port had
+no place for (its 503 too_many_connections: strangers may hold them) at the next
+interval; a refusal (any other 4xx) logged and not repeated. At most ``plan_orders_per_interval`` orders an interval, shared
 round-robin between users (:func:`fair_share`): the rest wait for the next interval.
 """
 
@@ -170,7 +171,8 @@ class Sender:
         )
 
     async def send(self, order: Order) -> tuple[str, str, bool]:
-        """("sent" | "retry" | "refused", why, waiting): ``waiting``, the node's prefetch
+        """("sent" | "retry" | "busy" | "refused", why, waiting): "busy", the node's port
+        had no place for it (sent again, not backed off); ``waiting``, the node's prefetch
         is staging still, not ready (a copy's source is asked again next interval). A
         copy carries a second credential, over the same body, which its node hands to
         the copy's source node (decoded only there: each credential is used once, on
@@ -196,12 +198,17 @@ class Sender:
                 waiting = False  # (a node of an earlier version: its copies wait there)
             return "sent", "", waiting
         try:
-            why = answer.json()["error"]["message"]
+            kind, why = answer.json()["error"]["type"], answer.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            why = answer.text[:200]
-        outcome = (
-            "retry" if answer.status_code in (429,) or answer.status_code >= 500 else "refused"
-        )
+            kind, why = "", answer.text[:200]
+        if answer.status_code == 503 and kind == "too_many_connections":
+            # The port's places were taken (strangers may hold them: places.py): said
+            # nothing of the order, so it is not backed off, only sent next interval.
+            outcome = "busy"
+        elif answer.status_code in (429,) or answer.status_code >= 500:
+            outcome = "retry"
+        else:
+            outcome = "refused"
         return outcome, f"{answer.status_code} {why}", False
 
     async def close(self) -> None:
@@ -363,11 +370,12 @@ class Service:
                 failures[order.node, why] += 1
             if outcome == "retry":
                 self.backoff.failed(order.attempt)
-            else:
+            elif outcome != "busy":
                 self.backoff.done(order.attempt)
-            if order.prefetch is None and outcome != "retry":
+            again = outcome in ("retry", "busy")
+            if order.prefetch is None and not again:
                 self.cancels.pop(order.key, None)
-            elif order.prefetch is not None and outcome == "retry":
+            elif order.prefetch is not None and again:
                 self.planner.forget(order.prefetch)  # new again next interval
         delivered = {o.key for o, (outcome, _, _) in zip(todo, outcomes, strict=True)
                      if o.prefetch is not None and outcome == "sent"}  # fmt: skip

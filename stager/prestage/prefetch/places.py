@@ -3,19 +3,24 @@ port"). A TCP connection names no user, only its source address, and proves who 
 it only once its whole request is in (the order's MUNGE credential is over its body).
 So the port's :data:`~stager.prestage.prefetch.listener.MAX_CONNECTIONS` places are
 shared by address, as nginx's ``limit_conn`` per ``$binary_remote_addr`` does: one
-address holds at most ``prefetch_max_connections_per_address`` of them; and when all
-are taken, a newcomer takes the place of a connection whose request is not yet whole
-(idle, or trickling its head or its body), the oldest of the address that holds the
-most, where that address holds more than the newcomer's. A connection whose request is
-whole is never displaced: it is answered within milliseconds (a refusal, an order
-queued) or proven (a copy). The planner's connections send their request at once, so
-nobody can hold the places it needs: before, one user's 64 idle connections, renewed
-as they were closed, had 33 of 34 genuine orders refused 503.
+address holds at most ``prefetch_max_connections_per_address`` of them (a newcomer
+past it takes the place of its own address's oldest connection whose request is not
+yet whole: users on the planner's host cannot hold that address's places); and when
+all are taken, a newcomer takes the place of a connection whose request is not yet
+whole (idle, or trickling its head or its body), the oldest of the address that holds
+the most, where that address holds more than the newcomer's. A connection whose
+request is whole (read by the app, or its end seen by the parser), or younger than
+:data:`FRESH_S`, is never displaced: it is answered within milliseconds (a refusal, an
+order queued) or proven (a copy). The planner's connections send their request at
+once, so nobody can hold the places it needs: before, one user's 64 idle connections,
+renewed as they were closed, had 33 of 34 genuine orders refused 503.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -25,12 +30,24 @@ from stager.api.connections import BurstLog, PeerHTTPProtocol, Refusal
 
 log = logging.getLogger("stager.prestage.prefetch")
 
+# A connection this young is not displaced: a genuine request (the planner's, a node's
+# copy) is whole within a round trip of its accept, and one displaced before its first
+# bytes arrive never had the chance to be.
+FRESH_S = 1.0
+
 
 class Places:
     """The port's connections, by source address, in the order they came."""
 
-    def __init__(self, total: int, per_address: int, header_timeout_s: float) -> None:
+    def __init__(
+        self,
+        total: int,
+        per_address: int,
+        header_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total = total
+        self.clock = clock
         self.per_address = min(per_address, total)
         self.header_timeout_s = header_timeout_s  # (read by the protocol's head timer)
         self.log = BurstLog(log)
@@ -45,6 +62,14 @@ class Places:
         None, or say why it is refused."""
         address = connection.address
         mine = self.held(address)
+        if mine >= self.per_address:
+            # Its own address's oldest not whole goes first: users on the planner's host
+            # (a login node) cannot hold that address's places against its orders.
+            own = self._waiting(self._held.get(address, []))
+            if own is not None:
+                self.release(own)
+                own.displace(address)
+                mine -= 1
         if mine >= self.per_address:
             return Refusal(
                 "prefetch_max_connections_per_address",
@@ -74,13 +99,25 @@ class Places:
         for connections in self._held.values():
             if len(connections) <= newcomer_holds:
                 continue
-            waiting = next((c for c in connections if not c.whole), None)  # oldest first
+            waiting = self._waiting(connections)
             if waiting is None:
                 continue
             rank = (len(connections), -waiting.since)
             if best is None or rank > best[0]:
                 best = (rank, waiting)
         return None if best is None else best[1]
+
+    def _waiting(self, connections: list[OrdersProtocol]) -> OrdersProtocol | None:
+        """The oldest of ``connections`` (in the order they came) that may be displaced:
+        its request not whole (the app has not read it, nor the parser seen its end),
+        and :data:`FRESH_S` had to send it."""
+        now = self.clock()
+        for connection in connections:
+            cycle = getattr(connection, "cycle", None)  # uvicorn's request being parsed
+            parsed = cycle is not None and not cycle.more_body
+            if not (connection.whole or parsed) and now - connection.since >= FRESH_S:
+                return connection
+        return None
 
     def release(self, connection: OrdersProtocol) -> None:
         """``connection`` leaves its place (closed, or displaced)."""
@@ -107,7 +144,7 @@ class OrdersProtocol(PeerHTTPProtocol):
     def _admit(self) -> Refusal | None:
         peer = self.transport.get_extra_info("peername")
         self.address = str(peer[0]) if peer else "?"
-        self.since = self.loop.time()
+        self.since = self.places.clock()
         refusal = self.places.admit(self)
         if refusal is None:
             app = self.app
@@ -133,11 +170,19 @@ class OrdersProtocol(PeerHTTPProtocol):
     def displace(self, newcomer: str) -> None:
         """Close this connection, whose request is not whole, for a newcomer's."""
         self.admitted = False  # its place is the newcomer's already
-        sentence = (
-            f"the prefetch port's places were all taken, and {self.address} held the most "
-            "with requests not yet whole; this one's went to another address's connection "
-            "(send a request whole, at once)"
-        )
+        if newcomer == self.address:
+            sentence = (
+                f"{self.address} held the most connections one address may "
+                f"(--prefetch-max-connections-per-address {self.places.per_address}); this "
+                "one's request was not yet whole, and its place went to a newer one of the "
+                "same address (send a request whole, at once)"
+            )
+        else:
+            sentence = (
+                f"the prefetch port's places were all taken, and {self.address} held the "
+                "most with requests not yet whole; this one's went to another address's "
+                "connection (send a request whole, at once)"
+            )
         self.places.log.event(
             ("displaced", self.address),
             f"closed a connection of {self.address} for one of {newcomer}: {sentence}",

@@ -7,6 +7,7 @@ import asyncio
 import json
 from datetime import timedelta
 
+import httpx
 import pytest
 
 from stager.core.settings import Settings
@@ -254,11 +255,13 @@ class AnsweringNodes(Sender):
         super().__init__(Settings())
         self.sent: list[tuple[str, str]] = []
         self.staging: set[str] = set()
+        self.outcome: dict[str, str] = {}  # a node's answer other than "sent"
 
     async def send(self, order: Order) -> tuple[str, str, bool]:
         action = json.loads(order.body)["action"]
         self.sent.append((action, order.node))
-        return "sent", "", action == "stage" and order.node in self.staging
+        outcome = self.outcome.get(order.node, "sent")
+        return outcome, "", outcome == "sent" and action == "stage" and order.node in self.staging
 
 
 def test_a_node_whose_new_copy_waits_is_still_cancelled_when_the_job_leaves() -> None:
@@ -289,3 +292,51 @@ def test_a_node_whose_new_copy_waits_is_still_cancelled_when_the_job_leaves() ->
     assert first == [("copy", "node2"), ("stage", "node1")]
     assert moved == [("stage", "node2")]  # node2's old copy: no cancel beside its stage
     assert left == [("cancel", "node1"), ("cancel", "node2")]
+
+
+def test_an_order_a_crowded_port_had_no_place_for_is_sent_again_at_once() -> None:
+    """A 503 too_many_connections says nothing of the order (strangers may hold the
+    port's places): it is sent at the next interval, where a 429 backs off."""
+    source = RecordedSqueue(row("12", declared=[INAT], sched="node1")
+                            + "\n" + row("13", declared=[INAT], sched="node2"))  # fmt: skip
+    nodes = AnsweringNodes()
+    nodes.outcome = {"node1": "busy", "node2": "retry"}
+    service = Service(Planner(source, HORIZON_S, clock=lambda: NOW), nodes)
+
+    async def intervals() -> list[list[tuple[str, str]]]:
+        sent = []
+        for _ in range(2):
+            nodes.sent = []
+            await service.interval()
+            sent.append(sorted(nodes.sent))
+        await nodes.close()
+        return sent
+
+    assert asyncio.run(intervals()) == [
+        [("stage", "node1"), ("stage", "node2")],
+        [("stage", "node1")],
+    ]
+
+
+def test_the_ports_503_for_want_of_places_is_busy_and_other_answers_as_before() -> None:
+    answers = {
+        "busy": (503, {"error": {"type": "too_many_connections", "message": "full"}}),
+        "retry": (503, {"error": {"type": "shutting_down", "message": "stopping"}}),
+        "refused": (403, {"error": {"type": "forbidden", "message": "no"}}),
+    }
+
+    async def outcomes() -> dict[str, str]:
+        found = {}
+        for expected, (code, body) in answers.items():
+            sender = Sender(Settings())
+            sender._credential = lambda *_: asyncio.sleep(0, "cred")  # type: ignore[method-assign]
+            await sender.client.aclose()
+            sender.client = httpx.AsyncClient(
+                transport=httpx.MockTransport(lambda _, c=code, b=body: httpx.Response(c, json=b))
+            )
+            order = Order("node1", b"{}", "1", None)
+            found[expected] = (await sender.send(order))[0]
+            await sender.close()
+        return found
+
+    assert asyncio.run(outcomes()) == {k: k for k in answers}
