@@ -219,7 +219,7 @@ class Admission:
         self.queue = FairQueue(
             settings.stagings_per_user() if multi else None,
             settings.prefetch_max_running,
-            self._in_prefetch_slot,
+            self._active,
         )
         self.max_queued = settings.max_queued_per_user if multi else None
         self._registry: Books | None = None
@@ -244,12 +244,6 @@ class Admission:
     def _active(self, key: str) -> bool:
         entry = self._reg.entries.get(key)
         return entry is not None and entry.active
-
-    def _in_prefetch_slot(self, key: str) -> bool:
-        """Whether ``key``, handed out as a prefetch's, still takes a prefetch slot: it
-        stages, and no request joined it (one that did made it the request's: its slot
-        goes to the next prefetch, or a user's own request would keep it from others)."""
-        return self._active(key) and self.prefetch_only(key)
 
     def prefetch_only(self, key: str) -> bool:
         """Whether every live name on ``key`` (one at least) is a prefetch's."""
