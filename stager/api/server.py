@@ -22,13 +22,13 @@ from types import FrameType
 import httpx
 import uvicorn
 
-from stager.api import connections, logs, startup
+from stager.api import connections, logs, prefetch_port, startup
 from stager.api.app import create_app
 from stager.api.startup import ServeError
 from stager.core import prestart, processes
 from stager.core.processes import pid_alive
 from stager.core.settings import Settings
-from stager.prestage.prefetch import listener, places
+from stager.prestage.prefetch import listener
 
 log = logging.getLogger("stager.api.server")
 
@@ -168,14 +168,14 @@ def _orders_server(prefetches: object, settings: Settings) -> uvicorn.Server:
     """The planner's port as a uvicorn server, which the daemon's own server starts on
     its loop once the app is up; its connections bounded with places of their own, by
     source address (a TCP connection names no user)."""
-    gate = places.Places(
+    gate = prefetch_port.Places(
         listener.MAX_CONNECTIONS,
         settings.prefetch_max_connections_per_address,
         settings.header_timeout_s,
     )
     config = uvicorn.Config(
         listener.Orders(prefetches),
-        http=functools.partial(places.OrdersProtocol, gate=gate),  # type: ignore[arg-type]
+        http=functools.partial(prefetch_port.OrdersProtocol, gate=gate),  # type: ignore[arg-type]
         lifespan="off",  # the app's lifespan starts and stops the Prefetches
         timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from stager.api.prefetch_port import FRESH_S
 from stager.prestage.prefetch import listener
-from stager.prestage.prefetch.places import FRESH_S
 from tests.daemon import Daemon, free_privileged_port
 from tests.stager.test_hostile_users import stopped_user_processes
 from tests.stager.test_prefetch import (

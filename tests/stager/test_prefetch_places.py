@@ -1,4 +1,4 @@
-"""The prefetch port's places (stager/prestage/prefetch/places.py): who is refused and
+"""The prefetch port's places (stager/api/prefetch_port.py): who is refused and
 whose place a newcomer takes, shown with stand-ins for connections (the rule alone;
 tests/stager/test_hostile_prefetch.py runs it over real sockets)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from stager.prestage.prefetch.places import FRESH_S, Places
+from stager.api.prefetch_port import FRESH_S, Places
 
 clock = itertools.count()
 NOW = 1e6  # the places' clock: every stand-in is older than FRESH_S unless told

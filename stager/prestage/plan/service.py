@@ -5,8 +5,9 @@ the order's sha256. An order is a wish the node may refuse: sent :data:`SENDS_AT
 at a time, each bounded by :data:`SEND_TIMEOUT_S`; one not delivered (no answer, a 5xx,
 a 429) is sent again later, backing off (:class:`Backoff`), but one the node's port had
 no place for (its 503 too_many_connections: strangers may hold them) at the next
-interval; a refusal (any other 4xx) logged and not repeated. At most ``plan_orders_per_interval`` orders an interval, shared
-round-robin between users (:func:`fair_share`): the rest wait for the next interval.
+interval; a refusal (any other 4xx) logged and not repeated. At most
+``plan_orders_per_interval`` orders an interval, shared round-robin between users
+(:func:`fair_share`): the rest wait for the next interval.
 """
 
 from __future__ import annotations
@@ -202,8 +203,9 @@ class Sender:
         except (ValueError, KeyError, TypeError):
             kind, why = "", answer.text[:200]
         if answer.status_code == 503 and kind == "too_many_connections":
-            # The port's places were taken (strangers may hold them: places.py): said
-            # nothing of the order, so it is not backed off, only sent next interval.
+            # The port's places were taken (strangers may hold them, as
+            # stager.api.prefetch_port says): nothing of the order, so it is not backed
+            # off, only sent at the next interval.
             outcome = "busy"
         elif answer.status_code in (429,) or answer.status_code >= 500:
             outcome = "retry"

@@ -6,7 +6,7 @@ planner's copy credential). A call without a credential is 401 before its body i
 read; a body over :data:`ORDER_MAX_BYTES` or of no stated length 413/411, unread; one
 slower than ``header_timeout_s`` 408; anything else 404 with one fixed sentence. Every
 answer closes its connection; connections are capped (:data:`MAX_CONNECTIONS`), and
-shared between source addresses (:mod:`stager.prestage.prefetch.places`). The threats
+shared between source addresses (:mod:`stager.api.prefetch_port`). The threats
 it answers: docs/prestaging.md, "Threats on the port".
 """
 
@@ -131,7 +131,7 @@ class Orders:
         deadline = self.prefetches.settings.header_timeout_s
         try:  # within the head's own time: a slow body must not hold a place
             body = await asyncio.wait_for(_body(receive), deadline)
-        except _Gone:  # (its place went to another address's connection: places.py)
+        except _Gone:  # (its place went to another address's connection: stager.api.prefetch_port)
             return
         except TimeoutError:
             sentence = f"the body did not arrive within {deadline:g} s (STAGER_HEADER_TIMEOUT_S)"
