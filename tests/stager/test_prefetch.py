@@ -625,17 +625,20 @@ def test_one_users_long_prefetch_cannot_hold_the_nodes_prefetch_slot_from_anothe
     is ended (counted as wasted) and hers stages."""
     alice, bob = users
     hold = threading.Event()
-    stalled = Behaviour(files={"/p.bin": os.urandom(1024), "/q.bin": b"q"}, hold=hold)
-    with serve_files(stalled) as held:
+    stalled = Behaviour(files={"/p.bin": os.urandom(1024)}, hold=hold)
+    # His next prefetch from a server of its own: it stages once alice's is done, and
+    # its download must not count as the first one begun again.
+    next_one = Behaviour(files={"/q.bin": b"q"}, hold=hold)
+    with serve_files(stalled) as held, serve_files(next_one) as held_next:
         daemon = start_service(
             shared_tmp / "cache", munge_socket, "--max-workers", "2",
             STAGER_PREFETCH_SLOT_S="1",
         )  # fmt: skip
         try:
-            for job, name in ((80, "p"), (81, "q")):
+            for job, name, url in ((80, "p", held), (81, "q", held_next)):
                 fetch = {
                     "name": name,
-                    "steps": [{"op": "fetch", "url": f"{held}/{name}.bin", "dst": "x"}],
+                    "steps": [{"op": "fetch", "url": f"{url}/{name}.bin", "dst": "x"}],
                 }
                 code, answer = prefetch(daemon, munge_socket, order(bob, job, fetch))
                 assert code == 200, answer
