@@ -61,7 +61,7 @@ class Order:
     @property
     def attempt(self) -> tuple[str, str, str]:
         """What a refusal backs off: (node, job, dataset); a cancel's dataset is ""."""
-        return self.node, self.job, self.prefetch.wanted.name if self.prefetch else ""
+        return _attempt(self.prefetch) if self.prefetch else (self.node, self.job, "")
 
     @property
     def copy(self) -> bool:
@@ -199,7 +199,8 @@ class Sender:
                 waiting = False  # (a node of an earlier version: its copies wait there)
             return "sent", "", waiting
         try:
-            kind, why = answer.json()["error"]["type"], answer.json()["error"]["message"]
+            error = answer.json()["error"]
+            kind, why = error["type"], error["message"]
         except (ValueError, KeyError, TypeError):
             kind, why = "", answer.text[:200]
         if answer.status_code == 503 and kind == "too_many_connections":
@@ -229,6 +230,7 @@ class Tally:
 
 
 def _attempt(prefetch: Prefetch) -> tuple[str, str, str]:
+    """What a start backs off by (``Order.attempt``): (node, job, dataset)."""
     return prefetch.node, prefetch.job_id, prefetch.wanted.name
 
 
