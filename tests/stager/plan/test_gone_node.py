@@ -5,12 +5,16 @@ ever and kept in the planner's state."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from stager.prestage.plan.planner import Planner as Plans
+from stager.prestage.plan.service import Service
+from stager.prestage.plan.squeue import RecordedSqueue
 from tests.daemon import free_privileged_port
-from tests.stager.plan.queue import row
+from tests.stager.plan.queue import INAT, NOW, row
 from tests.stager.plan.test_plan_service import (
     Planner,
     Queue,
@@ -19,6 +23,7 @@ from tests.stager.plan.test_plan_service import (
     has,
     node_service,
 )
+from tests.stager.plan.test_planning import HORIZON_S, AnsweringNodes
 from tests.stager.test_prefetch import munge_socket, private_tree  # noqa: F401 - its munged
 from tests.users import User
 
@@ -62,3 +67,39 @@ def test_a_node_gone_for_good_has_its_cancels_dropped_once_its_prefetches_expire
         planner.stop()
         node3.stop()
         node3.cleanup()
+
+
+def test_only_a_silent_nodes_cancels_are_dropped_not_those_of_a_node_that_answers() -> None:
+    """Jobs 20 (node1) and 21 (node2) leave once their stages were taken. node1 answers
+    each cancel 429 (it is up, and may still hold the prefetch), node2 nothing: past
+    prefetch_expire_s only node2's is dropped, and only node1 is asked again."""
+    now = [0.0]
+    source = RecordedSqueue(row("20", declared=[INAT], sched="node1")
+                            + "\n" + row("21", declared=[INAT], sched="node2"))  # fmt: skip
+    nodes = AnsweringNodes()
+    service = Service(Plans(source, HORIZON_S, clock=lambda: NOW), nodes, clock=lambda: now[0])
+    expire_s = nodes.settings.prefetch_expire_s
+
+    async def intervals() -> list[list[tuple[str, str]]]:
+        sent = []
+        for text, outcome, later in (
+            (source.text, {}, 0.0),  # both stages taken
+            ("", {"node1": "retry", "node2": "unanswered"}, 1.0),  # the jobs left
+            ("", {"node1": "retry", "node2": "unanswered"}, expire_s),
+            ("", {"node1": "retry", "node2": "unanswered"}, HORIZON_S),
+        ):
+            now[0] += later
+            source.text, nodes.outcome, nodes.sent = text, outcome, []
+            await service.interval()
+            sent.append(sorted(nodes.sent))
+        await nodes.close()
+        return sent
+
+    assert asyncio.run(intervals()) == [
+        [("stage", "node1"), ("stage", "node2")],
+        [("cancel", "node1"), ("cancel", "node2")],
+        [("cancel", "node1"), ("cancel", "node2")],  # node2's last try, then dropped
+        [("cancel", "node1")],
+    ]
+    assert [o.node for o in service.cancels.values()] == ["node1"]
+    assert set(service.heard) == {"node1"}
