@@ -2,7 +2,8 @@
 port"). A TCP connection names no user, only its source address, and proves who sent
 it only once its whole request is in (the order's MUNGE credential is over its body).
 So the port's :data:`~stager.prestage.prefetch.listener.MAX_CONNECTIONS` places are
-shared by address, as nginx's ``limit_conn`` per ``$binary_remote_addr`` does: one
+shared by address (an IPv4-mapped IPv6 one is its IPv4 address: :func:`address_of`),
+as nginx's ``limit_conn`` per ``$binary_remote_addr`` does: one
 address holds at most ``prefetch_max_connections_per_address`` of them (a newcomer
 past it takes the place of its own address's oldest connection whose request is not
 yet whole: users on the planner's host cannot hold that address's places); and when
@@ -18,6 +19,7 @@ renewed as they were closed, had 33 of 34 genuine orders refused 503.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +36,21 @@ log = logging.getLogger("stager.prestage.prefetch")
 # copy) is whole within a round trip of its accept, and one displaced before its first
 # bytes arrive never had the chance to be.
 FRESH_S = 1.0
+
+
+def address_of(peer: Any) -> str:
+    """The source address of a connection's ``peername``, one text per host: an IPv4 host
+    reaching a dual-stack port shows as ``::ffff:10.0.0.5`` there and as ``10.0.0.5`` on
+    an IPv4 one; both are ``10.0.0.5``, so that it holds one address's share, not two."""
+    if not peer:
+        return "?"
+    text = str(peer[0])
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return text
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped if mapped is not None else address)
 
 
 class Places:
@@ -142,8 +159,7 @@ class OrdersProtocol(PeerHTTPProtocol):
         self.whole = False  # its request all in: never displaced
 
     def _admit(self) -> Refusal | None:
-        peer = self.transport.get_extra_info("peername")
-        self.address = str(peer[0]) if peer else "?"
+        self.address = address_of(self.transport.get_extra_info("peername"))
         self.since = self.places.clock()
         refusal = self.places.admit(self)
         if refusal is None:

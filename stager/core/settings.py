@@ -448,7 +448,8 @@ class Settings(BaseSettings):
         gt=0,
         cli=(),
         help="node service: seconds a prefetch its job has not used is kept; then it is "
-        "dropped and its bytes counted as wasted",
+        "dropped and its bytes counted as wasted; the planner: a node silent that long "
+        "holds none of its prefetches, and its cancels are dropped (make them the same)",
     )
     prefetch_slot_s: float = setting(
         1800.0,

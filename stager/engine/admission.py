@@ -89,7 +89,9 @@ class FairQueue:
     who joined it while queued), runs in the first of their turns to come while that
     user is under ``running_cap``, and is charged to that user: a join never runs later
     than the joiner's own staging would have. ``low_cap``: the most low stagings
-    (prefetches) running at once (``running``: whether a key still runs)."""
+    (prefetches) running at once (``running``: whether a key still runs). A request
+    asking for a low staging makes it no longer low, queued (:meth:`put`) or running
+    (:meth:`joined`): then it takes no low slot, and its place goes to the next low one."""
 
     def __init__(
         self,
@@ -99,7 +101,11 @@ class FairQueue:
     ) -> None:
         self.running_cap = running_cap
         self.low_cap, self._still_running = low_cap, running
-        self._running_low: set[str] = set()  # low keys handed out, until they end
+        # Low keys handed out, until they end or a request joins them. Told, not read
+        # from the registry: a prefetch's name and lease are recorded after its key is
+        # queued (and may be handed out), so a look there could find it no prefetch's
+        # and forget it for good.
+        self._running_low: set[str] = set()
         self._queued: dict[int, deque[str]] = {}
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
@@ -121,6 +127,7 @@ class FairQueue:
             self._low.add(key)
         elif not low:
             self._low.discard(key)
+            self._running_low.discard(key)  # (handed out, and its state not yet STAGING)
         askers = self._askers.setdefault(key, set())
         if not low:
             self._prefetched.discard((key, owner))
@@ -134,6 +141,16 @@ class FairQueue:
             self._turn.append(owner)
         self._queued[owner].append(key)
         self._changed.set()
+
+    def joined(self, key: str) -> None:
+        """A request, not a prefetch, joined ``key``, which runs: it is the request's now
+        (as a queued one is once a request asks for it), so it no longer takes a low
+        slot; else bob's own request on his stalled prefetch would keep every other
+        user's prefetch waiting for as long as his download lasts (the slot rule,
+        STAGER_PREFETCH_SLOT_S, spares a staging a request joined)."""
+        if PREFETCHING.get() is None and key in self._running_low:
+            self._running_low.discard(key)
+            self._changed.set()
 
     def discard(self, key: str, owner: int | None = None) -> None:
         """``owner`` no longer asks for a queued staging (None: nobody does)."""

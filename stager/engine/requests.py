@@ -214,6 +214,8 @@ class Requests:
                 outcome = "join" if entry.active else "hit"
                 if entry.state == State.QUEUED and reader is not None:
                     engine.admission.queue.put(key, caller.uid)  # it waits in their turn too
+                elif entry.active:
+                    engine.admission.queue.joined(key)  # a request's: no prefetch slot
                 self.metrics.requests.labels(outcome=outcome).inc()
                 if outcome == "hit":
                     self.metrics.arrivals.labels(how="hit").inc()

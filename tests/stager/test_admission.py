@@ -95,6 +95,31 @@ def test_a_prefetch_runs_only_when_nothing_else_is_queued_and_a_request_raises_i
     asyncio.run(go())
 
 
+def test_a_running_prefetch_a_request_joins_leaves_its_low_slot_to_the_next() -> None:
+    """One low slot: bob's prefetch p0 runs in it, and p1 waits. A prefetch asking for
+    p0 again changes nothing; bob's own request joining it makes it his request's, and
+    p1 runs. Nothing the queue reads decides it (the registry's names and leases come
+    after a key is handed out): it counts what it handed out until the key ends."""
+
+    async def go() -> None:
+        running = {"p0", "p1"}
+        queue = FairQueue(low_cap=1, running=running.__contains__)
+        token = PREFETCHING.set(True)
+        queue.put("p0", 2)
+        queue.put("p1", 1)
+        assert await asyncio.wait_for(queue.get(), 1) == ("p0", 2)
+        waiting = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0.01)
+        queue.joined("p0")  # a prefetch's: still low
+        PREFETCHING.reset(token)
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        queue.joined("p0")  # bob's own request: the slot is p1's
+        assert await asyncio.wait_for(waiting, 1) == ("p1", 1)
+
+    asyncio.run(go())
+
+
 def test_a_discarded_staging_leaves_every_turn() -> None:
     queue = FairQueue()
     queue.put("k", 1)

@@ -497,6 +497,38 @@ class Crowd:
         return sum(sock is not None for sock in self.socks)
 
 
+@pytest.mark.skipif(
+    Path("/proc/sys/net/ipv6/bindv6only").read_text().strip() != "0",
+    reason="[::] is IPv6 only on this host (net.ipv6.bindv6only): no dual-stack port",
+)
+def test_an_ipv4_host_on_a_dual_stack_port_holds_its_ipv4_addresss_share(
+    users: tuple[User, User],
+    shared_tmp: Path,
+    munge_socket: Path,  # noqa: F811
+) -> None:
+    """The port listens on [::], where 127.0.0.9's connections show as ::ffff:127.0.0.9:
+    they hold 127.0.0.9's share (2 here), and the third takes the place of that
+    address's oldest, whose 503 names 127.0.0.9, as on an IPv4 port. Before, the mapped
+    text was an address of its own (a host seen both ways held two shares)."""
+    port = free_privileged_port()
+    service = start_service(
+        shared_tmp / "cache", munge_socket, "--prefetch-listen", f"[::]:{port}",
+        STAGER_PREFETCH_MAX_CONNECTIONS_PER_ADDRESS="2",
+    )  # fmt: skip
+    try:
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(connect_from("127.0.0.9", port)) for _ in range(2)]
+            time.sleep(FRESH_S + 0.5)  # neither has sent a request
+            stack.enter_context(connect_from("127.0.0.9", port))
+            answer = held[0].recv(65536)
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"127.0.0.9 held the most connections one address may" in answer, answer
+        assert b"::ffff:" not in answer, answer
+    finally:
+        service.stop()
+        service.cleanup()
+
+
 def test_strangers_holding_the_prefetch_ports_places_cannot_keep_the_planner_out(
     port_service: tuple[Daemon, int],
     munge_socket: Path,  # noqa: F811

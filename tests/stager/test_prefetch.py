@@ -675,3 +675,48 @@ def test_one_users_long_prefetch_cannot_hold_the_nodes_prefetch_slot_from_anothe
             hold.set()
             daemon.stop()
             daemon.cleanup()
+
+
+def test_a_prefetch_a_request_joined_leaves_the_prefetch_slot_to_other_users(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """bob's prefetch stalls in the node's one prefetch slot; his own request then asks
+    for the same data, which makes that staging his request's (the slot rule ends it no
+    more). The slot is then free: alice's prefetch stages, where before it waited behind
+    his for as long as his download lasted."""
+    alice, bob = users
+    hold = threading.Event()
+    stalled = Behaviour(files={"/p.bin": os.urandom(1024)}, hold=hold)
+    with serve_files(stalled) as held:
+        daemon = start_service(
+            shared_tmp / "cache", munge_socket, "--max-workers", "2",
+            STAGER_PREFETCH_SLOT_S="1",
+        )  # fmt: skip
+        try:
+            steps = [{"op": "fetch", "url": f"{held}/p.bin", "dst": "x"}]
+            code, answer = prefetch(
+                daemon, munge_socket, order(bob, 90, {"name": "p", "steps": steps})
+            )
+            assert code == 200, answer
+            deadline = time.monotonic() + 30
+            while stalled.requests == 0:  # his prefetch is staging
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            code, joined = bob.curl(
+                daemon.socket, "POST", "/v1/datasets", {"name": "his", "steps": steps}
+            )
+            assert code in (200, 202), joined
+            assert joined["state"] == "staging", joined  # the same staging, joined
+
+            tree = private_tree(alice, shared_tmp / "alice-data")
+            request = {"name": "mine", "steps": [{"op": "copy", "src": str(tree)}]}
+            code, answer = prefetch(daemon, munge_socket, order(alice, 91, request))
+            assert code == 200, answer
+            assert wait(alice, daemon, "prefetch-91-mine")["state"] == "ready"
+            his = bob.curl(daemon.socket, "GET", "/v1/datasets/his")[1]["state"]
+            assert his == "staging", "alice's prefetch waited until bob's download ended"
+            assert metric(daemon, "stager_prefetches_total", '{outcome="wasted"}') == 0
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()

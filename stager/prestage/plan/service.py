@@ -5,7 +5,9 @@ the order's sha256. An order is a wish the node may refuse: sent :data:`SENDS_AT
 at a time, each bounded by :data:`SEND_TIMEOUT_S`; one not delivered (no answer, a 5xx,
 a 429) is sent again later, backing off (:class:`Backoff`), but one the node's port had
 no place for (its 503 too_many_connections: strangers may hold them) at the next
-interval; a refusal (any other 4xx) logged and not repeated. At most
+interval; a refusal (any other 4xx) logged and not repeated. A node that has not
+answered for longer than a prefetch lives there (``prefetch_expire_s``) holds nothing
+of the planner's any more: its cancels are dropped (:meth:`Service._forget_silent`). At most
 ``plan_orders_per_interval`` orders an interval, shared round-robin between users
 (:func:`fair_share`): the rest wait for the next interval.
 """
@@ -172,8 +174,10 @@ class Sender:
         )
 
     async def send(self, order: Order) -> tuple[str, str, bool]:
-        """("sent" | "retry" | "busy" | "refused", why, waiting): "busy", the node's port
-        had no place for it (sent again, not backed off); ``waiting``, the node's prefetch
+        """("sent" | "retry" | "busy" | "refused" | "unanswered", why, waiting): "busy",
+        the node's port had no place for it (sent again, not backed off); "unanswered",
+        no answer of the node's (it, or munged here, is down: as "retry", and the node's
+        silence counts); ``waiting``, the node's prefetch
         is staging still, not ready (a copy's source is asked again next interval). A
         copy carries a second credential, over the same body, which its node hands to
         the copy's source node (decoded only there: each credential is used once, on
@@ -182,7 +186,7 @@ class Sender:
             credential = await self._credential(WHAT, order.body)
             second = await self._credential(COPY, order.body) if order.copy else ""
             if credential is None or second is None:
-                return "retry", "munged made no credential (is munged running here?)", False
+                return "unanswered", "munged made no credential (is munged running here?)", False
             headers = {"authorization": f"Munge {credential}", "content-type": "application/json"}
             if second:
                 headers[COPY_HEADER] = f"Munge {second}"
@@ -190,7 +194,7 @@ class Sender:
                 url = f"http://{self.address(order.node)}/v1/prefetches"
                 answer = await self.client.post(url, content=order.body, headers=headers)
             except (httpx.HTTPError, OSError, ValueError) as exc:
-                return "retry", f"{type(exc).__name__}: {exc}".rstrip(": "), False
+                return "unanswered", f"{type(exc).__name__}: {exc}".rstrip(": "), False
         if answer.status_code == 200:
             try:
                 done = answer.json()["data"]
@@ -254,6 +258,11 @@ class Service:
         self.per_interval = settings.plan_orders_per_interval
         self._first_uid = 0  # whose turn begins the next interval's share
         self._capped: set[str] = set()  # jobs whose left-out prefetches were logged
+        # Each node's last answer (any: it is up), or the first order it did not answer
+        # since this planner began (an earlier answer is unknown, and older).
+        self.heard: dict[str, float] = {}
+        self.clock = clock
+        self.expire_s = settings.prefetch_expire_s
 
     async def _load(self) -> None:
         if self.state_path is None:
@@ -372,11 +381,15 @@ class Service:
             else:
                 tally.failed += 1
                 failures[order.node, why] += 1
-            if outcome == "retry":
+            if outcome in ("retry", "unanswered"):
                 self.backoff.failed(order.attempt)
             elif outcome != "busy":
                 self.backoff.done(order.attempt)
-            again = outcome in ("retry", "busy")
+            if outcome == "unanswered":
+                self.heard.setdefault(order.node, self.clock())
+            else:
+                self.heard[order.node] = self.clock()
+            again = outcome in ("retry", "unanswered", "busy")
             if order.prefetch is None and not again:
                 self.cancels.pop(order.key, None)
             elif order.prefetch is not None and again:
@@ -386,6 +399,7 @@ class Service:
         for key, cancel in superseded.items():
             if key not in delivered:
                 self.cancels.setdefault(key, cancel)
+        self._forget_silent({p.node for p in plan.prefetches})
         self.backoff.keep(
             [_attempt(p) for p in plan.prefetches] + [o.attempt for o in self.cancels.values()]
         )
@@ -399,6 +413,31 @@ class Service:
             tally.waiting, tally.squeue_ms, (time.perf_counter() - started) * 1000,
         )  # fmt: skip
         return tally
+
+    def _forget_silent(self, planned: set[str]) -> None:
+        """Drop the cancels (and so their back-offs) of each node silent for longer than
+        ``prefetch_expire_s``: a prefetch there ends by itself that long after its order
+        (the node's sweep ends it past its start by prefetch_expire_s, and its lease,
+        ttl prefetch_expire_s, lapses; a node restarted reloads and ends it), and every
+        order it took came before its last answer. So a node gone for good (removed
+        from Slurm, never answering) is not asked again each horizon for ever. Make it
+        the nodes' STAGER_PREFETCH_EXPIRE_S (a longer one here only keeps them longer)."""
+        now = self.clock()
+        for node in sorted({o.node for o in self.cancels.values()}):
+            silent = now - self.heard.get(node, now)
+            if silent <= self.expire_s:
+                continue
+            dropped = [k for k, o in self.cancels.items() if o.node == node]
+            for key in dropped:
+                del self.cancels[key]
+            log.warning(
+                "node %s has not answered for %.0f s, longer than a prefetch lives there "
+                "(STAGER_PREFETCH_EXPIRE_S %g): its %d cancel(s) are dropped, what they "
+                "cancel has expired there",
+                node, silent, self.expire_s, len(dropped),
+            )  # fmt: skip
+        wanted = planned | {o.node for o in self.cancels.values()}
+        self.heard = {n: t for n, t in self.heard.items() if n in wanted}
 
     async def run(self, interval_s: float, once: bool = False) -> int:
         """Intervals every ``interval_s`` until SIGTERM or SIGINT (the interval under way
