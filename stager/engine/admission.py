@@ -101,10 +101,11 @@ class FairQueue:
     ) -> None:
         self.running_cap = running_cap
         self.low_cap, self._still_running = low_cap, running
-        # Low keys handed out, until they end or a request joins them. Told, not read
-        # from the registry: a prefetch's name and lease are recorded after its key is
-        # queued (and may be handed out), so a look there could find it no prefetch's
-        # and forget it for good.
+        # Low keys handed out, until their staging ends (:meth:`ended`; ``running`` for
+        # one handed out and not staged) or a request joins them. Told, not read from the
+        # registry: a prefetch's name and lease are recorded after its key is queued (and
+        # may be handed out), so a look there could find it no prefetch's and forget it
+        # for good.
         self._running_low: set[str] = set()
         self._queued: dict[int, deque[str]] = {}
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
@@ -149,6 +150,16 @@ class FairQueue:
         user's prefetch waiting for as long as his download lasts (the slot rule,
         STAGER_PREFETCH_SLOT_S, spares a staging a request joined)."""
         if PREFETCHING.get() is None and key in self._running_low:
+            self._running_low.discard(key)
+            self._changed.set()
+
+    def ended(self, key: str) -> None:
+        """``key``'s staging ended (its worker says so, before any requeue or new queueing
+        of the key): it takes no low slot from now on. ``running`` cannot tell: a key
+        queued again (another name joined its cancel, or a new prefetch asked for it
+        before any worker looked) is active, so it would hold its own slot, and with it
+        every prefetch on the node, for as long as it waits."""
+        if key in self._running_low:
             self._running_low.discard(key)
             self._changed.set()
 

@@ -203,6 +203,8 @@ class Engine:
             try:
                 seal = await future
             finally:
+                # Its low slot is free before anything below may queue its key again.
+                self.admission.queue.ended(entry.key)
                 await self.drop_claimed(entry)  # read once: gone before ready is said
         except NotPublic as exc:
             # Names move to their owners' own stagings first, so that nobody waiting on

@@ -120,6 +120,25 @@ def test_a_running_prefetch_a_request_joins_leaves_its_low_slot_to_the_next() ->
     asyncio.run(go())
 
 
+def test_a_low_key_queued_again_as_its_staging_ended_takes_the_slot_it_left() -> None:
+    """One low slot: p0 runs in it; its staging ends (cancelled) and another prefetch's
+    name joined meanwhile, so it is queued again at once, before any worker looked (it
+    is active then). Its worker said it ended: p0 runs again, not waits for itself."""
+
+    async def go() -> None:
+        queue = FairQueue(low_cap=1, running=lambda key: True)  # queued again: active
+        token = PREFETCHING.set(True)
+        queue.put("p0", 1)
+        assert await asyncio.wait_for(queue.get(), 1) == ("p0", 1)
+        queue.ended("p0")
+        queue.put("p0", 2)
+        queue.finished(1)
+        assert await asyncio.wait_for(queue.get(), 1) == ("p0", 2)
+        PREFETCHING.reset(token)
+
+    asyncio.run(go())
+
+
 def test_a_discarded_staging_leaves_every_turn() -> None:
     queue = FairQueue()
     queue.put("k", 1)

@@ -720,3 +720,60 @@ def test_a_prefetch_a_request_joined_leaves_the_prefetch_slot_to_other_users(
             hold.set()
             daemon.stop()
             daemon.cleanup()
+
+
+def test_a_prefetch_ended_and_queued_again_before_the_queue_looked_still_stages(
+    users: tuple[User, User], shared_tmp: Path, munge_socket: Path
+) -> None:
+    """Two workers, both busy: alice's prefetch (job 70) in the one prefetch slot, bob's
+    stalled request in the other; her own request waits (her one staging at a time).
+    Job 70's prefetch is cancelled: its worker takes her request at once, so no worker
+    looks at the slot in between. Job 71's prefetch of the same data then queues that
+    key again. Once the downloads go on, it stages: before, the queue still counted the
+    key as its slot's holder (a queued key counted as still running), so neither it
+    nor any later prefetch on the node ever staged (until a request asked for it)."""
+    alice, bob = users
+    hold = threading.Event()
+    files = {f"/{n}.bin": os.urandom(1024) for n in ("p", "his", "hers")}
+    served = Behaviour(files=files, hold=hold)
+
+    def started(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while served.requests < n:
+            assert time.monotonic() < deadline, f"{n} downloads begun: {served.requests}"
+            time.sleep(0.05)
+
+    with serve_files(served) as base:
+        daemon = start_service(shared_tmp / "cache", munge_socket, "--max-workers", "2")
+        try:
+
+            def fetch(name: str, file: str) -> dict:
+                return {
+                    "name": name,
+                    "steps": [{"op": "fetch", "url": f"{base}/{file}", "dst": "x"}],
+                }
+
+            code, answer = prefetch(daemon, munge_socket, order(alice, 70, fetch("p", "p.bin")))
+            assert code == 200, answer
+            started(1)
+            code, answer = bob.curl(daemon.socket, "POST", "/v1/datasets", fetch("his", "his.bin"))
+            assert code == 202, answer
+            started(2)
+            hers = fetch("hers", "hers.bin")
+            code, answer = alice.curl(daemon.socket, "POST", "/v1/datasets", hers)
+            assert code == 202, answer  # queued: her one staging at a time is the prefetch
+            code, answer = prefetch(daemon, munge_socket, order(alice, 70, action="cancel"))
+            assert code == 200, answer
+            started(3)  # her request took the cancelled prefetch's worker
+            code, answer = prefetch(daemon, munge_socket, order(alice, 71, fetch("p", "p.bin")))
+            assert code == 200, answer
+            hold.set()
+            for who, name in ((bob, "his"), (alice, "hers")):
+                assert wait(who, daemon, name)["state"] == "ready"
+            path = "/v1/datasets/prefetch-71-p/wait?timeout=20"
+            code, again = alice.curl(daemon.socket, "GET", path)
+            assert code == 200 and again["state"] == "ready", again
+        finally:
+            hold.set()
+            daemon.stop()
+            daemon.cleanup()
