@@ -402,12 +402,15 @@ class Registry:
     # ---- an attempt stages it ------------------------------------------------------
 
     async def start(self, entry: Entry) -> Attempt:
-        """QUEUED -> STAGING: an interrupted attempt resumes, else a new one starts."""
+        """QUEUED -> STAGING: an interrupted attempt resumes, else a new one starts. The
+        move comes before any await: the worker saw it QUEUED, and a request or a cancel
+        arriving meanwhile must find it staging (a request that found it queued put it in
+        the queue again, and a second worker failed the staging, STAGING -> STAGING)."""
         resumed = entry.attempt is not None
-        if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
-            entry.attempt, resumed = uuid.uuid4().hex[:12], False
         entry.cancel.clear()
         entry.move(State.STAGING)
+        if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
+            entry.attempt, resumed = uuid.uuid4().hex[:12], False
         await self._save(entry, Durable.STAGING)
         self.events.staging(entry, resumed)
         return self.attempt(entry)
