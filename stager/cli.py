@@ -9,6 +9,7 @@ variable ``STAGER_<FLAG>``. Exit codes: ``EPILOG`` and docs/settings.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -128,6 +129,8 @@ def given_flags(args: argparse.Namespace) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if not (args.command == "serve" and not args.detach):
+        gc.enable()  # off while `python -m stager` imported (stager.__main__); serve's: later
     if args.command == "completion":
         return print_completion(args)
     if args.command == "image":  # no daemon, no settings

@@ -152,6 +152,7 @@ def serve(settings: Settings) -> None:
     # serves, and the interpreter does not at exit, which took 0.6-1.2 s of a stop on a
     # busy machine (0.3 s now).
     collector.freeze()
+    collector.enable()  # off since `python -m stager` began (stager.__main__)
     try:
         server = _Server(config, on_exit=app.state.engine.request_stop, gate=gate)
         if orders is not None:
