@@ -1,7 +1,7 @@
-"""A worker hands a queued entry to ``Registry.start``: the entry is STAGING before
-start's first await, so a request or a cancel arriving while it looks for the attempt
-to resume finds it staging. (Found QUEUED there, a request put it in the queue again,
-and a second worker failed the staging that ran: STAGING -> STAGING.)"""
+"""A worker moves the queued entry it took from the queue to STAGING in the same step
+(``Registry.begin``), then ``Registry.start`` looks for the attempt to resume: a request
+or a cancel arriving meanwhile finds it staging. (Found QUEUED there, a request put it in
+the queue again, and a second worker failed the staging that ran: STAGING -> STAGING.)"""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from stager.core.durable import CrashPoints
 from stager.core.metrics import Metrics
 from stager.core.settings import Settings
 from stager.engine.lifecycle import Registry, Trash
+from stager.engine.scheduler import Engine
 from stager.ops import table
 from stager.request import preflight
 from stager.state.dataset import Entry
@@ -19,7 +20,7 @@ from stager.state.store import Store
 from stager.wire.schemas import State
 
 
-def test_a_resumed_attempt_is_staging_before_start_looks_for_its_folder(tmp_path: Path) -> None:
+def test_a_started_entry_resumes_the_attempt_whose_folder_is_there(tmp_path: Path) -> None:
     settings = Settings(cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run")
     preflight.ensure_dirs(settings)
     store = Store(settings.db_path, table.load())
@@ -31,10 +32,44 @@ def test_a_resumed_attempt_is_staging_before_start_looks_for_its_folder(tmp_path
         await reg.queue(entry)
         entry.attempt = "interrupted1"  # an attempt a restart left, to resume
         reg.attempt(entry).root.mkdir(parents=True)
-        start = asyncio.ensure_future(reg.start(entry))
-        await asyncio.sleep(0)  # start runs to its first await (the folder's look)
-        assert entry.state == State.STAGING, "a request arriving now would queue it again"
-        attempt = await start
+        reg.begin(entry)
+        attempt = await reg.start(entry)
+        assert entry.state == State.STAGING
         assert entry.attempt == "interrupted1" and attempt.root.is_dir()  # resumed
+        entry.attempt = "gone"  # one whose folder is not there: a new attempt
+        assert (await reg.start(entry)).root.name != f"{entry.key}.gone"
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
+
+
+def test_a_worker_moves_what_it_took_from_the_queue_to_staging_in_the_same_step(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run")
+    preflight.ensure_dirs(settings)
+    store = Store(settings.db_path, table.load())
+    trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
+    engine = Engine(settings, Metrics())
+    engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))
+
+    async def run() -> State:
+        entry = Entry(key="k" * 24, spec={}, steps=[], verify="size", state=State.QUEUED)
+        await engine.reg.queue(entry)
+        engine.admission.queue.put(entry.key, 0, low=False)
+        worker = asyncio.ensure_future(engine._worker())
+        await asyncio.sleep(0)  # the worker took the key; its staging's task has not run
+        # A request or a second worker (one whose step came next, back from its staging)
+        # that found it queued here put it in the queue again, and that worker failed
+        # the staging that ran (STAGING -> STAGING).
+        seen = entry.state
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
+        return seen
+
+    try:
+        assert asyncio.run(run()) == State.STAGING
+    finally:
+        store.close()
