@@ -401,14 +401,18 @@ class Registry:
 
     # ---- an attempt stages it ------------------------------------------------------
 
-    async def start(self, entry: Entry) -> Attempt:
-        """QUEUED -> STAGING: an interrupted attempt resumes, else a new one starts. The
-        move comes before any await: the worker saw it QUEUED, and a request or a cancel
-        arriving meanwhile must find it staging (a request that found it queued put it in
-        the queue again, and a second worker failed the staging, STAGING -> STAGING)."""
-        resumed = entry.attempt is not None
+    def begin(self, entry: Entry) -> None:
+        """QUEUED -> STAGING, in the step of the worker that took it from the queue and
+        found it queued: nothing else runs between that look and the move. (A request
+        that found it queued in between put it in the queue again, and a second worker
+        that found it queued too failed the staging that ran: STAGING -> STAGING.) A
+        request or a cancel arriving from then on finds it staging; :meth:`start` next."""
         entry.cancel.clear()
         entry.move(State.STAGING)
+
+    async def start(self, entry: Entry) -> Attempt:
+        """After :meth:`begin`: an interrupted attempt resumes, else a new one starts."""
+        resumed = entry.attempt is not None
         if entry.attempt is None or not await run_io(self.attempt(entry).root.is_dir):
             entry.attempt, resumed = uuid.uuid4().hex[:12], False
         await self._save(entry, Durable.STAGING)

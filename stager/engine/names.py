@@ -107,8 +107,10 @@ class Names:
                 return view
             await reg.end_name(handle, State.CANCELLED if entry.active else State.EVICTED)
             if entry.state == State.QUEUED:
-                await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
+                # Out of the queue first: a worker free while the end deletes its partial
+                # data took it, and the end then cancelled the staging it ran.
                 self.engine.admission.queue.discard(entry.key)
+                await reg.end(entry, State.CANCELLED, CANCELLED_BY_REQUEST)
                 dropped = entry
                 outcome = f"cancelled {name!r} before it started; nothing was staged"
             elif entry.state == State.STAGING:

@@ -23,30 +23,34 @@ import gc
 gc.disable()
 # ruff: noqa: E402
 
-# What a staging process needs to unpickle its arguments (the shared counters, the
-# cancel event).
-import multiprocessing.heap  # noqa: F401
-import multiprocessing.popen_forkserver  # noqa: F401
-import multiprocessing.sharedctypes  # noqa: F401
-import multiprocessing.synchronize  # noqa: F401
-from importlib import import_module
+try:
+    # What a staging process needs to unpickle its arguments (the shared counters, the
+    # cancel event).
+    import multiprocessing.heap  # noqa: F401
+    import multiprocessing.popen_forkserver  # noqa: F401
+    import multiprocessing.sharedctypes  # noqa: F401
+    import multiprocessing.synchronize  # noqa: F401
+    from importlib import import_module
 
-from stager.archive import split_tar
-from stager.core import downloads
-from stager.kinds import table as kinds  # noqa: F401 - every kind's part of a job (unpickled)
-from stager.ops import fetch, table
-from stager.rights import agent, pool  # noqa: F401 - a user process's
-from stager.staging import worker  # noqa: F401 - worker: a staging process's entry points
+    from stager.archive import split_tar
+    from stager.core import downloads
+    from stager.kinds import table as kinds  # noqa: F401 - each kind's job part (unpickled)
+    from stager.ops import fetch, table
+    from stager.rights import agent, pool  # noqa: F401 - a user process's
+    from stager.staging import worker  # noqa: F401 - worker: a staging process's entry points
 
-for module in pool.USER_SIDE_MODULES:  # what a user process runs: never imported as one
-    import_module(module)
-table.load(())  # the key every job without site ops asks for
-fetch.warm_up()
-downloads.warm_up()
-split_tar.gnu_tar()
-# All of the above lives as long as the server: out of the collector's sight (as
-# Python's gc docs advise before fork()), the children's full collections do not walk
-# it nor dirty its pages, and the server's own exit does not walk it (~0.07 s of CPU
-# at every daemon's end).
-gc.freeze()
-gc.enable()
+    for module in pool.USER_SIDE_MODULES:  # what a user process runs: never imported as one
+        import_module(module)
+    table.load(())  # the key every job without site ops asks for
+    fetch.warm_up()
+    downloads.warm_up()
+    split_tar.gnu_tar()
+finally:
+    # All of the above lives as long as the server: out of the collector's sight (as
+    # Python's gc docs advise before fork()), the children's full collections do not
+    # walk it nor dirty its pages, and the server's own exit does not walk it (~0.07 s
+    # of CPU at every daemon's end). On also when an import failed: the fork server
+    # passes over a preload's ImportError and forks on, and every process it forked
+    # would run with the collector off.
+    gc.freeze()
+    gc.enable()

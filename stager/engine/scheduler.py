@@ -173,6 +173,7 @@ class Engine:
                 entry = self.reg.entries.get(key)
                 if entry is None or entry.state != State.QUEUED or self.stopping:
                     continue
+                self.reg.begin(entry)  # in this step, before anything may look at it
                 # A task of its own, which a stop waits for whole: the outcome of a
                 # staging the stop interrupts is recorded before the daemon exits.
                 staging = asyncio.ensure_future(self._stage(entry))

@@ -87,3 +87,31 @@ def _pid_of(tmp_path: Path) -> str:
     written = [p.name.rpartition(".")[2] for p in tmp_path.glob("collector.*")]
     assert len(written) == 1, written
     return written[0]
+
+
+# The fork server imports its preload as multiprocessing.forkserver.main does: an
+# ImportError is passed over, and the server forks every staging process on.
+FORK_SERVER_PRELOAD = """
+import gc
+import sys
+
+sys.modules["stager.archive.split_tar"] = None  # an import the preload makes fails
+try:
+    __import__("stager.engine.preload")
+except ImportError:
+    pass
+print(gc.isenabled())
+"""
+
+
+def test_a_fork_server_whose_preload_failed_still_collects() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_SERVER_PRELOAD],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    # Off, each staging and user process forked from the server would keep every
+    # reference cycle it made for as long as it ran.
+    assert done.stdout.strip() == "True", done.stdout
