@@ -214,6 +214,124 @@ def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
             rank.join()
 
 
+class ForkedTrainer:
+    """``python -m trainer ARGS`` (or N ranks of it, with torchrun's rank variables)
+    forked from this test process, for runs whose claim is the trainer's, not a
+    launcher's: each rank starts with torch, torchvision and the trainer imported
+    (a new interpreter imports them again, 3-5 s of CPU each, and torchrun is one
+    more). Every rank writes to the same two files, as torchrun's ranks write to its
+    stdout and stderr. What a rank starts is its own: loader workers come from a
+    forkserver of its own (started afresh, not this process's), stopped at its end.
+    Not for tests of signal delivery by a launcher: those keep torchrun or srun."""
+
+    def __init__(
+        self, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
+        cwd: Path = REPO, stdout: Path | None = None,
+    ) -> None:  # fmt: skip
+        import multiprocessing
+
+        from trainer import cli, lr_finder, train  # noqa: F401  (imported once, here)
+
+        self.args = [sys.executable, "-m", "trainer", *args]
+        self._dir = Path(tempfile.mkdtemp(prefix="forked-trainer-"))
+        self._out = stdout or self._dir / "stdout"
+        self._err = self._out if stdout else self._dir / "stderr"
+        port = free_port()
+        self.ranks = []
+        for rank in range(nproc):
+            rank_env = dict(env or trainer_env())
+            if nproc > 1:
+                rank_env.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                )  # fmt: skip
+            process = multiprocessing.get_context("fork").Process(
+                target=_trainer_rank, args=(args, rank_env, cwd, self._out, self._err)
+            )
+            process.start()
+            self.ranks.append(process)
+
+    def wait(self, timeout: float = 240) -> subprocess.CompletedProcess:
+        """The ranks' common exit code (else the first that is not 0), and what they
+        wrote; a rank still running at the timeout fails the test, and none outlives
+        the wait (a timeout's alarm, ^C)."""
+        deadline = time.monotonic() + timeout
+        try:
+            for rank in self.ranks:
+                rank.join(max(0.0, deadline - time.monotonic()))
+            if any(rank.exitcode is None for rank in self.ranks):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        finally:
+            self.stop()
+        codes = [rank.exitcode for rank in self.ranks]
+        code = next((c for c in codes if c != 0), 0)
+        out = self._out.read_text() if self._out.exists() else ""
+        err = self._err.read_text() if self._err.exists() else ""
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return subprocess.CompletedProcess(self.args, code, out, err)
+
+    def stop(self) -> None:
+        """Kill the ranks still running (none, after a `wait` that returned)."""
+        for rank in self.ranks:
+            if rank.is_alive():
+                rank.kill()
+            rank.join()
+
+
+def finish_forked(runs: list[ForkedTrainer], timeout: float = 240):
+    """Every run's result (`ForkedTrainer.wait`); one that fails stops the others too."""
+    try:
+        return [run.wait(timeout) for run in runs]
+    finally:
+        for run in runs:
+            run.stop()
+
+
+def _trainer_rank(args: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
+    """One forked rank: what ``python -m trainer ARGS`` does, in this process's image."""
+    import multiprocessing.forkserver as forkserver
+
+    import torch
+
+    from trainer import cli, data
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # what a new process takes from it at its start; a
+        # fork has what the test process last set (sums in another order, other floats)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # The test process's loader forkserver, if it started one, is neither this rank's
+    # child to wait for nor its to stop: the rank starts its own, as a new process does.
+    fresh = forkserver.ForkServer()
+    forkserver._forkserver = fresh
+    forkserver.ensure_running = fresh.ensure_running
+    forkserver.get_inherited_fds = fresh.get_inherited_fds
+    forkserver.connect_to_new_process = fresh.connect_to_new_process
+    forkserver.set_forkserver_preload = fresh.set_forkserver_preload
+    try:
+        code = cli.main(list(args))
+    finally:
+        data._stop_workers()  # what the trainer's exit does (no atexit in a forked child)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_forked_trainer(
+    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240,
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """``run_trainer``, forked (`ForkedTrainer`)."""
+    return ForkedTrainer(args, nproc, env, cwd).wait(timeout)
+
+
 def finish(
     procs: list[subprocess.Popen], timeout: float = 240
 ) -> list[subprocess.CompletedProcess]:
