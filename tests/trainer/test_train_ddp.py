@@ -50,9 +50,12 @@ def _resnet_args(out: Path, *extra: str) -> list[str]:
 def test_resnet_trains_on_fakedata_ddp(tmp_path):
     # FakeData is noise with random labels: only memorisation can lower the
     # loss, so augmentation is off and the check is on the training loss.
+    # No loader workers (test_resume and the run below have them): each rank's would
+    # come from a forkserver, one more interpreter importing torch.
     args = _resnet_args(
         tmp_path, "--dataset", "fake", "--fake-size", "32", "--fake-val-size", "9",
         "--fake-image-size", "16", "--num-classes", "4", "--augment", "none", "--epochs", "4",
+        "--workers", "0",
     )  # fmt: skip
     done = run_trainer(args, nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
