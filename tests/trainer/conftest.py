@@ -215,23 +215,25 @@ def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
 
 
 class ForkedTrainer:
-    """``python -m trainer ARGS`` (or N ranks of it, with torchrun's rank variables)
-    forked from this test process, for runs whose claim is the trainer's, not a
-    launcher's: each rank starts with torch, torchvision and the trainer imported
-    (a new interpreter imports them again, 3-5 s of CPU each, and torchrun is one
-    more). Every rank writes to the same two files, as torchrun's ranks write to its
-    stdout and stderr. What a rank starts is its own: loader workers come from a
-    forkserver of its own (started afresh, not this process's), stopped at its end.
-    Not for tests of signal delivery by a launcher: those keep torchrun or srun."""
+    """``python -m trainer ARGS`` (or N ranks of it, with torchrun's rank variables),
+    for runs whose claim is the trainer's, not a launcher's: each rank is forked by
+    the loaders' forkserver (`trainer.data.loader_context`, one per test process),
+    which has torch and torchvision imported; a new interpreter imports them again
+    (3-5 s of CPU each), and torchrun is one more. Not forked from the test process:
+    what its torch did (autograd's threads) can leave a fork unable to train. Every
+    rank writes to the same two files, as torchrun's ranks write to its stdout and
+    stderr; its own loader workers come from a forkserver of its own, stopped at its
+    end. Not for tests of signal delivery by a launcher: those keep torchrun or srun."""
+
+    live: set[ForkedTrainer] = set()  # the forkserver stops when the last of them ends
 
     def __init__(
         self, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
         cwd: Path = REPO, stdout: Path | None = None,
     ) -> None:  # fmt: skip
-        import multiprocessing
+        from trainer import data
 
-        from trainer import cli, lr_finder, train  # noqa: F401  (imported once, here)
-
+        ForkedTrainer.live.add(self)
         self.args = [sys.executable, "-m", "trainer", *args]
         self._dir = Path(tempfile.mkdtemp(prefix="forked-trainer-"))
         self._out = stdout or self._dir / "stdout"
@@ -245,7 +247,9 @@ class ForkedTrainer:
                     RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                     LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 )  # fmt: skip
-            process = multiprocessing.get_context("fork").Process(
+            # Forked from the loaders' forkserver (torch and torchvision imported), not from
+            # this process: its torch may hold what a fork cannot use (autograd's threads).
+            process = data.loader_context().Process(
                 target=_trainer_rank, args=(args, rank_env, cwd, self._out, self._err)
             )
             process.start()
@@ -271,11 +275,17 @@ class ForkedTrainer:
         return subprocess.CompletedProcess(self.args, code, out, err)
 
     def stop(self) -> None:
-        """Kill the ranks still running (none, after a `wait` that returned)."""
+        """Kill the ranks still running (none, after a `wait` that returned); the last
+        run to end stops the forkserver (what a test starts, it stops)."""
+        from trainer import data
+
         for rank in self.ranks:
             if rank.is_alive():
                 rank.kill()
             rank.join()
+        ForkedTrainer.live.discard(self)
+        if not ForkedTrainer.live:
+            data.stop_loader_server()
 
 
 def finish_forked(runs: list[ForkedTrainer], timeout: float = 240):
@@ -288,12 +298,12 @@ def finish_forked(runs: list[ForkedTrainer], timeout: float = 240):
 
 
 def _trainer_rank(args: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
-    """One forked rank: what ``python -m trainer ARGS`` does, in this process's image."""
-    import multiprocessing.forkserver as forkserver
+    """One forked rank: what ``python -m trainer ARGS`` does, in the forkserver's image."""
+    import signal
 
     import torch
 
-    from trainer import cli, data
+    from trainer import cli, data, preempt
 
     os.chdir(cwd)
     os.environ.clear()
@@ -307,14 +317,11 @@ def _trainer_rank(args: list[str], env: dict[str, str], cwd: Path, out: Path, er
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    # The test process's loader forkserver, if it started one, is neither this rank's
-    # child to wait for nor its to stop: the rank starts its own, as a new process does.
-    fresh = forkserver.ForkServer()
-    forkserver._forkserver = fresh
-    forkserver.ensure_running = fresh.ensure_running
-    forkserver.get_inherited_fds = fresh.get_inherited_fds
-    forkserver.connect_to_new_process = fresh.connect_to_new_process
-    forkserver.set_forkserver_preload = fresh.set_forkserver_preload
+    # The forkserver ignores (and started with blocked) the preemption signals, for its
+    # loader workers; a rank starts as a new process does, with neither.
+    for sig in preempt.SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.SIGNALS)
     try:
         code = cli.main(list(args))
     finally:
