@@ -214,6 +214,131 @@ def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
             rank.join()
 
 
+class ForkedTrainer:
+    """``python -m trainer ARGS`` (or N ranks of it, with torchrun's rank variables),
+    for runs whose claim is the trainer's, not a launcher's: each rank is forked by
+    the loaders' forkserver (`trainer.data.loader_context`, one per test process),
+    which has torch and torchvision imported; a new interpreter imports them again
+    (3-5 s of CPU each), and torchrun is one more. Not forked from the test process:
+    what its torch did (autograd's threads) can leave a fork unable to train. Every
+    rank writes to the same two files, as torchrun's ranks write to its stdout and
+    stderr; its own loader workers come from a forkserver of its own, stopped at its
+    end. Not for tests of signal delivery by a launcher: those keep torchrun or srun."""
+
+    live: set[ForkedTrainer] = set()  # the forkserver stops when the last of them ends
+
+    def __init__(
+        self, args: list[str], nproc: int = 1, env: dict[str, str] | None = None,
+        cwd: Path = REPO, stdout: Path | None = None,
+    ) -> None:  # fmt: skip
+        from trainer import data
+
+        ForkedTrainer.live.add(self)
+        self.args = [sys.executable, "-m", "trainer", *args]
+        self._dir = Path(tempfile.mkdtemp(prefix="forked-trainer-"))
+        self._out = stdout or self._dir / "stdout"
+        self._err = self._out if stdout else self._dir / "stderr"
+        port = free_port()
+        self.ranks = []
+        for rank in range(nproc):
+            rank_env = dict(env or trainer_env())
+            if nproc > 1:
+                rank_env.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                )  # fmt: skip
+            # Forked from the loaders' forkserver (torch and torchvision imported), not from
+            # this process: its torch may hold what a fork cannot use (autograd's threads).
+            process = data.loader_context().Process(
+                target=_trainer_rank, args=(args, rank_env, cwd, self._out, self._err)
+            )
+            process.start()
+            self.ranks.append(process)
+
+    def wait(self, timeout: float = 240) -> subprocess.CompletedProcess:
+        """The ranks' common exit code (else the first that is not 0), and what they
+        wrote; a rank still running at the timeout fails the test, and none outlives
+        the wait (a timeout's alarm, ^C)."""
+        deadline = time.monotonic() + timeout
+        try:
+            for rank in self.ranks:
+                rank.join(max(0.0, deadline - time.monotonic()))
+            if any(rank.exitcode is None for rank in self.ranks):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        finally:
+            self.stop()
+        codes = [rank.exitcode for rank in self.ranks]
+        code = next((c for c in codes if c != 0), 0)
+        out = self._out.read_text() if self._out.exists() else ""
+        err = self._err.read_text() if self._err.exists() else ""
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return subprocess.CompletedProcess(self.args, code, out, err)
+
+    def stop(self) -> None:
+        """Kill the ranks still running (none, after a `wait` that returned); the last
+        run to end stops the forkserver (what a test starts, it stops)."""
+        from trainer import data
+
+        for rank in self.ranks:
+            if rank.is_alive():
+                rank.kill()
+            rank.join()
+        ForkedTrainer.live.discard(self)
+        if not ForkedTrainer.live:
+            data.stop_loader_server()
+
+
+def finish_forked(runs: list[ForkedTrainer], timeout: float = 240):
+    """Every run's result (`ForkedTrainer.wait`); one that fails stops the others too."""
+    try:
+        return [run.wait(timeout) for run in runs]
+    finally:
+        for run in runs:
+            run.stop()
+
+
+def _trainer_rank(args: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> None:
+    """One forked rank: what ``python -m trainer ARGS`` does, in the forkserver's image."""
+    import signal
+
+    import torch
+
+    from trainer import cli, data, preempt
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # what a new process takes from it at its start; a
+        # fork has what the test process last set (sums in another order, other floats)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    # The forkserver ignores (and started with blocked) the preemption signals, for its
+    # loader workers; a rank starts as a new process does, with neither.
+    for sig in preempt.SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, preempt.SIGNALS)
+    try:
+        code = cli.main(list(args))
+    finally:
+        data._stop_workers()  # what the trainer's exit does (no atexit in a forked child)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_forked_trainer(
+    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 240,
+    cwd: Path = REPO,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """``run_trainer``, forked (`ForkedTrainer`)."""
+    return ForkedTrainer(args, nproc, env, cwd).wait(timeout)
+
+
 def finish(
     procs: list[subprocess.Popen], timeout: float = 240
 ) -> list[subprocess.CompletedProcess]:

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision import datasets as tvd
 
-from tests.trainer.conftest import finish, make_imagefolder, start_trainer, tiny_args
+from tests.trainer.conftest import ForkedTrainer, finish_forked, make_imagefolder, tiny_args
 from trainer import data, decode, transforms
 from trainer.datasets import DataError
 
@@ -106,12 +106,11 @@ def test_a_dataset_with_odd_files_trains(tmp_path):
     # --bad-images error (the default) and skip, side by side (each in a folder of its own).
     refused = [*args, "--output-dir", str(tmp_path / "refused"), "--record-samples",
                str(tmp_path / "refused-rec")]  # fmt: skip
-    failed, done = finish(
-        [
-            start_trainer(refused),
-            start_trainer([*args, "--bad-images", "skip", "--batch-size", "14"]),
-        ]
-    )
+    runs = [
+        ForkedTrainer(refused),
+        ForkedTrainer([*args, "--bad-images", "skip", "--batch-size", "14"]),
+    ]
+    failed, done = finish_forked(runs)
 
     assert failed.returncode == 1
     line = [x for x in failed.stderr.splitlines() if "error:" in x]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision import datasets as tvd
 
-from tests.trainer.conftest import run_trainer, tiny_args
+from tests.trainer.conftest import run_forked_trainer, tiny_args
 from trainer import checkpoint, data, engine, transforms
 from trainer.models import build_model
 
@@ -48,10 +48,10 @@ def test_a_position_at_max_iters_takes_no_step():
 @pytest.mark.slow
 def test_resuming_a_finished_run_trains_nothing(tmp_path):
     args = tiny_args(tmp_path, "--iterations", "3", "--no-eval")
-    done = run_trainer(args)
+    done = run_forked_trainer(args)
     assert done.returncode == 0, done.stderr[-3000:]
     before = checkpoint.load(checkpoint.latest(tmp_path / "checkpoints"))
-    done = run_trainer([*args, "--resume"])
+    done = run_forked_trainer([*args, "--resume"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "nothing to train" in done.stderr
     after = checkpoint.load(checkpoint.latest(tmp_path / "checkpoints"))

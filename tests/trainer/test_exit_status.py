@@ -2,8 +2,10 @@
 
 torchrun exits 1 when a signal stopped it, although every rank saved and exited 75.
 Real ``torchrun --nproc-per-node 2`` runs (gloo, CPU, FakeData, tinynet) get SIGTERM
-as SLURM sends it, complete, or crash, and ``stager-train exit-status`` must give back
-75, 0 and a broken code. The reader's rule is walked over every record it can meet.
+as SLURM sends it, or crash (torchrun stops the other rank), and a 2-rank run completes
+(forked from this process: nothing of torchrun's is in it), and ``stager-train
+exit-status`` must give back 75, 0 and a broken code. The reader's rule is walked over
+every record it can meet.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import pytest
 
 from tests.trainer.conftest import (
     REPO,
+    ForkedTrainer,
     finish,
+    run_forked_trainer,
     signal_tree,
     start_trainer,
     tiny_args,
@@ -126,10 +130,9 @@ def test_an_earlier_runs_preemption_is_not_this_runs(tmp_path, capsys):
     write(tmp_path, Record(run_id="earlier", status="preempted", exit_code=75,
                            checkpoint=str(ckpt.relative_to(tmp_path))))  # fmt: skip
     assert read_status(capsys, tmp_path, "earlier")[0] == 75
-    bad = subprocess.run(
-        [sys.executable, "-m", "trainer", *tiny_args(tmp_path, "--no-such-flag")],
-        cwd=REPO, env=trainer_env(STAGER_TRAIN_RUN_ID="now"), capture_output=True, text=True,
-    )  # fmt: skip
+    bad = run_forked_trainer(
+        tiny_args(tmp_path, "--no-such-flag"), env=trainer_env(STAGER_TRAIN_RUN_ID="now")
+    )
     assert bad.returncode == 2, bad.stderr
     code, err = read_status(capsys, tmp_path, "now", launcher_exit=bad.returncode)
     assert code == 2 and "records run earlier, not run now" in err
@@ -176,13 +179,14 @@ def test_torchrun_preempted_completed_and_crashed_runs_read_75_0_and_broken(tmp_
     assert read_status(capsys, cuts["tree"], "cut-tree", launcher_exit=1)[0] == 75
 
     # A completed run and a crashing one (no optimizer step fits: ValueError on every rank).
-    ok, bad = finish(
-        [start_trainer(tiny_args(done_ok, "--epochs", "1", "--no-eval"), nproc=2,
-                       env=trainer_env(STAGER_TRAIN_RUN_ID="done-1")),
-         start_trainer(tiny_args(crash, "--epochs", "1", "--batch-size", "100",
-                                 "--run-id", "crash-1"), nproc=2)],
-        timeout=90,
-    )  # fmt: skip
+    completing = ForkedTrainer(tiny_args(done_ok, "--epochs", "1", "--no-eval"), nproc=2,
+                               env=trainer_env(STAGER_TRAIN_RUN_ID="done-1"))  # fmt: skip
+    crashing = start_trainer(tiny_args(crash, "--epochs", "1", "--batch-size", "100",
+                                       "--run-id", "crash-1"), nproc=2)  # fmt: skip
+    try:
+        ok = completing.wait(timeout=90)
+    finally:
+        (bad,) = finish([crashing], timeout=90)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert _recorded(done_ok)["status"] == "completed"
     assert read_status(capsys, done_ok, "done-1", launcher_exit=0)[0] == 0

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torchvision.transforms import v2
 
-from tests.trainer.conftest import run_trainer, tiny_args
+from tests.trainer.conftest import run_forked_trainer, tiny_args
 from trainer import checkpoint, engine, train
 from trainer.cli import parse_train_args
 from trainer.distributed import World
@@ -85,7 +85,7 @@ def test_ema_weights_are_the_ones_evaluated(tmp_path):
     out = tmp_path / "out"
     flags = ["--epochs", "2", "--lr", "0.2", "--model-ema", "--model-ema-steps", "1",
              "--model-ema-decay", "0.9"]  # fmt: skip
-    done = run_trainer(tiny_args(out, *flags))
+    done = run_forked_trainer(tiny_args(out, *flags))
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out / "epochs.csv") as f:
         last = list(csv.DictReader(f))[-1]

@@ -1,4 +1,5 @@
-"""End-to-end runs with real 2-process gloo groups (torchrun or torch.multiprocessing)."""
+"""End-to-end runs with real 2-process gloo groups (torchrun, or ranks forked from this
+process: `fork_ranks`, `ForkedTrainer`, where the claim is not torchrun's)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from torchvision import datasets as tvd
 
 from bench.fakedata import make_inat2021 as make_inat_release
 from tests.trainer.conftest import (
-    finish,
+    ForkedTrainer,
+    finish_forked,
     fork_ranks,
     free_port,
+    run_forked_trainer,
     run_trainer,
-    start_trainer,
     tiny_args,
     trainer_env,
 )
@@ -48,9 +50,12 @@ def _resnet_args(out: Path, *extra: str) -> list[str]:
 def test_resnet_trains_on_fakedata_ddp(tmp_path):
     # FakeData is noise with random labels: only memorisation can lower the
     # loss, so augmentation is off and the check is on the training loss.
+    # No loader workers (test_resume and the run below have them): each rank's would
+    # come from a forkserver, one more interpreter importing torch.
     args = _resnet_args(
         tmp_path, "--dataset", "fake", "--fake-size", "32", "--fake-val-size", "9",
         "--fake-image-size", "16", "--num-classes", "4", "--augment", "none", "--epochs", "4",
+        "--workers", "0",
     )  # fmt: skip
     done = run_trainer(args, nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -86,7 +91,7 @@ def test_resnet_trains_on_fake_inaturalist_staged_by_the_daemon(tmp_path, daemon
         "--epochs", "6",
     )  # fmt: skip
     args.remove("--no-tensorboard")  # this run also writes TensorBoard events
-    done = run_trainer(args, nproc=2, env=trainer_env(STAGER_URL=daemon.url))
+    done = run_forked_trainer(args, nproc=2, env=trainer_env(STAGER_URL=daemon.url))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _epochs(tmp_path / "out")
     assert rows[0]["count"] == "12"  # 4 classes x 3 validation images, each once
@@ -186,11 +191,12 @@ def test_distributed_eval_of_batchnorm_model_equals_saved_model(tmp_path):
 
 def test_gradient_accumulation_equals_larger_batch(tmp_path):
     common = ["--iterations", "4", "--no-eval", "--lr", "0.1"]
-    micro, big = finish(  # side by side: neither result depends on timing
-        [start_trainer(tiny_args(tmp_path / "micro", *common, "--batch-size", "4",
-                                 "--accum-steps", "3"), nproc=2),
-         start_trainer(tiny_args(tmp_path / "big", *common, "--batch-size", "12"), nproc=2)]
-    )  # fmt: skip
+    runs = [  # side by side: neither result depends on timing
+        ForkedTrainer(tiny_args(tmp_path / "micro", *common, "--batch-size", "4",
+                                "--accum-steps", "3"), nproc=2),
+        ForkedTrainer(tiny_args(tmp_path / "big", *common, "--batch-size", "12"), nproc=2),
+    ]  # fmt: skip
+    micro, big = finish_forked(runs)
     assert micro.returncode == 0, micro.stderr[-3000:]
     assert big.returncode == 0, big.stderr[-3000:]
     a, b = _final_model(tmp_path / "micro"), _final_model(tmp_path / "big")
@@ -205,7 +211,7 @@ def test_lr_finder_writes_csv_png_and_suggestion(tmp_path):
                      "--iters-per-run", "2")  # fmt: skip
     for flag in ("--print-freq", "1000", "--no-tensorboard"):  # train-only flags
         args.remove(flag)
-    done = run_trainer(["find-lr", *args], nproc=2)
+    done = run_forked_trainer(["find-lr", *args], nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "lr_find.csv")))
     assert 3 <= len(rows) <= 6 and float(rows[0]["lr"]) == pytest.approx(1e-4)
