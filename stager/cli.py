@@ -82,21 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(stop, "stop")
     stop.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
-    gc = commands.add_parser(
+    gc_parser = commands.add_parser(
         "gc",
         help="drop leases of ended jobs and evict superseded datasets from the cache",
         description="Ask the running daemon to drop expired leases and leases of jobs SLURM "
         "no longer knows, then evict ready datasets that no name refers to any more (older "
         "copies of changed sources). With --all, evict every unleased ready dataset.",
     )
-    _add_settings(gc, "gc")
-    gc.add_argument(
+    _add_settings(gc_parser, "gc")
+    gc_parser.add_argument(
         "--all",
         action="store_true",
         default=None,
         help="also evict named datasets that no job holds a lease on",
     )
-    gc.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    gc_parser.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
     recipes = commands.add_parser(
         "recipes",
         help="list the dataset recipes, their parameters and expected source files",
