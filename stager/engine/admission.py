@@ -149,9 +149,8 @@ class FairQueue:
         slot; else bob's own request on his stalled prefetch would keep every other
         user's prefetch waiting for as long as his download lasts (the slot rule,
         STAGER_PREFETCH_SLOT_S, spares a staging a request joined)."""
-        if PREFETCHING.get() is None and key in self._running_low:
-            self._running_low.discard(key)
-            self._changed.set()
+        if PREFETCHING.get() is None:
+            self.ended(key)
 
     def ended(self, key: str) -> None:
         """``key``'s staging ended (its worker says so, before any requeue or new queueing

@@ -24,10 +24,15 @@ from stager.state.store import Store
 from stager.wire.schemas import State
 
 
-def test_a_started_entry_resumes_the_attempt_whose_folder_is_there(tmp_path: Path) -> None:
+def cache(tmp_path: Path) -> tuple[Settings, Store]:
+    """The settings of a cache in ``tmp_path``, its folders made, and its store."""
     settings = Settings(cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run")
     preflight.ensure_dirs(settings)
-    store = Store(settings.db_path, table.load())
+    return settings, Store(settings.db_path, table.load())
+
+
+def test_a_started_entry_resumes_the_attempt_whose_folder_is_there(tmp_path: Path) -> None:
+    settings, store = cache(tmp_path)
     trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
     reg = Registry(settings, store, Metrics(), trash, CrashPoints(None))
 
@@ -52,9 +57,7 @@ def test_a_started_entry_resumes_the_attempt_whose_folder_is_there(tmp_path: Pat
 def test_a_worker_moves_what_it_took_from_the_queue_to_staging_in_the_same_step(
     tmp_path: Path,
 ) -> None:
-    settings = Settings(cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run")
-    preflight.ensure_dirs(settings)
-    store = Store(settings.db_path, table.load())
+    settings, store = cache(tmp_path)
     trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
     engine = Engine(settings, Metrics())
     engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))
@@ -95,9 +98,7 @@ class _GatedTrash(Trash):
 def test_a_worker_free_while_a_cancel_ends_a_queued_entry_does_not_take_it(
     tmp_path: Path,
 ) -> None:
-    settings = Settings(cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run")
-    preflight.ensure_dirs(settings)
-    store = Store(settings.db_path, table.load())
+    settings, store = cache(tmp_path)
     trash = _GatedTrash(settings.partial_dir)
     engine = Engine(settings, Metrics())
     engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))

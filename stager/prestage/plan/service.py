@@ -423,11 +423,13 @@ class Service:
         from Slurm, never answering) is not asked again each horizon for ever. Make it
         the nodes' STAGER_PREFETCH_EXPIRE_S (a longer one here only keeps them longer)."""
         now = self.clock()
-        for node in sorted({o.node for o in self.cancels.values()}):
+        by_node: dict[str, list[str]] = {}
+        for key, cancel in self.cancels.items():
+            by_node.setdefault(cancel.node, []).append(key)
+        for node, dropped in sorted(by_node.items()):
             silent = now - self.heard.get(node, now)
             if silent <= self.expire_s:
                 continue
-            dropped = [k for k, o in self.cancels.items() if o.node == node]
             for key in dropped:
                 del self.cancels[key]
             log.warning(
