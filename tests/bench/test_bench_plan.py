@@ -15,8 +15,9 @@ def test_the_synthetic_queue_reads_without_a_problem_and_plans_jobs() -> None:
 
 
 def test_a_small_run_meets_its_targets(capsys) -> None:
-    assert bench_plan.main(["--pending", "1000", "--nodes", "100", "--repeat", "1"]) == 0
-    assert "squeue calls: 3 for 3 intervals (1 per interval)" in capsys.readouterr().out
+    # The median of three: one sample on a loaded machine can be three times the rest.
+    assert bench_plan.main(["--pending", "1000", "--nodes", "100", "--repeat", "3"]) == 0
+    assert "squeue calls: 9 for 9 intervals (1 per interval)" in capsys.readouterr().out
 
 
 def test_more_right_plans_hide_more_and_waste_less() -> None:
