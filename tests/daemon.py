@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +21,8 @@ from typing import Any
 import httpx
 
 from stager.wire.schemas import DatasetPublic
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -69,11 +73,14 @@ class Daemon:
     runtime_dir: Path = field(default_factory=_runtime_dir)
     extra_env: dict[str, str] = field(default_factory=dict)
     args: list[str] = field(default_factory=list)
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | ZygoteChild | None = None
     # Run as this user (a tests.users.User: uid and gid) instead of the test's own.
     user: Any = None
     # Run under this command (e.g. ``prlimit --nofile=256:256 --``).
     wrapper: list[str] = field(default_factory=list)
+    # Forked from this process that has imported the daemon's modules, instead of started
+    # as a new interpreter (tests/daemon_zygote.py: for tests of many daemons).
+    zygote: Zygote | None = None
 
     @property
     def socket(self) -> Path:
@@ -106,22 +113,25 @@ class Daemon:
         return f"unix://{self.socket}"
 
     def start(self, wait: bool = True) -> Daemon:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        if self.zygote is not None:
+            assert self.user is None and not self.wrapper, "a zygote forks as itself, bare"
+            self.process = self.zygote.start(["serve", *self.args], self.env, self.log_path)
+        else:
+            self.process = self._popen()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def _popen(self) -> subprocess.Popen:
         argv = [sys.executable, "-m", "stager", "serve", *self.args]
         if self.user is not None:
             os.chown(self.runtime_dir, self.user.uid, self.user.gid)
             user = [f"--reuid={self.user.uid}", f"--regid={self.user.gid}", "--init-groups"]
             argv = ["setpriv", *user, "--", *argv]
-        argv = [*self.wrapper, *argv]
-        self.process = subprocess.Popen(
-            argv,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        if wait:
-            self.wait_ready()
-        return self
+        with open(self.log_path, "ab") as log:  # the child holds its own copy
+            return subprocess.Popen(
+                [*self.wrapper, *argv], env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         # One client for every poll: a client is cheap to reuse and not to make
@@ -182,6 +192,88 @@ class Daemon:
         if unmount:
             unmount_under(self.cache_dir)  # image datasets a killed daemon left mounted
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+class Zygote:
+    """tests/daemon_zygote.py, running: it forks a ``stager serve`` on each ``start``,
+    whose end it reports. Stop it with ``close`` (it kills what it forked and still runs)."""
+
+    def __init__(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.daemon_zygote", "stager", "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=REPO,
+        )
+        self._lock = threading.Condition()
+        self._started: dict[int, int | str] = {}  # request id: pid, or why it failed
+        self._ended: dict[int, int] = {}  # pid: returncode
+        self._next_id = 0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            message = json.loads(line)
+            with self._lock:
+                if "id" in message:
+                    self._started[message["id"]] = message.get("pid", message.get("error"))
+                else:
+                    self._ended[message["pid"]] = message["returncode"]
+                self._lock.notify_all()
+        with self._lock:
+            self._lock.notify_all()
+
+    def start(self, argv: list[str], env: dict[str, str], log: Path) -> ZygoteChild:
+        assert self._process.stdin is not None
+        with self._lock:
+            self._next_id += 1
+            ask = self._next_id
+            request = {"id": ask, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            self._process.stdin.flush()
+            self._lock.wait_for(lambda: ask in self._started or self._process.poll() is not None)
+            pid = self._started.pop(ask, "the zygote ended")
+        if isinstance(pid, str):
+            raise OSError(f"no daemon forked: {pid}")
+        return ZygoteChild(self, pid)
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        with self._lock:
+            self._lock.wait_for(
+                lambda: pid in self._ended or self._process.poll() is not None, timeout
+            )
+            return self._ended.get(pid)
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=30)
+        self._reader.join(timeout=30)
+
+
+@dataclass
+class ZygoteChild:
+    """A daemon a Zygote forked, as much of ``subprocess.Popen`` as Daemon uses."""
+
+    zygote: Zygote
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.returncode(self.pid, timeout)
+            if self.returncode is None and timeout:
+                raise subprocess.TimeoutExpired(f"daemon {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
 
 
 @contextmanager

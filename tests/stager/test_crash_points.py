@@ -39,7 +39,7 @@ from stager.wire.schemas import (
     part_name,
 )
 from tests.counts import tally
-from tests.daemon import Daemon
+from tests.daemon import Daemon, Zygote
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
 
@@ -62,7 +62,14 @@ class World:
     trees: dict[str, Path]
     delivery: Path  # "ds" as another node would broadcast it, damaged on the way
     adopt: dict
+    # Every daemon here is forked from it (tests/daemon_zygote.py): the claims are what
+    # a daemon leaves after a kill -9 and does after a restart, at each of ~150 crash
+    # points, two daemons each; not how an interpreter starts (~0.9 s of CPU each).
+    zygote: Zygote
     image_from_url: bool = False  # "img" extracts the tar from its URL: built as it downloads
+
+    def daemon(self, cache: Path, env: dict[str, str] | None = None) -> Daemon:
+        return Daemon(cache_dir=cache, extra_env=env or {}, zygote=self.zygote)
 
     def body(self, which: str, links: Path | None = None) -> dict:
         if which == "ds":  # copy, fetch, extract what was fetched, rename
@@ -107,10 +114,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("crash")
     trees = {name: write_tree(tmp / name, n_files=8, seed=i) for i, name in enumerate("abt")}
     archive = make_tar(trees["t"], tmp / "t.tar").read_bytes()
-    with serve_files(Behaviour(files={"/t.tar": archive})) as url:
-        world = World(tmp, url, trees, tmp / "delivery", {})
-        world.adopt = damaged_broadcast(world)
-        yield world
+    zygote = Zygote()
+    try:
+        with serve_files(Behaviour(files={"/t.tar": archive})) as url:
+            world = World(tmp, url, trees, tmp / "delivery", {}, zygote)
+            world.adopt = damaged_broadcast(world)
+            yield world
+    finally:
+        zygote.close()
 
 
 def damaged_broadcast(world: World) -> dict:
@@ -127,7 +138,7 @@ def broadcast_of_ds(
     keep what a receiver gets in ``delivery`` (every part announced whole, the
     manifest, the end file), ``damaged`` or not; the ``adopt`` field of a request for
     that delivery (reserved under ``label``)."""
-    sender = Daemon(cache_dir=sender_cache)
+    sender = world.daemon(sender_cache)
     delivery.mkdir()
     try:
         with sender.start().client() as client:
@@ -202,7 +213,7 @@ def traced_points(
 ) -> list[str]:
     """Every durable step ``run`` passes through, in order, with ``#N`` repeats."""
     env = {"STAGER_CRASH_AFTER": "trace", **EVERY_WRITE, **(env or {})}
-    daemon = Daemon(cache_dir=cache, extra_env=env)
+    daemon = world.daemon(cache, env)
     try:
         with daemon.start().client() as client:
             run(client, world)
@@ -337,7 +348,7 @@ def test_crash_after_every_durable_step(world: World, points: list[str], tmp_pat
 def test_crash_after_every_durable_step_of_an_index_image(world: World, tmp_path: Path) -> None:
     """The image request as an index image (its tar published as a blob beside it, then
     the image: two renames, one commit) killed after each of its durable steps."""
-    daemon = Daemon(cache_dir=tmp_path / "probe", extra_env=INDEX_IMAGES)
+    daemon = world.daemon(tmp_path / "probe", INDEX_IMAGES)
     try:
         with daemon.start().client() as client:
             post(client, world.body("img", tmp_path / "probe-links"))
@@ -373,7 +384,7 @@ def sent_image(world: World, cache: Path, delivery: Path) -> dict:
     """The image request staged on another daemon (another node) and exported as a
     fan-out sends an image dataset, whole, kept at ``delivery``; the ``adopt`` field of
     a request for it (reserved under the label "imgd")."""
-    sender = Daemon(cache_dir=cache)
+    sender = world.daemon(cache)
     try:
         with sender.start().client() as client:
             post(client, world.body("img", cache.parent / "sender-links"))
@@ -445,8 +456,8 @@ def test_an_adoption_cut_before_its_steps_are_done_ends_at_the_restart(
     its publish (``test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish``)."""
     script = adopting(*sent)
     cache, links = tmp_path / "cache", tmp_path / "links"
-    crashed_at(point, cache, lambda client: script(client, world, links))
-    daemon = Daemon(cache_dir=cache)
+    crashed_at(world, point, cache, lambda client: script(client, world, links))
+    daemon = world.daemon(cache)
     try:
         with daemon.start().client() as client:
             check = Checker(daemon, world)
@@ -483,8 +494,8 @@ def test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish(
         post(client, body)
         wait(client, "good")
 
-    crashed_at("step-done#1@1", cache, adopt)
-    daemon = Daemon(cache_dir=cache)
+    crashed_at(world, "step-done#1@1", cache, adopt)
+    daemon = world.daemon(cache)
     try:
         with daemon.start().client() as client:
             status = Checker(daemon, world).settle(client, "good", "ds")
@@ -494,10 +505,10 @@ def test_an_adopted_tree_cut_after_its_steps_resumes_to_its_publish(
         daemon.cleanup()
 
 
-def crashed_at(point: str, cache: Path, run: Callable[[httpx.Client], None]) -> None:
+def crashed_at(world: World, point: str, cache: Path, run: Callable[[httpx.Client], None]) -> None:
     """``run`` against a daemon on ``cache`` that dies (kill -9) right after ``point``;
     what it left mounted stays, for the next daemon to find."""
-    crashing = Daemon(cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point})
+    crashing = world.daemon(cache, {"STAGER_CRASH_AFTER": point})
     try:
         with crashing.start().client() as client, contextlib.suppress(httpx.TransportError):
             run(client)
@@ -517,9 +528,7 @@ def crash_and_follow_up(
     every follow-up (the image's alone when ``run`` is one of the image's scripts)."""
     cache, links = cache_root / "cache", cache_root / "links"
     env = env or {}
-    crashing = Daemon(
-        cache_dir=cache, extra_env={"STAGER_CRASH_AFTER": point, **EVERY_WRITE, **env}
-    )
+    crashing = world.daemon(cache, {"STAGER_CRASH_AFTER": point, **EVERY_WRITE, **env})
     try:
         with crashing.start().client() as client:
             try:
@@ -530,7 +539,7 @@ def crash_and_follow_up(
     finally:
         crashing.cleanup(unmount=False)  # what it left mounted, the next daemon finds
 
-    daemon = Daemon(cache_dir=cache, extra_env=env)
+    daemon = world.daemon(cache, env)
     try:
         check = Checker(daemon, world, blobs=env.get("STAGER_IMAGE_INDEX") == "true")
         with daemon.start().client() as client:
