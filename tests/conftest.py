@@ -10,7 +10,7 @@ import pytest
 
 from tests import mounts
 from tests.counts import session_lines
-from tests.daemon import Daemon
+from tests.daemon import Daemon, Zygote
 from tests.mounts import fuse_for_users  # noqa: F401 (fixture)
 from tests.processes import temp_folders, temp_folders_left
 from tests.slurm_cluster import in_ci, leftovers, local_cluster, mark_session  # noqa: F401
@@ -139,13 +139,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     return report
 
 
+@pytest.fixture(scope="session")
+def daemon_zygote() -> Iterator[Zygote]:
+    """This worker's tests/daemon_zygote.py (started at its first use, ~1 s of CPU once):
+    the daemons of a module marked ``forked_daemons`` are forked from it."""
+    zygote = Zygote()
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+
+
 @pytest.fixture
 def daemon_factory(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[Callable[..., Daemon]]:
-    """Start real ``stager serve`` processes; all are killed at the end of the test."""
+    """Start real ``stager serve`` processes; all are killed at the end of the test.
+    In a module marked ``forked_daemons`` each is forked from ``daemon_zygote`` (its
+    claims are what a daemon does, not how its interpreter starts); elsewhere each is a
+    new ``python -m stager``."""
     started: list[Daemon] = []
     request.node.stash[_DAEMONS] = started
+    forked = request.node.get_closest_marker("forked_daemons") is not None
+    zygote = request.getfixturevalue("daemon_zygote") if forked else None
 
     def start(
         args: list[str] | None = None,
@@ -154,7 +170,10 @@ def daemon_factory(
         wait: bool = True,
     ) -> Daemon:
         daemon = Daemon(
-            cache_dir=cache_dir or tmp_path / "cache", args=args or [], extra_env=env or {}
+            cache_dir=cache_dir or tmp_path / "cache",
+            args=args or [],
+            extra_env=env or {},
+            zygote=zygote,
         )
         started.append(daemon)
         return daemon.start(wait=wait)

@@ -113,14 +113,26 @@ class Daemon:
         return f"unix://{self.socket}"
 
     def start(self, wait: bool = True) -> Daemon:
-        if self.zygote is not None:
-            assert self.user is None and not self.wrapper, "a zygote forks as itself, bare"
+        if self.forkable:
+            assert self.zygote is not None
             self.process = self.zygote.start(["serve", *self.args], self.env, self.log_path)
         else:
             self.process = self._popen()
         if wait:
             self.wait_ready()
         return self
+
+    @property
+    def forkable(self) -> bool:
+        """Whether it starts as a fork of ``zygote``: one is given, and the daemon runs
+        as the test's own user, bare, with no variable an interpreter reads only as it
+        starts (a fork would not see it); else a new interpreter."""
+        return (
+            self.zygote is not None
+            and self.user is None
+            and not self.wrapper
+            and not any(key.startswith(("PYTHON", "LC_", "LANG")) for key in self.extra_env)
+        )
 
     def _popen(self) -> subprocess.Popen:
         argv = [sys.executable, "-m", "stager", "serve", *self.args]

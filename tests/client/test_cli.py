@@ -26,6 +26,8 @@ from tests.client.conftest import SLOWER_SIZE, copy_step, fetch_step, run_cli, s
 from tests.daemon import Daemon
 from tests.trees import digest
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:

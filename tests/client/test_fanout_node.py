@@ -32,6 +32,8 @@ from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric
 from tests.trees import digest, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 TIMEOUT = 60
 
 

@@ -19,6 +19,8 @@ from stager.wire.schemas import DatasetPublic, DatasetsPublic
 from tests.daemon import Daemon, free_port, stage, stage_ready
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 def test_copy_symlink_extract_nested_and_rename_stage_exact_bytes(
     daemon: Daemon, tmp_path: Path

@@ -14,10 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 
 def metric(client: httpx.Client, name: str, **labels: str) -> float:

@@ -110,18 +110,14 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world(tmp_path_factory: pytest.TempPathFactory, daemon_zygote: Zygote) -> Iterator[World]:
     tmp = tmp_path_factory.mktemp("crash")
     trees = {name: write_tree(tmp / name, n_files=8, seed=i) for i, name in enumerate("abt")}
     archive = make_tar(trees["t"], tmp / "t.tar").read_bytes()
-    zygote = Zygote()
-    try:
-        with serve_files(Behaviour(files={"/t.tar": archive})) as url:
-            world = World(tmp, url, trees, tmp / "delivery", {}, zygote)
-            world.adopt = damaged_broadcast(world)
-            yield world
-    finally:
-        zygote.close()
+    with serve_files(Behaviour(files={"/t.tar": archive})) as url:
+        world = World(tmp, url, trees, tmp / "delivery", {}, daemon_zygote)
+        world.adopt = damaged_broadcast(world)
+        yield world
 
 
 def damaged_broadcast(world: World) -> dict:

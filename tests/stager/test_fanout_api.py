@@ -23,6 +23,8 @@ from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric, ready
 from tests.trees import digest, make_tar, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 def request(name: str, src: Path) -> dict:
     return {"name": name, "steps": [{"op": "copy", "src": str(src)}]}

@@ -25,7 +25,10 @@ from tests.trees import digest, make_tar, write_tree
 
 TIMEOUT = 60
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root"),
+    pytest.mark.forked_daemons,  # tests/daemon_zygote.py
+]
 
 
 def image_body(archive: Path, name: str = "ds") -> dict:

@@ -23,7 +23,10 @@ from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
 TIMEOUT = 30
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root"),
+    pytest.mark.forked_daemons,  # tests/daemon_zygote.py
+]
 
 
 @pytest.fixture

@@ -30,7 +30,10 @@ from tests.stager.test_overlap import (
     snapshot,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root")
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="kernel mounts need root"),
+    pytest.mark.forked_daemons,  # tests/daemon_zygote.py
+]
 __all__ = ["corpus", "http", "server"]  # the fixtures, shared with test_overlap
 
 TIMEOUT = 60

@@ -30,6 +30,8 @@ from tests.counts import tally
 from tests.daemon import Daemon
 from tests.schema_strategies import from_schema
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 EXAMPLES = int(os.environ.get("STAGER_OPENAPI_FUZZ_EXAMPLES", "25"))
 DOCUMENT = create_app(Settings()).openapi()
 OPERATIONS = sorted(
