@@ -91,7 +91,8 @@ class FairQueue:
     than the joiner's own staging would have. ``low_cap``: the most low stagings
     (prefetches) running at once (``running``: whether a key still runs). A request
     asking for a low staging makes it no longer low, queued (:meth:`put`) or running
-    (:meth:`joined`): then it takes no low slot, and its place goes to the next low one."""
+    (:meth:`joined`): then it takes no low slot, and its place goes to the next low one;
+    a running one the last request left takes its slot again (:meth:`left`)."""
 
     def __init__(
         self,
@@ -107,6 +108,7 @@ class FairQueue:
         # may be handed out), so a look there could find it no prefetch's and forget it
         # for good.
         self._running_low: set[str] = set()
+        self._handed: set[str] = set()  # every key handed out, until its staging ends
         self._queued: dict[int, deque[str]] = {}
         self._askers: dict[str, set[int]] = {}  # each queued key: in whose turns it waits
         self._turn: deque[int] = deque()  # users with queued stagings, next first
@@ -149,8 +151,16 @@ class FairQueue:
         slot; else bob's own request on his stalled prefetch would keep every other
         user's prefetch waiting for as long as his download lasts (the slot rule,
         STAGER_PREFETCH_SLOT_S, spares a staging a request joined)."""
-        if PREFETCHING.get() is None:
-            self.ended(key)
+        if PREFETCHING.get() is None and key in self._running_low:
+            self._running_low.discard(key)
+            self._changed.set()
+
+    def left(self, key: str) -> None:
+        """The last request on ``key``, which runs, left it to prefetches alone: it takes a
+        low slot again, as it did before a request joined it (else each join and leave
+        of a running prefetch ran one more prefetch on the node than its slots)."""
+        if key in self._handed:
+            self._running_low.add(key)
 
     def ended(self, key: str) -> None:
         """``key``'s staging ended (its worker says so, before any requeue or new queueing
@@ -158,6 +168,7 @@ class FairQueue:
         queued again (another name joined its cancel, or a new prefetch asked for it
         before any worker looked) is active, so it would hold its own slot, and with it
         every prefetch on the node, for as long as it waits."""
+        self._handed.discard(key)
         if key in self._running_low:
             self._running_low.discard(key)
             self._changed.set()
@@ -196,6 +207,7 @@ class FairQueue:
                 self._turn.rotate(-(i + 1))  # it, and those passed over, to the back
                 for asker in self._askers.pop(key, {owner}):
                     self._withdraw(key, asker)
+                self._handed.add(key)
                 if key in self._low:
                     self._running_low.add(key)
                 self._low.discard(key)

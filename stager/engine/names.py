@@ -92,10 +92,11 @@ class Names:
             if others or not live:
                 view = self.view(handle)
                 await reg.forget(handle)
+                admission = self.engine.admission
                 if live and not any(h.owner == handle.owner for h in wanting):
-                    self.engine.admission.queue.discard(
-                        entry.key, handle.owner
-                    )  # not in their turn
+                    admission.queue.discard(entry.key, handle.owner)  # not in their turn
+                if entry.state == State.STAGING and admission.prefetch_only(entry.key):
+                    admission.queue.left(entry.key)
                 if not live:
                     ended = handle.ended or entry.state
                     view.outcome = f"removed the name {name!r} ({ended.value} already)"
