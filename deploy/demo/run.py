@@ -6,7 +6,8 @@
 3. stage it with the inat2021 recipe, showing progress, and link it into a job folder
    (`stager-client stage ... --wait`),
 4. train a small ResNet with 2 gloo processes on the CPU for a number of steps sized
-   to this machine's cores, and show the validation accuracy (`torchrun ... stager-train`),
+   to this machine's cores (--steps N: N), and show the validation accuracy
+   (`torchrun ... stager-train`),
 5. stop the daemon and say where everything is.
 
 The cache lives in the work folder, so a second `make demo` is a cache hit.
@@ -42,6 +43,13 @@ def training_size() -> tuple[int, int, int]:
     cores = len(os.sched_getaffinity(0))
     processes = 2 if cores >= 2 else 1
     return processes, max(12, STEPS_PER_CORE * cores), max(1, cores // processes)
+
+
+def steps_count(text: str) -> int:
+    """--steps: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps (1 or more)")
+    return int(text)
 
 
 def cpu_model() -> str:
@@ -81,6 +89,12 @@ def main() -> int:
     default_work = Path("/tmp") / f"stager-demo-{os.getuid()}"
     parser.add_argument("--work-dir", type=Path, default=default_work)
     parser.add_argument("--fresh", action="store_true", help="forget the cache and start over")
+    parser.add_argument(
+        "--steps",
+        type=steps_count,
+        help=f"training steps (default: {STEPS_PER_CORE} per core of this machine, at least "
+        "12); fewer for a quicker look at the whole flow, more for a higher accuracy",
+    )
     args = parser.parse_args()
 
     work: Path = args.work_dir
@@ -130,6 +144,7 @@ def main() -> int:
         outcome = requests_by_outcome(socket)
 
         processes, steps, threads = training_size()
+        steps = args.steps or steps
         banner(
             f"4/5 train resnet18 for {steps} steps ({len(os.sched_getaffinity(0))} cores "
             f"here): {processes} processes, gloo, CPU"

@@ -84,29 +84,45 @@ def install(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 @dataclass
 class Installed:
-    """A node service install.sh made in a fresh prefix on Debian's python3.11."""
+    """A node service install.sh made on a machine whose python3.11 on PATH is root's
+    own (``hidden``, as pyenv in root's 0700 home), over the venv the old install.sh
+    made on that interpreter: it passed that one over and rebuilt the venv on Debian's."""
 
     prefix: Path
     etc: Path
     units: Path
+    hidden: Path  # the folder users cannot enter, its python3.11 first on PATH
     args: list[str]  # what install.sh was given: the same again upgrades in place
+    env: dict[str, str]  # and its environment (PATH), the same again
     done: subprocess.CompletedProcess[str]
 
 
 @pytest.fixture(scope="module")
 def node_install(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
-    """The first install of the node service, made once for the module: the test of the
-    node service reads it, then upgrades it; the planner's test installs the planner
-    into the same prefix, as on a host that has both (a fresh venv took 16.7 s on a
-    quiet machine, most of it pip; an upgrade in place reuses the venv and its packages)."""
+    """The first install of the node service, made once for the module: the test of an
+    interpreter users cannot run reads it; the test of the node service reads it, then
+    upgrades it; the planner's test installs the planner into the same prefix, as on a
+    host that has both (a fresh venv took 16.7 s on a quiet machine, most of it pip; an
+    upgrade in place reuses the venv and its packages, and a venv rebuilt for another
+    interpreter is made as a fresh one is: the module pays for one)."""
     if not DEBIAN_PYTHON.exists():
         pytest.skip("needs Debian's python3.11")
     tmp_path = tmp_path_factory.mktemp("node-install")
-    with reachable_folder() as reachable:
-        prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
-        args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units)]
-        args += ["--no-systemd", "--python", str(DEBIAN_PYTHON)]
-        yield Installed(prefix, etc, units, args, install(*args))
+    hidden = Path(tempfile.mkdtemp(prefix="stg-root-only-"))  # 0700, as root's home
+    try:
+        (hidden / "python3.11").symlink_to(os.path.realpath(sys._base_executable))
+        with reachable_folder() as reachable:
+            prefix, etc, units = reachable / "opt", tmp_path / "etc", tmp_path / "units"
+            args = ["--prefix", str(prefix), "--etc", str(etc), "--unit-dir", str(units)]
+            args += ["--no-systemd"]
+            env = {"PATH": f"{hidden}{os.pathsep}{os.environ['PATH']}"}
+            # What the old install.sh made: a venv on the PATH's interpreter.
+            subprocess.run([str(hidden / "python3.11"), "-m", "venv", "--without-pip",
+                            str(prefix / "venv")], check=True)  # fmt: skip
+            done = install(*args, **env)
+            yield Installed(prefix, etc, units, hidden, args, env, done)
+    finally:
+        shutil.rmtree(hidden, ignore_errors=True)
 
 
 def start_line(stdout: str) -> str:
@@ -193,7 +209,7 @@ def test_install_then_start_as_the_unit_does_then_upgrade_in_place(
                                 node_install.args)  # fmt: skip
     first = node_install.done
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert f"install.sh: creating {prefix}/venv" in first.stdout
+    # (a venv made where there was none: test_a_first_build_whose_pip_fails_leaves_no_venv)
     assert f"install.sh: using the interpreter {DEBIAN_PYTHON} (Python 3." in first.stdout
     unit = units / "stager.service"
     (exec_start,) = unit_lines(unit, "ExecStart")
@@ -217,7 +233,7 @@ def test_install_then_start_as_the_unit_does_then_upgrade_in_place(
     assert '"level": "INFO"' in out and "stager 0.1.0 starting" in out
 
     (etc / "stager.env").write_text("STAGER_MAX_WORKERS=3\n")  # the admin's own
-    again = install(*args)
+    again = install(*args, **node_install.env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"install.sh: upgrading stager in {prefix}/venv (was stager 0.1.0)" in again.stdout
     assert (etc / "stager.env").read_text() == "STAGER_MAX_WORKERS=3\n"  # never overwritten
@@ -271,50 +287,41 @@ def served(service: subprocess.Popen[str], run: Path, prefix: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
 def test_an_interpreter_users_cannot_run_is_passed_over_refused_and_replaced(
-    tmp_path: Path, reachable: Path, users: tuple[User, User]
+    node_install: Installed, reachable: Path, users: tuple[User, User]
 ) -> None:
     """As on machines whose python3.11 is root's own (pyenv in root's 0700 home): the
-    install must not give users a venv whose interpreter they cannot execute."""
+    install must not give users a venv whose interpreter they cannot execute. The
+    module's install is this machine's (node_install): its venv was the old one's."""
     alice, _ = users
-    hidden = Path(tempfile.mkdtemp(prefix="stg-root-only-"))  # 0700, as root's home
-    (hidden / "python3.11").symlink_to(os.path.realpath(sys._base_executable))
-    prefix = reachable / "opt"
-    args = ["--prefix", str(prefix), "--etc", str(tmp_path / "etc"), "--no-packages",
-            "--unit-dir", str(tmp_path / "units"), "--no-systemd"]  # fmt: skip
-    path = f"{hidden}{os.pathsep}{os.environ['PATH']}"
-    try:
-        # What the old install.sh made: a venv on the PATH's interpreter.
-        subprocess.run([str(hidden / "python3.11"), "-m", "venv", "--without-pip",
-                        str(prefix / "venv")], check=True)  # fmt: skip
-        done = install(*args, PATH=path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert f"not using {hidden}/python3.11: users cannot run it" in done.stdout
-        assert f"using the interpreter {DEBIAN_PYTHON} (Python 3.11." in done.stdout
-        assert (
-            f"rebuilding {prefix}/venv: it runs {hidden}/python3.11, not {DEBIAN_PYTHON}"
-            in done.stdout
-        )
-        client = str(prefix / "venv" / "bin" / "stager-client")
-        version = alice.run([client, "--version"])
-        assert version.returncode == 0 and version.stdout.startswith("stager-client "), version
-        # No daemon: the documented exit and sentence, not the shell's 126.
-        nowhere = alice.run([client, "--url", "unix:///nonexistent/stager.sock", "ls"])
-        assert nowhere.returncode == 5 and "no stager daemon answers" in nowhere.stderr
+    hidden, prefix, args = node_install.hidden, node_install.prefix, node_install.args
+    done = node_install.done
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"not using {hidden}/python3.11: users cannot run it" in done.stdout
+    assert f"using the interpreter {DEBIAN_PYTHON} (Python 3.11." in done.stdout
+    assert (
+        f"rebuilding {prefix}/venv: it runs {hidden}/python3.11, not {DEBIAN_PYTHON}" in done.stdout
+    )
+    assert not (prefix / "venv.old").exists()  # the old one, once the new one was whole
+    client = str(prefix / "venv" / "bin" / "stager-client")
+    version = alice.run([client, "--version"])
+    assert version.returncode == 0 and version.stdout.startswith("stager-client "), version
+    # No daemon: the documented exit and sentence, not the shell's 126.
+    nowhere = alice.run([client, "--url", "unix:///nonexistent/stager.sock", "ls"])
+    assert nowhere.returncode == 5 and "no stager daemon answers" in nowhere.stderr
 
-        refused = install(*args, "--python", str(hidden / "python3.11"), PATH=path)
-        assert refused.returncode == 2
-        assert f"refusing the interpreter {hidden}/python3.11 (--python or PYTHON=): users " \
-            "cannot run it" in refused.stderr  # fmt: skip
-        old = reachable / "python3.10"
-        old.write_text("#!/bin/sh\necho 3.10.12 /usr/bin/python3.10\n")
-        old.chmod(0o755)
-        too_old = install(*args, PYTHON=str(old))
-        assert too_old.returncode == 2
-        assert "it is Python 3.10.12, and stager needs 3.11 or newer" in too_old.stderr
-        assert "--python PATH" in install("--help").stdout
-        assert "PYTHON=PATH" in install("--help").stdout
-    finally:
-        shutil.rmtree(hidden, ignore_errors=True)
+    refused = install(*args, "--no-packages", "--python", str(hidden / "python3.11"),
+                      **node_install.env)  # fmt: skip
+    assert refused.returncode == 2
+    assert f"refusing the interpreter {hidden}/python3.11 (--python or PYTHON=): users " \
+        "cannot run it" in refused.stderr  # fmt: skip
+    old = reachable / "python3.10"
+    old.write_text("#!/bin/sh\necho 3.10.12 /usr/bin/python3.10\n")
+    old.chmod(0o755)
+    too_old = install(*args, "--no-packages", PYTHON=str(old))
+    assert too_old.returncode == 2
+    assert "it is Python 3.10.12, and stager needs 3.11 or newer" in too_old.stderr
+    assert "--python PATH" in install("--help").stdout
+    assert "PYTHON=PATH" in install("--help").stdout
 
 
 def test_a_stager_users_cannot_execute_ends_the_job_with_exit_5_and_a_sentence(
@@ -409,3 +416,22 @@ def test_a_rebuild_whose_pip_fails_leaves_the_old_venv_working(
     assert os.readlink(venv / "bin" / "python").endswith(os.path.basename(other))
     assert not (reachable / "opt" / "venv.old").exists()
     assert f"building the new venv failed (see above); {venv} is the one it was" in failed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
+def test_a_first_build_whose_pip_fails_leaves_no_venv(tmp_path: Path, reachable: Path) -> None:
+    """A prefix with no venv: install.sh says it creates one, and when pip cannot reach
+    its index it leaves none behind (a half-made one would be taken for an install by
+    the next run) and says to run it again."""
+    venv = reachable / "opt" / "venv"
+    offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+    failed = install("--prefix", str(reachable / "opt"), "--etc", str(tmp_path / "etc"),
+                     "--unit-dir", str(tmp_path / "units"), "--no-packages", "--no-systemd",
+                     "--python", str(DEBIAN_PYTHON), **offline)  # fmt: skip
+    assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
+    assert f"install.sh: creating {venv}" in failed.stdout
+    assert f"building {venv} failed (see above); fix the cause and run this again" in (
+        failed.stderr
+    )
+    assert not venv.exists() and not (reachable / "opt" / "venv.old").exists()
