@@ -32,7 +32,7 @@ import threading
 
 import stager.__main__  # noqa: F401 - the file a daemon's sys.argv[0] names
 from stager import cli
-from stager.api import server  # noqa: F401 - what `stager serve` imports next
+from stager.api import app, server  # noqa: F401 - what `stager serve` imports (the app in serve())
 
 
 def main() -> None:
