@@ -404,10 +404,7 @@ def test_a_rebuild_whose_pip_fails_leaves_the_old_venv_working(
     subprocess.run([other, "-m", "venv", "--without-pip", str(venv)], check=True)
     (venv / "bin" / "stager").write_text("#!/bin/sh\necho stager 0.0.1\n")
     (venv / "bin" / "stager").chmod(0o755)
-    offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
-    failed = install("--prefix", str(reachable / "opt"), "--etc", str(tmp_path / "etc"),
-                     "--unit-dir", str(tmp_path / "units"), "--no-packages", "--no-systemd",
-                     "--python", str(DEBIAN_PYTHON), **offline)  # fmt: skip
+    failed = install_offline(tmp_path, reachable)
     assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
     assert f"rebuilding {venv}: it runs {other}, not {DEBIAN_PYTHON}" in failed.stdout
     version = subprocess.run([str(venv / "bin" / "stager"), "--version"], capture_output=True,
@@ -418,6 +415,15 @@ def test_a_rebuild_whose_pip_fails_leaves_the_old_venv_working(
     assert f"building the new venv failed (see above); {venv} is the one it was" in failed.stderr
 
 
+def install_offline(tmp_path: Path, reachable: Path) -> subprocess.CompletedProcess:
+    """install.sh into ``reachable``/opt on Debian's python3.11, with pip's index out of
+    reach: its venv's build fails."""
+    offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
+    return install("--prefix", str(reachable / "opt"), "--etc", str(tmp_path / "etc"),
+                   "--unit-dir", str(tmp_path / "units"), "--no-packages", "--no-systemd",
+                   "--python", str(DEBIAN_PYTHON), **offline)  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not DEBIAN_PYTHON.exists(), reason="needs Debian's python3.11")
 def test_a_first_build_whose_pip_fails_leaves_no_venv(tmp_path: Path, reachable: Path) -> None:
@@ -425,10 +431,7 @@ def test_a_first_build_whose_pip_fails_leaves_no_venv(tmp_path: Path, reachable:
     its index it leaves none behind (a half-made one would be taken for an install by
     the next run) and says to run it again."""
     venv = reachable / "opt" / "venv"
-    offline = {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
-    failed = install("--prefix", str(reachable / "opt"), "--etc", str(tmp_path / "etc"),
-                     "--unit-dir", str(tmp_path / "units"), "--no-packages", "--no-systemd",
-                     "--python", str(DEBIAN_PYTHON), **offline)  # fmt: skip
+    failed = install_offline(tmp_path, reachable)
     assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
     assert f"install.sh: creating {venv}" in failed.stdout
     assert f"building {venv} failed (see above); fix the cause and run this again" in (
