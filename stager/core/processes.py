@@ -17,6 +17,8 @@ from __future__ import annotations
 import _thread
 import contextlib
 import errno
+import functools
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -26,9 +28,12 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import resource_tracker
 from multiprocessing.context import BaseContext, ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -138,14 +143,139 @@ def start_fork_server(keep_in: Path | None = None) -> ForkServerContext:
     # PYTHONSAFEPATH keeps that folder out, for the server only.
     before = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"
+    spawnv = multiprocessing.util.spawnv_passfds
+    # Both helpers (the resource tracker first) are started by ensure_running through
+    # util.spawnv_passfds, looked up at each call: forked for this one call, not after.
+    multiprocessing.util.spawnv_passfds = functools.partial(_fork_or_spawn, spawnv)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        multiprocessing.util.spawnv_passfds = spawnv
         if before is None:
             del os.environ["PYTHONSAFEPATH"]
         else:
             os.environ["PYTHONSAFEPATH"] = before
     return FORKSERVER
+
+
+# multiprocessing starts its fork server and its resource tracker as new interpreters
+# (util.spawnv_passfds: a fork, then an exec of `python -c COMMAND`), each of which
+# imports again much of what the daemon has imported already (pydantic, the settings:
+# ~0.5 s of CPU at every daemon start). Where the daemon is still one thread, each is a
+# fork of it instead that runs the same COMMAND in the state an exec would leave
+# (_as_new_interpreter), and imports only what the daemon has not. What a fork of the
+# daemon holds at that point (stager.cli starts the server before the app is imported,
+# before any thread, socket or log file): the settings, and no secret: munge and the
+# users' requests come later. Children of the fork server that become a user
+# (stager.rights) hold that memory too; after their setuid the kernel makes them not
+# dumpable, so the user cannot read it.
+_HELPERS = {
+    "from multiprocessing.forkserver import main": "stager forkserver",
+    "from multiprocessing.resource_tracker import main": "stager resource tracker",
+}
+
+
+def helper_title(command: str, daemon_pid: int) -> str | None:
+    """What ``ps`` shows for the helper that runs ``command`` (the daemon's, otherwise;
+    ``ps -o comm`` and top show its first 15 characters), None for a command that is no
+    helper of multiprocessing's known here."""
+    for start, name in _HELPERS.items():
+        if command.startswith(start):
+            return f"{name} (daemon {daemon_pid})"
+    return None
+
+
+def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passfds: Any) -> int:
+    """multiprocessing.util.spawnv_passfds, forking where that is safe: the pid."""
+    title = helper_title(args[-1], os.getpid())
+    if title is None or not _one_thread():
+        # Another thread may hold a lock a fork would copy held forever (the import
+        # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing does.
+        return spawnv(path, args, passfds)
+    # Loaded before the fork: one missing stops the daemon here, saying which.
+    import setproctitle
+
+    for stream in (sys.stdout, sys.stderr):  # or the child writes it out a second time
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream.flush()
+    keep = sorted({0, 1, 2, *map(int, passfds)})
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        _as_new_interpreter(keep)
+        # The daemon's environment is left in /proc/PID/environ (SPT_NOENV: the title
+        # takes the command line's room only), where an admin's tools look for it.
+        os.environ["SPT_NOENV"] = "1"
+        setproctitle.setproctitle(title)
+        del os.environ["SPT_NOENV"]
+        code = _run_command(args[-1])
+    except BaseException:  # noqa: BLE001 - said, as the interpreter would, then exit
+        traceback.print_exc()
+    finally:
+        # Never the daemon's exit handlers nor finalizers: multiprocessing.util's would
+        # remove the daemon's temp folder, which holds the fork server's socket.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def _one_thread() -> bool:
+    """Whether this process runs one thread (threading's or another's, as Linux counts)."""
+    try:
+        tasks = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False  # no /proc: unknown
+    return tasks == 1 and threading.active_count() == 1
+
+
+def _as_new_interpreter(keep: list[int]) -> None:
+    """In the forked child: what an exec of a new interpreter would leave differently
+    from the daemon, made so. Descriptors: only ``keep`` (close_fds). Signals: those
+    the daemon catches in Python back to their default (an exec's), SIGINT to Python's
+    own handler, ignored ones ignored; no wakeup descriptor. The collector: on, as in
+    a new interpreter, with the daemon's objects frozen (out of its sight: a collection
+    would walk ~80,000 of them; stager.__main__ has it off while the daemon imports).
+    sys.argv a ``-c`` command's; sys.path less the folder the daemon's start put first
+    (its script's, or the current folder of `python -m`: PYTHONSAFEPATH's rule for a new
+    one). multiprocessing's helpers: none started in this process, no finalizer to run.
+    The daemon's modules stay imported, and __main__ the daemon's: a child of the fork
+    server then finds the daemon's __main__ loaded and does not load it again."""
+    signal.set_wakeup_fd(-1)
+    for number in signal.valid_signals():
+        if callable(signal.getsignal(number)):
+            default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+            signal.signal(number, default)
+    low = 0
+    for fd in keep:
+        if low < fd:  # closerange(n, n) closes all from n: close_range(n, n - 1 = ~0)
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    gc.freeze()
+    gc.enable()
+    sys.argv = ["-c"]
+    if not sys.flags.safe_path and sys.path:
+        del sys.path[0]
+    # Fresh, as in a new interpreter: the daemon's hold its own helpers' pids and
+    # descriptors (closed here), and the lock ensure_running holds in the daemon.
+    multiprocessing.forkserver._forkserver.__init__()
+    resource_tracker._resource_tracker.__init__()
+    multiprocessing.util._finalizer_registry.clear()
+
+
+def _run_command(command: str) -> int:
+    """Run a ``-c`` command in a namespace of its own: its exit code, as the interpreter's."""
+    try:
+        exec(compile(command, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 # multiprocessing's temp folder holds the fork server's listening socket. Its own is a
