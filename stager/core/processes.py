@@ -133,19 +133,20 @@ def start_fork_server(keep_in: Path | None = None) -> ForkServerContext:
     its preload in the background and forks nothing until that is done). The descriptor
     limit is raised first: every child inherits the server's (stager.core.prestart).
     ``keep_in``: the daemon's private folder, where the server's socket goes
-    (:func:`temp_folder_in`)."""
+    (:func:`temp_folder_in`). Where this process runs one thread, the server is a fork
+    of it (:func:`_fork_or_spawn`); otherwise a new interpreter, as multiprocessing's own."""
     raise_descriptor_limit()
     if keep_in is not None:
         temp_folder_in(keep_in)
     FORKSERVER.set_forkserver_preload([PRELOAD])
-    # The server starts as `python -c ...`, which reads modules from the current folder
-    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
-    # PYTHONSAFEPATH keeps that folder out, for the server only.
+    # A server that is a new interpreter starts as `python -c ...`, which reads modules
+    # from the current folder (a user's, where `stager serve` was typed): PYTHONSAFEPATH
+    # keeps that folder out, for the server only (a forked one drops it: _as_new_interpreter).
     before = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"
     spawnv = multiprocessing.util.spawnv_passfds
-    # Both helpers (the resource tracker first) are started by ensure_running through
-    # util.spawnv_passfds, looked up at each call: forked for this one call, not after.
+    # ensure_running starts the server (and the resource tracker before it) through
+    # util.spawnv_passfds, which it looks up at each call: ours for this call only.
     multiprocessing.util.spawnv_passfds = functools.partial(_fork_or_spawn, spawnv)
     try:
         multiprocessing.forkserver.ensure_running()
@@ -158,46 +159,36 @@ def start_fork_server(keep_in: Path | None = None) -> ForkServerContext:
     return FORKSERVER
 
 
-# multiprocessing starts its fork server and its resource tracker as new interpreters
-# (util.spawnv_passfds: a fork, then an exec of `python -c COMMAND`), each of which
-# imports again much of what the daemon has imported already (pydantic, the settings:
-# ~0.5 s of CPU at every daemon start). Where the daemon is still one thread, each is a
-# fork of it instead that runs the same COMMAND in the state an exec would leave
-# (_as_new_interpreter), and imports only what the daemon has not. What a fork of the
-# daemon holds at that point (stager.cli starts the server before the app is imported,
-# before any thread, socket or log file): the settings, and no secret: munge and the
-# users' requests come later. Children of the fork server that become a user
-# (stager.rights) hold that memory too; after their setuid the kernel makes them not
-# dumpable, so the user cannot read it.
-_HELPERS = {
-    "from multiprocessing.forkserver import main": "stager forkserver",
-    "from multiprocessing.resource_tracker import main": "stager resource tracker",
-}
-
-
-def helper_title(command: str, daemon_pid: int) -> str | None:
-    """What ``ps`` shows for the helper that runs ``command`` (the daemon's, otherwise;
-    ``ps -o comm`` and top show its first 15 characters), None for a command that is no
-    helper of multiprocessing's known here."""
-    for start, name in _HELPERS.items():
-        if command.startswith(start):
-            return f"{name} (daemon {daemon_pid})"
-    return None
+# multiprocessing starts its fork server as a new interpreter (util.spawnv_passfds: a
+# fork, then an exec of `python -c COMMAND`), which imported again ~550 modules the
+# daemon has imported already (~0.55 s of CPU at every daemon start). A fork of the
+# daemon instead runs the same COMMAND in the state an exec would leave
+# (_as_new_interpreter), and its preload imports only the ~40 modules the daemon has
+# not. stager.cli forks it once the daemon has imported the app and before
+# ``serve`` runs: before any thread, socket, log file or token. Its memory then holds
+# the settings, all read from the command line and the environment, which the stagings
+# and user processes held already (multiprocessing passes them the daemon's sys.argv;
+# the environment is inherited). A child that becomes a user (stager.rights) is not
+# dumpable after its setuid: the user cannot read its memory.
+# The resource tracker (the same `python -c`, before the server) stays a new
+# interpreter: it needs a few MB, where a fork would keep the daemon's ~60 MB (+10 MB
+# of PSS per daemon, measured), to save ~50 ms of CPU on the other core.
+_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
+FORK_SERVER_TITLE = "stager forkserver (daemon {pid})"
 
 
 def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passfds: Any) -> int:
-    """multiprocessing.util.spawnv_passfds, forking where that is safe: the pid."""
-    title = helper_title(args[-1], os.getpid())
-    if title is None or not _one_thread():
+    """multiprocessing.util.spawnv_passfds for the fork server, forked where that is
+    safe: its pid."""
+    if not args[-1].startswith(_FORK_SERVER_COMMAND) or not _one_thread():
         # Another thread may hold a lock a fork would copy held forever (the import
-        # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing does.
+        # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing's.
         return spawnv(path, args, passfds)
-    # Loaded before the fork: one missing stops the daemon here, saying which.
+    # Before the fork: a missing one stops the daemon here, saying which.
     import setproctitle
 
-    for stream in (sys.stdout, sys.stderr):  # or the child writes it out a second time
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            stream.flush()
+    title = FORK_SERVER_TITLE.format(pid=os.getpid())
+    _flush_streams()  # or the child writes out the daemon's buffered output again
     keep = sorted({0, 1, 2, *map(int, passfds)})
     pid = os.fork()
     if pid != 0:
@@ -205,21 +196,26 @@ def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passf
     code = 1
     try:
         _as_new_interpreter(keep)
-        # The daemon's environment is left in /proc/PID/environ (SPT_NOENV: the title
-        # takes the command line's room only), where an admin's tools look for it.
+        # What ps shows, instead of the daemon's command line (which stager stop and
+        # the tests read as a daemon's). SPT_NOENV: within the command line's room,
+        # leaving /proc/PID/environ as it is, where the tests find their processes.
         os.environ["SPT_NOENV"] = "1"
         setproctitle.setproctitle(title)
         del os.environ["SPT_NOENV"]
         code = _run_command(args[-1])
-    except BaseException:  # noqa: BLE001 - said, as the interpreter would, then exit
+    except BaseException:  # noqa: BLE001 - said, as the interpreter would, then the exit
         traceback.print_exc()
     finally:
         # Never the daemon's exit handlers nor finalizers: multiprocessing.util's would
-        # remove the daemon's temp folder, which holds the fork server's socket.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                stream.flush()
+        # remove the daemon's temp folder, which holds the server's socket.
+        _flush_streams()
         os._exit(code)
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or closed
+            stream.flush()
 
 
 def _one_thread() -> bool:
@@ -233,16 +229,16 @@ def _one_thread() -> bool:
 
 def _as_new_interpreter(keep: list[int]) -> None:
     """In the forked child: what an exec of a new interpreter would leave differently
-    from the daemon, made so. Descriptors: only ``keep`` (close_fds). Signals: those
-    the daemon catches in Python back to their default (an exec's), SIGINT to Python's
-    own handler, ignored ones ignored; no wakeup descriptor. The collector: on, as in
-    a new interpreter, with the daemon's objects frozen (out of its sight: a collection
-    would walk ~80,000 of them; stager.__main__ has it off while the daemon imports).
-    sys.argv a ``-c`` command's; sys.path less the folder the daemon's start put first
-    (its script's, or the current folder of `python -m`: PYTHONSAFEPATH's rule for a new
-    one). multiprocessing's helpers: none started in this process, no finalizer to run.
-    The daemon's modules stay imported, and __main__ the daemon's: a child of the fork
-    server then finds the daemon's __main__ loaded and does not load it again."""
+    from the daemon, made so. Descriptors: only ``keep`` (close_fds). Signals: those the
+    daemon catches in Python back to their default (an exec's), SIGINT to Python's own
+    handler, ignored ones left ignored; no wakeup descriptor. The collector: on, as in a
+    new interpreter, with the daemon's objects frozen (a collection would walk
+    ~125,000 of them; stager.__main__ had it off while the daemon imported). sys.argv a
+    ``-c`` command's; sys.path less the folder the daemon's start put first (its
+    script's, or the current folder of `python -m`: PYTHONSAFEPATH's rule). No
+    multiprocessing helper started, no finalizer to run. The daemon's modules stay
+    imported and its __main__ stays __main__: a child of the server finds the daemon's
+    __main__ loaded and does not run it again."""
     signal.set_wakeup_fd(-1)
     for number in signal.valid_signals():
         if callable(signal.getsignal(number)):
@@ -250,7 +246,7 @@ def _as_new_interpreter(keep: list[int]) -> None:
             signal.signal(number, default)
     low = 0
     for fd in keep:
-        if low < fd:  # closerange(n, n) closes all from n: close_range(n, n - 1 = ~0)
+        if low < fd:  # closerange(n, n) closes every descriptor from n: close_range(n, ~0)
             os.closerange(low, fd)
         low = fd + 1
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))
@@ -259,8 +255,8 @@ def _as_new_interpreter(keep: list[int]) -> None:
     sys.argv = ["-c"]
     if not sys.flags.safe_path and sys.path:
         del sys.path[0]
-    # Fresh, as in a new interpreter: the daemon's hold its own helpers' pids and
-    # descriptors (closed here), and the lock ensure_running holds in the daemon.
+    # As a new interpreter's: the daemon's name its own helpers' pids and descriptors
+    # (closed here) and hold the lock ensure_running holds in the daemon.
     multiprocessing.forkserver._forkserver.__init__()
     resource_tracker._resource_tracker.__init__()
     multiprocessing.util._finalizer_registry.clear()
