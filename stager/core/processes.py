@@ -206,8 +206,9 @@ def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passf
     except BaseException:  # noqa: BLE001 - said, as the interpreter would, then the exit
         traceback.print_exc()
     finally:
-        # Never the daemon's exit handlers nor finalizers: multiprocessing.util's would
-        # remove the daemon's temp folder, which holds the server's socket.
+        # Never the daemon's exit handlers (a new interpreter has none of them). Its
+        # multiprocessing finalizers, one of which removes the daemon's temp folder that
+        # holds the server's socket, run in their maker's process only, and are dropped.
         _flush_streams()
         os._exit(code)
 

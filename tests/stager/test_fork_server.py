@@ -87,9 +87,10 @@ def test_a_daemon_killed_9_takes_its_fork_server_along_and_keeps_its_folder(
 
 
 # A process that is not the daemon but sets up what a fork would copy: a Python handler
-# for SIGTERM and SIGUSR1, a wakeup descriptor, a file open; then the fork server.
+# for SIGTERM and SIGUSR1, a wakeup descriptor, a file open, an exit handler; then the
+# fork server.
 FORKED_FROM_A_PROCESS_WITH_STATE = """
-import multiprocessing.forkserver, os, signal, sys, time
+import atexit, multiprocessing.forkserver, os, signal, sys
 from pathlib import Path
 from stager.core.processes import start_fork_server
 
@@ -100,6 +101,8 @@ wake_r, wake_w = os.pipe()
 os.set_blocking(wake_w, False)
 signal.set_wakeup_fd(wake_w)
 held = open(sys.argv[2], "w")
+exited = sys.argv[3]
+atexit.register(lambda: open(exited, "a").write(f"{os.getpid()}\\n"))
 start_fork_server(keep_in=Path(sys.argv[1]))
 server = multiprocessing.forkserver._forkserver
 print(server._forkserver_pid, flush=True)
@@ -122,9 +125,10 @@ def _signals(pid: int, field: str) -> set[int]:
 def test_the_fork_holds_none_of_its_parents_descriptors_handlers_or_exit_handlers(
     tmp_path: Path,
 ) -> None:
-    folder, held = tmp_path / "private", tmp_path / "held-open"
+    folder, held, exited = tmp_path / "private", tmp_path / "held-open", tmp_path / "exited"
+    argv = [str(folder), str(held), str(exited)]
     with subprocess.Popen(
-        [sys.executable, "-c", FORKED_FROM_A_PROCESS_WITH_STATE, str(folder), str(held)],
+        [sys.executable, "-c", FORKED_FROM_A_PROCESS_WITH_STATE, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -146,3 +150,4 @@ def test_the_fork_holds_none_of_its_parents_descriptors_handlers_or_exit_handler
         left = parent.stdout.readline().strip()
         assert parent.wait(30) == 0
     assert left == f"['{TEMP_PREFIX}{parent.pid}']", "the server's end removed its parent's folder"
+    assert not exited.exists(), f"the server ran its parent's exit handler: {exited.read_text()}"
