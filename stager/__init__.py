@@ -11,5 +11,5 @@ __version__ = "0.1.0"
 # httpx imports its command-line client (click, rich, pygments: ~50 ms of CPU) whenever
 # those are installed, as they are with stager (rich is ours, click uvicorn's); nothing
 # here runs httpx's command line. Marked absent, it is skipped (httpx falls back to a
-# stub): every daemon start imports httpx twice (the daemon, its fork server).
+# stub): every daemon start imports httpx (its fork server, a fork of it, has it then).
 sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]

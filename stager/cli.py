@@ -155,10 +155,13 @@ def _daemon_command(args: argparse.Namespace, argv: list[str], settings: Setting
         if not settings.host and (refusal := prestart.already_serving(settings.socket_path)):
             print(f"stager: {refusal}", file=sys.stderr)
             return EXIT_FAILED
-        # Its imports go on beside the app's, which the next line starts (stager.core.prestart);
-        # if the daemon cannot start, it ends with it.
-        processes.start_fork_server(keep_in=settings.private_dir)
     from stager.api import server  # uvicorn and the app load only for commands that need them
+
+    if args.command == "serve" and not args.detach:
+        # A fork of the daemon now (stager.core.processes): it has imported all but ~40 of
+        # the modules the server's preload imports; if the daemon cannot start, it ends
+        # with it.
+        processes.start_fork_server(keep_in=settings.private_dir)
 
     try:
         if args.command == "serve" and args.detach:

@@ -47,10 +47,11 @@ PID_FILES = {
 # cluster fixture strips those from the environment it passes on).
 MARK_VAR = "PYTEST_STAGER_SESSION"
 # A daemon's fork server (and what it forked: stagings, the walking process) must die
-# with the daemon too, however the daemon ended.
+# with the daemon too, however the daemon ended: a fork of the daemon, titled
+# (stager.core.processes.FORK_SERVER_TITLE), or a new interpreter where it had threads.
 DAEMON_PATTERN = re.compile(
     r"(^|/)(slurmctld|slurmd|munged)( |$)|stager(\.__main__)? serve\b"
-    r"|multiprocessing\.forkserver import main"
+    r"|^stager forkserver \(daemon |multiprocessing\.forkserver import main"
 )
 
 

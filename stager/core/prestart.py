@@ -1,14 +1,11 @@
 """What ``stager serve`` does before it imports the app: refuse at once to be a second
-daemon on a socket one answers on, then start its fork server so that its start
-overlaps the daemon's own imports.
+daemon on a socket one answers on, before ~0.6 s of imports. This module imports
+nothing of stager's for that reason.
 
-The fork server imports :mod:`stager.engine.preload` (~0.35 s) on the second core
-while the daemon imports FastAPI and uvicorn on the first: ready ~0.35 s sooner at
-every start. This module imports nothing of stager's for that reason. Every staging
-and user process inherits the fork server's attributes, so the descriptor limit is
-raised first (stager.api.connections). What stays the same user's from / down is
-judged here (:func:`unheld`), once for the daemon's checks and the fork server's
-folder alike.
+Its fork server, a fork of the daemon once the app is imported (stager.core.processes),
+is raised to the descriptor limit first: every staging and user process inherits the
+server's (stager.api.connections). What stays the same user's from / down is judged
+here (:func:`unheld`), once for the daemon's checks and the fork server's folder alike.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from __future__ import annotations
 import _thread
 import contextlib
 import errno
+import functools
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -26,9 +28,12 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import resource_tracker
 from multiprocessing.context import BaseContext, ForkServerContext
 from pathlib import Path
 from typing import Any
@@ -128,24 +133,146 @@ def start_fork_server(keep_in: Path | None = None) -> ForkServerContext:
     its preload in the background and forks nothing until that is done). The descriptor
     limit is raised first: every child inherits the server's (stager.core.prestart).
     ``keep_in``: the daemon's private folder, where the server's socket goes
-    (:func:`temp_folder_in`)."""
+    (:func:`temp_folder_in`). Where this process runs one thread, the server is a fork
+    of it (:func:`_fork_or_spawn`); otherwise a new interpreter, as multiprocessing's own."""
     raise_descriptor_limit()
     if keep_in is not None:
         temp_folder_in(keep_in)
     FORKSERVER.set_forkserver_preload([PRELOAD])
-    # The server starts as `python -c ...`, which reads modules from the current folder
-    # (a user's, where `stager serve` was typed) until it takes the daemon's sys.path:
-    # PYTHONSAFEPATH keeps that folder out, for the server only.
+    # A server that is a new interpreter starts as `python -c ...`, which reads modules
+    # from the current folder (a user's, where `stager serve` was typed): PYTHONSAFEPATH
+    # keeps that folder out, for the server only (a forked one drops it: _as_new_interpreter).
     before = os.environ.get("PYTHONSAFEPATH")
     os.environ["PYTHONSAFEPATH"] = "1"
+    spawnv = multiprocessing.util.spawnv_passfds
+    # ensure_running starts the server (and the resource tracker before it) through
+    # util.spawnv_passfds, which it looks up at each call: ours for this call only.
+    multiprocessing.util.spawnv_passfds = functools.partial(_fork_or_spawn, spawnv)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
+        multiprocessing.util.spawnv_passfds = spawnv
         if before is None:
             del os.environ["PYTHONSAFEPATH"]
         else:
             os.environ["PYTHONSAFEPATH"] = before
     return FORKSERVER
+
+
+# multiprocessing starts its fork server as a new interpreter (util.spawnv_passfds: a
+# fork, then an exec of `python -c COMMAND`), which imported again ~550 modules the
+# daemon has imported already (~0.55 s of CPU at every daemon start). A fork of the
+# daemon instead runs the same COMMAND in the state an exec would leave
+# (_as_new_interpreter), and its preload imports only the ~40 modules the daemon has
+# not. stager.cli forks it once the daemon has imported the app and before
+# ``serve`` runs: before any thread, socket, log file or token. Its memory then holds
+# the settings, all read from the command line and the environment, which the stagings
+# and user processes held already (multiprocessing passes them the daemon's sys.argv;
+# the environment is inherited). A child that becomes a user (stager.rights) is not
+# dumpable after its setuid: the user cannot read its memory.
+# The resource tracker (the same `python -c`, before the server) stays a new
+# interpreter: it needs a few MB, where a fork would keep the daemon's ~60 MB (+10 MB
+# of PSS per daemon, measured), to save ~50 ms of CPU on the other core.
+_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
+FORK_SERVER_TITLE = "stager forkserver (daemon {pid})"
+
+
+def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passfds: Any) -> int:
+    """multiprocessing.util.spawnv_passfds for the fork server, forked where that is
+    safe: its pid."""
+    if not args[-1].startswith(_FORK_SERVER_COMMAND) or not _one_thread():
+        # Another thread may hold a lock a fork would copy held forever (the import
+        # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing's.
+        return spawnv(path, args, passfds)
+    # Before the fork: a missing one stops the daemon here, saying which.
+    import setproctitle
+
+    title = FORK_SERVER_TITLE.format(pid=os.getpid())
+    _flush_streams()  # or the child writes out the daemon's buffered output again
+    keep = sorted({0, 1, 2, *map(int, passfds)})
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        _as_new_interpreter(keep)
+        # What ps shows, instead of the daemon's command line (which stager stop and
+        # the tests read as a daemon's). SPT_NOENV: within the command line's room,
+        # leaving /proc/PID/environ as it is, where the tests find their processes.
+        os.environ["SPT_NOENV"] = "1"
+        setproctitle.setproctitle(title)
+        del os.environ["SPT_NOENV"]
+        code = _run_command(args[-1])
+    except BaseException:  # noqa: BLE001 - said, as the interpreter would, then the exit
+        traceback.print_exc()
+    finally:
+        # Never the daemon's exit handlers (a new interpreter has none of them). Its
+        # multiprocessing finalizers, one of which removes the daemon's temp folder that
+        # holds the server's socket, run in their maker's process only, and are dropped.
+        _flush_streams()
+        os._exit(code)
+
+
+def _flush_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # None, or closed
+            stream.flush()
+
+
+def _one_thread() -> bool:
+    """Whether this process runs one thread (threading's or another's, as Linux counts)."""
+    try:
+        tasks = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return False  # no /proc: unknown
+    return tasks == 1 and threading.active_count() == 1
+
+
+def _as_new_interpreter(keep: list[int]) -> None:
+    """In the forked child: what an exec of a new interpreter would leave differently
+    from the daemon, made so. Descriptors: only ``keep`` (close_fds). Signals: those the
+    daemon catches in Python back to their default (an exec's), SIGINT to Python's own
+    handler, ignored ones left ignored; no wakeup descriptor. The collector: on, as in a
+    new interpreter, with the daemon's objects frozen (a collection would walk
+    ~125,000 of them; stager.__main__ had it off while the daemon imported). sys.argv a
+    ``-c`` command's; sys.path less the folder the daemon's start put first (its
+    script's, or the current folder of `python -m`: PYTHONSAFEPATH's rule). No
+    multiprocessing helper started, no finalizer to run. The daemon's modules stay
+    imported and its __main__ stays __main__: a child of the server finds the daemon's
+    __main__ loaded and does not run it again."""
+    signal.set_wakeup_fd(-1)
+    for number in signal.valid_signals():
+        if callable(signal.getsignal(number)):
+            default = signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
+            signal.signal(number, default)
+    low = 0
+    for fd in keep:
+        if low < fd:  # closerange(n, n) closes every descriptor from n: close_range(n, ~0)
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    gc.freeze()
+    gc.enable()
+    sys.argv = ["-c"]
+    if not sys.flags.safe_path and sys.path:
+        del sys.path[0]
+    # As a new interpreter's: the daemon's name its own helpers' pids and descriptors
+    # (closed here) and hold the lock ensure_running holds in the daemon.
+    multiprocessing.forkserver._forkserver.__init__()
+    resource_tracker._resource_tracker.__init__()
+    multiprocessing.util._finalizer_registry.clear()
+
+
+def _run_command(command: str) -> int:
+    """Run a ``-c`` command in a namespace of its own: its exit code, as the interpreter's."""
+    try:
+        exec(compile(command, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 # multiprocessing's temp folder holds the fork server's listening socket. Its own is a

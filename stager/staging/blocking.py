@@ -102,14 +102,16 @@ class Processes:
     # ---- start and stop ----------------------------------------------------------------
 
     async def start(self) -> None:
-        """The fork server and the walker, ready before the first request (an
-        interpreter's start, ~0.5 s, paid here and not by the first staging or hit), and
-        a spare for the first staging."""
+        """The fork server and the walker, ready before the first request (the server's
+        preload and the walker's fork, paid here and not by the first staging or hit),
+        and a spare for the first staging."""
         await run_io(self._start)
         self.prepare_spare()
 
     def _start(self) -> None:
-        start_fork_server()  # started already where ``stager serve`` began (stager.core.prestart)
+        # `stager serve` forked it already (stager.cli); an engine made in a process with
+        # threads (the tests) starts it here, as a new interpreter.
+        start_fork_server()
         # The walker dies with the daemon, whatever ends the daemon (its parent is the
         # fork server, which outlives us by a moment); started now, not at the first hit.
         self._walker = fork_pool(1, _walker_starts, (os.getpid(),), context=self.context)
