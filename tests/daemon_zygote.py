@@ -104,8 +104,15 @@ def fork_daemon(request: dict) -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        os.environ.clear()
-        os.environ.update(request["env"])
+        # Only what differs changes: setproctitle (the daemon's fork server's title) finds
+        # the command line's memory through the environment's first string, which a
+        # clear() would move.
+        env = request["env"]
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
         os.chdir(request["cwd"])
         sys.argv = [stager.__main__.__file__, *request["argv"]]
         code = cli.main(request["argv"])
