@@ -179,3 +179,32 @@ def test_the_fork_server_of_a_short_command_line_still_reads_as_one(tmp_path: Pa
         assert [d.pid for d in daemons.running() if d.pid in (pid, server)] == [pid]
     finally:
         daemon.cleanup()
+
+
+def test_a_daemon_started_with_no_environment_has_one_daemon_process(tmp_path: Path) -> None:
+    """setproctitle finds the command line's room through the environment's first
+    string; a daemon started with none (`env -i stager serve ...`) kept its command line
+    in its fork server and every process that forked, which `stager stop` then named as
+    four daemons ("stop it with `kill` <the fork server>"): the server is a new
+    interpreter there, as multiprocessing makes it."""
+    daemon = Daemon(cache_dir=tmp_path / "cache")
+    argv = ["serve", "--runtime-dir", str(daemon.runtime_dir), "--cache-dir", str(daemon.cache_dir)]
+    with open(daemon.log_path, "ab") as log:
+        daemon.process = subprocess.Popen(
+            [sys.executable, "-m", "stager", *argv],
+            env={},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        daemon.wait_ready()
+        pid = daemon.process.pid
+        # The fork server, the walker and a spare, at least (whatever their titles).
+        below = _wait_for(
+            "no processes below it", lambda: len(descendants(pid)) >= 4 and descendants(pid)
+        )
+        below = {pid, *below}
+        assert [d.pid for d in daemons.running() if d.pid in below] == [pid], daemon.log()
+    finally:
+        daemon.cleanup()
