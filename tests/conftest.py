@@ -82,9 +82,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["summary_lines"] = _summary_lines()  # for the controller
         # What the worker's own process holds ends with it, before the controller looks.
-        session.config.workeroutput["left_running"] = leftovers(grace_s=2.0, under=os.getpid())
+        left_here = _ZYGOTE_LEFT + leftovers(grace_s=2.0, under=os.getpid())
+        session.config.workeroutput["left_running"] = left_here
         return
-    left = _WORKERS_LEFT + leftovers() + sorted(_mounts_left())
+    left = _WORKERS_LEFT + _ZYGOTE_LEFT + leftovers() + sorted(_mounts_left())
     temp_left = temp_folders_left(_TEMP_BEFORE)
     if in_ci():
         left, temp_left = left + temp_left, []
@@ -147,6 +148,9 @@ def daemon_zygote() -> Iterator[Zygote]:
     try:
         yield zygote
     finally:
+        # Closing it kills what it forked and still runs: told first, as a daemon left
+        # running (pytest_sessionfinish, which runs after this).
+        _ZYGOTE_LEFT.extend(zygote.running())
         zygote.close()
 
 
@@ -266,6 +270,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 # The summary lines of each pytest-xdist worker, sent to the controller as it ends.
 _WORKER_LINES: list[str] = []
 _WORKERS_LEFT: list[str] = []  # what each pytest-xdist worker left running under itself
+_ZYGOTE_LEFT: list[str] = []  # daemons forked from this process's zygote, left running
 
 
 # Seconds spent in each xdist group (setup, call and teardown): the groups that make

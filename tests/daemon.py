@@ -220,6 +220,7 @@ class Zygote:
         self._lock = threading.Condition()
         self._started: dict[int, int | str] = {}  # request id: pid, or why it failed
         self._ended: dict[int, int] = {}  # pid: returncode
+        self._forked: list[int] = []  # every daemon it forked, in order
         self._next_id = 0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -247,9 +248,27 @@ class Zygote:
             self._process.stdin.flush()
             self._lock.wait_for(lambda: ask in self._started or self._process.poll() is not None)
             pid = self._started.pop(ask, "the zygote ended")
+            if isinstance(pid, int):
+                self._forked.append(pid)
         if isinstance(pid, str):
             raise OSError(f"no daemon forked: {pid}")
         return ZygoteChild(self, pid)
+
+    def running(self, grace_s: float = 2.0) -> list[str]:
+        """The daemons it forked that still run after ``grace_s`` (a stop just sent may
+        still be under way), as the suite's check for leftovers names them: ``close``
+        kills them, before that check could see them."""
+        deadline = time.monotonic() + grace_s
+        with self._lock:
+            self._lock.wait_for(
+                lambda: (
+                    all(pid in self._ended for pid in self._forked)
+                    or self._process.poll() is not None
+                ),
+                max(0.0, deadline - time.monotonic()),
+            )
+            left = [pid for pid in self._forked if pid not in self._ended]
+        return [f"pid {pid}: a daemon forked from tests/daemon_zygote.py" for pid in left]
 
     def returncode(self, pid: int, timeout: float | None) -> int | None:
         with self._lock:

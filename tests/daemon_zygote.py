@@ -104,11 +104,12 @@ def fork_daemon(request: dict) -> int:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        # Only what differs changes: setproctitle (the daemon's fork server's title) finds
-        # the command line's memory through the environment's first string, which a
-        # clear() would move.
+        # Only what differs: the environment's first string stays where the kernel put
+        # it, beside the command line, where setproctitle finds the room for the fork
+        # server's title (with a cleared one, the server is a new interpreter instead:
+        # stager.core.processes._retitled).
         env = request["env"]
-        for key in set(os.environ) - set(env):
+        for key in [key for key in os.environ if key not in env]:
             del os.environ[key]
         for key, value in env.items():
             if os.environ.get(key) != value:

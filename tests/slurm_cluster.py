@@ -48,10 +48,11 @@ PID_FILES = {
 MARK_VAR = "PYTEST_STAGER_SESSION"
 # A daemon's fork server (and what it forked: stagings, the walking process) must die
 # with the daemon too, however the daemon ended: a fork of the daemon, titled
-# (stager.core.processes.FORK_SERVER_TITLE), or a new interpreter where it had threads.
+# (stager.core.processes.FORK_SERVER_TITLE: cut to the daemon's command line's room,
+# "stager forkserver" at the least), or a new interpreter where it had threads.
 DAEMON_PATTERN = re.compile(
     r"(^|/)(slurmctld|slurmd|munged)( |$)|stager(\.__main__)? serve\b"
-    r"|^stager forkserver \(daemon |multiprocessing\.forkserver import main"
+    r"|^stager forkserver|multiprocessing\.forkserver import main"
 )
 
 

@@ -23,7 +23,7 @@ from tests.slurm_cluster import MARK_VAR, REPO
 
 CONFTEST = """
 import tests.slurm_cluster as slurm_cluster
-from tests.conftest import local_cluster, pytest_configure, pytest_sessionfinish
+from tests.conftest import daemon_zygote, local_cluster, pytest_configure, pytest_sessionfinish
 from tests.conftest import pytest_collection_modifyitems
 
 slurm_cluster.LEFTOVER_GRACE_S = 1.0
@@ -44,6 +44,15 @@ def test_starts_a_slurmd_and_forgets_it():
             if cmdline.read().startswith(b"slurmd"):
                 break
         time.sleep(0.01)
+"""
+LEAVES_A_FORKED_DAEMON = """
+import os
+from tests.daemon import Daemon
+
+def test_forks_a_daemon_and_forgets_it(daemon_zygote, tmp_path):
+    daemon = Daemon(cache_dir=tmp_path / "cache", zygote=daemon_zygote).start()
+    with open(os.environ["LEAK_RUNTIME"], "w") as f:
+        print(daemon.process.pid, daemon.runtime_dir, file=f)
 """
 WRITES_TWO_TMP_PATHS = """
 FIRST = []
@@ -141,6 +150,21 @@ def test_a_daemon_left_running_fails_the_run(tmp_path):
     finally:
         if pidfile.exists():
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_a_daemon_forked_from_the_zygote_and_left_running_fails_the_run(tmp_path):
+    """The zygote kills what it forked and still runs as the session ends, before the
+    check for what the run left: that check must still hear of a daemon a test forgot."""
+    record = tmp_path / "leaked-runtime"
+    done = _inner_pytest(tmp_path / "run", LEAVES_A_FORKED_DAEMON, LEAK_RUNTIME=str(record))
+    try:
+        assert "1 passed" in done.stdout, done.stdout[-2000:]
+        pid = record.read_text().split()[0]
+        assert done.returncode == 1, done.stdout[-2000:]  # the test passed, the run did not
+        assert "left running" in done.stdout and f"pid {pid}" in done.stdout, done.stdout
+    finally:
+        if record.exists():
+            shutil.rmtree(record.read_text().split(maxsplit=1)[1].strip(), ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a kernel mount needs root")

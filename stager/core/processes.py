@@ -179,7 +179,7 @@ FORK_SERVER_TITLE = "stager forkserver (daemon {pid})"
 
 def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passfds: Any) -> int:
     """multiprocessing.util.spawnv_passfds for the fork server, forked where that is
-    safe: its pid."""
+    safe (and a new interpreter after all where its title cannot be set): its pid."""
     if not args[-1].startswith(_FORK_SERVER_COMMAND) or not _one_thread():
         # Another thread may hold a lock a fork would copy held forever (the import
         # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing's.
@@ -196,12 +196,13 @@ def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passf
     code = 1
     try:
         _as_new_interpreter(keep)
-        # What ps shows, instead of the daemon's command line (which stager stop and
-        # the tests read as a daemon's). SPT_NOENV: within the command line's room,
-        # leaving /proc/PID/environ as it is, where the tests find their processes.
-        os.environ["SPT_NOENV"] = "1"
-        setproctitle.setproctitle(title)
-        del os.environ["SPT_NOENV"]
+        if not _retitled(setproctitle.setproctitle, title):
+            # The daemon's command line stays, which `stager stop`, ps and an admin's
+            # pkill read as a daemon (and every process the server forks would too): a
+            # new interpreter instead, as multiprocessing's, in this process.
+            for fd in keep:
+                os.set_inheritable(fd, True)
+            os.execv(path, args)
         code = _run_command(args[-1])
     except BaseException:  # noqa: BLE001 - said, as the interpreter would, then the exit
         traceback.print_exc()
@@ -211,6 +212,24 @@ def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passf
         # holds the server's socket, run in their maker's process only, and are dropped.
         _flush_streams()
         os._exit(code)
+
+
+def _retitled(setproctitle: Callable[[str], None], title: str) -> bool:
+    """Whether ps now shows ``title`` (cut to the command line's room) for this process,
+    instead of the daemon's command line. SPT_NOENV: within that room, leaving
+    /proc/PID/environ as it is, where the tests find their processes. setproctitle finds
+    the room through the environment's first string, which lies beside it; where the
+    daemon began with no environment (`env -i`), or rebuilt it, it silently changes
+    nothing."""
+    os.environ["SPT_NOENV"] = "1"
+    setproctitle(title)
+    del os.environ["SPT_NOENV"]
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            shown = cmdline.read().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return bool(shown) and title.encode().startswith(shown)
 
 
 def _flush_streams() -> None:

@@ -92,7 +92,7 @@ class FairQueue:
     (prefetches) running at once (``running``: whether a key still runs). A request
     asking for a low staging makes it no longer low, queued (:meth:`put`) or running
     (:meth:`joined`): then it takes no low slot, and its place goes to the next low one;
-    a running one the last request left takes its slot again (:meth:`left`)."""
+    one the last request left is low again (:meth:`left`)."""
 
     def __init__(
         self,
@@ -156,10 +156,13 @@ class FairQueue:
             self._changed.set()
 
     def left(self, key: str) -> None:
-        """The last request on ``key``, which runs, left it to prefetches alone: it takes a
-        low slot again, as it did before a request joined it (else each join and leave
-        of a running prefetch ran one more prefetch on the node than its slots)."""
-        if key in self._handed:
+        """The last request on ``key`` left it to prefetches alone: it is low again, as it
+        was before a request joined it; queued, it waits for a low slot, running, it
+        takes one (else each join and leave of a prefetch ran one more on the node than
+        its slots; a queued one, ahead of every other prefetch too)."""
+        if key in self._askers:
+            self._low.add(key)
+        elif key in self._handed:
             self._running_low.add(key)
 
     def ended(self, key: str) -> None:

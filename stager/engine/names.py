@@ -95,7 +95,7 @@ class Names:
                 admission = self.engine.admission
                 if live and not any(h.owner == handle.owner for h in wanting):
                     admission.queue.discard(entry.key, handle.owner)  # not in their turn
-                if entry.state == State.STAGING and admission.prefetch_only(entry.key):
+                if entry.active and admission.prefetch_only(entry.key):
                     admission.queue.left(entry.key)
                 if not live:
                     ended = handle.ended or entry.state

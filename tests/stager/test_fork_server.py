@@ -17,6 +17,7 @@ from stager.core import daemons
 from stager.core.processes import FORK_SERVER_TITLE, TEMP_PREFIX, pid_alive
 from tests.daemon import Daemon
 from tests.processes import comm, descendants, fork_server_of
+from tests.slurm_cluster import DAEMON_PATTERN
 
 
 def _heap_start(pid: int) -> str:
@@ -151,3 +152,59 @@ def test_the_fork_holds_none_of_its_parents_descriptors_handlers_or_exit_handler
         assert parent.wait(30) == 0
     assert left == f"['{TEMP_PREFIX}{parent.pid}']", "the server's end removed its parent's folder"
     assert not exited.exists(), f"the server ran its parent's exit handler: {exited.read_text()}"
+
+
+def test_the_fork_server_of_a_short_command_line_still_reads_as_one(tmp_path: Path) -> None:
+    """`python -m stager serve`, as typed (argv[0] "python"): the title fits in the
+    command line's room (23 bytes) only cut short, "stager forkserver (da", which the
+    suite's check for leftovers must still know, and ps still shows as the server."""
+    daemon = Daemon(cache_dir=tmp_path / "cache")
+    with open(daemon.log_path, "ab") as log:
+        daemon.process = subprocess.Popen(
+            ["python", "-m", "stager", "serve"],
+            executable=sys.executable,
+            # "python" found as a shell finds it: the interpreter finds its venv by it.
+            env={**daemon.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        daemon.wait_ready()
+        pid = daemon.process.pid
+        server = _wait_for("no fork server", lambda: fork_server_of(pid))
+        shown = Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert shown.startswith("stager forkserver"), shown
+        assert DAEMON_PATTERN.search(shown.strip()), shown
+        assert [d.pid for d in daemons.running() if d.pid in (pid, server)] == [pid]
+    finally:
+        daemon.cleanup()
+
+
+def test_a_daemon_started_with_no_environment_has_one_daemon_process(tmp_path: Path) -> None:
+    """setproctitle finds the command line's room through the environment's first
+    string; a daemon started with none (`env -i stager serve ...`) kept its command line
+    in its fork server and every process that forked, which `stager stop` then named as
+    four daemons ("stop it with `kill` <the fork server>"): the server is a new
+    interpreter there, as multiprocessing makes it."""
+    daemon = Daemon(cache_dir=tmp_path / "cache")
+    argv = ["serve", "--runtime-dir", str(daemon.runtime_dir), "--cache-dir", str(daemon.cache_dir)]
+    with open(daemon.log_path, "ab") as log:
+        daemon.process = subprocess.Popen(
+            [sys.executable, "-m", "stager", *argv],
+            env={},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        daemon.wait_ready()
+        pid = daemon.process.pid
+        # The fork server, the walker and a spare, at least (whatever their titles).
+        below = _wait_for(
+            "no processes below it", lambda: len(descendants(pid)) >= 4 and descendants(pid)
+        )
+        below = {pid, *below}
+        assert [d.pid for d in daemons.running() if d.pid in below] == [pid], daemon.log()
+    finally:
+        daemon.cleanup()

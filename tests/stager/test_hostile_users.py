@@ -714,3 +714,51 @@ def test_a_user_under_many_groups_keeps_no_more_idle_processes_than_one_share(
 
     with fork_server_stopped_after():
         asyncio.run(scenario())
+
+
+# What a fork of the root daemon holds: a user cannot read it from their own processes.
+READS_PROC = """
+import ctypes, sys
+pid = int(sys.argv[1])
+for what in ("environ", "mem", "maps", "cmdline"):
+    try:
+        with open(f"/proc/{pid}/{what}", "rb") as f:
+            f.read(1)
+        print(what, "read")
+    except OSError as exc:
+        print(what, "refused", exc.errno)
+libc = ctypes.CDLL(None, use_errno=True)
+print("ptrace", "attached" if libc.ptrace(16, pid, None, None) == 0 else "refused")
+"""
+
+
+def test_a_users_own_process_forked_from_the_root_service_is_not_theirs_to_read(
+    users: tuple[User, User], alice_home: Path, shared_tmp: Path
+) -> None:
+    """The fork server is a fork of the root daemon, so each user process holds a copy
+    of the daemon's memory as it started (its settings, its environment): after its
+    setuid it is not dumpable, and its user can read neither its memory, its maps nor
+    its environment, nor trace it. The service's environment holds a marker, which
+    root finds there (so this test can fail)."""
+    alice, _ = users
+    marker = f"r10-{os.urandom(8).hex()}"
+    src = alice_home / "small"
+    as_user(alice, "sh", "-c", f"mkdir -p {src} && echo x > {src}/f")
+    with node_service(shared_tmp / "cache", SERVICE_SECRET=marker) as service:
+        code, answer = request(alice, service, "POST", "/v1/datasets", copy("small", src))
+        assert code in (200, 202), answer
+        wait(alice, service, "small")
+        mine = [
+            pid
+            for pid in descendants(service.process.pid)
+            if comm(pid) == USER_NAME
+            and f"Uid:\t{alice.uid}\t" in Path(f"/proc/{pid}/status").read_text()
+        ]
+        assert mine, "no process of alice's"
+        assert marker.encode() in Path(f"/proc/{mine[0]}/environ").read_bytes()
+        done = as_user(alice, "/usr/bin/python3.11", "-c", READS_PROC, str(mine[0]))
+    assert done.returncode == 0, done.stderr
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert said["cmdline"] == "read", said  # what every user may see of any process
+    for what in ("environ", "mem", "maps", "ptrace"):
+        assert said[what].startswith("refused"), said

@@ -87,3 +87,53 @@ async def handed_within(queue, seconds: float) -> bool:  # noqa: ANN001 - FairQu
     except TimeoutError:
         return False
     return True
+
+
+def test_a_request_that_joined_a_queued_prefetch_and_left_leaves_it_a_prefetch(
+    tmp_path: Path,
+) -> None:
+    """The same join and leave while the prefetch still waits: the join made it a
+    request's (it runs in its owner's turn, taking no prefetch slot); once the request's
+    name is deleted it is the prefetches' alone, and waits for a prefetch slot again.
+    Before, it stayed a request's: it ran past the node's prefetch slots, ahead of every
+    other prefetch."""
+    settings = Settings(
+        cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run", prefetch_max_running=1
+    )
+    preflight.ensure_dirs(settings)
+    store = Store(settings.db_path, table.load())
+    trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
+    engine = Engine(settings, Metrics())
+    engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))
+    engine.admission.bind(engine.registry, engine._held, engine._exporting)  # as start does
+    reg, queue = engine.reg, engine.admission.queue
+
+    async def prefetch(key: str, job: int) -> Entry:
+        entry = Entry(key=key, spec={}, steps=[], verify="size", state=State.QUEUED)
+        await reg.queue(entry)
+        token = PREFETCHING.set(True)
+        queue.put(key, BOB)
+        PREFETCHING.reset(token)
+        his = Handle(name=f"prefetch-{job}-p", key=key, spec_key=key[0], owner=BOB)
+        await reg.name(his)
+        await reg.lease(his, LeaseCreate(holder=f"{PREFETCH_HOLDER}{job}"))
+        return entry
+
+    async def run() -> bool:
+        # bob's first prefetch runs, in the one slot; his second waits for it.
+        running = await prefetch("r" * 24, 92)
+        assert await asyncio.wait_for(queue.get(), 1) == (running.key, BOB)
+        reg.begin(running)
+        waiting = await prefetch("w" * 24, 93)
+        # alice's request joins the waiting one, then she deletes her name.
+        await reg.name(Handle(name="same", key=waiting.key, spec_key="w", owner=ALICE))
+        queue.put(waiting.key, ALICE)
+        await Names(engine).delete("same", Caller(uid=ALICE, gid=ALICE))
+        after_leave = await handed_within(queue, 0.2)
+        queue.ended(running.key)  # the first ends: the slot is the waiting one's
+        return after_leave, await handed_within(queue, 1)
+
+    try:
+        assert asyncio.run(run()) == (False, True), "it ran past the node's one slot, or never"
+    finally:
+        store.close()
