@@ -184,8 +184,10 @@ def _fork_or_spawn(spawnv: Callable[..., int], path: str, args: list[str], passf
         # Another thread may hold a lock a fork would copy held forever (the import
         # lock, a logging handler's, malloc's): a new interpreter, as multiprocessing's.
         return spawnv(path, args, passfds)
-    # Before the fork: a missing one stops the daemon here, saying which.
-    import setproctitle
+    try:
+        import setproctitle
+    except ImportError:  # an install without it (a dependency): no title, so no fork
+        return spawnv(path, args, passfds)
 
     title = FORK_SERVER_TITLE.format(pid=os.getpid())
     _flush_streams()  # or the child writes out the daemon's buffered output again
