@@ -33,6 +33,8 @@ from stager.wire.schemas import LeaseCreate
 from tests.daemon import Daemon
 from tests.imports import among, loaded_modules
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 Handler = Callable[[httpx.Request], httpx.Response]
 
 

@@ -17,6 +17,8 @@ from stager.wire.schemas import DatasetCreate, DatasetsPublic
 from tests.client.conftest import copy_step, run_cli
 from tests.daemon import Daemon
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 SCRIPT = """\
 #!/bin/bash
 #SBATCH --time=10

@@ -17,6 +17,8 @@ import pytest
 from tests.daemon import Daemon, free_port, stage, stage_ready
 from tests.trees import make_tar, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "stager-node.json"
 # What Grafana puts in place of its variables before it asks Prometheus.

@@ -17,6 +17,8 @@ import pytest
 from tests.daemon import Daemon
 from tests.flood import Flood
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 HEAD = b"GET /v1/datasets HTTP/1.1\r\nHost: stager\r\n"
 
 

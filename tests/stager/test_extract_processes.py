@@ -13,10 +13,14 @@ import tarfile
 import time
 from pathlib import Path
 
+import pytest
+
 from stager.archive.extractor import PROCESS_MIN_BYTES
 from tests.daemon import Daemon
 from tests.processes import children_of, staging_processes
 from tests.trees import digest
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 FILE_BYTES = 256 * 1024
 

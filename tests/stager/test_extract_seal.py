@@ -23,6 +23,8 @@ from tests import tar_corpus
 from tests.daemon import Daemon, stage, stage_ready
 from tests.trees import digest
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 SHAPES = ["gnu-tar-update-append", "gnu-tar-sparse-pax-1.0", "replaced-members"]
 
 

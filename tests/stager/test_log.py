@@ -10,9 +10,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import write_tree
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
 

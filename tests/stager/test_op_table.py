@@ -7,9 +7,13 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from stager.ops import table
 from tests.daemon import Daemon, stage_ready
 from tests.stager import toy_op
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 REPO = Path(__file__).resolve().parents[2]
 

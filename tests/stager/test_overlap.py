@@ -32,6 +32,8 @@ from stager.wire.progress import Progress
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 OPS = table.load(())
 MTIME = 1_600_000_000
 # tar flag -> the archive's name; every one a stream the extraction reads as it arrives.

@@ -23,6 +23,8 @@ from tests.httpserver import Behaviour, serve_files
 from tests.stager.test_cache import metric
 from tests.trees import digest, make_tar, wait_until_empty, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 BLOB = bytes(range(256)) * 8192  # 2 MiB
 
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from tests.daemon import Daemon, stage
 from tests.httpserver import Behaviour, serve_files
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 
 def fetch(name: str, url: str) -> dict:

@@ -13,10 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.daemon import Daemon
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import write_tree
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 WAIT_S = 60
 

@@ -19,6 +19,8 @@ from tests.httpserver import Behaviour, serve_files
 from tests.processes import children_of
 from tests.trees import digest
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 def forked(daemon: Daemon) -> dict[int, str]:
     """What the daemon's fork server forked, by pid, with its name (comm)."""

@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.daemon import Daemon, stage, stage_ready
 from tests.httpserver import Behaviour, serve_files
 from tests.trees import digest, make_tar, write_tree
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 
 def test_fetch_then_extract_stages_the_tree_and_drops_the_archive(

@@ -13,9 +13,13 @@ import signal
 import threading
 import time
 
+import pytest
+
 from tests.daemon import Daemon, stage
 from tests.httpserver import Behaviour, serve_files
 from tests.processes import staging_processes
+
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
 
 BLOB = bytes(1 << 20)
 

@@ -15,6 +15,8 @@ from tests.daemon import Daemon
 from tests.stager.test_cache import copy_body, metric, ready
 from tests.trees import digest, write_tree
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 def test_a_published_tree_is_read_only_without_set_id_bits(daemon: Daemon, tmp_path: Path) -> None:
     src = write_tree(tmp_path / "src", n_files=20)

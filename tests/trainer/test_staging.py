@@ -34,6 +34,8 @@ from tests.trainer.conftest import (
 )
 from trainer.datasets import DataConfig, build_dataset, split_of
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:

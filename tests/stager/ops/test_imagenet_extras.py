@@ -19,6 +19,8 @@ from stager.core.errors import MissingExtra
 from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 HINT = "pip install 'stager[train]'"
 
 

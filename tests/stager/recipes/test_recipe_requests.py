@@ -16,6 +16,8 @@ from tests.daemon import Daemon
 from tests.stager.recipes import fakes
 from tests.stager.recipes.test_recipes_load import construct, load_all, stage_recipe
 
+pytestmark = pytest.mark.forked_daemons  # its daemons: tests/daemon_zygote.py
+
 BUILTIN = {
     "cifar10",
     "cifar100",
