@@ -115,6 +115,14 @@ os._exit(0)  # not our own exit handler, which would remove the folder
 """
 
 
+def started(daemon: Daemon, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+    """``daemon`` started as ``argv`` (its own command line, as typed), in ``env``."""
+    with open(daemon.log_path, "ab") as log:
+        daemon.process = subprocess.Popen(
+            argv, executable=sys.executable, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd
+        )
+
+
 def _signals(pid: int, field: str) -> set[int]:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
@@ -159,16 +167,9 @@ def test_the_fork_server_of_a_short_command_line_still_reads_as_one(tmp_path: Pa
     command line's room (23 bytes) only cut short, "stager forkserver (da", which the
     suite's check for leftovers must still know, and ps still shows as the server."""
     daemon = Daemon(cache_dir=tmp_path / "cache")
-    with open(daemon.log_path, "ab") as log:
-        daemon.process = subprocess.Popen(
-            ["python", "-m", "stager", "serve"],
-            executable=sys.executable,
-            # "python" found as a shell finds it: the interpreter finds its venv by it.
-            env={**daemon.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-        )
+    # "python" found as a shell finds it: the interpreter finds its venv by it.
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    started(daemon, ["python", "-m", "stager", "serve"], {**daemon.env, "PATH": path}, tmp_path)
     try:
         daemon.wait_ready()
         pid = daemon.process.pid
@@ -189,14 +190,7 @@ def test_a_daemon_started_with_no_environment_has_one_daemon_process(tmp_path: P
     interpreter there, as multiprocessing makes it."""
     daemon = Daemon(cache_dir=tmp_path / "cache")
     argv = ["serve", "--runtime-dir", str(daemon.runtime_dir), "--cache-dir", str(daemon.cache_dir)]
-    with open(daemon.log_path, "ab") as log:
-        daemon.process = subprocess.Popen(
-            [sys.executable, "-m", "stager", *argv],
-            env={},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-        )
+    started(daemon, [sys.executable, "-m", "stager", *argv], {}, tmp_path)
     try:
         daemon.wait_ready()
         pid = daemon.process.pid

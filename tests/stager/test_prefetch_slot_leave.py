@@ -29,9 +29,9 @@ from stager.wire.schemas import LeaseCreate, State
 BOB, ALICE = 2001, 2002
 
 
-def test_a_request_that_joined_a_running_prefetch_and_left_gives_its_slot_back(
-    tmp_path: Path,
-) -> None:
+def one_slot_engine(tmp_path: Path) -> tuple[Engine, Store]:
+    """An engine on a cache in ``tmp_path`` with one prefetch slot, its registry bound
+    (as its start binds it), and the store to close."""
     settings = Settings(
         cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run", prefetch_max_running=1
     )
@@ -40,7 +40,14 @@ def test_a_request_that_joined_a_running_prefetch_and_left_gives_its_slot_back(
     trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
     engine = Engine(settings, Metrics())
     engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))
-    engine.admission.bind(engine.registry, engine._held, engine._exporting)  # as start does
+    engine.admission.bind(engine.registry, engine._held, engine._exporting)
+    return engine, store
+
+
+def test_a_request_that_joined_a_running_prefetch_and_left_gives_its_slot_back(
+    tmp_path: Path,
+) -> None:
+    engine, store = one_slot_engine(tmp_path)
     reg, queue = engine.reg, engine.admission.queue
 
     async def run() -> tuple[bool, bool, bool]:
@@ -97,15 +104,7 @@ def test_a_request_that_joined_a_queued_prefetch_and_left_leaves_it_a_prefetch(
     name is deleted it is the prefetches' alone, and waits for a prefetch slot again.
     Before, it stayed a request's: it ran past the node's prefetch slots, ahead of every
     other prefetch."""
-    settings = Settings(
-        cache_dir=tmp_path / "cache", runtime_dir=tmp_path / "run", prefetch_max_running=1
-    )
-    preflight.ensure_dirs(settings)
-    store = Store(settings.db_path, table.load())
-    trash = Trash(settings.partial_dir, lambda coro, name: coro.close())
-    engine = Engine(settings, Metrics())
-    engine.registry = Registry(settings, store, Metrics(), trash, CrashPoints(None))
-    engine.admission.bind(engine.registry, engine._held, engine._exporting)  # as start does
+    engine, store = one_slot_engine(tmp_path)
     reg, queue = engine.reg, engine.admission.queue
 
     async def prefetch(key: str, job: int) -> Entry:
