@@ -241,12 +241,12 @@ def _flush_streams() -> None:
 
 
 def _one_thread() -> bool:
-    """Whether this process runs one thread (threading's or another's, as Linux counts)."""
+    """Whether this process runs one thread, as Linux counts them (Python's and any
+    other library's)."""
     try:
-        tasks = len(os.listdir("/proc/self/task"))
+        return len(os.listdir("/proc/self/task")) == 1
     except OSError:
         return False  # no /proc: unknown
-    return tasks == 1 and threading.active_count() == 1
 
 
 def _as_new_interpreter(keep: list[int]) -> None:
